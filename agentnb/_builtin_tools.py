@@ -1,0 +1,289 @@
+"""The built-in tools of DESIGN §5 (names and arguments are a public contract).
+
+``transition`` is not here: the agent loop handles it, since it ends the movement.
+"""
+
+from __future__ import annotations
+
+import base64
+import fnmatch
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from ._truncate import cut_text, read_file
+from .tools import ToolContext, ToolError, ToolOutput, tool
+
+_OFFICE = {".docx", ".xlsx", ".pptx", ".pdf"}
+_IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp"}
+_MAX_IMAGE_BYTES = 5 * 1024 * 1024
+_SECRET_ENV = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+
+
+@tool(_builtin=True)
+def Read(ctx: ToolContext, path: str, offset: int | None = None, limit: int | None = None,
+         byte_offset: int | None = None) -> ToolOutput:
+    """Read a text file (or the text of a .docx, .xlsx, .pptx or .pdf) in the work directory.
+
+    Large results are cut to fit the context; the note at the end says how to read on.
+
+    Args:
+        path: File path relative to the work directory.
+        offset: First line to return, numbered from 1.
+        limit: Number of lines to return.
+        byte_offset: Byte position to start from (for files with few newlines).
+    """
+    p = ctx.path(path)
+    if not p.exists():
+        raise ToolError(f"no such file: {path!r}")
+    if p.is_dir():
+        raise ToolError(f"{path!r} is a directory; use Glob to list it")
+    if p.suffix.lower() in _OFFICE:
+        from ._office import extract_text
+
+        text = extract_text(p)
+        return _cut_document(text, path, ctx.fit(text[: ctx.budget_chars * 2]), offset, limit)
+    return read_file(p, path, ctx, offset=offset, limit=limit, byte_offset=byte_offset)
+
+
+def _cut_document(text: str, rel: str, budget: int, offset: int | None, limit: int | None) -> ToolOutput:
+    """Office text, served by lines like a text file."""
+    lines = text.splitlines(keepends=True)
+    start = (offset or 1) - 1
+    if start >= max(1, len(lines)) and lines:
+        raise ToolError(f"offset={offset} is past the end of {rel!r}, which has {len(lines):,} lines of text")
+    chosen = lines[start: start + limit] if limit else lines[start:]
+    body = "".join(chosen)
+    if len(body) <= budget:
+        return ToolOutput(body)
+    taken, used = [], 0
+    for line in chosen:
+        if used + len(line) > budget and taken:
+            break
+        taken.append(line[: budget - used] if used + len(line) > budget else line)
+        used += len(taken[-1])
+    last = start + len(taken)
+    out = "".join(taken)
+    note = (
+        f"\n\n[agentnb: output truncated automatically: returned lines {start + 1:,}–{last:,} of {len(lines):,} "
+        f"of the document's text ({len(out):,} of {len(body):,} characters). To read on, call Read with "
+        f"path={rel!r} and offset={last + 1}; or use Grep to find the part you need.]"
+    )
+    return ToolOutput(out + note, truncated=True, original_chars=len(body), returned_chars=len(out),
+                      continuation={"path": rel, "offset": last + 1})
+
+
+@tool(_builtin=True)
+def Glob(ctx: ToolContext, pattern: str) -> ToolOutput:
+    """List files in the work directory matching a glob pattern (``**`` matches any depth).
+
+    Args:
+        pattern: A glob pattern relative to the work directory, such as ``input/*.md`` or ``**/*.py``.
+    """
+    if os.path.isabs(pattern) or pattern.startswith("~") or ".." in Path(pattern).parts:
+        raise ToolError(f"pattern {pattern!r} must stay inside the work directory (no absolute paths or '..')")
+    root = Path(os.path.realpath(ctx.workdir))
+    found: list[str] = []
+    for p in sorted(root.glob(pattern)):
+        real = os.path.realpath(p)
+        if real != str(root) and not real.startswith(str(root) + os.sep):
+            continue  # a symlink that points outside
+        rel = p.relative_to(root).as_posix()
+        found.append(rel + ("/" if p.is_dir() else f"  ({p.stat().st_size:,} bytes)"))
+    if not found:
+        return ToolOutput(f"No files match {pattern!r}.")
+    return cut_text("\n".join(found), ctx, hint="glob")
+
+
+@tool(_builtin=True)
+def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
+    """Search files for lines matching a regular expression.
+
+    Args:
+        pattern: A Python regular expression.
+        path: A file or directory relative to the work directory (default: all of it).
+    """
+    try:
+        rx = re.compile(pattern)
+    except re.error as exc:
+        raise ToolError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from None
+    base = ctx.path(path)
+    if not base.exists():
+        raise ToolError(f"no such file or directory: {path!r}")
+    root = os.path.realpath(ctx.workdir)
+    files: list[Path] = []
+    if base.is_file():
+        files = [base]
+    else:
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".git"))
+            for name in sorted(filenames):
+                files.append(Path(dirpath) / name)
+    out: list[str] = []
+    budget = ctx.budget_chars
+    size = 0
+    matches = 0
+    for fp in files:
+        real = os.path.realpath(fp)
+        if not real.startswith(root + os.sep):
+            continue
+        try:
+            with open(fp, "rb") as fh:
+                if b"\x00" in fh.read(4096):
+                    continue
+                fh.seek(0)
+                for n, raw in enumerate(fh, start=1):
+                    line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                    if rx.search(line):
+                        matches += 1
+                        if size <= budget * 2:  # keep only what can be shown; still count the rest
+                            entry = f"{os.path.relpath(real, root)}:{n}:{line[:500]}"
+                            out.append(entry)
+                            size += len(entry) + 1
+        except OSError:
+            continue
+    if not out:
+        return ToolOutput(f"No lines match {pattern!r}.")
+    result = cut_text("\n".join(out), ctx, hint="grep")
+    if result.truncated:
+        result.content += f"\n({matches:,} matching lines in all.)"
+    return result
+
+
+@tool(_builtin=True)
+def ReadImage(ctx: ToolContext, path: str) -> ToolOutput:
+    """Attach an image file (png, jpg, gif, webp) so that a vision model can look at it.
+
+    Args:
+        path: Image path relative to the work directory.
+    """
+    p = ctx.path(path)
+    if not p.is_file():
+        raise ToolError(f"no such file: {path!r}")
+    mime = _IMAGE_TYPES.get(p.suffix.lower())
+    if mime is None:
+        raise ToolError(f"{path!r} is not an image ReadImage can attach; allowed: {', '.join(_IMAGE_TYPES)}")
+    size = p.stat().st_size
+    if size > _MAX_IMAGE_BYTES:
+        raise ToolError(f"{path!r} is {size:,} bytes; images up to {_MAX_IMAGE_BYTES:,} bytes can be attached")
+    data = base64.b64encode(p.read_bytes()).decode("ascii")
+    return ToolOutput(f"Image {path} ({size:,} bytes, {mime}) is attached below.",
+                      image=f"data:{mime};base64,{data}")
+
+
+@tool(_builtin=True, permission="edit")
+def Write(ctx: ToolContext, path: str, content: str) -> str:
+    """Create or overwrite a text file in the work directory.
+
+    Args:
+        path: File path relative to the work directory; missing folders are created.
+        content: The whole new content of the file.
+    """
+    p = ctx.path(path)
+    if p.is_dir():
+        raise ToolError(f"{path!r} is a directory")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(content, encoding="utf-8")
+    return f"Wrote {len(content):,} characters to {path}."
+
+
+@tool(_builtin=True, permission="edit")
+def Edit(ctx: ToolContext, path: str, old: str, new: str) -> str:
+    """Replace one exact occurrence of ``old`` with ``new`` in a file.
+
+    Args:
+        path: File path relative to the work directory.
+        old: The exact text to replace; it must occur exactly once.
+        new: The replacement text.
+    """
+    p = ctx.path(path)
+    if not p.is_file():
+        raise ToolError(f"no such file: {path!r}")
+    text = p.read_text(encoding="utf-8")
+    count = text.count(old) if old else 0
+    if count == 0:
+        raise ToolError(f"the text to replace was not found in {path!r}")
+    if count > 1:
+        raise ToolError(f"the text to replace occurs {count} times in {path!r}; include more context so it is unique")
+    p.write_text(text.replace(old, new, 1), encoding="utf-8")
+    return f"Edited {path}: replaced {len(old):,} characters with {len(new):,}."
+
+
+@tool(_builtin=True)
+def Checklist(ctx: ToolContext, name: str, items: list[dict[str, Any]]) -> str:
+    """Create or update a named checklist; items with the same text are updated, new ones appended.
+
+    The current state of every checklist is shown to the next movement.
+
+    Args:
+        name: Checklist name (letters, digits, '-' and '_').
+        items: A list of {"text": str, "done": bool}.
+    """
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name or ""):
+        raise ToolError(f"checklist name {name!r} must be 1–64 letters, digits, '-' or '_'")
+    if not isinstance(items, list):
+        raise ToolError("items must be a list of {text, done}")
+    folder = ctx.logs_dir / "checklists"
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{name}.json"
+    current: list[dict[str, Any]] = []
+    if target.exists():
+        current = json.loads(target.read_text(encoding="utf-8")).get("items", [])
+    index = {item["text"]: item for item in current}
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or not isinstance(item.get("text"), str) or not item["text"].strip():
+            raise ToolError(f"items[{i}] must be an object with a non-empty 'text' and a boolean 'done'")
+        done = bool(item.get("done", False))
+        if item["text"] in index:
+            index[item["text"]]["done"] = done
+        else:
+            entry = {"text": item["text"], "done": done}
+            current.append(entry)
+            index[item["text"]] = entry
+    tmp = target.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"name": name, "items": current}, ensure_ascii=False, indent=1), encoding="utf-8")
+    os.replace(tmp, target)
+    done_count = sum(1 for i in current if i["done"])
+    lines = [f"Checklist {name}: {done_count}/{len(current)} done"]
+    lines += [f"- [{'x' if i['done'] else ' '}] {i['text']}" for i in current]
+    return "\n".join(lines)
+
+
+@tool(_builtin=True, permission="full")
+def Bash(ctx: ToolContext, command: str, timeout: int = 120) -> ToolOutput:
+    """Run a shell command in the work directory and return its output (stdout and stderr).
+
+    Args:
+        command: The command line, run by bash in the work directory.
+        timeout: Seconds before the command is stopped (1–600).
+    """
+    if not isinstance(timeout, (int, float)) or not 1 <= timeout <= 600:
+        raise ToolError(f"timeout={timeout!r}; allowed: 1 to 600 seconds")
+    # The model's shell never sees credentials from the notebook's environment.
+    env = {k: v for k, v in os.environ.items() if not _SECRET_ENV.search(k)}
+    try:
+        proc = subprocess.run(
+            ["bash", "-c", command], cwd=os.path.realpath(ctx.workdir), env=env, capture_output=True,
+            timeout=timeout, stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as exc:
+        partial = (exc.stdout or b"").decode("utf-8", errors="replace")
+        out = cut_text(partial, ctx, hint="bash")
+        out.content = f"Error: the command timed out after {timeout} s. Partial output:\n{out.content}"
+        out.is_error = True
+        return out
+    text = proc.stdout.decode("utf-8", errors="replace")
+    err = proc.stderr.decode("utf-8", errors="replace")
+    if err:
+        text = f"{text}\n[stderr]\n{err}" if text else f"[stderr]\n{err}"
+    if proc.returncode != 0:
+        text = f"{text}\n[exit code {proc.returncode}]" if text else f"[exit code {proc.returncode}]"
+    result = cut_text(text or "(no output)", ctx, hint="bash")
+    result.is_error = proc.returncode != 0
+    return result
+
+
+__all__ = ["Read", "Glob", "Grep", "ReadImage", "Write", "Edit", "Checklist", "Bash"]

@@ -1,0 +1,144 @@
+"""The built-in ``demo`` model: a deterministic, offline scripted run.
+
+It plays a fixed script on ``plan-implement-verify`` (list the inputs, read one,
+write a long report, verify it by reading it back in budgeted pieces) and adapts
+only to what the tools returned, so that every behaviour a user should see
+without a key happens for real: several movements, lessons, a truncated Read
+with its continuation, the ``warn`` and ``prompt`` context actions, COMPLETE.
+Its context window is small (8,192 tokens, see ``KNOWN_WINDOWS``) for that reason.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .models import ModelRequest, ModelResponse, ToolCall
+
+__all__ = ["DemoModel"]
+
+_ITEMS = 150
+# What verify searches for once it has read the whole report, until it is told to wrap up.
+_GREPS = ("status: ok", "notes:", "^## Conclusion")
+
+
+def _call(name: str, **arguments: Any) -> ModelResponse:
+    return ModelResponse(tool_calls=(ToolCall(id="", name=name, arguments=arguments),))
+
+
+def _say(said: str, name: str, **arguments: Any) -> ModelResponse:
+    return ModelResponse(content=said, tool_calls=(ToolCall(id="", name=name, arguments=arguments),))
+
+
+class DemoModel:
+    spec = "demo"
+
+    def complete(self, request: ModelRequest) -> ModelResponse:
+        step = sum(1 for m in request.messages if m.get("role") == "assistant")
+        handler = {"plan": self._plan, "implement": self._implement, "verify": self._verify}.get(
+            request.movement, self._generic
+        )
+        resp = handler(request, step)
+        calls = tuple(
+            ToolCall(id=f"call_{request.movement_seq}_{request.iteration}_{i}", name=c.name, arguments=c.arguments)
+            for i, c in enumerate(resp.tool_calls)
+        )
+        return ModelResponse(content=resp.content, tool_calls=calls, usage=None)
+
+    # -- helpers ----------------------------------------------------------
+    @staticmethod
+    def _last_tool(request: ModelRequest) -> str:
+        for m in reversed(request.messages):
+            if m.get("role") == "tool":
+                return str(m.get("content") or "")
+        return ""
+
+    @staticmethod
+    def _user_prompt(request: ModelRequest) -> str:
+        for m in request.messages:
+            if m.get("role") == "user" and isinstance(m.get("content"), str):
+                return m["content"]
+        return ""
+
+    def _task(self, request: ModelRequest) -> str:
+        prompt = self._user_prompt(request)
+        m = re.search(r"^## (?:Task|タスク)\n(.*?)(?:\n## |\Z)", prompt, re.S | re.M)
+        return m.group(1).strip() if m else "the task"
+
+    def _inputs(self, request: ModelRequest) -> list[str]:
+        prompt = self._user_prompt(request)
+        block = re.search(r"^input/\n(.*?)^output/", prompt, re.S | re.M)
+        return re.findall(r"^  - (\S.*?) \(", block.group(1), re.M) if block else []
+
+    # -- plan-implement-verify ----------------------------------------------------
+    def _plan(self, request: ModelRequest, step: int) -> ModelResponse:
+        inputs = self._inputs(request)
+        if step == 0:
+            return _say("Let me see which files I was given.", "Glob", pattern="input/**/*")
+        if step == 1 and inputs:
+            return _say(f"I will read {inputs[0]} first.", "Read", path=f"input/{inputs[0]}", limit=40)
+        seen = self._last_tool(request) if inputs else ""
+        lines = len(seen.splitlines())
+        files = ", ".join(inputs) or "no input files"
+        return _call(
+            "transition", next_step="implement",
+            summary=f"Planned a report on {files}: list the inputs, note their size, then write output/report.md.",
+            lessons=(f"The inputs are {files}; the first one shows {lines} lines." if inputs
+                     else "There are no input files; the report can only restate the task."),
+        )
+
+    def _implement(self, request: ModelRequest, step: int) -> ModelResponse:
+        if step == 0:
+            task = self._task(request)
+            inputs = self._inputs(request) or ["(none)"]
+            body = [f"# Report\n\nTask: {task}\n", "## Inputs\n"]
+            body += [f"- {name}" for name in inputs]
+            body.append("\n## Checks performed\n")
+            # A long, line-oriented report, so that verify has to read it in pieces.
+            for n in range(1, _ITEMS + 1):
+                body.append(
+                    f"{n:03d}. Checked item {n} of the task against the inputs; status: ok; "
+                    f"notes: nothing to report for section {n % 12 + 1}."
+                )
+            body.append("\n## Conclusion\n\nAll checks passed.")
+            return _say("Writing the report.", "Write", path="output/report.md", content="\n".join(body) + "\n")
+        return _call("transition", next_step="verify", summary=f"Wrote output/report.md with {_ITEMS} checks.",
+                     lessons="The report is long: read it in pieces, following the continuation offsets.")
+
+    def _verify(self, request: ModelRequest, step: int) -> ModelResponse:
+        last = self._last_tool(request)
+        wrap_up = any(
+            m.get("role") == "user" and isinstance(m.get("content"), str)
+            and ("Wrap up" in m["content"] or "まとめて" in m["content"])
+            for m in request.messages[2:]
+        )
+        if step == 0:
+            return _say("Reading the report back.", "Read", path="output/report.md")
+        if not wrap_up:
+            m = re.search(r"call Read with .*? offset=(\d+)", last)
+            if m:
+                return _say("The report was cut; reading on from the offset the note gives.", "Read",
+                            path="output/report.md", offset=int(m.group(1)))
+            greps = sum(1 for m in request.messages if m.get("role") == "assistant"
+                        and any(c["function"]["name"] == "Grep" for c in m.get("tool_calls") or ()))
+            if greps < len(_GREPS):
+                return _say("Cross-checking the statuses.", "Grep", pattern=_GREPS[greps], path="output")
+        return _call(
+            "transition", next_step="COMPLETE",
+            summary="Verified output/report.md: the checks read so far are all ok.",
+            lessons="Large files come back cut to the context budget; the note says where to continue.",
+        )
+
+    # -- any other piece ----------------------------------------------------------------
+    def _generic(self, request: ModelRequest, step: int) -> ModelResponse:
+        prompt = self._user_prompt(request)
+        targets = re.findall(r"^- `([^`]+)`", prompt, re.M)
+        asked_before = "[user," in prompt
+        if "ASK" in targets and not asked_before:
+            return _call("transition", next_step="ASK", summary="Asked the user to clarify.",
+                         question="Which format should the result have (for example: a bullet list or a table)?")
+        if step == 0:
+            return _say("Looking at the work directory.", "Glob", pattern="**/*")
+        target = next((t for t in targets if t not in ("ASK", "ABORT", "WAIT_SUBTASKS")), "COMPLETE")
+        return _call("transition", next_step=target, summary=f"Demo step {request.movement} done.",
+                     lessons=f"{request.movement}: the demo model only lists the files.")

@@ -1,0 +1,72 @@
+"""Numbered schema migrations, applied in order when a store is opened.
+
+Never edit a migration that has shipped: add a new one.  ``PRAGMA user_version``
+records how many have been applied.
+"""
+
+from __future__ import annotations
+
+MIGRATIONS: list[str] = [
+    # 1: the initial schema (DESIGN §6)
+    """
+    CREATE TABLE jobs (
+        id               INTEGER PRIMARY KEY AUTOINCREMENT,
+        parent_id        INTEGER REFERENCES jobs(id),
+        piece            TEXT NOT NULL,
+        piece_yaml       TEXT NOT NULL,
+        piece_path       TEXT,
+        model            TEXT NOT NULL,
+        instruction      TEXT NOT NULL,
+        status           TEXT NOT NULL,
+        current_movement TEXT,
+        resume_movement  TEXT,
+        movement_seq     INTEGER NOT NULL DEFAULT 0,
+        workdir          TEXT NOT NULL,
+        options          TEXT NOT NULL DEFAULT '{}',
+        enriched         TEXT,
+        error            TEXT,
+        claimed_by       TEXT,
+        created          REAL NOT NULL,
+        updated          REAL NOT NULL,
+        started          REAL,
+        ended            REAL
+    );
+    CREATE INDEX jobs_status ON jobs(status, id);
+    CREATE INDEX jobs_parent ON jobs(parent_id);
+
+    CREATE TABLE comments (
+        id      INTEGER PRIMARY KEY AUTOINCREMENT,
+        job_id  INTEGER NOT NULL REFERENCES jobs(id),
+        author  TEXT NOT NULL,
+        body    TEXT NOT NULL,
+        ts      REAL NOT NULL
+    );
+    CREATE INDEX comments_job ON comments(job_id, id);
+
+    CREATE TABLE movements (
+        job_id     INTEGER NOT NULL REFERENCES jobs(id),
+        seq        INTEGER NOT NULL,
+        name       TEXT NOT NULL,
+        status     TEXT NOT NULL,
+        started    REAL NOT NULL,
+        ended      REAL,
+        iterations INTEGER NOT NULL DEFAULT 0,
+        next_step  TEXT,
+        forced     INTEGER NOT NULL DEFAULT 0,
+        summary    TEXT,
+        PRIMARY KEY (job_id, seq)
+    );
+
+    CREATE TABLE events (
+        id           INTEGER PRIMARY KEY AUTOINCREMENT,
+        job_id       INTEGER NOT NULL REFERENCES jobs(id),
+        movement_seq INTEGER,
+        iteration    INTEGER,
+        ts           REAL NOT NULL,
+        kind         TEXT NOT NULL,
+        payload      TEXT NOT NULL
+    );
+    CREATE INDEX events_job ON events(job_id, id);
+    CREATE INDEX events_kind ON events(kind, job_id);
+    """,
+]

@@ -1,0 +1,210 @@
+"""The ``agentnb`` command: the Workspace operations for terminals and scripts.
+
+Exit codes of ``run``: 0 when the job succeeded or waits for a human, 1 when it
+failed or was aborted, 2 on a usage, piece or model-spec error (one line on
+stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .models import ModelSpecError
+from .pieces import PieceError, available_pieces
+from .store import StoreError
+
+__all__ = ["main"]
+
+
+class _Usage(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _Usage(f"{self.prog}: {message}")
+
+
+def _workspace(args: argparse.Namespace) -> Any:
+    from .workspace import Workspace
+
+    return Workspace(args.workspace or os.environ.get("AGENTNB_WORKSPACE") or "agentnb-data")
+
+
+def _tokens(ws: Any, job_id: int) -> int:
+    rows = ws.store.query(
+        "SELECT COALESCE(SUM(json_extract(payload,'$.usage.total_tokens')),0) FROM events "
+        "WHERE job_id=? AND kind='llm_response'", (job_id,),
+    )
+    return int(rows[0][0])
+
+
+def _print_job(ws: Any, job: Any) -> None:
+    print(f"job {job.id}: {job.status}  piece={job.piece} model={job.model}")
+    for mv in ws.movements(job):
+        forced = " (forced)" if mv["forced"] else ""
+        print(f"  {mv['seq']:>2}. {mv['name']:<14} {mv['iterations']:>3} calls → {mv['next_step'] or '…'}{forced}"
+              + (f"  {mv['summary']}" if mv["summary"] else ""))
+    print(f"  tokens: {_tokens(ws, job.id):,}")
+    if job.error:
+        print(f"  error: {job.error}")
+    if job.status == "waiting_human":
+        question = [c for c in ws.comments(job) if c["author"] == "agent"]
+        if question:
+            print(f"  question: {question[-1]['body']}")
+        print(f"  answer with: agentnb reply {job.id} \"…\"")
+    print(f"  work directory: {job.workdir}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    ws = _workspace(args)
+    inputs = {}
+    for item in args.input or []:
+        p = Path(item)
+        if not p.is_file():
+            raise _Usage(f"--input {item}: no such file")
+        inputs[p.name] = p.read_bytes()
+    instruction = " ".join(args.instruction).strip()
+    if not instruction:
+        raise _Usage("run: the instruction is missing")
+    job = ws.submit(instruction, piece=args.piece, model=args.model, inputs=inputs, workdir=args.workdir)
+    if args.detach:
+        print(job.id)
+        return 0
+    job = ws.run(job)
+    _print_job(ws, job)
+    return 0 if job.status in ("succeeded", "waiting_human", "waiting_subtasks") else 1
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    ws = _workspace(args)
+    n = ws.worker().run(forever=args.forever, poll=args.poll, max_jobs=args.max_jobs)
+    print(f"ran {n} job(s)")
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    ws = _workspace(args)
+    jobs = ws.jobs()
+    if args.json:
+        print(json.dumps([{k: getattr(j, k) for k in ("id", "parent_id", "piece", "model", "status", "error")}
+                          for j in jobs], default=str))
+        return 0
+    if not jobs:
+        print("no jobs")
+        return 0
+    print(f"{'id':>4}  {'status':<16} {'piece':<24} {'model':<24} instruction")
+    for j in jobs:
+        instr = j.instruction.replace("\n", " ")
+        print(f"{j.id:>4}  {j.status.value:<16} {j.piece:<24} {j.model:<24} {instr[:50]}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    ws = _workspace(args)
+    job = ws.job(args.job)
+    if args.events:
+        for ev in ws.events(job):
+            print(json.dumps({"id": ev.id, "kind": ev.kind, "seq": ev.movement_seq, "iteration": ev.iteration,
+                              **ev.payload}, ensure_ascii=False, default=str))
+        return 0
+    _print_job(ws, job)
+    return 0
+
+
+def cmd_reply(args: argparse.Namespace) -> int:
+    ws = _workspace(args)
+    job = ws.reply(args.job, " ".join(args.text))
+    if args.run and job.status == "queued":
+        job = ws.run(job)
+    _print_job(ws, job)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    ws = _workspace(args)
+    path = ws.export_notebook(args.job, args.path)
+    print(path)
+    return 0
+
+
+def cmd_pieces(args: argparse.Namespace) -> int:
+    from .pieces import load_piece
+
+    for name, path in sorted(available_pieces().items()):
+        try:
+            p = load_piece(path)
+            print(f"{name:<24} {' → '.join(p.names):<40} {p.description}")
+        except PieceError as exc:
+            print(f"{name:<24} INVALID: {exc}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="agentnb", description="Run and inspect agentnb jobs.")
+    parser.add_argument("--workspace", help="workspace folder (default: $AGENTNB_WORKSPACE, else ./agentnb-data)")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    def add(name: str, fn: Any, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--workspace", default=argparse.SUPPRESS, help="workspace folder")
+        p.set_defaults(fn=fn)
+        return p
+
+    p = add("run", cmd_run, "submit a job and run it")
+    p.add_argument("--piece", default="plan-implement-verify", help="piece name or YAML path")
+    p.add_argument("--model", default="demo", help="demo | scripted:<file.yaml> | openai:<model> | replay:<job_id>")
+    p.add_argument("--input", action="append", metavar="FILE", help="copy FILE into the job's input/ (repeatable)")
+    p.add_argument("--workdir", help="use an existing directory as the work directory")
+    p.add_argument("--detach", action="store_true", help="only queue the job (a worker runs it); print its id")
+    p.add_argument("instruction", nargs="*", help="the task")
+
+    p = add("worker", cmd_worker, "run queued jobs")
+    p.add_argument("--forever", action="store_true", help="keep polling for new jobs")
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between polls")
+    p.add_argument("--max-jobs", type=int, default=None)
+
+    p = add("jobs", cmd_jobs, "list jobs")
+    p.add_argument("--json", action="store_true")
+
+    p = add("show", cmd_show, "show a job")
+    p.add_argument("job", type=int)
+    p.add_argument("--events", action="store_true", help="print every event as a JSON line")
+
+    p = add("reply", cmd_reply, "answer a job that waits for a human")
+    p.add_argument("job", type=int)
+    p.add_argument("text", nargs="+")
+    p.add_argument("--run", action="store_true", help="run the job again right away")
+
+    p = add("export", cmd_export, "export a job as a notebook")
+    p.add_argument("job", type=int)
+    p.add_argument("path")
+
+    add("pieces", cmd_pieces, "list the available pieces")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if getattr(args, "fn", None) is None:
+            parser.print_help()
+            return 2
+        if not hasattr(args, "workspace"):
+            args.workspace = None
+        return int(args.fn(args))
+    except (_Usage, PieceError, ModelSpecError, StoreError, ValueError, FileNotFoundError) as exc:
+        print(f"agentnb: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The ContextManager: token accounting, thresholds and tool-output budgets.
+
+After each LLM call it records the prompt size — the response's
+``usage.prompt_tokens`` when given, else a tiktoken count of the movement's
+messages, else a character estimate — and fires each threshold action at most
+once per movement.  Counting is incremental: each message is tokenized once when
+it is appended, so a movement of N calls costs O(total message size).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ._tokens import CHARS_PER_TOKEN, TokenCounter, counter_for_model
+from .pieces import DEFAULT_THRESHOLDS
+
+__all__ = [
+    "ContextManager",
+    "ContextDecision",
+    "KNOWN_WINDOWS",
+    "DEFAULT_WINDOW",
+    "DEFAULT_MIN_TOOL_TOKENS",
+    "MAX_TOOL_TOKENS",
+    "window_for_model",
+]
+
+DEFAULT_WINDOW = 128_000
+DEFAULT_MIN_TOOL_TOKENS = 1_000
+MAX_TOOL_TOKENS = 60_000
+ACTIONS = ("warn", "prompt", "force_transition", "exhausted")
+
+# Context windows of well-known models (prefix match, longest first).
+KNOWN_WINDOWS: dict[str, int] = {
+    "demo": 8_192,
+    "gpt-4.1": 1_047_576,
+    "gpt-4o": 128_000,
+    "gpt-4-turbo": 128_000,
+    "gpt-4-32k": 32_768,
+    "gpt-4": 8_192,
+    "gpt-3.5-turbo": 16_385,
+    "gpt-5": 400_000,
+    "o1": 200_000,
+    "o3": 200_000,
+    "o4-mini": 200_000,
+    "claude": 200_000,
+    "llama-3": 128_000,
+    "qwen": 32_768,
+    "mistral": 32_768,
+}
+
+
+def window_for_model(model: str) -> int:
+    """The context window of a model spec (``openai:gpt-4o``, ``demo`` …), or the default."""
+    name = model.split(":", 1)[-1].lower()
+    for prefix in sorted(KNOWN_WINDOWS, key=len, reverse=True):
+        if name.startswith(prefix):
+            return KNOWN_WINDOWS[prefix]
+    return DEFAULT_WINDOW
+
+
+@dataclass
+class ContextDecision:
+    """What the ContextManager concluded after one LLM response."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    source: str
+    ratio: float
+    fired: list[tuple[str, float]] = field(default_factory=list)  # (action, threshold)
+
+
+def message_text(message: Mapping[str, Any]) -> str:
+    """The text of a chat message that occupies the context (content and tool-call arguments)."""
+    content = message.get("content")
+    parts: list[str] = []
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):
+        for part in content:
+            if part.get("type") == "text":
+                parts.append(part.get("text", ""))
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function", {})
+        parts.append(fn.get("name", ""))
+        parts.append(fn.get("arguments", ""))
+    return "\n".join(parts)
+
+
+# A fixed per-message overhead, as in OpenAI's own counting guide (role and separators).
+_PER_MESSAGE = 4
+# An attached image is charged at a typical low-detail cost.
+_IMAGE_TOKENS = 765
+
+
+class ContextManager:
+    def __init__(
+        self,
+        *,
+        window: int,
+        thresholds: Mapping[str, float] | None = None,
+        counter: TokenCounter | None = None,
+        model: str = "",
+        min_tool_tokens: int | None = None,
+        max_tool_tokens: int = MAX_TOOL_TOKENS,
+    ) -> None:
+        self.window = int(window)
+        th = dict(DEFAULT_THRESHOLDS)
+        th.update(thresholds or {})
+        self.thresholds = th
+        self.counter = counter or counter_for_model(model or "gpt-4o")
+        # the floor scales down for small windows, so a floor never fills one on its own
+        self.min_tool_tokens = (
+            min_tool_tokens if min_tool_tokens is not None else min(DEFAULT_MIN_TOOL_TOKENS, self.window // 16)
+        )
+        self.max_tool_tokens = max_tool_tokens
+        self.fired: set[str] = set()
+        self.counted = 0  # tokens of every message so far, counted once each
+        self.current = 0  # best estimate of the context size now
+        self.tools_tokens = 0
+
+    # -- accounting ---------------------------------------------------------
+    def count_message(self, message: Mapping[str, Any]) -> int:
+        n = _PER_MESSAGE + self.counter.count(message_text(message))
+        content = message.get("content")
+        if isinstance(content, list):
+            n += _IMAGE_TOKENS * sum(1 for p in content if p.get("type") == "image_url")
+        return n
+
+    def set_tools(self, schemas: list[dict[str, Any]]) -> None:
+        """Charge the tool schemas sent with every call (counted once per movement)."""
+        new = self.counter.count(json.dumps(schemas, ensure_ascii=False)) if schemas else 0
+        self.current += new - self.tools_tokens
+        self.counted += new - self.tools_tokens
+        self.tools_tokens = new
+
+    def add(self, message: Mapping[str, Any]) -> int:
+        n = self.count_message(message)
+        self.counted += n
+        self.current += n
+        return n
+
+    @property
+    def source(self) -> str:
+        return self.counter.source
+
+    def after_response(
+        self, assistant: Mapping[str, Any], usage: Mapping[str, Any] | None
+    ) -> ContextDecision:
+        """Record one LLM call: its prompt size, and the threshold actions that fire now."""
+        estimate = self.counted
+        assistant_tokens = self.add(assistant)
+        if usage and usage.get("prompt_tokens") is not None:
+            prompt = int(usage["prompt_tokens"])
+            completion = int(usage.get("completion_tokens") or assistant_tokens)
+            source = "usage"
+            self.current = prompt + completion
+        else:
+            prompt = estimate
+            completion = assistant_tokens
+            source = self.counter.source
+        ratio = prompt / self.window if self.window else 0.0
+        decision = ContextDecision(prompt, completion, source, ratio)
+        for action in ACTIONS:
+            limit = self.thresholds[action]
+            if ratio >= limit and action not in self.fired:
+                self.fired.add(action)
+                decision.fired.append((action, limit))
+        return decision
+
+    # -- budgets ----------------------------------------------------------------
+    @property
+    def available(self) -> int:
+        return max(0, self.window - self.current)
+
+    def tool_budget(self) -> int:
+        """Tokens one tool result may take: half of what is left, capped, never below the floor."""
+        return max(self.min_tool_tokens, min(self.max_tool_tokens, self.available // 2))
+
+    @property
+    def chars_per_token(self) -> float:
+        return CHARS_PER_TOKEN if self.counter.source == "chars" else 3.5

@@ -1,0 +1,239 @@
+"""Models: what answers an LLM call.
+
+Specs: ``demo`` (built in, no network), ``scripted:<file.yaml>``,
+``openai:<model>`` (any OpenAI-compatible endpoint) and ``replay:<job_id>``.
+Models are stateless: the loop tells each call where it stands in the job
+(``call_index``, ``movement_call_index``), so a job resumed in a new process gets
+the same answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+
+import yaml
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = [
+    "Model",
+    "ModelRequest",
+    "ModelResponse",
+    "ToolCall",
+    "ModelError",
+    "ModelSpecError",
+    "ScriptedModel",
+    "ReplayModel",
+    "resolve_model",
+    "MODEL_SPECS",
+]
+
+MODEL_SPECS = ("demo", "scripted:<file.yaml>", "openai:<model>", "replay:<job_id>")
+
+
+class ModelError(RuntimeError):
+    """The model could not answer; the job fails with this message."""
+
+
+class ModelSpecError(ValueError):
+    """A model spec that names no usable model."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: Any  # a dict, or the raw string when the model sent invalid JSON
+    raw_arguments: str = ""
+
+    def to_message(self) -> dict[str, Any]:
+        raw = self.raw_arguments or json.dumps(self.arguments, ensure_ascii=False)
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": raw}}
+
+
+@dataclass(frozen=True)
+class ModelResponse:
+    content: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    usage: Mapping[str, int] | None = None
+
+
+@dataclass
+class ModelRequest:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    job_id: int = 0
+    movement: str = ""
+    movement_seq: int = 0
+    iteration: int = 0
+    call_index: int = 0  # LLM calls made earlier in this job
+    movement_call_index: int = 0  # LLM calls made earlier in runs of this movement name
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Model(Protocol):
+    spec: str
+
+    def complete(self, request: ModelRequest) -> ModelResponse: ...
+
+
+# ---------------------------------------------------------------------------
+# Scripted
+
+
+def _parse_response(item: Any, where: str) -> ModelResponse:
+    if not isinstance(item, Mapping):
+        raise ModelSpecError(f"{where}: each response must be a mapping with content and/or tool_calls")
+    unknown = set(item) - {"content", "tool_calls", "usage"}
+    if unknown:
+        raise ModelSpecError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: content, tool_calls, usage")
+    calls = []
+    for i, call in enumerate(item.get("tool_calls") or []):
+        if not isinstance(call, Mapping) or "name" not in call:
+            raise ModelSpecError(f"{where}.tool_calls[{i}]: needs a name (and arguments)")
+        args = call.get("arguments") or {}
+        calls.append(ToolCall(id=str(call.get("id") or f"call_{i}"), name=str(call["name"]), arguments=args))
+    usage = item.get("usage")
+    if usage is not None:
+        if not isinstance(usage, Mapping) or "prompt_tokens" not in usage:
+            raise ModelSpecError(f"{where}.usage: needs prompt_tokens (and optionally completion_tokens)")
+        usage = {k: int(v) for k, v in usage.items()}
+    content = item.get("content")
+    return ModelResponse(content=None if content is None else str(content), tool_calls=tuple(calls), usage=usage)
+
+
+class ScriptedModel:
+    """Plays responses from a YAML script (DESIGN §5): one list for the whole job, or one per movement."""
+
+    def __init__(self, script: Mapping[str, Any] | str | os.PathLike[str], *, spec: str | None = None) -> None:
+        source = "<script>"
+        if not isinstance(script, Mapping):
+            path = Path(script)
+            source = str(path)
+            if not path.is_file():
+                raise ModelSpecError(f"scripted model file not found: {path}")
+            try:
+                script = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            except yaml.YAMLError as exc:
+                raise ModelSpecError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(script, Mapping) or not ({"responses", "movements"} & set(script)):
+            raise ModelSpecError(f"{source}: a script needs 'responses' (a list) or 'movements' (name → list)")
+        self.spec = spec or f"scripted:{source}"
+        self.source = source
+        self.responses: list[ModelResponse] | None = None
+        self.by_movement: dict[str, list[ModelResponse]] | None = None
+        if "responses" in script:
+            self.responses = [_parse_response(r, f"{source}: responses[{i}]") for i, r in enumerate(script["responses"] or [])]
+        if "movements" in script:
+            self.by_movement = {
+                str(name): [_parse_response(r, f"{source}: movements.{name}[{i}]") for i, r in enumerate(items or [])]
+                for name, items in (script["movements"] or {}).items()
+            }
+
+    def complete(self, request: ModelRequest) -> ModelResponse:
+        if self.by_movement is not None and request.movement in self.by_movement:
+            items = self.by_movement[request.movement]
+            i = request.movement_call_index
+            if i >= len(items):
+                raise ModelError(
+                    f"scripted model ran out of responses for movement {request.movement!r}: "
+                    f"{self.source} has {len(items)}, call {i + 1} was asked for"
+                )
+            return _with_ids(items[i], request)
+        if self.responses is not None:
+            i = request.call_index
+            if i >= len(self.responses):
+                raise ModelError(
+                    f"scripted model ran out of responses: {self.source} has {len(self.responses)}, "
+                    f"call {i + 1} was asked for"
+                )
+            return _with_ids(self.responses[i], request)
+        raise ModelError(f"scripted model has no responses for movement {request.movement!r} in {self.source}")
+
+
+def _with_ids(resp: ModelResponse, request: ModelRequest) -> ModelResponse:
+    """Give scripted tool calls ids unique within the movement."""
+    calls = tuple(
+        ToolCall(id=f"call_{request.movement_seq}_{request.iteration}_{i}", name=c.name, arguments=c.arguments)
+        for i, c in enumerate(resp.tool_calls)
+    )
+    return ModelResponse(content=resp.content, tool_calls=calls, usage=resp.usage)
+
+
+# ---------------------------------------------------------------------------
+# Replay
+
+
+class ReplayModel:
+    """Re-serves the responses recorded for another job, in order."""
+
+    def __init__(self, store: "Store", job_id: int) -> None:
+        self.spec = f"replay:{job_id}"
+        store.job(job_id)  # raises when unknown
+        self.responses: list[ModelResponse] = []
+        for ev in store.events(job_id, kinds=["llm_response"]):
+            calls = tuple(
+                ToolCall(id=c.get("id", f"call_{i}"), name=c["name"], arguments=c.get("arguments"))
+                for i, c in enumerate(ev.tool_calls)  # type: ignore[union-attr]
+            )
+            usage = ev.usage if ev.usage.get("source") == "usage" else None  # type: ignore[union-attr]
+            self.responses.append(ModelResponse(content=ev.content, tool_calls=calls, usage=usage))  # type: ignore[union-attr]
+        self.job_id = job_id
+
+    def complete(self, request: ModelRequest) -> ModelResponse:
+        if request.call_index >= len(self.responses):
+            raise ModelError(
+                f"replay of job {self.job_id} ran out of responses: it recorded {len(self.responses)} LLM calls"
+            )
+        return _with_ids(self.responses[request.call_index], request)
+
+
+# ---------------------------------------------------------------------------
+
+
+def resolve_model(spec: str, *, store: "Store | None" = None) -> Model:
+    """Build the model for a spec; :class:`ModelSpecError` names what is allowed."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelSpecError(f"empty model spec; allowed: {', '.join(MODEL_SPECS)}")
+    kind, _, rest = spec.partition(":")
+    if spec == "demo":
+        from ._demo import DemoModel
+
+        return DemoModel()
+    if kind == "scripted" and rest:
+        return ScriptedModel(rest, spec=spec)
+    if kind == "openai" and rest:
+        from ._openai import OpenAIModel
+
+        return OpenAIModel(rest)
+    if kind == "replay" and rest:
+        if store is None:
+            raise ModelSpecError("replay:<job_id> needs a workspace")
+        try:
+            job_id = int(rest)
+        except ValueError:
+            raise ModelSpecError(f"replay:{rest}: the job id must be a number") from None
+        try:
+            return ReplayModel(store, job_id)
+        except Exception as exc:
+            raise ModelSpecError(f"replay:{rest}: {exc}") from None
+    raise ModelSpecError(f"unknown model spec {spec!r}; allowed: {', '.join(MODEL_SPECS)}")
+
+
+def check_model_spec(spec: str) -> None:
+    """Validate a spec's shape without building the model (no files read, no client made)."""
+    kind, _, rest = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if spec == "demo" or (kind in ("scripted", "openai", "replay") and rest.strip()):
+        if kind == "scripted" and not Path(rest).is_file():
+            raise ModelSpecError(f"scripted model file not found: {rest}")
+        if kind == "replay" and not rest.isdigit():
+            raise ModelSpecError(f"replay:{rest}: the job id must be a number")
+        return
+    raise ModelSpecError(f"unknown model spec {spec!r}; allowed: {', '.join(MODEL_SPECS)}")
+

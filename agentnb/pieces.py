@@ -1,0 +1,421 @@
+"""Pieces: workflows of movements, loaded from YAML and validated.
+
+A bad piece never reaches the runner: :class:`PieceError` names the file, the
+line, the field, what was found and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+__all__ = [
+    "Piece",
+    "Movement",
+    "Rule",
+    "PieceError",
+    "SPECIAL_NEXT",
+    "PERMISSIONS",
+    "DEFAULT_THRESHOLDS",
+    "load_piece",
+    "parse_piece",
+    "available_pieces",
+    "piece_search_path",
+]
+
+SPECIAL_NEXT = ("COMPLETE", "ASK", "ABORT", "WAIT_SUBTASKS")
+PERMISSIONS = ("readonly", "edit", "full")
+LANGUAGES = ("en", "ja")
+DEFAULT_THRESHOLDS: dict[str, float] = {"warn": 0.70, "prompt": 0.85, "force_transition": 0.95, "exhausted": 0.99}
+PACKAGE_PIECES = Path(__file__).resolve().parent / "pieces"
+
+
+class PieceError(ValueError):
+    """A piece that cannot be used; ``str()`` is one line naming file, line and field."""
+
+    def __init__(self, message: str, *, file: str = "<piece>", line: int | None = None, field: str = "") -> None:
+        self.file, self.line, self.field, self.detail = file, line, field, message
+        where = file + (f":{line}" if line else "")
+        super().__init__(f"{where}: {field + ': ' if field else ''}{message}")
+
+
+@dataclass(frozen=True)
+class Rule:
+    condition: str
+    next: str
+
+
+@dataclass(frozen=True)
+class Movement:
+    name: str
+    persona: str = ""
+    instruction: str = ""
+    tools: tuple[str, ...] = ()
+    permission: str = "readonly"
+    max_iterations: int = 20
+    rules: tuple[Rule, ...] = ()
+    default_next: str | None = None
+    verify: str | None = None
+    description: str = ""
+
+    @property
+    def next_steps(self) -> tuple[str, ...]:
+        """Every value ``transition.next_step`` may take in this movement."""
+        seen: dict[str, None] = {r.next: None for r in self.rules}
+        for special in SPECIAL_NEXT:
+            seen.setdefault(special, None)
+        return tuple(seen)
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str
+    movements: tuple[Movement, ...]
+    description: str = ""
+    initial_movement: str = ""
+    max_movements: int = 12
+    language: str = "en"
+    window_tokens: int | None = None
+    thresholds: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
+    min_tool_tokens: int | None = None
+    source: str = "<piece>"
+
+    def movement(self, name: str) -> Movement:
+        for m in self.movements:
+            if m.name == name:
+                return m
+        raise KeyError(f"piece {self.name!r} has no movement {name!r}; movements: {', '.join(self.names)}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.movements)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain structure that :func:`parse_piece` reads back to an equal piece (files inlined)."""
+        ctx: dict[str, Any] = {"thresholds": dict(self.thresholds)}
+        if self.window_tokens:
+            ctx["window_tokens"] = self.window_tokens
+        if self.min_tool_tokens:
+            ctx["min_tool_tokens"] = self.min_tool_tokens
+        out: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "initial_movement": self.initial_movement,
+            "max_movements": self.max_movements,
+            "language": self.language,
+            "context": ctx,
+            "movements": [],
+        }
+        for m in self.movements:
+            d: dict[str, Any] = {
+                "name": m.name,
+                "persona": m.persona,
+                "instruction": m.instruction,
+                "tools": list(m.tools),
+                "permission": m.permission,
+                "max_iterations": m.max_iterations,
+                "rules": [{"condition": r.condition, "next": r.next} for r in m.rules],
+            }
+            if m.description:
+                d["description"] = m.description
+            if m.default_next:
+                d["default_next"] = m.default_next
+            if m.verify:
+                d["verify"] = m.verify
+            out["movements"].append(d)
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+
+# ---------------------------------------------------------------------------
+# Validation over YAML nodes, so every error knows its line.
+
+_TOP_KEYS = ("name", "description", "initial_movement", "max_movements", "language", "context", "movements")
+_CONTEXT_KEYS = ("window_tokens", "thresholds", "min_tool_tokens")
+_MOVEMENT_KEYS = (
+    "name", "description", "persona", "persona_file", "instruction", "instruction_file", "tools",
+    "permission", "max_iterations", "rules", "default_next", "verify",
+)
+_RULE_KEYS = ("condition", "next")
+
+
+class _Checker:
+    def __init__(self, file: str, base: Path | None) -> None:
+        self.file, self.base = file, base
+
+    def fail(self, node: Node | None, fld: str, message: str) -> PieceError:
+        line = node.start_mark.line + 1 if node is not None else None
+        return PieceError(message, file=self.file, line=line, field=fld)
+
+    @staticmethod
+    def _describe(node: Node) -> str:
+        if isinstance(node, MappingNode):
+            return "a mapping"
+        if isinstance(node, SequenceNode):
+            return "a list"
+        value = node.value
+        return f"{value!r}" if value != "" else "an empty value"
+
+    def mapping(self, node: Node, fld: str, allowed: Iterable[str]) -> dict[str, tuple[Node, Node]]:
+        if not isinstance(node, MappingNode):
+            raise self.fail(node, fld, f"found {self._describe(node)}, expected a mapping")
+        allowed = tuple(allowed)
+        out: dict[str, tuple[Node, Node]] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, ScalarNode) else None
+            sub = f"{fld}.{key}" if fld else str(key)
+            if key not in allowed:
+                raise self.fail(key_node, sub, f"unknown key {key!r}; allowed keys: {', '.join(allowed)}")
+            if key in out:
+                raise self.fail(key_node, sub, f"key {key!r} appears twice")
+            out[key] = (key_node, value_node)
+        return out
+
+    def string(self, node: Node, fld: str, *, choices: Iterable[str] | None = None, nonempty: bool = True) -> str:
+        if not isinstance(node, ScalarNode) or node.tag not in ("tag:yaml.org,2002:str",):
+            if isinstance(node, ScalarNode) and node.tag != "tag:yaml.org,2002:null":
+                # numbers and booleans written where text is expected: accept their text
+                value = node.value
+            else:
+                raise self.fail(node, fld, f"found {self._describe(node)}, expected text")
+        else:
+            value = node.value
+        if nonempty and not value.strip():
+            raise self.fail(node, fld, "found an empty value, expected text")
+        if choices is not None:
+            choices = tuple(choices)
+            if value not in choices:
+                raise self.fail(node, fld, f"found {value!r}, allowed: {', '.join(choices)}")
+        return value
+
+    def integer(self, node: Node, fld: str, *, minimum: int = 1) -> int:
+        if not isinstance(node, ScalarNode) or node.tag != "tag:yaml.org,2002:int":
+            raise self.fail(node, fld, f"found {self._describe(node)}, expected a whole number ≥ {minimum}")
+        value = int(yaml.safe_load(node.value))
+        if value < minimum:
+            raise self.fail(node, fld, f"found {value}, expected a whole number ≥ {minimum}")
+        return value
+
+    def ratio(self, node: Node, fld: str) -> float:
+        if not isinstance(node, ScalarNode) or node.tag not in ("tag:yaml.org,2002:float", "tag:yaml.org,2002:int"):
+            raise self.fail(node, fld, f"found {self._describe(node)}, expected a number between 0 and 1")
+        value = float(yaml.safe_load(node.value))
+        if not 0 < value <= 1:
+            raise self.fail(node, fld, f"found {value}, expected a number between 0 (excluded) and 1")
+        return value
+
+    def sequence(self, node: Node, fld: str) -> list[Node]:
+        if not isinstance(node, SequenceNode):
+            raise self.fail(node, fld, f"found {self._describe(node)}, expected a list")
+        return list(node.value)
+
+    def text_or_file(
+        self, keys: dict[str, tuple[Node, Node]], fld: str, name: str, *, required: bool, owner: Node
+    ) -> str:
+        file_key = f"{name}_file"
+        if name in keys and file_key in keys:
+            raise self.fail(keys[file_key][0], f"{fld}.{file_key}", f"give either {name} or {file_key}, not both")
+        if name in keys:
+            return self.string(keys[name][1], f"{fld}.{name}", nonempty=required)
+        if file_key in keys:
+            node = keys[file_key][1]
+            rel = self.string(node, f"{fld}.{file_key}")
+            base = self.base or Path.cwd()
+            path = (base / rel) if not os.path.isabs(rel) else Path(rel)
+            try:
+                return path.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise self.fail(node, f"{fld}.{file_key}", f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
+        if required:
+            raise self.fail(owner, fld, f"missing {name} (or {file_key})")
+        return ""
+
+
+def parse_piece(
+    text: str,
+    *,
+    source: str = "<piece>",
+    base_dir: str | os.PathLike[str] | None = None,
+    known_tools: Iterable[str] | None = None,
+) -> Piece:
+    """Parse and validate piece YAML text.
+
+    ``known_tools``: tool names a movement may list; ``None`` takes the
+    registered tools (built-ins and ``@agentnb.tool`` functions).
+    """
+    ck = _Checker(source, Path(base_dir) if base_dir else None)
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise PieceError(f"not valid YAML: {problem}", file=source, line=mark.line + 1 if mark else None) from None
+    if root is None:
+        raise PieceError("the piece is empty; it needs at least name and movements", file=source, line=1)
+    top = ck.mapping(root, "", _TOP_KEYS)
+    for required in ("name", "movements"):
+        if required not in top:
+            raise ck.fail(root, required, f"missing required key {required!r}")
+    if known_tools is None:
+        from .tools import registered_tool_names
+
+        known_tools = registered_tool_names()
+    known = tuple(known_tools)
+
+    name = ck.string(top["name"][1], "name")
+    description = ck.string(top["description"][1], "description", nonempty=False) if "description" in top else ""
+    max_movements = ck.integer(top["max_movements"][1], "max_movements") if "max_movements" in top else 12
+    language = ck.string(top["language"][1], "language", choices=LANGUAGES) if "language" in top else "en"
+
+    window = None
+    min_tool = None
+    thresholds = dict(DEFAULT_THRESHOLDS)
+    if "context" in top and not (isinstance(top["context"][1], ScalarNode) and top["context"][1].value == ""):
+        ctx = ck.mapping(top["context"][1], "context", _CONTEXT_KEYS)
+        if "window_tokens" in ctx:
+            window = ck.integer(ctx["window_tokens"][1], "context.window_tokens", minimum=256)
+        if "min_tool_tokens" in ctx:
+            min_tool = ck.integer(ctx["min_tool_tokens"][1], "context.min_tool_tokens")
+        if "thresholds" in ctx:
+            th = ck.mapping(ctx["thresholds"][1], "context.thresholds", DEFAULT_THRESHOLDS)
+            for key, (_, vnode) in th.items():
+                thresholds[key] = ck.ratio(vnode, f"context.thresholds.{key}")
+            order = list(DEFAULT_THRESHOLDS)
+            for lower, upper in zip(order, order[1:]):
+                if thresholds[lower] > thresholds[upper]:
+                    node = th.get(lower, th.get(upper, (ctx["thresholds"][1], ctx["thresholds"][1])))[1]
+                    raise ck.fail(
+                        node, f"context.thresholds.{lower}",
+                        f"found {lower}={thresholds[lower]} above {upper}={thresholds[upper]}; "
+                        "thresholds must rise: warn ≤ prompt ≤ force_transition ≤ exhausted",
+                    )
+
+    mnodes = ck.sequence(top["movements"][1], "movements")
+    if not mnodes:
+        raise ck.fail(top["movements"][1], "movements", "found an empty list, expected at least one movement")
+
+    parsed: list[tuple[Movement, dict[str, tuple[Node, Node]], str]] = []
+    seen: dict[str, int] = {}
+    for i, mnode in enumerate(mnodes):
+        fld = f"movements[{i}]"
+        keys = ck.mapping(mnode, fld, _MOVEMENT_KEYS)
+        if "name" not in keys:
+            raise ck.fail(mnode, f"{fld}.name", "missing required key 'name'")
+        mname = ck.string(keys["name"][1], f"{fld}.name")
+        if mname in SPECIAL_NEXT:
+            raise ck.fail(keys["name"][1], f"{fld}.name", f"found {mname!r}, which is reserved for a special next step")
+        if mname in seen:
+            raise ck.fail(
+                keys["name"][1], f"{fld}.name",
+                f"duplicate movement name {mname!r} (first defined at line {seen[mname]})",
+            )
+        seen[mname] = keys["name"][1].start_mark.line + 1
+        fld = f"movements[{i}] ({mname})"
+        persona = ck.text_or_file(keys, fld, "persona", required=False, owner=mnode)
+        instruction = ck.text_or_file(keys, fld, "instruction", required=True, owner=mnode)
+        tools: list[str] = []
+        if "tools" in keys:
+            for j, tnode in enumerate(ck.sequence(keys["tools"][1], f"{fld}.tools")):
+                tname = ck.string(tnode, f"{fld}.tools[{j}]")
+                if tname == "transition":
+                    continue  # always allowed
+                if tname not in known:
+                    raise ck.fail(tnode, f"{fld}.tools[{j}]", f"unknown tool {tname!r}; allowed: {', '.join(known)}")
+                tools.append(tname)
+        permission = (
+            ck.string(keys["permission"][1], f"{fld}.permission", choices=PERMISSIONS) if "permission" in keys else "readonly"
+        )
+        max_iterations = ck.integer(keys["max_iterations"][1], f"{fld}.max_iterations") if "max_iterations" in keys else 20
+        rules: list[Rule] = []
+        if "rules" in keys:
+            for j, rnode in enumerate(ck.sequence(keys["rules"][1], f"{fld}.rules")):
+                rkeys = ck.mapping(rnode, f"{fld}.rules[{j}]", _RULE_KEYS)
+                if "next" not in rkeys:
+                    raise ck.fail(rnode, f"{fld}.rules[{j}].next", "missing required key 'next'")
+                cond = ck.string(rkeys["condition"][1], f"{fld}.rules[{j}].condition") if "condition" in rkeys else ""
+                rules.append(Rule(condition=cond, next=ck.string(rkeys["next"][1], f"{fld}.rules[{j}].next")))
+        default_next = ck.string(keys["default_next"][1], f"{fld}.default_next") if "default_next" in keys else None
+        verify = ck.string(keys["verify"][1], f"{fld}.verify") if "verify" in keys else None
+        mdesc = ck.string(keys["description"][1], f"{fld}.description", nonempty=False) if "description" in keys else ""
+        movement = Movement(
+            name=mname, persona=persona, instruction=instruction, tools=tuple(tools), permission=permission,
+            max_iterations=max_iterations, rules=tuple(rules), default_next=default_next, verify=verify,
+            description=mdesc,
+        )
+        parsed.append((movement, keys, fld))
+
+    names = [m.name for m, _, _ in parsed]
+    targets = tuple(names) + SPECIAL_NEXT
+
+    def check_target(node: Node, fld: str, value: str, allowed: tuple[str, ...]) -> None:
+        if value not in allowed:
+            raise ck.fail(node, fld, f"unknown movement {value!r}; allowed: {', '.join(allowed)}")
+
+    for movement, keys, fld in parsed:
+        rule_nodes = ck.sequence(keys["rules"][1], "") if "rules" in keys else []
+        for j, (rule, rnode) in enumerate(zip(movement.rules, rule_nodes)):
+            nnode = next(v for k, v in rnode.value if k.value == "next")
+            check_target(nnode, f"{fld}.rules[{j}].next", rule.next, targets)
+        if movement.default_next is not None:
+            check_target(keys["default_next"][1], f"{fld}.default_next", movement.default_next, targets)
+        if movement.verify is not None:
+            check_target(keys["verify"][1], f"{fld}.verify", movement.verify, tuple(n for n in names if n != movement.name))
+
+    initial = names[0]
+    if "initial_movement" in top:
+        node = top["initial_movement"][1]
+        initial = ck.string(node, "initial_movement")
+        check_target(node, "initial_movement", initial, tuple(names))
+
+    return Piece(
+        name=name, movements=tuple(m for m, _, _ in parsed), description=description, initial_movement=initial,
+        max_movements=max_movements, language=language, window_tokens=window, thresholds=thresholds,
+        min_tool_tokens=min_tool, source=source,
+    )
+
+
+def piece_search_path() -> list[Path]:
+    """Where piece names are looked up, in order: ``./pieces``, then the package's pieces."""
+    return [Path.cwd() / "pieces", PACKAGE_PIECES]
+
+
+def available_pieces() -> dict[str, Path]:
+    """Piece name → file, the first found along :func:`piece_search_path` winning."""
+    found: dict[str, Path] = {}
+    for folder in piece_search_path():
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.y*ml")):
+                if path.suffix in (".yaml", ".yml"):
+                    found.setdefault(path.stem, path)
+    return found
+
+
+def load_piece(ref: str | os.PathLike[str] | Piece, *, known_tools: Iterable[str] | None = None) -> Piece:
+    """Load a piece from a file path or by name (``./pieces/<name>.yaml``, then the package)."""
+    if isinstance(ref, Piece):
+        return ref
+    text_ref = os.fspath(ref)
+    path = Path(text_ref)
+    looks_like_path = path.suffix in (".yaml", ".yml") or os.sep in text_ref or "/" in text_ref
+    if not looks_like_path:
+        candidates = available_pieces()
+        if text_ref not in candidates:
+            names = ", ".join(sorted(candidates)) or "none"
+            raise PieceError(
+                f"unknown piece {text_ref!r}; available: {names} (searched ./pieces and the package)",
+                file=text_ref,
+            )
+        path = candidates[text_ref]
+    if not path.is_file():
+        raise PieceError("no such piece file", file=str(path))
+    return parse_piece(
+        path.read_text(encoding="utf-8"), source=str(path), base_dir=path.parent, known_tools=known_tools
+    )
+

@@ -1,0 +1,424 @@
+"""The piece runner: a resumable state machine that drives one job through its movements.
+
+:meth:`JobRunner.advance` runs one LLM call, one movement or the whole job.  It
+starts movements (building their prompts from the enriched instruction and what
+earlier movements carried over), follows transitions, records lessons, and
+moves the job to its next state.  Everything it decides is an event.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ._prompts import text
+from .context import ContextManager, window_for_model
+from .events import Lesson, Transition
+from .loop import AgentLoop, Outcome, Recorder, _Counters
+from .models import Model, ModelError
+from .pieces import SPECIAL_NEXT, Movement, Piece, load_piece, parse_piece
+from .store import TERMINAL_STATES
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = ["JobRunner", "MAX_LESSON_CHARS"]
+
+MAX_LESSON_CHARS = 2000
+GIT_DIFF_CHARS = 3000
+
+
+class JobRunner:
+    """Drives one job; one instance per job per process, rebuilt from the store when needed."""
+
+    def __init__(self, store: "Store", job: dict[str, Any], model: Model, jobs_root: Path) -> None:
+        self.store = store
+        self.job_id = int(job["id"])
+        self.model = model
+        self.piece: Piece = _parse_stored(job)
+        self.options: dict[str, Any] = json.loads(job.get("options") or "{}")
+        self.workdir = Path(job["workdir"])
+        self.logs_dir = jobs_root / str(self.job_id) / "logs"
+        self.rec = Recorder(store, self.job_id)
+        self.loop: AgentLoop | None = None
+        self.counters = _Counters()
+        self._load_counters()
+        open_mv = store.open_movement(self.job_id)
+        if open_mv is not None:
+            self.loop = self._make_loop(self.piece.movement(open_mv["name"]), int(open_mv["seq"]))
+            self.loop.resume(store.events(self.job_id, movement_seq=int(open_mv["seq"])))
+
+    # -- state ------------------------------------------------------------
+    def _load_counters(self) -> None:
+        rows = self.store.query(
+            "SELECT m.name, COUNT(*) FROM events e JOIN movements m ON m.job_id=e.job_id AND m.seq=e.movement_seq "
+            "WHERE e.job_id=? AND e.kind='llm_response' GROUP BY m.name",
+            (self.job_id,),
+        )
+        self.counters.by_movement = {r[0]: int(r[1]) for r in rows}
+        self.counters.call_index = sum(self.counters.by_movement.values())
+
+    def job(self) -> dict[str, Any]:
+        return self.store.job(self.job_id)
+
+    def _context_manager(self) -> ContextManager:
+        opts = self.options.get("context", {})
+        window = opts.get("window_tokens") or self.piece.window_tokens or window_for_model(self.model.spec)
+        thresholds = dict(self.piece.thresholds)
+        thresholds.update(opts.get("thresholds", {}))
+        return ContextManager(
+            window=window, thresholds=thresholds, model=self.model.spec,
+            min_tool_tokens=opts.get("min_tool_tokens") or self.piece.min_tool_tokens,
+        )
+
+    def _make_loop(self, movement: Movement, seq: int) -> AgentLoop:
+        return AgentLoop(
+            recorder=self.rec, movement=movement, seq=seq, model=self.model, ctx=self._context_manager(),
+            workdir=self.workdir, logs_dir=self.logs_dir, language=self.piece.language, counters=self.counters,
+            check_subtasks=self._check_subtasks,
+        )
+
+    # -- driving ---------------------------------------------------------------
+    def advance(self, unit: str = "job", stop: "threading.Event | None" = None) -> str:
+        """Run one ``call``, one ``movement`` or the whole ``job`` (until it ends or waits).
+
+        The job must be claimed (``running``).  Returns the job's status afterwards;
+        a job with more to do is left ``running`` for the caller to release.
+        """
+        try:
+            while True:
+                if self.loop is None:
+                    if not self._start_movement():
+                        return self.job()["status"]
+                assert self.loop is not None
+                outcome = self.loop.call()
+                if outcome is not None:
+                    status = self._finish_movement(outcome)
+                    if unit != "job" or status != "running":
+                        return status
+                elif unit == "call":
+                    self.rec.flush()
+                    return "running"
+                if stop is not None and stop.is_set():
+                    self.rec.flush()
+                    return "running"
+        except ModelError as exc:
+            return self._fail(str(exc), where="model")
+        except Exception as exc:  # an engine bug must not lose the events or leave the job running
+            return self._fail(f"{type(exc).__name__}: {exc}", where="engine")
+
+    def _fail(self, message: str, where: str) -> str:
+        with self.store.transaction() as c:
+            self.rec.add("error", {"message": message, "where": where},
+                         self.loop.seq if self.loop else None, self.loop.iteration if self.loop else None)
+            self.rec.flush(c)
+            if self.loop is not None:
+                c.execute("UPDATE movements SET status='failed', ended=?, iterations=? WHERE job_id=? AND seq=?",
+                          (time.time(), self.loop.iteration, self.job_id, self.loop.seq))
+            self.store.set_status(c, self.job_id, "failed", reason=message, error=message)
+        self.loop = None
+        return "failed"
+
+    def _start_movement(self) -> bool:
+        job = self.job()
+        name = job["current_movement"] or self.piece.initial_movement
+        seq = int(job["movement_seq"]) + 1
+        if seq > self.piece.max_movements:
+            message = (
+                f"max_movements ({self.piece.max_movements}) exceeded: the piece ran {seq - 1} movements "
+                f"and wanted to start {name!r}"
+            )
+            self._fail(message, where="runner")
+            return False
+        movement = self.piece.movement(name)
+        system = movement.persona
+        user = self._user_prompt(job, movement)
+        loop = self._make_loop(movement, seq)
+        loop.start(system, user)
+        with self.store.transaction() as c:
+            c.execute(
+                "INSERT INTO movements (job_id, seq, name, status, started) VALUES (?,?,?,?,?)",
+                (self.job_id, seq, name, "running", time.time()),
+            )
+            self.store.update_job(c, self.job_id, current_movement=name, movement_seq=seq)
+            self.rec.flush(c)
+        self.loop = loop
+        return True
+
+    def _finish_movement(self, out: Outcome) -> str:
+        loop = self.loop
+        assert loop is not None
+        mv = loop.movement
+        seq, it = loop.seq, loop.iteration
+        lesson_text = "" if out.forced else (out.lessons or (out.summary if out.next_step == "COMPLETE" else ""))
+        children: list[dict[str, Any]] = []
+        with self.store.transaction() as c:
+            if out.next_step == "WAIT_SUBTASKS" and out.subtasks:
+                children = self._create_children(c, out.subtasks)
+            self.rec.add(
+                "transition",
+                {"movement": mv.name, "next_step": out.next_step, "summary": out.summary, "lessons": out.lessons,
+                 "forced": out.forced, "reason": out.reason, "question": out.question, "feedback": out.feedback,
+                 "subtasks": children or None},
+                seq, it,
+            )
+            if lesson_text:
+                self.rec.add("lesson", {"lessons": lesson_text, "summary": out.summary, "movement": mv.name}, seq, it)
+            self.rec.flush(c)
+            c.execute(
+                "UPDATE movements SET status='done', ended=?, iterations=?, next_step=?, forced=?, summary=? "
+                "WHERE job_id=? AND seq=?",
+                (time.time(), it, out.next_step, int(out.forced), out.summary, self.job_id, seq),
+            )
+            status = self._apply_next(c, mv, out)
+        if lesson_text:
+            self._append_lesson_file(mv.name, seq, lesson_text, out.summary)
+        self.loop = None
+        return status
+
+    def _apply_next(self, c: Any, mv: Movement, out: Outcome) -> str:
+        step = out.next_step
+        why = f"{mv.name} → {step}" + (" (forced)" if out.forced else "")
+        if step == "COMPLETE":
+            self.store.set_status(c, self.job_id, "succeeded", reason=why)
+            self._notify_parent(c)
+            return "succeeded"
+        if step == "ABORT":
+            reason = out.reason or out.summary or "aborted by the model"
+            self.store.set_status(c, self.job_id, "aborted", reason=why, error=reason)
+            self._notify_parent(c)
+            return "aborted"
+        if step == "ASK":
+            self.store.add_comment(c, self.job_id, "agent", out.question or "")
+            self.store.set_status(c, self.job_id, "waiting_human", reason=why, resume_movement=mv.name, enriched=None)
+            return "waiting_human"
+        if step == "WAIT_SUBTASKS":
+            resume = out.resume or mv.default_next
+            if resume is None or resume in SPECIAL_NEXT:
+                resume = mv.name
+            self.store.set_status(c, self.job_id, "waiting_subtasks", reason=why, resume_movement=resume, enriched=None)
+            return "waiting_subtasks"
+        self.store.update_job(c, self.job_id, current_movement=step)
+        return "running"
+
+    # -- lessons --------------------------------------------------------------
+    def _append_lesson_file(self, movement: str, seq: int, lessons: str, summary: str) -> None:
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        record = {"job": self.job_id, "movement": movement, "seq": seq, "lessons": lessons, "summary": summary,
+                  "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        with open(self.logs_dir / "lessons.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    # -- subtasks ----------------------------------------------------------------
+    def _check_subtasks(self, subtasks: Any) -> str | None:
+        if not isinstance(subtasks, list) or not subtasks:
+            return "next_step WAIT_SUBTASKS needs subtasks: a non-empty list of {instruction, piece?}"
+        from .models import check_model_spec
+
+        for i, sub in enumerate(subtasks):
+            if not isinstance(sub, dict) or not isinstance(sub.get("instruction"), str) or not sub["instruction"].strip():
+                return f"subtasks[{i}] needs a non-empty instruction"
+            extra = set(sub) - {"instruction", "piece", "model"}
+            if extra:
+                return f"subtasks[{i}]: unknown key(s) {sorted(extra)}; allowed: instruction, piece, model"
+            if sub.get("piece"):
+                try:
+                    load_piece(sub["piece"])
+                except Exception as exc:
+                    return f"subtasks[{i}].piece: {exc}"
+            if sub.get("model"):
+                try:
+                    check_model_spec(sub["model"])
+                except Exception as exc:
+                    return f"subtasks[{i}].model: {exc}"
+        return None
+
+    def _create_children(self, c: Any, subtasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from .workspace import prepare_workdir
+
+        parent = self.store.job(self.job_id)
+        created = []
+        for sub in subtasks:
+            if sub.get("piece"):
+                piece = load_piece(sub["piece"])
+                piece_name, piece_yaml, piece_path = piece.name, piece.to_yaml(), piece.source
+            else:
+                piece_name, piece_yaml, piece_path = parent["piece"], parent["piece_yaml"], parent["piece_path"]
+            model = sub.get("model") or parent["model"]
+            now = time.time()
+            cur = c.execute(
+                "INSERT INTO jobs (parent_id, piece, piece_yaml, piece_path, model, instruction, status, workdir, "
+                "options, created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (self.job_id, piece_name, piece_yaml, piece_path, model, sub["instruction"], "queued", "",
+                 parent["options"], now, now),
+            )
+            child_id = int(cur.lastrowid)
+            workdir = prepare_workdir(Path(self.logs_dir).parent.parent, child_id, None)
+            c.execute("UPDATE jobs SET workdir=? WHERE id=?", (str(workdir), child_id))
+            self.store.append([(child_id, None, None, now, "job_status",
+                                {"status": "queued", "reason": f"subtask of job {self.job_id}"})], c)
+            created.append({"instruction": sub["instruction"], "piece": piece_name, "model": model, "job_id": child_id})
+        return created
+
+    def _notify_parent(self, c: Any) -> None:
+        """When this job was the last of its siblings to end, put the waiting parent back in the queue."""
+        row = c.execute("SELECT parent_id FROM jobs WHERE id=?", (self.job_id,)).fetchone()
+        if row is None or row[0] is None:
+            return
+        parent_id = int(row[0])
+        parent = c.execute("SELECT status FROM jobs WHERE id=?", (parent_id,)).fetchone()
+        if parent is None or parent[0] != "waiting_subtasks":
+            return
+        open_children = c.execute(
+            f"SELECT COUNT(*) FROM jobs WHERE parent_id=? AND status NOT IN ({','.join('?' * len(TERMINAL_STATES))})",
+            (parent_id, *sorted(TERMINAL_STATES)),
+        ).fetchone()[0]
+        if open_children == 0:
+            self.store.set_status(c, parent_id, "queued", reason="every subtask has ended")
+
+    # -- prompts -------------------------------------------------------------------
+    def _user_prompt(self, job: dict[str, Any], movement: Movement) -> str:
+        lang = self.piece.language
+        parts = [job["enriched"] or ""]
+        lessons = self._lessons_block()
+        if lessons:
+            parts.append(f"{text(lang, 'lessons')}\n{lessons}")
+        checklists = self._checklists_block()
+        if checklists:
+            parts.append(f"{text(lang, 'checklists')}\n{checklists}")
+        feedback = self._feedback_block(movement)
+        if feedback:
+            parts.append(f"{text(lang, 'feedback')}\n\n{feedback}")
+        transitions = self.store.events(self.job_id, kinds=["transition"])
+        last = transitions[-1] if transitions else None
+        if isinstance(last, Transition) and last.next_step == "WAIT_SUBTASKS" and last.subtasks:
+            parts.append(f"{text(lang, 'subtasks')}\n{self._subtasks_block(last.subtasks)}")
+        if isinstance(last, Transition) and last.movement and self._is_verify(last.movement):
+            git = self._git_block()
+            if git:
+                parts.append(f"{text(lang, 'git')}\n{git}")
+        parts.append(f"{text(lang, 'step', name=movement.name)}\n{movement.instruction.strip()}")
+        finish = [text(lang, "finish"), text(lang, "finish_intro")]
+        for rule in movement.rules:
+            finish.append(f"- `{rule.next}`" + (f": {rule.condition}" if rule.condition else ""))
+        finish.append(text(lang, "finish_abort"))
+        parts.append("\n".join(finish))
+        return "\n\n".join(p for p in parts if p)
+
+    def _lessons_block(self) -> str:
+        items = [f"- [{ev.movement}] {ev.lessons.strip()}" for ev in self.store.events(self.job_id, kinds=["lesson"])
+                 if isinstance(ev, Lesson)]
+        # keep the newest, dropping the oldest, within the cap
+        kept: list[str] = []
+        size = 0
+        for item in reversed(items):
+            if size + len(item) + 1 > MAX_LESSON_CHARS:
+                if not kept:
+                    kept.append(item[: MAX_LESSON_CHARS - 1] + "…")
+                break
+            kept.append(item)
+            size += len(item) + 1
+        return "\n".join(reversed(kept))
+
+    def _checklists_block(self) -> str:
+        folder = self.logs_dir / "checklists"
+        if not folder.is_dir():
+            return ""
+        out = []
+        for path in sorted(folder.glob("*.json")):
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            items = data.get("items", [])
+            done = sum(1 for i in items if i.get("done"))
+            out.append(f"### {path.stem} ({done}/{len(items)} done)")
+            out += [f"- [{'x' if i.get('done') else ' '}] {i.get('text', '')}" for i in items]
+        return "\n".join(out)
+
+    def _feedback_block(self, movement: Movement) -> str:
+        items = []
+        for ev in self.store.events(self.job_id, kinds=["transition"]):
+            if not isinstance(ev, Transition) or ev.next_step != movement.name or not ev.feedback:
+                continue
+            if not self._is_verify(ev.movement, target=movement.name):
+                continue
+            items.append(ev)
+        lang = self.piece.language
+        return "\n\n".join(
+            f"{text(lang, 'feedback_item', n=n, source=ev.movement)}\n{ev.feedback.strip()}"  # type: ignore[union-attr]
+            for n, ev in enumerate(items, start=1)
+        )
+
+    def _is_verify(self, name: str, target: str | None = None) -> bool:
+        try:
+            mv = self.piece.movement(name)
+        except KeyError:
+            return False
+        return mv.verify is not None and (target is None or mv.verify == target)
+
+    def _subtasks_block(self, subtasks: list[dict[str, Any]]) -> str:
+        lang = self.piece.language
+        lines = []
+        for sub in subtasks:
+            child_id = sub.get("job_id")
+            if child_id is None:
+                continue
+            child = self.store.job(int(child_id))
+            summary = child["error"] or ""
+            for ev in reversed(self.store.events(int(child_id), kinds=["transition"])):
+                if isinstance(ev, Transition):
+                    summary = ev.summary or summary
+                    break
+            lines.append(text(lang, "subtask_line", id=child_id, status=child["status"],
+                              instruction=sub.get("instruction", ""), summary=summary or "-"))
+        return "\n".join(lines)
+
+    def _git_block(self) -> str:
+        if not (self.workdir / ".git").exists():
+            return ""
+
+        def git(*args: str) -> str:
+            try:
+                res = subprocess.run(["git", *args], cwd=self.workdir, capture_output=True, text=True, timeout=20)
+            except (OSError, subprocess.TimeoutExpired):
+                return ""
+            return res.stdout if res.returncode == 0 else ""
+
+        status = git("status", "--short")
+        stat = git("diff", "--stat")
+        diff = git("diff")
+        if len(diff) > GIT_DIFF_CHARS:
+            diff = diff[:GIT_DIFF_CHARS] + f"\n… [diff cut: {GIT_DIFF_CHARS:,} of {len(diff):,} characters shown]"
+        blocks = ["$ git status --short", status.rstrip() or "(clean)"]
+        if stat.strip():
+            blocks += ["$ git diff --stat", stat.rstrip()]
+        if diff.strip():
+            blocks += ["$ git diff (excerpt)", "```diff", diff.rstrip(), "```"]
+        return "\n".join(blocks)
+
+
+def _parse_stored(job: dict[str, Any]) -> Piece:
+    """The piece a job was submitted with (its YAML is kept in the store, files inlined)."""
+    from .tools import registered_tool_names
+
+    # Tools named by the piece were checked at submit; a later process may lack a
+    # notebook's custom tool, which the loop then reports to the model.
+    piece = parse_piece(job["piece_yaml"], source=job.get("piece_path") or job["piece"],
+                        known_tools=_all_names(job["piece_yaml"]) + registered_tool_names())
+    return piece
+
+
+def _all_names(piece_yaml: str) -> list[str]:
+    import yaml
+
+    data = yaml.safe_load(piece_yaml) or {}
+    names: list[str] = []
+    for m in data.get("movements") or []:
+        if isinstance(m, dict):
+            names += [t for t in m.get("tools") or [] if isinstance(t, str)]
+    return names

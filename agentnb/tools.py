@@ -1,0 +1,354 @@
+"""Tools: plain functions with a JSON schema from their signature and docstring.
+
+``@agentnb.tool`` turns a function into a :class:`Tool` and registers it, so a
+piece can name it in ``tools:``.  A tool's exception becomes a tool error that the
+model sees; it never crashes the job.  Every path a built-in tool touches is
+resolved inside the job's work directory.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Union, get_args, get_origin
+
+__all__ = [
+    "Tool",
+    "ToolContext",
+    "ToolOutput",
+    "ToolError",
+    "tool",
+    "register",
+    "unregister",
+    "get_tool",
+    "registered_tool_names",
+    "resolve_path",
+    "PERMISSION_RANK",
+]
+
+PERMISSION_RANK = {"readonly": 0, "edit": 1, "full": 2}
+
+
+class ToolError(Exception):
+    """Raised by a tool for an error the model should read (a bad path, a missing file, …)."""
+
+
+@dataclass
+class ToolContext:
+    """What a tool may know about the job it runs in."""
+
+    workdir: Path
+    logs_dir: Path
+    budget_tokens: int = 60_000
+    chars_per_token: float = 4.0
+    job_id: int = 0
+    movement: str = ""
+    count_tokens: Callable[[str], int] | None = None
+
+    @property
+    def budget_chars(self) -> int:
+        return max(1, int(self.budget_tokens * self.chars_per_token))
+
+    def fit(self, text: str) -> int:
+        """How many leading characters of ``text`` fit in the token budget (measured, not guessed)."""
+        if self.count_tokens is None:
+            return min(len(text), self.budget_chars)
+        n = len(text)
+        for _ in range(6):
+            tokens = self.count_tokens(text[:n])
+            if tokens <= self.budget_tokens:
+                return n
+            n = max(1, int(n * self.budget_tokens / tokens * 0.97))
+        return n
+
+    def path(self, rel: str) -> Path:
+        return resolve_path(self.workdir, rel)
+
+    def rel(self, path: Path) -> str:
+        return os.path.relpath(path, os.path.realpath(self.workdir))
+
+
+@dataclass
+class ToolOutput:
+    """A tool's result, with the bookkeeping recorded in the ``tool_result`` event."""
+
+    content: str
+    is_error: bool = False
+    truncated: bool = False
+    original_chars: int | None = None
+    returned_chars: int | None = None
+    continuation: dict[str, Any] | None = None
+    image: str | None = None  # a data: URL, sent to the model as an image part
+
+    def __post_init__(self) -> None:
+        if self.original_chars is None:
+            self.original_chars = len(self.content)
+        if self.returned_chars is None:
+            self.returned_chars = len(self.content)
+
+
+@dataclass
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    fn: Callable[..., Any]
+    permission: str = "readonly"
+    takes_context: bool = False
+    builtin: bool = False
+    _positional: tuple[str, ...] = field(default=(), repr=False)
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI ``tools`` entry."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def invoke(self, ctx: ToolContext, arguments: Mapping[str, Any]) -> ToolOutput:
+        """Run with model-supplied arguments; every failure becomes an error output."""
+        if not isinstance(arguments, Mapping):
+            return ToolOutput(f"Error: arguments for {self.name} must be a JSON object", is_error=True)
+        props = self.parameters.get("properties", {})
+        unknown = [k for k in arguments if k not in props]
+        if unknown:
+            return ToolOutput(
+                f"Error: unknown argument(s) {', '.join(map(repr, unknown))} for {self.name}; "
+                f"allowed: {', '.join(props) or 'none'}",
+                is_error=True,
+            )
+        missing = [k for k in self.parameters.get("required", []) if k not in arguments]
+        if missing:
+            return ToolOutput(f"Error: {self.name} needs argument(s) {', '.join(map(repr, missing))}", is_error=True)
+        try:
+            result = self.fn(ctx, **arguments) if self.takes_context else self.fn(**arguments)
+        except ToolError as exc:
+            return ToolOutput(f"Error: {exc}", is_error=True)
+        except TypeError as exc:
+            return ToolOutput(f"Error: {self.name}: {exc}", is_error=True)
+        except Exception as exc:  # a user tool's exception is the model's to read
+            return ToolOutput(f"Error: {self.name} raised {type(exc).__name__}: {exc}", is_error=True)
+        if isinstance(result, ToolOutput):
+            return result
+        if result is None:
+            text = "(no output)"
+        elif isinstance(result, str):
+            text = result
+        else:
+            try:
+                text = json.dumps(result, ensure_ascii=False, default=str)
+            except (TypeError, ValueError):
+                text = repr(result)
+        from ._truncate import cut_text
+
+        return cut_text(text, ctx, hint="generic")
+
+
+# ---------------------------------------------------------------------------
+# Schema from signature and docstring
+
+_PRIMITIVES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
+
+
+def _json_type(hint: Any) -> tuple[dict[str, Any], bool]:
+    """JSON schema for a type hint, and whether ``None`` is allowed."""
+    origin = get_origin(hint)
+    if hint is Any or hint is inspect.Parameter.empty:
+        return {}, False
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(hint) if a is not type(None)]
+        optional = len(args) != len(get_args(hint))
+        if len(args) == 1:
+            return _json_type(args[0])[0], optional
+        return {"anyOf": [_json_type(a)[0] for a in args]}, optional
+    if origin is Literal:
+        values = list(get_args(hint))
+        return {"enum": values}, False
+    if origin in (list, tuple, typing.Sequence) or hint in (list, tuple):
+        args = get_args(hint)
+        out: dict[str, Any] = {"type": "array"}
+        if args and args[0] is not Ellipsis:
+            out["items"] = _json_type(args[0])[0]
+        return out, False
+    if origin in (dict, typing.Mapping) or hint is dict:
+        return {"type": "object"}, False
+    if hint in _PRIMITIVES:
+        return {"type": _PRIMITIVES[hint]}, False
+    return {}, False
+
+
+_ARG_LINE = re.compile(r"^\s*(?:[-*]\s*)?(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """Description and per-argument text from a Google-, NumPy- or Sphinx-style docstring."""
+    doc = inspect.cleandoc(doc or "")
+    params: dict[str, str] = {}
+    desc_lines: list[str] = []
+    section: str | None = None
+    current: str | None = None
+    for line in doc.splitlines():
+        stripped = line.strip()
+        m = re.match(r":param\s+(?:\w+\s+)?(\w+):\s*(.*)", stripped)
+        if m:
+            current = m.group(1)
+            params[current] = m.group(2)
+            section = "params"
+            continue
+        if stripped.lower().rstrip(":") in ("args", "arguments", "parameters", "params"):
+            section, current = "params", None
+            continue
+        if stripped.lower().rstrip(":") in ("returns", "return", "raises", "yields", "examples", "example"):
+            section, current = "other", None
+            continue
+        if set(stripped) <= {"-"} and stripped:
+            continue
+        if section == "params":
+            m = _ARG_LINE.match(line)
+            indent = len(line) - len(line.lstrip())
+            if m and (current is None or indent <= 4):
+                current = m.group(1)
+                params[current] = m.group(2).strip()
+            elif current and stripped:
+                params[current] = (params[current] + " " + stripped).strip()
+        elif section is None:
+            desc_lines.append(line)
+    description = "\n".join(desc_lines).strip()
+    return description, params
+
+
+def _build_tool(
+    fn: Callable[..., Any], name: str | None, description: str | None, permission: str, builtin: bool
+) -> Tool:
+    if permission not in PERMISSION_RANK:
+        raise ValueError(f"permission={permission!r}; allowed: {', '.join(PERMISSION_RANK)}")
+    sig = inspect.signature(fn)
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:
+        hints = {}
+    doc_desc, doc_params = _parse_docstring(fn.__doc__ or "")
+    props: dict[str, Any] = {}
+    required: list[str] = []
+    takes_context = False
+    for i, (pname, param) in enumerate(sig.parameters.items()):
+        hint = hints.get(pname, param.annotation)
+        if hint is ToolContext or (i == 0 and pname == "ctx"):
+            takes_context = True
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        schema, optional = _json_type(hint)
+        if pname in doc_params:
+            schema = {**schema, "description": doc_params[pname]}
+        if param.default is not inspect.Parameter.empty and param.default is not None:
+            schema = {**schema, "default": param.default}
+        props[pname] = schema
+        if param.default is inspect.Parameter.empty and not optional:
+            required.append(pname)
+    parameters: dict[str, Any] = {"type": "object", "properties": props, "required": required}
+    tool_name = name or fn.__name__
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", tool_name):
+        raise ValueError(f"tool name {tool_name!r} must be 1–64 letters, digits, '_' or '-'")
+    return Tool(
+        name=tool_name,
+        description=description or doc_desc or tool_name,
+        parameters=parameters,
+        fn=fn,
+        permission=permission,
+        takes_context=takes_context,
+        builtin=builtin,
+    )
+
+
+_REGISTRY: dict[str, Tool] = {}
+
+
+def register(t: Tool) -> Tool:
+    existing = _REGISTRY.get(t.name)
+    if existing is not None and existing.builtin and not t.builtin:
+        raise ValueError(f"{t.name!r} is a built-in tool; choose another name")
+    _REGISTRY[t.name] = t
+    return t
+
+
+def unregister(name: str) -> None:
+    t = _REGISTRY.get(name)
+    if t is not None and not t.builtin:
+        del _REGISTRY[name]
+
+
+def get_tool(name: str) -> Tool | None:
+    _ensure_builtins()
+    return _REGISTRY.get(name)
+
+
+def registered_tool_names() -> list[str]:
+    _ensure_builtins()
+    return list(_REGISTRY)
+
+
+def _ensure_builtins() -> None:
+    if "Read" not in _REGISTRY:
+        from . import _builtin_tools  # noqa: F401  (registers on import)
+
+
+@typing.overload
+def tool(fn: Callable[..., Any], /) -> Tool: ...
+@typing.overload
+def tool(
+    *, name: str | None = None, description: str | None = None, permission: str = "readonly"
+) -> Callable[[Callable[..., Any]], Tool]: ...
+def tool(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    permission: str = "readonly",
+    _builtin: bool = False,
+) -> Any:
+    """Make a plain function a tool that pieces can name in ``tools:``.
+
+    The schema comes from the signature, type hints and docstring (``Args:``
+    section).  ``permission`` is what a movement needs to use it: ``readonly``,
+    ``edit`` or ``full``.  A first parameter named ``ctx`` (or typed
+    :class:`ToolContext`) receives the job's context.  Redefining a tool in a
+    notebook cell replaces the earlier definition.
+    """
+
+    def wrap(f: Callable[..., Any]) -> Tool:
+        return register(_build_tool(f, name, description, permission, _builtin))
+
+    return wrap(fn) if fn is not None else wrap
+
+
+# ---------------------------------------------------------------------------
+# Paths
+
+
+def resolve_path(workdir: str | os.PathLike[str], rel: str) -> Path:
+    """Resolve ``rel`` inside ``workdir``; refuse absolute paths and anything that leaves it.
+
+    Symlinks are followed before the check, so a link pointing outside is refused too.
+    """
+    if not isinstance(rel, str) or not rel.strip():
+        raise ToolError("path must be a non-empty path relative to the work directory")
+    if "\x00" in rel:
+        raise ToolError("path contains a NUL byte")
+    if os.path.isabs(rel) or rel.startswith("~"):
+        raise ToolError(f"path {rel!r} is absolute; give a path relative to the work directory")
+    root = os.path.realpath(workdir)
+    real = os.path.realpath(os.path.join(root, rel))
+    if real != root and not real.startswith(root + os.sep):
+        raise ToolError(f"path {rel!r} leaves the work directory; only paths inside it are allowed")
+    return Path(real)

@@ -1,0 +1,113 @@
+"""The worker: claims queued jobs and runs them; builds the enriched instruction.
+
+The enriched instruction is the first user message's opening: a date-time block,
+the last 5 comments of the job (each cut to 500 characters, with a visible
+marker), a listing of ``input/`` and ``output/`` (names and sizes, never
+contents) and the job's instruction.  Older comments, earlier movements'
+conversations, logs and file contents are deliberately left out.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ._prompts import text
+
+if TYPE_CHECKING:
+    from .workspace import Job, Workspace
+
+__all__ = ["Worker", "build_enriched_instruction", "MAX_COMMENTS", "MAX_COMMENT_CHARS"]
+
+MAX_COMMENTS = 5
+MAX_COMMENT_CHARS = 500
+MAX_LISTED_FILES = 50
+
+
+def _now_block(language: str, now: datetime | None = None) -> str:
+    now = now or datetime.now().astimezone()
+    tz = now.tzname() or "UTC"
+    return f"{text(language, 'time')}\n{now.strftime('%Y-%m-%d %H:%M')} ({now.strftime('%A')}, {tz})"
+
+
+def _comment_block(comments: list[dict[str, Any]], total: int, language: str) -> str:
+    lines = [text(language, "comments", shown=len(comments), total=total)]
+    for c in comments:
+        body = c["body"]
+        if len(body) > MAX_COMMENT_CHARS:
+            body = body[:MAX_COMMENT_CHARS] + " " + text(language, "cut", shown=MAX_COMMENT_CHARS, total=len(body))
+        when = datetime.fromtimestamp(c["ts"], tz=timezone.utc).astimezone().strftime("%Y-%m-%d %H:%M")
+        lines.append(f"- [{c['author']}, {when}] {body}")
+    return "\n".join(lines)
+
+
+def _listing(folder: Path, label: str, language: str) -> list[str]:
+    lines = [f"{label}/"]
+    entries: list[tuple[str, int]] = []
+    if folder.is_dir():
+        for dirpath, dirnames, filenames in os.walk(folder):
+            dirnames.sort()
+            for name in sorted(filenames):
+                p = Path(dirpath) / name
+                try:
+                    entries.append((p.relative_to(folder).as_posix(), p.stat().st_size))
+                except OSError:
+                    continue
+    if not entries:
+        lines.append(f"  {text(language, 'empty')}")
+    for rel, size in entries[:MAX_LISTED_FILES]:
+        lines.append(f"  - {rel} ({size:,} bytes)")
+    if len(entries) > MAX_LISTED_FILES:
+        lines.append("  " + text(language, "more_files", n=len(entries) - MAX_LISTED_FILES))
+    return lines
+
+
+def build_enriched_instruction(
+    *,
+    instruction: str,
+    comments: list[dict[str, Any]],
+    total_comments: int,
+    workdir: Path,
+    language: str = "en",
+    now: datetime | None = None,
+) -> str:
+    """The opening of every movement's user prompt for one activation of a job."""
+    blocks = [_now_block(language, now)]
+    if comments:
+        blocks.append(_comment_block(comments, total_comments, language))
+    files = [text(language, "workspace")]
+    files += _listing(workdir / "input", "input", language)
+    files += _listing(workdir / "output", "output", language)
+    blocks.append("\n".join(files))
+    blocks.append(f"{text(language, 'task')}\n{instruction}")
+    return "\n\n".join(blocks)
+
+
+class Worker:
+    """Claims queued jobs one at a time and runs each until it ends or waits."""
+
+    def __init__(self, workspace: "Workspace") -> None:
+        self.ws = workspace
+
+    def run_once(self) -> "Job | None":
+        """Claim the oldest queued job and run it; ``None`` when the queue is empty."""
+        row = self.ws.store.claim()
+        if row is None:
+            return None
+        return self.ws._run_claimed(row, unit="job")
+
+    def run(self, *, forever: bool = False, poll: float = 1.0, max_jobs: int | None = None) -> int:
+        """Run queued jobs until none is left (or forever, polling); returns how many ran."""
+        done = 0
+        while max_jobs is None or done < max_jobs:
+            job = self.run_once()
+            if job is None:
+                if not forever:
+                    break
+                time.sleep(poll)
+                continue
+            done += 1
+        return done

@@ -1,0 +1,356 @@
+"""The public facade: a :class:`Workspace` folder holding the store and the jobs' files."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
+
+from .events import Event
+from .models import check_model_spec, resolve_model
+from .pieces import Piece, load_piece
+from .runner import JobRunner
+from .store import TERMINAL_STATES, WAITING_STATES, Store, StoreError
+from .tools import ToolError, resolve_path
+from .worker import MAX_COMMENTS, Worker, build_enriched_instruction
+
+if TYPE_CHECKING:
+    from .frames import Frames
+
+__all__ = ["Workspace", "Job", "JobStatus", "JobRef", "prepare_workdir", "DEFAULT_WORKSPACE"]
+
+DEFAULT_WORKSPACE = "agentnb-data"
+
+
+class JobStatus(str, Enum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    aborted = "aborted"
+    waiting_human = "waiting_human"
+    waiting_subtasks = "waiting_subtasks"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def terminal(self) -> bool:
+        return self.value in TERMINAL_STATES
+
+    @property
+    def waiting(self) -> bool:
+        return self.value in WAITING_STATES
+
+
+@dataclass(frozen=True)
+class Job:
+    """A snapshot of one job's row.  ``ws.job(job.id)`` (or :meth:`refresh`) reads it again."""
+
+    id: int
+    parent_id: int | None
+    piece: str
+    model: str
+    instruction: str
+    status: JobStatus
+    current_movement: str | None
+    resume_movement: str | None
+    movement_seq: int
+    workdir: str
+    error: str | None
+    created: float
+    updated: float
+    started: float | None
+    ended: float | None
+    workspace: "Workspace | None" = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any], ws: "Workspace | None" = None) -> "Job":
+        names = {f.name for f in fields(cls)} - {"workspace", "status"}
+        return cls(status=JobStatus(row["status"]), workspace=ws, **{k: row[k] for k in names})
+
+    def refresh(self) -> "Job":
+        if self.workspace is None:
+            raise StoreError("this Job is not attached to a workspace")
+        return self.workspace.job(self.id)
+
+    def _repr_html_(self) -> str:
+        if self.workspace is None:
+            return f"<pre>Job {self.id} ({self.status})</pre>"
+        from .render import job_html
+
+        return job_html(self.workspace, self.id)
+
+
+JobRef = Union[Job, int, str]
+
+
+def prepare_workdir(root: Path, job_id: int, workdir: str | os.PathLike[str] | None) -> Path:
+    """The job's work directory (created with ``input/`` and ``output/``) and its logs folder."""
+    logs = root / "jobs" / str(job_id) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    if workdir is None:
+        wd = root / "jobs" / str(job_id)
+    else:
+        wd = Path(workdir).expanduser().resolve()
+        if not wd.is_dir():
+            raise FileNotFoundError(f"workdir {str(workdir)!r} is not an existing directory")
+    (wd / "input").mkdir(parents=True, exist_ok=True)
+    (wd / "output").mkdir(parents=True, exist_ok=True)
+    return wd.resolve()
+
+
+class Workspace:
+    """A folder with ``agentnb.sqlite`` and ``jobs/<id>/``; the way to submit, run, step and inspect jobs."""
+
+    def __init__(self, path: str | os.PathLike[str] = DEFAULT_WORKSPACE) -> None:
+        self.root = Path(path).expanduser().resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.store = Store(self.root / "agentnb.sqlite")
+        self._runners: dict[int, tuple[JobRunner, int]] = {}
+        self._lock = threading.RLock()
+        self._stops: dict[int, threading.Event] = {}
+
+    def __repr__(self) -> str:
+        return f"Workspace({str(self.root)!r})"
+
+    # -- jobs --------------------------------------------------------------
+    def _id(self, job: JobRef) -> int:
+        if isinstance(job, Job):
+            return job.id
+        try:
+            return int(job)
+        except (TypeError, ValueError):
+            raise StoreError(f"job must be a Job or a job id, not {job!r}") from None
+
+    def job(self, job: JobRef) -> Job:
+        return Job.from_row(self.store.job(self._id(job)), self)
+
+    def jobs(self, status: str | None = None) -> list[Job]:
+        return [Job.from_row(r, self) for r in self.store.jobs(status=status)]
+
+    def children(self, job: JobRef) -> list[Job]:
+        return [Job.from_row(r, self) for r in self.store.jobs(parent_id=self._id(job))]
+
+    def events(self, job: JobRef, kinds: list[str] | None = None) -> list[Event]:
+        return self.store.events(self._id(job), kinds=kinds)
+
+    def comments(self, job: JobRef) -> list[dict[str, Any]]:
+        return self.store.comments(self._id(job))
+
+    def movements(self, job: JobRef) -> list[dict[str, Any]]:
+        return self.store.movements(self._id(job))
+
+    def piece(self, job: JobRef) -> Piece:
+        from .runner import _parse_stored
+
+        return _parse_stored(self.store.job(self._id(job)))
+
+    def submit(
+        self,
+        instruction: str,
+        *,
+        piece: str | os.PathLike[str] | Piece = "plan-implement-verify",
+        model: str = "demo",
+        inputs: Mapping[str, str | bytes | os.PathLike[str]] | None = None,
+        workdir: str | os.PathLike[str] | None = None,
+        context: Mapping[str, Any] | None = None,
+    ) -> Job:
+        """Queue a job.  Bad pieces, model specs and inputs are refused before anything is stored."""
+        if not isinstance(instruction, str) or not instruction.strip():
+            raise ValueError("instruction must be non-empty text")
+        p = load_piece(piece)
+        model = _normalise_spec(model)
+        check_model_spec(model)
+        opts: dict[str, Any] = {}
+        if context:
+            unknown = set(context) - {"window_tokens", "thresholds", "min_tool_tokens"}
+            if unknown:
+                raise ValueError(f"context: unknown key(s) {sorted(unknown)}; allowed: window_tokens, thresholds, min_tool_tokens")
+            opts["context"] = dict(context)
+        if workdir is not None and not Path(workdir).expanduser().is_dir():
+            raise FileNotFoundError(f"workdir {str(workdir)!r} is not an existing directory")
+        if inputs:
+            for name in inputs:
+                if not isinstance(name, str) or os.path.isabs(name) or ".." in Path(name).parts or not name.strip():
+                    raise ValueError(f"input name {name!r} must be a relative path inside input/")
+        job_id = self.store.create_job(
+            piece=p.name, piece_yaml=p.to_yaml(), piece_path=p.source, model=model, instruction=instruction,
+            status="queued", workdir="", options=opts,
+        )
+        wd = prepare_workdir(self.root, job_id, workdir)
+        for name, value in (inputs or {}).items():
+            try:
+                target = resolve_path(wd / "input", name)
+            except ToolError as exc:
+                raise ValueError(f"input {name!r}: {exc}") from None
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(value, bytes):
+                target.write_bytes(value)
+            elif isinstance(value, os.PathLike):
+                target.write_bytes(Path(value).read_bytes())
+            else:
+                target.write_text(str(value), encoding="utf-8")
+        with self.store.transaction() as c:
+            self.store.update_job(c, job_id, workdir=str(wd))
+        return self.job(job_id)
+
+    # -- running ------------------------------------------------------------
+    def _runner(self, row: Mapping[str, Any]) -> JobRunner:
+        job_id = int(row["id"])
+        mark = self._movement_mark(job_id)
+        cached = self._runners.get(job_id)
+        if cached is not None and cached[1] == mark:
+            return cached[0]
+        model = resolve_model(row["model"], store=self.store)
+        runner = JobRunner(self.store, dict(row), model, self.root / "jobs")
+        self._runners[job_id] = (runner, mark)
+        return runner
+
+    def _movement_mark(self, job_id: int) -> int:
+        rows = self.store.query(
+            "SELECT MAX(id) FROM events WHERE job_id=? AND movement_seq IS NOT NULL", (job_id,)
+        )
+        return int(rows[0][0] or 0)
+
+    def _activate(self, row: dict[str, Any], runner: JobRunner) -> None:
+        """Build the enriched instruction once per activation (first start, or after a wait)."""
+        if row.get("enriched"):
+            return
+        job_id = int(row["id"])
+        enriched = build_enriched_instruction(
+            instruction=row["instruction"],
+            comments=self.store.comments(job_id, last=MAX_COMMENTS),
+            total_comments=self.store.count_comments(job_id),
+            workdir=Path(row["workdir"]),
+            language=runner.piece.language,
+        )
+        with self.store.transaction() as c:
+            self.store.update_job(c, job_id, enriched=enriched)
+
+    def _run_claimed(self, row: dict[str, Any], unit: str) -> Job:
+        job_id = int(row["id"])
+        with self._lock:
+            try:
+                runner = self._runner(row)
+            except Exception as exc:  # the model or piece cannot be set up: the job fails, visibly
+                with self.store.transaction() as c:
+                    self.store.append([(job_id, None, None, time.time(), "error",
+                                        {"message": str(exc), "where": "setup"})], c)
+                    self.store.set_status(c, job_id, "failed", reason=str(exc), error=str(exc))
+                return self.job(job_id)
+            stop = self._stops.setdefault(job_id, threading.Event())
+        self._activate(row, runner)
+        status = runner.advance(unit, stop if unit == "job" else None)
+        if stop.is_set():
+            stop.clear()
+        if status == "running":
+            with self.store.transaction() as c:
+                self.store.set_status(c, job_id, "queued", reason=f"paused after one {unit}")
+        with self._lock:
+            self._runners[job_id] = (runner, self._movement_mark(job_id))
+        return self.job(job_id)
+
+    def _claim(self, job_id: int) -> dict[str, Any] | None:
+        row = self.store.claim(job_id)
+        if row is None:
+            current = self.store.job(job_id)
+            if current["status"] == "running":
+                raise StoreError(f"job {job_id} is already running ({current['claimed_by']})")
+        return row
+
+    def run(self, job: JobRef, *, subtasks: bool = True) -> Job:
+        """Run a job until it ends or waits for a human; runs its subtasks too unless ``subtasks=False``."""
+        job_id = self._id(job)
+        self._stops.pop(job_id, None)
+        while True:
+            row = self._claim(job_id)
+            if row is None:
+                current = self.job(job_id)
+                if current.status == "waiting_subtasks" and subtasks and self._run_children(job_id):
+                    continue
+                return current
+            result = self._run_claimed(row, unit="job")
+            if result.status == "queued":  # stopped
+                return result
+            if result.status == "waiting_subtasks" and subtasks and self._run_children(job_id):
+                continue
+            return result
+
+    def _run_children(self, job_id: int) -> bool:
+        """Run the queued children of a waiting parent; True when the parent is queued again."""
+        for child in self.children(job_id):
+            if child.status == "queued":
+                try:
+                    self.run(child)
+                except StoreError:
+                    continue  # claimed by another worker meanwhile
+        return self.store.job(job_id)["status"] == "queued"
+
+    def step(self, job: JobRef, unit: str = "movement") -> Job:
+        """Run one movement (``unit="movement"``) or one LLM call with its tool calls (``unit="call"``)."""
+        if unit not in ("movement", "call"):
+            raise ValueError(f"unit={unit!r}; allowed: 'movement', 'call'")
+        job_id = self._id(job)
+        row = self._claim(job_id)
+        if row is None:
+            return self.job(job_id)
+        return self._run_claimed(row, unit=unit)
+
+    def iter(self, job: JobRef, unit: str = "call") -> Iterator[Job]:
+        """Step a job to its end, yielding it after every step (for notebooks that watch or pause)."""
+        while True:
+            current = self.step(job, unit=unit)
+            yield current
+            if current.status != "queued":
+                return
+
+    def stop(self, job: JobRef) -> None:
+        """Ask a running job to pause after its current LLM call; it goes back to ``queued``."""
+        self._stops.setdefault(self._id(job), threading.Event()).set()
+
+    def reply(self, job: JobRef, text: str) -> Job:
+        """Add the user's comment; a job waiting for a human goes back to the queue to resume."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("reply text must be non-empty")
+        job_id = self._id(job)
+        with self.store.transaction() as c:
+            row = dict(c.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone() or {})
+            if not row:
+                raise StoreError(f"no job {job_id} in {self.store.path}")
+            self.store.add_comment(c, job_id, "user", text)
+            if row["status"] == "waiting_human":
+                self.store.set_status(
+                    c, job_id, "queued", reason="the user replied",
+                    current_movement=row["resume_movement"] or row["current_movement"], resume_movement=None,
+                    enriched=None,
+                )
+        return self.job(job_id)
+
+    def worker(self) -> Worker:
+        return Worker(self)
+
+    # -- views -----------------------------------------------------------------
+    @property
+    def frames(self) -> "Frames":
+        from .frames import Frames
+
+        return Frames(self)
+
+    def export_notebook(self, job: JobRef, path: str | os.PathLike[str]) -> Path:
+        from .export import export_notebook
+
+        return export_notebook(self, self._id(job), path)
+
+
+def _normalise_spec(spec: str) -> str:
+    if isinstance(spec, str) and spec.startswith("scripted:"):
+        path = spec.split(":", 1)[1]
+        if path and Path(path).is_file():
+            return "scripted:" + str(Path(path).resolve())
+    return spec
+
