@@ -119,7 +119,8 @@ class Piece:
                 "tools": list(m.tools),
                 "permission": m.permission,
                 "max_iterations": m.max_iterations,
-                "rules": [{"condition": r.condition, "next": r.next} for r in m.rules],
+                "rules": [{"condition": r.condition, "next": r.next} if r.condition else {"next": r.next}
+                          for r in m.rules],
             }
             if m.description:
                 d["description"] = m.description
