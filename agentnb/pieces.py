@@ -7,6 +7,7 @@ line, the field, what was found and what is allowed.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -145,6 +146,68 @@ _MOVEMENT_KEYS = (
     "permission", "max_iterations", "rules", "default_next", "verify",
 )
 _RULE_KEYS = ("condition", "next")
+_TOP = "(top level)"
+
+
+def _keys_found(keys: dict[str, Any]) -> str:
+    return ", ".join(keys) or "none"
+
+
+def _yaml_field(text: str, line: int) -> str:
+    """The key path around a (1-based) line, read from indentation, for errors the YAML parser can't place."""
+    lines = [ln.replace("\t", " ") for ln in text.splitlines()]
+    if not lines:
+        return _TOP
+    key_rx = re.compile(r"^( *)(- +)?([A-Za-z_][\w-]*) *:")
+    parts: list[str] = []
+    limit: int | None = None  # the column of the innermost node found so far; parents sit left of it
+    for i in range(min(max(line - 1, 0), len(lines) - 1), -1, -1):
+        m = key_rx.match(lines[i])
+        if not m:
+            continue
+        dash = len(m.group(1))
+        column = dash + len(m.group(2) or "")
+        if limit is None or column < limit:
+            parts.insert(0, m.group(3))
+            limit = column
+        if m.group(2) and column <= limit:  # a list item that holds what we have: which item is it?
+            n = 0
+            for j in range(i - 1, -1, -1):
+                stripped = lines[j].lstrip()
+                if not stripped or stripped.startswith("#"):
+                    continue
+                if len(lines[j]) - len(stripped) < dash:
+                    break
+                if len(lines[j]) - len(stripped) == dash and stripped.startswith("-"):
+                    n += 1
+            parts.insert(0, f"[{n}]")
+            limit = dash
+        if limit == 0:
+            break
+    out = ""
+    for part in parts:
+        out += part if part.startswith("[") or not out else "." + part
+    return out or _TOP
+
+
+def _yaml_error(exc: yaml.YAMLError, text: str, source: str) -> PieceError:
+    lines = text.splitlines()
+    mark = getattr(exc, "problem_mark", None)
+    context = getattr(exc, "context_mark", None)
+    blank = mark is None or mark.line >= len(lines) or not lines[mark.line].strip()
+    if blank and context is not None:  # e.g. the end of the file: where the unclosed thing began says more
+        mark = context
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if blank and getattr(exc, "context", None):
+        problem = f"{problem} {exc.context}"  # type: ignore[attr-defined]
+    line = mark.line + 1 if mark is not None else None
+    found = lines[line - 1].strip() if line and 0 < line <= len(lines) else ""
+    if "\t" in found or "'\\t'" in problem:
+        problem += " (indent with spaces, not tabs)"
+    return PieceError(
+        f"not valid YAML: {problem}; found {found!r}, expected YAML text (a mapping of name, movements, …)",
+        file=source, line=line, field=_yaml_field(text, line or 1),
+    )
 
 
 class _Checker:
@@ -171,7 +234,7 @@ class _Checker:
         out: dict[str, tuple[Node, Node]] = {}
         for key_node, value_node in node.value:
             key = key_node.value if isinstance(key_node, ScalarNode) else None
-            sub = f"{fld}.{key}" if fld else str(key)
+            sub = f"{fld}.{key}" if fld and fld != _TOP else str(key)
             if key not in allowed:
                 raise self.fail(key_node, sub, f"unknown key {key!r}; allowed keys: {', '.join(allowed)}")
             if key in out:
@@ -235,7 +298,8 @@ class _Checker:
             except OSError as exc:
                 raise self.fail(node, f"{fld}.{file_key}", f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
         if required:
-            raise self.fail(owner, fld, f"missing {name} (or {file_key})")
+            raise self.fail(owner, f"{fld}.{name}", f"missing required key {name!r} (or {file_key!r}); "
+                            f"found keys: {_keys_found(keys)}")
         return ""
 
 
@@ -255,15 +319,14 @@ def parse_piece(
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise PieceError(f"not valid YAML: {problem}", file=source, line=mark.line + 1 if mark else None) from None
+        raise _yaml_error(exc, text, source) from None
     if root is None:
-        raise PieceError("the piece is empty; it needs at least name and movements", file=source, line=1)
-    top = ck.mapping(root, "", _TOP_KEYS)
+        raise PieceError("found an empty file, expected a mapping with at least name and movements",
+                         file=source, line=1, field=_TOP)
+    top = ck.mapping(root, _TOP, _TOP_KEYS)
     for required in ("name", "movements"):
         if required not in top:
-            raise ck.fail(root, required, f"missing required key {required!r}")
+            raise ck.fail(root, required, f"missing required key {required!r}; found keys: {_keys_found(top)}")
     if known_tools is None:
         from .tools import registered_tool_names
 
@@ -308,7 +371,7 @@ def parse_piece(
         fld = f"movements[{i}]"
         keys = ck.mapping(mnode, fld, _MOVEMENT_KEYS)
         if "name" not in keys:
-            raise ck.fail(mnode, f"{fld}.name", "missing required key 'name'")
+            raise ck.fail(mnode, f"{fld}.name", f"missing required key 'name'; found keys: {_keys_found(keys)}")
         mname = ck.string(keys["name"][1], f"{fld}.name")
         if mname in SPECIAL_NEXT:
             raise ck.fail(keys["name"][1], f"{fld}.name", f"found {mname!r}, which is reserved for a special next step")
@@ -339,7 +402,8 @@ def parse_piece(
             for j, rnode in enumerate(ck.sequence(keys["rules"][1], f"{fld}.rules")):
                 rkeys = ck.mapping(rnode, f"{fld}.rules[{j}]", _RULE_KEYS)
                 if "next" not in rkeys:
-                    raise ck.fail(rnode, f"{fld}.rules[{j}].next", "missing required key 'next'")
+                    raise ck.fail(rnode, f"{fld}.rules[{j}].next",
+                                  f"missing required key 'next'; found keys: {_keys_found(rkeys)}")
                 cond = ck.string(rkeys["condition"][1], f"{fld}.rules[{j}].condition") if "condition" in rkeys else ""
                 rules.append(Rule(condition=cond, next=ck.string(rkeys["next"][1], f"{fld}.rules[{j}].next")))
         default_next = ck.string(keys["default_next"][1], f"{fld}.default_next") if "default_next" in keys else None
@@ -357,7 +421,7 @@ def parse_piece(
 
     def check_target(node: Node, fld: str, value: str, allowed: tuple[str, ...]) -> None:
         if value not in allowed:
-            raise ck.fail(node, fld, f"unknown movement {value!r}; allowed: {', '.join(allowed)}")
+            raise ck.fail(node, fld, f"unknown movement {value!r}; allowed: {', '.join(allowed) or 'none'}")
 
     for movement, keys, fld in parsed:
         rule_nodes = ck.sequence(keys["rules"][1], "") if "rules" in keys else []
@@ -367,7 +431,12 @@ def parse_piece(
         if movement.default_next is not None:
             check_target(keys["default_next"][1], f"{fld}.default_next", movement.default_next, targets)
         if movement.verify is not None:
-            check_target(keys["verify"][1], f"{fld}.verify", movement.verify, tuple(n for n in names if n != movement.name))
+            others = tuple(n for n in names if n != movement.name)
+            if movement.verify == movement.name:
+                raise ck.fail(keys["verify"][1], f"{fld}.verify",
+                              f"found {movement.verify!r}, the movement itself; allowed: {', '.join(others) or 'none'} "
+                              "(verify names the movement whose work this one checks)")
+            check_target(keys["verify"][1], f"{fld}.verify", movement.verify, others)
 
     initial = names[0]
     if "initial_movement" in top:

@@ -1,0 +1,179 @@
+"""The SQLite store: WAL, migrations, atomic claims across processes, status events."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from agentnb import Workspace
+from agentnb._migrations import MIGRATIONS
+from agentnb.store import Store, StoreError
+
+from engine_helpers import transition, write_script
+
+
+def _new_job(store: Store, n: int = 0) -> int:
+    return store.create_job(piece="p", piece_yaml="name: p", model="demo", instruction=f"task {n}", workdir="")
+
+
+def test_wal_mode_and_migrations_applied_on_open(tmp_path: Path) -> None:
+    path = tmp_path / "agentnb.sqlite"
+    store = Store(path)
+    store.close()
+    raw = sqlite3.connect(path)
+    assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert raw.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+    tables = {r[0] for r in raw.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"jobs", "comments", "movements", "events"} <= tables
+    raw.close()
+
+
+def test_reopen_is_idempotent_and_keeps_data(tmp_path: Path) -> None:
+    path = tmp_path / "agentnb.sqlite"
+    store = Store(path)
+    job_id = _new_job(store)
+    store.close()
+    for _ in range(3):  # re-opening must not re-run migrations (they would fail on existing tables)
+        store = Store(path)
+        assert store.job(job_id)["instruction"] == "task 0"
+        assert store.query("PRAGMA user_version")[0][0] == len(MIGRATIONS)
+        store.close()
+
+
+def test_a_reset_file_is_migrated_again(tmp_path: Path) -> None:
+    path = tmp_path / "agentnb.sqlite"
+    Store(path).close()
+    raw = sqlite3.connect(path)
+    raw.execute("PRAGMA user_version=0")  # pretend an old file: migration 1 would run again and fail
+    raw.execute("DROP TABLE events")
+    raw.execute("DROP TABLE movements")
+    raw.execute("DROP TABLE comments")
+    raw.execute("DROP TABLE jobs")
+    raw.commit()
+    raw.close()
+    store = Store(path)
+    assert store.query("PRAGMA user_version")[0][0] == len(MIGRATIONS)
+    assert _new_job(store) == 1
+
+
+def _claim_all(path: str, barrier: "mp.synchronize.Barrier", out: "mp.Queue[list[int]]") -> None:
+    store = Store(path)
+    barrier.wait()
+    got = []
+    while True:
+        row = store.claim()
+        if row is None:
+            break
+        got.append(int(row["id"]))
+    out.put(got)
+
+
+def _claim_one(path: str, job_ids: list[int], barrier: "mp.synchronize.Barrier", out: "mp.Queue[list[int]]") -> None:
+    store = Store(path)
+    got = []
+    for job_id in job_ids:
+        barrier.wait()  # every process asks for the same job at the same moment
+        if store.claim(job_id) is not None:
+            got.append(job_id)
+    out.put(got)
+
+
+def _ctx() -> "mp.context.BaseContext":
+    return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+
+
+@pytest.mark.parametrize("procs", [4])
+def test_claim_is_atomic_across_processes(tmp_path: Path, procs: int) -> None:
+    path = tmp_path / "agentnb.sqlite"
+    store = Store(path)
+    ids = [_new_job(store, n) for n in range(60)]
+    store.close()
+    ctx = _ctx()
+    barrier = ctx.Barrier(procs)
+    out = ctx.Queue()
+    workers = [ctx.Process(target=_claim_all, args=(str(path), barrier, out)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    results = [out.get(timeout=60) for _ in workers]
+    for w in workers:
+        w.join(timeout=60)
+        assert w.exitcode == 0
+    claimed = [i for r in results for i in r]
+    assert sorted(claimed) == ids  # every job claimed exactly once
+    assert len(set(claimed)) == len(claimed)
+    store = Store(path)
+    for job_id in ids:
+        running = [e for e in store.events(job_id, kinds=["job_status"]) if e.payload["status"] == "running"]
+        assert len(running) == 1
+
+
+def test_racing_for_the_same_job_only_one_process_wins(tmp_path: Path) -> None:
+    path = tmp_path / "agentnb.sqlite"
+    store = Store(path)
+    ids = [_new_job(store, n) for n in range(15)]
+    store.close()
+    ctx = _ctx()
+    procs = 4
+    barrier = ctx.Barrier(procs)
+    out = ctx.Queue()
+    workers = [ctx.Process(target=_claim_one, args=(str(path), ids, barrier, out)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    results = [out.get(timeout=60) for _ in workers]
+    for w in workers:
+        w.join(timeout=60)
+    claimed = [i for r in results for i in r]
+    assert sorted(claimed) == ids
+
+
+def test_claim_of_a_job_that_is_not_queued_returns_none(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    job_id = _new_job(store)
+    assert store.claim(job_id) is not None
+    assert store.claim(job_id) is None
+    assert store.claim() is None
+    with pytest.raises(StoreError, match="no job 99"):
+        store.job(99)
+
+
+def test_unknown_event_kind_is_refused(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.sqlite")
+    job_id = _new_job(store)
+    with pytest.raises(StoreError, match="unknown event kind 'bogus'; allowed: job_status"):
+        store.append([(job_id, None, None, 0.0, "bogus", {})])
+
+
+def test_every_status_change_is_a_job_status_event(ws: Workspace, tmp_path: Path) -> None:
+    """Replay the job_status events: they must pass through every status the row had."""
+    model = write_script(tmp_path, {"responses": [
+        transition("ASK", "need input", question="Which one?"),
+        transition("COMPLETE", "finished"),
+    ]})
+    job = ws.submit("task", piece="single", model=model)
+    seen = [job.status.value]
+    job = ws.step(job, unit="call")
+    seen.append(job.status.value)
+    job = ws.reply(job, "the first one")
+    seen.append(job.status.value)
+    job = ws.run(job)
+    seen.append(job.status.value)
+    assert seen == ["queued", "waiting_human", "queued", "succeeded"]
+    statuses = [e.payload["status"] for e in ws.events(job, kinds=["job_status"])]
+    assert statuses == ["queued", "running", "waiting_human", "queued", "running", "succeeded"]
+    assert all(e.payload["reason"] for e in ws.events(job, kinds=["job_status"]))
+    # the row agrees with the last event
+    assert ws.store.job(job.id)["status"] == statuses[-1]
+
+
+def test_paused_and_failed_jobs_record_their_status_changes(ws: Workspace, tmp_path: Path) -> None:
+    model = write_script(tmp_path, {"responses": [{"content": "thinking"}]})
+    job = ws.submit("task", piece="single", model=model)
+    job = ws.step(job, unit="call")
+    assert job.status == "queued"
+    job = ws.run(job)
+    assert job.status == "failed"
+    statuses = [e.payload["status"] for e in ws.events(job, kinds=["job_status"])]
+    assert statuses == ["queued", "running", "queued", "running", "failed"]

@@ -1,0 +1,126 @@
+"""The worker and the enriched instruction, checked on the prompts recorded in ``movement_start``."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from pathlib import Path
+
+from agentnb import Workspace
+
+from engine_helpers import call, transition, write_piece, write_script
+
+TWO_STEPS = """
+name: two-steps
+movements:
+  - name: first
+    instruction: Look around.
+    tools: [Read, Glob, Write]
+    permission: edit
+    rules:
+      - {condition: seen, next: second}
+  - name: second
+    instruction: Finish.
+    tools: [Read]
+    rules:
+      - {condition: done, next: COMPLETE}
+"""
+
+
+def _starts(ws: Workspace, job) -> list[dict]:
+    return [e.payload for e in ws.events(job, kinds=["movement_start"])]
+
+
+def test_enriched_instruction_blocks(ws: Workspace, tmp_path: Path) -> None:
+    piece = write_piece(tmp_path, TWO_STEPS)
+    model = write_script(tmp_path, {"responses": [
+        call("Read", path="input/notes.md"),
+        call("Write", path="output/draft.txt", content="draft!"),
+        transition("second", "looked", lessons="notes are short"),
+        transition("COMPLETE", "finished"),
+    ]})
+    job = ws.submit("Summarise the notes, please.", piece=piece, model=model,
+                    inputs={"notes.md": "SECRET-CONTENT-1234\n" * 10, "sub/data.csv": "a,b\n1,2\n"})
+    bodies = [f"comment {n} " + ("x" * (600 if n == 6 else 20)) for n in range(1, 8)]
+    for body in bodies:
+        ws.reply(job, body)  # a queued job just gets the comment
+    before = datetime.now().astimezone()
+    job = ws.run(job)
+    assert job.status == "succeeded", job.error
+    first, second = _starts(ws, job)
+    user = first["user"]
+
+    # the date-time block, first
+    assert user.startswith("## Current date and time\n")
+    stamp = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d) \(", user, re.M)
+    assert stamp is not None
+    assert abs(datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M") - before.replace(tzinfo=None, second=0,
+               microsecond=0)).total_seconds() <= 120
+
+    # only the last five comments, each cut to 500 characters with a visible marker
+    assert "(last 5 of 7 comments)" in user
+    assert "comment 1 " not in user and "comment 2 " not in user
+    for n in (3, 4, 5, 7):
+        assert bodies[n - 1] in user
+    long = bodies[5]
+    assert long[:500] in user
+    assert long[:501] not in user
+    assert "… [cut: 500 of 610 characters shown]" in user
+
+    # names and sizes of input/ and output/, never the contents
+    assert "input/\n  - notes.md (200 bytes)\n  - sub/data.csv (8 bytes)" in user
+    assert "output/\n  (empty)" in user
+    assert "SECRET-CONTENT" not in user
+
+    # the task, then the movement's own instruction
+    assert "## Task\nSummarise the notes, please." in user
+    assert user.index("## Task") < user.index("## Current step: first") < user.index("Look around.")
+
+    # the second movement: same enriched opening (one activation), none of the first movement's conversation
+    user2 = second["user"]
+    assert user2.split("## Current step")[0].startswith(user.split("## Lessons")[0].split("## Current step")[0])
+    assert "SECRET-CONTENT" not in user2  # the Read result stayed in the first movement
+    assert "draft!" not in user2
+    assert "lessons.jsonl" not in user2 and "logs/" not in user2
+    assert "## Lessons from previous steps\n- [first] notes are short" in user2
+
+
+def test_enriched_instruction_is_rebuilt_after_a_reply(ws: Workspace, tmp_path: Path) -> None:
+    """A reply re-activates the job: the new opening lists the new comment and the new output files."""
+    model = write_script(tmp_path, {"responses": [
+        call("Write", path="output/answer.md", content="42"),
+        transition("ASK", "asked", question="Short or long?"),
+        transition("COMPLETE", "finished"),
+    ]})
+    job = ws.submit("task", piece="single", model=model)
+    job = ws.run(job)
+    assert job.status == "waiting_human"
+    job = ws.reply(job, "Short, please.")
+    job = ws.run(job)
+    assert job.status == "succeeded", job.error
+    first, second = _starts(ws, job)
+    assert "Short, please." not in first["user"] and "Conversation so far" not in first["user"]
+    assert "(last 2 of 2 comments)" in second["user"]
+    assert "Short or long?" in second["user"] and "Short, please." in second["user"]
+    assert "output/\n  - answer.md (2 bytes)" in second["user"]
+
+
+def test_japanese_headings(ws: Workspace, tmp_path: Path) -> None:
+    piece = write_piece(tmp_path, TWO_STEPS.replace("name: two-steps", "name: two-steps\nlanguage: ja"))
+    model = write_script(tmp_path, {"responses": [
+        transition("second", "見た", lessons="メモは短い"), transition("COMPLETE", "完了"),
+    ]})
+    job = ws.run(ws.submit("要約して", piece=piece, model=model))
+    assert job.status == "succeeded", job.error
+    user2 = _starts(ws, job)[1]["user"]
+    for heading in ("## 現在日時", "## ワークスペースの状況", "## タスク\n要約して", "## 前のステップで得た教訓\n- [first] メモは短い"):
+        assert heading in user2
+    assert "## Lessons from previous steps" not in user2
+
+
+def test_worker_runs_every_queued_job(ws: Workspace, tmp_path: Path) -> None:
+    model = write_script(tmp_path, {"responses": [transition("COMPLETE", "ok")]})
+    jobs = [ws.submit(f"task {n}", piece="single", model=model) for n in range(3)]
+    assert ws.worker().run() == 3
+    assert [ws.job(j).status for j in jobs] == ["succeeded"] * 3
+    assert ws.worker().run() == 0  # nothing left
