@@ -24,6 +24,7 @@ TEXTS: dict[str, dict[str, str]] = {
         "reminder": "You replied without calling a tool. Continue the work with the tools, or finish this step by calling `transition` with `next_step` one of: {steps}.",
         "wrap_up": "The context window is {pct} full ({tokens:,} of {window:,} tokens). Wrap up your work now: save what matters, then call `transition` with a summary.",
         "subtask_line": "- job {id} ({status}): {instruction}\n  summary: {summary}",
+        "subtask_error": "  error: {error}",
     },
     "ja": {
         "time": "## 現在日時",
@@ -46,6 +47,7 @@ TEXTS: dict[str, dict[str, str]] = {
         "reminder": "ツールを呼ばずに応答しました。ツールで作業を続けるか、`transition` を呼んでこのステップを終えてください (next_step: {steps})。",
         "wrap_up": "コンテキストが {pct} まで埋まっています ({window:,} トークン中 {tokens:,})。作業をまとめて、`transition` を summary 付きで呼んでください。",
         "subtask_line": "- ジョブ {id} ({status}): {instruction}\n  要約: {summary}",
+        "subtask_error": "  エラー: {error}",
     },
 }
 

@@ -26,7 +26,7 @@ from .store import TERMINAL_STATES
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["JobRunner", "MAX_LESSON_CHARS"]
+__all__ = ["JobRunner", "MAX_LESSON_CHARS", "notify_parent"]
 
 MAX_LESSON_CHARS = 2000
 GIT_DIFF_CHARS = 3000
@@ -120,6 +120,7 @@ class JobRunner:
                 c.execute("UPDATE movements SET status='failed', ended=?, iterations=? WHERE job_id=? AND seq=?",
                           (time.time(), self.loop.iteration, self.job_id, self.loop.seq))
             self.store.set_status(c, self.job_id, "failed", reason=message, error=message)
+            notify_parent(self.store, c, self.job_id)
         self.loop = None
         return "failed"
 
@@ -185,12 +186,12 @@ class JobRunner:
         why = f"{mv.name} → {step}" + (" (forced)" if out.forced else "")
         if step == "COMPLETE":
             self.store.set_status(c, self.job_id, "succeeded", reason=why)
-            self._notify_parent(c)
+            notify_parent(self.store, c, self.job_id)
             return "succeeded"
         if step == "ABORT":
             reason = out.reason or out.summary or "aborted by the model"
             self.store.set_status(c, self.job_id, "aborted", reason=why, error=reason)
-            self._notify_parent(c)
+            notify_parent(self.store, c, self.job_id)
             return "aborted"
         if step == "ASK":
             self.store.add_comment(c, self.job_id, "agent", out.question or "")
@@ -257,28 +258,13 @@ class JobRunner:
                  parent["options"], now, now),
             )
             child_id = int(cur.lastrowid)
-            workdir = prepare_workdir(Path(self.logs_dir).parent.parent, child_id, None)
+            # logs_dir is <workspace>/jobs/<id>/logs; prepare_workdir wants <workspace>
+            workdir = prepare_workdir(self.logs_dir.parents[2], child_id, None)
             c.execute("UPDATE jobs SET workdir=? WHERE id=?", (str(workdir), child_id))
             self.store.append([(child_id, None, None, now, "job_status",
                                 {"status": "queued", "reason": f"subtask of job {self.job_id}"})], c)
             created.append({"instruction": sub["instruction"], "piece": piece_name, "model": model, "job_id": child_id})
         return created
-
-    def _notify_parent(self, c: Any) -> None:
-        """When this job was the last of its siblings to end, put the waiting parent back in the queue."""
-        row = c.execute("SELECT parent_id FROM jobs WHERE id=?", (self.job_id,)).fetchone()
-        if row is None or row[0] is None:
-            return
-        parent_id = int(row[0])
-        parent = c.execute("SELECT status FROM jobs WHERE id=?", (parent_id,)).fetchone()
-        if parent is None or parent[0] != "waiting_subtasks":
-            return
-        open_children = c.execute(
-            f"SELECT COUNT(*) FROM jobs WHERE parent_id=? AND status NOT IN ({','.join('?' * len(TERMINAL_STATES))})",
-            (parent_id, *sorted(TERMINAL_STATES)),
-        ).fetchone()[0]
-        if open_children == 0:
-            self.store.set_status(c, parent_id, "queued", reason="every subtask has ended")
 
     # -- prompts -------------------------------------------------------------------
     def _user_prompt(self, job: dict[str, Any], movement: Movement) -> str:
@@ -362,6 +348,7 @@ class JobRunner:
         return mv.verify is not None and (target is None or mv.verify == target)
 
     def _subtasks_block(self, subtasks: list[dict[str, Any]]) -> str:
+        """One entry per child: its status, its last summary and, when it failed or was aborted, why."""
         lang = self.piece.language
         lines = []
         for sub in subtasks:
@@ -369,13 +356,16 @@ class JobRunner:
             if child_id is None:
                 continue
             child = self.store.job(int(child_id))
-            summary = child["error"] or ""
+            summary = ""
             for ev in reversed(self.store.events(int(child_id), kinds=["transition"])):
                 if isinstance(ev, Transition):
-                    summary = ev.summary or summary
+                    summary = ev.summary
                     break
             lines.append(text(lang, "subtask_line", id=child_id, status=child["status"],
                               instruction=sub.get("instruction", ""), summary=summary or "-"))
+            # an abort's reason is usually its summary; a failure's message never is
+            if child["error"] and child["error"] != summary:
+                lines.append(text(lang, "subtask_error", error=child["error"]))
         return "\n".join(lines)
 
     def _git_block(self) -> str:
@@ -400,6 +390,29 @@ class JobRunner:
         if diff.strip():
             blocks += ["$ git diff (excerpt)", "```diff", diff.rstrip(), "```"]
         return "\n".join(blocks)
+
+
+def notify_parent(store: "Store", c: Any, job_id: int) -> None:
+    """Job ``job_id`` has ended (in transaction ``c``): when it was the last open child of a
+    parent waiting for subtasks, queue the parent again at the movement it named.
+
+    Every way a job ends (COMPLETE, ABORT, a failure) must call this, or the parent waits forever.
+    """
+    row = c.execute("SELECT parent_id FROM jobs WHERE id=?", (job_id,)).fetchone()
+    if row is None or row[0] is None:
+        return
+    parent_id = int(row[0])
+    parent = c.execute("SELECT status, resume_movement, current_movement FROM jobs WHERE id=?",
+                       (parent_id,)).fetchone()
+    if parent is None or parent[0] != "waiting_subtasks":
+        return
+    open_children = c.execute(
+        f"SELECT COUNT(*) FROM jobs WHERE parent_id=? AND status NOT IN ({','.join('?' * len(TERMINAL_STATES))})",
+        (parent_id, *sorted(TERMINAL_STATES)),
+    ).fetchone()[0]
+    if open_children == 0:
+        store.set_status(c, parent_id, "queued", reason="every subtask has ended",
+                         current_movement=parent[1] or parent[2], resume_movement=None)
 
 
 def _parse_stored(job: dict[str, Any]) -> Piece:

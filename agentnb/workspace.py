@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
 from .events import Event
 from .models import check_model_spec, resolve_model
 from .pieces import Piece, load_piece
-from .runner import JobRunner
+from .runner import JobRunner, notify_parent
 from .store import TERMINAL_STATES, WAITING_STATES, Store, StoreError
 from .tools import ToolError, resolve_path
 from .worker import MAX_COMMENTS, Worker, build_enriched_instruction
@@ -242,6 +242,7 @@ class Workspace:
                     self.store.append([(job_id, None, None, time.time(), "error",
                                         {"message": str(exc), "where": "setup"})], c)
                     self.store.set_status(c, job_id, "failed", reason=str(exc), error=str(exc))
+                    notify_parent(self.store, c, job_id)
                 return self.job(job_id)
             stop = self._stops.setdefault(job_id, threading.Event())
         self._activate(row, runner)

@@ -1,0 +1,206 @@
+"""WAIT_SUBTASKS: child jobs, the waiting parent, and its resumption with the children's results."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from _scripting import call, transition, user_prompts, write_piece, write_script
+from agentnb import Workspace
+from agentnb.worker import Worker
+
+
+def _child(tmp_path: Path, name: str, summary: str) -> str:
+    return write_script(tmp_path, name, {"work": [
+        call("Write", path="output/part.md", content=f"{name} result"),
+        transition("COMPLETE", summary=summary),
+    ]})
+
+
+def _parent(tmp_path: Path, subtasks: list[dict[str, str]], **extra: object) -> str:
+    return write_script(tmp_path, "parent", {
+        "split": [transition("WAIT_SUBTASKS", summary="split in parts", subtasks=subtasks,
+                             lessons="parts are independent", **extra)],
+        "merge": [call("Glob", pattern="**"), transition("COMPLETE", summary="merged")],
+        "check": [transition("COMPLETE", summary="checked")],
+    })
+
+
+def _three(tmp_path: Path) -> list[dict[str, str]]:
+    broken = write_script(tmp_path, "broken", {"work": [call("Glob", pattern="*")]})  # runs out: fails
+    return [
+        {"instruction": "Do part one", "piece": "single", "model": _child(tmp_path, "one", "part one written")},
+        {"instruction": "Do part two", "piece": "single", "model": broken},
+        {"instruction": "Do part three", "piece": "single", "model": _child(tmp_path, "three", "part three written")},
+    ]
+
+
+def test_parent_with_three_children_one_failing(ws: Workspace, tmp_path: Path) -> None:
+    parent = ws.submit("Do three parts", piece="fan-out", model=_parent(tmp_path, _three(tmp_path)))
+    # stop before the children run, to look at the waiting state
+    waiting = ws.run(parent, subtasks=False)
+    assert waiting.status == "waiting_subtasks"
+    assert waiting.resume_movement == "merge"
+    children = ws.children(parent)
+    assert [c.parent_id for c in children] == [parent.id] * 3
+    assert [c.status.value for c in children] == ["queued"] * 3
+    assert [c.piece for c in children] == ["single"] * 3
+    assert [c.instruction for c in children] == ["Do part one", "Do part two", "Do part three"]
+    workdirs = {Path(c.workdir) for c in children}
+    assert len(workdirs) == 3 and Path(parent.workdir) not in workdirs
+    for c in children:
+        assert Path(c.workdir) == ws.root / "jobs" / str(c.id)
+        assert (Path(c.workdir) / "input").is_dir() and (Path(c.workdir) / "output").is_dir()
+    tr = ws.events(parent, kinds=["transition"])[-1].payload
+    assert tr["next_step"] == "WAIT_SUBTASKS"
+    assert [s["job_id"] for s in tr["subtasks"]] == [c.id for c in children]
+    assert [s["instruction"] for s in tr["subtasks"]] == ["Do part one", "Do part two", "Do part three"]
+
+    done = ws.run(parent)
+    assert done.status == "succeeded", done.error
+    children = ws.children(parent)
+    assert [c.status.value for c in children] == ["succeeded", "failed", "succeeded"]
+    for c in (children[0], children[2]):
+        assert (Path(c.workdir) / "output" / "part.md").is_file()
+    assert not (Path(parent.workdir) / "output" / "part.md").exists()
+    statuses = [e.payload for e in ws.events(parent, kinds=["job_status"])]
+    assert {"status": "queued", "reason": "every subtask has ended"} in statuses
+    prompts = user_prompts(ws, parent)
+    assert [e.payload["movement"] for e in ws.events(parent, kinds=["movement_start"])] == ["split", "merge"]
+    merge = prompts[1]
+    assert "## Results of subtasks" in merge
+    one, two, three = (c.id for c in children)
+    assert f"- job {one} (succeeded): Do part one\n  summary: part one written" in merge
+    assert f"- job {three} (succeeded): Do part three\n  summary: part three written" in merge
+    assert (f"- job {two} (failed): Do part two\n  summary: -\n"
+            "  error: scripted model ran out of responses for movement 'work'") in merge
+    assert "## Lessons from previous steps\n- [split] parts are independent" in merge
+    # results are shown once, to the movement that resumes, not to later ones
+    assert "## Results of subtasks" not in prompts[0]
+
+
+def test_children_run_by_a_worker_of_another_workspace_object(ws: Workspace, tmp_path: Path) -> None:
+    parent = ws.run(ws.submit("Do three parts", piece="fan-out", model=_parent(tmp_path, _three(tmp_path))),
+                    subtasks=False)
+    assert parent.status == "waiting_subtasks"
+    other = Workspace(ws.root)
+    ran = Worker(other).run()
+    assert ran == 4  # three children, then the parent they put back in the queue
+    assert ws.job(parent.id).status == "succeeded"
+    assert [c.status.value for c in ws.children(parent)] == ["succeeded", "failed", "succeeded"]
+    assert "## Results of subtasks" in user_prompts(ws, parent, "merge")[0]
+
+
+def test_children_claimed_by_a_worker_process(ws: Workspace, tmp_path: Path) -> None:
+    parent = ws.run(ws.submit("Do three parts", piece="fan-out", model=_parent(tmp_path, _three(tmp_path))),
+                    subtasks=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentnb.cli", "--workspace", str(ws.root), "worker", "--max-jobs", "3"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ran 3 job(s)" in proc.stdout
+    assert [c.status.value for c in ws.children(parent)] == ["succeeded", "failed", "succeeded"]
+    for c in ws.children(parent):
+        claims = [e.payload["reason"] for e in ws.events(c, kinds=["job_status"]) if e.payload["status"] == "running"]
+        assert len(claims) == 1 and claims[0].startswith("claimed by ")
+    assert ws.job(parent.id).status == "queued"  # the last child to end queued it
+    done = ws.run(parent)
+    assert done.status == "succeeded"
+    assert f"job {ws.children(parent)[1].id} (failed)" in user_prompts(ws, parent, "merge")[0]
+
+
+def test_children_use_the_parents_piece_unless_named_and_resume_can_be_chosen(ws: Workspace, tmp_path: Path) -> None:
+    child = write_script(tmp_path, "child", {
+        "split": [transition("merge", summary="too small to split")],
+        "merge": [transition("COMPLETE", summary="child merged")],
+    })
+    spec = _parent(tmp_path, [{"instruction": "Small part", "model": child}], resume="check")
+    piece = write_piece(tmp_path, "fan-check", {"movements": [
+        {"name": "split", "instruction": "Split.", "default_next": "merge",
+         "rules": [{"next": "WAIT_SUBTASKS"}, {"next": "merge"}, {"next": "check"}]},
+        {"name": "merge", "instruction": "Merge.", "rules": [{"next": "COMPLETE"}]},
+        {"name": "check", "instruction": "Check.", "rules": [{"next": "COMPLETE"}]},
+    ]})
+    parent = ws.run(ws.submit("Do it", piece=str(piece), model=spec))
+    assert parent.status == "succeeded", parent.error
+    (kid,) = ws.children(parent)
+    assert kid.piece == "fan-check" and kid.status == "succeeded"
+    assert [e.payload["movement"] for e in ws.events(kid, kinds=["movement_start"])] == ["split", "merge"]
+    assert [e.payload["movement"] for e in ws.events(parent, kinds=["movement_start"])] == ["split", "check"]
+    assert f"- job {kid.id} (succeeded): Small part\n  summary: child merged" in user_prompts(ws, parent, "check")[0]
+
+
+def test_aborted_child_is_reported(ws: Workspace, tmp_path: Path) -> None:
+    quitter = write_script(tmp_path, "quit", {"work": [transition("ABORT", summary="the input is missing")]})
+    spec = _parent(tmp_path, [{"instruction": "Impossible part", "piece": "single", "model": quitter}])
+    parent = ws.run(ws.submit("Do it", piece="fan-out", model=spec))
+    assert parent.status == "succeeded"
+    (kid,) = ws.children(parent)
+    assert kid.status == "aborted"
+    merge = user_prompts(ws, parent, "merge")[0]
+    assert f"- job {kid.id} (aborted): Impossible part\n  summary: the input is missing" in merge
+
+
+def test_child_waiting_for_a_human_keeps_the_parent_waiting(ws: Workspace, tmp_path: Path) -> None:
+    asker = write_script(tmp_path, "asker", {"work": [
+        transition("ASK", question="Which year?"),
+        transition("COMPLETE", summary="used 2024"),
+    ]})
+    spec = _parent(tmp_path, [
+        {"instruction": "Ask first", "piece": "single", "model": asker},
+        {"instruction": "Plain part", "piece": "single", "model": _child(tmp_path, "plain", "plain done")},
+    ])
+    parent = ws.run(ws.submit("Do it", piece="fan-out", model=spec))
+    assert parent.status == "waiting_subtasks"  # run returns instead of blocking on the human
+    asking, plain = ws.children(parent)
+    assert asking.status == "waiting_human" and plain.status == "succeeded"
+    assert ws.run(parent).status == "waiting_subtasks"  # still nothing to do
+    ws.reply(asking, "2024")
+    done = ws.run(parent)  # runs the answered child, then the parent
+    assert done.status == "succeeded"
+    assert ws.job(asking.id).status == "succeeded"
+    assert f"- job {asking.id} (succeeded): Ask first\n  summary: used 2024" in user_prompts(ws, parent, "merge")[0]
+
+
+def test_subtasks_are_checked_before_anything_is_created(ws: Workspace, tmp_path: Path) -> None:
+    spec = write_script(tmp_path, "bad", {
+        "split": [
+            transition("WAIT_SUBTASKS", subtasks=[]),
+            transition("WAIT_SUBTASKS", subtasks=[{"instruction": "x", "colour": "red"}]),
+            transition("WAIT_SUBTASKS", subtasks=[{"instruction": "x", "piece": "no-such-piece"}]),
+            transition("merge", summary="gave up splitting"),
+        ],
+        "merge": [transition("COMPLETE")],
+    })
+    job = ws.run(ws.submit("Do it", piece="fan-out", model=spec))
+    assert job.status == "succeeded"
+    assert ws.children(job) == []
+    errors = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["is_error"]]
+    assert "non-empty list of {instruction, piece?}" in errors[0]
+    assert "unknown key(s) ['colour']" in errors[1]
+    assert errors[2].startswith("Error: subtasks[0].piece:") and "no-such-piece" in errors[2]
+
+
+def test_child_failing_after_a_step_or_at_setup_is_reported_with_its_error(ws: Workspace, tmp_path: Path) -> None:
+    two_steps = write_piece(tmp_path, "two-steps", {"movements": [
+        {"name": "first", "instruction": "First.", "rules": [{"next": "second"}]},
+        {"name": "second", "instruction": "Second.", "rules": [{"next": "COMPLETE"}]},
+    ]})
+    halfway = write_script(tmp_path, "halfway", {"first": [transition("second", summary="first half done")]})
+    vanishing = tmp_path / "vanishing.yaml"
+    vanishing.write_text("movements: {work: []}\n", encoding="utf-8")
+    spec = _parent(tmp_path, [
+        {"instruction": "Half", "piece": str(two_steps), "model": halfway},
+        {"instruction": "Vanish", "piece": "single", "model": f"scripted:{vanishing}"},
+    ])
+    parent = ws.run(ws.submit("Do it", piece="fan-out", model=spec), subtasks=False)
+    vanishing.unlink()  # the child's model cannot be built when it is claimed
+    assert ws.run(parent).status == "succeeded"
+    half, gone = ws.children(parent)
+    assert half.status == "failed" and gone.status == "failed"
+    merge = user_prompts(ws, parent, "merge")[0]
+    assert (f"- job {half.id} (failed): Half\n  summary: first half done\n"
+            "  error: scripted model has no responses for movement 'second'") in merge
+    assert f"- job {gone.id} (failed): Vanish\n  summary: -\n  error: scripted model file not found" in merge
