@@ -1,0 +1,525 @@
+"""Static HTML views of a job, derived only from its events.
+
+``job_html`` is what ``Job._repr_html_`` shows and what the live views (magic,
+panel) and the notebook export reuse, so a saved notebook shows the run in
+nbviewer or on GitHub without a kernel.  Its shape: a header (piece, model,
+status, movements run, LLM calls, tokens, elapsed) followed by one collapsible
+``<details>`` section per movement run, with job-level comments and errors
+placed between them in the order they happened.
+
+Everything that comes from the model, the tools or the user is passed through
+:func:`html.escape`; only this module's own markup is emitted unescaped.
+
+Size bounds (a job of thousands of LLM calls must stay usable and must not
+grow a saved notebook by its whole transcript):
+
+* every text body (prompt, message, arguments, result) is cut to ``max_chars``
+  with its full size shown and how to see all of it (``%agent show JOB --full``
+  or ``ws.events(JOB)``);
+* a movement with more than ``max_calls`` LLM calls shows its first and last
+  calls in detail and one line for the calls in between;
+* when the whole view would exceed ``max_bytes``, the oldest movements are
+  reduced to their summary line and transition, newest kept in detail.
+
+``full=True`` lifts all three bounds.  The signatures of :func:`job_html`,
+:func:`movement_html`, :func:`header_html` and :func:`job_stats` are stable:
+other modules (the export, the panel) build on them.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from .events import Event
+
+if TYPE_CHECKING:
+    from .workspace import Workspace
+
+__all__ = [
+    "job_html",
+    "movement_html",
+    "header_html",
+    "job_stats",
+    "JobStats",
+    "STYLE",
+    "DEFAULT_MAX_CHARS",
+    "DEFAULT_MAX_CALLS",
+    "DEFAULT_MAX_BYTES",
+]
+
+DEFAULT_MAX_CHARS = 2_000
+DEFAULT_MAX_CALLS = 40
+DEFAULT_MAX_BYTES = 400_000
+# Bodies longer than this are folded into a closed <details> so a movement reads at a glance.
+_FOLD_CHARS = 300
+
+STYLE = """<style>
+.anb-job{font-family:var(--jp-ui-font-family,system-ui,sans-serif);font-size:13px;line-height:1.4}
+.anb-job pre{white-space:pre-wrap;word-break:break-word;margin:2px 0;padding:4px 6px;background:rgba(127,127,127,.08);border-radius:3px;font-size:12px}
+.anb-head{padding:4px 0 6px}
+.anb-job details{margin:3px 0}
+.anb-mv{border-left:3px solid #7a9cc6;padding-left:8px}
+.anb-call{border-top:1px dotted rgba(127,127,127,.4);padding:3px 0}
+.anb-dim{color:#777}
+.anb-badge{display:inline-block;padding:0 6px;margin:1px 2px;border-radius:8px;font-size:11px;font-weight:600;color:#fff;background:#888}
+.anb-warn{background:#c9a200}.anb-prompt{background:#e07b00}.anb-force_transition{background:#d03a3a}.anb-exhausted{background:#8b0000}
+.anb-st-succeeded{background:#2e8b57}.anb-st-failed,.anb-st-aborted{background:#c0392b}.anb-st-running,.anb-st-queued{background:#2f6fb0}
+.anb-st-waiting_human,.anb-st-waiting_subtasks{background:#8e44ad}
+.anb-error{color:#b00020}
+.anb-tr{background:rgba(46,139,87,.08);padding:3px 6px;border-radius:3px}
+.anb-more{font-size:11px;color:#777}
+</style>"""
+
+_ACTION_ICON = {"warn": "⚠", "prompt": "⚠", "force_transition": "⛔", "exhausted": "⛔"}
+
+
+def _e(value: Any) -> str:
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def _n(value: float | int) -> str:
+    return f"{int(value):,}"
+
+
+def _pct(ratio: float | None) -> str:
+    return "–" if ratio is None else f"{ratio * 100:.0f}%"
+
+
+def _seconds(s: float) -> str:
+    if s < 60:
+        return f"{s:.1f} s"
+    if s < 3600:
+        return f"{int(s // 60)} min {int(s % 60)} s"
+    return f"{int(s // 3600)} h {int(s % 3600 // 60)} min"
+
+
+# ---------------------------------------------------------------------------
+# Statistics
+
+
+@dataclass
+class JobStats:
+    """Numbers about a job read from its events (shared by the header, the panel and the magic)."""
+
+    movements: int = 0
+    calls: int = 0
+    tool_calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    elapsed: float = 0.0
+    last_seq: int | None = None
+    # The latest context accounting of the newest movement run: for a context-usage bar.
+    last_ratio: float | None = None
+    last_tokens: int | None = None
+    window: int | None = None
+    actions: list[str] = field(default_factory=list)  # context actions of the newest movement run
+    question: str | None = None  # the open ASK question, when the job waits for a human
+    errors: list[str] = field(default_factory=list)
+
+
+def _stats(job: Any, events: Sequence[Event]) -> JobStats:
+    st = JobStats()
+    for ev in events:
+        k = ev.kind
+        if k == "movement_start":
+            st.movements += 1
+            st.last_seq = ev.movement_seq
+            st.last_ratio = st.last_tokens = None
+            st.actions = []
+        elif k == "llm_response":
+            st.calls += 1
+            u = ev.usage or {}
+            st.prompt_tokens += int(u.get("prompt_tokens") or 0)
+            st.completion_tokens += int(u.get("completion_tokens") or 0)
+            st.total_tokens += int(u.get("total_tokens") or 0)
+            if ev.movement_seq == st.last_seq:
+                st.last_ratio = u.get("ratio")
+                st.last_tokens = u.get("prompt_tokens")
+                st.window = u.get("window") or st.window
+        elif k == "tool_call":
+            st.tool_calls += 1
+        elif k == "context_action" and ev.movement_seq == st.last_seq:
+            st.actions.append(ev.action)
+        elif k == "transition" and ev.question:
+            st.question = ev.question
+        elif k == "error":
+            st.errors.append(ev.message)
+    if job.status != "waiting_human":
+        st.question = None
+    if job.started:
+        end = job.ended or (time.time() if job.status == "running" else job.updated)
+        st.elapsed = max(0.0, end - job.started)
+    return st
+
+
+def job_stats(ws: "Workspace", job_id: int) -> JobStats:
+    """Movements run, LLM calls, tokens, elapsed seconds and the newest context ratio of a job."""
+    return _stats(ws.job(job_id), ws.events(job_id))
+
+
+# ---------------------------------------------------------------------------
+# Building blocks
+
+
+@dataclass(frozen=True)
+class _Opts:
+    job_id: int
+    max_chars: int | None
+    max_calls: int | None
+
+    def hint(self, seq: int | None = None) -> str:
+        where = f" --movement {seq}" if seq is not None else ""
+        return f"%agent show {self.job_id}{where} --full"
+
+
+def _body(text: Any, o: _Opts, seq: int | None, *, label: str = "", fold: bool = True) -> str:
+    """A text body in <pre>, cut to ``max_chars`` and folded when long."""
+    s = "" if text is None else str(text)
+    size = len(s)
+    cut = o.max_chars is not None and size > o.max_chars
+    shown = s[: o.max_chars] if cut else s
+    out = f"<pre>{_e(shown)}</pre>"
+    if cut:
+        out += (f'<div class="anb-more">… showing the first {_n(len(shown))} of {_n(size)} chars; '
+                f"all of it: <code>{_e(o.hint(seq))}</code> or <code>ws.events({o.job_id})</code></div>")
+    if fold and (size > _FOLD_CHARS or s.count("\n") > 8):
+        summary = f"{_e(label)} <span class=\"anb-dim\">({_n(size)} chars)</span>" if label else f"{_n(size)} chars"
+        return f"<details><summary>{summary}</summary>{out}</details>"
+    return (f"<div>{_e(label)}</div>" if label else "") + out
+
+
+def _json(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, indent=1, default=str)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _badge(text: str, cls: str) -> str:
+    return f'<span class="anb-badge {_e(cls)}">{_e(text)}</span>'
+
+
+def _context_badge(ev: Any) -> str:
+    icon = _ACTION_ICON.get(ev.action, "•")
+    text = f"{icon} context {ev.action} · {_pct(ev.ratio)}"
+    if ev.threshold:
+        text += f" ≥ {_pct(ev.threshold)}"
+    if ev.window:
+        text += f" · {_n(ev.tokens)} / {_n(ev.window)} tokens"
+    return _badge(text, f"anb-{ev.action}")
+
+
+def _tool_html(call: Any, result: Any, o: _Opts, seq: int | None) -> str:
+    name = call.tool if call is not None else result.tool
+    parts = [f'<div class="anb-tool">🔧 <b>{_e(name)}</b>']
+    if call is not None:
+        parts.append(_body(_json(call.arguments), o, seq, label="arguments"))
+    if result is None:
+        parts.append('<div class="anb-dim">(no result yet)</div>')
+    else:
+        label = "error" if result.is_error else "result"
+        note = ""
+        if result.truncated:
+            note = (f"cut for the model: {_n(result.returned_chars)} of {_n(result.original_chars)} chars returned")
+            cont = result.continuation or {}
+            if cont:
+                note += "; continue with " + ", ".join(f"{_e(k)}={_e(v)}" for k, v in cont.items())
+        title = label + (f" · {note}" if note else "")
+        body = _body(result.content, o, seq, label=title)
+        if result.is_error:
+            body = f'<div class="anb-error">{body}</div>'
+        parts.append(body)
+        if result.image:
+            parts.append('<div class="anb-dim">(an image was returned to the model)</div>')
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _transition_html(ev: Any, o: _Opts, seq: int | None) -> str:
+    forced = f" {_badge('forced', 'anb-force_transition')} <span class=\"anb-dim\">{_e(ev.reason)}</span>" if ev.forced else ""
+    rows = [f'<div class="anb-tr">➜ next step <b>{_e(ev.next_step)}</b>{forced}']
+    for label, value in (("summary", ev.summary), ("lessons", ev.lessons), ("question", ev.question),
+                         ("feedback", ev.feedback)):
+        if value:
+            rows.append(f"<div><i>{label}:</i> {_body(value, o, seq, fold=False)}</div>")
+    if ev.subtasks:
+        items = "".join(f"<li>{_e((t or {}).get('instruction', t) if isinstance(t, dict) else t)}"
+                        + (f" <span class=\"anb-dim\">({_e(t.get('piece'))})</span>" if isinstance(t, dict) and t.get("piece") else "")
+                        + "</li>" for t in ev.subtasks)
+        rows.append(f"<div><i>subtasks:</i><ol>{items}</ol></div>")
+    rows.append("</div>")
+    return "".join(rows)
+
+
+def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int | None) -> str:
+    """One LLM call: the assistant message, context badges, each tool call with its result, reminders."""
+    out: list[str] = []
+    head = f"call {iteration}" if iteration else "call"
+    calls: dict[str, Any] = {}
+    pending: list[Any] = []
+    for ev in evs:
+        k = ev.kind
+        if k == "llm_request":
+            head += f' <span class="anb-dim">· {ev.messages} messages</span>'
+        elif k == "llm_response":
+            u = ev.usage or {}
+            head += (f' <span class="anb-dim">· {_n(u.get("prompt_tokens") or 0)} prompt + '
+                     f'{_n(u.get("completion_tokens") or 0)} completion tokens')
+            if u.get("ratio") is not None:
+                head += f' · context {_pct(u.get("ratio"))} of {_n(u.get("window") or 0)} ({_e(u.get("source", ""))})'
+            head += "</span>"
+            if ev.content:
+                out.append(f'<div class="anb-msg"><b>assistant</b>{_body(ev.content, o, seq)}</div>')
+            elif not ev.tool_calls:
+                out.append('<div class="anb-dim">assistant: (empty message)</div>')
+        elif k == "context_action":
+            out.append(f"<div>{_context_badge(ev)}</div>")
+        elif k == "tool_call":
+            calls[ev.call_id] = ev
+            pending.append(ev)
+            if ev.tool != "transition":
+                out.append(f"\0{ev.call_id}\0")  # placeholder, filled when the result arrives
+        elif k == "tool_result":
+            call = calls.pop(ev.call_id, None)
+            if call is not None:
+                pending.remove(call)
+            if ev.tool == "transition" and not ev.is_error:
+                continue  # the transition box below says it better
+            block = _tool_html(call, ev, o, seq)
+            marker = f"\0{ev.call_id}\0"
+            if call is not None and marker in out:
+                out[out.index(marker)] = block
+            else:
+                out.append(block)
+        elif k == "reminder":
+            out.append(f'<div class="anb-dim">📌 reminder ({_e(ev.reason)}): {_e(ev.text)}</div>')
+        elif k == "transition":
+            out.append(_transition_html(ev, o, seq))
+        elif k == "error":
+            out.append(f'<div class="anb-error">✖ error ({_e(ev.where)}): {_body(ev.message, o, seq, fold=False)}</div>')
+        elif k == "comment":
+            out.append(_comment_html(ev, o))
+    for call in pending:  # a tool still running, or a job stopped between call and result
+        marker = f"\0{call.call_id}\0"
+        if marker in out:
+            out[out.index(marker)] = _tool_html(call, None, o, seq)
+    return f'<div class="anb-call"><div>{head}</div>{"".join(out)}</div>'
+
+
+def _comment_html(ev: Any, o: _Opts) -> str:
+    return f'<div class="anb-comment">💬 <b>{_e(ev.author)}</b>: {_body(ev.body, o, None, fold=False)}</div>'
+
+
+def _group_calls(evs: Sequence[Event]) -> list[tuple[int | None, list[Event]]]:
+    groups: list[tuple[int | None, list[Event]]] = []
+    for ev in evs:
+        if ev.kind == "movement_start":
+            continue
+        it = ev.iteration
+        if groups and groups[-1][0] == it:
+            groups[-1][1].append(ev)
+        else:
+            groups.append((it, [ev]))
+    return groups
+
+
+def _movement_section(job: Any, seq: int, evs: Sequence[Event], o: _Opts, *, open_: bool, compact: bool = False) -> str:
+    start = next((e for e in evs if e.kind == "movement_start"), None)
+    name = start.movement if start is not None else "?"
+    transition = next((e for e in reversed(evs) if e.kind == "transition"), None)
+    responses = [e for e in evs if e.kind == "llm_response"]
+    tokens = sum(int((e.usage or {}).get("total_tokens") or 0) for e in responses)
+    ratios = [(e.usage or {}).get("ratio") for e in responses if (e.usage or {}).get("ratio") is not None]
+    actions = [e for e in evs if e.kind == "context_action"]
+    failed = any(e.kind == "error" for e in evs)
+    if transition is not None:
+        status = "done"
+    elif failed:
+        status = "failed"
+    elif job.status == "running" and seq == job.movement_seq:
+        status = "running"
+    else:
+        status = "open"
+    summ = [f"<b>{seq}. {_e(name)}</b>", f'<span class="anb-dim">{status} · {len(responses)} calls · {_n(tokens)} tokens'
+            + (f" · context up to {_pct(max(ratios))}" if ratios else "") + "</span>"]
+    summ.extend(_badge(f"{_ACTION_ICON.get(a.action, '')} {a.action} {_pct(a.ratio)}", f"anb-{a.action}") for a in actions)
+    if transition is not None:
+        summ.append(f"➜ <b>{_e(transition.next_step)}</b>")
+        if transition.forced:
+            summ.append(_badge("forced", "anb-force_transition"))
+        if transition.summary:
+            short = transition.summary if len(transition.summary) <= 120 else transition.summary[:119] + "…"
+            summ.append(f'<span class="anb-dim">{_e(short)}</span>')
+    if failed:
+        summ.append(_badge("error", "anb-st-failed"))
+    body: list[str] = []
+    if compact:
+        body.append(f'<div class="anb-more">details left out to keep this view small; '
+                    f"see them with <code>{_e(o.hint(seq))}</code></div>")
+        if transition is not None:
+            body.append(_transition_html(transition, o, seq))
+    else:
+        if start is not None:
+            body.append(_body(start.system, o, seq, label="system prompt"))
+            body.append(_body(start.user, o, seq, label="user prompt"))
+        groups = _group_calls(evs)
+        if o.max_calls is not None and len(groups) > o.max_calls:
+            head_n = max(1, o.max_calls // 4)
+            tail_n = max(1, o.max_calls - head_n)
+            hidden = groups[head_n:-tail_n]
+            shown = groups[:head_n] + [(None, [])] + groups[-tail_n:]
+        else:
+            hidden, shown = [], groups
+        for it, group in shown:
+            if not group:
+                body.append(_hidden_line(hidden, o, seq))
+            else:
+                body.append(_call_html(it, group, o, seq))
+    flag = " open" if open_ else ""
+    return (f'<details class="anb-mv" data-seq="{seq}"{flag}><summary>{" ".join(summ)}</summary>'
+            f'<div class="anb-body">{"".join(body)}</div></details>')
+
+
+def _hidden_line(hidden: Sequence[tuple[int | None, list[Event]]], o: _Opts, seq: int | None) -> str:
+    n_calls = sum(1 for _, g in hidden if any(e.kind == "llm_response" for e in g))
+    tokens = sum(int((e.usage or {}).get("total_tokens") or 0) for _, g in hidden for e in g if e.kind == "llm_response")
+    tools: dict[str, int] = {}
+    for _, g in hidden:
+        for e in g:
+            if e.kind == "tool_call":
+                tools[e.tool] = tools.get(e.tool, 0) + 1
+    first, last = hidden[0][0], hidden[-1][0]
+    used = ", ".join(f"{_e(k)}×{v}" for k, v in sorted(tools.items(), key=lambda kv: -kv[1])[:8])
+    return (f'<div class="anb-call anb-more">… calls {first}–{last} not shown ({n_calls} calls, {_n(tokens)} tokens'
+            + (f"; tools {used}" if used else "") + f"); all of them: <code>{_e(o.hint(seq))}</code></div>")
+
+
+def _header(job: Any, st: JobStats, piece_max: int | None) -> str:
+    status = str(job.status)
+    mv = f"{st.movements}" + (f" / {piece_max}" if piece_max else "")
+    parts = [
+        f'<div class="anb-head"><b>Job {job.id}</b> {_badge(status, "anb-st-" + status)}',
+        f" · piece <b>{_e(job.piece)}</b> · model <code>{_e(job.model)}</code>",
+        f" · movements {mv} · {st.calls} LLM calls · {_n(st.total_tokens)} tokens"
+        f' <span class="anb-dim">({_n(st.prompt_tokens)} prompt + {_n(st.completion_tokens)} completion)</span>',
+        f" · {_seconds(st.elapsed)}",
+    ]
+    if job.parent_id:
+        parts.append(f' · <span class="anb-dim">subtask of job {job.parent_id}</span>')
+    parts.append(f'<div class="anb-dim">instruction: {_e(job.instruction if len(job.instruction) <= 300 else job.instruction[:299] + "…")}</div>')
+    if job.error:
+        parts.append(f'<div class="anb-error">✖ {_e(job.error)}</div>')
+    if st.question:
+        parts.append(f'<div><b>❓ waiting for you:</b> {_e(st.question)} '
+                     f'<span class="anb-dim">— answer with <code>%agent reply {job.id} "…"</code></span></div>')
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _piece_max(ws: "Workspace", job_id: int) -> int | None:
+    try:
+        return ws.piece(job_id).max_movements
+    except Exception:  # a stored piece that no longer parses must not break the view
+        return None
+
+
+def header_html(ws: "Workspace", job_id: int) -> str:
+    """The header line of a job: piece, model, status, movements run, calls, tokens, elapsed (no <style>)."""
+    job = ws.job(job_id)
+    return _header(job, _stats(job, ws.events(job_id)), _piece_max(ws, job_id))
+
+
+def _layout(events: Iterable[Event]) -> tuple[list[tuple[str, Any]], dict[int, list[Event]]]:
+    """The job's timeline: movement runs and job-level comments/errors in the order they happened."""
+    items: list[tuple[str, Any]] = []
+    by_seq: dict[int, list[Event]] = {}
+    for ev in events:
+        if ev.movement_seq is not None:
+            if ev.movement_seq not in by_seq:
+                by_seq[ev.movement_seq] = []
+                items.append(("mv", ev.movement_seq))
+            by_seq[ev.movement_seq].append(ev)
+        elif ev.kind in ("comment", "error"):
+            items.append((ev.kind, ev))
+    return items, by_seq
+
+
+def job_html(
+    ws: "Workspace",
+    job_id: int,
+    *,
+    max_chars: int | None = DEFAULT_MAX_CHARS,
+    max_calls: int | None = DEFAULT_MAX_CALLS,
+    max_bytes: int | None = DEFAULT_MAX_BYTES,
+    full: bool = False,
+    open_last: bool = True,
+    style: bool = True,
+) -> str:
+    """The whole view of job ``job_id`` as one HTML string (header, then one ``<details>`` per movement run).
+
+    ``max_chars`` cuts each text body, ``max_calls`` bounds the calls shown in detail per movement run,
+    ``max_bytes`` bounds the whole view by reducing the oldest movement runs to their summary;
+    ``full=True`` lifts all bounds.  ``open_last`` opens the newest movement section.  ``style=False``
+    leaves out the ``<style>`` block (for callers that emit it once themselves, see :data:`STYLE`).
+    """
+    if full:
+        max_chars = max_calls = max_bytes = None
+    job = ws.job(job_id)
+    events = ws.events(job_id)
+    st = _stats(job, events)
+    o = _Opts(job.id, max_chars, max_calls)
+    items, by_seq = _layout(events)
+    last_seq = max(by_seq) if by_seq else None
+    sections: dict[int, str] = {
+        seq: _movement_section(job, seq, evs, o, open_=open_last and seq == last_seq) for seq, evs in by_seq.items()
+    }
+    if max_bytes is not None:
+        total = sum(len(s) for s in sections.values())
+        for seq in sorted(by_seq):  # oldest first; the newest run stays in detail
+            if total <= max_bytes or seq == last_seq:
+                break
+            compact = _movement_section(job, seq, by_seq[seq], o, open_=False, compact=True)
+            total += len(compact) - len(sections[seq])
+            sections[seq] = compact
+    body: list[str] = []
+    for kind, item in items:
+        if kind == "mv":
+            body.append(sections[item])
+        elif kind == "comment":
+            body.append(_comment_html(item, o))
+        else:
+            body.append(f'<div class="anb-error">✖ error ({_e(item.where)}): {_body(item.message, o, None, fold=False)}</div>')
+    if not by_seq and str(job.status) == "queued":
+        body.append('<div class="anb-dim">not started yet</div>')
+    return ((STYLE if style else "") + f'<div class="anb-job" data-job="{job.id}">'
+            + _header(job, st, _piece_max(ws, job_id)) + "".join(body) + "</div>")
+
+
+def movement_html(
+    ws: "Workspace",
+    job_id: int,
+    seq: int,
+    *,
+    max_chars: int | None = DEFAULT_MAX_CHARS,
+    max_calls: int | None = DEFAULT_MAX_CALLS,
+    full: bool = False,
+    open: bool = True,  # noqa: A002 - mirrors the HTML attribute
+) -> str:
+    """One movement run (``seq`` is 1 for the job's first run) as a ``<details>`` section, without ``<style>``.
+
+    Raises ``LookupError`` when the job has no movement run ``seq``.
+    """
+    if full:
+        max_chars = max_calls = None
+    job = ws.job(job_id)
+    evs = ws.store.events(job.id, movement_seq=seq)
+    if not evs:
+        raise LookupError(f"job {job.id} has no movement run {seq}; it has run {job.movement_seq}")
+    return _movement_section(job, seq, evs, _Opts(job.id, max_chars, max_calls), open_=open)

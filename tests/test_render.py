@@ -1,0 +1,151 @@
+"""The static HTML view of a job: built from the events, escaped, and bounded in size."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from _scripting import call, transition, write_piece, write_script
+from agentnb import Workspace
+from agentnb.render import STYLE, header_html, job_html, job_stats, movement_html
+
+XSS = "<script>alert('x')</script>"
+
+
+def _piece(tmp_path: Path, **movement: object) -> Path:
+    mv = {"name": "work", "persona": "You work.", "instruction": "Do it.", "tools": ["Read", "Write"],
+          "permission": "edit", "rules": [{"condition": "done", "next": "COMPLETE"},
+                                          {"condition": "unclear", "next": "ASK"}],
+          "default_next": "COMPLETE"}
+    mv.update(movement)
+    return write_piece(tmp_path, "work", {"max_movements": 4, "movements": [mv]})
+
+
+def _text(html: str) -> str:
+    """The visible text of the view (tags dropped), to check that payloads appear escaped."""
+    return re.sub(r"<[^>]+>", "", html)
+
+
+def test_demo_job_view_has_header_and_one_section_per_movement(ws: Workspace) -> None:
+    job = ws.run(ws.submit("Summarise input/notes.md", piece="plan-implement-verify", model="demo",
+                           inputs={"notes.md": "alpha\nbeta\n"}))
+    html = job_html(ws, job.id)
+    assert html.startswith(STYLE)
+    assert job._repr_html_() == html
+    head = header_html(ws, job.id)
+    assert "plan-implement-verify" in head and "<code>demo</code>" in head and "succeeded" in head
+    st = job_stats(ws, job.id)
+    assert st.movements == 3 and st.calls == len(ws.events(job, kinds=["llm_response"]))
+    assert f"{st.total_tokens:,} tokens" in head and "movements 3 / 12" in head
+    sections = re.findall(r'<details class="anb-mv" data-seq="(\d+)"( open)?>', html)
+    assert [s for s, _ in sections] == ["1", "2", "3"]
+    assert [bool(o) for _, o in sections] == [False, False, True]  # only the newest run opens
+    # prompts, messages, tool calls with arguments, results, transition with summary and lessons
+    assert "system prompt" in html and "You are a careful planner." in html
+    assert "Let me see which files I was given." in html
+    assert "🔧 <b>Glob</b>" in html and "input/**/*" in html
+    assert "➜ next step <b>implement</b>" in html
+    assert "The inputs are notes.md; the first one shows 2 lines." in html
+    # the demo's truncated Read shows the sizes and where to continue
+    assert re.search(r"cut for the model: [\d,]+ of 15,949 chars returned; continue with path=output/report.md", html)
+    # context actions are visible badges with their ratio and threshold
+    assert re.search(r'class="anb-badge anb-warn">⚠ context warn · 8\d% ≥ 70% · 6,\d{3} / 8,192 tokens', html)
+    assert re.search(r'class="anb-badge anb-prompt">⚠ context prompt · 91% ≥ 85%', html)
+    mv3 = movement_html(ws, job.id, 3)
+    assert mv3 in html and mv3.startswith('<details class="anb-mv" data-seq="3" open>')
+
+
+def test_model_tool_and_user_text_is_escaped(ws: Workspace, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "xss", {"work": [
+        {"content": f"assistant says {XSS}", "tool_calls": [{"name": "Read", "arguments": {"path": "input/x.html"}}]},
+        call("Write", path="output/o.txt", content=XSS),
+        transition("ASK", summary=f"summary {XSS}", lessons=f"lesson {XSS}", question=f"which? {XSS}"),
+    ]})
+    job = ws.submit(f"task {XSS}", piece=_piece(tmp_path), model=script, inputs={"x.html": f"file {XSS}"})
+    job = ws.run(job)
+    assert job.status == "waiting_human"
+    waiting = job_html(ws, job.id)
+    assert "❓ waiting for you:</b> which? &lt;script&gt;" in waiting and f"%agent reply {job.id}" in waiting
+    ws.reply(job, f"reply {XSS}")
+    html = job_html(ws, job.id)
+    assert "<script>" not in html
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in html
+    text = _text(html)
+    for what in ("assistant says ", "file ", "summary ", "lesson ", "which? ", "reply ", "task "):
+        assert what + "&lt;script&gt;" in text, what
+    assert "waiting for you:" not in html  # answered: the job is queued again
+
+
+def test_error_inside_a_job_is_part_of_its_view(ws: Workspace, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "short", {"work": [call("Read", path="input/a.txt")]})
+    job = ws.run(ws.submit("t", piece=_piece(tmp_path), model=script, inputs={"a.txt": "a"}))
+    assert job.status == "failed"
+    html = job_html(ws, job.id)
+    assert 'class="anb-error"' in html and job.error and job.error[:40] in html
+    assert "anb-st-failed" in html
+
+
+def test_forced_transition_is_marked(ws: Workspace, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "forced", {"work": [call("Read", path="input/a.txt")] * 2})
+    job = ws.run(ws.submit("t", piece=_piece(tmp_path, max_iterations=2), model=script, inputs={"a.txt": "a"}))
+    tr = ws.events(job, kinds=["transition"])[-1]
+    assert tr.payload["forced"] is True
+    html = movement_html(ws, job.id, 1)
+    assert "forced</span>" in html and "max_iterations (2)" in html
+
+
+def test_long_bodies_are_cut_with_size_and_full_view_keeps_all(ws: Workspace, tmp_path: Path) -> None:
+    long = "".join(f"line {i:05d}\n" for i in range(3000))  # 33,000 chars
+    script = write_script(tmp_path, "long", {"work": [
+        {"content": long, "tool_calls": []},
+        transition("COMPLETE"),
+    ]})
+    job = ws.run(ws.submit("t", piece=_piece(tmp_path), model=script))
+    html = job_html(ws, job.id)
+    assert "line 00000" in html and "line 02999" not in html
+    assert f"showing the first 2,000 of {len(long):,} chars" in html
+    assert f"%agent show {job.id} --movement 1 --full" in html
+    full = job_html(ws, job.id, full=True)
+    assert "line 02999" in full and "showing the first" not in full
+    assert "line 00100" in job_html(ws, job.id, max_chars=5000)
+
+
+def _loop_job(ws: Workspace, tmp_path: Path, calls_per_movement: int, movements: int) -> int:
+    piece = write_piece(tmp_path, "loop", {"max_movements": movements, "movements": [{
+        "name": "work", "persona": "p", "instruction": "i", "tools": ["Read"], "permission": "readonly",
+        "max_iterations": calls_per_movement,
+        "rules": [{"condition": "more", "next": "work"}, {"condition": "done", "next": "COMPLETE"}]}]})
+    responses = []
+    for m in range(movements):
+        responses += [{"content": f"step {m}.{i} {XSS}", "usage": {"prompt_tokens": 1000, "completion_tokens": 10},
+                       "tool_calls": [{"name": "Read", "arguments": {"path": "input/big.txt"}}]}
+                      for i in range(calls_per_movement - 1)]
+        responses.append({**transition("work" if m < movements - 1 else "COMPLETE", summary=f"part {m}"),
+                          "usage": {"prompt_tokens": 1000, "completion_tokens": 10}})
+    (tmp_path / "loop-script.yaml").write_text(yaml.safe_dump({"responses": responses}), encoding="utf-8")
+    job = ws.run(ws.submit("go", piece=piece, model=f"scripted:{tmp_path / 'loop-script.yaml'}",
+                           inputs={"big.txt": "a line of <b>input</b>\n" * 200}))
+    assert job.status == "succeeded", job.error
+    return job.id
+
+
+def test_a_thousand_call_job_renders_within_a_size_bound(ws: Workspace, tmp_path: Path) -> None:
+    job_id = _loop_job(ws, tmp_path, calls_per_movement=100, movements=10)
+    events = ws.events(job_id)
+    assert len([e for e in events if e.kind == "llm_response"]) == 1000
+    transcript = sum(len(str(e.payload)) for e in events)
+    html = job_html(ws, job_id)
+    assert len(html) < 450_000 < transcript / 8
+    assert "&lt;b&gt;input&lt;/b&gt;" in html and "<b>input</b>" not in html
+    # every movement run still has its section and summary line; old ones are reduced, the newest is not
+    assert len(re.findall(r'<details class="anb-mv"', html)) == 10
+    assert "details left out to keep this view small" in html
+    newest = movement_html(ws, job_id, 10)
+    assert newest in html
+    # inside the newest run the middle calls are summarised in one line with how to see them
+    assert re.search(r"… calls \d+–\d+ not shown \(60 calls, [\d,]+ tokens; tools Read×60\)", newest)
+    assert "step 9.0 " in newest and "step 9.98 " in newest and "step 9.50 " not in newest
+    # nothing is lost: the full view holds every call
+    assert "step 9.50 " in movement_html(ws, job_id, 10, full=True)
