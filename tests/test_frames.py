@@ -1,0 +1,280 @@
+"""The pandas views, cross-checked against the raw events of real jobs (scripted, tokenizer-counted, demo)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from pandas.api import types as pt
+
+from _usage_jobs import COMPLETIONS, PROMPTS, demo_job, raw_usage, tiktoken_job, usage_job
+from agentnb import Job, Workspace
+from agentnb.frames import ACTION_DTYPE, COLUMNS
+from agentnb.store import StoreError
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Workspace, dict[str, Job]]:
+    """One workspace holding three finished jobs and one that never ran (read-only for the tests)."""
+    root = tmp_path_factory.mktemp("frames")
+    ws = Workspace(root / "ws")
+    jobs = {
+        "usage": usage_job(ws, root / "scripts"),
+        "tiktoken": tiktoken_job(ws, root / "scripts"),
+        "demo": demo_job(ws),
+        "queued": ws.submit("never run", piece="single", model="demo"),
+    }
+    return ws, jobs
+
+
+# dtype checks by kind, so the table below reads like the documentation
+def _int(s: pd.Series) -> bool:
+    return s.dtype == "int64"
+
+
+def _nint(s: pd.Series) -> bool:
+    return s.dtype == "Int64"
+
+
+def _time(s: pd.Series) -> bool:
+    return s.dtype == "datetime64[ns]"
+
+
+def _text(s: pd.Series) -> bool:
+    return isinstance(s.dtype, pd.StringDtype)
+
+
+def _cat(s: pd.Series) -> bool:
+    return isinstance(s.dtype, pd.CategoricalDtype)
+
+
+EXPECTED = {
+    "jobs": {"job": _int, "parent": _nint, "piece": _text, "status": _cat, "movements": _int, "llm_calls": _int,
+             "tool_calls": _int, "prompt_tokens": _int, "completion_tokens": _int, "total_tokens": _int,
+             "peak_ratio": pt.is_float_dtype, "created": _time, "started": _time, "ended": _time, "error": _text},
+    "movements": {"job": _int, "seq": _int, "movement": _text, "status": _cat, "started": _time, "ended": _time,
+                  "iterations": _int, "llm_calls": _int, "total_tokens": _int, "next_step": _text,
+                  "forced": pt.is_bool_dtype, "summary": _text},
+    "messages": {"job": _int, "event_id": _int, "seq": _nint, "iteration": _nint, "timestamp": _time,
+                 "role": _cat, "kind": _cat, "content": _text, "chars": _int},
+    "tool_calls": {"event_id": _int, "timestamp": _time, "tool": _cat, "arguments": _text,
+                   "is_error": lambda s: s.dtype == "boolean", "truncated": lambda s: s.dtype == "boolean",
+                   "original_chars": _nint, "returned_chars": _nint, "duration": pt.is_timedelta64_dtype},
+    "usage": {"job": _int, "call": _int, "seq": _int, "movement": _text, "iteration": _int, "timestamp": _time,
+              "prompt_tokens": _int, "completion_tokens": _int, "total_tokens": _int, "cumulative_tokens": _int,
+              "source": _cat, "window": _int, "ratio": pt.is_float_dtype,
+              "action": lambda s: s.dtype == ACTION_DTYPE, "actions": _text, "transition": _text,
+              "forced": lambda s: s.dtype == "boolean"},
+    "lessons": {"job": _int, "movement": _text, "seq": _nint, "lessons": _text, "summary": _text,
+                "timestamp": _time},
+    "context_actions": {"job": _int, "timestamp": _time, "action": lambda s: s.dtype == ACTION_DTYPE,
+                        "ratio": pt.is_float_dtype, "tokens": _int, "window": _int, "threshold": pt.is_float_dtype},
+}
+
+
+def _frame(ws: Workspace, name: str, job: Job | None) -> pd.DataFrame:
+    return ws.frames.jobs() if name == "jobs" else getattr(ws.frames, name)(job)
+
+
+@pytest.mark.parametrize("name", sorted(COLUMNS))
+@pytest.mark.parametrize("which", ["usage", "demo", "queued"])
+def test_columns_and_dtypes_are_stable(store: tuple[Workspace, dict[str, Job]], name: str, which: str) -> None:
+    ws, jobs = store
+    df = _frame(ws, name, jobs[which])
+    assert tuple(df.columns) == COLUMNS[name]
+    for column, check in EXPECTED[name].items():
+        assert check(df[column]), f"{name}.{column} has dtype {df[column].dtype}"
+    if which == "queued" and name != "jobs":
+        assert df.empty  # right columns and dtypes on an empty frame too
+
+
+def test_empty_workspace_gives_typed_empty_frames(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path / "empty")
+    for name in COLUMNS:
+        df = _frame(ws, name, None)
+        assert df.empty and tuple(df.columns) == COLUMNS[name]
+        for column, check in EXPECTED[name].items():
+            assert check(df[column]), f"{name}.{column} has dtype {df[column].dtype}"
+
+
+def test_usage_numbers_match_the_raw_events_of_every_job(store: tuple[Workspace, dict[str, Job]]) -> None:
+    ws, jobs = store
+    every = ws.frames.usage()
+    table = ws.frames.jobs().set_index("job")
+    for job in jobs.values():
+        raw = raw_usage(ws, job)
+        mine = ws.frames.usage(job)
+        assert len(mine) == len(raw) == int(table.loc[job.id, "llm_calls"])
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens", "window"):
+            assert mine[key].tolist() == [u[key] for u in raw], key
+            assert int(every.loc[every["job"] == job.id, key].sum()) == sum(u[key] for u in raw)
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert int(table.loc[job.id, key]) == sum(u[key] for u in raw), key
+        assert mine["source"].astype(str).tolist() == [u["source"] for u in raw]
+        assert mine["ratio"].tolist() == pytest.approx([u["ratio"] for u in raw])
+        assert mine["call"].tolist() == list(range(1, len(raw) + 1))
+        assert mine["cumulative_tokens"].tolist() == list(pd.Series([u["total_tokens"] for u in raw]).cumsum())
+        starts = {e.payload["seq"]: e.payload["movement"] for e in ws.events(job, kinds=["movement_start"])}
+        responses = ws.events(job, kinds=["llm_response"])
+        assert mine["movement"].tolist() == [starts[e.movement_seq] for e in responses]
+        assert mine["iteration"].tolist() == [e.iteration for e in responses]
+        assert int(table.loc[job.id, "tool_calls"]) == len(ws.events(job, kinds=["tool_call"]))
+        assert int(table.loc[job.id, "movements"]) == len(starts)
+    # the all-jobs frame is the per-job frames stacked
+    stacked = pd.concat([ws.frames.usage(j) for j in jobs.values()], ignore_index=True)
+    pd.testing.assert_frame_equal(every.sort_values(["job", "call"], ignore_index=True),
+                                  stacked.sort_values(["job", "call"], ignore_index=True), check_dtype=False)
+
+
+def test_usage_of_the_scripted_job_is_exact(store: tuple[Workspace, dict[str, Job]]) -> None:
+    ws, jobs = store
+    u = ws.frames.usage(jobs["usage"])
+    assert u["prompt_tokens"].tolist() == PROMPTS
+    assert u["completion_tokens"].tolist() == COMPLETIONS
+    assert u["movement"].tolist() == ["gather"] * 3 + ["write"] * 2
+    assert u["seq"].tolist() == [1, 1, 1, 2, 2]
+    assert (u["source"] == "usage").all() and (u["window"] == 10000).all()
+    assert u["ratio"].tolist() == pytest.approx([p / 10000 for p in PROMPTS])
+    # warn and prompt fired at the same call: the highest is `action`, both are in `actions`
+    assert u["action"].astype(object).where(u["action"].notna(), None).tolist() == [
+        None, None, None, "prompt", "force_transition"]
+    assert u["actions"].tolist()[3:] == ["warn,prompt", "force_transition"]
+    assert u["action"].max() == "force_transition"  # ordered category
+    assert u["transition"].fillna("").tolist() == ["", "", "write", "", "COMPLETE"]
+    assert u["forced"].tolist()[2] is False and u["forced"].tolist()[4] is True
+    assert u.attrs["thresholds"]["warn"] == 0.70
+    tiktoken = ws.frames.usage(jobs["tiktoken"])
+    assert (tiktoken["source"] == "tiktoken").all()
+
+
+def test_context_actions_and_movements_match_the_events(store: tuple[Workspace, dict[str, Job]]) -> None:
+    ws, jobs = store
+    for job in jobs.values():
+        ca = ws.frames.context_actions(job)
+        events = ws.events(job, kinds=["context_action"])
+        assert ca["action"].astype(str).tolist() == [e.payload["action"] for e in events]
+        assert ca["event_id"].tolist() == [e.id for e in events]
+        assert ca["tokens"].tolist() == [e.payload["tokens"] for e in events]
+        assert ca["threshold"].tolist() == pytest.approx([e.payload["threshold"] for e in events])
+        mv = ws.frames.movements(job)
+        rows = ws.movements(job)
+        assert mv["seq"].tolist() == [r["seq"] for r in rows]
+        assert mv["iterations"].tolist() == [r["iterations"] for r in rows]
+        transitions = ws.events(job, kinds=["transition"])
+        assert mv["next_step"].tolist() == [e.payload["next_step"] for e in transitions]
+        assert mv["forced"].tolist() == [bool(e.payload["forced"]) for e in transitions]
+        u = ws.frames.usage(job)
+        assert mv["total_tokens"].tolist() == [int(u.loc[u["seq"] == s, "total_tokens"].sum()) for s in mv["seq"]]
+    mv = ws.frames.movements(jobs["usage"])
+    assert mv["actions"].fillna("").tolist() == ["", "warn,prompt,force_transition"]
+    assert mv["llm_calls"].tolist() == [3, 2]
+
+
+def test_tool_calls_pair_each_call_with_its_result(store: tuple[Workspace, dict[str, Job]]) -> None:
+    ws, jobs = store
+    for job in jobs.values():
+        tc = ws.frames.tool_calls(job)
+        calls = ws.events(job, kinds=["tool_call"])
+        results = {e.payload["call_id"]: e.payload for e in ws.events(job, kinds=["tool_result"])}
+        assert tc["event_id"].tolist() == [e.id for e in calls]
+        assert tc["tool"].astype(str).tolist() == [e.payload["tool"] for e in calls]
+        assert [json.loads(a) for a in tc["arguments"]] == [e.payload["arguments"] for e in calls]
+        for row in tc.itertuples():
+            res = results[row.call_id]
+            assert (row.is_error, row.truncated) == (res["is_error"], res["truncated"])
+            assert (row.original_chars, row.returned_chars) == (res["original_chars"], res["returned_chars"])
+            assert row.result == res["content"]
+            assert row.duration >= pd.Timedelta(0)
+    tc = ws.frames.tool_calls(jobs["usage"])
+    assert tc["tool"].astype(str).tolist() == ["Glob", "Read", "transition", "Write", "Read"]
+    assert tc["is_error"].tolist() == [False, False, False, False, True]
+    assert bool(ws.frames.tool_calls(jobs["demo"])["truncated"].any())  # the demo cuts a long Read
+
+
+def test_messages_follow_the_conversation(store: tuple[Workspace, dict[str, Job]]) -> None:
+    ws, jobs = store
+    for job in jobs.values():
+        msgs = ws.frames.messages(job)
+        ev = ws.events(job)
+        count = lambda k: sum(1 for e in ev if e.kind == k)  # noqa: E731
+        assert len(msgs) == 2 * count("movement_start") + count("llm_response") + count("tool_result") + count("reminder")
+        assert msgs["event_id"].is_monotonic_increasing
+    msgs = ws.frames.messages(jobs["usage"])
+    first = msgs[msgs["seq"] == 1]
+    assert first["role"].astype(str).tolist() == ["system", "user", "assistant", "tool", "assistant", "tool",
+                                                  "assistant", "tool"]
+    assert first["content"].iloc[0] == "You gather facts."
+    assert first["tool"].iloc[2] == "Glob" and first["content"].iloc[2] == "Looking around."
+    reminder = msgs[msgs["kind"] == "reminder"]
+    assert len(reminder) == 1 and reminder["role"].iloc[0] == "user"  # the `prompt` action's wrap-up
+    assert (msgs["chars"] == msgs["content"].str.len().fillna(0)).all()
+
+
+def test_lessons_come_from_the_jsonl_and_match_the_lesson_events(store: tuple[Workspace, dict[str, Job]]) -> None:
+    ws, jobs = store
+    for job in jobs.values():
+        lessons = ws.frames.lessons(job)
+        events = ws.events(job, kinds=["lesson"])
+        assert lessons["lessons"].tolist() == [e.payload["lessons"] for e in events]
+        assert lessons["summary"].tolist() == [e.payload["summary"] for e in events]
+        assert lessons["movement"].tolist() == [e.payload["movement"] for e in events]
+        assert lessons["seq"].tolist() == [e.movement_seq for e in events]
+        assert (lessons["job"] == job.id).all()
+        for stamp, e in zip(lessons["timestamp"], events):  # second resolution in the file
+            assert abs(stamp - pd.to_datetime(e.ts, unit="s")) < pd.Timedelta(seconds=2)
+    assert ws.frames.lessons(jobs["usage"])["lessons"].tolist() == ["notes.md holds two lines"]
+    assert ws.frames.lessons(jobs["queued"]).empty
+    every = ws.frames.lessons()
+    assert len(every) == sum(len(ws.events(j, kinds=["lesson"])) for j in jobs.values())
+    assert sorted(set(every["job"])) == sorted(j.id for j in jobs.values() if ws.events(j, kinds=["lesson"]))
+
+
+def test_lessons_read_the_file_not_the_events(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path / "ws")
+    job = ws.submit("x", piece="single", model="demo")
+    logs = ws.root / "jobs" / str(job.id) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    line = {"job": job.id, "movement": "work", "seq": 1, "lessons": "from the file", "summary": "s",
+            "timestamp": "2024-05-01T09:00:00+0900"}
+    (logs / "lessons.jsonl").write_text(json.dumps(line) + "\n" + '{"job": 1, "torn', encoding="utf-8")
+    df = ws.frames.lessons(job)
+    assert df["lessons"].tolist() == ["from the file"]  # the torn last line is skipped
+    assert df["timestamp"].iloc[0] == pd.Timestamp("2024-05-01 00:00:00")  # naive UTC
+
+
+def test_lesson_timestamps_are_utc_whatever_the_local_zone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        ws = Workspace(tmp_path / "ws")
+        job = tiktoken_job(ws, tmp_path / "scripts")
+        stamp = ws.frames.lessons(job)["timestamp"].iloc[0]
+        event = ws.events(job, kinds=["lesson"])[0]
+        assert abs(stamp - pd.to_datetime(event.ts, unit="s")) < pd.Timedelta(seconds=2)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+def test_frames_across_jobs_compare_runs(store: tuple[Workspace, dict[str, Job]]) -> None:
+    ws, jobs = store
+    per_job = ws.frames.usage().groupby("job")["total_tokens"].sum()
+    table = ws.frames.jobs().set_index("job")
+    assert per_job.to_dict() == {j: t for j, t in table["total_tokens"].items() if t}
+    assert table.loc[jobs["queued"].id, "llm_calls"] == 0
+    assert pd.isna(table.loc[jobs["queued"].id, "ended"])
+    assert table.loc[jobs["usage"].id, "status"] == "succeeded"
+    assert table.loc[jobs["usage"].id, "peak_ratio"] == pytest.approx(0.96)
+    assert len(ws.frames.movements()) == sum(len(ws.movements(j)) for j in jobs.values())
+    assert len(ws.frames.context_actions()) == sum(len(ws.events(j, kinds=["context_action"])) for j in jobs.values())
+
+
+def test_unknown_job_is_an_error(store: tuple[Workspace, dict[str, Job]]) -> None:
+    ws, _ = store
+    with pytest.raises(StoreError, match="no job 999"):
+        ws.frames.usage(999)
+    with pytest.raises(StoreError, match="job must be a Job or a job id"):
+        ws.frames.movements("first")
