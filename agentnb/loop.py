@@ -280,7 +280,10 @@ class AgentLoop:
 
     def _forced(self, reason: str) -> Outcome:
         target = self.movement.default_next or "ABORT"
-        return Outcome(next_step=target, summary=f"Forced transition: {reason}.", forced=True, reason=reason)
+        # a forced ASK still has to put a question to the user, or the reply would answer nothing
+        question = f"The step {self.movement.name!r} stopped: {reason}. How should it go on?" if target == "ASK" else None
+        return Outcome(next_step=target, summary=f"Forced transition: {reason}.", forced=True, reason=reason,
+                       question=question)
 
     def _run_tool(self, name: str, arguments: Any) -> ToolOutput:
         if name not in self.tool_names:

@@ -166,6 +166,9 @@ class Workspace:
         p = load_piece(piece)
         model = _normalise_spec(model)
         check_model_spec(model)
+        # Build it once: a malformed script or an unknown replay job is refused now, not when a worker
+        # claims the job (building an openai model makes no client and reads no key yet).
+        resolve_model(model, store=self.store)
         opts: dict[str, Any] = {}
         if context:
             unknown = set(context) - {"window_tokens", "thresholds", "min_tool_tokens"}
@@ -174,10 +177,16 @@ class Workspace:
             opts["context"] = dict(context)
         if workdir is not None and not Path(workdir).expanduser().is_dir():
             raise FileNotFoundError(f"workdir {str(workdir)!r} is not an existing directory")
-        if inputs:
-            for name in inputs:
-                if not isinstance(name, str) or os.path.isabs(name) or ".." in Path(name).parts or not name.strip():
-                    raise ValueError(f"input name {name!r} must be a relative path inside input/")
+        # Every input name is checked before the job exists, so a refused submit leaves nothing behind.
+        # A fresh job's input/ is empty; an existing workdir's input/ may hold links that lead out.
+        input_root = (Path(workdir).expanduser() if workdir is not None else self.root / "jobs" / "0") / "input"
+        for name in inputs or {}:
+            if not isinstance(name, str) or ".." in Path(name).parts:
+                raise ValueError(f"input name {name!r} must be a relative path inside input/ (no '..')")
+            try:
+                resolve_path(input_root, name)
+            except ToolError as exc:
+                raise ValueError(f"input {name!r}: {exc}") from None
         job_id = self.store.create_job(
             piece=p.name, piece_yaml=p.to_yaml(), piece_path=p.source, model=model, instruction=instruction,
             status="queued", workdir="", options=opts,

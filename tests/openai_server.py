@@ -1,0 +1,129 @@
+"""A small OpenAI-compatible HTTP server on loopback, scripted per test.
+
+It speaks ``POST /v1/chat/completions`` (tool calls and usage included) and plays
+a list of actions, one per request: a response, an HTTP error, or a stall long
+enough to make the client time out.  Every request body and its headers are kept
+so tests can check what the model was sent.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+__all__ = ["OpenAIServer", "reply", "error", "stall"]
+
+
+def reply(content: str | None = None, tool_calls: list[tuple[str, dict[str, Any]]] | None = None,
+          usage: tuple[int, int] | None = (100, 10)) -> dict[str, Any]:
+    """A chat completion answer: text and/or ``(name, arguments)`` tool calls, with usage."""
+    return {"kind": "reply", "content": content, "tool_calls": tool_calls or [], "usage": usage}
+
+
+def error(status: int, message: str = "scripted failure", times: int = 1) -> list[dict[str, Any]]:
+    return [{"kind": "error", "status": status, "message": message} for _ in range(times)]
+
+
+def stall(seconds: float) -> dict[str, Any]:
+    """Wait before answering (with a valid reply), so a client with a shorter timeout gives up."""
+    return {"kind": "stall", "seconds": seconds}
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+@dataclass
+class OpenAIServer:
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    received: list[Received] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._count = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:  # keep test output clean
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                length = int(self.headers.get("content-length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                with server._lock:
+                    server.received.append(Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                    action = server.actions.pop(0) if server.actions else None
+                    server._count += 1
+                    n = server._count
+                if self.path.rstrip("/") != "/v1/chat/completions":
+                    return self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
+                if action is None:
+                    return self._send(400, {"error": {"message": "the test server's script ran out",
+                                                      "type": "invalid_request_error"}})
+                if action["kind"] == "error":
+                    return self._send(action["status"], {"error": {"message": action["message"], "type": "server_error"}})
+                if action["kind"] == "stall":
+                    server._closing.wait(action["seconds"])
+                    action = reply("late answer")
+                self._send(200, server._completion(body, action, n))
+
+            def _send(self, status: int, payload: dict[str, Any]) -> None:
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (a stall): nothing to answer
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    @staticmethod
+    def _completion(request: dict[str, Any], action: dict[str, Any], n: int) -> dict[str, Any]:
+        calls = [
+            {"id": f"call_{n}_{i}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args)}}
+            for i, (name, args) in enumerate(action["tool_calls"])
+        ]
+        message: dict[str, Any] = {"role": "assistant", "content": action["content"]}
+        if calls:
+            message["tool_calls"] = calls
+        out: dict[str, Any] = {
+            "id": f"chatcmpl-{n}", "object": "chat.completion", "created": 1_700_000_000,
+            "model": request.get("model", "test"),
+            "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}],
+        }
+        if action["usage"] is not None:
+            p, c = action["usage"]
+            out["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return out
+
+    # -- lifecycle ------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def play(self, *actions: dict[str, Any] | list[dict[str, Any]]) -> None:
+        for a in actions:
+            self.actions.extend(a if isinstance(a, list) else [a])
+
+    def __enter__(self) -> "OpenAIServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._closing.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,0 +1,281 @@
+"""Models: scripted (both formats), replay, and openai against a real OpenAI-compatible server on loopback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import agentnb
+from agentnb import Workspace
+from agentnb.models import ModelSpecError
+
+from engine_helpers import call, say, transition, write_piece, write_script
+from openai_server import OpenAIServer, error, reply, stall
+
+KEY = "sk-test-DO-NOT-STORE-4f1c9a"
+
+LOOP = """
+name: loop
+max_movements: 8
+movements:
+  - name: work
+    persona: You are the worker.
+    instruction: Work.
+    tools: [Read, Write, crash_tool]
+    permission: edit
+    max_iterations: 10
+    rules:
+      - {condition: ready for review, next: review}
+  - name: review
+    persona: You are the reviewer.
+    instruction: Review.
+    tools: [Read]
+    rules:
+      - {condition: good, next: COMPLETE}
+      - {condition: needs work, next: work}
+"""
+
+
+@pytest.fixture(autouse=True)
+def crash_tool():
+    @agentnb.tool
+    def crash_tool(x: int) -> str:
+        """Fails on purpose."""
+        raise ValueError(f"cannot handle {x}")
+
+    yield
+    agentnb.tools.unregister("crash_tool")
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch):
+    with OpenAIServer() as srv:
+        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", KEY)
+        monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
+        monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "5")
+        monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "3")
+        yield srv
+
+
+def _kinds(ws: Workspace, job) -> list[str]:
+    return [e.kind for e in ws.events(job)]
+
+
+# -- scripted ------------------------------------------------------------------
+
+
+def test_scripted_responses_list_plays_in_order_across_the_job(ws: Workspace, tmp_path: Path) -> None:
+    model = write_script(tmp_path, {"responses": [
+        {"content": "Writing.", "tool_calls": [{"name": "Write", "arguments": {"path": "output/a.txt", "content": "A"}}],
+         "usage": {"prompt_tokens": 1200, "completion_tokens": 40}},
+        transition("review", "wrote a.txt"),
+        transition("COMPLETE", "fine"),
+    ]})
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model=model))
+    assert job.status == "succeeded", job.error
+    assert (Path(job.workdir) / "output" / "a.txt").read_text() == "A"
+    first = ws.events(job, kinds=["llm_response"])[0].payload
+    assert first["content"] == "Writing."
+    assert {k: first["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens", "source")} == {
+        "prompt_tokens": 1200, "completion_tokens": 40, "total_tokens": 1240, "source": "usage"}
+    second = ws.events(job, kinds=["llm_response"])[1].payload
+    assert second["usage"]["source"] in ("tiktoken", "chars")  # no usage given: counted
+
+
+def test_scripted_per_movement_lists_play_across_that_movements_runs(ws: Workspace, tmp_path: Path) -> None:
+    model = write_script(tmp_path, {"movements": {
+        "work": [transition("review", "first try"), call("Read", path="input"), transition("review", "second try")],
+        "review": [transition("work", "redo", feedback="more"), transition("COMPLETE", "good now")],
+    }})
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model=model))
+    assert job.status == "succeeded", job.error
+    assert [(m["name"], m["summary"]) for m in ws.movements(job)] == [
+        ("work", "first try"), ("review", "redo"), ("work", "second try"), ("review", "good now")]
+
+
+@pytest.mark.parametrize("script, message", [
+    ({"responses": [transition("review")]},
+     "scripted model ran out of responses: {path} has 1, call 2 was asked for"),
+    ({"movements": {"work": [transition("review")], "review": []}},
+     "scripted model ran out of responses for movement 'review': {path} has 0, call 1 was asked for"),
+])
+def test_a_script_that_runs_out_fails_the_job_saying_so(ws: Workspace, tmp_path: Path, script, message) -> None:
+    model = write_script(tmp_path, script)
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model=model))
+    assert job.status == "failed"
+    assert job.error == message.format(path=model.split(":", 1)[1])
+    err = ws.events(job, kinds=["error"])[-1].payload
+    assert err == {"message": job.error, "where": "model"}
+
+
+@pytest.mark.parametrize("content, match", [
+    ("responses: [1, 2]", "each response must be a mapping"),
+    ("responses:\n  - {contnt: hi}", r"unknown key\(s\) \['contnt'\]; allowed: content, tool_calls, usage"),
+    ("responses: [{tool_calls: [{arguments: {}}]}]", "needs a name"),
+    ("hello: world", "a script needs 'responses'"),
+    ("responses: [unclosed", "not valid YAML"),
+])
+def test_a_malformed_script_is_refused_at_submit(ws: Workspace, tmp_path: Path, content: str, match: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ModelSpecError, match=match):
+        ws.submit("task", piece="single", model=f"scripted:{path}")
+    assert ws.jobs() == []
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("gpt-4", "unknown model spec 'gpt-4'; allowed: demo, scripted:<file.yaml>, openai:<model>, replay:<job_id>"),
+    ("scripted:/nope.yaml", "scripted model file not found: /nope.yaml"),
+    ("replay:abc", "the job id must be a number"),
+    ("replay:42", "no job 42"),
+    ("openai:", "unknown model spec"),
+])
+def test_bad_model_specs_are_refused_at_submit(ws: Workspace, spec: str, match: str) -> None:
+    with pytest.raises(ModelSpecError, match=match):
+        ws.submit("task", piece="single", model=spec)
+    assert ws.jobs() == []
+
+
+def test_replay_reproduces_a_recorded_job(ws: Workspace, tmp_path: Path) -> None:
+    model = write_script(tmp_path, {"responses": [
+        call("Write", path="output/r.txt", content="replayed"), say("hmm"),
+        transition("review", "wrote", lessons="l1"), transition("work", "again", feedback="fix"),
+        transition("review", "fixed"), transition("COMPLETE", "ok"),
+    ]})
+    piece = write_piece(tmp_path, LOOP)
+    original = ws.run(ws.submit("task", piece=piece, model=model))
+    copy = ws.run(ws.submit("task", piece=piece, model=f"replay:{original.id}"))
+    assert copy.status == original.status == "succeeded"
+
+    def shape(job) -> list[tuple[Any, ...]]:
+        out = []
+        for e in ws.events(job):
+            if e.kind == "llm_response":
+                out.append((e.kind, e.movement_seq, e.iteration, e.payload["content"],
+                            [(c["name"], c["arguments"]) for c in e.payload["tool_calls"]]))
+            elif e.kind in ("tool_result", "transition", "lesson", "reminder"):
+                out.append((e.kind, e.movement_seq, e.payload.get("content") or e.payload.get("next_step")
+                            or e.payload.get("text") or e.payload.get("lessons")))
+        return out
+
+    assert shape(copy) == shape(original)
+    assert (Path(copy.workdir) / "output" / "r.txt").read_text() == "replayed"
+
+
+# -- openai on loopback -----------------------------------------------------------
+
+
+def test_full_job_through_an_openai_compatible_server(ws: Workspace, tmp_path: Path, server: OpenAIServer) -> None:
+    server.play(
+        reply("Reading.", [("Read", {"path": "input/notes.md"})], usage=(321, 12)),
+        reply(None, [("transition", {"next_step": "review", "summary": "read it", "lessons": "notes are short"})],
+              usage=(400, 20)),
+        reply(None, [("transition", {"next_step": "COMPLETE", "summary": "approved"})], usage=(250, 5)),
+    )
+    job = ws.submit("Summarise", piece=write_piece(tmp_path, LOOP), model="openai:test-model",
+                    inputs={"notes.md": "alpha beta\n"})
+    job = ws.run(job)
+    assert job.status == "succeeded", job.error
+    usages = [e.payload["usage"] for e in ws.events(job, kinds=["llm_response"])]
+    assert [(u["prompt_tokens"], u["completion_tokens"], u["total_tokens"], u["source"]) for u in usages] == [
+        (321, 12, 333, "usage"), (400, 20, 420, "usage"), (250, 5, 255, "usage")]
+    # what was sent: the model, the tools (transition always), and the conversation of the movement
+    bodies = [r.body for r in server.received]
+    assert all(b["model"] == "test-model" for b in bodies)
+    names = [t["function"]["name"] for t in bodies[0]["tools"]]
+    assert names == ["Read", "Write", "crash_tool", "transition"]
+    assert [m["role"] for m in bodies[0]["messages"]] == ["system", "user"]
+    assert bodies[0]["messages"][0]["content"] == "You are the worker."
+    assert [m["role"] for m in bodies[1]["messages"]] == ["system", "user", "assistant", "tool"]
+    assert bodies[1]["messages"][3]["content"].startswith("alpha beta")
+    assert bodies[1]["messages"][2]["tool_calls"][0]["function"]["name"] == "Read"
+    assert [m["role"] for m in bodies[2]["messages"]] == ["system", "user"]  # a new movement starts fresh
+    assert "## Lessons from previous steps\n- [work] notes are short" in bodies[2]["messages"][1]["content"]
+    assert server.received[0].headers["authorization"] == f"Bearer {KEY}"
+    _assert_key_nowhere(ws)
+
+
+def _assert_key_nowhere(ws: Workspace) -> None:
+    for path in ws.root.rglob("*"):
+        if path.is_file():
+            assert KEY.encode() not in path.read_bytes(), path
+
+
+def test_the_model_sees_tool_errors_and_reminders(ws: Workspace, tmp_path: Path, server: OpenAIServer) -> None:
+    server.play(
+        reply(None, [("transition", {"next_step": "nowhere", "summary": "x"})]),
+        reply(None, [("crash_tool", {"x": 7})]),
+        reply("I am not sure what to do."),
+        reply(None, [("transition", {"next_step": "review", "summary": "done"})]),
+        reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})]),
+    )
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    assert job.status == "succeeded", job.error
+    fourth = server.received[3].body["messages"]
+    assert [m["role"] for m in fourth] == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant", "user"]
+    assert fourth[3]["content"] == ("Error: next_step 'nowhere' is not allowed here; "
+                                    "allowed: review, COMPLETE, ASK, ABORT, WAIT_SUBTASKS")
+    assert fourth[5]["content"] == "Error: crash_tool raised ValueError: cannot handle 7"
+    assert fourth[3]["tool_call_id"] == fourth[2]["tool_calls"][0]["id"]
+    assert "without calling a tool" in fourth[7]["content"]
+
+
+def test_retries_with_backoff_on_429_5xx_and_timeouts(ws: Workspace, tmp_path: Path, server: OpenAIServer,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "0.5")
+    monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "4")
+    server.play(
+        error(429, "slow down"), error(503, "overloaded"),
+        reply(None, [("transition", {"next_step": "review", "summary": "done"})], usage=(10, 1)),
+        stall(5), error(500, "oops"),
+        reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})], usage=(20, 2)),
+    )
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    assert job.status == "succeeded", job.error
+    assert len(server.received) == 6  # two calls, with four failed tries between them
+    assert len(ws.events(job, kinds=["llm_response"])) == 2  # retries are invisible to the job
+    assert not ws.events(job, kinds=["error"])
+
+
+def test_after_the_last_try_the_job_fails_with_a_clear_error(ws: Workspace, tmp_path: Path, server: OpenAIServer,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "2")
+    server.play(error(500, "the backend is down", times=3))
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    assert job.status == "failed"
+    assert job.error == "openai:m: gave up after 3 tries; last error HTTP 500: the backend is down"
+    assert len(server.received) == 3
+    assert ws.events(job, kinds=["error"])[-1].payload == {"message": job.error, "where": "model"}
+    assert ws.movements(job)[0]["status"] == "failed"
+    _assert_key_nowhere(ws)
+
+
+def test_a_timeout_on_every_try_fails_the_job(ws: Workspace, tmp_path: Path, server: OpenAIServer,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "0.3")
+    monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "1")
+    server.play(stall(5), stall(5))
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    assert job.status == "failed"
+    assert job.error.startswith("openai:m: gave up after 2 tries; last error APITimeoutError")
+
+
+def test_a_request_error_is_not_retried(ws: Workspace, tmp_path: Path, server: OpenAIServer) -> None:
+    server.play(error(400, "tools are not supported by this model"))
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    assert job.status == "failed"
+    assert job.error == "openai:m: HTTP 400: tools are not supported by this model"
+    assert len(server.received) == 1
+
+
+def test_openai_without_key_or_endpoint_fails_clearly(ws: Workspace, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    job = ws.run(ws.submit("task", piece="single", model="openai:gpt-4o-mini"))
+    assert job.status == "failed"
+    assert "OPENAI_API_KEY" in job.error

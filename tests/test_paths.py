@@ -1,0 +1,176 @@
+"""Tools never leave the job's work directory: `..`, absolute paths, `~` and escaping symlinks are refused."""
+
+from __future__ import annotations
+
+import base64
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentnb import Workspace
+from agentnb.tools import ToolError, resolve_path
+
+from engine_helpers import transition, write_piece, write_script
+
+ALL_TOOLS = """
+name: all-tools
+movements:
+  - name: work
+    instruction: Try everything.
+    tools: [Read, Write, Edit, Glob, Grep, ReadImage]
+    permission: edit
+    max_iterations: 40
+    rules:
+      - {condition: done, next: COMPLETE}
+"""
+SECRET = "TOP-SECRET-OUTSIDE-7731"
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+)
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A folder next to the workspace holding things no tool may reach."""
+    out = tmp_path / "outside"
+    out.mkdir()
+    (out / "secret.txt").write_text(SECRET + "\n", encoding="utf-8")
+    (out / "secret.png").write_bytes(PNG)
+    return out
+
+
+def _run_calls(ws: Workspace, tmp_path: Path, calls: list[tuple[str, dict[str, Any]]], setup=None, **submit: Any):
+    """Run one job whose single movement makes ``calls`` (one LLM call each), then completes."""
+    piece = write_piece(tmp_path, ALL_TOOLS)
+    responses = [{"tool_calls": [{"name": n, "arguments": a}]} for n, a in calls]
+    model = write_script(tmp_path, {"responses": responses + [transition("COMPLETE")]})
+    job = ws.submit("escape", piece=piece, model=model, **submit)
+    if setup is not None:
+        setup(Path(job.workdir))
+    job = ws.run(job)
+    assert job.status == "succeeded", job.error
+    results = [e.payload for e in ws.events(job, kinds=["tool_result"]) if e.payload["tool"] != "transition"]
+    assert len(results) == len(calls)
+    return job, results
+
+
+def _links(outside: Path):
+    def setup(wd: Path) -> None:
+        (wd / "input" / "notes.md").write_text("inside\n", encoding="utf-8")
+        os.symlink(outside / "secret.txt", wd / "input" / "link_file")
+        os.symlink(outside, wd / "input" / "link_dir")
+        os.symlink(outside / "secret.png", wd / "input" / "link.png")
+        os.symlink("../../../outside/secret.txt", wd / "input" / "relative_link")  # relative target, same escape
+        os.symlink(wd / "input" / "notes.md", wd / "output" / "inner_link")  # stays inside: allowed
+    return setup
+
+
+ESCAPES = [
+    ("Read", {"path": "../../../outside/secret.txt"}, "leaves the work directory"),
+    ("Read", {"path": "input/../../../../outside/secret.txt"}, "leaves the work directory"),
+    ("Read", {"path": "/etc/passwd"}, "is absolute"),
+    ("Read", {"path": "~/secret.txt"}, "is absolute"),
+    ("Read", {"path": "input/link_file"}, "leaves the work directory"),
+    ("Read", {"path": "input/relative_link"}, "leaves the work directory"),
+    ("Read", {"path": "input/link_dir/secret.txt"}, "leaves the work directory"),
+    ("Write", {"path": "../escape.txt", "content": "x"}, "leaves the work directory"),
+    ("Write", {"path": "/tmp/agentnb-escape.txt", "content": "x"}, "is absolute"),
+    ("Write", {"path": "input/link_dir/new.txt", "content": "x"}, "leaves the work directory"),
+    ("Write", {"path": "input/link_file", "content": "overwritten"}, "leaves the work directory"),
+    ("Edit", {"path": "input/link_file", "old": "TOP", "new": "BOTTOM"}, "leaves the work directory"),
+    ("Edit", {"path": "~/x", "old": "a", "new": "b"}, "is absolute"),
+    ("Glob", {"pattern": "../*"}, "must stay inside the work directory"),
+    ("Glob", {"pattern": "/etc/*"}, "must stay inside the work directory"),
+    ("Glob", {"pattern": "~/*"}, "must stay inside the work directory"),
+    ("Grep", {"pattern": "SECRET", "path": ".."}, "leaves the work directory"),
+    ("Grep", {"pattern": "SECRET", "path": "/etc"}, "is absolute"),
+    ("Grep", {"pattern": "SECRET", "path": "input/link_dir"}, "leaves the work directory"),
+    ("Grep", {"pattern": "SECRET", "path": "input/link_file"}, "leaves the work directory"),
+    ("ReadImage", {"path": "input/link.png"}, "leaves the work directory"),
+    ("ReadImage", {"path": "../../../outside/secret.png"}, "leaves the work directory"),
+    ("ReadImage", {"path": "/tmp/x.png"}, "is absolute"),
+]
+
+
+def test_every_escape_is_a_clear_tool_error(ws: Workspace, tmp_path: Path, outside: Path) -> None:
+    job, results = _run_calls(ws, tmp_path, [(t, a) for t, a, _ in ESCAPES], setup=_links(outside))
+    for (tool, args, expected), res in zip(ESCAPES, results):
+        assert res["is_error"], (tool, args, res["content"])
+        assert res["content"].startswith("Error: "), res["content"]
+        assert expected in res["content"], (tool, args, res["content"])
+        assert "\n" not in res["content"]
+    # nothing outside was read, written or changed
+    assert (outside / "secret.txt").read_text(encoding="utf-8") == SECRET + "\n"
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.png", "secret.txt"]
+    assert not (tmp_path / "ws" / "jobs" / "escape.txt").exists()
+    assert not Path("/tmp/agentnb-escape.txt").exists()
+    assert SECRET.encode() not in (ws.root / "agentnb.sqlite").read_bytes()
+
+
+def test_searching_the_whole_workdir_skips_links_that_leave_it(ws: Workspace, tmp_path: Path, outside: Path) -> None:
+    calls = [("Grep", {"pattern": "SECRET|inside"}), ("Glob", {"pattern": "**/*"}), ("Glob", {"pattern": "input/link_dir/*"}),
+             ("Read", {"path": "output/inner_link"})]
+    job, (grep, glob_all, glob_link, inner) = _run_calls(ws, tmp_path, calls, setup=_links(outside))
+    assert "input/notes.md:1:inside" in grep["content"]
+    assert SECRET not in grep["content"]
+    assert "input/notes.md" in glob_all["content"]
+    assert "secret" not in glob_all["content"]
+    assert "secret" not in glob_link["content"]
+    assert not inner["is_error"] and "inside" in inner["content"]  # a link that stays inside is fine
+    assert SECRET.encode() not in (ws.root / "agentnb.sqlite").read_bytes()
+
+
+def test_workdir_jobs_are_confined_to_that_directory(ws: Workspace, tmp_path: Path, outside: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("project notes\n", encoding="utf-8")
+    calls = [
+        ("Read", {"path": "notes.txt"}),
+        ("Write", {"path": "output/result.txt", "content": "written"}),
+        ("Read", {"path": "../outside/secret.txt"}),
+        ("Write", {"path": "../outside/new.txt", "content": "x"}),
+        ("Grep", {"pattern": "notes|SECRET"}),
+    ]
+    job, (read, write, escape_read, escape_write, grep) = _run_calls(ws, tmp_path, calls, workdir=project)
+    assert Path(job.workdir) == project.resolve()
+    assert "project notes" in read["content"] and not read["is_error"]
+    assert (project / "output" / "result.txt").read_text(encoding="utf-8") == "written"
+    assert escape_read["is_error"] and "leaves the work directory" in escape_read["content"]
+    assert escape_write["is_error"] and not (outside / "new.txt").exists()
+    assert "notes.txt:1:project notes" in grep["content"] and SECRET not in grep["content"]
+    # the job's logs stay in the workspace, not in the user's directory
+    assert (ws.root / "jobs" / str(job.id) / "logs").is_dir()
+
+
+@pytest.mark.parametrize("name", ["../x.md", "/etc/x.md", "~/x.md", "a/../../x.md", "", "  ", "a/\x00b"])
+def test_input_names_that_escape_are_refused_at_submit(ws: Workspace, name: str) -> None:
+    with pytest.raises(ValueError, match="input"):
+        ws.submit("task", piece="single", model="demo", inputs={name: "x"})
+    assert ws.jobs() == []
+
+
+def test_input_through_a_symlink_of_a_workdir_is_refused_at_submit(ws: Workspace, tmp_path: Path, outside: Path) -> None:
+    project = tmp_path / "project"
+    (project / "input").mkdir(parents=True)
+    os.symlink(outside, project / "input" / "away")
+    with pytest.raises(ValueError, match="input 'away/x.md'.*leaves"):
+        ws.submit("task", piece="single", model="demo", workdir=project, inputs={"away/x.md": "x"})
+    assert ws.jobs() == []
+    assert not (outside / "x.md").exists()
+    job = ws.submit("task", piece="single", model="demo", workdir=project, inputs={"sub/ok.md": "fine"})
+    assert (project / "input" / "sub" / "ok.md").read_text(encoding="utf-8") == "fine"
+    assert job.status == "queued"
+
+
+def test_resolve_path_directly(tmp_path: Path, outside: Path) -> None:
+    wd = tmp_path / "wd"
+    (wd / "sub").mkdir(parents=True)
+    os.symlink(outside, wd / "away")
+    assert resolve_path(wd, "sub/../sub/a.txt") == (wd / "sub" / "a.txt").resolve()
+    assert resolve_path(wd, ".") == wd.resolve()
+    for bad, why in [("..", "leaves"), ("sub/../../x", "leaves"), ("/x", "absolute"), ("~", "absolute"),
+                     ("away", "leaves"), ("away/secret.txt", "leaves"), ("", "non-empty"), ("a\x00b", "NUL")]:
+        with pytest.raises(ToolError, match=why):
+            resolve_path(wd, bad)
