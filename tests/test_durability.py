@@ -1,0 +1,112 @@
+"""Durability of the event log: what happened before an LLM call is committed before the call is made.
+
+The engine batches a call's events into one transaction (issue 8), never across
+calls.  These tests look from a second SQLite connection — as another process,
+a crashed-and-restarted worker or a notebook view would — at the moment each
+model call happens.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import agentnb
+from agentnb import Workspace
+from agentnb.models import ModelRequest, ModelResponse, ToolCall
+from agentnb.runner import JobRunner
+
+
+@pytest.fixture(scope="module")
+def durable_echo() -> Any:
+    @agentnb.tool
+    def durable_echo(text: str) -> str:
+        """Return the text unchanged."""
+        return text
+
+    return durable_echo
+
+
+PIECE = """
+name: durability
+movements:
+  - name: work
+    instruction: Echo three times, then finish.
+    tools: [durable_echo]
+    max_iterations: 10
+    rules: [{next: COMPLETE}]
+"""
+
+
+class ProbeModel:
+    """Calls ``durable_echo`` ``calls - 1`` times, then ends; before answering, reads what is committed."""
+
+    spec = "probe"
+
+    def __init__(self, db: Path, calls: int) -> None:
+        self.db = db
+        self.calls = calls
+        self.seen: list[list[tuple[str, int | None]]] = []  # committed (kind, iteration) at each call
+
+    def complete(self, request: ModelRequest) -> ModelResponse:
+        con = sqlite3.connect(self.db)  # a separate connection sees only committed transactions
+        try:
+            rows = con.execute(
+                "SELECT kind, iteration FROM events WHERE job_id=? ORDER BY id", (request.job_id,)
+            ).fetchall()
+        finally:
+            con.close()
+        self.seen.append([(k, i) for k, i in rows])
+        n = len(self.seen)
+        if n < self.calls:
+            call = ToolCall(id=f"c{n}", name="durable_echo", arguments={"text": f"echo {n}"})
+        else:
+            call = ToolCall(id=f"c{n}", name="transition", arguments={"next_step": "COMPLETE", "summary": "done"})
+        return ModelResponse(tool_calls=(call,))
+
+
+def _run_with(ws: Workspace, model: ProbeModel) -> str:
+    job = ws.submit("Echo.", piece=agentnb.parse_piece(PIECE), model="demo")
+    row = ws.store.claim(job.id)
+    assert row is not None
+    runner = JobRunner(ws.store, row, model, ws.root / "jobs")
+    return runner.advance("job")
+
+
+def test_each_call_sees_its_request_and_the_previous_calls_results_committed(
+    tmp_path: Path, durable_echo: Any
+) -> None:
+    ws = Workspace(tmp_path / "ws")
+    model = ProbeModel(ws.store.path, calls=4)
+    assert _run_with(ws, model) == "succeeded"
+    assert len(model.seen) == 4
+    for n, committed in enumerate(model.seen, start=1):
+        # the request of this very call is durable before the model is asked
+        assert committed.count(("llm_request", n)) == 1, committed
+        assert [k for k, _ in committed].count("llm_request") == n
+        # and so is everything the previous call produced: its response, tool call and tool result
+        if n > 1:
+            for kind in ("llm_response", "tool_call", "tool_result"):
+                assert (kind, n - 1) in committed, (kind, n - 1, committed)
+        # nothing of this call beyond its request exists yet
+        assert ("llm_response", n) not in committed
+    assert ("movement_start", 0) in model.seen[0]
+
+
+def test_the_events_seen_mid_run_are_a_prefix_of_the_final_log(tmp_path: Path, durable_echo: Any) -> None:
+    ws = Workspace(tmp_path / "ws")
+    model = ProbeModel(ws.store.path, calls=3)
+    assert _run_with(ws, model) == "succeeded"
+    con = sqlite3.connect(ws.store.path)
+    final = [(k, i) for k, i in con.execute("SELECT kind, iteration FROM events WHERE job_id=1 ORDER BY id")]
+    con.close()
+    for committed in model.seen:
+        assert final[: len(committed)] == committed  # committed events are never rewritten or reordered
+    kinds = [k for k, _ in final]
+    assert kinds.count("llm_request") == kinds.count("llm_response") == 3
+    assert kinds.count("tool_result") == 3  # two echoes and the transition
+    results = [i for k, i in final if k == "tool_result"]
+    assert results == [1, 2, 3]
