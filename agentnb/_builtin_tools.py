@@ -233,10 +233,17 @@ def Checklist(ctx: ToolContext, name: str, items: list[dict[str, Any]]) -> str:
     if target.exists():
         current = json.loads(target.read_text(encoding="utf-8")).get("items", [])
     index = {item["text"]: item for item in current}
+    # check every item first: a bad call changes nothing
     for i, item in enumerate(items):
         if not isinstance(item, dict) or not isinstance(item.get("text"), str) or not item["text"].strip():
             raise ToolError(f"items[{i}] must be an object with a non-empty 'text' and a boolean 'done'")
-        done = bool(item.get("done", False))
+        if not isinstance(item.get("done", False), bool):
+            raise ToolError(f"items[{i}].done is {item['done']!r}; allowed: true or false")
+        extra = set(item) - {"text", "done"}
+        if extra:
+            raise ToolError(f"items[{i}]: unknown key(s) {sorted(extra)}; allowed: text, done")
+    for item in items:
+        done = item.get("done", False)
         if item["text"] in index:
             index[item["text"]]["done"] = done
         else:

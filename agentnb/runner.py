@@ -9,6 +9,7 @@ moves the job to its next state.  Everything it decides is an event.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -372,16 +373,24 @@ class JobRunner:
         if not (self.workdir / ".git").exists():
             return ""
 
-        def git(*args: str) -> str:
+        # GIT_DIR and friends from the notebook's environment must not point git at another repository;
+        # no optional locks, so a git command the model runs meanwhile is never blocked.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+
+        def git(*args: str) -> str | None:
             try:
-                res = subprocess.run(["git", *args], cwd=self.workdir, capture_output=True, text=True, timeout=20)
+                res = subprocess.run(["git", "--no-optional-locks", "-c", "color.ui=false", "-c", "core.quotepath=off",
+                                      *args], cwd=self.workdir, env=env, capture_output=True, text=True,
+                                     errors="replace", timeout=20, stdin=subprocess.DEVNULL)
             except (OSError, subprocess.TimeoutExpired):
-                return ""
-            return res.stdout if res.returncode == 0 else ""
+                return None
+            return res.stdout if res.returncode == 0 else None
 
         status = git("status", "--short")
-        stat = git("diff", "--stat")
-        diff = git("diff")
+        if status is None:  # not a usable repository: say nothing rather than "clean"
+            return ""
+        stat = git("diff", "--no-ext-diff", "--stat") or ""
+        diff = git("diff", "--no-ext-diff") or ""
         if len(diff) > GIT_DIFF_CHARS:
             diff = diff[:GIT_DIFF_CHARS] + f"\n… [diff cut: {GIT_DIFF_CHARS:,} of {len(diff):,} characters shown]"
         blocks = ["$ git status --short", status.rstrip() or "(clean)"]

@@ -1,0 +1,108 @@
+"""The Checklist tool: items created and ticked, stored per job, shown to the following movements."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from _scripting import call, transition, user_prompts, write_piece, write_script
+from agentnb import Workspace
+
+
+def _piece(tmp_path: Path, language: str = "en") -> Path:
+    return write_piece(tmp_path, f"checked-{language}", {"language": language, "movements": [
+        {"name": "plan", "instruction": "Plan.", "tools": ["Checklist"], "rules": [{"next": "work"}]},
+        {"name": "work", "instruction": "Work.", "tools": ["Checklist"], "permission": "edit",
+         "rules": [{"next": "review"}]},
+        {"name": "review", "instruction": "Review.", "rules": [{"next": "COMPLETE"}]},
+    ]})
+
+
+def _script(tmp_path: Path) -> str:
+    return write_script(tmp_path, "checklists", {
+        "plan": [
+            call("Checklist", name="steps", items=[{"text": "read the notes", "done": False},
+                                                   {"text": "write the summary", "done": False}]),
+            call("Checklist", name="steps", items=[{"text": "read the notes", "done": True}]),
+            call("Checklist", name="risks", items=[{"text": "notes may be empty"}]),
+            transition("work", summary="planned"),
+        ],
+        "work": [
+            call("Checklist", name="steps", items=[{"text": "write the summary", "done": True},
+                                                   {"text": "check spelling", "done": False}]),
+            transition("review", summary="worked"),
+        ],
+        "review": [transition("COMPLETE", summary="reviewed")],
+    })
+
+
+def test_checklist_state_reaches_the_next_movements(ws: Workspace, tmp_path: Path) -> None:
+    job = ws.run(ws.submit("Summarise", piece=str(_piece(tmp_path)), model=_script(tmp_path)))
+    assert job.status == "succeeded", job.error
+    plan, work, review = user_prompts(ws, job)
+    assert "## Checklists" not in plan
+    assert (
+        "## Checklists\n"
+        "### risks (0/1 done)\n- [ ] notes may be empty\n"
+        "### steps (1/2 done)\n- [x] read the notes\n- [ ] write the summary"
+    ) in work
+    assert (
+        "### steps (2/3 done)\n- [x] read the notes\n- [x] write the summary\n- [ ] check spelling"
+    ) in review
+    folder = ws.root / "jobs" / str(job.id) / "logs" / "checklists"
+    assert sorted(p.name for p in folder.iterdir()) == ["risks.json", "steps.json"]
+    stored = json.loads((folder / "steps.json").read_text(encoding="utf-8"))
+    assert stored == {"name": "steps", "items": [
+        {"text": "read the notes", "done": True},
+        {"text": "write the summary", "done": True},
+        {"text": "check spelling", "done": False},
+    ]}
+    results = [e.payload for e in ws.events(job, kinds=["tool_result"]) if e.payload["tool"] == "Checklist"]
+    assert results[1]["content"] == "Checklist steps: 1/2 done\n- [x] read the notes\n- [ ] write the summary"
+    assert not any(r["is_error"] for r in results)
+
+
+def test_checklists_live_in_the_jobs_logs_even_with_an_existing_workdir(ws: Workspace, tmp_path: Path) -> None:
+    workdir = tmp_path / "project"
+    workdir.mkdir()
+    job = ws.run(ws.submit("Summarise", piece=str(_piece(tmp_path)), model=_script(tmp_path), workdir=workdir))
+    assert job.status == "succeeded"
+    assert (ws.root / "jobs" / str(job.id) / "logs" / "checklists" / "steps.json").is_file()
+    assert not (workdir / "logs").exists()
+
+
+def test_bad_checklist_calls_are_tool_errors_and_change_nothing(ws: Workspace, tmp_path: Path) -> None:
+    spec = write_script(tmp_path, "bad", {
+        "plan": [
+            call("Checklist", name="ok", items=[{"text": "first", "done": False}]),
+            call("Checklist", name="../escape", items=[{"text": "x"}]),
+            call("Checklist", name="ok", items=[{"text": "second"}, {"text": "first", "done": "yes"}]),
+            call("Checklist", name="ok", items=[{"text": "first", "colour": "red"}]),
+            call("Checklist", name="ok", items="first"),
+            call("Checklist", name="ok", items=[{"text": "  "}]),
+            transition("work"),
+        ],
+        "work": [transition("review")],
+        "review": [transition("COMPLETE")],
+    })
+    job = ws.run(ws.submit("Do it", piece=str(_piece(tmp_path)), model=spec))
+    assert job.status == "succeeded"
+    results = [e.payload for e in ws.events(job, kinds=["tool_result"]) if e.payload["tool"] == "Checklist"]
+    assert [r["is_error"] for r in results] == [False, True, True, True, True, True]
+    assert "must be 1–64 letters, digits, '-' or '_'" in results[1]["content"]
+    assert "items[1].done is 'yes'; allowed: true or false" in results[2]["content"]
+    assert "items[0]: unknown key(s) ['colour']; allowed: text, done" in results[3]["content"]
+    assert "items must be a list" in results[4]["content"]
+    assert "items[0] must be an object with a non-empty 'text'" in results[5]["content"]
+    logs = ws.root / "jobs" / str(job.id) / "logs"
+    assert sorted(p.name for p in (logs / "checklists").iterdir()) == ["ok.json"]
+    assert not list(logs.parent.parent.rglob("escape*"))
+    assert "### ok (0/1 done)\n- [ ] first\n" in user_prompts(ws, job, "work")[0] + "\n"
+
+
+def test_japanese_piece_uses_japanese_heading(ws: Workspace, tmp_path: Path) -> None:
+    job = ws.run(ws.submit("要約して", piece=str(_piece(tmp_path, "ja")), model=_script(tmp_path)))
+    assert job.status == "succeeded"
+    work = user_prompts(ws, job, "work")[0]
+    assert "## チェックリスト\n### risks (0/1 done)" in work
+    assert "## Checklists" not in work
