@@ -14,10 +14,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from ._truncate import cut_text, read_file
+from ._office import OFFICE_SUFFIXES, extract_text
+from ._truncate import cut_text, read_document_text, read_file
 from .tools import ToolContext, ToolError, ToolOutput, tool
 
-_OFFICE = {".docx", ".xlsx", ".pptx", ".pdf"}
 _IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp"}
 _MAX_IMAGE_BYTES = 5 * 1024 * 1024
 _SECRET_ENV = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
@@ -41,39 +41,12 @@ def Read(ctx: ToolContext, path: str, offset: int | None = None, limit: int | No
         raise ToolError(f"no such file: {path!r}")
     if p.is_dir():
         raise ToolError(f"{path!r} is a directory; use Glob to list it")
-    if p.suffix.lower() in _OFFICE:
-        from ._office import extract_text
-
+    if p.suffix.lower() in OFFICE_SUFFIXES:
+        st = p.stat()
         text = extract_text(p)
-        return _cut_document(text, path, ctx.fit(text[: ctx.budget_chars * 2]), offset, limit)
+        return read_document_text(text, (str(p), st.st_ino, st.st_size, st.st_mtime_ns), path, ctx,
+                                  offset=offset, limit=limit, byte_offset=byte_offset)
     return read_file(p, path, ctx, offset=offset, limit=limit, byte_offset=byte_offset)
-
-
-def _cut_document(text: str, rel: str, budget: int, offset: int | None, limit: int | None) -> ToolOutput:
-    """Office text, served by lines like a text file."""
-    lines = text.splitlines(keepends=True)
-    start = (offset or 1) - 1
-    if start >= max(1, len(lines)) and lines:
-        raise ToolError(f"offset={offset} is past the end of {rel!r}, which has {len(lines):,} lines of text")
-    chosen = lines[start: start + limit] if limit else lines[start:]
-    body = "".join(chosen)
-    if len(body) <= budget:
-        return ToolOutput(body)
-    taken, used = [], 0
-    for line in chosen:
-        if used + len(line) > budget and taken:
-            break
-        taken.append(line[: budget - used] if used + len(line) > budget else line)
-        used += len(taken[-1])
-    last = start + len(taken)
-    out = "".join(taken)
-    note = (
-        f"\n\n[agentnb: output truncated automatically: returned lines {start + 1:,}–{last:,} of {len(lines):,} "
-        f"of the document's text ({len(out):,} of {len(body):,} characters). To read on, call Read with "
-        f"path={rel!r} and offset={last + 1}; or use Grep to find the part you need.]"
-    )
-    return ToolOutput(out + note, truncated=True, original_chars=len(body), returned_chars=len(out),
-                      continuation={"path": rel, "offset": last + 1})
 
 
 @tool(_builtin=True)
@@ -147,10 +120,7 @@ def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
             continue
     if not out:
         return ToolOutput(f"No lines match {pattern!r}.")
-    result = cut_text("\n".join(out), ctx, hint="grep")
-    if result.truncated:
-        result.content += f"\n({matches:,} matching lines in all.)"
-    return result
+    return cut_text("\n".join(out), ctx, hint="grep", extra=f"({matches:,} matching lines in all.)")
 
 
 @tool(_builtin=True)

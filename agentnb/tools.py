@@ -59,13 +59,9 @@ class ToolContext:
         """How many leading characters of ``text`` fit in the token budget (measured, not guessed)."""
         if self.count_tokens is None:
             return min(len(text), self.budget_chars)
-        n = len(text)
-        for _ in range(6):
-            tokens = self.count_tokens(text[:n])
-            if tokens <= self.budget_tokens:
-                return n
-            n = max(1, int(n * self.budget_tokens / tokens * 0.97))
-        return n
+        from ._truncate import fit_prefix
+
+        return fit_prefix(self.count_tokens, text, self.budget_tokens)
 
     def path(self, rel: str) -> Path:
         return resolve_path(self.workdir, rel)

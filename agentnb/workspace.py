@@ -171,10 +171,9 @@ class Workspace:
         resolve_model(model, store=self.store)
         opts: dict[str, Any] = {}
         if context:
-            unknown = set(context) - {"window_tokens", "thresholds", "min_tool_tokens"}
-            if unknown:
-                raise ValueError(f"context: unknown key(s) {sorted(unknown)}; allowed: window_tokens, thresholds, min_tool_tokens")
-            opts["context"] = dict(context)
+            from .context import check_context_options
+
+            opts["context"] = check_context_options(context)
         if workdir is not None and not Path(workdir).expanduser().is_dir():
             raise FileNotFoundError(f"workdir {str(workdir)!r} is not an existing directory")
         # Every input name is checked before the job exists, so a refused submit leaves nothing behind.

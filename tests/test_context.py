@@ -1,0 +1,336 @@
+"""ContextManager in real jobs: token sources, thresholds, forced transitions, windows and tool budgets."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from agentnb import Workspace
+from agentnb._tokens import TokenCounter, counter_for_model
+from agentnb.context import (
+    DEFAULT_WINDOW,
+    MAX_TOOL_TOKENS,
+    ContextManager,
+    check_context_options,
+    window_for_model,
+)
+
+NOTES = "".join(f"note line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(3000))
+
+
+def _piece(tmp_path: Path, *, context: dict[str, Any] | None = None, default_next: str | None = "wrap",
+           name: str = "ctx") -> Path:
+    work: dict[str, Any] = {
+        "name": "work", "persona": "You work.", "instruction": "Work on the notes.", "tools": ["Read"],
+        "permission": "readonly", "max_iterations": 30,
+        "rules": [{"condition": "done", "next": "COMPLETE"}, {"condition": "wrap up", "next": "wrap"}],
+    }
+    if default_next:
+        work["default_next"] = default_next
+    wrap = {"name": "wrap", "persona": "You wrap up.", "instruction": "Wrap up.", "tools": [],
+            "rules": [{"condition": "done", "next": "COMPLETE"}]}
+    doc: dict[str, Any] = {"name": name, "movements": [work, wrap]}
+    if context:
+        doc["context"] = context
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def _read(usage: int | None = None, completion: int = 20, **args: Any) -> dict[str, Any]:
+    item: dict[str, Any] = {"tool_calls": [{"name": "Read", "arguments": {"path": "input/notes.md", "limit": 3,
+                                                                          **args}}]}
+    if usage is not None:
+        item["usage"] = {"prompt_tokens": usage, "completion_tokens": completion}
+    return item
+
+
+def _transition(step: str, usage: int | None = None) -> dict[str, Any]:
+    item: dict[str, Any] = {"tool_calls": [{"name": "transition", "arguments": {"next_step": step,
+                                                                                "summary": "done", "lessons": "l"}}]}
+    if usage is not None:
+        item["usage"] = {"prompt_tokens": usage, "completion_tokens": 20}
+    return item
+
+
+def _script(tmp_path: Path, work: list[dict[str, Any]], wrap: list[dict[str, Any]] | None = None) -> str:
+    path = tmp_path / "script.yaml"
+    path.write_text(yaml.safe_dump({"movements": {"work": work, "wrap": wrap or [_transition("COMPLETE")]}}))
+    return f"scripted:{path}"
+
+
+def _run(ws: Workspace, piece: Path, model: str, **kw: Any) -> tuple[Any, list[Any]]:
+    job = ws.submit("Work on input/notes.md", piece=str(piece), model=model, inputs={"notes.md": NOTES}, **kw)
+    job = ws.run(job)
+    return job, ws.events(job)
+
+
+def _of(events: list[Any], kind: str) -> list[Any]:
+    return [e for e in events if e.kind == kind]
+
+
+# -- thresholds ---------------------------------------------------------------------
+
+
+def test_each_threshold_fires_once_and_in_order_then_force_goes_to_default_next(ws: Workspace, tmp_path: Path) -> None:
+    piece = _piece(tmp_path, context={"window_tokens": 10_000})
+    usages = [1_000, 7_000, 7_500, 8_500, 8_600, 9_500, 9_600]
+    model = _script(tmp_path, [_read(u) for u in usages])
+    job, events = _run(ws, piece, model)
+    assert job.status == "succeeded", job.error
+
+    actions = _of(events, "context_action")
+    assert [(a.payload["action"], a.payload["iteration"]) for a in actions] == [
+        ("warn", 2), ("prompt", 4), ("force_transition", 6)]
+    for a, tokens, limit in zip(actions, (7_000, 8_500, 9_500), (0.70, 0.85, 0.95)):
+        assert a.payload["tokens"] == tokens
+        assert a.payload["window"] == 10_000
+        assert a.payload["ratio"] == pytest.approx(tokens / 10_000)
+        assert a.payload["threshold"] == limit
+        assert a.iteration == a.payload["iteration"]
+
+    work_responses = [e for e in _of(events, "llm_response") if e.movement_seq == 1]
+    assert len(work_responses) == 6  # the 7th scripted response is never asked for: the movement was forced
+    assert [r.payload["usage"]["prompt_tokens"] for r in work_responses] == usages[:6]
+    assert {r.payload["usage"]["source"] for r in work_responses} == {"usage"}
+    assert [r.payload["usage"]["ratio"] for r in work_responses] == [u / 10_000 for u in usages[:6]]
+
+    reminders = [e for e in _of(events, "reminder") if e.payload["reason"] == "context prompt"]
+    assert len(reminders) == 1 and reminders[0].iteration == 4
+    assert "transition" in reminders[0].payload["text"]
+    # the wrap-up message is what the model sees next
+    request_5 = [e for e in _of(events, "llm_request") if e.movement_seq == 1 and e.iteration == 5][0]
+    request_4 = [e for e in _of(events, "llm_request") if e.movement_seq == 1 and e.iteration == 4][0]
+    assert request_5.payload["messages"] == request_4.payload["messages"] + 3  # assistant, tool result, reminder
+
+    forced = _of(events, "transition")[0]
+    assert forced.payload["forced"] is True
+    assert forced.payload["next_step"] == "wrap"
+    assert forced.payload["summary"].startswith("Forced transition")
+    # a forced transition is not a claim that the work is done: no lessons are passed on
+    assert not [e for e in _of(events, "lesson") if e.payload["movement"] == "work"]
+    assert [e.payload["movement"] for e in _of(events, "movement_start")] == ["work", "wrap"]
+    # the next movement starts with a fresh context: nothing fires again there
+    assert all(a.movement_seq == 1 for a in actions)
+
+
+def test_force_transition_without_default_next_aborts(ws: Workspace, tmp_path: Path) -> None:
+    piece = _piece(tmp_path, context={"window_tokens": 10_000}, default_next=None)
+    job, events = _run(ws, piece, _script(tmp_path, [_read(1_000), _read(9_600), _read(9_700)]))
+    assert job.status == "aborted"
+    (t,) = _of(events, "transition")
+    assert t.payload["forced"] is True
+    assert t.payload["next_step"] == "ABORT"
+    assert "force_transition" in t.payload["reason"]
+    assert [a.payload["action"] for a in _of(events, "context_action")] == ["warn", "prompt", "force_transition"]
+    # forced at once: no wrap-up reminder is added for a movement that is over
+    assert not [e for e in _of(events, "reminder") if e.payload["reason"] == "context prompt"]
+
+
+def test_forced_into_complete_succeeds_but_stays_marked_forced(ws: Workspace, tmp_path: Path) -> None:
+    piece = _piece(tmp_path, context={"window_tokens": 10_000}, default_next="COMPLETE")
+    job, events = _run(ws, piece, _script(tmp_path, [_read(9_900)]))
+    assert job.status == "succeeded"
+    (t,) = _of(events, "transition")
+    assert (t.payload["next_step"], t.payload["forced"]) == ("COMPLETE", True)
+    assert not _of(events, "lesson")
+
+
+def test_a_jump_past_every_threshold_fires_all_four_in_order(ws: Workspace, tmp_path: Path) -> None:
+    piece = _piece(tmp_path, context={"window_tokens": 10_000})
+    job, events = _run(ws, piece, _script(tmp_path, [_read(500), _read(9_950)]))
+    actions = _of(events, "context_action")
+    assert [a.payload["action"] for a in actions] == ["warn", "prompt", "force_transition", "exhausted"]
+    assert {a.payload["iteration"] for a in actions} == {2}
+    assert [a.payload["threshold"] for a in actions] == [0.70, 0.85, 0.95, 0.99]
+    assert _of(events, "transition")[0].payload["forced"] is True
+
+
+def test_the_models_own_transition_in_the_crossing_response_is_kept(ws: Workspace, tmp_path: Path) -> None:
+    # The response that crosses 95 % already ends the movement by the model's own choice; that choice
+    # stands (it is not forced), and the crossing is still on record as a context_action.
+    piece = _piece(tmp_path, context={"window_tokens": 10_000})
+    job, events = _run(ws, piece, _script(tmp_path, [_read(1_000), _transition("COMPLETE", usage=9_700)]))
+    assert job.status == "succeeded"
+    (t,) = _of(events, "transition")
+    assert (t.payload["next_step"], t.payload["forced"]) == ("COMPLETE", False)
+    assert "force_transition" in [a.payload["action"] for a in _of(events, "context_action")]
+
+
+def test_an_invalid_transition_in_the_crossing_response_is_forced(ws: Workspace, tmp_path: Path) -> None:
+    piece = _piece(tmp_path, context={"window_tokens": 10_000})
+    job, events = _run(ws, piece, _script(tmp_path, [_transition("nowhere", usage=9_700)]))
+    transitions = _of(events, "transition")
+    assert (transitions[0].payload["next_step"], transitions[0].payload["forced"]) == ("wrap", True)
+    results = [e for e in _of(events, "tool_result") if e.payload["tool"] == "transition"]
+    assert results[0].payload["is_error"] is True
+
+
+def test_thresholds_come_from_the_piece(ws: Workspace, tmp_path: Path) -> None:
+    th = {"warn": 0.2, "prompt": 0.3, "force_transition": 0.5, "exhausted": 0.6}
+    piece = _piece(tmp_path, context={"window_tokens": 10_000, "thresholds": th})
+    job, events = _run(ws, piece, _script(tmp_path, [_read(1_000), _read(2_100), _read(3_100), _read(5_000)]))
+    actions = _of(events, "context_action")
+    assert [(a.payload["action"], a.payload["iteration"], a.payload["threshold"]) for a in actions] == [
+        ("warn", 2, 0.2), ("prompt", 3, 0.3), ("force_transition", 4, 0.5)]
+
+
+def test_job_options_override_the_piece(ws: Workspace, tmp_path: Path) -> None:
+    piece = _piece(tmp_path, context={"window_tokens": 10_000, "thresholds": {"warn": 0.5}})
+    model = _script(tmp_path, [_read(1_000), _read(6_500), _transition("COMPLETE", 6_600)])
+    job, events = _run(ws, piece, model, context={"window_tokens": 20_000, "thresholds": {"warn": 0.3}})
+    assert job.status == "succeeded"
+    assert {e.payload["usage"]["window"] for e in _of(events, "llm_response")} == {20_000}
+    actions = _of(events, "context_action")
+    assert [(a.payload["action"], a.payload["iteration"], a.payload["window"]) for a in actions] == [
+        ("warn", 2, 20_000)]
+    assert actions[0].payload["threshold"] == 0.3
+
+
+def test_window_comes_from_piece_then_model_table_then_default(ws: Workspace, tmp_path: Path) -> None:
+    model = _script(tmp_path, [_transition("COMPLETE")])
+    _, with_piece = _run(ws, _piece(tmp_path, context={"window_tokens": 50_000}, name="a"), model)
+    _, without = _run(ws, _piece(tmp_path, name="b"), model)
+    assert _of(with_piece, "llm_response")[0].payload["usage"]["window"] == 50_000
+    assert _of(without, "llm_response")[0].payload["usage"]["window"] == DEFAULT_WINDOW  # scripted: no table row
+    demo = ws.run(ws.submit("Summarise input/notes.md", model="demo", inputs={"notes.md": "a\n"}))
+    assert {e.payload["usage"]["window"] for e in _of(ws.events(demo), "llm_response")} == {window_for_model("demo")}
+    assert window_for_model("openai:gpt-4o-mini") == 128_000
+    assert window_for_model("openai:gpt-4.1-mini") == 1_047_576
+    assert window_for_model("gpt-3.5-turbo") == 16_385
+    assert window_for_model("openai:some-unknown-model") == DEFAULT_WINDOW
+
+
+@pytest.mark.parametrize(
+    ("context", "message"),
+    [
+        ({"window": 1}, "unknown key"),
+        ({"window_tokens": "big"}, "window_tokens='big'"),
+        ({"window_tokens": 10}, "≥ 256"),
+        ({"min_tool_tokens": 0}, "min_tool_tokens=0"),
+        ({"thresholds": {"panic": 0.5}}, "unknown action"),
+        ({"thresholds": {"warn": 1.5}}, "between 0 (excluded) and 1"),
+        ({"thresholds": {"warn": 0.9, "prompt": 0.8, "force_transition": 0.95, "exhausted": 0.99}}, "above prompt"),
+    ],
+)
+def test_bad_job_context_options_are_refused_at_submit(ws: Workspace, tmp_path: Path, context: dict[str, Any],
+                                                       message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ws.submit("x", piece=str(_piece(tmp_path)), model="demo", context=context)
+    assert ws.jobs() == []
+    assert check_context_options({"window_tokens": 1000}) == {"window_tokens": 1000}
+
+
+# -- token sources ------------------------------------------------------------------------
+
+
+def _message_tokens(count: Any, text: str) -> int:
+    return 4 + count(text)
+
+
+@pytest.mark.parametrize("source", ["tiktoken", "chars"])
+def test_counted_sources_measure_the_messages_added_between_calls(ws: Workspace, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  source: str) -> None:
+    if source == "chars":
+        monkeypatch.setenv("AGENTNB_TOKENIZER", "chars")
+    piece = _piece(tmp_path)
+    model = _script(tmp_path, [_read(), _read(offset=10), _transition("COMPLETE")])
+    job, events = _run(ws, piece, model)
+    responses = [e for e in _of(events, "llm_response") if e.movement_seq == 1]
+    assert [r.payload["usage"]["source"] for r in responses] == [source] * 3
+    counter = counter_for_model(model)
+    assert responses[0].payload["usage"]["encoding"] == counter.encoding
+    # what was added between call 1 and call 2: the assistant message and the tool result
+    first = responses[0].payload
+    args = json.dumps(first["tool_calls"][0]["arguments"], ensure_ascii=False)
+    assistant_text = "\n".join(["Read", args])
+    result = [e for e in _of(events, "tool_result") if e.iteration == 1 and e.movement_seq == 1][0]
+    added = _message_tokens(counter.count, assistant_text) + _message_tokens(counter.count, result.payload["content"])
+    p1, p2 = (r.payload["usage"]["prompt_tokens"] for r in responses[:2])
+    assert p2 - p1 == added
+    assert first["usage"]["completion_tokens"] == _message_tokens(counter.count, assistant_text)
+    assert first["usage"]["total_tokens"] == p1 + first["usage"]["completion_tokens"]
+    assert p1 > 0
+
+
+def test_usage_and_counted_sources_mix_per_call(ws: Workspace, tmp_path: Path) -> None:
+    model = _script(tmp_path, [_read(1_234), _read(), _transition("COMPLETE", 2_000)])
+    job, events = _run(ws, _piece(tmp_path), model)
+    responses = [e for e in _of(events, "llm_response") if e.movement_seq == 1]
+    assert [r.payload["usage"]["source"] for r in responses] == ["usage", "tiktoken", "usage"]
+    assert responses[0].payload["usage"]["prompt_tokens"] == 1_234
+    assert responses[2].payload["usage"]["prompt_tokens"] == 2_000
+
+
+# -- incremental counting ------------------------------------------------------------------
+
+
+def test_each_message_is_tokenized_once() -> None:
+    seen: list[int] = []
+
+    def count(text: str) -> int:
+        seen.append(len(text))
+        return len(text) // 4 + 1
+
+    cm = ContextManager(window=10_000_000, counter=TokenCounter("tiktoken", "test", count))
+    total = 0
+    for i in range(200):
+        tool = {"role": "tool", "tool_call_id": f"c{i}", "content": "r" * (i + 1)}
+        cm.add(tool)
+        assistant = {"role": "assistant", "content": "a" * (i + 2)}
+        cm.after_response(assistant, None)
+        total += (i + 1) + (i + 2)
+    assert sum(seen) == total  # linear in the text, not in calls × history
+    assert len(seen) == 400
+
+
+# -- tool budgets --------------------------------------------------------------------------
+
+
+def test_tool_budget_is_half_the_available_capped_and_floored() -> None:
+    big = ContextManager(window=1_000_000, model="gpt-4o")
+    assert big.tool_budget() == MAX_TOOL_TOKENS
+    cm = ContextManager(window=10_000, model="gpt-4o", min_tool_tokens=300)
+    cm.after_response({"role": "assistant", "content": "x"}, {"prompt_tokens": 4_000, "completion_tokens": 0})
+    assert cm.tool_budget() == 3_000
+    cm.add({"role": "tool", "content": "y" * 40_000})
+    assert cm.tool_budget() == 300  # nothing much left: the floor
+    assert ContextManager(window=4_096, model="gpt-4o").min_tool_tokens == 4_096 // 16  # a floor fitting a small window
+
+
+def test_tool_results_record_their_budget_and_fit_it(ws: Workspace, tmp_path: Path) -> None:
+    piece = _piece(tmp_path, context={"window_tokens": 20_000})
+    model = _script(tmp_path, [_read(2_000, completion=30, limit=None), _read(9_000, completion=30, limit=None),
+                               _transition("COMPLETE", 9_500)])
+    job, events = _run(ws, piece, model)
+    results = [e for e in _of(events, "tool_result") if e.payload["tool"] == "Read"]
+    assert [r.payload["budget_tokens"] for r in results] == [(20_000 - 2_030) // 2, (20_000 - 9_030) // 2]
+    counter = counter_for_model(model)
+    for r in results:
+        assert r.payload["truncated"] is True
+        assert counter.count(r.payload["content"]) <= r.payload["budget_tokens"]
+        assert r.payload["original_chars"] == len(NOTES)
+        assert r.payload["returned_chars"] < r.payload["original_chars"]
+
+
+@pytest.mark.parametrize("where", ["piece", "job"])
+def test_the_budget_floor_is_configurable(ws: Workspace, tmp_path: Path, where: str) -> None:
+    context: dict[str, Any] = {"window_tokens": 10_000}
+    kw: dict[str, Any] = {}
+    if where == "piece":
+        context["min_tool_tokens"] = 2_000
+    else:
+        kw["context"] = {"min_tool_tokens": 2_000}
+    model = _script(tmp_path, [_read(9_000, limit=None), _transition("COMPLETE", 9_100)])
+    job, events = _run(ws, _piece(tmp_path, context=context), model, **kw)
+    (r,) = [e for e in _of(events, "tool_result") if e.payload["tool"] == "Read"]
+    assert r.payload["budget_tokens"] == 2_000  # half of what is left would be ~490
+    assert r.payload["truncated"] is True
+    assert counter_for_model(model).count(r.payload["content"]) <= 2_000
+    assert math.isclose(counter_for_model(model).count(r.payload["content"]), 2_000, rel_tol=0.25)
