@@ -1,0 +1,269 @@
+"""A job as a notebook transcript: ``ws.export_notebook(job, path)`` (also ``agentnb export``, ``%agent export``).
+
+The file is an nbformat v4 notebook that reads without a kernel:
+
+1. a markdown title cell with the job's header (piece, model, status, movements,
+   calls, tokens, times, instruction, error);
+2. when the job made LLM calls, a "Usage" heading and a cell whose output is the
+   :func:`agentnb.plot_usage` timeline as PNG;
+3. for each movement run, a markdown heading (``## 2. implement → verify``) and a code
+   cell whose outputs hold that run's prompts, messages, tool calls and results, and
+   ContextManager actions — ``text/html`` from :func:`agentnb.render.movement_html`
+   plus a ``text/plain`` transcript for viewers without HTML;
+4. job-level comments (the user's replies, the agent's questions) and errors between
+   the movement runs, in the order they happened.
+
+Transcript cells open collapsed: ``metadata.jupyter.outputs_hidden`` and
+``source_hidden`` (JupyterLab) and ``metadata.collapsed`` (classic Notebook).  Their
+source re-renders the run from the store when re-executed.
+
+No secret reaches the file: the store holds none, and the value of any environment
+variable named like ``*API_KEY*``, ``*TOKEN*`` or ``*SECRET*`` is masked wherever it
+appears (an instruction or a tool result could quote one).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import nbformat
+from nbformat import v4
+
+from .events import Event
+
+if TYPE_CHECKING:
+    from .workspace import Workspace
+
+__all__ = ["export_notebook", "build_notebook", "movement_text", "COLLAPSED", "TRANSCRIPT_TAG"]
+
+# The metadata that makes a cell open collapsed in JupyterLab (jupyter.*) and classic Notebook (collapsed).
+COLLAPSED: dict[str, Any] = {"collapsed": True, "jupyter": {"outputs_hidden": True, "source_hidden": True}}
+TRANSCRIPT_TAG = "agentnb-transcript"
+# Bodies in an exported transcript are cut longer than in the live view: it is the record, but a
+# single 1 MB tool result must still not make the file unopenable.
+EXPORT_MAX_CHARS = 20_000
+_SECRET_NAME = re.compile(r"API_?KEY|TOKEN|SECRET|PASSWORD", re.I)
+
+
+def export_notebook(
+    ws: "Workspace", job_id: int, path: str | os.PathLike[str], *, full: bool = False, plot: bool = True
+) -> Path:
+    """Write job ``job_id`` as a notebook to ``path`` (a directory gets ``job-<id>.ipynb``); return the file.
+
+    ``full=True`` keeps every body whole (by default each is cut at 20,000 characters, with its size shown);
+    ``plot=False`` leaves out the usage timeline.
+    """
+    target = Path(path).expanduser()
+    if target.is_dir():
+        target = target / f"job-{job_id}.ipynb"
+    if target.suffix != ".ipynb":
+        raise ValueError(f"export path {str(path)!r} must end in .ipynb (or be an existing directory)")
+    nb = build_notebook(ws, job_id, full=full, plot=plot)
+    nbformat.validate(nb)
+    text = _mask_secrets(nbformat.writes(nb, version=4))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, target)  # a reader never sees half a notebook
+    return target.resolve()
+
+
+def build_notebook(ws: "Workspace", job_id: int, *, full: bool = False, plot: bool = True) -> nbformat.NotebookNode:
+    """The transcript notebook of a job, in memory (see the module docstring for its cells)."""
+    from .render import STYLE, job_stats, movement_html
+
+    job = ws.job(job_id)
+    events = ws.events(job.id)
+    max_chars = None if full else EXPORT_MAX_CHARS
+    nb = v4.new_notebook()
+    nb.metadata.update({
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+        "language_info": {"name": "python"},
+        "agentnb": {"job": job.id, "piece": job.piece, "model": job.model, "status": str(job.status),
+                    "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+    })
+    cells = [v4.new_markdown_cell(_title(ws, job, job_stats(ws, job.id)))]
+    if plot and any(e.kind == "llm_response" for e in events):
+        cells += _usage_cells(ws, job.id)
+
+    for kind, item in _timeline(events):
+        if kind == "comment":
+            who = "🧑 user" if item.author == "user" else f"🤖 {item.author}"
+            cells.append(v4.new_markdown_cell(f"> **{who}:** {_md(item.body)}"))
+        elif kind == "error":
+            cells.append(v4.new_markdown_cell(f"**✖ error ({_md(item.where)}):** {_md(item.message)}"))
+        else:
+            seq, evs = item
+            html = STYLE + movement_html(ws, job.id, seq, max_chars=max_chars, max_calls=None, open=True)
+            cells.append(v4.new_markdown_cell(_heading(seq, evs)))
+            cells.append(_transcript_cell(ws, job.id, seq, html, movement_text(evs, max_chars=max_chars)))
+    nb.cells = cells
+    return nb
+
+
+# -- cells ------------------------------------------------------------------------
+
+
+def _timeline(events: Sequence[Event]) -> list[tuple[str, Any]]:
+    """Movement runs (``("movement", (seq, events))``) and job-level comments/errors, in order."""
+    items: list[tuple[str, Any]] = []
+    runs: dict[int, list[Event]] = {}
+    for ev in events:
+        if ev.movement_seq is not None:
+            if ev.movement_seq not in runs:
+                runs[ev.movement_seq] = []
+                items.append(("movement", (ev.movement_seq, runs[ev.movement_seq])))
+            runs[ev.movement_seq].append(ev)
+        elif ev.kind in ("comment", "error"):
+            items.append((ev.kind, ev))
+    return items
+
+
+def _title(ws: "Workspace", job: Any, st: Any) -> str:
+    first = job.instruction.strip().splitlines()[0] if job.instruction.strip() else "(no instruction)"
+    if len(first) > 100:
+        first = first[:99] + "…"
+    rows = [
+        ("piece", f"`{job.piece}`"), ("model", f"`{job.model}`"), ("status", f"**{job.status}**"),
+        ("movements run", str(st.movements)), ("LLM calls", str(st.calls)), ("tool calls", str(st.tool_calls)),
+        ("tokens", f"{st.total_tokens:,} ({st.prompt_tokens:,} prompt + {st.completion_tokens:,} completion)"),
+        ("created", _when(job.created)), ("ended", _when(job.ended)),
+    ]
+    if job.parent_id:
+        rows.append(("parent job", str(job.parent_id)))
+    lines = [f"# Job {job.id}: {_md(first)}", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    lines += ["", "**Instruction**", "", *[f"> {_md(line)}" for line in job.instruction.splitlines()]]
+    if job.error:
+        lines += ["", f"**Error:** {_md(job.error)}"]
+    lines += ["", f"*Exported by agentnb from `{_md(str(ws.root))}`. Each movement below is a collapsed "
+                  "cell: expand its output to read the run.*"]
+    return "\n".join(lines)
+
+
+def _heading(seq: int, evs: Sequence[Event]) -> str:
+    start = next((e for e in evs if e.kind == "movement_start"), None)
+    name = start.movement if start is not None else "?"  # type: ignore[union-attr]
+    tr = next((e for e in reversed(evs) if e.kind == "transition"), None)
+    calls = [e for e in evs if e.kind == "llm_response"]
+    tokens = sum(int((e.usage or {}).get("total_tokens") or 0) for e in calls)  # type: ignore[union-attr]
+    head = f"## {seq}. {_md(name)}"
+    if tr is not None:
+        head += f" → {_md(tr.next_step)}" + (" (forced)" if tr.forced else "")  # type: ignore[union-attr]
+    actions = [e.action for e in evs if e.kind == "context_action"]  # type: ignore[union-attr]
+    line = f"{len(calls)} LLM calls · {tokens:,} tokens" + (f" · context actions: {', '.join(actions)}" if actions else "")
+    summary = f"\n\n{_md(tr.summary)}" if tr is not None and tr.summary else ""  # type: ignore[union-attr]
+    return f"{head}\n\n*{line}*{summary}"
+
+
+def _transcript_cell(ws: "Workspace", job_id: int, seq: int, html: str, text: str) -> nbformat.NotebookNode:
+    source = (
+        f"# Transcript of job {job_id}, movement run {seq}. Re-running this cell renders it again from the store.\n"
+        "from IPython.display import HTML\n"
+        "from agentnb import Workspace\n"
+        "from agentnb.render import STYLE, movement_html\n"
+        f"HTML(STYLE + movement_html(Workspace({str(ws.root)!r}), {job_id}, {seq}, max_calls=None))"
+    )
+    cell = v4.new_code_cell(source=source)
+    cell.outputs = [v4.new_output("display_data", data={"text/html": html, "text/plain": text})]
+    cell.metadata.update(json.loads(json.dumps(COLLAPSED)))
+    cell.metadata["tags"] = [TRANSCRIPT_TAG]
+    return cell
+
+
+def _usage_cells(ws: "Workspace", job_id: int) -> list[nbformat.NotebookNode]:
+    from .plots import plot_usage
+
+    fig = plot_usage(ws.job(job_id))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    png = base64.b64encode(buf.getvalue()).decode("ascii")
+    cell = v4.new_code_cell(source=f"import agentnb\nagentnb.plot_usage(agentnb.Workspace({str(ws.root)!r}).job({job_id}))")
+    cell.outputs = [v4.new_output("display_data", data={
+        "image/png": png, "text/plain": f"<usage timeline of job {job_id}>"})]
+    cell.metadata.update({"jupyter": {"source_hidden": True}})
+    return [v4.new_markdown_cell("## Usage\n\nContext ratio per LLM call (thresholds dashed, ◆ transitions, "
+                                 "▲■✖ context actions) and cumulative tokens."), cell]
+
+
+# -- plain text -------------------------------------------------------------------
+
+
+def movement_text(evs: Sequence[Event], *, max_chars: int | None = EXPORT_MAX_CHARS) -> str:
+    """A movement run as plain text: prompts, each call's message, tools and results, actions, transition."""
+    out: list[str] = []
+
+    def body(text: Any, indent: str = "    ") -> None:
+        s = "" if text is None else str(text)
+        if max_chars is not None and len(s) > max_chars:
+            s = s[:max_chars] + f"\n… [{len(s):,} chars; first {max_chars:,} shown]"
+        out.extend(indent + line for line in (s.splitlines() or [""]))
+
+    for ev in evs:
+        p = ev.payload
+        k = ev.kind
+        if k == "movement_start":
+            out.append(f"=== movement run {p['seq']}: {p['movement']} ===")
+            out.append("[system]")
+            body(p["system"])
+            out.append("[user]")
+            body(p["user"])
+        elif k == "llm_response":
+            u = p.get("usage") or {}
+            out.append(f"--- call {ev.iteration}: {u.get('prompt_tokens', 0):,} prompt + "
+                       f"{u.get('completion_tokens', 0):,} completion tokens, context "
+                       f"{float(u.get('ratio') or 0):.1%} of {int(u.get('window') or 0):,} ({u.get('source', '?')})")
+            if p.get("content"):
+                out.append("[assistant]")
+                body(p["content"])
+        elif k == "context_action":
+            out.append(f"!! context {p['action']}: {float(p['ratio']):.1%} ≥ {float(p.get('threshold') or 0):.0%} "
+                       f"({int(p['tokens']):,} / {int(p['window']):,} tokens)")
+        elif k == "tool_call":
+            args = p["arguments"] if isinstance(p["arguments"], str) else json.dumps(p["arguments"], ensure_ascii=False)
+            out.append(f"> {p['tool']} {args if max_chars is None or len(args) <= 500 else args[:500] + '…'}")
+        elif k == "tool_result":
+            flags = [w for w, on in (("error", p.get("is_error")), ("truncated", p.get("truncated"))) if on]
+            size = f"{p.get('returned_chars', 0):,} of {p.get('original_chars', 0):,} chars" if p.get("truncated") else ""
+            out.append(f"< {p['tool']}" + (f" [{', '.join(flags)}]" if flags else "") + (f" {size}" if size else ""))
+            body(p.get("content"))
+        elif k == "reminder":
+            out.append(f"[reminder: {p.get('reason', '')}]")
+            body(p.get("text"))
+        elif k == "transition":
+            out.append(f"==> {p['next_step']}" + (f" (forced: {p.get('reason')})" if p.get("forced") else ""))
+            for key in ("summary", "lessons", "question", "feedback"):
+                if p.get(key):
+                    out.append(f"  {key}:")
+                    body(p[key])
+        elif k == "error":
+            out.append(f"✖ error ({p.get('where')}): {p.get('message')}")
+    return "\n".join(out)
+
+
+# -- helpers -----------------------------------------------------------------------
+
+
+def _when(ts: float | None) -> str:
+    return "–" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _md(text: Any) -> str:
+    """Text from the model or the user, safe inside markdown: no raw HTML, no table breaks."""
+    s = "" if text is None else str(text)
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+
+
+def _mask_secrets(text: str) -> str:
+    for name, value in os.environ.items():
+        if _SECRET_NAME.search(name) and len(value) >= 8:
+            text = text.replace(value, "***")
+            text = text.replace(json.dumps(value)[1:-1], "***")  # as escaped inside the JSON
+    return text

@@ -1,0 +1,146 @@
+"""Notebook transcripts: valid nbformat v4, one collapsed section per movement run, nothing secret."""
+
+from __future__ import annotations
+
+import ast
+import base64
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import nbformat  # noqa: E402
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+from _usage_jobs import demo_job, usage_job  # noqa: E402
+from agentnb import Workspace  # noqa: E402
+from agentnb.cli import main as cli  # noqa: E402
+from agentnb.export import TRANSCRIPT_TAG  # noqa: E402
+
+
+def _read(path: Path) -> nbformat.NotebookNode:
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    return nb
+
+
+def _sections(nb: nbformat.NotebookNode) -> list[tuple[str, nbformat.NotebookNode]]:
+    """(heading source, transcript cell) per movement run."""
+    out = []
+    for i, cell in enumerate(nb.cells):
+        if TRANSCRIPT_TAG in cell.metadata.get("tags", []):
+            assert nb.cells[i - 1].cell_type == "markdown"
+            out.append((nb.cells[i - 1].source, cell))
+    return out
+
+
+def test_export_writes_a_valid_notebook_with_one_collapsed_section_per_movement(ws: Workspace, tmp_path: Path) -> None:
+    job = usage_job(ws, tmp_path / "scripts", instruction="Report on input/notes.md <b>now</b> | fast")
+    path = ws.export_notebook(job, tmp_path / "out" / "run.ipynb")
+    assert path == (tmp_path / "out" / "run.ipynb").resolve()
+    nb = _read(path)
+    assert nb.nbformat == 4 and nb.metadata["agentnb"]["job"] == job.id
+
+    title = nb.cells[0]
+    assert title.cell_type == "markdown"
+    assert title.source.startswith(f"# Job {job.id}: Report on input/notes.md &lt;b&gt;now&lt;/b&gt; \\| fast")
+    for fact in ("`usage-probe`", "**succeeded**", "| movements run | 2 |", "| LLM calls | 5 |", "24,370"):
+        assert fact in title.source
+
+    sections = _sections(nb)
+    runs = ws.frames.movements(job)
+    assert len(sections) == len(runs) == 2
+    assert [h.splitlines()[0] for h, _ in sections] == ["## 1. gather → write", "## 2. write → COMPLETE (forced)"]
+    for (heading, cell), seq in zip(sections, runs["seq"]):
+        assert cell.cell_type == "code"
+        assert cell.metadata["collapsed"] is True
+        assert cell.metadata["jupyter"] == {"outputs_hidden": True, "source_hidden": True}
+        (output,) = cell.outputs
+        assert output.output_type == "display_data"
+        assert f'data-seq="{seq}"' in output.data["text/html"]
+        assert output.data["text/plain"].startswith(f"=== movement run {seq}:")
+
+    gather_html, gather_text = (sections[0][1].outputs[0].data[k] for k in ("text/html", "text/plain"))
+    for text in (gather_html, gather_text):
+        assert "You gather facts." in text and "Looking around." in text  # prompt and assistant message
+        assert "input/notes.md" in text and "alpha" in text  # tool call and its result
+        assert "notes.md holds two lines" in text  # the transition's lessons
+    write_html, write_text = (sections[1][1].outputs[0].data[k] for k in ("text/html", "text/plain"))
+    for text in (write_html, write_text):
+        assert "warn" in text and "prompt" in text and "force_transition" in text  # context actions
+        assert "no such file" in text  # the failing tool's error
+    assert "!! context warn: 88.0% ≥ 70%" in write_text and "< Read [error]" in write_text
+    assert "Writing &amp; checking." in write_html  # model text is escaped in HTML
+
+    # the usage timeline is embedded as a PNG
+    pngs = [o.data["image/png"] for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.data]
+    assert len(pngs) == 1 and base64.b64decode(pngs[0])[:4] == b"\x89PNG"
+
+
+def test_transcript_cell_source_re_renders_the_run(ws: Workspace, tmp_path: Path) -> None:
+    job = usage_job(ws, tmp_path / "scripts")
+    nb = _read(ws.export_notebook(job, tmp_path / "t.ipynb"))
+    _, cell = _sections(nb)[1]
+    tree = ast.parse(cell.source)
+    scope: dict[str, object] = {}
+    exec(compile(ast.Module(body=tree.body[:-1], type_ignores=[]), "cell", "exec"), scope)
+    shown = eval(compile(ast.Expression(body=tree.body[-1].value), "cell", "eval"), scope)  # type: ignore[attr-defined]
+    assert 'data-seq="2"' in shown.data and "force_transition" in shown.data
+
+
+def test_export_of_the_demo_job_through_the_cli(ws: Workspace, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = demo_job(ws)
+    assert cli(["export", "--workspace", str(ws.root), str(job.id), str(tmp_path)]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert path == (tmp_path / f"job-{job.id}.ipynb").resolve()
+    nb = _read(path)
+    sections = _sections(nb)
+    assert [h.split("\n")[0] for h, _ in sections] == [
+        "## 1. plan → implement", "## 2. implement → verify", "## 3. verify → COMPLETE"]
+    verify_text = sections[2][1].outputs[0].data["text/plain"]
+    assert "[truncated]" in verify_text  # the demo's budgeted Read
+    assert verify_text.count("!! context") == 2
+
+
+def test_comments_between_movements_and_waiting_jobs(ws: Workspace, tmp_path: Path) -> None:
+    script = tmp_path / "ask.yaml"
+    script.write_text(yaml.safe_dump({"responses": [
+        {"tool_calls": [{"name": "transition", "arguments": {"next_step": "ASK", "summary": "unclear",
+                                                             "question": "Which format?"}}]},
+        {"tool_calls": [{"name": "transition", "arguments": {"next_step": "COMPLETE", "summary": "done"}}]},
+    ]}), encoding="utf-8")
+    job = ws.run(ws.submit("Write it", piece="single", model=f"scripted:{script}"))
+    assert job.status == "waiting_human"
+    nb = _read(ws.export_notebook(job, tmp_path / "waiting.ipynb"))
+    assert "**waiting_human**" in nb.cells[0].source
+    ws.reply(job, "Markdown <please>")
+    job = ws.run(job)
+    nb = _read(ws.export_notebook(job, tmp_path / "done.ipynb"))
+    sources = [c.source for c in nb.cells if c.cell_type == "markdown"]
+    ask = next(i for i, s in enumerate(sources) if s.startswith("## 1. work → ASK"))
+    question = next(i for i, s in enumerate(sources) if "Which format?" in s)
+    reply = next(i for i, s in enumerate(sources) if "Markdown &lt;please&gt;" in s)
+    complete = next(i for i, s in enumerate(sources) if s.startswith("## 2. work → COMPLETE"))
+    assert ask < question < reply < complete
+
+
+def test_export_never_writes_a_key_and_refuses_bad_paths(ws: Workspace, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "sk-test-0123456789abcdefXYZ"
+    monkeypatch.setenv("OPENAI_API_KEY", secret)
+    job = ws.run(ws.submit(f"Summarise input/notes.md (key {secret})", piece="plan-implement-verify",
+                           model="demo", inputs={"notes.md": f"alpha\nkey={secret}\n"}))
+    path = ws.export_notebook(job, tmp_path / "k.ipynb")
+    text = path.read_text(encoding="utf-8")
+    assert secret not in text and "***" in text
+    _read(path)
+    with pytest.raises(ValueError, match=r"must end in \.ipynb"):
+        ws.export_notebook(job, tmp_path / "k.html")
+
+
+def test_export_of_a_job_that_never_ran(ws: Workspace, tmp_path: Path) -> None:
+    job = ws.submit("later", piece="single", model="demo")
+    nb = _read(ws.export_notebook(job, tmp_path / "q.ipynb"))
+    assert len(nb.cells) == 1 and "**queued**" in nb.cells[0].source
