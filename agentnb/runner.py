@@ -198,6 +198,13 @@ class JobRunner:
             self.store.add_comment(c, self.job_id, "agent", out.question or "")
             self.store.set_status(c, self.job_id, "waiting_human", reason=why, resume_movement=mv.name, enriched=None)
             return "waiting_human"
+        if step == "WAIT_SUBTASKS" and not out.subtasks:
+            # only a forced transition gets here (the transition tool insists on subtasks):
+            # with no child to wait for, the job would wait forever
+            message = f"{mv.name} ended with WAIT_SUBTASKS but named no subtasks ({out.reason or 'no reason given'})"
+            self.store.set_status(c, self.job_id, "failed", reason=why, error=message)
+            notify_parent(self.store, c, self.job_id)
+            return "failed"
         if step == "WAIT_SUBTASKS":
             resume = out.resume or mv.default_next
             if resume is None or resume in SPECIAL_NEXT:
@@ -240,7 +247,7 @@ class JobRunner:
         return None
 
     def _create_children(self, c: Any, subtasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        from .workspace import prepare_workdir
+        from .workspace import _normalise_spec, prepare_workdir
 
         parent = self.store.job(self.job_id)
         created = []
@@ -250,7 +257,8 @@ class JobRunner:
                 piece_name, piece_yaml, piece_path = piece.name, piece.to_yaml(), piece.source
             else:
                 piece_name, piece_yaml, piece_path = parent["piece"], parent["piece_yaml"], parent["piece_path"]
-            model = sub.get("model") or parent["model"]
+            # a relative scripted: path means the same file for a worker started elsewhere
+            model = _normalise_spec(sub["model"]) if sub.get("model") else parent["model"]
             now = time.time()
             cur = c.execute(
                 "INSERT INTO jobs (parent_id, piece, piece_yaml, piece_path, model, instruction, status, workdir, "

@@ -293,7 +293,8 @@ class Workspace:
     def _run_children(self, job_id: int) -> bool:
         """Run the queued children of a waiting parent; True when the parent is queued again."""
         for child in self.children(job_id):
-            if child.status == "queued":
+            # a child waiting for its own subtasks may have grandchildren that are ready to run
+            if child.status in ("queued", "waiting_subtasks"):
                 try:
                     self.run(child)
                 except StoreError:

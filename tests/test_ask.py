@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from _scripting import call, requests, starts, transition, user_prompts, write_script
+from openai_server import OpenAIServer, reply
 from agentnb import Workspace
 from agentnb.cli import main as cli_main
 
@@ -180,77 +181,30 @@ def test_show_events_prints_comments(tmp_path: Path, capsys: pytest.CaptureFixtu
         line for line in lines if line["kind"] == "comment"][0].items()
 
 
-class _Endpoint:
-    """A loopback OpenAI-compatible server: answers from a queue and keeps every request body."""
-
-    def __init__(self, answers: list[dict]) -> None:  # type: ignore[type-arg]
-        import http.server
-        import threading
-
-        self.answers = list(answers)
-        self.bodies: list[dict] = []  # type: ignore[type-arg]
-        endpoint = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (the http.server API)
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                endpoint.bodies.append(body)
-                tool_call = endpoint.answers.pop(0)
-                reply = {
-                    "id": f"chatcmpl-{len(endpoint.bodies)}", "object": "chat.completion", "created": 0,
-                    "model": body["model"],
-                    "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
-                        "role": "assistant", "content": None,
-                        "tool_calls": [{"id": f"c{len(endpoint.bodies)}", "type": "function", "function": {
-                            "name": tool_call["name"], "arguments": json.dumps(tool_call["arguments"])}}]}}],
-                    "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110},
-                }
-                data = json.dumps(reply).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_messages_sent_over_http_after_resume_hold_no_earlier_conversation(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    endpoint = _Endpoint([
-        {"name": "Glob", "arguments": {"pattern": "input/*"}},
-        {"name": "transition", "arguments": {"next_step": "ASK", "summary": "unclear", "question": QUESTION}},
-        {"name": "transition", "arguments": {"next_step": "work", "summary": "clear now"}},
-        {"name": "transition", "arguments": {"next_step": "COMPLETE", "summary": "done"}},
-    ])
-    monkeypatch.setenv("OPENAI_BASE_URL", endpoint.url)
-    monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "0")
-    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    try:
+    with OpenAIServer() as server:
+        server.play(
+            reply(tool_calls=[("Glob", {"pattern": "input/*"})]),
+            reply(tool_calls=[("transition", {"next_step": "ASK", "summary": "unclear", "question": QUESTION})]),
+            reply(tool_calls=[("transition", {"next_step": "work", "summary": "clear now"})]),
+            reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "done"})]),
+        )
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "0")
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
         folder = tmp_path / "ws"
         ws = Workspace(folder)
         job = ws.run(ws.submit("Summarise input/notes.md", piece="ask-first", model="openai:loopback-model",
                                inputs={"notes.md": "alpha\n"}))
         assert job.status == "waiting_human"
-        assert len(endpoint.bodies) == 2
-        assert len(endpoint.bodies[1]["messages"]) == 4  # system, user, the Glob call and its result
+        assert len(server.received) == 2
+        assert len(server.received[1].body["messages"]) == 4  # system, user, the Glob call and its result
         fresh = Workspace(folder)
         fresh.reply(job.id, ANSWER)
         assert fresh.run(job.id).status == "succeeded"
-    finally:
-        endpoint.close()
-    resumed = endpoint.bodies[2]["messages"]
+    resumed = server.received[2].body["messages"]
     assert [m["role"] for m in resumed] == ["system", "user"]
     assert QUESTION in resumed[1]["content"] and ANSWER in resumed[1]["content"]
     assert resumed[1]["content"] == user_prompts(fresh, job, "clarify")[1]

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from _scripting import call, transition, user_prompts, write_piece, write_script
 from agentnb import Workspace
 from agentnb.worker import Worker
@@ -204,3 +206,53 @@ def test_child_failing_after_a_step_or_at_setup_is_reported_with_its_error(ws: W
     assert (f"- job {half.id} (failed): Half\n  summary: first half done\n"
             "  error: scripted model has no responses for movement 'second'") in merge
     assert f"- job {gone.id} (failed): Vanish\n  summary: -\n  error: scripted model file not found" in merge
+
+
+def test_grandchild_answered_later_is_run_through_the_parent(ws: Workspace, tmp_path: Path) -> None:
+    asker = write_script(tmp_path, "grand", {"work": [
+        transition("ASK", question="Which unit?"),
+        transition("COMPLETE", summary="metres"),
+    ]})
+    middle = write_script(tmp_path, "middle", {
+        "split": [transition("WAIT_SUBTASKS", subtasks=[{"instruction": "Ask", "piece": "single", "model": asker}])],
+        "merge": [transition("COMPLETE", summary="middle merged")],
+    })
+    parent = ws.run(ws.submit("Nested", piece="fan-out", model=_parent(tmp_path, [
+        {"instruction": "Middle", "model": middle}])))
+    assert parent.status == "waiting_subtasks"
+    (child,) = ws.children(parent)
+    (grand,) = ws.children(child)
+    assert child.status == "waiting_subtasks" and grand.status == "waiting_human"
+    ws.reply(grand, "metres")
+    assert ws.run(parent).status == "succeeded"
+    assert [ws.job(j.id).status.value for j in (child, grand)] == ["succeeded", "succeeded"]
+    assert f"- job {grand.id} (succeeded): Ask\n  summary: metres" in user_prompts(ws, child, "merge")[0]
+    assert f"- job {child.id} (succeeded): Middle\n  summary: middle merged" in user_prompts(ws, parent, "merge")[0]
+
+
+def test_forced_wait_subtasks_without_subtasks_fails_clearly(ws: Workspace, tmp_path: Path) -> None:
+    piece = write_piece(tmp_path, "forced-split", {"movements": [
+        {"name": "split", "instruction": "Split.", "tools": ["Glob"], "max_iterations": 1,
+         "rules": [{"next": "WAIT_SUBTASKS"}], "default_next": "WAIT_SUBTASKS"},
+    ]})
+    spec = write_script(tmp_path, "forced", {"split": [call("Glob", pattern="*")]})
+    job = ws.run(ws.submit("Split", piece=str(piece), model=spec))
+    assert job.status == "failed"
+    assert job.error.startswith("split ended with WAIT_SUBTASKS but named no subtasks (max_iterations (1) reached")
+    assert ws.children(job) == []
+
+
+def test_relative_scripted_path_of_a_subtask_is_kept_absolute(
+    ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _child(tmp_path, "relative", "relative done")
+    monkeypatch.chdir(tmp_path)
+    parent = ws.run(ws.submit("Do it", piece="fan-out", model=_parent(tmp_path, [
+        {"instruction": "Part", "piece": "single", "model": "scripted:relative.yaml"}])), subtasks=False)
+    (kid,) = ws.children(parent)
+    assert kid.model == f"scripted:{tmp_path / 'relative.yaml'}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert ws.run(parent).status == "succeeded"
+    assert ws.job(kid.id).status == "succeeded"
