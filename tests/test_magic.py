@@ -1,0 +1,267 @@
+"""The %agent magic, driven through a real IPython InteractiveShell."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import pandas as pd
+import pytest
+from IPython.core.displaypub import CapturingDisplayPublisher
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+
+import agentnb
+from _scripting import call, transition, write_piece, write_script
+from agentnb import Job, Workspace
+from agentnb.tools import unregister
+
+
+@pytest.fixture
+def shell(tmp_path: Path) -> Iterator[InteractiveShell]:
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "agentnb")
+    sh.run_line_magic("config", f"AgentMagic.workspace = {str(tmp_path / 'ws')!r}")
+    sh.run_line_magic("config", "AgentMagic.model = 'demo'")
+    sh.run_line_magic("config", "AgentMagic.piece = 'plan-implement-verify'")
+    yield sh
+    for name in [k for k in sh.user_ns if k.startswith("t_")]:
+        del sh.user_ns[name]
+
+
+def _ws(tmp_path: Path) -> Workspace:
+    return Workspace(tmp_path / "ws")
+
+
+def _html(outputs: list[Any]) -> list[str]:
+    return [o.data["text/html"] for o in outputs if "text/html" in o.data]
+
+
+def _work_piece(tmp_path: Path, tools: list[str]) -> Path:
+    return write_piece(tmp_path, "work", {"max_movements": 3, "movements": [{
+        "name": "work", "persona": "You work.", "instruction": "Do it.", "tools": tools, "permission": "readonly",
+        "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+
+
+def test_run_returns_the_job_and_shows_it_live(shell: InteractiveShell, tmp_path: Path) -> None:
+    with capture_output() as cap:
+        result = shell.run_cell('t_job = %agent run --piece plan-implement-verify "Summarise the inputs"')
+    assert result.error_in_exec is None
+    job = shell.user_ns["t_job"]
+    assert isinstance(job, Job) and job.status == "succeeded"
+    assert job.piece == "plan-implement-verify" and job.model == "demo"
+    assert Path(job.workdir).parent.parent == (tmp_path / "ws").resolve()
+    views = _html(cap.outputs)
+    assert len(views) >= 2  # the live view, then its update when the job ended
+    assert 'class="anb-job"' in views[0]
+    assert f"Job {job.id} <b>succeeded</b> · 3 movements" in views[-1]
+    # the value of the cell (its Out) is the job's full view
+    with capture_output():
+        shown = shell.run_cell(f"%agent show {job.id}").result.data
+    assert shown.count('<details class="anb-mv"') == 3 and "➜ next step <b>COMPLETE</b>" in shown
+    assert shell.run_line_magic("agent", "show").data == shown  # default JOB: the last one
+
+
+def test_cell_magic_body_is_the_instruction_with_variables_filled(shell: InteractiveShell, tmp_path: Path) -> None:
+    shell.user_ns["t_topic"] = "the <notes>"
+    with capture_output():
+        job = shell.run_cell_magic("agent", "--piece single", "Summarise {t_topic}\nas JSON like {{\"k\": 1}}.")
+    assert job.instruction == 'Summarise the <notes>\nas JSON like {"k": 1}.'
+    assert job.piece == "single"
+    with capture_output():
+        job2 = shell.run_line_magic("agent", 'run --queue "about {t_topic!r} and {{braces}}"')
+    assert job2.instruction == "about 'the <notes>' and {braces}" and job2.status == "queued"
+
+
+def test_help_prints_usage(shell: InteractiveShell, capsys: pytest.CaptureFixture[str]) -> None:
+    assert shell.run_line_magic("agent", "--help") is None
+    out = capsys.readouterr().out
+    for sub in ("run", "step", "reply", "show", "jobs", "usage", "lessons", "panel", "pieces", "export"):
+        assert f"\n  {sub} " in out
+    shell.run_line_magic("agent", "step --help")
+    out = capsys.readouterr().out
+    assert "%agent step [--call] [job]" in out and "the next LLM call" in out
+    shell.run_cell_magic("agent", "--help", "ignored")
+    assert "%%agent [--piece P]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("line, message", [
+    ("frobnicate", "%agent: unknown sub-command 'frobnicate'; allowed: run, step, reply, show, jobs, usage, "
+                   "lessons, panel, pieces, export"),
+    ("step 999", "no job 999 in workspace "),
+    ("show t_nothing", "JOB must be a job id or a variable holding a Job, not 't_nothing'"),
+    ("step", "no job yet in this session; give a job id (see %agent jobs)"),
+    ('run --piece no-such-piece "x"', "%agent run: no-such-piece: unknown piece 'no-such-piece'; available: "),
+    ('run --model gpt-9 "x"', "%agent run: unknown model spec 'gpt-9'; allowed: demo, scripted:<file.yaml>, "
+                             "openai:<model>, replay:<job_id>"),
+    ('run "unbalanced', "%agent: cannot split the line (No closing quotation); check the quotes"),
+    ('run "about {t_undefined}"', "{t_undefined} in the instruction names no variable of the notebook; "
+                                  "write {{ and }} for literal braces"),
+    ("run", '%agent run: the instruction is missing; e.g. %agent run "Summarise input/notes.md"'),
+    ("run --colour red x", "%agent run: unrecognized arguments: --colour"),
+    ("show --movement x", "%agent show: argument --movement: invalid int value: 'x'"),
+])
+def test_usage_errors_are_one_line(shell: InteractiveShell, line: str, message: str) -> None:
+    with pytest.raises(UsageError) as info:
+        shell.run_line_magic("agent", line)
+    text = str(info.value)
+    assert text.startswith(message) and "\n" not in text
+
+
+def test_usage_error_shows_one_line_without_traceback(shell: InteractiveShell) -> None:
+    with capture_output() as cap:
+        result = shell.run_cell("%agent frobnicate")
+    assert isinstance(result.error_in_exec, UsageError)
+    lines = [ln for ln in (cap.stdout + cap.stderr).splitlines() if ln.strip()]
+    assert lines == ["UsageError: %agent: unknown sub-command 'frobnicate'; allowed: run, step, reply, show, "
+                     "jobs, usage, lessons, panel, pieces, export"]
+    # a bad model spec is refused before anything is stored
+    with pytest.raises(UsageError):
+        shell.run_line_magic("agent", 'run --model "scripted:/no/such/file.yaml" "x"')
+    assert _ws_jobs(shell) == 0
+
+
+def _ws_jobs(shell: InteractiveShell) -> int:
+    return len(shell.run_line_magic("agent", "jobs"))
+
+
+def test_step_by_call_then_by_movement_to_the_end(shell: InteractiveShell) -> None:
+    with capture_output():
+        job = shell.run_line_magic("agent", 'run --queue "Summarise the inputs"')
+    ws = Workspace(shell.run_line_magic("config", "AgentMagic.workspace"))
+    assert job.status == "queued" and ws.events(job, kinds=["llm_response"]) == []
+    job = shell.run_line_magic("agent", "step --call")
+    assert job.status == "queued" and job.current_movement == "plan"
+    assert len(ws.events(job, kinds=["llm_response"])) == 1 and ws.events(job, kinds=["transition"]) == []
+    assert "1 LLM calls" in job._repr_html_()
+    job = shell.run_line_magic("agent", f"step {job.id}")  # the rest of the movement
+    assert [e.payload["next_step"] for e in ws.events(job, kinds=["transition"])] == ["implement"]
+    job = shell.run_line_magic("agent", "step --call")
+    assert len(ws.events(job, kinds=["movement_start"])) == 2 and ws.job(job.id).movement_seq == 2
+    assert len(ws.events(job, kinds=["transition"])) == 1
+    shell.user_ns["t_j"] = job
+    while job.status == "queued":
+        job = shell.run_line_magic("agent", "step t_j")
+    assert job.status == "succeeded"
+    assert len(ws.events(job, kinds=["movement_start"])) == 3
+    with pytest.raises(UsageError, match=f"job {job.id} is succeeded; only a queued job can be stepped"):
+        shell.run_line_magic("agent", "step")
+
+
+def test_reply_from_the_magic_resumes_an_asking_job(shell: InteractiveShell) -> None:
+    with capture_output():
+        job = shell.run_line_magic("agent", 'run --piece ask-first "Summarise the inputs"')
+    assert job.status == "waiting_human"
+    assert "waiting for you:" in job._repr_html_()
+    with pytest.raises(UsageError, match="only a queued job can be stepped — answer with %agent reply"):
+        shell.run_line_magic("agent", "step")
+    shell.user_ns["t_style"] = "bullets"
+    with capture_output():
+        job = shell.run_cell_magic("agent", f"reply {job.id} --run", "Use {t_style}.")
+    assert job.status == "succeeded", job.error
+    ws = job.workspace
+    assert [c["body"] for c in ws.comments(job) if c["author"] == "user"] == ["Use bullets."]
+    assert "💬 <b>user</b>: <pre>Use bullets.</pre>" in job._repr_html_()
+
+
+def test_error_inside_a_job_is_in_its_view_not_raised(shell: InteractiveShell, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "short", {"work": [call("Glob", pattern="*")]})
+    piece = _work_piece(tmp_path, ["Glob"])
+    with capture_output():
+        job = shell.run_line_magic("agent", f'run --piece {piece} --model {script} "t"')
+    assert job.status == "failed" and job.error
+    html = job._repr_html_()
+    assert 'class="anb-error"' in html and job.error[:30] in html
+
+
+def test_frames_and_pieces_are_dataframes(shell: InteractiveShell) -> None:
+    with capture_output():
+        job = shell.run_line_magic("agent", 'run "Summarise the inputs"')
+    jobs = shell.run_line_magic("agent", "jobs")
+    assert isinstance(jobs, pd.DataFrame) and list(jobs["job"]) == [job.id]
+    usage = shell.run_line_magic("agent", "usage")
+    assert isinstance(usage, pd.DataFrame)
+    assert len(usage) == len(job.workspace.events(job, kinds=["llm_response"]))
+    assert int(usage["total_tokens"].sum()) == sum(
+        e.payload["usage"]["total_tokens"] for e in job.workspace.events(job, kinds=["llm_response"]))
+    lessons = shell.run_line_magic("agent", f"lessons {job.id}")
+    assert list(lessons["movement"]) == ["plan", "implement", "verify"]
+    pieces = shell.run_line_magic("agent", "pieces")
+    assert {"single", "plan-implement-verify", "ask-first", "fan-out"} <= set(pieces["piece"])
+    row = pieces.set_index("piece").loc["plan-implement-verify"]
+    assert row["movements"] == "plan → implement → verify" and row["max_movements"] == 12
+
+
+class _Gate:
+    """A tool that holds the job until the test (or the live view) opens the gate."""
+
+    def __init__(self, name: str) -> None:
+        self.open = threading.Event()
+        self.name = name
+
+        @agentnb.tool(name=name)
+        def gate() -> str:
+            """Wait for the gate."""
+            return "opened" if self.open.wait(20) else "timed out"
+
+
+def test_background_run_returns_at_once_and_the_job_finishes(shell: InteractiveShell, tmp_path: Path) -> None:
+    gate = _Gate("TestGateBackground")
+    try:
+        script = write_script(tmp_path, "gate", {"work": [call(gate.name), transition("COMPLETE")]})
+        piece = _work_piece(tmp_path, [gate.name])
+        with capture_output():
+            job = shell.run_line_magic("agent", f'run --background --piece {piece} --model {script} "t"')
+            assert job.status in ("queued", "running")  # returned while the job waits at the gate
+            magic = shell.magics_manager.registry["AgentMagic"]
+            watcher = magic.threads[job.id]
+            assert watcher.is_alive()
+            gate.open.set()
+            watcher.join(30)
+        final = job.refresh()
+        assert final.status == "succeeded"
+        tool_results = final.workspace.events(final, kinds=["tool_result"])
+        assert tool_results[0].payload["content"] == "opened"
+    finally:
+        gate.open.set()
+        unregister(gate.name)
+
+
+class _WatchingPublisher(CapturingDisplayPublisher):
+    """Records outputs and opens a gate when a published view contains a marker."""
+
+    def __init__(self, marker: str, gate: threading.Event) -> None:
+        super().__init__()
+        self.marker, self.gate = marker, gate
+
+    def publish(self, data: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        super().publish(data, *args, **kwargs)
+        if self.marker in data.get("text/html", ""):
+            self.gate.set()
+
+
+def test_the_view_updates_while_the_job_runs(shell: InteractiveShell, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # The job's tool waits until the live view shows the message written just before it:
+    # it can only be opened by an update published while the job is still running.
+    gate = _Gate("TestGateLive")
+    try:
+        marker = "about to wait for the view"
+        script = write_script(tmp_path, "live", {"work": [
+            {"content": marker, "tool_calls": [{"name": "Glob", "arguments": {"pattern": "*"}}]},
+            call(gate.name),
+            transition("COMPLETE"),
+        ]})
+        piece = _work_piece(tmp_path, ["Glob", gate.name])
+        pub = _WatchingPublisher(marker, gate.open)
+        monkeypatch.setattr(shell, "display_pub", pub)
+        job = shell.run_line_magic("agent", f'run --piece {piece} --model {script} "t"')
+        assert job.status == "succeeded"
+        results = job.workspace.events(job, kinds=["tool_result"])
+        assert results[1].payload["tool"] == gate.name and results[1].payload["content"] == "opened"
+        assert len(pub.outputs) >= 3  # the first view, an update while running, the summary
+    finally:
+        gate.open.set()
+        unregister(gate.name)
