@@ -27,7 +27,9 @@ class _Usage(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise _Usage(f"{self.prog}: {message}")
+        # main() prefixes "agentnb: error:"; a sub-command adds its own name
+        sub = self.prog.split(" ", 1)[1] if " " in self.prog else ""
+        raise _Usage(f"{sub}: {message}" if sub else message)
 
 
 def _workspace(args: argparse.Namespace) -> Any:
@@ -48,7 +50,7 @@ def _print_job(ws: Any, job: Any) -> None:
     print(f"job {job.id}: {job.status}  piece={job.piece} model={job.model}")
     for mv in ws.movements(job):
         forced = " (forced)" if mv["forced"] else ""
-        print(f"  {mv['seq']:>2}. {mv['name']:<14} {mv['iterations']:>3} calls → {mv['next_step'] or '…'}{forced}"
+        print(f"  {mv['seq']:>2}. {mv['name']:<14} {mv['iterations']:>3} {'call ' if mv['iterations'] == 1 else 'calls'} → {mv['next_step'] or '…'}{forced}"
               + (f"  {mv['summary']}" if mv["summary"] else ""))
     print(f"  tokens: {_tokens(ws, job.id):,}")
     if job.error:

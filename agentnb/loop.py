@@ -288,6 +288,10 @@ class AgentLoop:
                        question=question)
 
     def _run_tool(self, name: str, arguments: Any) -> ToolOutput:
+        if name in self.movement.tools and name not in self.tool_names:
+            # e.g. a notebook's @agentnb.tool, and the job was resumed by another process
+            return ToolOutput(f"Error: tool {name!r} is named by this step but not defined in this Python process; "
+                              f"available: {', '.join(self.tool_names)}", is_error=True)
         if name not in self.tool_names:
             allowed = ", ".join(self.tool_names)
             return ToolOutput(f"Error: tool {name!r} is not available in this step; available: {allowed}", is_error=True)

@@ -48,6 +48,24 @@ def owner_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+def _owner_is_gone(owner: str | None) -> bool:
+    """True only when ``owner`` names a process of this host that no longer exists.
+
+    Owners on other hosts, or in this very process, are never taken over.
+    """
+    host, _, rest = (owner or "").partition(":")
+    pid_text = rest.split(":", 1)[0]
+    if host != socket.gethostname() or not pid_text.isdigit() or int(pid_text) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists but belongs to someone else
+        return False
+    return False
+
+
 class Store:
     """Access to one ``agentnb.sqlite`` file."""
 
@@ -171,6 +189,7 @@ class Store:
         """
         owner = owner or owner_id()
         with self.transaction() as c:
+            self._recover_orphans(c, job_id)
             if job_id is None:
                 row = c.execute("SELECT id FROM jobs WHERE status='queued' ORDER BY id LIMIT 1").fetchone()
                 if row is None:
@@ -185,6 +204,18 @@ class Store:
                 return None
             self._append(c, [(job_id, None, None, time.time(), "job_status", {"status": "running", "reason": f"claimed by {owner}"})])
             return dict(c.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone())
+
+    def _recover_orphans(self, c: sqlite3.Connection, job_id: int | None) -> None:
+        """Queue again the running jobs whose owner process on this host has died (a crash, a kill).
+
+        Their open movement is left open, so the next claim resumes it from its events.
+        """
+        sql, params = "SELECT id, claimed_by FROM jobs WHERE status='running'", ()
+        if job_id is not None:
+            sql, params = sql + " AND id=?", (job_id,)
+        for jid, claimed_by in c.execute(sql, params).fetchall():
+            if _owner_is_gone(claimed_by):
+                self.set_status(c, int(jid), "queued", reason=f"recovered: the process that ran it ({claimed_by}) is gone")
 
     # -- events ---------------------------------------------------------------
     @staticmethod

@@ -1,0 +1,147 @@
+"""The real ``agentnb`` command, run as a subprocess: exit codes, output and the SQLite file it leaves."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engine_helpers import transition, write_piece, write_script
+
+AGENTNB = shutil.which("agentnb")
+pytestmark = pytest.mark.skipif(AGENTNB is None, reason="the agentnb entry point is not installed")
+
+
+def agentnb(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
+    full_env.update(env or {})
+    return subprocess.run([AGENTNB, *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=full_env)
+
+
+def _db(path: Path) -> sqlite3.Connection:
+    return sqlite3.connect(path / "agentnb.sqlite")
+
+
+def test_run_demo_succeeds_with_its_events_in_the_sqlite_file(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.md"
+    notes.write_text("alpha\nbeta\n", encoding="utf-8")
+    out = agentnb(tmp_path, "run", "--workspace", "ws", "--piece", "plan-implement-verify", "--model", "demo",
+                  "--input", "notes.md", "Summarise the files in input/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("job 1: succeeded  piece=plan-implement-verify model=demo")
+    assert "verify" in out.stdout and "→ COMPLETE" in out.stdout
+    db = _db(tmp_path / "ws")
+    status, = db.execute("SELECT status FROM jobs WHERE id=1").fetchone()
+    assert status == "succeeded"
+    kinds = [k for (k,) in db.execute("SELECT kind FROM events WHERE job_id=1 ORDER BY id")]
+    assert kinds[0] == "job_status" and kinds[-1] == "job_status"
+    assert {"movement_start", "llm_request", "llm_response", "tool_call", "tool_result", "transition", "lesson",
+            "context_action"} <= set(kinds)
+    last = json.loads(db.execute("SELECT payload FROM events WHERE job_id=1 ORDER BY id DESC LIMIT 1").fetchone()[0])
+    assert last["status"] == "succeeded"
+    assert (tmp_path / "ws" / "jobs" / "1" / "input" / "notes.md").read_text() == "alpha\nbeta\n"
+    assert (tmp_path / "ws" / "jobs" / "1" / "output" / "report.md").is_file()
+
+
+def test_run_waiting_for_a_human_exits_0_and_reply_resumes(tmp_path: Path) -> None:
+    out = agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "ask-first", "--model", "demo", "Make a list")
+    assert out.returncode == 0, out.stderr
+    assert "job 1: waiting_human" in out.stdout
+    assert "question: Which format" in out.stdout
+    assert 'agentnb reply 1 "…"' in out.stdout
+    out = agentnb(tmp_path, "--workspace", "ws", "reply", "1", "A", "bullet", "list.", "--run")
+    assert out.returncode == 0, out.stderr
+    assert "job 1: succeeded" in out.stdout
+    bodies = [b for (b,) in _db(tmp_path / "ws").execute("SELECT body FROM comments WHERE job_id=1 ORDER BY id")]
+    assert bodies[-1] == "A bullet list."
+
+
+def test_run_exits_1_when_the_job_fails_or_aborts(tmp_path: Path) -> None:
+    failing = write_script(tmp_path, {"responses": []}, "empty.yaml")
+    out = agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "single", "--model", failing, "task")
+    assert out.returncode == 1
+    assert "job 1: failed" in out.stdout
+    assert "error: scripted model ran out of responses" in out.stdout
+    aborting = write_script(tmp_path, {"responses": [transition("ABORT", "cannot be done")]}, "abort.yaml")
+    out = agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "single", "--model", aborting, "task")
+    assert out.returncode == 1
+    assert "job 2: aborted" in out.stdout and "error: cannot be done" in out.stdout
+
+
+@pytest.mark.parametrize("piece_text, line, field", [
+    ("name: x\nmovements:\n  - name: a\n    instruction: do\n    tools: Read\n", 5, "movements[0] (a).tools"),
+    ("name: x\nmovements:\n  - name: a\n    instruction: [do\n", 4, "movements[0].instruction"),
+    ("name: x\nmovements:\n  - name: a\n    instruction: do\n    rules:\n      - {next: nowhere}\n", 6,
+     "movements[0] (a).rules[0].next"),
+])
+def test_a_bad_piece_exits_2_with_one_line_and_no_job(tmp_path: Path, piece_text: str, line: int, field: str) -> None:
+    write_piece(tmp_path, piece_text, "bad.yaml")
+    out = agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "bad.yaml", "--model", "demo", "task")
+    assert out.returncode == 2
+    assert out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"agentnb: error: bad.yaml:{line}: {field}: "), lines[0]
+    assert "Traceback" not in out.stderr
+    assert _db(tmp_path / "ws").execute("SELECT COUNT(*) FROM jobs").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--piece", "single", "--model", "gpt", "task"], "unknown model spec 'gpt'; allowed: demo"),
+    (["run", "--piece", "nope", "task"], "unknown piece 'nope'; available:"),
+    (["run", "--piece", "single"], "run: the instruction is missing"),
+    (["run", "--input", "missing.txt", "task"], "--input missing.txt: no such file"),
+    (["show", "7"], "no job 7 in"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_usage_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    out = agentnb(tmp_path, "--workspace", "ws", *args)
+    assert out.returncode == 2
+    assert len(out.stderr.splitlines()) == 1 and out.stderr.startswith("agentnb: error: ")
+    assert message in out.stderr, out.stderr
+    assert "agentnb: error: agentnb" not in out.stderr
+
+
+def test_detach_worker_jobs_and_show(tmp_path: Path) -> None:
+    model = write_script(tmp_path, {"responses": [transition("COMPLETE", "done")]})
+    ids = []
+    for n in range(2):
+        out = agentnb(tmp_path, "run", "--piece", "single", "--model", model, "--detach", f"task {n}",
+                      env={"AGENTNB_WORKSPACE": str(tmp_path / "envws")})
+        assert out.returncode == 0, out.stderr
+        ids.append(int(out.stdout.strip()))
+    assert ids == [1, 2]
+    env = {"AGENTNB_WORKSPACE": str(tmp_path / "envws")}
+    listing = agentnb(tmp_path, "jobs", env=env).stdout
+    assert listing.count("queued") == 2
+    out = agentnb(tmp_path, "worker", env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ran 2 job(s)"
+    jobs = json.loads(agentnb(tmp_path, "jobs", "--json", env=env).stdout)
+    assert [(j["id"], j["status"], j["piece"], j["model"]) for j in jobs] == [
+        (1, "succeeded", "single", model), (2, "succeeded", "single", model)]
+    show = agentnb(tmp_path, "show", "2", env=env)
+    assert show.returncode == 0
+    assert show.stdout.startswith("job 2: succeeded")
+    assert "1. work" in show.stdout and "tokens:" in show.stdout
+    events = [json.loads(line) for line in agentnb(tmp_path, "show", "2", "--events", env=env).stdout.splitlines()]
+    assert events[0] == {**events[0], "kind": "job_status", "status": "queued"}
+    assert events[-1]["kind"] == "job_status" and events[-1]["status"] == "succeeded"
+    assert [e["id"] for e in events] == sorted(e["id"] for e in events)
+    starts = [e for e in events if e["kind"] == "movement_start"]
+    assert starts[0]["movement"] == "work" and "## Task\ntask 1" in starts[0]["user"]
+    assert not (tmp_path / "agentnb-data").exists()  # the env var was used, not the default folder
+
+
+def test_pieces_lists_local_and_shipped_pieces(tmp_path: Path) -> None:
+    (tmp_path / "pieces").mkdir()
+    write_piece(tmp_path / "pieces", "name: mine\nmovements:\n  - name: only\n    instruction: x\n", "mine.yaml")
+    write_piece(tmp_path / "pieces", "name: broken\nmovements: 3\n", "broken.yaml")
+    out = agentnb(tmp_path, "pieces")
+    assert out.returncode == 0
+    assert "mine" in out.stdout and "plan-implement-verify" in out.stdout
+    assert "broken" in out.stdout and "INVALID" in out.stdout and "broken.yaml:2: movements:" in out.stdout
