@@ -254,7 +254,18 @@ class Workspace:
                 return self.job(job_id)
             stop = self._stops.setdefault(job_id, threading.Event())
         self._activate(row, runner)
-        status = runner.advance(unit, stop if unit == "job" else None)
+        try:
+            status = runner.advance(unit, stop if unit == "job" else None)
+        except BaseException:
+            # A KeyboardInterrupt (a notebook's stop button) or SystemExit mid-call: give the job back
+            # to the queue, resumable from its events; the unrecorded part of the call will be redone.
+            runner.rec.pending.clear()
+            with self._lock:
+                self._runners.pop(job_id, None)
+            with self.store.transaction() as c:
+                if c.execute("SELECT status FROM jobs WHERE id=?", (job_id,)).fetchone()[0] == "running":
+                    self.store.set_status(c, job_id, "queued", reason="interrupted")
+            raise
         if stop.is_set():
             stop.clear()
         if status == "running":

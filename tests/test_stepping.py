@@ -282,3 +282,36 @@ def test_a_job_run_by_a_live_process_is_not_taken_over(ws: Workspace, setup) -> 
         live.kill()
         live.wait()
     assert ws.run(job).status == "succeeded"  # once that process is gone, the job is recovered
+
+
+def test_an_interrupted_run_leaves_the_job_resumable(ws: Workspace, tmp_path: Path) -> None:
+    """Ctrl-C (a notebook's interrupt) in the middle of a call: the job is queued again, not stuck running."""
+    interrupts = {"left": 1}
+
+    @agentnb.tool(name="die_now")
+    def die_now() -> str:
+        """Interrupted once, then fine."""
+        if interrupts["left"]:
+            interrupts["left"] -= 1
+            raise KeyboardInterrupt
+        return "fine now"
+
+    try:
+        piece = write_piece(tmp_path, PIECE.replace("pause_here", "die_now"), "int.yaml")
+        model = write_script(tmp_path, {"responses": [
+            call("Glob", pattern="input/*"), call("die_now"), transition("report", "g"), transition("COMPLETE", "r"),
+        ]}, "int_script.yaml")
+        job = ws.submit("collect", piece=piece, model=model)
+        with pytest.raises(KeyboardInterrupt):
+            ws.run(job)
+        assert ws.job(job).status == "queued"
+        assert ws.events(job, kinds=["job_status"])[-1].payload["reason"] == "interrupted"
+        job = ws.run(job)
+        assert job.status == "succeeded", job.error
+        results = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["tool"] == "die_now"]
+        assert results == ["fine now"]  # the interrupted call left no half-recorded result
+        # every assistant message with tool calls is followed by their results (a valid conversation)
+        responses = ws.events(job, kinds=["llm_response"])
+        assert [r.iteration for r in responses if r.movement_seq == 1] == [1, 2, 3]
+    finally:
+        agentnb.tools.unregister("die_now")
