@@ -25,6 +25,7 @@ TEXTS: dict[str, dict[str, str]] = {
         "wrap_up": "The context window is {pct} full ({tokens:,} of {window:,} tokens). Wrap up your work now: save what matters, then call `transition` with a summary.",
         "subtask_line": "- job {id} ({status}): {instruction}\n  summary: {summary}",
         "subtask_error": "  error: {error}",
+        "checklist_head": "### {name} ({done}/{total} done)",
     },
     "ja": {
         "time": "## 現在日時",
@@ -48,6 +49,7 @@ TEXTS: dict[str, dict[str, str]] = {
         "wrap_up": "コンテキストが {pct} まで埋まっています ({window:,} トークン中 {tokens:,})。作業をまとめて、`transition` を summary 付きで呼んでください。",
         "subtask_line": "- ジョブ {id} ({status}): {instruction}\n  要約: {summary}",
         "subtask_error": "  エラー: {error}",
+        "checklist_head": "### {name} ({total} 件中 {done} 件完了)",
     },
 }
 

@@ -329,9 +329,11 @@ class JobRunner:
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 continue
-            items = data.get("items", [])
+            # the default work directory holds logs/, so the model may have written these files itself
+            raw = data.get("items") if isinstance(data, dict) else None
+            items = [i for i in raw if isinstance(i, dict)] if isinstance(raw, list) else []
             done = sum(1 for i in items if i.get("done"))
-            out.append(f"### {path.stem} ({done}/{len(items)} done)")
+            out.append(text(self.piece.language, "checklist_head", name=path.stem, done=done, total=len(items)))
             out += [f"- [{'x' if i.get('done') else ' '}] {i.get('text', '')}" for i in items]
         return "\n".join(out)
 

@@ -104,5 +104,29 @@ def test_japanese_piece_uses_japanese_heading(ws: Workspace, tmp_path: Path) -> 
     job = ws.run(ws.submit("要約して", piece=str(_piece(tmp_path, "ja")), model=_script(tmp_path)))
     assert job.status == "succeeded"
     work = user_prompts(ws, job, "work")[0]
-    assert "## チェックリスト\n### risks (0/1 done)" in work
+    assert "## チェックリスト\n### risks (1 件中 0 件完了)\n- [ ] notes may be empty\n### steps (2 件中 1 件完了)" in work
     assert "## Checklists" not in work
+
+
+def test_checklist_files_written_by_hand_do_not_break_the_next_prompt(ws: Workspace, tmp_path: Path) -> None:
+    # in the default work directory logs/ is reachable by Write, so the files may be anything
+    spec = write_script(tmp_path, "hand", {
+        "plan": [
+            call("Write", path="logs/checklists/list.json", content="[1, 2]"),
+            call("Write", path="logs/checklists/broken.json", content="{not json"),
+            call("Write", path="logs/checklists/odd.json", content='{"items": [{"text": "kept", "done": true}, 3]}'),
+            transition("work"),
+        ],
+        "work": [transition("review")],
+        "review": [transition("COMPLETE")],
+    })
+    piece = write_piece(tmp_path, "hand-piece", {"movements": [
+        {"name": "plan", "instruction": "Plan.", "tools": ["Write"], "permission": "edit", "rules": [{"next": "work"}]},
+        {"name": "work", "instruction": "Work.", "rules": [{"next": "review"}]},
+        {"name": "review", "instruction": "Review.", "rules": [{"next": "COMPLETE"}]},
+    ]})
+    job = ws.run(ws.submit("Do it", piece=str(piece), model=spec))
+    assert job.status == "succeeded", job.error
+    work = user_prompts(ws, job, "work")[0]
+    assert "### list (0/0 done)" in work and "### odd (1/1 done)\n- [x] kept" in work
+    assert "broken" not in work
