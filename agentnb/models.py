@@ -170,6 +170,12 @@ class ScriptedModel:
         self.source = source
         self.responses: list[ModelResponse] | None = None
         self.by_movement: dict[str, list[ModelResponse]] | None = None
+        if not isinstance(script.get("responses") or [], list):
+            raise ModelSpecError(f"{source}: responses must be a list of responses")
+        if not isinstance(script.get("movements") or {}, Mapping) or not all(
+            isinstance(v or [], list) for v in (script.get("movements") or {}).values()
+        ):
+            raise ModelSpecError(f"{source}: movements must map each movement name to a list of responses")
         if "responses" in script:
             self.responses = [_parse_response(r, f"{source}: responses[{i}]") for i, r in enumerate(script["responses"] or [])]
         if "movements" in script:

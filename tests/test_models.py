@@ -118,6 +118,9 @@ def test_a_script_that_runs_out_fails_the_job_saying_so(ws: Workspace, tmp_path:
     ("responses: [{tool_calls: [{arguments: {}}]}]", "needs a name"),
     ("hello: world", "a script needs 'responses'"),
     ("responses: [unclosed", "not valid YAML"),
+    ("responses: 5", "responses must be a list"),
+    ("movements: [a, b]", "movements must map each movement name to a list"),
+    ("movements: {work: 3}", "movements must map each movement name to a list"),
 ])
 def test_a_malformed_script_is_refused_at_submit(ws: Workspace, tmp_path: Path, content: str, match: str) -> None:
     path = tmp_path / "bad.yaml"
