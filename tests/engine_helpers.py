@@ -7,16 +7,9 @@ from typing import Any
 
 import yaml
 
+from _scripting import call, transition  # the response builders are shared with the ASK/subtask tests
+
 __all__ = ["call", "say", "write_piece", "write_script", "transition"]
-
-
-def call(name: str, **arguments: Any) -> dict[str, Any]:
-    """One scripted response that calls one tool."""
-    return {"tool_calls": [{"name": name, "arguments": arguments}]}
-
-
-def transition(next_step: str, summary: str = "done", **extra: Any) -> dict[str, Any]:
-    return call("transition", next_step=next_step, summary=summary, **extra)
 
 
 def say(content: str) -> dict[str, Any]:
