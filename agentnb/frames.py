@@ -1,7 +1,8 @@
 """pandas views of the event log: ``ws.frames.usage(job)``, ``ws.frames.jobs()`` and friends.
 
 Every frame is built by **one** SQL query over the store (payload fields are read
-with SQLite's ``json_extract`` and aggregated in SQL), then given fixed dtypes.
+with SQLite's ``json_extract`` and aggregated in SQL), then given fixed dtypes; the only
+work left to pandas is vectorised (``usage``'s call numbers and running sums).
 Column names are a stable interface; new columns may be added at the end.
 
 Conventions shared by all frames:
@@ -146,63 +147,56 @@ def _action_rank(expr: str) -> str:
     return f"CASE {expr} " + " ".join(f"WHEN '{a}' THEN {i}" for i, a in enumerate(ACTIONS, start=1)) + " END"
 
 
+# ca and tr are small: MATERIALIZED builds each once (with an automatic index) instead of
+# probing the events index once per LLM call.  Rows come out of events_kind (kind, job_id, id)
+# already in (job, id) order, so there is no sort; call numbers and running sums are added by pandas.
 _USAGE_SQL = f"""
-WITH r AS (
-    SELECT e.id, e.job_id, e.movement_seq, e.iteration, e.ts,
-           {_jx('e', 'usage.prompt_tokens')} AS prompt_tokens,
-           {_jx('e', 'usage.completion_tokens')} AS completion_tokens,
-           {_jx('e', 'usage.total_tokens')} AS total_tokens,
-           {_jx('e', 'usage.source')} AS source,
-           {_jx('e', 'usage.window')} AS window,
-           {_jx('e', 'usage.ratio')} AS ratio
-    FROM events e WHERE e.kind = 'llm_response'{{job_e}}
-),
-ca AS (
+WITH ca AS MATERIALIZED (
     SELECT c.job_id, c.movement_seq, c.iteration,
            MAX({_action_rank(_jx('c', 'action'))}) AS rank,
            group_concat({_jx('c', 'action')}, ',') AS actions
     FROM events c WHERE c.kind = 'context_action'{{job_c}}
     GROUP BY c.job_id, c.movement_seq, c.iteration
 ),
-tr AS (
+tr AS MATERIALIZED (
     SELECT t.job_id, t.movement_seq, t.iteration,
            {_jx('t', 'next_step')} AS next_step, {_jx('t', 'forced')} AS forced
     FROM events t WHERE t.kind = 'transition'{{job_t}}
 )
-SELECT r.job_id AS job,
-       ROW_NUMBER() OVER (PARTITION BY r.job_id ORDER BY r.id) AS call,
-       r.movement_seq AS seq, m.name AS movement, r.iteration, r.ts AS timestamp,
-       r.prompt_tokens, r.completion_tokens, r.total_tokens,
-       SUM(r.total_tokens) OVER (PARTITION BY r.job_id ORDER BY r.id) AS cumulative_tokens,
-       r.source, r.window, r.ratio,
+SELECT e.job_id AS job, e.movement_seq AS seq, m.name AS movement, e.iteration, e.ts AS timestamp,
+       {_jx('e', 'usage.prompt_tokens')} AS prompt_tokens,
+       {_jx('e', 'usage.completion_tokens')} AS completion_tokens,
+       {_jx('e', 'usage.total_tokens')} AS total_tokens,
+       {_jx('e', 'usage.source')} AS source,
+       {_jx('e', 'usage.window')} AS window,
+       {_jx('e', 'usage.ratio')} AS ratio,
        ca.rank AS action, ca.actions, tr.next_step AS transition, tr.forced
-FROM r
-LEFT JOIN movements m ON m.job_id = r.job_id AND m.seq = r.movement_seq
-LEFT JOIN ca ON ca.job_id = r.job_id AND ca.movement_seq = r.movement_seq AND ca.iteration = r.iteration
-LEFT JOIN tr ON tr.job_id = r.job_id AND tr.movement_seq = r.movement_seq AND tr.iteration = r.iteration
-ORDER BY r.job_id, r.id
+FROM events e
+LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq
+LEFT JOIN ca ON ca.job_id = e.job_id AND ca.movement_seq = e.movement_seq AND ca.iteration = e.iteration
+LEFT JOIN tr ON tr.job_id = e.job_id AND tr.movement_seq = e.movement_seq AND tr.iteration = e.iteration
+WHERE e.kind = 'llm_response'{{job_e}}
+ORDER BY e.job_id, e.id
 """
 
 _JOBS_SQL = f"""
 SELECT j.id AS job, j.parent_id AS parent, j.piece, j.model, j.status, j.instruction, j.current_movement,
        (SELECT COUNT(*) FROM movements mv WHERE mv.job_id = j.id) AS movements,
-       COALESCE(a.llm_calls, 0) AS llm_calls, COALESCE(a.tool_calls, 0) AS tool_calls,
+       COALESCE(a.llm_calls, 0) AS llm_calls,
+       (SELECT COUNT(*) FROM events t WHERE t.kind = 'tool_call' AND t.job_id = j.id) AS tool_calls,
        COALESCE(a.prompt_tokens, 0) AS prompt_tokens, COALESCE(a.completion_tokens, 0) AS completion_tokens,
        COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio,
        j.created, j.started, j.ended, j.error
 FROM jobs j
 LEFT JOIN (
-    SELECT e.job_id,
-           SUM(e.kind = 'llm_response') AS llm_calls,
-           SUM(e.kind = 'tool_call') AS tool_calls,
-           SUM(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', 'usage.prompt_tokens')} END) AS prompt_tokens,
-           SUM(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', 'usage.completion_tokens')} END) AS completion_tokens,
-           SUM(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', 'usage.total_tokens')} END) AS total_tokens,
-           MAX(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', 'usage.ratio')} END) AS peak_ratio
-    FROM events e WHERE e.kind IN ('llm_response', 'tool_call')
+    SELECT e.job_id, COUNT(*) AS llm_calls,
+           SUM({_jx('e', 'usage.prompt_tokens')}) AS prompt_tokens,
+           SUM({_jx('e', 'usage.completion_tokens')}) AS completion_tokens,
+           SUM({_jx('e', 'usage.total_tokens')}) AS total_tokens,
+           MAX({_jx('e', 'usage.ratio')}) AS peak_ratio
+    FROM events e WHERE e.kind = 'llm_response'
     GROUP BY e.job_id
 ) a ON a.job_id = j.id
-{{where_j}}
 ORDER BY j.id
 """
 
@@ -322,8 +316,7 @@ class Frames:
     # -- frames -------------------------------------------------------------------
     def jobs(self) -> pd.DataFrame:
         """One row per job: what ran, its status, and its totals."""
-        sql, params = self._scoped(_JOBS_SQL, None, ("j",))
-        return self._query(sql, params, _JOBS)
+        return self._query(_JOBS_SQL, (), _JOBS)
 
     def movements(self, job: "JobRef | None" = None) -> pd.DataFrame:
         """One row per movement run of ``job`` (every job when ``None``)."""
@@ -347,7 +340,13 @@ class Frames:
         """One row per LLM call of ``job`` (every job when ``None``), with the actions it fired."""
         job_id = self._job(job)
         sql, params = self._scoped(_USAGE_SQL, job_id, ("e", "c", "t"))
-        df = self._query(sql, params, {**_USAGE, "action": "Int"})
+        spec = {k: v for k, v in _USAGE.items() if k not in ("call", "cumulative_tokens")}
+        df = self._query(sql, params, {**spec, "action": "Int"})
+        # rows are in (job, id) order: numbering and running sums are vectorised, per job
+        by_job = df.groupby("job", sort=False)
+        df.insert(1, "call", (by_job.cumcount() + 1).astype("int64"))
+        df.insert(COLUMNS["usage"].index("cumulative_tokens"), "cumulative_tokens",
+                  by_job["total_tokens"].cumsum().astype(df["total_tokens"].dtype))
         # the SQL ranks actions 1..4; map the rank back to the ordered category
         df["action"] = pd.Categorical.from_codes(
             (df["action"].fillna(0).astype("int64") - 1).to_numpy(), dtype=ACTION_DTYPE

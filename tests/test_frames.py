@@ -278,3 +278,23 @@ def test_unknown_job_is_an_error(store: tuple[Workspace, dict[str, Job]]) -> Non
         ws.frames.usage(999)
     with pytest.raises(StoreError, match="job must be a Job or a job id"):
         ws.frames.movements("first")
+
+
+def test_frame_queries_reach_events_through_indexes(store: tuple[Workspace, dict[str, Job]]) -> None:
+    """No frame reads the whole events table: every events access is an index search."""
+    ws, jobs = store
+    seen: list[str] = []
+    ws.store.conn.set_trace_callback(seen.append)  # statements arrive with their parameters bound
+    try:
+        ws.frames.jobs()
+        for name in ("movements", "messages", "tool_calls", "usage", "context_actions"):
+            getattr(ws.frames, name)(jobs["usage"])
+    finally:
+        ws.store.conn.set_trace_callback(None)
+    statements = [s for s in seen if "FROM events" in s]
+    assert len(statements) == 6  # one query per frame
+    events_aliases = {"e", "c", "t", "r", "x", "events"}
+    for sql in statements:
+        plan = [row[3] for row in ws.store.conn.execute("EXPLAIN QUERY PLAN " + sql)]
+        scans = [p for p in plan if p.startswith("SCAN ") and p.split()[1] in events_aliases]
+        assert not scans, (sql[:80], plan)
