@@ -330,6 +330,7 @@ class Result:
     error: str | None = None  # "not installed …" or a failure
     per_call: dict[int, float] = field(default_factory=dict)  # calls → median seconds per call
     runs: dict[int, list[float]] = field(default_factory=dict)  # calls → every run's seconds per call
+    cpu_per_call: dict[int, float] = field(default_factory=dict)  # calls → median CPU seconds per call
 
 
 def _cleanup() -> None:
@@ -337,17 +338,18 @@ def _cleanup() -> None:
         _TMP.pop().cleanup()
 
 
-def _timed(factory: Factory, n: int) -> float:
+def _timed(factory: Factory, n: int) -> tuple[float, float]:
+    """Wall and CPU seconds per call of one run of n calls."""
     run = factory(n)
     gc.collect()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     count = run()
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     calls = count()
     _cleanup()
     if calls != n:
         raise RuntimeError(f"made {calls} LLM calls, expected {n}")
-    return elapsed / n
+    return elapsed / n, cpu / n
 
 
 def measure(fw: Framework, sizes: list[int], repeat: int, warmup: int = 20) -> Result:
@@ -362,8 +364,10 @@ def measure(fw: Framework, sizes: list[int], repeat: int, warmup: int = 20) -> R
         res.error = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         return res
     for n in sizes:
-        res.runs[n] = [_timed(fw.factory, n) for _ in range(repeat)]
+        timings = [_timed(fw.factory, n) for _ in range(repeat)]
+        res.runs[n] = [wall for wall, _ in timings]
         res.per_call[n] = statistics.median(res.runs[n])
+        res.cpu_per_call[n] = statistics.median(cpu for _, cpu in timings)
     return res
 
 
@@ -462,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         res = measure(fw, sizes, args.repeat)
         results.append(res)
-        status = res.error or ", ".join(f"{n}: {_fmt_time(res.per_call[n])}/call" for n in sizes)
+        status = res.error or ", ".join(
+            f"{n}: {_fmt_time(res.per_call[n])}/call (CPU {_fmt_time(res.cpu_per_call[n])})" for n in sizes
+        )
         print(f"#   {fw.label}: {status}  [{time.perf_counter() - t0:.0f} s]", flush=True)
         asyncio.set_event_loop(asyncio.new_event_loop())  # peers may close the loop they used
     print()
@@ -472,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "repeat": args.repeat, "calls": sizes,
              "results": [{"key": r.key, "label": r.label, "error": r.error,
                           "per_call_s": {str(k): v for k, v in r.per_call.items()},
+                          "cpu_per_call_s": {str(k): v for k, v in r.cpu_per_call.items()},
                           "runs_s": {str(k): v for k, v in r.runs.items()}} for r in results]},
             indent=2), encoding="utf-8")
     return 0
