@@ -17,9 +17,12 @@ from typing import Any
 __all__ = ["OpenAIServer", "reply", "error", "stall"]
 
 
-def reply(content: str | None = None, tool_calls: list[tuple[str, dict[str, Any]]] | None = None,
+def reply(content: str | None = None, tool_calls: list[tuple[str, dict[str, Any] | str]] | None = None,
           usage: tuple[int, int] | None = (100, 10)) -> dict[str, Any]:
-    """A chat completion answer: text and/or ``(name, arguments)`` tool calls, with usage."""
+    """A chat completion answer: text and/or ``(name, arguments)`` tool calls, with usage.
+
+    Arguments given as a string are sent as they are (to play a model that writes broken JSON).
+    """
     return {"kind": "reply", "content": content, "tool_calls": tool_calls or [], "usage": usage}
 
 
@@ -93,7 +96,7 @@ class OpenAIServer:
     def _completion(request: dict[str, Any], action: dict[str, Any], n: int) -> dict[str, Any]:
         calls = [
             {"id": f"call_{n}_{i}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(args)}}
+             "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
             for i, (name, args) in enumerate(action["tool_calls"])
         ]
         message: dict[str, Any] = {"role": "assistant", "content": action["content"]}

@@ -282,3 +282,25 @@ def test_openai_without_key_or_endpoint_fails_clearly(ws: Workspace, tmp_path: P
     job = ws.run(ws.submit("task", piece="single", model="openai:gpt-4o-mini"))
     assert job.status == "failed"
     assert "OPENAI_API_KEY" in job.error
+
+
+def test_broken_json_arguments_are_a_tool_error_and_survive_a_restart(ws: Workspace, tmp_path: Path,
+                                                                     server: OpenAIServer) -> None:
+    server.play(
+        reply(None, [("Read", '{"path": "input/notes.md"')]),  # cut-off JSON
+        reply(None, [("transition", "not json at all")]),
+        reply(None, [("transition", {"next_step": "review", "summary": "ok"})]),
+        reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})]),
+    )
+    job = ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m")
+    job = ws.step(job, unit="call")
+    job = Workspace(ws.root).step(job.id, unit="call")  # resumed from the file, broken arguments and all
+    job = Workspace(ws.root).run(job.id)
+    assert job.status == "succeeded", job.error
+    read, trans = [e.payload for e in ws.events(job, kinds=["tool_result"])][:2]
+    assert read["is_error"] and read["content"].startswith("Error: the arguments for Read are not a JSON object")
+    assert trans["is_error"] and trans["content"] == "Error: transition arguments must be a JSON object"
+    third = server.received[2].body["messages"]
+    # the model's own broken text is sent back verbatim, so the conversation stays what it said
+    assert third[2]["tool_calls"][0]["function"]["arguments"] == '{"path": "input/notes.md"'
+    assert [m["role"] for m in third] == ["system", "user", "assistant", "tool", "assistant", "tool"]
