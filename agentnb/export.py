@@ -25,6 +25,7 @@ appears (an instruction or a tool result could quote one).
 from __future__ import annotations
 
 import base64
+import html
 import io
 import json
 import os
@@ -101,9 +102,11 @@ def build_notebook(ws: "Workspace", job_id: int, *, full: bool = False, plot: bo
             cells.append(v4.new_markdown_cell(f"**✖ error ({_md(item.where)}):** {_md(item.message)}"))
         else:
             seq, evs = item
-            html = STYLE + movement_html(ws, job.id, seq, max_chars=max_chars, max_calls=None, open=True)
+            # JupyterLab labels a collapsed output with the first line of its HTML: make that line a caption
+            markup = (f"{_caption(seq, evs)}\n{STYLE}\n"
+                    + movement_html(ws, job.id, seq, max_chars=max_chars, max_calls=None, open=True))
             cells.append(v4.new_markdown_cell(_heading(seq, evs)))
-            cells.append(_transcript_cell(ws, job.id, seq, html, movement_text(evs, max_chars=max_chars)))
+            cells.append(_transcript_cell(ws, job.id, seq, markup, movement_text(evs, max_chars=max_chars)))
     nb.cells = cells
     return nb
 
@@ -148,22 +151,34 @@ def _title(ws: "Workspace", job: Any, st: Any) -> str:
     return "\n".join(lines)
 
 
-def _heading(seq: int, evs: Sequence[Event]) -> str:
+def _run_facts(seq: int, evs: Sequence[Event]) -> tuple[str, str, Any]:
+    """``("2. write → COMPLETE (forced)", "2 LLM calls · 18,720 tokens · …", transition)`` of a movement run."""
     start = next((e for e in evs if e.kind == "movement_start"), None)
     name = start.movement if start is not None else "?"  # type: ignore[union-attr]
     tr = next((e for e in reversed(evs) if e.kind == "transition"), None)
     calls = [e for e in evs if e.kind == "llm_response"]
     tokens = sum(int((e.usage or {}).get("total_tokens") or 0) for e in calls)  # type: ignore[union-attr]
-    head = f"## {seq}. {_md(name)}"
+    title = f"{seq}. {name}"
     if tr is not None:
-        head += f" → {_md(tr.next_step)}" + (" (forced)" if tr.forced else "")  # type: ignore[union-attr]
+        title += f" → {tr.next_step}" + (" (forced)" if tr.forced else "")  # type: ignore[union-attr]
     actions = [e.action for e in evs if e.kind == "context_action"]  # type: ignore[union-attr]
     line = f"{len(calls)} LLM calls · {tokens:,} tokens" + (f" · context actions: {', '.join(actions)}" if actions else "")
-    summary = f"\n\n{_md(tr.summary)}" if tr is not None and tr.summary else ""  # type: ignore[union-attr]
-    return f"{head}\n\n*{line}*{summary}"
+    return title, line, tr
 
 
-def _transcript_cell(ws: "Workspace", job_id: int, seq: int, html: str, text: str) -> nbformat.NotebookNode:
+def _heading(seq: int, evs: Sequence[Event]) -> str:
+    title, line, tr = _run_facts(seq, evs)
+    summary = f"\n\n{_md(tr.summary)}" if tr is not None and tr.summary else ""
+    return f"## {_md(title)}\n\n*{line}*{summary}"
+
+
+def _caption(seq: int, evs: Sequence[Event]) -> str:
+    title, line, _ = _run_facts(seq, evs)
+    # plain text, no tags: JupyterLab shows this line verbatim on the collapsed output
+    return html.escape(f"Movement run {title} · {line}")
+
+
+def _transcript_cell(ws: "Workspace", job_id: int, seq: int, markup: str, text: str) -> nbformat.NotebookNode:
     source = (
         f"# Transcript of job {job_id}, movement run {seq}. Re-running this cell renders it again from the store.\n"
         "from IPython.display import HTML\n"
@@ -172,7 +187,7 @@ def _transcript_cell(ws: "Workspace", job_id: int, seq: int, html: str, text: st
         f"HTML(STYLE + movement_html(Workspace({str(ws.root)!r}), {job_id}, {seq}, max_calls=None))"
     )
     cell = v4.new_code_cell(source=source)
-    cell.outputs = [v4.new_output("display_data", data={"text/html": html, "text/plain": text})]
+    cell.outputs = [v4.new_output("display_data", data={"text/html": markup, "text/plain": text})]
     cell.metadata.update(json.loads(json.dumps(COLLAPSED)))
     cell.metadata["tags"] = [TRANSCRIPT_TAG]
     return cell

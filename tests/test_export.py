@@ -60,6 +60,8 @@ def test_export_writes_a_valid_notebook_with_one_collapsed_section_per_movement(
         (output,) = cell.outputs
         assert output.output_type == "display_data"
         assert f'data-seq="{seq}"' in output.data["text/html"]
+        # JupyterLab labels a collapsed output with its first line: a readable caption, not markup
+        assert output.data["text/html"].splitlines()[0].startswith(f"Movement run {heading[3:].splitlines()[0]} · ")
         assert output.data["text/plain"].startswith(f"=== movement run {seq}:")
 
     gather_html, gather_text = (sections[0][1].outputs[0].data[k] for k in ("text/html", "text/plain"))
