@@ -26,7 +26,7 @@ from traitlets import Float, Unicode, observe
 
 from .models import ModelSpecError
 from .pieces import PieceError, available_pieces, load_piece
-from .render import job_html, job_stats
+from .render import job_html, job_stats, plural
 from .store import StoreError
 from .workspace import DEFAULT_WORKSPACE, Job, Workspace
 
@@ -358,8 +358,8 @@ def _summary_html(ws: Workspace, job_id: int) -> str:
 
     job = ws.job(job_id)
     st = job_stats(ws, job_id)
-    return (f"<div>Job {job.id} <b>{_html.escape(str(job.status))}</b> · {st.movements} movements · "
-            f"{st.calls} LLM calls · {st.total_tokens:,} tokens · {st.elapsed:.1f} s</div>")
+    return (f"<div>Job {job.id} <b>{_html.escape(str(job.status))}</b> · {plural(st.movements, 'movement')} · "
+            f"{plural(st.calls, 'LLM call')} · {st.total_tokens:,} tokens · {st.elapsed:.1f} s</div>")
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "header_html",
     "job_stats",
     "JobStats",
+    "plural",
     "STYLE",
     "DEFAULT_MAX_CHARS",
     "DEFAULT_MAX_CALLS",
@@ -83,6 +84,11 @@ def _e(value: Any) -> str:
 
 def _n(value: float | int) -> str:
     return f"{int(value):,}"
+
+
+def plural(n: int, word: str) -> str:
+    """``1 call``, ``2 calls``."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def _pct(ratio: float | None) -> str:
@@ -347,7 +353,7 @@ def _movement_section(job: Any, seq: int, evs: Sequence[Event], o: _Opts, *, ope
         status = "running"
     else:
         status = "open"
-    summ = [f"<b>{seq}. {_e(name)}</b>", f'<span class="anb-dim">{status} · {len(responses)} calls · {_n(tokens)} tokens'
+    summ = [f"<b>{seq}. {_e(name)}</b>", f'<span class="anb-dim">{status} · {plural(len(responses), "call")} · {_n(tokens)} tokens'
             + (f" · context up to {_pct(max(ratios))}" if ratios else "") + "</span>"]
     summ.extend(_badge(f"{_ACTION_ICON.get(a.action, '')} {a.action} {_pct(a.ratio)}", f"anb-{a.action}") for a in actions)
     if transition is not None:
@@ -407,7 +413,7 @@ def _header(job: Any, st: JobStats, piece_max: int | None) -> str:
     parts = [
         f'<div class="anb-head"><b>Job {job.id}</b> {_badge(status, "anb-st-" + status)}',
         f" · piece <b>{_e(job.piece)}</b> · model <code>{_e(job.model)}</code>",
-        f" · movements {mv} · {st.calls} LLM calls · {_n(st.total_tokens)} tokens"
+        f" · movements {mv} · {plural(st.calls, 'LLM call')} · {_n(st.total_tokens)} tokens"
         f' <span class="anb-dim">({_n(st.prompt_tokens)} prompt + {_n(st.completion_tokens)} completion)</span>',
         f" · {_seconds(st.elapsed)}",
     ]

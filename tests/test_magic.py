@@ -135,7 +135,7 @@ def test_step_by_call_then_by_movement_to_the_end(shell: InteractiveShell) -> No
     job = shell.run_line_magic("agent", "step --call")
     assert job.status == "queued" and job.current_movement == "plan"
     assert len(ws.events(job, kinds=["llm_response"])) == 1 and ws.events(job, kinds=["transition"]) == []
-    assert "1 LLM calls" in job._repr_html_()
+    assert "1 LLM call ·" in job._repr_html_()
     job = shell.run_line_magic("agent", f"step {job.id}")  # the rest of the movement
     assert [e.payload["next_step"] for e in ws.events(job, kinds=["transition"])] == ["implement"]
     job = shell.run_line_magic("agent", "step --call")
@@ -265,3 +265,18 @@ def test_the_view_updates_while_the_job_runs(shell: InteractiveShell, tmp_path: 
     finally:
         gate.open.set()
         unregister(gate.name)
+
+
+def test_export_writes_the_job_as_a_notebook(shell: InteractiveShell, tmp_path: Path) -> None:
+    import nbformat
+
+    with capture_output():
+        job = shell.run_line_magic("agent", 'run --piece single "Summarise the inputs"')
+    shell.user_ns["t_job"] = job
+    path = shell.run_line_magic("agent", f"export t_job {tmp_path / 'run.ipynb'}")
+    assert Path(path) == tmp_path / "run.ipynb"
+    nb = nbformat.read(str(path), as_version=4)
+    html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells for o in c.get("outputs", []))
+    assert 'data-seq="1"' in html
+    with pytest.raises(UsageError, match=r"%agent export: the following arguments are required: path"):
+        shell.run_line_magic("agent", "export 1")

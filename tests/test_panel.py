@@ -56,7 +56,7 @@ def test_step_call_and_step_movement_buttons(ws: Workspace) -> None:
     panel.step_call_button.click()
     panel.wait(60)
     assert len(ws.events(job, kinds=["llm_response"])) == 1 and ws.events(job, kinds=["transition"]) == []
-    assert "1 LLM calls" in panel.view.value
+    assert "1 LLM call ·" in panel.view.value
     panel.step_button.click()
     panel.wait(60)
     assert [e.payload["next_step"] for e in ws.events(job, kinds=["transition"])] == ["implement"]
