@@ -260,6 +260,9 @@ class AgentLoop:
                 images.append(_image_message(call.name, out.image))
         for m in images:
             self._append(m)
+        # When the response that crosses force_transition itself made a valid transition, the model's own
+        # choice stands (forced=False): it ended the movement as asked, and a mechanical default_next/ABORT
+        # would only throw its summary away.  The crossing is still recorded as a context_action above.
         if outcome is not None:
             return outcome
         if force_reason:
