@@ -257,9 +257,11 @@ SELECT {_EVENT_HEAD}, {_jx('e', 'tool')} AS tool, {_jx('e', 'call_id')} AS call_
        r.ts - e.ts AS duration, {_jx('r', 'content')} AS result
 FROM events e {_MOVEMENT_NAME}
 LEFT JOIN events r ON r.id = (
-    SELECT MIN(x.id) FROM events x
+    -- the first matching result after the call; ORDER BY … LIMIT 1 stops there (MIN would scan on)
+    SELECT x.id FROM events x
     WHERE x.kind = 'tool_result' AND x.job_id = e.job_id AND x.id > e.id
       AND {_jx('x', 'call_id')} IS {_jx('e', 'call_id')}
+    ORDER BY x.id LIMIT 1
 )
 WHERE e.kind = 'tool_call'{{job_e}}
 ORDER BY e.job_id, e.id
