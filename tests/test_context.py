@@ -334,3 +334,30 @@ def test_the_budget_floor_is_configurable(ws: Workspace, tmp_path: Path, where: 
     assert r.payload["truncated"] is True
     assert counter_for_model(model).count(r.payload["content"]) <= 2_000
     assert math.isclose(counter_for_model(model).count(r.payload["content"]), 2_000, rel_tol=0.25)
+
+
+def test_accounting_survives_a_restart_between_calls(tmp_path: Path) -> None:
+    # the same job run straight through, and one call at a time with a fresh Workspace (a new process's
+    # view of the file) before each call: the same counts, and each action still fires once
+    piece = _piece(tmp_path, context={"window_tokens": 10_000})
+    script = [_read(), _read(7_200), _read(offset=7), _read(8_700), _read(), _transition("COMPLETE", 9_000)]
+    model = _script(tmp_path, script)
+    straight_ws = Workspace(tmp_path / "straight")
+    _, straight = _run(straight_ws, piece, model)
+    root = tmp_path / "stepped"
+    job = Workspace(root).submit("Work on input/notes.md", piece=str(piece), model=model, inputs={"notes.md": NOTES})
+    for _ in range(40):
+        job = Workspace(root).step(job, unit="call")
+        if job.status != "running" and job.status != "queued":
+            break
+    assert job.status == "succeeded", job.error
+    stepped = Workspace(root).events(job)
+
+    def usage(events: list[Any]) -> list[tuple[Any, ...]]:
+        return [(e.movement_seq, e.iteration, e.payload["usage"]["prompt_tokens"], e.payload["usage"]["source"])
+                for e in _of(events, "llm_response")]
+
+    assert usage(stepped) == usage(straight)
+    actions = [(a.payload["action"], a.iteration) for a in _of(stepped, "context_action")]
+    assert actions == [(a.payload["action"], a.iteration) for a in _of(straight, "context_action")]
+    assert actions == [("warn", 2), ("prompt", 4)]
