@@ -376,13 +376,15 @@ def _fmt_time(seconds: float) -> str:
     return f"{us:,.1f} µs" if us < 1000 else f"{us / 1000:,.2f} ms"
 
 
-def table(results: list[Result], sizes: list[int]) -> str:
+def _rows(results: list[Result], sizes: list[int]) -> list[list[str]]:
+    """Header and one row per framework: wall per call at each size, growth, agentnb ÷ it, CPU per call."""
     ours = next((r for r in results if r.key == "agentnb" and not r.error), None)
     lo, hi = sizes[0], sizes[-1]
     head = ["framework"] + [f"per call @{n:,}" for n in sizes]
     if len(sizes) > 1:
         head.append(f"growth {hi:,}/{lo:,}")
     head += [f"agentnb ÷ it @{n:,}" for n in sizes]
+    head += [f"CPU per call @{n:,}" for n in sizes]
     rows = [head]
     for r in results:
         if r.error:
@@ -393,8 +395,15 @@ def table(results: list[Result], sizes: list[int]) -> str:
             row.append(f"{r.per_call[hi] / r.per_call[lo]:.2f}")
         for n in sizes:
             row.append("—" if ours is None or r is ours else f"{ours.per_call[n] / r.per_call[n]:.3f}")
+        row += [_fmt_time(r.cpu_per_call[n]) if n in r.cpu_per_call else "—" for n in sizes]
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows if len(row) > i and len(row) == len(head)) for i in range(len(head))]
+    return rows
+
+
+def table(results: list[Result], sizes: list[int]) -> str:
+    rows = _rows(results, sizes)
+    head = rows[0]
+    widths = [max(len(row[i]) for row in rows if len(row) == len(head)) for i in range(len(head))]
     lines = []
     for row in rows:
         if len(row) != len(head):
@@ -403,6 +412,29 @@ def table(results: list[Result], sizes: list[int]) -> str:
             lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def markdown(results: list[Result], sizes: list[int]) -> str:
+    rows = _rows(results, sizes)
+    n = len(rows[0])
+    out = ["| " + " | ".join(rows[0]) + " |", "|---" + "|---:" * (n - 1) + "|"]
+    for row in rows[1:]:
+        cells = row if len(row) == n else [row[0], row[1]] + [""] * (n - 2)
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def load_json(path: str) -> tuple[list[Result], list[int], str]:
+    """Results saved with --json, to print again (e.g. as Markdown) without re-running."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    results = []
+    for r in data["results"]:
+        res = Result(r["key"], r["label"], r.get("error"))
+        res.per_call = {int(k): v for k, v in r.get("per_call_s", {}).items()}
+        res.cpu_per_call = {int(k): v for k, v in r.get("cpu_per_call_s", {}).items()}
+        res.runs = {int(k): v for k, v in r.get("runs_s", {}).items()}
+        results.append(res)
+    return results, [int(n) for n in data["calls"]], f"{data.get('date', '')}, {data.get('machine', '')}"
 
 
 def machine() -> str:
@@ -442,9 +474,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated subset of: " + ", ".join(f.key for f in FRAMEWORKS))
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     ap.add_argument("--profile", type=int, metavar="N", help="cProfile one agentnb run of N calls instead")
+    ap.add_argument("--markdown", action="store_true", help="print the table as Markdown too")
+    ap.add_argument("--from-json", metavar="PATH", help="print the table of a run saved with --json instead")
     args = ap.parse_args(argv)
     if args.profile:
         profile(args.profile)
+        return 0
+    if args.from_json:
+        saved, saved_sizes, where = load_json(args.from_json)
+        print(f"# {where}")
+        print(markdown(saved, saved_sizes) if args.markdown else table(saved, saved_sizes))
         return 0
     try:
         sizes = sorted({int(x) for x in args.calls.split(",") if x.strip()})
@@ -473,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.set_event_loop(asyncio.new_event_loop())  # peers may close the loop they used
     print()
     print(table(results, sizes))
+    if args.markdown:
+        print()
+        print(markdown(results, sizes))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "repeat": args.repeat, "calls": sizes,
