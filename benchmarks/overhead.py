@@ -143,9 +143,12 @@ def agentnb_run(n: int) -> Run:
         done = ws.run(job)
 
         def count() -> int:
-            if done.status != "succeeded":
-                raise RuntimeError(f"agentnb job ended {done.status}: {done.error}")
-            return len(ws.events(job, kinds=["llm_response"]))  # what the store holds, not what we hoped
+            try:
+                if done.status != "succeeded":
+                    raise RuntimeError(f"agentnb job ended {done.status}: {done.error}")
+                return len(ws.events(job, kinds=["llm_response"]))  # what the store holds, not what we hoped
+            finally:
+                ws.store.close()  # before _cleanup removes the folder
 
         return count
 
