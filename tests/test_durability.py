@@ -4,6 +4,9 @@ The engine batches a call's events into one transaction (issue 8), never across
 calls.  These tests look from a second SQLite connection — as another process,
 a crashed-and-restarted worker or a notebook view would — at the moment each
 model call happens.
+
+The last test guards another optimisation of that issue: scripted-model files are
+read through libyaml's node tree, and must still read exactly as ``yaml.safe_load``.
 """
 
 from __future__ import annotations
@@ -110,3 +113,44 @@ def test_the_events_seen_mid_run_are_a_prefix_of_the_final_log(tmp_path: Path, d
     assert kinds.count("tool_result") == 3  # two echoes and the transition
     results = [i for k, i in final if k == "tool_result"]
     assert results == [1, 2, 3]
+
+
+# -- the scripted model's fast YAML path reads scripts exactly as yaml.safe_load does ----------------------
+
+SCRIPT_WITH_YAML_FEATURES = """
+defaults: &usage {prompt_tokens: 1200, completion_tokens: 40}
+call: &call
+  name: Read
+  arguments: {path: input/notes.md, limit: 0x10, offset: 1_000, ratio: .5, flag: yes, none: ~, when: 2026-11-30}
+responses:
+  - tool_calls: [*call]
+    usage: *usage
+  - <<: {content: merged text}
+    tool_calls:
+      - <<: *call
+        arguments: {path: "007", quoted: '12', text: "a: b # not a comment"}
+  - content: |
+      two
+      lines
+    usage: {<<: *usage, completion_tokens: 7}
+  - tool_calls: [{name: transition, arguments: {next_step: COMPLETE, summary: done, tags: !!set {a, b}}}]
+"""
+
+
+def test_a_script_file_reads_exactly_as_yaml_safe_load_gives_it(tmp_path: Path) -> None:
+    import yaml
+
+    from agentnb.models import ScriptedModel
+
+    path = tmp_path / "script.yaml"
+    path.write_text(SCRIPT_WITH_YAML_FEATURES, encoding="utf-8")
+    from_file = ScriptedModel(path)
+    reference = ScriptedModel(yaml.safe_load(SCRIPT_WITH_YAML_FEATURES))
+    assert from_file.responses == reference.responses
+    first, second, third, last = from_file.responses  # type: ignore[misc]
+    assert first.tool_calls[0].arguments["limit"] == 16 and first.tool_calls[0].arguments["flag"] is True
+    assert first.usage == {"prompt_tokens": 1200, "completion_tokens": 40}
+    assert second.content == "merged text"  # a merge key, not a key named "<<"
+    assert second.tool_calls[0].name == "Read" and second.tool_calls[0].arguments["quoted"] == "12"
+    assert third.usage == {"prompt_tokens": 1200, "completion_tokens": 7}
+    assert last.tool_calls[0].arguments["tags"] == {"a", "b"}  # !!set, as safe_load builds it
