@@ -23,6 +23,8 @@ smallest to the largest size (1.0 = flat, linear total cost) and agentnb ÷ peer
     python benchmarks/overhead.py                        # 200 and 1,000 calls, 3 runs each
     python benchmarks/overhead.py --calls 200 --repeat 5 --only agentnb,langgraph
     python benchmarks/overhead.py --profile 1000         # cProfile of one agentnb run
+    python benchmarks/overhead.py --markdown --json run.json   # also as Markdown, and saved
+    python benchmarks/overhead.py --from-json run.json --markdown   # re-print a saved run
 
 A peer that is not installed is reported as such and skipped.
 """
