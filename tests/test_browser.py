@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -27,7 +28,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
-NOTEBOOK = "01-quickstart.ipynb"
+NOTEBOOK = "notebooks/01-quickstart.ipynb"
 
 # Flags seen working here as root with no network: no sandbox (root), no GPU (no screen), and no
 # background traffic to Google's hosts, which this machine's closed network would refuse.
@@ -85,9 +86,18 @@ def _wait_for_lab(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
                        f"{log.read_text()[-3000:]}")
 
 
+@dataclass
+class Lab:
+    url: str
+    log: Path
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A JupyterLab server on loopback over a copy of the notebooks and pieces; yields its URL."""
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """A JupyterLab server on loopback over a copy of the notebooks and pieces."""
     _chromium()
     root = tmp_path_factory.mktemp("lab")
     shutil.copytree(REPO / "notebooks", root / "notebooks",
@@ -113,7 +123,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
         "--ip", "127.0.0.1", "--port", str(port),
         "--ServerApp.token=", "--ServerApp.password=",
-        f"--ServerApp.root_dir={root / 'notebooks'}",
+        f"--ServerApp.root_dir={root}",  # laid out like the repository (and like Binder)
         # no requests to the internet: no news feed, no update check, no PyPI extension manager
         "--LabApp.news_url=None",
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
@@ -124,7 +134,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_for_lab(f"{base}/lab", proc, log)
-        yield base
+        yield Lab(base, log)
     finally:
         proc.terminate()
         try:
@@ -178,7 +188,7 @@ def _run_all_cells(page) -> None:  # type: ignore[no-untyped-def]
     )
 
 
-def test_quickstart_runs_in_jupyterlab(lab: str) -> None:
+def test_quickstart_runs_in_jupyterlab(lab: Lab) -> None:
     from playwright.sync_api import expect, sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
@@ -188,7 +198,7 @@ def test_quickstart_runs_in_jupyterlab(lab: str) -> None:
         browser = _launch(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{lab}/lab/tree/{NOTEBOOK}")
+            page.goto(f"{lab.url}/lab/tree/{NOTEBOOK}")
             _run_all_cells(page)
 
             # no cell may have raised
@@ -198,7 +208,7 @@ def test_quickstart_runs_in_jupyterlab(lab: str) -> None:
 
             # the finished demo job renders one collapsible section per movement run
             view = page.locator(".jp-OutputArea-output .anb-job").filter(has=page.locator("details.anb-mv")).first
-            sections = view.locator(":scope > details.anb-mv, :scope details.anb-mv[data-seq]")
+            sections = view.locator("details.anb-mv[data-seq]")
             expect(sections).to_have_count(3)
             for seq, name in ((1, "plan"), (2, "implement"), (3, "verify")):
                 expect(view.locator(f"details.anb-mv[data-seq='{seq}'] > summary")).to_contain_text(name)
@@ -232,6 +242,8 @@ def test_quickstart_runs_in_jupyterlab(lab: str) -> None:
             expect(panel.locator("select option", has_text="queued").first).to_be_attached()
             panel_step.scroll_into_view_if_needed()
             page.mouse.wheel(0, 300)
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
         finally:
             page.screenshot(path=str(ARTIFACTS / "quickstart-panel.png"))
             browser.close()
