@@ -29,6 +29,7 @@ other modules (the export, the panel) build on them.
 from __future__ import annotations
 
 import html
+import re
 import json
 import time
 from dataclasses import dataclass, field
@@ -74,6 +75,40 @@ STYLE = """<style>
 .anb-tr{background:rgba(46,139,87,.08);padding:3px 6px;border-radius:3px}
 .anb-more{font-size:11px;color:#777}
 </style>"""
+
+# The same look as inline styles: an untrusted notebook (JupyterLab, nbviewer, GitHub) drops <style>
+# blocks but keeps style attributes, so a saved view stays readable there.
+_INLINE = {
+    "anb-job": "font-family:var(--jp-ui-font-family,system-ui,sans-serif);font-size:13px;line-height:1.4",
+    "anb-head": "padding:4px 0 6px",
+    "anb-mv": "border-left:3px solid #7a9cc6;padding-left:8px;margin:3px 0",
+    "anb-call": "border-top:1px dotted rgba(127,127,127,.4);padding:3px 0",
+    "anb-dim": "color:#777",
+    "anb-badge": "display:inline-block;padding:0 6px;margin:1px 2px;border-radius:8px;font-size:11px;"
+                 "font-weight:600;color:#fff;background:#888",
+    "anb-warn": "background:#c9a200", "anb-prompt": "background:#e07b00",
+    "anb-force_transition": "background:#d03a3a", "anb-exhausted": "background:#8b0000",
+    "anb-st-succeeded": "background:#2e8b57", "anb-st-failed": "background:#c0392b",
+    "anb-st-aborted": "background:#c0392b", "anb-st-running": "background:#2f6fb0",
+    "anb-st-queued": "background:#2f6fb0", "anb-st-waiting_human": "background:#8e44ad",
+    "anb-st-waiting_subtasks": "background:#8e44ad",
+    "anb-error": "color:#b00020",
+    "anb-tr": "background:rgba(46,139,87,.08);padding:3px 6px;border-radius:3px",
+    "anb-more": "font-size:11px;color:#777",
+}
+_PRE_STYLE = ("white-space:pre-wrap;word-break:break-word;margin:2px 0;padding:4px 6px;"
+              "background:rgba(127,127,127,.08);border-radius:3px;font-size:12px")
+_CLASSED_TAG = re.compile(r'(<\w+ class="([^"]*)"[^<>]*?)(/?>)')
+
+
+def _inline(markup: str) -> str:
+    """Give each of our tags a style attribute from its classes (text is escaped, so only our tags match)."""
+    def style(m: "re.Match[str]") -> str:
+        css = ";".join(_INLINE[c] for c in m.group(2).split() if c in _INLINE)
+        return f'{m.group(1)} style="{css}"{m.group(3)}' if css else m.group(0)
+
+    return _CLASSED_TAG.sub(style, markup).replace("<pre>", f'<pre style="{_PRE_STYLE}">')
+
 
 _ACTION_ICON = {"warn": "⚠", "prompt": "⚠", "force_transition": "⛔", "exhausted": "⛔"}
 
@@ -439,7 +474,7 @@ def _piece_max(ws: "Workspace", job_id: int) -> int | None:
 def header_html(ws: "Workspace", job_id: int) -> str:
     """The header line of a job: piece, model, status, movements run, calls, tokens, elapsed (no <style>)."""
     job = ws.job(job_id)
-    return _header(job, _stats(job, ws.events(job_id)), _piece_max(ws, job_id))
+    return _inline(_header(job, _stats(job, ws.events(job_id)), _piece_max(ws, job_id)))
 
 
 def _layout(events: Iterable[Event]) -> tuple[list[tuple[str, Any]], dict[int, list[Event]]]:
@@ -504,8 +539,9 @@ def job_html(
             body.append(f'<div class="anb-error">✖ error ({_e(item.where)}): {_body(item.message, o, None, fold=False)}</div>')
     if not by_seq and str(job.status) == "queued":
         body.append('<div class="anb-dim">not started yet</div>')
-    return ((STYLE if style else "") + f'<div class="anb-job" data-job="{job.id}">'
-            + _header(job, st, _piece_max(ws, job_id)) + "".join(body) + "</div>")
+    return (STYLE if style else "") + _inline(
+        f'<div class="anb-job" data-job="{job.id}">' + _header(job, st, _piece_max(ws, job_id)) + "".join(body) + "</div>"
+    )
 
 
 def movement_html(
@@ -528,4 +564,4 @@ def movement_html(
     evs = ws.store.events(job.id, movement_seq=seq)
     if not evs:
         raise LookupError(f"job {job.id} has no movement run {seq}; it has run {job.movement_seq}")
-    return _movement_section(job, seq, evs, _Opts(job.id, max_chars, max_calls), open_=open)
+    return _inline(_movement_section(job, seq, evs, _Opts(job.id, max_chars, max_calls), open_=open))

@@ -39,7 +39,7 @@ def test_demo_job_view_has_header_and_one_section_per_movement(ws: Workspace) ->
     st = job_stats(ws, job.id)
     assert st.movements == 3 and st.calls == len(ws.events(job, kinds=["llm_response"]))
     assert f"{st.total_tokens:,} tokens" in head and "movements 3 / 12" in head
-    sections = re.findall(r'<details class="anb-mv" data-seq="(\d+)"( open)?>', html)
+    sections = re.findall(r'<details class="anb-mv" data-seq="(\d+)"( open)? style="[^"]*">', html)
     assert [s for s, _ in sections] == ["1", "2", "3"]
     assert [bool(o) for _, o in sections] == [False, False, True]  # only the newest run opens
     # prompts, messages, tool calls with arguments, results, transition with summary and lessons
@@ -51,10 +51,10 @@ def test_demo_job_view_has_header_and_one_section_per_movement(ws: Workspace) ->
     # the demo's truncated Read shows the sizes and where to continue
     assert re.search(r"cut for the model: [\d,]+ of 15,949 chars returned; continue with path=output/report.md", html)
     # context actions are visible badges with their ratio and threshold
-    assert re.search(r'class="anb-badge anb-warn">⚠ context warn · 8\d% ≥ 70% · 6,\d{3} / 8,192 tokens', html)
-    assert re.search(r'class="anb-badge anb-prompt">⚠ context prompt · 91% ≥ 85%', html)
+    assert re.search(r'class="anb-badge anb-warn" style="[^"]*">⚠ context warn · 8\d% ≥ 70% · 6,\d{3} / 8,192 tokens', html)
+    assert re.search(r'class="anb-badge anb-prompt" style="[^"]*">⚠ context prompt · 91% ≥ 85%', html)
     mv3 = movement_html(ws, job.id, 3)
-    assert mv3 in html and mv3.startswith('<details class="anb-mv" data-seq="3" open>')
+    assert mv3 in html and mv3.startswith('<details class="anb-mv" data-seq="3" open style="')
 
 
 def test_model_tool_and_user_text_is_escaped(ws: Workspace, tmp_path: Path) -> None:
@@ -149,3 +149,14 @@ def test_a_thousand_call_job_renders_within_a_size_bound(ws: Workspace, tmp_path
     assert "step 9.0 " in newest and "step 9.98 " in newest and "step 9.50 " not in newest
     # nothing is lost: the full view holds every call
     assert "step 9.50 " in movement_html(ws, job_id, 10, full=True)
+
+
+def test_the_view_keeps_its_look_without_the_style_block(ws: Workspace) -> None:
+    # Untrusted notebooks (JupyterLab, nbviewer, GitHub) drop <style> blocks but keep style attributes.
+    job = ws.run(ws.submit("Summarise the inputs", piece="plan-implement-verify", model="demo"))
+    html = job_html(ws, job.id, style=False)
+    assert "<style>" not in html
+    assert re.search(r'<span class="anb-badge anb-st-succeeded" style="[^"]*background:#2e8b57', html)
+    assert re.search(r'<span class="anb-badge anb-warn" style="[^"]*background:#c9a200', html)
+    assert re.search(r'<pre style="white-space:pre-wrap', html)
+    assert 'class="anb-job" data-job="%d" style="font-family' % job.id in html
