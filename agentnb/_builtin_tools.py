@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ._office import OFFICE_SUFFIXES, extract_text
+from ._sandbox import sandbox_argv
 from ._truncate import cut_text, read_document_text, read_file
 from .tools import ToolContext, ToolError, ToolOutput, tool
 
@@ -233,6 +234,8 @@ def Checklist(ctx: ToolContext, name: str, items: list[dict[str, Any]]) -> str:
 def Bash(ctx: ToolContext, command: str, timeout: int = 120) -> ToolOutput:
     """Run a shell command in the work directory and return its output (stdout and stderr).
 
+    The command runs in a sandbox: it sees the work directory and a read-only system, nothing else, and no network.
+
     Args:
         command: The command line, run by bash in the work directory.
         timeout: Seconds before the command is stopped (1–600).
@@ -241,9 +244,10 @@ def Bash(ctx: ToolContext, command: str, timeout: int = 120) -> ToolOutput:
         raise ToolError(f"timeout={timeout!r}; allowed: 1 to 600 seconds")
     # The model's shell never sees credentials from the notebook's environment.
     env = {k: v for k, v in os.environ.items() if not _SECRET_ENV.search(k)}
+    workdir = os.path.realpath(ctx.workdir)
     try:
         proc = subprocess.run(
-            ["bash", "-c", command], cwd=os.path.realpath(ctx.workdir), env=env, capture_output=True,
+            [*sandbox_argv(workdir), "bash", "-c", command], cwd=workdir, env=env, capture_output=True,
             timeout=timeout, stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired as exc:
