@@ -151,6 +151,8 @@ _MOVEMENT_KEYS = (
 )
 _RULE_KEYS = ("condition", "next")
 _TOP = "(top level)"
+# scalars whose text a text field takes as written (a name like `2024` or `yes`); null is "empty"
+_TEXTLIKE_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "timestamp"))
 
 
 def _keys_found(keys: dict[str, Any]) -> str:
@@ -248,6 +250,10 @@ class _Checker:
 
     def string(self, node: Node, fld: str, *, choices: Iterable[str] | None = None, nonempty: bool = True) -> str:
         if not isinstance(node, ScalarNode) or node.tag not in ("tag:yaml.org,2002:str",):
+            if isinstance(node, ScalarNode) and node.tag not in _TEXTLIKE_TAGS:
+                # an explicit tag (!!python/object:…, !!binary, !custom) is never what a piece means
+                raise self.fail(node, fld, f"found a value tagged {node.tag.replace('tag:yaml.org,2002:', '!!')!r}, "
+                                           "expected plain text")
             if isinstance(node, ScalarNode) and node.tag != "tag:yaml.org,2002:null":
                 # numbers and booleans written where text is expected: accept their text
                 value = node.value
@@ -301,6 +307,9 @@ class _Checker:
                 return path.read_text(encoding="utf-8")
             except OSError as exc:
                 raise self.fail(node, f"{fld}.{file_key}", f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
+            except UnicodeDecodeError as exc:
+                raise self.fail(node, f"{fld}.{file_key}", f"found {str(path)!r}, which is not UTF-8 text "
+                                f"(byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); allowed: a UTF-8 file") from None
         if required:
             raise self.fail(owner, f"{fld}.{name}", f"missing required key {name!r} (or {file_key!r}); "
                             f"found keys: {_keys_found(keys)}")
@@ -393,12 +402,19 @@ def parse_piece(
         instruction = ck.text_or_file(keys, fld, "instruction", required=True, owner=mnode)
         tools: list[str] = []
         if "tools" in keys:
+            tool_lines: dict[str, int] = {}
             for j, tnode in enumerate(ck.sequence(keys["tools"][1], f"{fld}.tools")):
                 tname = ck.string(tnode, f"{fld}.tools[{j}]")
                 if tname == "transition":
                     continue  # always allowed
                 if tname not in known:
                     raise ck.fail(tnode, f"{fld}.tools[{j}]", f"unknown tool {tname!r}; allowed: {', '.join(known)}")
+                if tname in tool_lines:
+                    # the model would be sent two functions of one name, which endpoints refuse
+                    raise ck.fail(tnode, f"{fld}.tools[{j}]",
+                                  f"found {tname!r} a second time (first listed at line {tool_lines[tname]}); "
+                                  "list each tool once")
+                tool_lines[tname] = tnode.start_mark.line + 1
                 tools.append(tname)
         permission = (
             ck.string(keys["permission"][1], f"{fld}.permission", choices=PERMISSIONS) if "permission" in keys else "readonly"
@@ -492,7 +508,15 @@ def load_piece(ref: str | os.PathLike[str] | Piece, *, known_tools: Iterable[str
         path = candidates[text_ref]
     if not path.is_file():
         raise PieceError("no such piece file", file=str(path))
-    return parse_piece(
-        path.read_text(encoding="utf-8"), source=str(path), base_dir=path.parent, known_tools=known_tools
-    )
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        head = raw[: exc.start].decode("utf-8", errors="replace")
+        raise PieceError(
+            f"found byte 0x{raw[exc.start]:02x}, which is not UTF-8; allowed: UTF-8 text (save the file as UTF-8)",
+            file=str(path), line=line, field=_yaml_field(head + "\n", line) if line > 1 or head.strip() else _TOP,
+        ) from None
+    return parse_piece(text, source=str(path), base_dir=path.parent, known_tools=known_tools)
 

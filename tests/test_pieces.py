@@ -116,6 +116,10 @@ BROKEN = [
     ("empty file", "", 1, "(top level)", ["an empty file"], ["name and movements"]),
     ("only a comment", "# nothing here\n\n", 1, "(top level)", ["an empty file"], ["name and movements"]),
     ("a list at the top", "- a\n- b\n", 1, "(top level)", ["a list"], ["expected a mapping"]),
+    ("a tagged value", "name: !!python/object:os.system x\n" + MV[8:],
+     1, "name", ["'!!python/object:os.system'"], ["expected plain text"]),
+    ("a tool listed twice", MV + "    tools: [Read, Glob, Read]\n",
+     5, "movements[0] (a).tools[2]", ["'Read' a second time"], ["list each tool once"]),
 ]
 
 
@@ -212,3 +216,16 @@ def test_a_bad_piece_never_creates_a_job(ws: Workspace, tmp_path: Path, case) ->
     assert ws.jobs() == []
     assert ws.store.query("SELECT COUNT(*) FROM events")[0][0] == 0
     assert not (ws.root / "jobs").exists() or not any((ws.root / "jobs").iterdir())
+
+
+def test_a_piece_that_is_not_utf8_is_refused_with_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"name: x\nmovements:\n  - name: a\n    instruction: caf\xe9\n")
+    with pytest.raises(PieceError) as info:
+        load_piece(path)
+    assert str(info.value) == (f"{path}:4: movements[0].instruction: found byte 0xe9, which is not UTF-8; "
+                               "allowed: UTF-8 text (save the file as UTF-8)")
+    (tmp_path / "persona.md").write_bytes(b"\xff\xfe")
+    path = write_piece(tmp_path, MV + "    persona_file: persona.md\n")
+    with pytest.raises(PieceError, match=r":5: movements\[0\] \(a\)\.persona_file: found .*not UTF-8"):
+        load_piece(path)
