@@ -17,7 +17,7 @@ from typing import Any
 from ._office import OFFICE_SUFFIXES, extract_text
 from ._sandbox import sandbox_argv
 from ._truncate import cut_text, read_document_text, read_file
-from .tools import ToolContext, ToolError, ToolOutput, tool
+from .tools import ToolContext, ToolError, ToolOutput, normalise_rel, resolve_path, tool, unlinked_path
 
 _IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp"}
 _MAX_IMAGE_BYTES = 5 * 1024 * 1024
@@ -57,16 +57,39 @@ def Glob(ctx: ToolContext, pattern: str) -> ToolOutput:
     Args:
         pattern: A glob pattern relative to the work directory, such as ``input/*.md`` or ``**/*.py``.
     """
-    if os.path.isabs(pattern) or pattern.startswith("~") or ".." in Path(pattern).parts:
-        raise ToolError(f"pattern {pattern!r} must stay inside the work directory (no absolute paths or '..')")
+    given = pattern
+    outside = f"pattern {given!r} must stay inside the work directory (no absolute paths or '..')"
+    if "\x00" in pattern:
+        raise ToolError("pattern contains a NUL byte")
+    try:
+        pattern = normalise_rel(pattern, what="pattern")
+    except ToolError:
+        raise ToolError(outside) from None
+    if ".." in Path(pattern).parts:
+        raise ToolError(outside)
+    parts = [part for part in Path(pattern).parts if part != "."]
+    if not parts:
+        raise ToolError(f"pattern {given!r} names no files; give a pattern such as '*', '**/*' or 'input/*.md'")
     root = Path(os.path.realpath(ctx.workdir))
+    # the literal folders before the first wildcard must not lead out (a linked folder would be listed
+    # and scanned, only for its entries to be dropped below)
+    literal = list(parts[:-1])
+    for i, part in enumerate(literal):
+        if any(ch in part for ch in "*?["):
+            literal = literal[:i]
+            break
+    if literal:
+        resolve_path(root, "/".join(literal))
     found: list[str] = []
-    for p in sorted(root.glob(pattern)):
+    for p in sorted(root.glob("/".join(parts))):
         real = os.path.realpath(p)
         if real != str(root) and not real.startswith(str(root) + os.sep):
             continue  # a symlink that points outside
         rel = p.relative_to(root).as_posix()
-        found.append(rel + ("/" if p.is_dir() else f"  ({p.stat().st_size:,} bytes)"))
+        try:
+            found.append(rel + ("/" if p.is_dir() else f"  ({p.stat().st_size:,} bytes)"))
+        except OSError:  # a broken or looping link must not hide every other match
+            found.append(rel + "  (broken link)")
     if not found:
         return ToolOutput(f"No files match {pattern!r}.")
     return cut_text("\n".join(found), ctx, hint="glob")
@@ -190,19 +213,32 @@ def Checklist(ctx: ToolContext, name: str, items: list[dict[str, Any]]) -> str:
     The current state of every checklist is shown to the next movement.
 
     Args:
-        name: Checklist name (letters, digits, '-' and '_').
+        name: Checklist name (letters of any script, digits, '-' and '_').
         items: A list of {"text": str, "done": bool}.
     """
-    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name or ""):
-        raise ToolError(f"checklist name {name!r} must be 1–64 letters, digits, '-' or '_'")
+    # \w takes any script's letters and digits (a ja piece names its lists in Japanese); no '/', '.' or
+    # spaces, so the name is always one plain file in logs/checklists/
+    if not isinstance(name, str) or not re.fullmatch(r"[\w-]{1,64}", name):
+        raise ToolError(f"checklist name {name!r} must be 1–64 letters, digits, '-' or '_' "
+                        "(letters of any script; no spaces, dots or slashes)")
     if not isinstance(items, list):
         raise ToolError("items must be a list of {text, done}")
-    folder = ctx.logs_dir / "checklists"
+    # logs_dir is <job>/logs; nothing below <job> may be a link (see unlinked_path)
+    target = unlinked_path(ctx.logs_dir.parent, ctx.logs_dir.name, "checklists", f"{name}.json")
+    unlinked_path(ctx.logs_dir.parent, ctx.logs_dir.name, "checklists", f"{name}.json.tmp")
+    folder = target.parent
     folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"{name}.json"
     current: list[dict[str, Any]] = []
     if target.exists():
-        current = json.loads(target.read_text(encoding="utf-8")).get("items", [])
+        # the default work directory holds logs/, so the model may have written this file itself
+        try:
+            data = json.loads(target.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ToolError(f"logs/checklists/{name}.json cannot be read as a checklist ({exc}); "
+                            "remove it or use another name") from None
+        raw = data.get("items") if isinstance(data, dict) else None
+        current = [{"text": i["text"], "done": bool(i.get("done"))} for i in raw if isinstance(i, dict)
+                   and isinstance(i.get("text"), str)] if isinstance(raw, list) else []
     index = {item["text"]: item for item in current}
     # check every item first: a bad call changes nothing
     for i, item in enumerate(items):

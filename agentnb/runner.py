@@ -23,6 +23,7 @@ from .loop import AgentLoop, Outcome, Recorder, _Counters
 from .models import Model, ModelError
 from .pieces import SPECIAL_NEXT, Movement, Piece, load_piece, parse_piece
 from .store import TERMINAL_STATES
+from .tools import ToolError, unlinked_path
 
 if TYPE_CHECKING:
     from .store import Store
@@ -178,7 +179,12 @@ class JobRunner:
             )
             status = self._apply_next(c, mv, out)
         if lesson_text:
-            self._append_lesson_file(mv.name, seq, lesson_text, out.summary)
+            try:
+                self._append_lesson_file(mv.name, seq, lesson_text, out.summary)
+            except (ToolError, OSError) as exc:  # the lesson is in the events; say why the file lacks it
+                self.rec.add("error", {"message": f"lesson not written to logs/lessons.jsonl: {exc}",
+                                       "where": "lessons"}, seq, it)
+                self.rec.flush()
         self.loop = None
         return status
 
@@ -216,10 +222,13 @@ class JobRunner:
 
     # -- lessons --------------------------------------------------------------
     def _append_lesson_file(self, movement: str, seq: int, lessons: str, summary: str) -> None:
+        path = unlinked_path(self.logs_dir.parent, self.logs_dir.name, "lessons.jsonl")
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         record = {"job": self.job_id, "movement": movement, "seq": seq, "lessons": lessons, "summary": summary,
                   "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        with open(self.logs_dir / "lessons.jsonl", "a", encoding="utf-8") as fh:
+        # O_NOFOLLOW: a link made after the check above is refused too
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with open(fd, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
 
     # -- subtasks ----------------------------------------------------------------
@@ -320,11 +329,16 @@ class JobRunner:
         return "\n".join(reversed(kept))
 
     def _checklists_block(self) -> str:
-        folder = self.logs_dir / "checklists"
+        try:
+            folder = unlinked_path(self.logs_dir.parent, self.logs_dir.name, "checklists")
+        except ToolError:
+            return ""  # a link planted in logs/ must not bring outside files into the prompt
         if not folder.is_dir():
             return ""
         out = []
         for path in sorted(folder.glob("*.json")):
+            if path.is_symlink():
+                continue
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError):

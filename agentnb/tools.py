@@ -29,6 +29,8 @@ __all__ = [
     "get_tool",
     "registered_tool_names",
     "resolve_path",
+    "normalise_rel",
+    "unlinked_path",
     "PERMISSION_RANK",
 ]
 
@@ -336,16 +338,50 @@ def tool(
 def resolve_path(workdir: str | os.PathLike[str], rel: str) -> Path:
     """Resolve ``rel`` inside ``workdir``; refuse absolute paths and anything that leaves it.
 
-    Symlinks are followed before the check, so a link pointing outside is refused too.
+    Symlinks are followed before the check, so a link pointing outside is refused too;
+    backslashes count as separators (see :func:`normalise_rel`).
     """
     if not isinstance(rel, str) or not rel.strip():
         raise ToolError("path must be a non-empty path relative to the work directory")
-    if "\x00" in rel:
-        raise ToolError("path contains a NUL byte")
-    if os.path.isabs(rel) or rel.startswith("~"):
-        raise ToolError(f"path {rel!r} is absolute; give a path relative to the work directory")
+    given = rel
+    rel = normalise_rel(rel, what="path")
     root = os.path.realpath(workdir)
     real = os.path.realpath(os.path.join(root, rel))
     if real != root and not real.startswith(root + os.sep):
-        raise ToolError(f"path {rel!r} leaves the work directory; only paths inside it are allowed")
+        raise ToolError(f"path {given!r} leaves the work directory; only paths inside it are allowed")
+    if os.path.islink(real):  # realpath stops at a link it cannot resolve: a loop
+        raise ToolError(f"path {given!r} is a symbolic link that loops (it never reaches a file)")
     return Path(real)
+
+
+_DRIVE = re.compile(r"^[A-Za-z]:(/|$)")
+
+
+def normalise_rel(rel: str, *, what: str = "path") -> str:
+    """A model's relative path in POSIX form; absolute ones (POSIX, ``~``, Windows) are refused.
+
+    Backslashes are taken as separators: a model writing ``output\\a.md`` or ``..\\x`` means
+    folders, and a file literally named with backslashes would only surprise the user.
+    """
+    if "\x00" in rel:
+        raise ToolError(f"{what} contains a NUL byte")
+    posix = rel.replace("\\", "/")
+    if os.path.isabs(posix) or posix.startswith("~") or _DRIVE.match(posix):
+        raise ToolError(f"{what} {rel!r} is absolute; give a path relative to the work directory")
+    return posix
+
+
+def unlinked_path(base: str | os.PathLike[str], *parts: str) -> Path:
+    """``base/parts…`` for a file the engine itself writes or reads on the host (logs, checklists).
+
+    In the default layout ``logs/`` sits inside the work directory, where a ``Bash`` command (jailed,
+    but its files stay) can leave symbolic links; following one would let the engine write or read
+    outside the job.  So no existing component below ``base`` may be a link.
+    """
+    path = Path(base)
+    for part in parts:
+        path = path / part
+        if path.is_symlink():
+            rel = "/".join(path.relative_to(base).parts)
+            raise ToolError(f"{rel} is a symbolic link; agentnb does not follow links in its log folder")
+    return path

@@ -130,3 +130,39 @@ def test_checklist_files_written_by_hand_do_not_break_the_next_prompt(ws: Worksp
     work = user_prompts(ws, job, "work")[0]
     assert "### list (0/0 done)" in work and "### odd (1/1 done)\n- [x] kept" in work
     assert "broken" not in work
+
+
+def test_japanese_checklist_names_work_and_hand_written_files_are_tool_errors_not_crashes(
+    ws: Workspace, tmp_path: Path
+) -> None:
+    spec = write_script(tmp_path, "ja-names", {
+        "plan": [
+            call("Checklist", name="買い物", items=[{"text": "牛乳", "done": False}, {"text": "卵", "done": True}]),
+            call("Checklist", name="買い物 リスト", items=[{"text": "x"}]),     # a space: refused
+            call("Write", path="logs/checklists/broken.json", content="{not json"),
+            call("Checklist", name="broken", items=[{"text": "a"}]),
+            call("Write", path="logs/checklists/odd.json", content='{"items": [{"done": true}, 3, {"text": "kept"}]}'),
+            call("Checklist", name="odd", items=[{"text": "new", "done": True}]),
+            transition("work"),
+        ],
+        "work": [transition("review")],
+        "review": [transition("COMPLETE")],
+    })
+    piece = write_piece(tmp_path, "ja-lists", {"language": "ja", "movements": [
+        {"name": "plan", "instruction": "計画", "tools": ["Checklist", "Write"], "permission": "edit",
+         "rules": [{"next": "work"}]},
+        {"name": "work", "instruction": "作業", "rules": [{"next": "review"}]},
+        {"name": "review", "instruction": "確認", "rules": [{"next": "COMPLETE"}]},
+    ]})
+    job = ws.run(ws.submit("買い物", piece=str(piece), model=spec))
+    assert job.status == "succeeded", job.error
+    results = [e.payload for e in ws.events(job, kinds=["tool_result"]) if e.payload["tool"] == "Checklist"]
+    assert not results[0]["is_error"], results[0]["content"]
+    assert results[1]["is_error"] and "no spaces, dots or slashes" in results[1]["content"]
+    assert results[2]["is_error"] and "logs/checklists/broken.json cannot be read as a checklist" in results[2]["content"]
+    assert "raised" not in results[2]["content"] + results[3]["content"]
+    assert not results[3]["is_error"] and "- [ ] kept\n- [x] new" in results[3]["content"]
+    stored = json.loads((ws.root / "jobs" / str(job.id) / "logs" / "checklists" / "買い物.json").read_text("utf-8"))
+    assert stored["items"] == [{"text": "牛乳", "done": False}, {"text": "卵", "done": True}]
+    work = user_prompts(ws, job, "work")[0]
+    assert "### 買い物 (2 件中 1 件完了)\n- [ ] 牛乳\n- [x] 卵" in work

@@ -174,3 +174,100 @@ def test_resolve_path_directly(tmp_path: Path, outside: Path) -> None:
                      ("away", "leaves"), ("away/secret.txt", "leaves"), ("", "non-empty"), ("a\x00b", "NUL")]:
         with pytest.raises(ToolError, match=why):
             resolve_path(wd, bad)
+
+
+def _odd_links(outside: Path):
+    def setup(wd: Path) -> None:
+        (wd / "output" / "kept.md").write_text("kept\n", encoding="utf-8")
+        os.symlink("loop", wd / "loop")                  # a link to itself
+        os.symlink("ping", wd / "pong")
+        os.symlink("pong", wd / "ping")                  # two links to each other
+        os.symlink("nothing-here", wd / "dangling")      # broken, but inside
+        os.rename(wd / "input", wd / "input-old")
+        os.symlink(outside, wd / "input")                # the whole input/ folder leads out
+    return setup
+
+
+ODD = [
+    ("Read", {"path": "..\\..\\..\\outside\\secret.txt"}, "leaves the work directory"),
+    ("Write", {"path": "..\\..\\..\\outside\\new.txt", "content": "x"}, "leaves the work directory"),
+    ("Read", {"path": "C:\\Windows\\win.ini"}, "is absolute"),
+    ("Write", {"path": "\\\\server\\share\\x.txt", "content": "x"}, "is absolute"),
+    ("Grep", {"pattern": "SECRET", "path": "..\\..\\.."}, "leaves the work directory"),
+    ("Glob", {"pattern": "..\\*"}, "must stay inside the work directory"),
+    ("Glob", {"pattern": "**/../.."}, "must stay inside the work directory"),
+    ("Glob", {"pattern": "C:\\*"}, "must stay inside the work directory"),
+    ("Glob", {"pattern": "input/*"}, "path 'input' leaves the work directory"),
+    ("Glob", {"pattern": "."}, "names no files"),
+    ("Read", {"path": "loop"}, "symbolic link that loops"),
+    ("Write", {"path": "ping", "content": "x"}, "symbolic link that loops"),
+    ("Read", {"path": "input/secret.txt"}, "leaves the work directory"),
+    ("Read", {"path": "a\x00/../../etc/passwd"}, "NUL byte"),
+]
+
+
+def test_backslashes_loops_and_a_linked_input_folder_are_clear_errors(
+    ws: Workspace, tmp_path: Path, outside: Path
+) -> None:
+    calls = [(t, a) for t, a, _ in ODD] + [
+        ("Write", {"path": "output\\sub\\made.md", "content": "made"}),  # Windows separators mean folders
+        ("Glob", {"pattern": "**/*"}),                                    # broken links do not hide the rest
+        ("Grep", {"pattern": "SECRET|kept", "path": "."}),
+    ]
+    job, results = _run_calls(ws, tmp_path, calls, setup=_odd_links(outside))
+    for (tool, args, expected), res in zip(ODD, results):
+        assert res["is_error"] and expected in res["content"], (tool, args, res["content"])
+        assert "\n" not in res["content"] and "raised" not in res["content"]
+    made, glob_all, grep = results[len(ODD):]
+    wd = Path(job.workdir)
+    assert not made["is_error"] and (wd / "output" / "sub" / "made.md").read_text(encoding="utf-8") == "made"
+    assert not glob_all["is_error"], glob_all["content"]
+    assert "output/kept.md" in glob_all["content"] and "loop  (broken link)" in glob_all["content"]
+    assert "output/kept.md:1:kept" in grep["content"] and SECRET not in grep["content"]
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.png", "secret.txt"]
+    assert not any("\\" in p.name for p in wd.rglob("*"))
+    assert SECRET.encode() not in (ws.root / "agentnb.sqlite").read_bytes()
+
+
+def test_links_left_in_logs_never_make_the_engine_write_or_read_outside(
+    ws: Workspace, tmp_path: Path, outside: Path
+) -> None:
+    # A Bash command (jailed) can still leave links in the default work directory, which holds logs/;
+    # the engine writes lessons and checklists there on the host, so it must not follow them.
+    piece = write_piece(tmp_path, """
+name: logs-links
+movements:
+  - name: a
+    instruction: go
+    tools: [Checklist]
+    rules: [{next: b}]
+  - name: b
+    instruction: go
+    rules: [{next: COMPLETE}]
+""")
+    model = write_script(tmp_path, {"responses": [
+        {"tool_calls": [{"name": "Checklist", "arguments": {"name": "todo", "items": [{"text": "x"}]}}]},
+        {"tool_calls": [{"name": "Checklist", "arguments": {"name": "secret", "items": [{"text": "y"}]}}]},
+        transition("b", lessons="a lesson"),
+        transition("COMPLETE"),
+    ]})
+    (outside / "todo.json").write_text('{"items": [{"text": "' + SECRET + '", "done": false}]}', encoding="utf-8")
+    job = ws.submit("go", piece=piece, model=model)
+    logs = ws.root / "jobs" / str(job.id) / "logs"
+    os.symlink(outside / "secret.txt", logs / "lessons.jsonl")
+    (logs / "checklists").mkdir()
+    os.symlink(outside / "secret.txt", logs / "checklists" / "secret.json")
+    os.symlink(outside / "todo.json", logs / "checklists" / "linked.json")
+    job = ws.run(job)
+    assert job.status == "succeeded", job.error
+    results = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["tool"] == "Checklist"]
+    assert results[0].startswith("Checklist todo: 0/1 done")
+    assert results[1] == "Error: logs/checklists/secret.json is a symbolic link; agentnb does not follow links in its log folder"
+    errors = [e.payload for e in ws.events(job, kinds=["error"])]
+    assert [e["where"] for e in errors] == ["lessons", "lessons"]
+    assert "logs/lessons.jsonl is a symbolic link" in errors[0]["message"]
+    assert (outside / "secret.txt").read_text(encoding="utf-8") == SECRET + "\n"
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.png", "secret.txt", "todo.json"]
+    assert SECRET.encode() not in (ws.root / "agentnb.sqlite").read_bytes()  # no linked checklist in a prompt
+    # the lessons are still in the events
+    assert [e.payload["lessons"] for e in ws.events(job, kinds=["lesson"])] == ["a lesson", "done"]
