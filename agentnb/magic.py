@@ -38,6 +38,7 @@ _OVERVIEW = """\
 %agent SUBCOMMAND [options]      (%agent SUBCOMMAND --help for its options)
 
   run [--piece P] [--model M] [--background] "instruction"   submit a job and run it, live
+  run --job JOB [--background]  run a queued job (queued, stepped, paused or answered) to its end
   step [JOB] [--call]          run the next movement (or, with --call, the next LLM call)
   reply JOB "text" [--run]     answer a job that waits for a human
   show [JOB] [--full] [--movement SEQ]   the job's view (--full: nothing cut)
@@ -228,7 +229,8 @@ class AgentMagic(Magics):
             worker.join()
             if handle is not None:
                 handle.update(HTML(_summary_html(self.ws, job_id)))
-            print(f"job {job_id} paused after its current LLM call; continue with %agent run or %agent step")
+            print(f"job {job_id} paused after its current LLM call; continue with %agent run --job {job_id} "
+                  "or %agent step")
         if failure:
             raise UsageError(f"job {job_id}: {_one_line(failure[0])}")
         return self.ws.job(job_id)
@@ -241,10 +243,13 @@ class AgentMagic(Magics):
     @argument("--input", "-i", action="append", metavar="FILE", help="copy FILE into the job's input/ (repeatable)")
     @argument("--workdir", help="use an existing directory as the job's work directory")
     @argument("--background", "-b", action="store_true", help="return the Job at once; the view keeps updating")
-    @argument("--queue", action="store_true", help="only submit the job (run it later with step or run)")
+    @argument("--queue", action="store_true", help="only submit the job (run it later with step or run --job)")
+    @argument("--job", "-j", metavar="JOB", help="run this queued job (an id or a Job variable) instead of submitting one")
     def cmd_run(self, args: Any, cell: str | None) -> Job:
         """Submit a job and run it until it ends or waits, showing its view as it runs."""
         text = cell if cell is not None else " ".join(args.instruction)
+        if args.job is not None:
+            return self._run_existing(args, text)
         if args.instruction and cell is not None:
             raise UsageError("%%agent: the instruction is the cell body; put only options on the first line")
         if not text.strip():
@@ -260,6 +265,20 @@ class AgentMagic(Magics):
         self.last_job = job.id
         if args.queue:
             return job
+        return self.run_live(job, background=args.background)
+
+    def _run_existing(self, args: Any, text: str) -> Job:
+        # A job keeps the instruction, piece, model and files it was submitted with.
+        given = [o for o, v in (("an instruction", text.strip()), ("--piece", args.piece), ("--model", args.model),
+                                ("--input", args.input), ("--workdir", args.workdir), ("--queue", args.queue)) if v]
+        if given:
+            raise UsageError(f"%agent run --job: the job already has its instruction, piece and model; "
+                             f"remove {', '.join(given)}")
+        job = self.job(args.job)
+        if job.status not in ("queued", "waiting_subtasks"):
+            hint = ' — answer it with %agent reply' if job.status == "waiting_human" else ""
+            raise UsageError(f"%agent run --job: job {job.id} is {job.status}; only a queued job (or one waiting "
+                             f"for its subtasks) can be run{hint}")
         return self.run_live(job, background=args.background)
 
     @magic_arguments(name="agent step")
@@ -353,13 +372,23 @@ class AgentMagic(Magics):
 
 
 def _summary_html(ws: Workspace, job_id: int) -> str:
-    """The one line left where a finished foreground run was watched."""
+    """The line left where a finished foreground run was watched, with why it failed or what it asks.
+
+    With ``job = %agent run …`` this is all the cell keeps (the Job is not displayed), so an
+    error or an open question must not disappear with the live view.
+    """
     import html as _html
 
     job = ws.job(job_id)
     st = job_stats(ws, job_id)
-    return (f"<div>Job {job.id} <b>{_html.escape(str(job.status))}</b> · {plural(st.movements, 'movement')} · "
-            f"{plural(st.calls, 'LLM call')} · {st.total_tokens:,} tokens · {st.elapsed:.1f} s</div>")
+    out = (f"<div>Job {job.id} <b>{_html.escape(str(job.status))}</b> · {plural(st.movements, 'movement')} · "
+           f"{plural(st.calls, 'LLM call')} · {st.total_tokens:,} tokens · {st.elapsed:.1f} s</div>")
+    if job.error:
+        out += f'<div style="color:#b00020">✖ {_html.escape(job.error)}</div>'
+    if st.question:
+        out += (f"<div><b>❓ waiting for you:</b> {_html.escape(st.question)} <span style=\"color:#777\">— answer "
+                f'with <code>%agent reply {job.id} "…"</code></span></div>')
+    return out
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -122,6 +122,11 @@ class Panel(w.VBox):
         if self.jobs.options and magic is not None and magic.last_job is not None:
             self.select(magic.last_job)
 
+    def __repr__(self) -> str:
+        # ipywidgets saves repr() as the output's text/plain: it is what a saved notebook shows where
+        # the widget cannot be drawn (GitHub, nbviewer, no kernel), instead of the widget tree.
+        return f"agentnb panel of workspace {self.ws.root.name!r} (interactive: run the cell in a live kernel)"
+
     # -- state -------------------------------------------------------------------
     @property
     def busy(self) -> bool:

@@ -1,8 +1,10 @@
 """The quickstart notebook in a real JupyterLab, driven by Playwright in Debian's Chromium.
 
 This is what a new user does: open ``notebooks/01-quickstart.ipynb``, run every cell, open a
-movement's collapsible section, and press a button of the ``%agent panel`` widget.  A screenshot
-of the result is kept in ``tests/artifacts/`` (a CI artifact, gitignored).
+movement's collapsible section, and press a button of the ``%agent panel`` widget; then, in a
+notebook of their own, answer a job's question in the panel's Reply box, save, and reopen the
+notebook to find the run still shown.  Screenshots are kept in ``tests/artifacts/`` (a CI
+artifact, gitignored).
 
 Playwright's own browser download is not possible on these machines, so the test launches the
 system's ``chromium``.  Without it (or without the ``playwright`` package) the test is skipped
@@ -90,6 +92,7 @@ def _wait_for_lab(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
 class Lab:
     url: str
     log: Path
+    root: Path  # the server's root folder (a copy of notebooks/ and pieces/)
 
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -134,7 +137,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_for_lab(f"{base}/lab", proc, log)
-        yield Lab(base, log)
+        yield Lab(base, log, root)
     finally:
         proc.terminate()
         try:
@@ -249,3 +252,106 @@ def test_quickstart_runs_in_jupyterlab(lab: Lab) -> None:
             browser.close()
     shots = sorted(ARTIFACTS.glob("quickstart-*.png"))
     assert len(shots) == 2 and all(p.stat().st_size > 10_000 for p in shots), "a screenshot is missing or empty"
+
+
+# A notebook as a new user would write it: run a piece that asks, open the panel, show the job.
+ASK_CELLS = [
+    '%load_ext agentnb\n%config AgentMagic.workspace = "agentnb-data"',
+    'asker = %agent run --piece ask-first --model demo "Summarise the meeting for the team"',
+    "%agent panel",
+    "%agent show asker",
+]
+ANSWER = "A bullet list, at most five points."
+
+
+def _run_cell(page, index: int) -> None:  # type: ignore[no-untyped-def]
+    """Run one code cell with Ctrl+Enter and wait until its prompt shows a new number."""
+    prompt = f"document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')[{index}].textContent.trim()"
+    before = page.evaluate(prompt)
+    page.locator(".jp-Notebook .jp-CodeCell").nth(index).locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Control+Enter")
+    page.wait_for_function(f"() => {{ const t = {prompt}; return /\\[\\d+\\]/.test(t) && t !== {before!r}; }}",
+                           timeout=RUN_ALL_TIMEOUT_MS)
+
+
+def _saved_outputs(path: Path, index: int) -> str:
+    import nbformat
+
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception:  # noqa: BLE001 - caught mid-write; the caller polls again
+        return ""
+    return "".join(str(o.get("data", {}).get("text/html", "")) for o in nb.cells[index].get("outputs", []))
+
+
+def test_reply_to_an_ask_from_the_panel_then_reopen_the_saved_notebook(lab: Lab) -> None:
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+    from playwright.sync_api import expect, sync_playwright
+
+    name = "ask-from-the-panel.ipynb"
+    path = lab.root / name
+    nb = new_notebook(cells=[new_code_cell(src) for src in ASK_CELLS])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    ARTIFACTS.mkdir(exist_ok=True)
+    for old in ARTIFACTS.glob("panel-reply-*.png"):
+        old.unlink()
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            # ?reset: a clean JupyterLab layout, without the tabs an earlier test left open (the
+            # helpers look for cells in the whole page)
+            page.goto(f"{lab.url}/lab/tree/{name}?reset")
+            expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
+            _run_all_cells(page)
+            stderr = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+            raised = [t for t in stderr.all_inner_texts() if "Traceback" in t or "Error" in t]
+            assert not raised, f"a cell raised in JupyterLab:\n{raised[0][:3000]}"
+
+            # the panel opened on the asking job: its question is in the view and Reply is enabled
+            reply = page.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Reply\s*$"))
+            expect(reply).to_have_count(1)
+            panel = page.locator(".widget-vbox").filter(has=reply).last
+            expect(panel.locator("select option", has_text="waiting_human · ask-first")).to_be_attached()
+            expect(panel.locator(".anb-job")).to_contain_text("waiting for you")
+            expect(reply).to_be_enabled()
+            box = panel.locator("input[placeholder=\"Your answer to the job's question\"]")
+            box.fill(ANSWER)
+            reply.click()
+            # the answer resumes the job, which runs to its end live in the panel
+            expect(panel.locator("select option", has_text="succeeded · ask-first")).to_be_attached(timeout=120_000)
+            expect(panel.locator("div.widget-label", has_text="of 6 movements")).to_contain_text(
+                "3 of 6 movements", timeout=60_000)
+            expect(panel.locator(".anb-comment", has_text=ANSWER)).to_have_count(1)
+            expect(reply).to_be_disabled()
+            expect(box).to_have_value("")
+            panel.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "panel-reply-answered.png"))
+
+            # show the finished job in the notebook, save, and find the views in the saved file
+            _run_cell(page, 3)
+            page.keyboard.press("Control+s")
+            deadline = time.monotonic() + 60
+            while ANSWER not in _saved_outputs(path, 3) and time.monotonic() < deadline:
+                time.sleep(0.25)
+            shown = _saved_outputs(path, 3)
+            assert ANSWER in shown and shown.count('<details class="anb-mv"') == 3, "the saved view lacks the run"
+            assert "waiting for you" in _saved_outputs(path, 1), "the saved run cell lost the job's question"
+            saved = nbformat.read(path, as_version=4)
+            panel_out = saved.cells[2].outputs[0]["data"]["text/plain"]
+            assert panel_out.startswith("agentnb panel of workspace"), panel_out
+
+            # reopen: the saved static HTML shows the run before anything is run again
+            page.reload()
+            page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
+            view = page.locator(".jp-Notebook .jp-CodeCell").nth(3).locator(".anb-job")
+            expect(view.locator("details.anb-mv")).to_have_count(3, timeout=60_000)
+            expect(view.locator(".anb-comment", has_text=ANSWER)).to_have_count(1)
+            view.locator("details.anb-mv[data-seq='3'] > summary").scroll_into_view_if_needed()
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
+        finally:
+            page.screenshot(path=str(ARTIFACTS / "panel-reply-reopened.png"))
+            browser.close()

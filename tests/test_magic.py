@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 
 import threading
@@ -176,6 +177,48 @@ def test_error_inside_a_job_is_in_its_view_not_raised(shell: InteractiveShell, t
     assert job.status == "failed" and job.error
     html = job._repr_html_()
     assert 'class="anb-error"' in html and job.error[:30] in html
+
+
+def test_an_assigned_run_keeps_the_error_and_the_question_in_the_cell(shell: InteractiveShell, tmp_path: Path) -> None:
+    # With `job = %agent run …` the Job is not displayed: what stays where the live view was must
+    # still say why the job failed, or what it asks.
+    script = write_script(tmp_path, "short", {"work": [call("Glob", pattern="*")]})
+    piece = _work_piece(tmp_path, ["Glob"])
+    with capture_output() as cap:
+        assert shell.run_cell(f'failed = %agent run --piece {piece} --model {script} "t"').error_in_exec is None
+    job = shell.user_ns.pop("failed")
+    assert job.status == "failed" and "ran out of responses" in job.error
+    assert cap.outputs and "ran out of responses" in _html(cap.outputs)[-1]
+    with capture_output() as cap:
+        shell.run_cell('asking = %agent run --piece ask-first "Summarise the <meeting>"')
+    job = shell.user_ns.pop("asking")
+    question = job.workspace.events(job, kinds=["transition"])[-1].question
+    last = _html(cap.outputs)[-1]
+    assert job.status == "waiting_human" and question and html.escape(question) in last
+    assert f"%agent reply {job.id}" in last
+
+
+def test_run_job_runs_a_queued_job_to_its_end(shell: InteractiveShell) -> None:
+    with capture_output():
+        job = shell.run_line_magic("agent", 'run --queue "Summarise the inputs"')
+        job = shell.run_line_magic("agent", f"step {job.id} --call")
+        shell.user_ns["t_q"] = job
+        job = shell.run_line_magic("agent", "run --job t_q")
+    assert job.status == "succeeded" and job.id == shell.user_ns["t_q"].id
+    assert len(job.workspace.jobs()) == 1  # no new job was submitted
+    assert len(job.workspace.events(job, kinds=["movement_start"])) == 3
+    with pytest.raises(UsageError, match=f"job {job.id} is succeeded; only a queued job"):
+        shell.run_line_magic("agent", f"run --job {job.id}")
+    with pytest.raises(UsageError, match=r"^%agent run --job: the job already has .* remove an instruction, --piece$"):
+        shell.run_line_magic("agent", f'run --job {job.id} --piece single "again"')
+    with capture_output():
+        asking = shell.run_line_magic("agent", 'run --piece ask-first "Summarise"')
+    with pytest.raises(UsageError, match="is waiting_human; .* answer it with %agent reply"):
+        shell.run_line_magic("agent", f"run --job {asking.id}")
+    with capture_output():
+        shell.run_line_magic("agent", f'reply {asking.id} "Bullets."')
+        asking = shell.run_line_magic("agent", f"run -j {asking.id}")
+    assert asking.status == "succeeded", asking.error
 
 
 def test_frames_and_pieces_are_dataframes(shell: InteractiveShell) -> None:

@@ -142,3 +142,14 @@ def test_panel_magic_returns_the_panel_on_the_session_workspace(tmp_path: Path) 
     assert isinstance(panel, Panel)
     assert panel.ws.root == (tmp_path / "ws").resolve()
     assert panel.jobs.value == job.id  # the session's last job is selected
+
+
+def test_a_saved_panel_reads_as_one_line_where_the_widget_cannot_be_drawn(ws: Workspace) -> None:
+    # ipywidgets stores repr() as the output's text/plain (GitHub, nbviewer, a notebook without a kernel)
+    panel = Panel(ws)
+    _new(panel, "Summarise the <inputs>")
+    bundle = panel._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    text = bundle["text/plain"]
+    assert text == f"agentnb panel of workspace {ws.root.name!r} (interactive: run the cell in a live kernel)"
+    assert "<inputs>" not in text and "children" not in text
