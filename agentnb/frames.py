@@ -21,10 +21,10 @@ frame               columns
 =================== ===========================================================================
 ``jobs()``          job, parent, piece, model, status, instruction, current_movement, movements,
                     llm_calls, tool_calls, prompt_tokens, completion_tokens, total_tokens,
-                    peak_ratio, created, started, ended, error
+                    peak_ratio, created, started, ended, error, id
 ``movements(job)``  job, seq, movement, status, started, ended, iterations, llm_calls, tool_calls,
                     prompt_tokens, completion_tokens, total_tokens, peak_ratio, actions,
-                    next_step, forced, summary
+                    next_step, forced, summary, name, tokens
 ``messages(job)``   job, event_id, seq, movement, iteration, timestamp, role, kind, tool, call_id,
                     content, chars
 ``tool_calls(job)`` job, event_id, seq, movement, iteration, timestamp, tool, call_id, arguments,
@@ -37,11 +37,28 @@ frame               columns
                     window, threshold
 =================== ===========================================================================
 
+The issue that specified these frames (and users) call some columns by other names; both work:
+
+=========================  ==================================================================
+said                       column
+=========================  ==================================================================
+jobs: id                   ``job`` (also as ``id``, a copy at the end)
+jobs: movements run        ``movements``
+jobs: LLM calls            ``llm_calls``
+movements: name, tokens    ``movement``, ``total_tokens`` (also as ``name``, ``tokens``, copies at the end)
+tool calls: sizes, error   ``original_chars``, ``returned_chars``, ``is_error`` (the event payload keys)
+usage: movement seq, name  ``seq``, ``movement``
+usage: token source        ``source``
+usage: context window      ``window``
+=========================  ==================================================================
+
 Details:
 
 * ``jobs().movements`` counts movement runs; ``llm_calls`` / token sums cover every
   ``llm_response`` event of the job (0 when none); ``peak_ratio`` is the highest
   context ratio seen (NaN before the first call).
+* ``movements().iterations`` is the run's LLM call number reached: a call that failed (the job
+  failed with it) counts, so it can exceed ``llm_calls`` by one; a run paused mid-way counts its calls so far.
 * ``usage()`` has one row per LLM call (``llm_response`` event).  ``call`` numbers the
   calls of a job from 1; ``prompt_tokens`` is the context size the ContextManager
   accounted for that call, ``total_tokens`` = prompt + completion, and
@@ -92,13 +109,13 @@ _JOBS: _Spec = {
     "job": "int", "parent": "Int", "piece": "str", "model": "str", "status": _STATUS, "instruction": "str",
     "current_movement": "str", "movements": "int", "llm_calls": "int", "tool_calls": "int",
     "prompt_tokens": "int", "completion_tokens": "int", "total_tokens": "int", "peak_ratio": "float",
-    "created": "time", "started": "time", "ended": "time", "error": "str",
+    "created": "time", "started": "time", "ended": "time", "error": "str", "id": "int",
 }
 _MOVEMENTS: _Spec = {
     "job": "int", "seq": "int", "movement": "str", "status": _MOVEMENT_STATUS, "started": "time", "ended": "time",
     "iterations": "int", "llm_calls": "int", "tool_calls": "int", "prompt_tokens": "int",
     "completion_tokens": "int", "total_tokens": "int", "peak_ratio": "float", "actions": "str",
-    "next_step": "str", "forced": "bool", "summary": "str",
+    "next_step": "str", "forced": "bool", "summary": "str", "name": "str", "tokens": "int",
 }
 _MESSAGES: _Spec = {
     "job": "int", "event_id": "int", "seq": "Int", "movement": "str", "iteration": "Int", "timestamp": "time",
@@ -186,7 +203,7 @@ SELECT j.id AS job, j.parent_id AS parent, j.piece, j.model, j.status, j.instruc
        (SELECT COUNT(*) FROM events t WHERE t.kind = 'tool_call' AND t.job_id = j.id) AS tool_calls,
        COALESCE(a.prompt_tokens, 0) AS prompt_tokens, COALESCE(a.completion_tokens, 0) AS completion_tokens,
        COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio,
-       j.created, j.started, j.ended, j.error
+       j.created, j.started, j.ended, j.error, j.id AS id
 FROM jobs j
 LEFT JOIN (
     SELECT e.job_id, COUNT(*) AS llm_calls,
@@ -201,15 +218,18 @@ ORDER BY j.id
 """
 
 _MOVEMENTS_SQL = f"""
-SELECT m.job_id AS job, m.seq, m.name AS movement, m.status, m.started, m.ended, m.iterations,
+SELECT m.job_id AS job, m.seq, m.name AS movement, m.status, m.started, m.ended,
+       -- the row's count is written when the run ends: a run paused mid-way (stepped) has made calls already
+       MAX(m.iterations, COALESCE(a.last_iteration, 0)) AS iterations,
        COALESCE(a.llm_calls, 0) AS llm_calls, COALESCE(a.tool_calls, 0) AS tool_calls,
        COALESCE(a.prompt_tokens, 0) AS prompt_tokens, COALESCE(a.completion_tokens, 0) AS completion_tokens,
        COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio, a.actions,
-       m.next_step, m.forced, m.summary
+       m.next_step, m.forced, m.summary, m.name AS name, COALESCE(a.total_tokens, 0) AS tokens
 FROM movements m
 LEFT JOIN (
     SELECT e.job_id, e.movement_seq,
            SUM(e.kind = 'llm_response') AS llm_calls,
+           MAX(CASE WHEN e.kind = 'llm_response' THEN e.iteration END) AS last_iteration,
            SUM(e.kind = 'tool_call') AS tool_calls,
            SUM(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', 'usage.prompt_tokens')} END) AS prompt_tokens,
            SUM(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', 'usage.completion_tokens')} END) AS completion_tokens,

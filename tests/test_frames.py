@@ -298,3 +298,30 @@ def test_frame_queries_reach_events_through_indexes(store: tuple[Workspace, dict
         plan = [row[3] for row in ws.store.conn.execute("EXPLAIN QUERY PLAN " + sql)]
         scans = [p for p in plan if p.startswith("SCAN ") and p.split()[1] in events_aliases]
         assert not scans, (sql[:80], plan)
+
+
+def test_a_run_paused_mid_way_counts_its_calls_so_far(tmp_path: Path) -> None:
+    """A movement row gets its iteration count when the run ends; a stepped job paused inside one shows its calls."""
+    ws = Workspace(tmp_path / "ws")
+    job = usage_job(ws, tmp_path / "scripts")  # a finished job beside it, whose counts must not move
+    paused = ws.submit("step me", piece=ws.piece(job).source or "", model=job.model,
+                       inputs={"notes.md": "alpha\nbeta\n"})
+    for _ in range(4):  # gather's three calls, then the first call of write
+        paused = ws.step(paused, unit="call")
+    assert paused.status == "queued"
+    mv = ws.frames.movements(paused)
+    assert mv["status"].astype(str).tolist() == ["done", "running"]
+    assert mv["iterations"].tolist() == [3, 1] == mv["llm_calls"].tolist()
+    assert mv["iterations"].dtype == "int64"
+    assert ws.frames.movements(job)["iterations"].tolist() == [3, 2]
+
+
+def test_the_issue_s_column_names_are_offered_too(store: tuple[Workspace, dict[str, Job]]) -> None:
+    """Users who write the names of the issue (jobs' ``id``, movements' ``name`` and ``tokens``) get the same values."""
+    ws, jobs = store
+    table = ws.frames.jobs()
+    assert table["id"].tolist() == table["job"].tolist() and table["id"].dtype == "int64"
+    mv = ws.frames.movements()
+    assert mv["name"].tolist() == mv["movement"].tolist()
+    assert mv["tokens"].tolist() == mv["total_tokens"].tolist() and mv["tokens"].dtype == "int64"
+    assert COLUMNS["jobs"][-1] == "id" and COLUMNS["movements"][-2:] == ("name", "tokens")
