@@ -15,8 +15,10 @@ Artists carry a ``gid`` (``threshold:<action>``, ``movement:<seq>``,
 
 from __future__ import annotations
 
+import re
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import pandas as pd
 
@@ -31,6 +33,16 @@ __all__ = ["plot_usage"]
 
 _THRESHOLD_STYLE = {"warn": "#d9a400", "prompt": "#e67e22", "force_transition": "#c0392b", "exhausted": "#6c0b0b"}
 _ACTION_MARKER = {"warn": "^", "prompt": "s", "force_transition": "X", "exhausted": "P"}
+# Fonts with Japanese (and other CJK) glyphs, best first.  matplotlib's default DejaVu Sans has none, so
+# a movement named 下書き would be drawn as boxes even where the system has such a font.
+_CJK_FAMILIES = (
+    "Noto Sans CJK JP", "Noto Sans JP", "Source Han Sans JP", "IPAexGothic", "IPAGothic", "IPAPGothic",
+    "Hiragino Sans", "Hiragino Kaku Gothic ProN", "Yu Gothic", "Meiryo", "MS Gothic", "TakaoGothic",
+    "VL Gothic", "Noto Sans CJK SC", "Noto Sans CJK KR", "WenQuanYi Zen Hei", "Droid Sans Fallback",
+)
+_CJK_FILES = re.compile(r"cjk|ipa|takao|vl-?gothic|hiragino|yugoth|meiryo|msgothic|sourcehan|notosansjp|wqy|droidsansfallback", re.I)
+_WIDE = re.compile(r"[\u2e80-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]")
+_cjk_found: list[str] | None = None
 
 
 def plot_usage(
@@ -47,6 +59,15 @@ def plot_usage(
     at submit), else the frame's ``attrs["thresholds"]``, else the defaults.
     """
     df, th, heading = _resolve(job_or_frame, ws, thresholds)
+    import matplotlib
+
+    labels = [title or heading, *df["movement"].dropna().astype(str), *df["transition"].dropna().astype(str)]
+    # Text artists keep the font family in force when they are made, so the figure keeps it when drawn later.
+    with matplotlib.rc_context(_font_for(labels)):
+        return _draw(df, th, title or heading, figsize)
+
+
+def _draw(df: pd.DataFrame, th: Mapping[str, float], heading: str, figsize: tuple[float, float]) -> "Figure":
     import matplotlib.pyplot as plt
 
     fig, (ax, ax_cum) = plt.subplots(
@@ -54,7 +75,7 @@ def plot_usage(
     )
     # Closing detaches the figure from pyplot, so a notebook shows it once (as the returned value).
     plt.close(fig)
-    fig.suptitle(title or heading)
+    fig.suptitle(heading)
     ax.set_ylabel("context ratio (prompt / window)")
     ax_cum.set_ylabel("cumulative tokens")
     ax_cum.set_xlabel("LLM call")
@@ -81,13 +102,45 @@ def plot_usage(
         _draw_job(ax, ax_cum, rows, job_id, colours, seen_movements, n if several else None)
 
     top = max(1.0, float(df["ratio"].max()) * 1.08)
-    ax.set_ylim(0, top)
+    # a little room below 0 %: calls with a tiny ratio would otherwise have their markers cut in half
+    ax.set_ylim(-0.04 * top, top)
     ax_cum.yaxis.set_major_formatter(_thousands())
     ax.xaxis.set_major_locator(_integers())
     # outside the axes: inside, the legend would hide the top thresholds and the late calls
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0)
     ax_cum.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0)
     return fig
+
+
+def _font_for(labels: Iterable[str]) -> dict[str, Any]:
+    """rcParams that draw ``labels``: the default font, with a CJK font behind it when a label needs one."""
+    global _cjk_found
+    wide = next((t for t in labels if _WIDE.search(t)), None)
+    if wide is None:
+        return {}
+    if _cjk_found is None:
+        from matplotlib import font_manager as fm
+
+        names = {f.name for f in fm.fontManager.ttflist}
+        if not names.intersection(_CJK_FAMILIES):
+            # matplotlib's font list is cached on disk and may predate the font's install: look once
+            for path in fm.findSystemFonts():
+                if _CJK_FILES.search(Path(path).name):
+                    try:
+                        fm.fontManager.addfont(path)
+                    except (OSError, RuntimeError, ValueError):
+                        continue
+            names = {f.name for f in fm.fontManager.ttflist}
+        _cjk_found = [n for n in _CJK_FAMILIES if n in names]
+    if not _cjk_found:
+        warnings.warn(
+            f"plot_usage: no installed font has the glyphs of {wide!r}, which will show as boxes; "
+            "install a CJK font (e.g. apt install fonts-noto-cjk, or fonts-ipaexfont)", stacklevel=3)
+        return {}
+    import matplotlib
+
+    base = list(matplotlib.rcParams["font.family"])
+    return {"font.family": base + [n for n in _cjk_found if n not in base]}
 
 
 def _resolve(
@@ -177,12 +230,14 @@ def _draw_job(
                 continue
             ax.axvline(r["call"] + 0.5, color="#c0392b" if f else "grey", alpha=0.35, linewidth=1)
             ax.annotate(f"→ {r['transition']}" + (" (forced)" if f else ""), (r["call"], r["ratio"]),
-                        textcoords="offset points", xytext=(4, -12), fontsize="x-small",
+                        # under the marker, unless that would put it under the axis (a call near 0 %)
+                        textcoords="offset points", xytext=(4, -12 if r["ratio"] >= 0.06 else 6), fontsize="x-small",
                         color="#c0392b" if f else "dimgrey")
 
     if several:
         # per job only the total, in the job's own colour: three lines per job would be unreadable
-        ax_cum.plot(x, rows["cumulative_tokens"].to_numpy(), color=matplotlib.colormaps["Dark2"](nth % 8),
+        # 10 colours × 4 line styles: a job's colour and style pair repeats only after 20 jobs
+        ax_cum.plot(x, rows["cumulative_tokens"].to_numpy(), color=matplotlib.colormaps["tab10"](nth % 10),
                     linestyle=style, linewidth=1.5, label=f"job {job_id} total", gid=f"cumulative:{job_id}")
         ax.annotate(f"job {job_id}", (x[-1], rows["ratio"].iloc[-1]), textcoords="offset points", xytext=(6, 0),
                     fontsize="x-small")
