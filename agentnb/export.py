@@ -13,9 +13,13 @@ The file is an nbformat v4 notebook that reads without a kernel:
 4. job-level comments (the user's replies, the agent's questions) and errors between
    the movement runs, in the order they happened.
 
-Transcript cells open collapsed: ``metadata.jupyter.outputs_hidden`` and
-``source_hidden`` (JupyterLab) and ``metadata.collapsed`` (classic Notebook).  Their
-source re-renders the run from the store when re-executed.
+Transcript cells open collapsed: ``metadata.jupyter.outputs_hidden`` (JupyterLab, Notebook 7)
+and ``metadata.collapsed`` (classic Notebook).  JupyterLab then shows the cell's one line of
+source and, in place of the output, its first line — a caption naming the run — which opens the
+transcript with one click.  (The source is left visible on purpose: when a cell's source *and*
+outputs are both hidden, JupyterLab hides the output's placeholder too, so the caption would not
+show and opening the transcript would take two clicks, the first one only revealing code.)
+The source, :func:`transcript`, re-renders the run from the store when re-executed.
 
 No secret reaches the file: the store holds none, and the value of any environment
 variable named like ``*API_KEY*``, ``*TOKEN*`` or ``*SECRET*`` is masked wherever it
@@ -42,10 +46,11 @@ from .events import Event
 if TYPE_CHECKING:
     from .workspace import Workspace
 
-__all__ = ["export_notebook", "build_notebook", "movement_text", "COLLAPSED", "TRANSCRIPT_TAG"]
+__all__ = ["export_notebook", "build_notebook", "movement_text", "transcript", "COLLAPSED", "TRANSCRIPT_TAG"]
 
-# The metadata that makes a cell open collapsed in JupyterLab (jupyter.*) and classic Notebook (collapsed).
-COLLAPSED: dict[str, Any] = {"collapsed": True, "jupyter": {"outputs_hidden": True, "source_hidden": True}}
+# The metadata that makes a cell's output open collapsed in JupyterLab (jupyter.*) and classic Notebook
+# (collapsed).  Not source_hidden: see the module docstring.
+COLLAPSED: dict[str, Any] = {"collapsed": True, "jupyter": {"outputs_hidden": True}}
 TRANSCRIPT_TAG = "agentnb-transcript"
 # Bodies in an exported transcript are cut longer than in the live view: it is the record, but a
 # single 1 MB tool result must still not make the file unopenable.
@@ -152,7 +157,10 @@ def _title(ws: "Workspace", job: Any, st: Any) -> str:
 
 
 def _run_facts(seq: int, evs: Sequence[Event]) -> tuple[str, str, Any]:
-    """``("2. write → COMPLETE (forced)", "2 LLM calls · 18,720 tokens · …", transition)`` of a movement run."""
+    """``("2. write → COMPLETE (forced)", "2 LLM calls · 18,720 tokens · …", transition)`` of a movement run.
+
+    A run with no transition is ``"1. work ✖ failed"`` when an error ended it, else ``"(not finished)"``.
+    """
     start = next((e for e in evs if e.kind == "movement_start"), None)
     name = start.movement if start is not None else "?"  # type: ignore[union-attr]
     tr = next((e for e in reversed(evs) if e.kind == "transition"), None)
@@ -161,8 +169,12 @@ def _run_facts(seq: int, evs: Sequence[Event]) -> tuple[str, str, Any]:
     title = f"{seq}. {name}"
     if tr is not None:
         title += f" → {tr.next_step}" + (" (forced)" if tr.forced else "")  # type: ignore[union-attr]
+    elif any(e.kind == "error" for e in evs):
+        title += " ✖ failed"
+    else:
+        title += " (not finished)"
     actions = [e.action for e in evs if e.kind == "context_action"]  # type: ignore[union-attr]
-    line = f"{len(calls)} LLM calls · {tokens:,} tokens" + (f" · context actions: {', '.join(actions)}" if actions else "")
+    line = f"{len(calls)} LLM call{'' if len(calls) == 1 else 's'} · {tokens:,} tokens" + (f" · context actions: {', '.join(actions)}" if actions else "")
     return title, line, tr
 
 
@@ -179,18 +191,24 @@ def _caption(seq: int, evs: Sequence[Event]) -> str:
 
 
 def _transcript_cell(ws: "Workspace", job_id: int, seq: int, markup: str, text: str) -> nbformat.NotebookNode:
-    source = (
-        f"# Transcript of job {job_id}, movement run {seq}. Re-running this cell renders it again from the store.\n"
-        "from IPython.display import HTML\n"
-        "from agentnb import Workspace\n"
-        "from agentnb.render import STYLE, movement_html\n"
-        f"HTML(STYLE + movement_html(Workspace({str(ws.root)!r}), {job_id}, {seq}, max_calls=None))"
-    )
+    # one line: it stays in view above the collapsed output (re-running it renders the run again)
+    source = f"from agentnb.export import transcript; transcript({str(ws.root)!r}, job={job_id}, seq={seq})"
     cell = v4.new_code_cell(source=source)
     cell.outputs = [v4.new_output("display_data", data={"text/html": markup, "text/plain": text})]
     cell.metadata.update(json.loads(json.dumps(COLLAPSED)))
     cell.metadata["tags"] = [TRANSCRIPT_TAG]
     return cell
+
+
+def transcript(workspace: "str | os.PathLike[str] | Workspace", job: int, seq: int) -> Any:
+    """Movement run ``seq`` of job ``job`` as HTML for a notebook (what an exported transcript cell runs)."""
+    from IPython.display import HTML
+
+    from .render import STYLE, movement_html
+    from .workspace import Workspace
+
+    ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
+    return HTML(STYLE + movement_html(ws, job, seq, max_calls=None))
 
 
 def _usage_cells(ws: "Workspace", job_id: int) -> list[nbformat.NotebookNode]:
@@ -258,6 +276,12 @@ def movement_text(evs: Sequence[Event], *, max_chars: int | None = EXPORT_MAX_CH
                 if p.get(key):
                     out.append(f"  {key}:")
                     body(p[key])
+            if p.get("subtasks"):
+                out.append("  subtasks:")
+                for t in p["subtasks"]:
+                    t = t if isinstance(t, dict) else {"instruction": t}
+                    who = f"job {t['job_id']}: " if t.get("job_id") is not None else ""
+                    body(who + str(t.get("instruction", "")) + (f" ({t['piece']})" if t.get("piece") else ""), "    - ")
         elif k == "error":
             out.append(f"✖ error ({p.get('where')}): {p.get('message')}")
     return "\n".join(out)

@@ -56,7 +56,9 @@ def test_export_writes_a_valid_notebook_with_one_collapsed_section_per_movement(
     for (heading, cell), seq in zip(sections, runs["seq"]):
         assert cell.cell_type == "code"
         assert cell.metadata["collapsed"] is True
-        assert cell.metadata["jupyter"] == {"outputs_hidden": True, "source_hidden": True}
+        # outputs hidden, source shown: JupyterLab hides the output's caption while the source is hidden too
+        assert cell.metadata["jupyter"] == {"outputs_hidden": True}
+        assert len(cell.source.splitlines()) == 1 and f"job={job.id}, seq={seq})" in cell.source
         (output,) = cell.outputs
         assert output.output_type == "display_data"
         assert f'data-seq="{seq}"' in output.data["text/html"]
@@ -75,6 +77,7 @@ def test_export_writes_a_valid_notebook_with_one_collapsed_section_per_movement(
         assert "no such file" in text  # the failing tool's error
     assert "!! context warn: 88.0% ≥ 70%" in write_text and "< Read [error]" in write_text
     assert "Writing &amp; checking." in write_html  # model text is escaped in HTML
+    assert "*5 LLM calls" not in nb.cells[0].source and "| LLM calls | 5 |" in nb.cells[0].source
 
     # the usage timeline is embedded as a PNG
     pngs = [o.data["image/png"] for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.data]
@@ -146,3 +149,111 @@ def test_export_of_a_job_that_never_ran(ws: Workspace, tmp_path: Path) -> None:
     job = ws.submit("later", piece="single", model="demo")
     nb = _read(ws.export_notebook(job, tmp_path / "q.ipynb"))
     assert len(nb.cells) == 1 and "**queued**" in nb.cells[0].source
+
+
+def test_headings_name_failed_and_unfinished_runs_and_subtasks_are_listed(ws: Workspace, tmp_path: Path) -> None:
+    from _scripting import call, transition, write_script
+
+    # a run that ends in failure, and one call (singular) per run
+    failing = write_script(tmp_path, "fails", {"work": [call("Glob", pattern="*")]})
+    job = ws.run(ws.submit("fail", piece="single", model=failing))
+    assert job.status == "failed"
+    (heading, cell), = _sections(_read(ws.export_notebook(job, tmp_path / "failed.ipynb")))
+    assert heading.startswith("## 1. work ✖ failed\n\n*1 LLM call · ")
+    assert "ran out of responses" in cell.outputs[0].data["text/plain"]
+
+    # a run paused between two calls
+    two = write_script(tmp_path, "two", {"work": [call("Glob", pattern="*"), transition("COMPLETE")]})
+    paused = ws.step(ws.submit("pause", piece="single", model=two), unit="call")
+    (heading, _), = _sections(_read(ws.export_notebook(paused, tmp_path / "paused.ipynb")))
+    assert heading.startswith("## 1. work (not finished)")
+
+    # a parent's transcript names its child jobs
+    child = write_script(tmp_path, "child", {"work": [transition("COMPLETE", summary="子の結果")]})
+    parent = ws.run(ws.submit("fan out", piece="fan-out", model=write_script(tmp_path, "parent", {
+        "split": [transition("WAIT_SUBTASKS", summary="split", subtasks=[
+            {"instruction": "子タスク一", "piece": "single", "model": child},
+            {"instruction": "子タスク二", "model": child}])],
+        "merge": [transition("COMPLETE", summary="merged")]})))
+    assert parent.status == "succeeded", parent.error
+    kids = [c.id for c in ws.children(parent)]
+    split_text = _sections(_read(ws.export_notebook(parent, tmp_path / "parent.ipynb")))[0][1].outputs[0].data["text/plain"]
+    assert f"  subtasks:\n    - job {kids[0]}: 子タスク一 (single)\n    - job {kids[1]}: 子タスク二" in split_text
+
+
+@pytest.fixture()
+def lab_over(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A JupyterLab server on loopback over ``tmp_path / "lab"`` (yields its URL), as in test_browser."""
+    import os
+    import subprocess
+    import sys
+
+    from test_browser import _chromium, _free_port, _wait_for_lab
+
+    _chromium()  # skips off CI when there is no browser
+    root, home = tmp_path / "lab", tmp_path / "home"
+    root.mkdir()
+    tracker = home / "settings" / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
+    tracker.parent.mkdir(parents=True)
+    tracker.write_text('{"windowingMode": "none"}')  # every cell in the DOM, not only those in view
+    notify = home / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    notify.parent.mkdir(parents=True)
+    notify.write_text('{"fetchNews": "false", "checkForUpdates": false}')
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
+               JUPYTERLAB_SETTINGS_DIR=str(home / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(home / "ws"))
+    port = _free_port()
+    log = tmp_path / "lab.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip", "127.0.0.1",
+             "--port", str(port), "--ServerApp.token=", "--ServerApp.password=", f"--ServerApp.root_dir={root}",
+             "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+             "--LabApp.extension_manager=readonly"],
+            cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_for_lab(f"http://127.0.0.1:{port}/lab", proc, log)
+        yield f"http://127.0.0.1:{port}", root
+    finally:
+        proc.terminate()  # our own server, by its process
+        proc.wait(timeout=30)
+
+
+def test_transcript_opens_collapsed_in_jupyterlab_and_expands_with_one_click(ws: Workspace, tmp_path: Path,
+                                                                              lab_over) -> None:  # type: ignore[no-untyped-def]
+    """What a user sees: one caption per movement run, no transcript shown; a click on a caption opens that run."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from test_browser import ARTIFACTS, _launch
+
+    url, root = lab_over
+    job = usage_job(ws, tmp_path / "scripts", instruction="報告を書く: input/notes.md")
+    ws.export_notebook(job, root / "transcript.ipynb")
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        page = browser.new_page(viewport={"width": 1300, "height": 1000})
+        try:
+            page.goto(f"{url}/lab/tree/transcript.ipynb")
+            page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
+            captions = page.locator(".jp-OutputPlaceholder")
+            expect(captions).to_have_count(2, timeout=30_000)
+            for i, text in enumerate(["Movement run 1. gather → write · 3 LLM calls",
+                                      "Movement run 2. write → COMPLETE (forced) · 2 LLM calls"]):
+                expect(captions.nth(i)).to_be_visible()
+                expect(captions.nth(i)).to_contain_text(text)
+            expect(page.locator("details.anb-mv")).to_have_count(0)  # every transcript collapsed
+            captions.nth(1).scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "export-collapsed.png"))
+
+            captions.nth(1).click()
+            # (an untrusted notebook's HTML is sanitized: data-* attributes go, classes and <details> stay)
+            run = page.locator("details.anb-mv")
+            expect(run).to_have_count(1)  # the other run stays closed
+            expect(run).to_be_visible()
+            expect(run.locator(":scope > summary")).to_contain_text("write")
+            expect(run).to_contain_text("force_transition")
+            expect(run).to_contain_text("no such file")
+            run.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "export-expanded.png"))
+        finally:
+            browser.close()
