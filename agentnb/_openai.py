@@ -93,11 +93,28 @@ class OpenAIModel:
 
     @staticmethod
     def _retry_after(exc: Exception) -> float | None:
+        """The wait the server asked for: ``retry-after-ms``, ``retry-after`` in seconds or as an HTTP date."""
         response = getattr(exc, "response", None)
-        header = response.headers.get("retry-after") if response is not None else None
+        if response is None:
+            return None
         try:
-            return float(header) if header else None
+            ms = response.headers.get("retry-after-ms")
+            if ms:
+                return max(0.0, float(ms) / 1000)
         except ValueError:
+            pass
+        header = response.headers.get("retry-after")
+        if not header:
+            return None
+        try:
+            return max(0.0, float(header))
+        except ValueError:
+            pass
+        try:
+            from email.utils import parsedate_to_datetime
+
+            return max(0.0, parsedate_to_datetime(header).timestamp() - time.time())
+        except (TypeError, ValueError, IndexError):
             return None
 
     @staticmethod
@@ -107,11 +124,23 @@ class OpenAIModel:
         msg = resp.choices[0].message
         calls = []
         for tc in msg.tool_calls or []:
-            raw = tc.function.arguments or "{}"
-            try:
-                args: Any = json.loads(raw)
-            except json.JSONDecodeError:
-                args = raw
+            raw = tc.function.arguments
+            if isinstance(raw, (dict, list)):  # some compatible servers send an object, not JSON text
+                args: Any = raw
+                raw = json.dumps(raw, ensure_ascii=False)
+            else:
+                raw = raw if isinstance(raw, str) and raw.strip() else "{}"
+                try:
+                    args = json.loads(raw)
+                except json.JSONDecodeError:
+                    args = raw  # the tool reports it; the model's text is kept verbatim
+                if isinstance(args, str):  # JSON text encoded twice: the object is one decode further
+                    try:
+                        inner = json.loads(args)
+                    except json.JSONDecodeError:
+                        inner = None
+                    if isinstance(inner, dict):
+                        args = inner
             calls.append(ToolCall(id=tc.id, name=tc.function.name, arguments=args, raw_arguments=raw))
         usage = None
         if resp.usage is not None and resp.usage.prompt_tokens is not None:

@@ -204,9 +204,7 @@ class AgentLoop:
             "llm_response",
             {
                 "content": response.content,
-                "tool_calls": [
-                    {"id": c.id, "name": c.name, "arguments": c.arguments} for c in response.tool_calls
-                ],
+                "tool_calls": [_call_record(c) for c in response.tool_calls],
                 "usage": {
                     "prompt_tokens": decision.prompt_tokens,
                     "completion_tokens": decision.completion_tokens,
@@ -353,13 +351,22 @@ class AgentLoop:
         return ToolOutput(f"Transition to {step} recorded."), outcome
 
 
+def _call_record(c: Any) -> dict[str, Any]:
+    """A tool call as kept in ``llm_response``; the model's own argument text too when re-encoding
+    would change it (compact or double-encoded JSON), so a resumed movement re-sends what it said."""
+    record = {"id": c.id, "name": c.name, "arguments": c.arguments}
+    if c.raw_arguments and c.raw_arguments != _json_args(c.arguments):
+        record["raw_arguments"] = c.raw_arguments
+    return record
+
+
 def _assistant_message(content: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         msg["tool_calls"] = [
             c if "function" in c else {
                 "id": c["id"], "type": "function",
-                "function": {"name": c["name"], "arguments": _json_args(c.get("arguments"))},
+                "function": {"name": c["name"], "arguments": c.get("raw_arguments") or _json_args(c.get("arguments"))},
             }
             for c in tool_calls
         ]

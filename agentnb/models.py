@@ -208,7 +208,8 @@ class ScriptedModel:
 def _with_ids(resp: ModelResponse, request: ModelRequest) -> ModelResponse:
     """Give scripted tool calls ids unique within the movement."""
     calls = tuple(
-        ToolCall(id=f"call_{request.movement_seq}_{request.iteration}_{i}", name=c.name, arguments=c.arguments)
+        ToolCall(id=f"call_{request.movement_seq}_{request.iteration}_{i}", name=c.name, arguments=c.arguments,
+                 raw_arguments=c.raw_arguments)
         for i, c in enumerate(resp.tool_calls)
     )
     return ModelResponse(content=resp.content, tool_calls=calls, usage=resp.usage)
@@ -227,7 +228,8 @@ class ReplayModel:
         self.responses: list[ModelResponse] = []
         for ev in store.events(job_id, kinds=["llm_response"]):
             calls = tuple(
-                ToolCall(id=c.get("id", f"call_{i}"), name=c["name"], arguments=c.get("arguments"))
+                ToolCall(id=c.get("id", f"call_{i}"), name=c["name"], arguments=c.get("arguments"),
+                         raw_arguments=c.get("raw_arguments") or "")
                 for i, c in enumerate(ev.tool_calls)  # type: ignore[union-attr]
             )
             usage = ev.usage if ev.usage.get("source") == "usage" else None  # type: ignore[union-attr]

@@ -14,7 +14,11 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["OpenAIServer", "reply", "error", "stall"]
+__all__ = ["OpenAIServer", "reply", "error", "stall", "AsObject"]
+
+
+class AsObject(dict):
+    """Tool-call arguments sent as a JSON object instead of JSON text, as some compatible servers do."""
 
 
 def reply(content: str | None = None, tool_calls: list[tuple[str, dict[str, Any] | str]] | None = None,
@@ -26,8 +30,9 @@ def reply(content: str | None = None, tool_calls: list[tuple[str, dict[str, Any]
     return {"kind": "reply", "content": content, "tool_calls": tool_calls or [], "usage": usage}
 
 
-def error(status: int, message: str = "scripted failure", times: int = 1) -> list[dict[str, Any]]:
-    return [{"kind": "error", "status": status, "message": message} for _ in range(times)]
+def error(status: int, message: str = "scripted failure", times: int = 1,
+          headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    return [{"kind": "error", "status": status, "message": message, "headers": headers or {}} for _ in range(times)]
 
 
 def stall(seconds: float) -> dict[str, Any]:
@@ -71,16 +76,19 @@ class OpenAIServer:
                     return self._send(400, {"error": {"message": "the test server's script ran out",
                                                       "type": "invalid_request_error"}})
                 if action["kind"] == "error":
-                    return self._send(action["status"], {"error": {"message": action["message"], "type": "server_error"}})
+                    return self._send(action["status"], {"error": {"message": action["message"], "type": "server_error"}},
+                                      action.get("headers"))
                 if action["kind"] == "stall":
                     server._closing.wait(action["seconds"])
                     action = reply("late answer")
                 self._send(200, server._completion(body, action, n))
 
-            def _send(self, status: int, payload: dict[str, Any]) -> None:
+            def _send(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
                 data = json.dumps(payload).encode()
                 try:
                     self.send_response(status)
+                    for name, value in (headers or {}).items():
+                        self.send_header(name, value)
                     self.send_header("content-type", "application/json")
                     self.send_header("content-length", str(len(data)))
                     self.end_headers()
@@ -96,7 +104,7 @@ class OpenAIServer:
     def _completion(request: dict[str, Any], action: dict[str, Any], n: int) -> dict[str, Any]:
         calls = [
             {"id": f"call_{n}_{i}", "type": "function",
-             "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
+             "function": {"name": name, "arguments": args if isinstance(args, (str, AsObject)) else json.dumps(args)}}
             for i, (name, args) in enumerate(action["tool_calls"])
         ]
         message: dict[str, Any] = {"role": "assistant", "content": action["content"]}

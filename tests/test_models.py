@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -304,3 +305,65 @@ def test_broken_json_arguments_are_a_tool_error_and_survive_a_restart(ws: Worksp
     # the model's own broken text is sent back verbatim, so the conversation stays what it said
     assert third[2]["tool_calls"][0]["function"]["arguments"] == '{"path": "input/notes.md"'
     assert [m["role"] for m in third] == ["system", "user", "assistant", "tool", "assistant", "tool"]
+
+
+def test_a_resumed_movement_resends_the_models_own_argument_text(ws: Workspace, tmp_path: Path,
+                                                                 server: OpenAIServer) -> None:
+    # Real endpoints send compact JSON; some encode it twice or send an object.  Stepping call by call
+    # in fresh processes must send exactly what one uninterrupted run sends.
+    from openai_server import AsObject
+
+    def play() -> None:
+        server.play(
+            reply("looking", [("Write", '{"path":"output/a.md","content":"A"}'), ("Read", '{"path":"input/notes.md"}')],
+                  usage=None),
+            reply(None, [("Read", json.dumps(json.dumps({"path": "output/a.md"})))]),
+            reply(None, [("Read", AsObject(path="input/notes.md"))]),
+            reply(None, [("transition", '{"next_step":"review","summary":"ok"}')]),
+            reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})]),
+        )
+
+    piece = write_piece(tmp_path, LOOP)
+    play()
+    whole = ws.run(ws.submit("task", piece=piece, model="openai:m", inputs={"notes.md": "n\n"}))
+    assert whole.status == "succeeded", whole.error
+    sent_whole = [r.body for r in server.received]
+    results = [e.payload for e in ws.events(whole, kinds=["tool_result"])]
+    assert [r["is_error"] for r in results] == [False] * 6, results  # twice-encoded and object arguments work
+    assert [r["content"] for r in results[1:4]] == ["n\n", "A", "n\n"]
+    server.received.clear()
+    play()
+    job = ws.submit("task", piece=piece, model="openai:m", inputs={"notes.md": "n\n"})
+    while job.status not in ("succeeded", "failed"):
+        job = Workspace(ws.root).step(job.id, unit="call")  # a fresh Workspace: nothing kept in memory
+    assert job.status == "succeeded", job.error
+    sent_stepped = [r.body for r in server.received]
+    assert len(sent_stepped) == len(sent_whole) == 5
+
+    def same_run(body: dict[str, Any]) -> str:  # the server numbers call ids across both runs; clocks move
+        text = re.sub(r"call_\d+_", "call_", json.dumps(body, ensure_ascii=False))
+        return re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d \([^)]*\)", "<now>", text)
+
+    for a, b in zip(sent_whole, sent_stepped):
+        assert same_run(a) == same_run(b)
+    assert sent_stepped[3]["messages"][2]["tool_calls"][0]["function"]["arguments"] == '{"path":"output/a.md","content":"A"}'
+
+
+def test_the_wait_a_server_asks_for_is_honoured(ws: Workspace, tmp_path: Path, server: OpenAIServer,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import agentnb._openai as oa
+
+    waits: list[float] = []
+    monkeypatch.setattr(oa.time, "sleep", waits.append)  # record the waits instead of waiting
+    monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "1000")  # the fallback would show as ≥ 500 s
+    monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "3")
+    server.play(
+        error(429, "slow down", headers={"Retry-After": "7"}),
+        error(429, "slower", headers={"retry-after-ms": "250", "Retry-After": "9"}),
+        error(503, "busy", headers={"Retry-After": "3600"}),
+        error(500, "final boom"),
+    )
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    assert job.status == "failed"
+    assert job.error == "openai:m: gave up after 4 tries; last error HTTP 500: final boom"
+    assert waits == [7.0, 0.25, 60.0]  # the server's own numbers, a long one capped; none after the last try
