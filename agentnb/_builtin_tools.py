@@ -123,28 +123,57 @@ def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
     budget = ctx.budget_chars
     size = 0
     matches = 0
+    hidden = 0  # characters of long lines left out of the shown entries
     for fp in files:
         real = os.path.realpath(fp)
         if not real.startswith(root + os.sep):
             continue
+        rel = os.path.relpath(real, root)
         try:
             with open(fp, "rb") as fh:
                 if b"\x00" in fh.read(4096):
                     continue
                 fh.seek(0)
+                pos = 0
                 for n, raw in enumerate(fh, start=1):
                     line = raw.decode("utf-8", errors="replace").rstrip("\n")
-                    if rx.search(line):
+                    m = rx.search(line)
+                    if m:
                         matches += 1
                         if size <= budget * 2:  # keep only what can be shown; still count the rest
-                            entry = f"{os.path.relpath(real, root)}:{n}:{line[:500]}"
+                            if len(line) > _GREP_LINE:
+                                shown, note = _long_line(line, raw, m.start(), pos, rel)
+                                hidden += len(line) - len(shown)
+                                entry = f"{rel}:{n}:{shown}{note}"
+                            else:
+                                entry = f"{rel}:{n}:{line}"
                             out.append(entry)
                             size += len(entry) + 1
+                    pos += len(raw)
         except OSError:
             continue
     if not out:
         return ToolOutput(f"No lines match {pattern!r}.")
-    return cut_text("\n".join(out), ctx, hint="grep", extra=f"({matches:,} matching lines in all.)")
+    result = cut_text("\n".join(out), ctx, hint="grep", extra=f"({matches:,} matching lines in all.)")
+    if hidden and not result.truncated:  # every entry is shown, but some long lines only in part
+        result.truncated = True
+        result.original_chars = (result.original_chars or 0) + hidden
+    return result
+
+
+_GREP_LINE = 500  # characters of a matching line Grep shows
+
+
+def _long_line(line: str, raw: bytes, at: int, pos: int, rel: str) -> tuple[str, str]:
+    """A part of a long matching line around the match, and a note saying where to Read the rest."""
+    start = max(0, min(at - _GREP_LINE // 4, len(line) - _GREP_LINE))
+    shown = line[start:start + _GREP_LINE]
+    # the byte where the shown part starts (invalid UTF-8 counted byte for byte, as Read counts it)
+    byte = pos + len(raw.decode("utf-8", errors="surrogateescape")[:start].encode("utf-8", errors="surrogateescape"))
+    lead = "…" if start else ""
+    trail = "…" if start + len(shown) < len(line) else ""
+    return f"{lead}{shown}", (f"{trail} [a line of {len(line):,} characters, cut around the match; "
+                               f"Read path={rel!r} byte_offset={byte} to read on from here]")
 
 
 @tool(_builtin=True)
@@ -292,13 +321,18 @@ def Bash(ctx: ToolContext, command: str, timeout: int = 120) -> ToolOutput:
         out.content = f"Error: the command timed out after {timeout} s. Partial output:\n{out.content}"
         out.is_error = True
         return out
-    text = proc.stdout.decode("utf-8", errors="replace")
+    text = stdout = proc.stdout.decode("utf-8", errors="replace")
     err = proc.stderr.decode("utf-8", errors="replace")
     if err:
         text = f"{text}\n[stderr]\n{err}" if text else f"[stderr]\n{err}"
     if proc.returncode != 0:
         text = f"{text}\n[exit code {proc.returncode}]" if text else f"[exit code {proc.returncode}]"
-    result = cut_text(text or "(no output)", ctx, hint="bash")
+    # stderr and the exit code come last, so a cut drops them: the note keeps them known
+    facts = f"exit code {proc.returncode}"
+    if err:
+        facts += (f"; stdout {len(stdout):,} characters, then stderr {len(err):,} characters after the [stderr] "
+                  f"line; to see only stderr: `… 2>&1 >/dev/null | tail -n 50`")
+    result = cut_text(text or "(no output)", ctx, hint="bash", extra=f"({facts}.)")
     result.is_error = proc.returncode != 0
     return result
 

@@ -376,6 +376,8 @@ def read_text_stream(
     max_bytes = max(1, budget_chars)
     out: ToolOutput | None = None
     fitting: ToolOutput | None = None  # a cut result that fits, kept while trying a larger one
+    fitting_rate = (1, 1)  # (bytes, tokens) of that result
+    tried_whole = scaled = False
     for _ in range(16):
         piece = _take_lines(f, start, max_bytes, limit) if by_lines else _take_bytes(f, start, max_bytes)
         end = start + len(piece.data)
@@ -400,14 +402,32 @@ def read_text_stream(
                 idx.add_mark(end, newlines_before + piece.data.count(b"\n"), chars_before + _chars_in(piece.data))
         used = count(out.content) if count is not None else len(out.content)
         if used <= tokens:
-            if not out.truncated or fitting is not None or used >= tokens * 0.85:
+            if not out.truncated or scaled:
+                return out
+            if fitting is None or out.returned_chars > fitting.returned_chars:
+                fitting, fitting_rate = out, (len(piece.data), used)
+            # The byte budget is a guess from characters per token.  When the rest of the requested range
+            # would take about the budget at this piece's rate (its text, without the note), try it whole:
+            # a range that fits in the tokens is returned whole, never cut because of the guess or the note.
+            text_tokens = max(1, used - (count(note) if count is not None else len(note)))
+            rest = request_end - start
+            if not tried_whole and rest * text_tokens <= len(piece.data) * tokens * 1.05:
+                tried_whole = True
+                max_bytes = rest
+                continue
+            if used >= tokens * 0.85:
                 return out
             # the first guess of bytes per token was low (plain English runs ~4): try once to fill the budget
-            fitting = out
+            scaled = True
             max_bytes = int(len(piece.data) * tokens / used * 0.95)
             continue
         if fitting is not None:
-            return fitting
+            if scaled or fitting_rate[1] >= tokens * 0.85:
+                return fitting
+            # the whole range did not fit after all: fill the budget from the fitting piece's rate instead
+            scaled = True
+            max_bytes = int(fitting_rate[0] * tokens / fitting_rate[1] * 0.95)
+            continue
         if _utf8_cut(piece.data, 1) >= len(piece.data):
             return out  # one character already: progress matters more than the budget
         # too many tokens: shrink the byte budget in proportion and read again

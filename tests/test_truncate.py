@@ -88,7 +88,8 @@ def test_following_the_hints_reassembles_the_file_exactly(tmp_path: Path, name: 
     body = "".join(p.content[: p.returned_chars] for p in pieces)
     assert body == text
     if len(text) > 10_000:
-        assert len(pieces) >= 3
+        # as few pieces as the budget allows, no fewer: a rest that fits is returned whole
+        assert len(pieces) >= max(2, -(-COUNTER.count(text) // budget))
     for p in pieces[:-1]:
         assert p.truncated and p.returned_chars < p.original_chars
     line_oriented = name in ("short-lines.txt", "crlf.csv", "no-trailing-newline.txt", "only-newlines.txt")
@@ -115,6 +116,18 @@ def test_notes_say_how_much_of_how_much(tmp_path: Path) -> None:
     end = out.continuation["byte_offset"]  # type: ignore[index]
     assert f"returned bytes 0–{end - 1:,} of the 100,000 bytes of b.txt" in out.content
     assert out.original_chars == 50_000 and out.returned_chars == end // 2
+
+
+@pytest.mark.parametrize("shape", ["lines", "one line"])
+def test_a_file_that_fits_the_budget_is_returned_whole(tmp_path: Path, shape: str) -> None:
+    # ~4 characters per token here, more than the byte budget's first guess of 3.5
+    text = "hello world\n" * 300 if shape == "lines" else "hello world " * 300
+    (tmp_path / "f.txt").write_text(text)
+    tokens = COUNTER.count(text)
+    for budget in (tokens, tokens + 5, tokens + 100):
+        out = _read(_ctx(tmp_path, budget), path="f.txt")
+        assert (out.truncated, out.content) == (False, text), budget
+    assert _read(_ctx(tmp_path, tokens - 1), path="f.txt").truncated
 
 
 def test_offset_and_limit_ranges(tmp_path: Path) -> None:
@@ -238,6 +251,18 @@ def test_bash_output_is_cut_with_narrowing_hints(tmp_path: Path) -> None:
     assert (small.content, small.truncated) == ("hi\n", False)
 
 
+def test_a_cut_bash_output_still_tells_the_exit_code_and_the_stderr(tmp_path: Path) -> None:
+    # stderr and the exit code come after a large stdout: the note must not let the cut hide them
+    out = get_tool("Bash").invoke(  # type: ignore[union-attr]
+        _ctx(tmp_path, 400), {"command": "seq 1 100000; echo 'fatal: disk full' >&2; exit 3"})
+    assert out.truncated and out.is_error
+    assert COUNTER.count(out.content) <= 400
+    note = out.content[out.returned_chars:]
+    assert "exit code 3" in note
+    assert f"stdout {len(''.join(f'{i}' + chr(10) for i in range(1, 100_001))):,} characters" in note
+    assert "stderr 17 characters" in note and "2>&1 >/dev/null" in note
+
+
 def test_grep_output_is_cut_and_counts_every_match(tmp_path: Path) -> None:
     (tmp_path / "log.txt").write_text("".join(f"{i} ERROR something failed\n" for i in range(20_000)))
     ctx = _ctx(tmp_path, 500)
@@ -247,6 +272,21 @@ def test_grep_output_is_cut_and_counts_every_match(tmp_path: Path) -> None:
     assert "(20,000 matching lines in all.)" in out.content
     assert "more specific pattern" in out.content
     assert _body(out).startswith("log.txt:1:0 ERROR something failed\n")
+
+
+def test_grep_shows_a_long_line_around_its_match_and_says_where_to_read_on(tmp_path: Path) -> None:
+    prefix = b"\xff\xfe" + ("é" * 3000 + "x" * 4000).encode("utf-8")  # invalid and multi-byte before the match
+    (tmp_path / "big.txt").write_bytes(b"short line\n" + prefix + b"NEEDLE" + b"y" * 20_000 + b"\n")
+    out = get_tool("Grep").invoke(_ctx(tmp_path, 2_000), {"pattern": "NEEDLE"})  # type: ignore[union-attr]
+    assert not out.is_error
+    assert out.content.startswith("big.txt:2:…") and "NEEDLE" in out.content
+    assert out.truncated and out.original_chars > 27_000 > out.returned_chars
+    assert "a line of 27,008 characters, cut around the match" in out.content
+    hint = re.search(r"Read path='big.txt' byte_offset=(\d+)", out.content)
+    assert hint
+    shown = out.content.split(":", 2)[2][1:].split("… [a line", 1)[0]
+    piece = _read(_ctx(tmp_path, 200), path="big.txt", byte_offset=int(hint.group(1)))
+    assert piece.content.startswith(shown[:200]) and shown.startswith("xxx")
 
 
 def test_glob_output_is_cut(tmp_path: Path) -> None:
