@@ -192,26 +192,31 @@ class AgentMagic(Magics):
             raise UsageError(f"job {job_id} is already running in the background of this session")
         handle = display(HTML(job_html(self.ws, job_id)), display_id=True)
         failure: list[BaseException] = []
+        # Waited on instead of Thread.join: on Python 3.11 a Ctrl-C that interrupts join(timeout)
+        # marks the still-running thread as stopped, so a later join() returns at once.
+        done = threading.Event()
 
         def work() -> None:
             try:
                 self.ws.run(job_id)
             except BaseException as exc:  # noqa: BLE001 - reported in the view, never lost silently
                 failure.append(exc)
+            finally:
+                done.set()
 
         worker = threading.Thread(target=work, name=f"agentnb-job-{job_id}", daemon=True)
 
         def watch(final: Callable[[], Any]) -> None:
             seen = -1
             while True:
-                alive = worker.is_alive()
+                alive = not done.is_set()
                 mark = self.ws.store.last_event_id(job_id)
                 if mark != seen and handle is not None:
                     seen = mark
                     handle.update(HTML(job_html(self.ws, job_id)))
                 if not alive:
                     break
-                worker.join(self.poll)
+                done.wait(self.poll)
             if handle is not None:
                 handle.update(final())
 
@@ -226,7 +231,7 @@ class AgentMagic(Magics):
             watch(lambda: HTML(_summary_html(self.ws, job_id)))
         except KeyboardInterrupt:
             self.ws.stop(job_id)
-            worker.join()
+            done.wait()
             if handle is not None:
                 handle.update(HTML(_summary_html(self.ws, job_id)))
             print(f"job {job_id} paused after its current LLM call; continue with %agent run --job {job_id} "

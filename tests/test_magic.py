@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import html
+import os
 import re
+import signal
+import time
 
 import threading
 from pathlib import Path
@@ -219,6 +222,49 @@ def test_run_job_runs_a_queued_job_to_its_end(shell: InteractiveShell) -> None:
         shell.run_line_magic("agent", f'reply {asking.id} "Bullets."')
         asking = shell.run_line_magic("agent", f"run -j {asking.id}")
     assert asking.status == "succeeded", asking.error
+
+
+def test_ctrl_c_pauses_a_foreground_run_and_run_job_resumes_it(shell: InteractiveShell, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # A real SIGINT while the magic watches the job (as the notebook's stop button sends): the job
+    # must be paused, not left `running` behind a thread the magic believes has ended.
+    magic = shell.magics_manager.registry["AgentMagic"]
+    ws = magic.ws
+    stop_asked = threading.Event()
+    real_stop = ws.stop
+
+    def stop(job: Any) -> None:
+        real_stop(job)
+        stop_asked.set()
+
+    monkeypatch.setattr(ws, "stop", stop)
+    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    @agentnb.tool(name="TestCtrlC")
+    def press_ctrl_c() -> str:
+        """Interrupt the notebook."""
+        os.kill(os.getpid(), signal.SIGINT)
+        pressed = stop_asked.wait(60)  # generous: CI machines are loaded
+        time.sleep(0.5)  # the call goes on a little after the stop request: the magic must wait for it
+        return "pressed" if pressed else "no stop"
+
+    try:
+        script = write_script(tmp_path, "ctrlc", {"work": [call("TestCtrlC"), call("Glob", pattern="*"),
+                                                            transition("COMPLETE")]})
+        piece = _work_piece(tmp_path, ["TestCtrlC", "Glob"])
+        with capture_output() as cap:
+            job = shell.run_line_magic("agent", f'run --piece {piece} --model {script} "t"')
+        assert job.status == "queued"  # paused after the call that was running
+        assert [e.payload["content"] for e in ws.events(job, kinds=["tool_result"])] == ["pressed"]
+        assert f"job {job.id} paused after its current LLM call; continue with %agent run --job {job.id}" in cap.stdout
+        assert not [t for t in threading.enumerate() if t.name == f"agentnb-job-{job.id}"]
+        with capture_output():
+            job = shell.run_line_magic("agent", f"run --job {job.id}")
+        assert job.status == "succeeded" and len(ws.events(job, kinds=["llm_response"])) == 3
+    finally:
+        signal.signal(signal.SIGINT, old_handler)
+        stop_asked.set()
+        unregister("TestCtrlC")
 
 
 def test_frames_and_pieces_are_dataframes(shell: InteractiveShell) -> None:
