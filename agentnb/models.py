@@ -145,7 +145,14 @@ def _parse_response(item: Any, where: str) -> ModelResponse:
     if usage is not None:
         if not isinstance(usage, Mapping) or "prompt_tokens" not in usage:
             raise ModelSpecError(f"{where}.usage: needs prompt_tokens (and optionally completion_tokens)")
-        usage = {k: int(v) for k, v in usage.items()}
+        unknown = sorted(set(usage) - {"prompt_tokens", "completion_tokens", "total_tokens"})
+        if unknown:  # a misspelt completion_tokens would otherwise be dropped without a word
+            raise ModelSpecError(f"{where}.usage: unknown key(s) {unknown}; "
+                                 "allowed: prompt_tokens, completion_tokens, total_tokens")
+        for key, value in usage.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ModelSpecError(f"{where}.usage.{key}: {value!r}; allowed: a whole number ≥ 0")
+        usage = dict(usage)
     content = item.get("content")
     return ModelResponse(content=None if content is None else str(content), tool_calls=tuple(calls), usage=usage)
 

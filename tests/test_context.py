@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from agentnb import Workspace
+from agentnb.models import ModelSpecError
 from agentnb._tokens import TokenCounter, counter_for_model
 from agentnb.context import (
     DEFAULT_WINDOW,
@@ -224,6 +225,27 @@ def test_bad_job_context_options_are_refused_at_submit(ws: Workspace, tmp_path: 
         ws.submit("x", piece=str(_piece(tmp_path)), model="demo", context=context)
     assert ws.jobs() == []
     assert check_context_options({"window_tokens": 1000}) == {"window_tokens": 1000}
+
+
+@pytest.mark.parametrize(
+    ("usage", "message"),
+    [
+        ({"prompt_tokens": "abc"}, "usage.prompt_tokens: 'abc'; allowed: a whole number ≥ 0"),
+        ({"prompt_tokens": None}, "usage.prompt_tokens: None; allowed: a whole number ≥ 0"),
+        ({"prompt_tokens": -5}, "usage.prompt_tokens: -5; allowed"),
+        ({"prompt_tokens": 1.5}, "usage.prompt_tokens: 1.5; allowed"),
+        ({"prompt_tokens": True}, "usage.prompt_tokens: True; allowed"),
+        ({"prompt_tokens": 10, "completion_token": 5}, "unknown key(s) ['completion_token']; allowed: prompt_tokens"),
+    ],
+)
+def test_bad_usage_in_a_script_is_a_one_line_error(ws: Workspace, tmp_path: Path, usage: dict[str, Any],
+                                                   message: str) -> None:
+    script = tmp_path / "bad.yaml"
+    script.write_text(yaml.safe_dump({"responses": [{**_transition("COMPLETE"), "usage": usage}]}))
+    with pytest.raises(ModelSpecError) as info:
+        ws.run(ws.submit("x", piece=str(_piece(tmp_path)), model=f"scripted:{script}"))
+    assert message in str(info.value) and f"{script}: responses[0]" in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 # -- token sources ------------------------------------------------------------------------
