@@ -60,6 +60,17 @@ def _print_job(ws: Any, job: Any) -> None:
         if question:
             print(f"  question: {question[-1]['body']}")
         print(f"  answer with: agentnb reply {job.id} \"…\"")
+    if job.status == "waiting_subtasks":
+        # the parent only goes on when every child has ended: say which ones are still open and why
+        for child in ws.children(job):
+            print(f"  subtask job {child.id}: {child.status}  {child.instruction.splitlines()[0][:60] if child.instruction else ''}")
+            if child.status == "waiting_human":
+                asked = [c for c in ws.comments(child) if c["author"] == "agent"]
+                if asked:
+                    print(f"    question: {asked[-1]['body']}")
+                print(f"    answer with: agentnb reply {child.id} \"…\" --run")
+            elif child.status == "waiting_subtasks":
+                print(f"    waits for its own subtasks: agentnb show {child.id}")
     print(f"  work directory: {job.workdir}")
 
 
@@ -124,6 +135,13 @@ def cmd_reply(args: argparse.Namespace) -> int:
     job = ws.reply(args.job, " ".join(args.text))
     if args.run and job.status == "queued":
         job = ws.run(job)
+        # a subtask that has ended may have been the last one its parent waited for: go on with the parent
+        while job.parent_id is not None:
+            parent = ws.job(job.parent_id)
+            if parent.status != "queued":
+                break
+            _print_job(ws, job)
+            job = ws.run(parent)
     _print_job(ws, job)
     return 0
 
@@ -181,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("reply", cmd_reply, "answer a job that waits for a human")
     p.add_argument("job", type=int)
     p.add_argument("text", nargs="+")
-    p.add_argument("--run", action="store_true", help="run the job again right away")
+    p.add_argument("--run", action="store_true",
+                   help="run the job again right away (and its parent, when it was the last subtask it waited for)")
 
     p = add("export", cmd_export, "export a job as a notebook")
     p.add_argument("job", type=int)

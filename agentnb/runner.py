@@ -28,9 +28,13 @@ from .tools import ToolError, unlinked_path
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["JobRunner", "MAX_LESSON_CHARS", "notify_parent"]
+__all__ = ["JobRunner", "MAX_LESSON_CHARS", "MAX_SUBTASK_DEPTH", "MAX_SUBTASKS_PER_CALL", "notify_parent"]
 
 MAX_LESSON_CHARS = 2000
+# A model can hand out subtasks whose piece hands out subtasks again: without a bound that is a job
+# tree without end (and ws.run recursing into it until Python gives up).
+MAX_SUBTASK_DEPTH = 4
+MAX_SUBTASKS_PER_CALL = 50
 GIT_DIFF_CHARS = 3000
 
 
@@ -235,6 +239,13 @@ class JobRunner:
     def _check_subtasks(self, subtasks: Any) -> str | None:
         if not isinstance(subtasks, list) or not subtasks:
             return "next_step WAIT_SUBTASKS needs subtasks: a non-empty list of {instruction, piece?}"
+        if len(subtasks) > MAX_SUBTASKS_PER_CALL:
+            return (f"{len(subtasks)} subtasks given; at most {MAX_SUBTASKS_PER_CALL} per transition "
+                    "(group the work into fewer subtasks)")
+        depth = self._depth()
+        if depth >= MAX_SUBTASK_DEPTH:
+            return (f"this job is already a subtask {depth} levels deep; subtasks may nest at most "
+                    f"{MAX_SUBTASK_DEPTH} levels: do this work here instead of handing it out")
         from .models import check_model_spec
 
         for i, sub in enumerate(subtasks):
@@ -254,6 +265,15 @@ class JobRunner:
                 except Exception as exc:
                     return f"subtasks[{i}].model: {exc}"
         return None
+
+    def _depth(self) -> int:
+        """How many ancestors this job has (0 for a job submitted by a user)."""
+        rows = self.store.query(
+            "WITH RECURSIVE up(id, parent_id, n) AS (SELECT id, parent_id, 0 FROM jobs WHERE id=? "
+            "UNION ALL SELECT j.id, j.parent_id, up.n + 1 FROM jobs j JOIN up ON j.id = up.parent_id "
+            "WHERE up.n < 1000) SELECT MAX(n) FROM up", (self.job_id,),
+        )
+        return int(rows[0][0] or 0)
 
     def _create_children(self, c: Any, subtasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         from .workspace import _normalise_spec, prepare_workdir

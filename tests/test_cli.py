@@ -145,3 +145,22 @@ def test_pieces_lists_local_and_shipped_pieces(tmp_path: Path) -> None:
     assert out.returncode == 0
     assert "mine" in out.stdout and "plan-implement-verify" in out.stdout
     assert "broken" in out.stdout and "INVALID" in out.stdout and "broken.yaml:2: movements:" in out.stdout
+
+
+def test_a_parent_waiting_on_a_child_that_asks_says_so_and_reply_run_finishes_both(tmp_path: Path) -> None:
+    child = write_script(tmp_path, {"movements": {"work": [
+        transition("ASK", question="Which year?"), transition("COMPLETE", summary="used 2024")]}}, "child.yaml")
+    parent = write_script(tmp_path, {"movements": {
+        "split": [transition("WAIT_SUBTASKS", subtasks=[{"instruction": "Ask first", "piece": "single", "model": child}])],
+        "merge": [transition("COMPLETE", summary="merged")],
+    }}, "parent.yaml")
+    out = agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "fan-out", "--model", parent, "Do it")
+    assert out.returncode == 0, out.stderr
+    assert "job 1: waiting_subtasks" in out.stdout
+    assert "  subtask job 2: waiting_human  Ask first\n    question: Which year?\n" in out.stdout
+    assert 'agentnb reply 2 "…" --run' in out.stdout
+    out = agentnb(tmp_path, "--workspace", "ws", "reply", "2", "2024", "--run")
+    assert out.returncode == 0, out.stderr
+    assert "job 2: succeeded" in out.stdout and "job 1: succeeded" in out.stdout
+    statuses = dict(_db(tmp_path / "ws").execute("SELECT id, status FROM jobs").fetchall())
+    assert statuses == {1: "succeeded", 2: "succeeded"}

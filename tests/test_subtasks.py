@@ -256,3 +256,37 @@ def test_relative_scripted_path_of_a_subtask_is_kept_absolute(
     monkeypatch.chdir(elsewhere)
     assert ws.run(parent).status == "succeeded"
     assert ws.job(kid.id).status == "succeeded"
+
+
+def test_subtasks_that_hand_out_subtasks_again_stop_at_the_nesting_limit(ws: Workspace, tmp_path: Path) -> None:
+    from agentnb.runner import MAX_SUBTASK_DEPTH
+
+    # every job of this piece splits into two more of itself: without a limit the tree never ends
+    spec = write_script(tmp_path, "again", {
+        "split": [transition("WAIT_SUBTASKS", summary="split", subtasks=[{"instruction": "half"}, {"instruction": "half"}]),
+                  transition("merge", summary="too deep to split: did it here")],
+        "merge": [transition("COMPLETE", summary="merged")],
+    })
+    root = ws.run(ws.submit("Do it", piece="fan-out", model=spec))
+    assert root.status == "succeeded", root.error
+    jobs = ws.jobs()
+    assert len(jobs) == 2 ** (MAX_SUBTASK_DEPTH + 1) - 1  # a full binary tree MAX_SUBTASK_DEPTH levels below the root
+    assert all(j.status == "succeeded" for j in jobs)
+    deepest = [j for j in jobs if not ws.children(j)]
+    refused = [e.payload["content"] for e in ws.events(deepest[0], kinds=["tool_result"])][0]
+    assert refused == (f"Error: this job is already a subtask {MAX_SUBTASK_DEPTH} levels deep; subtasks may nest at "
+                       f"most {MAX_SUBTASK_DEPTH} levels: do this work here instead of handing it out")
+
+
+def test_too_many_subtasks_in_one_transition_are_a_tool_error(ws: Workspace, tmp_path: Path) -> None:
+    from agentnb.runner import MAX_SUBTASKS_PER_CALL
+
+    spec = write_script(tmp_path, "many", {
+        "split": [transition("WAIT_SUBTASKS", subtasks=[{"instruction": f"part {i}"} for i in range(MAX_SUBTASKS_PER_CALL + 1)]),
+                  transition("merge")],
+        "merge": [transition("COMPLETE")],
+    })
+    job = ws.run(ws.submit("Do it", piece="fan-out", model=spec))
+    assert job.status == "succeeded" and ws.children(job) == []
+    first = ws.events(job, kinds=["tool_result"])[0].payload
+    assert first["is_error"] and f"at most {MAX_SUBTASKS_PER_CALL} per transition" in first["content"]
