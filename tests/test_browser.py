@@ -191,6 +191,12 @@ def _run_all_cells(page) -> None:  # type: ignore[no-untyped-def]
     )
 
 
+def _assert_no_cell_raised(page) -> None:  # type: ignore[no-untyped-def]
+    stderr = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    raised = [t for t in stderr.all_inner_texts() if "Traceback" in t or "Error" in t]
+    assert not raised, f"a cell raised in JupyterLab:\n{raised[0][:3000]}"
+
+
 def test_quickstart_runs_in_jupyterlab(lab: Lab) -> None:
     from playwright.sync_api import expect, sync_playwright
 
@@ -203,11 +209,7 @@ def test_quickstart_runs_in_jupyterlab(lab: Lab) -> None:
         try:
             page.goto(f"{lab.url}/lab/tree/{NOTEBOOK}")
             _run_all_cells(page)
-
-            # no cell may have raised
-            stderr = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
-            raised = [t for t in stderr.all_inner_texts() if "Traceback" in t or "Error" in t]
-            assert not raised, f"a cell raised in JupyterLab:\n{raised[0][:3000]}"
+            _assert_no_cell_raised(page)
 
             # the finished demo job renders one collapsible section per movement run
             view = page.locator(".jp-OutputArea-output .anb-job").filter(has=page.locator("details.anb-mv")).first
@@ -306,9 +308,7 @@ def test_reply_to_an_ask_from_the_panel_then_reopen_the_saved_notebook(lab: Lab)
             page.goto(f"{lab.url}/lab/tree/{name}?reset")
             expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
             _run_all_cells(page)
-            stderr = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
-            raised = [t for t in stderr.all_inner_texts() if "Traceback" in t or "Error" in t]
-            assert not raised, f"a cell raised in JupyterLab:\n{raised[0][:3000]}"
+            _assert_no_cell_raised(page)
 
             # the panel opened on the asking job: its question is in the view and Reply is enabled
             reply = page.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Reply\s*$"))
