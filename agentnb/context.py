@@ -3,7 +3,8 @@
 After each LLM call it records the prompt size — the response's
 ``usage.prompt_tokens`` when given, else a tiktoken count of the movement's
 messages, else a character estimate — and fires each threshold action at most
-once per movement.  Counting is incremental: each message is tokenized once when
+once per movement.  When an earlier call of the movement reported usage, a
+call without it counts on from that size (the messages added since).  Counting is incremental: each message is tokenized once when
 it is appended, so a movement of N calls costs O(total message size).
 """
 
@@ -203,7 +204,10 @@ class ContextManager:
         self, assistant: Mapping[str, Any], usage: Mapping[str, Any] | None
     ) -> ContextDecision:
         """Record one LLM call: its prompt size, and the threshold actions that fire now."""
-        estimate = self.counted
+        # Without usage the prompt is what the last usage reported plus the messages counted since (all of
+        # them when no call reported usage): a response that omits usage must not make the context seem
+        # to shrink back to a bare count that misses the provider's own overhead.
+        estimate = self.current
         assistant_tokens = self.add(assistant)
         if usage and usage.get("prompt_tokens") is not None:
             prompt = int(usage["prompt_tokens"])

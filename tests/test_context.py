@@ -290,6 +290,23 @@ def test_usage_and_counted_sources_mix_per_call(ws: Workspace, tmp_path: Path) -
     assert responses[2].payload["usage"]["prompt_tokens"] == 2_000
 
 
+def test_a_call_without_usage_counts_on_from_the_last_reported_size(ws: Workspace, tmp_path: Path) -> None:
+    # 94 % reported, then a response without usage: the context did not shrink to a bare count of the
+    # messages, so force_transition fires at that call (source tiktoken), not never
+    model = _script(tmp_path, [_read(9_400), _read(), _read(), _transition("COMPLETE")])
+    job, events = _run(ws, _piece(tmp_path, context={"window_tokens": 10_000}), model)
+    responses = [e for e in _of(events, "llm_response") if e.movement_seq == 1]
+    assert [r.payload["usage"]["source"] for r in responses] == ["usage", "tiktoken"]
+    count = counter_for_model(model).count
+    tool = [e for e in _of(events, "tool_result") if e.movement_seq == 1][0].payload["content"]
+    reminder = [e for e in _of(events, "reminder") if e.movement_seq == 1][0].payload["text"]
+    second = responses[1].payload["usage"]
+    assert second["prompt_tokens"] == 9_400 + 20 + _message_tokens(count, tool) + _message_tokens(count, reminder)
+    actions = [(e.payload["action"], e.iteration) for e in _of(events, "context_action") if e.movement_seq == 1]
+    assert actions == [("warn", 1), ("prompt", 1), ("force_transition", 2)]
+    assert [e.payload["forced"] for e in _of(events, "transition")][0] is True
+
+
 # -- incremental counting ------------------------------------------------------------------
 
 
