@@ -225,6 +225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `agentnb jobs | head`: the reader went away; no traceback, and none at exit either
+        # (the way the Python docs advise: point stdout at devnull before the interpreter flushes it)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -23,6 +24,8 @@ from .loop import AgentLoop, Outcome, Recorder, _Counters
 from .models import Model, ModelError
 from .pieces import SPECIAL_NEXT, Movement, Piece, load_piece, parse_piece
 from .store import TERMINAL_STATES
+from ._builtin_tools import _SECRET_ENV
+from ._sandbox import sandbox_argv
 from .tools import ToolError, unlinked_path
 
 if TYPE_CHECKING:
@@ -419,22 +422,40 @@ class JobRunner:
 
         # GIT_DIR and friends from the notebook's environment must not point git at another repository;
         # no optional locks, so a git command the model runs meanwhile is never blocked.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_") and not _SECRET_ENV.search(k)}
+        # The repository's own config and .gitattributes are the model's to write (Write/Edit on .git/config),
+        # and git runs commands they name — core.fsmonitor, filter drivers, hooks, textconv, external diffs —
+        # on the host.  Command-line settings win over every config file, so each is switched off here, and
+        # the commands run in the Bash jail when bubblewrap is there.
+        safe = ["-c", "core.fsmonitor=false", "-c", f"core.hooksPath={os.devnull}", "-c", "color.ui=false",
+                "-c", "core.quotepath=off"]
+        try:
+            jail = sandbox_argv(str(self.workdir))
+        except ToolError:
+            jail = []
 
         def git(*args: str) -> str | None:
             try:
-                res = subprocess.run(["git", "--no-optional-locks", "-c", "color.ui=false", "-c", "core.quotepath=off",
-                                      *args], cwd=self.workdir, env=env, capture_output=True, text=True,
+                res = subprocess.run([*jail, "git", "--no-optional-locks", "--no-pager", *safe, *args],
+                                     cwd=self.workdir, env=env, capture_output=True, text=True,
                                      errors="replace", timeout=20, stdin=subprocess.DEVNULL)
             except (OSError, subprocess.TimeoutExpired):
                 return None
             return res.stdout if res.returncode == 0 else None
 
-        status = git("status", "--short")
-        if status is None:  # not a usable repository: say nothing rather than "clean"
+        names = git("config", "--list", "--includes", "--name-only")  # reading config runs nothing
+        if names is None:  # not a usable repository: say nothing rather than "clean"
             return ""
-        stat = git("diff", "--no-ext-diff", "--stat") or ""
-        diff = git("diff", "--no-ext-diff") or ""
+        for name in names.splitlines():
+            m = re.fullmatch(r"(filter\..+)\.(clean|smudge|process|required)", name.strip(), re.IGNORECASE)
+            if m:
+                safe += ["-c", f"{m.group(1)}.clean=cat", "-c", f"{m.group(1)}.smudge=cat",
+                         "-c", f"{m.group(1)}.process=", "-c", f"{m.group(1)}.required=false"]
+        status = git("status", "--short", "--ignore-submodules=all")
+        if status is None:
+            return ""
+        stat = git("diff", "--no-ext-diff", "--no-textconv", "--ignore-submodules=all", "--stat") or ""
+        diff = git("diff", "--no-ext-diff", "--no-textconv", "--ignore-submodules=all") or ""
         if len(diff) > GIT_DIFF_CHARS:
             diff = diff[:GIT_DIFF_CHARS] + f"\n… [diff cut: {GIT_DIFF_CHARS:,} of {len(diff):,} characters shown]"
         blocks = ["$ git status --short", status.rstrip() or "(clean)"]

@@ -164,3 +164,13 @@ def test_a_parent_waiting_on_a_child_that_asks_says_so_and_reply_run_finishes_bo
     assert "job 2: succeeded" in out.stdout and "job 1: succeeded" in out.stdout
     statuses = dict(_db(tmp_path / "ws").execute("SELECT id, status FROM jobs").fetchall())
     assert statuses == {1: "succeeded", 2: "succeeded"}
+
+
+def test_output_to_a_closed_pipe_is_not_a_traceback(tmp_path: Path) -> None:
+    agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "single", "--model", "demo", "Do it")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
+    proc = subprocess.Popen([AGENTNB, "--workspace", "ws", "show", "1", "--events"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # like `| head` that has already gone: every write fails
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()

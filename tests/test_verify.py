@@ -148,3 +148,36 @@ def test_japanese_headings_for_feedback_and_git(ws: Workspace, tmp_path: Path, r
     assert "## 作業ディレクトリの変更 (git)\n$ git status --short" in second
     assert "## 前のステップで得た教訓\n- [plan] keep it short" in second
     assert "## 現在のステップ: implement" in second
+
+
+@pytest.mark.parametrize("jail", ["off", "auto"])
+def test_git_excerpt_never_runs_commands_the_repository_config_names(
+    ws: Workspace, tmp_path: Path, repo: Path, monkeypatch: pytest.MonkeyPatch, jail: str
+) -> None:
+    # implement may only edit files, but .git/config and .gitattributes are files in its work directory:
+    # git would run an fsmonitor, a filter driver or an included config's command on the host
+    if jail == "auto" and subprocess.run(["which", "bwrap"], capture_output=True).returncode != 0:
+        pytest.skip("bubblewrap is not installed")
+    monkeypatch.setenv("AGENTNB_BASH_SANDBOX", jail)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "included").write_text(f"[core]\n\tfsmonitor = touch {marks}/included; false\n", encoding="utf-8")
+    config = (repo / ".git" / "config").read_text(encoding="utf-8") + (
+        f'[core]\n\tfsmonitor = "touch {marks}/fsmonitor; false"\n\thooksPath = {marks}\n'
+        f'[filter "evil"]\n\tclean = sh -c "touch {marks}/clean; cat"\n\tsmudge = sh -c "touch {marks}/smudge; cat"\n'
+        f'\tprocess = sh -c "touch {marks}/process"\n\trequired = true\n'
+        f'[diff "evil"]\n\ttextconv = sh -c "touch {marks}/textconv; cat"\n'
+        f'[diff]\n\texternal = sh -c "touch {marks}/external"\n[include]\n\tpath = {tmp_path}/included\n'
+    )
+    (repo / ".gitattributes").write_text("*.md filter=evil diff=evil\n", encoding="utf-8")
+    edits = [
+        {"path": ".git/config", "content": config},
+        {"path": "notes.md", "content": "alpha\nbeta\ngamma\n"},
+        {"path": "notes.md", "content": "ALPHA\n"},
+    ]
+    job = ws.run(ws.submit("Extend the notes", piece="plan-implement-verify",
+                           model=_loop_script(tmp_path, edits=edits), workdir=repo))
+    assert job.status == "succeeded", job.error
+    assert sorted(p.name for p in marks.iterdir()) == []
+    third = user_prompts(ws, job, "implement")[2]
+    assert "$ git status --short\n M notes.md" in third and "+gamma" in third  # the excerpt still works
