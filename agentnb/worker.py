@@ -47,11 +47,20 @@ def _comment_block(comments: list[dict[str, Any]], total: int, language: str) ->
 def _listing(folder: Path, label: str, language: str) -> list[str]:
     lines = [f"{label}/"]
     entries: list[tuple[str, int]] = []
-    if folder.is_dir():
+    # what the tools cannot reach is not listed either: a linked input/ (or a link in it) that leads
+    # out of the work directory would show the names of outside files
+    root = os.path.realpath(folder.parent)
+
+    def inside(p: Path) -> bool:
+        return os.path.realpath(p).startswith(root + os.sep)
+
+    if folder.is_dir() and inside(folder):
         for dirpath, dirnames, filenames in os.walk(folder):
             dirnames.sort()
             for name in sorted(filenames):
                 p = Path(dirpath) / name
+                if not inside(p):
+                    continue
                 try:
                     entries.append((p.relative_to(folder).as_posix(), p.stat().st_size))
                 except OSError:

@@ -124,3 +124,21 @@ def test_worker_runs_every_queued_job(ws: Workspace, tmp_path: Path) -> None:
     assert ws.worker().run() == 3
     assert [ws.job(j).status for j in jobs] == ["succeeded"] * 3
     assert ws.worker().run() == 0  # nothing left
+
+
+def test_the_listing_leaves_out_what_leads_outside_the_work_directory(ws: Workspace, tmp_path: Path) -> None:
+    import os
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "outside-name.txt").write_text("x", encoding="utf-8")
+    project = tmp_path / "project"
+    (project / "output").mkdir(parents=True)
+    os.symlink(outside, project / "input")  # the whole input/ leads out
+    os.symlink(outside / "outside-name.txt", project / "output" / "linked.txt")
+    (project / "output" / "own.txt").write_text("mine", encoding="utf-8")
+    spec = write_script(tmp_path, {"responses": [transition("second"), transition("COMPLETE")]})
+    job = ws.run(ws.submit("Look", piece=write_piece(tmp_path, TWO_STEPS), model=spec, workdir=project))
+    user = _starts(ws, job)[0]["user"]
+    assert "## Workspace files\ninput/\n  (empty)\noutput/\n  - own.txt (4 bytes)\n" in user
+    assert "outside-name" not in user and "linked.txt" not in user
