@@ -6,7 +6,11 @@ note is part of the budget: ``count(result) <= budget_tokens`` holds for every
 cut result (measured with the job's tokenizer, not guessed from characters).
 
 Files are streamed, never loaded whole: a 1 GB file is readable piece by piece
-through the ``offset`` / ``byte_offset`` named in the note.  A small per-process
+through the ``offset`` / ``byte_offset`` named in the note.  The pieces put together
+are exactly the file's text; bytes that are not UTF-8 read as U+FFFD, and then the
+pieces equal the whole file decoded with ``errors="replace"`` (a cut never falls
+where it would change that decoding).  Character counts in notes treat such bytes
+approximately.  A small per-process
 index (line and character counts at a few byte positions, keyed by the file's
 identity, size and mtime) makes each following piece cost O(piece), not
 O(position in the file).
@@ -251,19 +255,34 @@ def _line_start(f: IO[bytes], idx: _Index, line: int) -> tuple[int, int]:
 # Reading
 
 
+def _seq_len(lead: int) -> int:
+    """Bytes of the UTF-8 sequence ``lead`` starts (1 for ASCII, stray continuation bytes and invalid leads)."""
+    if lead < 0xC2:
+        return 1
+    return 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4 if lead < 0xF5 else 1
+
+
 def _utf8_cut(data: bytes, n: int) -> int:
-    """A cut point ≤ ``n`` in ``data`` that does not split a UTF-8 character (at least one character)."""
+    """A cut point ≤ ``n`` in ``data`` that does not split a UTF-8 character (at least one character).
+
+    The cut is always where decoding can restart: before a byte that is not a continuation byte, or
+    at a stray continuation byte that no lead byte claims.  So the pieces, each decoded with
+    ``errors="replace"``, put together are exactly the whole data decoded so, invalid bytes included.
+    """
     if n >= len(data):
         return len(data)
-    i = n
-    # back over continuation bytes (10xxxxxx) to the start of the character at n
-    while i > 0 and n - i < 3 and (data[i] & 0xC0) == 0x80:
-        i -= 1
-    if i > 0:
-        return i
+    cut = n
+    # back over at most 3 continuation bytes (10xxxxxx) to a lead byte; cut before it if it claims byte n
+    for i in range(n, max(-1, n - 4), -1):
+        if (data[i] & 0xC0) != 0x80:
+            if i + _seq_len(data[i]) > n:
+                cut = i
+            break
+    if cut > 0:
+        return cut
     # the budget is smaller than the first character: return that character whole
     j = 1
-    while j < len(data) and (data[j] & 0xC0) == 0x80 and j < 4:
+    while j < min(len(data), _seq_len(data[0])) and (data[j] & 0xC0) == 0x80:
         j += 1
     return j
 

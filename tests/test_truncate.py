@@ -8,6 +8,7 @@ put together are exactly the file.
 from __future__ import annotations
 
 import json
+import random
 import re
 import resource
 import threading
@@ -99,6 +100,32 @@ def test_following_the_hints_reassembles_the_file_exactly(tmp_path: Path, name: 
     if name == "one-huge-line.txt":  # few newlines: by bytes, never splitting a character
         assert all("byte_offset" in (p.continuation or {}) for p in pieces[:-1])
         assert "returned bytes 0–" in pieces[0].content
+
+
+def test_invalid_utf8_reassembles_as_the_whole_file_decoded_with_replacement(tmp_path: Path) -> None:
+    # What "exactly" means for bytes that are not UTF-8: the pieces give what the whole file decoded with
+    # errors="replace" gives.  Valid characters next to stray continuation bytes must not be split.
+    data = (b"\xe2\x82\xac\x80\x80" + "😀".encode() + b"\x80\x80ab\xe0\x80\xed\xa0\x80caf\xe9 ") * 3000
+    (tmp_path / "bad.txt").write_bytes(data)
+    for budget in (120, 121, 122, 123, 700):
+        pieces = list(_follow(_ctx(tmp_path, budget), "bad.txt", {}, "note", budget))
+        assert len(pieces) > 2
+        assert "".join(_body(p) for p in pieces) == data.decode("utf-8", errors="replace"), budget
+
+
+def test_a_utf8_cut_never_changes_how_the_bytes_decode() -> None:
+    from agentnb._truncate import _utf8_cut
+
+    rng = random.Random(5)
+    alphabet = [b"a", b"\n", b"\x80", b"\xbf", b"\x9f", b"\xa0", b"\xc2", b"\xe2", b"\xe0", b"\xed", b"\xf0",
+                b"\xf4", b"\xf5", b"\xff", "€".encode(), "😀".encode(), "é".encode()]
+    for _ in range(1500):
+        data = b"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 24)))
+        whole = data.decode("utf-8", errors="replace")
+        for n in range(1, len(data) + 1):
+            cut = _utf8_cut(data, n)
+            assert 1 <= cut <= len(data) and (cut <= n or cut <= 4)
+            assert data[:cut].decode("utf-8", errors="replace") + data[cut:].decode("utf-8", errors="replace") == whole
 
 
 def test_notes_say_how_much_of_how_much(tmp_path: Path) -> None:
