@@ -88,6 +88,7 @@ import pandas as pd
 
 from .context import ACTIONS
 from .store import JOB_STATES
+from .tools import ToolError, unlinked_path
 
 if TYPE_CHECKING:
     from .workspace import JobRef, Workspace
@@ -389,7 +390,11 @@ class Frames:
         ids = [job_id] if job_id is not None else [int(r[0]) for r in self.ws.store.query("SELECT id FROM jobs ORDER BY id")]
         records: list[dict[str, Any]] = []
         for i in ids:
-            path = self.ws.root / "jobs" / str(i) / "logs" / "lessons.jsonl"
+            try:
+                # a link planted in logs/ (the work directory's Bash may write there) is not the job's file
+                path = unlinked_path(self.ws.root / "jobs" / str(i), "logs", "lessons.jsonl")
+            except ToolError:
+                continue
             if not path.is_file():
                 continue
             for line in path.read_text(encoding="utf-8").splitlines():

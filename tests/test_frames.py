@@ -325,3 +325,16 @@ def test_the_issue_s_column_names_are_offered_too(store: tuple[Workspace, dict[s
     assert mv["name"].tolist() == mv["movement"].tolist()
     assert mv["tokens"].tolist() == mv["total_tokens"].tolist() and mv["tokens"].dtype == "int64"
     assert COLUMNS["jobs"][-1] == "id" and COLUMNS["movements"][-2:] == ("name", "tokens")
+
+
+def test_lessons_do_not_follow_a_link_planted_in_logs(tmp_path: Path) -> None:
+    # logs/ sits in the work directory, where a Bash command can leave a symbolic link
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text(json.dumps({"job": 1, "movement": "x", "seq": 1, "lessons": "planted", "summary": "",
+                                   "timestamp": "2024-05-01T09:00:00+0900"}) + "\n", encoding="utf-8")
+    ws = Workspace(tmp_path / "ws")
+    job = ws.submit("x", piece="single", model="demo")
+    logs = ws.root / "jobs" / str(job.id) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / "lessons.jsonl").symlink_to(outside)
+    assert ws.frames.lessons(job).empty
