@@ -90,10 +90,13 @@ def check_thresholds(thresholds: Mapping[str, Any], *, complete: bool = False) -
     return out
 
 
-def check_context_options(options: Mapping[str, Any]) -> dict[str, Any]:
+def check_context_options(options: Mapping[str, Any],
+                          piece_thresholds: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Validate a job's ``context=`` overrides (``window_tokens``, ``thresholds``, ``min_tool_tokens``).
 
-    Called at submit time so that a bad value is refused before the job is stored.
+    Called at submit time so that a bad value is refused before the job is stored.  The job's
+    thresholds are merged over ``piece_thresholds`` (the piece's, else the defaults) as at run time,
+    and the merged set must still rise.
     """
     if not isinstance(options, Mapping):
         raise ValueError(f"context={options!r}; allowed: a mapping with window_tokens, thresholds, min_tool_tokens")
@@ -107,8 +110,14 @@ def check_context_options(options: Mapping[str, Any]) -> dict[str, Any]:
         out["min_tool_tokens"] = _whole(options["min_tool_tokens"], "min_tool_tokens", 1)
     if options.get("thresholds") is not None:
         th = check_thresholds(options["thresholds"])
-        # the job's values are merged over the piece's at run time; check the order with the defaults now
-        check_thresholds({**DEFAULT_THRESHOLDS, **th}, complete=len(th) == len(ACTIONS))
+        # the job's values are merged over the piece's at run time: a set that would not rise is refused now,
+        # not when a worker starts the job
+        base = {**DEFAULT_THRESHOLDS, **(piece_thresholds or {})}
+        try:
+            check_thresholds({**base, **th}, complete=True)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (the job's context.thresholds over the piece's "
+                             f"{', '.join(f'{k}={v}' for k, v in base.items())})") from None
         out["thresholds"] = th
     return out
 

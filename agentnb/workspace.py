@@ -173,7 +173,7 @@ class Workspace:
         if context:
             from .context import check_context_options
 
-            opts["context"] = check_context_options(context)
+            opts["context"] = check_context_options(context, p.thresholds)
         if workdir is not None and not Path(workdir).expanduser().is_dir():
             raise FileNotFoundError(f"workdir {str(workdir)!r} is not an existing directory")
         # Every input name is checked before the job exists, so a refused submit leaves nothing behind.

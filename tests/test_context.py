@@ -248,6 +248,19 @@ def test_bad_usage_in_a_script_is_a_one_line_error(ws: Workspace, tmp_path: Path
     assert "\n" not in str(info.value)
 
 
+def test_job_thresholds_that_would_not_rise_over_the_pieces_are_refused_at_submit(ws: Workspace,
+                                                                                  tmp_path: Path) -> None:
+    custom = _piece(tmp_path, context={"thresholds": {"warn": 0.5, "prompt": 0.6, "force_transition": 0.8,
+                                                      "exhausted": 0.9}})
+    with pytest.raises(ValueError, match=r"prompt \(0.85\) is above force_transition \(0.8\).*over the piece's"):
+        ws.submit("x", piece=str(custom), model="demo", context={"thresholds": {"prompt": 0.85}})
+    with pytest.raises(ValueError, match=r"prompt \(0.97\) is above force_transition \(0.95\)"):
+        ws.submit("x", piece=str(_piece(tmp_path)), model="demo", context={"thresholds": {"prompt": 0.97}})
+    assert ws.jobs() == []
+    ok = ws.submit("x", piece=str(custom), model="demo", context={"thresholds": {"prompt": 0.7}})
+    assert ok.status == "queued"
+
+
 # -- token sources ------------------------------------------------------------------------
 
 
