@@ -10,12 +10,11 @@ import fnmatch
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 from ._office import OFFICE_SUFFIXES, extract_text
-from ._sandbox import sandbox_argv
+from ._sandbox import run_bounded, sandbox_argv
 from ._truncate import cut_text, read_document_text, read_file
 from .tools import ToolContext, ToolError, ToolOutput, normalise_rel, resolve_path, tool, unlinked_path
 
@@ -310,31 +309,37 @@ def Bash(ctx: ToolContext, command: str, timeout: int = 120) -> ToolOutput:
     # The model's shell never sees credentials from the notebook's environment.
     env = {k: v for k, v in os.environ.items() if not _SECRET_ENV.search(k)}
     workdir = os.path.realpath(ctx.workdir)
-    try:
-        proc = subprocess.run(
-            [*sandbox_argv(workdir), "bash", "-c", command], cwd=workdir, env=env, capture_output=True,
-            timeout=timeout, stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired as exc:
-        partial = (exc.stdout or b"").decode("utf-8", errors="replace")
-        out = cut_text(partial, ctx, hint="bash")
+    # Keep enough of each stream for any cut the budget can ask for (16 chars a token, 4 bytes a char);
+    # the rest is only counted, so a command printing gigabytes costs bounded memory.
+    keep = max(1 << 16, ctx.budget_tokens * 64)
+    run = run_bounded([*sandbox_argv(workdir), "bash", "-c", command], cwd=workdir, env=env, timeout=timeout,
+                      keep=keep)
+    stdout = run.stdout.decode("utf-8", errors="replace")
+    if run.returncode is None:
+        kept_all = run.stdout_bytes == len(run.stdout)
+        out = cut_text(stdout, ctx, hint="bash", more_chars=run.dropped_chars, more_lines=run.dropped_lines,
+                       ends_with_newline=None if kept_all else run.last["out"] == b"\n")
         out.content = f"Error: the command timed out after {timeout} s. Partial output:\n{out.content}"
         out.is_error = True
         return out
-    text = stdout = proc.stdout.decode("utf-8", errors="replace")
-    err = proc.stderr.decode("utf-8", errors="replace")
+    text = stdout
+    err = run.stderr.decode("utf-8", errors="replace")
     if err:
         text = f"{text}\n[stderr]\n{err}" if text else f"[stderr]\n{err}"
-    if proc.returncode != 0:
-        text = f"{text}\n[exit code {proc.returncode}]" if text else f"[exit code {proc.returncode}]"
+    if run.returncode != 0:
+        text = f"{text}\n[exit code {run.returncode}]" if text else f"[exit code {run.returncode}]"
     # stderr and the exit code come last, so a cut drops them: the note keeps them known
-    facts = f"exit code {proc.returncode}"
+    facts = f"exit code {run.returncode}"
     if err:
-        facts += (f"; stdout {len(stdout):,} characters, then stderr {len(err):,} characters after the [stderr] "
+        out_chars, err_chars = len(stdout) + run.dropped["out"], len(err) + run.dropped["err"]
+        facts += (f"; stdout {out_chars:,} characters, then stderr {err_chars:,} characters after the [stderr] "
                   f"line; to see only stderr: `… 2>&1 >/dev/null | tail -n 50`")
-    result = cut_text(text or "(no output)", ctx, hint="bash", extra=f"({facts}.)")
-    result.is_error = proc.returncode != 0
+    # how the whole output ends, when only its head was kept
+    whole_end = None if not run.dropped_chars or run.returncode != 0 else \
+        (run.last["err"] if run.stderr_bytes else run.last["out"]) == b"\n"
+    result = cut_text(text or "(no output)", ctx, hint="bash", extra=f"({facts}.)",
+                      more_chars=run.dropped_chars, more_lines=run.dropped_lines, ends_with_newline=whole_end)
+    result.is_error = run.returncode != 0
     return result
-
 
 __all__ = ["Read", "Glob", "Grep", "ReadImage", "Write", "Edit", "Checklist", "Bash"]

@@ -99,11 +99,23 @@ def _fits(ctx: ToolContext, text: str) -> bool:
 # Text already in memory (Bash, Grep, Glob, user tools)
 
 
-def cut_text(text: str, budget: ToolContext | int, *, hint: str = "generic", extra: str = "") -> ToolOutput:
+def cut_text(
+    text: str,
+    budget: ToolContext | int,
+    *,
+    hint: str = "generic",
+    extra: str = "",
+    more_chars: int = 0,
+    more_lines: int = 0,
+    ends_with_newline: bool | None = None,
+) -> ToolOutput:
     """Return ``text`` whole, or its head (cut at a line boundary when one is near) with a note.
 
     ``budget`` is the tool's context (a token budget measured with the job's
     tokenizer) or a number of characters.  ``extra`` is appended to the note.
+    ``more_chars`` / ``more_lines``: how much followed ``text`` that was never kept
+    (a bounded capture), so the note and ``original_chars`` tell the real size;
+    ``ends_with_newline`` then says how the whole text ended.
     """
     if isinstance(budget, int):
         count: Counter = len
@@ -111,24 +123,26 @@ def cut_text(text: str, budget: ToolContext | int, *, hint: str = "generic", ext
     else:
         count = _counter(budget)
         limit = budget.budget_tokens
-    if len(text) * 4 <= limit or (len(text) <= limit * 16 and count(text) <= limit):
+    if not more_chars and (len(text) * 4 <= limit or (len(text) <= limit * 16 and count(text) <= limit)):
         return ToolOutput(text)
-    total_lines = text.count("\n") + (0 if text.endswith("\n") else 1)
+    total_chars = len(text) + more_chars
+    ends = text.endswith("\n") if ends_with_newline is None else ends_with_newline
+    total_lines = text.count("\n") + more_lines + (0 if ends else 1)
     hint_text = HINTS.get(hint, HINTS["generic"])
     # search a window big enough for any plausible characters-per-token ratio
     window = text[: limit * 16]
-    reserve = count(_cut_note(len(text), len(text), total_lines, total_lines, hint_text, extra)) + 8
+    reserve = count(_cut_note(total_chars, total_chars, total_lines, total_lines, hint_text, extra)) + 8
     for _ in range(8):
         n = max(1, fit_prefix(count, window, max(1, limit - reserve)))
         head = window[:n]
         nl = head.rfind("\n")
         if nl + 1 >= n // 2 and nl >= 0:
             head = head[: nl + 1]
-        note = _cut_note(len(head), len(text), head.count("\n"), total_lines, hint_text, extra)
+        note = _cut_note(len(head), total_chars, head.count("\n"), total_lines, hint_text, extra)
         if count(head + note) <= limit or n == 1:
             break
         reserve += max(8, count(head + note) - limit)
-    return ToolOutput(head + note, truncated=True, original_chars=len(text), returned_chars=len(head))
+    return ToolOutput(head + note, truncated=True, original_chars=total_chars, returned_chars=len(head))
 
 
 def _cut_note(returned: int, total: int, lines: int, total_lines: int, hint: str, extra: str) -> str:

@@ -421,3 +421,22 @@ def test_a_model_following_the_notes_reads_the_whole_file(ws: Workspace, tmp_pat
     assert {e.payload["usage"]["source"] for e in events if e.kind == "llm_response"} == {"tiktoken"}
     budgets = [r["budget_tokens"] for r in results]
     assert budgets == sorted(budgets, reverse=True) and budgets[0] <= window // 2  # half of what is left, shrinking
+
+
+def test_bash_keeps_only_a_bounded_head_of_a_huge_output(tmp_path: Path) -> None:
+    # 200 MB of output: only the head is held, the rest is counted, so memory stays small
+    import tracemalloc
+
+    ctx = _ctx(tmp_path, 400)
+    tracemalloc.start()
+    try:
+        out = get_tool("Bash").invoke(  # type: ignore[union-attr]
+            ctx, {"command": "yes 0123456789abcdefghijklmnopqrstuvwxyz | head -c 200000000"})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.truncated and not out.is_error
+    assert out.original_chars == 200_000_000
+    assert "of 200,000,000 characters" in out.content and "of 5,405,406 lines" in out.content
+    assert _body(out).startswith("0123456789abcdefghijklmnopqrstuvwxyz\n")
+    assert peak < 20_000_000, peak
