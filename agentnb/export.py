@@ -121,17 +121,10 @@ def build_notebook(ws: "Workspace", job_id: int, *, full: bool = False, plot: bo
 
 def _timeline(events: Sequence[Event]) -> list[tuple[str, Any]]:
     """Movement runs (``("movement", (seq, events))``) and job-level comments/errors, in order."""
-    items: list[tuple[str, Any]] = []
-    runs: dict[int, list[Event]] = {}
-    for ev in events:
-        if ev.movement_seq is not None:
-            if ev.movement_seq not in runs:
-                runs[ev.movement_seq] = []
-                items.append(("movement", (ev.movement_seq, runs[ev.movement_seq])))
-            runs[ev.movement_seq].append(ev)
-        elif ev.kind in ("comment", "error"):
-            items.append((ev.kind, ev))
-    return items
+    from .render import _layout  # the job view's own ordering, so the transcript reads the same
+
+    items, by_seq = _layout(events)
+    return [("movement", (item, by_seq[item])) if kind == "mv" else (kind, item) for kind, item in items]
 
 
 def _title(ws: "Workspace", job: Any, st: Any) -> str:
