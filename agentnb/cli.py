@@ -46,6 +46,12 @@ def _tokens(ws: Any, job_id: int) -> int:
     return int(rows[0][0])
 
 
+def _question(ws: Any, job: Any) -> str | None:
+    """The agent's latest question to the user (the ASK), if it asked one."""
+    asked = [c for c in ws.comments(job) if c["author"] == "agent"]
+    return asked[-1]["body"] if asked else None
+
+
 def _print_job(ws: Any, job: Any) -> None:
     print(f"job {job.id}: {job.status}  piece={job.piece} model={job.model}")
     for mv in ws.movements(job):
@@ -56,18 +62,18 @@ def _print_job(ws: Any, job: Any) -> None:
     if job.error:
         print(f"  error: {job.error}")
     if job.status == "waiting_human":
-        question = [c for c in ws.comments(job) if c["author"] == "agent"]
+        question = _question(ws, job)
         if question:
-            print(f"  question: {question[-1]['body']}")
+            print(f"  question: {question}")
         print(f"  answer with: agentnb reply {job.id} \"…\"")
     if job.status == "waiting_subtasks":
         # the parent only goes on when every child has ended: say which ones are still open and why
         for child in ws.children(job):
             print(f"  subtask job {child.id}: {child.status}  {child.instruction.splitlines()[0][:60] if child.instruction else ''}")
             if child.status == "waiting_human":
-                asked = [c for c in ws.comments(child) if c["author"] == "agent"]
+                asked = _question(ws, child)
                 if asked:
-                    print(f"    question: {asked[-1]['body']}")
+                    print(f"    question: {asked}")
                 print(f"    answer with: agentnb reply {child.id} \"…\" --run")
             elif child.status == "waiting_subtasks":
                 print(f"    waits for its own subtasks: agentnb show {child.id}")
