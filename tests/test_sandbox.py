@@ -13,10 +13,7 @@ from agentnb import Workspace
 
 from _scripting import call, transition, write_piece, write_script
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None and os.environ.get("CI") != "true",
-    reason="bubblewrap is not installed here (CI installs it; apt-get install bubblewrap)",
-)
+pytestmark = pytest.mark.needs("bwrap")
 
 
 def _run_bash(ws: Workspace, tmp_path: Path, *commands: str) -> list[dict]:

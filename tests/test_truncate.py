@@ -263,6 +263,7 @@ def _body(out: ToolOutput) -> str:
     return out.content[: out.returned_chars]
 
 
+@pytest.mark.needs("bwrap")
 def test_bash_output_is_cut_with_narrowing_hints(tmp_path: Path) -> None:
     ctx = _ctx(tmp_path, 400)
     out = get_tool("Bash").invoke(ctx, {"command": "seq 1 100000"})  # type: ignore[union-attr]
@@ -278,6 +279,7 @@ def test_bash_output_is_cut_with_narrowing_hints(tmp_path: Path) -> None:
     assert (small.content, small.truncated) == ("hi\n", False)
 
 
+@pytest.mark.needs("bwrap")
 def test_a_cut_bash_output_still_tells_the_exit_code_and_the_stderr(tmp_path: Path) -> None:
     # stderr and the exit code come after a large stdout: the note must not let the cut hide them
     out = get_tool("Bash").invoke(  # type: ignore[union-attr]
@@ -423,6 +425,7 @@ def test_a_model_following_the_notes_reads_the_whole_file(ws: Workspace, tmp_pat
     assert budgets == sorted(budgets, reverse=True) and budgets[0] <= window // 2  # half of what is left, shrinking
 
 
+@pytest.mark.needs("bwrap")
 def test_bash_keeps_only_a_bounded_head_of_a_huge_output(tmp_path: Path) -> None:
     # 200 MB of output: only the head is held, the rest is counted, so memory stays small
     import tracemalloc

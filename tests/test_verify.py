@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from _scripting import call, transition, user_prompts, write_script
+from conftest import require
 from agentnb import Workspace
 
 FIRST = "The summary misses the second note."
@@ -156,8 +157,8 @@ def test_git_excerpt_never_runs_commands_the_repository_config_names(
 ) -> None:
     # implement may only edit files, but .git/config and .gitattributes are files in its work directory:
     # git would run an fsmonitor, a filter driver or an included config's command on the host
-    if jail == "auto" and subprocess.run(["which", "bwrap"], capture_output=True).returncode != 0:
-        pytest.skip("bubblewrap is not installed")
+    if jail == "auto":
+        require("bwrap")
     monkeypatch.setenv("AGENTNB_BASH_SANDBOX", jail)
     marks = tmp_path / "marks"
     marks.mkdir()
