@@ -16,9 +16,17 @@ _NEEDS = {
               "bubblewrap (bwrap) is not installed: apt-get install bubblewrap"),
     "chromium": (lambda: (shutil.which("chromium") or shutil.which("chromium-browser")) is not None,
                  "no chromium on PATH: apt-get install chromium"),
-    "postgres": (lambda: shutil.which("pg_ctl") is not None or Path("/usr/lib/postgresql").is_dir(),
-                 "PostgreSQL is not installed: apt-get install postgresql"),
+    "postgres": (lambda: _pg_ctl() is not None, "PostgreSQL is not installed: apt-get install postgresql"),
 }
+
+
+def _pg_ctl() -> str | None:
+    """The server's pg_ctl: on PATH, or in Debian's versioned folder when its client (psql) is on PATH."""
+    found = shutil.which("pg_ctl")
+    if found or shutil.which("psql") is None:
+        return found
+    candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
+    return str(candidates[-1]) if candidates else None
 
 
 def in_ci() -> bool:
