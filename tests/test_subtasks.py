@@ -185,8 +185,13 @@ def test_subtasks_are_checked_before_anything_is_created(ws: Workspace, tmp_path
     assert errors[2].startswith("Error: subtasks[0].piece:") and "no-such-piece" in errors[2]
 
 
-def test_child_failing_after_a_step_or_at_setup_is_reported_with_its_error(ws: Workspace, tmp_path: Path) -> None:
-    two_steps = write_piece(tmp_path, "two-steps", {"movements": [
+def test_child_failing_after_a_step_or_at_setup_is_reported_with_its_error(
+    ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a subtask names a piece of the project's pieces/ folder (never a path)
+    (tmp_path / "pieces").mkdir()
+    monkeypatch.chdir(tmp_path)
+    write_piece(tmp_path / "pieces", "two-steps", {"movements": [
         {"name": "first", "instruction": "First.", "rules": [{"next": "second"}]},
         {"name": "second", "instruction": "Second.", "rules": [{"next": "COMPLETE"}]},
     ]})
@@ -194,7 +199,7 @@ def test_child_failing_after_a_step_or_at_setup_is_reported_with_its_error(ws: W
     vanishing = tmp_path / "vanishing.yaml"
     vanishing.write_text("movements: {work: []}\n", encoding="utf-8")
     spec = _parent(tmp_path, [
-        {"instruction": "Half", "piece": str(two_steps), "model": halfway},
+        {"instruction": "Half", "piece": "two-steps", "model": halfway},
         {"instruction": "Vanish", "piece": "single", "model": f"scripted:{vanishing}"},
     ])
     parent = ws.run(ws.submit("Do it", piece="fan-out", model=spec), subtasks=False)
