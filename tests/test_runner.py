@@ -185,6 +185,20 @@ def test_complete_without_lessons_records_the_summary_as_lesson(ws: Workspace, t
     assert rows[0]["lessons"] == "everything is written"
 
 
+def test_a_forced_complete_records_its_summary_as_the_lesson(ws: Workspace, tmp_path: Path) -> None:
+    # the seed turns the summary of any COMPLETE without lessons into the lesson, whatever the cause
+    job = _run(ws, tmp_path, {"responses": [say("hmm")] * 2}, max_iterations=2, default_next="COMPLETE")
+    assert job.status == "succeeded", job.error
+    (forced,) = _payloads(ws, job, "transition")
+    assert (forced["next_step"], forced["forced"]) == ("COMPLETE", True)
+    summary = "Forced transition: max_iterations (2) reached without a transition."
+    assert forced["summary"] == summary
+    assert _payloads(ws, job, "lesson") == [{"lessons": summary, "summary": summary, "movement": "a"}]
+    path = ws.root / "jobs" / str(job.id) / "logs" / "lessons.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert [(r["movement"], r["seq"], r["lessons"], r["summary"]) for r in rows] == [("a", 1, summary, summary)]
+
+
 def test_lessons_jsonl_rows(ws: Workspace, tmp_path: Path) -> None:
     job = _run(ws, tmp_path, {"responses": [transition("b", "A done", lessons="lesson one"),
                                             transition("COMPLETE", "B done", lessons="lesson two")]})
