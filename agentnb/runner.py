@@ -281,10 +281,10 @@ class JobRunner:
             piece = self.piece
         else:
             piece = self._named_piece(ref)
+        has = (f"step {creator.name!r} has tools: {', '.join(creator.tools) or 'none'} "
+               f"and permission {creator.permission!r}")
         for mv in piece.movements:
             more = [t for t in mv.tools if t not in creator.tools]
-            has = (f"step {creator.name!r} has tools: {', '.join(creator.tools) or 'none'} and permission "
-                   f"{creator.permission!r}")
             if more:
                 raise _Refused("piece", f"piece {piece.name!r}: movement {mv.name!r} uses {', '.join(more)}, beyond "
                                         f"this step's tools ({has}); a subtask never gets more tools or permission "
@@ -302,7 +302,8 @@ class JobRunner:
         if not isinstance(ref, str) or not ref.strip():
             raise _Refused("piece", f"found {ref!r}; allowed: the name of a piece: {listing}")
         # A path would let the job run a piece it wrote itself (any tools, any instruction_file on the host).
-        if any(sep in ref for sep in ("/", "\\", os.sep)) or ref.lower().endswith((".yaml", ".yml")) or ref.startswith("."):
+        if (any(sep in ref for sep in ("/", "\\", os.sep)) or ref.lower().endswith((".yaml", ".yml"))
+                or ref.startswith(".")):
             raise _Refused("piece", f"{ref!r} is a path; a subtask's piece is a name that `agentnb pieces` lists: "
                                     f"{listing}")
         if ref not in available:
@@ -315,8 +316,12 @@ class JobRunner:
                                         "written it; keep pieces outside work directories")
         try:
             return load_piece(path)
-        except (PieceError, OSError) as exc:
-            raise _Refused("piece", str(exc)) from None
+        except PieceError as exc:  # worded without the file's host path, which the model has no need of
+            where = f"line {exc.line}: " if exc.line else ""
+            raise _Refused("piece", f"piece {ref!r} is not valid: {where}{exc.field + ': ' if exc.field else ''}"
+                                    f"{exc.detail}") from None
+        except OSError as exc:
+            raise _Refused("piece", f"piece {ref!r} cannot be read: {exc.strerror or exc}") from None
 
     def _subtask_model(self, sub: dict[str, Any]) -> str:
         """The model a subtask runs on: this job's own, or a plain spec.  ``scripted:`` names a file and

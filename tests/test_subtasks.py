@@ -374,6 +374,21 @@ def test_a_listed_piece_inside_the_work_directory_is_refused(
                        "where a job could have written it; keep pieces outside work directories")
 
 
+def test_a_broken_listed_piece_is_refused_without_its_host_path(
+    ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "pieces").mkdir()
+    (tmp_path / "pieces" / "broken.yaml").write_text("name: broken\nmovements: []\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    spec = write_script(tmp_path, "broken-split", {"write": [
+        transition("WAIT_SUBTASKS", subtasks=[{"instruction": "x", "piece": "broken"}]), transition("COMPLETE")]})
+    job = ws.run(ws.submit("Do it", piece=str(_writer_piece(tmp_path)), model=spec))
+    assert job.status == "succeeded" and ws.children(job) == []
+    (refused,) = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["is_error"]]
+    assert refused == ("Error: subtasks[0].piece: piece 'broken' is not valid: line 2: movements: "
+                       "found an empty list, expected at least one movement")
+
+
 def _splitter(folder: Path, tools: list[str], permission: str, **more: Any) -> Path:
     return write_piece(folder, "splitter", {"movements": [
         {"name": "split", "instruction": "Split.", "tools": tools, "permission": permission,
