@@ -62,6 +62,7 @@ class Outcome:
 
 
 def transition_schema(movement: Movement) -> dict[str, Any]:
+    steps = list(movement.next_steps)
     return {
         "type": "function",
         "function": {
@@ -73,8 +74,9 @@ def transition_schema(movement: Movement) -> dict[str, Any]:
             "parameters": {
                 "type": "object",
                 "properties": {
-                    "next_step": {"type": "string", "enum": list(movement.next_steps),
-                                  "description": "The next movement, or COMPLETE, ASK, ABORT, WAIT_SUBTASKS."},
+                    # the same list, in the same order, as the prompt's "how to finish" block and the reminder
+                    "next_step": {"type": "string", "enum": steps,
+                                  "description": f"One of: {', '.join(steps)} (ABORT: the task cannot be done at all)."},
                     "summary": {"type": "string", "description": "What this step did."},
                     "lessons": {"type": "string", "description": "What later steps should know."},
                     "question": {"type": "string", "description": "With ASK: the question for the user."},

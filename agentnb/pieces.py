@@ -70,10 +70,16 @@ class Movement:
 
     @property
     def next_steps(self) -> tuple[str, ...]:
-        """Every value ``transition.next_step`` may take in this movement."""
+        """Every value ``transition.next_step`` may take in this movement: its rule targets, then ABORT.
+
+        DESIGN §5 has the model choose "one of the movement's rule targets", so COMPLETE, ASK and
+        WAIT_SUBTASKS are open only where a rule names them (a plan step cannot skip to COMPLETE, and only a
+        movement that says so creates child jobs).  ABORT is always open: a task that cannot be done must be
+        able to stop, as the seed's force_transition falls back to it.  The prompt, the reminder, the
+        transition tool's schema and its validation all read this one tuple.
+        """
         seen: dict[str, None] = {r.next: None for r in self.rules}
-        for special in SPECIAL_NEXT:
-            seen.setdefault(special, None)
+        seen.setdefault("ABORT", None)
         return tuple(seen)
 
 

@@ -14,6 +14,7 @@ import re
 import subprocess
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,11 +23,11 @@ from .context import ContextManager, window_for_model
 from .events import Lesson, Transition
 from .loop import AgentLoop, Outcome, Recorder, _Counters
 from .models import Model, ModelError
-from .pieces import SPECIAL_NEXT, Movement, Piece, load_piece, parse_piece
+from .pieces import SPECIAL_NEXT, Movement, Piece, PieceError, available_pieces, load_piece, parse_piece
 from .store import TERMINAL_STATES
 from ._builtin_tools import _SECRET_ENV
 from ._sandbox import sandbox_argv
-from .tools import ToolError, unlinked_path
+from .tools import PERMISSION_RANK, ToolError, unlinked_path
 
 if TYPE_CHECKING:
     from .store import Store
@@ -39,6 +40,8 @@ MAX_LESSON_CHARS = 2000
 MAX_SUBTASK_DEPTH = 4
 MAX_SUBTASKS_PER_CALL = 50
 GIT_DIFF_CHARS = 3000
+# The key of a subtask's options that holds the tools and permission of the movement that created it.
+CAP_OPTION = "subtask_cap"
 
 
 class JobRunner:
@@ -50,6 +53,7 @@ class JobRunner:
         self.model = model
         self.piece: Piece = _parse_stored(job)
         self.options: dict[str, Any] = json.loads(job.get("options") or "{}")
+        self.model_spec = str(job["model"])
         self.workdir = Path(job["workdir"])
         self.logs_dir = jobs_root / str(self.job_id) / "logs"
         self.rec = Recorder(store, self.job_id)
@@ -85,10 +89,13 @@ class JobRunner:
         )
 
     def _make_loop(self, movement: Movement, seq: int) -> AgentLoop:
+        # A subtask runs within the rights of the movement that created it, whatever its stored piece says:
+        # the check at transition time is the first line, this is the second (a row written any other way).
+        movement = _capped(movement, self.options.get(CAP_OPTION))
         return AgentLoop(
             recorder=self.rec, movement=movement, seq=seq, model=self.model, ctx=self._context_manager(),
             workdir=self.workdir, logs_dir=self.logs_dir, language=self.piece.language, counters=self.counters,
-            check_subtasks=self._check_subtasks,
+            check_subtasks=lambda subtasks: self._check_subtasks(subtasks, movement),
         )
 
     # -- driving ---------------------------------------------------------------
@@ -164,11 +171,14 @@ class JobRunner:
         assert loop is not None
         mv = loop.movement
         seq, it = loop.seq, loop.iteration
-        lesson_text = "" if out.forced else (out.lessons or (out.summary if out.next_step == "COMPLETE" else ""))
+        # The seed turns the summary of a COMPLETE without lessons into the lesson, whatever ended the movement:
+        # a forced COMPLETE (default_next: COMPLETE under context pressure or max_iterations) too.  A forced move
+        # to another step carries none, as it is no claim about the work (its lessons are always empty).
+        lesson_text = out.lessons or (out.summary if out.next_step == "COMPLETE" else "")
         children: list[dict[str, Any]] = []
         with self.store.transaction() as c:
             if out.next_step == "WAIT_SUBTASKS" and out.subtasks:
-                children = self._create_children(c, out.subtasks)
+                children = self._create_children(c, out.subtasks, mv)
             self.rec.add(
                 "transition",
                 {"movement": mv.name, "next_step": out.next_step, "summary": out.summary, "lessons": out.lessons,
@@ -239,7 +249,8 @@ class JobRunner:
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
 
     # -- subtasks ----------------------------------------------------------------
-    def _check_subtasks(self, subtasks: Any) -> str | None:
+    def _check_subtasks(self, subtasks: Any, creator: Movement) -> str | None:
+        """Why these subtasks cannot be created by movement ``creator`` (a tool error the model reads), or None."""
         if not isinstance(subtasks, list) or not subtasks:
             return "next_step WAIT_SUBTASKS needs subtasks: a non-empty list of {instruction, piece?}"
         if len(subtasks) > MAX_SUBTASKS_PER_CALL:
@@ -249,25 +260,91 @@ class JobRunner:
         if depth >= MAX_SUBTASK_DEPTH:
             return (f"this job is already a subtask {depth} levels deep; subtasks may nest at most "
                     f"{MAX_SUBTASK_DEPTH} levels: do this work here instead of handing it out")
-        from .models import check_model_spec
-
         for i, sub in enumerate(subtasks):
             if not isinstance(sub, dict) or not isinstance(sub.get("instruction"), str) or not sub["instruction"].strip():
                 return f"subtasks[{i}] needs a non-empty instruction"
             extra = set(sub) - {"instruction", "piece", "model"}
             if extra:
                 return f"subtasks[{i}]: unknown key(s) {sorted(extra)}; allowed: instruction, piece, model"
-            if sub.get("piece"):
-                try:
-                    load_piece(sub["piece"])
-                except Exception as exc:
-                    return f"subtasks[{i}].piece: {exc}"
-            if sub.get("model"):
-                try:
-                    check_model_spec(sub["model"])
-                except Exception as exc:
-                    return f"subtasks[{i}].model: {exc}"
+            try:
+                self._subtask_piece(sub, creator)
+                self._subtask_model(sub)
+            except _Refused as exc:
+                return f"subtasks[{i}].{exc.field}: {exc}"
         return None
+
+    def _subtask_piece(self, sub: dict[str, Any], creator: Movement) -> Piece:
+        """The piece a subtask runs, checked: a name ``agentnb pieces`` lists (never a path), whose every
+        movement fits within ``creator``'s tools and permission.  No piece named: this job's own piece."""
+        ref = sub.get("piece")
+        if ref is None:
+            piece = self.piece
+        else:
+            piece = self._named_piece(ref)
+        has = (f"step {creator.name!r} has tools: {', '.join(creator.tools) or 'none'} "
+               f"and permission {creator.permission!r}")
+        for mv in piece.movements:
+            more = [t for t in mv.tools if t not in creator.tools]
+            if more:
+                raise _Refused("piece", f"piece {piece.name!r}: movement {mv.name!r} uses {', '.join(more)}, beyond "
+                                        f"this step's tools ({has}); a subtask never gets more tools or permission "
+                                        "than the step that creates it: name a piece that fits, or do the work here")
+            if PERMISSION_RANK[mv.permission] > PERMISSION_RANK[creator.permission]:
+                raise _Refused("piece", f"piece {piece.name!r}: movement {mv.name!r} has permission "
+                                        f"{mv.permission!r}, above this step's ({has}); a subtask never gets more "
+                                        "tools or permission than the step that creates it: name a piece that "
+                                        "fits, or do the work here")
+        return piece
+
+    def _named_piece(self, ref: Any) -> Piece:
+        available = available_pieces()
+        listing = ", ".join(sorted(available)) or "none"
+        if not isinstance(ref, str) or not ref.strip():
+            raise _Refused("piece", f"found {ref!r}; allowed: the name of a piece: {listing}")
+        # A path would let the job run a piece it wrote itself (any tools, any instruction_file on the host).
+        if (any(sep in ref for sep in ("/", "\\", os.sep)) or ref.lower().endswith((".yaml", ".yml"))
+                or ref.startswith(".")):
+            raise _Refused("piece", f"{ref!r} is a path; a subtask's piece is a name that `agentnb pieces` lists: "
+                                    f"{listing}")
+        if ref not in available:
+            raise _Refused("piece", f"unknown piece {ref!r}; available: {listing}")
+        path = available[ref].resolve()
+        for root, what in ((self.workdir.resolve(), "this job's work directory"),
+                           (self.logs_dir.parents[1].resolve(), "the workspace's job folders")):
+            if path == root or root in path.parents:
+                raise _Refused("piece", f"piece {ref!r} ({path.name}) lies inside {what}, where a job could have "
+                                        "written it; keep pieces outside work directories")
+        try:
+            return load_piece(path)
+        except PieceError as exc:  # worded without the file's host path, which the model has no need of
+            where = f"line {exc.line}: " if exc.line else ""
+            raise _Refused("piece", f"piece {ref!r} is not valid: {where}{exc.field + ': ' if exc.field else ''}"
+                                    f"{exc.detail}") from None
+        except OSError as exc:
+            raise _Refused("piece", f"piece {ref!r} cannot be read: {exc.strerror or exc}") from None
+
+    def _subtask_model(self, sub: dict[str, Any]) -> str:
+        """The model a subtask runs on: this job's own, or a plain spec.  ``scripted:`` names a file and
+        ``replay:`` another job, so an LLM may not choose them; a job that itself runs on a ``scripted:``
+        model may, since then the user's script, not a model, names them."""
+        from .models import ModelSpecError, check_model_spec
+        from .workspace import _normalise_spec
+
+        spec = sub.get("model")
+        if spec is None or spec == self.model_spec:
+            return self.model_spec
+        if not isinstance(spec, str) or not spec.strip():
+            raise _Refused("model", f"found {spec!r}; allowed: a model spec such as demo or openai:<model>")
+        kind = spec.partition(":")[0]
+        if kind in ("scripted", "replay") and not self.model_spec.startswith("scripted:"):
+            raise _Refused("model", f"{spec!r} names a file or another job; allowed: this job's own model "
+                                    f"({self.model_spec}), demo or openai:<model>")
+        try:
+            check_model_spec(spec)
+        except ModelSpecError as exc:
+            raise _Refused("model", str(exc)) from None
+        # a relative scripted: path means the same file for a worker started elsewhere
+        return _normalise_spec(spec)
 
     def _depth(self) -> int:
         """How many ancestors this job has (0 for a job submitted by a user)."""
@@ -278,25 +355,30 @@ class JobRunner:
         )
         return int(rows[0][0] or 0)
 
-    def _create_children(self, c: Any, subtasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        from .workspace import _normalise_spec, prepare_workdir
+    def _create_children(self, c: Any, subtasks: list[dict[str, Any]], creator: Movement) -> list[dict[str, Any]]:
+        from .workspace import prepare_workdir
 
         parent = self.store.job(self.job_id)
+        options = json.loads(parent["options"] or "{}")
+        # what the child may never exceed, kept with it and enforced again by its loop (see _make_loop)
+        options[CAP_OPTION] = {"tools": list(creator.tools), "permission": creator.permission}
         created = []
         for sub in subtasks:
-            if sub.get("piece"):
-                piece = load_piece(sub["piece"])
+            try:  # checked when the transition was made; checked again, as the piece file may have changed since
+                piece = self._subtask_piece(sub, creator)
+                model = self._subtask_model(sub)
+            except _Refused as exc:
+                raise RuntimeError(f"subtask refused when created: {exc.field}: {exc}") from None
+            if sub.get("piece") is not None:
                 piece_name, piece_yaml, piece_path = piece.name, piece.to_yaml(), piece.source
             else:
                 piece_name, piece_yaml, piece_path = parent["piece"], parent["piece_yaml"], parent["piece_path"]
-            # a relative scripted: path means the same file for a worker started elsewhere
-            model = _normalise_spec(sub["model"]) if sub.get("model") else parent["model"]
             now = time.time()
             cur = c.execute(
                 "INSERT INTO jobs (parent_id, piece, piece_yaml, piece_path, model, instruction, status, workdir, "
                 "options, created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 (self.job_id, piece_name, piece_yaml, piece_path, model, sub["instruction"], "queued", "",
-                 parent["options"], now, now),
+                 json.dumps(options), now, now),
             )
             child_id = int(cur.lastrowid)
             # logs_dir is <workspace>/jobs/<id>/logs; prepare_workdir wants <workspace>
@@ -329,11 +411,7 @@ class JobRunner:
             if git:
                 parts.append(f"{text(lang, 'git')}\n{git}")
         parts.append(f"{text(lang, 'step', name=movement.name)}\n{movement.instruction.strip()}")
-        finish = [text(lang, "finish"), text(lang, "finish_intro")]
-        for rule in movement.rules:
-            finish.append(f"- `{rule.next}`" + (f": {rule.condition}" if rule.condition else ""))
-        finish.append(text(lang, "finish_abort"))
-        parts.append("\n".join(finish))
+        parts.append(_finish_block(movement, lang))
         return "\n\n".join(p for p in parts if p)
 
     def _lessons_block(self) -> str:
@@ -464,6 +542,40 @@ class JobRunner:
         if diff.strip():
             blocks += ["$ git diff (excerpt)", "```diff", diff.rstrip(), "```"]
         return "\n".join(blocks)
+
+
+class _Refused(ValueError):
+    """A subtask that may not be created; ``field`` is the subtask key at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _capped(movement: Movement, cap: Any) -> Movement:
+    """``movement`` with no tool and no permission beyond ``cap`` (``{tools, permission}``; None: as it is)."""
+    if not isinstance(cap, dict):
+        return movement
+    allowed = cap.get("tools") or []
+    tools = tuple(t for t in movement.tools if t in allowed)
+    permission = movement.permission
+    ceiling = cap.get("permission")
+    if ceiling not in PERMISSION_RANK or PERMISSION_RANK[permission] > PERMISSION_RANK[ceiling]:
+        permission = ceiling if ceiling in PERMISSION_RANK else "readonly"
+    if tools == movement.tools and permission == movement.permission:
+        return movement
+    return replace(movement, tools=tools, permission=permission)
+
+
+def _finish_block(movement: Movement, language: str) -> str:
+    """The prompt's "how to finish" block: one line per value of ``movement.next_steps``, no more, no less."""
+    lines = [text(language, "finish"), text(language, "finish_intro")]
+    for rule in movement.rules:
+        lines.append(f"- `{rule.next}`" + (f": {rule.condition}" if rule.condition else ""))
+    if "ABORT" not in {r.next for r in movement.rules}:
+        lines.append(text(language, "finish_abort"))
+    lines.append(text(language, "finish_notes"))
+    return "\n".join(lines)
 
 
 def notify_parent(store: "Store", c: Any, job_id: int) -> None:

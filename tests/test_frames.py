@@ -225,7 +225,10 @@ def test_lessons_come_from_the_jsonl_and_match_the_lesson_events(store: tuple[Wo
         assert (lessons["job"] == job.id).all()
         for stamp, e in zip(lessons["timestamp"], events):  # second resolution in the file
             assert abs(stamp - pd.to_datetime(e.ts, unit="s")) < pd.Timedelta(seconds=2)
-    assert ws.frames.lessons(jobs["usage"])["lessons"].tolist() == ["notes.md holds two lines"]
+    # write ends in a forced COMPLETE: its summary is a lesson too
+    assert ws.frames.lessons(jobs["usage"])["lessons"].tolist() == [
+        "notes.md holds two lines",
+        "Forced transition: context at 96.0% of 10,000 tokens reached force_transition (95%)."]
     assert ws.frames.lessons(jobs["queued"]).empty
     every = ws.frames.lessons()
     assert len(every) == sum(len(ws.events(j, kinds=["lesson"])) for j in jobs.values())

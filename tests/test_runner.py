@@ -107,7 +107,7 @@ def test_a_next_step_that_is_not_allowed_is_a_tool_error_and_the_movement_goes_o
     results = [r for r in _payloads(ws, job, "tool_result") if r["tool"] == "transition"]
     assert results[0]["is_error"] and results[1]["is_error"] and not results[2]["is_error"]
     assert results[0]["content"] == ("Error: next_step 'verify' is not allowed here; "
-                                     "allowed: b, COMPLETE, ASK, ABORT, WAIT_SUBTASKS")
+                                     "allowed: b, ABORT")
     assert "'a' is not allowed here" in results[1]["content"]
     assert ws.movements(job)[0]["iterations"] == 3  # the same movement continued
     assert [t["next_step"] for t in _payloads(ws, job, "transition")] == ["b", "COMPLETE"]
@@ -185,6 +185,20 @@ def test_complete_without_lessons_records_the_summary_as_lesson(ws: Workspace, t
     assert rows[0]["lessons"] == "everything is written"
 
 
+def test_a_forced_complete_records_its_summary_as_the_lesson(ws: Workspace, tmp_path: Path) -> None:
+    # the seed turns the summary of any COMPLETE without lessons into the lesson, whatever the cause
+    job = _run(ws, tmp_path, {"responses": [say("hmm")] * 2}, max_iterations=2, default_next="COMPLETE")
+    assert job.status == "succeeded", job.error
+    (forced,) = _payloads(ws, job, "transition")
+    assert (forced["next_step"], forced["forced"]) == ("COMPLETE", True)
+    summary = "Forced transition: max_iterations (2) reached without a transition."
+    assert forced["summary"] == summary
+    assert _payloads(ws, job, "lesson") == [{"lessons": summary, "summary": summary, "movement": "a"}]
+    path = ws.root / "jobs" / str(job.id) / "logs" / "lessons.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert [(r["movement"], r["seq"], r["lessons"], r["summary"]) for r in rows] == [("a", 1, summary, summary)]
+
+
 def test_lessons_jsonl_rows(ws: Workspace, tmp_path: Path) -> None:
     job = _run(ws, tmp_path, {"responses": [transition("b", "A done", lessons="lesson one"),
                                             transition("COMPLETE", "B done", lessons="lesson two")]})
@@ -201,7 +215,7 @@ def test_a_reply_without_a_tool_call_gets_a_reminder(ws: Workspace, tmp_path: Pa
     reminders = ws.events(job, kinds=["reminder"])
     assert len(reminders) == 1
     text = reminders[0].payload["text"]
-    assert "`transition`" in text and "b, COMPLETE" in text
+    assert "`transition`" in text and "one of: b, ABORT." in text
     assert reminders[0].payload["reason"] == "no tool call"
     assert reminders[0].movement_seq == 1 and reminders[0].iteration == 1
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from _scripting import call, transition, user_prompts, write_piece, write_script
+from openai_server import OpenAIServer, reply
 from agentnb import Workspace
 from agentnb.worker import Worker
 
@@ -185,8 +189,13 @@ def test_subtasks_are_checked_before_anything_is_created(ws: Workspace, tmp_path
     assert errors[2].startswith("Error: subtasks[0].piece:") and "no-such-piece" in errors[2]
 
 
-def test_child_failing_after_a_step_or_at_setup_is_reported_with_its_error(ws: Workspace, tmp_path: Path) -> None:
-    two_steps = write_piece(tmp_path, "two-steps", {"movements": [
+def test_child_failing_after_a_step_or_at_setup_is_reported_with_its_error(
+    ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a subtask names a piece of the project's pieces/ folder (never a path)
+    (tmp_path / "pieces").mkdir()
+    monkeypatch.chdir(tmp_path)
+    write_piece(tmp_path / "pieces", "two-steps", {"movements": [
         {"name": "first", "instruction": "First.", "rules": [{"next": "second"}]},
         {"name": "second", "instruction": "Second.", "rules": [{"next": "COMPLETE"}]},
     ]})
@@ -194,7 +203,7 @@ def test_child_failing_after_a_step_or_at_setup_is_reported_with_its_error(ws: W
     vanishing = tmp_path / "vanishing.yaml"
     vanishing.write_text("movements: {work: []}\n", encoding="utf-8")
     spec = _parent(tmp_path, [
-        {"instruction": "Half", "piece": str(two_steps), "model": halfway},
+        {"instruction": "Half", "piece": "two-steps", "model": halfway},
         {"instruction": "Vanish", "piece": "single", "model": f"scripted:{vanishing}"},
     ])
     parent = ws.run(ws.submit("Do it", piece="fan-out", model=spec), subtasks=False)
@@ -290,3 +299,225 @@ def test_too_many_subtasks_in_one_transition_are_a_tool_error(ws: Workspace, tmp
     assert job.status == "succeeded" and ws.children(job) == []
     first = ws.events(job, kinds=["tool_result"])[0].payload
     assert first["is_error"] and f"at most {MAX_SUBTASKS_PER_CALL} per transition" in first["content"]
+
+
+# -- what a subtask may run: a listed piece, within the rights of the movement that creates it --------------
+
+SECRET = "host-secret-7f3a: the root password is hunter2"
+
+
+def _store_text(ws: Workspace) -> str:
+    """Everything the store holds about jobs and their events, as one text to search."""
+    rows = ws.store.query("SELECT payload FROM events")
+    jobs = ws.store.query("SELECT piece, piece_yaml, piece_path, model, instruction, options FROM jobs")
+    return "\n".join(str(v) for r in [*rows, *jobs] for v in r)
+
+
+def _writer_piece(folder: Path) -> Path:
+    """A piece whose only step can Write (and hand out subtasks): nothing else, and no Bash."""
+    return write_piece(folder, "writer", {"movements": [
+        {"name": "write", "instruction": "Write.", "tools": ["Write"], "permission": "edit",
+         "rules": [{"next": "WAIT_SUBTASKS"}, {"next": "COMPLETE"}]},
+    ]})
+
+
+@pytest.mark.parametrize("form", ["relative", "absolute"])
+def test_a_piece_written_by_the_job_and_named_by_path_is_refused_and_nothing_runs(
+    ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    host_file = tmp_path / "host-secret.txt"
+    host_file.write_text(SECRET, encoding="utf-8")
+    evil = yaml.safe_dump({"name": "evil", "movements": [
+        {"name": "pwn", "instruction_file": str(host_file), "tools": ["Bash"], "permission": "full",
+         "rules": [{"next": "COMPLETE"}]}]})
+    monkeypatch.chdir(tmp_path)  # the attack named the piece relative to the worker's directory
+    # the job about to be submitted is the workspace's first: job 1
+    ref = (f"{ws.root.name}/jobs/1/output/evil.yaml" if form == "relative"
+           else str(ws.root / "jobs" / "1" / "output" / "evil.yaml"))
+    spec = write_script(tmp_path, "attack", {"write": [
+        call("Write", path="output/evil.yaml", content=evil),
+        transition("WAIT_SUBTASKS", subtasks=[{"instruction": "Run it", "piece": ref}]),
+        transition("COMPLETE", summary="gave up"),
+    ]})
+    job = ws.run(ws.submit("Do it", piece=str(_writer_piece(tmp_path)), model=spec))
+    assert job.id == 1
+    assert (tmp_path / ref).is_file()  # the Write itself was allowed
+    assert job.status == "succeeded", job.error
+    assert ws.children(job) == []
+    refused = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["is_error"]]
+    assert refused == [f"Error: subtasks[0].piece: {ref!r} is a path; a subtask's piece is a name that "
+                       "`agentnb pieces` lists: ask-first, fan-out, plan-implement-verify, single"]
+    assert SECRET not in _store_text(ws)
+    assert len(ws.jobs()) == 1
+
+
+def test_a_listed_piece_inside_the_work_directory_is_refused(
+    ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a job whose work directory holds the project's pieces/ could write a piece there and name it
+    project = tmp_path / "project"
+    (project / "pieces").mkdir(parents=True)
+    monkeypatch.chdir(project)
+    evil = yaml.safe_dump({"name": "evil", "movements": [
+        {"name": "work", "instruction": "Go.", "tools": ["Write"], "permission": "edit",
+         "rules": [{"next": "COMPLETE"}]}]})
+    spec = write_script(tmp_path, "plant", {"write": [
+        call("Write", path="pieces/evil.yaml", content=evil),
+        transition("WAIT_SUBTASKS", subtasks=[{"instruction": "Run it", "piece": "evil"}]),
+        transition("COMPLETE", summary="gave up"),
+    ]})
+    job = ws.run(ws.submit("Do it", piece=str(_writer_piece(tmp_path)), model=spec, workdir=project))
+    assert job.status == "succeeded", job.error
+    assert ws.children(job) == []
+    (refused,) = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["is_error"]]
+    assert refused == ("Error: subtasks[0].piece: piece 'evil' (evil.yaml) lies inside this job's work directory, "
+                       "where a job could have written it; keep pieces outside work directories")
+
+
+def test_a_broken_listed_piece_is_refused_without_its_host_path(
+    ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "pieces").mkdir()
+    (tmp_path / "pieces" / "broken.yaml").write_text("name: broken\nmovements: []\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    spec = write_script(tmp_path, "broken-split", {"write": [
+        transition("WAIT_SUBTASKS", subtasks=[{"instruction": "x", "piece": "broken"}]), transition("COMPLETE")]})
+    job = ws.run(ws.submit("Do it", piece=str(_writer_piece(tmp_path)), model=spec))
+    assert job.status == "succeeded" and ws.children(job) == []
+    (refused,) = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["is_error"]]
+    assert refused == ("Error: subtasks[0].piece: piece 'broken' is not valid: line 2: movements: "
+                       "found an empty list, expected at least one movement")
+
+
+def _splitter(folder: Path, tools: list[str], permission: str, **more: Any) -> Path:
+    return write_piece(folder, "splitter", {"movements": [
+        {"name": "split", "instruction": "Split.", "tools": tools, "permission": permission,
+         "rules": [{"next": "WAIT_SUBTASKS"}, {"next": "COMPLETE"}], **more},
+    ]})
+
+
+def test_a_subtask_piece_with_more_tools_than_its_creator_is_refused(ws: Workspace, tmp_path: Path) -> None:
+    spec = write_script(tmp_path, "more-tools", {"split": [
+        transition("WAIT_SUBTASKS", subtasks=[{"instruction": "Write it", "piece": "single"}]),
+        transition("COMPLETE", summary="did it here"),
+    ]})
+    job = ws.run(ws.submit("Do it", piece=str(_splitter(tmp_path, ["Read", "Glob"], "edit")), model=spec))
+    assert job.status == "succeeded" and ws.children(job) == []
+    (refused,) = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["is_error"]]
+    assert refused == (
+        "Error: subtasks[0].piece: piece 'single': movement 'work' uses Grep, Write, Edit, Checklist, beyond this "
+        "step's tools (step 'split' has tools: Read, Glob and permission 'edit'); a subtask never gets more tools "
+        "or permission than the step that creates it: name a piece that fits, or do the work here")
+
+
+def test_a_subtask_piece_with_more_permission_than_its_creator_is_refused(ws: Workspace, tmp_path: Path) -> None:
+    # the same tools as single, but readonly: single's edit permission would be an escalation
+    tools = ["Read", "Glob", "Grep", "Write", "Edit", "Checklist"]
+    spec = write_script(tmp_path, "more-permission", {"split": [
+        transition("WAIT_SUBTASKS", subtasks=[{"instruction": "Write it", "piece": "single"}]),
+        transition("COMPLETE", summary="did it here"),
+    ]})
+    job = ws.run(ws.submit("Do it", piece=str(_splitter(tmp_path, tools, "readonly")), model=spec))
+    assert job.status == "succeeded" and ws.children(job) == []
+    (refused,) = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["is_error"]]
+    assert refused.startswith("Error: subtasks[0].piece: piece 'single': movement 'work' has permission 'edit', "
+                              "above this step's (step 'split' has tools: Read, Glob, Grep, Write, Edit, Checklist "
+                              "and permission 'readonly')")
+
+
+def test_without_a_piece_every_movement_of_the_parents_own_piece_must_fit(ws: Workspace, tmp_path: Path) -> None:
+    piece = write_piece(tmp_path, "lopsided", {"movements": [
+        {"name": "split", "instruction": "Split.", "tools": ["Read"], "permission": "readonly",
+         "rules": [{"next": "WAIT_SUBTASKS"}, {"next": "finish"}]},
+        {"name": "finish", "instruction": "Finish.", "tools": ["Read", "Write"], "permission": "edit",
+         "rules": [{"next": "COMPLETE"}]},
+    ]})
+    spec = write_script(tmp_path, "own", {
+        "split": [transition("WAIT_SUBTASKS", subtasks=[{"instruction": "Again"}]), transition("finish")],
+        "finish": [transition("COMPLETE")],
+    })
+    job = ws.run(ws.submit("Do it", piece=str(piece), model=spec))
+    assert job.status == "succeeded" and ws.children(job) == []
+    (refused,) = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["is_error"]]
+    assert refused.startswith("Error: subtasks[0].piece: piece 'lopsided': movement 'finish' uses Write, beyond")
+
+
+def test_fan_out_hands_out_single_within_its_rights_and_the_children_keep_the_cap(
+    ws: Workspace, tmp_path: Path
+) -> None:
+    parent = ws.run(ws.submit("Do two parts", piece="fan-out", model=_parent(tmp_path, [
+        {"instruction": "Part one", "piece": "single", "model": _child(tmp_path, "one", "one written")},
+        {"instruction": "Part two", "piece": "single", "model": _child(tmp_path, "two", "two written")},
+    ])))
+    assert parent.status == "succeeded", parent.error
+    kids = ws.children(parent)
+    assert [k.status.value for k in kids] == ["succeeded", "succeeded"]
+    for kid in kids:
+        assert (Path(kid.workdir) / "output" / "part.md").is_file()  # Write ran in the child
+        options = json.loads(ws.store.job(kid.id)["options"])
+        assert options["subtask_cap"] == {"tools": ["Read", "Glob", "Grep", "Write", "Edit", "Checklist"],
+                                          "permission": "edit"}
+
+
+def test_the_childs_loop_refuses_tools_beyond_the_cap_even_if_its_row_names_a_bigger_piece(
+    ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "pieces").mkdir()
+    monkeypatch.chdir(tmp_path)
+    write_piece(tmp_path / "pieces", "reader", {"movements": [
+        {"name": "work", "instruction": "Read.", "tools": ["Read"], "permission": "readonly",
+         "rules": [{"next": "COMPLETE"}]}]})
+    child = write_script(tmp_path, "child", {"work": [
+        call("Write", path="output/escaped.txt", content="out"),
+        call("Edit", path="output/seed.txt", old="a", new="b"),
+        transition("COMPLETE", summary="tried"),
+    ]})
+    spec = write_script(tmp_path, "parent", {"split": [
+        transition("WAIT_SUBTASKS", subtasks=[{"instruction": "Read it", "piece": "reader", "model": child}])]})
+    parent = ws.run(ws.submit("Do it", piece=str(_splitter(tmp_path, ["Read", "Edit"], "readonly")), model=spec),
+                    subtasks=False)
+    (kid,) = ws.children(parent)
+    # the row is changed behind the engine's back: Write and Edit, with edit permission
+    bigger = yaml.safe_dump({"name": "reader", "movements": [
+        {"name": "work", "instruction": "Read.", "tools": ["Read", "Write", "Edit"], "permission": "edit",
+         "rules": [{"next": "COMPLETE"}]}]})
+    with ws.store.transaction() as c:
+        c.execute("UPDATE jobs SET piece_yaml=? WHERE id=?", (bigger, kid.id))
+    (Path(kid.workdir) / "output" / "seed.txt").write_text("a", encoding="utf-8")
+    done = ws.run(kid.id)
+    assert done.status == "succeeded", done.error
+    assert not (Path(kid.workdir) / "output" / "escaped.txt").exists()
+    assert (Path(kid.workdir) / "output" / "seed.txt").read_text(encoding="utf-8") == "a"
+    results = [e.payload for e in ws.events(kid, kinds=["tool_result"])]
+    assert results[0]["is_error"] and results[0]["content"].startswith("Error: tool 'Write' is not available")
+    # Edit is within the creator's tools, but not its permission
+    assert results[1]["content"] == "Error: Edit needs permission 'edit'; this step has 'readonly'"
+    tools_offered = ws.events(kid, kinds=["llm_request"])[0].payload["tools"]
+    assert tools_offered == ["Read", "Edit", "transition"]
+
+
+def test_a_subtask_of_a_real_model_may_not_name_a_script_or_another_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = write_script(tmp_path, "planted", {"work": [transition("COMPLETE")]})
+    with OpenAIServer() as server:
+        server.play(
+            reply(tool_calls=[("transition", {"next_step": "WAIT_SUBTASKS", "subtasks": [
+                {"instruction": "x", "piece": "single", "model": script}]})]),
+            reply(tool_calls=[("transition", {"next_step": "WAIT_SUBTASKS", "subtasks": [
+                {"instruction": "x", "piece": "single", "model": "replay:1"}]})]),
+            reply(tool_calls=[("transition", {"next_step": "WAIT_SUBTASKS", "subtasks": [
+                {"instruction": "own model", "piece": "single", "model": "openai:loopback-model"},
+                {"instruction": "plain spec", "piece": "single", "model": "demo"},
+                {"instruction": "inherited", "piece": "single"}]})]),
+        )
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "0")
+        ws = Workspace(tmp_path / "ws")
+        job = ws.run(ws.submit("Split", piece="fan-out", model="openai:loopback-model"), subtasks=False)
+    assert job.status == "waiting_subtasks", job.error
+    refused = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["is_error"]]
+    allowed = "allowed: this job's own model (openai:loopback-model), demo or openai:<model>"
+    assert refused == [f"Error: subtasks[0].model: {script!r} names a file or another job; {allowed}",
+                       f"Error: subtasks[0].model: 'replay:1' names a file or another job; {allowed}"]
+    assert [k.model for k in ws.children(job)] == ["openai:loopback-model", "demo", "openai:loopback-model"]

@@ -114,8 +114,8 @@ def test_git_excerpt_reports_a_clean_tree(
     monkeypatch.setenv("GIT_DIR", str(tmp_path / "elsewhere"))
     spec = write_script(tmp_path, "clean", {
         "plan": [transition("implement")],
-        "implement": [transition("verify"), transition("COMPLETE", summary="nothing to change")],
-        "verify": [transition("implement", feedback="Look again.")],
+        "implement": [transition("verify"), transition("verify", summary="nothing to change")],
+        "verify": [transition("implement", feedback="Look again."), transition("COMPLETE")],
     })
     job = ws.run(ws.submit("Check", piece="plan-implement-verify", model=spec, workdir=repo))
     assert job.status == "succeeded"
