@@ -52,6 +52,7 @@ def test_a_reset_file_is_migrated_again(tmp_path: Path) -> None:
     raw.execute("DROP TABLE movements")
     raw.execute("DROP TABLE comments")
     raw.execute("DROP TABLE jobs")
+    raw.execute("DROP TABLE texts")
     raw.commit()
     raw.close()
     store = Store(path)
@@ -69,6 +70,9 @@ def _claim_all(path: str, barrier: "mp.synchronize.Barrier", out: "mp.Queue[list
             break
         got.append(int(row["id"]))
     out.put(got)
+    # Stay alive until every process has finished claiming: a process that has exited owns nothing, so
+    # the others would rightly take its running jobs over (even while it waits, unreaped, as a zombie).
+    barrier.wait()
 
 
 def _claim_one(path: str, job_ids: list[int], barrier: "mp.synchronize.Barrier", out: "mp.Queue[list[int]]") -> None:
@@ -79,6 +83,7 @@ def _claim_one(path: str, job_ids: list[int], barrier: "mp.synchronize.Barrier",
         if store.claim(job_id) is not None:
             got.append(job_id)
     out.put(got)
+    barrier.wait()  # see _claim_all
 
 
 def _ctx() -> "mp.context.BaseContext":
