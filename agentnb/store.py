@@ -152,14 +152,18 @@ def _header_problem(path: Path) -> str | None:
     page_size = 65536 if page_size == 1 else page_size
     pages = int.from_bytes(head[28:32], "big")
     counter_valid = head[24:28] == head[92:96]
-    wal = Path(f"{path}-wal")
-    wal_holds_pages = wal.exists() and wal.stat().st_size > 32
+    wal_holds_pages = _wal_holds_pages(path)
     if page_size < 512 or page_size & (page_size - 1):
         return f"{path} is damaged (its header names a page size of {page_size}): " + _SALVAGE.format(path=path)
     if counter_valid and pages and size < pages * page_size and not wal_holds_pages:
         return (f"{path} is truncated ({size:,} bytes; its header says {pages * page_size:,}): "
                 + _SALVAGE.format(path=path))
     return None
+
+
+def _wal_holds_pages(path: Path) -> bool:
+    wal = Path(f"{path}-wal")
+    return wal.exists() and wal.stat().st_size > 32  # more than the WAL header: frames not yet checkpointed
 
 
 def _writable(path: Path) -> bool:
@@ -301,6 +305,11 @@ class Store:
             # writer has closed there is nothing in a WAL to miss, and immutable reads the file as it is.
             if _writable(self.path.parent):
                 raise
+            if _wal_holds_pages(self.path):
+                raise StoreError(
+                    f"{self.path}: the last transactions are in {self.path.name}-wal, which cannot be read in a "
+                    "read-only folder without its -shm index: copy the workspace somewhere writable to read it"
+                ) from None
             conn = self._connect_uri(f"{uri}?mode=ro&immutable=1")
         try:
             version = self._check_version(conn)
@@ -375,21 +384,37 @@ class Store:
             if self.readonly:
                 raise StoreError(f"{self.path} was opened read-only: open it with Store(path) or "
                                  "Workspace(path) to change jobs")
-            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.DatabaseError as exc:
+                self._damage(exc)
+                raise
             self._depth = 1
             try:
                 yield self.conn
-            except BaseException:
-                self._depth = 0
-                self.conn.execute("ROLLBACK")
-                raise
-            else:
                 self._depth = 0
                 self.conn.execute("COMMIT")
+            except BaseException as exc:
+                self._depth = 0
+                # SQLite has already rolled back after some errors (a full disk, I/O): a second ROLLBACK
+                # would fail and hide the first error
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                self._damage(exc)
+                raise
+
+    def _damage(self, exc: BaseException) -> None:
+        """Raise a damaged file (SQLite's plain DatabaseError: corrupt, not a database) as a one-line StoreError."""
+        if type(exc) is sqlite3.DatabaseError:
+            raise StoreError(describe_error(exc, self.path)) from exc
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
         with self._lock:
-            return self.conn.execute(sql, params).fetchall()
+            try:
+                return self.conn.execute(sql, params).fetchall()
+            except sqlite3.DatabaseError as exc:
+                self._damage(exc)
+                raise
 
     def close(self) -> None:
         with self._lock:
@@ -606,9 +631,14 @@ class Store:
             sql += " AND movement_seq=?"
             params.append(movement_seq)
         with self._lock:
-            cur = self.conn.execute(sql + " ORDER BY id", params)
-            cur.row_factory = None  # type: ignore[assignment]
-            return [event_from_row(self._expand(r) if r[5] in _REF_FIELDS else r) for r in cur.fetchall()]
+            try:
+                cur = self.conn.execute(sql + " ORDER BY id", params)
+                cur.row_factory = None  # type: ignore[assignment]
+                rows = cur.fetchall()
+            except sqlite3.DatabaseError as exc:
+                self._damage(exc)
+                raise
+            return [event_from_row(self._expand(r) if r[5] in _REF_FIELDS else r) for r in rows]
 
     def _expand(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
         """An event row with the texts its payload refers to put back, as it was recorded."""
