@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Terminated as exc:
-        print("agentnb: stopped by SIGTERM; a job it was running is queued again", file=sys.stderr)
+        print("agentnb: stopped by SIGTERM; any job it was running is queued again", file=sys.stderr)
         return int(exc.code or 143)
     except BrokenPipeError:
         # `agentnb jobs | head`: the reader went away; no traceback, and none at exit either

@@ -53,7 +53,6 @@ _JOB_COLUMNS = (
     "error", "claimed_by", "created", "updated", "started", "ended",
 )
 _UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created"}
-_REF_COLUMNS = ("instruction_ref", "enriched_ref")
 
 # An event row waiting to be written: (job_id, movement_seq, iteration, ts, kind, payload)
 PendingEvent = tuple[int, "int | None", "int | None", float, str, dict[str, Any]]
@@ -508,22 +507,23 @@ class Store:
         return ref
 
     def _text(self, ref: str) -> str:
-        body = self._texts.get(ref)
-        if body is None:
-            with self._lock:
+        with self._lock:
+            body = self._texts.get(ref)
+            if body is None:
                 row = self.conn.execute("SELECT body FROM texts WHERE hash=?", (ref,)).fetchone()
-            if row is None:
-                raise StoreError(f"{self.path} is damaged: text {ref[:12]}… that a job refers to is missing; "
-                                 + _SALVAGE.format(path=self.path))
-            body = row[0]
-            self._remember(ref, body)
-        return body
+                if row is None:
+                    raise StoreError(f"{self.path} is damaged: text {ref[:12]}… that a job refers to is missing; "
+                                     + _SALVAGE.format(path=self.path))
+                body = row[0]
+                self._remember(ref, body)
+            return body
 
     def _remember(self, ref: str, body: str) -> None:
         # texts never change (a hash names each), so a few are kept: Store.job runs once per step
-        if len(self._texts) >= 8:
-            self._texts.pop(next(iter(self._texts)))
-        self._texts[ref] = body
+        with self._lock:
+            if len(self._texts) >= 8:
+                self._texts.pop(next(iter(self._texts)))
+            self._texts[ref] = body
 
     def _job_dict(self, row: sqlite3.Row) -> dict[str, Any]:
         job = dict(row)
