@@ -102,8 +102,8 @@ def describe_error(exc: BaseException, path: str | os.PathLike[str]) -> str:
     msg = " ".join(str(exc).split())
     low = msg.lower()
     if isinstance(exc, sqlite3.IntegrityError):
-        return (f"{path} refused a change ({msg}), which was not made: agentnb makes no such constraint, "
-                "so look for triggers or indexes added to the store by hand")
+        return (f"{path} refused a change ({msg}), which was not made: the store holds rows, indexes or triggers "
+                "that agentnb did not write; undo what was changed in it by hand, or restore it from a backup")
     if "not a database" in low:
         return f"{path} is not an agentnb store (not a SQLite database): move it aside, or use another workspace folder"
     if "malformed" in low or "corrupt" in low:

@@ -154,7 +154,7 @@ def test_a_constraint_error_is_one_line_and_writes_nothing(tmp_path: Path) -> No
     raw.close()
     before = digest(db)
     out = cli(tmp_path, "--workspace", "ws", "run", "--piece", "single", "--model", "demo", "Another")
-    one_error_line(out, "refused a change (UNIQUE constraint failed: jobs.model)", "by hand")
+    one_error_line(out, "refused a change (UNIQUE constraint failed: jobs.model)", "changed in it by hand")
     assert digest(db) == before
     assert not (tmp_path / "ws" / "jobs" / "3").exists()
 
