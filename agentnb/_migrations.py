@@ -69,4 +69,16 @@ MIGRATIONS: list[str] = [
     CREATE INDEX events_job ON events(job_id, id);
     CREATE INDEX events_kind ON events(kind, job_id);
     """,
+    # 2: large texts stored once (issue 11, item 14).  A job's instruction of TEXT_REF_MIN_CHARS or more
+    # lives in `texts`; `jobs.instruction` then holds the placeholder and `instruction_ref` its hash.
+    # Where the instruction recurs inside `jobs.enriched` (`enriched_ref`) or a `movement_start`'s
+    # `user` (payload key `_texts`), the placeholder stands for it.  Store.job/jobs/events expand them.
+    """
+    CREATE TABLE texts (
+        hash TEXT PRIMARY KEY,
+        body TEXT NOT NULL
+    );
+    ALTER TABLE jobs ADD COLUMN instruction_ref TEXT REFERENCES texts(hash);
+    ALTER TABLE jobs ADD COLUMN enriched_ref TEXT REFERENCES texts(hash)
+    """,
 ]

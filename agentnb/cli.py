@@ -1,8 +1,9 @@
 """The ``agentnb`` command: the Workspace operations for terminals and scripts.
 
 Exit codes of ``run``: 0 when the job succeeded or waits for a human, 1 when it
-failed or was aborted, 2 on a usage, piece or model-spec error (one line on
-stderr, no traceback).
+failed or was aborted, 2 on a usage, piece, model-spec or store error (one line on
+stderr, no traceback), 130 after Ctrl-C and 143 after SIGTERM (the running job is
+queued again).  ``jobs``, ``show`` and ``export`` open the store read-only.
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 from .models import ModelSpecError
 from .pieces import PieceError, available_pieces
-from .store import StoreError
+from .store import StoreError, describe_error
+from .worker import Terminated, sigterm_interrupts
 
 __all__ = ["main"]
 
@@ -32,10 +35,14 @@ class _Parser(argparse.ArgumentParser):
         raise _Usage(f"{sub}: {message}" if sub else message)
 
 
-def _workspace(args: argparse.Namespace) -> Any:
+def _folder(args: argparse.Namespace) -> Path:
+    return Path(getattr(args, "workspace", None) or os.environ.get("AGENTNB_WORKSPACE") or "agentnb-data")
+
+
+def _workspace(args: argparse.Namespace, *, readonly: bool = False) -> Any:
     from .workspace import Workspace
 
-    return Workspace(args.workspace or os.environ.get("AGENTNB_WORKSPACE") or "agentnb-data")
+    return Workspace(_folder(args), readonly=readonly)
 
 
 def _tokens(ws: Any, job_id: int) -> int:
@@ -108,7 +115,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    ws = _workspace(args)
+    ws = _workspace(args, readonly=True)
     jobs = ws.jobs()
     if args.json:
         print(json.dumps([{k: getattr(j, k) for k in ("id", "parent_id", "piece", "model", "status", "error")}
@@ -125,7 +132,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    ws = _workspace(args)
+    ws = _workspace(args, readonly=True)
     job = ws.job(args.job)
     if args.events:
         for ev in ws.events(job):
@@ -153,7 +160,7 @@ def cmd_reply(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    ws = _workspace(args)
+    ws = _workspace(args, readonly=True)
     path = ws.export_notebook(args.job, args.path)
     print(path)
     return 0
@@ -218,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    args = argparse.Namespace()
     try:
         args = parser.parse_args(argv)
         if getattr(args, "fn", None) is None:
@@ -225,18 +233,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if not hasattr(args, "workspace"):
             args.workspace = None
-        return int(args.fn(args))
-    except (_Usage, PieceError, ModelSpecError, StoreError, ValueError, FileNotFoundError) as exc:
-        print(f"agentnb: error: {exc}", file=sys.stderr)
-        return 2
+        with sigterm_interrupts():
+            return int(args.fn(args))
+    except (_Usage, PieceError, ModelSpecError, StoreError, ValueError) as exc:
+        return _error(" ".join(str(exc).split()))
     except KeyboardInterrupt:
         return 130
+    except Terminated as exc:
+        print("agentnb: stopped by SIGTERM; any job it was running is queued again", file=sys.stderr)
+        return int(exc.code or 143)
     except BrokenPipeError:
         # `agentnb jobs | head`: the reader went away; no traceback, and none at exit either
         # (the way the Python docs advise: point stdout at devnull before the interpreter flushes it)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
+    except (sqlite3.Error, OSError) as exc:
+        # a damaged, locked or read-only store, a full disk, a path that is a file: one line, not a traceback
+        return _error(describe_error(exc, Path(os.path.abspath(_folder(args))) / "agentnb.sqlite"))
+
+
+def _error(message: str) -> int:
+    print(f"agentnb: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

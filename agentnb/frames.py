@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import pandas as pd
 
 from .context import ACTIONS
-from .store import JOB_STATES
+from .store import JOB_STATES, instruction_sql, payload_text_sql
 from .tools import ToolError, unlinked_path
 
 if TYPE_CHECKING:
@@ -198,7 +198,8 @@ ORDER BY e.job_id, e.id
 """
 
 _JOBS_SQL = f"""
-SELECT j.id AS job, j.parent_id AS parent, j.piece, j.model, j.status, j.instruction, j.current_movement,
+SELECT j.id AS job, j.parent_id AS parent, j.piece, j.model, j.status, {instruction_sql('j')} AS instruction,
+       j.current_movement,
        (SELECT COUNT(*) FROM movements mv WHERE mv.job_id = j.id) AS movements,
        COALESCE(a.llm_calls, 0) AS llm_calls,
        (SELECT COUNT(*) FROM events t WHERE t.kind = 'tool_call' AND t.job_id = j.id) AS tool_calls,
@@ -252,7 +253,7 @@ SELECT * FROM (
            {_jx('e', 'system')} AS content, 0 AS part
     FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'movement_start'{{job_e}}
     UNION ALL
-    SELECT {_EVENT_HEAD}, 'user', e.kind, NULL, NULL, {_jx('e', 'user')}, 1
+    SELECT {_EVENT_HEAD}, 'user', e.kind, NULL, NULL, {payload_text_sql('e', 'user')}, 1
     FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'movement_start'{{job_e}}
     UNION ALL
     SELECT {_EVENT_HEAD}, 'assistant', e.kind,

@@ -129,6 +129,16 @@ class Model(Protocol):
 # Scripted
 
 
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
+    """One line for a script that is not YAML: file:line:column, what is wrong, and in what."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(exc, "problem", None) or str(exc)
+    context = getattr(exc, "context", None)
+    what = f"{problem} ({context})" if context else problem
+    return " ".join(f"{where}: not valid YAML: {what}".split())
+
+
 def _parse_response(item: Any, where: str) -> ModelResponse:
     if not isinstance(item, Mapping):
         raise ModelSpecError(f"{where}: each response must be a mapping with content and/or tool_calls")
@@ -170,7 +180,7 @@ class ScriptedModel:
             try:
                 script = _load_script_yaml(path.read_text(encoding="utf-8")) or {}
             except yaml.YAMLError as exc:
-                raise ModelSpecError(f"{path}: not valid YAML: {exc}") from None
+                raise ModelSpecError(_yaml_error(path, exc)) from None
         if not isinstance(script, Mapping) or not ({"responses", "movements"} & set(script)):
             raise ModelSpecError(f"{source}: a script needs 'responses' (a list) or 'movements' (name → list)")
         self.spec = spec or f"scripted:{source}"

@@ -3,10 +3,16 @@
 One connection per :class:`Store`, WAL mode, one transaction per write.  All
 writes go through :meth:`Store.transaction` (``BEGIN IMMEDIATE``), so claiming a
 job is atomic across processes: two workers can never run the same job.
+
+A store that cannot be used (not a database, truncated, newer than this code, not
+writable) is refused on open with a :class:`StoreError` naming what is wrong and what
+to do, before anything is written.  ``Store(path, readonly=True)`` only reads.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import socket
@@ -21,7 +27,21 @@ from typing import Any, Iterable, Iterator, Sequence
 from ._migrations import MIGRATIONS
 from .events import EVENT_KINDS, Event, event_from_row
 
-__all__ = ["Store", "StoreError", "TERMINAL_STATES", "WAITING_STATES", "JOB_STATES"]
+__all__ = [
+    "Store", "StoreError", "TERMINAL_STATES", "WAITING_STATES", "JOB_STATES", "SCHEMA_VERSION",
+    "TEXT_REF", "TEXT_REF_MIN_CHARS", "describe_error", "instruction_sql", "payload_text_sql",
+]
+
+SCHEMA_VERSION = len(MIGRATIONS)
+
+# A job's instruction this long or longer is stored once, in `texts`; elsewhere (the enriched instruction,
+# each movement's user prompt) TEXT_REF stands for it.  Shorter ones are stored as they are: copies of a
+# few kB cost less than the indirection.
+TEXT_REF_MIN_CHARS = 4096
+TEXT_REF = "\u27e6agentnb:text\u27e7"  # ⟦agentnb:text⟧
+# event kind → payload keys in which the job's instruction is replaced by TEXT_REF
+_REF_FIELDS: dict[str, tuple[str, ...]] = {"movement_start": ("user",)}
+_SQLITE_MAGIC = b"SQLite format 3\x00"
 
 JOB_STATES = ("queued", "running", "succeeded", "failed", "aborted", "waiting_human", "waiting_subtasks")
 TERMINAL_STATES = frozenset({"succeeded", "failed", "aborted"})
@@ -69,7 +89,98 @@ _dumps = _fast_dumps()
 
 
 class StoreError(RuntimeError):
-    """A store operation that cannot be done (unknown job, wrong state, …)."""
+    """A store operation that cannot be done (unknown job, wrong state, unusable file, …)."""
+
+
+_SALVAGE = "restore it from a backup, or move it aside and save what is left with: sqlite3 {path} .recover"
+
+
+def describe_error(exc: BaseException, path: str | os.PathLike[str]) -> str:
+    """One line saying what is wrong with the store at ``path`` and what to do, for an error met using it."""
+    if isinstance(exc, StoreError):
+        return str(exc)
+    msg = " ".join(str(exc).split())
+    low = msg.lower()
+    if isinstance(exc, sqlite3.IntegrityError):
+        return (f"{path} refused a change ({msg}), which was not made: the store holds rows, indexes or triggers "
+                "that agentnb did not write; undo what was changed in it by hand, or restore it from a backup")
+    if "not a database" in low:
+        return f"{path} is not an agentnb store (not a SQLite database): move it aside, or use another workspace folder"
+    if "malformed" in low or "corrupt" in low:
+        return f"{path} is damaged ({msg}): " + _SALVAGE.format(path=path)
+    if "readonly" in low or "read-only" in low:
+        return (f"{path} cannot be written ({msg}): make it and its folder writable; reading still works "
+                "(agentnb jobs, show, export; Workspace(path, readonly=True))")
+    if "locked" in low or "busy" in low:
+        return f"{path} is locked by another process ({msg}): try again when it has finished"
+    if "disk is full" in low or "disk full" in low:
+        return f"{path}: the disk is full ({msg}): free some space and try again"
+    if "unable to open" in low:
+        return f"cannot open {path} ({msg}): check that its folder exists and can be read and written"
+    if isinstance(exc, OSError):
+        if exc.strerror is None:  # raised with a message of its own
+            return msg
+        hint = {
+            errno.EACCES: "check its permissions", errno.EPERM: "check its permissions",
+            errno.EROFS: "it is on a read-only file system", errno.ENOSPC: "free some space and try again",
+            errno.ENOTDIR: "a part of the path is a file, not a folder", errno.EISDIR: "it is a folder",
+            errno.ENOENT: "check the path",
+        }.get(exc.errno or 0, "check the path and its permissions")
+        return f"{exc.filename or path}: {exc.strerror}: {hint}"
+    return f"{path}: {msg}"
+
+
+def _header_problem(path: Path) -> str | None:
+    """What is wrong with the first 100 bytes of an existing store file, read without SQLite (nothing written).
+
+    SQLite only notices a truncated file when a query reaches a missing page; the header's page
+    count finds it on open.  A file shorter than its header says is normal while a WAL still holds
+    the rest (a checkpoint cut short), so a non-empty ``-wal`` file is left for SQLite to recover.
+    """
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return None  # SQLite makes an empty file a new database
+        with open(path, "rb") as f:
+            head = f.read(100)
+    except OSError as exc:
+        return describe_error(exc, path)
+    if len(head) < 100 or not head.startswith(_SQLITE_MAGIC):
+        return f"{path} is not an agentnb store (not a SQLite database): move it aside, or use another workspace folder"
+    page_size = int.from_bytes(head[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(head[28:32], "big")
+    counter_valid = head[24:28] == head[92:96]
+    wal_holds_pages = _wal_holds_pages(path)
+    if page_size < 512 or page_size & (page_size - 1):
+        return f"{path} is damaged (its header names a page size of {page_size}): " + _SALVAGE.format(path=path)
+    if counter_valid and pages and size < pages * page_size and not wal_holds_pages:
+        return (f"{path} is truncated ({size:,} bytes; its header says {pages * page_size:,}): "
+                + _SALVAGE.format(path=path))
+    return None
+
+
+def _wal_holds_pages(path: Path) -> bool:
+    wal = Path(f"{path}-wal")
+    return wal.exists() and wal.stat().st_size > 32  # more than the WAL header: frames not yet checkpointed
+
+
+def _writable(path: Path) -> bool:
+    # os.access asks the kernel, so it answers for root (which ignores file modes) and for read-only mounts alike
+    return os.access(path, os.W_OK)
+
+
+def instruction_sql(alias: str) -> str:
+    """SQL for the instruction of job row ``alias`` (stored once in ``texts`` when it is long)."""
+    return (f"COALESCE((SELECT t.body FROM texts t WHERE t.hash = {alias}.instruction_ref), {alias}.instruction)")
+
+
+def payload_text_sql(alias: str, key: str) -> str:
+    """SQL for payload ``key`` of event row ``alias`` as :meth:`Store.events` returns it (references expanded)."""
+    value = f"json_extract({alias}.payload, '$.{key}')"
+    ref = f"json_extract({alias}.payload, '$._texts.{key}')"
+    return (f"(CASE WHEN {ref} IS NULL THEN {value} ELSE replace({value}, '{TEXT_REF}', "
+            f"(SELECT t.body FROM texts t WHERE t.hash = {ref})) END)")
 
 
 def owner_id() -> str:
@@ -85,49 +196,178 @@ def _owner_is_gone(owner: str | None) -> bool:
     pid_text = rest.split(":", 1)[0]
     if host != socket.gethostname() or not pid_text.isdigit() or int(pid_text) == os.getpid():
         return False
+    pid = int(pid_text)
     try:
-        os.kill(int(pid_text), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except OSError:  # exists but belongs to someone else
-        return False
-    return False
+        pass
+    # A process that has exited but whose parent has not reaped it yet (a zombie) still answers kill(pid, 0);
+    # it will never run again, and its parent may never reap it.
+    return _process_state(pid) in ("Z", "X")
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (R, S, D, Z, …), or None where there is no /proc to ask."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return "X" if os.path.isdir("/proc/self") else None  # gone between the two looks, or no /proc here
+    except OSError:
+        return None
+    # "pid (comm) S …": comm may hold spaces and parentheses, so the state follows the last ')'
+    fields = stat[stat.rfind(b")") + 1:].split()
+    return fields[0].decode("ascii", "replace") if fields else None
 
 
 class Store:
-    """Access to one ``agentnb.sqlite`` file."""
+    """Access to one ``agentnb.sqlite`` file.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    ``readonly=True`` opens it for reading only and never writes a byte: a read-only folder
+    or mount works, and a missing file reads as an empty store (nothing is created).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, readonly: bool = False) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.readonly = readonly
         self._lock = threading.RLock()
         self._depth = 0
-        self.conn = sqlite3.connect(
-            str(self.path), isolation_level=None, check_same_thread=False, timeout=30.0
-        )
+        self._texts: dict[str, str] = {}
+        try:
+            self.conn = self._open_readonly() if readonly else self._open()
+        except sqlite3.Error as exc:
+            raise StoreError(describe_error(exc, self.path)) from None
         self.conn.row_factory = sqlite3.Row
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        # NORMAL is durable across application crashes in WAL mode; only an OS
-        # crash can lose the last transactions.
-        self.conn.execute("PRAGMA synchronous=NORMAL")
-        # Commits never fsync in this mode; checkpoints do (WAL, then the database: ~3 fsyncs of
-        # ~4 ms each here).  At SQLite's default of 1,000 pages a busy job checkpointed every ~170
-        # LLM calls, which was a third of the per-call overhead in benchmarks/overhead.py.  10,000
-        # pages (a WAL of up to ~40 MB) makes that 10x rarer; durability is unchanged.
-        self.conn.execute("PRAGMA wal_autocheckpoint=10000")
-        self.conn.execute("PRAGMA foreign_keys=ON")
-        self.conn.execute("PRAGMA busy_timeout=30000")
+
+    # -- opening ------------------------------------------------------------
+    def _open(self) -> sqlite3.Connection:
+        folder = self.path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise StoreError(f"cannot make the folder {folder}: a file of that name is in the way") from None
+        except NotADirectoryError:
+            raise StoreError(f"cannot make the folder {folder}: a part of that path is a file") from None
+        except OSError as exc:
+            raise StoreError(f"cannot make the folder {folder}: {exc.strerror or exc}") from None
+        if self.path.is_dir():
+            raise StoreError(f"{self.path} is a folder, not a store file: move it aside")
+        if self.path.exists():
+            problem = _header_problem(self.path)
+            if problem:
+                raise StoreError(problem)
+        # Refused here, not at the first write: a read-only store must not half-open and then fail mid-job.
+        # The folder must be writable too, for the WAL and its index.
+        for where, what in ((self.path, "the file"), (folder, f"its folder {folder}")):
+            if where.exists() and not _writable(where):
+                raise StoreError(
+                    f"{self.path} cannot be written ({what} is read-only): make it writable to run or change "
+                    "jobs; reading works as it is (agentnb jobs/show/export, Workspace(path, readonly=True))"
+                )
+        conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=30.0)
+        try:
+            # before anything that could write: the version check must see the file as it was
+            self._check_version(conn)
+            conn.execute("PRAGMA journal_mode=WAL")
+            # NORMAL is durable across application crashes in WAL mode; only an OS
+            # crash can lose the last transactions.
+            conn.execute("PRAGMA synchronous=NORMAL")
+            # Commits never fsync in this mode; checkpoints do (WAL, then the database: ~3 fsyncs of
+            # ~4 ms each here).  At SQLite's default of 1,000 pages a busy job checkpointed every ~170
+            # LLM calls, which was a third of the per-call overhead in benchmarks/overhead.py.  10,000
+            # pages (a WAL of up to ~40 MB) makes that 10x rarer; durability is unchanged.
+            conn.execute("PRAGMA wal_autocheckpoint=10000")
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.execute("PRAGMA busy_timeout=30000")
+            self.conn = conn
+            self._migrate()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _open_readonly(self) -> sqlite3.Connection:
+        if not self.path.exists():
+            return self._empty()
+        if self.path.is_dir():
+            raise StoreError(f"{self.path} is a folder, not a store file: move it aside")
+        problem = _header_problem(self.path)
+        if problem:
+            raise StoreError(problem)
+        uri = self.path.resolve().as_uri()
+        try:
+            conn = self._connect_uri(f"{uri}?mode=ro")
+        except sqlite3.OperationalError:
+            # A WAL store needs its -shm index, which cannot be made in a read-only folder; once every
+            # writer has closed there is nothing in a WAL to miss, and immutable reads the file as it is.
+            if _writable(self.path.parent):
+                raise
+            if _wal_holds_pages(self.path):
+                raise StoreError(
+                    f"{self.path}: the last transactions are in {self.path.name}-wal, which cannot be read in a "
+                    "read-only folder without its -shm index: copy the workspace somewhere writable to read it"
+                ) from None
+            conn = self._connect_uri(f"{uri}?mode=ro&immutable=1")
+        try:
+            version = self._check_version(conn)
+            if version == 0 and not conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall():
+                conn.close()
+                return self._empty()  # an empty file: no jobs yet
+            if version < SCHEMA_VERSION:
+                if not (_writable(self.path) and _writable(self.path.parent)):
+                    raise StoreError(
+                        f"{self.path} has schema version {version}, older than this agentnb's {SCHEMA_VERSION}, "
+                        "and cannot be upgraded because it is read-only: open it once where it is writable"
+                    )
+                conn.close()
+                Store(self.path).close()  # upgrade it, as any writer would, then read
+                conn = self._connect_uri(f"{uri}?mode=ro")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @staticmethod
+    def _connect_uri(uri: str) -> sqlite3.Connection:
+        conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False, timeout=30.0)
+        try:
+            conn.execute("PRAGMA busy_timeout=30000")
+            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # opening is lazy: make it happen now
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _empty(self) -> sqlite3.Connection:
+        """An in-memory store with the current schema: what a missing file reads as."""
+        self.conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
         self._migrate()
+        return self.conn
+
+    def _check_version(self, conn: sqlite3.Connection) -> int:
+        version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path} has schema version {version}, newer than this agentnb's {SCHEMA_VERSION}: "
+                "it was written by a newer agentnb; upgrade agentnb to open it (nothing was changed)"
+            )
+        return version
 
     # -- plumbing ---------------------------------------------------------
     def _migrate(self) -> None:
-        with self.transaction() as c:
-            version = c.execute("PRAGMA user_version").fetchone()[0]
-            for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
-                for statement in script.split(";"):
-                    if statement.strip():
-                        c.execute(statement)
-                c.execute(f"PRAGMA user_version={number}")
+        readonly, self.readonly = self.readonly, False  # the in-memory store of a read-only open is built too
+        try:
+            with self.transaction() as c:
+                version = c.execute("PRAGMA user_version").fetchone()[0]
+                for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
+                    for statement in script.split(";"):
+                        if statement.strip():
+                            c.execute(statement)
+                    c.execute(f"PRAGMA user_version={number}")
+        finally:
+            self.readonly = readonly
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -140,21 +380,40 @@ class Store:
                 finally:
                     self._depth -= 1
                 return
-            self.conn.execute("BEGIN IMMEDIATE")
+            if self.readonly:
+                raise StoreError(f"{self.path} was opened read-only: open it with Store(path) or "
+                                 "Workspace(path) to change jobs")
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.DatabaseError as exc:
+                self._damage(exc)
+                raise
             self._depth = 1
             try:
                 yield self.conn
-            except BaseException:
-                self._depth = 0
-                self.conn.execute("ROLLBACK")
-                raise
-            else:
                 self._depth = 0
                 self.conn.execute("COMMIT")
+            except BaseException as exc:
+                self._depth = 0
+                # SQLite has already rolled back after some errors (a full disk, I/O): a second ROLLBACK
+                # would fail and hide the first error
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                self._damage(exc)
+                raise
+
+    def _damage(self, exc: BaseException) -> None:
+        """Raise a damaged file (SQLite's plain DatabaseError: corrupt, not a database) as a one-line StoreError."""
+        if type(exc) is sqlite3.DatabaseError:
+            raise StoreError(describe_error(exc, self.path)) from exc
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
         with self._lock:
-            return self.conn.execute(sql, params).fetchall()
+            try:
+                return self.conn.execute(sql, params).fetchall()
+            except sqlite3.DatabaseError as exc:
+                self._damage(exc)
+                raise
 
     def close(self) -> None:
         with self._lock:
@@ -168,9 +427,10 @@ class Store:
         values.setdefault("updated", now)
         if isinstance(values.get("options"), dict):
             values["options"] = _dumps(values["options"])
-        cols = ", ".join(values)
-        marks = ", ".join("?" for _ in values)
         with self.transaction() as c:
+            self._ref_instruction(c, values)
+            cols = ", ".join(values)
+            marks = ", ".join("?" for _ in values)
             cur = c.execute(f"INSERT INTO jobs ({cols}) VALUES ({marks})", tuple(values.values()))
             job_id = int(cur.lastrowid)  # type: ignore[arg-type]
             self._append(c, [(job_id, None, None, now, "job_status", {"status": values["status"], "reason": "submitted"})])
@@ -180,7 +440,7 @@ class Store:
         rows = self.query("SELECT * FROM jobs WHERE id=?", (job_id,))
         if not rows:
             raise StoreError(f"no job {job_id} in {self.path}")
-        return dict(rows[0])
+        return self._job_dict(rows[0])
 
     def jobs(self, status: str | None = None, parent_id: int | None = None) -> list[dict[str, Any]]:
         sql, params = "SELECT * FROM jobs", []
@@ -193,15 +453,86 @@ class Store:
             params.append(parent_id)
         if where:
             sql += " WHERE " + " AND ".join(where)
-        return [dict(r) for r in self.query(sql + " ORDER BY id", params)]
+        return [self._job_dict(r) for r in self.query(sql + " ORDER BY id", params)]
 
     def update_job(self, c: sqlite3.Connection, job_id: int, **values: Any) -> None:
         bad = set(values) - _UPDATABLE
         if bad:
             raise StoreError(f"cannot update job columns {sorted(bad)}")
         values["updated"] = time.time()
+        if "instruction" in values:
+            self._ref_instruction(c, values)
+        if "enriched" in values:
+            self._ref_enriched(c, job_id, values)
         sets = ", ".join(f"{k}=?" for k in values)
         c.execute(f"UPDATE jobs SET {sets} WHERE id=?", (*values.values(), job_id))
+
+    # -- large texts, stored once ---------------------------------------------
+    # Rewriting a jobs row rewrites all of it: with a long instruction inline, every status change
+    # copied it into the WAL again.  In `texts` it is written once and never touched again.
+    def _ref_instruction(self, c: sqlite3.Connection, values: dict[str, Any]) -> None:
+        text = values.get("instruction")
+        values["instruction_ref"] = None
+        if isinstance(text, str) and len(text) >= TEXT_REF_MIN_CHARS:
+            values["instruction_ref"] = self._put_text(c, text)
+            values["instruction"] = TEXT_REF
+
+    def _ref_enriched(self, c: sqlite3.Connection, job_id: int, values: dict[str, Any]) -> None:
+        values["enriched_ref"] = None
+        ref = self._instruction_ref(c, job_id)
+        if ref is not None:
+            replaced = self._replace(values["enriched"], ref)
+            if replaced is not None:
+                values["enriched"], values["enriched_ref"] = replaced, ref
+
+    def _instruction_ref(self, c: sqlite3.Connection, job_id: int) -> str | None:
+        row = c.execute("SELECT instruction_ref FROM jobs WHERE id=?", (job_id,)).fetchone()
+        return row[0] if row else None
+
+    def _replace(self, value: Any, ref: str) -> str | None:
+        """``value`` with the text ``ref`` replaced by TEXT_REF, or None when it cannot be (or need not be).
+
+        A value that already holds TEXT_REF is kept as it is: on reading, every TEXT_REF in a
+        referencing value is expanded, so it must hold none of its own.
+        """
+        if not isinstance(value, str) or TEXT_REF in value:
+            return None
+        body = self._text(ref)
+        return value.replace(body, TEXT_REF) if body in value else None
+
+    def _put_text(self, c: sqlite3.Connection, body: str) -> str:
+        ref = hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()
+        c.execute("INSERT OR IGNORE INTO texts (hash, body) VALUES (?, ?)", (ref, body))
+        self._remember(ref, body)
+        return ref
+
+    def _text(self, ref: str) -> str:
+        with self._lock:
+            body = self._texts.get(ref)
+            if body is None:
+                row = self.conn.execute("SELECT body FROM texts WHERE hash=?", (ref,)).fetchone()
+                if row is None:
+                    raise StoreError(f"{self.path} is damaged: text {ref[:12]}… that a job refers to is missing; "
+                                     + _SALVAGE.format(path=self.path))
+                body = row[0]
+                self._remember(ref, body)
+            return body
+
+    def _remember(self, ref: str, body: str) -> None:
+        # texts never change (a hash names each), so a few are kept: Store.job runs once per step
+        with self._lock:
+            if len(self._texts) >= 8:
+                self._texts.pop(next(iter(self._texts)))
+            self._texts[ref] = body
+
+    def _job_dict(self, row: sqlite3.Row) -> dict[str, Any]:
+        job = dict(row)
+        ref, enriched_ref = job.pop("instruction_ref", None), job.pop("enriched_ref", None)
+        if ref is not None:
+            job["instruction"] = self._text(ref)
+        if enriched_ref is not None and job.get("enriched"):
+            job["enriched"] = job["enriched"].replace(TEXT_REF, self._text(enriched_ref))
+        return job
 
     def set_status(
         self, c: sqlite3.Connection, job_id: int, status: str, reason: str = "", **values: Any
@@ -236,7 +567,7 @@ class Store:
             if cur.rowcount != 1:
                 return None
             self._append(c, [(job_id, None, None, time.time(), "job_status", {"status": "running", "reason": f"claimed by {owner}"})])
-            return dict(c.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone())
+            return self._job_dict(c.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone())
 
     def _recover_orphans(self, c: sqlite3.Connection, job_id: int | None) -> None:
         """Queue again the running jobs whose owner process on this host has died (a crash, a kill).
@@ -251,12 +582,27 @@ class Store:
                 self.set_status(c, int(jid), "queued", reason=f"recovered: the process that ran it ({claimed_by}) is gone")
 
     # -- events ---------------------------------------------------------------
-    @staticmethod
-    def _append(c: sqlite3.Connection, rows: Iterable[PendingEvent]) -> None:
+    def _append(self, c: sqlite3.Connection, rows: Iterable[PendingEvent]) -> None:
         c.executemany(
             "INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES (?,?,?,?,?,?)",
-            [(j, s, i, t, k, _dumps(p)) for (j, s, i, t, k, p) in rows],
+            [(j, s, i, t, k, _dumps(self._ref_payload(c, j, k, p) if k in _REF_FIELDS else p))
+             for (j, s, i, t, k, p) in rows],
         )
+
+    def _ref_payload(self, c: sqlite3.Connection, job_id: int, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """The payload to store: the job's long instruction replaced by TEXT_REF in the fields that repeat it."""
+        ref = self._instruction_ref(c, job_id)
+        if ref is None:
+            return payload
+        refs = {}
+        out = dict(payload)
+        for key in _REF_FIELDS[kind]:
+            replaced = self._replace(out.get(key), ref)
+            if replaced is not None:
+                out[key], refs[key] = replaced, ref
+        if refs:
+            out["_texts"] = refs
+        return out
 
     def append(self, rows: Sequence[PendingEvent], c: sqlite3.Connection | None = None) -> None:
         for row in rows:
@@ -285,9 +631,26 @@ class Store:
             sql += " AND movement_seq=?"
             params.append(movement_seq)
         with self._lock:
-            cur = self.conn.execute(sql + " ORDER BY id", params)
-            cur.row_factory = None  # type: ignore[assignment]
-            return [event_from_row(tuple(r)) for r in cur.fetchall()]
+            try:
+                cur = self.conn.execute(sql + " ORDER BY id", params)
+                cur.row_factory = None  # type: ignore[assignment]
+                rows = cur.fetchall()
+            except sqlite3.DatabaseError as exc:
+                self._damage(exc)
+                raise
+            return [event_from_row(self._expand(r) if r[5] in _REF_FIELDS else r) for r in rows]
+
+    def _expand(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
+        """An event row with the texts its payload refers to put back, as it was recorded."""
+        if '"_texts"' not in row[6]:
+            return row
+        data = json.loads(row[6])
+        refs = data.pop("_texts", None)
+        if isinstance(refs, dict):
+            for key, ref in refs.items():
+                if isinstance(data.get(key), str):
+                    data[key] = data[key].replace(TEXT_REF, self._text(ref))
+        return (*row[:6], data)
 
     def last_event_id(self, job_id: int) -> int:
         rows = self.query("SELECT MAX(id) FROM events WHERE job_id=?", (job_id,))

@@ -10,17 +10,22 @@ conversations, logs and file contents are deliberately left out.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ._prompts import text
 
 if TYPE_CHECKING:
     from .workspace import Job, Workspace
 
-__all__ = ["Worker", "build_enriched_instruction", "MAX_COMMENTS", "MAX_COMMENT_CHARS"]
+__all__ = ["Worker", "Terminated", "sigterm_interrupts", "build_enriched_instruction", "MAX_COMMENTS",
+           "MAX_COMMENT_CHARS"]
 
 MAX_COMMENTS = 5
 MAX_COMMENT_CHARS = 500
@@ -95,28 +100,65 @@ def build_enriched_instruction(
     return "\n\n".join(blocks)
 
 
+class Terminated(SystemExit):
+    """A SIGTERM, raised in the main thread while a worker runs (the exit status is 128 + 15)."""
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While inside, SIGTERM interrupts the main thread as Ctrl-C does, so the running job is re-queued.
+
+    Without it SIGTERM (``kill``, ``systemctl stop``, a container shutting down) ends the process
+    where it stands and the job stays ``running`` until a later claim notices its owner is gone.
+    Only the main thread can receive signals: elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = False
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        nonlocal fired
+        if fired:  # a second SIGTERM must not cut short the re-queueing the first one started
+            return
+        fired = True
+        raise Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 class Worker:
-    """Claims queued jobs one at a time and runs each until it ends or waits."""
+    """Claims queued jobs one at a time and runs each until it ends or waits.
+
+    SIGTERM (like Ctrl-C) gives the running job back to the queue, resumable, and raises
+    :class:`Terminated`.
+    """
 
     def __init__(self, workspace: "Workspace") -> None:
         self.ws = workspace
 
     def run_once(self) -> "Job | None":
         """Claim the oldest queued job and run it; ``None`` when the queue is empty."""
-        row = self.ws.store.claim()
-        if row is None:
-            return None
-        return self.ws._run_claimed(row, unit="job")
+        with sigterm_interrupts():
+            row = self.ws.store.claim()
+            if row is None:
+                return None
+            return self.ws._run_claimed(row, unit="job")
 
     def run(self, *, forever: bool = False, poll: float = 1.0, max_jobs: int | None = None) -> int:
         """Run queued jobs until none is left (or forever, polling); returns how many ran."""
         done = 0
-        while max_jobs is None or done < max_jobs:
-            job = self.run_once()
-            if job is None:
-                if not forever:
-                    break
-                time.sleep(poll)
-                continue
-            done += 1
+        with sigterm_interrupts():
+            while max_jobs is None or done < max_jobs:
+                job = self.run_once()
+                if job is None:
+                    if not forever:
+                        break
+                    time.sleep(poll)
+                    continue
+                done += 1
         return done

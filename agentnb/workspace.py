@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field, fields
@@ -21,9 +22,12 @@ from .worker import MAX_COMMENTS, Worker, build_enriched_instruction
 if TYPE_CHECKING:
     from .frames import Frames
 
-__all__ = ["Workspace", "Job", "JobStatus", "JobRef", "prepare_workdir", "DEFAULT_WORKSPACE"]
+__all__ = ["Workspace", "Job", "JobStatus", "JobRef", "prepare_workdir", "DEFAULT_WORKSPACE", "MAX_INSTRUCTION_CHARS"]
 
 DEFAULT_WORKSPACE = "agentnb-data"
+# A job's instruction goes into every movement's prompt; long material belongs in input/ files, which
+# the tools read piece by piece.  The store keeps one copy of it however many movements run.
+MAX_INSTRUCTION_CHARS = 1_000_000
 
 
 class JobStatus(str, Enum):
@@ -107,10 +111,25 @@ def prepare_workdir(root: Path, job_id: int, workdir: str | os.PathLike[str] | N
 class Workspace:
     """A folder with ``agentnb.sqlite`` and ``jobs/<id>/``; the way to submit, run, step and inspect jobs."""
 
-    def __init__(self, path: str | os.PathLike[str] = DEFAULT_WORKSPACE) -> None:
+    def __init__(self, path: str | os.PathLike[str] = DEFAULT_WORKSPACE, *, readonly: bool = False) -> None:
+        """Open (or create) the workspace folder ``path``.
+
+        ``readonly=True`` only reads: nothing is created or written, so a read-only folder or mount
+        works, and a folder without a store reads as an empty workspace.
+        """
         self.root = Path(path).expanduser().resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.store = Store(self.root / "agentnb.sqlite")
+        self.readonly = readonly
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"the workspace {self.root} is a file, not a folder: give a folder (it is created when missing)")
+        for parent in self.root.parents:
+            if parent.exists() and not parent.is_dir():
+                raise StoreError(f"the workspace {self.root} cannot be made: {parent} is a file, not a folder")
+        if not readonly:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"cannot make the workspace folder {self.root}: {exc.strerror or exc}") from None
+        self.store = Store(self.root / "agentnb.sqlite", readonly=readonly)
         self._runners: dict[int, tuple[JobRunner, int]] = {}
         self._lock = threading.RLock()
         self._stops: dict[int, threading.Event] = {}
@@ -163,6 +182,11 @@ class Workspace:
         """Queue a job.  Bad pieces, model specs and inputs are refused before anything is stored."""
         if not isinstance(instruction, str) or not instruction.strip():
             raise ValueError("instruction must be non-empty text")
+        if len(instruction) > MAX_INSTRUCTION_CHARS:
+            raise ValueError(
+                f"the instruction has {len(instruction):,} characters; at most {MAX_INSTRUCTION_CHARS:,} are allowed "
+                "(MAX_INSTRUCTION_CHARS): put long material in a file and pass it with inputs= (--input FILE)"
+            )
         p = load_piece(piece)
         model = _normalise_spec(model)
         check_model_spec(model)
@@ -186,25 +210,36 @@ class Workspace:
                 resolve_path(input_root, name)
             except ToolError as exc:
                 raise ValueError(f"input {name!r}: {exc}") from None
-        job_id = self.store.create_job(
-            piece=p.name, piece_yaml=p.to_yaml(), piece_path=p.source, model=model, instruction=instruction,
-            status="queued", workdir="", options=opts,
-        )
-        wd = prepare_workdir(self.root, job_id, workdir)
-        for name, value in (inputs or {}).items():
-            try:
-                target = resolve_path(wd / "input", name)
-            except ToolError as exc:
-                raise ValueError(f"input {name!r}: {exc}") from None
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if isinstance(value, bytes):
-                target.write_bytes(value)
-            elif isinstance(value, os.PathLike):
-                target.write_bytes(Path(value).read_bytes())
-            else:
-                target.write_text(str(value), encoding="utf-8")
-        with self.store.transaction() as c:
-            self.store.update_job(c, job_id, workdir=str(wd))
+        # One transaction: a job whose folder or inputs cannot be written (a read-only jobs/, a full disk)
+        # is not left queued without them.
+        job_folder: Path | None = None
+        try:
+            with self.store.transaction() as c:
+                job_id = self.store.create_job(
+                    piece=p.name, piece_yaml=p.to_yaml(), piece_path=p.source, model=model, instruction=instruction,
+                    status="queued", workdir="", options=opts,
+                )
+                job_folder = self.root / "jobs" / str(job_id)
+                if job_folder.exists():
+                    job_folder = None  # not ours to remove if this fails
+                wd = prepare_workdir(self.root, job_id, workdir)
+                for name, value in (inputs or {}).items():
+                    try:
+                        target = resolve_path(wd / "input", name)
+                    except ToolError as exc:
+                        raise ValueError(f"input {name!r}: {exc}") from None
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    if isinstance(value, bytes):
+                        target.write_bytes(value)
+                    elif isinstance(value, os.PathLike):
+                        target.write_bytes(Path(value).read_bytes())
+                    else:
+                        target.write_text(str(value), encoding="utf-8")
+                self.store.update_job(c, job_id, workdir=str(wd))
+        except BaseException:
+            if job_folder is not None:
+                shutil.rmtree(job_folder, ignore_errors=True)
+            raise
         return self.job(job_id)
 
     # -- running ------------------------------------------------------------
@@ -335,7 +370,10 @@ class Workspace:
         self._stops.setdefault(self._id(job), threading.Event()).set()
 
     def reply(self, job: JobRef, text: str) -> Job:
-        """Add the user's comment; a job waiting for a human goes back to the queue to resume."""
+        """Add the user's comment; a job waiting for a human goes back to the queue to resume.
+
+        A job that has ended (succeeded, failed, aborted) takes no reply: nothing would read it.
+        """
         if not isinstance(text, str) or not text.strip():
             raise ValueError("reply text must be non-empty")
         job_id = self._id(job)
@@ -343,6 +381,11 @@ class Workspace:
             row = dict(c.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone() or {})
             if not row:
                 raise StoreError(f"no job {job_id} in {self.store.path}")
+            if row["status"] in TERMINAL_STATES:
+                then = ("submit a new job" if row["status"] == "succeeded"
+                        else "retry it or submit a new job")
+                raise StoreError(f"job {job_id} has ended ({row['status']}), so a reply would never be read; "
+                                 f"to go on, {then}")
             self.store.add_comment(c, job_id, "user", text)
             if row["status"] == "waiting_human":
                 self.store.set_status(

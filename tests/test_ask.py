@@ -13,6 +13,7 @@ from _scripting import call, requests, starts, transition, user_prompts, write_s
 from openai_server import OpenAIServer, reply
 from agentnb import Workspace
 from agentnb.cli import main as cli_main
+from agentnb.store import StoreError
 
 QUESTION = "Should the summary be in English or in French?"
 ANSWER = "French, please, and keep it under 100 words."
@@ -209,3 +210,42 @@ def test_messages_sent_over_http_after_resume_hold_no_earlier_conversation(
     assert QUESTION in resumed[1]["content"] and ANSWER in resumed[1]["content"]
     assert resumed[1]["content"] == user_prompts(fresh, job, "clarify")[1]
     assert not any("input/*" in json.dumps(m) for m in resumed)
+
+
+def _ended(ws: Workspace, tmp_path: Path) -> dict[str, int]:
+    """Three jobs that have ended: succeeded, failed (its script runs out) and aborted."""
+    ended = {}
+    for status, script in (("succeeded", [transition("COMPLETE", summary="done")]), ("failed", []),
+                           ("aborted", [transition("ABORT", summary="cannot")])):
+        spec = write_script(tmp_path, status, {"work": script})
+        job = ws.run(ws.submit("Do it", piece="single", model=spec))
+        assert job.status == status, job.error
+        ended[status] = job.id
+    return ended
+
+
+def test_a_reply_to_a_job_that_has_ended_is_refused_naming_its_status(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ws = Workspace(tmp_path / "ws")
+    ended = _ended(ws, tmp_path)
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "agentnb")
+    shell.run_line_magic("config", f"AgentMagic.workspace = {str(tmp_path / 'ws')!r}")
+    for status, job_id in ended.items():
+        events = len(ws.events(job_id))
+        with pytest.raises(StoreError) as info:  # the API
+            ws.reply(job_id, "Any news?")
+        message = str(info.value)
+        assert f"job {job_id} has ended ({status})" in message and "\n" not in message
+        assert ("retry it" in message) == (status != "succeeded")
+        assert cli_main(["--workspace", str(tmp_path / "ws"), "reply", str(job_id), "Any", "news?"]) == 2  # the CLI
+        err = capsys.readouterr().err
+        assert err == f"agentnb: error: {message}\n"
+        with pytest.raises(UsageError) as magic:  # the magic
+            shell.run_line_magic("agent", f'reply {job_id} "Any news?"')
+        assert str(magic.value) == f"%agent reply: {message}"
+        assert len(ws.events(job_id)) == events and ws.comments(job_id) == []  # nothing was added
+        assert ws.job(job_id).status == status

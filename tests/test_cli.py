@@ -174,3 +174,40 @@ def test_output_to_a_closed_pipe_is_not_a_traceback(tmp_path: Path) -> None:
     proc.stdout.close()  # like `| head` that has already gone: every write fails
     _, err = proc.communicate(timeout=120)
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+@pytest.mark.parametrize("text, line, problem", [
+    ("responses:\n  - content: fine\n    tool_calls: [unclosed\n  - content: next\n", 4,
+     "did not find expected ',' or ']' (while parsing a flow sequence)"),
+    ("responses:\n  - content: \"never closed\n", 3, "found unexpected end of stream (while scanning a quoted scalar)"),
+    ("responses: a: b\n", 1, "mapping values are not allowed"),
+])
+def test_a_scripted_file_that_is_not_yaml_is_one_line_with_its_position(
+        tmp_path: Path, text: str, line: int, problem: str) -> None:
+    import re
+
+    from agentnb.models import ModelSpecError, resolve_model
+
+    script = tmp_path / "broken.yaml"
+    script.write_text(text, encoding="utf-8")
+    out = agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "single", "--model", "scripted:broken.yaml", "task")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    # file:line:column, as compilers say it (the column depends on the YAML parser: libyaml or PyYAML's own)
+    assert re.fullmatch(rf"agentnb: error: {re.escape(str(script))}:{line}:\d+: not valid YAML: {re.escape(problem)}.*",
+                        lines[0]), lines[0]
+    with pytest.raises(ModelSpecError) as info:
+        resolve_model(f"scripted:{script}")
+    assert f"agentnb: error: {info.value}" == lines[0]
+    assert _db(tmp_path / "ws").execute("SELECT COUNT(*) FROM jobs").fetchone()[0] == 0
+
+
+def test_reply_to_a_job_that_has_ended_exits_2_naming_its_status(tmp_path: Path) -> None:
+    done = write_script(tmp_path, {"responses": [transition("COMPLETE", "done")]}, "done.yaml")
+    assert agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "single", "--model", done, "task").returncode == 0
+    out = agentnb(tmp_path, "--workspace", "ws", "reply", "1", "More", "please")
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == ["agentnb: error: job 1 has ended (succeeded), so a reply would never be "
+                                       "read; to go on, submit a new job"]
+    assert _db(tmp_path / "ws").execute("SELECT COUNT(*) FROM comments").fetchone()[0] == 0

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,6 +55,7 @@ def test_a_reset_file_is_migrated_again(tmp_path: Path) -> None:
     raw.execute("DROP TABLE movements")
     raw.execute("DROP TABLE comments")
     raw.execute("DROP TABLE jobs")
+    raw.execute("DROP TABLE texts")
     raw.commit()
     raw.close()
     store = Store(path)
@@ -69,6 +73,9 @@ def _claim_all(path: str, barrier: "mp.synchronize.Barrier", out: "mp.Queue[list
             break
         got.append(int(row["id"]))
     out.put(got)
+    # Stay alive until every process has finished claiming: a process that has exited owns nothing, so
+    # the others would rightly take its running jobs over (even while it waits, unreaped, as a zombie).
+    barrier.wait()
 
 
 def _claim_one(path: str, job_ids: list[int], barrier: "mp.synchronize.Barrier", out: "mp.Queue[list[int]]") -> None:
@@ -79,6 +86,7 @@ def _claim_one(path: str, job_ids: list[int], barrier: "mp.synchronize.Barrier",
         if store.claim(job_id) is not None:
             got.append(job_id)
     out.put(got)
+    barrier.wait()  # see _claim_all
 
 
 def _ctx() -> "mp.context.BaseContext":
@@ -177,3 +185,29 @@ def test_paused_and_failed_jobs_record_their_status_changes(ws: Workspace, tmp_p
     assert job.status == "failed"
     statuses = [e.payload["status"] for e in ws.events(job, kinds=["job_status"])]
     assert statuses == ["queued", "running", "queued", "running", "failed"]
+
+
+def _exited_unreaped(proc: "subprocess.Popen[bytes]") -> None:
+    """Wait until ``proc`` has exited while leaving it unreaped: a zombie whose pid still answers kill(pid, 0)."""
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+    with open(f"/proc/{proc.pid}/stat", "rb") as f:
+        assert f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    os.kill(proc.pid, 0)  # what the old liveness check asked: no error, so it looked alive
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists() or not hasattr(os, "waitid"), reason="needs Linux /proc")
+def test_a_job_whose_owner_is_a_zombie_is_taken_over(tmp_path: Path) -> None:
+    path = tmp_path / "agentnb.sqlite"
+    store = Store(path)
+    job_id = _new_job(store)
+    code = "import sys; from agentnb.store import Store; s = Store(sys.argv[1]); assert s.claim(int(sys.argv[2])); s.close()"
+    owner = subprocess.Popen([sys.executable, "-c", code, str(path), str(job_id)])
+    try:
+        _exited_unreaped(owner)
+        row = store.job(job_id)
+        assert row["status"] == "running" and f":{owner.pid}:" in row["claimed_by"]
+        assert store.claim(job_id) is not None  # not "already running" for ever
+        reasons = [e.payload["reason"] for e in store.events(job_id, kinds=["job_status"])]
+        assert reasons[-2].startswith("recovered: the process that ran it") and reasons[-2].endswith("is gone")
+    finally:
+        owner.wait()

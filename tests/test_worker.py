@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
+
+import pytest
 
 from agentnb import Workspace
 
 from engine_helpers import call, transition, write_piece, write_script
+from openai_server import OpenAIServer, reply, stall
 
 TWO_STEPS = """
 name: two-steps
@@ -142,3 +150,49 @@ def test_the_listing_leaves_out_what_leads_outside_the_work_directory(ws: Worksp
     user = _starts(ws, job)[0]["user"]
     assert "## Workspace files\ninput/\n  (empty)\noutput/\n  - own.txt (4 bytes)\n" in user
     assert "outside-name" not in user and "linked.txt" not in user
+
+
+def _stalled_worker(tmp_path: Path, command: list[str]) -> tuple[Workspace, int, "subprocess.Popen[str]", "OpenAIServer"]:
+    """A worker process blocked in an LLM call of a queued job (the loopback server does not answer yet)."""
+    server = OpenAIServer().__enter__()
+    server.play(stall(120))
+    ws = Workspace(tmp_path / "ws")
+    job = ws.submit("Do it", piece="single", model="openai:test-model")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
+    env.update(OPENAI_BASE_URL=server.base_url, OPENAI_API_KEY="test-key", AGENTNB_OPENAI_TIMEOUT="300")
+    proc = subprocess.Popen([sys.executable, *command, str(ws.root)], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not server.received:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    assert ws.job(job.id).status == "running"
+    return ws, job.id, proc, server
+
+
+@pytest.mark.parametrize("command", [
+    ["-m", "agentnb.cli", "worker", "--workspace"],
+    ["-c", "import sys; from agentnb import Workspace; Workspace(sys.argv[1]).worker().run()"],
+], ids=["agentnb worker", "Worker.run"])
+def test_sigterm_gives_the_running_job_back_to_the_queue(tmp_path: Path, command: list[str]) -> None:
+    ws, job_id, proc, server = _stalled_worker(tmp_path, command)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 143, err
+        assert "Traceback" not in err, err
+        job = ws.job(job_id)
+        assert job.status == "queued"
+        last = ws.events(job_id, kinds=["job_status"])[-1].payload
+        assert last == {"status": "queued", "reason": "interrupted"}
+        # resumable: the interrupted call is made again, here with an answer
+        server.play(reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "done"})]))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("OPENAI_BASE_URL", server.base_url)
+            mp.setenv("OPENAI_API_KEY", "test-key")
+            assert ws.run(job_id).status == "succeeded"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        server.__exit__(None, None, None)
