@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import matplotlib
@@ -361,3 +362,62 @@ def test_in_a_kernel_plot_usage_leaves_matplotlib_as_it_found_it(tmp_path: Path)
     interactive, backend, changed = json.loads(state_after)
     assert interactive is True and backend.endswith("backend_inline") and changed == []
     assert _images(outputs[5]) and _images(outputs[6])
+
+
+def test_after_only_load_ext_the_readme_snippets_and_agent_plot_show_the_plot(tmp_path: Path) -> None:
+    """`%load_ext agentnb` alone, then the README's plot snippets as written: `agentnb` was a NameError."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    analysing = [b for b in blocks if "agentnb.plot_usage(job)" in b]
+    assert analysing, "the README shows agentnb.plot_usage(job)"
+    outputs = _run_in_kernel([
+        "%load_ext agentnb",
+        # the default workspace, ./agentnb-data, is the one the README's snippet opens
+        'job = %agent run --piece plan-implement-verify --model demo "Summarise the inputs"',
+        "agentnb.plot_usage(job)",
+        "%agent plot",
+        "%agent plot job",
+        *analysing,
+        "import glob\nprint(sorted(glob.glob('*.ipynb')))",
+    ], tmp_path)
+    assert _images(outputs[2]) and _images(outputs[3]) and _images(outputs[4])
+    assert _printed(outputs[-1]).strip() == "['run.ipynb']"
+
+
+@pytest.fixture
+def shell(tmp_path: Path):  # type: ignore[no-untyped-def]
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "agentnb")
+    sh.run_line_magic("config", f"AgentMagic.workspace = {str(tmp_path / 'ws')!r}")
+    sh.run_line_magic("config", "AgentMagic.model = 'demo'")
+    yield sh
+    for name in [k for k in sh.user_ns if k.startswith("t_")]:
+        del sh.user_ns[name]
+
+
+def test_agent_plot_takes_the_job_like_the_other_sub_commands(shell, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    from IPython.core.error import UsageError
+    from IPython.utils.capture import capture_output
+
+    with pytest.raises(UsageError, match=r"^no job yet in this session; give a job id"):
+        shell.run_line_magic("agent", "plot")
+    with capture_output():
+        shell.run_cell('t_first = %agent run --piece plan-implement-verify "Summarise the inputs"')
+        second = shell.run_line_magic("agent", 'run --piece single "List the files"')
+    first = shell.user_ns["t_first"]
+    for line, job in (("plot", second), (f"plot {first.id}", first), ("plot t_first", first)):
+        fig = shell.run_line_magic("agent", line)
+        assert isinstance(fig, Figure) and fig._suptitle.get_text().startswith(f"Job {job.id} · "), line
+    # as a cell's value it is shown as an image, whether or not pyplot was ever used
+    data, metadata = shell.display_formatter.format(fig)
+    assert data["image/png"][:4] == b"\x89PNG" and metadata["image/png"]["width"] == 1000
+    with pytest.raises(UsageError, match=r"^no job 999 in workspace "):
+        shell.run_line_magic("agent", "plot 999")
+    with pytest.raises(UsageError, match=r"^%agent plot: unrecognized arguments: 2"):
+        shell.run_line_magic("agent", "plot 1 2")
+    shell.run_line_magic("agent", "plot --help")
+    assert "%agent plot [job]" in capsys.readouterr().out
+    shell.run_line_magic("agent", "--help")
+    assert "\n  plot [JOB] " in capsys.readouterr().out
