@@ -28,6 +28,7 @@ Artists carry a ``gid`` (``threshold:<action>``, ``movement:<seq>``, ``boundary:
 from __future__ import annotations
 
 import io
+import math
 import re
 import struct
 import textwrap
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.transforms import Bbox
@@ -350,21 +352,35 @@ def _fit_labels(fig: Figure, ax: "Axes", labels: list["Annotation"], runs_axis: 
     in points, so they hold at any dpi)."""
     from matplotlib.text import Text
 
+    for t in labels:  # placed inside the axes below: they need not take part in the layout (slow with many)
+        t.set_in_layout(False)
     _lay_out(fig)
     if runs_axis is not None:
         names = [t for t in runs_axis.get_xticklabels() if t.get_text()]
         boxes = [t.get_window_extent() for t in names]
         if any(a.x1 + 4 > b.x0 for a, b in zip(boxes, boxes[1:])):
+            # Tilted, parallel names clear each other when their anchors are 2 line heights apart; with more
+            # runs than that allows, every k-th is named (the boundaries and colours still show each run).
+            height = max(b.height for b in boxes)
+            step = min((b.x0 + b.x1) / 2 - (a.x0 + a.x1) / 2 for a, b in zip(boxes, boxes[1:]))
+            k = max(1, math.ceil(2.2 * height / max(step, 1e-9)))
             runs_axis.tick_params(labelrotation=30)
-            for t in names:
+            for i, t in enumerate(names):
                 t.set_horizontalalignment("left")
                 t.set_rotation_mode("anchor")
+                t.set_visible(i % k == 0)
             _lay_out(fig)
     inside = ax.get_window_extent()
     pt = fig.dpi / 72
-    # each marker, as a small square the labels must not cover
-    taken = [Bbox.from_extents(x - 4 * pt, y - 4 * pt, x + 4 * pt, y + 4 * pt)
-             for x, y in ax.transData.transform(points)] if points is not None and len(points) else []
+    # every marker, as a small square no label may cover (numpy: a job may have thousands of calls)
+    marks = ax.transData.transform(points) if points is not None and len(points) else np.empty((0, 2))
+    boxes: list[Bbox] = []
+
+    def free(box: Bbox) -> bool:
+        near = 4 * pt
+        hit = ((marks[:, 0] + near > box.x0) & (marks[:, 0] - near < box.x1)
+               & (marks[:, 1] + near > box.y0) & (marks[:, 1] - near < box.y1))
+        return not hit.any() and not any(box.overlaps(other) for other in boxes)
 
     def put(t: "Annotation", dx: float, dy: float) -> Bbox:
         t.xyann = (dx, dy)
@@ -384,11 +400,13 @@ def _fit_labels(fig: Figure, ax: "Axes", labels: list["Annotation"], runs_axis: 
             if not (inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1):
                 continue
             first_inside = first_inside or (dx, dy)
-            if not any(box.overlaps(other) for other in taken):
+            if free(box):
                 break
-        else:  # nowhere free: inside the axes, overlapping, is better than cut off at the edge
-            box = put(t, *(first_inside or _PLACES[0]))
-        taken.append(box)
+        else:  # nowhere free (a crowded plot): no label rather than labels written over each other
+            put(t, *(first_inside or _PLACES[0]))
+            t.set_visible(False)
+            continue
+        boxes.append(box)
 
 
 def _lay_out(fig: Figure) -> None:

@@ -209,25 +209,40 @@ def _drawn_texts(fig):  # type: ignore[no-untyped-def]
     return [t for t in fig.findobj(Text) if t.get_visible() and t.get_text() and id(t) not in hidden]
 
 
-@pytest.mark.parametrize("which", ["usage", "demo", "several"])
+@pytest.mark.parametrize("which", ["usage", "demo", "several", "crowded"])
 def test_call_labels_are_readable_inside_the_axes_and_apart(ws: Workspace, tmp_path: Path, which: str) -> None:
     """Labels sit on white boxes (threshold lines run through them), inside the axes (→ COMPLETE was cut at
-    the right edge), clear of each other, and no text of the figure is cut by its edge."""
+    the right edge), clear of each other, and no text of the figure is cut by its edge.  A crowded plot
+    leaves some labels out rather than writing them over each other."""
+    import pandas as pd
     from matplotlib.colors import to_rgba
 
     if which == "usage":
         fig = agentnb.plot_usage(usage_job(ws, tmp_path / "scripts"))
     elif which == "demo":
         fig = agentnb.plot_usage(demo_job(ws))
-    else:
+    elif which == "several":
         usage_job(ws, tmp_path / "scripts")
         demo_job(ws)
         fig = agentnb.plot_usage(ws.frames.usage())
+    else:  # one job of 60 movement runs, 150 calls
+        one = ws.frames.usage(usage_job(ws, tmp_path / "scripts"))
+        fig = agentnb.plot_usage(pd.concat([one.assign(call=one["call"] + 5 * n, seq=one["seq"] + 2 * n)
+                                            for n in range(30)], ignore_index=True))
     fig.savefig(tmp_path / f"{which}.png", dpi=100)  # lays the figure out, as a notebook would
     ax = fig.axes[0]
     inside = ax.get_window_extent()
-    labels = [t for t in ax.texts if t.get_text()]
+    labels = [t for t in ax.texts if t.get_text() and t.get_visible()]
     assert len(labels) >= 3
+    if which != "crowded":
+        assert len(labels) == len(ax.texts)  # room for every label
+    else:
+        names = [t for t in ax.child_axes[0].get_xticklabels() if t.get_visible()]
+        assert 3 <= len(names) < 60 and all(t.get_rotation() == 30 for t in names)
+        # tilted and parallel, two names clear each other when their starts are two line heights apart
+        line = names[0].get_fontsize() * fig.dpi / 72
+        starts = [t.get_window_extent().x0 for t in names]
+        assert min(b - a for a, b in zip(starts, starts[1:])) >= 2 * line
     threshold_colours = {to_rgba(line.get_color()) for line in ax.lines if (line.get_gid() or "").startswith("threshold:")}
     for t in labels:
         box = _text_box(t)
