@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import os
 import re
@@ -205,18 +204,19 @@ def transcript(workspace: "str | os.PathLike[str] | Workspace", job: int, seq: i
 
 
 def _usage_cells(ws: "Workspace", job_id: int) -> list[nbformat.NotebookNode]:
-    from .plots import plot_usage
+    from .plots import figure_png, plot_usage
 
-    fig = plot_usage(ws.job(job_id))
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    png = base64.b64encode(buf.getvalue()).decode("ascii")
+    # Twice the pixels, shown at the figure's own size (10 in at 100 px per inch, 1000 px wide): at 80 dpi
+    # and no size given, the labels were 7 px high.  PNG rather than SVG: JupyterLab does not show an SVG
+    # output of an untrusted notebook, and an exported transcript opens untrusted.
+    png, size = figure_png(plot_usage(ws.job(job_id)), scale=2.0)
     cell = v4.new_code_cell(source=f"import agentnb\nagentnb.plot_usage(agentnb.Workspace({str(ws.root)!r}).job({job_id}))")
     cell.outputs = [v4.new_output("display_data", data={
-        "image/png": png, "text/plain": f"<usage timeline of job {job_id}>"})]
+        "image/png": base64.b64encode(png).decode("ascii"), "text/plain": f"<usage timeline of job {job_id}>"},
+        metadata={"image/png": size})]
     cell.metadata.update({"jupyter": {"source_hidden": True}})
-    return [v4.new_markdown_cell("## Usage\n\nContext ratio per LLM call (thresholds dashed, ◆ transitions, "
-                                 "▲■✖ context actions) and cumulative tokens."), cell]
+    return [v4.new_markdown_cell("## Usage\n\nContext ratio per LLM call (the legend names each line and marker) "
+                                 "and cumulative tokens."), cell]
 
 
 # -- plain text -------------------------------------------------------------------

@@ -32,7 +32,7 @@ from .workspace import DEFAULT_WORKSPACE, Job, Workspace
 
 __all__ = ["AgentMagic", "load_ipython_extension", "expand_braces", "SUBCOMMANDS"]
 
-SUBCOMMANDS = ("run", "step", "reply", "show", "jobs", "usage", "lessons", "panel", "pieces", "export")
+SUBCOMMANDS = ("run", "step", "reply", "show", "jobs", "usage", "lessons", "panel", "pieces", "export", "plot")
 
 _OVERVIEW = """\
 %agent SUBCOMMAND [options]      (%agent SUBCOMMAND --help for its options)
@@ -48,6 +48,7 @@ _OVERVIEW = """\
   panel                        the interactive panel (ipywidgets)
   pieces                       the available pieces, as a DataFrame
   export JOB PATH              the job as a notebook (.ipynb)
+  plot [JOB]                   the usage plot: context ratio per LLM call, cumulative tokens
 
 %%agent [--piece P] [--model M] [--background]   the cell body is the instruction
 %%agent reply JOB                                 the cell body is the reply
@@ -375,6 +376,14 @@ class AgentMagic(Magics):
         job = self.job(args.job)
         return self.ws.export_notebook(job, Path(args.path).expanduser())
 
+    @magic_arguments(name="agent plot")
+    @argument("job", nargs="?", help="job id or Job variable (default: the last job)")
+    def cmd_plot(self, args: Any, cell: str | None) -> Any:
+        """The job's usage plot (agentnb.plot_usage): context ratio per LLM call and cumulative tokens."""
+        from .plots import plot_usage
+
+        return plot_usage(self.job(args.job))
+
 
 def _summary_html(ws: Workspace, job_id: int) -> str:
     """The line left where a finished foreground run was watched, with why it failed or what it asks.
@@ -398,8 +407,15 @@ def _summary_html(ws: Workspace, job_id: int) -> str:
 
 def load_ipython_extension(ipython: Any) -> None:
     """Register ``%agent`` / ``%%agent`` and make ``AgentMagic`` configurable with ``%config``."""
+    import agentnb
+
     magic = AgentMagic(shell=ipython, config=ipython.config)
     ipython.register_magics(magic)
+    # The README's and notebooks' snippets call agentnb.plot_usage(job) and friends after %load_ext alone.
+    # A variable of the user's already named agentnb is left alone; interactive=False keeps the name out
+    # of %who, as for IPython's own names.
+    if "agentnb" not in ipython.user_ns:
+        ipython.push({"agentnb": agentnb}, interactive=False)
     if magic not in ipython.configurables:
         ipython.configurables.append(magic)
 

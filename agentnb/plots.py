@@ -1,38 +1,75 @@
 """The usage timeline: ``agentnb.plot_usage(job_or_frame)`` → a matplotlib Figure.
 
-Top panel: the context ratio (prompt tokens / window) of each LLM call, one line
-per movement run coloured by the movement's name, the ContextManager threshold
-lines, a marker at each call where an action fired (labelled with the action)
-and a diamond at each call that ended a movement with a transition (red when
-forced).  Bottom panel: cumulative total, prompt and completion tokens.
+Top panel: the context ratio (prompt tokens / window) of each LLM call, one line per
+movement run coloured by the movement's name, the ContextManager threshold lines, a
+marker at each call where an action fired (labelled with the action), a hollow diamond
+at each call that ended a movement with a transition (red when forced), a vertical line
+at each movement boundary, and the runs' names (``1. plan``) along the top.  Bottom
+panel: cumulative total, prompt and completion tokens.  The legend names every line and
+marker shape.  A job that failed or was aborted says so, with its error, above the top
+panel; a job without any LLM call is a few lines of text saying why (its status and
+error) instead of empty axes.
 
 The x axis is the LLM call number within the job.  A frame holding several jobs
 (``ws.frames.usage()``) draws one line per job in both panels, for comparisons.
 
-Artists carry a ``gid`` (``threshold:<action>``, ``movement:<seq>``,
-``action:<job>``, ``transition:<job>``, ``cumulative:<job>``) so tests and users can find them.
+The figure is a :class:`matplotlib.figure.Figure` built without pyplot, so plotting leaves
+matplotlib's global state as it found it: backend, interactive mode, rcParams and pyplot's
+current figure.  (Built through pyplot, the first plot of a kernel loaded the inline backend
+inside the font ``rc_context``, whose exit reset ``interactive`` to False, and every later
+plot of the notebook showed nothing.)  IPython shows it as a PNG at twice its pixel density
+(``_repr_png_``) until the inline backend is loaded, and with that backend's formatter after.
+
+Artists carry a ``gid`` (``threshold:<action>``, ``movement:<seq>``, ``boundary:<seq>``,
+``action:<job>``, ``transition:<job>``, ``cumulative:<job>``, ``label:action``,
+``label:transition``, ``status``) so tests and users can find them.
 """
 
 from __future__ import annotations
 
+import io
+import math
 import re
+import struct
+import textwrap
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+import numpy as np
 import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.transforms import Bbox
 
 from .pieces import DEFAULT_THRESHOLDS
 
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+    from matplotlib.axes import Axes
+    from matplotlib.text import Annotation
 
     from .workspace import Workspace
 
-__all__ = ["plot_usage"]
+__all__ = ["plot_usage", "UsageFigure", "figure_png"]
 
+_ORDER = ("warn", "prompt", "force_transition", "exhausted")
 _THRESHOLD_STYLE = {"warn": "#d9a400", "prompt": "#e67e22", "force_transition": "#c0392b", "exhausted": "#6c0b0b"}
 _ACTION_MARKER = {"warn": "^", "prompt": "s", "force_transition": "X", "exhausted": "P"}
+_FORCED = "#c0392b"
+_ERROR = "#b00020"
+# x-small (7 pt) labels were unreadable at a notebook's 100 px per inch
+_LABEL_SIZE = "small"
+# room above the highest call, so the label of an action fired there fits inside the axes
+_HEADROOM = 1.12
+_NO_CALLS = {
+    "queued": "Queued: no LLM call yet. Run or step it, then plot it again.",
+    "running": "Running: its first LLM call has not returned yet.",
+    "waiting_human": "Waiting for a human: no LLM call yet.",
+    "waiting_subtasks": "Waiting for its subtasks: no LLM call of its own.",
+    "succeeded": "Succeeded without any LLM call.",
+    "failed": "Failed before its first LLM call.",
+    "aborted": "Aborted before its first LLM call.",
+}
 # Fonts with Japanese (and other CJK) glyphs, best first.  matplotlib's default DejaVu Sans has none, so
 # a movement named 下書き would be drawn as boxes even where the system has such a font.
 _CJK_FAMILIES = (
@@ -45,6 +82,38 @@ _WIDE = re.compile(r"[\u2e80-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]")
 _cjk_found: list[str] | None = None
 
 
+class UsageFigure(Figure):
+    """What :func:`plot_usage` returns: a plain Figure that IPython can show without pyplot."""
+
+    def _repr_png_(self) -> tuple[bytes, dict[str, int]]:
+        return figure_png(self)
+
+
+def figure_png(fig: Figure, *, scale: float = 2.0) -> tuple[bytes, dict[str, int]]:
+    """``fig`` as PNG at ``scale`` times its dpi, with the ``width``/``height`` (CSS px) to show it at.
+
+    ``scale`` times the pixels shown at the figure's own size: sharp on a high-density screen, and as
+    large on the page as the notebook's other plots (what IPython's "retina" format does).
+    """
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=fig.dpi * scale)
+    data = buf.getvalue()
+    # the PNG's own size: savefig.bbox (an rcParam) may have cropped it
+    width, height = struct.unpack(">II", data[16:24])
+    return data, {"width": round(width / scale), "height": round(height / scale)}
+
+
+@dataclass
+class _Target:
+    """What to draw: the usage rows, thresholds, heading and, for one job, its status and error."""
+
+    frame: pd.DataFrame
+    thresholds: dict[str, float]
+    heading: str
+    status: str | None = None  # None: a frame, perhaps of several jobs
+    error: str | None = None
+
+
 def plot_usage(
     job_or_frame: Any,
     *,
@@ -52,64 +121,307 @@ def plot_usage(
     thresholds: Mapping[str, float] | None = None,
     title: str | None = None,
     figsize: tuple[float, float] = (10.0, 6.5),
-) -> "Figure":
+) -> UsageFigure:
     """Draw the usage timeline of a :class:`~agentnb.Job` (or a job id with ``ws=``) or a usage DataFrame.
 
     Thresholds come from ``thresholds=``, else the job's piece (and ``context=`` given
     at submit), else the frame's ``attrs["thresholds"]``, else the defaults.
     """
-    df, th, heading = _resolve(job_or_frame, ws, thresholds)
+    target = _resolve(job_or_frame, ws, thresholds)
+    heading = title or target.heading
+    df = target.frame
     import matplotlib
 
-    labels = [title or heading, *df["movement"].dropna().astype(str), *df["transition"].dropna().astype(str)]
-    # Text artists keep the font family in force when they are made, so the figure keeps it when drawn later.
+    labels = [heading, target.error or "", *df["movement"].dropna().astype(str),
+              *df["transition"].dropna().astype(str)]
+    # Text artists keep the font family in force when they are made, so the figure keeps it when drawn
+    # later.  rc_context puts every rcParam back on exit; nothing inside it may load a backend.
     with matplotlib.rc_context(_font_for(labels)):
-        return _draw(df, th, title or heading, figsize)
+        if df.empty:
+            return _draw_no_calls(target, heading, figsize)
+        return _draw(target, heading, figsize)
 
 
-def _draw(df: pd.DataFrame, th: Mapping[str, float], heading: str, figsize: tuple[float, float]) -> "Figure":
-    import matplotlib.pyplot as plt
+def _draw_no_calls(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure:
+    """What happened, in words: axes without a call would only show an empty 0–1 grid."""
+    failed = t.status in ("failed", "aborted")
+    first = "This frame has no LLM calls." if t.status is None else _NO_CALLS.get(
+        t.status, f"{t.status}: no LLM calls.")
+    blocks: list[tuple[str, dict[str, Any]]] = [
+        (first, {"fontsize": "large", "color": _ERROR if failed else "black", "gid": "status"})]
+    if t.error:
+        blocks.append((_wrap(t.error, lines=8), {"fontsize": "medium", "color": _ERROR if failed else "black",
+                                                 "gid": "error"}))
+    shown = ", ".join(f"{n} {t.thresholds[n]:.0%}" for n in _ORDER if n in t.thresholds)
+    if shown:
+        blocks.append((f"Context thresholds: {shown}", {"fontsize": "small", "color": "dimgrey"}))
+    line = 0.24  # inches per line of text
+    height = 0.75 + sum(line * (text.count("\n") + 1) + 0.1 for text, _ in blocks)
+    fig = UsageFigure(figsize=(figsize[0], height))
+    fig.suptitle(heading, y=1 - 0.12 / height, va="top")
+    y = height - 0.6
+    for text, style in blocks:
+        fig.text(0.3, y, text, transform=fig.dpi_scale_trans, ha="left", va="top", **style)
+        y -= line * (text.count("\n") + 1) + 0.1
+    return fig
 
-    fig, (ax, ax_cum) = plt.subplots(
-        2, 1, figsize=figsize, sharex=True, gridspec_kw={"height_ratios": [2, 1]}, layout="constrained"
-    )
-    # Closing detaches the figure from pyplot, so a notebook shows it once (as the returned value).
-    plt.close(fig)
+
+def _draw(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure:
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator, MultipleLocator
+
+    df, th = t.frame, t.thresholds
+    fig = UsageFigure(figsize=figsize, layout="constrained")
+    ax, ax_cum = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     fig.suptitle(heading)
+    if t.error:
+        what = f"{t.status} after LLM call {int(df['call'].max())}" if t.status else "error"
+        ax.set_title(_wrap(f"{what}: {t.error}", lines=3), loc="left", fontsize="medium", color=_ERROR, gid="status")
     ax.set_ylabel("context ratio (prompt / window)")
     ax_cum.set_ylabel("cumulative tokens")
     ax_cum.set_xlabel("LLM call")
     ax.grid(alpha=0.3)
     ax_cum.grid(alpha=0.3)
 
-    for name in ("warn", "prompt", "force_transition", "exhausted"):
+    legend: list[tuple[Any, str]] = []
+    for name in _ORDER:
         if name in th:
-            ax.axhline(th[name], color=_THRESHOLD_STYLE.get(name, "grey"), linestyle="--", linewidth=1,
-                       gid=f"threshold:{name}", label=f"{name} {th[name]:.0%}")
-    ax.yaxis.set_major_formatter(_percent())
-    if df.empty:
-        ax.text(0.5, 0.5, "no LLM calls yet", transform=ax.transAxes, ha="center", va="center", color="grey")
-        ax.set_ylim(0, 1.05)
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0)
-        return fig
+            line = ax.axhline(th[name], color=_THRESHOLD_STYLE[name], linestyle="--", linewidth=1,
+                              gid=f"threshold:{name}")
+            legend.append((line, f"{name} {th[name]:.0%}"))
 
     colours = _movement_colours(df["movement"])
     jobs = list(dict.fromkeys(df["job"].tolist()))
     several = len(jobs) > 1
-    seen_movements: set[str] = set()
+    drawn = _Drawn()
     for n, job_id in enumerate(jobs):
-        rows = df[df["job"] == job_id]
-        _draw_job(ax, ax_cum, rows, job_id, colours, seen_movements, n if several else None)
+        _draw_job(ax, ax_cum, df[df["job"] == job_id], job_id, colours, drawn, n if several else None)
 
-    top = max(1.0, float(df["ratio"].max()) * 1.08)
+    def proxy(**kw: Any) -> Line2D:
+        return Line2D([], [], linestyle="none", markersize=8, **kw)
+
+    if drawn.transitions:
+        legend.append((proxy(marker="D", markerfacecolor="none", markeredgecolor="black", markeredgewidth=1.5),
+                       "transition (→ next step)"))
+    if drawn.forced:
+        legend.append((proxy(marker="D", markerfacecolor="none", markeredgecolor=_FORCED, markeredgewidth=1.5),
+                       "forced transition"))
+    for action in _ORDER:
+        if action in drawn.actions:
+            legend.append((proxy(marker=_ACTION_MARKER[action], markerfacecolor=_THRESHOLD_STYLE[action],
+                                 markeredgecolor="black"), f"{action} fired"))
+    if drawn.boundaries:
+        legend.append((Line2D([], [], color="grey", alpha=0.5, linewidth=1.5), "movement boundary"))
+    if drawn.forced_boundaries:
+        legend.append((Line2D([], [], color=_FORCED, alpha=0.5, linewidth=1.5), "forced boundary"))
+    legend += drawn.movements
+
+    top = max(1.0, float(df["ratio"].max())) * _HEADROOM
     # a little room below 0 %: calls with a tiny ratio would otherwise have their markers cut in half
     ax.set_ylim(-0.04 * top, top)
+    ax.yaxis.set_major_formatter(_percent())
+    if top <= 3:
+        ax.yaxis.set_major_locator(MultipleLocator(0.2))
+    ax.set_xlim(float(df["call"].min()) - 0.5, float(df["call"].max()) + 0.5)
+    # min_n_ticks=1: a job with one call would otherwise get ticks like 0.96, 0.98, 1.00
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax_cum.yaxis.set_major_formatter(_thousands())
-    ax.xaxis.set_major_locator(_integers())
     # outside the axes: inside, the legend would hide the top thresholds and the late calls
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0)
+    ax.legend([h for h, _ in legend], [s for _, s in legend], loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              fontsize="small", borderaxespad=0)
     ax_cum.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0)
+
+    runs_axis = _name_runs(ax, drawn.runs, colours) if not several else None
+    _fit_labels(fig, ax, drawn.labels, runs_axis, df[["call", "ratio"]].dropna().to_numpy(dtype=float))
     return fig
+
+
+@dataclass
+class _Drawn:
+    """What :func:`_draw_job` put on the axes, for the legend and the layout pass."""
+
+    movements: list[tuple[Any, str]] = field(default_factory=list)  # (line, name), one per movement name
+    labels: list["Annotation"] = field(default_factory=list)
+    runs: list[tuple[int, str, float]] = field(default_factory=list)  # (seq, movement, centre in calls)
+    actions: set[str] = field(default_factory=set)
+    transitions: bool = False
+    forced: bool = False
+    boundaries: bool = False
+    forced_boundaries: bool = False
+
+
+def _draw_job(
+    ax: "Axes", ax_cum: "Axes", rows: pd.DataFrame, job_id: int, colours: Mapping[str, Any],
+    drawn: _Drawn, nth: int | None,
+) -> None:
+    """One job's series; ``nth`` is its position when the frame holds several jobs (else ``None``)."""
+    import matplotlib
+
+    several = nth is not None
+    x = rows["call"].to_numpy()
+    style = "-" if nth is None else ["-", "--", ":", "-."][nth % 4]
+    named = {label for _, label in drawn.movements}
+    # a thin line across movement runs keeps the sequence readable; runs are drawn on top
+    ax.plot(x, rows["ratio"].to_numpy(), color="lightgrey", linewidth=1, zorder=1, linestyle=style)
+    for seq, run in rows.groupby("seq", sort=True):
+        name = str(run["movement"].iloc[0]) if pd.notna(run["movement"].iloc[0]) else "?"
+        calls = run["call"].to_numpy()
+        (line,) = ax.plot(calls, run["ratio"].to_numpy(), marker="o", markersize=4, linestyle=style,
+                          color=colours.get(name, "grey"), gid=f"movement:{seq}", zorder=2)
+        if name not in named:
+            named.add(name)
+            drawn.movements.append((line, name))
+        drawn.runs.append((int(seq), name, (float(calls.min()) + float(calls.max())) / 2))
+
+    acted = rows[rows["action"].notna()]
+    for action, group in acted.groupby("action", observed=True):
+        drawn.actions.add(str(action))
+        ax.scatter(group["call"], group["ratio"], marker=_ACTION_MARKER.get(str(action), "*"), s=90,
+                   color=_THRESHOLD_STYLE.get(str(action), "black"), edgecolors="black", zorder=4,
+                   gid=f"action:{job_id}")
+    for _, r in acted.iterrows():
+        # dark text on a white box edged in the action's colour: the threshold lines run right there
+        drawn.labels.append(ax.annotate(
+            str(r["actions"]), (r["call"], r["ratio"]), textcoords="offset points", xytext=(_NEAR, _NEAR), va="bottom",
+            fontsize=_LABEL_SIZE, color="black", zorder=6, gid="label:action", arrowprops=_leader("dimgrey"),
+            bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.9, "linewidth": 0.8,
+                  "edgecolor": _THRESHOLD_STYLE.get(str(r["action"]), "black")}))
+
+    ended = rows[rows["transition"].notna()]
+    if not ended.empty:
+        forced = ended["forced"].fillna(False).to_numpy(dtype=bool)
+        drawn.transitions |= bool((~forced).any())
+        drawn.forced |= bool(forced.any())
+        # hollow, and larger than the action markers, so an action fired at the same call shows through
+        ax.scatter(ended["call"], ended["ratio"], marker="D", s=140, facecolors="none",
+                   edgecolors=[_FORCED if f else "black" for f in forced], linewidths=1.5, zorder=5,
+                   gid=f"transition:{job_id}")
+        last = float(x.max())
+        for (_, r), f in zip(ended.iterrows(), forced):
+            if several:  # one job's movement boundaries would mislead for the others
+                continue
+            if r["call"] < last:  # a boundary only between two runs, not after the job's last call
+                for a in (ax, ax_cum):
+                    a.axvline(r["call"] + 0.5, color=_FORCED if f else "grey", alpha=0.5, linewidth=1.5,
+                              gid=f"boundary:{r['seq']}", zorder=0)
+                drawn.forced_boundaries |= bool(f)
+                drawn.boundaries |= not f
+            drawn.labels.append(ax.annotate(
+                f"→ {r['transition']}" + (" (forced)" if f else ""), (r["call"], r["ratio"]),
+                textcoords="offset points", xytext=(_NEAR, -_NEAR), va="top", fontsize=_LABEL_SIZE,
+                color=_FORCED if f else "dimgrey", zorder=6, gid="label:transition",
+                arrowprops=_leader(_FORCED if f else "dimgrey"),
+                bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "alpha": 0.8, "linewidth": 0}))
+
+    dot = {"marker": "o", "markersize": 3} if len(x) == 1 else {}  # a one-call line would be invisible
+    if several:
+        # per job only the total, in the job's own colour: three lines per job would be unreadable
+        # 10 colours × 4 line styles: a job's colour and style pair repeats only after 20 jobs
+        ax_cum.plot(x, rows["cumulative_tokens"].to_numpy(), color=matplotlib.colormaps["tab10"](nth % 10),
+                    linestyle=style, linewidth=1.5, label=f"job {job_id} total", gid=f"cumulative:{job_id}", **dot)
+        drawn.labels.append(ax.annotate(f"job {job_id}", (x[-1], rows["ratio"].iloc[-1]), textcoords="offset points",
+                                        xytext=(6, 0), va="center", fontsize=_LABEL_SIZE))
+        return
+    ax_cum.plot(x, rows["cumulative_tokens"].to_numpy(), color="black", linewidth=1.5, label="total",
+                gid=f"cumulative:{job_id}", **dot)
+    ax_cum.plot(x, rows["prompt_tokens"].cumsum().to_numpy(), color="#2e86c1", linewidth=1, label="prompt", **dot)
+    ax_cum.plot(x, rows["completion_tokens"].cumsum().to_numpy(), color="#28b463", linewidth=1, label="completion",
+                **dot)
+
+
+def _name_runs(ax: "Axes", runs: list[tuple[int, str, float]], colours: Mapping[str, Any]) -> "Axes":
+    """The runs' names (``1. plan``) along the top of the ratio panel, in their movements' colours."""
+    top = ax.secondary_xaxis("top")
+    top.set_xticks([c for _, _, c in runs], labels=[f"{seq}. {name}" for seq, name, _ in runs])
+    top.tick_params(length=0, labelsize=_LABEL_SIZE, pad=3)
+    for label, (_, name, _) in zip(top.get_xticklabels(), runs):
+        label.set_color(colours.get(name, "grey"))
+    return top
+
+
+# Where a call's label may go, in points from its marker, best first: beside the marker, then further
+# up or down (with a leader line).  Left of the marker only when right of it is taken or outside the axes.
+_NEAR = 7
+_PLACES = [(dx, dy) for dy in (_NEAR, -_NEAR, 20, -20, 33, -33, 46, -46) for dx in (_NEAR, -_NEAR)]
+
+
+def _fit_labels(fig: Figure, ax: "Axes", labels: list["Annotation"], runs_axis: "Axes | None",
+                points: Any = None) -> None:
+    """Tilt run names that would overlap; put each call label inside the axes, clear of the other labels
+    and of the markers.  The layout is fixed first, so the places found are the ones drawn (offsets are
+    in points, so they hold at any dpi)."""
+    from matplotlib.text import Text
+
+    for t in labels:  # placed inside the axes below: they need not take part in the layout (slow with many)
+        t.set_in_layout(False)
+    _lay_out(fig)
+    if runs_axis is not None:
+        names = [t for t in runs_axis.get_xticklabels() if t.get_text()]
+        boxes = [t.get_window_extent() for t in names]
+        if any(a.x1 + 4 > b.x0 for a, b in zip(boxes, boxes[1:])):
+            # Tilted, parallel names clear each other when their anchors are 2 line heights apart; with more
+            # runs than that allows, every k-th is named (the boundaries and colours still show each run).
+            height = max(b.height for b in boxes)
+            step = min((b.x0 + b.x1) / 2 - (a.x0 + a.x1) / 2 for a, b in zip(boxes, boxes[1:]))
+            k = max(1, math.ceil(2.2 * height / max(step, 1e-9)))
+            runs_axis.tick_params(labelrotation=30)
+            for i, t in enumerate(names):
+                t.set_horizontalalignment("left")
+                t.set_rotation_mode("anchor")
+                t.set_visible(i % k == 0)
+            _lay_out(fig)
+    inside = ax.get_window_extent()
+    pt = fig.dpi / 72
+    # every marker, as a small square no label may cover (numpy: a job may have thousands of calls)
+    marks = ax.transData.transform(points) if points is not None and len(points) else np.empty((0, 2))
+    boxes: list[Bbox] = []
+
+    def free(box: Bbox) -> bool:
+        near = 4 * pt
+        hit = ((marks[:, 0] + near > box.x0) & (marks[:, 0] - near < box.x1)
+               & (marks[:, 1] + near > box.y0) & (marks[:, 1] - near < box.y1))
+        return not hit.any() and not any(box.overlaps(other) for other in boxes)
+
+    def put(t: "Annotation", dx: float, dy: float) -> Bbox:
+        t.xyann = (dx, dy)
+        t.set_horizontalalignment("left" if dx > 0 else "right")
+        t.set_verticalalignment("bottom" if dy > 0 else "top")
+        if t.arrow_patch is not None:  # a leader line only when the label had to move away
+            t.arrow_patch.set_visible(abs(dy) > _NEAR)
+        # the text alone: an Annotation's own extent includes its leader line, which ends at the marker
+        return Text.get_window_extent(t).padded(1.5 * pt)
+
+    for t in labels:
+        first_inside = None
+        # a transition's label goes under its marker first: the action fired at the same call goes above
+        below = t.get_gid() == "label:transition"
+        for dx, dy in (_PLACES if not below else [(dx, -dy) for dx, dy in _PLACES]):
+            box = put(t, dx, dy)
+            if not (inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1):
+                continue
+            first_inside = first_inside or (dx, dy)
+            if free(box):
+                break
+        else:  # nowhere free (a crowded plot): no label rather than labels written over each other
+            put(t, *(first_inside or _PLACES[0]))
+            t.set_visible(False)
+            continue
+        boxes.append(box)
+
+
+def _lay_out(fig: Figure) -> None:
+    with warnings.catch_warnings():
+        # a glyph missing from every font is reported when the figure is shown; once is enough
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font")
+        fig.draw_without_rendering()
+
+
+def _leader(colour: str) -> dict[str, Any]:
+    return {"arrowstyle": "-", "color": colour, "linewidth": 0.8, "alpha": 0.8, "shrinkA": 0, "shrinkB": 5}
+
+
+def _wrap(text: str, *, lines: int) -> str:
+    return "\n".join(textwrap.wrap(" ".join(str(text).split()), width=100, max_lines=lines, placeholder=" …"))
 
 
 def _font_for(labels: Iterable[str]) -> dict[str, Any]:
@@ -145,7 +457,7 @@ def _font_for(labels: Iterable[str]) -> dict[str, Any]:
 
 def _resolve(
     obj: Any, ws: "Workspace | None", thresholds: Mapping[str, float] | None
-) -> tuple[pd.DataFrame, dict[str, float], str]:
+) -> _Target:
     from .workspace import Job
 
     if isinstance(obj, pd.DataFrame):
@@ -157,7 +469,7 @@ def _resolve(
         th = dict(thresholds or obj.attrs.get("thresholds") or DEFAULT_THRESHOLDS)
         jobs = obj["job"].unique().tolist()
         heading = f"Job {jobs[0]}: context usage" if len(jobs) == 1 else f"Context usage of {len(jobs)} jobs"
-        return obj, th, heading
+        return _Target(obj, th, heading)
     if isinstance(obj, Job):
         if obj.workspace is None:
             raise ValueError("plot_usage: this Job is not attached to a workspace; pass ws=")
@@ -179,7 +491,7 @@ def _resolve(
     if model.startswith("scripted:"):  # the script's full path would crowd the title
         model = "scripted:" + Path(model.split(":", 1)[1]).name
     heading = f"Job {job.id} · {job.piece} · {model} · {job.status}"
-    return df, th, heading
+    return _Target(df, th, heading, status=str(job.status), error=job.error)
 
 
 def _movement_colours(names: pd.Series) -> dict[str, Any]:
@@ -190,74 +502,10 @@ def _movement_colours(names: pd.Series) -> dict[str, Any]:
     return {n: cmap(i % 10) for i, n in enumerate(order)}
 
 
-def _draw_job(
-    ax: Any, ax_cum: Any, rows: pd.DataFrame, job_id: int, colours: Mapping[str, Any],
-    seen: set[str], nth: int | None,
-) -> None:
-    """One job's series; ``nth`` is its position when the frame holds several jobs (else ``None``)."""
-    import matplotlib
-
-    several = nth is not None
-    x = rows["call"].to_numpy()
-    style = "-" if nth is None else ["-", "--", ":", "-."][nth % 4]
-    # a thin line across movement runs keeps the sequence readable; runs are drawn on top
-    ax.plot(x, rows["ratio"].to_numpy(), color="lightgrey", linewidth=1, zorder=1, linestyle=style)
-    for seq, run in rows.groupby("seq", sort=True):
-        name = str(run["movement"].iloc[0]) if pd.notna(run["movement"].iloc[0]) else "?"
-        label = name if name not in seen else None
-        seen.add(name)
-        ax.plot(run["call"].to_numpy(), run["ratio"].to_numpy(), marker="o", markersize=4, linestyle=style,
-                color=colours.get(name, "grey"), label=label, gid=f"movement:{seq}", zorder=2)
-
-    acted = rows[rows["action"].notna()]
-    for action, group in acted.groupby("action", observed=True):
-        ax.scatter(group["call"], group["ratio"], marker=_ACTION_MARKER.get(str(action), "*"), s=90,
-                   color=_THRESHOLD_STYLE.get(str(action), "black"), edgecolors="black", zorder=4,
-                   gid=f"action:{job_id}", label=None)
-    for _, r in acted.iterrows():
-        ax.annotate(str(r["actions"]), (r["call"], r["ratio"]), textcoords="offset points", xytext=(4, 8),
-                    fontsize="x-small", color=_THRESHOLD_STYLE.get(str(r["action"]), "black"))
-
-    ended = rows[rows["transition"].notna()]
-    if not ended.empty:
-        forced = ended["forced"].fillna(False).to_numpy(dtype=bool)
-        # hollow, and larger than the action markers, so an action fired at the same call shows through
-        ax.scatter(ended["call"], ended["ratio"], marker="D", s=140, facecolors="none",
-                   edgecolors=["#c0392b" if f else "black" for f in forced], linewidths=1.5, zorder=5,
-                   gid=f"transition:{job_id}")
-        for (_, r), f in zip(ended.iterrows(), forced):
-            if several:  # one job's movement boundaries would mislead for the others
-                continue
-            ax.axvline(r["call"] + 0.5, color="#c0392b" if f else "grey", alpha=0.35, linewidth=1)
-            ax.annotate(f"→ {r['transition']}" + (" (forced)" if f else ""), (r["call"], r["ratio"]),
-                        # under the marker, unless that would put it under the axis (a call near 0 %)
-                        textcoords="offset points", xytext=(4, -12 if r["ratio"] >= 0.06 else 6), fontsize="x-small",
-                        color="#c0392b" if f else "dimgrey")
-
-    if several:
-        # per job only the total, in the job's own colour: three lines per job would be unreadable
-        # 10 colours × 4 line styles: a job's colour and style pair repeats only after 20 jobs
-        ax_cum.plot(x, rows["cumulative_tokens"].to_numpy(), color=matplotlib.colormaps["tab10"](nth % 10),
-                    linestyle=style, linewidth=1.5, label=f"job {job_id} total", gid=f"cumulative:{job_id}")
-        ax.annotate(f"job {job_id}", (x[-1], rows["ratio"].iloc[-1]), textcoords="offset points", xytext=(6, 0),
-                    fontsize="x-small")
-        return
-    ax_cum.plot(x, rows["cumulative_tokens"].to_numpy(), color="black", linewidth=1.5, label="total",
-                gid=f"cumulative:{job_id}")
-    ax_cum.plot(x, rows["prompt_tokens"].cumsum().to_numpy(), color="#2e86c1", linewidth=1, label="prompt")
-    ax_cum.plot(x, rows["completion_tokens"].cumsum().to_numpy(), color="#28b463", linewidth=1, label="completion")
-
-
 def _percent() -> Any:
     from matplotlib.ticker import PercentFormatter
 
     return PercentFormatter(1.0)
-
-
-def _integers() -> Any:
-    from matplotlib.ticker import MaxNLocator
-
-    return MaxNLocator(integer=True)
 
 
 def _thousands() -> Any:

@@ -80,8 +80,25 @@ def test_export_writes_a_valid_notebook_with_one_collapsed_section_per_movement(
     assert "*5 LLM calls" not in nb.cells[0].source and "| LLM calls | 5 |" in nb.cells[0].source
 
     # the usage timeline is embedded as a PNG
-    pngs = [o.data["image/png"] for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.data]
-    assert len(pngs) == 1 and base64.b64decode(pngs[0])[:4] == b"\x89PNG"
+    pngs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.data]
+    assert len(pngs) == 1 and base64.b64decode(pngs[0].data["image/png"])[:4] == b"\x89PNG"
+
+
+def test_exported_usage_plot_is_large_enough_to_read(ws: Workspace, tmp_path: Path) -> None:
+    """At 80 dpi with no size given, the plot's labels were 7 px high.  Now: twice the pixels, shown 1,000 px
+    wide (10 in at 100 px per inch), so a 7 pt label is 10 px high and sharp on a high-density screen."""
+    import struct
+
+    job = usage_job(ws, tmp_path / "scripts")
+    nb = _read(ws.export_notebook(job, tmp_path / "t.ipynb"))
+    (out,) = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.data]
+    png = base64.b64decode(out.data["image/png"])
+    width, height = struct.unpack(">II", png[16:24])
+    shown = out.metadata["image/png"]
+    assert shown["width"] >= 1000 and shown["height"] >= 600
+    assert (width, height) == (2 * shown["width"], 2 * shown["height"])
+    # PNG, not SVG: JupyterLab shows no SVG output in an untrusted notebook, and a transcript opens untrusted
+    assert "image/svg+xml" not in out.data
 
 
 def test_transcript_cell_source_re_renders_the_run(ws: Workspace, tmp_path: Path) -> None:
@@ -242,6 +259,13 @@ def test_transcript_opens_collapsed_in_jupyterlab_and_expands_with_one_click(ws:
                 expect(captions.nth(i)).to_be_visible()
                 expect(captions.nth(i)).to_contain_text(text)
             expect(page.locator("details.anb-mv")).to_have_count(0)  # every transcript collapsed
+            # the usage plot: 2,000 px drawn, shown 1,000 px wide, or as wide as the output area when narrower
+            plot = page.locator(".jp-RenderedImage img").first
+            expect(plot).to_be_visible(timeout=30_000)
+            assert plot.evaluate("img => [img.naturalWidth, img.getAttribute('width')]") == [2000, "1000"]
+            box, area = plot.bounding_box(), page.locator(".jp-RenderedImage").first.bounding_box()
+            assert box is not None and area is not None and box["width"] >= min(990, area["width"] - 30), (box, area)
+            plot.screenshot(path=str(ARTIFACTS / "export-usage-plot.png"))
             captions.nth(1).scroll_into_view_if_needed()
             page.screenshot(path=str(ARTIFACTS / "export-collapsed.png"))
 

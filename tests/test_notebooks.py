@@ -102,3 +102,29 @@ def test_binder_requirements_are_pinned_and_cover_the_package() -> None:
         assert name in pins, f"binder/requirements.txt does not pin {req.name}"
         assert req.specifier.contains(pins[name], prereleases=True), \
             f"binder pins {req.name}=={pins[name]}, outside pyproject's {req.specifier}"
+
+
+_CHART = re.compile(r"plot_usage\(|\.plot\b|%agent plot\b")
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if _CHART.search(p.read_text(encoding="utf-8"))],
+                         ids=lambda p: p.name)
+def test_every_chart_of_the_notebook_is_drawn_in_a_fresh_kernel(path: Path, tmp_path: Path) -> None:
+    """Notebook 03's last bar chart showed nothing: plot_usage, the kernel's first plot, had turned the inline
+    backend's interactive mode off.  Run as a new user does (a fresh kernel, top to bottom), every cell that
+    draws a chart has an image."""
+    import shutil
+
+    from nbclient import NotebookClient
+
+    work = tmp_path / path.name
+    shutil.copy(path, work)  # the notebook writes next to itself (an exported transcript)
+    nb = nbformat.read(work, as_version=4)
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # the kernel picks its inline backend
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute(env=env)
+    charts = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"
+              and _CHART.search("\n".join(ln.split("#", 1)[0] for ln in c.source.splitlines()))]
+    assert charts
+    for i, cell in charts:
+        assert any("image/png" in o.get("data", {}) for o in cell.outputs), f"cell {i} drew nothing:\n{cell.source}"

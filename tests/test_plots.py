@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import matplotlib
@@ -69,10 +71,13 @@ def test_plot_takes_a_frame_of_several_jobs_and_custom_thresholds(ws: Workspace,
 
 def test_plot_thresholds_follow_the_submitted_context(ws: Workspace) -> None:
     job = ws.submit("x", piece="single", model="demo", context={"thresholds": {"warn": 0.4}})
-    fig = agentnb.plot_usage(job)  # no calls yet: an empty timeline, not an error
+    fig = agentnb.plot_usage(job)  # no calls yet: a few lines saying so, not an error
+    texts = [t.get_text() for t in fig.texts]
+    assert "Queued: no LLM call yet. Run or step it, then plot it again." in texts
+    assert any(t.startswith("Context thresholds: warn 40%, prompt 85%") for t in texts)
+    fig = agentnb.plot_usage(ws.run(job))
     lines = {line.get_gid(): line for line in fig.axes[0].lines if line.get_gid()}
     assert lines["threshold:warn"].get_ydata()[0] == pytest.approx(0.4)
-    assert any("no LLM calls" in t.get_text() for t in fig.axes[0].texts)
 
 
 def test_plot_refuses_what_it_cannot_draw(ws: Workspace) -> None:
@@ -166,3 +171,268 @@ def test_many_jobs_get_distinct_cumulative_lines(ws: Workspace, tmp_path: Path) 
     lines = [line for line in cum_ax.lines if (line.get_gid() or "").startswith("cumulative:")]
     assert len(lines) == 12
     assert len({(to_hex(line.get_color()), line.get_linestyle()) for line in lines}) == 12
+
+
+# -- legibility -----------------------------------------------------------------
+
+
+def _failing_job(ws: Workspace, folder: Path, responses: list[dict]) -> agentnb.Job:
+    """The ``single`` piece on a script that runs out after ``responses``: the job fails, saying why."""
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "short.yaml"
+    script.write_text(yaml.safe_dump({"responses": responses}), encoding="utf-8")
+    job = ws.run(ws.submit("fail", piece="single", model=f"scripted:{script}"))
+    assert job.status == "failed" and "ran out of responses" in (job.error or "")
+    return job
+
+
+def _text_box(t):  # type: ignore[no-untyped-def]
+    """The extent of a text alone (an annotation's own extent includes its leader line)."""
+    from matplotlib.text import Text
+
+    return Text.get_window_extent(t)
+
+
+def _drawn_texts(fig):  # type: ignore[no-untyped-def]
+    """The figure's visible texts, without the labels of ticks outside the axes' limits (those are not drawn)."""
+    from matplotlib.text import Text
+
+    hidden: set[int] = set()
+    for ax in fig.axes + [c for a in fig.axes for c in a.child_axes]:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                if not lo - 1e-9 <= tick.get_loc() <= hi + 1e-9:
+                    hidden |= {id(tick.label1), id(tick.label2)}
+    return [t for t in fig.findobj(Text) if t.get_visible() and t.get_text() and id(t) not in hidden]
+
+
+@pytest.mark.parametrize("which", ["usage", "demo", "several", "crowded"])
+def test_call_labels_are_readable_inside_the_axes_and_apart(ws: Workspace, tmp_path: Path, which: str) -> None:
+    """Labels sit on white boxes (threshold lines run through them), inside the axes (→ COMPLETE was cut at
+    the right edge), clear of each other, and no text of the figure is cut by its edge.  A crowded plot
+    leaves some labels out rather than writing them over each other."""
+    import pandas as pd
+    from matplotlib.colors import to_rgba
+
+    if which == "usage":
+        fig = agentnb.plot_usage(usage_job(ws, tmp_path / "scripts"))
+    elif which == "demo":
+        fig = agentnb.plot_usage(demo_job(ws))
+    elif which == "several":
+        usage_job(ws, tmp_path / "scripts")
+        demo_job(ws)
+        fig = agentnb.plot_usage(ws.frames.usage())
+    else:  # one job of 60 movement runs, 150 calls
+        one = ws.frames.usage(usage_job(ws, tmp_path / "scripts"))
+        fig = agentnb.plot_usage(pd.concat([one.assign(call=one["call"] + 5 * n, seq=one["seq"] + 2 * n)
+                                            for n in range(30)], ignore_index=True))
+    fig.savefig(tmp_path / f"{which}.png", dpi=100)  # lays the figure out, as a notebook would
+    ax = fig.axes[0]
+    inside = ax.get_window_extent()
+    labels = [t for t in ax.texts if t.get_text() and t.get_visible()]
+    assert len(labels) >= 3
+    if which != "crowded":
+        assert len(labels) == len(ax.texts)  # room for every label
+    else:
+        names = [t for t in ax.child_axes[0].get_xticklabels() if t.get_visible()]
+        assert 3 <= len(names) < 60 and all(t.get_rotation() == 30 for t in names)
+        # tilted and parallel, two names clear each other when their starts are two line heights apart
+        line = names[0].get_fontsize() * fig.dpi / 72
+        starts = [t.get_window_extent().x0 for t in names]
+        assert min(b - a for a, b in zip(starts, starts[1:])) >= 2 * line
+    threshold_colours = {to_rgba(line.get_color()) for line in ax.lines if (line.get_gid() or "").startswith("threshold:")}
+    for t in labels:
+        box = _text_box(t)
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, t.get_text()
+        if t.get_gid() == "label:action":  # dark text, not the colour of the threshold line running there
+            assert to_rgba(t.get_color()) not in threshold_colours
+        if t.get_gid() in ("label:action", "label:transition"):
+            patch = t.get_bbox_patch()
+            assert patch is not None and to_rgba(patch.get_facecolor())[:3] == (1.0, 1.0, 1.0)
+            assert patch.get_facecolor()[3] >= 0.8
+    boxes = [(t.get_text(), _text_box(t)) for t in labels]
+    for i, (a, ba) in enumerate(boxes):
+        for b, bb in boxes[i + 1:]:
+            assert not ba.overlaps(bb), f"{a!r} overlaps {b!r}"
+    whole = fig.bbox
+    for t in _drawn_texts(fig):
+        box = _text_box(t)
+        assert whole.x0 - 1 <= box.x0 and box.x1 <= whole.x1 + 1 and whole.y0 - 1 <= box.y0 and box.y1 <= whole.y1 + 1, t.get_text()
+    if which == "demo":
+        assert "→ COMPLETE" in [t.get_text() for t in labels]
+
+
+def test_legend_explains_markers_and_boundaries_and_the_runs_are_named(ws: Workspace, tmp_path: Path) -> None:
+    from matplotlib.colors import to_hex
+
+    job = usage_job(ws, tmp_path / "scripts")
+    fig = agentnb.plot_usage(job)
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+    entries = dict(zip([t.get_text() for t in legend.get_texts()], legend.legend_handles))
+    assert list(entries)[:4] == ["warn 70%", "prompt 85%", "force_transition 95%", "exhausted 99%"]
+    # the marker shapes: transitions (hollow diamonds, red when forced) and the highest action fired at a call
+    assert entries["transition (→ next step)"].get_marker() == "D"
+    assert entries["forced transition"].get_marker() == "D"
+    assert to_hex(entries["forced transition"].get_markeredgecolor()) == "#c0392b"
+    assert entries["prompt fired"].get_marker() == "s" and entries["force_transition fired"].get_marker() == "X"
+    assert "warn fired" not in entries  # warn fired only at a call where prompt fired too: no ▲ is drawn
+    assert "movement boundary" in entries and "forced boundary" not in entries
+    assert list(entries)[-2:] == ["gather", "write"]
+    # one boundary, between the two runs; none after the job's last call
+    boundaries = [line for line in ax.lines if (line.get_gid() or "").startswith("boundary:")]
+    assert [line.get_xdata()[0] for line in boundaries] == [3.5]
+    # the runs' names along the top, over their calls
+    (top,) = ax.child_axes
+    assert [t.get_text() for t in top.get_xticklabels()] == ["1. gather", "2. write"]
+    assert list(top.get_xticks()) == [2.0, 4.5]
+
+
+def test_a_failed_job_without_calls_says_what_happened_instead_of_empty_axes(ws: Workspace, tmp_path: Path) -> None:
+    job = _failing_job(ws, tmp_path / "scripts", [])
+    fig = agentnb.plot_usage(job)
+    assert fig.axes == []  # no 0–1 ticks around nothing
+    texts = [t.get_text() for t in fig.texts]
+    assert "Failed before its first LLM call." in texts
+    assert any("scripted model ran out of responses" in t for t in texts)
+    assert "failed" in fig._suptitle.get_text()
+    fig.savefig(tmp_path / "failed.png", dpi=100)
+    for t in fig.texts:
+        box = t.get_window_extent()
+        assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1
+
+
+def test_a_failed_job_with_calls_shows_its_error_and_whole_call_numbers(ws: Workspace, tmp_path: Path) -> None:
+    job = _failing_job(ws, tmp_path / "scripts", [
+        {"tool_calls": [{"name": "Glob", "arguments": {"pattern": "*"}}], "usage": {"prompt_tokens": 3000, "completion_tokens": 9}}])
+    fig = agentnb.plot_usage(job)
+    ax, cum = fig.axes[:2]
+    status = ax.get_title(loc="left")
+    assert status.startswith("failed after LLM call 1: scripted model ran out of responses")
+    fig.savefig(tmp_path / "failed-later.png", dpi=100)
+    assert [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]] == [1.0]  # not 0.96, 0.98, …
+    (total,) = [line for line in cum.lines if line.get_gid() == f"cumulative:{job.id}"]
+    assert total.get_marker() == "o"  # a line of one point would draw nothing
+
+
+# -- in a real kernel -------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run_in_kernel(cells: list[str], cwd: Path) -> list[list[dict]]:
+    """Run ``cells`` in a fresh IPython kernel (as JupyterLab starts one); return each cell's outputs."""
+    import os
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # the kernel picks its inline backend
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    client = NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
+    client.execute(env=env)
+    return [c.outputs for c in nb.cells]
+
+
+def _images(outputs: list[dict]) -> list[dict]:
+    return [o for o in outputs if "image/png" in o.get("data", {})]
+
+
+def _printed(outputs: list[dict]) -> str:
+    return "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+
+
+def test_in_a_kernel_plot_usage_leaves_matplotlib_as_it_found_it(tmp_path: Path) -> None:
+    """The first plot of a fresh kernel used to load the inline backend inside plot_usage's rc_context, which
+    then reset interactive mode: the notebook's later plots (notebook 03's last bar chart) showed nothing."""
+    state = ("import json\nprint(json.dumps([matplotlib.is_interactive(), matplotlib.get_backend(), "
+             "sorted(k for k in matplotlib.rcParams if matplotlib.rcParams[k] != rc[k])]))")
+    outputs = _run_in_kernel([
+        f"import matplotlib, pandas as pd, agentnb\nws = agentnb.Workspace({str(tmp_path / 'ws')!r})\n"
+        "job = ws.run(ws.submit('Summarise', piece='plan-implement-verify', model='demo'))\n"
+        "rc = dict(matplotlib.rcParams)\n" + state,
+        "agentnb.plot_usage(job)",
+        state,
+        "pd.Series([3, 1, 2]).plot()",
+        # now with pyplot in use: a current figure of the user's and an rcParam of their own
+        "import matplotlib.pyplot as plt\nplt.rcParams['lines.linewidth'] = 3\nmine = plt.figure()\n"
+        "rc = dict(matplotlib.rcParams)\nfigs = plt.get_fignums()\n"
+        "shown = agentnb.plot_usage(job)\n"
+        "print(plt.gcf() is mine, plt.get_fignums() == figs, shown not in [plt.figure(n) for n in figs])\n"
+        + state + "\nplt.close(mine)",
+        "shown",
+        "pd.Series([1, 2]).plot.bar()",
+    ], tmp_path)
+    before = json.loads(_printed(outputs[0]))
+    assert before[2] == []
+    assert _images(outputs[1]), "plot_usage shows its figure"
+    assert json.loads(_printed(outputs[2])) == before  # interactive mode, backend, rcParams: as they were
+    assert _images(outputs[3]), "a pandas plot made after plot_usage shows nothing"
+    flags, state_after = _printed(outputs[4]).splitlines()
+    assert flags == "True True True"  # the user's figure is still current, and ours is not pyplot's
+    interactive, backend, changed = json.loads(state_after)
+    assert interactive is True and backend.endswith("backend_inline") and changed == []
+    assert _images(outputs[5]) and _images(outputs[6])
+
+
+def test_after_only_load_ext_the_readme_snippets_and_agent_plot_show_the_plot(tmp_path: Path) -> None:
+    """`%load_ext agentnb` alone, then the README's plot snippets as written: `agentnb` was a NameError."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    analysing = [b for b in blocks if "agentnb.plot_usage(job)" in b]
+    assert analysing, "the README shows agentnb.plot_usage(job)"
+    outputs = _run_in_kernel([
+        "%load_ext agentnb",
+        # the default workspace, ./agentnb-data, is the one the README's snippet opens
+        'job = %agent run --piece plan-implement-verify --model demo "Summarise the inputs"',
+        "agentnb.plot_usage(job)",
+        "%agent plot",
+        "%agent plot job",
+        *analysing,
+        "import glob\nprint(sorted(glob.glob('*.ipynb')))",
+    ], tmp_path)
+    assert _images(outputs[2]) and _images(outputs[3]) and _images(outputs[4])
+    assert _printed(outputs[-1]).strip() == "['run.ipynb']"
+
+
+@pytest.fixture
+def shell(tmp_path: Path):  # type: ignore[no-untyped-def]
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "agentnb")
+    sh.run_line_magic("config", f"AgentMagic.workspace = {str(tmp_path / 'ws')!r}")
+    sh.run_line_magic("config", "AgentMagic.model = 'demo'")
+    yield sh
+    for name in [k for k in sh.user_ns if k.startswith("t_")]:
+        del sh.user_ns[name]
+
+
+def test_agent_plot_takes_the_job_like_the_other_sub_commands(shell, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    from IPython.core.error import UsageError
+    from IPython.utils.capture import capture_output
+
+    with pytest.raises(UsageError, match=r"^no job yet in this session; give a job id"):
+        shell.run_line_magic("agent", "plot")
+    with capture_output():
+        shell.run_cell('t_first = %agent run --piece plan-implement-verify "Summarise the inputs"')
+        second = shell.run_line_magic("agent", 'run --piece single "List the files"')
+    first = shell.user_ns["t_first"]
+    for line, job in (("plot", second), (f"plot {first.id}", first), ("plot t_first", first)):
+        fig = shell.run_line_magic("agent", line)
+        assert isinstance(fig, Figure) and fig._suptitle.get_text().startswith(f"Job {job.id} · "), line
+    # as a cell's value it is shown as an image, whether or not pyplot was ever used
+    data, metadata = shell.display_formatter.format(fig)
+    assert data["image/png"][:4] == b"\x89PNG" and metadata["image/png"]["width"] == 1000
+    with pytest.raises(UsageError, match=r"^no job 999 in workspace "):
+        shell.run_line_magic("agent", "plot 999")
+    with pytest.raises(UsageError, match=r"^%agent plot: unrecognized arguments: 2"):
+        shell.run_line_magic("agent", "plot 1 2")
+    shell.run_line_magic("agent", "plot --help")
+    assert "%agent plot [job]" in capsys.readouterr().out
+    shell.run_line_magic("agent", "--help")
+    assert "\n  plot [JOB] " in capsys.readouterr().out
