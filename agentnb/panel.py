@@ -80,7 +80,7 @@ def context_bar_html(ratio: float | None, thresholds: dict[str, float], tokens: 
     return (f'<div class="anb-ctx" data-ratio="{r:.4f}" style="min-width:0">'
             f'<div style="position:relative;height:12px;background:rgba(127,127,127,.2);border-radius:2px;margin:4px 0">'
             f'<div style="width:{r * 100:.1f}%;height:100%;background:{colour};border-radius:2px"></div>{marks}</div>'
-            f'<div style="font-size:11px">{html.escape(label)} <span style="color:#777">· thresholds: '
+            f'<div style="font-size:11px;line-height:1.4">{html.escape(label)} <span style="color:#777">· thresholds: '
             f"{html.escape(legend)}</span></div></div>")
 
 
@@ -111,6 +111,7 @@ class Panel(w.VBox):
         self._closed = threading.Event()
         self._wake = threading.Event()
         self._any_running = False
+        self._relisting: int | None = None  # the thread that is replacing the job list's options
         self._token = uuid.uuid4().hex[:12]
         self._fallbacks: list["DisplayHandle"] = []
         self._fallback_sent = ""
@@ -160,7 +161,7 @@ class Panel(w.VBox):
         self.step_call_button.on_click(lambda _: self._act(lambda job_id: self._step(job_id, "call")))
         self.stop_button.on_click(lambda _: self._stop())
         self.reply_button.on_click(lambda _: self._act(self._reply))
-        self.jobs.observe(lambda _: self._show(), names="value")
+        self.jobs.observe(self._on_select, names="value")
 
         super().__init__([
             _row(self.jobs, self.refresh_button),
@@ -235,13 +236,23 @@ class Panel(w.VBox):
             options = [(f"{'▶ ' if int(r.job) == target else ''}#{r.job} · {r.display_status} · {r.piece} · "
                         f"{int(r.total_tokens):,} tokens", int(r.job))
                        for r in frame.itertuples()]
-            selected = self.jobs.value
             if options != list(self.jobs.options):
-                self.jobs.options = options
-                if selected in {o[1] for o in options}:
-                    self.jobs.value = selected
+                # New options make Select pick the first job: put the selection back in the same message to
+                # the browser, and skip the redraw of that first job in between.
+                self._relisting = threading.get_ident()
+                try:
+                    with self.jobs.hold_sync():
+                        selected = self.jobs.value
+                        self.jobs.options = options
+                        if selected in {o[1] for o in options}:
+                            self.jobs.value = selected
+                finally:
+                    self._relisting = None
             self._show()
-            self._update_fallbacks()
+
+    def _on_select(self, change: Any) -> None:
+        if self._relisting != threading.get_ident():  # a click in the browser, not refresh() relisting
+            self._show()
 
     def _show(self) -> None:
         with self._lock:
@@ -262,6 +273,7 @@ class Panel(w.VBox):
                 self.context.value = context_bar_html(st.last_ratio, dict(piece.thresholds), st.last_tokens, st.window)
                 self.view.value = job_html(self.ws, job.id)
             self._enable(status)
+            self._update_fallbacks()
 
     def _enable(self, status: str | None) -> None:
         busy = self._busy
@@ -274,7 +286,9 @@ class Panel(w.VBox):
 
     def _say(self, text: str, error: bool = False) -> None:
         colour = "#b00020" if error else "#555"
-        self.message.value = f'<div style="color:{colour}">{html.escape(text)}</div>' if text else ""
+        # the widget's line height is a row's (28px): wrapped text would be spaced out
+        self.message.value = (f'<div style="color:{colour};line-height:1.4">{html.escape(text)}</div>'
+                              if text else "")
 
     # -- the notebook's variables and the piece box -----------------------------------
     def _namespace(self) -> Mapping[str, Any]:
@@ -475,9 +489,9 @@ class Panel(w.VBox):
         header = header_html(self.ws, selected) if selected is not None else ""
         lines = "".join(f"<div>{html.escape(label)}</div>" for label in listing) or \
             '<div style="color:#777">no jobs yet</div>'
-        # JupyterLab draws "Error displaying widget: model not found" for the dead widget just above: hide it
-        # when this snapshot follows it (a rule that matches nothing elsewhere).
-        style = ("<style>.jp-OutputArea-child:has(> .jp-OutputArea-output.jupyter-widgets:not(:has(*)))"
+        # JupyterLab draws "Error displaying widget: model not found" for the dead widget just above (its
+        # renderer adds .jupyter-widgets to the output only then): hide it when this snapshot follows it.
+        style = ("<style>.jp-OutputArea-child:has(> .jp-OutputArea-output.jupyter-widgets)"
                  ":has(+ .jp-OutputArea-child .anb-panel-fallback){display:none}</style>")
         body = (f'{style}<div class="anb-panel-fallback anb-fb-{self._token}" style="border:1px solid '
                 f'rgba(127,127,127,.35);border-radius:4px;padding:6px 8px;font-size:13px">'
