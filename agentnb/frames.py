@@ -21,7 +21,7 @@ frame               columns
 =================== ===========================================================================
 ``jobs()``          job, parent, piece, model, status, instruction, current_movement, movements,
                     llm_calls, tool_calls, prompt_tokens, completion_tokens, total_tokens,
-                    peak_ratio, created, started, ended, error, id, display_status
+                    peak_ratio, created, started, ended, error, display_status, id
 ``movements(job)``  job, seq, movement, status, started, ended, iterations, llm_calls, tool_calls,
                     prompt_tokens, completion_tokens, total_tokens, peak_ratio, actions,
                     next_step, forced, summary, name, tokens
@@ -113,8 +113,8 @@ _JOBS: _Spec = {
     "job": "int", "parent": "Int", "piece": "str", "model": "str", "status": _STATUS, "instruction": "str",
     "current_movement": "str", "movements": "int", "llm_calls": "int", "tool_calls": "int",
     "prompt_tokens": "int", "completion_tokens": "int", "total_tokens": "int", "peak_ratio": "float",
-    "created": "time", "started": "time", "ended": "time", "error": "str", "id": "int",
-    "display_status": pd.CategoricalDtype(list(DISPLAY_STATES)),
+    "created": "time", "started": "time", "ended": "time", "error": "str",
+    "display_status": pd.CategoricalDtype(list(DISPLAY_STATES)), "id": "int",
 }
 _MOVEMENTS: _Spec = {
     "job": "int", "seq": "int", "movement": "str", "status": _MOVEMENT_STATUS, "started": "time", "ended": "time",
