@@ -112,6 +112,8 @@ class Panel(w.VBox):
         self._wake = threading.Event()
         self._any_running = False
         self._relisting: int | None = None  # the thread that is replacing the job list's options
+        # (job id, (last event id, row updated), shown status) of the job drawn in the view
+        self._shown: tuple[int | None, tuple[int, float] | None, str] = (None, None, "")
         self._token = uuid.uuid4().hex[:12]
         self._fallbacks: list["DisplayHandle"] = []
         self._fallback_sent = ""
@@ -257,22 +259,23 @@ class Panel(w.VBox):
     def _show(self) -> None:
         with self._lock:
             job = self.job
-            status = None
             if job is None:
+                self._shown = (None, None, "")
                 self.view.value = '<div style="color:#777">no job selected</div>'
                 self.movements.value, self.movements.max = 0, 1
                 self.movements_label.value = ""
                 self.context.value = context_bar_html(None, dict(DEFAULT_THRESHOLDS))
-            else:
+            elif self._shown[:2] != (job.id, (mark := (self.ws.store.last_event_id(job.id), job.updated))):
+                # redrawn only when the selected job moved on: another job's progress costs no render of this one
                 st = job_stats(self.ws, job.id)
-                status = st.status
+                self._shown = (job.id, mark, st.status)
                 piece = self.ws.piece(job.id)
                 self.movements.max = piece.max_movements
                 self.movements.value = min(st.movements, piece.max_movements)
                 self.movements_label.value = f"{st.movements} of {piece.max_movements} movements"
                 self.context.value = context_bar_html(st.last_ratio, dict(piece.thresholds), st.last_tokens, st.window)
                 self.view.value = job_html(self.ws, job.id)
-            self._enable(status)
+            self._enable(self._shown[2] or None)
             self._update_fallbacks()
 
     def _enable(self, status: str | None) -> None:

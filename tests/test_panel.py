@@ -257,6 +257,24 @@ def test_stop_reaches_the_subtasks_the_panel_runs(ws: Workspace, gate: Gate, pan
     assert gate.calls == 1
 
 
+def test_stop_pauses_a_movement_step_after_its_current_call(ws: Workspace, gate: Gate, panels) -> None:
+    job = ws.submit("t", piece=str(gate.piece), model=gate.script(calls=3))
+    panel = panels(ws)
+    panel.select(job.id)
+    panel.step_button.click()  # the whole movement: four calls
+    gate.wait_entered()
+    panel.stop_button.click()
+    assert f"Stop: job {job.id}, run from this panel, will pause" in panel.message.value
+    gate.open.set()
+    panel.wait(60)
+    assert len(ws.events(job, kinds=["llm_response"])) == 1 and ws.events(job, kinds=["transition"]) == []
+    assert f"job {job.id} is paused (Stop)" in panel.message.value
+    # a later step is not cut short by that Stop
+    panel.step_button.click()
+    panel.wait(60)
+    assert [e.payload["next_step"] for e in ws.events(job, kinds=["transition"])] == ["COMPLETE"]
+
+
 def test_list_and_view_follow_a_running_job_live(ws: Workspace, gate: Gate, panels) -> None:
     panel = panels(ws)
     panel.piece.value, panel.model.value, panel.instruction.value = str(gate.piece), gate.script(calls=3), "t"
