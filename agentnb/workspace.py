@@ -269,8 +269,8 @@ class Workspace:
                     self.store.set_status(c, job_id, "queued", reason="interrupted")
             raise
         stopped = stop.is_set()
-        if stopped:
-            stop.clear()
+        if stopped and status != "waiting_subtasks":
+            stop.clear()  # a parent that just handed out subtasks keeps it: they do not start (_run_children)
         if status == "running":
             reason = STOP_REASON if stopped else f"paused after one {unit}"
             with self.store.transaction() as c:

@@ -275,6 +275,35 @@ def test_stop_pauses_a_movement_step_after_its_current_call(ws: Workspace, gate:
     assert [e.payload["next_step"] for e in ws.events(job, kinds=["transition"])] == ["COMPLETE"]
 
 
+def test_a_stop_during_the_call_that_hands_out_subtasks_starts_none(ws: Workspace, gate: Gate,
+                                                                     tmp_path: Path) -> None:
+    # ws.stop, as the panel and %agent stop use it: the parent's last call ends in WAIT_SUBTASKS
+    child = write_script(tmp_path, "child", {"work": [transition("COMPLETE")]})
+    parent = write_script(tmp_path, "parent", {
+        "split": [{"tool_calls": [{"name": "TestPanelGate", "arguments": {}},
+                                  {"name": "transition", "arguments": {
+                                      "next_step": "WAIT_SUBTASKS", "summary": "split", "subtasks": [
+                                          {"instruction": "part one", "piece": "single", "model": child}]}}]}],
+        "merge": [transition("COMPLETE", summary="merged")],
+    })
+    fan_out = write_piece(tmp_path, "fan", {"movements": [
+        {"name": "split", "persona": "p", "instruction": "i", "tools": ["TestPanelGate"],
+         "rules": [{"condition": "split", "next": "WAIT_SUBTASKS"}], "default_next": "merge"},
+        {"name": "merge", "persona": "p", "instruction": "i", "tools": [],
+         "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+    job = ws.submit("t", piece=str(fan_out), model=parent)
+    runner = threading.Thread(target=ws.run, args=(job.id,))
+    runner.start()
+    gate.wait_entered()
+    assert ws.stop(job) == [job.id]
+    gate.open.set()
+    runner.join(60)
+    assert ws.job(job).status == "waiting_subtasks"
+    (part,) = ws.children(job)
+    assert part.status == "queued" and ws.events(part, kinds=["llm_response"]) == []
+    assert ws.run(job).status == "succeeded"  # Run again: the subtask runs, then the parent merges
+
+
 def test_list_and_view_follow_a_running_job_live(ws: Workspace, gate: Gate, panels) -> None:
     panel = panels(ws)
     panel.piece.value, panel.model.value, panel.instruction.value = str(gate.piece), gate.script(calls=3), "t"
