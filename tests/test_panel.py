@@ -17,6 +17,8 @@ from agentnb import Workspace
 from agentnb.panel import Panel
 from agentnb.tools import unregister
 
+Panels = Callable[..., Panel]
+
 
 def _new(panel: Panel, instruction: str, piece: str = "plan-implement-verify", model: str = "demo") -> None:
     panel.piece.value = piece
@@ -148,7 +150,7 @@ def gate(tmp_path: Path) -> Iterator[Gate]:
 
 
 @pytest.fixture
-def panels() -> Iterator[Callable[..., Panel]]:
+def panels() -> Iterator[Panels]:
     """Panels that poll fast, closed (their watcher threads ended) after the test."""
     made: list[Panel] = []
 
@@ -178,7 +180,7 @@ def _tokens(ws: Workspace, job_id: int) -> int:
     return sum(e.payload["usage"]["total_tokens"] for e in ws.events(job_id, kinds=["llm_response"]))
 
 
-def test_stop_pauses_a_running_job_after_its_current_call(ws: Workspace, gate: Gate, panels) -> None:
+def test_stop_pauses_a_running_job_after_its_current_call(ws: Workspace, gate: Gate, panels: Panels) -> None:
     panel = panels(ws)
     panel.piece.value, panel.model.value, panel.instruction.value = str(gate.piece), gate.script(), "t"
     assert panel.stop_button.disabled and panel.stop_button.button_style == ""
@@ -198,7 +200,7 @@ def test_stop_pauses_a_running_job_after_its_current_call(ws: Workspace, gate: G
     assert panel.stop_button.button_style == "" and panel.run_button.button_style == "primary"
 
 
-def test_stop_pauses_the_job_the_panel_runs_not_the_selected_one(ws: Workspace, gate: Gate, panels) -> None:
+def test_stop_pauses_the_job_the_panel_runs_not_the_selected_one(ws: Workspace, gate: Gate, panels: Panels) -> None:
     done = ws.run(ws.submit("an earlier job", piece="plan-implement-verify", model="demo"))
     assert done.status == "succeeded"
     panel = panels(ws)
@@ -231,7 +233,7 @@ def test_stop_pauses_the_job_the_panel_runs_not_the_selected_one(ws: Workspace, 
     assert ws.job(slow).status == "succeeded" and panel.message.value == ""
 
 
-def test_stop_reaches_the_subtasks_the_panel_runs(ws: Workspace, gate: Gate, panels, tmp_path: Path) -> None:
+def test_stop_reaches_the_subtasks_the_panel_runs(ws: Workspace, gate: Gate, panels: Panels, tmp_path: Path) -> None:
     child = gate.script("child")
     parent = write_script(tmp_path, "parent", {
         "split": [transition("WAIT_SUBTASKS", summary="split", subtasks=[
@@ -257,7 +259,7 @@ def test_stop_reaches_the_subtasks_the_panel_runs(ws: Workspace, gate: Gate, pan
     assert gate.calls == 1
 
 
-def test_stop_pauses_a_movement_step_after_its_current_call(ws: Workspace, gate: Gate, panels) -> None:
+def test_stop_pauses_a_movement_step_after_its_current_call(ws: Workspace, gate: Gate, panels: Panels) -> None:
     job = ws.submit("t", piece=str(gate.piece), model=gate.script(calls=3))
     panel = panels(ws)
     panel.select(job.id)
@@ -304,7 +306,7 @@ def test_a_stop_during_the_call_that_hands_out_subtasks_starts_none(ws: Workspac
     assert ws.run(job).status == "succeeded"  # Run again: the subtask runs, then the parent merges
 
 
-def test_list_and_view_follow_a_running_job_live(ws: Workspace, gate: Gate, panels) -> None:
+def test_list_and_view_follow_a_running_job_live(ws: Workspace, gate: Gate, panels: Panels) -> None:
     panel = panels(ws)
     panel.piece.value, panel.model.value, panel.instruction.value = str(gate.piece), gate.script(calls=3), "t"
     panel.run_button.click()
@@ -325,18 +327,19 @@ def test_list_and_view_follow_a_running_job_live(ws: Workspace, gate: Gate, pane
     assert _label(panel, job_id) == f"#{job_id} · succeeded · gated · {_tokens(ws, job_id):,} tokens"
 
 
-def test_list_shows_jobs_run_outside_the_panel(ws: Workspace, panels) -> None:
+def test_list_shows_jobs_run_outside_the_panel(ws: Workspace, panels: Panels) -> None:
     panel = panels(ws)
     assert panel.jobs.options == ()
     job = ws.run(ws.submit("from a notebook cell", piece="plan-implement-verify", model="demo"))
     _until(lambda: len(panel.jobs.options) == 1, "the list to show the new job")
-    _until(lambda: panel.jobs.options[0][0].startswith(f"#{job.id} · succeeded · plan-implement-verify"), "its final status")
+    _until(lambda: panel.jobs.options[0][0].startswith(f"#{job.id} · succeeded · plan-implement-verify"),
+           "its final status")
     ws.step(ws.submit("stepped", piece="plan-implement-verify", model="demo"))
     _until(lambda: len(panel.jobs.options) == 2 and " · paused · " in panel.jobs.options[1][0],
            "a stepped job to show as paused")
 
 
-def test_a_paused_job_shows_as_paused_in_view_list_and_frames(ws: Workspace, panels) -> None:
+def test_a_paused_job_shows_as_paused_in_view_list_and_frames(ws: Workspace, panels: Panels) -> None:
     job = ws.step(ws.submit("one movement at a time", piece="plan-implement-verify", model="demo"))
     fresh = ws.submit("not started", piece="single", model="demo")
     assert job.status == "queued"  # what the store keeps: the job can be claimed and resumed
@@ -353,7 +356,7 @@ def test_a_paused_job_shows_as_paused_in_view_list_and_frames(ws: Workspace, pan
     assert ws.frames.jobs().set_index("job").loc[job.id, "display_status"] == "succeeded"
 
 
-def test_a_waiting_job_shows_its_question_once(ws: Workspace, panels) -> None:
+def test_a_waiting_job_shows_its_question_once(ws: Workspace, panels: Panels) -> None:
     panel = panels(ws)
     _new(panel, "Summarise the inputs", piece="ask-first")
     job = panel.job
@@ -364,7 +367,8 @@ def test_a_waiting_job_shows_its_question_once(ws: Workspace, panels) -> None:
     assert panel.message.value == ""
 
 
-def test_refresh_picks_up_new_piece_files(ws: Workspace, panels, tmp_path: Path, monkeypatch) -> None:
+def test_refresh_picks_up_new_piece_files(ws: Workspace, panels: Panels, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # ./pieces is looked up from the notebook's folder
     (tmp_path / "pieces").mkdir()
     panel = panels(ws)
@@ -379,7 +383,7 @@ def test_refresh_picks_up_new_piece_files(ws: Workspace, panels, tmp_path: Path,
     assert panel.job.piece == "brand-new" and panel.job.status == "succeeded", panel.message.value
 
 
-def test_piece_box_takes_a_yaml_path_and_notebook_variables(ws: Workspace, panels, tmp_path: Path) -> None:
+def test_piece_box_takes_a_yaml_path_and_notebook_variables(ws: Workspace, panels: Panels, tmp_path: Path) -> None:
     path = write_piece(tmp_path, "from-a-file", {"movements": [{
         "name": "only", "persona": "p", "instruction": "i", "tools": [],
         "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
