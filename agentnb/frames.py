@@ -21,7 +21,7 @@ frame               columns
 =================== ===========================================================================
 ``jobs()``          job, parent, piece, model, status, instruction, current_movement, movements,
                     llm_calls, tool_calls, prompt_tokens, completion_tokens, total_tokens,
-                    peak_ratio, created, started, ended, error, id
+                    peak_ratio, created, started, ended, error, display_status, id
 ``movements(job)``  job, seq, movement, status, started, ended, iterations, llm_calls, tool_calls,
                     prompt_tokens, completion_tokens, total_tokens, peak_ratio, actions,
                     next_step, forced, summary, name, tokens
@@ -56,7 +56,9 @@ Details:
 
 * ``jobs().movements`` counts movement runs; ``llm_calls`` / token sums cover every
   ``llm_response`` event of the job (0 when none); ``peak_ratio`` is the highest
-  context ratio seen (NaN before the first call).
+  context ratio seen (NaN before the first call).  ``display_status`` is ``status`` as the
+  views show it: ``paused`` for a queued job that was stopped or stepped part-way
+  (``agentnb._status.display_status``).
 * ``movements().iterations`` is the run's LLM call number reached: a call that failed (the job
   failed with it) counts, so it can exceed ``llm_calls`` by one; a run paused mid-way counts its calls so far.
 * ``usage()`` has one row per LLM call (``llm_response`` event).  ``call`` numbers the
@@ -86,6 +88,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import pandas as pd
 
+from ._status import DISPLAY_STATES, display_status
 from .context import ACTIONS
 from .store import JOB_STATES, instruction_sql, payload_text_sql
 from .tools import ToolError, unlinked_path
@@ -110,7 +113,8 @@ _JOBS: _Spec = {
     "job": "int", "parent": "Int", "piece": "str", "model": "str", "status": _STATUS, "instruction": "str",
     "current_movement": "str", "movements": "int", "llm_calls": "int", "tool_calls": "int",
     "prompt_tokens": "int", "completion_tokens": "int", "total_tokens": "int", "peak_ratio": "float",
-    "created": "time", "started": "time", "ended": "time", "error": "str", "id": "int",
+    "created": "time", "started": "time", "ended": "time", "error": "str",
+    "display_status": pd.CategoricalDtype(list(DISPLAY_STATES)), "id": "int",
 }
 _MOVEMENTS: _Spec = {
     "job": "int", "seq": "int", "movement": "str", "status": _MOVEMENT_STATUS, "started": "time", "ended": "time",
@@ -205,7 +209,9 @@ SELECT j.id AS job, j.parent_id AS parent, j.piece, j.model, j.status, {instruct
        (SELECT COUNT(*) FROM events t WHERE t.kind = 'tool_call' AND t.job_id = j.id) AS tool_calls,
        COALESCE(a.prompt_tokens, 0) AS prompt_tokens, COALESCE(a.completion_tokens, 0) AS completion_tokens,
        COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio,
-       j.created, j.started, j.ended, j.error, j.id AS id
+       j.created, j.started, j.ended, j.error, j.id AS id,
+       (SELECT {_jx('s', 'reason')} FROM events s WHERE s.kind = 'job_status' AND s.job_id = j.id
+        ORDER BY s.id DESC LIMIT 1) AS status_reason
 FROM jobs j
 LEFT JOIN (
     SELECT e.job_id, COUNT(*) AS llm_calls,
@@ -340,7 +346,11 @@ class Frames:
     # -- frames -------------------------------------------------------------------
     def jobs(self) -> pd.DataFrame:
         """One row per job: what ran, its status, and its totals."""
-        return self._query(_JOBS_SQL, (), _JOBS)
+        df = self._query(_JOBS_SQL, (), {**_JOBS, "status_reason": "str"})
+        reasons = df.pop("status_reason").astype(object)
+        df["display_status"] = pd.Series([display_status(s, r) for s, r in zip(df["status"].astype(object), reasons)],
+                                         index=df.index, dtype=_JOBS["display_status"])
+        return df
 
     def movements(self, job: "JobRef | None" = None) -> pd.DataFrame:
         """One row per movement run of ``job`` (every job when ``None``)."""

@@ -1,33 +1,49 @@
 """The ``%agent panel`` widget: pick, run, step, stop and answer jobs, and watch them live.
 
-Layout (top to bottom): the job list (status, piece, tokens); the piece and model
-chooser with the instruction box and the Run / Step / Step call / Stop buttons; the
-reply box (enabled only when the selected job waits for a human); a progress bar of
-movements run against the piece's ``max_movements``; a context-usage bar of the newest
-movement run with its threshold marks; and the live view of the selected job
-(:func:`agentnb.render.job_html`).
+Layout (top to bottom): the job list (status as shown, piece, tokens) with Refresh; the
+piece and model chooser with the instruction box and the Run / Step / Step call / Stop
+buttons; the reply box (enabled only when the selected job waits for a human); a progress
+bar of movements run against the piece's ``max_movements``; a context-usage bar of the
+newest movement run with its threshold marks; the message line; and the live view of the
+selected job (:func:`agentnb.render.job_html`).  Rows wrap, so nothing overflows a narrow
+notebook.
 
-Actions run in a thread so the notebook stays responsive; a second thread polls the
-store and refreshes the widgets as events are written.  :meth:`Panel.wait` joins them
-(for scripts and tests).  Problems (a bad model spec, an unknown piece, a job another
-process is running) are shown on the panel's message line rather than raised into the
-widget machinery, where they would be lost.
+Actions run in a thread so the notebook stays responsive.  A watcher thread polls the store
+(every ``poll`` seconds while a job runs, every ``idle_poll`` seconds otherwise) and redraws
+the list and the view when anything was written, whoever wrote it.  :meth:`Panel.wait`
+joins the current action (for scripts and tests); :meth:`Panel.close` ends the watcher.
+
+Stop acts on the job the panel's own action is running (and that job's subtasks), whichever
+job is selected, and the message line says which.  Problems (a bad model spec, an unknown
+piece, a job another process is running) are shown on the message line rather than raised
+into the widget machinery, where they would be lost.
+
+Where the widget cannot be drawn (a saved notebook reopened after the kernel restarted,
+nbviewer, GitHub), a second output shows a saved snapshot: the job list and the selected
+job's header.  A live panel hides its own snapshot.
 """
 
 from __future__ import annotations
 
 import html
+import os
+import re
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import ipywidgets as w
 
+from ._status import PAUSED, display_status, last_status_reason
 from .models import ModelSpecError
-from .pieces import DEFAULT_THRESHOLDS, PieceError, available_pieces
-from .render import job_html, job_stats
+from .pieces import DEFAULT_THRESHOLDS, Piece, PieceError, available_pieces
+from .render import header_html, job_html, job_stats
 from .store import StoreError
 
 if TYPE_CHECKING:
+    from IPython.display import DisplayHandle
+
     from .magic import AgentMagic
     from .workspace import Job, Workspace
 
@@ -35,6 +51,12 @@ __all__ = ["Panel", "context_bar_html"]
 
 _PROBLEMS = (PieceError, ModelSpecError, StoreError, FileNotFoundError, ValueError)
 _MARK_COLOURS = {"warn": "#c9a200", "prompt": "#e07b00", "force_transition": "#d03a3a", "exhausted": "#8b0000"}
+_RUNNABLE = ("queued", PAUSED)  # shown statuses that Step and Run continue
+# {name}, $name, or the {{ and }} escapes, in the model box (e.g. scripted:{SCRIPT})
+_VAR_REF = re.compile(r"\{\{|\}\}|\{(\w+)\}|\$(\w+)")
+_WHOLE_VAR = re.compile(r"\{(\w+)\}|\$(\w+)")
+_FALLBACK_ROWS = 30  # newest jobs listed in the saved snapshot
+_FALLBACK_EVERY = 2.0  # seconds between snapshot updates while a job runs
 
 
 def context_bar_html(ratio: float | None, thresholds: dict[str, float], tokens: int | None = None,
@@ -55,82 +77,144 @@ def context_bar_html(ratio: float | None, thresholds: dict[str, float], tokens: 
     if ratio is not None and tokens is not None and window:
         label += f" ({tokens:,} / {window:,} tokens)"
     legend = " · ".join(f"{name} {value:.0%}" for name, value in sorted(thresholds.items(), key=lambda kv: kv[1]))
-    return (f'<div class="anb-ctx" data-ratio="{r:.4f}" style="min-width:300px">'
+    return (f'<div class="anb-ctx" data-ratio="{r:.4f}" style="min-width:0">'
             f'<div style="position:relative;height:12px;background:rgba(127,127,127,.2);border-radius:2px;margin:4px 0">'
             f'<div style="width:{r * 100:.1f}%;height:100%;background:{colour};border-radius:2px"></div>{marks}</div>'
-            f'<div style="font-size:11px">{html.escape(label)} <span style="color:#777">· thresholds: '
+            f'<div style="font-size:11px;line-height:1.4">{html.escape(label)} <span style="color:#777">· thresholds: '
             f"{html.escape(legend)}</span></div></div>")
 
 
-class Panel(w.VBox):
-    """Run, step, stop and answer jobs of a :class:`Workspace`, with a live view of the selected one."""
+def _row(*children: w.Widget) -> w.HBox:
+    # wrap instead of overflowing when the notebook is narrow
+    return w.HBox(list(children), layout=w.Layout(flex_flow="row wrap", width="100%", align_items="center"))
 
-    def __init__(self, ws: "Workspace", *, magic: "AgentMagic | None" = None, poll: float = 0.3) -> None:
+
+class Panel(w.VBox):
+    """Run, step, stop and answer jobs of a :class:`Workspace`, with a live view of the selected one.
+
+    ``namespace`` is where the piece box looks up notebook variables (default: the notebook's,
+    through ``magic`` or the running IPython).
+    """
+
+    def __init__(self, ws: "Workspace", *, magic: "AgentMagic | None" = None, poll: float = 0.3,
+                 idle_poll: float = 1.0, namespace: Mapping[str, Any] | None = None) -> None:
         self.ws = ws
         self.magic = magic
         self.poll = poll
-        self._thread: threading.Thread | None = None
-        self._watcher: threading.Thread | None = None
+        self.idle_poll = idle_poll
+        self._namespace_arg = namespace
         self._lock = threading.RLock()
+        self._thread: threading.Thread | None = None
+        self._busy = False
+        self._target: int | None = None  # the job the panel's current action runs
+        self._stop_requested = threading.Event()
+        self._closed = threading.Event()
+        self._wake = threading.Event()
+        self._any_running = False
+        self._relisting: int | None = None  # the thread that is replacing the job list's options
+        # (job id, (last event id, row updated), shown status) of the job drawn in the view
+        self._shown: tuple[int | None, tuple[int, float] | None, str] = (None, None, "")
+        self._token = uuid.uuid4().hex[:12]
+        self._fallbacks: list["DisplayHandle"] = []
+        self._fallback_sent = ""
+        self._fallback_at = 0.0
 
-        self.jobs = w.Select(options=[], rows=6, description="Jobs", layout=w.Layout(width="100%"))
-        self.refresh_button = w.Button(description="Refresh", icon="refresh")
-        pieces = sorted(available_pieces())
+        self.jobs = w.Select(options=[], rows=6, description="Jobs",
+                             layout=w.Layout(flex="1 1 320px", width="auto", min_width="0"))
+        self.refresh_button = w.Button(description="Refresh", icon="refresh",
+                                       tooltip="re-read the jobs and the pieces in ./pieces")
         default_piece = magic.piece if magic is not None else "plan-implement-verify"
-        if default_piece not in pieces:
-            pieces.append(default_piece)
-        self.piece = w.Dropdown(options=pieces, value=default_piece, description="Piece")
+        self.piece = w.Combobox(value=default_piece, options=self._piece_names(), ensure_option=False,
+                                description="Piece",
+                                placeholder="a piece name, a YAML path or a notebook variable",
+                                tooltip="a piece name from the list, a YAML path, or a notebook variable "
+                                        "holding a Piece or a path (PIECE, {PIECE} or $PIECE)",
+                                layout=w.Layout(flex="1 1 260px", width="auto", min_width="0"))
         self.model = w.Combobox(value=magic.model if magic is not None else "demo",
                                 options=["demo", "openai:gpt-4o-mini", "openai:gpt-4o"],
-                                description="Model", ensure_option=False)
+                                description="Model", ensure_option=False,
+                                tooltip="demo | scripted:<file.yaml> | openai:<model> | replay:<job id>; "
+                                        "{name} and $name are filled from the notebook",
+                                layout=w.Layout(flex="1 1 260px", width="auto", min_width="0"))
         self.instruction = w.Textarea(placeholder="What should the job do?", description="Instruction",
-                                      layout=w.Layout(width="100%", height="70px"))
-        self.run_button = w.Button(description="Run", button_style="primary", icon="play")
+                                      layout=w.Layout(width="auto", height="70px", min_width="0"))
+        self.run_button = w.Button(description="Run", button_style="primary", icon="play",
+                                   tooltip="submit the instruction as a new job and run it (or continue the "
+                                           "selected queued or paused job)")
         self.step_button = w.Button(description="Step", icon="step-forward", tooltip="run the next movement")
         self.step_call_button = w.Button(description="Step call", icon="forward", tooltip="run the next LLM call")
         self.stop_button = w.Button(description="Stop", button_style="warning", icon="stop",
-                                    tooltip="pause after the current LLM call")
+                                    tooltip="pause the job this panel is running after its current LLM call")
         self.reply_text = w.Text(placeholder="Your answer to the job's question", description="Reply",
-                                 layout=w.Layout(width="70%"))
+                                 layout=w.Layout(flex="1 1 300px", width="auto", min_width="0"))
         self.reply_button = w.Button(description="Reply", icon="reply")
         self.movements = w.IntProgress(value=0, min=0, max=1, description="Movements")
         self.movements_label = w.Label()
         self.context = w.HTML()
         self.message = w.HTML()
         self.view = w.HTML()
+        # A live panel hides its saved snapshot (see _ipython_display_); a dead one leaves it visible.
+        self._live_style = w.HTML(f"<style>.anb-fb-{self._token}{{display:none}}</style>",
+                                  layout=w.Layout(display="none"))
 
-        self.refresh_button.on_click(lambda _: self.refresh())
+        self.refresh_button.on_click(lambda _: self.refresh(pieces=True))
         self.run_button.on_click(lambda _: self._act(self._run))
-        self.step_button.on_click(lambda _: self._act(lambda: self._step("movement")))
-        self.step_call_button.on_click(lambda _: self._act(lambda: self._step("call")))
+        self.step_button.on_click(lambda _: self._act(lambda job_id: self._step(job_id, "movement")))
+        self.step_call_button.on_click(lambda _: self._act(lambda job_id: self._step(job_id, "call")))
         self.stop_button.on_click(lambda _: self._stop())
         self.reply_button.on_click(lambda _: self._act(self._reply))
-        self.jobs.observe(lambda _: self._show(), names="value")
+        self.jobs.observe(self._on_select, names="value")
 
         super().__init__([
-            w.HBox([self.jobs, self.refresh_button]),
-            w.HBox([self.piece, self.model]),
+            _row(self.jobs, self.refresh_button),
+            _row(self.piece, self.model),
             self.instruction,
-            w.HBox([self.run_button, self.step_button, self.step_call_button, self.stop_button]),
-            w.HBox([self.reply_text, self.reply_button]),
-            w.HBox([self.movements, self.movements_label]),
+            _row(self.run_button, self.step_button, self.step_call_button, self.stop_button),
+            _row(self.reply_text, self.reply_button),
+            _row(self.movements, self.movements_label),
             self.context,
             self.message,
             self.view,
-        ])
+            self._live_style,
+        ], layout=w.Layout(width="100%", min_width="0"))
+        self.add_class("anb-panel")
         self.refresh()
         if self.jobs.options and magic is not None and magic.last_job is not None:
             self.select(magic.last_job)
+        self._watcher = threading.Thread(target=self._watch, name="agentnb-panel-watch", daemon=True)
+        self._watcher.start()
 
     def __repr__(self) -> str:
         # ipywidgets saves repr() as the output's text/plain: it is what a saved notebook shows where
         # the widget cannot be drawn (GitHub, nbviewer, no kernel), instead of the widget tree.
         return f"agentnb panel of workspace {self.ws.root.name!r} (interactive: run the cell in a live kernel)"
 
+    def _ipython_display_(self, **kwargs: Any) -> None:
+        """The widget, then its saved snapshot as a second output.
+
+        JupyterLab draws a widget output with the widget renderer only: after a kernel restart
+        it shows "Error displaying widget: model not found" and never falls back to the
+        output's text/html.  So the snapshot is an output of its own, kept up to date while
+        the panel lives and hidden by the live panel's style.
+        """
+        from IPython.display import display
+
+        display(self._repr_mimebundle_(**kwargs), raw=True)
+        handle = display(self.fallback_bundle(), raw=True, display_id=True)
+        if handle is not None:
+            self._fallbacks.append(handle)
+
+    def close(self) -> None:
+        """Close the widget and end its watcher thread."""
+        self._closed.set()
+        self._wake.set()
+        super().close()
+
     # -- state -------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """True while an action (Run, Step, Reply) started from this panel runs."""
+        return self._busy
 
     @property
     def job(self) -> "Job | None":
@@ -141,123 +225,301 @@ class Panel(w.VBox):
         self.refresh()
         self.jobs.value = job_id
 
-    def refresh(self) -> None:
-        """Re-read the job list and redraw the selected job."""
+    def refresh(self, *, pieces: bool = False) -> None:
+        """Re-read the job list (and, with ``pieces=True``, the piece files) and redraw the selected job."""
         with self._lock:
+            if pieces:
+                names = self._piece_names()
+                if list(self.piece.options) != names:
+                    self.piece.options = names
             frame = self.ws.frames.jobs()
-            options = [(f"#{r.job} · {r.status} · {r.piece} · {int(r.total_tokens):,} tokens", int(r.job))
+            self._any_running = bool((frame["status"] == "running").any()) if len(frame) else False
+            target = self._target
+            options = [(f"{'▶ ' if int(r.job) == target else ''}#{r.job} · {r.display_status} · {r.piece} · "
+                        f"{int(r.total_tokens):,} tokens", int(r.job))
                        for r in frame.itertuples()]
-            selected = self.jobs.value
-            if [o[1] for o in options] != [o[1] for o in self.jobs.options] or \
-                    [o[0] for o in options] != [o[0] for o in self.jobs.options]:
-                self.jobs.options = options
-                if selected in {o[1] for o in options}:
-                    self.jobs.value = selected
+            if options != list(self.jobs.options):
+                # New options make Select pick the first job: put the selection back in the same message to
+                # the browser, and skip the redraw of that first job in between.
+                self._relisting = threading.get_ident()
+                try:
+                    with self.jobs.hold_sync():
+                        selected = self.jobs.value
+                        self.jobs.options = options
+                        if selected in {o[1] for o in options}:
+                            self.jobs.value = selected
+                finally:
+                    self._relisting = None
+            self._show()
+
+    def _on_select(self, change: Any) -> None:
+        if self._relisting != threading.get_ident():  # a click in the browser, not refresh() relisting
             self._show()
 
     def _show(self) -> None:
         with self._lock:
             job = self.job
             if job is None:
+                self._shown = (None, None, "")
                 self.view.value = '<div style="color:#777">no job selected</div>'
                 self.movements.value, self.movements.max = 0, 1
                 self.movements_label.value = ""
                 self.context.value = context_bar_html(None, dict(DEFAULT_THRESHOLDS))
-            else:
+            elif self._shown[:2] != (job.id, (mark := (self.ws.store.last_event_id(job.id), job.updated))):
+                # redrawn only when the selected job moved on: another job's progress costs no render of this one
                 st = job_stats(self.ws, job.id)
+                self._shown = (job.id, mark, st.status)
                 piece = self.ws.piece(job.id)
                 self.movements.max = piece.max_movements
                 self.movements.value = min(st.movements, piece.max_movements)
                 self.movements_label.value = f"{st.movements} of {piece.max_movements} movements"
                 self.context.value = context_bar_html(st.last_ratio, dict(piece.thresholds), st.last_tokens, st.window)
                 self.view.value = job_html(self.ws, job.id)
-            self._enable(job)
+            self._enable(self._shown[2] or None)
+            self._update_fallbacks()
 
-    def _enable(self, job: "Job | None") -> None:
-        busy = self.busy
-        status = None if job is None else str(job.status)
-        self.run_button.disabled = busy
-        self.step_button.disabled = self.step_call_button.disabled = busy or status != "queued"
-        self.stop_button.disabled = not busy
-        self.reply_button.disabled = self.reply_text.disabled = busy or status != "waiting_human"
+    def _enable(self, status: str | None) -> None:
+        busy = self._busy
+        _set(self.run_button, not busy, "primary")
+        _set(self.step_button, not busy and status in _RUNNABLE)
+        _set(self.step_call_button, not busy and status in _RUNNABLE)
+        _set(self.stop_button, busy, "warning")
+        _set(self.reply_button, not busy and status == "waiting_human")
+        self.reply_text.disabled = busy or status != "waiting_human"
 
     def _say(self, text: str, error: bool = False) -> None:
         colour = "#b00020" if error else "#555"
-        self.message.value = f'<div style="color:{colour}">{html.escape(text)}</div>' if text else ""
+        # the widget's line height is a row's (28px): wrapped text would be spaced out
+        self.message.value = (f'<div style="color:{colour};line-height:1.4">{html.escape(text)}</div>'
+                              if text else "")
+
+    # -- the notebook's variables and the piece box -----------------------------------
+    def _namespace(self) -> Mapping[str, Any]:
+        if self._namespace_arg is not None:
+            return self._namespace_arg
+        if self.magic is not None and self.magic.shell is not None:
+            return self.magic.shell.user_ns
+        try:
+            from IPython import get_ipython
+        except ImportError:  # pragma: no cover - IPython comes with ipywidgets
+            return {}
+        shell = get_ipython()
+        return shell.user_ns if shell is not None else {}
+
+    @staticmethod
+    def _piece_names() -> list[str]:
+        return sorted(available_pieces())
+
+    def piece_choice(self) -> "str | os.PathLike[str] | Piece":
+        """What the piece box names: a piece name, a YAML path, or a notebook variable's Piece or path."""
+        text = self.piece.value.strip()
+        allowed = ("allowed: a piece name from the list, a YAML path, or a notebook variable holding a Piece "
+                   "or a path (PIECE, {PIECE} or $PIECE)")
+        if not text:
+            raise ValueError(f"the Piece box is empty; {allowed}")
+        ns = self._namespace()
+        m = _WHOLE_VAR.fullmatch(text)
+        name = (m.group(1) or m.group(2)) if m else None
+        if name is None and text.isidentifier() and text not in available_pieces() and text in ns:
+            name = text
+        if name is None:
+            if text.isidentifier() and text not in available_pieces():
+                raise ValueError(f"piece {text!r} is neither a piece in {', '.join(self._piece_names()) or 'none'} "
+                                 f"nor a notebook variable; {allowed}")
+            return text
+        if name not in ns:
+            raise ValueError(f"piece {text!r}: the notebook has no variable {name!r}; {allowed}")
+        value = ns[name]
+        if isinstance(value, (Piece, str, os.PathLike)):
+            return value
+        raise ValueError(f"piece {text!r}: variable {name!r} holds a {type(value).__name__}; {allowed}")
+
+    def model_choice(self) -> str:
+        """The model box with ``{name}`` / ``$name`` filled from the notebook (``{{``/``}}`` are braces)."""
+        ns = self._namespace()
+
+        def fill(m: "re.Match[str]") -> str:
+            if m.group(0) in ("{{", "}}"):
+                return m.group(0)[0]
+            name = m.group(1) or m.group(2)
+            if name not in ns:
+                raise ValueError(f"model {self.model.value.strip()!r}: the notebook has no variable {name!r}")
+            return os.fspath(ns[name]) if isinstance(ns[name], os.PathLike) else str(ns[name])
+
+        return _VAR_REF.sub(fill, self.model.value.strip())
 
     # -- actions -----------------------------------------------------------------
-    def _act(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` in a thread while a watcher keeps the widgets up to date."""
-        if self.busy:
-            self._say("a job is already running from this panel; Stop it or wait", error=True)
-            return
-        self._say("")
+    def _act(self, fn: Callable[[int | None], Any]) -> None:
+        """Run ``fn(selected job id)`` in a thread; the watcher keeps the widgets up to date meanwhile."""
+        with self._lock:
+            if self._busy:
+                self._say("a job is already running from this panel; Stop it or wait", error=True)
+                return
+            self._busy = True
+            self._target = None
+            self._stop_requested.clear()
+            self._say("")
+            selected = self.jobs.value  # read now: the user may click another job while this runs
+            self._enable(None)
 
         def work() -> None:
             try:
-                fn()
+                fn(selected)
             except _PROBLEMS as exc:
                 self._say(" ".join(str(exc).split()), error=True)
             except Exception as exc:  # noqa: BLE001 - shown, not lost in the widget's callback
                 self._say(f"{type(exc).__name__}: {' '.join(str(exc).split())}", error=True)
+            else:
+                if self._stop_requested.is_set() and self._target is not None:
+                    self._say(self._stopped_message(self._target))
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._target = None
+                    self._stop_requested.clear()
+                self.refresh()
 
         self._thread = threading.Thread(target=work, name="agentnb-panel", daemon=True)
         self._thread.start()
-        self._watcher = threading.Thread(target=self._watch, args=(self._thread,), name="agentnb-panel-watch",
-                                         daemon=True)
-        self._watcher.start()
-        self._enable(self.job)
+        self._wake.set()
 
-    def _watch(self, thread: threading.Thread) -> None:
-        seen = -1
-        while thread.is_alive():
-            job_id = self.jobs.value
-            mark = self.ws.store.last_event_id(job_id) if job_id is not None else 0
-            if mark != seen:
-                seen = mark
-                self._show()
-            thread.join(self.poll)
-        self.refresh()
+    def _stopped_message(self, job_id: int) -> str:
+        job = self.ws.job(job_id)
+        status = display_status(job.status, last_status_reason(self.ws.store, job_id))
+        if status == PAUSED:
+            return f"job {job_id} is paused (Stop); Run or Step continues it"
+        return f"job {job_id} is {status}: it ended before it could pause"
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until the panel's current action and its final refresh are done."""
-        for t in (self._thread, self._watcher):
-            if t is not None:
-                t.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
-    def _run(self) -> None:
-        job = self.job
+    def _watch(self) -> None:
+        seen: tuple[Any, ...] | None = None
+        while not self._closed.is_set():
+            try:
+                mark = tuple(self.ws.store.query("SELECT (SELECT MAX(id) FROM events), (SELECT MAX(id) FROM jobs)")[0])
+                if mark != seen:
+                    seen = mark
+                    self.refresh()
+                if self._stop_requested.is_set():
+                    self._enforce_stop()
+            except Exception:  # noqa: BLE001 - a closed store or a torn-down kernel: try again later
+                pass
+            self._wake.wait(self.poll if self._busy or self._any_running else self.idle_poll)
+            self._wake.clear()
+
+    def _enforce_stop(self) -> list[int]:
+        """Ask the panel's job (and its subtasks) to pause; again on every tick, until its run has taken it."""
+        target = self._target
+        if target is None:
+            return []
+        if str(self.ws.job(target).status) not in ("running", "waiting_subtasks"):
+            return [target]
+        return self.ws.stop(target)
+
+    def _stop(self) -> None:
+        with self._lock:
+            if not self._busy:
+                return
+            self._stop_requested.set()
+            target = self._target
+            selected = self.jobs.value
+        if target is None:
+            self._say("Stop: the new job will not be run once it is submitted")
+            return
+        asked = self._enforce_stop()
+        children = [j for j in asked if j != target]
+        which = f"job {target}" + (f" and its subtask{'s' if len(children) > 1 else ''} "
+                                   f"{', '.join(map(str, children))}" if children else "")
+        note = f" (not the selected job {selected})" if selected is not None and selected != target else ""
+        self._say(f"Stop: {which}, run from this panel{note}, will pause after its current LLM call")
+
+    def _run(self, job_id: int | None) -> None:
         text = self.instruction.value.strip()
         if text:
-            job = self.ws.submit(text, piece=self.piece.value, model=self.model.value.strip())
+            job = self.ws.submit(text, piece=self.piece_choice(), model=self.model_choice())
+            self._target = job.id
             self.instruction.value = ""
             if self.magic is not None:
                 self.magic.last_job = job.id
             self.select(job.id)
-        elif job is None or str(job.status) != "queued":
-            raise ValueError("write an instruction to start a new job (or select a queued job to continue it)")
+            if self._stop_requested.is_set():
+                self._say(f"job {job.id} was submitted and not run (Stop); Run or Step starts it")
+                self._stop_requested.clear()
+                return
+            self.ws.run(job.id)
+            return
+        job = None if job_id is None else self.ws.job(job_id)
+        if job is None or str(job.status) not in ("queued", "waiting_subtasks"):
+            raise ValueError("write an instruction to start a new job (or select a queued or paused job to "
+                             "continue it)")
+        self._target = job.id
         self.ws.run(job.id)
 
-    def _step(self, unit: str) -> None:
-        job = self.job
-        if job is None:
+    def _step(self, job_id: int | None, unit: str) -> None:
+        if job_id is None:
             raise ValueError("select a job first")
-        self.ws.step(job.id, unit=unit)
+        job = self.ws.job(job_id)
+        if str(job.status) != "queued":
+            raise ValueError(f"job {job_id} is {job.status}; only a queued or paused job can be stepped")
+        self._target = job_id
+        self.ws.step(job_id, unit=unit)
 
-    def _stop(self) -> None:
-        job = self.job
-        if job is not None and self.busy:
-            self.ws.stop(job.id)
-            self._say(f"job {job.id} will pause after its current LLM call")
-
-    def _reply(self) -> None:
-        job = self.job
-        if job is None:
+    def _reply(self, job_id: int | None) -> None:
+        if job_id is None:
             raise ValueError("select a job first")
         text = self.reply_text.value.strip()
         if not text:
             raise ValueError("write your answer in the Reply box first")
-        job = self.ws.reply(job.id, text)
+        job = self.ws.reply(job_id, text)
         self.reply_text.value = ""
         if str(job.status) == "queued":
-            self.ws.run(job.id)
+            self._target = job_id
+            self.ws.run(job_id)
+
+    # -- the saved snapshot --------------------------------------------------------
+    def fallback_bundle(self) -> dict[str, str]:
+        """text/html and text/plain of the panel as it is now: what a notebook shows without the widget."""
+        labels = [label for label, _ in self.jobs.options]
+        shown = labels[-_FALLBACK_ROWS:]
+        more = len(labels) - len(shown)
+        head = (f"agentnb panel of workspace {self.ws.root.name!r}: a saved snapshot; "
+                "run the cell in a live kernel to use the panel")
+        listing = ([f"… {more} older jobs"] if more else []) + shown
+        selected = self.jobs.value
+        header = header_html(self.ws, selected) if selected is not None else ""
+        lines = "".join(f"<div>{html.escape(label)}</div>" for label in listing) or \
+            '<div style="color:#777">no jobs yet</div>'
+        # JupyterLab draws "Error displaying widget: model not found" for the dead widget just above (its
+        # renderer adds .jupyter-widgets to the output only then): hide it when this snapshot follows it.
+        style = ("<style>.jp-OutputArea-child:has(> .jp-OutputArea-output.jupyter-widgets)"
+                 ":has(+ .jp-OutputArea-child .anb-panel-fallback){display:none}</style>")
+        body = (f'{style}<div class="anb-panel-fallback anb-fb-{self._token}" style="border:1px solid '
+                f'rgba(127,127,127,.35);border-radius:4px;padding:6px 8px;font-size:13px">'
+                f'<div><b>agentnb panel</b> · workspace <code>{html.escape(self.ws.root.name)}</code> '
+                f'<span style="color:#777">— a saved snapshot; run the cell in a live kernel to use the panel'
+                f'</span></div><div style="margin:4px 0;font-family:var(--jp-code-font-family,monospace);'
+                f'font-size:12px">{lines}</div>{header}</div>')
+        return {"text/html": body, "text/plain": "\n".join([head, *listing])}
+
+    def _update_fallbacks(self) -> None:
+        if not self._fallbacks:
+            return
+        now = time.monotonic()
+        # while a job runs, the snapshot follows at a slower pace than the widget
+        if (self._busy or self._any_running) and now - self._fallback_at < _FALLBACK_EVERY:
+            return
+        bundle = self.fallback_bundle()
+        if bundle["text/html"] == self._fallback_sent:
+            return
+        self._fallback_sent, self._fallback_at = bundle["text/html"], now
+        for handle in self._fallbacks:
+            handle.update(bundle, raw=True)
+
+
+def _set(button: w.Button, enabled: bool, style: str = "") -> None:
+    """Enable or disable a button; a disabled one loses its colour so it does not look pressable."""
+    button.disabled = not enabled
+    button.button_style = style if enabled else ""

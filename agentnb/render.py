@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from ._status import display_status
 from .events import Event
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ STYLE = """<style>
 .anb-badge{display:inline-block;padding:0 6px;margin:1px 2px;border-radius:8px;font-size:11px;font-weight:600;color:#fff;background:#888}
 .anb-warn{background:#c9a200}.anb-prompt{background:#e07b00}.anb-force_transition{background:#d03a3a}.anb-exhausted{background:#8b0000}
 .anb-st-succeeded{background:#2e8b57}.anb-st-failed,.anb-st-aborted{background:#c0392b}.anb-st-running,.anb-st-queued{background:#2f6fb0}
-.anb-st-waiting_human,.anb-st-waiting_subtasks{background:#8e44ad}
+.anb-st-waiting_human,.anb-st-waiting_subtasks{background:#8e44ad}.anb-st-paused{background:#b7791f}
 .anb-error{color:#b00020}
 .anb-tr{background:rgba(46,139,87,.08);padding:3px 6px;border-radius:3px}
 .anb-more{font-size:11px;color:#777}
@@ -91,7 +92,7 @@ _INLINE = {
     "anb-st-succeeded": "background:#2e8b57", "anb-st-failed": "background:#c0392b",
     "anb-st-aborted": "background:#c0392b", "anb-st-running": "background:#2f6fb0",
     "anb-st-queued": "background:#2f6fb0", "anb-st-waiting_human": "background:#8e44ad",
-    "anb-st-waiting_subtasks": "background:#8e44ad",
+    "anb-st-waiting_subtasks": "background:#8e44ad", "anb-st-paused": "background:#b7791f",
     "anb-error": "color:#b00020",
     "anb-tr": "background:rgba(46,139,87,.08);padding:3px 6px;border-radius:3px",
     "anb-more": "font-size:11px;color:#777",
@@ -161,10 +162,12 @@ class JobStats:
     actions: list[str] = field(default_factory=list)  # context actions of the newest movement run
     question: str | None = None  # the open ASK question, when the job waits for a human
     errors: list[str] = field(default_factory=list)
+    status: str = ""  # the status as shown: ``paused`` for a job stopped part-way (see _status.display_status)
 
 
 def _stats(job: Any, events: Sequence[Event]) -> JobStats:
     st = JobStats()
+    reason: str | None = None
     for ev in events:
         k = ev.kind
         if k == "movement_start":
@@ -190,6 +193,9 @@ def _stats(job: Any, events: Sequence[Event]) -> JobStats:
             st.question = ev.question
         elif k == "error":
             st.errors.append(ev.message)
+        elif k == "job_status":
+            reason = ev.reason
+    st.status = display_status(job.status, reason)
     if job.status != "waiting_human":
         st.question = None
     if job.started:
@@ -212,6 +218,7 @@ class _Opts:
     job_id: int
     max_chars: int | None
     max_calls: int | None
+    open_question: str | None = None  # shown once, in the header, while the job waits for its answer
 
     def hint(self, seq: int | None = None) -> str:
         where = f" --movement {seq}" if seq is not None else ""
@@ -288,7 +295,9 @@ def _transition_html(ev: Any, o: _Opts, seq: int | None) -> str:
     rows = [f'<div class="anb-tr">➜ next step <b>{_e(ev.next_step)}</b>{forced}']
     for label, value in (("summary", ev.summary), ("lessons", ev.lessons), ("question", ev.question),
                          ("feedback", ev.feedback)):
-        if value:
+        if value and label == "question" and value == o.open_question:
+            rows.append('<div><i>question:</i> <span class="anb-dim">↑ above, waiting for your answer</span></div>')
+        elif value:
             rows.append(f"<div><i>{label}:</i> {_body(value, o, seq, fold=False)}</div>")
     if ev.subtasks:
         items = "".join(f"<li>{_e((t or {}).get('instruction', t) if isinstance(t, dict) else t)}"
@@ -443,7 +452,7 @@ def _hidden_line(hidden: Sequence[tuple[int | None, list[Event]]], o: _Opts, seq
 
 
 def _header(job: Any, st: JobStats, piece_max: int | None) -> str:
-    status = str(job.status)
+    status = st.status or str(job.status)
     mv = f"{st.movements}" + (f" / {piece_max}" if piece_max else "")
     parts = [
         f'<div class="anb-head"><b>Job {job.id}</b> {_badge(status, "anb-st-" + status)}',
@@ -515,7 +524,9 @@ def job_html(
     job = ws.job(job_id)
     events = ws.events(job_id)
     st = _stats(job, events)
-    o = _Opts(job.id, max_chars, max_calls)
+    o = _Opts(job.id, max_chars, max_calls, st.question)
+    # the agent's ASK is also stored as its comment: the transition box already shows that question
+    asked = {ev.question for ev in events if ev.kind == "transition" and ev.question}
     items, by_seq = _layout(events)
     last_seq = max(by_seq) if by_seq else None
     sections: dict[int, str] = {
@@ -534,7 +545,8 @@ def job_html(
         if kind == "mv":
             body.append(sections[item])
         elif kind == "comment":
-            body.append(_comment_html(item, o))
+            if not (item.author == "agent" and item.body in asked):
+                body.append(_comment_html(item, o))
         else:
             body.append(f'<div class="anb-error">✖ error ({_e(item.where)}): {_body(item.message, o, None, fold=False)}</div>')
     if not by_seq and str(job.status) == "queued":

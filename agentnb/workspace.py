@@ -11,6 +11,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
 
+from ._status import STOP_REASON
 from .events import Event
 from .models import check_model_spec, resolve_model
 from .pieces import Piece, load_piece
@@ -290,7 +291,8 @@ class Workspace:
             stop = self._stops.setdefault(job_id, threading.Event())
         self._activate(row, runner)
         try:
-            status = runner.advance(unit, stop if unit == "job" else None)
+            # a movement can take many calls: Stop pauses it after the current one, as it does a run
+            status = runner.advance(unit, stop if unit != "call" else None)
         except BaseException:
             # A KeyboardInterrupt (a notebook's stop button) or SystemExit mid-call: give the job back
             # to the queue, resumable from its events; the unrecorded part of the call will be redone.
@@ -301,11 +303,13 @@ class Workspace:
                 if c.execute("SELECT status FROM jobs WHERE id=?", (job_id,)).fetchone()[0] == "running":
                     self.store.set_status(c, job_id, "queued", reason="interrupted")
             raise
-        if stop.is_set():
-            stop.clear()
+        stopped = stop.is_set()
+        if stopped and status != "waiting_subtasks":
+            stop.clear()  # a parent that just handed out subtasks keeps it: they do not start (_run_children)
         if status == "running":
+            reason = STOP_REASON if stopped else f"paused after one {unit}"
             with self.store.transaction() as c:
-                self.store.set_status(c, job_id, "queued", reason=f"paused after one {unit}")
+                self.store.set_status(c, job_id, "queued", reason=reason)
         with self._lock:
             self._runners[job_id] = (runner, self._movement_mark(job_id))
         return self.job(job_id)
@@ -339,6 +343,9 @@ class Workspace:
     def _run_children(self, job_id: int) -> bool:
         """Run the queued children of a waiting parent; True when the parent is queued again."""
         for child in self.children(job_id):
+            stop = self._stops.get(job_id)
+            if stop is not None and stop.is_set():
+                break  # the parent was stopped: start no further subtask
             # a child waiting for its own subtasks may have grandchildren that are ready to run
             if child.status in ("queued", "waiting_subtasks"):
                 try:
@@ -352,6 +359,7 @@ class Workspace:
         if unit not in ("movement", "call"):
             raise ValueError(f"unit={unit!r}; allowed: 'movement', 'call'")
         job_id = self._id(job)
+        self._stops.pop(job_id, None)  # a Stop meant for an earlier run must not cut this step short
         row = self._claim(job_id)
         if row is None:
             return self.job(job_id)
@@ -365,9 +373,21 @@ class Workspace:
             if current.status != "queued":
                 return
 
-    def stop(self, job: JobRef) -> None:
-        """Ask a running job to pause after its current LLM call; it goes back to ``queued``."""
-        self._stops.setdefault(self._id(job), threading.Event()).set()
+    def stop(self, job: JobRef) -> list[int]:
+        """Ask a job run by this workspace to pause after its current LLM call; it goes back to ``queued``.
+
+        A job waiting for its subtasks stops them too: its running subtasks pause and no further
+        one starts.  Returns the ids asked to pause (the job, then its running subtasks).
+        """
+        asked: list[int] = []
+        pending = [self._id(job)]
+        while pending:
+            job_id = pending.pop(0)
+            asked.append(job_id)
+            self._stops.setdefault(job_id, threading.Event()).set()
+            pending.extend(int(r["id"]) for r in self.store.jobs(parent_id=job_id)
+                           if r["status"] in ("running", "waiting_subtasks"))
+        return asked
 
     def reply(self, job: JobRef, text: str) -> Job:
         """Add the user's comment; a job waiting for a human goes back to the queue to resume.

@@ -244,7 +244,9 @@ def test_quickstart_runs_in_jupyterlab(lab: Lab) -> None:
                 "1 of 12 movements", timeout=60_000)
             stepped = panel.locator("details.anb-mv[data-seq='1'] > summary")
             expect(stepped).to_contain_text("plan")
-            expect(panel.locator("select option", has_text="queued").first).to_be_attached()
+            # stepped part-way, the job is paused (stored as queued), in the list as in the view
+            expect(panel.locator("select option", has_text="paused · plan-implement-verify")).to_be_attached()
+            expect(panel.locator(".anb-job .anb-st-paused").first).to_have_text("paused")
             panel_step.scroll_into_view_if_needed()
             page.mouse.wheel(0, 300)
         except Exception as exc:
@@ -354,4 +356,154 @@ def test_reply_to_an_ask_from_the_panel_then_reopen_the_saved_notebook(lab: Lab)
             raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
         finally:
             page.screenshot(path=str(ARTIFACTS / "panel-reply-reopened.png"))
+            browser.close()
+
+
+# A new user's panel session: a quick job, then a slow one written in the notebook (a piece file and
+# a tool defined in cells, as notebooks 03 and 04 do), run from the panel's piece box by variable name.
+SLOW_CELLS = [
+    # a workspace of its own: the job ids below do not depend on the other tests
+    '%load_ext agentnb\n%config AgentMagic.workspace = "panel-session-data"',
+    '''import time
+from pathlib import Path
+import agentnb
+
+@agentnb.tool
+def slow_step() -> str:
+    """Take a second."""
+    time.sleep(1.0)
+    return "done"
+
+PIECE = Path("slow.yaml")
+PIECE.write_text("""
+name: slow
+movements:
+  - name: work
+    persona: You work slowly.
+    instruction: Work.
+    tools: [slow_step]
+    rules:
+      - {condition: done, next: COMPLETE}
+""")
+SCRIPT = Path("slow-script.yaml").resolve()
+SCRIPT.write_text("responses:\\n" + "  - tool_calls: [{name: slow_step, arguments: {}}]\\n" * 15
+                  + "  - tool_calls: [{name: transition, arguments: {next_step: COMPLETE, summary: done}}]\\n")''',
+    'first = %agent run --model demo "A quick job first"',
+    "%agent panel",
+]
+
+
+def _overflow(page, selector: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """The descendants of ``selector`` that stick out to the right of it (none when it lays out well)."""
+    return page.evaluate(
+        """(sel) => {
+            const root = document.querySelector(sel);
+            const right = root.getBoundingClientRect().right + 1;
+            return [...root.querySelectorAll('*')]
+                .filter(el => el.getClientRects().length && el.getBoundingClientRect().right > right)
+                .map(el => el.className || el.tagName);
+        }""",
+        selector,
+    )
+
+
+def test_panel_stop_narrow_layout_and_restart(lab: Lab) -> None:
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+    from playwright.sync_api import expect, sync_playwright
+
+    name = "panel-session.ipynb"
+    nb = new_notebook(cells=[new_code_cell(src) for src in SLOW_CELLS])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, lab.root / name)
+    ARTIFACTS.mkdir(exist_ok=True)
+    for old in ARTIFACTS.glob("panel-session-*.png"):
+        old.unlink()
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        shot = "panel-session-failed.png"
+        try:
+            page.goto(f"{lab.url}/lab/tree/{name}?reset")
+            expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
+            _run_all_cells(page)
+            _assert_no_cell_raised(page)
+
+            panel = page.locator(".anb-panel")
+            expect(panel).to_have_count(1)
+            # the saved snapshot is in the page, hidden while the live panel is there
+            expect(page.locator(".anb-panel-fallback")).to_have_count(1)
+            expect(page.locator(".anb-panel-fallback")).to_be_hidden()
+            stop = panel.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Stop\s*$"))
+            run = panel.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Run\s*$"))
+            # a disabled Stop is grey, not the orange of a button that can be pressed
+            expect(stop).to_be_disabled()
+            expect(stop).not_to_have_class(re.compile(r"mod-warning"))
+
+            # the slow piece by its notebook variable, the model with {SCRIPT} filled in
+            piece_box, model_box = panel.locator("input[list]").all()
+            piece_box.fill("PIECE")
+            model_box.fill("scripted:{SCRIPT}")
+            panel.locator("textarea").fill("A slow job")
+            run.click()
+            jobs = panel.locator("select")
+            expect(jobs.locator("option", has_text="▶ #2 · running · slow")).to_be_attached(timeout=60_000)
+            expect(stop).to_be_enabled()
+            expect(stop).to_have_class(re.compile(r"mod-warning"))
+            # the user looks at the first job, then presses Stop: it acts on the running job 2
+            jobs.select_option(index=0)
+            expect(panel.locator(".anb-job[data-job='1']")).to_be_visible()
+            stop.click()
+            expect(panel).to_contain_text(
+                "Stop: job 2, run from this panel (not the selected job 1), will pause after its current LLM call")
+            page.screenshot(path=str(ARTIFACTS / "panel-session-stop.png"))
+            expect(panel).to_contain_text("job 2 is paused (Stop); Run or Step continues it", timeout=60_000)
+            expect(panel).not_to_contain_text("will pause")
+            expect(jobs.locator("option", has_text="#2 · paused · slow")).to_be_attached()
+            expect(jobs.locator("option", has_text="running")).to_have_count(0)
+            jobs.select_option(index=1)
+            expect(panel.locator(".anb-job[data-job='2'] .anb-st-paused")).to_have_text("paused")
+            panel.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "panel-session-paused.png"))
+
+            # narrow: rows wrap and nothing sticks out of the panel
+            page.set_viewport_size({"width": 620, "height": 1000})
+            page.wait_for_timeout(500)
+            panel.locator("textarea").scroll_into_view_if_needed()
+            assert _overflow(page, ".anb-panel") == [], _overflow(page, ".anb-panel")
+            page.screenshot(path=str(ARTIFACTS / "panel-session-narrow.png"))
+            page.set_viewport_size({"width": 1400, "height": 1000})
+
+            # save, restart the kernel and reload: the snapshot shows where the widget cannot be drawn
+            page.keyboard.press("Control+s")
+            page.wait_for_timeout(1000)
+            page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
+            page.get_by_role("menuitem", name=re.compile(r"^Restart Kernel…")).first.click()
+            page.locator(".jp-Dialog button", has_text="Restart").click()
+            page.wait_for_function(
+                """() => {
+                    const el = document.querySelector('.jp-Notebook-ExecutionIndicator');
+                    return el && el.getAttribute('data-status') === 'idle';
+                }""",
+                timeout=90_000,
+            )
+            page.reload()
+            page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
+            # the widget renderer has given up on the dead panel ("model not found"): hidden, the snapshot shown
+            dead = page.locator(".jp-OutputArea-output.jupyter-widgets")
+            expect(dead).to_have_count(1, timeout=60_000)
+            expect(dead).to_contain_text("model not found")
+            expect(dead).to_be_hidden()
+            snapshot = page.locator(".anb-panel-fallback")
+            expect(snapshot).to_be_visible(timeout=60_000)
+            expect(snapshot).to_contain_text("a saved snapshot; run the cell in a live kernel to use the panel")
+            expect(snapshot).to_contain_text("#2 · paused · slow")
+            expect(snapshot).to_contain_text("#1 · succeeded · plan-implement-verify")
+            expect(snapshot.locator(".anb-st-paused")).to_have_text("paused")  # the header of the selected job 2
+            snapshot.scroll_into_view_if_needed()
+            shot = "panel-session-restarted.png"
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
+        finally:
+            page.screenshot(path=str(ARTIFACTS / shot))
             browser.close()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
+import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 import agentnb
@@ -13,6 +16,8 @@ from _scripting import call, transition, write_piece, write_script
 from agentnb import Workspace
 from agentnb.panel import Panel
 from agentnb.tools import unregister
+
+Panels = Callable[..., Panel]
 
 
 def _new(panel: Panel, instruction: str, piece: str = "plan-implement-verify", model: str = "demo") -> None:
@@ -98,39 +103,337 @@ def test_bad_input_is_shown_on_the_message_line(ws: Workspace) -> None:
     assert "write an instruction to start a new job" in panel.message.value
 
 
-def test_stop_pauses_a_running_job_after_its_current_call(ws: Workspace, tmp_path: Path) -> None:
-    gate = threading.Event()
-    entered = threading.Event()
+class Gate:
+    """A tool that blocks a job inside an LLM call until the test opens it: a slow job, on demand."""
 
-    @agentnb.tool(name="TestPanelGate")
-    def panel_gate() -> str:
-        """Wait for the test."""
-        entered.set()
-        return "opened" if gate.wait(20) else "timed out"
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.open = threading.Event()
+        self.calls = 0
+        self.entered = threading.Semaphore(0)
+        self.passes = threading.Semaphore(0)
 
-    try:
-        script = write_script(tmp_path, "gate", {"work": [call("TestPanelGate"), call("TestPanelGate"),
-                                                          transition("COMPLETE")]})
-        piece = write_piece(tmp_path, "gated", {"movements": [{
+        @agentnb.tool(name="TestPanelGate")
+        def panel_gate() -> str:
+            """Wait for the test."""
+            self.calls += 1
+            self.entered.release()
+            deadline = time.monotonic() + 30
+            while not self.open.is_set() and time.monotonic() < deadline:
+                if self.passes.acquire(timeout=0.02):
+                    return "let through"
+            return "opened" if self.open.is_set() else "timed out"
+
+        self.piece = write_piece(tmp_path, "gated", {"movements": [{
             "name": "work", "persona": "p", "instruction": "i", "tools": ["TestPanelGate"],
             "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
-        panel = Panel(ws)
-        panel.piece.options = [*panel.piece.options, str(piece)]
-        panel.piece.value, panel.model.value, panel.instruction.value = str(piece), script, "t"
-        panel.run_button.click()  # returns at once: the job runs in the panel's thread
-        assert entered.wait(20)
-        assert panel.busy and not panel.stop_button.disabled and panel.run_button.disabled
-        panel.stop_button.click()
-        assert "will pause after its current LLM call" in panel.message.value
-        gate.set()
-        panel.wait(60)
-        job = panel.job
-        assert job.status == "queued"  # paused, resumable
-        assert len(ws.events(job, kinds=["llm_response"])) == 1
-        assert not panel.step_button.disabled and panel.stop_button.disabled
+
+    def script(self, name: str = "gate", calls: int = 2) -> str:
+        return write_script(self.tmp_path, name, {"work": [call("TestPanelGate")] * calls + [transition("COMPLETE")]})
+
+    def let_one(self) -> None:
+        """Let the call waiting at the gate go on; the gate stays closed for the next one."""
+        self.passes.release()
+
+    def wait_entered(self) -> None:
+        assert self.entered.acquire(timeout=30), "the job never reached the gate"
+
+
+@pytest.fixture
+def gate(tmp_path: Path) -> Iterator[Gate]:
+    g = Gate(tmp_path)
+    try:
+        yield g
     finally:
-        gate.set()
+        g.open.set()
         unregister("TestPanelGate")
+
+
+@pytest.fixture
+def panels() -> Iterator[Panels]:
+    """Panels that poll fast, closed (their watcher threads ended) after the test."""
+    made: list[Panel] = []
+
+    def make(ws: Workspace, **kwargs: Any) -> Panel:
+        panel = Panel(ws, poll=0.05, idle_poll=0.1, **kwargs)
+        made.append(panel)
+        return panel
+
+    yield make
+    for panel in made:
+        panel.close()
+
+
+def _until(check: Callable[[], bool], what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _label(panel: Panel, job_id: int) -> str:
+    return next(label for label, value in panel.jobs.options if value == job_id)
+
+
+def _tokens(ws: Workspace, job_id: int) -> int:
+    return sum(e.payload["usage"]["total_tokens"] for e in ws.events(job_id, kinds=["llm_response"]))
+
+
+def test_stop_pauses_a_running_job_after_its_current_call(ws: Workspace, gate: Gate, panels: Panels) -> None:
+    panel = panels(ws)
+    panel.piece.value, panel.model.value, panel.instruction.value = str(gate.piece), gate.script(), "t"
+    assert panel.stop_button.disabled and panel.stop_button.button_style == ""
+    panel.run_button.click()  # returns at once: the job runs in the panel's thread
+    gate.wait_entered()
+    assert panel.busy and not panel.stop_button.disabled and panel.run_button.disabled
+    # an enabled Stop is orange; a disabled button loses its colour so it does not look pressable
+    assert panel.stop_button.button_style == "warning" and panel.run_button.button_style == ""
+    panel.stop_button.click()
+    assert "will pause after its current LLM call" in panel.message.value
+    gate.open.set()
+    panel.wait(60)
+    job = panel.job
+    assert job.status == "queued"  # stored as queued: resumable
+    assert len(ws.events(job, kinds=["llm_response"])) == 1
+    assert not panel.step_button.disabled and panel.stop_button.disabled
+    assert panel.stop_button.button_style == "" and panel.run_button.button_style == "primary"
+
+
+def test_stop_pauses_the_job_the_panel_runs_not_the_selected_one(ws: Workspace, gate: Gate, panels: Panels) -> None:
+    done = ws.run(ws.submit("an earlier job", piece="plan-implement-verify", model="demo"))
+    assert done.status == "succeeded"
+    panel = panels(ws)
+    panel.piece.value, panel.model.value, panel.instruction.value = str(gate.piece), gate.script(calls=3), "slow"
+    panel.run_button.click()
+    gate.wait_entered()
+    slow = panel.jobs.value
+    assert slow != done.id
+    panel.jobs.value = done.id  # the user looks at the finished job meanwhile
+    assert panel.job.id == done.id
+    panel.stop_button.click()
+    message = panel.message.value
+    assert f"Stop: job {slow}, run from this panel (not the selected job {done.id})" in message, message
+    assert "will pause after its current LLM call" in message
+    gate.open.set()
+    panel.wait(60)
+    # the running job paused after the call it was in; the finished one is as it was
+    assert len(ws.events(slow, kinds=["llm_response"])) == 1
+    assert ws.job(slow).status == "queued"
+    assert ws.events(slow, kinds=["job_status"])[-1].payload["reason"] == "paused on request after its current LLM call"
+    assert ws.job(done.id).status == "succeeded"
+    # the stale "will pause" note is replaced by what happened
+    assert re.fullmatch(f'<div style="[^"]*">job {slow} is paused \\(Stop\\); Run or Step continues it</div>',
+                        panel.message.value), panel.message.value
+    assert _label(panel, slow) == f"#{slow} · paused · gated · {_tokens(ws, slow):,} tokens"
+    # Run on the paused job continues it to its end
+    panel.jobs.value = slow
+    panel.run_button.click()
+    panel.wait(60)
+    assert ws.job(slow).status == "succeeded" and panel.message.value == ""
+
+
+def test_stop_reaches_the_subtasks_the_panel_runs(ws: Workspace, gate: Gate, panels: Panels, tmp_path: Path) -> None:
+    child = gate.script("child")
+    parent = write_script(tmp_path, "parent", {
+        "split": [transition("WAIT_SUBTASKS", summary="split", subtasks=[
+            {"instruction": "part one", "piece": str(gate.piece), "model": child},
+            {"instruction": "part two", "piece": str(gate.piece), "model": child}])],
+        "merge": [transition("COMPLETE", summary="merged")],
+    })
+    panel = panels(ws)
+    panel.piece.value, panel.model.value, panel.instruction.value = "fan-out", parent, "two parts"
+    panel.run_button.click()
+    gate.wait_entered()  # the first subtask is inside its first call
+    root = panel._target
+    assert root is not None
+    first, second = (c.id for c in ws.children(root))
+    panel.stop_button.click()
+    assert f"Stop: job {root} and its subtask {first}, run from this panel" in panel.message.value
+    gate.open.set()
+    panel.wait(60)
+    # the running subtask paused after its call, the next one never started, the parent waits for them
+    assert len(ws.events(first, kinds=["llm_response"])) == 1 and ws.job(first).status == "queued"
+    assert ws.events(second, kinds=["llm_response"]) == [] and ws.job(second).status == "queued"
+    assert ws.job(root).status == "waiting_subtasks"
+    assert gate.calls == 1
+
+
+def test_stop_pauses_a_movement_step_after_its_current_call(ws: Workspace, gate: Gate, panels: Panels) -> None:
+    job = ws.submit("t", piece=str(gate.piece), model=gate.script(calls=3))
+    panel = panels(ws)
+    panel.select(job.id)
+    panel.step_button.click()  # the whole movement: four calls
+    gate.wait_entered()
+    panel.stop_button.click()
+    assert f"Stop: job {job.id}, run from this panel, will pause" in panel.message.value
+    gate.open.set()
+    panel.wait(60)
+    assert len(ws.events(job, kinds=["llm_response"])) == 1 and ws.events(job, kinds=["transition"]) == []
+    assert f"job {job.id} is paused (Stop)" in panel.message.value
+    # a later step is not cut short by that Stop
+    panel.step_button.click()
+    panel.wait(60)
+    assert [e.payload["next_step"] for e in ws.events(job, kinds=["transition"])] == ["COMPLETE"]
+
+
+def test_a_stop_during_the_call_that_hands_out_subtasks_starts_none(ws: Workspace, gate: Gate,
+                                                                     tmp_path: Path) -> None:
+    # ws.stop, as the panel and %agent stop use it: the parent's last call ends in WAIT_SUBTASKS
+    child = write_script(tmp_path, "child", {"work": [transition("COMPLETE")]})
+    parent = write_script(tmp_path, "parent", {
+        "split": [{"tool_calls": [{"name": "TestPanelGate", "arguments": {}},
+                                  {"name": "transition", "arguments": {
+                                      "next_step": "WAIT_SUBTASKS", "summary": "split", "subtasks": [
+                                          {"instruction": "part one", "piece": "single", "model": child}]}}]}],
+        "merge": [transition("COMPLETE", summary="merged")],
+    })
+    fan_out = write_piece(tmp_path, "fan", {"movements": [
+        {"name": "split", "persona": "p", "instruction": "i", "tools": ["TestPanelGate"],
+         "rules": [{"condition": "split", "next": "WAIT_SUBTASKS"}], "default_next": "merge"},
+        {"name": "merge", "persona": "p", "instruction": "i", "tools": [],
+         "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+    job = ws.submit("t", piece=str(fan_out), model=parent)
+    runner = threading.Thread(target=ws.run, args=(job.id,))
+    runner.start()
+    gate.wait_entered()
+    assert ws.stop(job) == [job.id]
+    gate.open.set()
+    runner.join(60)
+    assert ws.job(job).status == "waiting_subtasks"
+    (part,) = ws.children(job)
+    assert part.status == "queued" and ws.events(part, kinds=["llm_response"]) == []
+    assert ws.run(job).status == "succeeded"  # Run again: the subtask runs, then the parent merges
+
+
+def test_list_and_view_follow_a_running_job_live(ws: Workspace, gate: Gate, panels: Panels) -> None:
+    panel = panels(ws)
+    panel.piece.value, panel.model.value, panel.instruction.value = str(gate.piece), gate.script(calls=3), "t"
+    panel.run_button.click()
+    gate.wait_entered()
+    job_id = panel.jobs.value
+    gate.let_one()
+    gate.wait_entered()  # the second call
+    gate.let_one()
+    gate.wait_entered()  # the third call: blocked there until the gate opens
+    # the list says what the view says: running, with the tokens of the calls recorded so far
+    _until(lambda: "2 LLM calls" in panel.view.value, "the view to show the first calls")
+    _until(lambda: _label(panel, job_id) == f"▶ #{job_id} · running · gated · {_tokens(ws, job_id):,} tokens",
+           "the list to follow the job")
+    assert _tokens(ws, job_id) > 0
+    assert "running</span>" in panel.view.value
+    gate.open.set()
+    panel.wait(60)
+    assert _label(panel, job_id) == f"#{job_id} · succeeded · gated · {_tokens(ws, job_id):,} tokens"
+
+
+def test_list_shows_jobs_run_outside_the_panel(ws: Workspace, panels: Panels) -> None:
+    panel = panels(ws)
+    assert panel.jobs.options == ()
+    job = ws.run(ws.submit("from a notebook cell", piece="plan-implement-verify", model="demo"))
+    _until(lambda: len(panel.jobs.options) == 1, "the list to show the new job")
+    _until(lambda: panel.jobs.options[0][0].startswith(f"#{job.id} · succeeded · plan-implement-verify"),
+           "its final status")
+    ws.step(ws.submit("stepped", piece="plan-implement-verify", model="demo"))
+    _until(lambda: len(panel.jobs.options) == 2 and " · paused · " in panel.jobs.options[1][0],
+           "a stepped job to show as paused")
+
+
+def test_a_paused_job_shows_as_paused_in_view_list_and_frames(ws: Workspace, panels: Panels) -> None:
+    job = ws.step(ws.submit("one movement at a time", piece="plan-implement-verify", model="demo"))
+    fresh = ws.submit("not started", piece="single", model="demo")
+    assert job.status == "queued"  # what the store keeps: the job can be claimed and resumed
+    panel = panels(ws)
+    panel.select(job.id)
+    assert _label(panel, job.id).startswith(f"#{job.id} · paused · ")
+    assert _label(panel, fresh.id).startswith(f"#{fresh.id} · queued · ")
+    assert re.search(r'class="anb-badge anb-st-paused"[^>]*>paused</span>', panel.view.value)
+    assert not panel.step_button.disabled  # a paused job can be stepped on
+    frame = ws.frames.jobs().set_index("job")
+    assert frame.loc[job.id, "display_status"] == "paused" and frame.loc[job.id, "status"] == "queued"
+    assert frame.loc[fresh.id, "display_status"] == "queued"
+    ws.run(job)
+    assert ws.frames.jobs().set_index("job").loc[job.id, "display_status"] == "succeeded"
+
+
+def test_a_waiting_job_shows_its_question_once(ws: Workspace, panels: Panels) -> None:
+    panel = panels(ws)
+    _new(panel, "Summarise the inputs", piece="ask-first")
+    job = panel.job
+    question = ws.events(job, kinds=["transition"])[-1].payload["question"]
+    assert panel.view.value.count(question) == 1
+    assert "waiting for you:" in panel.view.value
+    assert "↑ above, waiting for your answer" in panel.view.value  # the movement's transition points to it
+    assert panel.message.value == ""
+
+
+def test_refresh_picks_up_new_piece_files(ws: Workspace, panels: Panels, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # ./pieces is looked up from the notebook's folder
+    (tmp_path / "pieces").mkdir()
+    panel = panels(ws)
+    assert "brand-new" not in panel.piece.options
+    write_piece(tmp_path / "pieces", "brand-new", {"movements": [{
+        "name": "only", "persona": "p", "instruction": "i", "tools": [],
+        "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+    panel.refresh_button.click()
+    assert "brand-new" in panel.piece.options
+    script = write_script(tmp_path, "s", {"only": [transition("COMPLETE")]})
+    _new(panel, "t", piece="brand-new", model=script)
+    assert panel.job.piece == "brand-new" and panel.job.status == "succeeded", panel.message.value
+
+
+def test_piece_box_takes_a_yaml_path_and_notebook_variables(ws: Workspace, panels: Panels, tmp_path: Path) -> None:
+    path = write_piece(tmp_path, "from-a-file", {"movements": [{
+        "name": "only", "persona": "p", "instruction": "i", "tools": [],
+        "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+    written = agentnb.parse_piece(path.read_text().replace("from-a-file", "written-here"))
+    script = write_script(tmp_path, "s", {"only": [transition("COMPLETE")]})
+    ns: dict[str, Any] = {"piece": written, "PIECE": path, "SCRIPT": script.split(":", 1)[1], "n": 3}
+    panel = panels(ws, namespace=ns)
+    for ref, name in ((str(path), "from-a-file"), ("piece", "written-here"), ("{PIECE}", "from-a-file"),
+                      ("$piece", "written-here")):
+        _new(panel, f"run {ref}", piece=ref, model="scripted:{SCRIPT}")
+        assert panel.message.value == "", (ref, panel.message.value)
+        assert (panel.job.instruction, panel.job.piece, panel.job.status) == (f"run {ref}", name, "succeeded")
+    jobs = len(ws.jobs())
+    allowed = "allowed: a piece name from the list, a YAML path, or a notebook variable holding a Piece or a path"
+    for ref, error in (("{nothing}", "piece &#x27;{nothing}&#x27;: the notebook has no variable &#x27;nothing&#x27;"),
+                       ("n", "piece &#x27;n&#x27;: variable &#x27;n&#x27; holds a int"),
+                       ("nonesuch", "piece &#x27;nonesuch&#x27; is neither a piece in ")):
+        _new(panel, "x", piece=ref, model="demo")
+        assert error in panel.message.value and allowed in panel.message.value, panel.message.value
+    assert len(ws.jobs()) == jobs  # nothing was submitted
+
+
+NOTEBOOK_PIECE = """
+import agentnb
+piece = agentnb.parse_piece('''
+name: release-notes
+movements:
+  - name: draft
+    persona: You write release notes.
+    instruction: Write them.
+    rules:
+      - {condition: done, next: COMPLETE}
+''')
+"""
+
+
+def test_the_panel_runs_a_piece_written_in_the_notebook(tmp_path: Path) -> None:
+    # as in notebook 04: a Piece parsed from text in a cell, a scripted model written next to it
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "agentnb")
+    sh.run_line_magic("config", f"AgentMagic.workspace = {str(tmp_path / 'ws')!r}")
+    script = write_script(tmp_path, "s", {"draft": [transition("COMPLETE")]})
+    assert sh.run_cell(NOTEBOOK_PIECE + f"SCRIPT = {script.split(':', 1)[1]!r}\n").success
+    panel = sh.run_line_magic("agent", "panel")
+    try:
+        _new(panel, "Write the release notes", piece="piece", model="scripted:$SCRIPT")
+        assert panel.message.value == ""
+        assert (panel.job.piece, panel.job.status) == ("release-notes", "succeeded")
+    finally:
+        panel.close()
 
 
 def test_panel_magic_returns_the_panel_on_the_session_workspace(tmp_path: Path) -> None:
@@ -153,3 +456,37 @@ def test_a_saved_panel_reads_as_one_line_where_the_widget_cannot_be_drawn(ws: Wo
     text = bundle["text/plain"]
     assert text == f"agentnb panel of workspace {ws.root.name!r} (interactive: run the cell in a live kernel)"
     assert "<inputs>" not in text and "children" not in text
+
+
+def test_a_kernel_saves_a_snapshot_of_the_panel_beside_the_widget(tmp_path: Path) -> None:
+    # JupyterLab draws a widget output with the widget renderer only, so after a kernel restart it
+    # shows "model not found" there: the snapshot must be an output of its own, updated as the panel is
+    import nbformat
+    from nbclient import NotebookClient
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    cells = [
+        '%load_ext agentnb\n%config AgentMagic.workspace = "agentnb-data"',
+        'first = %agent run --model demo "Write the <report>"',
+        # a watcher that sleeps: the snapshot below changes only when the next cell refreshes the panel
+        "from agentnb.panel import Panel\npanel = Panel(_agent_magic.ws, magic=_agent_magic, idle_poll=3600)\npanel",
+        'second = %agent run --queue --model demo "Another one"\npanel.refresh()',
+    ]
+    nb = new_notebook(cells=[new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    setup = "_agent_magic = get_ipython().magics_manager.registry['AgentMagic']"
+    nb.cells[0].source += "\n" + setup
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    widget, snapshot = nb.cells[2].outputs
+    assert set(widget["data"]) == {"text/plain", "application/vnd.jupyter.widget-view+json"}
+    assert widget["data"]["text/plain"] == ("agentnb panel of workspace 'agentnb-data' "
+                                            "(interactive: run the cell in a live kernel)")
+    page = snapshot["data"]["text/html"]
+    assert 'class="anb-panel-fallback anb-fb-' in page and "run the cell in a live kernel" in page
+    # the snapshot followed the panel: both jobs, and the selected one's header
+    assert "#1 · succeeded · plan-implement-verify" in page and "#2 · queued · plan-implement-verify" in page
+    assert "<b>Job 1</b>" in page and "Write the &lt;report&gt;" in page
+    text = snapshot["data"]["text/plain"]
+    assert text.splitlines()[0].startswith("agentnb panel of workspace 'agentnb-data': a saved snapshot")
+    assert "#2 · queued · plan-implement-verify · 0 tokens" in text
+    nbformat.validate(nb)

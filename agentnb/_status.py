@@ -1,0 +1,43 @@
+"""The status a job is *shown* with: ``paused`` for a queued job that was stopped or stepped mid-run.
+
+The store keeps such a job ``queued`` (that is what makes it resumable and claimable), but
+"queued" reads as "has not started" to a user who just pressed Stop.  The difference is in
+the reason of the job's last ``job_status`` event, so every view (the panel, the HTML view,
+``frames.jobs()``) derives the shown status from the stored one with :func:`display_status`,
+here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = ["PAUSED", "STOP_REASON", "DISPLAY_STATES", "display_status", "last_status_reason"]
+
+PAUSED = "paused"
+# The job_status reason written when a Stop (panel, %agent stop, Ctrl-C in a live run) paused a job.
+STOP_REASON = "paused on request after its current LLM call"
+# Reasons that leave a job queued part-way through its run: a step ("paused after one call"),
+# a Stop (STOP_REASON) and a KeyboardInterrupt ("interrupted").  Others that requeue a job
+# (a reply, the end of its subtasks, a recovered worker crash) mean "ready to go on": queued.
+_PAUSE_PREFIXES = ("paused", "interrupted")
+
+DISPLAY_STATES = ("queued", "running", "succeeded", "failed", "aborted", "waiting_human", "waiting_subtasks", PAUSED)
+
+
+def display_status(status: Any, reason: Any) -> str:
+    """``paused`` for a queued job whose last ``job_status`` reason says it was paused; else ``status``."""
+    text = str(status)
+    if text == "queued" and isinstance(reason, str) and reason.startswith(_PAUSE_PREFIXES):
+        return PAUSED
+    return text
+
+
+def last_status_reason(store: "Store", job_id: int) -> str | None:
+    """The reason of the job's newest ``job_status`` event (``None`` before the first one)."""
+    rows = store.query(
+        "SELECT json_extract(payload, '$.reason') FROM events WHERE kind = 'job_status' AND job_id = ? "
+        "ORDER BY id DESC LIMIT 1", (job_id,))
+    return None if not rows or rows[0][0] is None else str(rows[0][0])
