@@ -128,6 +128,12 @@ class Gate:
             "name": "work", "persona": "p", "instruction": "i", "tools": ["TestPanelGate"],
             "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
 
+    def list_piece(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """List the gated piece in ./pieces as ``gated``: subtasks may only name listed pieces."""
+        monkeypatch.chdir(self.tmp_path)
+        (self.tmp_path / "pieces").mkdir(exist_ok=True)
+        (self.tmp_path / "pieces" / "gated.yaml").write_text(self.piece.read_text(encoding="utf-8"), encoding="utf-8")
+
     def script(self, name: str = "gate", calls: int = 2) -> str:
         return write_script(self.tmp_path, name, {"work": [call("TestPanelGate")] * calls + [transition("COMPLETE")]})
 
@@ -233,16 +239,23 @@ def test_stop_pauses_the_job_the_panel_runs_not_the_selected_one(ws: Workspace, 
     assert ws.job(slow).status == "succeeded" and panel.message.value == ""
 
 
-def test_stop_reaches_the_subtasks_the_panel_runs(ws: Workspace, gate: Gate, panels: Panels, tmp_path: Path) -> None:
+def test_stop_reaches_the_subtasks_the_panel_runs(ws: Workspace, gate: Gate, panels: Panels, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # a subtask may only run a listed piece (./pieces) within the rights of the movement that hands it out
+    gate.list_piece(monkeypatch)
+    fan = write_piece(tmp_path, "gated-fan", {"movements": [
+        {"name": "split", "persona": "p", "instruction": "i", "tools": ["TestPanelGate"],
+         "rules": [{"next": "WAIT_SUBTASKS"}], "default_next": "merge"},
+        {"name": "merge", "persona": "p", "instruction": "i", "rules": [{"next": "COMPLETE"}]}]})
     child = gate.script("child")
     parent = write_script(tmp_path, "parent", {
         "split": [transition("WAIT_SUBTASKS", summary="split", subtasks=[
-            {"instruction": "part one", "piece": str(gate.piece), "model": child},
-            {"instruction": "part two", "piece": str(gate.piece), "model": child}])],
+            {"instruction": "part one", "piece": "gated", "model": child},
+            {"instruction": "part two", "piece": "gated", "model": child}])],
         "merge": [transition("COMPLETE", summary="merged")],
     })
     panel = panels(ws)
-    panel.piece.value, panel.model.value, panel.instruction.value = "fan-out", parent, "two parts"
+    panel.piece.value, panel.model.value, panel.instruction.value = str(fan), parent, "two parts"
     panel.run_button.click()
     gate.wait_entered()  # the first subtask is inside its first call
     root = panel._target
@@ -277,15 +290,16 @@ def test_stop_pauses_a_movement_step_after_its_current_call(ws: Workspace, gate:
     assert [e.payload["next_step"] for e in ws.events(job, kinds=["transition"])] == ["COMPLETE"]
 
 
-def test_a_stop_during_the_call_that_hands_out_subtasks_starts_none(ws: Workspace, gate: Gate,
-                                                                     tmp_path: Path) -> None:
+def test_a_stop_during_the_call_that_hands_out_subtasks_starts_none(ws: Workspace, gate: Gate, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # ws.stop, as the panel and %agent stop use it: the parent's last call ends in WAIT_SUBTASKS
+    gate.list_piece(monkeypatch)
     child = write_script(tmp_path, "child", {"work": [transition("COMPLETE")]})
     parent = write_script(tmp_path, "parent", {
         "split": [{"tool_calls": [{"name": "TestPanelGate", "arguments": {}},
                                   {"name": "transition", "arguments": {
                                       "next_step": "WAIT_SUBTASKS", "summary": "split", "subtasks": [
-                                          {"instruction": "part one", "piece": "single", "model": child}]}}]}],
+                                          {"instruction": "part one", "piece": "gated", "model": child}]}}]}],
         "merge": [transition("COMPLETE", summary="merged")],
     })
     fan_out = write_piece(tmp_path, "fan", {"movements": [
