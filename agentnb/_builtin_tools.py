@@ -19,7 +19,6 @@ import regex
 
 from ._office import OFFICE_SUFFIXES, extract_text
 from ._sandbox import bash_argv, bash_env, run_bounded
-from ._secrets import SECRET_NAME as _SECRET_ENV  # noqa: F401  (runner.py's git excerpt imports it from here)
 from ._truncate import cut_text, read_document_text, read_file
 from .tools import (ToolContext, ToolError, ToolOutput, normalise_rel, open_regular, resolve_path, special_kind, tool,
                     unlinked_path)

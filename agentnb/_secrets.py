@@ -24,7 +24,7 @@ __all__ = ["SECRET_NAME", "MASK", "MIN_SECRET_CHARS", "is_secret_name", "secret_
 # GITHUB_PAT but not PATH, SENTRY_DSN.
 SECRET_NAME = re.compile(
     r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|PASSPHRASE|CREDENTIAL"
-    r"|(?:^|_)(?:PASS|PWD|AUTH|DSN|PAT)(?:_|$)",
+    r"|(?:^|_)(?:PASS|AUTH|DSN|PAT)(?:_|$)|_PWD(?:_|$)",
     re.IGNORECASE,
 )
 MASK = "***"
