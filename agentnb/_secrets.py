@@ -70,13 +70,15 @@ def secret_values() -> tuple[str, ...]:
     return values
 
 
-def redact(text: str, *, cut_start: bool = False, cut_end: bool = False) -> str:
-    """``text`` with every secret value replaced by ``***``.
+def redact(text: str, values: tuple[str, ...] | None = None, *, cut_start: bool = False,
+           cut_end: bool = False) -> str:
+    """``text`` with every secret value (``values``, by default :func:`secret_values`) replaced by ``***``.
 
     ``cut_end`` / ``cut_start``: the text is a piece of something longer that was cut there, so a
     secret's first (last) characters at that end are masked as well.
     """
-    values = secret_values()
+    if values is None:
+        values = secret_values()
     if not values or not text:
         return text
     for value in values:

@@ -169,20 +169,23 @@ def _safe_output(out: ToolOutput, ctx: ToolContext, arguments: Mapping[str, Any]
     secret value from the environment (see ``_secrets``)."""
     if out.is_error:
         out.content = relative_paths(out.content, ctx)
-    if not secret_values():
+    values = secret_values()
+    if not values:
         return out
-    from ._truncate import NOTE_PREFIX
-
     content = out.content
     # a piece read from further into a file may start inside a secret whose start the last piece masked
-    from_inside = bool(arguments.get("byte_offset")) or (isinstance(arguments.get("offset"), int)
-                                                         and arguments.get("offset", 1) > 1)
-    note_at = content.rfind(NOTE_PREFIX) if out.truncated else -1
+    offset = arguments.get("offset")
+    from_inside = bool(arguments.get("byte_offset")) or (type(offset) is int and offset > 1)
+    note_at = -1
+    if out.truncated:
+        from ._truncate import NOTE_PREFIX
+
+        note_at = content.rfind(NOTE_PREFIX)
     if note_at >= 0:  # the body was cut where the note starts: a secret may be cut there too
-        body = redact(content[:note_at], cut_start=from_inside, cut_end=True)
-        new = body + redact(content[note_at:])
+        body = redact(content[:note_at], values, cut_start=from_inside, cut_end=True)
+        new = body + redact(content[note_at:], values)
     else:
-        new = redact(content, cut_start=from_inside)
+        new = redact(content, values, cut_start=from_inside)
     if new != content:
         shrunk = len(content) - len(new)
         out.content = new
