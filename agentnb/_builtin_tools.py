@@ -38,9 +38,9 @@ def _os_errors(rel: str, doing: str = "read") -> Iterator[None]:
         raise ToolError(f"cannot {doing} {rel!r}: {exc.strerror or type(exc).__name__}") from None
 
 
-def _read_fd(fd: int) -> bytes:
+def _read_fd(fd: int, limit: int = -1) -> bytes:
     with open(fd, "rb") as f:
-        return f.read()
+        return f.read(limit)
 
 
 def _write_text(p: Path, rel: str, content: str) -> None:
@@ -285,7 +285,7 @@ def ReadImage(ctx: ToolContext, path: str) -> ToolOutput:
         except BaseException:
             os.close(fd)
             raise
-        data = base64.b64encode(_read_fd(fd)[: _MAX_IMAGE_BYTES]).decode("ascii")
+        data = base64.b64encode(_read_fd(fd, _MAX_IMAGE_BYTES)).decode("ascii")
     return ToolOutput(f"Image {path} ({size:,} bytes, {mime}) is attached below.",
                       image=f"data:{mime};base64,{data}")
 

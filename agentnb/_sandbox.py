@@ -88,7 +88,8 @@ def bash_argv(workdir: str, command: str) -> tuple[list[str], int]:
     return ["bash", "-c", _GUARD, "agentnb-bash", command], signal.SIGTERM
 
 
-_GUARD = 'trap "kill -KILL 0" TERM; bash -c "$1" agentnb-bash & wait "$!"'
+# "$1" is the command; its own $0 is "bash", so its error messages read as they do in the jail
+_GUARD = 'trap "kill -KILL 0" TERM; bash -c "$1" bash & wait "$!"'
 
 
 def sandbox_argv(workdir: str) -> list[str]:
@@ -228,10 +229,17 @@ def run_bounded(argv: list[str], *, cwd: str, env: dict[str, str], timeout: floa
         finally:
             ended.set()
 
-    threading.Thread(target=watch, daemon=True).start()
     timed_out = True
     try:
-        timed_out = not ended.wait(timeout)
+        if hasattr(os, "waitid"):
+            threading.Thread(target=watch, daemon=True).start()
+            timed_out = not ended.wait(timeout)
+        else:  # no waitid (not Linux): reaped first, then the group, whose id is rarely reused so soon
+            try:
+                proc.wait(timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                pass
     finally:  # also on KeyboardInterrupt: the command never outlives the call
         try:
             os.killpg(proc.pid, signal.SIGKILL)
