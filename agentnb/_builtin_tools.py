@@ -19,6 +19,7 @@ import regex
 
 from ._office import OFFICE_SUFFIXES, extract_text
 from ._sandbox import bash_argv, bash_env, run_bounded
+from ._secrets import redact
 from ._truncate import cut_text, read_document_text, read_file
 from .tools import (ToolContext, ToolError, ToolOutput, normalise_rel, open_regular, resolve_path, special_kind, tool,
                     unlinked_path)
@@ -261,6 +262,8 @@ def _long_line(line: str, raw: bytes, at: int, pos: int, rel: str) -> tuple[str,
     byte = pos + len(raw.decode("utf-8", errors="surrogateescape")[:start].encode("utf-8", errors="surrogateescape"))
     lead = "…" if start else ""
     trail = "…" if start + len(shown) < len(line) else ""
+    # the window's edges are cuts: a secret split there is masked here, where the cut is made
+    shown = redact(shown, cut_start=bool(lead), cut_end=bool(trail))
     return f"{lead}{shown}", (f"{trail} [a line of {len(line):,} characters, cut around the match; "
                                f"Read path={rel!r} byte_offset={byte} to read on from here]")
 

@@ -244,6 +244,22 @@ def test_a_secret_cut_between_two_pieces_is_masked_in_both(tmp_path: Path, monke
                 assert KEY[i:i + 6] not in piece, (shift, piece[-80:])
 
 
+def test_a_secret_at_the_edge_of_a_grep_window_is_masked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Grep shows 500 characters of a long line around the match; a key may straddle either edge
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    grep = get_tool("Grep")
+    assert grep is not None
+    for inside in (6, 10, 20, len(KEY) - 6):
+        after = "." * (1000 - 125 - inside) + KEY + "." * (1000 - len(KEY) + inside)  # edge: window's end
+        before = "." * (1000 - 125 - len(KEY) + inside) + KEY + "." * (125 - inside)  # edge: its start
+        (tmp_path / "a.txt").write_text(before + "NEEDLE" + "." * (369 - inside) + KEY + "." * 3000 + "\n")
+        (tmp_path / "b.txt").write_text(after[:1000] + "NEEDLE" + after[1000:] + "." * 3000 + "\n")
+        out = grep.invoke(_ctx(tmp_path), {"pattern": "NEEDLE"})
+        assert out.content.count("NEEDLE") == 2 and "cut around the match" in out.content
+        for i in range(len(KEY) - 5):
+            assert KEY[i:i + 6] not in out.content, (inside, i)
+
+
 def test_one_secret_name_pattern() -> None:
     for name in ("OPENAI_API_KEY", "GH_TOKEN", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "MYSQL_PWD", "SMTP_PASS",
                  "NPM_CONFIG__AUTH", "SENTRY_DSN", "GITHUB_PAT", "GOOGLE_APPLICATION_CREDENTIALS", "my_credential",
