@@ -463,7 +463,6 @@ def test_a_fifo_swapped_in_after_the_check_never_blocks(tmp_path: Path, monkeypa
         return regular if os.fspath(path) == str(fifo) else real_lstat(path, *a, **kw)
 
     monkeypatch.setattr(os, "lstat", lstat)
-    monkeypatch.setattr(os.path, "exists", lambda p: True)
     got: list[Any] = []
     reader = threading.Thread(target=lambda: got.append(get_tool("Read").invoke(  # type: ignore[union-attr]
         _ctx(tmp_path), {"path": "swapped.txt"})), daemon=True)
