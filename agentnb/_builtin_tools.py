@@ -6,21 +6,48 @@
 from __future__ import annotations
 
 import base64
-import fnmatch
 import json
 import os
 import re
+import stat
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+import regex
 
 from ._office import OFFICE_SUFFIXES, extract_text
-from ._sandbox import run_bounded, sandbox_argv
+from ._sandbox import bash_argv, bash_env, run_bounded
+from ._secrets import redact
 from ._truncate import cut_text, read_document_text, read_file
-from .tools import ToolContext, ToolError, ToolOutput, normalise_rel, resolve_path, tool, unlinked_path
+from .tools import (ToolContext, ToolError, ToolOutput, normalise_rel, open_regular, resolve_path, special_kind, tool,
+                    unlinked_path)
 
 _IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp"}
 _MAX_IMAGE_BYTES = 5 * 1024 * 1024
-_SECRET_ENV = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+GREP_TIMEOUT_ENV = "AGENTNB_GREP_TIMEOUT"
+_GREP_TIMEOUT = 5.0  # seconds of matching per Grep call
+
+
+@contextmanager
+def _os_errors(rel: str, doing: str = "read") -> Iterator[None]:
+    """An OSError as a tool error naming the model's own (relative) path, never the host's absolute one."""
+    try:
+        yield
+    except OSError as exc:
+        raise ToolError(f"cannot {doing} {rel!r}: {exc.strerror or type(exc).__name__}") from None
+
+
+def _read_fd(fd: int, limit: int = -1) -> bytes:
+    with open(fd, "rb") as f:
+        return f.read(limit)
+
+
+def _write_text(p: Path, rel: str, content: str) -> None:
+    fd = open_regular(p, rel, write=True)
+    with open(fd, "w", encoding="utf-8") as f:
+        f.write(content)
 
 
 @tool(_builtin=True)
@@ -37,16 +64,17 @@ def Read(ctx: ToolContext, path: str, offset: int | None = None, limit: int | No
         byte_offset: Byte position to start from (for files with few newlines).
     """
     p = ctx.path(path)
-    if not p.exists():
-        raise ToolError(f"no such file: {path!r}")
-    if p.is_dir():
-        raise ToolError(f"{path!r} is a directory; use Glob to list it")
-    if p.suffix.lower() in OFFICE_SUFFIXES:
-        st = p.stat()
-        text = extract_text(p)
-        return read_document_text(text, (str(p), st.st_ino, st.st_size, st.st_mtime_ns), path, ctx,
-                                  offset=offset, limit=limit, byte_offset=byte_offset)
-    return read_file(p, path, ctx, offset=offset, limit=limit, byte_offset=byte_offset)
+    with _os_errors(path):
+        if p.suffix.lower() in OFFICE_SUFFIXES:
+            fd = open_regular(p, path)  # a FIFO named like a document is refused before a library opens it
+            try:
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            text = extract_text(p)
+            return read_document_text(text, (str(p), st.st_ino, st.st_size, st.st_mtime_ns), path, ctx,
+                                      offset=offset, limit=limit, byte_offset=byte_offset)
+        return read_file(p, path, ctx, offset=offset, limit=limit, byte_offset=byte_offset)
 
 
 @tool(_builtin=True)
@@ -80,18 +108,34 @@ def Glob(ctx: ToolContext, pattern: str) -> ToolOutput:
     if literal:
         resolve_path(root, "/".join(literal))
     found: list[str] = []
-    for p in sorted(root.glob("/".join(parts))):
+    special: list[str] = []  # FIFOs, sockets, devices: no tool reads them, so they are not offered
+    with _os_errors(given, "search for"):
+        matches = sorted(root.glob("/".join(parts)))
+    for p in matches:
         real = os.path.realpath(p)
         if real != str(root) and not real.startswith(str(root) + os.sep):
             continue  # a symlink that points outside
         rel = p.relative_to(root).as_posix()
         try:
-            found.append(rel + ("/" if p.is_dir() else f"  ({p.stat().st_size:,} bytes)"))
+            st = os.stat(p)
         except OSError:  # a broken or looping link must not hide every other match
             found.append(rel + "  (broken link)")
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            found.append(rel + "/")
+        elif stat.S_ISREG(st.st_mode):
+            found.append(rel + f"  ({st.st_size:,} bytes)")
+        else:
+            special.append(f"{rel} ({special_kind(st.st_mode)})")
+    if special and not found:
+        raise ToolError(f"pattern {given!r} matches only special files, which no tool reads: {', '.join(special[:5])}"
+                        f"{' …' if len(special) > 5 else ''}; tools read regular files and list directories only")
     if not found:
         return ToolOutput(f"No files match {pattern!r}.")
-    return cut_text("\n".join(found), ctx, hint="glob")
+    extra = (f"(left out {len(special)} special file(s) that no tool reads: {', '.join(special[:5])}"
+             f"{' …' if len(special) > 5 else ''})") if special else ""
+    result = cut_text("\n".join(found) + (f"\n{extra}" if extra else ""), ctx, hint="glob")
+    return result
 
 
 @tool(_builtin=True)
@@ -102,41 +146,64 @@ def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
         pattern: A Python regular expression.
         path: A file or directory relative to the work directory (default: all of it).
     """
+    if not isinstance(pattern, str):
+        raise ToolError(f"pattern must be text (a regular expression), not {type(pattern).__name__}")
+    limit = _grep_timeout(ctx)
     try:
-        rx = re.compile(pattern)
-    except re.error as exc:
+        # the `regex` package, for its per-search timeout: a pattern that backtracks catastrophically
+        # ((a+)+$, (a|aa)+$) would otherwise hold the worker for hours
+        rx = regex.compile(pattern)
+    except (regex.error, ValueError, OverflowError) as exc:
         raise ToolError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from None
     base = ctx.path(path)
-    if not base.exists():
-        raise ToolError(f"no such file or directory: {path!r}")
     root = os.path.realpath(ctx.workdir)
-    files: list[Path] = []
-    if base.is_file():
-        files = [base]
-    else:
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".git"))
-            for name in sorted(filenames):
-                files.append(Path(dirpath) / name)
+    with _os_errors(path, "search"):
+        try:
+            mode = os.stat(base).st_mode
+        except FileNotFoundError:
+            raise ToolError(f"no such file or directory: {path!r}") from None
+        files: list[Path] = []
+        if stat.S_ISDIR(mode):
+            for dirpath, dirnames, filenames in os.walk(base):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith(".git"))
+                for name in sorted(filenames):
+                    files.append(Path(dirpath) / name)
+        else:
+            files = [base]  # a FIFO, socket or device given by name is refused when it is opened below
+    single = not stat.S_ISDIR(mode)
     out: list[str] = []
     budget = ctx.budget_chars
     size = 0
     matches = 0
     hidden = 0  # characters of long lines left out of the shown entries
+    left = limit  # seconds of matching still allowed in this call
     for fp in files:
         real = os.path.realpath(fp)
         if not real.startswith(root + os.sep):
             continue
         rel = os.path.relpath(real, root)
         try:
-            with open(fp, "rb") as fh:
+            fd = open_regular(Path(real), rel)
+        except ToolError:
+            if single:
+                raise
+            continue  # a FIFO, socket or device met while walking is skipped, never opened for reading
+        try:
+            with open(fd, "rb") as fh:
                 if b"\x00" in fh.read(4096):
                     continue
                 fh.seek(0)
                 pos = 0
                 for n, raw in enumerate(fh, start=1):
                     line = raw.decode("utf-8", errors="replace").rstrip("\n")
-                    m = rx.search(line)
+                    started = time.monotonic()
+                    try:
+                        m = rx.search(line, timeout=left)
+                    except TimeoutError:
+                        raise _grep_timed_out(pattern, limit) from None
+                    left -= time.monotonic() - started
+                    if left <= 0:
+                        raise _grep_timed_out(pattern, limit)
                     if m:
                         matches += 1
                         if size <= budget * 2:  # keep only what can be shown; still count the rest
@@ -163,6 +230,30 @@ def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
 _GREP_LINE = 500  # characters of a matching line Grep shows
 
 
+def _grep_timeout(ctx: ToolContext) -> float:
+    """Seconds of matching one Grep call may take: the context's, else $AGENTNB_GREP_TIMEOUT, else 5."""
+    if ctx.grep_timeout is not None:
+        return float(ctx.grep_timeout)
+    raw = os.environ.get(GREP_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return _GREP_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise ToolError(f"{GREP_TIMEOUT_ENV}={raw!r}; allowed: a number of seconds greater than 0 (default 5)")
+    return value
+
+
+def _grep_timed_out(pattern: str, limit: float) -> ToolError:
+    return ToolError(
+        f"pattern {pattern!r} took more than {limit:g} s to match and was stopped; it probably backtracks "
+        "catastrophically (nested or overlapping repeats such as (a+)+ or (a|aa)+). Use a simpler pattern: "
+        "drop the nested repeat (a+ instead of (a+)+), use a literal word, or anchor it; or search a smaller path."
+    )
+
+
 def _long_line(line: str, raw: bytes, at: int, pos: int, rel: str) -> tuple[str, str]:
     """A part of a long matching line around the match, and a note saying where to Read the rest."""
     start = max(0, min(at - _GREP_LINE // 4, len(line) - _GREP_LINE))
@@ -171,6 +262,8 @@ def _long_line(line: str, raw: bytes, at: int, pos: int, rel: str) -> tuple[str,
     byte = pos + len(raw.decode("utf-8", errors="surrogateescape")[:start].encode("utf-8", errors="surrogateescape"))
     lead = "…" if start else ""
     trail = "…" if start + len(shown) < len(line) else ""
+    # the window's edges are cuts: a secret split there is masked here, where the cut is made
+    shown = redact(shown, cut_start=bool(lead), cut_end=bool(trail))
     return f"{lead}{shown}", (f"{trail} [a line of {len(line):,} characters, cut around the match; "
                                f"Read path={rel!r} byte_offset={byte} to read on from here]")
 
@@ -183,15 +276,19 @@ def ReadImage(ctx: ToolContext, path: str) -> ToolOutput:
         path: Image path relative to the work directory.
     """
     p = ctx.path(path)
-    if not p.is_file():
-        raise ToolError(f"no such file: {path!r}")
-    mime = _IMAGE_TYPES.get(p.suffix.lower())
-    if mime is None:
-        raise ToolError(f"{path!r} is not an image ReadImage can attach; allowed: {', '.join(_IMAGE_TYPES)}")
-    size = p.stat().st_size
-    if size > _MAX_IMAGE_BYTES:
-        raise ToolError(f"{path!r} is {size:,} bytes; images up to {_MAX_IMAGE_BYTES:,} bytes can be attached")
-    data = base64.b64encode(p.read_bytes()).decode("ascii")
+    with _os_errors(path):
+        fd = open_regular(p, path)
+        try:
+            mime = _IMAGE_TYPES.get(p.suffix.lower())
+            if mime is None:
+                raise ToolError(f"{path!r} is not an image ReadImage can attach; allowed: {', '.join(_IMAGE_TYPES)}")
+            size = os.fstat(fd).st_size
+            if size > _MAX_IMAGE_BYTES:
+                raise ToolError(f"{path!r} is {size:,} bytes; images up to {_MAX_IMAGE_BYTES:,} bytes can be attached")
+        except BaseException:
+            os.close(fd)
+            raise
+        data = base64.b64encode(_read_fd(fd, _MAX_IMAGE_BYTES)).decode("ascii")
     return ToolOutput(f"Image {path} ({size:,} bytes, {mime}) is attached below.",
                       image=f"data:{mime};base64,{data}")
 
@@ -204,11 +301,14 @@ def Write(ctx: ToolContext, path: str, content: str) -> str:
         path: File path relative to the work directory; missing folders are created.
         content: The whole new content of the file.
     """
+    if not isinstance(content, str):
+        raise ToolError(f"content must be text, not {type(content).__name__}")
     p = ctx.path(path)
-    if p.is_dir():
-        raise ToolError(f"{path!r} is a directory")
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(content, encoding="utf-8")
+    with _os_errors(path, "write"):
+        if p.is_dir():
+            raise ToolError(f"{path!r} is a directory")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        _write_text(p, path, content)
     return f"Wrote {len(content):,} characters to {path}."
 
 
@@ -222,15 +322,19 @@ def Edit(ctx: ToolContext, path: str, old: str, new: str) -> str:
         new: The replacement text.
     """
     p = ctx.path(path)
-    if not p.is_file():
-        raise ToolError(f"no such file: {path!r}")
-    text = p.read_text(encoding="utf-8")
-    count = text.count(old) if old else 0
-    if count == 0:
-        raise ToolError(f"the text to replace was not found in {path!r}")
-    if count > 1:
-        raise ToolError(f"the text to replace occurs {count} times in {path!r}; include more context so it is unique")
-    p.write_text(text.replace(old, new, 1), encoding="utf-8")
+    with _os_errors(path, "edit"):
+        try:
+            with open(open_regular(p, path), encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError:
+            raise ToolError(f"{path!r} is not UTF-8 text; Edit changes text files only") from None
+        count = text.count(old) if old else 0
+        if count == 0:
+            raise ToolError(f"the text to replace was not found in {path!r}")
+        if count > 1:
+            raise ToolError(f"the text to replace occurs {count} times in {path!r}; include more context so it is "
+                            "unique")
+        _write_text(p, path, text.replace(old, new, 1))
     return f"Edited {path}: replaced {len(old):,} characters with {len(new):,}."
 
 
@@ -257,11 +361,11 @@ def Checklist(ctx: ToolContext, name: str, items: list[dict[str, Any]]) -> str:
     folder = target.parent
     folder.mkdir(parents=True, exist_ok=True)
     current: list[dict[str, Any]] = []
-    if target.exists():
-        # the default work directory holds logs/, so the model may have written this file itself
+    if os.path.lexists(target):
+        # the default work directory holds logs/, so the model may have written this file itself (even a FIFO)
         try:
-            data = json.loads(target.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+            data = json.loads(_read_fd(open_regular(target, f"logs/checklists/{name}.json")).decode("utf-8"))
+        except (OSError, ValueError, ToolError) as exc:
             raise ToolError(f"logs/checklists/{name}.json cannot be read as a checklist ({exc}); "
                             "remove it or use another name") from None
         raw = data.get("items") if isinstance(data, dict) else None
@@ -286,8 +390,10 @@ def Checklist(ctx: ToolContext, name: str, items: list[dict[str, Any]]) -> str:
             current.append(entry)
             index[item["text"]] = entry
     tmp = target.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"name": name, "items": current}, ensure_ascii=False, indent=1), encoding="utf-8")
-    os.replace(tmp, target)
+    with _os_errors(f"logs/checklists/{name}.json", "write"):
+        _write_text(tmp, f"logs/checklists/{name}.json.tmp",
+                    json.dumps({"name": name, "items": current}, ensure_ascii=False, indent=1))
+        os.replace(tmp, target)
     done_count = sum(1 for i in current if i["done"])
     lines = [f"Checklist {name}: {done_count}/{len(current)} done"]
     lines += [f"- [{'x' if i['done'] else ' '}] {i['text']}" for i in current]
@@ -306,14 +412,14 @@ def Bash(ctx: ToolContext, command: str, timeout: int = 120) -> ToolOutput:
     """
     if not isinstance(timeout, (int, float)) or not 1 <= timeout <= 600:
         raise ToolError(f"timeout={timeout!r}; allowed: 1 to 600 seconds")
-    # The model's shell never sees credentials from the notebook's environment.
-    env = {k: v for k, v in os.environ.items() if not _SECRET_ENV.search(k)}
+    # The model's shell sees an allow-list of the notebook's environment, never its credentials.
+    env = bash_env()
     workdir = os.path.realpath(ctx.workdir)
     # Keep enough of each stream for any cut the budget can ask for (16 chars a token, 4 bytes a char);
     # the rest is only counted, so a command printing gigabytes costs bounded memory.
     keep = max(1 << 16, ctx.budget_tokens * 64)
-    run = run_bounded([*sandbox_argv(workdir), "bash", "-c", command], cwd=workdir, env=env, timeout=timeout,
-                      keep=keep)
+    argv, death_signal = bash_argv(workdir, command)
+    run = run_bounded(argv, cwd=workdir, env=env, timeout=timeout, keep=keep, death_signal=death_signal)
     stdout = run.stdout.decode("utf-8", errors="replace")
     if run.returncode is None:
         kept_all = run.stdout_bytes == len(run.stdout)

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import bisect
 import io
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from .tools import ToolContext, ToolError, ToolOutput
+from .tools import ToolContext, ToolError, ToolOutput, open_regular
 
 __all__ = ["cut_text", "read_file", "read_text_stream", "fit_prefix", "NOTE_PREFIX", "HINTS"]
 
@@ -479,10 +480,14 @@ def read_file(
     limit: int | None = None,
     byte_offset: int | None = None,
 ) -> ToolOutput:
-    """Read a piece of a text file: whole when it fits, else cut to the budget with a continuation note."""
-    st = path.stat()
-    key = ("file", str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    with open(path, "rb") as f:
+    """Read a piece of a text file: whole when it fits, else cut to the budget with a continuation note.
+
+    Only a regular file is read (see :func:`~agentnb.tools.open_regular`): a FIFO would block the worker.
+    """
+    fd = open_regular(path, rel)
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        key = ("file", str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         head = f.read(8192)
         if b"\x00" in head:
             raise_binary(rel, path)

@@ -22,8 +22,9 @@ show and opening the transcript would take two clicks, the first one only reveal
 The source, :func:`transcript`, re-renders the run from the store when re-executed.
 
 No secret reaches the file: the store holds none, and the value of any environment
-variable named like ``*API_KEY*``, ``*TOKEN*`` or ``*SECRET*`` is masked wherever it
-appears (an instruction or a tool result could quote one).
+variable whose name is a secret's (``_secrets.SECRET_NAME``: ``*KEY*``, ``*TOKEN*``,
+``*SECRET*``, ``*PASSWORD*``, ``*CREDENTIAL*``, …) is masked wherever it appears (an
+instruction could quote one).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import base64
 import html
 import json
 import os
-import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import nbformat
 from nbformat import v4
 
+from ._secrets import SECRET_NAME as _SECRET_NAME
 from .events import Event
 
 if TYPE_CHECKING:
@@ -54,7 +55,6 @@ TRANSCRIPT_TAG = "agentnb-transcript"
 # Bodies in an exported transcript are cut longer than in the live view: it is the record, but a
 # single 1 MB tool result must still not make the file unopenable.
 EXPORT_MAX_CHARS = 20_000
-_SECRET_NAME = re.compile(r"API_?KEY|TOKEN|SECRET|PASSWORD", re.I)
 
 
 def export_notebook(

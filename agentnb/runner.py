@@ -25,7 +25,7 @@ from .loop import AgentLoop, Outcome, Recorder, _Counters
 from .models import Model, ModelError
 from .pieces import SPECIAL_NEXT, Movement, Piece, PieceError, available_pieces, load_piece, parse_piece
 from .store import TERMINAL_STATES
-from ._builtin_tools import _SECRET_ENV
+from ._secrets import SECRET_NAME as _SECRET_ENV
 from ._sandbox import sandbox_argv
 from .tools import PERMISSION_RANK, ToolError, unlinked_path
 

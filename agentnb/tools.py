@@ -8,15 +8,19 @@ resolved inside the job's work directory.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import json
 import os
 import re
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Union, get_args, get_origin
+
+from ._secrets import redact, secret_values
 
 __all__ = [
     "Tool",
@@ -31,6 +35,8 @@ __all__ = [
     "resolve_path",
     "normalise_rel",
     "unlinked_path",
+    "relative_paths",
+    "open_regular",
     "PERMISSION_RANK",
 ]
 
@@ -52,6 +58,8 @@ class ToolContext:
     job_id: int = 0
     movement: str = ""
     count_tokens: Callable[[str], int] | None = None
+    # seconds Grep may spend matching in one call; None: $AGENTNB_GREP_TIMEOUT, else 5
+    grep_timeout: float | None = None
 
     @property
     def budget_chars(self) -> int:
@@ -128,6 +136,9 @@ class Tool:
         missing = [k for k in self.parameters.get("required", []) if k not in arguments]
         if missing:
             return ToolOutput(f"Error: {self.name} needs argument(s) {', '.join(map(repr, missing))}", is_error=True)
+        return _safe_output(self._run(ctx, arguments), ctx, arguments)
+
+    def _run(self, ctx: ToolContext, arguments: Mapping[str, Any]) -> ToolOutput:
         try:
             result = self.fn(ctx, **arguments) if self.takes_context else self.fn(**arguments)
         except ToolError as exc:
@@ -150,6 +161,39 @@ class Tool:
         from ._truncate import cut_text
 
         return cut_text(text, ctx, hint="generic")
+
+
+def _safe_output(out: ToolOutput, ctx: ToolContext, arguments: Mapping[str, Any]) -> ToolOutput:
+    """The last checks on every tool result, built-in or not, before it is stored or shown to the model:
+    an error names no host path (only paths relative to the work directory), and no result holds a
+    secret value from the environment (see ``_secrets``)."""
+    if out.is_error:
+        out.content = relative_paths(out.content, ctx)
+    values = secret_values()
+    if not values:
+        return out
+    content = out.content
+    # a piece read from further into a file may start inside a secret whose start the last piece masked
+    offset = arguments.get("offset")
+    from_inside = bool(arguments.get("byte_offset")) or (type(offset) is int and offset > 1)
+    note_at = -1
+    if out.truncated:
+        from ._truncate import NOTE_PREFIX
+
+        note_at = content.rfind(NOTE_PREFIX)
+    if note_at >= 0:  # the body was cut where the note starts: a secret may be cut there too
+        body = redact(content[:note_at], values, cut_start=from_inside, cut_end=True)
+        new = body + redact(content[note_at:], values)
+    else:
+        new = redact(content, values, cut_start=from_inside)
+    if new != content:
+        shrunk = len(content) - len(new)
+        out.content = new
+        if out.returned_chars is not None:
+            out.returned_chars = max(0, out.returned_chars - shrunk)
+        if not out.truncated and out.original_chars is not None:
+            out.original_chars = max(0, out.original_chars - shrunk)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -385,3 +429,104 @@ def unlinked_path(base: str | os.PathLike[str], *parts: str) -> Path:
             rel = "/".join(path.relative_to(base).parts)
             raise ToolError(f"{rel} is a symbolic link; agentnb does not follow links in its log folder")
     return path
+
+
+def relative_paths(text: str, ctx: ToolContext) -> str:
+    """``text`` with the host's paths of the work directory, the job folder and the workspace written
+    relative to the work directory (``input/a.md``, ``.``, ``../..``); ``<job folder>`` or ``<workspace>``
+    when the work directory is elsewhere.
+
+    The last line of defence for error messages (an OSError's text, a user tool's exception): the model
+    must never learn where the job lives on the host, which would help it aim at the host's files.
+    """
+    if "/" not in text:
+        return text
+    for form, rel in _host_forms(ctx):
+        if form not in text:
+            continue
+        prefix = "" if rel == "." else rel + "/"
+        text = re.sub(re.escape(form) + r"(?:(/)|(?=[\s'\"`),:;\]}>]|$))",
+                      lambda m: prefix if m.group(1) else rel, text)
+    return text
+
+
+def _host_forms(ctx: ToolContext) -> list[tuple[str, str]]:
+    """(host path, what to write instead) for the work directory, job folder and workspace, longest first."""
+    workdir = os.path.realpath(ctx.workdir)
+    job = ctx.logs_dir.parent
+    places: list[tuple[Path, str]] = [(Path(ctx.workdir), "."), (job, "<job folder>")]
+    if job.parent.name == "jobs":  # the default layout <workspace>/jobs/<id>/logs
+        places.append((job.parent.parent, "<workspace>"))
+    forms: dict[str, str] = {}
+    for place, name in places:
+        real = os.path.realpath(place)
+        if real == workdir or workdir.startswith(real + os.sep):
+            rel = os.path.relpath(workdir, real)
+            rel = "." if rel == "." else "/".join(".." for _ in rel.split(os.sep))
+        elif real.startswith(workdir + os.sep):
+            rel = os.path.relpath(real, workdir)
+        else:
+            rel = name
+        for form in {os.path.abspath(place), real}:
+            if len(form) > 1:  # never rewrite "/" itself
+                forms.setdefault(form, rel)
+    return sorted(forms.items(), key=lambda item: len(item[0]), reverse=True)
+
+
+def open_regular(path: Path, rel: str, *, write: bool = False) -> int:
+    """A file descriptor for the regular file ``path`` (resolved already); anything else is a tool error.
+
+    A FIFO, socket or device would block the worker or never end (a FIFO without a writer, /dev/zero).
+    A check before opening is not enough, as the file can be swapped between the check and the open,
+    so the open itself never blocks (``O_NONBLOCK``), never follows a link swapped in (``O_NOFOLLOW``,
+    the path is resolved already), and ``fstat`` of what was opened decides.  ``write`` opens for
+    writing, creating or emptying the file.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not write:
+            raise ToolError(f"no such file: {rel!r}") from None
+        st = None
+    except OSError as exc:
+        raise ToolError(f"cannot open {rel!r}: {exc.strerror or type(exc).__name__}") from None
+    if st is not None:
+        _check_regular(st.st_mode, rel)  # a device is never opened: opening one can act (a tape, a watchdog)
+    flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+    flags |= (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EWOULDBLOCK):
+            raise ToolError(f"{rel!r} changed while it was being opened (it is no longer a regular file); "
+                            "tools read and write regular files only") from None
+        raise ToolError(f"cannot open {rel!r}: {exc.strerror or type(exc).__name__}") from None
+    try:
+        _check_regular(os.fstat(fd).st_mode, rel)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_regular(mode: int, rel: str) -> None:
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise ToolError(f"{rel!r} is a directory; use Glob to list it")
+    raise ToolError(f"{rel!r} is {special_kind(mode)}, not a regular file; tools read and write regular files "
+                    "only (a FIFO or device could block or never end)")
+
+
+def special_kind(mode: int) -> str:
+    """What a file that is neither a regular file nor a directory is, in words."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    return "a special file"
