@@ -22,6 +22,7 @@ from IPython.utils.capture import capture_output
 import agentnb
 from _scripting import call, transition, write_piece, write_script
 from agentnb import Job, Workspace
+from agentnb.magic import SUBCOMMANDS
 from agentnb.tools import unregister
 
 
@@ -62,7 +63,10 @@ def test_run_returns_the_job_and_shows_it_live(shell: InteractiveShell, tmp_path
     views = _html(cap.outputs)
     assert len(views) >= 2  # the live view, then its update when the job ended
     assert 'class="anb-job"' in views[0]
-    assert f"Job {job.id} <b>succeeded</b> · 3 movements" in views[-1]
+    # `job = %agent run …` keeps the whole view, in its final state, where the run was (it used to
+    # shrink to one summary line, leaving no way to the view)
+    assert views[-1].count('<details class="anb-mv"') == 3 and "anb-st-succeeded" in views[-1]
+    assert "➜ next step <b>COMPLETE</b>" in views[-1]
     # the value of the cell (its Out) is the job's full view
     with capture_output():
         shown = shell.run_cell(f"%agent show {job.id}").result.data
@@ -94,16 +98,16 @@ def test_help_prints_usage(shell: InteractiveShell, capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize("line, message", [
-    ("frobnicate", "%agent: unknown sub-command 'frobnicate'; allowed: run, step, reply, show, jobs, usage, "
-                   "lessons, panel, pieces, export"),
-    ("step 999", "no job 999 in workspace "),
-    ("show t_nothing", "JOB must be a job id or a variable holding a Job, not 't_nothing'"),
-    ("step", "no job yet in this session; give a job id (see %agent jobs)"),
+    ("frobnicate", f"%agent: unknown sub-command 'frobnicate'; allowed: {', '.join(SUBCOMMANDS)}"),
+    # every refusal names the sub-command first, like IPython's own magics (these once lacked it)
+    ("step 999", "%agent step: no job 999 in workspace "),
+    ("show t_nothing", "%agent show: JOB 't_nothing' is neither a job id nor a variable of the notebook"),
+    ("step", "%agent step: no job yet in this session; give a job id (see %agent jobs)"),
     ('run --piece no-such-piece "x"', "%agent run: no-such-piece: unknown piece 'no-such-piece'; available: "),
     ('run --model gpt-9 "x"', "%agent run: unknown model spec 'gpt-9'; allowed: demo, scripted:<file.yaml>, "
                              "openai:<model>, replay:<job_id>"),
     ('run "unbalanced', "%agent: cannot split the line (No closing quotation); check the quotes"),
-    ('run "about {t_undefined}"', "{t_undefined} in the instruction names no variable of the notebook; "
+    ('run "about {t_undefined}"', "%agent run: {t_undefined} in the instruction names no variable of the notebook; "
                                   "write {{ and }} for literal braces"),
     ("run", '%agent run: the instruction is missing; e.g. %agent run "Summarise input/notes.md"'),
     ("run --colour red x", "%agent run: unrecognized arguments: --colour"),
@@ -121,8 +125,7 @@ def test_usage_error_shows_one_line_without_traceback(shell: InteractiveShell) -
         result = shell.run_cell("%agent frobnicate")
     assert isinstance(result.error_in_exec, UsageError)
     lines = [ln for ln in (cap.stdout + cap.stderr).splitlines() if ln.strip()]
-    assert lines == ["UsageError: %agent: unknown sub-command 'frobnicate'; allowed: run, step, reply, show, "
-                     "jobs, usage, lessons, panel, pieces, export"]
+    assert lines == [f"UsageError: %agent: unknown sub-command 'frobnicate'; allowed: {', '.join(SUBCOMMANDS)}"]
     # a bad model spec is refused before anything is stored
     with pytest.raises(UsageError):
         shell.run_line_magic("agent", 'run --model "scripted:/no/such/file.yaml" "x"')
