@@ -174,3 +174,13 @@ def test_output_to_a_closed_pipe_is_not_a_traceback(tmp_path: Path) -> None:
     proc.stdout.close()  # like `| head` that has already gone: every write fails
     _, err = proc.communicate(timeout=120)
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+def test_run_on_openai_without_a_key_is_refused_at_submit(tmp_path: Path) -> None:
+    out = agentnb(tmp_path, "run", "--workspace", "ws", "--piece", "single", "--model", "openai:gpt-4o-mini", "hi")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "openai:gpt-4o-mini needs OPENAI_API_KEY" in lines[0], out.stderr
+    assert not (tmp_path / "ws" / "jobs" / "1").exists()
+    if (tmp_path / "ws" / "agentnb.sqlite").exists():
+        assert _db(tmp_path / "ws").execute("SELECT COUNT(*) FROM jobs").fetchone() == (0,)
