@@ -8,6 +8,8 @@ differences that matter for instructions written in prose:
 
 * a ``{expr}`` that cannot be filled is a :class:`VarError` naming it (IPython would silently
   leave the whole line as typed, so a typo would reach the model unnoticed);
+* the line is split into arguments before filling (a variable holding spaces stays one argument),
+  but a ``{expr}`` with spaces or quotes inside is one piece of its argument (``{n * 2}``);
 * a ``$word`` whose ``word`` is not a variable stays as typed (``$5``, ``$HOME`` in a shell
   instruction), where IPython would turn ``$5`` into ``5`` or, again, give up on the whole line.
 
@@ -21,7 +23,7 @@ import re
 import string
 from typing import Any, Mapping
 
-__all__ = ["VarError", "expand", "expand_value"]
+__all__ = ["VarError", "expand", "expand_value", "split_line"]
 
 _DOLLAR = re.compile(r"\$(\$?)([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 _BRACES_HINT = "write {{ and }} for literal braces"
@@ -111,3 +113,34 @@ def expand_value(text: str, ns: Mapping[str, Any], where: str = "the argument") 
     if len(parts) == 1 and isinstance(parts[0], _Filled):
         return parts[0].value
     return "".join(format(p.value, "") if isinstance(p, _Filled) else p for p in parts)
+
+
+def split_line(line: str) -> list[str]:
+    """Split a magic's line like a shell (``shlex``), keeping each ``{expr}`` whole even with spaces or quotes."""
+    from IPython.utils.process import arg_split
+
+    fields: list[str] = []
+    out: list[str] = []
+    i, n = 0, len(line)
+    while i < n:
+        ch = line[i]
+        if ch in "{}" and line[i:i + 2] in ("{{", "}}"):
+            out.append(line[i:i + 2])
+            i += 2
+            continue
+        if ch == "{":
+            depth, j = 0, i
+            while j < n:
+                depth += {"{": 1, "}": -1}.get(line[j], 0)
+                if depth == 0:
+                    break
+                j += 1
+            if j < n and any(c.isspace() or c in "'\"" for c in line[i:j + 1]):
+                fields.append(line[i:j + 1])
+                out.append(f"\x00{len(fields) - 1}\x00")
+                i = j + 1
+                continue
+        out.append(ch)
+        i += 1
+    parts = arg_split("".join(out), posix=True)
+    return [re.sub("\x00(\\d+)\x00", lambda m: fields[int(m.group(1))], p) for p in parts]

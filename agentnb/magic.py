@@ -31,7 +31,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import HTML, display
 from traitlets import Float, Unicode, observe
 
-from ._vars import VarError, expand, expand_value
+from ._vars import VarError, expand, expand_value, split_line
 from .models import ModelSpecError
 from .pieces import PieceError, available_pieces, load_piece
 from .render import KEEPER, _seconds, job_html, job_stats, plural
@@ -132,10 +132,8 @@ class AgentMagic(Magics):
     @line_cell_magic
     def agent(self, line: str, cell: str | None = None) -> Any:
         """Run, step and inspect agentnb jobs.  ``%agent --help`` lists the sub-commands."""
-        from IPython.utils.process import arg_split
-
         try:
-            argv = arg_split(line, posix=True)
+            argv = split_line(line)
         except ValueError as exc:
             raise UsageError(f"%agent: cannot split the line ({_one_line(exc)}); check the quotes") from None
         if cell is not None and (not argv or argv[0].startswith("-")) and not {"-h", "--help"} & set(argv):
@@ -415,10 +413,6 @@ class AgentMagic(Magics):
         if host != socket.gethostname() or rest.split(":", 1)[0] != str(os.getpid()):
             raise UsageError(f"%agent stop: job {job.id} runs in another process ({owner or 'unknown'}); "
                              "stop it there (Ctrl-C, or the Stop button of the panel that runs it)")
-        stops = getattr(self.ws, "_stops", None)
-        if isinstance(stops, dict) and job.id not in stops:
-            raise UsageError(f"%agent stop: job {job.id} runs in this kernel but not from %agent or its panel; "
-                             f"call .stop({job.id}) on the Workspace that runs it")
         self.ws.stop(job.id)
         print(f"job {job.id} will pause after its current LLM call; go on with %agent run --job {job.id} "
               f"or %agent step {job.id}")

@@ -374,3 +374,158 @@ def test_export_writes_the_job_as_a_notebook(shell: InteractiveShell, tmp_path: 
     assert 'data-seq="1"' in html
     with pytest.raises(UsageError, match=r"%agent export: the following arguments are required: path"):
         shell.run_line_magic("agent", "export 1")
+
+
+def test_job_arguments_take_notebook_variables(shell: InteractiveShell) -> None:
+    import numpy as np
+
+    with capture_output():
+        first = shell.run_line_magic("agent", 'run --queue "first"')
+        second = shell.run_line_magic("agent", 'run --queue --piece single "second"')
+    shell.user_ns.update(t_jid=first.id, t_np=np.int64(first.id), t_first=first, t_text=str(first.id))
+    # the forms a notebook user writes, through IPython's own line handling (run_cell)
+    for ref in ("{t_jid}", "$t_jid", "t_jid", "{t_np}", "t_np", "{t_first}", "$t_first", "t_first",
+                "{t_first.id}", "$t_first.id", "{t_jid * 1}", "{t_text}", str(first.id)):
+        with capture_output():
+            result = shell.run_cell(f"t_shown = %agent show {ref}")
+        assert result.error_in_exec is None, (ref, result.error_in_exec)
+        assert f'data-job="{first.id}"' in shell.user_ns["t_shown"].data, ref
+    with capture_output():
+        stepped = shell.run_line_magic("agent", "step $t_jid --call")
+        assert stepped.id == first.id
+        shell.run_line_magic("agent", f"run --job {{t_first}}")
+    assert first.status == "succeeded"
+    # a variable holding something else, or nothing, is refused in one line naming the sub-command
+    shell.user_ns["t_words"] = "not a job"
+    for ref, message in (("{t_missing}", "%agent step: {t_missing} in JOB names no variable of the notebook"),
+                         ("t_missing", "%agent step: JOB 't_missing' is neither a job id nor a variable"),
+                         ("{t_words}", "%agent step: JOB must be a job id or a Job, not '{t_words}' (a str)")):
+        with pytest.raises(UsageError) as info:
+            shell.run_line_magic("agent", f"step {ref}")
+        assert str(info.value).startswith(message), str(info.value)
+    # {{ and }} stay braces, $$ a dollar, and an unknown $word is left as typed
+    with capture_output():
+        job = shell.run_line_magic("agent", 'run --queue "{{t_jid}} is {t_jid}; $$t_jid is $t_jid; costs $5 in $HOME"')
+    assert job.instruction == f"{{t_jid}} is {first.id}; $t_jid is {first.id}; costs $5 in $HOME"
+    assert second.status == "queued"
+
+
+def test_a_refused_command_leaves_the_default_job_alone(shell: InteractiveShell) -> None:
+    with capture_output():
+        done = shell.run_line_magic("agent", 'run "done already"')
+        queued = shell.run_line_magic("agent", 'run --queue --piece single "still to do"')
+    with pytest.raises(UsageError, match=rf"^%agent step: job {done.id} is succeeded; only a queued job can be stepped"):
+        shell.run_line_magic("agent", f"step {done.id}")
+    with pytest.raises(UsageError, match=r"^%agent show: no job 999"):
+        shell.run_line_magic("agent", "show 999")
+    # the default is still the queued job: the refused step did not make job `done` the current one
+    with capture_output():
+        stepped = shell.run_line_magic("agent", "step --call")
+    assert stepped.id == queued.id
+    with capture_output():
+        shell.run_line_magic("agent", f"show {done.id}")  # a command that works does move it
+    assert shell.magics_manager.registry["AgentMagic"].last_job == done.id
+
+
+def test_help_lists_every_option_of_every_sub_command(shell: InteractiveShell,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    magic = shell.magics_manager.registry["AgentMagic"]
+    shell.run_line_magic("agent", "--help")
+    overview = capsys.readouterr().out
+    assert "--queue" in overview and "--input" in overview
+    for sub in SUBCOMMANDS:
+        parser = getattr(magic, f"cmd_{sub}").parser
+        for action in parser._actions:
+            for option in action.option_strings:
+                if option not in ("-h", "--help"):
+                    assert option in overview, (sub, option)
+        shell.run_line_magic("agent", f"{sub} --help")
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: %agent {sub}"), text[:80]  # not with Sphinx's "::"
+        assert "::" not in text.split("\n\n")[0]
+
+
+def _wait_for(predicate: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_stop_pauses_a_background_job_and_a_kept_job_shows_fresh_status(shell: InteractiveShell, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = _Gate("TestGateStop")
+    magic = shell.magics_manager.registry["AgentMagic"]
+    shown: list[dict[str, Any]] = []  # what the cells' values (Out) show
+    monkeypatch.setattr(shell.displayhook, "write_format_data", lambda data, md=None: shown.append(data))
+    try:
+        script = write_script(tmp_path, "stop", {"work": [call(gate.name), call(gate.name), transition("COMPLETE")]})
+        piece = _work_piece(tmp_path, [gate.name])
+        with capture_output():
+            result = shell.run_cell(f'bg = %agent run --background --piece {piece} --model {script} "t"\nbg')
+        bg = shell.user_ns["bg"]
+        # the cell's value does not freeze a "running" view under the live one: it points up to it
+        assert result.result is bg and "its live view is just above" in shown[-1]["text/html"]
+        _wait_for(lambda: bg.status == "running")
+        with capture_output() as cap:
+            shell.run_line_magic("agent", "stop")
+        assert f"job {bg.id} will pause after its current LLM call" in cap.stdout
+        gate.open.set()
+        magic.threads[bg.id].join(30)
+        # the Job kept in `bg` is not a stale snapshot: it says what the job is now
+        assert bg.status == "queued" and bg.refresh().status == "queued"
+        assert f"<Job {bg.id}: queued" in repr(bg)
+        assert ws_reason(bg) == "paused after one job"
+        with pytest.raises(UsageError, match=rf"^%agent stop: job {bg.id} is queued; only a running job"):
+            shell.run_line_magic("agent", f"stop {bg.id}")
+        snapshot = bg.snapshot()
+        with capture_output():
+            shell.run_line_magic("agent", f"run --job {bg.id}")
+        assert bg.status == "succeeded" and snapshot.status == "queued"
+        # in a later cell the Job shows its whole (fresh) view again
+        with capture_output():
+            shell.run_cell("bg")
+        assert "anb-st-succeeded" in shown[-1]["text/html"] and '<details class="anb-mv"' in shown[-1]["text/html"]
+    finally:
+        gate.open.set()
+        unregister(gate.name)
+        shell.user_ns.pop("bg", None)
+
+
+def ws_reason(job: Job) -> str:
+    return job.workspace.events(job, kinds=["job_status"])[-1].payload["reason"]
+
+
+def test_the_view_stays_whether_or_not_the_run_is_assigned(shell: InteractiveShell) -> None:
+    # assigned: the full view stays where the run was (see test_run_returns_the_job_and_shows_it_live);
+    # not assigned: the cell's value shows the full view, and the live one above shrinks to one line
+    with capture_output() as cap:
+        result = shell.run_cell('%agent run "Summarise the inputs"')
+    job = result.result
+    assert isinstance(job, Job) and job.status == "succeeded"
+    views = _html(cap.outputs)
+    assert views[-1].startswith(f"<div>Job {job.id} <b>succeeded</b>") and "its view is below" in views[-1]
+    assert "running time" in views[-1]
+    assert '<details class="anb-mv"' in job._repr_html_()  # what the cell's Out shows
+
+
+def test_usage_shows_a_compact_table_and_returns_the_full_frame(shell: InteractiveShell,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    values: list[dict[str, Any]] = []  # what the cell's value (Out) shows
+    monkeypatch.setattr(shell.displayhook, "write_format_data", lambda data, md=None: values.append(data))
+    with capture_output():
+        shell.run_line_magic("agent", 'run "Summarise the inputs"')
+    with capture_output():
+        result = shell.run_cell("%agent usage")
+    usage = result.result
+    assert isinstance(usage, pd.DataFrame) and "latency_s" in usage.columns
+    assert list(usage.columns) == list(shell.run_line_magic("agent", "usage").columns)
+    assert len(usage.columns) >= 17
+    shown = values[-1]["text/html"]
+    headers = re.findall(r'<th[^>]*class="col_heading[^"]*"[^>]*>([^<]*)</th>', shown)
+    assert headers == ["movement", "call", "tokens", "context", "action", "next", "latency"]
+    for noise in ("NaN", "&lt;NA&gt;", "<NA>", "0.1", "timestamp"):
+        assert noise not in shown, noise
+    assert re.search(r">\d+%<", shown) and "1. plan" in shown and "→ implement" in shown
+    # anything derived from the value is an ordinary DataFrame, shown as pandas shows it
+    assert type(usage[["call", "ratio"]]) is pd.DataFrame
