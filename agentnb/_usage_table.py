@@ -22,6 +22,8 @@ def _int(v: Any) -> str:
 def _latency(v: Any) -> str:
     if pd.isna(v):
         return ""
+    if v < 0.0005:
+        return "<1 ms"
     return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.1f} s"
 
 

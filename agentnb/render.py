@@ -179,6 +179,8 @@ def _pct(ratio: float | None) -> str:
 
 
 def _latency(s: float) -> str:
+    if s < 0.0005:
+        return "<1 ms"
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.1f} s"
 
 
@@ -221,7 +223,7 @@ class JobStats:
     actions: list[str] = field(default_factory=list)  # context actions of the newest movement run
     question: str | None = None  # the open ASK question, when the job waits for a human
     errors: list[str] = field(default_factory=list)
-    latest: tuple[int, int] | None = None  # (movement run, LLM call) of the newest call
+    latest: tuple[int, int] | None = None  # (movement run, LLM call) of the newest call, answered or in flight
 
     @property
     def elapsed(self) -> float:
@@ -248,10 +250,11 @@ def _stats(job: Any, events: Sequence[Event], now: float | None = None) -> JobSt
             st.last_seq = ev.movement_seq
             st.last_ratio = st.last_tokens = None
             st.actions = []
+        elif k == "llm_request":
+            if ev.movement_seq is not None and ev.iteration is not None:
+                st.latest = (ev.movement_seq, ev.iteration)  # a call in flight is the latest one
         elif k == "llm_response":
             st.calls += 1
-            if ev.movement_seq is not None and ev.iteration is not None:
-                st.latest = (ev.movement_seq, ev.iteration)
             u = ev.usage or {}
             st.prompt_tokens += int(u.get("prompt_tokens") or 0)
             st.completion_tokens += int(u.get("completion_tokens") or 0)
@@ -674,7 +677,7 @@ def movement_html(
     if not evs:
         raise LookupError(f"job {job.id} has no movement run {seq}; it has run {job.movement_seq}")
     # the same markup as in job_html: the job's newest call is marked wherever its run is shown
-    newest = ws.store.query("SELECT movement_seq, iteration FROM events WHERE job_id=? AND kind='llm_response' "
+    newest = ws.store.query("SELECT movement_seq, iteration FROM events WHERE job_id=? AND kind='llm_request' "
                             "ORDER BY id DESC LIMIT 1", (job.id,))
     latest = newest[0][1] if newest and newest[0][0] == seq else None
     return _inline(_movement_section(job, seq, evs, _Opts(job.id, max_chars, max_calls), open_=open, latest=latest))
