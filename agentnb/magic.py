@@ -231,8 +231,10 @@ class AgentMagic(Magics):
     def _expand(self, text: str) -> str:
         return expand_braces(text, self.shell.user_ns if self.shell is not None else {})
 
-    def run_live(self, job: Job, *, background: bool = False) -> Job:
+    def run_live(self, job: Job, *, background: bool = False, unit: str | None = None) -> Job:
         """Run ``job`` in a thread while its view is shown and updated as events are written.
+
+        ``unit`` (``"movement"`` or ``"call"``) runs one step instead of running to the end.
 
         The view stays where the run was, in its final state, whether or not the Job is assigned
         (``job = %agent run …``).  Only when the cell's value *is* the Job — shown in full just
@@ -257,7 +259,10 @@ class AgentMagic(Magics):
 
         def work() -> None:
             try:
-                self.ws.run(job_id)
+                if unit is None:
+                    self.ws.run(job_id)
+                else:
+                    self.ws.step(job_id, unit=unit)
             except BaseException as exc:  # noqa: BLE001 - reported in the view, never lost silently
                 failure.append(exc)
             finally:
@@ -297,8 +302,11 @@ class AgentMagic(Magics):
             done.wait()
             if handle is not None:
                 handle.update(view())
-            print(f"job {job_id} paused after its current LLM call; continue with %agent run --job {job_id} "
-                  "or %agent step")
+            if unit is None:
+                print(f"job {job_id} paused after its current LLM call; continue with %agent run --job {job_id} "
+                      "or %agent step")
+            else:  # a step is already the smallest unit: it was let finish
+                print(f"job {job_id}: the step ran to its end; the job waits for the next %agent step")
         if failure:
             raise UsageError(f"job {job_id}: {_one_line(failure[0])}")
         result = self.ws.job(job_id)
@@ -377,12 +385,12 @@ class AgentMagic(Magics):
     @argument("job", nargs="?", help="job id or Job variable (default: the last job)")
     @argument("--call", action="store_true", help="run only the next LLM call (with its tool calls)")
     def cmd_step(self, args: Any, cell: str | None) -> Job:
-        """Run the next movement of a job (or its next LLM call) and show it."""
+        """Run the next movement of a job (or its next LLM call), showing it live as it runs."""
         job = self.job(args.job)
         if job.status not in ("queued",):
             hint = ' — answer with %agent reply' if job.status == "waiting_human" else ""
             raise UsageError(f"%agent step: job {job.id} is {job.status}; only a queued job can be stepped{hint}")
-        return self.ws.step(job, unit="call" if args.call else "movement")
+        return self.run_live(job, unit="call" if args.call else "movement")
 
     @magic_arguments(name="agent reply")
     @argument("job", help="job id or Job variable")

@@ -529,3 +529,28 @@ def test_usage_shows_a_compact_table_and_returns_the_full_frame(shell: Interacti
     assert re.search(r">\d+%<", shown) and "1. plan" in shown and "→ implement" in shown
     # anything derived from the value is an ordinary DataFrame, shown as pandas shows it
     assert type(usage[["call", "ratio"]]) is pd.DataFrame
+
+
+def test_a_step_is_shown_live_too(shell: InteractiveShell, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As in test_the_view_updates_while_the_job_runs: the gate only opens when a view published while the
+    # step runs shows the message written before it, so a step that only showed its result would time out.
+    gate = _Gate("TestGateStep")
+    try:
+        marker = "about to wait for the view of the step"
+        script = write_script(tmp_path, "step-live", {"work": [
+            {"content": marker, "tool_calls": [{"name": "Glob", "arguments": {"pattern": "*"}}]},
+            call(gate.name),
+            transition("COMPLETE"),
+        ]})
+        piece = _work_piece(tmp_path, ["Glob", gate.name])
+        with capture_output():
+            queued = shell.run_line_magic("agent", f'run --queue --piece {piece} --model {script} "t"')
+        pub = _WatchingPublisher(marker, gate.open)
+        monkeypatch.setattr(shell, "display_pub", pub)
+        job = shell.run_line_magic("agent", f"step {queued.id}")
+        assert job.status == "succeeded"
+        results = job.workspace.events(job, kinds=["tool_result"])
+        assert results[1].payload["content"] == "opened"
+    finally:
+        gate.open.set()
+        unregister(gate.name)
