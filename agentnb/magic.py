@@ -45,7 +45,8 @@ SUBCOMMANDS = ("run", "step", "reply", "stop", "show", "jobs", "usage", "lessons
 _OVERVIEW = """\
 %agent SUBCOMMAND [options]      (%agent SUBCOMMAND --help for its options)
 
-  run [--piece P] [--model M] [--background] "instruction"   submit a job and run it, live
+  run [--piece P] [--model M] [--input FILE] [--background] [--queue] "instruction"
+                               submit a job and run it, live (--queue: only submit it)
   run --job JOB [--background]  run a queued job (queued, stepped, paused or answered) to its end
   step [JOB] [--call]          run the next movement (or, with --call, the next LLM call)
   reply JOB "text" [--run]     answer a job that waits for a human
@@ -172,7 +173,8 @@ class AgentMagic(Magics):
     def _overview(self) -> str:
         """The sub-commands, then every option of each (read from their parsers, so none is missing)."""
         width = max(len(sub) for sub in SUBCOMMANDS)
-        lines = [f"  %agent {sub:<{width}} {_usage_line(getattr(self, f'cmd_{sub}').parser)}" for sub in SUBCOMMANDS]
+        lines = [f"  %agent {sub:<{width}} {_usage_line(getattr(self, f'cmd_{sub}').parser)}".rstrip()
+                 for sub in SUBCOMMANDS]
         return _OVERVIEW + "\nEvery option:\n" + "\n".join(lines)
 
     def _fill(self, args: Any) -> None:
