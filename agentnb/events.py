@@ -89,6 +89,7 @@ class LLMResponse(EventBase):
     content: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     usage: dict[str, Any] = field(default_factory=dict)
+    latency_s: float | None = None  # wall time of the model call (retries included); None in older stores
 
 
 @_kind("tool_call")

@@ -72,7 +72,7 @@ def export_notebook(
         raise ValueError(f"export path {str(path)!r} must end in .ipynb (or be an existing directory)")
     nb = build_notebook(ws, job_id, full=full, plot=plot)
     nbformat.validate(nb)
-    text = _mask_secrets(nbformat.writes(nb, version=4))
+    text = _relative_paths(_mask_secrets(nbformat.writes(nb, version=4)), ws.root, target.resolve().parent)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
@@ -291,6 +291,35 @@ def _md(text: Any) -> str:
     """Text from the model or the user, safe inside markdown: no raw HTML, no table breaks."""
     s = "" if text is None else str(text)
     return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+
+
+def _relative_paths(text: str, root: Path, notebook_dir: Path) -> str:
+    """No local absolute path in the file (``text`` is the notebook's JSON).
+
+    A path inside the workspace is written relative to it (``jobs/3/output/a.md``); the workspace itself
+    and other paths near the notebook relative to the notebook's folder (``'../agentnb-data'`` in the
+    code cells, which Jupyter runs from there); anything else in the home folder starts with ``~``.
+    """
+    def rel(path: Path) -> str | None:
+        try:
+            return os.path.relpath(path, notebook_dir)
+        except ValueError:  # another drive (Windows): no relative path exists
+            return None
+
+    # deepest first; never a folder just below / (that would rewrite /tmp or /home in every path)
+    near = [p for p in (notebook_dir, *notebook_dir.parents) if len(p.parts) > 2]
+    pairs: list[tuple[str, str]] = []
+    if rel(root) is not None:
+        pairs += [(repr(str(root)), repr(rel(root))), (str(root) + os.sep, ""), (str(root), str(rel(root)))]
+    pairs += [(str(p) + os.sep, str(rel(p)) + os.sep) for p in near if rel(p) is not None]
+    home = Path.home()
+    if len(home.parts) > 1:
+        pairs.append((str(home) + os.sep, "~" + os.sep))
+    for old, new in pairs:
+        # only where a path starts: not inside a longer one (/var/tmp/x is not /tmp/x)
+        pattern = r"(?<![\w.\-/~])" + re.escape(json.dumps(old)[1:-1])
+        text = re.sub(pattern, lambda m: json.dumps(new)[1:-1], text)
+    return text
 
 
 def _mask_secrets(text: str) -> str:

@@ -31,7 +31,7 @@ frame               columns
                     is_error, truncated, original_chars, returned_chars, duration, result
 ``usage(job)``      job, call, seq, movement, iteration, timestamp, prompt_tokens,
                     completion_tokens, total_tokens, cumulative_tokens, source, window, ratio,
-                    action, actions, transition, forced
+                    action, actions, transition, forced, latency_s
 ``lessons(job)``    job, movement, seq, lessons, summary, timestamp
 ``context_actions`` job, event_id, seq, movement, iteration, timestamp, action, ratio, tokens,
                     window, threshold
@@ -71,6 +71,8 @@ Details:
   (e.g. ``"warn,prompt"`` when both thresholds were crossed by the same call).
   ``transition`` is the ``next_step`` of the transition that ended the movement at
   this call (missing otherwise) and ``forced`` whether it was forced (missing when no transition).
+  ``latency_s`` is how long the model took to answer, in seconds (retries and their backoff
+  included; NaN for calls recorded before agentnb kept it).
 * ``messages()`` holds the chat messages the model saw, in order: ``system`` and ``user``
   prompts (``kind`` movement_start), ``assistant`` replies (``tool`` lists the tools it
   called), ``tool`` results and the ``user`` reminders the loop injected.
@@ -135,7 +137,7 @@ _USAGE: _Spec = {
     "job": "int", "call": "int", "seq": "int", "movement": "str", "iteration": "int", "timestamp": "time",
     "prompt_tokens": "int", "completion_tokens": "int", "total_tokens": "int", "cumulative_tokens": "int",
     "source": _SOURCE, "window": "int", "ratio": "float", "action": ACTION_DTYPE, "actions": "str",
-    "transition": "str", "forced": "boolean",
+    "transition": "str", "forced": "boolean", "latency_s": "float",
 }
 _LESSONS: _Spec = {
     "job": "int", "movement": "str", "seq": "Int", "lessons": "str", "summary": "str", "timestamp": "iso",
@@ -192,7 +194,8 @@ SELECT e.job_id AS job, e.movement_seq AS seq, m.name AS movement, e.iteration, 
        {_jx('e', 'usage.source')} AS source,
        {_jx('e', 'usage.window')} AS window,
        {_jx('e', 'usage.ratio')} AS ratio,
-       ca.rank AS action, ca.actions, tr.next_step AS transition, tr.forced
+       ca.rank AS action, ca.actions, tr.next_step AS transition, tr.forced,
+       {_jx('e', 'latency_s')} AS latency_s
 FROM events e
 LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq
 LEFT JOIN ca ON ca.job_id = e.job_id AND ca.movement_seq = e.movement_seq AND ca.iteration = e.iteration

@@ -194,7 +194,9 @@ class AgentLoop:
             movement_seq=seq, iteration=it, call_index=self.counters.call_index,
             movement_call_index=self.counters.by_movement.get(name, 0),
         )
+        started = time.perf_counter()
         response: ModelResponse = self.model.complete(request)
+        latency_s = round(time.perf_counter() - started, 6)
         self.counters.call_index += 1
         self.counters.by_movement[name] = self.counters.by_movement.get(name, 0) + 1
 
@@ -216,6 +218,7 @@ class AgentLoop:
                     "ratio": round(decision.ratio, 6),
                     "encoding": self.ctx.counter.encoding,  # the tokenizer behind tiktoken counts and budgets
                 },
+                "latency_s": latency_s,
             },
             seq, it,
         )

@@ -5,16 +5,23 @@ prints them).  Results are values: ``job = %agent run …`` is the :class:`~agen
 ``%agent jobs`` / ``usage`` / ``lessons`` / ``pieces`` are DataFrames.  Mistakes by the
 user (unknown sub-command, missing job, unknown piece, bad model spec, unbalanced quotes,
 a ``{name}`` that names nothing) raise IPython's :class:`UsageError`, which IPython shows
-as one line without a traceback; what goes wrong *inside* a job is part of the job's view.
+as one line without a traceback, always starting ``%agent SUB:``; what goes wrong *inside*
+a job is part of the job's view.
+
+The line is split first, then every argument is filled from the notebook's variables
+(``{expr}``, ``$name``; see :mod:`agentnb._vars`), so a JOB may be ``3``, ``{jid}``, ``$jid``,
+``jid`` or a variable holding a :class:`~agentnb.Job`.  Only a command that succeeds makes its
+job the session's default one.
 
 Defaults are traitlets: ``%config AgentMagic.workspace = 'dir'`` (and ``.model``, ``.piece``).
 """
 
 from __future__ import annotations
 
-import string
+import numbers
+import os
+import socket
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -24,23 +31,27 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import HTML, display
 from traitlets import Float, Unicode, observe
 
+from ._vars import VarError, expand, expand_value, split_line
 from .models import ModelSpecError
 from .pieces import PieceError, available_pieces, load_piece
-from .render import job_html, job_stats, plural
+from .render import KEEPER, _seconds, job_html, job_stats, plural
 from .store import StoreError
 from .workspace import DEFAULT_WORKSPACE, Job, Workspace
 
 __all__ = ["AgentMagic", "load_ipython_extension", "expand_braces", "SUBCOMMANDS"]
 
-SUBCOMMANDS = ("run", "step", "reply", "show", "jobs", "usage", "lessons", "panel", "pieces", "export", "plot")
+SUBCOMMANDS = ("run", "step", "reply", "stop", "show", "jobs", "usage", "lessons", "panel", "pieces", "export",
+               "plot")
 
 _OVERVIEW = """\
 %agent SUBCOMMAND [options]      (%agent SUBCOMMAND --help for its options)
 
-  run [--piece P] [--model M] [--background] "instruction"   submit a job and run it, live
+  run [--piece P] [--model M] [--input FILE] [--background] [--queue] "instruction"
+                               submit a job and run it, live (--queue: only submit it)
   run --job JOB [--background]  run a queued job (queued, stepped, paused or answered) to its end
   step [JOB] [--call]          run the next movement (or, with --call, the next LLM call)
   reply JOB "text" [--run]     answer a job that waits for a human
+  stop [JOB]                   pause a job running in this notebook after its current LLM call
   show [JOB] [--full] [--movement SEQ]   the job's view (--full: nothing cut)
   jobs                         every job, as a DataFrame
   usage [JOB] [--all]          one row per LLM call, as a DataFrame
@@ -53,46 +64,42 @@ _OVERVIEW = """\
 %%agent [--piece P] [--model M] [--background]   the cell body is the instruction
 %%agent reply JOB                                 the cell body is the reply
 
-JOB is a job id or a variable holding a Job; it defaults to the last job of this session.
-{name} in an instruction is filled from the notebook's variables; write {{ and }} for braces.
+JOB is a job id (3, {jid}, $jid, or jid holding an int) or a variable holding a Job; it
+defaults to the last job of this session.  {expr} and $name in any argument are filled from
+the notebook's variables; write {{ and }} for braces, $$ for a $ before a variable's name.
 Defaults: %config AgentMagic.workspace / .model / .piece
 """
 
 _USER_ERRORS = (PieceError, ModelSpecError, StoreError, FileNotFoundError, ValueError, LookupError)
+# the arguments that name a job: filled by AgentMagic.job, which keeps a variable's int or Job whole
+_JOB_ARGS = frozenset({"job"})
 
 
 def _one_line(exc: BaseException | str) -> str:
     return " ".join(str(exc).split())
 
 
-class _Namespace(Mapping[str, Any]):
-    """The user namespace for :func:`expand_braces`: an unknown name is a usage error, not a KeyError."""
-
-    def __init__(self, ns: Mapping[str, Any]) -> None:
-        self.ns = ns
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self.ns:
-            raise UsageError(f"{{{key}}} in the instruction names no variable of the notebook; "
-                             "write {{ and }} for literal braces")
-        return self.ns[key]
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.ns)
-
-    def __len__(self) -> int:
-        return len(self.ns)
-
-
 def expand_braces(text: str, ns: Mapping[str, Any]) -> str:
-    """Fill ``{name}`` (also ``{name.attr}``, ``{name[key]}``, ``{name:fmt}``) from ``ns``; ``{{``/``}}`` stay braces."""
+    """Fill ``{expr}`` and ``$name`` in an instruction from ``ns``; ``{{``/``}}`` stay braces (see :mod:`agentnb._vars`)."""
     try:
-        return string.Formatter().vformat(text, (), _Namespace(ns))
-    except UsageError:
-        raise
-    except (ValueError, IndexError, AttributeError, KeyError, TypeError) as exc:
-        raise UsageError(f"cannot fill the braces of the instruction ({_one_line(exc)}); "
-                         "write {{ and }} for literal braces") from None
+        return expand(text, ns, "the instruction")
+    except VarError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _help(parser: Any) -> str:
+    """A sub-command's --help without the ``::`` that IPython's parser puts first for Sphinx."""
+    text = parser.format_help()
+    if text.startswith("::"):
+        head, _, rest = text[2:].lstrip("\n").partition("\n\n")
+        text = "\n".join(line[2:] if line.startswith("  ") else line for line in head.splitlines()) + "\n\n" + rest
+    return "usage: " + text
+
+
+def _usage_line(parser: Any) -> str:
+    """``[--piece PIECE] [--model MODEL] … [instruction ...]``: every option of a sub-command, on one line."""
+    usage = _help(parser).split("\n\n", 1)[0]
+    return " ".join(usage.split()[3:])  # drop "usage: %agent SUB"
 
 
 @magics_class
@@ -108,6 +115,7 @@ class AgentMagic(Magics):
         super().__init__(shell=shell, **kwargs)
         self._ws: Workspace | None = None
         self.last_job: int | None = None
+        self._used_job: int | None = None  # the job the running command named (see agent())
         self.threads: dict[int, threading.Thread] = {}
 
     @observe("workspace")
@@ -127,71 +135,127 @@ class AgentMagic(Magics):
     @line_cell_magic
     def agent(self, line: str, cell: str | None = None) -> Any:
         """Run, step and inspect agentnb jobs.  ``%agent --help`` lists the sub-commands."""
-        from IPython.utils.process import arg_split
-
         try:
-            argv = arg_split(line, posix=True)
+            argv = split_line(line)
         except ValueError as exc:
             raise UsageError(f"%agent: cannot split the line ({_one_line(exc)}); check the quotes") from None
         if cell is not None and (not argv or argv[0].startswith("-")) and not {"-h", "--help"} & set(argv):
             argv = ["run", *argv]
         if not argv or argv[0] in ("-h", "--help", "help"):
-            print(_OVERVIEW)
+            print(self._overview())
             return None
         sub, rest = argv[0], argv[1:]
         if sub not in SUBCOMMANDS:
             raise UsageError(f"%agent: unknown sub-command {sub!r}; allowed: {', '.join(SUBCOMMANDS)}")
+        prefix = f"%{'%' if cell is not None else ''}agent {sub}: "
         if cell is not None and sub not in ("run", "reply"):
             raise UsageError(f"%%agent {sub}: only run and reply take a cell body; use the line magic %agent {sub}")
         fn = getattr(self, f"cmd_{sub}")
         if "-h" in rest or "--help" in rest:
-            print(fn.parser.format_help())
+            print(_help(fn.parser))
             return None
         try:
             args = fn.parser.parse_args(rest)
         except UsageError as exc:
-            raise UsageError(f"%agent {sub}: {_one_line(exc)}") from None
+            raise UsageError(prefix + _one_line(exc)) from None
+        self._used_job = None
         try:
-            return fn(args, cell)
-        except UsageError:
-            raise
-        except _USER_ERRORS as exc:
-            raise UsageError(f"%agent {sub}: {_one_line(exc)}") from None
+            self._fill(args)
+            result = fn(args, cell)
+        except UsageError as exc:
+            text = _one_line(exc)
+            raise UsageError(text if text.startswith(("%agent", "%%agent")) else prefix + text) from None
+        except (VarError, *_USER_ERRORS) as exc:
+            raise UsageError(prefix + _one_line(exc)) from None
+        # only a command that worked moves the session's default job (a refused `step 1` does not)
+        if self._used_job is not None:
+            self.last_job = self._used_job
+        return result
+
+    def _overview(self) -> str:
+        """The sub-commands, then every option of each (read from their parsers, so none is missing)."""
+        width = max(len(sub) for sub in SUBCOMMANDS)
+        lines = [f"  %agent {sub:<{width}} {_usage_line(getattr(self, f'cmd_{sub}').parser)}".rstrip()
+                 for sub in SUBCOMMANDS]
+        return _OVERVIEW + "\nEvery option:\n" + "\n".join(lines)
+
+    def _fill(self, args: Any) -> None:
+        """Fill ``{expr}``/``$name`` in every string argument; JOB arguments are resolved by :meth:`job`."""
+        ns = self.shell.user_ns if self.shell is not None else {}
+        for name, value in vars(args).items():
+            if name in _JOB_ARGS:
+                continue  # job() fills them, keeping an int or a Job whole
+            where = "the instruction" if name in ("instruction", "text") else f"--{name}"
+            if isinstance(value, str):
+                setattr(args, name, expand(value, ns, where))
+            elif isinstance(value, list):
+                setattr(args, name, [expand(v, ns, where) if isinstance(v, str) else v for v in value])
 
     # -- helpers --------------------------------------------------------------
     def job(self, ref: Any = None) -> Job:
-        """The job named by ``ref`` (an id, a Job, or a variable name holding one); the last job by default."""
+        """The job named by ``ref``; the last job of the session by default.
+
+        ``ref`` is a job id (``3``), a Job, or text: digits, ``{expr}``/``$name`` filled from the
+        notebook, or the name of a variable holding a job id or a Job.
+        """
         if ref is None:
             if self.last_job is None:
                 raise UsageError("no job yet in this session; give a job id (see %agent jobs)")
             ref = self.last_job
-        if isinstance(ref, str) and not ref.strip().lstrip("-").isdigit():
-            value = (self.shell.user_ns if self.shell is not None else {}).get(ref)
-            if not isinstance(value, Job):
-                raise UsageError(f"JOB must be a job id or a variable holding a Job, not {ref!r}")
-            ref = value.id
+        value = ref
+        if isinstance(ref, str):
+            ns = self.shell.user_ns if self.shell is not None else {}
+            text = ref.strip()
+            value = expand_value(text, ns, "JOB") if ("{" in text or "$" in text) else text
+            if isinstance(value, str):
+                value = value.strip()
+                if value.isidentifier():
+                    if value not in ns:
+                        raise UsageError(f"JOB {ref!r} is neither a job id nor a variable of the notebook; "
+                                         "give a job id (see %agent jobs) or a variable holding one or a Job")
+                    value = ns[value]
+                elif value.lstrip("-").isdigit():
+                    value = int(value)
+        if isinstance(value, Job):
+            job_id = value.id
+        elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            job_id = int(value)
+        elif isinstance(value, str) and value.strip().isdigit():
+            job_id = int(value)
+        else:
+            raise UsageError(f"JOB must be a job id or a Job, not {ref!r} (a {type(value).__name__}); "
+                             "see %agent jobs")
         try:
-            job = self.ws.job(int(ref.id if isinstance(ref, Job) else ref))
+            job = self.ws.job(job_id)
         except StoreError:
-            raise UsageError(f"no job {ref} in workspace {self.ws.root}; see %agent jobs") from None
-        self.last_job = job.id
+            raise UsageError(f"no job {job_id} in workspace {self.ws.root}; see %agent jobs") from None
+        self._used_job = job.id
         return job
 
     def _expand(self, text: str) -> str:
         return expand_braces(text, self.shell.user_ns if self.shell is not None else {})
 
-    def run_live(self, job: Job, *, background: bool = False) -> Job:
+    def run_live(self, job: Job, *, background: bool = False, unit: str | None = None) -> Job:
         """Run ``job`` in a thread while its view is shown and updated as events are written.
 
-        In the foreground the call returns when the job stops (Ctrl-C asks it to pause after
-        the current LLM call), leaving a one-line summary where the live view was; the returned
-        Job then shows the full view.  In the background it returns at once.
+        ``unit`` (``"movement"`` or ``"call"``) runs one step instead of running to the end.
+
+        The view stays where the run was, in its final state, whether or not the Job is assigned
+        (``job = %agent run …``).  Only when the cell's value *is* the Job — shown in full just
+        below — does the live view shrink to one line.  In the foreground the call returns when
+        the job stops (Ctrl-C asks it to pause after the current LLM call); in the background it
+        returns at once, and the view goes on updating until the job stops.
         """
         job_id = job.id
         running = self.threads.get(job_id)
         if running is not None and running.is_alive():
             raise UsageError(f"job {job_id} is already running in the background of this session")
-        handle = display(HTML(job_html(self.ws, job_id)), display_id=True)
+
+        def view() -> HTML:
+            # KEEPER: what the user opens or closes in the view stays so while it is redrawn
+            return HTML(KEEPER + job_html(self.ws, job_id))
+
+        handle = display(view(), display_id=True)
         failure: list[BaseException] = []
         # Waited on instead of Thread.join: on Python 3.11 a Ctrl-C that interrupts join(timeout)
         # marks the still-running thread as stopped, so a later join() returns at once.
@@ -199,7 +263,10 @@ class AgentMagic(Magics):
 
         def work() -> None:
             try:
-                self.ws.run(job_id)
+                if unit is None:
+                    self.ws.run(job_id)
+                else:
+                    self.ws.step(job_id, unit=unit)
             except BaseException as exc:  # noqa: BLE001 - reported in the view, never lost silently
                 failure.append(exc)
             finally:
@@ -207,43 +274,73 @@ class AgentMagic(Magics):
 
         worker = threading.Thread(target=work, name=f"agentnb-job-{job_id}", daemon=True)
 
-        def watch(final: Callable[[], Any]) -> None:
+        def watch() -> None:
             seen = -1
             while True:
                 alive = not done.is_set()
                 mark = self.ws.store.last_event_id(job_id)
                 if mark != seen and handle is not None:
                     seen = mark
-                    handle.update(HTML(job_html(self.ws, job_id)))
+                    handle.update(view())
                 if not alive:
                     break
                 done.wait(self.poll)
             if handle is not None:
-                handle.update(final())
+                handle.update(view())
 
         worker.start()
         if background:
-            watcher = threading.Thread(target=watch, args=(lambda: HTML(job_html(self.ws, job_id)),),
-                                       name=f"agentnb-watch-{job_id}", daemon=True)
+            watcher = threading.Thread(target=watch, name=f"agentnb-watch-{job_id}", daemon=True)
             self.threads[job_id] = watcher
             watcher.start()
-            return self.ws.job(job_id)
+            # A Job shown as this cell's value would be drawn once, as "running", and stay so: say instead
+            # that the view above is the live one (for this cell only; later cells show the job in full).
+            result = self.ws.job(job_id)
+            object.__setattr__(result, "_shown_live", True)
+            self._after_cell(lambda value: object.__setattr__(result, "_shown_live", False))
+            return result
         try:
-            watch(lambda: HTML(_summary_html(self.ws, job_id)))
+            watch()
         except KeyboardInterrupt:
             self.ws.stop(job_id)
             done.wait()
             if handle is not None:
-                handle.update(HTML(_summary_html(self.ws, job_id)))
-            print(f"job {job_id} paused after its current LLM call; continue with %agent run --job {job_id} "
-                  "or %agent step")
+                handle.update(view())
+            if unit is None:
+                print(f"job {job_id} paused after its current LLM call; continue with %agent run --job {job_id} "
+                      "or %agent step")
+            else:  # a step is already the smallest unit: it was let finish
+                print(f"job {job_id}: the step ran to its end; the job waits for the next %agent step")
         if failure:
             raise UsageError(f"job {job_id}: {_one_line(failure[0])}")
-        return self.ws.job(job_id)
+        result = self.ws.job(job_id)
+
+        def shrink(value: Any) -> None:
+            if value is result and handle is not None:  # the cell's value shows the job in full below
+                handle.update(HTML(_summary_html(self.ws, job_id, below=True)))
+
+        self._after_cell(shrink)
+        return result
+
+    def _after_cell(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(value of the cell)`` once, when the running cell has finished (and shown its value)."""
+        shell = self.shell
+        if shell is None or not hasattr(shell, "events"):
+            return
+
+        def once(result: Any) -> None:
+            try:
+                shell.events.unregister("post_run_cell", once)
+            except ValueError:
+                pass
+            fn(getattr(result, "result", None))
+
+        shell.events.register("post_run_cell", once)
 
     # -- sub-commands -------------------------------------------------------
     @magic_arguments(name="agent run")
-    @argument("instruction", nargs="*", help="the task (or the body of a %%%%agent cell); {name} is filled from the notebook")
+    @argument("instruction", nargs="*", help="the task (or the body of a %%%%agent cell); {expr} and $name are filled "
+              "from the notebook")
     @argument("--piece", "-p", help="piece name or YAML path (default: AgentMagic.piece)")
     @argument("--model", "-m", help="demo | scripted:<file.yaml> | openai:<model> | replay:<job_id> (default: AgentMagic.model)")
     @argument("--input", "-i", action="append", metavar="FILE", help="copy FILE into the job's input/ (repeatable)")
@@ -253,7 +350,8 @@ class AgentMagic(Magics):
     @argument("--job", "-j", metavar="JOB", help="run this queued job (an id or a Job variable) instead of submitting one")
     def cmd_run(self, args: Any, cell: str | None) -> Job:
         """Submit a job and run it until it ends or waits, showing its view as it runs."""
-        text = cell if cell is not None else " ".join(args.instruction)
+        # a line's words were filled one by one in agent(); a cell body is filled here, once
+        text = self._expand(cell) if cell is not None else " ".join(args.instruction)
         if args.job is not None:
             return self._run_existing(args, text)
         if args.instruction and cell is not None:
@@ -266,7 +364,7 @@ class AgentMagic(Magics):
             if not p.is_file():
                 raise UsageError(f"%agent run: --input {item}: no such file")
             inputs[p.name] = p
-        job = self.ws.submit(self._expand(text).strip(), piece=args.piece or self.piece, model=args.model or self.model,
+        job = self.ws.submit(text.strip(), piece=args.piece or self.piece, model=args.model or self.model,
                              inputs=inputs, workdir=args.workdir)
         self.last_job = job.id
         if args.queue:
@@ -291,12 +389,12 @@ class AgentMagic(Magics):
     @argument("job", nargs="?", help="job id or Job variable (default: the last job)")
     @argument("--call", action="store_true", help="run only the next LLM call (with its tool calls)")
     def cmd_step(self, args: Any, cell: str | None) -> Job:
-        """Run the next movement of a job (or its next LLM call) and show it."""
+        """Run the next movement of a job (or its next LLM call), showing it live as it runs."""
         job = self.job(args.job)
         if job.status not in ("queued",):
             hint = ' — answer with %agent reply' if job.status == "waiting_human" else ""
             raise UsageError(f"%agent step: job {job.id} is {job.status}; only a queued job can be stepped{hint}")
-        return self.ws.step(job, unit="call" if args.call else "movement")
+        return self.run_live(job, unit="call" if args.call else "movement")
 
     @magic_arguments(name="agent reply")
     @argument("job", help="job id or Job variable")
@@ -304,13 +402,32 @@ class AgentMagic(Magics):
     @argument("--run", action="store_true", help="run the job again right away")
     def cmd_reply(self, args: Any, cell: str | None) -> Job:
         """Answer a job that waits for a human (or add a comment to any job)."""
-        text = cell if cell is not None else " ".join(args.text)
+        text = self._expand(cell) if cell is not None else " ".join(args.text)
         if not text.strip():
             raise UsageError('%agent reply: the text is missing; e.g. %agent reply 3 "Use the short format."')
-        job = self.ws.reply(self.job(args.job), self._expand(text).strip())
+        job = self.ws.reply(self.job(args.job), text.strip())
         if args.run and job.status == "queued":
             return self.run_live(job)
         return job
+
+    @magic_arguments(name="agent stop")
+    @argument("job", nargs="?", help="job id or Job variable (default: the last job)")
+    def cmd_stop(self, args: Any, cell: str | None) -> None:
+        """Pause a job running in this notebook (a --background run, or one the panel started) after its current LLM call.
+
+        The job goes back to queued, resumable with %agent run --job JOB or %agent step JOB.
+        """
+        job = self.job(args.job)
+        if job.status != "running":
+            raise UsageError(f"%agent stop: job {job.id} is {job.status}; only a running job can be stopped")
+        owner = str(self.ws.store.job(job.id).get("claimed_by") or "")
+        host, _, rest = owner.partition(":")
+        if host != socket.gethostname() or rest.split(":", 1)[0] != str(os.getpid()):
+            raise UsageError(f"%agent stop: job {job.id} runs in another process ({owner or 'unknown'}); "
+                             "stop it there (Ctrl-C, or the Stop button of the panel that runs it)")
+        self.ws.stop(job.id)
+        print(f"job {job.id} will pause after its current LLM call; go on with %agent run --job {job.id} "
+              f"or %agent step {job.id}")
 
     @magic_arguments(name="agent show")
     @argument("job", nargs="?", help="job id or Job variable (default: the last job)")
@@ -335,8 +452,14 @@ class AgentMagic(Magics):
     @argument("job", nargs="?", help="job id or Job variable (default: the last job)")
     @argument("--all", action="store_true", help="every job of the workspace")
     def cmd_usage(self, args: Any, cell: str | None) -> Any:
-        """One row per LLM call (tokens, context ratio, actions) as a DataFrame."""
-        return self.ws.frames.usage(None if args.all else self.job(args.job))
+        """One row per LLM call as a DataFrame (every column), shown as a compact table.
+
+        The table: movement run, call, tokens, context ratio, action, transition, latency (and cost
+        when known).  The value is the full DataFrame, as ws.frames.usage gives it.
+        """
+        from ._usage_table import UsageFrame
+
+        return UsageFrame.of(self.ws.frames.usage(None if args.all else self.job(args.job)))
 
     @magic_arguments(name="agent lessons")
     @argument("job", nargs="?", help="job id or Job variable (default: the last job)")
@@ -385,18 +508,19 @@ class AgentMagic(Magics):
         return plot_usage(self.job(args.job))
 
 
-def _summary_html(ws: Workspace, job_id: int) -> str:
-    """The line left where a finished foreground run was watched, with why it failed or what it asks.
+def _summary_html(ws: Workspace, job_id: int, *, below: bool = False) -> str:
+    """One line about a finished run, with why it failed or what it asks, and where to see the whole view.
 
-    With ``job = %agent run …`` this is all the cell keeps (the Job is not displayed), so an
-    error or an open question must not disappear with the live view.
+    It replaces the live view when the cell's value shows the job in full just ``below``.
     """
     import html as _html
 
-    job = ws.job(job_id)
+    job = ws.job(job_id).snapshot()
     st = job_stats(ws, job_id)
+    where = "its view is below" if below else f"see it with <code>%agent show {job.id}</code>"
     out = (f"<div>Job {job.id} <b>{_html.escape(str(job.status))}</b> · {plural(st.movements, 'movement')} · "
-           f"{plural(st.calls, 'LLM call')} · {st.total_tokens:,} tokens · {st.elapsed:.1f} s</div>")
+           f"{plural(st.calls, 'LLM call')} · {st.total_tokens:,} tokens · running time {_seconds(st.running_s)} "
+           f'<span style="color:#777">— {where}</span></div>')
     if job.error:
         out += f'<div style="color:#b00020">✖ {_html.escape(job.error)}</div>'
     if st.question:
@@ -418,4 +542,8 @@ def load_ipython_extension(ipython: Any) -> None:
         ipython.push({"agentnb": agentnb}, interactive=False)
     if magic not in ipython.configurables:
         ipython.configurables.append(magic)
+    if getattr(ipython, "kernel", None) is not None:
+        # In a notebook, install the keeper of the live views' open sections once (a page-wide script: it
+        # also serves the panel's view, whose widget cannot run scripts); a terminal gets nothing.
+        display(HTML(KEEPER))
 

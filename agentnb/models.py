@@ -301,6 +301,11 @@ def check_model_spec(spec: str) -> None:
             raise ModelSpecError(f"scripted model file not found: {rest}")
         if kind == "replay" and not rest.isdigit():
             raise ModelSpecError(f"replay:{rest}: the job id must be a number")
+        if kind == "openai" and not os.environ.get("OPENAI_API_KEY") and not os.environ.get("OPENAI_BASE_URL"):
+            # refused here, at submit, rather than as a job that fails on its first call
+            raise ModelSpecError(f"{spec} needs OPENAI_API_KEY in the environment (or OPENAI_BASE_URL for another "
+                                 "OpenAI-compatible server); set it before starting Jupyter, or in a cell with "
+                                 "%env OPENAI_API_KEY=…")
         return
     raise ModelSpecError(f"unknown model spec {spec!r}; allowed: {', '.join(MODEL_SPECS)}")
 

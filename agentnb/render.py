@@ -49,6 +49,7 @@ __all__ = [
     "JobStats",
     "plural",
     "STYLE",
+    "KEEPER",
     "DEFAULT_MAX_CHARS",
     "DEFAULT_MAX_CALLS",
     "DEFAULT_MAX_BYTES",
@@ -76,6 +77,53 @@ STYLE = """<style>
 .anb-tr{background:rgba(46,139,87,.08);padding:3px 6px;border-radius:3px}
 .anb-more{font-size:11px;color:#777}
 </style>"""
+
+# Live views (the magic's, the panel's) are re-drawn as events arrive.  This script, installed once per
+# page, remembers which sections the user opened or closed (by the ``data-anb-key`` of their <summary>,
+# the same on every render) and gives that state back to every newly drawn copy, before the browser
+# paints it: what the user opened stays open while the job goes on, and what they closed stays closed.
+# Sections the user never touched keep the view's own defaults (the newest movement run open).
+# ``__anbLatest`` serves the header's "latest call" link: it opens the sections around the newest call
+# of the same view and scrolls to it.  Without scripts (an untrusted notebook, GitHub) the view is the
+# same static HTML and the link is a plain anchor.
+KEEPER = """<script>
+(function () {
+  if (window.__anbKeeper) return;
+  var chosen = new Map();
+  window.__anbKeeper = chosen;
+  var SEL = 'summary[data-anb-key]';
+  document.addEventListener('click', function (e) {
+    var s = e.target && e.target.closest ? e.target.closest(SEL) : null;
+    if (!s || !s.parentElement || s.parentElement.tagName !== 'DETAILS') return;
+    var d = s.parentElement, key = s.getAttribute('data-anb-key');
+    chosen.set(key, !d.open);  // the click toggles it right after this handler
+    setTimeout(function () { if (d.isConnected) chosen.set(key, d.open); }, 0);
+  }, true);
+  function restore(node) {
+    var found = node.matches && node.matches(SEL) ? [node] : [];
+    if (node.querySelectorAll) found = found.concat(Array.prototype.slice.call(node.querySelectorAll(SEL)));
+    found.forEach(function (s) {
+      var want = chosen.get(s.getAttribute('data-anb-key')), d = s.parentElement;
+      if (want !== undefined && d && d.tagName === 'DETAILS' && d.open !== want) d.open = want;
+    });
+  }
+  new MutationObserver(function (records) {
+    records.forEach(function (r) { r.addedNodes.forEach(function (n) { if (n.nodeType === 1) restore(n); }); });
+  }).observe(document.body, {childList: true, subtree: true});
+  window.__anbLatest = function (link) {
+    var view = link.closest('.anb-job'), id = (link.getAttribute('href') || '').slice(1);
+    var target = view && id ? view.querySelector('[id="' + id + '"]') : null;
+    if (!target) return true;
+    for (var d = target.closest('details'); d; d = d.parentElement.closest('details')) {
+      var s = d.querySelector(':scope > ' + SEL);
+      if (s) chosen.set(s.getAttribute('data-anb-key'), true);
+      d.open = true;
+    }
+    target.scrollIntoView({block: 'center'});
+    return false;
+  };
+})();
+</script>"""
 
 # The same look as inline styles: an untrusted notebook (JupyterLab, nbviewer, GitHub) drops <style>
 # blocks but keeps style attributes, so a saved view stays readable there.
@@ -131,6 +179,16 @@ def _pct(ratio: float | None) -> str:
     return "–" if ratio is None else f"{ratio * 100:.0f}%"
 
 
+def _latency(s: float) -> str:
+    if s < 0.0005:
+        return "<1 ms"
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.1f} s"
+
+
+def _latest_id(job_id: int) -> str:
+    return f"anb-latest-{job_id}"
+
+
 def _seconds(s: float) -> str:
     if s < 60:
         return f"{s:.1f} s"
@@ -153,7 +211,11 @@ class JobStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    elapsed: float = 0.0
+    # Seconds the job spent running (the sum of its running intervals, from its job_status events), and
+    # wall seconds since it was submitted (until it ended, for a job that ended).  Waiting for a human,
+    # for subtasks or in the queue between steps counts in ``wall_s`` only.
+    running_s: float = 0.0
+    wall_s: float = 0.0
     last_seq: int | None = None
     # The latest context accounting of the newest movement run: for a context-usage bar.
     last_ratio: float | None = None
@@ -163,18 +225,38 @@ class JobStats:
     question: str | None = None  # the open ASK question, when the job waits for a human
     errors: list[str] = field(default_factory=list)
     status: str = ""  # the status as shown: ``paused`` for a job stopped part-way (see _status.display_status)
+    latest: tuple[int, int] | None = None  # (movement run, LLM call) of the newest call, answered or in flight
+
+    @property
+    def elapsed(self) -> float:
+        """The running time (``running_s``); kept for callers written before wall time was told apart."""
+        return self.running_s
 
 
-def _stats(job: Any, events: Sequence[Event]) -> JobStats:
+def _stats(job: Any, events: Sequence[Event], now: float | None = None) -> JobStats:
     st = JobStats()
     reason: str | None = None
+    now = time.time() if now is None else now
+    running_since: float | None = None
+    status_events = False
     for ev in events:
         k = ev.kind
-        if k == "movement_start":
+        if k == "job_status":
+            status_events = True
+            reason = ev.reason
+            if running_since is not None:
+                st.running_s += max(0.0, ev.ts - running_since)
+                running_since = None
+            if ev.status == "running":
+                running_since = ev.ts
+        elif k == "movement_start":
             st.movements += 1
             st.last_seq = ev.movement_seq
             st.last_ratio = st.last_tokens = None
             st.actions = []
+        elif k == "llm_request":
+            if ev.movement_seq is not None and ev.iteration is not None:
+                st.latest = (ev.movement_seq, ev.iteration)  # a call in flight is the latest one
         elif k == "llm_response":
             st.calls += 1
             u = ev.usage or {}
@@ -193,20 +275,20 @@ def _stats(job: Any, events: Sequence[Event]) -> JobStats:
             st.question = ev.question
         elif k == "error":
             st.errors.append(ev.message)
-        elif k == "job_status":
-            reason = ev.reason
     st.status = display_status(job.status, reason)
     if job.status != "waiting_human":
         st.question = None
-    if job.started:
-        end = job.ended or (time.time() if job.status == "running" else job.updated)
-        st.elapsed = max(0.0, end - job.started)
+    if running_since is not None and job.status == "running":
+        st.running_s += max(0.0, now - running_since)
+    elif not status_events and job.started:  # a store written without job_status events
+        st.running_s = max(0.0, (job.ended or (now if job.status == "running" else job.updated)) - job.started)
+    st.wall_s = max(0.0, (job.ended or now) - job.created)
     return st
 
 
 def job_stats(ws: "Workspace", job_id: int) -> JobStats:
-    """Movements run, LLM calls, tokens, elapsed seconds and the newest context ratio of a job."""
-    return _stats(ws.job(job_id), ws.events(job_id))
+    """Movements run, LLM calls, tokens, running and wall seconds and the newest context ratio of a job."""
+    return _stats(ws.job(job_id).snapshot(), ws.events(job_id))
 
 
 # ---------------------------------------------------------------------------
@@ -225,8 +307,14 @@ class _Opts:
         return f"%agent show {self.job_id}{where} --full"
 
 
-def _body(text: Any, o: _Opts, seq: int | None, *, label: str = "", fold: bool = True) -> str:
-    """A text body in <pre>, cut to ``max_chars`` and folded when long."""
+def _key(o: _Opts, *parts: Any) -> str:
+    """The stable name of a collapsible part of the view: the same part gets the same key on every render,
+    so the live views' keeper (:data:`KEEPER`) can give back the open/closed state the user chose."""
+    return ":".join(str(p) for p in (o.job_id, *parts))
+
+
+def _body(text: Any, o: _Opts, seq: int | None, *, label: str = "", fold: bool = True, key: str = "") -> str:
+    """A text body in <pre>, cut to ``max_chars`` and folded (as the part ``key``) when long."""
     s = "" if text is None else str(text)
     size = len(s)
     cut = o.max_chars is not None and size > o.max_chars
@@ -237,7 +325,8 @@ def _body(text: Any, o: _Opts, seq: int | None, *, label: str = "", fold: bool =
                 f"all of it: <code>{_e(o.hint(seq))}</code> or <code>ws.events({o.job_id})</code></div>")
     if fold and (size > _FOLD_CHARS or s.count("\n") > 8):
         summary = f"{_e(label)} <span class=\"anb-dim\">({_n(size)} chars)</span>" if label else f"{_n(size)} chars"
-        return f"<details><summary>{summary}</summary>{out}</details>"
+        named = f' data-anb-key="{_e(key)}"' if key else ""
+        return f"<details><summary{named}>{summary}</summary>{out}</details>"
     return (f"<div>{_e(label)}</div>" if label else "") + out
 
 
@@ -265,10 +354,11 @@ def _context_badge(ev: Any) -> str:
 
 
 def _tool_html(call: Any, result: Any, o: _Opts, seq: int | None) -> str:
-    name = call.tool if call is not None else result.tool
+    ev = call if call is not None else result
+    name, key = ev.tool, _key(o, seq, ev.iteration, ev.call_id)
     parts = [f'<div class="anb-tool">🔧 <b>{_e(name)}</b>']
     if call is not None:
-        parts.append(_body(_json(call.arguments), o, seq, label="arguments"))
+        parts.append(_body(_json(call.arguments), o, seq, label="arguments", key=key + ":arguments"))
     if result is None:
         parts.append('<div class="anb-dim">(no result yet)</div>')
     else:
@@ -280,7 +370,7 @@ def _tool_html(call: Any, result: Any, o: _Opts, seq: int | None) -> str:
             if cont:
                 note += "; continue with " + ", ".join(f"{_e(k)}={_e(v)}" for k, v in cont.items())
         title = label + (f" · {note}" if note else "")
-        body = _body(result.content, o, seq, label=title)
+        body = _body(result.content, o, seq, label=title, key=key + ":result")
         if result.is_error:
             body = f'<div class="anb-error">{body}</div>'
         parts.append(body)
@@ -308,8 +398,11 @@ def _transition_html(ev: Any, o: _Opts, seq: int | None) -> str:
     return "".join(rows)
 
 
-def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int | None) -> str:
-    """One LLM call: the assistant message, context badges, each tool call with its result, reminders."""
+def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int | None, *, latest: bool = False) -> str:
+    """One LLM call: the assistant message, context badges, each tool call with its result, reminders.
+
+    ``latest`` marks the job's newest call, the target of the header's "latest call" link.
+    """
     out: list[str] = []
     head = f"call {iteration}" if iteration else "call"
     calls: dict[str, Any] = {}
@@ -324,9 +417,12 @@ def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int |
                      f'{_n(u.get("completion_tokens") or 0)} completion tokens')
             if u.get("ratio") is not None:
                 head += f' · context {_pct(u.get("ratio"))} of {_n(u.get("window") or 0)} ({_e(u.get("source", ""))})'
+            if ev.latency_s is not None:
+                head += f' · <span title="how long the model took to answer">⏱ {_latency(ev.latency_s)}</span>'
             head += "</span>"
             if ev.content:
-                out.append(f'<div class="anb-msg"><b>assistant</b>{_body(ev.content, o, seq)}</div>')
+                out.append(f'<div class="anb-msg"><b>assistant</b>'
+                           f'{_body(ev.content, o, seq, key=_key(o, seq, iteration, "assistant"))}</div>')
             elif not ev.tool_calls:
                 out.append('<div class="anb-dim">assistant: (empty message)</div>')
         elif k == "context_action":
@@ -360,7 +456,8 @@ def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int |
         marker = f"\0{call.call_id}\0"
         if marker in out:
             out[out.index(marker)] = _tool_html(call, None, o, seq)
-    return f'<div class="anb-call"><div>{head}</div>{"".join(out)}</div>'
+    anchor = f' id="{_e(_latest_id(o.job_id))}"' if latest else ""
+    return f'<div class="anb-call"{anchor}><div>{head}</div>{"".join(out)}</div>'
 
 
 def _comment_html(ev: Any, o: _Opts) -> str:
@@ -380,7 +477,9 @@ def _group_calls(evs: Sequence[Event]) -> list[tuple[int | None, list[Event]]]:
     return groups
 
 
-def _movement_section(job: Any, seq: int, evs: Sequence[Event], o: _Opts, *, open_: bool, compact: bool = False) -> str:
+def _movement_section(job: Any, seq: int, evs: Sequence[Event], o: _Opts, *, open_: bool, compact: bool = False,
+                      latest: int | None = None) -> str:
+    """Movement run ``seq`` as a ``<details>``; ``latest`` is the iteration of the job's newest call when it is in this run."""
     start = next((e for e in evs if e.kind == "movement_start"), None)
     name = start.movement if start is not None else "?"
     transition = next((e for e in reversed(evs) if e.kind == "transition"), None)
@@ -417,8 +516,8 @@ def _movement_section(job: Any, seq: int, evs: Sequence[Event], o: _Opts, *, ope
             body.append(_transition_html(transition, o, seq))
     else:
         if start is not None:
-            body.append(_body(start.system, o, seq, label="system prompt"))
-            body.append(_body(start.user, o, seq, label="user prompt"))
+            body.append(_body(start.system, o, seq, label="system prompt", key=_key(o, seq, "system")))
+            body.append(_body(start.user, o, seq, label="user prompt", key=_key(o, seq, "user")))
         groups = _group_calls(evs)
         if o.max_calls is not None and len(groups) > o.max_calls:
             head_n = max(1, o.max_calls // 4)
@@ -431,9 +530,10 @@ def _movement_section(job: Any, seq: int, evs: Sequence[Event], o: _Opts, *, ope
             if not group:
                 body.append(_hidden_line(hidden, o, seq))
             else:
-                body.append(_call_html(it, group, o, seq))
+                body.append(_call_html(it, group, o, seq, latest=latest is not None and it == latest))
     flag = " open" if open_ else ""
-    return (f'<details class="anb-mv" data-seq="{seq}"{flag}><summary>{" ".join(summ)}</summary>'
+    return (f'<details class="anb-mv" data-seq="{seq}"{flag}><summary data-anb-key="{_e(_key(o, seq))}">'
+            f'{" ".join(summ)}</summary>'
             f'<div class="anb-body">{"".join(body)}</div></details>')
 
 
@@ -451,7 +551,7 @@ def _hidden_line(hidden: Sequence[tuple[int | None, list[Event]]], o: _Opts, seq
             + (f"; tools {used}" if used else "") + f"); all of them: <code>{_e(o.hint(seq))}</code></div>")
 
 
-def _header(job: Any, st: JobStats, piece_max: int | None) -> str:
+def _header(job: Any, st: JobStats, piece_max: int | None, *, latest_link: bool = False) -> str:
     status = st.status or str(job.status)
     mv = f"{st.movements}" + (f" / {piece_max}" if piece_max else "")
     parts = [
@@ -459,8 +559,15 @@ def _header(job: Any, st: JobStats, piece_max: int | None) -> str:
         f" · piece <b>{_e(job.piece)}</b> · model <code>{_e(job.model)}</code>",
         f" · movements {mv} · {plural(st.calls, 'LLM call')} · {_n(st.total_tokens)} tokens"
         f' <span class="anb-dim">({_n(st.prompt_tokens)} prompt + {_n(st.completion_tokens)} completion)</span>',
-        f" · {_seconds(st.elapsed)}",
+        f" · running time {_seconds(st.running_s)}",
+        f' <span class="anb-dim">· wall {_seconds(st.wall_s)} '
+        f'{"from submit to end" if job.ended else "since submit"}</span>',
     ]
+    if st.latest is not None and latest_link:
+        seq, it = st.latest
+        parts.append(f' · <a href="#{_e(_latest_id(job.id))}" class="anb-latest" '
+                     'onclick="return window.__anbLatest ? window.__anbLatest(this) : true">'
+                     f"↓ {'latest' if str(job.status) == 'running' else 'last'} call ({seq}.{it})</a>")
     if job.parent_id:
         parts.append(f' · <span class="anb-dim">subtask of job {job.parent_id}</span>')
     parts.append(f'<div class="anb-dim">instruction: {_e(job.instruction if len(job.instruction) <= 300 else job.instruction[:299] + "…")}</div>')
@@ -482,7 +589,7 @@ def _piece_max(ws: "Workspace", job_id: int) -> int | None:
 
 def header_html(ws: "Workspace", job_id: int) -> str:
     """The header line of a job: piece, model, status, movements run, calls, tokens, elapsed (no <style>)."""
-    job = ws.job(job_id)
+    job = ws.job(job_id).snapshot()
     return _inline(_header(job, _stats(job, ws.events(job_id)), _piece_max(ws, job_id)))
 
 
@@ -521,7 +628,8 @@ def job_html(
     """
     if full:
         max_chars = max_calls = max_bytes = None
-    job = ws.job(job_id)
+    # one consistent reading: the row first, so no event the status speaks of is missing
+    job = ws.job(job_id).snapshot()
     events = ws.events(job_id)
     st = _stats(job, events)
     o = _Opts(job.id, max_chars, max_calls, st.question)
@@ -529,8 +637,10 @@ def job_html(
     asked = {ev.question for ev in events if ev.kind == "transition" and ev.question}
     items, by_seq = _layout(events)
     last_seq = max(by_seq) if by_seq else None
+    latest = dict([st.latest]) if st.latest is not None else {}
     sections: dict[int, str] = {
-        seq: _movement_section(job, seq, evs, o, open_=open_last and seq == last_seq) for seq, evs in by_seq.items()
+        seq: _movement_section(job, seq, evs, o, open_=open_last and seq == last_seq, latest=latest.get(seq))
+        for seq, evs in by_seq.items()
     }
     if max_bytes is not None:
         total = sum(len(s) for s in sections.values())
@@ -552,7 +662,8 @@ def job_html(
     if not by_seq and str(job.status) == "queued":
         body.append('<div class="anb-dim">not started yet</div>')
     return (STYLE if style else "") + _inline(
-        f'<div class="anb-job" data-job="{job.id}">' + _header(job, st, _piece_max(ws, job_id)) + "".join(body) + "</div>"
+        f'<div class="anb-job" data-job="{job.id}">' + _header(job, st, _piece_max(ws, job_id), latest_link=True)
+        + "".join(body) + "</div>"
     )
 
 
@@ -572,8 +683,12 @@ def movement_html(
     """
     if full:
         max_chars = max_calls = None
-    job = ws.job(job_id)
+    job = ws.job(job_id).snapshot()
     evs = ws.store.events(job.id, movement_seq=seq)
     if not evs:
         raise LookupError(f"job {job.id} has no movement run {seq}; it has run {job.movement_seq}")
-    return _inline(_movement_section(job, seq, evs, _Opts(job.id, max_chars, max_calls), open_=open))
+    # the same markup as in job_html: the job's newest call is marked wherever its run is shown
+    newest = ws.store.query("SELECT movement_seq, iteration FROM events WHERE job_id=? AND kind='llm_request' "
+                            "ORDER BY id DESC LIMIT 1", (job.id,))
+    latest = newest[0][1] if newest and newest[0][0] == seq else None
+    return _inline(_movement_section(job, seq, evs, _Opts(job.id, max_chars, max_calls), open_=open, latest=latest))

@@ -6,7 +6,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
@@ -52,43 +52,142 @@ class JobStatus(str, Enum):
         return self.value in WAITING_STATES
 
 
-@dataclass(frozen=True)
+# The columns of a job that change while it runs; a Job reads them again on every access.
+_CHANGING = ("status", "current_movement", "resume_movement", "movement_seq", "error", "updated", "started", "ended")
+_CHANGING_SQL = f"SELECT {', '.join(_CHANGING)} FROM jobs WHERE id=?"
+
+
+@dataclass(frozen=True, eq=False)
 class Job:
-    """A snapshot of one job's row.  ``ws.job(job.id)`` (or :meth:`refresh`) reads it again."""
+    """One job of a workspace, as returned by ``ws.submit``/``ws.job``/``ws.run`` and ``%agent run``.
+
+    ``id``, ``parent_id``, ``piece``, ``model``, ``instruction``, ``workdir`` and ``created`` are fixed
+    when the job is submitted.  What changes while it runs — ``status``, ``current_movement``,
+    ``resume_movement``, ``movement_seq``, ``error``, ``updated``, ``started``, ``ended`` — is read
+    from the store each time it is asked for, as are ``repr(job)`` and the notebook view: a Job
+    kept in a variable never goes stale (``bg.status`` says ``succeeded`` once a background run has
+    ended).  :meth:`snapshot` freezes those values, for comparing a job's state across time.
+    """
 
     id: int
     parent_id: int | None
     piece: str
     model: str
     instruction: str
-    status: JobStatus
-    current_movement: str | None
-    resume_movement: str | None
-    movement_seq: int
     workdir: str
-    error: str | None
     created: float
-    updated: float
-    started: float | None
-    ended: float | None
-    workspace: "Workspace | None" = field(default=None, compare=False, repr=False)
+    workspace: "Workspace | None" = field(default=None, repr=False)
+    # the changing columns as last read; a snapshot (or a Job without a workspace) only ever shows these
+    _row: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    _live: bool = field(default=True, repr=False)
+    # set on the Job a live %agent run returns, while its cell runs: the live view above already shows it
+    _shown_live: bool = field(default=False, repr=False)
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], ws: "Workspace | None" = None) -> "Job":
-        names = {f.name for f in fields(cls)} - {"workspace", "status"}
-        return cls(status=JobStatus(row["status"]), workspace=ws, **{k: row[k] for k in names})
+        return cls(id=int(row["id"]), parent_id=row["parent_id"], piece=row["piece"], model=row["model"],
+                   instruction=row["instruction"], workdir=row["workdir"], created=row["created"], workspace=ws,
+                   _row={k: row[k] for k in _CHANGING})
+
+    def _get(self, name: str) -> Any:
+        if self._live and self.workspace is not None:
+            rows = self.workspace.store.query(_CHANGING_SQL, (self.id,))
+            if rows:  # a job is never deleted; a missing row (another store?) leaves the last values
+                object.__setattr__(self, "_row", dict(rows[0]))
+        return self._row[name]
+
+    @property
+    def status(self) -> JobStatus:
+        return JobStatus(self._get("status"))
+
+    @property
+    def current_movement(self) -> str | None:
+        return self._get("current_movement")
+
+    @property
+    def resume_movement(self) -> str | None:
+        return self._get("resume_movement")
+
+    @property
+    def movement_seq(self) -> int:
+        return self._get("movement_seq")
+
+    @property
+    def error(self) -> str | None:
+        return self._get("error")
+
+    @property
+    def updated(self) -> float:
+        return self._get("updated")
+
+    @property
+    def started(self) -> float | None:
+        return self._get("started")
+
+    @property
+    def ended(self) -> float | None:
+        return self._get("ended")
+
+    @property
+    def is_snapshot(self) -> bool:
+        return not self._live or self.workspace is None
+
+    def snapshot(self) -> "Job":
+        """This job with its changing fields read once now and then kept (``job.snapshot().status`` never changes)."""
+        self._get("status")  # read the row again (when attached)
+        return replace(self, _row=dict(self._row), _live=False, _shown_live=False)
 
     def refresh(self) -> "Job":
+        """The job read again from its workspace (a Job already reads its changing fields fresh; a snapshot does not)."""
         if self.workspace is None:
             raise StoreError("this Job is not attached to a workspace")
         return self.workspace.job(self.id)
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Job):
+            return NotImplemented
+        same = self.id == other.id and _root(self) == _root(other)
+        return same and (not (self.is_snapshot or other.is_snapshot) or self._row == other._row)
+
+    def __hash__(self) -> int:
+        return hash((self.id, _root(self)))
+
+    def __repr__(self) -> str:
+        row = self.snapshot() if not self.is_snapshot else self
+        kind = "snapshot of job" if self.is_snapshot else "Job"
+        where = f", movement {row.current_movement!r}" if row.current_movement else ""
+        return (f"<{kind} {self.id}: {row.status} · piece {self.piece!r} · model {self.model!r}{where}"
+                f"{' · error: ' + _short(row.error) if row.error else ''}>")
+
     def _repr_html_(self) -> str:
+        if self._shown_live:
+            return _shown_above_html(self)
         if self.workspace is None:
-            return f"<pre>Job {self.id} ({self.status})</pre>"
+            import html
+
+            return f"<pre>{html.escape(repr(self))}</pre>"
         from .render import job_html
 
         return job_html(self.workspace, self.id)
+
+
+def _root(job: Job) -> Path | None:
+    return None if job.workspace is None else job.workspace.root
+
+
+def _short(text: str, limit: int = 120) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _shown_above_html(job: Job) -> str:
+    """The cell value of a live ``%agent run``: one line, since the live view just above shows the job."""
+    import html
+
+    st = job.snapshot()
+    return (f'<div class="anb-shown-above">Job {job.id} <b>{html.escape(str(st.status))}</b> — its live view is '
+            f"just above; later, <code>{html.escape('%agent show')} {job.id}</code> (or the variable holding "
+            "the Job) shows it again.</div>")
 
 
 JobRef = Union[Job, int, str]

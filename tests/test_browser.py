@@ -153,6 +153,19 @@ def _launch(pw):  # type: ignore[no-untyped-def]
 
 def _run_all_cells(page) -> None:  # type: ignore[no-untyped-def]
     """Run > Run All Cells, then wait until the kernel has run every code cell."""
+    _start_all_cells(page)
+    # every code cell's prompt shows a number once it ran ("[*]:" while queued or running)
+    page.wait_for_function(
+        """() => {
+            const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
+            return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
+        }""",
+        timeout=RUN_ALL_TIMEOUT_MS,
+    )
+
+
+def _start_all_cells(page) -> None:  # type: ignore[no-untyped-def]
+    """Run > Run All Cells, and return once the kernel has started on them."""
     page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
     # the notebook's kernel must be connected and idle, or Run All does nothing
     page.wait_for_function(
@@ -181,14 +194,6 @@ def _run_all_cells(page) -> None:  # type: ignore[no-untyped-def]
         except Exception:  # a kernel that had just started can miss the first request
             if attempt == 3:
                 raise
-    # every code cell's prompt shows a number once it ran ("[*]:" while queued or running)
-    page.wait_for_function(
-        """() => {
-            const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
-            return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
-        }""",
-        timeout=RUN_ALL_TIMEOUT_MS,
-    )
 
 
 def _assert_no_cell_raised(page) -> None:  # type: ignore[no-untyped-def]
@@ -506,4 +511,143 @@ def test_panel_stop_narrow_layout_and_restart(lab: Lab) -> None:
             raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
         finally:
             page.screenshot(path=str(ARTIFACTS / shot))
+            browser.close()
+
+
+# A job slow enough to read while it runs: each call of its tool takes a moment.
+LIVE_CELLS = [
+    '%load_ext agentnb\n%config AgentMagic.workspace = "agentnb-data"',
+    '''import time
+from pathlib import Path
+
+import yaml
+
+import agentnb
+
+
+@agentnb.tool(name="Slow")
+def slow(step: int) -> str:
+    """Take a moment, then report.
+
+    Args:
+        step: which step this is
+    """
+    time.sleep(1.0)
+    return f"step {step} done\\n" + "".join(f"detail {i} of step {step}\\n" for i in range(30))
+
+
+def calls(name, n, then):
+    steps = [{"tool_calls": [{"name": "Slow", "arguments": {"step": i}}]} for i in range(1, n + 1)]
+    return steps + [{"tool_calls": [{"name": "transition", "arguments": {"next_step": then, "summary": name + " done"}}]}]
+
+
+movements = [{"name": name, "persona": "You work slowly and carefully.\\n" * 12,
+              "instruction": "Take one step at a time.\\n" * 12, "tools": ["Slow"], "permission": "readonly",
+              "max_iterations": 30, "rules": [{"condition": "done", "next": then}]}
+             for name, then in (("first", "second"), ("second", "COMPLETE"))]
+Path("slow.yaml").write_text(yaml.safe_dump({"name": "slow", "max_movements": 3, "movements": movements}))
+Path("slow-script.yaml").write_text(yaml.safe_dump(
+    {"movements": {"first": calls("first", 9, "second"), "second": calls("second", 5, "COMPLETE")}}))''',
+    'slowjob = %agent run --piece slow.yaml --model scripted:slow-script.yaml "Go slowly"',
+    "%agent usage",
+]
+
+
+def test_sections_opened_during_a_live_run_stay_open(lab: Lab) -> None:
+    """Issue 12, item 2: the live view is redrawn at every event; what the user opened or closed stays so."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+    from playwright.sync_api import expect, sync_playwright
+
+    name = "live-view.ipynb"
+    nb = new_notebook(cells=[new_code_cell(src) for src in LIVE_CELLS])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, lab.root / name)
+    ARTIFACTS.mkdir(exist_ok=True)
+    for old in ARTIFACTS.glob("live-view-*.png"):
+        old.unlink()
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{lab.url}/lab/tree/{name}?reset")
+            expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
+            # run everything without waiting: the user reads the slow job's view along while it goes on
+            _start_all_cells(page)
+            view = page.locator(".jp-Notebook .jp-CodeCell").nth(2).locator(".anb-job")
+            calls = view.locator(".anb-call")
+            expect(calls).to_have_count(2, timeout=120_000)
+
+            def section(key: str):  # type: ignore[no-untyped-def]
+                return view.locator(f"summary[data-anb-key='{key}']")
+
+            def is_open(key: str) -> bool:
+                return bool(section(key).evaluate("s => s.parentElement.open"))
+
+            job = view.get_attribute("data-job")
+            result_key = f"{job}:1:1:call_1_1_0:result"
+            # open the user prompt and the first tool result; close nothing yet
+            section(f"{job}:1:user").click()
+            section(result_key).click()
+            assert is_open(f"{job}:1:user") and is_open(result_key)
+            seen = calls.count()
+            # more events arrive (each one redraws the view) ...
+            page.wait_for_function(
+                f"() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][2]"
+                f".querySelectorAll('.anb-job .anb-call').length >= {seen + 2}", timeout=60_000)
+            # ... and what the user opened is still open, scrolled to where they read
+            assert is_open(f"{job}:1:user"), "the user prompt the user opened closed again"
+            assert is_open(result_key), "the tool result the user opened closed again"
+            section(result_key).scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "live-view-opened.png"))
+
+            # the newest movement run is open by default; a user who closes it keeps it closed
+            section(f"{job}:1").click()
+            assert not is_open(f"{job}:1")
+            seen = calls.count()
+            page.wait_for_function(
+                f"() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][2]"
+                f".querySelectorAll('.anb-job .anb-call').length >= {seen + 2}", timeout=60_000)
+            assert not is_open(f"{job}:1"), "the movement the user closed opened again"
+            section(f"{job}:1").click()  # and opened again, the parts inside are as they were left
+            assert is_open(f"{job}:1") and is_open(result_key)
+
+            # the next movement run opens by itself (the user never touched it); the first stays as left
+            expect(section(f"{job}:2")).to_be_attached(timeout=120_000)
+            page.wait_for_function(
+                f"() => {{ const s = document.querySelector(\"summary[data-anb-key='{job}:2']\");"
+                " return s && s.parentElement.open; }", timeout=60_000)
+            assert is_open(f"{job}:1") and is_open(result_key)
+
+            # the header's link leads to the newest call
+            link = view.locator("a.anb-latest")
+            expect(link).to_contain_text("latest call")
+            page.mouse.wheel(0, -5000)
+            link.click()
+            latest = view.locator(f"#anb-latest-{job}")
+            expect(latest).to_be_in_viewport()
+            page.screenshot(path=str(ARTIFACTS / "live-view-latest.png"))
+
+            # the run ends: `slowjob = %agent run …` keeps the whole view, and the user's choices in it
+            page.wait_for_function(
+                "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][2].textContent)",
+                timeout=RUN_ALL_TIMEOUT_MS)
+            expect(view.locator("details.anb-mv")).to_have_count(2)
+            expect(view.locator(".anb-head")).to_contain_text("succeeded")
+            assert is_open(f"{job}:1") and is_open(result_key)
+            expect(view.locator(".anb-call").first).to_contain_text("⏱")
+
+            page.wait_for_function(
+                "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][3].textContent)",
+                timeout=RUN_ALL_TIMEOUT_MS)
+            _assert_no_cell_raised(page)
+            table = page.locator(".jp-Notebook .jp-CodeCell").nth(3).locator("table")
+            expect(table.locator("th.col_heading")).to_have_count(7)
+            expect(table).to_contain_text("1. first")
+            table.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "live-view-usage.png"))
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
+        finally:
+            page.screenshot(path=str(ARTIFACTS / "live-view-end.png"))
             browser.close()

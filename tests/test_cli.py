@@ -211,3 +211,12 @@ def test_reply_to_a_job_that_has_ended_exits_2_naming_its_status(tmp_path: Path)
     assert out.stderr.splitlines() == ["agentnb: error: job 1 has ended (succeeded), so a reply would never be "
                                        "read; to go on, submit a new job"]
     assert _db(tmp_path / "ws").execute("SELECT COUNT(*) FROM comments").fetchone()[0] == 0
+
+def test_run_on_openai_without_a_key_is_refused_at_submit(tmp_path: Path) -> None:
+    out = agentnb(tmp_path, "run", "--workspace", "ws", "--piece", "single", "--model", "openai:gpt-4o-mini", "hi")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "openai:gpt-4o-mini needs OPENAI_API_KEY" in lines[0], out.stderr
+    assert not (tmp_path / "ws" / "jobs" / "1").exists()
+    if (tmp_path / "ws" / "agentnb.sqlite").exists():
+        assert _db(tmp_path / "ws").execute("SELECT COUNT(*) FROM jobs").fetchone() == (0,)

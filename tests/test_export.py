@@ -101,10 +101,14 @@ def test_exported_usage_plot_is_large_enough_to_read(ws: Workspace, tmp_path: Pa
     assert "image/svg+xml" not in out.data
 
 
-def test_transcript_cell_source_re_renders_the_run(ws: Workspace, tmp_path: Path) -> None:
+def test_transcript_cell_source_re_renders_the_run(ws: Workspace, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     job = usage_job(ws, tmp_path / "scripts")
     nb = _read(ws.export_notebook(job, tmp_path / "t.ipynb"))
     _, cell = _sections(nb)[1]
+    # the source names the workspace from the notebook's folder (no local absolute path), where Jupyter runs it
+    assert str(tmp_path) not in cell.source
+    monkeypatch.chdir(tmp_path)
     tree = ast.parse(cell.source)
     scope: dict[str, object] = {}
     exec(compile(ast.Module(body=tree.body[:-1], type_ignores=[]), "cell", "exec"), scope)
@@ -281,3 +285,36 @@ def test_transcript_opens_collapsed_in_jupyterlab_and_expands_with_one_click(ws:
             page.screenshot(path=str(ARTIFACTS / "export-expanded.png"))
         finally:
             browser.close()
+
+
+def test_the_transcript_has_no_local_absolute_path(ws: Workspace, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import agentnb
+    from agentnb.tools import unregister
+    from _scripting import call, transition, write_piece, write_script
+
+    @agentnb.tool(name="TestWhere")
+    def where(ctx: agentnb.ToolContext) -> str:
+        """Say where the report goes."""
+        return f"the report goes to {ctx.workdir / 'output' / 'report.md'}"
+
+    try:
+        piece = write_piece(tmp_path, "where", {"movements": [{
+            "name": "work", "persona": "p", "instruction": "i", "tools": ["TestWhere"], "permission": "readonly",
+            "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+        script = write_script(tmp_path, "where-script", {"work": [call("TestWhere"), transition("COMPLETE")]})
+        job = ws.run(ws.submit("where?", piece=piece, model=script))
+        assert job.status == "succeeded", job.error
+        assert str(ws.root) in ws.events(job, kinds=["tool_result"])[0].payload["content"]
+        path = ws.export_notebook(job, tmp_path / "out" / "run.ipynb")
+        text = path.read_text(encoding="utf-8")
+        assert str(tmp_path) not in text and str(ws.root) not in text
+        # a path inside the workspace reads relative to it; code names the workspace from the notebook's folder
+        assert f"the report goes to jobs/{job.id}/output/report.md" in text
+        assert "from `../ws`" in text and "transcript('../ws', job=" in text
+        monkeypatch.chdir(path.parent)  # where Jupyter runs the notebook's cells
+        from agentnb.export import transcript
+
+        assert 'data-seq="1"' in transcript("../ws", job=job.id, seq=1).data
+    finally:
+        unregister("TestWhere")

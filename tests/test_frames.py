@@ -67,7 +67,7 @@ EXPECTED = {
               "prompt_tokens": _int, "completion_tokens": _int, "total_tokens": _int, "cumulative_tokens": _int,
               "source": _cat, "window": _int, "ratio": pt.is_float_dtype,
               "action": lambda s: s.dtype == ACTION_DTYPE, "actions": _text, "transition": _text,
-              "forced": lambda s: s.dtype == "boolean"},
+              "forced": lambda s: s.dtype == "boolean", "latency_s": pt.is_float_dtype},
     "lessons": {"job": _int, "movement": _text, "seq": _nint, "lessons": _text, "summary": _text,
                 "timestamp": _time},
     "context_actions": {"job": _int, "timestamp": _time, "action": lambda s: s.dtype == ACTION_DTYPE,
@@ -341,3 +341,28 @@ def test_lessons_do_not_follow_a_link_planted_in_logs(tmp_path: Path) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     (logs / "lessons.jsonl").symlink_to(outside)
     assert ws.frames.lessons(job).empty
+
+
+def test_usage_has_each_calls_latency(ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``latency_s`` is the time the model took to answer: a loopback server that stalls 0.4 s shows it."""
+    from _scripting import write_piece
+    from openai_server import OpenAIServer, reply, stall
+
+    piece = write_piece(tmp_path, "one", {"movements": [{
+        "name": "work", "persona": "p", "instruction": "i", "tools": [], "permission": "readonly",
+        "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+    with OpenAIServer() as server:
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test-latency")
+        server.play(stall(0.4), reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "ok"})]))
+        job = ws.run(ws.submit("t", piece=piece, model="openai:m"))
+    assert job.status == "succeeded", job.error
+    recorded = [e.payload["latency_s"] for e in ws.events(job, kinds=["llm_response"])]
+    u = ws.frames.usage(job)
+    assert u["latency_s"].tolist() == pytest.approx(recorded)
+    assert 0.4 <= recorded[0] < 5 and 0 <= recorded[1] < 0.4
+    # a store written before latencies were recorded reads as NaN, not as an error
+    ws.store.conn.execute("UPDATE events SET payload = json_remove(payload, '$.latency_s') WHERE job_id = ?",
+                          (job.id,))
+    ws.store.conn.commit()
+    assert ws.frames.usage(job)["latency_s"].isna().all()

@@ -22,6 +22,7 @@ from IPython.utils.capture import capture_output
 import agentnb
 from _scripting import call, transition, write_piece, write_script
 from agentnb import Job, Workspace
+from agentnb.magic import SUBCOMMANDS
 from agentnb.tools import unregister
 
 
@@ -62,7 +63,10 @@ def test_run_returns_the_job_and_shows_it_live(shell: InteractiveShell, tmp_path
     views = _html(cap.outputs)
     assert len(views) >= 2  # the live view, then its update when the job ended
     assert 'class="anb-job"' in views[0]
-    assert f"Job {job.id} <b>succeeded</b> · 3 movements" in views[-1]
+    # `job = %agent run …` keeps the whole view, in its final state, where the run was (it used to
+    # shrink to one summary line, leaving no way to the view)
+    assert views[-1].count('<details class="anb-mv"') == 3 and "anb-st-succeeded" in views[-1]
+    assert "➜ next step <b>COMPLETE</b>" in views[-1]
     # the value of the cell (its Out) is the job's full view
     with capture_output():
         shown = shell.run_cell(f"%agent show {job.id}").result.data
@@ -94,16 +98,16 @@ def test_help_prints_usage(shell: InteractiveShell, capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize("line, message", [
-    ("frobnicate", "%agent: unknown sub-command 'frobnicate'; allowed: run, step, reply, show, jobs, usage, "
-                   "lessons, panel, pieces, export, plot"),
-    ("step 999", "no job 999 in workspace "),
-    ("show t_nothing", "JOB must be a job id or a variable holding a Job, not 't_nothing'"),
-    ("step", "no job yet in this session; give a job id (see %agent jobs)"),
+    ("frobnicate", f"%agent: unknown sub-command 'frobnicate'; allowed: {', '.join(SUBCOMMANDS)}"),
+    # every refusal names the sub-command first, like IPython's own magics (these once lacked it)
+    ("step 999", "%agent step: no job 999 in workspace "),
+    ("show t_nothing", "%agent show: JOB 't_nothing' is neither a job id nor a variable of the notebook"),
+    ("step", "%agent step: no job yet in this session; give a job id (see %agent jobs)"),
     ('run --piece no-such-piece "x"', "%agent run: no-such-piece: unknown piece 'no-such-piece'; available: "),
     ('run --model gpt-9 "x"', "%agent run: unknown model spec 'gpt-9'; allowed: demo, scripted:<file.yaml>, "
                              "openai:<model>, replay:<job_id>"),
     ('run "unbalanced', "%agent: cannot split the line (No closing quotation); check the quotes"),
-    ('run "about {t_undefined}"', "{t_undefined} in the instruction names no variable of the notebook; "
+    ('run "about {t_undefined}"', "%agent run: {t_undefined} in the instruction names no variable of the notebook; "
                                   "write {{ and }} for literal braces"),
     ("run", '%agent run: the instruction is missing; e.g. %agent run "Summarise input/notes.md"'),
     ("run --colour red x", "%agent run: unrecognized arguments: --colour"),
@@ -121,8 +125,7 @@ def test_usage_error_shows_one_line_without_traceback(shell: InteractiveShell) -
         result = shell.run_cell("%agent frobnicate")
     assert isinstance(result.error_in_exec, UsageError)
     lines = [ln for ln in (cap.stdout + cap.stderr).splitlines() if ln.strip()]
-    assert lines == ["UsageError: %agent: unknown sub-command 'frobnicate'; allowed: run, step, reply, show, "
-                     "jobs, usage, lessons, panel, pieces, export, plot"]
+    assert lines == [f"UsageError: %agent: unknown sub-command 'frobnicate'; allowed: {', '.join(SUBCOMMANDS)}"]
     # a bad model spec is refused before anything is stored
     with pytest.raises(UsageError):
         shell.run_line_magic("agent", 'run --model "scripted:/no/such/file.yaml" "x"')
@@ -371,3 +374,183 @@ def test_export_writes_the_job_as_a_notebook(shell: InteractiveShell, tmp_path: 
     assert 'data-seq="1"' in html
     with pytest.raises(UsageError, match=r"%agent export: the following arguments are required: path"):
         shell.run_line_magic("agent", "export 1")
+
+
+def test_job_arguments_take_notebook_variables(shell: InteractiveShell) -> None:
+    import numpy as np
+
+    with capture_output():
+        first = shell.run_line_magic("agent", 'run --queue "first"')
+        second = shell.run_line_magic("agent", 'run --queue --piece single "second"')
+    shell.user_ns.update(t_jid=first.id, t_np=np.int64(first.id), t_first=first, t_text=str(first.id))
+    # the forms a notebook user writes, through IPython's own line handling (run_cell)
+    for ref in ("{t_jid}", "$t_jid", "t_jid", "{t_np}", "t_np", "{t_first}", "$t_first", "t_first",
+                "{t_first.id}", "$t_first.id", "{t_jid * 1}", "{t_text}", str(first.id)):
+        with capture_output():
+            result = shell.run_cell(f"t_shown = %agent show {ref}")
+        assert result.error_in_exec is None, (ref, result.error_in_exec)
+        assert f'data-job="{first.id}"' in shell.user_ns["t_shown"].data, ref
+    with capture_output():
+        stepped = shell.run_line_magic("agent", "step $t_jid --call")
+        assert stepped.id == first.id
+        shell.run_line_magic("agent", f"run --job {{t_first}}")
+    assert first.status == "succeeded"
+    # a variable holding something else, or nothing, is refused in one line naming the sub-command
+    shell.user_ns["t_words"] = "not a job"
+    for ref, message in (("{t_missing}", "%agent step: {t_missing} in JOB names no variable of the notebook"),
+                         ("t_missing", "%agent step: JOB 't_missing' is neither a job id nor a variable"),
+                         ("{t_words}", "%agent step: JOB must be a job id or a Job, not '{t_words}' (a str)")):
+        with pytest.raises(UsageError) as info:
+            shell.run_line_magic("agent", f"step {ref}")
+        assert str(info.value).startswith(message), str(info.value)
+    # {{ and }} stay braces, $$ a dollar, and an unknown $word is left as typed
+    with capture_output():
+        job = shell.run_line_magic("agent", 'run --queue "{{t_jid}} is {t_jid}; $$t_jid is $t_jid; costs $5 in $HOME"')
+    assert job.instruction == f"{{t_jid}} is {first.id}; $t_jid is {first.id}; costs $5 in $HOME"
+    assert second.status == "queued"
+
+
+def test_a_refused_command_leaves_the_default_job_alone(shell: InteractiveShell) -> None:
+    with capture_output():
+        done = shell.run_line_magic("agent", 'run "done already"')
+        queued = shell.run_line_magic("agent", 'run --queue --piece single "still to do"')
+    with pytest.raises(UsageError, match=rf"^%agent step: job {done.id} is succeeded; only a queued job can be stepped"):
+        shell.run_line_magic("agent", f"step {done.id}")
+    with pytest.raises(UsageError, match=r"^%agent show: no job 999"):
+        shell.run_line_magic("agent", "show 999")
+    # the default is still the queued job: the refused step did not make job `done` the current one
+    with capture_output():
+        stepped = shell.run_line_magic("agent", "step --call")
+    assert stepped.id == queued.id
+    with capture_output():
+        shell.run_line_magic("agent", f"show {done.id}")  # a command that works does move it
+    assert shell.magics_manager.registry["AgentMagic"].last_job == done.id
+
+
+def test_help_lists_every_option_of_every_sub_command(shell: InteractiveShell,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    magic = shell.magics_manager.registry["AgentMagic"]
+    shell.run_line_magic("agent", "--help")
+    overview = capsys.readouterr().out
+    assert "--queue" in overview and "--input" in overview
+    for sub in SUBCOMMANDS:
+        parser = getattr(magic, f"cmd_{sub}").parser
+        for action in parser._actions:
+            for option in action.option_strings:
+                if option not in ("-h", "--help"):
+                    assert option in overview, (sub, option)
+        shell.run_line_magic("agent", f"{sub} --help")
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: %agent {sub}"), text[:80]  # not with Sphinx's "::"
+        assert "::" not in text.split("\n\n")[0]
+
+
+def _wait_for(predicate: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_stop_pauses_a_background_job_and_a_kept_job_shows_fresh_status(shell: InteractiveShell, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = _Gate("TestGateStop")
+    magic = shell.magics_manager.registry["AgentMagic"]
+    shown: list[dict[str, Any]] = []  # what the cells' values (Out) show
+    monkeypatch.setattr(shell.displayhook, "write_format_data", lambda data, md=None: shown.append(data))
+    try:
+        script = write_script(tmp_path, "stop", {"work": [call(gate.name), call(gate.name), transition("COMPLETE")]})
+        piece = _work_piece(tmp_path, [gate.name])
+        with capture_output():
+            result = shell.run_cell(f'bg = %agent run --background --piece {piece} --model {script} "t"\nbg')
+        bg = shell.user_ns["bg"]
+        # the cell's value does not freeze a "running" view under the live one: it points up to it
+        assert result.result is bg and "its live view is just above" in shown[-1]["text/html"]
+        _wait_for(lambda: bg.status == "running")
+        with capture_output() as cap:
+            shell.run_line_magic("agent", "stop")
+        assert f"job {bg.id} will pause after its current LLM call" in cap.stdout
+        gate.open.set()
+        magic.threads[bg.id].join(30)
+        # the Job kept in `bg` is not a stale snapshot: it says what the job is now
+        assert bg.status == "queued" and bg.refresh().status == "queued"
+        assert f"<Job {bg.id}: queued" in repr(bg)
+        assert ws_reason(bg) == "paused after one job"
+        with pytest.raises(UsageError, match=rf"^%agent stop: job {bg.id} is queued; only a running job"):
+            shell.run_line_magic("agent", f"stop {bg.id}")
+        snapshot = bg.snapshot()
+        with capture_output():
+            shell.run_line_magic("agent", f"run --job {bg.id}")
+        assert bg.status == "succeeded" and snapshot.status == "queued"
+        # in a later cell the Job shows its whole (fresh) view again
+        with capture_output():
+            shell.run_cell("bg")
+        assert "anb-st-succeeded" in shown[-1]["text/html"] and '<details class="anb-mv"' in shown[-1]["text/html"]
+    finally:
+        gate.open.set()
+        unregister(gate.name)
+        shell.user_ns.pop("bg", None)
+
+
+def ws_reason(job: Job) -> str:
+    return job.workspace.events(job, kinds=["job_status"])[-1].payload["reason"]
+
+
+def test_the_view_stays_whether_or_not_the_run_is_assigned(shell: InteractiveShell) -> None:
+    # assigned: the full view stays where the run was (see test_run_returns_the_job_and_shows_it_live);
+    # not assigned: the cell's value shows the full view, and the live one above shrinks to one line
+    with capture_output() as cap:
+        result = shell.run_cell('%agent run "Summarise the inputs"')
+    job = result.result
+    assert isinstance(job, Job) and job.status == "succeeded"
+    views = _html(cap.outputs)
+    assert views[-1].startswith(f"<div>Job {job.id} <b>succeeded</b>") and "its view is below" in views[-1]
+    assert "running time" in views[-1]
+    assert '<details class="anb-mv"' in job._repr_html_()  # what the cell's Out shows
+
+
+def test_usage_shows_a_compact_table_and_returns_the_full_frame(shell: InteractiveShell,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    values: list[dict[str, Any]] = []  # what the cell's value (Out) shows
+    monkeypatch.setattr(shell.displayhook, "write_format_data", lambda data, md=None: values.append(data))
+    with capture_output():
+        shell.run_line_magic("agent", 'run "Summarise the inputs"')
+    with capture_output():
+        result = shell.run_cell("%agent usage")
+    usage = result.result
+    assert isinstance(usage, pd.DataFrame) and "latency_s" in usage.columns
+    assert list(usage.columns) == list(shell.run_line_magic("agent", "usage").columns)
+    assert len(usage.columns) >= 17
+    shown = values[-1]["text/html"]
+    headers = re.findall(r'<th[^>]*class="col_heading[^"]*"[^>]*>([^<]*)</th>', shown)
+    assert headers == ["movement", "call", "tokens", "context", "action", "next", "latency"]
+    for noise in ("NaN", "&lt;NA&gt;", "<NA>", "0.1", "timestamp"):
+        assert noise not in shown, noise
+    assert re.search(r">\d+%<", shown) and "1. plan" in shown and "→ implement" in shown
+    # anything derived from the value is an ordinary DataFrame, shown as pandas shows it
+    assert type(usage[["call", "ratio"]]) is pd.DataFrame
+
+
+def test_a_step_is_shown_live_too(shell: InteractiveShell, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As in test_the_view_updates_while_the_job_runs: the gate only opens when a view published while the
+    # step runs shows the message written before it, so a step that only showed its result would time out.
+    gate = _Gate("TestGateStep")
+    try:
+        marker = "about to wait for the view of the step"
+        script = write_script(tmp_path, "step-live", {"work": [
+            {"content": marker, "tool_calls": [{"name": "Glob", "arguments": {"pattern": "*"}}]},
+            call(gate.name),
+            transition("COMPLETE"),
+        ]})
+        piece = _work_piece(tmp_path, ["Glob", gate.name])
+        with capture_output():
+            queued = shell.run_line_magic("agent", f'run --queue --piece {piece} --model {script} "t"')
+        pub = _WatchingPublisher(marker, gate.open)
+        monkeypatch.setattr(shell, "display_pub", pub)
+        job = shell.run_line_magic("agent", f"step {queued.id}")
+        assert job.status == "succeeded"
+        results = job.workspace.events(job, kinds=["tool_result"])
+        assert results[1].payload["content"] == "opened"
+    finally:
+        gate.open.set()
+        unregister(gate.name)

@@ -280,7 +280,16 @@ def test_openai_without_key_or_endpoint_fails_clearly(ws: Workspace, tmp_path: P
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
-    job = ws.run(ws.submit("task", piece="single", model="openai:gpt-4o-mini"))
+    # refused at submit, in one line, with nothing stored (it used to become a job that failed)
+    with pytest.raises(ModelSpecError) as info:
+        ws.submit("task", piece="single", model="openai:gpt-4o-mini")
+    assert str(info.value).startswith("openai:gpt-4o-mini needs OPENAI_API_KEY") and "\n" not in str(info.value)
+    assert ws.jobs() == []
+    # a job submitted while the key was there, run after it went away, still fails with the reason
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-gone-later")
+    job = ws.submit("task", piece="single", model="openai:gpt-4o-mini")
+    monkeypatch.delenv("OPENAI_API_KEY")
+    job = ws.run(job)
     assert job.status == "failed"
     assert "OPENAI_API_KEY" in job.error
 

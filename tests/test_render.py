@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from _scripting import call, transition, write_piece, write_script
@@ -160,3 +162,61 @@ def test_the_view_keeps_its_look_without_the_style_block(ws: Workspace) -> None:
     assert re.search(r'<span class="anb-badge anb-warn" style="[^"]*background:#c9a200', html)
     assert re.search(r'<pre style="white-space:pre-wrap', html)
     assert 'class="anb-job" data-job="%d" style="font-family' % job.id in html
+
+
+def test_running_time_leaves_out_the_idle_time_and_wall_time_counts_it(ws: Workspace) -> None:
+    # A stepped job waits between steps, and an asking job waits for its human: neither is running time.
+    job = ws.submit("Summarise the inputs", piece="plan-implement-verify", model="demo")
+    ws.step(job, unit="call")
+    time.sleep(1.2)
+    ws.step(job, unit="call")
+    time.sleep(1.2)
+    job = ws.run(job)
+    st = job_stats(ws, job.id)
+    running = [e for e in ws.events(job, kinds=["job_status"])]
+    spans = sum(b.ts - a.ts for a, b in zip(running, running[1:]) if a.payload["status"] == "running")
+    assert st.running_s == pytest.approx(spans) and st.running_s < 1.0
+    assert st.wall_s >= 2.4 and st.wall_s == pytest.approx(job.ended - job.created)
+    head = header_html(ws, job.id)
+    assert re.search(r"running time \d+\.\d s", head) and re.search(r"wall 2\.\d s from submit to end", head)
+
+    asker = ws.run(ws.submit("Summarise the meeting", piece="ask-first", model="demo"))
+    assert asker.status == "waiting_human"
+    time.sleep(1.2)
+    assert job_stats(ws, asker.id).wall_s >= 1.2 and "since submit" in header_html(ws, asker.id)
+    ws.reply(asker, "Bullets.")
+    asker = ws.run(asker)
+    st = job_stats(ws, asker.id)
+    assert asker.status == "succeeded" and st.running_s < 1.0 <= st.wall_s
+
+
+def test_each_call_shows_its_latency_and_the_header_links_the_latest_call(ws: Workspace) -> None:
+    job = ws.run(ws.submit("Summarise the inputs", piece="plan-implement-verify", model="demo"))
+    html = job_html(ws, job.id)
+    responses = ws.events(job, kinds=["llm_response"])
+    assert all(e.payload["latency_s"] >= 0 for e in responses)
+    assert html.count("⏱ ") == len(responses)
+    # the newest call carries the anchor the header links to (one of each)
+    last = responses[-1]
+    assert html.count(f'id="anb-latest-{job.id}"') == 1 and html.count(f'href="#anb-latest-{job.id}"') == 1
+    assert f"↓ last call ({last.movement_seq}.{last.iteration})" in html
+    newest = re.search(rf'<div class="anb-call" id="anb-latest-{job.id}"[^>]*><div>call (\d+)', html)
+    assert newest and int(newest.group(1)) == last.iteration
+
+
+def test_collapsible_parts_keep_their_names_as_the_job_grows(ws: Workspace) -> None:
+    # The live views' keeper gives the user's open/closed choice back to each redrawn part by its key:
+    # a part must keep its key, and no two parts may share one.
+    job = ws.submit("Summarise the inputs", piece="plan-implement-verify", model="demo")
+    seen: set[str] = set()
+    steps = 0
+    while job.status == "queued":
+        keys = re.findall(r'<summary data-anb-key="([^"]+)"', job_html(ws, job.id))
+        assert len(keys) == len(set(keys)), "two parts share a key"
+        seen.update(keys)
+        job = ws.step(job, unit="call")
+        steps += 1
+    final = set(re.findall(r'<summary data-anb-key="([^"]+)"', job_html(ws, job.id)))
+    assert steps > 5 and seen <= final  # nothing drawn while the job ran changed its key later
+    assert {f"{job.id}:1", f"{job.id}:2", f"{job.id}:3", f"{job.id}:1:user"} <= final
+    assert any(k.endswith(":result") for k in final) and any(k.endswith(":arguments") for k in final)

@@ -80,6 +80,7 @@ def _shape(ws: Workspace, job) -> list[tuple[Any, ...]]:
         if e.kind == "job_status":
             continue
         payload = dict(e.payload)
+        payload.pop("latency_s", None)  # the model's answer time
         if e.kind == "movement_start":
             payload["user"] = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d \(\w+, [^)]*\)", "<now>", payload["user"])
         out.append((e.kind, e.movement_seq, e.iteration, json.dumps(payload, sort_keys=True)))
