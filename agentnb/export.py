@@ -33,6 +33,7 @@ import base64
 import html
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
