@@ -475,7 +475,7 @@ def test_stop_pauses_a_background_job_and_a_kept_job_shows_fresh_status(shell: I
         # the Job kept in `bg` is not a stale snapshot: it says what the job is now
         assert bg.status == "queued" and bg.refresh().status == "queued"
         assert f"<Job {bg.id}: queued" in repr(bg)
-        assert ws_reason(bg) == "paused after one job"
+        assert ws_reason(bg) == "paused on request after its current LLM call"
         with pytest.raises(UsageError, match=rf"^%agent stop: job {bg.id} is queued; only a running job"):
             shell.run_line_magic("agent", f"stop {bg.id}")
         snapshot = bg.snapshot()
