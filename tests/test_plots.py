@@ -416,19 +416,21 @@ def test_agent_plot_takes_the_job_like_the_other_sub_commands(shell, capsys: pyt
     from IPython.core.error import UsageError
     from IPython.utils.capture import capture_output
 
-    with pytest.raises(UsageError, match=r"^no job yet in this session; give a job id"):
+    with pytest.raises(UsageError, match=r"^%agent plot: no job yet in this session; give a job id"):
         shell.run_line_magic("agent", "plot")
     with capture_output():
         shell.run_cell('t_first = %agent run --piece plan-implement-verify "Summarise the inputs"')
         second = shell.run_line_magic("agent", 'run --piece single "List the files"')
     first = shell.user_ns["t_first"]
-    for line, job in (("plot", second), (f"plot {first.id}", first), ("plot t_first", first)):
+    shell.user_ns["t_jid"] = first.id
+    for line, job in (("plot", second), (f"plot {first.id}", first), ("plot t_first", first),
+                      ("plot {t_jid}", first), ("plot $t_jid", first), ("plot t_jid", first)):
         fig = shell.run_line_magic("agent", line)
         assert isinstance(fig, Figure) and fig._suptitle.get_text().startswith(f"Job {job.id} · "), line
     # as a cell's value it is shown as an image, whether or not pyplot was ever used
     data, metadata = shell.display_formatter.format(fig)
     assert data["image/png"][:4] == b"\x89PNG" and metadata["image/png"]["width"] == 1000
-    with pytest.raises(UsageError, match=r"^no job 999 in workspace "):
+    with pytest.raises(UsageError, match=r"^%agent plot: no job 999 in workspace "):
         shell.run_line_magic("agent", "plot 999")
     with pytest.raises(UsageError, match=r"^%agent plot: unrecognized arguments: 2"):
         shell.run_line_magic("agent", "plot 1 2")
