@@ -23,7 +23,7 @@ _MAX_IMAGE_BYTES = 5 * 1024 * 1024
 _SECRET_ENV = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
 
 
-@tool(_builtin=True)
+@tool(_builtin=True, read_only=True)
 def Read(ctx: ToolContext, path: str, offset: int | None = None, limit: int | None = None,
          byte_offset: int | None = None) -> ToolOutput:
     """Read a text file (or the text of a .docx, .xlsx, .pptx or .pdf) in the work directory.
@@ -49,7 +49,7 @@ def Read(ctx: ToolContext, path: str, offset: int | None = None, limit: int | No
     return read_file(p, path, ctx, offset=offset, limit=limit, byte_offset=byte_offset)
 
 
-@tool(_builtin=True)
+@tool(_builtin=True, read_only=True)
 def Glob(ctx: ToolContext, pattern: str) -> ToolOutput:
     """List files in the work directory matching a glob pattern (``**`` matches any depth).
 
@@ -94,7 +94,7 @@ def Glob(ctx: ToolContext, pattern: str) -> ToolOutput:
     return cut_text("\n".join(found), ctx, hint="glob")
 
 
-@tool(_builtin=True)
+@tool(_builtin=True, read_only=True)
 def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
     """Search files for lines matching a regular expression.
 
@@ -175,7 +175,7 @@ def _long_line(line: str, raw: bytes, at: int, pos: int, rel: str) -> tuple[str,
                                f"Read path={rel!r} byte_offset={byte} to read on from here]")
 
 
-@tool(_builtin=True)
+@tool(_builtin=True, read_only=True)
 def ReadImage(ctx: ToolContext, path: str) -> ToolOutput:
     """Attach an image file (png, jpg, gif, webp) so that a vision model can look at it.
 
