@@ -6,12 +6,13 @@ carried into the next movement.  Its state can always be rebuilt from the events
 of the movement (:meth:`AgentLoop.resume`), so a job stopped between calls — even
 across a restart — goes on from the SQLite file.
 
-A tool that is not read-only (Write, Edit, Bash, Checklist, a custom tool without
-``read_only=True``) has its call committed, with the response that asked for it,
-before it runs.  A process that dies in the middle of a response therefore leaves
-that response in the store: the restarted loop does not ask the model again but
-completes the response's remaining calls, and a call that had started without a
-recorded result is never run twice — the model reads that it was interrupted.
+A response is committed before the first of its tools runs, and a tool that is not
+read-only (Write, Edit, Bash, Checklist, a custom tool without ``read_only=True``) has
+its ``tool_call`` committed before it runs.  A process that dies while tools run
+therefore leaves the response in the store: the restarted loop does not ask the
+model again but completes the response's remaining calls.  A started call of a tool
+that is not read-only is never run twice — the model reads that it was interrupted
+and that its effect is unknown; a read-only one simply runs again.
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ class AgentLoop:
         self._allowed = set(movement.next_steps)
         self._prompt_due = False
         self._unfinished: _Unfinished | None = None
+        self._response_pending = False  # the current response is not committed yet
         self.ctx.set_tools(self.schemas)
 
     # -- starting and resuming ---------------------------------------------
@@ -292,7 +294,9 @@ class AgentLoop:
 
         if not response.tool_calls:
             self._remind(it)
+        self._response_pending = True
         outcome = self._run_calls(response.tool_calls, it)
+        self._response_pending = False
         return self._after_calls(it, outcome, force_reason, decision.ratio, decision.prompt_tokens)
 
     def _run_calls(self, calls: Sequence[ToolCall], it: int, *, started: int = 0,
@@ -411,10 +415,12 @@ class AgentLoop:
             chars_per_token=self.ctx.chars_per_token, job_id=self.rec.job_id, movement=self.movement.name,
             count_tokens=self.ctx.counter.count,
         )
-        if not t.read_only:
-            # The response and this tool_call become durable before the effect: a restart then knows the
-            # call started, and never runs it a second time.
+        if self._response_pending or not t.read_only:
+            # Durable before any tool runs: the response (a restart completes it instead of asking the model
+            # again) and, for a tool with effects, this tool_call (a restart knows it started and never runs
+            # it a second time).  Read-only tools after the first need no commit of their own.
             self.rec.flush()
+            self._response_pending = False
         return t.invoke(tctx, arguments)
 
     def _transition(self, args: Any) -> tuple[ToolOutput, Outcome | None]:
