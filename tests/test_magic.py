@@ -95,7 +95,7 @@ def test_help_prints_usage(shell: InteractiveShell, capsys: pytest.CaptureFixtur
 
 @pytest.mark.parametrize("line, message", [
     ("frobnicate", "%agent: unknown sub-command 'frobnicate'; allowed: run, step, reply, show, jobs, usage, "
-                   "lessons, panel, pieces, export"),
+                   "lessons, panel, pieces, export, retry"),
     ("step 999", "no job 999 in workspace "),
     ("show t_nothing", "JOB must be a job id or a variable holding a Job, not 't_nothing'"),
     ("step", "no job yet in this session; give a job id (see %agent jobs)"),
@@ -122,7 +122,7 @@ def test_usage_error_shows_one_line_without_traceback(shell: InteractiveShell) -
     assert isinstance(result.error_in_exec, UsageError)
     lines = [ln for ln in (cap.stdout + cap.stderr).splitlines() if ln.strip()]
     assert lines == ["UsageError: %agent: unknown sub-command 'frobnicate'; allowed: run, step, reply, show, "
-                     "jobs, usage, lessons, panel, pieces, export"]
+                     "jobs, usage, lessons, panel, pieces, export, retry"]
     # a bad model spec is refused before anything is stored
     with pytest.raises(UsageError):
         shell.run_line_magic("agent", 'run --model "scripted:/no/such/file.yaml" "x"')
