@@ -274,7 +274,8 @@ class Workspace:
             status = runner.advance(unit, stop if unit == "job" else None)
         except BaseException:
             # A KeyboardInterrupt (a notebook's stop button) or SystemExit mid-call: give the job back
-            # to the queue, resumable from its events; the unrecorded part of the call will be redone.
+            # to the queue, resumable from its events.  A model call cut short is asked again; a tool
+            # call cut short is completed as after a crash (a started one with effects is never rerun).
             runner.rec.pending.clear()
             with self._lock:
                 self._runners.pop(job_id, None)
