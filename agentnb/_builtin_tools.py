@@ -50,7 +50,7 @@ def _write_text(p: Path, rel: str, content: str) -> None:
         f.write(content)
 
 
-@tool(_builtin=True)
+@tool(_builtin=True, read_only=True)
 def Read(ctx: ToolContext, path: str, offset: int | None = None, limit: int | None = None,
          byte_offset: int | None = None) -> ToolOutput:
     """Read a text file (or the text of a .docx, .xlsx, .pptx or .pdf) in the work directory.
@@ -77,7 +77,7 @@ def Read(ctx: ToolContext, path: str, offset: int | None = None, limit: int | No
         return read_file(p, path, ctx, offset=offset, limit=limit, byte_offset=byte_offset)
 
 
-@tool(_builtin=True)
+@tool(_builtin=True, read_only=True)
 def Glob(ctx: ToolContext, pattern: str) -> ToolOutput:
     """List files in the work directory matching a glob pattern (``**`` matches any depth).
 
@@ -138,7 +138,7 @@ def Glob(ctx: ToolContext, pattern: str) -> ToolOutput:
     return result
 
 
-@tool(_builtin=True)
+@tool(_builtin=True, read_only=True)
 def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
     """Search files for lines matching a regular expression.
 
@@ -268,7 +268,7 @@ def _long_line(line: str, raw: bytes, at: int, pos: int, rel: str) -> tuple[str,
                                f"Read path={rel!r} byte_offset={byte} to read on from here]")
 
 
-@tool(_builtin=True)
+@tool(_builtin=True, read_only=True)
 def ReadImage(ctx: ToolContext, path: str) -> ToolOutput:
     """Attach an image file (png, jpg, gif, webp) so that a vision model can look at it.
 

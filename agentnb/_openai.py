@@ -20,11 +20,24 @@ def _env_float(name: str, default: float) -> float:
         return default
 
 
+# Where a setting comes from when neither the job nor the workspace gives it.
+RETRIES_ENV = "AGENTNB_OPENAI_RETRIES"
+MAX_BACKOFF_ENV = "AGENTNB_OPENAI_MAX_BACKOFF"
+DEFAULT_RETRIES = 4
+DEFAULT_MAX_BACKOFF = 60.0
+
+
+class MalformedAnswer(Exception):
+    """An HTTP 200 whose body is not a chat completion; retried like a 5xx."""
+
+
 class OpenAIModel:
-    """Calls ``client.chat.completions.create`` with retries and backoff on 429, 5xx and timeouts.
+    """Calls ``client.chat.completions.create`` with retries and backoff on 429, 5xx, timeouts and malformed answers.
 
     The key comes from ``OPENAI_API_KEY`` and the endpoint from ``OPENAI_BASE_URL``;
-    neither is ever recorded.
+    neither is ever recorded.  ``max_retries`` tries follow the first one, each after
+    a wait that doubles from ``backoff`` seconds (or what the server asks for), never
+    longer than ``max_backoff`` seconds.
     """
 
     def __init__(
@@ -36,14 +49,17 @@ class OpenAIModel:
         max_retries: int | None = None,
         backoff: float | None = None,
         timeout: float | None = None,
+        max_backoff: float | None = None,
     ) -> None:
         self.model = model
         self.spec = f"openai:{model}"
         self.base_url = base_url or os.environ.get("OPENAI_BASE_URL") or None
         self._api_key = api_key or os.environ.get("OPENAI_API_KEY")
-        self.max_retries = int(max_retries if max_retries is not None else _env_float("AGENTNB_OPENAI_RETRIES", 4))
+        self.max_retries = int(max_retries if max_retries is not None else _env_float(RETRIES_ENV, DEFAULT_RETRIES))
         self.backoff = backoff if backoff is not None else _env_float("AGENTNB_OPENAI_BACKOFF", 1.0)
         self.timeout = timeout if timeout is not None else _env_float("AGENTNB_OPENAI_TIMEOUT", 120.0)
+        self.max_backoff = float(max_backoff if max_backoff is not None
+                                 else _env_float(MAX_BACKOFF_ENV, DEFAULT_MAX_BACKOFF))
         self._client: Any = None
 
     def __repr__(self) -> str:  # never show the key
@@ -75,20 +91,27 @@ class OpenAIModel:
         last: Exception | None = None
         for attempt in range(attempts):
             try:
-                resp = client.chat.completions.create(**kwargs)
-                return self._convert(resp)
+                # The raw body, read here: the SDK builds its objects without checking them, so a 200 that is
+                # an HTML page, broken JSON or the wrong shape would only fail later, far from the cause.
+                raw = client.chat.completions.with_raw_response.create(**kwargs)
+                return _parse_completion(raw.http_response, request)
             except (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError,
-                    openai.APIConnectionError) as exc:
+                    openai.APIConnectionError, MalformedAnswer) as exc:
                 last = exc
                 if attempt + 1 < attempts:
                     delay = self._retry_after(exc) or self.backoff * (2 ** attempt) * (0.5 + random.random() / 2)
-                    time.sleep(min(delay, 60.0))
+                    time.sleep(min(delay, self.max_backoff))
             except openai.APIStatusError as exc:
                 raise ModelError(f"{self.spec}: HTTP {exc.status_code}: {_message(exc)}") from None
             except openai.OpenAIError as exc:
                 raise ModelError(f"{self.spec}: {type(exc).__name__}: {exc}") from None
         status = getattr(last, "status_code", None)
-        what = f"HTTP {status}: {_message(last)}" if status else f"{type(last).__name__}: {last}"
+        if isinstance(last, MalformedAnswer):
+            what = f"malformed answer: {last}"
+        elif status:
+            what = f"HTTP {status}: {_message(last)}"
+        else:
+            what = f"{type(last).__name__}: {last}"
         raise ModelError(f"{self.spec}: gave up after {attempts} tries; last error {what}")
 
     @staticmethod
@@ -117,38 +140,102 @@ class OpenAIModel:
         except (TypeError, ValueError, IndexError):
             return None
 
-    @staticmethod
-    def _convert(resp: Any) -> ModelResponse:
-        if not getattr(resp, "choices", None):
-            raise ModelError("the endpoint returned no choices")
-        msg = resp.choices[0].message
-        calls = []
-        for tc in msg.tool_calls or []:
-            raw = tc.function.arguments
-            if isinstance(raw, (dict, list)):  # some compatible servers send an object, not JSON text
-                args: Any = raw
-                raw = json.dumps(raw, ensure_ascii=False)
-            else:
-                raw = raw if isinstance(raw, str) and raw.strip() else "{}"
-                try:
-                    args = json.loads(raw)
-                except json.JSONDecodeError:
-                    args = raw  # the tool reports it; the model's text is kept verbatim
-                if isinstance(args, str):  # JSON text encoded twice: the object is one decode further
-                    try:
-                        inner = json.loads(args)
-                    except json.JSONDecodeError:
-                        inner = None
-                    if isinstance(inner, dict):
-                        args = inner
-            calls.append(ToolCall(id=tc.id, name=tc.function.name, arguments=args, raw_arguments=raw))
-        usage = None
-        if resp.usage is not None and resp.usage.prompt_tokens is not None:
-            usage = {
-                "prompt_tokens": int(resp.usage.prompt_tokens),
-                "completion_tokens": int(resp.usage.completion_tokens or 0),
-            }
-        return ModelResponse(content=msg.content, tool_calls=tuple(calls), usage=usage)
+
+def _kind(value: Any) -> str:
+    """What a JSON value is, for a one-line reason."""
+    if value is None:
+        return "null"
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _snippet(text: str, limit: int = 60) -> str:
+    one = " ".join(text.split())
+    return repr(one if len(one) <= limit else one[:limit] + "…")
+
+
+def _parse_completion(http: Any, request: ModelRequest) -> ModelResponse:
+    """A chat completion's JSON body as a :class:`ModelResponse`; :class:`MalformedAnswer` says why it is not one."""
+    text = http.text
+    ctype = (http.headers.get("content-type") or "").split(";")[0].strip().lower()
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        if ctype and "json" not in ctype:
+            raise MalformedAnswer(f"HTTP 200 with content-type {ctype}, not JSON: {_snippet(text)}") from None
+        reason = f"{exc.msg} at line {exc.lineno}, column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise MalformedAnswer(f"the body is not valid JSON ({reason}): {_snippet(text)}") from None
+    if not isinstance(data, dict):
+        raise MalformedAnswer(f"the body is {_kind(data)}, not a JSON object")
+    choices = data.get("choices")
+    if not isinstance(choices, list):
+        if "choices" not in data:
+            keys = ", ".join(sorted(map(str, data))[:8]) or "none"
+            raise MalformedAnswer(f"the body has no choices (its keys: {keys})")
+        raise MalformedAnswer(f"choices is {_kind(choices)}, not a list")
+    if not choices:
+        raise MalformedAnswer("choices is an empty list")
+    choice = choices[0]
+    if not isinstance(choice, dict):
+        raise MalformedAnswer(f"choices[0] is {_kind(choice)}, not an object")
+    msg = choice.get("message")
+    if not isinstance(msg, dict):
+        raise MalformedAnswer("choices[0] has no message" if msg is None
+                              else f"choices[0].message is {_kind(msg)}, not an object")
+    content = msg.get("content")
+    if isinstance(content, list):  # content parts, as some compatible servers send
+        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict)) or None
+    elif content is not None and not isinstance(content, str):
+        raise MalformedAnswer(f"choices[0].message.content is {_kind(content)}, not text")
+    raw_calls = msg.get("tool_calls") or []
+    if not isinstance(raw_calls, list):
+        raise MalformedAnswer(f"choices[0].message.tool_calls is {_kind(raw_calls)}, not a list")
+    calls = []
+    for i, tc in enumerate(raw_calls):
+        if not isinstance(tc, dict):
+            raise MalformedAnswer(f"choices[0].message.tool_calls[{i}] is {_kind(tc)}, not an object")
+        calls.append(_tool_call(tc, i, request))
+    usage = None
+    u = data.get("usage")
+    if isinstance(u, dict) and _count(u.get("prompt_tokens")) is not None:
+        usage = {"prompt_tokens": _count(u["prompt_tokens"]), "completion_tokens": _count(u.get("completion_tokens")) or 0}
+    return ModelResponse(content=content, tool_calls=tuple(calls), usage=usage)  # type: ignore[arg-type]
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        return None
+    return int(value)
+
+
+def _tool_call(tc: dict[str, Any], i: int, request: ModelRequest) -> ToolCall:
+    """One tool call.  A missing or null function name is kept as ``""``: the loop answers it with a tool
+    error the model reads, as it does for a name that is not a tool."""
+    fn = tc.get("function")
+    fn = fn if isinstance(fn, dict) else {}
+    name = fn.get("name")
+    name = "" if name is None else str(name)
+    call_id = tc.get("id")
+    # the tool message must name the call it answers; ids unique within the movement, like scripted ones
+    call_id = str(call_id) if call_id not in (None, "") else f"call_{request.movement_seq}_{request.iteration}_{i}"
+    raw = fn.get("arguments")
+    if isinstance(raw, (dict, list)):  # some compatible servers send an object, not JSON text
+        args: Any = raw
+        raw = json.dumps(raw, ensure_ascii=False)
+    else:
+        raw = raw if isinstance(raw, str) and raw.strip() else "{}"
+        try:
+            args = json.loads(raw)
+        except json.JSONDecodeError:
+            args = raw  # the tool reports it; the model's text is kept verbatim
+        if isinstance(args, str):  # JSON text encoded twice: the object is one decode further
+            try:
+                inner = json.loads(args)
+            except json.JSONDecodeError:
+                inner = None
+            if isinstance(inner, dict):
+                args = inner
+    return ToolCall(id=call_id, name=name, arguments=args, raw_arguments=raw)
 
 
 def _message(exc: Any) -> str:

@@ -98,7 +98,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     instruction = " ".join(args.instruction).strip()
     if not instruction:
         raise _Usage("run: the instruction is missing")
-    job = ws.submit(instruction, piece=args.piece, model=args.model, inputs=inputs, workdir=args.workdir)
+    job = ws.submit(instruction, piece=args.piece, model=args.model, inputs=inputs, workdir=args.workdir,
+                    retries=args.retries, max_backoff=args.max_backoff)
     if args.detach:
         print(job.id)
         return 0
@@ -159,6 +160,25 @@ def cmd_reply(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_retry(args: argparse.Namespace) -> int:
+    ws = _workspace(args)
+    job = ws.retry(args.job, retries=args.retries, max_backoff=args.max_backoff)
+    if not args.run:
+        _print_job(ws, job)
+        print(f"  run it with: agentnb retry {job.id} --run (or let a worker take it: agentnb worker)")
+        return 0
+    job = ws.run(job)
+    # a subtask that has ended may have been the last one its parent waited for: go on with the parent
+    while job.parent_id is not None and job.status in ("succeeded", "failed", "aborted"):
+        parent = ws.job(job.parent_id)
+        if parent.status != "queued":
+            break
+        _print_job(ws, job)
+        job = ws.run(parent)
+    _print_job(ws, job)
+    return 0 if job.status in ("succeeded", "waiting_human", "waiting_subtasks") else 1
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     ws = _workspace(args, readonly=True)
     path = ws.export_notebook(args.job, args.path)
@@ -178,6 +198,14 @@ def cmd_pieces(args: argparse.Namespace) -> int:
     return 0
 
 
+def _retry_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--retries", type=int, metavar="N",
+                   help="openai: tries after the first on 429, 5xx, timeouts and malformed answers "
+                        "(default: $AGENTNB_OPENAI_RETRIES, else 4)")
+    p.add_argument("--max-backoff", type=float, metavar="SECONDS",
+                   help="openai: the longest wait between two tries (default: $AGENTNB_OPENAI_MAX_BACKOFF, else 60)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="agentnb", description="Run and inspect agentnb jobs.")
     parser.add_argument("--workspace", help="workspace folder (default: $AGENTNB_WORKSPACE, else ./agentnb-data)")
@@ -195,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", action="append", metavar="FILE", help="copy FILE into the job's input/ (repeatable)")
     p.add_argument("--workdir", help="use an existing directory as the work directory")
     p.add_argument("--detach", action="store_true", help="only queue the job (a worker runs it); print its id")
+    _retry_options(p)
     p.add_argument("instruction", nargs="*", help="the task")
 
     p = add("worker", cmd_worker, "run queued jobs")
@@ -214,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text", nargs="+")
     p.add_argument("--run", action="store_true",
                    help="run the job again right away (and its parent, when it was the last subtask it waited for)")
+
+    p = add("retry", cmd_retry, "queue a failed or aborted job again; it goes on from its last complete call")
+    p.add_argument("job", type=int)
+    p.add_argument("--run", action="store_true", help="run it right away (and its parent, when it waits for it)")
+    _retry_options(p)
 
     p = add("export", cmd_export, "export a job as a notebook")
     p.add_argument("job", type=int)

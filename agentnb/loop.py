@@ -5,6 +5,14 @@ to ``messages`` and the whole list is re-sent on the next call.  The list is not
 carried into the next movement.  Its state can always be rebuilt from the events
 of the movement (:meth:`AgentLoop.resume`), so a job stopped between calls — even
 across a restart — goes on from the SQLite file.
+
+A response is committed before the first of its tools runs, and a tool that is not
+read-only (Write, Edit, Bash, Checklist, a custom tool without ``read_only=True``) has
+its ``tool_call`` committed before it runs.  A process that dies while tools run
+therefore leaves the response in the store: the restarted loop does not ask the
+model again but completes the response's remaining calls.  A started call of a tool
+that is not read-only is never run twice — the model reads that it was interrupted
+and that its effect is unknown; a read-only one simply runs again.
 """
 
 from __future__ import annotations
@@ -16,15 +24,21 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ._prompts import text
 from .context import ContextManager
-from .events import ContextAction, Event, LLMResponse, MovementStart, Reminder, ToolResult
-from .models import Model, ModelRequest, ModelResponse
+from .events import ContextAction, Event, LLMResponse, MovementStart, Reminder, ToolCallEvent, ToolResult
+from .models import Model, ModelRequest, ModelResponse, ToolCall
 from .pieces import SPECIAL_NEXT, Movement
 from .tools import PERMISSION_RANK, ToolContext, ToolOutput, get_tool
 
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["AgentLoop", "Outcome", "Recorder", "transition_schema"]
+__all__ = ["AgentLoop", "Outcome", "Recorder", "transition_schema", "INTERRUPTED"]
+
+INTERRUPTED = (
+    "Error: this call of {tool} was interrupted by a restart (agentnb stopped or was killed while it ran), "
+    "so it has no result. Its effect is unknown: it may have run completely, partly or not at all. "
+    "Check the current state (for example read the files it would change) before repeating it."
+)
 
 
 class Recorder:
@@ -100,6 +114,20 @@ def transition_schema(movement: Movement) -> dict[str, Any]:
 
 
 @dataclass
+class _Unfinished:
+    """A recorded response whose tool calls were not all completed when the process stopped."""
+
+    iteration: int
+    calls: list[ToolCall]
+    started: int  # calls with a recorded tool_call (a prefix of ``calls``)
+    done: int  # calls with a recorded tool_result (a prefix of the started ones)
+    transition_ok: bool  # a recorded, successful transition among the done calls
+    force_reason: str
+    prompt: ContextAction | None
+    images: list[dict[str, Any]]  # image parts of the done results, sent after every tool message
+
+
+@dataclass
 class _Counters:
     call_index: int = 0  # LLM calls in the job so far
     by_movement: dict[str, int] = field(default_factory=dict)  # calls per movement name so far
@@ -137,6 +165,8 @@ class AgentLoop:
         self.tool_names = [t.name for t in self.tools] + ["transition"]
         self._allowed = set(movement.next_steps)
         self._prompt_due = False
+        self._unfinished: _Unfinished | None = None
+        self._response_pending = False  # the current response is not committed yet
         self.ctx.set_tools(self.schemas)
 
     # -- starting and resuming ---------------------------------------------
@@ -147,8 +177,16 @@ class AgentLoop:
                      self.seq, 0)
 
     def resume(self, events: Sequence[Event]) -> None:
-        """Rebuild messages, iteration and fired actions from this movement's events."""
+        """Rebuild messages, iteration and fired actions from this movement's events.
+
+        When the last response's tool calls were not all completed (the process stopped
+        in between), the next :meth:`call` completes them instead of asking the model.
+        """
         images: list[dict[str, Any]] = []
+        last: LLMResponse | None = None
+        started = done = 0
+        transition_ok = False
+        actions: list[ContextAction] = []
 
         def flush_images() -> None:
             for m in images:
@@ -165,14 +203,33 @@ class AgentLoop:
                 assistant = _assistant_message(ev.content, ev.tool_calls)
                 self.messages.append(assistant)
                 self.ctx.after_response(assistant, ev.usage if ev.usage.get("source") == "usage" else None)
+                last, started, done, transition_ok, actions = ev, 0, 0, False, []
+            elif isinstance(ev, ToolCallEvent):
+                started += 1
             elif isinstance(ev, ToolResult):
+                done += 1
+                if ev.tool == "transition" and not ev.is_error:
+                    transition_ok = True
                 self._append({"role": "tool", "tool_call_id": ev.call_id, "content": ev.content})
                 if ev.image:
                     images.append(_image_message(ev.tool, ev.image))
             elif isinstance(ev, Reminder):
                 flush_images()
                 self._append({"role": "user", "content": ev.text})
-        flush_images()
+            elif isinstance(ev, ContextAction):
+                actions.append(ev)
+        if last is not None and done < len(last.tool_calls):
+            force = next((a for a in actions if a.action == "force_transition"), None)
+            self._unfinished = _Unfinished(
+                iteration=self.iteration,
+                calls=[_recorded_call(c, i) for i, c in enumerate(last.tool_calls)],
+                started=max(started, done), done=done, transition_ok=transition_ok,
+                force_reason=_force_reason(force.ratio, force.window, force.threshold) if force else "",
+                prompt=next((a for a in actions if a.action == "prompt"), None),
+                images=list(images),
+            )
+        else:
+            flush_images()
         self.ctx.fired = {ev.action for ev in events if isinstance(ev, ContextAction)}
 
     def _append(self, message: dict[str, Any]) -> None:
@@ -181,7 +238,12 @@ class AgentLoop:
 
     # -- one LLM call ------------------------------------------------------------
     def call(self) -> Outcome | None:
-        """Make one LLM call and run the tools it asks for; return the outcome if the movement ended."""
+        """Make one LLM call and run the tools it asks for; return the outcome if the movement ended.
+
+        After a restart in the middle of a response, this completes that response instead.
+        """
+        if self._unfinished is not None:
+            return self._complete_unfinished()
         mv = self.movement
         self.iteration += 1
         it = self.iteration
@@ -233,21 +295,32 @@ class AgentLoop:
             if action == "prompt":
                 self._prompt_due = True
             elif action == "force_transition":
-                force_reason = (
-                    f"context at {decision.ratio:.1%} of {self.ctx.window:,} tokens reached "
-                    f"force_transition ({limit:.0%})"
-                )
+                force_reason = _force_reason(decision.ratio, self.ctx.window, limit)
 
-        outcome: Outcome | None = None
-        images: list[dict[str, Any]] = []
         if not response.tool_calls:
             self._remind(it)
-        for call in response.tool_calls:
-            self.rec.add("tool_call", {"tool": call.name, "arguments": call.arguments, "call_id": call.id}, seq, it)
+        self._response_pending = True
+        outcome = self._run_calls(response.tool_calls, it)
+        self._response_pending = False
+        return self._after_calls(it, outcome, force_reason, decision.ratio, decision.prompt_tokens)
+
+    def _run_calls(self, calls: Sequence[ToolCall], it: int, *, started: int = 0,
+                   images: list[dict[str, Any]] | None = None, outcome: Outcome | None = None) -> Outcome | None:
+        """Run ``calls`` in order, recording each; the first ``started`` of them were begun by a process
+        that stopped before their results were recorded."""
+        images = [] if images is None else images
+        seq = self.seq
+        for i, call in enumerate(calls):
+            resumed = i < started
+            if not resumed:
+                self.rec.add("tool_call", {"tool": call.name, "arguments": call.arguments, "call_id": call.id},
+                             seq, it)
             if outcome is not None:
                 out = ToolOutput("Skipped: the movement already ended with transition.", is_error=True)
             elif call.name == "transition":
                 out, outcome = self._transition(call.arguments)
+            elif resumed and not self._rerunnable(call.name):
+                out = ToolOutput(INTERRUPTED.format(tool=call.name or "a tool"), is_error=True)
             else:
                 out = self._run_tool(call.name, call.arguments)
             self.rec.add(
@@ -263,6 +336,11 @@ class AgentLoop:
                 images.append(_image_message(call.name, out.image))
         for m in images:
             self._append(m)
+        return outcome
+
+    def _after_calls(self, it: int, outcome: Outcome | None, force_reason: str, ratio: float,
+                     tokens: int) -> Outcome | None:
+        mv = self.movement
         # When the response that crosses force_transition itself made a valid transition, the model's own
         # choice stands (forced=False): it ended the movement as asked, and a mechanical default_next/ABORT
         # would only throw its summary away.  The crossing is still recorded as a context_action above.
@@ -274,11 +352,33 @@ class AgentLoop:
             return self._forced(f"max_iterations ({mv.max_iterations}) reached without a transition")
         if self._prompt_due:
             self._prompt_due = False
-            msg = text(self.language, "wrap_up", pct=f"{decision.ratio:.0%}", tokens=decision.prompt_tokens,
-                       window=self.ctx.window)
-            self.rec.add("reminder", {"text": msg, "reason": "context prompt"}, seq, it)
+            msg = text(self.language, "wrap_up", pct=f"{ratio:.0%}", tokens=tokens, window=self.ctx.window)
+            self.rec.add("reminder", {"text": msg, "reason": "context prompt"}, self.seq, it)
             self._append({"role": "user", "content": msg})
         return None
+
+    def _complete_unfinished(self) -> Outcome | None:
+        """Finish the tool calls of a response recorded by a process that stopped in the middle of it."""
+        u = self._unfinished
+        assert u is not None
+        self._unfinished = None
+        outcome: Outcome | None = None
+        if u.transition_ok:  # cannot normally be left behind (a transition commits with its movement's end)
+            call = next(c for c in u.calls[: u.done] if c.name == "transition")
+            outcome = self._transition(call.arguments)[1]
+        outcome = self._run_calls(u.calls[u.done:], u.iteration, started=u.started - u.done, images=u.images,
+                                  outcome=outcome)
+        self._prompt_due = u.prompt is not None
+        ratio, tokens = (u.prompt.ratio, u.prompt.tokens) if u.prompt is not None else (0.0, 0)
+        return self._after_calls(u.iteration, outcome, u.force_reason, ratio, tokens)
+
+    def _rerunnable(self, name: str) -> bool:
+        """Whether a started call of ``name`` may simply run again: a read-only tool, or a name this step
+        cannot run at all (it only gets its error again)."""
+        if name not in self.movement.tools:
+            return True
+        t = get_tool(name)
+        return t is not None and t.read_only  # a tool missing from this process may have had effects
 
     def _remind(self, it: int) -> None:
         steps = ", ".join(self.movement.next_steps)
@@ -294,6 +394,9 @@ class AgentLoop:
                        question=question)
 
     def _run_tool(self, name: str, arguments: Any) -> ToolOutput:
+        if not isinstance(name, str) or not name.strip():
+            return ToolOutput(f"Error: this tool call names no tool (its function name is missing or empty); "
+                              f"available: {', '.join(self.tool_names)}", is_error=True)
         if name in self.movement.tools and name not in self.tool_names:
             # e.g. a notebook's @agentnb.tool, and the job was resumed by another process
             return ToolOutput(f"Error: tool {name!r} is named by this step but not defined in this Python process; "
@@ -317,6 +420,12 @@ class AgentLoop:
             chars_per_token=self.ctx.chars_per_token, job_id=self.rec.job_id, movement=self.movement.name,
             count_tokens=self.ctx.counter.count,
         )
+        if self._response_pending or not t.read_only:
+            # Durable before any tool runs: the response (a restart completes it instead of asking the model
+            # again) and, for a tool with effects, this tool_call (a restart knows it started and never runs
+            # it a second time).  Read-only tools after the first need no commit of their own.
+            self.rec.flush()
+            self._response_pending = False
         return t.invoke(tctx, arguments)
 
     def _transition(self, args: Any) -> tuple[ToolOutput, Outcome | None]:
@@ -354,6 +463,18 @@ class AgentLoop:
             resume=resume,
         )
         return ToolOutput(f"Transition to {step} recorded."), outcome
+
+
+def _force_reason(ratio: float, window: int, limit: float) -> str:
+    return f"context at {ratio:.1%} of {window:,} tokens reached force_transition ({limit:.0%})"
+
+
+def _recorded_call(c: Any, i: int) -> ToolCall:
+    """A tool call as recorded in ``llm_response``, back as a :class:`ToolCall`."""
+    if not isinstance(c, dict):
+        return ToolCall(id=f"call_{i}", name="", arguments=c)
+    return ToolCall(id=str(c.get("id") or f"call_{i}"), name=str(c.get("name") or ""), arguments=c.get("arguments"),
+                    raw_arguments=c.get("raw_arguments") or "")
 
 
 def _call_record(c: Any) -> dict[str, Any]:

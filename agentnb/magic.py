@@ -41,7 +41,7 @@ from .workspace import DEFAULT_WORKSPACE, Job, Workspace
 __all__ = ["AgentMagic", "load_ipython_extension", "expand_braces", "SUBCOMMANDS"]
 
 SUBCOMMANDS = ("run", "step", "reply", "stop", "show", "jobs", "usage", "lessons", "panel", "pieces", "export",
-               "plot")
+               "plot", "retry")
 
 _OVERVIEW = """\
 %agent SUBCOMMAND [options]      (%agent SUBCOMMAND --help for its options)
@@ -52,6 +52,7 @@ _OVERVIEW = """\
   step [JOB] [--call]          run the next movement (or, with --call, the next LLM call)
   reply JOB "text" [--run]     answer a job that waits for a human
   stop [JOB]                   pause a job running in this notebook after its current LLM call
+  retry JOB [--run]            queue a failed or aborted job again (it goes on from its last complete call)
   show [JOB] [--full] [--movement SEQ]   the job's view (--full: nothing cut)
   jobs                         every job, as a DataFrame
   usage [JOB] [--all]          one row per LLM call, as a DataFrame
@@ -428,6 +429,18 @@ class AgentMagic(Magics):
         self.ws.stop(job.id)
         print(f"job {job.id} will pause after its current LLM call; go on with %agent run --job {job.id} "
               f"or %agent step {job.id}")
+
+    @magic_arguments(name="agent retry")
+    @argument("job", help="job id or Job variable")
+    @argument("--run", action="store_true", help="run the job right away, live")
+    @argument("--retries", type=int, metavar="N", help="openai: tries after the first (429, 5xx, timeouts, malformed)")
+    @argument("--max-backoff", type=float, metavar="SECONDS", help="openai: the longest wait between two tries")
+    def cmd_retry(self, args: Any, cell: str | None) -> Job:
+        """Queue a failed or aborted job again; it goes on from its last complete LLM call."""
+        job = self.ws.retry(self.job(args.job), retries=args.retries, max_backoff=args.max_backoff)
+        if args.run:
+            return self.run_live(job)
+        return job
 
     @magic_arguments(name="agent show")
     @argument("job", nargs="?", help="job id or Job variable (default: the last job)")

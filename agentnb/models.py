@@ -31,6 +31,7 @@ __all__ = [
     "ScriptedModel",
     "ReplayModel",
     "resolve_model",
+    "check_retry_settings",
     "MODEL_SPECS",
 ]
 
@@ -264,8 +265,37 @@ class ReplayModel:
 # ---------------------------------------------------------------------------
 
 
-def resolve_model(spec: str, *, store: "Store | None" = None) -> Model:
-    """Build the model for a spec; :class:`ModelSpecError` names what is allowed."""
+MAX_RETRIES = 100
+
+
+def check_retry_settings(retries: Any = None, max_backoff: Any = None) -> dict[str, Any]:
+    """The given retry settings of an ``openai:`` model, checked; ``ValueError`` names what is allowed.
+
+    ``retries``: tries after the first one (a whole number, 0 to 100); ``max_backoff``: the longest
+    wait between two tries, in seconds (a number ≥ 0).  ``None`` leaves a setting to the fallback.
+    """
+    out: dict[str, Any] = {}
+    if retries is not None:
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
+            raise ValueError(f"retries={retries!r}; allowed: a whole number from 0 to {MAX_RETRIES} "
+                             "(the tries after the first)")
+        out["retries"] = retries
+    if max_backoff is not None:
+        if isinstance(max_backoff, bool) or not isinstance(max_backoff, (int, float)) \
+                or not 0 <= max_backoff < float("inf"):
+            raise ValueError(f"max_backoff={max_backoff!r}; allowed: a number of seconds ≥ 0 "
+                             "(the longest wait between two tries)")
+        out["max_backoff"] = float(max_backoff)
+    return out
+
+
+def resolve_model(spec: str, *, store: "Store | None" = None, retries: int | None = None,
+                  max_backoff: float | None = None) -> Model:
+    """Build the model for a spec; :class:`ModelSpecError` names what is allowed.
+
+    ``retries`` and ``max_backoff`` configure an ``openai:`` model (``None``: its environment
+    variables, then its defaults); other models have nothing to retry and ignore them.
+    """
     if not isinstance(spec, str) or not spec.strip():
         raise ModelSpecError(f"empty model spec; allowed: {', '.join(MODEL_SPECS)}")
     kind, _, rest = spec.partition(":")
@@ -278,7 +308,7 @@ def resolve_model(spec: str, *, store: "Store | None" = None) -> Model:
     if kind == "openai" and rest:
         from ._openai import OpenAIModel
 
-        return OpenAIModel(rest)
+        return OpenAIModel(rest, max_retries=retries, max_backoff=max_backoff)
     if kind == "replay" and rest:
         if store is None:
             raise ModelSpecError("replay:<job_id> needs a workspace")

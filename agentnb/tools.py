@@ -108,6 +108,9 @@ class Tool:
     permission: str = "readonly"
     takes_context: bool = False
     builtin: bool = False
+    # Safe to run again after a crash: it changes no file and runs no command.  A tool that is not
+    # read-only has its call committed before it runs, and a restart never runs a started call again.
+    read_only: bool = False
     _positional: tuple[str, ...] = field(default=(), repr=False)
 
     def schema(self) -> dict[str, Any]:
@@ -270,7 +273,8 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
 
 
 def _build_tool(
-    fn: Callable[..., Any], name: str | None, description: str | None, permission: str, builtin: bool
+    fn: Callable[..., Any], name: str | None, description: str | None, permission: str, builtin: bool,
+    read_only: bool = False,
 ) -> Tool:
     if permission not in PERMISSION_RANK:
         raise ValueError(f"permission={permission!r}; allowed: {', '.join(PERMISSION_RANK)}")
@@ -310,6 +314,7 @@ def _build_tool(
         permission=permission,
         takes_context=takes_context,
         builtin=builtin,
+        read_only=bool(read_only),
     )
 
 
@@ -349,7 +354,8 @@ def _ensure_builtins() -> None:
 def tool(fn: Callable[..., Any], /) -> Tool: ...
 @typing.overload
 def tool(
-    *, name: str | None = None, description: str | None = None, permission: str = "readonly"
+    *, name: str | None = None, description: str | None = None, permission: str = "readonly",
+    read_only: bool = False,
 ) -> Callable[[Callable[..., Any]], Tool]: ...
 def tool(
     fn: Callable[..., Any] | None = None,
@@ -358,19 +364,26 @@ def tool(
     name: str | None = None,
     description: str | None = None,
     permission: str = "readonly",
+    read_only: bool = False,
     _builtin: bool = False,
 ) -> Any:
     """Make a plain function a tool that pieces can name in ``tools:``.
 
     The schema comes from the signature, type hints and docstring (``Args:``
     section).  ``permission`` is what a movement needs to use it: ``readonly``,
-    ``edit`` or ``full``.  A first parameter named ``ctx`` (or typed
-    :class:`ToolContext`) receives the job's context.  Redefining a tool in a
-    notebook cell replaces the earlier definition.
+    ``edit`` or ``full``.  ``read_only=True`` declares that the tool changes
+    nothing (no file, no command, no message sent): after a crash a started call
+    of it is simply run again.  Any other tool's call is committed to the store
+    before it runs and is never run twice; ``permission`` does not imply it
+    (``Checklist`` needs only ``readonly`` yet writes a file).  A first parameter
+    named ``ctx`` (or typed :class:`ToolContext`) receives the job's context.
+    Redefining a tool in a notebook cell replaces the earlier definition.
     """
+    if not isinstance(read_only, bool):
+        raise ValueError(f"read_only={read_only!r}; allowed: True or False")
 
     def wrap(f: Callable[..., Any]) -> Tool:
-        return register(_build_tool(f, name, description, permission, _builtin))
+        return register(_build_tool(f, name, description, permission, _builtin, read_only))
 
     return wrap(fn) if fn is not None else wrap
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
 
 from ._status import STOP_REASON
 from .events import Event
-from .models import check_model_spec, resolve_model
+from .models import check_model_spec, check_retry_settings, resolve_model
 from .pieces import Piece, load_piece
 from .runner import JobRunner, notify_parent
 from .store import TERMINAL_STATES, WAITING_STATES, Store, StoreError
@@ -211,12 +212,15 @@ def prepare_workdir(root: Path, job_id: int, workdir: str | os.PathLike[str] | N
 class Workspace:
     """A folder with ``agentnb.sqlite`` and ``jobs/<id>/``; the way to submit, run, step and inspect jobs."""
 
-    def __init__(self, path: str | os.PathLike[str] = DEFAULT_WORKSPACE, *, readonly: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str] = DEFAULT_WORKSPACE, *, readonly: bool = False,
+                 retries: int | None = None, max_backoff: float | None = None) -> None:
         """Open (or create) the workspace folder ``path``.
 
         ``readonly=True`` only reads: nothing is created or written, so a read-only folder or mount
-        works, and a folder without a store reads as an empty workspace.
+        works, and a folder without a store reads as an empty workspace.  ``retries`` and ``max_backoff``
+        are the openai model's retry settings for jobs that set none themselves (None: the environment's).
         """
+        self.model_settings = check_retry_settings(retries, max_backoff)
         self.root = Path(path).expanduser().resolve()
         self.readonly = readonly
         if self.root.exists() and not self.root.is_dir():
@@ -230,7 +234,7 @@ class Workspace:
             except OSError as exc:
                 raise StoreError(f"cannot make the workspace folder {self.root}: {exc.strerror or exc}") from None
         self.store = Store(self.root / "agentnb.sqlite", readonly=readonly)
-        self._runners: dict[int, tuple[JobRunner, int]] = {}
+        self._runners: dict[int, tuple[JobRunner, tuple[Any, ...]]] = {}
         self._lock = threading.RLock()
         self._stops: dict[int, threading.Event] = {}
 
@@ -278,8 +282,14 @@ class Workspace:
         inputs: Mapping[str, str | bytes | os.PathLike[str]] | None = None,
         workdir: str | os.PathLike[str] | None = None,
         context: Mapping[str, Any] | None = None,
+        retries: int | None = None,
+        max_backoff: float | None = None,
     ) -> Job:
-        """Queue a job.  Bad pieces, model specs and inputs are refused before anything is stored."""
+        """Queue a job.  Bad pieces, model specs and inputs are refused before anything is stored.
+
+        ``retries`` and ``max_backoff`` (seconds) set how an ``openai:`` model retries 429s, 5xx, timeouts
+        and malformed answers for this job; unset, the workspace's settings and then the environment apply.
+        """
         if not isinstance(instruction, str) or not instruction.strip():
             raise ValueError("instruction must be non-empty text")
         if len(instruction) > MAX_INSTRUCTION_CHARS:
@@ -287,13 +297,14 @@ class Workspace:
                 f"the instruction has {len(instruction):,} characters; at most {MAX_INSTRUCTION_CHARS:,} are allowed "
                 "(MAX_INSTRUCTION_CHARS): put long material in a file and pass it with inputs= (--input FILE)"
             )
+        settings = check_retry_settings(retries, max_backoff)
         p = load_piece(piece)
         model = _normalise_spec(model)
         check_model_spec(model)
         # Build it once: a malformed script or an unknown replay job is refused now, not when a worker
         # claims the job (building an openai model makes no client and reads no key yet).
         resolve_model(model, store=self.store)
-        opts: dict[str, Any] = {}
+        opts: dict[str, Any] = dict(settings)
         if context:
             from .context import check_context_options
 
@@ -345,20 +356,25 @@ class Workspace:
     # -- running ------------------------------------------------------------
     def _runner(self, row: Mapping[str, Any]) -> JobRunner:
         job_id = int(row["id"])
-        mark = self._movement_mark(job_id)
+        mark = (*self._movement_mark(job_id), row.get("options"))
         cached = self._runners.get(job_id)
         if cached is not None and cached[1] == mark:
             return cached[0]
-        model = resolve_model(row["model"], store=self.store)
+        opts = json.loads(row.get("options") or "{}")
+        settings = {**self.model_settings, **{k: opts[k] for k in ("retries", "max_backoff") if k in opts}}
+        model = resolve_model(row["model"], store=self.store, **settings)
         runner = JobRunner(self.store, dict(row), model, self.root / "jobs")
         self._runners[job_id] = (runner, mark)
         return runner
 
-    def _movement_mark(self, job_id: int) -> int:
+    def _movement_mark(self, job_id: int) -> tuple[int, int]:
+        """What a cached runner must match: the last movement event, and the open movement (a retry
+        reopens a failed one without writing a movement event)."""
         rows = self.store.query(
-            "SELECT MAX(id) FROM events WHERE job_id=? AND movement_seq IS NOT NULL", (job_id,)
+            "SELECT (SELECT MAX(id) FROM events WHERE job_id=? AND movement_seq IS NOT NULL), "
+            "(SELECT MAX(seq) FROM movements WHERE job_id=? AND status='running')", (job_id, job_id),
         )
-        return int(rows[0][0] or 0)
+        return int(rows[0][0] or 0), int(rows[0][1] or 0)
 
     def _activate(self, row: dict[str, Any], runner: JobRunner) -> None:
         """Build the enriched instruction once per activation (first start, or after a wait)."""
@@ -394,7 +410,8 @@ class Workspace:
             status = runner.advance(unit, stop if unit != "call" else None)
         except BaseException:
             # A KeyboardInterrupt (a notebook's stop button) or SystemExit mid-call: give the job back
-            # to the queue, resumable from its events; the unrecorded part of the call will be redone.
+            # to the queue, resumable from its events.  A model call cut short is asked again; a tool
+            # call cut short is completed as after a crash (a started one with effects is never rerun).
             runner.rec.pending.clear()
             with self._lock:
                 self._runners.pop(job_id, None)
@@ -410,7 +427,7 @@ class Workspace:
             with self.store.transaction() as c:
                 self.store.set_status(c, job_id, "queued", reason=reason)
         with self._lock:
-            self._runners[job_id] = (runner, self._movement_mark(job_id))
+            self._runners[job_id] = (runner, (*self._movement_mark(job_id), self.store.job(job_id)["options"]))
         return self.job(job_id)
 
     def _claim(self, job_id: int) -> dict[str, Any] | None:
@@ -512,6 +529,37 @@ class Workspace:
                     current_movement=row["resume_movement"] or row["current_movement"], resume_movement=None,
                     enriched=None,
                 )
+        return self.job(job_id)
+
+    def retry(self, job: JobRef, *, retries: int | None = None, max_backoff: float | None = None) -> Job:
+        """Queue a failed or aborted job again (``job_status`` reason ``retried``); run it with :meth:`run`.
+
+        A failed job goes on from its last complete LLM call: its failed movement is reopened and
+        resumed from its events (the call that failed is asked again; a tool call cut short is
+        completed as after a crash).  An aborted job starts a new run of the movement that aborted,
+        with a fresh prompt (its movement count goes on, within ``max_movements``).  ``retries`` and
+        ``max_backoff`` replace the job's retry settings for the ``openai:`` model.  Any other
+        status is refused with a :class:`StoreError` naming it.
+        """
+        job_id = self._id(job)
+        settings = check_retry_settings(retries, max_backoff)
+        with self.store.transaction() as c:
+            row = c.execute("SELECT status, options FROM jobs WHERE id=?", (job_id,)).fetchone()
+            if row is None:
+                raise StoreError(f"no job {job_id} in {self.store.path}")
+            status = row[0]
+            if status not in ("failed", "aborted"):
+                raise StoreError(f"job {job_id} is {status}; only a failed or aborted job can be retried")
+            if status == "failed":
+                # the movement the failure stopped (none when the job failed between movements or at setup)
+                c.execute("UPDATE movements SET status='running', ended=NULL WHERE job_id=? AND status='failed' "
+                          "AND seq=(SELECT MAX(seq) FROM movements WHERE job_id=?)", (job_id, job_id))
+            values: dict[str, Any] = {"error": None, "ended": None, "enriched": None}
+            if settings:
+                values["options"] = json.dumps({**json.loads(row[1] or "{}"), **settings}, ensure_ascii=False)
+            self.store.set_status(c, job_id, "queued", reason="retried", **values)
+        with self._lock:
+            self._runners.pop(job_id, None)
         return self.job(job_id)
 
     def worker(self) -> Worker:

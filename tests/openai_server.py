@@ -1,8 +1,8 @@
 """A small OpenAI-compatible HTTP server on loopback, scripted per test.
 
 It speaks ``POST /v1/chat/completions`` (tool calls and usage included) and plays
-a list of actions, one per request: a response, an HTTP error, or a stall long
-enough to make the client time out.  Every request body and its headers are kept
+a list of actions, one per request: a response, an HTTP error, a stall long
+enough to make the client time out, or a raw body sent as it is.  Every request body and its headers are kept
 so tests can check what the model was sent.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["OpenAIServer", "reply", "error", "stall", "AsObject"]
+__all__ = ["OpenAIServer", "reply", "error", "stall", "raw", "AsObject"]
 
 
 class AsObject(dict):
@@ -38,6 +38,13 @@ def error(status: int, message: str = "scripted failure", times: int = 1,
 def stall(seconds: float) -> dict[str, Any]:
     """Wait before answering (with a valid reply), so a client with a shorter timeout gives up."""
     return {"kind": "stall", "seconds": seconds}
+
+
+def raw(body: str | bytes | Any, content_type: str = "application/json", status: int = 200,
+        times: int = 1) -> list[dict[str, Any]]:
+    """Send ``body`` as it is (text, or any JSON value encoded as is), to play a broken endpoint."""
+    data = body.encode() if isinstance(body, str) else body if isinstance(body, bytes) else json.dumps(body).encode()
+    return [{"kind": "raw", "body": data, "content_type": content_type, "status": status} for _ in range(times)]
 
 
 @dataclass
@@ -78,18 +85,23 @@ class OpenAIServer:
                 if action["kind"] == "error":
                     return self._send(action["status"], {"error": {"message": action["message"], "type": "server_error"}},
                                       action.get("headers"))
+                if action["kind"] == "raw":
+                    return self._send_bytes(action["status"], action["body"], action["content_type"])
                 if action["kind"] == "stall":
                     server._closing.wait(action["seconds"])
                     action = reply("late answer")
                 self._send(200, server._completion(body, action, n))
 
             def _send(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-                data = json.dumps(payload).encode()
+                self._send_bytes(status, json.dumps(payload).encode(), "application/json", headers)
+
+            def _send_bytes(self, status: int, data: bytes, content_type: str,
+                            headers: dict[str, str] | None = None) -> None:
                 try:
                     self.send_response(status)
                     for name, value in (headers or {}).items():
                         self.send_header(name, value)
-                    self.send_header("content-type", "application/json")
+                    self.send_header("content-type", content_type)
                     self.send_header("content-length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)

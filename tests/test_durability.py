@@ -154,3 +154,76 @@ def test_a_script_file_reads_exactly_as_yaml_safe_load_gives_it(tmp_path: Path) 
     assert second.tool_calls[0].name == "Read" and second.tool_calls[0].arguments["quoted"] == "12"
     assert third.usage == {"prompt_tokens": 1200, "completion_tokens": 7}
     assert last.tool_calls[0].arguments["tags"] == {"a", "b"}  # !!set, as safe_load builds it
+
+
+# -- a tool with effects runs only once its call is durable (issue 11, item 8) ------------------------------
+
+
+def _committed(db: Path, job_id: int) -> list[tuple[str, str | None]]:
+    con = sqlite3.connect(db)  # a second connection: what a process restarted right now would find
+    try:
+        rows = con.execute("SELECT kind, payload FROM events WHERE job_id=? AND kind IN "
+                           "('llm_response', 'tool_call', 'tool_result') ORDER BY id", (job_id,)).fetchall()
+    finally:
+        con.close()
+    import json
+
+    return [(k, json.loads(p).get("call_id") if k != "llm_response" else None) for k, p in rows]
+
+
+def test_the_response_and_a_side_effecting_call_are_committed_before_the_tool_runs(tmp_path: Path) -> None:
+    seen: dict[str, list[tuple[str, str | None]]] = {}
+    ws = Workspace(tmp_path / "ws")
+
+    def probe(name: str) -> Any:
+        def fn(ctx: agentnb.ToolContext) -> str:
+            seen[name] = _committed(ws.store.path, ctx.job_id)
+            return name
+        return fn
+
+    agentnb.tool(name="look_a", read_only=True)(probe("look_a"))
+    agentnb.tool(name="look_b", read_only=True)(probe("look_b"))
+    agentnb.tool(name="change")(probe("change"))  # a custom tool is taken to have effects unless it says not
+    try:
+        piece = agentnb.parse_piece(PIECE.replace("[durable_echo]", "[look_a, look_b, change]"))
+
+        class Model:
+            spec = "probe"
+
+            def complete(self, request: ModelRequest) -> ModelResponse:
+                if request.iteration == 1:
+                    return ModelResponse(tool_calls=(ToolCall("a", "look_a", {}), ToolCall("b", "look_b", {}),
+                                                     ToolCall("c", "change", {})))
+                return ModelResponse(tool_calls=(ToolCall("t", "transition", {"next_step": "COMPLETE"}),))
+
+        job = ws.submit("Probe.", piece=piece, model="demo")
+        row = ws.store.claim(job.id)
+        assert row is not None
+        assert JobRunner(ws.store, row, Model(), ws.root / "jobs").advance("job") == "succeeded"
+    finally:
+        for name in ("look_a", "look_b", "change"):
+            agentnb.tools.unregister(name)
+    # before the first tool runs, the response (and that call) is durable: a restart completes it, never re-asks
+    assert seen["look_a"] == [("llm_response", None), ("tool_call", "a")]
+    # a second read-only tool costs no commit of its own
+    assert seen["look_b"] == seen["look_a"]
+    # a tool with effects: its call, and everything before it, is durable before it runs
+    assert seen["change"] == [("llm_response", None), ("tool_call", "a"), ("tool_result", "a"),
+                              ("tool_call", "b"), ("tool_result", "b"), ("tool_call", "c")]
+
+
+def test_only_the_built_in_readers_and_declared_tools_are_read_only() -> None:
+    from agentnb.tools import get_tool
+
+    assert {n for n in ("Read", "Glob", "Grep", "ReadImage", "Write", "Edit", "Bash", "Checklist")
+            if get_tool(n).read_only} == {"Read", "Glob", "Grep", "ReadImage"}  # type: ignore[union-attr]
+    plain = agentnb.tool(name="plain_tool")(lambda: "")
+    declared = agentnb.tool(name="declared_tool", read_only=True)(lambda: "")
+    try:
+        # permission says what a movement must allow, not whether a restart may run the tool again
+        assert (plain.permission, plain.read_only, declared.read_only) == ("readonly", False, True)
+        with pytest.raises(ValueError, match="read_only='yes'; allowed: True or False"):
+            agentnb.tool(name="bad_tool", read_only="yes")  # type: ignore[call-overload]
+    finally:
+        agentnb.tools.unregister("plain_tool")
+        agentnb.tools.unregister("declared_tool")

@@ -376,3 +376,77 @@ def test_the_wait_a_server_asks_for_is_honoured(ws: Workspace, tmp_path: Path, s
     assert job.status == "failed"
     assert job.error == "openai:m: gave up after 4 tries; last error HTTP 500: final boom"
     assert waits == [7.0, 0.25, 60.0]  # the server's own numbers, a long one capped; none after the last try
+
+
+# -- malformed 200 answers (issue 11, item 10) ---------------------------------------------------------------
+
+from openai_server import raw  # noqa: E402
+
+MALFORMED = [
+    pytest.param(raw({"id": "x", "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop"}]}),
+                 "choices[0] has no message", id="choice-without-message"),
+    pytest.param(raw({"id": "x", "object": "chat.completion", "choices": "oops"}),
+                 "choices is a string, not a list", id="choices-a-string"),
+    pytest.param(raw('{"id": "x", "choices": [', "application/json"),
+                 "the body is not valid JSON (Expecting value at line 1, column 25): '{\"id\": \"x\", \"choices\": ['",
+                 id="invalid-json"),
+    pytest.param(raw("<html>\n<body><h1>502 Bad Gateway</h1></body>\n</html>", "text/html; charset=utf-8"),
+                 "HTTP 200 with content-type text/html, not JSON: '<html> <body><h1>502 Bad Gateway</h1></body> </html>'",
+                 id="html-page"),
+    pytest.param(raw([{"choices": []}]), "the body is a list, not a JSON object", id="a-list"),
+    pytest.param(raw({"error": "nope"}), "the body has no choices (its keys: error)", id="no-choices"),
+]
+
+
+@pytest.mark.parametrize("bad, reason", MALFORMED)
+def test_a_malformed_200_is_retried_like_a_5xx(ws: Workspace, tmp_path: Path, server: OpenAIServer,
+                                               bad: list[dict[str, Any]], reason: str) -> None:
+    server.play(
+        bad, bad,
+        reply(None, [("transition", {"next_step": "review", "summary": "done"})]),
+        reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})]),
+    )
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    assert job.status == "succeeded", job.error
+    assert len(server.received) == 4
+    assert not ws.events(job, kinds=["error"])
+
+
+@pytest.mark.parametrize("bad, reason", MALFORMED)
+def test_a_malformed_200_on_every_try_fails_the_job_with_one_line(ws: Workspace, tmp_path: Path,
+                                                                  server: OpenAIServer, bad: list[dict[str, Any]],
+                                                                  reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "2")
+    server.play(bad, bad, bad)
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    assert job.status == "failed"
+    assert job.error == f"openai:m: gave up after 3 tries; last error malformed answer: {reason}"
+    assert "\n" not in job.error
+    assert ws.events(job, kinds=["error"])[-1].payload == {"message": job.error, "where": "model"}
+    assert len(server.received) == 3
+
+
+def test_a_tool_call_without_a_name_is_a_tool_error_the_model_reads(ws: Workspace, tmp_path: Path,
+                                                                    server: OpenAIServer) -> None:
+    def answer(*calls: dict[str, Any]) -> list[dict[str, Any]]:
+        return raw({"id": "x", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": list(calls)}}]})
+
+    server.play(
+        reply(None, [(None, {"path": "input/notes.md"})]),  # "name": null
+        answer({"id": "c_missing", "type": "function", "function": {"arguments": "{}"}}),  # no name at all
+        answer({"type": "function", "function": None}),  # no function, no id
+        reply(None, [("transition", {"next_step": "review", "summary": "done"})]),
+        reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})]),
+    )
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    assert job.status == "succeeded", job.error
+    results = [e.payload for e in ws.events(job, kinds=["tool_result"])][:3]
+    for r in results:
+        assert r["is_error"] and r["content"] == ("Error: this tool call names no tool (its function name is missing "
+                                                  "or empty); available: Read, Write, crash_tool, transition")
+    fourth = server.received[3].body["messages"]
+    assert [m["role"] for m in fourth] == ["system", "user"] + ["assistant", "tool"] * 3
+    for assistant, tool in zip(fourth[2::2], fourth[3::2]):  # every answer names the call it answers
+        assert tool["tool_call_id"] == assistant["tool_calls"][0]["id"] and tool["tool_call_id"]
+    assert fourth[3]["content"] == results[0]["content"]

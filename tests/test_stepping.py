@@ -243,7 +243,8 @@ def test_a_job_whose_process_died_is_recovered_and_resumed(ws: Workspace, tmp_pa
     """A process killed mid-movement leaves the job `running`; the next claim on this host takes it over."""
     piece = write_piece(tmp_path, PIECE.replace("pause_here", "die_now"), "die.yaml")
     model = write_script(tmp_path, {"responses": [
-        call("Glob", pattern="input/*"), call("die_now"), transition("report", "g"), transition("COMPLETE", "r"),
+        call("Glob", pattern="input/*"), call("die_now"), call("die_now"), transition("report", "g"),
+        transition("COMPLETE", "r"),
     ]}, "die_script.yaml")
     agentnb.tool(name="die_now")(lambda: "only the other process really dies")  # known here at submit …
     try:
@@ -266,9 +267,12 @@ def test_a_job_whose_process_died_is_recovered_and_resumed(ws: Workspace, tmp_pa
     assert job.status == "succeeded", job.error
     reasons = [e.payload["reason"] for e in ws.events(job, kinds=["job_status"])]
     assert any(r.startswith("recovered: the process that ran it") and "is gone" for r in reasons)
-    # the tool exists only in the dead process: here the model is told so
     died = [e.payload for e in ws.events(job, kinds=["tool_result"]) if e.payload["tool"] == "die_now"]
-    assert died[-1]["is_error"] and "not defined in this Python process" in died[-1]["content"]
+    # the call the process died in is not run again (it may have had effects): the model is told so …
+    assert died[0]["is_error"] and died[0]["content"].startswith("Error: this call of die_now was interrupted")
+    # … and when it asks again, that the tool exists only in the dead process
+    assert died[1]["is_error"] and "not defined in this Python process" in died[1]["content"]
+    assert len(died) == 2
     assert [m["status"] for m in ws.movements(job)] == ["done", "done"]
 
 
@@ -310,7 +314,9 @@ def test_an_interrupted_run_leaves_the_job_resumable(ws: Workspace, tmp_path: Pa
         job = ws.run(job)
         assert job.status == "succeeded", job.error
         results = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["tool"] == "die_now"]
-        assert results == ["fine now"]  # the interrupted call left no half-recorded result
+        # the interrupted call had started (its effect is unknown): it is not run again, the model is told
+        assert len(results) == 1 and results[0].startswith("Error: this call of die_now was interrupted")
+        assert interrupts["left"] == 0
         # every assistant message with tool calls is followed by their results (a valid conversation)
         responses = ws.events(job, kinds=["llm_response"])
         assert [r.iteration for r in responses if r.movement_seq == 1] == [1, 2, 3]

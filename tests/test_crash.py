@@ -1,0 +1,313 @@
+"""A crash never silently redoes a side effect (issue 11, item 8).
+
+Each test runs a job in a real worker process, talking to the OpenAI-protocol server on
+loopback, and SIGKILLs that process while a tool is in the middle of its work (the tool
+writes a ``ready`` file once its effect is done, then sleeps) or while the model is
+being asked.  A second worker process then takes the job over.  The effect must have
+happened exactly once, the model must read that the interrupted call's effect is
+unknown, and the job must finish.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+import agentnb
+from agentnb import Workspace
+
+from engine_helpers import write_piece
+from openai_server import OpenAIServer, reply, stall
+
+PIECE = """
+name: crashy
+movements:
+  - name: work
+    persona: You work.
+    instruction: Work.
+    tools: [Read, Edit, Write, Bash, slow_append, slow_look]
+    permission: full
+    max_iterations: 10
+    rules: [{next: COMPLETE}]
+"""
+
+# The same tools, defined in the worker processes; the first worker (CRASH_SLOW=1) parks inside them
+# after their effect, so the test can kill it there.
+WORKER = textwrap.dedent('''
+    import os, sys, time
+    from pathlib import Path
+    import agentnb
+
+    SLOW = os.environ.get("CRASH_SLOW") == "1"
+
+    def park(ctx):
+        if SLOW:
+            (Path(ctx.workdir) / "ready").write_text("the effect is done")
+            time.sleep(120)
+
+    @agentnb.tool(permission="edit")
+    def slow_append(ctx, line: str) -> str:
+        """Append a line to output/log.txt."""
+        with open(Path(ctx.workdir) / "output" / "log.txt", "a") as fh:
+            fh.write(line + "\\n")
+        park(ctx)
+        return "appended " + line
+
+    @agentnb.tool(read_only=True)
+    def slow_look(ctx) -> str:
+        """Look around (declared read-only; it counts its runs in looks.txt so the test can see them)."""
+        with open(Path(ctx.workdir) / "looks.txt", "a") as fh:
+            fh.write("look\\n")
+        park(ctx)
+        return "nothing changed"
+
+    agentnb.Workspace(sys.argv[1]).worker().run(max_jobs=1)
+''')
+
+INTERRUPTED = "Error: this call of {} was interrupted by a restart"
+
+
+@pytest.fixture(autouse=True)
+def tools() -> Iterator[None]:
+    # known in this process too, so the piece naming them can be submitted here
+    agentnb.tool(name="slow_append", permission="edit")(lambda line: "")
+    agentnb.tool(name="slow_look", read_only=True)(lambda: "")
+    yield
+    agentnb.tools.unregister("slow_append")
+    agentnb.tools.unregister("slow_look")
+
+
+@pytest.fixture
+def server() -> Iterator[OpenAIServer]:
+    with OpenAIServer() as srv:
+        yield srv
+
+
+def _env(server: OpenAIServer, slow: bool) -> dict[str, str]:
+    src = str(Path(agentnb.__file__).resolve().parents[1])
+    return {**os.environ, "OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": "sk-test",
+            "AGENTNB_OPENAI_BACKOFF": "0.01", "CRASH_SLOW": "1" if slow else "0",
+            "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+
+
+def _worker(ws: Workspace, server: OpenAIServer, tmp_path: Path, slow: bool) -> subprocess.Popen[str]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER, encoding="utf-8")
+    return subprocess.Popen([sys.executable, str(script), str(ws.root)], env=_env(server, slow),
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _kill_when(proc: subprocess.Popen[str], ready: Any, what: str) -> None:
+    """SIGKILL ``proc`` once ``ready()`` is true, as a crash would; clean up what it left running."""
+    deadline = time.monotonic() + 90
+    try:
+        while not ready():
+            if proc.poll() is not None:
+                raise AssertionError(f"the worker ended before {what}: {proc.communicate()[1][-2000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)  # reaped: the store sees its owner gone
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # a sleeping command the worker started, if any
+        except ProcessLookupError:
+            pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _crash_then_resume(ws: Workspace, server: OpenAIServer, tmp_path: Path, job: Any,
+                       ready: Any = None, what: str = "the tool's effect") -> Any:
+    wd = Path(job.workdir)
+    first = _worker(ws, server, tmp_path, slow=True)
+    _kill_when(first, ready or (lambda: (wd / "ready").exists()), what)
+    assert ws.job(job).status == "running"  # the dead worker's claim is still there
+    second = _worker(ws, server, tmp_path, slow=False)
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err[-3000:]
+    job = ws.job(job)
+    reasons = [e.payload["reason"] for e in ws.events(job, kinds=["job_status"])]
+    assert any(r.startswith("recovered: the process that ran it") for r in reasons), reasons
+    return job
+
+
+def _results(ws: Workspace, job: Any, tool: str) -> list[dict[str, Any]]:
+    return [e.payload for e in ws.events(job, kinds=["tool_result"]) if e.payload["tool"] == tool]
+
+
+def _submit(ws: Workspace, tmp_path: Path) -> Any:
+    return ws.submit("Do it.", piece=write_piece(tmp_path, PIECE), model="openai:m",
+                     inputs={"a.txt": "alpha gamma\n"})
+
+
+def test_a_custom_tool_killed_after_its_effect_is_not_run_again_and_the_model_is_told(
+        ws: Workspace, tmp_path: Path, server: OpenAIServer) -> None:
+    server.play(
+        reply(None, [("slow_append", {"line": "one"})]),
+        reply(None, [("transition", {"next_step": "COMPLETE", "summary": "checked the log"})]),
+    )
+    job = _crash_then_resume(ws, server, tmp_path, _submit(ws, tmp_path))
+    assert job.status == "succeeded", job.error
+    assert (Path(job.workdir) / "output" / "log.txt").read_text() == "one\n"  # exactly once
+    assert len(server.received) == 2  # the first LLM call was not asked again
+    sent = server.received[1].body["messages"]
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "tool"]
+    assert sent[3]["content"].startswith(INTERRUPTED.format("slow_append"))
+    assert "effect is unknown" in sent[3]["content"] and "before repeating it" in sent[3]["content"]
+    assert sent[3]["tool_call_id"] == sent[2]["tool_calls"][0]["id"]
+    (result,) = _results(ws, job, "slow_append")
+    assert result["is_error"]
+    assert len(ws.events(job, kinds=["tool_call"])) == 2  # slow_append once, then the transition
+    assert len(ws.events(job, kinds=["llm_response"])) == 2
+
+
+def test_the_rest_of_the_response_runs_after_the_restart_and_its_transition_ends_the_movement(
+        ws: Workspace, tmp_path: Path, server: OpenAIServer) -> None:
+    server.play(reply("All at once.", [
+        ("Read", {"path": "input/a.txt"}),
+        ("Edit", {"path": "input/a.txt", "old": "alpha", "new": "beta"}),
+        ("slow_append", {"line": "one"}),
+        ("Write", {"path": "output/after.txt", "content": "after"}),
+        ("transition", {"next_step": "COMPLETE", "summary": "did everything"}),
+    ]))
+    job = _crash_then_resume(ws, server, tmp_path, _submit(ws, tmp_path))
+    assert job.status == "succeeded", job.error
+    wd = Path(job.workdir)
+    assert len(server.received) == 1  # no LLM call after the restart: the recorded response was completed
+    assert (wd / "input" / "a.txt").read_text() == "beta gamma\n"  # the Edit ran once (a redo would fail)
+    assert (wd / "output" / "log.txt").read_text() == "one\n"
+    assert (wd / "output" / "after.txt").read_text() == "after"  # the call after the interrupted one ran
+    results = [(e.payload["tool"], e.payload["is_error"]) for e in ws.events(job, kinds=["tool_result"])]
+    assert results == [("Read", False), ("Edit", False), ("slow_append", True), ("Write", False),
+                       ("transition", False)]
+    assert _results(ws, job, "slow_append")[0]["content"].startswith(INTERRUPTED.format("slow_append"))
+    assert _results(ws, job, "Read")[0]["content"].startswith("alpha gamma")
+    # each call recorded once, in the response's order
+    assert [e.payload["tool"] for e in ws.events(job, kinds=["tool_call"])] == [
+        "Read", "Edit", "slow_append", "Write", "transition"]
+    (mv,) = ws.movements(job)
+    assert (mv["status"], mv["next_step"], mv["summary"]) == ("done", "COMPLETE", "did everything")
+
+
+def test_a_read_only_tool_is_simply_run_again(ws: Workspace, tmp_path: Path, server: OpenAIServer) -> None:
+    server.play(
+        reply(None, [("slow_look", {})]),
+        reply(None, [("transition", {"next_step": "COMPLETE", "summary": "looked"})]),
+    )
+    job = _crash_then_resume(ws, server, tmp_path, _submit(ws, tmp_path))
+    assert job.status == "succeeded", job.error
+    assert (Path(job.workdir) / "looks.txt").read_text() == "look\nlook\n"  # started, killed, run again
+    (result,) = _results(ws, job, "slow_look")
+    assert (result["is_error"], result["content"]) == (False, "nothing changed")
+    assert len(server.received) == 2
+    assert server.received[1].body["messages"][3]["content"] == "nothing changed"
+
+
+@pytest.mark.needs("bwrap")
+def test_a_bash_append_killed_mid_command_happens_once(ws: Workspace, tmp_path: Path,
+                                                       server: OpenAIServer) -> None:
+    server.play(
+        reply(None, [("Bash", {"command": "echo one >> output/log.txt; touch ready; sleep 60"})]),
+        reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})]),
+    )
+    job = _crash_then_resume(ws, server, tmp_path, _submit(ws, tmp_path), what="the Bash command's effect")
+    assert job.status == "succeeded", job.error
+    assert (Path(job.workdir) / "output" / "log.txt").read_text() == "one\n"
+    (result,) = _results(ws, job, "Bash")
+    assert result["is_error"] and result["content"].startswith(INTERRUPTED.format("Bash"))
+    assert server.received[1].body["messages"][3]["content"] == result["content"]
+
+
+def test_killed_while_the_model_is_asked_the_finished_edit_stays_done(ws: Workspace, tmp_path: Path,
+                                                                       server: OpenAIServer) -> None:
+    server.play(
+        reply(None, [("Edit", {"path": "input/a.txt", "old": "alpha", "new": "beta"})]),
+        stall(60),  # the second LLM call hangs; the worker is killed meanwhile
+        reply(None, [("transition", {"next_step": "COMPLETE", "summary": "edited"})]),
+    )
+    job = _crash_then_resume(ws, server, tmp_path, _submit(ws, tmp_path),
+                             ready=lambda: len(server.received) >= 2, what="the second LLM call")
+    assert job.status == "succeeded", job.error
+    assert (Path(job.workdir) / "input" / "a.txt").read_text() == "beta gamma\n"
+    (result,) = _results(ws, job, "Edit")
+    assert not result["is_error"]
+    assert len(server.received) == 3
+    # the call the crash cut short is asked again with the same conversation: nothing redone, nothing lost
+    assert server.received[2].body["messages"] == server.received[1].body["messages"]
+
+
+# -- in one process: an interrupt (Ctrl-C) in the middle of a tool leaves the store as a kill would -----------
+
+
+@pytest.fixture
+def stop_once() -> Iterator[dict[str, int]]:
+    state = {"left": 1, "runs": 0}
+
+    @agentnb.tool(name="stop_once")
+    def stop_once_tool() -> str:
+        """Interrupted the first time it runs."""
+        state["runs"] += 1
+        if state["left"]:
+            state["left"] -= 1
+            raise KeyboardInterrupt
+        return "ran"
+
+    yield state
+    agentnb.tools.unregister("stop_once")
+
+
+def _openai_env(monkeypatch: pytest.MonkeyPatch, server: OpenAIServer) -> None:
+    monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
+
+
+def test_a_completed_response_keeps_its_tool_messages_together_and_images_after_them(
+        ws: Workspace, tmp_path: Path, server: OpenAIServer, stop_once: dict[str, int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _openai_env(monkeypatch, server)
+    piece = write_piece(tmp_path, PIECE.replace("slow_look]", "slow_look, ReadImage, stop_once]"))
+    server.play(
+        reply(None, [("ReadImage", {"path": "input/dot.png"}), ("stop_once", {}), ("Read", {"path": "input/a.txt"})]),
+        reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})]),
+    )
+    job = ws.submit("Look.", piece=piece, model="openai:m", inputs={"dot.png": b"\x89PNG\r\n\x1a\n", "a.txt": "a\n"})
+    with pytest.raises(KeyboardInterrupt):
+        ws.run(job)
+    job = Workspace(ws.root).run(job.id)  # nothing kept in memory
+    assert job.status == "succeeded", job.error
+    assert stop_once["runs"] == 1
+    sent = server.received[1].body["messages"]
+    # an endpoint wants every tool message right after the assistant's calls; the image comes after them
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "tool", "tool", "tool", "user"]
+    assert sent[4]["content"].startswith(INTERRUPTED.format("stop_once"))
+    assert sent[5]["content"].startswith("a")
+    assert sent[6]["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+
+
+def test_a_completed_response_still_counts_against_max_iterations(ws: Workspace, tmp_path: Path,
+                                                                  server: OpenAIServer, stop_once: dict[str, int],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    _openai_env(monkeypatch, server)
+    piece = write_piece(tmp_path, PIECE.replace("slow_look]", "slow_look, stop_once]")
+                        .replace("max_iterations: 10", "max_iterations: 1"))
+    server.play(reply(None, [("stop_once", {})]))
+    job = ws.submit("Once.", piece=piece, model="openai:m")
+    with pytest.raises(KeyboardInterrupt):
+        ws.run(job)
+    job = ws.run(job)
+    assert job.status == "aborted"  # forced: the only call allowed was used, and no default_next
+    (mv,) = ws.movements(job)
+    assert mv["forced"] and "max_iterations (1)" in mv["summary"]
+    assert len(server.received) == 1
