@@ -330,8 +330,9 @@ def test_list_and_view_follow_a_running_job_live(ws: Workspace, gate: Gate, pane
     gate.wait_entered()  # the second call
     gate.let_one()
     gate.wait_entered()  # the third call: blocked there until the gate opens
-    # the list says what the view says: running, with the tokens of the calls recorded so far
-    _until(lambda: "2 LLM calls" in panel.view.value, "the view to show the first calls")
+    # the list says what the view says: running, with the tokens of the calls recorded so far (the third
+    # call's response is committed before its tool runs)
+    _until(lambda: "3 LLM calls" in panel.view.value, "the view to show the calls so far")
     _until(lambda: _label(panel, job_id) == f"▶ #{job_id} · running · gated · {_tokens(ws, job_id):,} tokens",
            "the list to follow the job")
     assert _tokens(ws, job_id) > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from unittest import mock
 import re
 import signal
 import subprocess
@@ -157,7 +158,8 @@ def _stalled_worker(tmp_path: Path, command: list[str]) -> tuple[Workspace, int,
     server = OpenAIServer().__enter__()
     server.play(stall(120))
     ws = Workspace(tmp_path / "ws")
-    job = ws.submit("Do it", piece="single", model="openai:test-model")
+    with mock.patch.dict(os.environ, {"OPENAI_API_KEY": "test-key"}):  # refused at submit without a key
+        job = ws.submit("Do it", piece="single", model="openai:test-model")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
     env.update(OPENAI_BASE_URL=server.base_url, OPENAI_API_KEY="test-key", AGENTNB_OPENAI_TIMEOUT="300")
     proc = subprocess.Popen([sys.executable, *command, str(ws.root)], env=env, cwd=tmp_path,
