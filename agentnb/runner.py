@@ -24,7 +24,7 @@ from .events import Lesson, Transition
 from .loop import AgentLoop, Outcome, Recorder, _Counters
 from .models import Model, ModelError
 from .pieces import SPECIAL_NEXT, Movement, Piece, PieceError, available_pieces, load_piece, parse_piece
-from .store import TERMINAL_STATES
+from .store import MAX_INSTRUCTION_CHARS, TERMINAL_STATES
 from ._secrets import SECRET_NAME as _SECRET_ENV
 from ._sandbox import sandbox_argv
 from .tools import PERMISSION_RANK, ToolError, unlinked_path
@@ -263,6 +263,9 @@ class JobRunner:
         for i, sub in enumerate(subtasks):
             if not isinstance(sub, dict) or not isinstance(sub.get("instruction"), str) or not sub["instruction"].strip():
                 return f"subtasks[{i}] needs a non-empty instruction"
+            if len(sub["instruction"]) > MAX_INSTRUCTION_CHARS:
+                return (f"subtasks[{i}].instruction has {len(sub['instruction']):,} characters; at most "
+                        f"{MAX_INSTRUCTION_CHARS:,} are allowed: write long material to a file and name it instead")
             extra = set(sub) - {"instruction", "piece", "model"}
             if extra:
                 return f"subtasks[{i}]: unknown key(s) {sorted(extra)}; allowed: instruction, piece, model"

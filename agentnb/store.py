@@ -28,6 +28,7 @@ from ._migrations import MIGRATIONS
 from .events import EVENT_KINDS, Event, event_from_row
 
 __all__ = [
+    "MAX_INSTRUCTION_CHARS",
     "Store", "StoreError", "TERMINAL_STATES", "WAITING_STATES", "JOB_STATES", "SCHEMA_VERSION",
     "TEXT_REF", "TEXT_REF_MIN_CHARS", "describe_error", "instruction_sql", "payload_text_sql",
 ]
@@ -86,6 +87,11 @@ def _fast_dumps() -> Any:
 
 
 _dumps = _fast_dumps()
+
+
+# The longest instruction a job may have: far more than any model's window holds (long material belongs
+# in input files, which the tools read in budgeted pieces).  Subtasks are held to it too.
+MAX_INSTRUCTION_CHARS = 1_000_000
 
 
 class StoreError(RuntimeError):

@@ -17,7 +17,7 @@ from .events import Event
 from .models import check_model_spec, check_retry_settings, resolve_model
 from .pieces import Piece, load_piece
 from .runner import JobRunner, notify_parent
-from .store import TERMINAL_STATES, WAITING_STATES, Store, StoreError
+from .store import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, Store, StoreError
 from .tools import ToolError, resolve_path
 from .worker import MAX_COMMENTS, Worker, build_enriched_instruction
 
@@ -29,7 +29,6 @@ __all__ = ["Workspace", "Job", "JobStatus", "JobRef", "prepare_workdir", "DEFAUL
 DEFAULT_WORKSPACE = "agentnb-data"
 # A job's instruction goes into every movement's prompt; long material belongs in input/ files, which
 # the tools read piece by piece.  The store keeps one copy of it however many movements run.
-MAX_INSTRUCTION_CHARS = 1_000_000
 
 
 class JobStatus(str, Enum):

@@ -301,6 +301,19 @@ def test_too_many_subtasks_in_one_transition_are_a_tool_error(ws: Workspace, tmp
     assert first["is_error"] and f"at most {MAX_SUBTASKS_PER_CALL} per transition" in first["content"]
 
 
+def test_a_subtask_instruction_over_the_size_limit_is_a_tool_error(ws: Workspace, tmp_path: Path) -> None:
+    from agentnb.store import MAX_INSTRUCTION_CHARS
+
+    spec = write_script(tmp_path, "huge", {
+        "split": [transition("WAIT_SUBTASKS", subtasks=[{"instruction": "x" * (MAX_INSTRUCTION_CHARS + 1)}]),
+                  transition("merge")],
+        "merge": [transition("COMPLETE")],
+    })
+    job = ws.run(ws.submit("Do it", piece="fan-out", model=spec))
+    assert job.status == "succeeded" and ws.children(job) == []
+    first = ws.events(job, kinds=["tool_result"])[0].payload
+    assert first["is_error"] and f"at most {MAX_INSTRUCTION_CHARS:,} are allowed" in first["content"]
+
 # -- what a subtask may run: a listed piece, within the rights of the movement that creates it --------------
 
 SECRET = "host-secret-7f3a: the root password is hunter2"
