@@ -148,16 +148,22 @@ def cmd_reply(args: argparse.Namespace) -> int:
     ws = _workspace(args)
     job = ws.reply(args.job, " ".join(args.text))
     if args.run and job.status == "queued":
-        job = ws.run(job)
-        # a subtask that has ended may have been the last one its parent waited for: go on with the parent
-        while job.parent_id is not None:
-            parent = ws.job(job.parent_id)
-            if parent.status != "queued":
-                break
-            _print_job(ws, job)
-            job = ws.run(parent)
+        job = _run_up(ws, job)
     _print_job(ws, job)
     return 0
+
+
+def _run_up(ws: Any, job: Any) -> Any:
+    """Run ``job``; when it was a subtask whose parent it was the last one to wait for, go on with the
+    parent (and so on up).  Returns the last job run."""
+    job = ws.run(job)
+    while job.parent_id is not None:
+        parent = ws.job(job.parent_id)
+        if parent.status != "queued":
+            break
+        _print_job(ws, job)
+        job = ws.run(parent)
+    return job
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
@@ -167,14 +173,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
         _print_job(ws, job)
         print(f"  run it with: agentnb retry {job.id} --run (or let a worker take it: agentnb worker)")
         return 0
-    job = ws.run(job)
-    # a subtask that has ended may have been the last one its parent waited for: go on with the parent
-    while job.parent_id is not None and job.status in ("succeeded", "failed", "aborted"):
-        parent = ws.job(job.parent_id)
-        if parent.status != "queued":
-            break
-        _print_job(ws, job)
-        job = ws.run(parent)
+    job = _run_up(ws, job)
     _print_job(ws, job)
     return 0 if job.status in ("succeeded", "waiting_human", "waiting_subtasks") else 1
 
