@@ -11,6 +11,7 @@ import os
 import re
 import stat
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -45,9 +46,38 @@ def _read_fd(fd: int, limit: int = -1) -> bytes:
 
 
 def _write_text(p: Path, rel: str, content: str) -> None:
-    fd = open_regular(p, rel, write=True)
-    with open(fd, "w", encoding="utf-8") as f:
-        f.write(content)
+    """Write ``content`` to ``p`` whole or not at all: into a new file beside it, then renamed over it.
+
+    Writing in place empties the file first, so a worker killed mid-write (a crash, a SIGKILL) left an
+    edited file empty.  A kill before the rename leaves the old file as it was (and a stray
+    ``.agentnb-*.tmp`` beside it).  The target is checked as before (a FIFO or device is refused) and
+    keeps its permission bits.
+    """
+    mode: int | None = None  # a new file gets 0o666 less the umask, as any new file
+    try:
+        fd = open_regular(p, rel)  # refuses what is not a regular file, without blocking on it
+    except ToolError:
+        if os.path.lexists(p):
+            raise
+    else:
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
+    tmp = p.with_name(f".agentnb-{uuid.uuid4().hex[:12]}.tmp")  # short: p's own name may be at the length limit
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(content)
+        os.replace(tmp, p)  # a link swapped in at p is replaced itself, never followed
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 @tool(_builtin=True, read_only=True)

@@ -27,7 +27,7 @@ from .pieces import SPECIAL_NEXT, Movement, Piece, PieceError, available_pieces,
 from .store import MAX_INSTRUCTION_CHARS, TERMINAL_STATES
 from ._secrets import SECRET_NAME as _SECRET_ENV
 from ._sandbox import sandbox_argv
-from .tools import PERMISSION_RANK, ToolError, unlinked_path
+from .tools import PERMISSION_RANK, ToolError, open_regular, unlinked_path
 
 if TYPE_CHECKING:
     from .store import Store
@@ -243,8 +243,8 @@ class JobRunner:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         record = {"job": self.job_id, "movement": movement, "seq": seq, "lessons": lessons, "summary": summary,
                   "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        # O_NOFOLLOW: a link made after the check above is refused too
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        # a link made after the check above is refused too, and a FIFO planted here (Bash can) never blocks
+        fd = open_regular(path, "logs/lessons.jsonl", append=True)
         with open(fd, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
 
@@ -444,8 +444,10 @@ class JobRunner:
             if path.is_symlink():
                 continue
             try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
+                # a FIFO named x.json (Bash can make one) would block the worker on every prompt
+                with open(open_regular(path, f"logs/checklists/{path.name}"), encoding="utf-8") as fh:
+                    data = json.loads(fh.read())
+            except (OSError, ValueError, ToolError):
                 continue
             # the default work directory holds logs/, so the model may have written these files itself
             raw = data.get("items") if isinstance(data, dict) else None

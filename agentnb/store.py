@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import sqlite3
+import stat
 import threading
 import time
 import uuid
@@ -144,6 +145,9 @@ def _header_problem(path: Path) -> str | None:
     the rest (a checkpoint cut short), so a non-empty ``-wal`` file is left for SQLite to recover.
     """
     try:
+        special = _special_problem(path)
+        if special:
+            return special
         size = path.stat().st_size
         if size == 0:
             return None  # SQLite makes an empty file a new database
@@ -164,6 +168,39 @@ def _header_problem(path: Path) -> str | None:
         return (f"{path} is truncated ({size:,} bytes; its header says {pages * page_size:,}): "
                 + _SALVAGE.format(path=path))
     return None
+
+
+_SIDE_FILES = ("-wal", "-shm", "-journal")
+
+
+def _special_problem(path: Path) -> str | None:
+    """The store file or one of SQLite's side files that exists and is not a regular file."""
+    for part in (path, *(Path(f"{path}{suffix}") for suffix in _SIDE_FILES)):
+        # SQLite opens these itself: a FIFO there blocks the open forever (and SIGTERM cannot end it)
+        kind = _special_kind(part)
+        if kind:
+            return (f"{part} is {kind}, not a regular file, so it cannot be part of a store: "
+                    "move it aside, or use another workspace folder")
+    return None
+
+
+def _special_kind(path: Path) -> str | None:
+    """What ``path`` is when it exists and is not a regular file (symlinks followed), else None."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a special file"
 
 
 def _wal_holds_pages(path: Path) -> bool:
@@ -260,7 +297,7 @@ class Store:
             raise StoreError(f"cannot make the folder {folder}: {exc.strerror or exc}") from None
         if self.path.is_dir():
             raise StoreError(f"{self.path} is a folder, not a store file: move it aside")
-        if self.path.exists():
+        if self.path.exists() or _special_problem(self.path):
             problem = _header_problem(self.path)
             if problem:
                 raise StoreError(problem)

@@ -486,19 +486,19 @@ def _host_forms(ctx: ToolContext) -> list[tuple[str, str]]:
     return sorted(forms.items(), key=lambda item: len(item[0]), reverse=True)
 
 
-def open_regular(path: Path, rel: str, *, write: bool = False) -> int:
+def open_regular(path: Path, rel: str, *, write: bool = False, append: bool = False) -> int:
     """A file descriptor for the regular file ``path`` (resolved already); anything else is a tool error.
 
     A FIFO, socket or device would block the worker or never end (a FIFO without a writer, /dev/zero).
     A check before opening is not enough, as the file can be swapped between the check and the open,
     so the open itself never blocks (``O_NONBLOCK``), never follows a link swapped in (``O_NOFOLLOW``,
     the path is resolved already), and ``fstat`` of what was opened decides.  ``write`` opens for
-    writing, creating or emptying the file.
+    writing, creating or emptying the file; ``append`` opens it for appending, creating it.
     """
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        if not write:
+        if not (write or append):
             raise ToolError(f"no such file: {rel!r}") from None
         st = None
     except OSError as exc:
@@ -506,7 +506,10 @@ def open_regular(path: Path, rel: str, *, write: bool = False) -> int:
     if st is not None:
         _check_regular(st.st_mode, rel)  # a device is never opened: opening one can act (a tape, a watchdog)
     flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
-    flags |= (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
+    if append:
+        flags |= os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    else:
+        flags |= (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
     try:
         fd = os.open(path, flags, 0o666)
     except OSError as exc:

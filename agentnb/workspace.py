@@ -245,9 +245,12 @@ class Workspace:
         if isinstance(job, Job):
             return job.id
         try:
-            return int(job)
+            job_id = int(job)
         except (TypeError, ValueError):
             raise StoreError(f"job must be a Job or a job id, not {job!r}") from None
+        if not 0 < job_id < 2**63:  # beyond SQLite's integers a lookup raises OverflowError, not "no job"
+            raise StoreError(f"no job {job_id} in {self.store.path}")
+        return job_id
 
     def job(self, job: JobRef) -> Job:
         return Job.from_row(self.store.job(self._id(job)), self)

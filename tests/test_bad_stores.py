@@ -252,3 +252,29 @@ def test_reading_a_workspace_that_has_no_store_creates_nothing(tmp_path: Path) -
     out = cli(tmp_path, "--workspace", "nothing-yet", "jobs")
     assert out.returncode == 0 and out.stdout.strip() == "no jobs"
     assert not (tmp_path / "nothing-yet").exists()
+
+
+@pytest.mark.parametrize("name, make, phrase", [
+    ("agentnb.sqlite", os.mkfifo, "is a FIFO, not a regular file"),
+    ("agentnb.sqlite-wal", os.mkfifo, "is a FIFO, not a regular file"),
+    ("agentnb.sqlite-journal", os.mkfifo, "is a FIFO, not a regular file"),
+    ("agentnb.sqlite", lambda p: os.symlink("/dev/null", p), "is a device, not a regular file"),
+])
+def test_a_special_file_in_place_of_the_store_is_one_line_not_a_hang(
+        tmp_path: Path, name: str, make: Callable[[Path], None], phrase: str) -> None:
+    # SQLite's open of a FIFO waits for a writer forever, and SIGTERM could not end it
+    folder = tmp_path / "ws"
+    if name != "agentnb.sqlite":
+        make_store(folder)
+    folder.mkdir(exist_ok=True)
+    make(folder / name)
+    for command in COMMANDS:
+        one_error_line(cli(tmp_path, "--workspace", "ws", *command), phrase, name)
+    for readonly in (False, True):
+        with pytest.raises(StoreError, match=phrase):
+            Workspace(folder, readonly=readonly)
+    if name != "agentnb.sqlite":  # a side file planted before there is a store at all
+        (tmp_path / "new").mkdir()
+        make(tmp_path / "new" / name)
+        one_error_line(cli(tmp_path, "--workspace", "new", *COMMANDS[4]), phrase, name)
+        assert not (tmp_path / "new" / "agentnb.sqlite").exists()

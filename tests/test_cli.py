@@ -98,6 +98,11 @@ def test_a_bad_piece_exits_2_with_one_line_and_no_job(tmp_path: Path, piece_text
     (["run", "--input", "missing.txt", "task"], "--input missing.txt: no such file"),
     (["show", "7"], "no job 7 in"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    # beyond SQLite's 64-bit integers the lookup itself raised OverflowError (a traceback)
+    (["show", "99999999999999999999999"], "no job 99999999999999999999999 in"),
+    (["reply", "99999999999999999999999", "hi"], "no job 99999999999999999999999 in"),
+    (["retry", "--", "-99999999999999999999999"], "no job -99999999999999999999999 in"),
+    (["run", "--model", "replay:99999999999999999999999", "task"], "no job 99999999999999999999999 in"),
 ])
 def test_usage_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     out = agentnb(tmp_path, "--workspace", "ws", *args)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from unittest import mock
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -314,3 +315,47 @@ def test_a_completed_response_still_counts_against_max_iterations(ws: Workspace,
     (mv,) = ws.movements(job)
     assert mv["forced"] and "max_iterations (1)" in mv["summary"]
     assert len(server.received) == 1
+
+
+EDIT_IN_A_PROCESS = textwrap.dedent('''
+    import sys
+    from pathlib import Path
+    from agentnb.tools import ToolContext, get_tool
+
+    root = Path(sys.argv[1])
+    args = ({"old": "OLD", "new": "NEW"} if sys.argv[2] == "Edit" else {"content": "NEW" + "y" * 50_000_000})
+    out = get_tool(sys.argv[2]).invoke(ToolContext(workdir=root, logs_dir=root / "logs"), {"path": "big.txt", **args})
+    print(out.content)
+''')
+
+
+@pytest.mark.parametrize("tool", ["Edit", "Write"])
+def test_a_worker_killed_while_edit_or_write_writes_leaves_the_file_whole(tmp_path: Path, tool: str) -> None:
+    # Writing in place emptied the file first: a SIGKILL mid-write left an edited file empty or cut short.
+    root = tmp_path / "wd"
+    root.mkdir()
+    big = root / "big.txt"
+    old = "OLD" + "x" * 50_000_000
+    big.write_text(old)
+    os.chmod(big, 0o640)
+    script = tmp_path / "edit.py"
+    script.write_text(EDIT_IN_A_PROCESS, encoding="utf-8")
+    src = str(Path(agentnb.__file__).resolve().parents[1])
+    proc = subprocess.Popen([sys.executable, str(script), str(root), tool], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])})
+    deadline = time.monotonic() + 60
+    try:
+        # kill once the write has begun: the file in place changed, or the new file beside it appeared
+        while big.stat().st_size == len(old) and not list(root.glob(".agentnb-*.tmp")):
+            assert proc.poll() is None, f"the {tool} ended before the test could kill it: {proc.communicate()}"
+            assert time.monotonic() < deadline, "the write never began"
+            time.sleep(0.0005)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    text = big.read_text()
+    assert text in (old, "NEW" + old[3:], "NEW" + "y" * 50_000_000), (len(text), text[:10])
+    assert stat.S_IMODE(big.stat().st_mode) == 0o640  # a finished write keeps the file's permissions

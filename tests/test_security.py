@@ -7,6 +7,7 @@ worker subprocess with a timeout, so a regression fails the test instead of bloc
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import signal
@@ -450,6 +451,34 @@ def test_a_fifo_made_by_bash_never_blocks_the_file_tools(ws: Workspace, tmp_path
     assert res[3]["content"].startswith("No lines match")
     assert res[4]["is_error"] and "FIFO" in res[4]["content"]  # the checklist itself
     assert res[5]["is_error"] and "FIFO" in res[5]["content"]  # the file it is written to first
+
+
+def test_fifos_planted_where_the_runner_keeps_lessons_and_checklists_never_block_it(
+        ws: Workspace, tmp_path: Path) -> None:
+    # The runner itself appends to logs/lessons.jsonl and reads logs/checklists/*.json for every prompt;
+    # a command can leave FIFOs there (the work directory holds logs/), and opening one waited forever.
+    piece = write_piece(tmp_path, "two", {"movements": [
+        {"name": "a", "instruction": "A.", "tools": ["Read"], "rules": [{"next": "b"}]},
+        {"name": "b", "instruction": "B.", "tools": ["Read"], "rules": [{"next": "COMPLETE"}]},
+    ]})
+    model = write_script(tmp_path, "two-script", {
+        "a": [transition("b", summary="first", lessons="fifo lesson")],
+        "b": [transition("COMPLETE", summary="second", lessons="second lesson")],
+    })
+    job = ws.submit("fifo logs", piece=str(piece), model=model)
+    logs = ws.root / "jobs" / str(job.id) / "logs"
+    (logs / "checklists").mkdir(parents=True, exist_ok=True)
+    os.mkfifo(logs / "lessons.jsonl")
+    os.mkfifo(logs / "checklists" / "x.json")
+    (logs / "checklists" / "ok.json").write_text(json.dumps({"items": [{"text": "kept", "done": True}]}))
+    assert _run_in_worker(ws, job, timeout=60) == "succeeded"
+    assert [e.payload["lessons"] for e in ws.events(job, kinds=["lesson"])] == ["fifo lesson", "second lesson"]
+    errors = [e.payload["message"] for e in ws.events(job, kinds=["error"])]
+    assert len(errors) == 2 and all("lessons.jsonl" in m and "FIFO" in m for m in errors), errors
+    assert str(ws.root) not in "".join(errors)
+    second = [e.payload["user"] for e in ws.events(job, kinds=["movement_start"])][1]
+    assert "[x] kept" in second and "x.json" not in second  # the regular checklist still reaches the prompt
+    assert ws.frames.lessons(job).empty
 
 
 def test_a_fifo_swapped_in_after_the_check_never_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
