@@ -531,7 +531,8 @@ def _summary_html(ws: Workspace, job_id: int, *, below: bool = False) -> str:
     job = ws.job(job_id).snapshot()
     st = job_stats(ws, job_id)
     where = "its view is below" if below else f"see it with <code>%agent show {job.id}</code>"
-    out = (f"<div>Job {job.id} <b>{_html.escape(str(job.status))}</b> · {plural(st.movements, 'movement')} · "
+    # st.status, not job.status: a stepped or stopped job is "paused" here as in the view below it
+    out = (f"<div>Job {job.id} <b>{_html.escape(st.status)}</b> · {plural(st.movements, 'movement')} · "
            f"{plural(st.calls, 'LLM call')} · {st.total_tokens:,} tokens · running time {_seconds(st.running_s)} "
            f'<span style="color:#777">— {where}</span></div>')
     if job.error:

@@ -556,3 +556,16 @@ def test_a_step_is_shown_live_too(shell: InteractiveShell, tmp_path: Path, monke
     finally:
         gate.open.set()
         unregister(gate.name)
+
+
+def test_the_line_above_a_stepped_job_says_paused_like_its_view(shell: InteractiveShell) -> None:
+    # Seen in JupyterLab: `%agent step 1` left "Job 1 queued · …" above a view headed "Job 1 paused".
+    with capture_output():
+        queued = shell.run_line_magic("agent", 'run --queue "Summarise the inputs"')
+    with capture_output() as cap:
+        result = shell.run_cell(f"%agent step {queued.id}")
+    job = result.result
+    assert job.status == "queued"  # stored so; shown as paused everywhere
+    line = _html(cap.outputs)[-1]
+    assert line.startswith(f"<div>Job {job.id} <b>paused</b>") and "its view is below" in line, line
+    assert re.search(r'anb-st-paused"[^>]*>paused<', job._repr_html_())
