@@ -316,13 +316,19 @@ class Workspace:
         # Every input name is checked before the job exists, so a refused submit leaves nothing behind.
         # A fresh job's input/ is empty; an existing workdir's input/ may hold links that lead out.
         input_root = (Path(workdir).expanduser() if workdir is not None else self.root / "jobs" / "0") / "input"
-        for name in inputs or {}:
+        if inputs is not None and not isinstance(inputs, Mapping):
+            raise TypeError(f"inputs must be a mapping of file name → content, not {type(inputs).__name__}")
+        for name, value in (inputs or {}).items():
             if not isinstance(name, str) or ".." in Path(name).parts:
                 raise ValueError(f"input name {name!r} must be a relative path inside input/ (no '..')")
             try:
-                resolve_path(input_root, name)
+                if resolve_path(input_root, name) == input_root.resolve():
+                    raise ValueError(f"input name {name!r} is input/ itself; give a file name inside input/")
             except ToolError as exc:
                 raise ValueError(f"input {name!r}: {exc}") from None
+            if not isinstance(value, (str, bytes, os.PathLike)):
+                raise TypeError(f"input {name!r}: the content is {type(value).__name__}; allowed: text (str), "
+                                "bytes or a path of a file to copy")
         # One transaction: a job whose folder or inputs cannot be written (a read-only jobs/, a full disk)
         # is not left queued without them.
         job_folder: Path | None = None
@@ -341,13 +347,18 @@ class Workspace:
                         target = resolve_path(wd / "input", name)
                     except ToolError as exc:
                         raise ValueError(f"input {name!r}: {exc}") from None
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    if isinstance(value, bytes):
-                        target.write_bytes(value)
-                    elif isinstance(value, os.PathLike):
-                        target.write_bytes(Path(value).read_bytes())
-                    else:
-                        target.write_text(str(value), encoding="utf-8")
+                    try:
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        if isinstance(value, bytes):
+                            target.write_bytes(value)
+                        elif isinstance(value, os.PathLike):
+                            target.write_bytes(Path(value).read_bytes())
+                        else:
+                            target.write_text(str(value), encoding="utf-8")
+                    except OSError as exc:  # a name too long for the file system, a source file that is gone
+                        what = f"its source {os.fspath(value)!r}" if isinstance(value, os.PathLike) else "it"
+                        raise ValueError(f"input {name!r} cannot be written: {what}: "
+                                         f"{exc.strerror or type(exc).__name__}") from None
                 self.store.update_job(c, job_id, workdir=str(wd))
         except BaseException:
             if job_folder is not None:

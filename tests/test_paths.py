@@ -271,3 +271,20 @@ movements:
     assert SECRET.encode() not in (ws.root / "agentnb.sqlite").read_bytes()  # no linked checklist in a prompt
     # the lessons are still in the events
     assert [e.payload["lessons"] for e in ws.events(job, kinds=["lesson"])] == ["a lesson", "done"]
+
+
+@pytest.mark.parametrize("inputs, error, phrase", [
+    (["notes.md"], TypeError, "inputs must be a mapping of file name → content, not list"),
+    ({"a.txt": 5}, TypeError, "input 'a.txt': the content is int; allowed: text (str), bytes or a path"),
+    ({".": "x"}, ValueError, "input name '.' is input/ itself; give a file name inside input/"),
+    ({"d" * 300: "x"}, ValueError, "cannot be written: it: File name too long"),
+    ({"copy.txt": Path("/nonexistent/source.txt")}, ValueError,
+     "input 'copy.txt' cannot be written: its source '/nonexistent/source.txt': No such file or directory"),
+])
+def test_bad_inputs_at_submit_are_one_clear_error_and_leave_no_job(
+        ws: Workspace, inputs: Any, error: type[Exception], phrase: str) -> None:
+    # these were an AttributeError, an int silently written as text, and raw OSErrors naming the host path
+    with pytest.raises(error) as info:
+        ws.submit("Task", piece="single", model="demo", inputs=inputs)
+    assert phrase in str(info.value) and str(ws.root) not in str(info.value)
+    assert ws.jobs() == [] and not any((ws.root / "jobs").glob("*"))
