@@ -140,7 +140,11 @@ def Glob(ctx: ToolContext, pattern: str) -> ToolOutput:
     found: list[str] = []
     special: list[str] = []  # FIFOs, sockets, devices: no tool reads them, so they are not offered
     with _os_errors(given, "search for"):
-        matches = sorted(root.glob("/".join(parts)))
+        try:
+            matches = sorted(root.glob("/".join(parts)))
+        except ValueError as exc:  # e.g. "a**b": pathlib allows ** only as a whole path component
+            raise ToolError(f"pattern {given!r} is not a valid glob: {exc}; use ** as a whole component, "
+                            "e.g. '**/*.md'") from None
     for p in matches:
         real = os.path.realpath(p)
         if real != str(root) and not real.startswith(str(root) + os.sep):

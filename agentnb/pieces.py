@@ -217,9 +217,15 @@ def _yaml_error(exc: yaml.YAMLError, text: str, source: str) -> PieceError:
     if "\t" in found or "'\\t'" in problem:
         problem += " (indent with spaces, not tabs)"
     return PieceError(
-        f"not valid YAML: {problem}; found {found!r}, expected YAML text (a mapping of name, movements, …)",
+        f"not valid YAML: {problem}; found {_short(found)}, expected YAML text (a mapping of name, movements, …)",
         file=source, line=line, field=_yaml_field(text, line or 1),
     )
+
+
+def _short(value: str, limit: int = 80) -> str:
+    """``value`` quoted for an error line, cut: a file that is not a piece (a host file named by mistake)
+    must not be echoed whole into one line of error output."""
+    return repr(value if len(value) <= limit else value[:limit] + "…")
 
 
 class _Checker:
@@ -237,7 +243,7 @@ class _Checker:
         if isinstance(node, SequenceNode):
             return "a list"
         value = node.value
-        return f"{value!r}" if value != "" else "an empty value"
+        return _short(value) if value != "" else "an empty value"
 
     def mapping(self, node: Node, fld: str, allowed: Iterable[str]) -> dict[str, tuple[Node, Node]]:
         if not isinstance(node, MappingNode):
@@ -500,6 +506,9 @@ def load_piece(ref: str | os.PathLike[str] | Piece, *, known_tools: Iterable[str
     """Load a piece from a file path or by name (``./pieces/<name>.yaml``, then the package)."""
     if isinstance(ref, Piece):
         return ref
+    if not isinstance(ref, (str, os.PathLike)):
+        raise PieceError(f"piece must be a name, a YAML path or a Piece, not {type(ref).__name__} {ref!r}",
+                         field="piece")
     text_ref = os.fspath(ref)
     path = Path(text_ref)
     looks_like_path = path.suffix in (".yaml", ".yml") or os.sep in text_ref or "/" in text_ref

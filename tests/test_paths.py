@@ -288,3 +288,12 @@ def test_bad_inputs_at_submit_are_one_clear_error_and_leave_no_job(
         ws.submit("Task", piece="single", model="demo", inputs=inputs)
     assert phrase in str(info.value) and str(ws.root) not in str(info.value)
     assert ws.jobs() == [] and not any((ws.root / "jobs").glob("*"))
+
+
+def test_a_glob_with_double_star_inside_a_name_is_a_clear_tool_error(tmp_path: Path) -> None:
+    from agentnb.tools import ToolContext, get_tool
+
+    out = get_tool("Glob").invoke(ToolContext(workdir=tmp_path, logs_dir=tmp_path / "logs"),  # type: ignore[union-attr]
+                                  {"pattern": "input/a**b"})
+    assert out.is_error
+    assert out.content.startswith("Error: pattern 'input/a**b' is not a valid glob") and "'**/*.md'" in out.content

@@ -229,3 +229,20 @@ def test_a_piece_that_is_not_utf8_is_refused_with_its_line(tmp_path: Path) -> No
     path = write_piece(tmp_path, MV + "    persona_file: persona.md\n")
     with pytest.raises(PieceError, match=r":5: movements\[0\] \(a\)\.persona_file: found .*not UTF-8"):
         load_piece(path)
+
+
+def test_a_piece_that_is_not_a_name_path_or_piece_is_one_clear_error(ws: Workspace) -> None:
+    with pytest.raises(PieceError, match=r"^<piece>: piece: piece must be a name, a YAML path or a Piece, not int 123$"):
+        ws.submit("x", piece=123)  # type: ignore[arg-type]
+    assert ws.jobs() == []
+
+
+def test_a_host_file_named_as_a_piece_is_not_echoed_whole(tmp_path: Path) -> None:
+    # a file that is not a piece (named by mistake, or by an attacker) must not come back whole in the error
+    long_line = "secret-" + "x" * 500
+    path = tmp_path / "notes.yaml"
+    path.write_text(long_line + "\n", encoding="utf-8")
+    with pytest.raises(PieceError) as info:
+        load_piece(path)
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 300 and "…" in message and long_line not in message
