@@ -120,6 +120,9 @@ KEEPER = """<script>
       d.open = true;
     }
     target.scrollIntoView({block: 'center'});
+    // JupyterLab handles the same click after this: it focuses the cell holding the link and scrolls
+    // that back into view, undoing the scroll above in a tall live view.  Scroll again once it has.
+    setTimeout(function () { if (target.isConnected) target.scrollIntoView({block: 'center'}); }, 0);
     return false;
   };
 })();

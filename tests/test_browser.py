@@ -548,7 +548,10 @@ movements = [{"name": name, "persona": "You work slowly and carefully.\\n" * 12,
 Path("slow.yaml").write_text(yaml.safe_dump({"name": "slow", "max_movements": 3, "movements": movements}))
 Path("slow-script.yaml").write_text(yaml.safe_dump(
     {"movements": {"first": calls("first", 9, "second"), "second": calls("second", 5, "COMPLETE")}}))''',
-    'slowjob = %agent run --piece slow.yaml --model scripted:slow-script.yaml "Go slowly"',
+    # a first call stepped: the same job shown in two cells, as in a stepping session
+    'slowjob = %agent run --queue --piece slow.yaml --model scripted:slow-script.yaml "Go slowly"\n'
+    "%agent step slowjob --call",
+    "slowjob = %agent run --job slowjob",
     "%agent usage",
 ]
 
@@ -574,7 +577,7 @@ def test_sections_opened_during_a_live_run_stay_open(lab: Lab) -> None:
             expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
             # run everything without waiting: the user reads the slow job's view along while it goes on
             _start_all_cells(page)
-            view = page.locator(".jp-Notebook .jp-CodeCell").nth(2).locator(".anb-job")
+            view = page.locator(".jp-Notebook .jp-CodeCell").nth(3).locator(".anb-job")
             calls = view.locator(".anb-call")
             expect(calls).to_have_count(2, timeout=120_000)
 
@@ -593,7 +596,7 @@ def test_sections_opened_during_a_live_run_stay_open(lab: Lab) -> None:
             seen = calls.count()
             # more events arrive (each one redraws the view) ...
             page.wait_for_function(
-                f"() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][2]"
+                f"() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][3]"
                 f".querySelectorAll('.anb-job .anb-call').length >= {seen + 2}", timeout=60_000)
             # ... and what the user opened is still open, scrolled to where they read
             assert is_open(f"{job}:1:user"), "the user prompt the user opened closed again"
@@ -606,7 +609,7 @@ def test_sections_opened_during_a_live_run_stay_open(lab: Lab) -> None:
             assert not is_open(f"{job}:1")
             seen = calls.count()
             page.wait_for_function(
-                f"() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][2]"
+                f"() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][3]"
                 f".querySelectorAll('.anb-job .anb-call').length >= {seen + 2}", timeout=60_000)
             assert not is_open(f"{job}:1"), "the movement the user closed opened again"
             section(f"{job}:1").click()  # and opened again, the parts inside are as they were left
@@ -622,15 +625,27 @@ def test_sections_opened_during_a_live_run_stay_open(lab: Lab) -> None:
             # the header's link leads to the newest call
             link = view.locator("a.anb-latest")
             expect(link).to_contain_text("latest call")
+            # the cell above shows the same job (its first call, stepped), with an anchor of the same name:
+            # JupyterLab's own handling of the click went there after the link's scroll
             page.mouse.wheel(0, -5000)
             link.click()
             latest = view.locator(f"#anb-latest-{job}")
             expect(latest).to_be_in_viewport()
+            # the newest call (it moves on as calls arrive) is where the user looks, not just a sliver of it
+            page.wait_for_timeout(300)
+            page.wait_for_function(
+                f"""() => {{
+                    const views = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][3].querySelectorAll('.anb-job');
+                    const call = views[views.length - 1].querySelector('#anb-latest-{job}');
+                    if (!call) return false;
+                    const r = call.getBoundingClientRect();
+                    return r.top >= 0 && r.top < window.innerHeight - 60;
+                }}""", timeout=2_000)
             page.screenshot(path=str(ARTIFACTS / "live-view-latest.png"))
 
             # the run ends: `slowjob = %agent run …` keeps the whole view, and the user's choices in it
             page.wait_for_function(
-                "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][2].textContent)",
+                "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][3].textContent)",
                 timeout=RUN_ALL_TIMEOUT_MS)
             expect(view.locator("details.anb-mv")).to_have_count(2)
             expect(view.locator(".anb-head")).to_contain_text("succeeded")
@@ -638,10 +653,10 @@ def test_sections_opened_during_a_live_run_stay_open(lab: Lab) -> None:
             expect(view.locator(".anb-call").first).to_contain_text("⏱")
 
             page.wait_for_function(
-                "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][3].textContent)",
+                "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][4].textContent)",
                 timeout=RUN_ALL_TIMEOUT_MS)
             _assert_no_cell_raised(page)
-            table = page.locator(".jp-Notebook .jp-CodeCell").nth(3).locator("table")
+            table = page.locator(".jp-Notebook .jp-CodeCell").nth(4).locator("table")
             expect(table.locator("th.col_heading")).to_have_count(7)
             expect(table).to_contain_text("1. first")
             table.scroll_into_view_if_needed()
