@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
+from ._fs import special_kind
 from ._migrations import MIGRATIONS
 from .events import EVENT_KINDS, Event, event_from_row
 
@@ -192,15 +193,7 @@ def _special_kind(path: Path) -> str | None:
         return None
     if stat.S_ISREG(mode):
         return None
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "a special file"
+    return "a folder" if stat.S_ISDIR(mode) else special_kind(mode)
 
 
 def _wal_holds_pages(path: Path) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Union, get_args, get_origin
 
+from ._fs import special_kind
 from ._secrets import redact, secret_values
 
 __all__ = [
@@ -535,14 +536,3 @@ def _check_regular(mode: int, rel: str) -> None:
                     "only (a FIFO or device could block or never end)")
 
 
-def special_kind(mode: int) -> str:
-    """What a file that is neither a regular file nor a directory is, in words."""
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (named pipe)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode):
-        return "a character device"
-    if stat.S_ISBLK(mode):
-        return "a block device"
-    return "a special file"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -255,10 +256,10 @@ def test_reading_a_workspace_that_has_no_store_creates_nothing(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("name, make, phrase", [
-    ("agentnb.sqlite", os.mkfifo, "is a FIFO, not a regular file"),
-    ("agentnb.sqlite-wal", os.mkfifo, "is a FIFO, not a regular file"),
-    ("agentnb.sqlite-journal", os.mkfifo, "is a FIFO, not a regular file"),
-    ("agentnb.sqlite", lambda p: os.symlink("/dev/null", p), "is a device, not a regular file"),
+    ("agentnb.sqlite", os.mkfifo, "is a FIFO (named pipe), not a regular file"),
+    ("agentnb.sqlite-wal", os.mkfifo, "is a FIFO (named pipe), not a regular file"),
+    ("agentnb.sqlite-journal", os.mkfifo, "is a FIFO (named pipe), not a regular file"),
+    ("agentnb.sqlite", lambda p: os.symlink("/dev/null", p), "is a character device, not a regular file"),
 ])
 def test_a_special_file_in_place_of_the_store_is_one_line_not_a_hang(
         tmp_path: Path, name: str, make: Callable[[Path], None], phrase: str) -> None:
@@ -271,7 +272,7 @@ def test_a_special_file_in_place_of_the_store_is_one_line_not_a_hang(
     for command in COMMANDS:
         one_error_line(cli(tmp_path, "--workspace", "ws", *command), phrase, name)
     for readonly in (False, True):
-        with pytest.raises(StoreError, match=phrase):
+        with pytest.raises(StoreError, match=re.escape(phrase)):
             Workspace(folder, readonly=readonly)
     if name != "agentnb.sqlite":  # a side file planted before there is a store at all
         (tmp_path / "new").mkdir()
