@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["Workspace", "Job", "JobStatus", "JobRef", "prepare_workdir", "DEFAULT_WORKSPACE", "MAX_INSTRUCTION_CHARS"]
 
 DEFAULT_WORKSPACE = "agentnb-data"
-# A job's instruction goes into every movement's prompt; long material belongs in input/ files, which
-# the tools read piece by piece.  The store keeps one copy of it however many movements run.
 
 
 class JobStatus(str, Enum):
