@@ -223,16 +223,26 @@ def owner_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+def _owner_host_pid(owner: str | None) -> tuple[str, int | None]:
+    """The host and process id named by ``owner`` (an :func:`owner_id`); pid None when it names none."""
+    host, _, rest = (owner or "").partition(":")
+    pid_text = rest.split(":", 1)[0]
+    return host, int(pid_text) if pid_text.isdigit() else None
+
+
+def owned_by_this_process(owner: str | None) -> bool:
+    """True when ``owner`` (a job's ``claimed_by``) is this very process."""
+    return _owner_host_pid(owner) == (socket.gethostname(), os.getpid())
+
+
 def _owner_is_gone(owner: str | None) -> bool:
     """True only when ``owner`` names a process of this host that no longer exists.
 
     Owners on other hosts, or in this very process, are never taken over.
     """
-    host, _, rest = (owner or "").partition(":")
-    pid_text = rest.split(":", 1)[0]
-    if host != socket.gethostname() or not pid_text.isdigit() or int(pid_text) == os.getpid():
+    host, pid = _owner_host_pid(owner)
+    if host != socket.gethostname() or pid is None or pid == os.getpid():
         return False
-    pid = int(pid_text)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
