@@ -298,12 +298,7 @@ class Store:
             raise StoreError(f"cannot make the folder {folder}: a part of that path is a file") from None
         except OSError as exc:
             raise StoreError(f"cannot make the folder {folder}: {exc.strerror or exc}") from None
-        if self.path.is_dir():
-            raise StoreError(f"{self.path} is a folder, not a store file: move it aside")
-        if self.path.exists() or _special_problem(self.path):
-            problem = _header_problem(self.path)
-            if problem:
-                raise StoreError(problem)
+        self._refuse_unusable()
         # Refused here, not at the first write: a read-only store must not half-open and then fail mid-job.
         # The folder must be writable too, for the WAL and its index.
         for where, what in ((self.path, "the file"), (folder, f"its folder {folder}")):
@@ -337,11 +332,7 @@ class Store:
     def _open_readonly(self) -> sqlite3.Connection:
         if not self.path.exists():
             return self._empty()
-        if self.path.is_dir():
-            raise StoreError(f"{self.path} is a folder, not a store file: move it aside")
-        problem = _header_problem(self.path)
-        if problem:
-            raise StoreError(problem)
+        self._refuse_unusable()
         uri = self.path.resolve().as_uri()
         try:
             conn = self._connect_uri(f"{uri}?mode=ro")
@@ -374,6 +365,15 @@ class Store:
             conn.close()
             raise
         return conn
+
+    def _refuse_unusable(self) -> None:
+        """Refuse, before SQLite opens it, a store path that is a folder, or a file that is no SQLite store."""
+        if self.path.is_dir():
+            raise StoreError(f"{self.path} is a folder, not a store file: move it aside")
+        if self.path.exists() or _special_problem(self.path):
+            problem = _header_problem(self.path)
+            if problem:
+                raise StoreError(problem)
 
     @staticmethod
     def _connect_uri(uri: str) -> sqlite3.Connection:
