@@ -24,7 +24,8 @@ The source, :func:`transcript`, re-renders the run from the store when re-execut
 No secret reaches the file: the store holds none, and the value of any environment
 variable whose name is a secret's (``_secrets.SECRET_NAME``: ``*KEY*``, ``*TOKEN*``,
 ``*SECRET*``, ``*PASSWORD*``, ``*CREDENTIAL*``, …) is masked wherever it appears (an
-instruction could quote one).
+instruction could quote one), as is the password of a URL in the environment (``DATABASE_URL``):
+the same secrets (``_secrets.secret_values``) the tool results are cleared of.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import nbformat
 from nbformat import v4
 
-from ._secrets import SECRET_NAME as _SECRET_NAME
+from ._secrets import redact, secret_values
 from .events import Event
 
 if TYPE_CHECKING:
@@ -324,8 +325,6 @@ def _relative_paths(text: str, root: Path, notebook_dir: Path) -> str:
 
 
 def _mask_secrets(text: str) -> str:
-    for name, value in os.environ.items():
-        if _SECRET_NAME.search(name) and len(value) >= 8:
-            text = text.replace(value, "***")
-            text = text.replace(json.dumps(value)[1:-1], "***")  # as escaped inside the JSON
-    return text
+    values = secret_values()  # the same secrets the tool results are cleared of before they are stored
+    text = redact(text, values)
+    return redact(text, tuple(json.dumps(v)[1:-1] for v in values))  # as escaped inside the JSON

@@ -19,8 +19,6 @@ Defaults are traitlets: ``%config AgentMagic.workspace = 'dir'`` (and ``.model``
 from __future__ import annotations
 
 import numbers
-import os
-import socket
 import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -35,7 +33,7 @@ from ._vars import VarError, expand, expand_value, split_line
 from .models import ModelSpecError
 from .pieces import PieceError, available_pieces, load_piece
 from .render import KEEPER, _seconds, job_html, job_stats, plural
-from .store import StoreError
+from .store import StoreError, owned_by_this_process
 from .workspace import DEFAULT_WORKSPACE, Job, Workspace
 
 __all__ = ["AgentMagic", "load_ipython_extension", "expand_braces", "SUBCOMMANDS"]
@@ -422,8 +420,7 @@ class AgentMagic(Magics):
         if job.status != "running":
             raise UsageError(f"%agent stop: job {job.id} is {job.status}; only a running job can be stopped")
         owner = str(self.ws.store.job(job.id).get("claimed_by") or "")
-        host, _, rest = owner.partition(":")
-        if host != socket.gethostname() or rest.split(":", 1)[0] != str(os.getpid()):
+        if not owned_by_this_process(owner):
             raise UsageError(f"%agent stop: job {job.id} runs in another process ({owner or 'unknown'}); "
                              "stop it there (Ctrl-C, or the Stop button of the panel that runs it)")
         self.ws.stop(job.id)

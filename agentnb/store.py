@@ -223,16 +223,26 @@ def owner_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+def _owner_host_pid(owner: str | None) -> tuple[str, int | None]:
+    """The host and process id named by ``owner`` (an :func:`owner_id`); pid None when it names none."""
+    host, _, rest = (owner or "").partition(":")
+    pid_text = rest.split(":", 1)[0]
+    return host, int(pid_text) if pid_text.isdigit() else None
+
+
+def owned_by_this_process(owner: str | None) -> bool:
+    """True when ``owner`` (a job's ``claimed_by``) is this very process."""
+    return _owner_host_pid(owner) == (socket.gethostname(), os.getpid())
+
+
 def _owner_is_gone(owner: str | None) -> bool:
     """True only when ``owner`` names a process of this host that no longer exists.
 
     Owners on other hosts, or in this very process, are never taken over.
     """
-    host, _, rest = (owner or "").partition(":")
-    pid_text = rest.split(":", 1)[0]
-    if host != socket.gethostname() or not pid_text.isdigit() or int(pid_text) == os.getpid():
+    host, pid = _owner_host_pid(owner)
+    if host != socket.gethostname() or pid is None or pid == os.getpid():
         return False
-    pid = int(pid_text)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -288,12 +298,7 @@ class Store:
             raise StoreError(f"cannot make the folder {folder}: a part of that path is a file") from None
         except OSError as exc:
             raise StoreError(f"cannot make the folder {folder}: {exc.strerror or exc}") from None
-        if self.path.is_dir():
-            raise StoreError(f"{self.path} is a folder, not a store file: move it aside")
-        if self.path.exists() or _special_problem(self.path):
-            problem = _header_problem(self.path)
-            if problem:
-                raise StoreError(problem)
+        self._refuse_unusable()
         # Refused here, not at the first write: a read-only store must not half-open and then fail mid-job.
         # The folder must be writable too, for the WAL and its index.
         for where, what in ((self.path, "the file"), (folder, f"its folder {folder}")):
@@ -327,11 +332,7 @@ class Store:
     def _open_readonly(self) -> sqlite3.Connection:
         if not self.path.exists():
             return self._empty()
-        if self.path.is_dir():
-            raise StoreError(f"{self.path} is a folder, not a store file: move it aside")
-        problem = _header_problem(self.path)
-        if problem:
-            raise StoreError(problem)
+        self._refuse_unusable()
         uri = self.path.resolve().as_uri()
         try:
             conn = self._connect_uri(f"{uri}?mode=ro")
@@ -364,6 +365,15 @@ class Store:
             conn.close()
             raise
         return conn
+
+    def _refuse_unusable(self) -> None:
+        """Refuse, before SQLite opens it, a store path that is a folder, or a file that is no SQLite store."""
+        if self.path.is_dir():
+            raise StoreError(f"{self.path} is a folder, not a store file: move it aside")
+        if self.path.exists() or _special_problem(self.path):
+            problem = _header_problem(self.path)
+            if problem:
+                raise StoreError(problem)
 
     @staticmethod
     def _connect_uri(uri: str) -> sqlite3.Connection:

@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["Workspace", "Job", "JobStatus", "JobRef", "prepare_workdir", "DEFAULT_WORKSPACE", "MAX_INSTRUCTION_CHARS"]
 
 DEFAULT_WORKSPACE = "agentnb-data"
-# A job's instruction goes into every movement's prompt; long material belongs in input/ files, which
-# the tools read piece by piece.  The store keeps one copy of it however many movements run.
 
 
 class JobStatus(str, Enum):
@@ -369,7 +367,7 @@ class Workspace:
     # -- running ------------------------------------------------------------
     def _runner(self, row: Mapping[str, Any]) -> JobRunner:
         job_id = int(row["id"])
-        mark = (*self._movement_mark(job_id), row.get("options"))
+        mark = self._runner_mark(job_id)
         cached = self._runners.get(job_id)
         if cached is not None and cached[1] == mark:
             return cached[0]
@@ -380,14 +378,16 @@ class Workspace:
         self._runners[job_id] = (runner, mark)
         return runner
 
-    def _movement_mark(self, job_id: int) -> tuple[int, int]:
-        """What a cached runner must match: the last movement event, and the open movement (a retry
-        reopens a failed one without writing a movement event)."""
+    def _runner_mark(self, job_id: int) -> tuple[int, int, str | None]:
+        """What a cached runner must match: the last movement event, the open movement (a retry
+        reopens a failed one without writing a movement event) and the job's options (a retry may
+        change its model's retry settings)."""
         rows = self.store.query(
             "SELECT (SELECT MAX(id) FROM events WHERE job_id=? AND movement_seq IS NOT NULL), "
-            "(SELECT MAX(seq) FROM movements WHERE job_id=? AND status='running')", (job_id, job_id),
+            "(SELECT MAX(seq) FROM movements WHERE job_id=? AND status='running'), "
+            "(SELECT options FROM jobs WHERE id=?)", (job_id, job_id, job_id),
         )
-        return int(rows[0][0] or 0), int(rows[0][1] or 0)
+        return int(rows[0][0] or 0), int(rows[0][1] or 0), rows[0][2]
 
     def _activate(self, row: dict[str, Any], runner: JobRunner) -> None:
         """Build the enriched instruction once per activation (first start, or after a wait)."""
@@ -440,7 +440,7 @@ class Workspace:
             with self.store.transaction() as c:
                 self.store.set_status(c, job_id, "queued", reason=reason)
         with self._lock:
-            self._runners[job_id] = (runner, (*self._movement_mark(job_id), self.store.job(job_id)["options"]))
+            self._runners[job_id] = (runner, self._runner_mark(job_id))
         return self.job(job_id)
 
     def _claim(self, job_id: int) -> dict[str, Any] | None:

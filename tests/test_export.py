@@ -166,6 +166,16 @@ def test_export_never_writes_a_key_and_refuses_bad_paths(ws: Workspace, tmp_path
         ws.export_notebook(job, tmp_path / "k.html")
 
 
+def test_export_masks_what_tool_results_are_cleared_of(ws: Workspace, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # a URL's password is a secret whatever its variable is called (export had a list of its own)
+    password = "s3cr3t-pw-0123456789"
+    monkeypatch.setenv("DATABASE_URL", f"postgresql://app:{password}@db/prod")
+    job = ws.submit(f"Check the schema behind postgresql://app:{password}@db/prod", piece="single", model="demo")
+    text = ws.export_notebook(job, tmp_path / "u.ipynb").read_text(encoding="utf-8")
+    assert password not in text and "***" in text
+
+
 def test_export_of_a_job_that_never_ran(ws: Workspace, tmp_path: Path) -> None:
     job = ws.submit("later", piece="single", model="demo")
     nb = _read(ws.export_notebook(job, tmp_path / "q.ipynb"))
