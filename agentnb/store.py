@@ -30,6 +30,7 @@ from ._migrations import MIGRATIONS
 from .events import EVENT_KINDS, Event, event_from_row
 
 __all__ = [
+    "can_name_a_job",
     "MAX_INSTRUCTION_CHARS",
     "Store", "StoreError", "TERMINAL_STATES", "WAITING_STATES", "JOB_STATES", "SCHEMA_VERSION",
     "TEXT_REF", "TEXT_REF_MIN_CHARS", "describe_error", "instruction_sql", "payload_text_sql",
@@ -95,6 +96,12 @@ _dumps = _fast_dumps()
 # in input files, which the tools read in budgeted pieces).  Subtasks are held to it too.
 MAX_INSTRUCTION_CHARS = 1_000_000
 
+
+
+def can_name_a_job(job_id: int) -> bool:
+    """Whether ``job_id`` lies in SQLite's (signed 64-bit) integer range of row ids: beyond it a lookup raises
+    OverflowError instead of finding nothing, so callers say "no job" without asking."""
+    return 0 < job_id < 2**63
 
 class StoreError(RuntimeError):
     """A store operation that cannot be done (unknown job, wrong state, unusable file, …)."""
@@ -483,7 +490,7 @@ class Store:
         return job_id
 
     def job(self, job_id: int) -> dict[str, Any]:
-        rows = self.query("SELECT * FROM jobs WHERE id=?", (job_id,))
+        rows = self.query("SELECT * FROM jobs WHERE id=?", (job_id,)) if can_name_a_job(job_id) else []
         if not rows:
             raise StoreError(f"no job {job_id} in {self.path}")
         return self._job_dict(rows[0])

@@ -17,7 +17,7 @@ from .events import Event
 from .models import check_model_spec, check_retry_settings, resolve_model
 from .pieces import Piece, load_piece
 from .runner import JobRunner, notify_parent
-from .store import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, Store, StoreError
+from .store import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, Store, StoreError, can_name_a_job
 from .tools import ToolError, resolve_path
 from .worker import MAX_COMMENTS, Worker, build_enriched_instruction
 
@@ -246,7 +246,7 @@ class Workspace:
             job_id = int(job)
         except (TypeError, ValueError):
             raise StoreError(f"job must be a Job or a job id, not {job!r}") from None
-        if not 0 < job_id < 2**63:  # beyond SQLite's integers a lookup raises OverflowError, not "no job"
+        if not can_name_a_job(job_id):  # every store query with it would raise OverflowError
             raise StoreError(f"no job {job_id} in {self.store.path}")
         return job_id
 
