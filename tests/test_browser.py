@@ -196,6 +196,21 @@ def _start_all_cells(page) -> None:  # type: ignore[no-untyped-def]
                 raise
 
 
+def _notebook(lab: Lab, name: str, cells: list[str], shots: str) -> Path:
+    """Write ``cells`` as notebook ``name`` in the lab's folder and clear the test's old ``shots-*.png``."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    nb = new_notebook(cells=[new_code_cell(src) for src in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = lab.root / name
+    nbformat.write(nb, path)
+    ARTIFACTS.mkdir(exist_ok=True)
+    for old in ARTIFACTS.glob(f"{shots}-*.png"):
+        old.unlink()
+    return path
+
+
 def _assert_no_cell_raised(page) -> None:  # type: ignore[no-untyped-def]
     stderr = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
     raised = [t for t in stderr.all_inner_texts() if "Traceback" in t or "Error" in t]
@@ -295,17 +310,10 @@ def _saved_outputs(path: Path, index: int) -> str:
 
 def test_reply_to_an_ask_from_the_panel_then_reopen_the_saved_notebook(lab: Lab) -> None:
     import nbformat
-    from nbformat.v4 import new_code_cell, new_notebook
     from playwright.sync_api import expect, sync_playwright
 
     name = "ask-from-the-panel.ipynb"
-    path = lab.root / name
-    nb = new_notebook(cells=[new_code_cell(src) for src in ASK_CELLS])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, path)
-    ARTIFACTS.mkdir(exist_ok=True)
-    for old in ARTIFACTS.glob("panel-reply-*.png"):
-        old.unlink()
+    path = _notebook(lab, name, ASK_CELLS, "panel-reply")
     with sync_playwright() as pw:
         browser = _launch(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -413,17 +421,10 @@ def _overflow(page, selector: str) -> list[str]:  # type: ignore[no-untyped-def]
 
 
 def test_panel_stop_narrow_layout_and_restart(lab: Lab) -> None:
-    import nbformat
-    from nbformat.v4 import new_code_cell, new_notebook
     from playwright.sync_api import expect, sync_playwright
 
     name = "panel-session.ipynb"
-    nb = new_notebook(cells=[new_code_cell(src) for src in SLOW_CELLS])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, lab.root / name)
-    ARTIFACTS.mkdir(exist_ok=True)
-    for old in ARTIFACTS.glob("panel-session-*.png"):
-        old.unlink()
+    _notebook(lab, name, SLOW_CELLS, "panel-session")
     with sync_playwright() as pw:
         browser = _launch(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -558,17 +559,10 @@ Path("slow-script.yaml").write_text(yaml.safe_dump(
 
 def test_sections_opened_during_a_live_run_stay_open(lab: Lab) -> None:
     """Issue 12, item 2: the live view is redrawn at every event; what the user opened or closed stays so."""
-    import nbformat
-    from nbformat.v4 import new_code_cell, new_notebook
     from playwright.sync_api import expect, sync_playwright
 
     name = "live-view.ipynb"
-    nb = new_notebook(cells=[new_code_cell(src) for src in LIVE_CELLS])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, lab.root / name)
-    ARTIFACTS.mkdir(exist_ok=True)
-    for old in ARTIFACTS.glob("live-view-*.png"):
-        old.unlink()
+    _notebook(lab, name, LIVE_CELLS, "live-view")
     with sync_playwright() as pw:
         browser = _launch(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
