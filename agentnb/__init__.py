@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from .events import EVENT_KINDS, Event
-from .models import ModelError, ModelRequest, ModelResponse, ModelSpecError, ScriptedModel, ToolCall
-from .pieces import Movement, Piece, PieceError, Rule, available_pieces, load_piece, parse_piece
-from .tools import Tool, ToolContext, ToolError, ToolOutput, tool
+from .models.base import ModelError, ModelRequest, ModelResponse, ModelSpecError, ScriptedModel, ToolCall
+from .engine.pieces import Movement, Piece, PieceError, Rule, available_pieces, load_piece, parse_piece
+from .tools.base import Tool, ToolContext, ToolError, ToolOutput, tool
 from .workspace import Job, JobStatus, Workspace
 
 __version__ = "0.1.0"
@@ -43,13 +43,13 @@ __all__ = [
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext agentnb``: register the ``%agent`` magics."""
-    from .magic import load_ipython_extension as _load
+    from .notebook.magic import load_ipython_extension as _load
 
     _load(ipython)
 
 
 def plot_usage(job_or_frame: Any, **kwargs: Any) -> Any:
     """The usage timeline of a job (or of a ``frames.usage()`` DataFrame) as a matplotlib Figure."""
-    from .plots import plot_usage as _plot
+    from .views.plots import plot_usage as _plot
 
     return _plot(job_or_frame, **kwargs)

@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .models import ModelSpecError
-from .pieces import PieceError, available_pieces
-from .store import StoreError, describe_error
+from .models.base import ModelSpecError
+from .engine.pieces import PieceError, available_pieces
+from .store.sqlite import StoreError, describe_error
 from .worker import Terminated, sigterm_interrupts
 
 __all__ = ["main"]
@@ -186,7 +186,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_pieces(args: argparse.Namespace) -> int:
-    from .pieces import load_piece
+    from .engine.pieces import load_piece
 
     for name, path in sorted(available_pieces().items()):
         try:

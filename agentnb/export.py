@@ -84,7 +84,7 @@ def export_notebook(
 
 def build_notebook(ws: "Workspace", job_id: int, *, full: bool = False, plot: bool = True) -> nbformat.NotebookNode:
     """The transcript notebook of a job, in memory (see the module docstring for its cells)."""
-    from .render import STYLE, job_stats, movement_html
+    from .views.render import STYLE, job_stats, movement_html
 
     job = ws.job(job_id)
     events = ws.events(job.id)
@@ -122,7 +122,7 @@ def build_notebook(ws: "Workspace", job_id: int, *, full: bool = False, plot: bo
 
 def _timeline(events: Sequence[Event]) -> list[tuple[str, Any]]:
     """Movement runs (``("movement", (seq, events))``) and job-level comments/errors, in order."""
-    from .render import _layout  # the job view's own ordering, so the transcript reads the same
+    from .views.render import _layout  # the job view's own ordering, so the transcript reads the same
 
     items, by_seq = _layout(events)
     return [("movement", (item, by_seq[item])) if kind == "mv" else (kind, item) for kind, item in items]
@@ -198,7 +198,7 @@ def transcript(workspace: "str | os.PathLike[str] | Workspace", job: int, seq: i
     """Movement run ``seq`` of job ``job`` as HTML for a notebook (what an exported transcript cell runs)."""
     from IPython.display import HTML
 
-    from .render import STYLE, movement_html
+    from .views.render import STYLE, movement_html
     from .workspace import Workspace
 
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
@@ -206,7 +206,7 @@ def transcript(workspace: "str | os.PathLike[str] | Workspace", job: int, seq: i
 
 
 def _usage_cells(ws: "Workspace", job_id: int) -> list[nbformat.NotebookNode]:
-    from .plots import figure_png, plot_usage
+    from .views.plots import figure_png, plot_usage
 
     # Twice the pixels, shown at the figure's own size (10 in at 100 px per inch, 1000 px wide): at 80 dpi
     # and no size given, the labels were 7 px high.  PNG rather than SVG: JupyterLab does not show an SVG

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ._prompts import text
+from .engine.prompts import text
 
 if TYPE_CHECKING:
     from .workspace import Job, Workspace

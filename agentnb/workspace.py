@@ -12,17 +12,17 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
 
-from ._status import STOP_REASON
+from .views.status import STOP_REASON
 from .events import Event
-from .models import check_model_spec, check_retry_settings, resolve_model
-from .pieces import Piece, load_piece
-from .runner import JobRunner, notify_parent
-from .store import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, Store, StoreError, can_name_a_job
-from .tools import ToolError, resolve_path
+from .models.base import check_model_spec, check_retry_settings, resolve_model
+from .engine.pieces import Piece, load_piece
+from .engine.runner import JobRunner, notify_parent
+from .store.sqlite import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, Store, StoreError, can_name_a_job
+from .tools.base import ToolError, resolve_path
 from .worker import MAX_COMMENTS, Worker, build_enriched_instruction
 
 if TYPE_CHECKING:
-    from .frames import Frames
+    from .views.frames import Frames
 
 __all__ = ["Workspace", "Job", "JobStatus", "JobRef", "prepare_workdir", "DEFAULT_WORKSPACE", "MAX_INSTRUCTION_CHARS"]
 
@@ -164,7 +164,7 @@ class Job:
             import html
 
             return f"<pre>{html.escape(repr(self))}</pre>"
-        from .render import job_html
+        from .views.render import job_html
 
         return job_html(self.workspace, self.id)
 
@@ -269,7 +269,7 @@ class Workspace:
         return self.store.movements(self._id(job))
 
     def piece(self, job: JobRef) -> Piece:
-        from .runner import _parse_stored
+        from .engine.runner import _parse_stored
 
         return _parse_stored(self.store.job(self._id(job)))
 
@@ -306,7 +306,7 @@ class Workspace:
         resolve_model(model, store=self.store)
         opts: dict[str, Any] = dict(settings)
         if context:
-            from .context import check_context_options
+            from .engine.context import check_context_options
 
             opts["context"] = check_context_options(context, p.thresholds)
         if workdir is not None and not Path(workdir).expanduser().is_dir():
@@ -581,7 +581,7 @@ class Workspace:
     # -- views -----------------------------------------------------------------
     @property
     def frames(self) -> "Frames":
-        from .frames import Frames
+        from .views.frames import Frames
 
         return Frames(self)
 

@@ -40,7 +40,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agentnb import Workspace  # noqa: E402
-from agentnb.pieces import DEFAULT_THRESHOLDS, load_piece  # noqa: E402
+from agentnb.engine.pieces import DEFAULT_THRESHOLDS, load_piece  # noqa: E402
 
 MOVEMENTS = ("plan", "implement", "verify", "implement")
 TOOLS = ("Read", "Grep", "Glob", "Write")

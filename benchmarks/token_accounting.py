@@ -36,8 +36,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agentnb import Workspace  # noqa: E402
-from agentnb._tokens import counter_for_model  # noqa: E402
-from agentnb.context import ContextManager  # noqa: E402
+from agentnb.engine.tokens import counter_for_model  # noqa: E402
+from agentnb.engine.context import ContextManager  # noqa: E402
 
 RESULT = ("src/module.py:{i}: def handler_{i}(request, response): return process(request.payload, "
           "retries=3)  # the quick brown fox jumps over the lazy dog\n") * 12

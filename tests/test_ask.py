@@ -13,7 +13,7 @@ from _scripting import call, requests, starts, transition, user_prompts, write_s
 from openai_server import OpenAIServer, reply
 from agentnb import Workspace
 from agentnb.cli import main as cli_main
-from agentnb.store import StoreError
+from agentnb.store.sqlite import StoreError
 
 QUESTION = "Should the summary be in English or in French?"
 ANSWER = "French, please, and keep it under 100 words."

@@ -20,7 +20,7 @@ from typing import Callable
 import pytest
 
 from agentnb import Workspace
-from agentnb.store import SCHEMA_VERSION, Store, StoreError
+from agentnb.store.sqlite import SCHEMA_VERSION, Store, StoreError
 
 from engine_helpers import transition, write_script
 

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from agentnb import Workspace
-from agentnb.models import ModelSpecError
-from agentnb._tokens import TokenCounter, counter_for_model
-from agentnb.context import (
+from agentnb.models.base import ModelSpecError
+from agentnb.engine.tokens import TokenCounter, counter_for_model
+from agentnb.engine.context import (
     DEFAULT_WINDOW,
     MAX_TOOL_TOKENS,
     ContextManager,

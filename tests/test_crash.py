@@ -83,8 +83,8 @@ def tools() -> Iterator[None]:
     agentnb.tool(name="slow_append", permission="edit")(lambda line: "")
     agentnb.tool(name="slow_look", read_only=True)(lambda: "")
     yield
-    agentnb.tools.unregister("slow_append")
-    agentnb.tools.unregister("slow_look")
+    agentnb.tools.base.unregister("slow_append")
+    agentnb.tools.base.unregister("slow_look")
 
 
 @pytest.fixture
@@ -268,7 +268,7 @@ def stop_once() -> Iterator[dict[str, int]]:
         return "ran"
 
     yield state
-    agentnb.tools.unregister("stop_once")
+    agentnb.tools.base.unregister("stop_once")
 
 
 def _openai_env(monkeypatch: pytest.MonkeyPatch, server: OpenAIServer) -> None:
@@ -320,7 +320,7 @@ def test_a_completed_response_still_counts_against_max_iterations(ws: Workspace,
 EDIT_IN_A_PROCESS = textwrap.dedent('''
     import sys
     from pathlib import Path
-    from agentnb.tools import ToolContext, get_tool
+    from agentnb.tools.base import ToolContext, get_tool
 
     root = Path(sys.argv[1])
     args = ({"old": "OLD", "new": "NEW"} if sys.argv[2] == "Edit" else {"content": "NEW" + "y" * 50_000_000})

@@ -19,8 +19,8 @@ import pytest
 
 import agentnb
 from agentnb import Workspace
-from agentnb.models import ModelRequest, ModelResponse, ToolCall
-from agentnb.runner import JobRunner
+from agentnb.models.base import ModelRequest, ModelResponse, ToolCall
+from agentnb.engine.runner import JobRunner
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ responses:
 def test_a_script_file_reads_exactly_as_yaml_safe_load_gives_it(tmp_path: Path) -> None:
     import yaml
 
-    from agentnb.models import ScriptedModel
+    from agentnb.models.base import ScriptedModel
 
     path = tmp_path / "script.yaml"
     path.write_text(SCRIPT_WITH_YAML_FEATURES, encoding="utf-8")
@@ -202,7 +202,7 @@ def test_the_response_and_a_side_effecting_call_are_committed_before_the_tool_ru
         assert JobRunner(ws.store, row, Model(), ws.root / "jobs").advance("job") == "succeeded"
     finally:
         for name in ("look_a", "look_b", "change"):
-            agentnb.tools.unregister(name)
+            agentnb.tools.base.unregister(name)
     # before the first tool runs, the response (and that call) is durable: a restart completes it, never re-asks
     assert seen["look_a"] == [("llm_response", None), ("tool_call", "a")]
     # a second read-only tool costs no commit of its own
@@ -213,7 +213,7 @@ def test_the_response_and_a_side_effecting_call_are_committed_before_the_tool_ru
 
 
 def test_only_the_built_in_readers_and_declared_tools_are_read_only() -> None:
-    from agentnb.tools import get_tool
+    from agentnb.tools.base import get_tool
 
     assert {n for n in ("Read", "Glob", "Grep", "ReadImage", "Write", "Edit", "Bash", "Checklist")
             if get_tool(n).read_only} == {"Read", "Glob", "Grep", "ReadImage"}  # type: ignore[union-attr]
@@ -225,5 +225,5 @@ def test_only_the_built_in_readers_and_declared_tools_are_read_only() -> None:
         with pytest.raises(ValueError, match="read_only='yes'; allowed: True or False"):
             agentnb.tool(name="bad_tool", read_only="yes")  # type: ignore[call-overload]
     finally:
-        agentnb.tools.unregister("plain_tool")
-        agentnb.tools.unregister("declared_tool")
+        agentnb.tools.base.unregister("plain_tool")
+        agentnb.tools.base.unregister("declared_tool")

@@ -300,7 +300,7 @@ def test_transcript_opens_collapsed_in_jupyterlab_and_expands_with_one_click(ws:
 def test_the_transcript_has_no_local_absolute_path(ws: Workspace, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import agentnb
-    from agentnb.tools import unregister
+    from agentnb.tools.base import unregister
     from _scripting import call, transition, write_piece, write_script
 
     @agentnb.tool(name="TestWhere")

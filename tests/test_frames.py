@@ -12,8 +12,8 @@ from pandas.api import types as pt
 
 from _usage_jobs import COMPLETIONS, PROMPTS, demo_job, raw_usage, tiktoken_job, usage_job
 from agentnb import Job, Workspace
-from agentnb.frames import ACTION_DTYPE, COLUMNS
-from agentnb.store import StoreError
+from agentnb.views.frames import ACTION_DTYPE, COLUMNS
+from agentnb.store.sqlite import StoreError
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from IPython.utils.capture import capture_output
 import agentnb
 from _scripting import call, transition, write_piece, write_script
 from agentnb import Job, Workspace
-from agentnb.magic import SUBCOMMANDS
-from agentnb.tools import unregister
+from agentnb.notebook.magic import SUBCOMMANDS
+from agentnb.tools.base import unregister
 
 
 @pytest.fixture

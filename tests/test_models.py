@@ -11,7 +11,7 @@ import pytest
 
 import agentnb
 from agentnb import Workspace
-from agentnb.models import ModelSpecError
+from agentnb.models.base import ModelSpecError
 
 from engine_helpers import call, say, transition, write_piece, write_script
 from openai_server import OpenAIServer, error, reply, stall
@@ -48,7 +48,7 @@ def crash_tool():
         raise ValueError(f"cannot handle {x}")
 
     yield
-    agentnb.tools.unregister("crash_tool")
+    agentnb.tools.base.unregister("crash_tool")
 
 
 @pytest.fixture
@@ -360,7 +360,7 @@ def test_a_resumed_movement_resends_the_models_own_argument_text(ws: Workspace, 
 
 def test_the_wait_a_server_asks_for_is_honoured(ws: Workspace, tmp_path: Path, server: OpenAIServer,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import agentnb._openai as oa
+    import agentnb.models.openai as oa
 
     waits: list[float] = []
     monkeypatch.setattr(oa.time, "sleep", waits.append)  # record the waits instead of waiting

@@ -15,7 +15,7 @@ import yaml
 
 from openai_server import OpenAIServer, reply
 from agentnb import Workspace
-from agentnb.pieces import SPECIAL_NEXT, available_pieces
+from agentnb.engine.pieces import SPECIAL_NEXT, available_pieces
 
 CUSTOM = {  # Japanese headings, ABORT named by a rule, a target named twice, no special step but ABORT
     "name": "custom", "language": "ja",

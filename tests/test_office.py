@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from agentnb._tokens import counter_for_model
-from agentnb.tools import ToolContext, ToolOutput, get_tool
+from agentnb.engine.tokens import counter_for_model
+from agentnb.tools.base import ToolContext, ToolOutput, get_tool
 
 COUNTER = counter_for_model("gpt-4o")
 
@@ -144,7 +144,7 @@ def test_a_missing_library_names_the_office_extra(tmp_path: Path, suffix: str, m
                 return None
         sys.meta_path.insert(0, Block())
         from pathlib import Path
-        from agentnb.tools import ToolContext, get_tool
+        from agentnb.tools.base import ToolContext, get_tool
         root = Path(sys.argv[1])
         out = get_tool("Read").invoke(ToolContext(workdir=root, logs_dir=root), {{"path": "x.{suffix}"}})
         print(json.dumps({{"error": out.is_error, "content": out.content}}))

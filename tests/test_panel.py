@@ -14,8 +14,8 @@ from IPython.core.interactiveshell import InteractiveShell
 import agentnb
 from _scripting import call, transition, write_piece, write_script
 from agentnb import Workspace
-from agentnb.panel import Panel
-from agentnb.tools import unregister
+from agentnb.notebook.panel import Panel
+from agentnb.tools.base import unregister
 
 Panels = Callable[..., Panel]
 
@@ -484,7 +484,7 @@ def test_a_kernel_saves_a_snapshot_of_the_panel_beside_the_widget(tmp_path: Path
         '%load_ext agentnb\n%config AgentMagic.workspace = "agentnb-data"',
         'first = %agent run --model demo "Write the <report>"',
         # a watcher that sleeps: the snapshot below changes only when the next cell refreshes the panel
-        "from agentnb.panel import Panel\npanel = Panel(_agent_magic.ws, magic=_agent_magic, idle_poll=3600)\npanel",
+        "from agentnb.notebook.panel import Panel\npanel = Panel(_agent_magic.ws, magic=_agent_magic, idle_poll=3600)\npanel",
         'second = %agent run --queue --model demo "Another one"\npanel.refresh()',
     ]
     nb = new_notebook(cells=[new_code_cell(c) for c in cells])

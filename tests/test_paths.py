@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from agentnb import Workspace
-from agentnb.tools import ToolError, resolve_path
+from agentnb.tools.base import ToolError, resolve_path
 
 from engine_helpers import transition, write_piece, write_script
 
@@ -291,7 +291,7 @@ def test_bad_inputs_at_submit_are_one_clear_error_and_leave_no_job(
 
 
 def test_a_glob_with_double_star_inside_a_name_is_a_clear_tool_error(tmp_path: Path) -> None:
-    from agentnb.tools import ToolContext, get_tool
+    from agentnb.tools.base import ToolContext, get_tool
 
     out = get_tool("Glob").invoke(ToolContext(workdir=tmp_path, logs_dir=tmp_path / "logs"),  # type: ignore[union-attr]
                                   {"pattern": "input/a**b"})

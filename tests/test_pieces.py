@@ -8,7 +8,7 @@ import pytest
 
 import agentnb
 from agentnb import Workspace
-from agentnb.pieces import PACKAGE_PIECES, PieceError, available_pieces, load_piece, parse_piece
+from agentnb.engine.pieces import PACKAGE_PIECES, PieceError, available_pieces, load_piece, parse_piece
 
 from engine_helpers import write_piece
 
@@ -203,7 +203,7 @@ def test_user_tool_can_be_named_in_a_piece(tmp_path: Path) -> None:
         piece = load_piece(write_piece(tmp_path, MV + "    tools: [Read, shout_piece_test]\n"))
         assert piece.movement("a").tools == ("Read", "shout_piece_test")
     finally:
-        agentnb.tools.unregister("shout_piece_test")
+        agentnb.tools.base.unregister("shout_piece_test")
     with pytest.raises(PieceError, match="unknown tool 'shout_piece_test'"):
         load_piece(write_piece(tmp_path, MV + "    tools: [Read, shout_piece_test]\n"))
 

@@ -118,7 +118,7 @@ def test_japanese_movement_names_are_drawn_with_a_font_that_has_their_glyphs(ws:
     """matplotlib's default font has no kana or kanji; a CJK font installed on the machine is put behind it."""
     import warnings
 
-    from agentnb import plots
+    from agentnb.views import plots
 
     job = _japanese_job(ws, tmp_path / "scripts")
     with warnings.catch_warnings(record=True) as caught:
@@ -137,7 +137,7 @@ def test_japanese_movement_names_are_drawn_with_a_font_that_has_their_glyphs(ws:
 
 def test_with_no_cjk_font_the_plot_says_what_to_install(ws: Workspace, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentnb import plots
+    from agentnb.views import plots
 
     job = _japanese_job(ws, tmp_path / "scripts")
     monkeypatch.setattr(plots, "_cjk_found", [])  # as on a machine without any CJK font

@@ -11,7 +11,7 @@ import yaml
 
 from _scripting import call, transition, write_piece, write_script
 from agentnb import Workspace
-from agentnb.render import STYLE, header_html, job_html, job_stats, movement_html
+from agentnb.views.render import STYLE, header_html, job_html, job_stats, movement_html
 
 XSS = "<script>alert('x')</script>"
 

@@ -16,7 +16,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 from agentnb import Workspace
-from agentnb.store import StoreError
+from agentnb.store.sqlite import StoreError
 
 from engine_helpers import call, transition, write_piece, write_script
 from openai_server import OpenAIServer, error, reply
@@ -111,7 +111,7 @@ def test_the_workspace_setting_applies_unless_the_job_has_its_own(tmp_path: Path
 
 
 def test_max_backoff_caps_every_wait(tmp_path: Path, server: OpenAIServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import agentnb._openai as oa
+    import agentnb.models.openai as oa
 
     waits: list[float] = []
     monkeypatch.setattr(oa.time, "sleep", waits.append)

@@ -10,7 +10,7 @@ import pytest
 
 import agentnb
 from agentnb import Workspace
-from agentnb.runner import MAX_LESSON_CHARS
+from agentnb.engine.runner import MAX_LESSON_CHARS
 
 from engine_helpers import call, say, transition, write_piece, write_script
 
@@ -58,8 +58,8 @@ def user_tools():
         raise RuntimeError(f"boom: {reason}")
 
     yield
-    agentnb.tools.unregister("shout")
-    agentnb.tools.unregister("explode")
+    agentnb.tools.base.unregister("shout")
+    agentnb.tools.base.unregister("explode")
 
 
 def _piece(tmp_path: Path, *, max_movements: int = 6, permission: str = "edit", max_iterations: int = 8,

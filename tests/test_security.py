@@ -26,8 +26,8 @@ import pytest
 import agentnb
 from agentnb import Workspace
 from agentnb._secrets import MASK, SECRET_NAME
-from agentnb.render import job_html
-from agentnb.tools import ToolContext, get_tool, unregister
+from agentnb.views.render import job_html
+from agentnb.tools.base import ToolContext, get_tool, unregister
 
 from _scripting import call, transition, write_piece, write_script
 from conftest import require
@@ -135,7 +135,7 @@ def test_any_tool_error_has_host_paths_rewritten_relative(ws: Workspace, tmp_pat
 
 
 def test_a_similar_longer_path_is_not_rewritten(tmp_path: Path) -> None:
-    from agentnb.tools import relative_paths
+    from agentnb.tools.base import relative_paths
 
     wd = tmp_path / "jobs" / "1"
     wd.mkdir(parents=True)

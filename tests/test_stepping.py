@@ -14,7 +14,7 @@ import pytest
 
 import agentnb
 from agentnb import Workspace
-from agentnb.store import StoreError
+from agentnb.store.sqlite import StoreError
 
 from engine_helpers import call, say, transition, write_piece, write_script
 from openai_server import OpenAIServer, reply
@@ -59,7 +59,7 @@ def pause_tool():
         return "pausing"
 
     yield
-    agentnb.tools.unregister("pause_here")
+    agentnb.tools.base.unregister("pause_here")
     _PAUSE.clear()
 
 
@@ -250,7 +250,7 @@ def test_a_job_whose_process_died_is_recovered_and_resumed(ws: Workspace, tmp_pa
     try:
         job = ws.submit("collect", piece=piece, model=model, inputs={"a.txt": "one\n"})
     finally:
-        agentnb.tools.unregister("die_now")  # … and gone when this process resumes the job
+        agentnb.tools.base.unregister("die_now")  # … and gone when this process resumes the job
     code = textwrap.dedent(f"""
         import os
         import agentnb
@@ -321,4 +321,4 @@ def test_an_interrupted_run_leaves_the_job_resumable(ws: Workspace, tmp_path: Pa
         responses = ws.events(job, kinds=["llm_response"])
         assert [r.iteration for r in responses if r.movement_seq == 1] == [1, 2, 3]
     finally:
-        agentnb.tools.unregister("die_now")
+        agentnb.tools.base.unregister("die_now")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from agentnb import Workspace
-from agentnb._migrations import MIGRATIONS
-from agentnb.store import Store, StoreError
+from agentnb.store.migrations import MIGRATIONS
+from agentnb.store.sqlite import Store, StoreError
 
 from engine_helpers import transition, write_script
 
@@ -200,7 +200,7 @@ def test_a_job_whose_owner_is_a_zombie_is_taken_over(tmp_path: Path) -> None:
     path = tmp_path / "agentnb.sqlite"
     store = Store(path)
     job_id = _new_job(store)
-    code = "import sys; from agentnb.store import Store; s = Store(sys.argv[1]); assert s.claim(int(sys.argv[2])); s.close()"
+    code = "import sys; from agentnb.store.sqlite import Store; s = Store(sys.argv[1]); assert s.claim(int(sys.argv[2])); s.close()"
     owner = subprocess.Popen([sys.executable, "-c", code, str(path), str(job_id)])
     try:
         _exited_unreaped(owner)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from agentnb import Workspace
-from agentnb.store import TEXT_REF
+from agentnb.store.sqlite import TEXT_REF
 from agentnb.workspace import MAX_INSTRUCTION_CHARS
 
 from openai_server import OpenAIServer, reply

@@ -268,7 +268,7 @@ def test_relative_scripted_path_of_a_subtask_is_kept_absolute(
 
 
 def test_subtasks_that_hand_out_subtasks_again_stop_at_the_nesting_limit(ws: Workspace, tmp_path: Path) -> None:
-    from agentnb.runner import MAX_SUBTASK_DEPTH
+    from agentnb.engine.runner import MAX_SUBTASK_DEPTH
 
     # every job of this piece splits into two more of itself: without a limit the tree never ends
     spec = write_script(tmp_path, "again", {
@@ -288,7 +288,7 @@ def test_subtasks_that_hand_out_subtasks_again_stop_at_the_nesting_limit(ws: Wor
 
 
 def test_too_many_subtasks_in_one_transition_are_a_tool_error(ws: Workspace, tmp_path: Path) -> None:
-    from agentnb.runner import MAX_SUBTASKS_PER_CALL
+    from agentnb.engine.runner import MAX_SUBTASKS_PER_CALL
 
     spec = write_script(tmp_path, "many", {
         "split": [transition("WAIT_SUBTASKS", subtasks=[{"instruction": f"part {i}"} for i in range(MAX_SUBTASKS_PER_CALL + 1)]),
@@ -302,7 +302,7 @@ def test_too_many_subtasks_in_one_transition_are_a_tool_error(ws: Workspace, tmp
 
 
 def test_a_subtask_instruction_over_the_size_limit_is_a_tool_error(ws: Workspace, tmp_path: Path) -> None:
-    from agentnb.store import MAX_INSTRUCTION_CHARS
+    from agentnb.store.sqlite import MAX_INSTRUCTION_CHARS
 
     spec = write_script(tmp_path, "huge", {
         "split": [transition("WAIT_SUBTASKS", subtasks=[{"instruction": "x" * (MAX_INSTRUCTION_CHARS + 1)}]),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agentnb._tokens import CHARS, OFFLINE_ENCODING, counter_for_model
+from agentnb.engine.tokens import CHARS, OFFLINE_ENCODING, counter_for_model
 
 _BLOB = "https://openaipublic.blob.core.windows.net/encodings/{}.tiktoken"
 
@@ -38,7 +38,7 @@ _PROBE = textwrap.dedent(
         asked.append(name)
         return real(name)
     tiktoken.get_encoding = spy
-    from agentnb._tokens import counter_for_model
+    from agentnb.engine.tokens import counter_for_model
     c = counter_for_model(sys.argv[1])
     print(json.dumps({"source": c.source, "encoding": c.encoding, "asked": asked, "network": attempts,
                       "hello": c.count("hello world")}))
@@ -126,7 +126,7 @@ def test_without_tiktoken_the_count_is_a_character_estimate(tmp_path: Path) -> N
     script.write_text(blocker + textwrap.dedent(
         """
         import json
-        from agentnb._tokens import counter_for_model
+        from agentnb.engine.tokens import counter_for_model
         c = counter_for_model("gpt-4o")
         print(json.dumps({"source": c.source, "encoding": c.encoding, "n": c.count("x" * 10)}))
         """

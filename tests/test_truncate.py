@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from agentnb import Workspace
-from agentnb._tokens import counter_for_model
-from agentnb.tools import ToolContext, ToolOutput, get_tool
+from agentnb.engine.tokens import counter_for_model
+from agentnb.tools.base import ToolContext, ToolOutput, get_tool
 
 COUNTER = counter_for_model("gpt-4o")
 _NOTE = re.compile(r"call Read with path='([^']*)' and (.*?); or use Grep")
@@ -114,7 +114,7 @@ def test_invalid_utf8_reassembles_as_the_whole_file_decoded_with_replacement(tmp
 
 
 def test_a_utf8_cut_never_changes_how_the_bytes_decode() -> None:
-    from agentnb._truncate import _utf8_cut
+    from agentnb.tools.truncate import _utf8_cut
 
     rng = random.Random(5)
     alphabet = [b"a", b"\n", b"\x80", b"\xbf", b"\x9f", b"\xa0", b"\xc2", b"\xe2", b"\xe0", b"\xed", b"\xf0",
@@ -331,7 +331,7 @@ def test_glob_output_is_cut(tmp_path: Path) -> None:
 @pytest.mark.parametrize("budget", [30, 200, 5_000])
 def test_cut_text_fits_dense_text_exactly(tmp_path: Path, budget: int) -> None:
     # characters that take several tokens each: a characters-per-token guess would overflow
-    from agentnb._truncate import cut_text
+    from agentnb.tools.truncate import cut_text
 
     text = "".join(chr(0x1F300 + (i * 7) % 700) + chr(0x4E00 + (i * 13) % 20000) for i in range(20_000))
     out = cut_text(text, _ctx(tmp_path, budget), hint="bash")

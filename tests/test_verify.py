@@ -136,7 +136,7 @@ def test_git_block_ignores_a_repository_above_the_workdir(ws: Workspace, tmp_pat
 def test_japanese_headings_for_feedback_and_git(ws: Workspace, tmp_path: Path, repo: Path) -> None:
     import yaml
 
-    from agentnb.pieces import load_piece
+    from agentnb.engine.pieces import load_piece
 
     data = yaml.safe_load(load_piece("plan-implement-verify").to_yaml())
     data["language"] = "ja"

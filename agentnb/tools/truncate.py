@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from .tools import ToolContext, ToolError, ToolOutput, open_regular
+from .base import ToolContext, ToolError, ToolOutput, open_regular
 
 __all__ = ["cut_text", "read_file", "read_text_stream", "fit_prefix", "NOTE_PREFIX", "HINTS"]
 

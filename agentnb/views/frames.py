@@ -90,13 +90,13 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import pandas as pd
 
-from ._status import DISPLAY_STATES, display_status
-from .context import ACTIONS
-from .store import JOB_STATES, instruction_sql, payload_text_sql
-from .tools import ToolError, unlinked_path
+from .status import DISPLAY_STATES, display_status
+from ..engine.context import ACTIONS
+from ..store.sqlite import JOB_STATES, instruction_sql, payload_text_sql
+from ..tools.base import ToolError, unlinked_path
 
 if TYPE_CHECKING:
-    from .workspace import JobRef, Workspace
+    from ..workspace import JobRef, Workspace
 
 __all__ = ["Frames", "COLUMNS", "ACTION_DTYPE"]
 

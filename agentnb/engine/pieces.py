@@ -33,7 +33,7 @@ SPECIAL_NEXT = ("COMPLETE", "ASK", "ABORT", "WAIT_SUBTASKS")
 PERMISSIONS = ("readonly", "edit", "full")
 LANGUAGES = ("en", "ja")
 DEFAULT_THRESHOLDS: dict[str, float] = {"warn": 0.70, "prompt": 0.85, "force_transition": 0.95, "exhausted": 0.99}
-PACKAGE_PIECES = Path(__file__).resolve().parent / "pieces"
+PACKAGE_PIECES = Path(__file__).resolve().parents[1] / "pieces"
 # libyaml (when PyYAML has it) composes ~10x faster; a job's runner parses its stored piece on every
 # (re)start, so the pure-Python parser was most of a short run's fixed cost.  Errors are still worded by
 # the pure-Python parser (see parse_piece), so messages do not depend on which one is installed.
@@ -356,7 +356,7 @@ def parse_piece(
         if required not in top:
             raise ck.fail(root, required, f"missing required key {required!r}; found keys: {_keys_found(top)}")
     if known_tools is None:
-        from .tools import registered_tool_names
+        from ..tools.base import registered_tool_names
 
         known_tools = registered_tool_names()
     known = tuple(known_tools)

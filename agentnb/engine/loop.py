@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ._prompts import text
+from .prompts import text
 from .context import ContextManager
-from .events import ContextAction, Event, LLMResponse, MovementStart, Reminder, ToolCallEvent, ToolResult
-from .models import Model, ModelRequest, ModelResponse, ToolCall
+from ..events import ContextAction, Event, LLMResponse, MovementStart, Reminder, ToolCallEvent, ToolResult
+from ..models.base import Model, ModelRequest, ModelResponse, ToolCall
 from .pieces import SPECIAL_NEXT, Movement
-from .tools import PERMISSION_RANK, ToolContext, ToolOutput, get_tool
+from ..tools.base import PERMISSION_RANK, ToolContext, ToolOutput, get_tool
 
 if TYPE_CHECKING:
-    from .store import Store
+    from ..store.sqlite import Store
 
 __all__ = ["AgentLoop", "Outcome", "Recorder", "transition_schema", "INTERRUPTED"]
 

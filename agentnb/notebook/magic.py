@@ -29,12 +29,12 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import HTML, display
 from traitlets import Float, Unicode, observe
 
-from ._vars import VarError, expand, expand_value, split_line
-from .models import ModelSpecError
-from .pieces import PieceError, available_pieces, load_piece
-from .render import KEEPER, _seconds, job_html, job_stats, plural
-from .store import StoreError, owned_by_this_process
-from .workspace import DEFAULT_WORKSPACE, Job, Workspace
+from .vars import VarError, expand, expand_value, split_line
+from ..models.base import ModelSpecError
+from ..engine.pieces import PieceError, available_pieces, load_piece
+from ..views.render import KEEPER, _seconds, job_html, job_stats, plural
+from ..store.sqlite import StoreError, owned_by_this_process
+from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
 
 __all__ = ["AgentMagic", "load_ipython_extension", "expand_braces", "SUBCOMMANDS"]
 
@@ -445,7 +445,7 @@ class AgentMagic(Magics):
     @argument("--movement", type=int, metavar="SEQ", help="only movement run SEQ (1 is the first)")
     def cmd_show(self, args: Any, cell: str | None) -> HTML:
         """Show a job's view (header and one collapsible section per movement run)."""
-        from .render import STYLE, movement_html
+        from ..views.render import STYLE, movement_html
 
         job = self.job(args.job)
         if args.movement is not None:
@@ -467,7 +467,7 @@ class AgentMagic(Magics):
         The table: movement run, call, tokens, context ratio, action, transition, latency (and cost
         when known).  The value is the full DataFrame, as ws.frames.usage gives it.
         """
-        from ._usage_table import UsageFrame
+        from ..views.usage_table import UsageFrame
 
         return UsageFrame.of(self.ws.frames.usage(None if args.all else self.job(args.job)))
 
@@ -513,7 +513,7 @@ class AgentMagic(Magics):
     @argument("job", nargs="?", help="job id or Job variable (default: the last job)")
     def cmd_plot(self, args: Any, cell: str | None) -> Any:
         """The job's usage plot (agentnb.plot_usage): context ratio per LLM call and cumulative tokens."""
-        from .plots import plot_usage
+        from ..views.plots import plot_usage
 
         return plot_usage(self.job(args.job))
 

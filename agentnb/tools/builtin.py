@@ -18,11 +18,11 @@ from typing import Any, Iterator
 
 import regex
 
-from ._office import OFFICE_SUFFIXES, extract_text
-from ._sandbox import bash_argv, bash_env, run_bounded
-from ._secrets import redact
-from ._truncate import cut_text, read_document_text, read_file
-from .tools import (ToolContext, ToolError, ToolOutput, normalise_rel, open_regular, resolve_path, special_kind, tool,
+from .office import OFFICE_SUFFIXES, extract_text
+from .sandbox import bash_argv, bash_env, run_bounded
+from .._secrets import redact
+from .truncate import cut_text, read_document_text, read_file
+from .base import (ToolContext, ToolError, ToolOutput, normalise_rel, open_regular, resolve_path, special_kind, tool,
                     unlinked_path)
 
 _IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp"}

@@ -35,17 +35,17 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import ipywidgets as w
 
-from ._status import PAUSED, display_status, last_status_reason
-from .models import ModelSpecError
-from .pieces import DEFAULT_THRESHOLDS, Piece, PieceError, available_pieces
-from .render import header_html, job_html, job_stats
-from .store import StoreError
+from ..views.status import PAUSED, display_status, last_status_reason
+from ..models.base import ModelSpecError
+from ..engine.pieces import DEFAULT_THRESHOLDS, Piece, PieceError, available_pieces
+from ..views.render import header_html, job_html, job_stats
+from ..store.sqlite import StoreError
 
 if TYPE_CHECKING:
     from IPython.display import DisplayHandle
 
     from .magic import AgentMagic
-    from .workspace import Job, Workspace
+    from ..workspace import Job, Workspace
 
 __all__ = ["Panel", "context_bar_html"]
 

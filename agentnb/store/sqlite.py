@@ -25,9 +25,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from ._fs import special_kind
-from ._migrations import MIGRATIONS
-from .events import EVENT_KINDS, Event, event_from_row
+from .._fs import special_kind
+from .migrations import MIGRATIONS
+from ..events import EVENT_KINDS, Event, event_from_row
 
 __all__ = [
     "can_name_a_job",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .models import ModelRequest, ModelResponse, ToolCall
+from .base import ModelRequest, ModelResponse, ToolCall
 
 __all__ = ["DemoModel"]
 

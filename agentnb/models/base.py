@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import yaml
 
 if TYPE_CHECKING:
-    from .store import Store
+    from ..store.sqlite import Store
 
 __all__ = [
     "Model",
@@ -300,13 +300,13 @@ def resolve_model(spec: str, *, store: "Store | None" = None, retries: int | Non
         raise ModelSpecError(f"empty model spec; allowed: {', '.join(MODEL_SPECS)}")
     kind, _, rest = spec.partition(":")
     if spec == "demo":
-        from ._demo import DemoModel
+        from .demo import DemoModel
 
         return DemoModel()
     if kind == "scripted" and rest:
         return ScriptedModel(rest, spec=spec)
     if kind == "openai" and rest:
-        from ._openai import OpenAIModel
+        from .openai import OpenAIModel
 
         return OpenAIModel(rest, max_retries=retries, max_backoff=max_backoff)
     if kind == "replay" and rest:

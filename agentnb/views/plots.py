@@ -42,13 +42,13 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.transforms import Bbox
 
-from .pieces import DEFAULT_THRESHOLDS
+from ..engine.pieces import DEFAULT_THRESHOLDS
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.text import Annotation
 
-    from .workspace import Workspace
+    from ..workspace import Workspace
 
 __all__ = ["plot_usage", "UsageFigure", "figure_png"]
 
@@ -458,7 +458,7 @@ def _font_for(labels: Iterable[str]) -> dict[str, Any]:
 def _resolve(
     obj: Any, ws: "Workspace | None", thresholds: Mapping[str, float] | None
 ) -> _Target:
-    from .workspace import Job
+    from ..workspace import Job
 
     if isinstance(obj, pd.DataFrame):
         missing = {"job", "call", "movement", "seq", "ratio", "cumulative_tokens"} - set(obj.columns)

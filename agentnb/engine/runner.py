@@ -18,19 +18,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._prompts import text
+from .prompts import text
 from .context import ContextManager, window_for_model
-from .events import Lesson, Transition
+from ..events import Lesson, Transition
 from .loop import AgentLoop, Outcome, Recorder, _Counters
-from .models import Model, ModelError
+from ..models.base import Model, ModelError
 from .pieces import SPECIAL_NEXT, Movement, Piece, PieceError, available_pieces, load_piece, parse_piece
-from .store import MAX_INSTRUCTION_CHARS, TERMINAL_STATES
-from ._secrets import SECRET_NAME as _SECRET_ENV
-from ._sandbox import sandbox_argv
-from .tools import PERMISSION_RANK, ToolError, open_regular, unlinked_path
+from ..store.sqlite import MAX_INSTRUCTION_CHARS, TERMINAL_STATES
+from .._secrets import SECRET_NAME as _SECRET_ENV
+from ..tools.sandbox import sandbox_argv
+from ..tools.base import PERMISSION_RANK, ToolError, open_regular, unlinked_path
 
 if TYPE_CHECKING:
-    from .store import Store
+    from ..store.sqlite import Store
 
 __all__ = ["JobRunner", "MAX_LESSON_CHARS", "MAX_SUBTASK_DEPTH", "MAX_SUBTASKS_PER_CALL", "notify_parent"]
 
@@ -330,8 +330,8 @@ class JobRunner:
         """The model a subtask runs on: this job's own, or a plain spec.  ``scripted:`` names a file and
         ``replay:`` another job, so an LLM may not choose them; a job that itself runs on a ``scripted:``
         model may, since then the user's script, not a model, names them."""
-        from .models import ModelSpecError, check_model_spec
-        from .workspace import _normalise_spec
+        from ..models.base import ModelSpecError, check_model_spec
+        from ..workspace import _normalise_spec
 
         spec = sub.get("model")
         if spec is None or spec == self.model_spec:
@@ -359,7 +359,7 @@ class JobRunner:
         return int(rows[0][0] or 0)
 
     def _create_children(self, c: Any, subtasks: list[dict[str, Any]], creator: Movement) -> list[dict[str, Any]]:
-        from .workspace import prepare_workdir
+        from ..workspace import prepare_workdir
 
         parent = self.store.job(self.job_id)
         options = json.loads(parent["options"] or "{}")
@@ -608,7 +608,7 @@ def notify_parent(store: "Store", c: Any, job_id: int) -> None:
 
 def _parse_stored(job: dict[str, Any]) -> Piece:
     """The piece a job was submitted with (its YAML is kept in the store, files inlined)."""
-    from .tools import registered_tool_names
+    from ..tools.base import registered_tool_names
 
     # Tools named by the piece were checked at submit; a later process may lack a
     # notebook's custom tool, which the loop then reports to the model.

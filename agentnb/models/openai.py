@@ -8,7 +8,7 @@ import random
 import time
 from typing import Any
 
-from .models import ModelError, ModelRequest, ModelResponse, ToolCall
+from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 
 __all__ = ["OpenAIModel"]
 

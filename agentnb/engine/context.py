@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ._tokens import CHARS_PER_TOKEN, TokenCounter, counter_for_model
+from .tokens import CHARS_PER_TOKEN, TokenCounter, counter_for_model
 from .pieces import DEFAULT_THRESHOLDS
 
 __all__ = [

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Union, get_args, get_origin
 
-from ._fs import special_kind
-from ._secrets import redact, secret_values
+from .._fs import special_kind
+from .._secrets import redact, secret_values
 
 __all__ = [
     "Tool",
@@ -70,7 +70,7 @@ class ToolContext:
         """How many leading characters of ``text`` fit in the token budget (measured, not guessed)."""
         if self.count_tokens is None:
             return min(len(text), self.budget_chars)
-        from ._truncate import fit_prefix
+        from .truncate import fit_prefix
 
         return fit_prefix(self.count_tokens, text, self.budget_tokens)
 
@@ -162,7 +162,7 @@ class Tool:
                 text = json.dumps(result, ensure_ascii=False, default=str)
             except (TypeError, ValueError):
                 text = repr(result)
-        from ._truncate import cut_text
+        from .truncate import cut_text
 
         return cut_text(text, ctx, hint="generic")
 
@@ -182,7 +182,7 @@ def _safe_output(out: ToolOutput, ctx: ToolContext, arguments: Mapping[str, Any]
     from_inside = bool(arguments.get("byte_offset")) or (type(offset) is int and offset > 1)
     note_at = -1
     if out.truncated:
-        from ._truncate import NOTE_PREFIX
+        from .truncate import NOTE_PREFIX
 
         note_at = content.rfind(NOTE_PREFIX)
     if note_at >= 0:  # the body was cut where the note starts: a secret may be cut there too
@@ -348,7 +348,7 @@ def registered_tool_names() -> list[str]:
 
 def _ensure_builtins() -> None:
     if "Read" not in _REGISTRY:
-        from . import _builtin_tools  # noqa: F401  (registers on import)
+        from . import builtin as _builtin_tools  # noqa: F401  (registers on import)
 
 
 @typing.overload

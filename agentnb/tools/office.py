@@ -11,7 +11,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from .tools import ToolError
+from .base import ToolError
 
 __all__ = ["extract_text", "OFFICE_SUFFIXES"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .store import Store
+    from ..store.sqlite import Store
 
 __all__ = ["PAUSED", "STOP_REASON", "DISPLAY_STATES", "display_status", "last_status_reason"]
 

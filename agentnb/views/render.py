@@ -35,11 +35,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from ._status import display_status
-from .events import Event
+from .status import display_status
+from ..events import Event
 
 if TYPE_CHECKING:
-    from .workspace import Workspace
+    from ..workspace import Workspace
 
 __all__ = [
     "job_html",

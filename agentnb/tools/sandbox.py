@@ -30,8 +30,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ._secrets import is_secret_name
-from .tools import ToolError
+from .._secrets import is_secret_name
+from .base import ToolError
 
 __all__ = ["sandbox_argv", "bash_argv", "bash_env", "run_bounded", "Captured", "SANDBOX_ENV", "BASH_ENV_SETTING",
            "ETC_ALLOWED"]
