@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from .events import payload_dict
 from .models.base import ModelSpecError
 from .engine.pieces import PieceError, available_pieces
 from .store.sqlite import StoreError, describe_error
@@ -138,7 +139,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.events:
         for ev in ws.events(job):
             print(json.dumps({"id": ev.id, "kind": ev.kind, "seq": ev.movement_seq, "iteration": ev.iteration,
-                              **ev.payload}, ensure_ascii=False, default=str))
+                              **payload_dict(ev)}, ensure_ascii=False, default=str))
         return 0
     _print_job(ws, job)
     return 0

@@ -1,175 +1,242 @@
-"""Events: the single source of truth for everything a job does.
+"""Events: the single typed contract for everything a job does.
 
-Each event is a frozen dataclass with a ``kind`` tag; the union :data:`Event` is
-closed.  Events are stored as rows ``(id, job_id, movement_seq, iteration, ts,
-kind, payload)`` where ``payload`` is the JSON of the kind-specific fields.
-Every view (HTML, widgets, DataFrames, exported notebooks) is derived from them.
+Each event kind is one frozen dataclass whose ``kind`` is a ``Literal`` tag, so a type checker narrows
+:data:`Event` on ``event.kind == "tool_result"`` or on ``match event: case ToolResult(...)``.  The
+engine builds these objects and the store keeps them as rows ``(id, job_id, movement_seq, iteration,
+ts, kind, payload)``, where ``payload`` is the JSON of the kind's own fields.  Serialisation both ways
+lives here and nowhere else (:func:`payload_json`, :func:`event_from_row`); every view (HTML, widgets,
+DataFrames, exported notebooks) is derived from these objects.
+
+Constructors are keyword-only: an unknown field is a ``TypeError`` and a missing required one too, at
+write time.  :func:`check_event` also checks every field's type; the store runs it on each event it
+appends when ``AGENTNB_STRICT_EVENTS`` is set (the test suite sets it), so a wrong value fails the test
+that wrote it instead of being stored.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Mapping, Union
+import os
+import types
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Literal, Mapping, Union
 
 __all__ = [
     "EVENT_KINDS",
-    "Event",
-    "EventBase",
-    "JobStatusEvent",
-    "MovementStart",
-    "LLMRequest",
-    "LLMResponse",
-    "ToolCallEvent",
-    "ToolResult",
     "ContextAction",
-    "Reminder",
-    "Transition",
-    "Lesson",
     "CommentEvent",
     "ErrorEvent",
+    "Event",
+    "EventBase",
+    "EventKind",
+    "JobStatusEvent",
+    "LLMRequest",
+    "LLMResponse",
+    "Lesson",
+    "MovementStart",
+    "RecordedToolCall",
+    "Reminder",
+    "Subtask",
+    "ToolCallEvent",
+    "ToolResult",
+    "Transition",
+    "Usage",
+    "UsageSource",
+    "check_event",
     "event_from_row",
+    "payload_dict",
+    "payload_json",
+    "value_data",
+    "strict_events",
 ]
 
+EventKind = Literal[
+    "job_status", "movement_start", "llm_request", "llm_response", "tool_call", "tool_result",
+    "context_action", "reminder", "transition", "lesson", "comment", "error",
+]
+UsageSource = Literal["usage", "tiktoken", "chars"]
+# how exact each source is: a sum is only as exact as its least exact part
+_EXACTNESS: dict[str, int] = {"usage": 2, "tiktoken": 1, "chars": 0}
 
-@dataclass(frozen=True)
+
+# -- value types ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Usage:
+    """Tokens of one LLM call (or a sum of calls) and where the count came from.
+
+    ``source`` is ``usage`` (the endpoint reported it), ``tiktoken`` (counted locally) or ``chars``
+    (estimated from characters).  Adding two gives the least exact source of the two.
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    source: UsageSource = "usage"
+    # the ContextManager's view of the call, kept with it in ``llm_response``; None in a sum
+    window: int | None = None
+    ratio: float | None = None
+    encoding: str | None = None  # the tokenizer behind tiktoken counts and tool budgets
+
+    def __add__(self, other: Usage) -> Usage:
+        if not isinstance(other, Usage):
+            return NotImplemented
+        source = min(self.source, other.source, key=_EXACTNESS.__getitem__)
+        return Usage(prompt_tokens=self.prompt_tokens + other.prompt_tokens,
+                     completion_tokens=self.completion_tokens + other.completion_tokens,
+                     total_tokens=self.total_tokens + other.total_tokens, source=source)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecordedToolCall:
+    """A tool call as the model made it, kept in ``llm_response``.  ``raw_arguments`` holds the model's
+    own argument text when re-encoding ``arguments`` would change it, so a resumed movement re-sends it."""
+
+    id: str
+    name: str
+    arguments: Any
+    raw_arguments: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Subtask:
+    """A child job a ``WAIT_SUBTASKS`` transition created."""
+
+    instruction: str
+    piece: str
+    model: str
+    job_id: int
+
+
+# -- events ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EventBase:
+    """The row's columns; each subclass adds its payload fields."""
+
     job_id: int
     movement_seq: int | None = None
     iteration: int | None = None
     ts: float = 0.0
     id: int | None = None
 
-    kind: ClassVar[str] = ""
-    _payload_keys: ClassVar[tuple[str, ...]] = ()
+    kind: ClassVar[EventKind]
+    # filled in below from the dataclass fields: the names kept in ``payload``
+    payload_keys: ClassVar[tuple[str, ...]] = ()
 
     @property
     def payload(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self._payload_keys}
+        """The stored payload as plain JSON data (for users' own code; agentnb's views read the fields)."""
+        return payload_dict(self)  # type: ignore[arg-type]
 
 
-def _kind(name: str):  # type: ignore[no-untyped-def]
-    """Class decorator: set the kind tag and remember which fields are payload."""
-
-    def wrap(cls):  # type: ignore[no-untyped-def]
-        cls.kind = name
-        base = {f.name for f in fields(EventBase)}
-        cls._payload_keys = tuple(f.name for f in fields(cls) if f.name not in base)
-        return cls
-
-    return wrap
-
-
-@_kind("job_status")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class JobStatusEvent(EventBase):
-    status: str = ""
+    kind: ClassVar[Literal["job_status"]] = "job_status"
+    status: str
     reason: str = ""
 
 
-@_kind("movement_start")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class MovementStart(EventBase):
-    movement: str = ""
-    seq: int = 0
-    system: str = ""
-    user: str = ""
+    kind: ClassVar[Literal["movement_start"]] = "movement_start"
+    movement: str
+    seq: int
+    system: str
+    user: str  # the prompts as sent; a long one is stored once in ``texts`` and referred to
 
 
-@_kind("llm_request")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LLMRequest(EventBase):
-    messages: int = 0
-    tools: list[str] = field(default_factory=list)
+    kind: ClassVar[Literal["llm_request"]] = "llm_request"
+    messages: int  # how many messages were sent
+    tools: list[str]
 
 
-@_kind("llm_response")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LLMResponse(EventBase):
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    usage: dict[str, Any] = field(default_factory=dict)
+    kind: ClassVar[Literal["llm_response"]] = "llm_response"
+    content: str | None
+    tool_calls: list[RecordedToolCall]
+    usage: Usage
     latency_s: float | None = None  # wall time of the model call (retries included); None in older stores
 
 
-@_kind("tool_call")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ToolCallEvent(EventBase):
-    tool: str = ""
-    arguments: Any = None
-    call_id: str = ""
+    kind: ClassVar[Literal["tool_call"]] = "tool_call"
+    tool: str
+    arguments: Any
+    call_id: str
 
 
-@_kind("tool_result")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ToolResult(EventBase):
-    tool: str = ""
-    call_id: str = ""
-    content: str = ""
+    kind: ClassVar[Literal["tool_result"]] = "tool_result"
+    tool: str
+    call_id: str
+    content: str
     is_error: bool = False
     truncated: bool = False
     original_chars: int = 0
     returned_chars: int = 0
+    # how to read on after a cut, in the tool's own terms (e.g. {"path", "offset"} or {"path", "byte_offset"})
     continuation: dict[str, Any] | None = None
-    image: str | None = None
+    image: str | None = None  # a data URL the model was shown
     budget_tokens: int | None = None  # the token budget the tool's output was cut to
 
 
-@_kind("context_action")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ContextAction(EventBase):
-    action: str = ""
-    ratio: float = 0.0
-    tokens: int = 0
-    window: int = 0
+    kind: ClassVar[Literal["context_action"]] = "context_action"
+    action: str  # warn | prompt | force_transition | exhausted
+    ratio: float
+    tokens: int
+    window: int
     threshold: float = 0.0
 
-    @property
-    def payload(self) -> dict[str, Any]:
-        # DESIGN §6 lists `iteration` among this kind's payload keys; it lives in the row's column
-        return {**super().payload, "iteration": self.iteration}
 
-
-@_kind("reminder")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Reminder(EventBase):
-    text: str = ""
+    kind: ClassVar[Literal["reminder"]] = "reminder"
+    text: str
     reason: str = ""
 
 
-@_kind("transition")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Transition(EventBase):
-    movement: str = ""
-    next_step: str = ""
+    kind: ClassVar[Literal["transition"]] = "transition"
+    movement: str
+    next_step: str
     summary: str = ""
     lessons: str = ""
     forced: bool = False
     reason: str = ""
     question: str | None = None
     feedback: str | None = None
-    subtasks: list[dict[str, Any]] | None = None
+    subtasks: list[Subtask] | None = None
 
 
-@_kind("lesson")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Lesson(EventBase):
-    lessons: str = ""
+    kind: ClassVar[Literal["lesson"]] = "lesson"
+    lessons: str
     summary: str = ""
     movement: str = ""
 
 
-@_kind("comment")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CommentEvent(EventBase):
-    author: str = ""
-    body: str = ""
+    kind: ClassVar[Literal["comment"]] = "comment"
+    author: str
+    body: str
 
 
-@_kind("error")
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ErrorEvent(EventBase):
-    message: str = ""
+    kind: ClassVar[Literal["error"]] = "error"
+    message: str
     where: str = ""
 
 
@@ -188,24 +255,60 @@ Event = Union[
     ErrorEvent,
 ]
 
-_BY_KIND: dict[str, type[EventBase]] = {
-    cls.kind: cls
-    for cls in (
-        JobStatusEvent,
-        MovementStart,
-        LLMRequest,
-        LLMResponse,
-        ToolCallEvent,
-        ToolResult,
-        ContextAction,
-        Reminder,
-        Transition,
-        Lesson,
-        CommentEvent,
-        ErrorEvent,
-    )
-}
+_CLASSES: tuple[type[EventBase], ...] = typing.get_args(Event)
+_BY_KIND: dict[str, type[EventBase]] = {cls.kind: cls for cls in _CLASSES}
 EVENT_KINDS: tuple[str, ...] = tuple(_BY_KIND)
+_BASE_FIELDS = frozenset(f.name for f in fields(EventBase))
+for _cls in _CLASSES:
+    _cls.payload_keys = tuple(f.name for f in fields(_cls) if f.name not in _BASE_FIELDS)
+# nested value types, rebuilt from their dicts on read
+_NESTED: dict[str, dict[str, type]] = {
+    "llm_response": {"usage": Usage},
+}
+_NESTED_LISTS: dict[str, dict[str, type]] = {
+    "llm_response": {"tool_calls": RecordedToolCall},
+    "transition": {"subtasks": Subtask},
+}
+
+
+# -- serialisation: the one place payload JSON is written and read --------------------------------------
+
+def value_data(obj: Usage | RecordedToolCall | Subtask) -> dict[str, Any]:
+    """A nested value as it is stored in the payload JSON."""
+    out = {f.name: getattr(obj, f.name) for f in fields(obj)}
+    if isinstance(obj, RecordedToolCall) and obj.raw_arguments is None:
+        del out["raw_arguments"]  # kept only when it differs from the re-encoded arguments
+    if isinstance(obj, Usage) and obj.window is None and obj.ratio is None and obj.encoding is None:
+        del out["window"], out["ratio"], out["encoding"]  # a sum, not one call's accounting
+    return out
+
+
+_VALUE_TYPES = (Usage, RecordedToolCall, Subtask)
+# compact and UTF-8 as stored; default=str keeps a stray non-JSON value (a Path) readable instead of failing a run
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def payload_dict(event: Event) -> dict[str, Any]:
+    """The kind's own fields as plain JSON data, exactly as stored in the ``payload`` column."""
+    out: dict[str, Any] = {}
+    for k in event.payload_keys:
+        v = getattr(event, k)
+        if isinstance(v, _VALUE_TYPES):
+            v = value_data(v)
+        elif isinstance(v, list) and v and isinstance(v[0], _VALUE_TYPES):
+            v = [value_data(x) for x in v]
+        out[k] = v
+    if event.kind == "context_action":
+        # DESIGN §6 lists `iteration` among this kind's payload keys; it lives in the row's column too
+        out["iteration"] = event.iteration
+    return out
+
+
+def payload_json(event: Event) -> str:
+    """The ``payload`` column for ``event``."""
+    if _STRICT:
+        check_event(event)
+    return _ENCODER.encode(payload_dict(event))
 
 
 def event_from_row(row: Mapping[str, Any] | tuple[Any, ...]) -> Event:
@@ -218,5 +321,71 @@ def event_from_row(row: Mapping[str, Any] | tuple[Any, ...]) -> Event:
         )
     cls = _BY_KIND[kind]
     data = json.loads(payload) if isinstance(payload, str) else dict(payload)
-    known = {k: data[k] for k in cls._payload_keys if k in data}
-    return cls(job_id=job_id, movement_seq=seq, iteration=iteration, ts=ts, id=id_, **known)  # type: ignore[return-value]
+    values: dict[str, Any] = {}
+    for key in cls.payload_keys:
+        if key in data:
+            values[key] = data[key]
+    for key, vtype in _NESTED.get(kind, {}).items():
+        if isinstance(values.get(key), dict):
+            values[key] = vtype(**values[key])
+    for key, vtype in _NESTED_LISTS.get(kind, {}).items():
+        if isinstance(values.get(key), list):
+            values[key] = [vtype(**item) for item in values[key]]
+    if _STRICT:
+        unknown = set(data) - set(cls.payload_keys) - {"_texts"} - ({"iteration"} if kind == "context_action" else set())
+        if unknown:
+            raise ValueError(f"{kind} event {id_}: unknown payload key(s) {sorted(unknown)}")
+    return cls(job_id=job_id, movement_seq=seq, iteration=iteration, ts=ts, id=id_, **values)  # type: ignore[return-value]
+
+
+# -- strict checking (tests) ----------------------------------------------------------------------------
+
+def strict_events() -> bool:
+    """Whether every appended event is type-checked (``AGENTNB_STRICT_EVENTS`` set to anything but 0/empty)."""
+    return os.environ.get("AGENTNB_STRICT_EVENTS", "") not in ("", "0")
+
+
+_STRICT = strict_events()
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if origin is Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def check_event(event: Event | Usage | RecordedToolCall | Subtask) -> None:
+    """Raise ``TypeError`` naming the first field whose value does not match its annotation."""
+    cls = type(event)
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    for f in fields(event):
+        value = getattr(event, f.name)
+        if not _matches(value, hints[f.name]):
+            raise TypeError(f"{getattr(cls, 'kind', cls.__name__)}.{f.name}: {value!r} is not {hints[f.name]}")
+        if isinstance(value, (Usage, RecordedToolCall, Subtask)):
+            check_event(value)
+        elif isinstance(value, list):
+            for v in value:
+                if isinstance(v, (Usage, RecordedToolCall, Subtask)):
+                    check_event(v)

@@ -43,7 +43,7 @@ import nbformat
 from nbformat import v4
 
 from ._secrets import redact, secret_values
-from .events import Event
+from .events import Event, payload_dict
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -159,7 +159,7 @@ def _run_facts(seq: int, evs: Sequence[Event]) -> tuple[str, str, Any]:
     name = start.movement if start is not None else "?"  # type: ignore[union-attr]
     tr = next((e for e in reversed(evs) if e.kind == "transition"), None)
     calls = [e for e in evs if e.kind == "llm_response"]
-    tokens = sum(int((e.usage or {}).get("total_tokens") or 0) for e in calls)  # type: ignore[union-attr]
+    tokens = sum(e.usage.total_tokens for e in calls)  # type: ignore[union-attr]
     title = f"{seq}. {name}"
     if tr is not None:
         title += f" → {tr.next_step}" + (" (forced)" if tr.forced else "")  # type: ignore[union-attr]
@@ -235,7 +235,7 @@ def movement_text(evs: Sequence[Event], *, max_chars: int | None = EXPORT_MAX_CH
         out.extend(indent + line for line in (s.splitlines() or [""]))
 
     for ev in evs:
-        p = ev.payload
+        p = payload_dict(ev)
         k = ev.kind
         if k == "movement_start":
             out.append(f"=== movement run {p['seq']}: {p['movement']} ===")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .prompts import text
 from .context import ContextManager
-from ..events import ContextAction, Event, LLMResponse, MovementStart, Reminder, ToolCallEvent, ToolResult
+from ..events import ContextAction, Event, LLMResponse, MovementStart, Reminder, ToolCallEvent, ToolResult, value_data
 from ..models.base import Model, ModelRequest, ModelResponse, ToolCall
 from .pieces import SPECIAL_NEXT, Movement
 from ..tools.base import PERMISSION_RANK, ToolContext, ToolOutput, get_tool
@@ -200,9 +200,9 @@ class AgentLoop:
             elif isinstance(ev, LLMResponse):
                 flush_images()
                 self.iteration = ev.iteration or self.iteration + 1
-                assistant = _assistant_message(ev.content, ev.tool_calls)
+                assistant = _assistant_message(ev.content, [value_data(c) for c in ev.tool_calls])
                 self.messages.append(assistant)
-                self.ctx.after_response(assistant, ev.usage if ev.usage.get("source") == "usage" else None)
+                self.ctx.after_response(assistant, value_data(ev.usage) if ev.usage.source == "usage" else None)
                 last, started, done, transition_ok, actions = ev, 0, 0, False, []
             elif isinstance(ev, ToolCallEvent):
                 started += 1
@@ -222,7 +222,7 @@ class AgentLoop:
             force = next((a for a in actions if a.action == "force_transition"), None)
             self._unfinished = _Unfinished(
                 iteration=self.iteration,
-                calls=[_recorded_call(c, i) for i, c in enumerate(last.tool_calls)],
+                calls=[_recorded_call(value_data(c), i) for i, c in enumerate(last.tool_calls)],
                 started=max(started, done), done=done, transition_ok=transition_ok,
                 force_reason=_force_reason(force.ratio, force.window, force.threshold) if force else "",
                 prompt=next((a for a in actions if a.action == "prompt"), None),

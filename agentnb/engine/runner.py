@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .prompts import text
 from .context import ContextManager, window_for_model
-from ..events import Lesson, Transition
+from ..events import Lesson, Subtask, Transition
 from .loop import AgentLoop, Outcome, Recorder, _Counters
 from ..models.base import Model, ModelError
 from .pieces import SPECIAL_NEXT, Movement, Piece, PieceError, available_pieces, load_piece, parse_piece
@@ -478,14 +478,12 @@ class JobRunner:
             return False
         return mv.verify is not None and (target is None or mv.verify == target)
 
-    def _subtasks_block(self, subtasks: list[dict[str, Any]]) -> str:
+    def _subtasks_block(self, subtasks: list[Subtask]) -> str:
         """One entry per child: its status, its last summary and, when it failed or was aborted, why."""
         lang = self.piece.language
         lines = []
         for sub in subtasks:
-            child_id = sub.get("job_id")
-            if child_id is None:
-                continue
+            child_id = sub.job_id
             child = self.store.job(int(child_id))
             summary = ""
             for ev in reversed(self.store.events(int(child_id), kinds=["transition"])):
@@ -493,7 +491,7 @@ class JobRunner:
                     summary = ev.summary
                     break
             lines.append(text(lang, "subtask_line", id=child_id, status=child["status"],
-                              instruction=sub.get("instruction", ""), summary=summary or "-"))
+                              instruction=sub.instruction, summary=summary or "-"))
             # an abort's reason is usually its summary; a failure's message never is
             if child["error"] and child["error"] != summary:
                 lines.append(text(lang, "subtask_error", error=child["error"]))

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import yaml
 
+from ..events import value_data
+
 if TYPE_CHECKING:
     from ..store.sqlite import Store
 
@@ -246,11 +248,11 @@ class ReplayModel:
         self.responses: list[ModelResponse] = []
         for ev in store.events(job_id, kinds=["llm_response"]):
             calls = tuple(
-                ToolCall(id=c.get("id", f"call_{i}"), name=c["name"], arguments=c.get("arguments"),
-                         raw_arguments=c.get("raw_arguments") or "")
+                ToolCall(id=c.id or f"call_{i}", name=c.name, arguments=c.arguments,
+                         raw_arguments=c.raw_arguments or "")
                 for i, c in enumerate(ev.tool_calls)  # type: ignore[union-attr]
             )
-            usage = ev.usage if ev.usage.get("source") == "usage" else None  # type: ignore[union-attr]
+            usage = value_data(ev.usage) if ev.usage.source == "usage" else None  # type: ignore[union-attr]
             self.responses.append(ModelResponse(content=ev.content, tool_calls=calls, usage=usage))  # type: ignore[union-attr]
         self.job_id = job_id
 

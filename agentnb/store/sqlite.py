@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from .._fs import special_kind
 from .migrations import MIGRATIONS
-from ..events import EVENT_KINDS, Event, event_from_row
+from ..events import EVENT_KINDS, Event, EventBase, event_from_row, payload_dict
 
 __all__ = [
     "can_name_a_job",
@@ -657,7 +657,9 @@ class Store:
             out["_texts"] = refs
         return out
 
-    def append(self, rows: Sequence[PendingEvent], c: sqlite3.Connection | None = None) -> None:
+    def append(self, rows: Sequence[PendingEvent | Event], c: sqlite3.Connection | None = None) -> None:
+        rows = [(r.job_id, r.movement_seq, r.iteration, r.ts or time.time(), r.kind, payload_dict(r))
+                if isinstance(r, EventBase) else r for r in rows]  # type: ignore[misc]
         for row in rows:
             if row[4] not in EVENT_KINDS:
                 raise StoreError(f"unknown event kind {row[4]!r}; allowed: {', '.join(EVENT_KINDS)}")

@@ -262,14 +262,14 @@ def _stats(job: Any, events: Sequence[Event], now: float | None = None) -> JobSt
                 st.latest = (ev.movement_seq, ev.iteration)  # a call in flight is the latest one
         elif k == "llm_response":
             st.calls += 1
-            u = ev.usage or {}
-            st.prompt_tokens += int(u.get("prompt_tokens") or 0)
-            st.completion_tokens += int(u.get("completion_tokens") or 0)
-            st.total_tokens += int(u.get("total_tokens") or 0)
+            u = ev.usage
+            st.prompt_tokens += u.prompt_tokens
+            st.completion_tokens += u.completion_tokens
+            st.total_tokens += u.total_tokens
             if ev.movement_seq == st.last_seq:
-                st.last_ratio = u.get("ratio")
-                st.last_tokens = u.get("prompt_tokens")
-                st.window = u.get("window") or st.window
+                st.last_ratio = u.ratio
+                st.last_tokens = u.prompt_tokens
+                st.window = u.window or st.window
         elif k == "tool_call":
             st.tool_calls += 1
         elif k == "context_action" and ev.movement_seq == st.last_seq:
@@ -393,8 +393,8 @@ def _transition_html(ev: Any, o: _Opts, seq: int | None) -> str:
         elif value:
             rows.append(f"<div><i>{label}:</i> {_body(value, o, seq, fold=False)}</div>")
     if ev.subtasks:
-        items = "".join(f"<li>{_e((t or {}).get('instruction', t) if isinstance(t, dict) else t)}"
-                        + (f" <span class=\"anb-dim\">({_e(t.get('piece'))})</span>" if isinstance(t, dict) and t.get("piece") else "")
+        items = "".join(f"<li>{_e(t.instruction)}"
+                        + (f" <span class=\"anb-dim\">({_e(t.piece)})</span>" if t.piece else "")
                         + "</li>" for t in ev.subtasks)
         rows.append(f"<div><i>subtasks:</i><ol>{items}</ol></div>")
     rows.append("</div>")
@@ -415,11 +415,11 @@ def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int |
         if k == "llm_request":
             head += f' <span class="anb-dim">· {ev.messages} messages</span>'
         elif k == "llm_response":
-            u = ev.usage or {}
-            head += (f' <span class="anb-dim">· {_n(u.get("prompt_tokens") or 0)} prompt + '
-                     f'{_n(u.get("completion_tokens") or 0)} completion tokens')
-            if u.get("ratio") is not None:
-                head += f' · context {_pct(u.get("ratio"))} of {_n(u.get("window") or 0)} ({_e(u.get("source", ""))})'
+            u = ev.usage
+            head += (f' <span class="anb-dim">· {_n(u.prompt_tokens)} prompt + '
+                     f'{_n(u.completion_tokens)} completion tokens')
+            if u.ratio is not None:
+                head += f' · context {_pct(u.ratio)} of {_n(u.window or 0)} ({_e(u.source)})'
             if ev.latency_s is not None:
                 head += f' · <span title="how long the model took to answer">⏱ {_latency(ev.latency_s)}</span>'
             head += "</span>"
@@ -487,8 +487,8 @@ def _movement_section(job: Any, seq: int, evs: Sequence[Event], o: _Opts, *, ope
     name = start.movement if start is not None else "?"
     transition = next((e for e in reversed(evs) if e.kind == "transition"), None)
     responses = [e for e in evs if e.kind == "llm_response"]
-    tokens = sum(int((e.usage or {}).get("total_tokens") or 0) for e in responses)
-    ratios = [(e.usage or {}).get("ratio") for e in responses if (e.usage or {}).get("ratio") is not None]
+    tokens = sum(e.usage.total_tokens for e in responses)
+    ratios = [e.usage.ratio for e in responses if e.usage.ratio is not None]
     actions = [e for e in evs if e.kind == "context_action"]
     failed = any(e.kind == "error" for e in evs)
     if transition is not None:
@@ -542,7 +542,7 @@ def _movement_section(job: Any, seq: int, evs: Sequence[Event], o: _Opts, *, ope
 
 def _hidden_line(hidden: Sequence[tuple[int | None, list[Event]]], o: _Opts, seq: int | None) -> str:
     n_calls = sum(1 for _, g in hidden if any(e.kind == "llm_response" for e in g))
-    tokens = sum(int((e.usage or {}).get("total_tokens") or 0) for _, g in hidden for e in g if e.kind == "llm_response")
+    tokens = sum(e.usage.total_tokens for _, g in hidden for e in g if e.kind == "llm_response")
     tools: dict[str, int] = {}
     for _, g in hidden:
         for e in g:
