@@ -335,7 +335,7 @@ def _frames(ws: Workspace, job: Any) -> dict[str, Any]:
 def _cli(ws: Workspace, *args: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "120", "AGENTNB_WORKSPACE": str(ws.root)}
     exe = shutil.which("agentnb") or "agentnb"
-    p = subprocess.run([exe, *args], capture_output=True, text=True, env=env, cwd=ws.root, timeout=60)
+    p = subprocess.run([exe, *args], check=False, capture_output=True, text=True, env=env, cwd=ws.root, timeout=60)
     return {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
 
 
@@ -418,7 +418,7 @@ _CLOCK = [
 
 def normalise(value: Any, tmp: str) -> Any:
     if isinstance(value, dict):
-        return {k: "<masked>" if k in VOLATILE_KEYS and value[k] is not None else normalise(v, tmp)
+        return {k: "<masked>" if k in VOLATILE_KEYS and v is not None else normalise(v, tmp)
                 for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [normalise(v, tmp) for v in value]
@@ -453,7 +453,7 @@ CLOCK_START = 1_736_150_400.0  # 2025-01-06 08:00:00 UTC, a Monday; each case ta
 @contextlib.contextmanager
 def fixed_clock() -> Iterator[None]:
     real_time, started = time.time, time.monotonic()
-    fake_time = lambda: CLOCK_START + (time.monotonic() - started)  # noqa: E731 - still moves: waits end
+    fake_time = lambda: CLOCK_START + (time.monotonic() - started)
 
     class FixedDatetime(datetime.datetime):
         @classmethod

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import _golden
+import pytest
 
 
 @pytest.mark.parametrize("case", sorted(_golden.CASES))
