@@ -1,0 +1,28 @@
+"""Characterisation: every golden case, built again, shows a user exactly what tests/golden/<case>.json holds.
+
+The files were written by ``python tests/_golden.py --write`` from the code before the redesign of issue 13;
+a difference is a change a user would see (or a volatile value the harness should have masked).
+"""
+
+from __future__ import annotations
+
+import json
+
+import _golden
+import pytest
+
+
+@pytest.mark.parametrize("case", sorted(_golden.CASES))
+def test_case_matches_its_golden_file(case: str) -> None:
+    stored = json.loads((_golden.GOLDEN / f"{case}.json").read_text(encoding="utf-8"))
+    built = json.loads(_golden.dump(_golden.build(case)))
+    diffs = list(_golden.differences(stored, built))
+    if diffs:
+        path, old, new = diffs[0]
+        pytest.fail(f"golden case {case!r}: {len(diffs)} difference(s); first at {path}\n"
+                    f"  golden: {_golden.excerpt(old, new)[0]}\n  now:    {_golden.excerpt(old, new)[1]}",
+                    pytrace=False)
+
+
+def test_every_golden_file_has_a_case() -> None:
+    assert sorted(p.stem for p in _golden.GOLDEN.glob("*.json")) == sorted(_golden.CASES)
