@@ -52,7 +52,7 @@ def _internal(name: str, *modules: str) -> Any:
 
 job_html = _internal("job_html", "agentnb.render", "agentnb.views.render", "agentnb.views.html")
 movement_html = _internal("movement_html", "agentnb.render", "agentnb.views.render", "agentnb.views.html")
-unregister_tool = _internal("unregister", "agentnb.tools", "agentnb.tools.registry", "agentnb.tools.tool")
+unregister_tool = _internal("unregister", "agentnb.tools", "agentnb.tools.base", "agentnb.tools.registry")
 # -----------------------------------------------------------------------------------------------------
 
 Snap = Callable[[str, Any], None]
