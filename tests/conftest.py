@@ -6,7 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from agentnb import Workspace
+# Every event the suite writes is type-checked against its dataclass (agentnb.events.check_event) before it is
+# stored, so a wrong or missing payload value fails the test that wrote it.  Set before agentnb is imported;
+# subprocesses (workers, the CLI, notebook kernels) inherit it.
+os.environ.setdefault("AGENTNB_STRICT_EVENTS", "1")
+
+from agentnb import Workspace  # noqa: E402
 
 # What some tests need from the machine, and how to get it.  `@pytest.mark.needs("bwrap")` (or
 # `needs("chromium")`, `needs("postgres")`) skips with one line on a developer's machine without it,

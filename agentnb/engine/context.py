@@ -23,6 +23,7 @@ __all__ = [
     "KNOWN_WINDOWS",
     "DEFAULT_WINDOW",
     "DEFAULT_MIN_TOOL_TOKENS",
+    "job_thresholds",
     "MAX_TOOL_TOKENS",
     "window_for_model",
     "check_context_options",
@@ -249,3 +250,11 @@ class ContextManager:
     @property
     def chars_per_token(self) -> float:
         return CHARS_PER_TOKEN if self.counter.source == "chars" else 3.5
+
+
+def job_thresholds(piece_thresholds: Mapping[str, float], options: Mapping[str, Any] | None) -> dict[str, float]:
+    """The thresholds a job runs with: its piece's, overridden by the ``context=`` it was submitted with
+    (``options`` is the job's stored options).  The runner, the frames, the plots and the panel all ask here."""
+    merged = dict(piece_thresholds)
+    merged.update(((options or {}).get("context") or {}).get("thresholds") or {})
+    return {k: float(v) for k, v in merged.items()}

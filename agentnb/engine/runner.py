@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .prompts import text
-from .context import ContextManager, window_for_model
+from .context import ContextManager, job_thresholds, window_for_model
 from ..events import Lesson, Subtask, Transition
 from .loop import AgentLoop, Outcome, Recorder, _Counters
 from ..models.base import Model, ModelError
@@ -81,8 +81,7 @@ class JobRunner:
     def _context_manager(self) -> ContextManager:
         opts = self.options.get("context", {})
         window = opts.get("window_tokens") or self.piece.window_tokens or window_for_model(self.model.spec)
-        thresholds = dict(self.piece.thresholds)
-        thresholds.update(opts.get("thresholds", {}))
+        thresholds = job_thresholds(self.piece.thresholds, self.options)
         return ContextManager(
             window=window, thresholds=thresholds, model=self.model.spec,
             min_tool_tokens=opts.get("min_tool_tokens") or self.piece.min_tool_tokens,

@@ -91,7 +91,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import pandas as pd
 
 from .status import DISPLAY_STATES, display_status
-from ..engine.context import ACTIONS
+from ..engine.context import ACTIONS, job_thresholds
 from ..store.sqlite import JOB_STATES, instruction_sql, payload_text_sql
 from ..tools.base import ToolError, unlinked_path
 
@@ -424,10 +424,8 @@ class Frames:
     def thresholds(self, job: "JobRef") -> dict[str, float]:
         """The ContextManager thresholds a job runs with: its piece's, overridden by ``context=`` at submit."""
         job_id = self.ws._id(job)
-        th = dict(self.ws.piece(job_id).thresholds)
         options = json.loads(self.ws.store.job(job_id).get("options") or "{}")
-        th.update((options.get("context") or {}).get("thresholds") or {})
-        return {k: float(v) for k, v in th.items()}
+        return job_thresholds(self.ws.piece(job_id).thresholds, options)
 
 
 def _parse_iso(values: pd.Series) -> pd.Series:
