@@ -4,40 +4,44 @@ from __future__ import annotations
 
 from typing import Any
 
+from .engine.pieces import Movement, Piece, PieceError, Rule, available_pieces, load_piece, parse_piece
+from .errors import AgentnbError, StoreError, UsageError
 from .events import EVENT_KINDS, Event
 from .models.base import ModelError, ModelRequest, ModelResponse, ModelSpecError, ScriptedModel, ToolCall
-from .engine.pieces import Movement, Piece, PieceError, Rule, available_pieces, load_piece, parse_piece
 from .tools.base import Tool, ToolContext, ToolError, ToolOutput, tool
 from .workspace import Job, JobStatus, Workspace
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Workspace",
+    "EVENT_KINDS",
+    "AgentnbError",
+    "Event",
     "Job",
     "JobStatus",
-    "Piece",
+    "ModelError",
+    "ModelRequest",
+    "ModelResponse",
+    "ModelSpecError",
     "Movement",
-    "Rule",
+    "Piece",
     "PieceError",
-    "load_piece",
-    "parse_piece",
-    "available_pieces",
-    "tool",
+    "Rule",
+    "ScriptedModel",
+    "StoreError",
     "Tool",
+    "ToolCall",
     "ToolContext",
     "ToolError",
     "ToolOutput",
-    "Event",
-    "EVENT_KINDS",
-    "ModelError",
-    "ModelSpecError",
-    "ModelRequest",
-    "ModelResponse",
-    "ScriptedModel",
-    "ToolCall",
+    "UsageError",
+    "Workspace",
+    "available_pieces",
     "load_ipython_extension",
+    "load_piece",
+    "parse_piece",
     "plot_usage",
+    "tool",
 ]
 
 

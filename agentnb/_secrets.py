@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["SECRET_NAME", "MASK", "MIN_SECRET_CHARS", "is_secret_name", "secret_values", "redact"]
+__all__ = ["MASK", "MIN_SECRET_CHARS", "SECRET_NAME", "is_secret_name", "redact", "secret_values"]
 
 # Substrings that name a secret wherever they appear (GITHUB_TOKEN, AWS_SECRET_ACCESS_KEY, X_CREDENTIALS),
 # and short words that name one only as a whole `_`-separated word: MYSQL_PWD but not PWD/OLDPWD (the

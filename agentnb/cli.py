@@ -13,12 +13,13 @@ import json
 import os
 import sqlite3
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
+from .engine.pieces import PieceError, available_pieces
 from .events import payload_dict
 from .models.base import ModelSpecError
-from .engine.pieces import PieceError, available_pieces
 from .store.sqlite import StoreError, describe_error
 from .worker import Terminated, sigterm_interrupts
 

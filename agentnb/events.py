@@ -19,13 +19,14 @@ import json
 import os
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Literal, Mapping, Union
+from typing import Any, ClassVar, Literal, Union
 
 __all__ = [
     "EVENT_KINDS",
-    "ContextAction",
     "CommentEvent",
+    "ContextAction",
     "ErrorEvent",
     "Event",
     "EventBase",
@@ -47,8 +48,8 @@ __all__ = [
     "event_from_row",
     "payload_dict",
     "payload_json",
-    "value_data",
     "strict_events",
+    "value_data",
 ]
 
 EventKind = Literal[

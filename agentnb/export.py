@@ -36,8 +36,9 @@ import json
 import os
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import nbformat
 from nbformat import v4
@@ -48,7 +49,7 @@ from .events import Event, payload_dict
 if TYPE_CHECKING:
     from .workspace import Workspace
 
-__all__ = ["export_notebook", "build_notebook", "movement_text", "transcript", "COLLAPSED", "TRANSCRIPT_TAG"]
+__all__ = ["COLLAPSED", "TRANSCRIPT_TAG", "build_notebook", "export_notebook", "movement_text", "transcript"]
 
 # The metadata that makes a cell's output open collapsed in JupyterLab (jupyter.*) and classic Notebook
 # (collapsed).  Not source_hidden: see the module docstring.
@@ -60,7 +61,7 @@ EXPORT_MAX_CHARS = 20_000
 
 
 def export_notebook(
-    ws: "Workspace", job_id: int, path: str | os.PathLike[str], *, full: bool = False, plot: bool = True
+    ws: Workspace, job_id: int, path: str | os.PathLike[str], *, full: bool = False, plot: bool = True
 ) -> Path:
     """Write job ``job_id`` as a notebook to ``path`` (a directory gets ``job-<id>.ipynb``); return the file.
 
@@ -82,7 +83,7 @@ def export_notebook(
     return target.resolve()
 
 
-def build_notebook(ws: "Workspace", job_id: int, *, full: bool = False, plot: bool = True) -> nbformat.NotebookNode:
+def build_notebook(ws: Workspace, job_id: int, *, full: bool = False, plot: bool = True) -> nbformat.NotebookNode:
     """The transcript notebook of a job, in memory (see the module docstring for its cells)."""
     from .views.render import STYLE, job_stats, movement_html
 
@@ -128,7 +129,7 @@ def _timeline(events: Sequence[Event]) -> list[tuple[str, Any]]:
     return [("movement", (item, by_seq[item])) if kind == "mv" else (kind, item) for kind, item in items]
 
 
-def _title(ws: "Workspace", job: Any, st: Any) -> str:
+def _title(ws: Workspace, job: Any, st: Any) -> str:
     first = job.instruction.strip().splitlines()[0] if job.instruction.strip() else "(no instruction)"
     if len(first) > 100:
         first = first[:99] + "…"
@@ -184,7 +185,7 @@ def _caption(seq: int, evs: Sequence[Event]) -> str:
     return html.escape(f"Movement run {title} · {line}")
 
 
-def _transcript_cell(ws: "Workspace", job_id: int, seq: int, markup: str, text: str) -> nbformat.NotebookNode:
+def _transcript_cell(ws: Workspace, job_id: int, seq: int, markup: str, text: str) -> nbformat.NotebookNode:
     # one line: it stays in view above the collapsed output (re-running it renders the run again)
     source = f"from agentnb.export import transcript; transcript({str(ws.root)!r}, job={job_id}, seq={seq})"
     cell = v4.new_code_cell(source=source)
@@ -194,7 +195,7 @@ def _transcript_cell(ws: "Workspace", job_id: int, seq: int, markup: str, text: 
     return cell
 
 
-def transcript(workspace: "str | os.PathLike[str] | Workspace", job: int, seq: int) -> Any:
+def transcript(workspace: str | os.PathLike[str] | Workspace, job: int, seq: int) -> Any:
     """Movement run ``seq`` of job ``job`` as HTML for a notebook (what an exported transcript cell runs)."""
     from IPython.display import HTML
 
@@ -205,7 +206,7 @@ def transcript(workspace: "str | os.PathLike[str] | Workspace", job: int, seq: i
     return HTML(STYLE + movement_html(ws, job, seq, max_calls=None))
 
 
-def _usage_cells(ws: "Workspace", job_id: int) -> list[nbformat.NotebookNode]:
+def _usage_cells(ws: Workspace, job_id: int) -> list[nbformat.NotebookNode]:
     from .views.plots import figure_png, plot_usage
 
     # Twice the pixels, shown at the figure's own size (10 in at 100 px per inch, 1000 px wide): at 80 dpi

@@ -13,19 +13,26 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from .engine.prompts import text
 
 if TYPE_CHECKING:
     from .workspace import Job, Workspace
 
-__all__ = ["Worker", "Terminated", "sigterm_interrupts", "build_enriched_instruction", "MAX_COMMENTS",
-           "MAX_COMMENT_CHARS"]
+__all__ = [
+    "MAX_COMMENTS",
+    "MAX_COMMENT_CHARS",
+    "Terminated",
+    "Worker",
+    "build_enriched_instruction",
+    "sigterm_interrupts",
+]
 
 MAX_COMMENTS = 5
 MAX_COMMENT_CHARS = 500
@@ -138,10 +145,10 @@ class Worker:
     :class:`Terminated`.
     """
 
-    def __init__(self, workspace: "Workspace") -> None:
+    def __init__(self, workspace: Workspace) -> None:
         self.ws = workspace
 
-    def run_once(self) -> "Job | None":
+    def run_once(self) -> Job | None:
         """Claim the oldest queued job and run it; ``None`` when the queue is empty."""
         with sigterm_interrupts():
             row = self.ws.store.claim()

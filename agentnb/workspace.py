@@ -7,24 +7,25 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
+from typing import TYPE_CHECKING, Any, Union
 
-from .views.status import STOP_REASON
-from .events import Event
-from .models.base import check_model_spec, check_retry_settings, resolve_model
 from .engine.pieces import Piece, load_piece
 from .engine.runner import JobRunner, notify_parent
+from .events import Event
+from .models.base import check_model_spec, check_retry_settings, resolve_model
 from .store.sqlite import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, Store, StoreError, can_name_a_job
 from .tools.base import ToolError, resolve_path
+from .views.status import STOP_REASON
 from .worker import MAX_COMMENTS, Worker, build_enriched_instruction
 
 if TYPE_CHECKING:
     from .views.frames import Frames
 
-__all__ = ["Workspace", "Job", "JobStatus", "JobRef", "prepare_workdir", "DEFAULT_WORKSPACE", "MAX_INSTRUCTION_CHARS"]
+__all__ = ["DEFAULT_WORKSPACE", "MAX_INSTRUCTION_CHARS", "Job", "JobRef", "JobStatus", "Workspace", "prepare_workdir"]
 
 DEFAULT_WORKSPACE = "agentnb-data"
 
@@ -74,7 +75,7 @@ class Job:
     instruction: str
     workdir: str
     created: float
-    workspace: "Workspace | None" = field(default=None, repr=False)
+    workspace: Workspace | None = field(default=None, repr=False)
     # the changing columns as last read; a snapshot (or a Job without a workspace) only ever shows these
     _row: Mapping[str, Any] = field(default_factory=dict, repr=False)
     _live: bool = field(default=True, repr=False)
@@ -82,7 +83,7 @@ class Job:
     _shown_live: bool = field(default=False, repr=False)
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any], ws: "Workspace | None" = None) -> "Job":
+    def from_row(cls, row: Mapping[str, Any], ws: Workspace | None = None) -> Job:
         return cls(id=int(row["id"]), parent_id=row["parent_id"], piece=row["piece"], model=row["model"],
                    instruction=row["instruction"], workdir=row["workdir"], created=row["created"], workspace=ws,
                    _row={k: row[k] for k in _CHANGING})
@@ -130,12 +131,12 @@ class Job:
     def is_snapshot(self) -> bool:
         return not self._live or self.workspace is None
 
-    def snapshot(self) -> "Job":
+    def snapshot(self) -> Job:
         """This job with its changing fields read once now and then kept (``job.snapshot().status`` never changes)."""
         self._get("status")  # read the row again (when attached)
         return replace(self, _row=dict(self._row), _live=False, _shown_live=False)
 
-    def refresh(self) -> "Job":
+    def refresh(self) -> Job:
         """The job read again from its workspace (a Job already reads its changing fields fresh; a snapshot does not)."""
         if self.workspace is None:
             raise StoreError("this Job is not attached to a workspace")
@@ -580,7 +581,7 @@ class Workspace:
 
     # -- views -----------------------------------------------------------------
     @property
-    def frames(self) -> "Frames":
+    def frames(self) -> Frames:
         from .views.frames import Frames
 
         return Frames(self)

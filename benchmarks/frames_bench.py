@@ -24,7 +24,6 @@ Prints the times and the ratios (view time / baseline time); lower is better.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import shutil
@@ -32,15 +31,16 @@ import sqlite3
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agentnb import Workspace  # noqa: E402
-from agentnb.engine.pieces import DEFAULT_THRESHOLDS, load_piece  # noqa: E402
+from agentnb import Workspace
+from agentnb.engine.pieces import DEFAULT_THRESHOLDS, load_piece
 
 MOVEMENTS = ("plan", "implement", "verify", "implement")
 TOOLS = ("Read", "Grep", "Glob", "Write")

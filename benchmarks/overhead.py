@@ -41,11 +41,12 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["FRAMEWORKS", "Result", "measure", "main"]
+__all__ = ["FRAMEWORKS", "Result", "main", "measure"]
 
 # A prepared run: calling it performs one agent run; what it returns tells (after the timer stops)
 # how many LLM calls the run made, so a broken workload cannot pass for a fast one.
@@ -186,7 +187,7 @@ def _langgraph(n: int, checkpointer: bool) -> Run:
         def _llm_type(self) -> str:
             return "fake-tool-calls"
 
-        def bind_tools(self, tools: Any, **kwargs: Any) -> "FakeToolModel":
+        def bind_tools(self, tools: Any, **kwargs: Any) -> FakeToolModel:
             return self
 
         def _generate(self, messages: Any, stop: Any = None, run_manager: Any = None, **kwargs: Any) -> ChatResult:

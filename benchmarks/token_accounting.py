@@ -28,16 +28,17 @@ import functools
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agentnb import Workspace  # noqa: E402
-from agentnb.engine.tokens import counter_for_model  # noqa: E402
-from agentnb.engine.context import ContextManager  # noqa: E402
+from agentnb import Workspace
+from agentnb.engine.context import ContextManager
+from agentnb.engine.tokens import counter_for_model
 
 RESULT = ("src/module.py:{i}: def handler_{i}(request, response): return process(request.payload, "
           "retries=3)  # the quick brown fox jumps over the lazy dog\n") * 12

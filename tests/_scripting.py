@@ -9,7 +9,7 @@ import yaml
 
 from agentnb import Workspace
 
-__all__ = ["write_script", "write_piece", "call", "transition", "starts", "requests", "user_prompts"]
+__all__ = ["call", "requests", "starts", "transition", "user_prompts", "write_piece", "write_script"]
 
 
 def write_script(folder: Path, name: str, movements: dict[str, list[dict[str, Any]]]) -> str:

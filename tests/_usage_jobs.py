@@ -24,7 +24,7 @@ import yaml
 
 from agentnb import Job, Workspace
 
-__all__ = ["usage_job", "tiktoken_job", "demo_job", "raw_usage", "PROMPTS", "COMPLETIONS"]
+__all__ = ["COMPLETIONS", "PROMPTS", "demo_job", "raw_usage", "tiktoken_job", "usage_job"]
 
 PROMPTS = [1000, 2000, 2500, 8800, 9600]
 COMPLETIONS = [50, 60, 40, 300, 20]

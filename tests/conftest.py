@@ -11,7 +11,7 @@ import pytest
 # subprocesses (workers, the CLI, notebook kernels) inherit it.
 os.environ.setdefault("AGENTNB_STRICT_EVENTS", "1")
 
-from agentnb import Workspace  # noqa: E402
+from agentnb import Workspace
 
 # What some tests need from the machine, and how to get it.  `@pytest.mark.needs("bwrap")` (or
 # `needs("chromium")`, `needs("postgres")`) skips with one line on a developer's machine without it,

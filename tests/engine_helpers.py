@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from _scripting import call, transition  # the response builders are shared with the ASK/subtask tests
 
-__all__ = ["call", "say", "write_piece", "write_script", "transition"]
+__all__ = ["call", "say", "transition", "write_piece", "write_script"]
 
 
 def say(content: str) -> dict[str, Any]:

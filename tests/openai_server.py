@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["OpenAIServer", "reply", "error", "stall", "raw", "AsObject"]
+__all__ = ["AsObject", "OpenAIServer", "error", "raw", "reply", "stall"]
 
 
 class AsObject(dict):
@@ -69,7 +69,7 @@ class OpenAIServer:
             def log_message(self, *args: Any) -> None:  # keep test output clean
                 pass
 
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+            def do_POST(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
                 with server._lock:
@@ -142,7 +142,7 @@ class OpenAIServer:
         for a in actions:
             self.actions.extend(a if isinstance(a, list) else [a])
 
-    def __enter__(self) -> "OpenAIServer":
+    def __enter__(self) -> OpenAIServer:
         self.thread.start()
         return self
 

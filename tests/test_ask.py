@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _scripting import call, requests, starts, transition, user_prompts, write_script
 from openai_server import OpenAIServer, reply
+
 from agentnb import Workspace
 from agentnb.cli import main as cli_main
 from agentnb.store.sqlite import StoreError

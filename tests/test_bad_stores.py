@@ -14,15 +14,14 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
+from engine_helpers import transition, write_script
 
 from agentnb import Workspace
 from agentnb.store.sqlite import SCHEMA_VERSION, Store, StoreError
-
-from engine_helpers import transition, write_script
 
 
 def cli(cwd: Path, *args: str, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:

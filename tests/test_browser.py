@@ -22,9 +22,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -303,7 +303,7 @@ def _saved_outputs(path: Path, index: int) -> str:
 
     try:
         nb = nbformat.read(path, as_version=4)
-    except Exception:  # noqa: BLE001 - caught mid-write; the caller polls again
+    except Exception:
         return ""
     return "".join(str(o.get("data", {}).get("text/html", "")) for o in nb.cells[index].get("outputs", []))
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from _scripting import call, transition, user_prompts, write_piece, write_script
+
 from agentnb import Workspace
 
 

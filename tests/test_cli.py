@@ -10,7 +10,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from engine_helpers import transition, write_piece, write_script
 
 AGENTNB = shutil.which("agentnb")

@@ -11,8 +11,6 @@ import pytest
 import yaml
 
 from agentnb import Workspace
-from agentnb.models.base import ModelSpecError
-from agentnb.engine.tokens import TokenCounter, counter_for_model
 from agentnb.engine.context import (
     DEFAULT_WINDOW,
     MAX_TOOL_TOKENS,
@@ -20,6 +18,8 @@ from agentnb.engine.context import (
     check_context_options,
     window_for_model,
 )
+from agentnb.engine.tokens import TokenCounter, counter_for_model
+from agentnb.models.base import ModelSpecError
 
 NOTES = "".join(f"note line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(3000))
 

@@ -11,23 +11,23 @@ unknown, and the job must finish.
 from __future__ import annotations
 
 import os
-from unittest import mock
 import signal
 import stat
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from unittest import mock
 
 import pytest
+from engine_helpers import write_piece
+from openai_server import OpenAIServer, reply, stall
 
 import agentnb
 from agentnb import Workspace
-
-from engine_helpers import write_piece
-from openai_server import OpenAIServer, reply, stall
 
 PIECE = """
 name: crashy

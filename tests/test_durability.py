@@ -19,8 +19,8 @@ import pytest
 
 import agentnb
 from agentnb import Workspace
-from agentnb.models.base import ModelRequest, ModelResponse, ToolCall
 from agentnb.engine.runner import JobRunner
+from agentnb.models.base import ModelRequest, ModelResponse, ToolCall
 
 
 @pytest.fixture(scope="module")

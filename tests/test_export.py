@@ -10,14 +10,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import nbformat  # noqa: E402
-import pytest  # noqa: E402
-import yaml  # noqa: E402
+import nbformat
+import pytest
+import yaml
+from _usage_jobs import demo_job, usage_job
 
-from _usage_jobs import demo_job, usage_job  # noqa: E402
-from agentnb import Workspace  # noqa: E402
-from agentnb.cli import main as cli  # noqa: E402
-from agentnb.export import TRANSCRIPT_TAG  # noqa: E402
+from agentnb import Workspace
+from agentnb.cli import main as cli
+from agentnb.export import TRANSCRIPT_TAG
 
 
 def _read(path: Path) -> nbformat.NotebookNode:
@@ -253,7 +253,6 @@ def test_transcript_opens_collapsed_in_jupyterlab_and_expands_with_one_click(ws:
                                                                               lab_over) -> None:  # type: ignore[no-untyped-def]
     """What a user sees: one caption per movement run, no transcript shown; a click on a caption opens that run."""
     from playwright.sync_api import expect, sync_playwright
-
     from test_browser import ARTIFACTS, _launch
 
     url, root = lab_over
@@ -299,9 +298,10 @@ def test_transcript_opens_collapsed_in_jupyterlab_and_expands_with_one_click(ws:
 
 def test_the_transcript_has_no_local_absolute_path(ws: Workspace, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from _scripting import call, transition, write_piece, write_script
+
     import agentnb
     from agentnb.tools.base import unregister
-    from _scripting import call, transition, write_piece, write_script
 
     @agentnb.tool(name="TestWhere")
     def where(ctx: agentnb.ToolContext) -> str:

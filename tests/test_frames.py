@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from _usage_jobs import COMPLETIONS, PROMPTS, demo_job, raw_usage, tiktoken_job, usage_job
 from pandas.api import types as pt
 
-from _usage_jobs import COMPLETIONS, PROMPTS, demo_job, raw_usage, tiktoken_job, usage_job
 from agentnb import Job, Workspace
-from agentnb.views.frames import ACTION_DTYPE, COLUMNS
 from agentnb.store.sqlite import StoreError
+from agentnb.views.frames import ACTION_DTYPE, COLUMNS
 
 
 @pytest.fixture(scope="module")

@@ -6,21 +6,21 @@ import html
 import os
 import re
 import signal
-import time
-
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pandas as pd
 import pytest
+from _scripting import call, transition, write_piece, write_script
 from IPython.core.displaypub import CapturingDisplayPublisher
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 import agentnb
-from _scripting import call, transition, write_piece, write_script
 from agentnb import Job, Workspace
 from agentnb.notebook.magic import SUBCOMMANDS
 from agentnb.tools.base import unregister
@@ -395,7 +395,7 @@ def test_job_arguments_take_notebook_variables(shell: InteractiveShell) -> None:
     with capture_output():
         stepped = shell.run_line_magic("agent", "step $t_jid --call")
         assert stepped.id == first.id
-        shell.run_line_magic("agent", f"run --job {{t_first}}")
+        shell.run_line_magic("agent", "run --job {t_first}")
     assert first.status == "succeeded"
     # a variable holding something else, or nothing, is refused in one line naming the sub-command
     shell.user_ns["t_words"] = "not a job"

@@ -8,13 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_helpers import call, say, transition, write_piece, write_script
+from openai_server import OpenAIServer, error, reply, stall
 
 import agentnb
 from agentnb import Workspace
 from agentnb.models.base import ModelSpecError
-
-from engine_helpers import call, say, transition, write_piece, write_script
-from openai_server import OpenAIServer, error, reply, stall
 
 KEY = "sk-test-DO-NOT-STORE-4f1c9a"
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import yaml
-
 from openai_server import OpenAIServer, reply
+
 from agentnb import Workspace
 from agentnb.engine.pieces import SPECIAL_NEXT, available_pieces
 

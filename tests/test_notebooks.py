@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from pathlib import Path
 
 import nbformat
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
+from _scripting import call, transition, write_piece, write_script
 from IPython.core.interactiveshell import InteractiveShell
 
 import agentnb
-from _scripting import call, transition, write_piece, write_script
 from agentnb import Workspace
 from agentnb.notebook.panel import Panel
 from agentnb.tools.base import unregister

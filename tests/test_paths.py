@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_helpers import transition, write_piece, write_script
 
 from agentnb import Workspace
 from agentnb.tools.base import ToolError, resolve_path
-
-from engine_helpers import transition, write_piece, write_script
 
 ALL_TOOLS = """
 name: all-tools

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from engine_helpers import write_piece
 
 import agentnb
 from agentnb import Workspace
 from agentnb.engine.pieces import PACKAGE_PIECES, PieceError, available_pieces, load_piece, parse_piece
-
-from engine_helpers import write_piece
 
 OK = """name: ok
 movements:

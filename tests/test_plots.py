@@ -10,13 +10,13 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display in tests; must precede any pyplot import
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import numpy as np
+import pytest
+from _usage_jobs import PROMPTS, demo_job, usage_job
+from matplotlib.figure import Figure
 
-import agentnb  # noqa: E402
-from _usage_jobs import PROMPTS, demo_job, usage_job  # noqa: E402
-from agentnb import Workspace  # noqa: E402
+import agentnb
+from agentnb import Workspace
 
 
 def _gids(artists: list) -> list[str]:

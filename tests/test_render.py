@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from _scripting import call, transition, write_piece, write_script
+
 from agentnb import Workspace
 from agentnb.views.render import STYLE, header_html, job_html, job_stats, movement_html
 

@@ -6,20 +6,20 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
+from engine_helpers import call, transition, write_piece, write_script
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
+from openai_server import OpenAIServer, error, reply
 
 from agentnb import Workspace
 from agentnb.store.sqlite import StoreError
-
-from engine_helpers import call, transition, write_piece, write_script
-from openai_server import OpenAIServer, error, reply
 
 PIECE = """
 name: retried

@@ -7,12 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_helpers import call, say, transition, write_piece, write_script
 
 import agentnb
 from agentnb import Workspace
 from agentnb.engine.runner import MAX_LESSON_CHARS
-
-from engine_helpers import call, say, transition, write_piece, write_script
 
 AB = """
 name: ab

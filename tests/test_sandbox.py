@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import uuid
 from pathlib import Path
 
 import pytest
+from _scripting import call, transition, write_piece, write_script
 
 from agentnb import Workspace
-
-from _scripting import call, transition, write_piece, write_script
 
 pytestmark = pytest.mark.needs("bwrap")
 

@@ -22,15 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _scripting import call, transition, write_piece, write_script
+from conftest import require
 
 import agentnb
 from agentnb import Workspace
 from agentnb._secrets import MASK, SECRET_NAME
-from agentnb.views.render import job_html
 from agentnb.tools.base import ToolContext, get_tool, unregister
-
-from _scripting import call, transition, write_piece, write_script
-from conftest import require
+from agentnb.views.render import job_html
 
 ROOT = Path(agentnb.__file__).resolve().parents[1]
 KEY = "sk-live-" + "Zq7" * 12  # what OPENAI_API_KEY holds in these tests

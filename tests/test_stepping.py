@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_helpers import call, say, transition, write_piece, write_script
+from openai_server import OpenAIServer, reply
 
 import agentnb
 from agentnb import Workspace
 from agentnb.store.sqlite import StoreError
-
-from engine_helpers import call, say, transition, write_piece, write_script
-from openai_server import OpenAIServer, reply
 
 PIECE = """
 name: steps

@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from engine_helpers import transition, write_script
 
 from agentnb import Workspace
 from agentnb.store.migrations import MIGRATIONS
 from agentnb.store.sqlite import Store, StoreError
-
-from engine_helpers import transition, write_script
 
 
 def _new_job(store: Store, n: int = 0) -> int:
@@ -63,7 +62,7 @@ def test_a_reset_file_is_migrated_again(tmp_path: Path) -> None:
     assert _new_job(store) == 1
 
 
-def _claim_all(path: str, barrier: "mp.synchronize.Barrier", out: "mp.Queue[list[int]]") -> None:
+def _claim_all(path: str, barrier: mp.synchronize.Barrier, out: mp.Queue[list[int]]) -> None:
     store = Store(path)
     barrier.wait()
     got = []
@@ -78,7 +77,7 @@ def _claim_all(path: str, barrier: "mp.synchronize.Barrier", out: "mp.Queue[list
     barrier.wait()
 
 
-def _claim_one(path: str, job_ids: list[int], barrier: "mp.synchronize.Barrier", out: "mp.Queue[list[int]]") -> None:
+def _claim_one(path: str, job_ids: list[int], barrier: mp.synchronize.Barrier, out: mp.Queue[list[int]]) -> None:
     store = Store(path)
     got = []
     for job_id in job_ids:
@@ -89,7 +88,7 @@ def _claim_one(path: str, job_ids: list[int], barrier: "mp.synchronize.Barrier",
     barrier.wait()  # see _claim_all
 
 
-def _ctx() -> "mp.context.BaseContext":
+def _ctx() -> mp.context.BaseContext:
     return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
 
 
@@ -187,7 +186,7 @@ def test_paused_and_failed_jobs_record_their_status_changes(ws: Workspace, tmp_p
     assert statuses == ["queued", "running", "queued", "running", "failed"]
 
 
-def _exited_unreaped(proc: "subprocess.Popen[bytes]") -> None:
+def _exited_unreaped(proc: subprocess.Popen[bytes]) -> None:
     """Wait until ``proc`` has exited while leaving it unreaped: a zombie whose pid still answers kill(pid, 0)."""
     os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
     with open(f"/proc/{proc.pid}/stat", "rb") as f:

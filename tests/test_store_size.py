@@ -12,12 +12,11 @@ import string
 from pathlib import Path
 
 import pytest
+from openai_server import OpenAIServer, reply
 
 from agentnb import Workspace
 from agentnb.store.sqlite import TEXT_REF
 from agentnb.workspace import MAX_INSTRUCTION_CHARS
-
-from openai_server import OpenAIServer, reply
 
 
 def _text(chars: int, seed: int = 7) -> str:

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import yaml
-
 from _scripting import call, transition, user_prompts, write_piece, write_script
 from openai_server import OpenAIServer, reply
+
 from agentnb import Workspace
 from agentnb.worker import Worker
 

@@ -13,9 +13,10 @@ import re
 import resource
 import threading
 import tracemalloc
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -355,7 +356,7 @@ class _Follower:
             def log_message(self, *args: Any) -> None:
                 pass
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 tools = [m for m in body["messages"] if m["role"] == "tool"]
                 if not tools:
@@ -382,7 +383,7 @@ class _Follower:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
-    def __enter__(self) -> "_Follower":
+    def __enter__(self) -> _Follower:
         self.thread.start()
         return self
 

@@ -6,9 +6,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from _scripting import call, transition, user_prompts, write_script
 from conftest import require
+
 from agentnb import Workspace
 
 FIRST = "The summary misses the second note."

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from unittest import mock
 import re
 import signal
 import subprocess
@@ -11,13 +10,13 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from unittest import mock
 
 import pytest
-
-from agentnb import Workspace
-
 from engine_helpers import call, transition, write_piece, write_script
 from openai_server import OpenAIServer, reply, stall
+
+from agentnb import Workspace
 
 TWO_STEPS = """
 name: two-steps
@@ -153,7 +152,7 @@ def test_the_listing_leaves_out_what_leads_outside_the_work_directory(ws: Worksp
     assert "outside-name" not in user and "linked.txt" not in user
 
 
-def _stalled_worker(tmp_path: Path, command: list[str]) -> tuple[Workspace, int, "subprocess.Popen[str]", "OpenAIServer"]:
+def _stalled_worker(tmp_path: Path, command: list[str]) -> tuple[Workspace, int, subprocess.Popen[str], OpenAIServer]:
     """A worker process blocked in an LLM call of a queued job (the loopback server does not answer yet)."""
     server = OpenAIServer().__enter__()
     server.play(stall(120))

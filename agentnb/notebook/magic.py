@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import numbers
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
@@ -29,14 +30,14 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import HTML, display
 from traitlets import Float, Unicode, observe
 
-from .vars import VarError, expand, expand_value, split_line
-from ..models.base import ModelSpecError
 from ..engine.pieces import PieceError, available_pieces, load_piece
-from ..views.render import KEEPER, _seconds, job_html, job_stats, plural
+from ..models.base import ModelSpecError
 from ..store.sqlite import StoreError, owned_by_this_process
+from ..views.render import KEEPER, _seconds, job_html, job_stats, plural
 from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
+from .vars import VarError, expand, expand_value, split_line
 
-__all__ = ["AgentMagic", "load_ipython_extension", "expand_braces", "SUBCOMMANDS"]
+__all__ = ["SUBCOMMANDS", "AgentMagic", "expand_braces", "load_ipython_extension"]
 
 SUBCOMMANDS = ("run", "step", "reply", "stop", "show", "jobs", "usage", "lessons", "panel", "pieces", "export",
                "plot", "retry")
@@ -217,9 +218,7 @@ class AgentMagic(Magics):
                     value = int(value)
         if isinstance(value, Job):
             job_id = value.id
-        elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
-            job_id = int(value)
-        elif isinstance(value, str) and value.strip().isdigit():
+        elif (isinstance(value, numbers.Integral) and not isinstance(value, bool)) or (isinstance(value, str) and value.strip().isdigit()):
             job_id = int(value)
         else:
             raise UsageError(f"JOB must be a job id or a Job, not {ref!r} (a {type(value).__name__}); "
@@ -266,7 +265,7 @@ class AgentMagic(Magics):
                     self.ws.run(job_id)
                 else:
                     self.ws.step(job_id, unit=unit)
-            except BaseException as exc:  # noqa: BLE001 - reported in the view, never lost silently
+            except BaseException as exc:
                 failure.append(exc)
             finally:
                 done.set()

@@ -31,21 +31,22 @@ import re
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import ipywidgets as w
 
-from ..views.status import PAUSED, display_status, last_status_reason
-from ..models.base import ModelSpecError
 from ..engine.pieces import DEFAULT_THRESHOLDS, Piece, PieceError, available_pieces
-from ..views.render import header_html, job_html, job_stats
+from ..models.base import ModelSpecError
 from ..store.sqlite import StoreError
+from ..views.render import header_html, job_html, job_stats
+from ..views.status import PAUSED, display_status, last_status_reason
 
 if TYPE_CHECKING:
     from IPython.display import DisplayHandle
 
-    from .magic import AgentMagic
     from ..workspace import Job, Workspace
+    from .magic import AgentMagic
 
 __all__ = ["Panel", "context_bar_html"]
 
@@ -96,7 +97,7 @@ class Panel(w.VBox):
     through ``magic`` or the running IPython).
     """
 
-    def __init__(self, ws: "Workspace", *, magic: "AgentMagic | None" = None, poll: float = 0.3,
+    def __init__(self, ws: Workspace, *, magic: AgentMagic | None = None, poll: float = 0.3,
                  idle_poll: float = 1.0, namespace: Mapping[str, Any] | None = None) -> None:
         self.ws = ws
         self.magic = magic
@@ -115,7 +116,7 @@ class Panel(w.VBox):
         # (job id, (last event id, row updated), shown status) of the job drawn in the view
         self._shown: tuple[int | None, tuple[int, float] | None, str] = (None, None, "")
         self._token = uuid.uuid4().hex[:12]
-        self._fallbacks: list["DisplayHandle"] = []
+        self._fallbacks: list[DisplayHandle] = []
         self._fallback_sent = ""
         self._fallback_at = 0.0
 
@@ -217,7 +218,7 @@ class Panel(w.VBox):
         return self._busy
 
     @property
-    def job(self) -> "Job | None":
+    def job(self) -> Job | None:
         """The selected job (read again from the store)."""
         return None if self.jobs.value is None else self.ws.job(self.jobs.value)
 
@@ -310,7 +311,7 @@ class Panel(w.VBox):
     def _piece_names() -> list[str]:
         return sorted(available_pieces())
 
-    def piece_choice(self) -> "str | os.PathLike[str] | Piece":
+    def piece_choice(self) -> str | os.PathLike[str] | Piece:
         """What the piece box names: a piece name, a YAML path, or a notebook variable's Piece or path."""
         text = self.piece.value.strip()
         allowed = ("allowed: a piece name from the list, a YAML path, or a notebook variable holding a Piece "
@@ -338,7 +339,7 @@ class Panel(w.VBox):
         """The model box with ``{name}`` / ``$name`` filled from the notebook (``{{``/``}}`` are braces)."""
         ns = self._namespace()
 
-        def fill(m: "re.Match[str]") -> str:
+        def fill(m: re.Match[str]) -> str:
             if m.group(0) in ("{{", "}}"):
                 return m.group(0)[0]
             name = m.group(1) or m.group(2)
@@ -367,7 +368,7 @@ class Panel(w.VBox):
                 fn(selected)
             except _PROBLEMS as exc:
                 self._say(" ".join(str(exc).split()), error=True)
-            except Exception as exc:  # noqa: BLE001 - shown, not lost in the widget's callback
+            except Exception as exc:
                 self._say(f"{type(exc).__name__}: {' '.join(str(exc).split())}", error=True)
             else:
                 if self._stop_requested.is_set() and self._target is not None:
@@ -405,7 +406,7 @@ class Panel(w.VBox):
                     self.refresh()
                 if self._stop_requested.is_set():
                     self._enforce_stop()
-            except Exception:  # noqa: BLE001 - a closed store or a torn-down kernel: try again later
+            except Exception:
                 pass
             self._wake.wait(self.poll if self._busy or self._any_running else self.idle_poll)
             self._wake.clear()

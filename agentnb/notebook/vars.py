@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import re
 import string
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["VarError", "expand", "expand_value", "split_line"]
 
@@ -40,14 +41,14 @@ def _one_line(exc: BaseException) -> str:
 def _eval(expr: str, ns: Mapping[str, Any], shown: str, where: str) -> Any:
     try:
         # the namespace as globals, as IPython does, so comprehensions in the expression see it too
-        return eval(expr, ns if isinstance(ns, dict) else dict(ns))  # noqa: S307 - the user's own notebook
+        return eval(expr, ns if isinstance(ns, dict) else dict(ns))
     except NameError as exc:
         name = getattr(exc, "name", None) or expr
         which = "" if shown in ("{" + name + "}", "$" + name) else f" ({name!r})"
         raise VarError(f"{shown} in {where} names no variable of the notebook{which}; {_BRACES_HINT}") from None
     except SyntaxError:
         raise VarError(f"{shown} in {where} is not a Python expression; {_BRACES_HINT}") from None
-    except Exception as exc:  # noqa: BLE001 - whatever the expression raised, said in one line
+    except Exception as exc:
         raise VarError(f"cannot fill {shown} in {where} ({_one_line(exc)}); {_BRACES_HINT}") from None
 
 

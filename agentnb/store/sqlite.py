@@ -21,19 +21,30 @@ import stat
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 from .._fs import special_kind
-from .migrations import MIGRATIONS
+from ..errors import StoreError
 from ..events import EVENT_KINDS, Event, EventBase, event_from_row, payload_dict
+from .migrations import MIGRATIONS
 
 __all__ = [
-    "can_name_a_job",
+    "JOB_STATES",
     "MAX_INSTRUCTION_CHARS",
-    "Store", "StoreError", "TERMINAL_STATES", "WAITING_STATES", "JOB_STATES", "SCHEMA_VERSION",
-    "TEXT_REF", "TEXT_REF_MIN_CHARS", "describe_error", "instruction_sql", "payload_text_sql",
+    "SCHEMA_VERSION",
+    "TERMINAL_STATES",
+    "TEXT_REF",
+    "TEXT_REF_MIN_CHARS",
+    "WAITING_STATES",
+    "Store",
+    "StoreError",
+    "can_name_a_job",
+    "describe_error",
+    "instruction_sql",
+    "payload_text_sql",
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -102,10 +113,6 @@ def can_name_a_job(job_id: int) -> bool:
     """Whether ``job_id`` lies in SQLite's (signed 64-bit) integer range of row ids: beyond it a lookup raises
     OverflowError instead of finding nothing, so callers say "no job" without asking."""
     return 0 < job_id < 2**63
-
-class StoreError(RuntimeError):
-    """A store operation that cannot be done (unknown job, wrong state, unusable file, …)."""
-
 
 _SALVAGE = "restore it from a backup, or move it aside and save what is left with: sqlite3 {path} .recover"
 

@@ -16,36 +16,34 @@ import re
 import stat
 import types
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
+from ..errors import ToolError
 from .._fs import special_kind
 from .._secrets import redact, secret_values
 
 __all__ = [
+    "PERMISSION_RANK",
     "Tool",
     "ToolContext",
-    "ToolOutput",
     "ToolError",
-    "tool",
-    "register",
-    "unregister",
+    "ToolOutput",
     "get_tool",
-    "registered_tool_names",
-    "resolve_path",
     "normalise_rel",
-    "unlinked_path",
-    "relative_paths",
     "open_regular",
-    "PERMISSION_RANK",
+    "register",
+    "registered_tool_names",
+    "relative_paths",
+    "resolve_path",
+    "tool",
+    "unlinked_path",
+    "unregister",
 ]
 
 PERMISSION_RANK = {"readonly": 0, "edit": 1, "full": 2}
-
-
-class ToolError(Exception):
-    """Raised by a tool for an error the model should read (a bad path, a missing file, …)."""
 
 
 @dataclass

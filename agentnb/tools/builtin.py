@@ -12,18 +12,28 @@ import re
 import stat
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import regex
 
+from .._secrets import redact
+from .base import (
+    ToolContext,
+    ToolError,
+    ToolOutput,
+    normalise_rel,
+    open_regular,
+    resolve_path,
+    special_kind,
+    tool,
+    unlinked_path,
+)
 from .office import OFFICE_SUFFIXES, extract_text
 from .sandbox import bash_argv, bash_env, run_bounded
-from .._secrets import redact
 from .truncate import cut_text, read_document_text, read_file
-from .base import (ToolContext, ToolError, ToolOutput, normalise_rel, open_regular, resolve_path, special_kind, tool,
-                    unlinked_path)
 
 _IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp"}
 _MAX_IMAGE_BYTES = 5 * 1024 * 1024
@@ -482,4 +492,4 @@ def Bash(ctx: ToolContext, command: str, timeout: int = 120) -> ToolOutput:
     result.is_error = run.returncode != 0
     return result
 
-__all__ = ["Read", "Glob", "Grep", "ReadImage", "Write", "Edit", "Checklist", "Bash"]
+__all__ = ["Bash", "Checklist", "Edit", "Glob", "Grep", "Read", "ReadImage", "Write"]

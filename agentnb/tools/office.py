@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .base import ToolError
 
-__all__ = ["extract_text", "OFFICE_SUFFIXES"]
+__all__ = ["OFFICE_SUFFIXES", "extract_text"]
 
 OFFICE_SUFFIXES = (".docx", ".xlsx", ".pptx", ".pdf")
 _EXTRA = "pip install 'agentnb[office]'"

@@ -33,8 +33,16 @@ from typing import Any
 from .._secrets import is_secret_name
 from .base import ToolError
 
-__all__ = ["sandbox_argv", "bash_argv", "bash_env", "run_bounded", "Captured", "SANDBOX_ENV", "BASH_ENV_SETTING",
-           "ETC_ALLOWED"]
+__all__ = [
+    "BASH_ENV_SETTING",
+    "ETC_ALLOWED",
+    "SANDBOX_ENV",
+    "Captured",
+    "bash_argv",
+    "bash_env",
+    "run_bounded",
+    "sandbox_argv",
+]
 
 SANDBOX_ENV = "AGENTNB_BASH_SANDBOX"
 BASH_ENV_SETTING = "AGENTNB_BASH_ENV"

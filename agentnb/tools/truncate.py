@@ -23,13 +23,14 @@ import io
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 from .base import ToolContext, ToolError, ToolOutput, open_regular
 
-__all__ = ["cut_text", "read_file", "read_text_stream", "fit_prefix", "NOTE_PREFIX", "HINTS"]
+__all__ = ["HINTS", "NOTE_PREFIX", "cut_text", "fit_prefix", "read_file", "read_text_stream"]
 
 NOTE_PREFIX = "\n\n[agentnb: output truncated automatically"
 _CHUNK = 1 << 20

@@ -86,19 +86,20 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from .status import DISPLAY_STATES, display_status
 from ..engine.context import ACTIONS, job_thresholds
 from ..store.sqlite import JOB_STATES, instruction_sql, payload_text_sql
 from ..tools.base import ToolError, unlinked_path
+from .status import DISPLAY_STATES, display_status
 
 if TYPE_CHECKING:
     from ..workspace import JobRef, Workspace
 
-__all__ = ["Frames", "COLUMNS", "ACTION_DTYPE"]
+__all__ = ["ACTION_DTYPE", "COLUMNS", "Frames"]
 
 ACTION_DTYPE = pd.CategoricalDtype(list(ACTIONS), ordered=True)
 _STATUS = pd.CategoricalDtype(list(JOB_STATES))
@@ -310,14 +311,14 @@ ORDER BY e.job_id, e.id
 class Frames:
     """The DataFrame views of one workspace (``ws.frames``); see the module docstring for the columns."""
 
-    def __init__(self, ws: "Workspace") -> None:
+    def __init__(self, ws: Workspace) -> None:
         self.ws = ws
 
     def __repr__(self) -> str:
         return f"<Frames of {self.ws!r}: {', '.join(COLUMNS)}>"
 
     # -- plumbing -------------------------------------------------------------
-    def _job(self, job: "JobRef | None") -> int | None:
+    def _job(self, job: JobRef | None) -> int | None:
         if job is None:
             return None
         job_id = self.ws._id(job)
@@ -355,12 +356,12 @@ class Frames:
                                          index=df.index, dtype=_JOBS["display_status"])
         return df
 
-    def movements(self, job: "JobRef | None" = None) -> pd.DataFrame:
+    def movements(self, job: JobRef | None = None) -> pd.DataFrame:
         """One row per movement run of ``job`` (every job when ``None``)."""
         sql, params = self._scoped(_MOVEMENTS_SQL, self._job(job), ("e", "m"))
         return self._query(sql, params, _MOVEMENTS)
 
-    def messages(self, job: "JobRef | None" = None) -> pd.DataFrame:
+    def messages(self, job: JobRef | None = None) -> pd.DataFrame:
         """One row per chat message the model saw (prompts, replies, tool results, reminders)."""
         sql, params = self._scoped(_MESSAGES_SQL, self._job(job), ("e",))
         df = self._query(sql, params, {**_MESSAGES, "part": "int"})
@@ -368,12 +369,12 @@ class Frames:
         df["chars"] = df["content"].str.len().fillna(0).astype("int64")
         return df
 
-    def tool_calls(self, job: "JobRef | None" = None) -> pd.DataFrame:
+    def tool_calls(self, job: JobRef | None = None) -> pd.DataFrame:
         """One row per tool call with its result's flags and sizes."""
         sql, params = self._scoped(_TOOL_CALLS_SQL, self._job(job), ("e",))
         return self._query(sql, params, _TOOL_CALLS)
 
-    def usage(self, job: "JobRef | None" = None) -> pd.DataFrame:
+    def usage(self, job: JobRef | None = None) -> pd.DataFrame:
         """One row per LLM call of ``job`` (every job when ``None``), with the actions it fired."""
         job_id = self._job(job)
         sql, params = self._scoped(_USAGE_SQL, job_id, ("e", "c", "t"))
@@ -393,12 +394,12 @@ class Frames:
             df.attrs["thresholds"] = self.thresholds(job_id)
         return df
 
-    def context_actions(self, job: "JobRef | None" = None) -> pd.DataFrame:
+    def context_actions(self, job: JobRef | None = None) -> pd.DataFrame:
         """One row per ContextManager action (``context_action`` event)."""
         sql, params = self._scoped(_CONTEXT_ACTIONS_SQL, self._job(job), ("e",))
         return self._query(sql, params, _CONTEXT_ACTIONS)
 
-    def lessons(self, job: "JobRef | None" = None) -> pd.DataFrame:
+    def lessons(self, job: JobRef | None = None) -> pd.DataFrame:
         """The rows of ``logs/lessons.jsonl`` of ``job`` (every job when ``None``)."""
         job_id = self._job(job)
         ids = [job_id] if job_id is not None else [int(r[0]) for r in self.ws.store.query("SELECT id FROM jobs ORDER BY id")]
@@ -421,7 +422,7 @@ class Frames:
         return _typed(pd.DataFrame.from_records(records, columns=list(_LESSONS)), _LESSONS)
 
     # -- helpers ------------------------------------------------------------------
-    def thresholds(self, job: "JobRef") -> dict[str, float]:
+    def thresholds(self, job: JobRef) -> dict[str, float]:
         """The ContextManager thresholds a job runs with: its piece's, overridden by ``context=`` at submit."""
         job_id = self.ws._id(job)
         options = json.loads(self.ws.store.job(job_id).get("options") or "{}")

@@ -33,9 +33,10 @@ import re
 import struct
 import textwrap
 import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 
     from ..workspace import Workspace
 
-__all__ = ["plot_usage", "UsageFigure", "figure_png"]
+__all__ = ["UsageFigure", "figure_png", "plot_usage"]
 
 _ORDER = ("warn", "prompt", "force_transition", "exhausted")
 _THRESHOLD_STYLE = {"warn": "#d9a400", "prompt": "#e67e22", "force_transition": "#c0392b", "exhausted": "#6c0b0b"}
@@ -117,7 +118,7 @@ class _Target:
 def plot_usage(
     job_or_frame: Any,
     *,
-    ws: "Workspace | None" = None,
+    ws: Workspace | None = None,
     thresholds: Mapping[str, float] | None = None,
     title: str | None = None,
     figsize: tuple[float, float] = (10.0, 6.5),
@@ -241,7 +242,7 @@ class _Drawn:
     """What :func:`_draw_job` put on the axes, for the legend and the layout pass."""
 
     movements: list[tuple[Any, str]] = field(default_factory=list)  # (line, name), one per movement name
-    labels: list["Annotation"] = field(default_factory=list)
+    labels: list[Annotation] = field(default_factory=list)
     runs: list[tuple[int, str, float]] = field(default_factory=list)  # (seq, movement, centre in calls)
     actions: set[str] = field(default_factory=set)
     transitions: bool = False
@@ -251,7 +252,7 @@ class _Drawn:
 
 
 def _draw_job(
-    ax: "Axes", ax_cum: "Axes", rows: pd.DataFrame, job_id: int, colours: Mapping[str, Any],
+    ax: Axes, ax_cum: Axes, rows: pd.DataFrame, job_id: int, colours: Mapping[str, Any],
     drawn: _Drawn, nth: int | None,
 ) -> None:
     """One job's series; ``nth`` is its position when the frame holds several jobs (else ``None``)."""
@@ -329,7 +330,7 @@ def _draw_job(
                 **dot)
 
 
-def _name_runs(ax: "Axes", runs: list[tuple[int, str, float]], colours: Mapping[str, Any]) -> "Axes":
+def _name_runs(ax: Axes, runs: list[tuple[int, str, float]], colours: Mapping[str, Any]) -> Axes:
     """The runs' names (``1. plan``) along the top of the ratio panel, in their movements' colours."""
     top = ax.secondary_xaxis("top")
     top.set_xticks([c for _, _, c in runs], labels=[f"{seq}. {name}" for seq, name, _ in runs])
@@ -345,7 +346,7 @@ _NEAR = 7
 _PLACES = [(dx, dy) for dy in (_NEAR, -_NEAR, 20, -20, 33, -33, 46, -46) for dx in (_NEAR, -_NEAR)]
 
 
-def _fit_labels(fig: Figure, ax: "Axes", labels: list["Annotation"], runs_axis: "Axes | None",
+def _fit_labels(fig: Figure, ax: Axes, labels: list[Annotation], runs_axis: Axes | None,
                 points: Any = None) -> None:
     """Tilt run names that would overlap; put each call label inside the axes, clear of the other labels
     and of the markers.  The layout is fixed first, so the places found are the ones drawn (offsets are
@@ -382,7 +383,7 @@ def _fit_labels(fig: Figure, ax: "Axes", labels: list["Annotation"], runs_axis: 
                & (marks[:, 1] + near > box.y0) & (marks[:, 1] - near < box.y1))
         return not hit.any() and not any(box.overlaps(other) for other in boxes)
 
-    def put(t: "Annotation", dx: float, dy: float) -> Bbox:
+    def put(t: Annotation, dx: float, dy: float) -> Bbox:
         t.xyann = (dx, dy)
         t.set_horizontalalignment("left" if dx > 0 else "right")
         t.set_verticalalignment("bottom" if dy > 0 else "top")
@@ -456,7 +457,7 @@ def _font_for(labels: Iterable[str]) -> dict[str, Any]:
 
 
 def _resolve(
-    obj: Any, ws: "Workspace | None", thresholds: Mapping[str, float] | None
+    obj: Any, ws: Workspace | None, thresholds: Mapping[str, float] | None
 ) -> _Target:
     from ..workspace import Job
 

@@ -29,30 +29,31 @@ other modules (the export, the panel) build on them.
 from __future__ import annotations
 
 import html
-import re
 import json
+import re
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from .status import display_status
 from ..events import Event
+from .status import display_status
 
 if TYPE_CHECKING:
     from ..workspace import Workspace
 
 __all__ = [
-    "job_html",
-    "movement_html",
-    "header_html",
-    "job_stats",
-    "JobStats",
-    "plural",
-    "STYLE",
-    "KEEPER",
-    "DEFAULT_MAX_CHARS",
-    "DEFAULT_MAX_CALLS",
     "DEFAULT_MAX_BYTES",
+    "DEFAULT_MAX_CALLS",
+    "DEFAULT_MAX_CHARS",
+    "KEEPER",
+    "STYLE",
+    "JobStats",
+    "header_html",
+    "job_html",
+    "job_stats",
+    "movement_html",
+    "plural",
 ]
 
 DEFAULT_MAX_CHARS = 2_000
@@ -155,7 +156,7 @@ _CLASSED_TAG = re.compile(r'(<\w+ class="([^"]*)"[^<>]*?)(/?>)')
 
 def _inline(markup: str) -> str:
     """Give each of our tags a style attribute from its classes (text is escaped, so only our tags match)."""
-    def style(m: "re.Match[str]") -> str:
+    def style(m: re.Match[str]) -> str:
         css = ";".join(_INLINE[c] for c in m.group(2).split() if c in _INLINE)
         return f'{m.group(1)} style="{css}"{m.group(3)}' if css else m.group(0)
 
@@ -289,7 +290,7 @@ def _stats(job: Any, events: Sequence[Event], now: float | None = None) -> JobSt
     return st
 
 
-def job_stats(ws: "Workspace", job_id: int) -> JobStats:
+def job_stats(ws: Workspace, job_id: int) -> JobStats:
     """Movements run, LLM calls, tokens, running and wall seconds and the newest context ratio of a job."""
     return _stats(ws.job(job_id).snapshot(), ws.events(job_id))
 
@@ -583,14 +584,14 @@ def _header(job: Any, st: JobStats, piece_max: int | None, *, latest_link: bool 
     return "".join(parts)
 
 
-def _piece_max(ws: "Workspace", job_id: int) -> int | None:
+def _piece_max(ws: Workspace, job_id: int) -> int | None:
     try:
         return ws.piece(job_id).max_movements
     except Exception:  # a stored piece that no longer parses must not break the view
         return None
 
 
-def header_html(ws: "Workspace", job_id: int) -> str:
+def header_html(ws: Workspace, job_id: int) -> str:
     """The header line of a job: piece, model, status, movements run, calls, tokens, elapsed (no <style>)."""
     job = ws.job(job_id).snapshot()
     return _inline(_header(job, _stats(job, ws.events(job_id)), _piece_max(ws, job_id)))
@@ -612,7 +613,7 @@ def _layout(events: Iterable[Event]) -> tuple[list[tuple[str, Any]], dict[int, l
 
 
 def job_html(
-    ws: "Workspace",
+    ws: Workspace,
     job_id: int,
     *,
     max_chars: int | None = DEFAULT_MAX_CHARS,
@@ -671,14 +672,14 @@ def job_html(
 
 
 def movement_html(
-    ws: "Workspace",
+    ws: Workspace,
     job_id: int,
     seq: int,
     *,
     max_chars: int | None = DEFAULT_MAX_CHARS,
     max_calls: int | None = DEFAULT_MAX_CALLS,
     full: bool = False,
-    open: bool = True,  # noqa: A002 - mirrors the HTML attribute
+    open: bool = True,
 ) -> str:
     """One movement run (``seq`` is 1 for the job's first run) as a ``<details>`` section, without ``<style>``.
 

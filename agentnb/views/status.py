@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..store.sqlite import Store
 
-__all__ = ["PAUSED", "STOP_REASON", "DISPLAY_STATES", "display_status", "last_status_reason"]
+__all__ = ["DISPLAY_STATES", "PAUSED", "STOP_REASON", "display_status", "last_status_reason"]
 
 PAUSED = "paused"
 # The job_status reason written when a Stop (panel, %agent stop, Ctrl-C in a live run) paused a job.
@@ -35,7 +35,7 @@ def display_status(status: Any, reason: Any) -> str:
     return text
 
 
-def last_status_reason(store: "Store", job_id: int) -> str | None:
+def last_status_reason(store: Store, job_id: int) -> str | None:
     """The reason of the job's newest ``job_status`` event (``None`` before the first one)."""
     rows = store.query(
         "SELECT json_extract(payload, '$.reason') FROM events WHERE kind = 'job_status' AND job_id = ? "

@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["usage_table", "UsageFrame"]
+__all__ = ["UsageFrame", "usage_table"]
 
 
 def _int(v: Any) -> str:
@@ -77,7 +77,7 @@ class UsageFrame(pd.DataFrame):
         return pd.DataFrame
 
     @classmethod
-    def of(cls, df: pd.DataFrame) -> "UsageFrame":
+    def of(cls, df: pd.DataFrame) -> UsageFrame:
         out = cls(df)
         out.attrs.update(df.attrs)
         return out

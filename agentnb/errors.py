@@ -1,0 +1,51 @@
+"""The errors a user sees, under one base.
+
+``AgentnbError`` is what the magic, the panel and the CLI catch to show a one-line message instead of a
+traceback.  Each subclass keeps the builtin base it always had (``ValueError`` for bad input,
+``RuntimeError`` for a failing store or model), so code that caught those still does.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentnbError",
+    "ModelError",
+    "ModelSpecError",
+    "PieceError",
+    "StoreError",
+    "ToolError",
+    "UsageError",
+]
+
+
+class AgentnbError(Exception):
+    """Base of every error agentnb raises for a user to read."""
+
+
+class PieceError(AgentnbError, ValueError):
+    """A piece that cannot be used; ``str()`` is one line naming file, line and field."""
+
+    def __init__(self, message: str, *, file: str = "<piece>", line: int | None = None, field: str = "") -> None:
+        self.file, self.line, self.field, self.detail = file, line, field, message
+        where = file + (f":{line}" if line else "")
+        super().__init__(f"{where}: {field + ': ' if field else ''}{message}")
+
+
+class ModelSpecError(AgentnbError, ValueError):
+    """A model spec (``demo``, ``scripted:PATH``, ``openai:NAME``, ``replay:JOB``) that cannot be used."""
+
+
+class ModelError(AgentnbError, RuntimeError):
+    """A model call that failed for good (after any retries)."""
+
+
+class StoreError(AgentnbError, RuntimeError):
+    """The store cannot be opened, read or written, or has no such job."""
+
+
+class ToolError(AgentnbError):
+    """A tool call that failed; its message is what the model reads as the tool result."""
+
+
+class UsageError(AgentnbError, ValueError):
+    """An API or command used wrongly (a bad argument or option); the message says what is allowed."""
