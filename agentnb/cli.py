@@ -11,23 +11,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sqlite3
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .engine.pieces import PieceError, available_pieces
+from .errors import AgentnbError, UsageError
 from .events import payload_dict
-from .models.base import ModelSpecError
-from .store.sqlite import StoreError, describe_error
+from .store import BACKEND_ERRORS, describe_error
 from .worker import Terminated, sigterm_interrupts
+
+if TYPE_CHECKING:
+    from .workspace import Job, Workspace
 
 __all__ = ["main"]
 
+# errors met using a store (a damaged, locked or read-only file, a full disk, a path that is a file)
+_STORE_FAILURES: tuple[type[Exception], ...] = (*BACKEND_ERRORS, OSError)
 
-class _Usage(Exception):
-    pass
+
+class _Usage(UsageError):
+    """A command used wrongly: the message follows ``agentnb: error:``."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,33 +46,25 @@ def _folder(args: argparse.Namespace) -> Path:
     return Path(getattr(args, "workspace", None) or os.environ.get("AGENTNB_WORKSPACE") or "agentnb-data")
 
 
-def _workspace(args: argparse.Namespace, *, readonly: bool = False) -> Any:
+def _workspace(args: argparse.Namespace, *, readonly: bool = False) -> Workspace:
     from .workspace import Workspace
 
     return Workspace(_folder(args), readonly=readonly)
 
 
-def _tokens(ws: Any, job_id: int) -> int:
-    rows = ws.store.query(
-        "SELECT COALESCE(SUM(json_extract(payload,'$.usage.total_tokens')),0) FROM events "
-        "WHERE job_id=? AND kind='llm_response'", (job_id,),
-    )
-    return int(rows[0][0])
-
-
-def _question(ws: Any, job: Any) -> str | None:
+def _question(ws: Workspace, job: Job) -> str | None:
     """The agent's latest question to the user (the ASK), if it asked one."""
     asked = [c for c in ws.comments(job) if c["author"] == "agent"]
-    return asked[-1]["body"] if asked else None
+    return str(asked[-1]["body"]) if asked else None
 
 
-def _print_job(ws: Any, job: Any) -> None:
+def _print_job(ws: Workspace, job: Job) -> None:
     print(f"job {job.id}: {job.status}  piece={job.piece} model={job.model}")
     for mv in ws.movements(job):
         forced = " (forced)" if mv["forced"] else ""
         print(f"  {mv['seq']:>2}. {mv['name']:<14} {mv['iterations']:>3} {'call ' if mv['iterations'] == 1 else 'calls'} → {mv['next_step'] or '…'}{forced}"
               + (f"  {mv['summary']}" if mv["summary"] else ""))
-    print(f"  tokens: {_tokens(ws, job.id):,}")
+    print(f"  tokens: {ws.store.total_tokens(job.id):,}")
     if job.error:
         print(f"  error: {job.error}")
     if job.status == "waiting_human":
@@ -155,7 +152,7 @@ def cmd_reply(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_up(ws: Any, job: Any) -> Any:
+def _run_up(ws: Workspace, job: Job) -> Job:
     """Run ``job``; when it was a subtask whose parent it was the last one to wait for, go on with the
     parent (and so on up).  Returns the last job run."""
     job = ws.run(job)
@@ -212,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workspace", help="workspace folder (default: $AGENTNB_WORKSPACE, else ./agentnb-data)")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
-    def add(name: str, fn: Any, help_: str) -> argparse.ArgumentParser:
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--workspace", default=argparse.SUPPRESS, help="workspace folder")
         p.set_defaults(fn=fn)
@@ -270,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.workspace = None
         with sigterm_interrupts():
             return int(args.fn(args))
-    except (_Usage, PieceError, ModelSpecError, StoreError, ValueError) as exc:
+    except (AgentnbError, ValueError) as exc:
         return _error(" ".join(str(exc).split()))
     except KeyboardInterrupt:
         return 130
@@ -283,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
-    except (sqlite3.Error, OSError) as exc:
+    except _STORE_FAILURES as exc:
         # a damaged, locked or read-only store, a full disk, a path that is a file: one line, not a traceback
         return _error(describe_error(exc, Path(os.path.abspath(_folder(args))) / "agentnb.sqlite"))
 

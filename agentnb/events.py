@@ -45,6 +45,7 @@ __all__ = [
     "Usage",
     "UsageSource",
     "check_event",
+    "encode_payload",
     "event_from_row",
     "payload_dict",
     "payload_json",
@@ -305,11 +306,17 @@ def payload_dict(event: Event) -> dict[str, Any]:
     return out
 
 
+def encode_payload(data: Mapping[str, Any]) -> str:
+    """Payload data as the JSON text stored (the one encoder; the store uses it after putting its text
+    references into the data)."""
+    return _ENCODER.encode(data)
+
+
 def payload_json(event: Event) -> str:
     """The ``payload`` column for ``event``."""
     if _STRICT:
         check_event(event)
-    return _ENCODER.encode(payload_dict(event))
+    return encode_payload(payload_dict(event))
 
 
 def event_from_row(row: Mapping[str, Any] | tuple[Any, ...]) -> Event:

@@ -11,13 +11,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from .engine.pieces import Piece, load_piece
 from .engine.runner import JobRunner, notify_parent
-from .events import Event
+from .events import ErrorEvent, Event
 from .models.base import check_model_spec, check_retry_settings, resolve_model
-from .store.sqlite import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, Store, StoreError, can_name_a_job
+from .store import Store, StoreError, open_store
+from .store.sqlite import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, can_name_a_job
 from .tools.base import ToolError, resolve_path
 from .views.status import STOP_REASON
 from .worker import MAX_COMMENTS, Worker, build_enriched_instruction
@@ -53,7 +54,6 @@ class JobStatus(str, Enum):
 
 # The columns of a job that change while it runs; a Job reads them again on every access.
 _CHANGING = ("status", "current_movement", "resume_movement", "movement_seq", "error", "updated", "started", "ended")
-_CHANGING_SQL = f"SELECT {', '.join(_CHANGING)} FROM jobs WHERE id=?"
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,9 +90,9 @@ class Job:
 
     def _get(self, name: str) -> Any:
         if self._live and self.workspace is not None:
-            rows = self.workspace.store.query(_CHANGING_SQL, (self.id,))
-            if rows:  # a job is never deleted; a missing row (another store?) leaves the last values
-                object.__setattr__(self, "_row", dict(rows[0]))
+            row = self.workspace.store.job_columns(self.id, _CHANGING)
+            if row is not None:  # a job is never deleted; a missing row (another store?) leaves the last values
+                object.__setattr__(self, "_row", row)
         return self._row[name]
 
     @property
@@ -189,7 +189,7 @@ def _shown_above_html(job: Job) -> str:
             "the Job) shows it again.</div>")
 
 
-JobRef = Union[Job, int, str]
+JobRef = Job | int | str
 
 
 def prepare_workdir(root: Path, job_id: int, workdir: str | os.PathLike[str] | None) -> Path:
@@ -231,7 +231,7 @@ class Workspace:
                 self.root.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise StoreError(f"cannot make the workspace folder {self.root}: {exc.strerror or exc}") from None
-        self.store = Store(self.root / "agentnb.sqlite", readonly=readonly)
+        self.store: Store = open_store(self.root / "agentnb.sqlite", readonly=readonly)
         self._runners: dict[int, tuple[JobRunner, tuple[Any, ...]]] = {}
         self._lock = threading.RLock()
         self._stops: dict[int, threading.Event] = {}
@@ -383,12 +383,7 @@ class Workspace:
         """What a cached runner must match: the last movement event, the open movement (a retry
         reopens a failed one without writing a movement event) and the job's options (a retry may
         change its model's retry settings)."""
-        rows = self.store.query(
-            "SELECT (SELECT MAX(id) FROM events WHERE job_id=? AND movement_seq IS NOT NULL), "
-            "(SELECT MAX(seq) FROM movements WHERE job_id=? AND status='running'), "
-            "(SELECT options FROM jobs WHERE id=?)", (job_id, job_id, job_id),
-        )
-        return int(rows[0][0] or 0), int(rows[0][1] or 0), rows[0][2]
+        return self.store.runner_mark(job_id)
 
     def _activate(self, row: dict[str, Any], runner: JobRunner) -> None:
         """Build the enriched instruction once per activation (first start, or after a wait)."""
@@ -412,8 +407,7 @@ class Workspace:
                 runner = self._runner(row)
             except Exception as exc:  # the model or piece cannot be set up: the job fails, visibly
                 with self.store.transaction() as c:
-                    self.store.append([(job_id, None, None, time.time(), "error",
-                                        {"message": str(exc), "where": "setup"})], c)
+                    self.store.append([ErrorEvent(job_id=job_id, ts=time.time(), message=str(exc), where="setup")], c)
                     self.store.set_status(c, job_id, "failed", reason=str(exc), error=str(exc))
                     notify_parent(self.store, c, job_id)
                 return self.job(job_id)
@@ -430,7 +424,7 @@ class Workspace:
             with self._lock:
                 self._runners.pop(job_id, None)
             with self.store.transaction() as c:
-                if c.execute("SELECT status FROM jobs WHERE id=?", (job_id,)).fetchone()[0] == "running":
+                if self.store.job(job_id)["status"] == "running":
                     self.store.set_status(c, job_id, "queued", reason="interrupted")
             raise
         stopped = stop.is_set()
@@ -528,9 +522,7 @@ class Workspace:
             raise ValueError("reply text must be non-empty")
         job_id = self._id(job)
         with self.store.transaction() as c:
-            row = dict(c.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone() or {})
-            if not row:
-                raise StoreError(f"no job {job_id} in {self.store.path}")
+            row = self.store.job(job_id)  # StoreError "no job …" when there is none
             if row["status"] in TERMINAL_STATES:
                 then = ("submit a new job" if row["status"] == "succeeded"
                         else "retry it or submit a new job")
@@ -558,19 +550,15 @@ class Workspace:
         job_id = self._id(job)
         settings = check_retry_settings(retries, max_backoff)
         with self.store.transaction() as c:
-            row = c.execute("SELECT status, options FROM jobs WHERE id=?", (job_id,)).fetchone()
-            if row is None:
-                raise StoreError(f"no job {job_id} in {self.store.path}")
-            status = row[0]
+            row = self.store.job(job_id)  # StoreError "no job …" when there is none
+            status = row["status"]
             if status not in ("failed", "aborted"):
                 raise StoreError(f"job {job_id} is {status}; only a failed or aborted job can be retried")
             if status == "failed":
-                # the movement the failure stopped (none when the job failed between movements or at setup)
-                c.execute("UPDATE movements SET status='running', ended=NULL WHERE job_id=? AND status='failed' "
-                          "AND seq=(SELECT MAX(seq) FROM movements WHERE job_id=?)", (job_id, job_id))
+                self.store.reopen_failed_movement(c, job_id)
             values: dict[str, Any] = {"error": None, "ended": None, "enriched": None}
             if settings:
-                values["options"] = json.dumps({**json.loads(row[1] or "{}"), **settings}, ensure_ascii=False)
+                values["options"] = json.dumps({**json.loads(row["options"] or "{}"), **settings}, ensure_ascii=False)
             self.store.set_status(c, job_id, "queued", reason="retried", **values)
         with self._lock:
             self._runners.pop(job_id, None)
@@ -584,7 +572,8 @@ class Workspace:
     def frames(self) -> Frames:
         from .views.frames import Frames
 
-        return Frames(self)
+        return Frames(self.store, self.root, job_id=self._id, piece_thresholds=lambda job_id: self.piece(job_id).thresholds,
+                      name=repr(self))
 
     def export_notebook(self, job: JobRef, path: str | os.PathLike[str]) -> Path:
         from .export import export_notebook

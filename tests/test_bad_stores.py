@@ -21,7 +21,7 @@ import pytest
 from engine_helpers import transition, write_script
 
 from agentnb import Workspace
-from agentnb.store.sqlite import SCHEMA_VERSION, Store, StoreError
+from agentnb.store.sqlite import SCHEMA_VERSION, SQLiteStore, StoreError
 
 
 def cli(cwd: Path, *args: str, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -125,7 +125,7 @@ def test_a_newer_store_names_both_versions_through_the_api(tmp_path: Path) -> No
     _newer_schema(db)
     before = digest(db)
     with pytest.raises(StoreError, match=rf"schema version 99, newer than this agentnb's {SCHEMA_VERSION}: .*upgrade"):
-        Store(db)
+        SQLiteStore(db)
     with pytest.raises(StoreError, match="schema version 99"):
         Workspace(tmp_path / "ws").submit("task", piece="single", model="demo")
     assert digest(db) == before

@@ -14,16 +14,16 @@ from engine_helpers import transition, write_script
 
 from agentnb import Workspace
 from agentnb.store.migrations import MIGRATIONS
-from agentnb.store.sqlite import Store, StoreError
+from agentnb.store.sqlite import SQLiteStore, StoreError
 
 
-def _new_job(store: Store, n: int = 0) -> int:
+def _new_job(store: SQLiteStore, n: int = 0) -> int:
     return store.create_job(piece="p", piece_yaml="name: p", model="demo", instruction=f"task {n}", workdir="")
 
 
 def test_wal_mode_and_migrations_applied_on_open(tmp_path: Path) -> None:
     path = tmp_path / "agentnb.sqlite"
-    store = Store(path)
+    store = SQLiteStore(path)
     store.close()
     raw = sqlite3.connect(path)
     assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -35,11 +35,11 @@ def test_wal_mode_and_migrations_applied_on_open(tmp_path: Path) -> None:
 
 def test_reopen_is_idempotent_and_keeps_data(tmp_path: Path) -> None:
     path = tmp_path / "agentnb.sqlite"
-    store = Store(path)
+    store = SQLiteStore(path)
     job_id = _new_job(store)
     store.close()
     for _ in range(3):  # re-opening must not re-run migrations (they would fail on existing tables)
-        store = Store(path)
+        store = SQLiteStore(path)
         assert store.job(job_id)["instruction"] == "task 0"
         assert store.query("PRAGMA user_version")[0][0] == len(MIGRATIONS)
         store.close()
@@ -47,7 +47,7 @@ def test_reopen_is_idempotent_and_keeps_data(tmp_path: Path) -> None:
 
 def test_a_reset_file_is_migrated_again(tmp_path: Path) -> None:
     path = tmp_path / "agentnb.sqlite"
-    Store(path).close()
+    SQLiteStore(path).close()
     raw = sqlite3.connect(path)
     raw.execute("PRAGMA user_version=0")  # pretend an old file: migration 1 would run again and fail
     raw.execute("DROP TABLE events")
@@ -57,13 +57,13 @@ def test_a_reset_file_is_migrated_again(tmp_path: Path) -> None:
     raw.execute("DROP TABLE texts")
     raw.commit()
     raw.close()
-    store = Store(path)
+    store = SQLiteStore(path)
     assert store.query("PRAGMA user_version")[0][0] == len(MIGRATIONS)
     assert _new_job(store) == 1
 
 
 def _claim_all(path: str, barrier: mp.synchronize.Barrier, out: mp.Queue[list[int]]) -> None:
-    store = Store(path)
+    store = SQLiteStore(path)
     barrier.wait()
     got = []
     while True:
@@ -78,7 +78,7 @@ def _claim_all(path: str, barrier: mp.synchronize.Barrier, out: mp.Queue[list[in
 
 
 def _claim_one(path: str, job_ids: list[int], barrier: mp.synchronize.Barrier, out: mp.Queue[list[int]]) -> None:
-    store = Store(path)
+    store = SQLiteStore(path)
     got = []
     for job_id in job_ids:
         barrier.wait()  # every process asks for the same job at the same moment
@@ -95,7 +95,7 @@ def _ctx() -> mp.context.BaseContext:
 @pytest.mark.parametrize("procs", [4])
 def test_claim_is_atomic_across_processes(tmp_path: Path, procs: int) -> None:
     path = tmp_path / "agentnb.sqlite"
-    store = Store(path)
+    store = SQLiteStore(path)
     ids = [_new_job(store, n) for n in range(60)]
     store.close()
     ctx = _ctx()
@@ -111,7 +111,7 @@ def test_claim_is_atomic_across_processes(tmp_path: Path, procs: int) -> None:
     claimed = [i for r in results for i in r]
     assert sorted(claimed) == ids  # every job claimed exactly once
     assert len(set(claimed)) == len(claimed)
-    store = Store(path)
+    store = SQLiteStore(path)
     for job_id in ids:
         running = [e for e in store.events(job_id, kinds=["job_status"]) if e.payload["status"] == "running"]
         assert len(running) == 1
@@ -119,7 +119,7 @@ def test_claim_is_atomic_across_processes(tmp_path: Path, procs: int) -> None:
 
 def test_racing_for_the_same_job_only_one_process_wins(tmp_path: Path) -> None:
     path = tmp_path / "agentnb.sqlite"
-    store = Store(path)
+    store = SQLiteStore(path)
     ids = [_new_job(store, n) for n in range(15)]
     store.close()
     ctx = _ctx()
@@ -137,7 +137,7 @@ def test_racing_for_the_same_job_only_one_process_wins(tmp_path: Path) -> None:
 
 
 def test_claim_of_a_job_that_is_not_queued_returns_none(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.sqlite")
+    store = SQLiteStore(tmp_path / "s.sqlite")
     job_id = _new_job(store)
     assert store.claim(job_id) is not None
     assert store.claim(job_id) is None
@@ -147,7 +147,7 @@ def test_claim_of_a_job_that_is_not_queued_returns_none(tmp_path: Path) -> None:
 
 
 def test_unknown_event_kind_is_refused(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.sqlite")
+    store = SQLiteStore(tmp_path / "s.sqlite")
     job_id = _new_job(store)
     with pytest.raises(StoreError, match="unknown event kind 'bogus'; allowed: job_status"):
         store.append([(job_id, None, None, 0.0, "bogus", {})])
@@ -197,9 +197,9 @@ def _exited_unreaped(proc: subprocess.Popen[bytes]) -> None:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists() or not hasattr(os, "waitid"), reason="needs Linux /proc")
 def test_a_job_whose_owner_is_a_zombie_is_taken_over(tmp_path: Path) -> None:
     path = tmp_path / "agentnb.sqlite"
-    store = Store(path)
+    store = SQLiteStore(path)
     job_id = _new_job(store)
-    code = "import sys; from agentnb.store.sqlite import Store; s = Store(sys.argv[1]); assert s.claim(int(sys.argv[2])); s.close()"
+    code = "import sys; from agentnb.store.sqlite import SQLiteStore; s = SQLiteStore(sys.argv[1]); assert s.claim(int(sys.argv[2])); s.close()"
     owner = subprocess.Popen([sys.executable, "-c", code, str(path), str(job_id)])
     try:
         _exited_unreaped(owner)

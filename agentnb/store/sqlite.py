@@ -1,12 +1,13 @@
-"""The SQLite store: jobs, comments, movements and the event log.
+"""The SQLite store: jobs, comments, movements and the event log (the :class:`~agentnb.store.base.Store`
+interface, implemented on one SQLite file).
 
-One connection per :class:`Store`, WAL mode, one transaction per write.  All
-writes go through :meth:`Store.transaction` (``BEGIN IMMEDIATE``), so claiming a
+One connection per :class:`SQLiteStore`, WAL mode, one transaction per write.  All
+writes go through :meth:`SQLiteStore.transaction` (``BEGIN IMMEDIATE``), so claiming a
 job is atomic across processes: two workers can never run the same job.
 
 A store that cannot be used (not a database, truncated, newer than this code, not
 writable) is refused on open with a :class:`StoreError` naming what is wrong and what
-to do, before anything is written.  ``Store(path, readonly=True)`` only reads.
+to do, before anything is written.  ``SQLiteStore(path, readonly=True)`` only reads.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import socket
 import sqlite3
 import stat
@@ -24,12 +26,27 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .._fs import special_kind
 from ..errors import StoreError
-from ..events import EVENT_KINDS, Event, EventBase, event_from_row, payload_dict
+from ..events import (
+    EVENT_KINDS,
+    CommentEvent,
+    Event,
+    EventBase,
+    JobStatusEvent,
+    check_event,
+    encode_payload,
+    event_from_row,
+    payload_dict,
+    strict_events,
+)
+from .base import FrameQuery, FrameRows, Transaction
+from .base import Store as Store  # the interface, for modules that still import it from here
+from .frames_sql import FRAME_SQL
 from .migrations import MIGRATIONS
+from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS, instruction_sql, payload_text_sql
 
 __all__ = [
     "JOB_STATES",
@@ -39,23 +56,18 @@ __all__ = [
     "TEXT_REF",
     "TEXT_REF_MIN_CHARS",
     "WAITING_STATES",
+    "SQLiteStore",
     "Store",
     "StoreError",
     "can_name_a_job",
     "describe_error",
     "instruction_sql",
+    "owned_by_this_process",
     "payload_text_sql",
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
-# A job's instruction this long or longer is stored once, in `texts`; elsewhere (the enriched instruction,
-# each movement's user prompt) TEXT_REF stands for it.  Shorter ones are stored as they are: copies of a
-# few kB cost less than the indirection.
-TEXT_REF_MIN_CHARS = 4096
-TEXT_REF = "\u27e6agentnb:text\u27e7"  # ⟦agentnb:text⟧
-# event kind → payload keys in which the job's instruction is replaced by TEXT_REF
-_REF_FIELDS: dict[str, tuple[str, ...]] = {"movement_start": ("user",)}
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
 JOB_STATES = ("queued", "running", "succeeded", "failed", "aborted", "waiting_human", "waiting_subtasks")
@@ -69,38 +81,13 @@ _JOB_COLUMNS = (
 )
 _UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created"}
 
+_SLOT = re.compile(r"\{(?:job|where)_\w\}")  # frames_sql's per-job slots
+
 # An event row waiting to be written: (job_id, movement_seq, iteration, ts, kind, payload)
 PendingEvent = tuple[int, "int | None", "int | None", float, str, dict[str, Any]]
 
-_encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=str)
-
-
-def _fast_dumps() -> Any:
-    """``_encoder.encode`` without rebuilding the C encoder on every call, as ``JSONEncoder.iterencode`` does.
-
-    Every event payload is encoded once, ~5 per LLM call: this takes ~35% off each
-    (~9 µs per call).  No circular-reference bookkeeping: payloads are built by the
-    engine from JSON data and strings.  Falls back to ``encode`` where the C
-    encoder is missing or behaves differently.
-    """
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:
-        return _encoder.encode
-    try:
-        enc = make(None, _encoder.default, json.encoder.encode_basestring, None, ":", ",", False, False, True)
-
-        def dumps(obj: Any) -> str:
-            return "".join(enc(obj, 0))
-
-        probe = {"a": [1, 2.5, None, True], "é": "x\n\"y\"", "t": (1,), "o": object()}
-        if dumps(probe) == _encoder.encode(probe):
-            return dumps
-    except Exception:
-        pass
-    return _encoder.encode
-
-
-_dumps = _fast_dumps()
+# what errors of this backend look like, for callers that word them (describe_error) instead of a traceback
+BACKEND_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error,)
 
 
 # The longest instruction a job may have: far more than any model's window holds (long material belongs
@@ -108,11 +95,11 @@ _dumps = _fast_dumps()
 MAX_INSTRUCTION_CHARS = 1_000_000
 
 
-
 def can_name_a_job(job_id: int) -> bool:
     """Whether ``job_id`` lies in SQLite's (signed 64-bit) integer range of row ids: beyond it a lookup raises
     OverflowError instead of finding nothing, so callers say "no job" without asking."""
     return 0 < job_id < 2**63
+
 
 _SALVAGE = "restore it from a backup, or move it aside and save what is left with: sqlite3 {path} .recover"
 
@@ -220,19 +207,6 @@ def _writable(path: Path) -> bool:
     return os.access(path, os.W_OK)
 
 
-def instruction_sql(alias: str) -> str:
-    """SQL for the instruction of job row ``alias`` (stored once in ``texts`` when it is long)."""
-    return (f"COALESCE((SELECT t.body FROM texts t WHERE t.hash = {alias}.instruction_ref), {alias}.instruction)")
-
-
-def payload_text_sql(alias: str, key: str) -> str:
-    """SQL for payload ``key`` of event row ``alias`` as :meth:`Store.events` returns it (references expanded)."""
-    value = f"json_extract({alias}.payload, '$.{key}')"
-    ref = f"json_extract({alias}.payload, '$._texts.{key}')"
-    return (f"(CASE WHEN {ref} IS NULL THEN {value} ELSE replace({value}, '{TEXT_REF}', "
-            f"(SELECT t.body FROM texts t WHERE t.hash = {ref})) END)")
-
-
 def owner_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
@@ -282,8 +256,8 @@ def _process_state(pid: int) -> str | None:
     return fields[0].decode("ascii", "replace") if fields else None
 
 
-class Store:
-    """Access to one ``agentnb.sqlite`` file.
+class SQLiteStore:
+    """Access to one ``agentnb.sqlite`` file: the :class:`~agentnb.store.base.Store` interface on SQLite.
 
     ``readonly=True`` opens it for reading only and never writes a byte: a read-only folder
     or mount works, and a missing file reads as an empty store (nothing is created).
@@ -295,6 +269,8 @@ class Store:
         self._lock = threading.RLock()
         self._depth = 0
         self._texts: dict[str, str] = {}
+        # read once: every appended event is type-checked when set (the test suite sets it)
+        self._strict = strict_events()
         try:
             self.conn = self._open_readonly() if readonly else self._open()
         except sqlite3.Error as exc:
@@ -373,7 +349,7 @@ class Store:
                         "and cannot be upgraded because it is read-only: open it once where it is writable"
                     )
                 conn.close()
-                Store(self.path).close()  # upgrade it, as any writer would, then read
+                SQLiteStore(self.path).close()  # upgrade it, as any writer would, then read
                 conn = self._connect_uri(f"{uri}?mode=ro")
         except BaseException:
             conn.close()
@@ -479,6 +455,10 @@ class Store:
         with self._lock:
             self.conn.close()
 
+    def _tx(self, c: Transaction) -> sqlite3.Connection:
+        # the transaction handle transaction() gives out is this store's own connection
+        return cast(sqlite3.Connection, c)
+
     # -- jobs ---------------------------------------------------------------
     def create_job(self, **values: Any) -> int:
         now = time.time()
@@ -486,14 +466,15 @@ class Store:
         values.setdefault("created", now)
         values.setdefault("updated", now)
         if isinstance(values.get("options"), dict):
-            values["options"] = _dumps(values["options"])
+            values["options"] = encode_payload(values["options"])
         with self.transaction() as c:
-            self._ref_instruction(c, values)
+            conn = self._tx(c)
+            self._ref_instruction(conn, values)
             cols = ", ".join(values)
             marks = ", ".join("?" for _ in values)
-            cur = c.execute(f"INSERT INTO jobs ({cols}) VALUES ({marks})", tuple(values.values()))
+            cur = conn.execute(f"INSERT INTO jobs ({cols}) VALUES ({marks})", tuple(values.values()))
             job_id = int(cur.lastrowid)  # type: ignore[arg-type]
-            self._append(c, [(job_id, None, None, now, "job_status", {"status": values["status"], "reason": "submitted"})])
+            self._append(conn, [JobStatusEvent(job_id=job_id, ts=now, status=values["status"], reason="submitted")])
         return job_id
 
     def job(self, job_id: int) -> dict[str, Any]:
@@ -503,7 +484,7 @@ class Store:
         return self._job_dict(rows[0])
 
     def jobs(self, status: str | None = None, parent_id: int | None = None) -> list[dict[str, Any]]:
-        sql, params = "SELECT * FROM jobs", []
+        sql, params = "SELECT * FROM jobs", list[Any]()
         where = []
         if status is not None:
             where.append("status=?")
@@ -515,21 +496,30 @@ class Store:
             sql += " WHERE " + " AND ".join(where)
         return [self._job_dict(r) for r in self.query(sql + " ORDER BY id", params)]
 
-    def update_job(self, c: sqlite3.Connection, job_id: int, **values: Any) -> None:
+    def job_ids(self) -> list[int]:
+        return [int(r[0]) for r in self.query("SELECT id FROM jobs ORDER BY id")]
+
+    def job_columns(self, job_id: int, columns: Sequence[str]) -> dict[str, Any] | None:
+        bad = set(columns) - set(_JOB_COLUMNS)
+        if bad:
+            raise StoreError(f"no job columns {sorted(bad)}")
+        rows = self.query(f"SELECT {', '.join(columns)} FROM jobs WHERE id=?", (job_id,))
+        return dict(rows[0]) if rows else None
+
+    def update_job(self, c: Transaction, job_id: int, **values: Any) -> None:
         bad = set(values) - _UPDATABLE
         if bad:
             raise StoreError(f"cannot update job columns {sorted(bad)}")
+        conn = self._tx(c)
         values["updated"] = time.time()
         if "instruction" in values:
-            self._ref_instruction(c, values)
+            self._ref_instruction(conn, values)
         if "enriched" in values:
-            self._ref_enriched(c, job_id, values)
+            self._ref_enriched(conn, job_id, values)
         sets = ", ".join(f"{k}=?" for k in values)
-        c.execute(f"UPDATE jobs SET {sets} WHERE id=?", (*values.values(), job_id))
+        conn.execute(f"UPDATE jobs SET {sets} WHERE id=?", (*values.values(), job_id))
 
-    # -- large texts, stored once ---------------------------------------------
-    # Rewriting a jobs row rewrites all of it: with a long instruction inline, every status change
-    # copied it into the WAL again.  In `texts` it is written once and never touched again.
+    # -- large texts, stored once (see texts.py) --------------------------------------
     def _ref_instruction(self, c: sqlite3.Connection, values: dict[str, Any]) -> None:
         text = values.get("instruction")
         values["instruction_ref"] = None
@@ -595,7 +585,7 @@ class Store:
         return job
 
     def set_status(
-        self, c: sqlite3.Connection, job_id: int, status: str, reason: str = "", **values: Any
+        self, c: Transaction, job_id: int, status: str, reason: str = "", **values: Any
     ) -> None:
         """Change a job's status and record the ``job_status`` event, in transaction ``c``."""
         now = time.time()
@@ -604,7 +594,7 @@ class Store:
         if status != "running":
             values.setdefault("claimed_by", None)
         self.update_job(c, job_id, status=status, **values)
-        self._append(c, [(job_id, None, None, now, "job_status", {"status": status, "reason": reason})])
+        self._append(self._tx(c), [JobStatusEvent(job_id=job_id, ts=now, status=status, reason=reason)])
 
     def claim(self, job_id: int | None = None, owner: str | None = None) -> dict[str, Any] | None:
         """Atomically move a queued job (the given one, or the oldest) to ``running``.
@@ -613,41 +603,78 @@ class Store:
         """
         owner = owner or owner_id()
         with self.transaction() as c:
-            self._recover_orphans(c, job_id)
+            conn = self._tx(c)
+            self._recover_orphans(conn, job_id)
             if job_id is None:
-                row = c.execute("SELECT id FROM jobs WHERE status='queued' ORDER BY id LIMIT 1").fetchone()
+                row = conn.execute("SELECT id FROM jobs WHERE status='queued' ORDER BY id LIMIT 1").fetchone()
                 if row is None:
                     return None
                 job_id = int(row[0])
-            cur = c.execute(
+            cur = conn.execute(
                 "UPDATE jobs SET status='running', claimed_by=?, updated=?, started=COALESCE(started, ?) "
                 "WHERE id=? AND status='queued'",
                 (owner, time.time(), time.time(), job_id),
             )
             if cur.rowcount != 1:
                 return None
-            self._append(c, [(job_id, None, None, time.time(), "job_status", {"status": "running", "reason": f"claimed by {owner}"})])
-            return self._job_dict(c.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone())
+            self._append(conn, [JobStatusEvent(job_id=job_id, ts=time.time(), status="running",
+                                               reason=f"claimed by {owner}")])
+            return self._job_dict(conn.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone())
 
     def _recover_orphans(self, c: sqlite3.Connection, job_id: int | None) -> None:
         """Queue again the running jobs whose owner process on this host has died (a crash, a kill).
 
         Their open movement is left open, so the next claim resumes it from its events.
         """
-        sql, params = "SELECT id, claimed_by FROM jobs WHERE status='running'", ()
+        sql, params = "SELECT id, claimed_by FROM jobs WHERE status='running'", tuple[Any, ...]()
         if job_id is not None:
             sql, params = sql + " AND id=?", (job_id,)
         for jid, claimed_by in c.execute(sql, params).fetchall():
             if _owner_is_gone(claimed_by):
                 self.set_status(c, int(jid), "queued", reason=f"recovered: the process that ran it ({claimed_by}) is gone")
 
+    def runner_mark(self, job_id: int) -> tuple[int, int, str | None]:
+        rows = self.query(
+            "SELECT (SELECT MAX(id) FROM events WHERE job_id=? AND movement_seq IS NOT NULL), "
+            "(SELECT MAX(seq) FROM movements WHERE job_id=? AND status='running'), "
+            "(SELECT options FROM jobs WHERE id=?)", (job_id, job_id, job_id),
+        )
+        return int(rows[0][0] or 0), int(rows[0][1] or 0), rows[0][2]
+
+    def total_tokens(self, job_id: int) -> int:
+        rows = self.query(
+            "SELECT COALESCE(SUM(json_extract(payload,'$.usage.total_tokens')),0) FROM events "
+            "WHERE job_id=? AND kind='llm_response'", (job_id,),
+        )
+        return int(rows[0][0])
+
+    def last_status_reason(self, job_id: int) -> str | None:
+        rows = self.query(
+            "SELECT json_extract(payload, '$.reason') FROM events WHERE kind = 'job_status' AND job_id = ? "
+            "ORDER BY id DESC LIMIT 1", (job_id,))
+        return None if not rows or rows[0][0] is None else str(rows[0][0])
+
     # -- events ---------------------------------------------------------------
-    def _append(self, c: sqlite3.Connection, rows: Iterable[PendingEvent]) -> None:
+    def _append(self, c: sqlite3.Connection, events: Iterable[Event | PendingEvent]) -> None:
         c.executemany(
             "INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES (?,?,?,?,?,?)",
-            [(j, s, i, t, k, _dumps(self._ref_payload(c, j, k, p) if k in _REF_FIELDS else p))
-             for (j, s, i, t, k, p) in rows],
+            [self._event_row(c, ev) for ev in events],
         )
+
+    def _event_row(self, c: sqlite3.Connection, ev: Event | PendingEvent) -> tuple[Any, ...]:
+        """The ``events`` row of ``ev``: its payload data (events.py), the job's long instruction put by
+        reference (texts.py), then encoded by events.py's one encoder."""
+        kind: str
+        if isinstance(ev, EventBase):
+            if self._strict:
+                check_event(ev)
+            job_id, seq, iteration, ts, kind, data = (ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(),
+                                                      ev.kind, payload_dict(ev))
+        else:  # the engine's old (job_id, seq, iteration, ts, kind, payload) tuples, until it builds events
+            job_id, seq, iteration, ts, kind, data = ev
+        if kind in REF_FIELDS:
+            data = self._ref_payload(c, job_id, kind, data)
+        return job_id, seq, iteration, ts, kind, encode_payload(data)
 
     def _ref_payload(self, c: sqlite3.Connection, job_id: int, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
         """The payload to store: the job's long instruction replaced by TEXT_REF in the fields that repeat it."""
@@ -656,7 +683,7 @@ class Store:
             return payload
         refs = {}
         out = dict(payload)
-        for key in _REF_FIELDS[kind]:
+        for key in REF_FIELDS[kind]:
             replaced = self._replace(out.get(key), ref)
             if replaced is not None:
                 out[key], refs[key] = replaced, ref
@@ -664,17 +691,16 @@ class Store:
             out["_texts"] = refs
         return out
 
-    def append(self, rows: Sequence[PendingEvent | Event], c: sqlite3.Connection | None = None) -> None:
-        rows = [(r.job_id, r.movement_seq, r.iteration, r.ts or time.time(), r.kind, payload_dict(r))
-                if isinstance(r, EventBase) else r for r in rows]  # type: ignore[misc]
-        for row in rows:
-            if row[4] not in EVENT_KINDS:
-                raise StoreError(f"unknown event kind {row[4]!r}; allowed: {', '.join(EVENT_KINDS)}")
+    def append(self, events: Sequence[Event | PendingEvent], c: Transaction | None = None) -> None:
+        for ev in events:
+            kind: str = ev.kind if isinstance(ev, EventBase) else ev[4]
+            if kind not in EVENT_KINDS:
+                raise StoreError(f"unknown event kind {kind!r}; allowed: {', '.join(EVENT_KINDS)}")
         if c is not None:
-            self._append(c, rows)
+            self._append(self._tx(c), events)
             return
         with self.transaction() as c2:
-            self._append(c2, rows)
+            self._append(self._tx(c2), events)
 
     def events(
         self,
@@ -693,14 +719,8 @@ class Store:
             sql += " AND movement_seq=?"
             params.append(movement_seq)
         with self._lock:
-            try:
-                cur = self.conn.execute(sql + " ORDER BY id", params)
-                cur.row_factory = None  # type: ignore[assignment]
-                rows = cur.fetchall()
-            except sqlite3.DatabaseError as exc:
-                self._damage(exc)
-                raise
-            return [event_from_row(self._expand(r) if r[5] in _REF_FIELDS else r) for r in rows]
+            rows = self._tuples(sql + " ORDER BY id", params)[1]
+            return [event_from_row(self._expand(r) if r[5] in REF_FIELDS else r) for r in rows]
 
     def _expand(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
         """An event row with the texts its payload refers to put back, as it was recorded."""
@@ -718,11 +738,44 @@ class Store:
         rows = self.query("SELECT MAX(id) FROM events WHERE job_id=?", (job_id,))
         return int(rows[0][0] or 0)
 
+    def latest_request(self, job_id: int) -> tuple[int | None, int | None] | None:
+        rows = self.query("SELECT movement_seq, iteration FROM events WHERE job_id=? AND kind='llm_request' "
+                          "ORDER BY id DESC LIMIT 1", (job_id,))
+        return (rows[0][0], rows[0][1]) if rows else None
+
+    def change_mark(self) -> tuple[int | None, int | None]:
+        row = self.query("SELECT (SELECT MAX(id) FROM events), (SELECT MAX(id) FROM jobs)")[0]
+        return row[0], row[1]
+
+    # -- the DataFrame views (SQL in frames_sql.py) -------------------------------------
+    def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
+        sql, aliases = FRAME_SQL[frame]
+        fills: dict[str, str] = {}
+        for a in aliases:
+            fills[f"job_{a}"] = "" if job_id is None else f" AND {a}.job_id = ?"
+            fills[f"where_{a}"] = "" if job_id is None else f"WHERE {a}.{'id' if a == 'j' else 'job_id'} = ?"
+        # one parameter per slot occurrence, in textual order
+        params = [] if job_id is None else [job_id] * len(_SLOT.findall(sql))
+        return self._tuples(sql.format(**fills), params)
+
+    def _tuples(self, sql: str, params: Sequence[Any]) -> FrameRows:
+        """Column names and plain row tuples of a query (no ``sqlite3.Row`` per row: the frames read 100,000s)."""
+        with self._lock:
+            try:
+                cur = self.conn.execute(sql, tuple(params))
+                cur.row_factory = None
+                rows = cur.fetchall()
+            except sqlite3.DatabaseError as exc:
+                self._damage(exc)
+                raise
+            return [d[0] for d in cur.description], rows
+
     # -- comments --------------------------------------------------------------
-    def add_comment(self, c: sqlite3.Connection, job_id: int, author: str, body: str) -> None:
+    def add_comment(self, c: Transaction, job_id: int, author: str, body: str) -> None:
         now = time.time()
-        c.execute("INSERT INTO comments (job_id, author, body, ts) VALUES (?,?,?,?)", (job_id, author, body, now))
-        self._append(c, [(job_id, None, None, now, "comment", {"author": author, "body": body})])
+        conn = self._tx(c)
+        conn.execute("INSERT INTO comments (job_id, author, body, ts) VALUES (?,?,?,?)", (job_id, author, body, now))
+        self._append(conn, [CommentEvent(job_id=job_id, ts=now, author=author, body=body)])
 
     def comments(self, job_id: int, last: int | None = None) -> list[dict[str, Any]]:
         if last is None:
@@ -736,6 +789,11 @@ class Store:
 
     def count_comments(self, job_id: int) -> int:
         return int(self.query("SELECT COUNT(*) FROM comments WHERE job_id=?", (job_id,))[0][0])
+
+    def reopen_failed_movement(self, c: Transaction, job_id: int) -> None:
+        # the movement the failure stopped (none when the job failed between movements or at setup)
+        self._tx(c).execute("UPDATE movements SET status='running', ended=NULL WHERE job_id=? AND status='failed' "
+                            "AND seq=(SELECT MAX(seq) FROM movements WHERE job_id=?)", (job_id, job_id))
 
     # -- movements -------------------------------------------------------------
     def movements(self, job_id: int) -> list[dict[str, Any]]:

@@ -1,8 +1,8 @@
 """pandas views of the event log: ``ws.frames.usage(job)``, ``ws.frames.jobs()`` and friends.
 
-Every frame is built by **one** SQL query over the store (payload fields are read
-with SQLite's ``json_extract`` and aggregated in SQL), then given fixed dtypes; the only
-work left to pandas is vectorised (``usage``'s call numbers and running sums).
+Every frame is built by **one** query the store runs (:meth:`Store.frame_rows`; for SQLite the SQL is in
+``store/frames_sql.py``: payload fields are read with ``json_extract`` and aggregated in SQL), then given
+fixed dtypes here; the only work left to pandas is vectorised (``usage``'s call numbers and running sums).
 Column names are a stable interface; new columns may be added at the end.
 
 Conventions shared by all frames:
@@ -85,21 +85,35 @@ Details:
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
 
 import pandas as pd
 
 from ..engine.context import ACTIONS, job_thresholds
-from ..store.sqlite import JOB_STATES, instruction_sql, payload_text_sql
+from ..store import Store
+from ..store.base import FrameQuery
+from ..store.frames_sql import ACTIONS as SQL_ACTIONS
+from ..store.sqlite import JOB_STATES
 from ..tools.base import ToolError, unlinked_path
 from .status import DISPLAY_STATES, display_status
 
-if TYPE_CHECKING:
-    from ..workspace import JobRef, Workspace
+# the store ranks actions in SQL in the order the ContextManager fires them
+assert SQL_ACTIONS == ACTIONS, (SQL_ACTIONS, ACTIONS)
 
-__all__ = ["ACTION_DTYPE", "COLUMNS", "Frames"]
+__all__ = ["ACTION_DTYPE", "COLUMNS", "Frames", "HasJobId", "JobArg"]
+
+
+class HasJobId(Protocol):
+    """A job object (the facade's ``Job``): frames only need its id."""
+
+    @property
+    def id(self) -> int: ...
+
+
+# what a frame's ``job`` argument may be: a Job, or a job id (int or digits)
+JobArg = HasJobId | int | str
 
 ACTION_DTYPE = pd.CategoricalDtype(list(ACTIONS), ordered=True)
 _STATUS = pd.CategoricalDtype(list(JOB_STATES))
@@ -154,232 +168,67 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "context_actions": tuple(_CONTEXT_ACTIONS),
 }
 
-# -- SQL -------------------------------------------------------------------------
-# ``{job}`` is replaced by `` AND <alias>.job_id=?`` or nothing; the events_kind
-# index (kind, job_id) serves every per-kind scan below.
-
-
-def _jx(alias: str, path: str) -> str:
-    return f"json_extract({alias}.payload, '$.{path}')"
-
-
-_MOVEMENT_NAME = "LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq"
-
-
-
-def _action_rank(expr: str) -> str:
-    """SQL ranking an action name 1..4 in threshold order, so MAX picks the highest action."""
-    return f"CASE {expr} " + " ".join(f"WHEN '{a}' THEN {i}" for i, a in enumerate(ACTIONS, start=1)) + " END"
-
-
-# ca and tr are small: MATERIALIZED builds each once (with an automatic index) instead of
-# probing the events index once per LLM call.  Rows come out of events_kind (kind, job_id, id)
-# already in (job, id) order, so there is no sort; call numbers and running sums are added by pandas.
-_USAGE_SQL = f"""
-WITH ca AS MATERIALIZED (
-    SELECT c.job_id, c.movement_seq, c.iteration,
-           MAX({_action_rank(_jx('c', 'action'))}) AS rank,
-           group_concat({_jx('c', 'action')}, ',') AS actions
-    FROM events c WHERE c.kind = 'context_action'{{job_c}}
-    GROUP BY c.job_id, c.movement_seq, c.iteration
-),
-tr AS MATERIALIZED (
-    SELECT t.job_id, t.movement_seq, t.iteration,
-           {_jx('t', 'next_step')} AS next_step, {_jx('t', 'forced')} AS forced
-    FROM events t WHERE t.kind = 'transition'{{job_t}}
-)
-SELECT e.job_id AS job, e.movement_seq AS seq, m.name AS movement, e.iteration, e.ts AS timestamp,
-       {_jx('e', 'usage.prompt_tokens')} AS prompt_tokens,
-       {_jx('e', 'usage.completion_tokens')} AS completion_tokens,
-       {_jx('e', 'usage.total_tokens')} AS total_tokens,
-       {_jx('e', 'usage.source')} AS source,
-       {_jx('e', 'usage.window')} AS window,
-       {_jx('e', 'usage.ratio')} AS ratio,
-       ca.rank AS action, ca.actions, tr.next_step AS transition, tr.forced,
-       {_jx('e', 'latency_s')} AS latency_s
-FROM events e
-LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq
-LEFT JOIN ca ON ca.job_id = e.job_id AND ca.movement_seq = e.movement_seq AND ca.iteration = e.iteration
-LEFT JOIN tr ON tr.job_id = e.job_id AND tr.movement_seq = e.movement_seq AND tr.iteration = e.iteration
-WHERE e.kind = 'llm_response'{{job_e}}
-ORDER BY e.job_id, e.id
-"""
-
-_JOBS_SQL = f"""
-SELECT j.id AS job, j.parent_id AS parent, j.piece, j.model, j.status, {instruction_sql('j')} AS instruction,
-       j.current_movement,
-       (SELECT COUNT(*) FROM movements mv WHERE mv.job_id = j.id) AS movements,
-       COALESCE(a.llm_calls, 0) AS llm_calls,
-       (SELECT COUNT(*) FROM events t WHERE t.kind = 'tool_call' AND t.job_id = j.id) AS tool_calls,
-       COALESCE(a.prompt_tokens, 0) AS prompt_tokens, COALESCE(a.completion_tokens, 0) AS completion_tokens,
-       COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio,
-       j.created, j.started, j.ended, j.error, j.id AS id,
-       (SELECT {_jx('s', 'reason')} FROM events s WHERE s.kind = 'job_status' AND s.job_id = j.id
-        ORDER BY s.id DESC LIMIT 1) AS status_reason
-FROM jobs j
-LEFT JOIN (
-    SELECT e.job_id, COUNT(*) AS llm_calls,
-           SUM({_jx('e', 'usage.prompt_tokens')}) AS prompt_tokens,
-           SUM({_jx('e', 'usage.completion_tokens')}) AS completion_tokens,
-           SUM({_jx('e', 'usage.total_tokens')}) AS total_tokens,
-           MAX({_jx('e', 'usage.ratio')}) AS peak_ratio
-    FROM events e WHERE e.kind = 'llm_response'
-    GROUP BY e.job_id
-) a ON a.job_id = j.id
-ORDER BY j.id
-"""
-
-_MOVEMENTS_SQL = f"""
-SELECT m.job_id AS job, m.seq, m.name AS movement, m.status, m.started, m.ended,
-       -- the row's count is written when the run ends: a run paused mid-way (stepped) has made calls already
-       MAX(m.iterations, COALESCE(a.last_iteration, 0)) AS iterations,
-       COALESCE(a.llm_calls, 0) AS llm_calls, COALESCE(a.tool_calls, 0) AS tool_calls,
-       COALESCE(a.prompt_tokens, 0) AS prompt_tokens, COALESCE(a.completion_tokens, 0) AS completion_tokens,
-       COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio, a.actions,
-       m.next_step, m.forced, m.summary, m.name AS name, COALESCE(a.total_tokens, 0) AS tokens
-FROM movements m
-LEFT JOIN (
-    SELECT e.job_id, e.movement_seq,
-           SUM(e.kind = 'llm_response') AS llm_calls,
-           MAX(CASE WHEN e.kind = 'llm_response' THEN e.iteration END) AS last_iteration,
-           SUM(e.kind = 'tool_call') AS tool_calls,
-           SUM(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', 'usage.prompt_tokens')} END) AS prompt_tokens,
-           SUM(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', 'usage.completion_tokens')} END) AS completion_tokens,
-           SUM(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', 'usage.total_tokens')} END) AS total_tokens,
-           MAX(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', 'usage.ratio')} END) AS peak_ratio,
-           group_concat(CASE WHEN e.kind = 'context_action' THEN {_jx('e', 'action')} END, ',') AS actions
-    FROM events e WHERE e.kind IN ('llm_response', 'tool_call', 'context_action'){{job_e}}
-    GROUP BY e.job_id, e.movement_seq
-) a ON a.job_id = m.job_id AND a.movement_seq = m.seq
-{{where_m}}
-ORDER BY m.job_id, m.seq
-"""
-
-_EVENT_HEAD = "e.job_id AS job, e.id AS event_id, e.movement_seq AS seq, m.name AS movement, e.iteration, e.ts AS timestamp"
-
-_MESSAGES_SQL = f"""
-SELECT * FROM (
-    SELECT {_EVENT_HEAD}, 'system' AS role, e.kind, NULL AS tool, NULL AS call_id,
-           {_jx('e', 'system')} AS content, 0 AS part
-    FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'movement_start'{{job_e}}
-    UNION ALL
-    SELECT {_EVENT_HEAD}, 'user', e.kind, NULL, NULL, {payload_text_sql('e', 'user')}, 1
-    FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'movement_start'{{job_e}}
-    UNION ALL
-    SELECT {_EVENT_HEAD}, 'assistant', e.kind,
-           (SELECT group_concat(json_extract(tc.value, '$.name'), ',') FROM json_each(e.payload, '$.tool_calls') tc),
-           NULL, {_jx('e', 'content')}, 0
-    FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'llm_response'{{job_e}}
-    UNION ALL
-    SELECT {_EVENT_HEAD}, 'tool', e.kind, {_jx('e', 'tool')}, {_jx('e', 'call_id')}, {_jx('e', 'content')}, 0
-    FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'tool_result'{{job_e}}
-    UNION ALL
-    SELECT {_EVENT_HEAD}, 'user', e.kind, NULL, NULL, {_jx('e', 'text')}, 0
-    FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'reminder'{{job_e}}
-)
-ORDER BY job, event_id, part
-"""
-
-_TOOL_CALLS_SQL = f"""
-SELECT {_EVENT_HEAD}, {_jx('e', 'tool')} AS tool, {_jx('e', 'call_id')} AS call_id,
-       CASE json_type(e.payload, '$.arguments') WHEN 'text' THEN {_jx('e', 'arguments')}
-            ELSE json(json_extract(e.payload, '$.arguments')) END AS arguments,
-       {_jx('r', 'is_error')} AS is_error, {_jx('r', 'truncated')} AS truncated,
-       {_jx('r', 'original_chars')} AS original_chars, {_jx('r', 'returned_chars')} AS returned_chars,
-       r.ts - e.ts AS duration, {_jx('r', 'content')} AS result
-FROM events e {_MOVEMENT_NAME}
-LEFT JOIN events r ON r.id = (
-    -- the first matching result after the call; ORDER BY … LIMIT 1 stops there (MIN would scan on)
-    SELECT x.id FROM events x
-    WHERE x.kind = 'tool_result' AND x.job_id = e.job_id AND x.id > e.id
-      AND {_jx('x', 'call_id')} IS {_jx('e', 'call_id')}
-    ORDER BY x.id LIMIT 1
-)
-WHERE e.kind = 'tool_call'{{job_e}}
-ORDER BY e.job_id, e.id
-"""
-
-_CONTEXT_ACTIONS_SQL = f"""
-SELECT {_EVENT_HEAD}, {_jx('e', 'action')} AS action, {_jx('e', 'ratio')} AS ratio,
-       {_jx('e', 'tokens')} AS tokens, {_jx('e', 'window')} AS window, {_jx('e', 'threshold')} AS threshold
-FROM events e {_MOVEMENT_NAME}
-WHERE e.kind = 'context_action'{{job_e}}
-ORDER BY e.job_id, e.id
-"""
-
-
 class Frames:
-    """The DataFrame views of one workspace (``ws.frames``); see the module docstring for the columns."""
+    """The DataFrame views of one workspace (``ws.frames``); see the module docstring for the columns.
 
-    def __init__(self, ws: Workspace) -> None:
-        self.ws = ws
+    Built by the facade from what the views need: the store, the workspace folder (``lessons`` reads
+    ``jobs/<id>/logs/lessons.jsonl``), how a ``job`` argument becomes an id (with the facade's errors),
+    the thresholds of a job's piece, and the facade's name (for ``repr``).
+    """
+
+    # job_id is the facade's own check of a job argument (its errors name what was wrong)
+    def __init__(self, store: Store, root: Path, *, job_id: Callable[[Any], int],
+                 piece_thresholds: Callable[[int], Mapping[str, float]], name: str) -> None:
+        self.store = store
+        self.root = root
+        self._job_id = job_id
+        self._piece_thresholds = piece_thresholds
+        self._name = name
 
     def __repr__(self) -> str:
-        return f"<Frames of {self.ws!r}: {', '.join(COLUMNS)}>"
+        return f"<Frames of {self._name}: {', '.join(COLUMNS)}>"
 
     # -- plumbing -------------------------------------------------------------
-    def _job(self, job: JobRef | None) -> int | None:
+    def _job(self, job: JobArg | None) -> int | None:
         if job is None:
             return None
-        job_id = self.ws._id(job)
-        self.ws.store.job(job_id)  # an unknown job is an error, not an empty frame
+        job_id = self._job_id(job)
+        self.store.job(job_id)  # an unknown job is an error, not an empty frame
         return job_id
 
-    def _query(self, sql: str, params: Sequence[Any], spec: _Spec) -> pd.DataFrame:
-        store = self.ws.store
-        with store._lock:
-            cur = store.conn.execute(sql, tuple(params))
-            cur.row_factory = None  # type: ignore[assignment]  # plain tuples: no sqlite3.Row per row
-            rows = cur.fetchall()
-            names = [d[0] for d in cur.description]
+    def _query(self, frame: FrameQuery, job_id: int | None, spec: _Spec) -> pd.DataFrame:
+        names, rows = self.store.frame_rows(frame, job_id)
         return _typed(pd.DataFrame.from_records(rows, columns=names), spec)
-
-    @staticmethod
-    def _scoped(sql: str, job_id: int | None, aliases: Sequence[str]) -> tuple[str, list[Any]]:
-        """Fill the ``{job_<alias>}`` / ``{where_<alias>}`` slots, in the order they appear in ``sql``."""
-        params: list[Any] = []
-        fills: dict[str, str] = {}
-        for a in aliases:
-            fills[f"job_{a}"] = "" if job_id is None else f" AND {a}.job_id = ?"
-            fills[f"where_{a}"] = "" if job_id is None else f"WHERE {a}.{'id' if a == 'j' else 'job_id'} = ?"
-        if job_id is not None:
-            # one parameter per slot occurrence, in textual order
-            params = [job_id] * len(re.findall(r"\{(?:job|where)_\w\}", sql))
-        return sql.format(**fills), params
 
     # -- frames -------------------------------------------------------------------
     def jobs(self) -> pd.DataFrame:
         """One row per job: what ran, its status, and its totals."""
-        df = self._query(_JOBS_SQL, (), {**_JOBS, "status_reason": "str"})
+        df = self._query("jobs", None, {**_JOBS, "status_reason": "str"})
         reasons = df.pop("status_reason").astype(object)
-        df["display_status"] = pd.Series([display_status(s, r) for s, r in zip(df["status"].astype(object), reasons)],
+        df["display_status"] = pd.Series([display_status(s, r) for s, r in zip(df["status"].astype(object), reasons, strict=True)],
                                          index=df.index, dtype=_JOBS["display_status"])
         return df
 
-    def movements(self, job: JobRef | None = None) -> pd.DataFrame:
+    def movements(self, job: JobArg | None = None) -> pd.DataFrame:
         """One row per movement run of ``job`` (every job when ``None``)."""
-        sql, params = self._scoped(_MOVEMENTS_SQL, self._job(job), ("e", "m"))
-        return self._query(sql, params, _MOVEMENTS)
+        return self._query("movements", self._job(job), _MOVEMENTS)
 
-    def messages(self, job: JobRef | None = None) -> pd.DataFrame:
+    def messages(self, job: JobArg | None = None) -> pd.DataFrame:
         """One row per chat message the model saw (prompts, replies, tool results, reminders)."""
-        sql, params = self._scoped(_MESSAGES_SQL, self._job(job), ("e",))
-        df = self._query(sql, params, {**_MESSAGES, "part": "int"})
+        df = self._query("messages", self._job(job), {**_MESSAGES, "part": "int"})
         df = df.drop(columns="part")
         df["chars"] = df["content"].str.len().fillna(0).astype("int64")
         return df
 
-    def tool_calls(self, job: JobRef | None = None) -> pd.DataFrame:
+    def tool_calls(self, job: JobArg | None = None) -> pd.DataFrame:
         """One row per tool call with its result's flags and sizes."""
-        sql, params = self._scoped(_TOOL_CALLS_SQL, self._job(job), ("e",))
-        return self._query(sql, params, _TOOL_CALLS)
+        return self._query("tool_calls", self._job(job), _TOOL_CALLS)
 
-    def usage(self, job: JobRef | None = None) -> pd.DataFrame:
+    def usage(self, job: JobArg | None = None) -> pd.DataFrame:
         """One row per LLM call of ``job`` (every job when ``None``), with the actions it fired."""
         job_id = self._job(job)
-        sql, params = self._scoped(_USAGE_SQL, job_id, ("e", "c", "t"))
         spec = {k: v for k, v in _USAGE.items() if k not in ("call", "cumulative_tokens")}
-        df = self._query(sql, params, {**spec, "action": "Int"})
+        df = self._query("usage", job_id, {**spec, "action": "Int"})
         # rows are in (job, id) order: numbering and running sums are vectorised, per job
         by_job = df.groupby("job", sort=False)
         df.insert(1, "call", (by_job.cumcount() + 1).astype("int64"))
@@ -394,20 +243,19 @@ class Frames:
             df.attrs["thresholds"] = self.thresholds(job_id)
         return df
 
-    def context_actions(self, job: JobRef | None = None) -> pd.DataFrame:
+    def context_actions(self, job: JobArg | None = None) -> pd.DataFrame:
         """One row per ContextManager action (``context_action`` event)."""
-        sql, params = self._scoped(_CONTEXT_ACTIONS_SQL, self._job(job), ("e",))
-        return self._query(sql, params, _CONTEXT_ACTIONS)
+        return self._query("context_actions", self._job(job), _CONTEXT_ACTIONS)
 
-    def lessons(self, job: JobRef | None = None) -> pd.DataFrame:
+    def lessons(self, job: JobArg | None = None) -> pd.DataFrame:
         """The rows of ``logs/lessons.jsonl`` of ``job`` (every job when ``None``)."""
         job_id = self._job(job)
-        ids = [job_id] if job_id is not None else [int(r[0]) for r in self.ws.store.query("SELECT id FROM jobs ORDER BY id")]
+        ids = [job_id] if job_id is not None else self.store.job_ids()
         records: list[dict[str, Any]] = []
         for i in ids:
             try:
                 # a link planted in logs/ (the work directory's Bash may write there) is not the job's file
-                path = unlinked_path(self.ws.root / "jobs" / str(i), "logs", "lessons.jsonl")
+                path = unlinked_path(self.root / "jobs" / str(i), "logs", "lessons.jsonl")
             except ToolError:
                 continue
             if not path.is_file():
@@ -422,11 +270,11 @@ class Frames:
         return _typed(pd.DataFrame.from_records(records, columns=list(_LESSONS)), _LESSONS)
 
     # -- helpers ------------------------------------------------------------------
-    def thresholds(self, job: JobRef) -> dict[str, float]:
+    def thresholds(self, job: JobArg) -> dict[str, float]:
         """The ContextManager thresholds a job runs with: its piece's, overridden by ``context=`` at submit."""
-        job_id = self.ws._id(job)
-        options = json.loads(self.ws.store.job(job_id).get("options") or "{}")
-        return job_thresholds(self.ws.piece(job_id).thresholds, options)
+        job_id = self._job_id(job)
+        options = json.loads(self.store.job(job_id).get("options") or "{}")
+        return job_thresholds(self._piece_thresholds(job_id), options)
 
 
 def _parse_iso(values: pd.Series) -> pd.Series:

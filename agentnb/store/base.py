@@ -1,0 +1,134 @@
+"""The store interface: every operation the engine, the views, the facade and the CLI ask of a store.
+
+:class:`Store` is a :class:`typing.Protocol`: the SQLite backend (:class:`agentnb.store.sqlite.SQLiteStore`)
+implements it, and everything outside this package is typed against it, so a second backend can be added
+here without touching them.  No SQL crosses this interface: each method is named for what it does, and the
+frames' queries are asked for by frame name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from ..events import Event
+
+__all__ = ["FRAME_QUERIES", "FrameQuery", "FrameRows", "Store", "Transaction"]
+
+# the DataFrame views whose rows a store computes (views/frames.py gives them their dtypes)
+FrameQuery = Literal["jobs", "movements", "messages", "tool_calls", "usage", "context_actions"]
+FRAME_QUERIES: tuple[FrameQuery, ...] = ("jobs", "movements", "messages", "tool_calls", "usage", "context_actions")
+# column names, then plain row tuples
+FrameRows = tuple[list[str], list[tuple[Any, ...]]]
+
+
+class Transaction(Protocol):
+    """An open write transaction, from :meth:`Store.transaction`.
+
+    Opaque to callers: they only hand it back to the store's writes that must commit together.
+    """
+
+
+class Store(Protocol):
+    """Jobs, comments, movements and the event log of one workspace."""
+
+    @property
+    def path(self) -> Path:
+        """Where the store lives (named in error messages)."""
+        ...
+
+    @property
+    def readonly(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+    def transaction(self) -> AbstractContextManager[Transaction]:
+        """One write transaction, re-entrant within a thread: every write inside commits together or not at all."""
+        ...
+
+    # -- jobs ---------------------------------------------------------------------------------------------
+    def create_job(self, **values: Any) -> int:
+        """Insert a job row (its ``job_status`` event too) and return its id."""
+        ...
+
+    def job(self, job_id: int) -> dict[str, Any]:
+        """The job's row, long texts expanded; :class:`StoreError` when there is no such job."""
+        ...
+
+    def jobs(self, status: str | None = None, parent_id: int | None = None) -> list[dict[str, Any]]: ...
+
+    def job_ids(self) -> list[int]: ...
+
+    def job_columns(self, job_id: int, columns: Sequence[str]) -> dict[str, Any] | None:
+        """Only ``columns`` of the job's row (cheap: no long text expanded); None when there is no such job."""
+        ...
+
+    def update_job(self, c: Transaction, job_id: int, **values: Any) -> None: ...
+
+    def set_status(self, c: Transaction, job_id: int, status: str, reason: str = "", **values: Any) -> None:
+        """Change a job's status (and other columns) and record the ``job_status`` event, in ``c``."""
+        ...
+
+    def claim(self, job_id: int | None = None, owner: str | None = None) -> dict[str, Any] | None:
+        """Atomically move a queued job (the given one, or the oldest) to ``running``; its row, or None."""
+        ...
+
+    def runner_mark(self, job_id: int) -> tuple[int, int, str | None]:
+        """What a cached runner of the job must match: its last movement event id, its open movement's
+        seq (0 when none) and its options text."""
+        ...
+
+    def total_tokens(self, job_id: int) -> int:
+        """The sum of ``usage.total_tokens`` over the job's LLM calls."""
+        ...
+
+    def last_status_reason(self, job_id: int) -> str | None:
+        """The reason of the job's newest ``job_status`` event (None before the first one)."""
+        ...
+
+    # -- events -------------------------------------------------------------------------------------------
+    def append(self, events: Sequence[Event], c: Transaction | None = None) -> None:
+        """Record ``events`` (in ``c``, else in a transaction of their own)."""
+        ...
+
+    def events(
+        self,
+        job_id: int,
+        *,
+        after_id: int = 0,
+        kinds: Sequence[str] | None = None,
+        movement_seq: int | None = None,
+    ) -> list[Event]: ...
+
+    def last_event_id(self, job_id: int) -> int: ...
+
+    def latest_request(self, job_id: int) -> tuple[int | None, int | None] | None:
+        """``(movement_seq, iteration)`` of the job's newest ``llm_request``, None before the first."""
+        ...
+
+    def change_mark(self) -> tuple[int | None, int | None]:
+        """The newest event id and job id of the whole store: different whenever anything was recorded."""
+        ...
+
+    # -- comments -----------------------------------------------------------------------------------------
+    def add_comment(self, c: Transaction, job_id: int, author: str, body: str) -> None: ...
+
+    def comments(self, job_id: int, last: int | None = None) -> list[dict[str, Any]]: ...
+
+    def count_comments(self, job_id: int) -> int: ...
+
+    # -- movements ----------------------------------------------------------------------------------------
+    def movements(self, job_id: int) -> list[dict[str, Any]]: ...
+
+    def open_movement(self, job_id: int) -> dict[str, Any] | None: ...
+
+    def reopen_failed_movement(self, c: Transaction, job_id: int) -> None:
+        """Reopen the job's last movement run when it failed (a retry resumes it from its events)."""
+        ...
+
+    # -- the DataFrame views --------------------------------------------------------------------------------
+    def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
+        """The rows of one of ``ws.frames``' views, of one job or (None) of every job."""
+        ...

@@ -1,0 +1,223 @@
+"""The SQL behind ``ws.frames``: one query per DataFrame view, run by :meth:`SQLiteStore.frame_rows`.
+
+Every payload field a query reads is named through :func:`payload_path`, which checks it against the
+event dataclasses in :mod:`agentnb.events` when this module is imported: a field renamed there fails the
+import instead of silently reading NULL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from ..events import (
+    ContextAction,
+    EventBase,
+    JobStatusEvent,
+    LLMResponse,
+    MovementStart,
+    RecordedToolCall,
+    Reminder,
+    ToolCallEvent,
+    ToolResult,
+    Transition,
+)
+from .base import FrameQuery
+from .texts import instruction_sql, payload_text_sql
+
+__all__ = ["ACTIONS", "FRAME_SQL", "payload_path"]
+
+# the ContextManager's actions in threshold order (engine.context.ACTIONS; a test keeps the two equal)
+ACTIONS = ("warn", "prompt", "force_transition", "exhausted")
+_BASE_FIELDS = frozenset(f.name for f in dataclasses.fields(EventBase))
+
+
+def payload_path(cls: type, *names: str) -> str:
+    """The JSON path ``$.a.b`` of field ``a`` of event class ``cls`` (then ``b`` of its value type),
+    checked against the dataclass fields: an unknown name is a ``LookupError``."""
+    owner: Any = cls
+    for name in names:
+        known = {f.name for f in dataclasses.fields(owner)}
+        if isinstance(owner, type) and issubclass(owner, EventBase):
+            known -= _BASE_FIELDS  # the row's columns, not the payload's
+        if name not in known:
+            raise LookupError(f"{owner.__name__} has no payload field {name!r} (fields: {', '.join(sorted(known))})")
+        owner = _value_type(typing.get_type_hints(owner)[name])
+    return "$." + ".".join(names)
+
+
+def _value_type(hint: Any) -> Any:
+    """The dataclass inside ``hint`` (``Usage``, ``list[RecordedToolCall]``, ``X | None``), else None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    for arg in typing.get_args(hint):
+        found = _value_type(arg)
+        if found is not None:
+            return found
+    return None
+
+
+# -- SQL -------------------------------------------------------------------------
+# ``{job}`` is replaced by `` AND <alias>.job_id=?`` or nothing; the events_kind
+# index (kind, job_id) serves every per-kind scan below.
+
+
+def _jx(alias: str, cls: type, path: str) -> str:
+    """SQL reading payload field ``path`` (dotted) of an event row ``alias`` of class ``cls``."""
+    return f"json_extract({alias}.payload, '{payload_path(cls, *path.split('.'))}')"
+
+
+_MOVEMENT_NAME = "LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq"
+
+
+def _action_rank(expr: str) -> str:
+    """SQL ranking an action name 1..4 in threshold order, so MAX picks the highest action."""
+    return f"CASE {expr} " + " ".join(f"WHEN '{a}' THEN {i}" for i, a in enumerate(ACTIONS, start=1)) + " END"
+
+
+# ca and tr are small: MATERIALIZED builds each once (with an automatic index) instead of
+# probing the events index once per LLM call.  Rows come out of events_kind (kind, job_id, id)
+# already in (job, id) order, so there is no sort; call numbers and running sums are added by pandas.
+_USAGE_SQL = f"""
+WITH ca AS MATERIALIZED (
+    SELECT c.job_id, c.movement_seq, c.iteration,
+           MAX({_action_rank(_jx('c', ContextAction, 'action'))}) AS rank,
+           group_concat({_jx('c', ContextAction, 'action')}, ',') AS actions
+    FROM events c WHERE c.kind = 'context_action'{{job_c}}
+    GROUP BY c.job_id, c.movement_seq, c.iteration
+),
+tr AS MATERIALIZED (
+    SELECT t.job_id, t.movement_seq, t.iteration,
+           {_jx('t', Transition, 'next_step')} AS next_step, {_jx('t', Transition, 'forced')} AS forced
+    FROM events t WHERE t.kind = 'transition'{{job_t}}
+)
+SELECT e.job_id AS job, e.movement_seq AS seq, m.name AS movement, e.iteration, e.ts AS timestamp,
+       {_jx('e', LLMResponse, 'usage.prompt_tokens')} AS prompt_tokens,
+       {_jx('e', LLMResponse, 'usage.completion_tokens')} AS completion_tokens,
+       {_jx('e', LLMResponse, 'usage.total_tokens')} AS total_tokens,
+       {_jx('e', LLMResponse, 'usage.source')} AS source,
+       {_jx('e', LLMResponse, 'usage.window')} AS window,
+       {_jx('e', LLMResponse, 'usage.ratio')} AS ratio,
+       ca.rank AS action, ca.actions, tr.next_step AS transition, tr.forced,
+       {_jx('e', LLMResponse, 'latency_s')} AS latency_s
+FROM events e
+LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq
+LEFT JOIN ca ON ca.job_id = e.job_id AND ca.movement_seq = e.movement_seq AND ca.iteration = e.iteration
+LEFT JOIN tr ON tr.job_id = e.job_id AND tr.movement_seq = e.movement_seq AND tr.iteration = e.iteration
+WHERE e.kind = 'llm_response'{{job_e}}
+ORDER BY e.job_id, e.id
+"""
+
+_JOBS_SQL = f"""
+SELECT j.id AS job, j.parent_id AS parent, j.piece, j.model, j.status, {instruction_sql('j')} AS instruction,
+       j.current_movement,
+       (SELECT COUNT(*) FROM movements mv WHERE mv.job_id = j.id) AS movements,
+       COALESCE(a.llm_calls, 0) AS llm_calls,
+       (SELECT COUNT(*) FROM events t WHERE t.kind = 'tool_call' AND t.job_id = j.id) AS tool_calls,
+       COALESCE(a.prompt_tokens, 0) AS prompt_tokens, COALESCE(a.completion_tokens, 0) AS completion_tokens,
+       COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio,
+       j.created, j.started, j.ended, j.error, j.id AS id,
+       (SELECT {_jx('s', JobStatusEvent, 'reason')} FROM events s WHERE s.kind = 'job_status' AND s.job_id = j.id
+        ORDER BY s.id DESC LIMIT 1) AS status_reason
+FROM jobs j
+LEFT JOIN (
+    SELECT e.job_id, COUNT(*) AS llm_calls,
+           SUM({_jx('e', LLMResponse, 'usage.prompt_tokens')}) AS prompt_tokens,
+           SUM({_jx('e', LLMResponse, 'usage.completion_tokens')}) AS completion_tokens,
+           SUM({_jx('e', LLMResponse, 'usage.total_tokens')}) AS total_tokens,
+           MAX({_jx('e', LLMResponse, 'usage.ratio')}) AS peak_ratio
+    FROM events e WHERE e.kind = 'llm_response'
+    GROUP BY e.job_id
+) a ON a.job_id = j.id
+ORDER BY j.id
+"""
+
+_MOVEMENTS_SQL = f"""
+SELECT m.job_id AS job, m.seq, m.name AS movement, m.status, m.started, m.ended,
+       -- the row's count is written when the run ends: a run paused mid-way (stepped) has made calls already
+       MAX(m.iterations, COALESCE(a.last_iteration, 0)) AS iterations,
+       COALESCE(a.llm_calls, 0) AS llm_calls, COALESCE(a.tool_calls, 0) AS tool_calls,
+       COALESCE(a.prompt_tokens, 0) AS prompt_tokens, COALESCE(a.completion_tokens, 0) AS completion_tokens,
+       COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio, a.actions,
+       m.next_step, m.forced, m.summary, m.name AS name, COALESCE(a.total_tokens, 0) AS tokens
+FROM movements m
+LEFT JOIN (
+    SELECT e.job_id, e.movement_seq,
+           SUM(e.kind = 'llm_response') AS llm_calls,
+           MAX(CASE WHEN e.kind = 'llm_response' THEN e.iteration END) AS last_iteration,
+           SUM(e.kind = 'tool_call') AS tool_calls,
+           SUM(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', LLMResponse, 'usage.prompt_tokens')} END) AS prompt_tokens,
+           SUM(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', LLMResponse, 'usage.completion_tokens')} END) AS completion_tokens,
+           SUM(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', LLMResponse, 'usage.total_tokens')} END) AS total_tokens,
+           MAX(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', LLMResponse, 'usage.ratio')} END) AS peak_ratio,
+           group_concat(CASE WHEN e.kind = 'context_action' THEN {_jx('e', ContextAction, 'action')} END, ',') AS actions
+    FROM events e WHERE e.kind IN ('llm_response', 'tool_call', 'context_action'){{job_e}}
+    GROUP BY e.job_id, e.movement_seq
+) a ON a.job_id = m.job_id AND a.movement_seq = m.seq
+{{where_m}}
+ORDER BY m.job_id, m.seq
+"""
+
+_EVENT_HEAD = "e.job_id AS job, e.id AS event_id, e.movement_seq AS seq, m.name AS movement, e.iteration, e.ts AS timestamp"
+
+_MESSAGES_SQL = f"""
+SELECT * FROM (
+    SELECT {_EVENT_HEAD}, 'system' AS role, e.kind, NULL AS tool, NULL AS call_id,
+           {_jx('e', MovementStart, 'system')} AS content, 0 AS part
+    FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'movement_start'{{job_e}}
+    UNION ALL
+    SELECT {_EVENT_HEAD}, 'user', e.kind, NULL, NULL, {payload_text_sql('e', payload_path(MovementStart, 'user')[2:])}, 1
+    FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'movement_start'{{job_e}}
+    UNION ALL
+    SELECT {_EVENT_HEAD}, 'assistant', e.kind,
+           (SELECT group_concat(json_extract(tc.value, '{payload_path(RecordedToolCall, 'name')}'), ',') FROM json_each(e.payload, '{payload_path(LLMResponse, 'tool_calls')}') tc),
+           NULL, {_jx('e', LLMResponse, 'content')}, 0
+    FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'llm_response'{{job_e}}
+    UNION ALL
+    SELECT {_EVENT_HEAD}, 'tool', e.kind, {_jx('e', ToolResult, 'tool')}, {_jx('e', ToolResult, 'call_id')}, {_jx('e', ToolResult, 'content')}, 0
+    FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'tool_result'{{job_e}}
+    UNION ALL
+    SELECT {_EVENT_HEAD}, 'user', e.kind, NULL, NULL, {_jx('e', Reminder, 'text')}, 0
+    FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'reminder'{{job_e}}
+)
+ORDER BY job, event_id, part
+"""
+
+_TOOL_CALLS_SQL = f"""
+SELECT {_EVENT_HEAD}, {_jx('e', ToolCallEvent, 'tool')} AS tool, {_jx('e', ToolCallEvent, 'call_id')} AS call_id,
+       CASE json_type(e.payload, '{payload_path(ToolCallEvent, 'arguments')}') WHEN 'text' THEN {_jx('e', ToolCallEvent, 'arguments')}
+            ELSE json(json_extract(e.payload, '{payload_path(ToolCallEvent, 'arguments')}')) END AS arguments,
+       {_jx('r', ToolResult, 'is_error')} AS is_error, {_jx('r', ToolResult, 'truncated')} AS truncated,
+       {_jx('r', ToolResult, 'original_chars')} AS original_chars, {_jx('r', ToolResult, 'returned_chars')} AS returned_chars,
+       r.ts - e.ts AS duration, {_jx('r', ToolResult, 'content')} AS result
+FROM events e {_MOVEMENT_NAME}
+LEFT JOIN events r ON r.id = (
+    -- the first matching result after the call; ORDER BY … LIMIT 1 stops there (MIN would scan on)
+    SELECT x.id FROM events x
+    WHERE x.kind = 'tool_result' AND x.job_id = e.job_id AND x.id > e.id
+      AND {_jx('x', ToolResult, 'call_id')} IS {_jx('e', ToolCallEvent, 'call_id')}
+    ORDER BY x.id LIMIT 1
+)
+WHERE e.kind = 'tool_call'{{job_e}}
+ORDER BY e.job_id, e.id
+"""
+
+_CONTEXT_ACTIONS_SQL = f"""
+SELECT {_EVENT_HEAD}, {_jx('e', ContextAction, 'action')} AS action, {_jx('e', ContextAction, 'ratio')} AS ratio,
+       {_jx('e', ContextAction, 'tokens')} AS tokens, {_jx('e', ContextAction, 'window')} AS window, {_jx('e', ContextAction, 'threshold')} AS threshold
+FROM events e {_MOVEMENT_NAME}
+WHERE e.kind = 'context_action'{{job_e}}
+ORDER BY e.job_id, e.id
+"""
+
+
+FRAME_SQL: dict[FrameQuery, tuple[str, tuple[str, ...]]] = {
+    # frame → (SQL with {job_<alias>}/{where_<alias>} slots, the aliases whose slots it has)
+    "jobs": (_JOBS_SQL, ()),
+    "movements": (_MOVEMENTS_SQL, ("e", "m")),
+    "messages": (_MESSAGES_SQL, ("e",)),
+    "tool_calls": (_TOOL_CALLS_SQL, ("e",)),
+    "usage": (_USAGE_SQL, ("e", "c", "t")),
+    "context_actions": (_CONTEXT_ACTIONS_SQL, ("e",)),
+}
