@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import multiprocessing as mp
 import os
 import sqlite3
@@ -12,7 +14,14 @@ from pathlib import Path
 import pytest
 from engine_helpers import transition, write_script
 
+import agentnb
+import agentnb.store
 from agentnb import Workspace
+from agentnb.engine.context import ACTIONS
+from agentnb.events import CommentEvent, JobStatusEvent, LLMResponse, ToolResult, payload_dict
+from agentnb.store import Store, open_store
+from agentnb.store.frames_sql import ACTIONS as SQL_ACTIONS
+from agentnb.store.frames_sql import payload_path
 from agentnb.store.migrations import MIGRATIONS
 from agentnb.store.sqlite import SQLiteStore, StoreError
 
@@ -210,3 +219,92 @@ def test_a_job_whose_owner_is_a_zombie_is_taken_over(tmp_path: Path) -> None:
         assert reasons[-2].startswith("recovered: the process that ran it") and reasons[-2].endswith("is gone")
     finally:
         owner.wait()
+
+
+# -- the store interface ---------------------------------------------------------------------------------
+
+AGENTNB = Path(agentnb.__file__).parent
+
+
+def _imports_sqlite3(path: Path) -> list[int]:
+    """The lines of ``path`` that import sqlite3 (at any depth: under TYPE_CHECKING, inside functions)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(n.split(".")[0] == "sqlite3" for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_store_imports_sqlite3() -> None:
+    offenders = [f"{p.relative_to(AGENTNB.parent)}:{line}" for p in sorted(AGENTNB.rglob("*.py"))
+                 if p.parent.name != "store" for line in _imports_sqlite3(p)]
+    assert not offenders, f"sqlite3 imported outside agentnb/store/: {offenders}"
+    # the check sees what it looks for
+    assert _imports_sqlite3(AGENTNB / "store" / "sqlite.py")
+
+
+def test_the_sqlite_store_implements_every_operation_of_the_interface(tmp_path: Path) -> None:
+    members = {n for n, v in vars(Store).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    assert {"path", "transaction", "append", "events", "claim", "set_status", "frame_rows"} <= members
+    store = open_store(tmp_path / "s.sqlite")
+    assert isinstance(store, SQLiteStore)
+    for name in sorted(members):
+        assert hasattr(store, name), f"SQLiteStore has no {name}"
+        if not isinstance(vars(Store)[name], property):
+            want = list(inspect.signature(getattr(Store, name)).parameters)
+            assert list(inspect.signature(getattr(SQLiteStore, name)).parameters)[: len(want)] == want, name
+    assert agentnb.store.Store is Store  # the package's Store is the interface
+
+
+def test_a_mistyped_event_is_refused_before_it_is_stored(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "s.sqlite")
+    job_id = _new_job(store)
+    before = store.events(job_id)
+    with pytest.raises(TypeError, match=r"tool_result\.content"):
+        store.append([ToolResult(job_id=job_id, tool="Read", call_id="c1", content=5)])  # type: ignore[arg-type]
+    assert store.events(job_id) == before
+    ev = ToolResult(job_id=job_id, movement_seq=None, tool="Read", call_id="c1", content="ok", ts=1.5)
+    store.append([ev])
+    (back,) = store.events(job_id, kinds=["tool_result"])
+    assert back == ToolResult(job_id=job_id, tool="Read", call_id="c1", content="ok", ts=1.5, id=back.id)
+
+
+def test_the_stores_own_events_are_typed(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "s.sqlite")
+    job_id = _new_job(store)
+    with store.transaction() as c:
+        store.add_comment(c, job_id, "user", "hello")
+    assert store.claim(job_id) is not None
+    evs = store.events(job_id)
+    assert [type(e) for e in evs] == [JobStatusEvent, CommentEvent, JobStatusEvent]
+    assert [payload_dict(e) for e in evs] == [
+        {"status": "queued", "reason": "submitted"}, {"author": "user", "body": "hello"},
+        {"status": "running", "reason": evs[2].reason},
+    ]
+    # stored as the compact JSON of those fields
+    assert store.query("SELECT payload FROM events WHERE id=?", (evs[1].id,))[0][0] == '{"author":"user","body":"hello"}'
+
+
+def test_job_columns_reads_only_known_columns(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "s.sqlite")
+    job_id = _new_job(store)
+    assert store.job_columns(job_id, ("status", "movement_seq")) == {"status": "queued", "movement_seq": 0}
+    assert store.job_columns(job_id + 1, ("status",)) is None
+    with pytest.raises(StoreError, match="no job columns"):
+        store.job_columns(job_id, ("status; DROP TABLE jobs",))
+
+
+def test_frame_queries_name_payload_fields_the_events_have() -> None:
+    assert payload_path(LLMResponse, "usage", "prompt_tokens") == "$.usage.prompt_tokens"
+    assert payload_path(LLMResponse, "tool_calls") == "$.tool_calls"
+    for cls, names in ((ToolResult, ("is_eror",)), (LLMResponse, ("usage", "prompt")), (ToolResult, ("job_id",))):
+        with pytest.raises(LookupError, match="has no payload field"):
+            payload_path(cls, *names)
+    # the SQL ranks actions in the ContextManager's order
+    assert SQL_ACTIONS == ACTIONS

@@ -400,7 +400,7 @@ class Panel(w.VBox):
         seen: tuple[Any, ...] | None = None
         while not self._closed.is_set():
             try:
-                mark = tuple(self.ws.store.query("SELECT (SELECT MAX(id) FROM events), (SELECT MAX(id) FROM jobs)")[0])
+                mark = self.ws.store.change_mark()
                 if mark != seen:
                     seen = mark
                     self.refresh()

@@ -692,7 +692,6 @@ def movement_html(
     if not evs:
         raise LookupError(f"job {job.id} has no movement run {seq}; it has run {job.movement_seq}")
     # the same markup as in job_html: the job's newest call is marked wherever its run is shown
-    newest = ws.store.query("SELECT movement_seq, iteration FROM events WHERE job_id=? AND kind='llm_request' "
-                            "ORDER BY id DESC LIMIT 1", (job.id,))
-    latest = newest[0][1] if newest and newest[0][0] == seq else None
+    newest = ws.store.latest_request(job.id)
+    latest = newest[1] if newest and newest[0] == seq else None
     return _inline(_movement_section(job, seq, evs, _Opts(job.id, max_chars, max_calls), open_=open, latest=latest))

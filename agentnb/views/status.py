@@ -37,7 +37,4 @@ def display_status(status: Any, reason: Any) -> str:
 
 def last_status_reason(store: Store, job_id: int) -> str | None:
     """The reason of the job's newest ``job_status`` event (``None`` before the first one)."""
-    rows = store.query(
-        "SELECT json_extract(payload, '$.reason') FROM events WHERE kind = 'job_status' AND job_id = ? "
-        "ORDER BY id DESC LIMIT 1", (job_id,))
-    return None if not rows or rows[0][0] is None else str(rows[0][0])
+    return store.last_status_reason(job_id)
