@@ -81,6 +81,7 @@ _JOB_COLUMNS = (
 )
 _UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created"}
 
+_KINDS = frozenset(EVENT_KINDS)
 _SLOT = re.compile(r"\{(?:job|where)_\w\}")  # frames_sql's per-job slots
 
 # An event row waiting to be written: (job_id, movement_seq, iteration, ts, kind, payload)
@@ -672,6 +673,8 @@ class SQLiteStore:
                                                       ev.kind, payload_dict(ev))
         else:  # the engine's old (job_id, seq, iteration, ts, kind, payload) tuples, until it builds events
             job_id, seq, iteration, ts, kind, data = ev
+            if kind not in _KINDS:  # a typed event's kind is one by construction
+                raise StoreError(f"unknown event kind {kind!r}; allowed: {', '.join(EVENT_KINDS)}")
         if kind in REF_FIELDS:
             data = self._ref_payload(c, job_id, kind, data)
         return job_id, seq, iteration, ts, kind, encode_payload(data)
@@ -692,10 +695,7 @@ class SQLiteStore:
         return out
 
     def append(self, events: Sequence[Event | PendingEvent], c: Transaction | None = None) -> None:
-        for ev in events:
-            kind: str = ev.kind if isinstance(ev, EventBase) else ev[4]
-            if kind not in EVENT_KINDS:
-                raise StoreError(f"unknown event kind {kind!r}; allowed: {', '.join(EVENT_KINDS)}")
+        # every row is built (and checked) before the first is written
         if c is not None:
             self._append(self._tx(c), events)
             return
