@@ -85,6 +85,7 @@ Details:
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -92,9 +93,11 @@ from typing import Any, Protocol
 import pandas as pd
 
 from ..engine.context import ACTIONS, job_thresholds
+from ..events import ContextAction, LLMResponse, ToolCallEvent, ToolResult, Transition, Usage, UsageSource
 from ..store import Store
 from ..store.base import FrameQuery
 from ..store.frames_sql import ACTIONS as SQL_ACTIONS
+from ..store.frames_sql import payload_path
 from ..store.sqlite import JOB_STATES
 from ..tools.base import ToolError, unlinked_path
 from .status import DISPLAY_STATES, display_status
@@ -118,13 +121,22 @@ JobArg = HasJobId | int | str
 ACTION_DTYPE = pd.CategoricalDtype(list(ACTIONS), ordered=True)
 _STATUS = pd.CategoricalDtype(list(JOB_STATES))
 _MOVEMENT_STATUS = pd.CategoricalDtype(["running", "done", "failed"])
-_SOURCE = pd.CategoricalDtype(["usage", "tiktoken", "chars"])
+_SOURCE = pd.CategoricalDtype(list(typing.get_args(UsageSource)))
 _ROLE = pd.CategoricalDtype(["system", "user", "assistant", "tool"])
 _MESSAGE_KIND = pd.CategoricalDtype(["movement_start", "llm_response", "tool_result", "reminder"])
 
 # dtype per column: "int" (int64), "Int" (nullable Int64), "float", "time", "delta",
 # "iso" (ISO-8601 text), "str", "bool", "boolean" (nullable) or a CategoricalDtype ("cat" = categories found).
 _Spec = Mapping[str, Any]
+
+
+def _fields(cls: type, **dtypes: Any) -> dict[str, Any]:
+    """Column specs of columns that are fields of ``cls`` (an event or a value type in it), checked on import:
+    a field renamed in events.py fails here, as it does in the store's SQL (``payload_path``)."""
+    for name in dtypes:
+        payload_path(cls, name)
+    return dtypes
+
 
 _JOBS: _Spec = {
     "job": "int", "parent": "Int", "piece": "str", "model": "str", "status": _STATUS, "instruction": "str",
@@ -137,29 +149,30 @@ _MOVEMENTS: _Spec = {
     "job": "int", "seq": "int", "movement": "str", "status": _MOVEMENT_STATUS, "started": "time", "ended": "time",
     "iterations": "int", "llm_calls": "int", "tool_calls": "int", "prompt_tokens": "int",
     "completion_tokens": "int", "total_tokens": "int", "peak_ratio": "float", "actions": "str",
-    "next_step": "str", "forced": "bool", "summary": "str", "name": "str", "tokens": "int",
+    **_fields(Transition, next_step="str", forced="bool", summary="str"), "name": "str", "tokens": "int",
 }
 _MESSAGES: _Spec = {
     "job": "int", "event_id": "int", "seq": "Int", "movement": "str", "iteration": "Int", "timestamp": "time",
-    "role": _ROLE, "kind": _MESSAGE_KIND, "tool": "str", "call_id": "str", "content": "str", "chars": "int",
+    "role": _ROLE, "kind": _MESSAGE_KIND, **_fields(ToolResult, tool="str", call_id="str", content="str"), "chars": "int",
 }
 _TOOL_CALLS: _Spec = {
     "job": "int", "event_id": "int", "seq": "Int", "movement": "str", "iteration": "Int", "timestamp": "time",
-    "tool": "cat", "call_id": "str", "arguments": "str", "is_error": "boolean", "truncated": "boolean",
-    "original_chars": "Int", "returned_chars": "Int", "duration": "delta", "result": "str",
+    **_fields(ToolCallEvent, tool="cat", call_id="str", arguments="str"),
+    **_fields(ToolResult, is_error="boolean", truncated="boolean", original_chars="Int", returned_chars="Int"),
+    "duration": "delta", "result": "str",
 }
 _USAGE: _Spec = {
     "job": "int", "call": "int", "seq": "int", "movement": "str", "iteration": "int", "timestamp": "time",
-    "prompt_tokens": "int", "completion_tokens": "int", "total_tokens": "int", "cumulative_tokens": "int",
-    "source": _SOURCE, "window": "int", "ratio": "float", "action": ACTION_DTYPE, "actions": "str",
-    "transition": "str", "forced": "boolean", "latency_s": "float",
+    **_fields(Usage, prompt_tokens="int", completion_tokens="int", total_tokens="int"), "cumulative_tokens": "int",
+    **_fields(Usage, source=_SOURCE, window="int", ratio="float"), "action": ACTION_DTYPE, "actions": "str",
+    "transition": "str", "forced": "boolean", **_fields(LLMResponse, latency_s="float"),
 }
 _LESSONS: _Spec = {
     "job": "int", "movement": "str", "seq": "Int", "lessons": "str", "summary": "str", "timestamp": "iso",
 }
 _CONTEXT_ACTIONS: _Spec = {
     "job": "int", "event_id": "int", "seq": "Int", "movement": "str", "iteration": "Int", "timestamp": "time",
-    "action": ACTION_DTYPE, "ratio": "float", "tokens": "int", "window": "int", "threshold": "float",
+    **_fields(ContextAction, action=ACTION_DTYPE, ratio="float", tokens="int", window="int", threshold="float"),
 }
 
 COLUMNS: dict[str, tuple[str, ...]] = {
