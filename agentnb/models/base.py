@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import yaml
 
-from ..errors import ModelError, ModelSpecError
+from ..errors import ModelError, ModelSpecError, UsageError
 from ..events import value_data
 
 if TYPE_CHECKING:
@@ -272,13 +272,13 @@ def check_retry_settings(retries: Any = None, max_backoff: Any = None) -> dict[s
     out: dict[str, Any] = {}
     if retries is not None:
         if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
-            raise ValueError(f"retries={retries!r}; allowed: a whole number from 0 to {MAX_RETRIES} "
+            raise UsageError(f"retries={retries!r}; allowed: a whole number from 0 to {MAX_RETRIES} "
                              "(the tries after the first)")
         out["retries"] = retries
     if max_backoff is not None:
         if isinstance(max_backoff, bool) or not isinstance(max_backoff, (int, float)) \
                 or not 0 <= max_backoff < float("inf"):
-            raise ValueError(f"max_backoff={max_backoff!r}; allowed: a number of seconds ≥ 0 "
+            raise UsageError(f"max_backoff={max_backoff!r}; allowed: a number of seconds ≥ 0 "
                              "(the longest wait between two tries)")
         out["max_backoff"] = float(max_backoff)
     return out

@@ -30,10 +30,10 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import HTML, display
 from traitlets import Float, Unicode, observe
 
-from ..engine.pieces import PieceError, available_pieces, load_piece
-from ..models.base import ModelSpecError
-from ..store.sqlite import StoreError, owned_by_this_process
-from ..views.render import KEEPER, _seconds, job_html, job_stats, plural
+from ..engine.pieces import available_pieces, load_piece
+from ..errors import AgentnbError, PieceError, StoreError
+from ..store.sqlite import owned_by_this_process
+from ..views.render import KEEPER, duration, job_html, job_stats, plural
 from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
 from .vars import VarError, expand, expand_value, split_line
 
@@ -70,7 +70,6 @@ the notebook's variables; write {{ and }} for braces, $$ for a $ before a variab
 Defaults: %config AgentMagic.workspace / .model / .piece
 """
 
-_USER_ERRORS = (PieceError, ModelSpecError, StoreError, FileNotFoundError, ValueError, LookupError)
 # the arguments that name a job: filled by AgentMagic.job, which keeps a variable's int or Job whole
 _JOB_ARGS = frozenset({"job"})
 
@@ -165,7 +164,7 @@ class AgentMagic(Magics):
         except UsageError as exc:
             text = _one_line(exc)
             raise UsageError(text if text.startswith(("%agent", "%%agent")) else prefix + text) from None
-        except (VarError, *_USER_ERRORS) as exc:
+        except AgentnbError as exc:  # a user's mistake (VarError too): one line, no traceback
             raise UsageError(prefix + _one_line(exc)) from None
         # only a command that worked moves the session's default job (a refused `step 1` does not)
         if self._used_job is not None:
@@ -529,7 +528,7 @@ def _summary_html(ws: Workspace, job_id: int, *, below: bool = False) -> str:
     where = "its view is below" if below else f"see it with <code>%agent show {job.id}</code>"
     # st.status, not job.status: a stepped or stopped job is "paused" here as in the view below it
     out = (f"<div>Job {job.id} <b>{_html.escape(st.status)}</b> · {plural(st.movements, 'movement')} · "
-           f"{plural(st.calls, 'LLM call')} · {st.total_tokens:,} tokens · running time {_seconds(st.running_s)} "
+           f"{plural(st.calls, 'LLM call')} · {st.total_tokens:,} tokens · running time {duration(st.running_s)} "
            f'<span style="color:#777">— {where}</span></div>')
     if job.error:
         out += f'<div style="color:#b00020">✖ {_html.escape(job.error)}</div>'

@@ -36,9 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as w
 
-from ..engine.pieces import DEFAULT_THRESHOLDS, Piece, PieceError, available_pieces
-from ..models.base import ModelSpecError
-from ..store.sqlite import StoreError
+from ..engine.pieces import DEFAULT_THRESHOLDS, Piece, available_pieces
+from ..errors import AgentnbError, UsageError
 from ..views.render import header_html, job_html, job_stats
 from ..views.status import PAUSED, display_status, last_status_reason
 
@@ -50,7 +49,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Panel", "context_bar_html"]
 
-_PROBLEMS = (PieceError, ModelSpecError, StoreError, FileNotFoundError, ValueError)
 _MARK_COLOURS = {"warn": "#c9a200", "prompt": "#e07b00", "force_transition": "#d03a3a", "exhausted": "#8b0000"}
 _RUNNABLE = ("queued", PAUSED)  # shown statuses that Step and Run continue
 # {name}, $name, or the {{ and }} escapes, in the model box (e.g. scripted:{SCRIPT})
@@ -317,7 +315,7 @@ class Panel(w.VBox):
         allowed = ("allowed: a piece name from the list, a YAML path, or a notebook variable holding a Piece "
                    "or a path (PIECE, {PIECE} or $PIECE)")
         if not text:
-            raise ValueError(f"the Piece box is empty; {allowed}")
+            raise UsageError(f"the Piece box is empty; {allowed}")
         ns = self._namespace()
         m = _WHOLE_VAR.fullmatch(text)
         name = (m.group(1) or m.group(2)) if m else None
@@ -325,15 +323,15 @@ class Panel(w.VBox):
             name = text
         if name is None:
             if text.isidentifier() and text not in available_pieces():
-                raise ValueError(f"piece {text!r} is neither a piece in {', '.join(self._piece_names()) or 'none'} "
+                raise UsageError(f"piece {text!r} is neither a piece in {', '.join(self._piece_names()) or 'none'} "
                                  f"nor a notebook variable; {allowed}")
             return text
         if name not in ns:
-            raise ValueError(f"piece {text!r}: the notebook has no variable {name!r}; {allowed}")
+            raise UsageError(f"piece {text!r}: the notebook has no variable {name!r}; {allowed}")
         value = ns[name]
         if isinstance(value, (Piece, str, os.PathLike)):
             return value
-        raise ValueError(f"piece {text!r}: variable {name!r} holds a {type(value).__name__}; {allowed}")
+        raise UsageError(f"piece {text!r}: variable {name!r} holds a {type(value).__name__}; {allowed}")
 
     def model_choice(self) -> str:
         """The model box with ``{name}`` / ``$name`` filled from the notebook (``{{``/``}}`` are braces)."""
@@ -344,7 +342,7 @@ class Panel(w.VBox):
                 return m.group(0)[0]
             name = m.group(1) or m.group(2)
             if name not in ns:
-                raise ValueError(f"model {self.model.value.strip()!r}: the notebook has no variable {name!r}")
+                raise UsageError(f"model {self.model.value.strip()!r}: the notebook has no variable {name!r}")
             return os.fspath(ns[name]) if isinstance(ns[name], os.PathLike) else str(ns[name])
 
         return _VAR_REF.sub(fill, self.model.value.strip())
@@ -366,7 +364,7 @@ class Panel(w.VBox):
         def work() -> None:
             try:
                 fn(selected)
-            except _PROBLEMS as exc:
+            except AgentnbError as exc:  # a user's mistake: its one-line message alone
                 self._say(" ".join(str(exc).split()), error=True)
             except Exception as exc:
                 self._say(f"{type(exc).__name__}: {' '.join(str(exc).split())}", error=True)
@@ -454,26 +452,26 @@ class Panel(w.VBox):
             return
         job = None if job_id is None else self.ws.job(job_id)
         if job is None or str(job.status) not in ("queued", "waiting_subtasks"):
-            raise ValueError("write an instruction to start a new job (or select a queued or paused job to "
+            raise UsageError("write an instruction to start a new job (or select a queued or paused job to "
                              "continue it)")
         self._target = job.id
         self.ws.run(job.id)
 
     def _step(self, job_id: int | None, unit: str) -> None:
         if job_id is None:
-            raise ValueError("select a job first")
+            raise UsageError("select a job first")
         job = self.ws.job(job_id)
         if str(job.status) != "queued":
-            raise ValueError(f"job {job_id} is {job.status}; only a queued or paused job can be stepped")
+            raise UsageError(f"job {job_id} is {job.status}; only a queued or paused job can be stepped")
         self._target = job_id
         self.ws.step(job_id, unit=unit)
 
     def _reply(self, job_id: int | None) -> None:
         if job_id is None:
-            raise ValueError("select a job first")
+            raise UsageError("select a job first")
         text = self.reply_text.value.strip()
         if not text:
-            raise ValueError("write your answer in the Reply box first")
+            raise UsageError("write your answer in the Reply box first")
         job = self.ws.reply(job_id, text)
         self.reply_text.value = ""
         if str(job.status) == "queued":

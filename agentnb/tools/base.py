@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from ..errors import ToolError
 from .._fs import special_kind
 from .._secrets import redact, secret_values
+from ..errors import ToolError, UsageError
 
 __all__ = [
     "PERMISSION_RANK",
@@ -276,7 +276,7 @@ def _build_tool(
     read_only: bool = False,
 ) -> Tool:
     if permission not in PERMISSION_RANK:
-        raise ValueError(f"permission={permission!r}; allowed: {', '.join(PERMISSION_RANK)}")
+        raise UsageError(f"permission={permission!r}; allowed: {', '.join(PERMISSION_RANK)}")
     sig = inspect.signature(fn)
     try:
         hints = typing.get_type_hints(fn)
@@ -304,7 +304,7 @@ def _build_tool(
     parameters: dict[str, Any] = {"type": "object", "properties": props, "required": required}
     tool_name = name or fn.__name__
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", tool_name):
-        raise ValueError(f"tool name {tool_name!r} must be 1–64 letters, digits, '_' or '-'")
+        raise UsageError(f"tool name {tool_name!r} must be 1–64 letters, digits, '_' or '-'")
     return Tool(
         name=tool_name,
         description=description or doc_desc or tool_name,
@@ -323,7 +323,7 @@ _REGISTRY: dict[str, Tool] = {}
 def register(t: Tool) -> Tool:
     existing = _REGISTRY.get(t.name)
     if existing is not None and existing.builtin and not t.builtin:
-        raise ValueError(f"{t.name!r} is a built-in tool; choose another name")
+        raise UsageError(f"{t.name!r} is a built-in tool; choose another name")
     _REGISTRY[t.name] = t
     return t
 
@@ -379,7 +379,7 @@ def tool(
     Redefining a tool in a notebook cell replaces the earlier definition.
     """
     if not isinstance(read_only, bool):
-        raise ValueError(f"read_only={read_only!r}; allowed: True or False")
+        raise UsageError(f"read_only={read_only!r}; allowed: True or False")
 
     def wrap(f: Callable[..., Any]) -> Tool:
         return register(_build_tool(f, name, description, permission, _builtin, read_only))
