@@ -17,7 +17,8 @@ from .engine.pieces import Piece, load_piece
 from .engine.runner import JobRunner, notify_parent
 from .errors import PathNotFoundError, UsageError
 from .events import Event
-from .models.base import check_model_spec, check_retry_settings, resolve_model
+from .models.base import check_model_spec, check_retry_settings
+from .models.factory import resolve_model
 from .store.sqlite import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, Store, StoreError, can_name_a_job
 from .tools.base import ToolError, resolve_path
 from .views.status import STOP_REASON

@@ -18,6 +18,7 @@ Defaults are traitlets: ``%config AgentMagic.workspace = 'dir'`` (and ``.model``
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import threading
 from collections.abc import Callable, Mapping
@@ -326,10 +327,8 @@ class AgentMagic(Magics):
             return
 
         def once(result: Any) -> None:
-            try:
+            with contextlib.suppress(ValueError):  # already gone
                 shell.events.unregister("post_run_cell", once)
-            except ValueError:
-                pass
             fn(getattr(result, "result", None))
 
         shell.events.register("post_run_cell", once)
@@ -539,16 +538,13 @@ def _summary_html(ws: Workspace, job_id: int, *, below: bool = False) -> str:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Register ``%agent`` / ``%%agent`` and make ``AgentMagic`` configurable with ``%config``."""
-    import agentnb
+    """Register ``%agent`` / ``%%agent`` and make ``AgentMagic`` configurable with ``%config``.
 
+    ``%load_ext agentnb`` (:func:`agentnb.load_ipython_extension`) calls this, then gives the notebook the
+    name ``agentnb``.
+    """
     magic = AgentMagic(shell=ipython, config=ipython.config)
     ipython.register_magics(magic)
-    # The README's and notebooks' snippets call agentnb.plot_usage(job) and friends after %load_ext alone.
-    # A variable of the user's already named agentnb is left alone; interactive=False keeps the name out
-    # of %who, as for IPython's own names.
-    if "agentnb" not in ipython.user_ns:
-        ipython.push({"agentnb": agentnb}, interactive=False)
     if magic not in ipython.configurables:
         ipython.configurables.append(magic)
     if getattr(ipython, "kernel", None) is not None:

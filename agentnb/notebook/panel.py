@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ipywidgets as w
 
@@ -45,9 +45,20 @@ if TYPE_CHECKING:
     from IPython.display import DisplayHandle
 
     from ..workspace import Job, Workspace
-    from .magic import AgentMagic
 
-__all__ = ["Panel", "context_bar_html"]
+__all__ = ["MagicSession", "Panel", "context_bar_html"]
+
+
+class MagicSession(Protocol):
+    """What the panel uses of the ``%agent`` magic (an ``AgentMagic``) it was opened from.
+
+    A protocol, not the class, so that the panel does not import the magic that imports it.
+    """
+
+    piece: str
+    model: str
+    shell: Any
+    last_job: int | None
 
 _MARK_COLOURS = {"warn": "#c9a200", "prompt": "#e07b00", "force_transition": "#d03a3a", "exhausted": "#8b0000"}
 _RUNNABLE = ("queued", PAUSED)  # shown statuses that Step and Run continue
@@ -95,7 +106,7 @@ class Panel(w.VBox):
     through ``magic`` or the running IPython).
     """
 
-    def __init__(self, ws: Workspace, *, magic: AgentMagic | None = None, poll: float = 0.3,
+    def __init__(self, ws: Workspace, *, magic: MagicSession | None = None, poll: float = 0.3,
                  idle_poll: float = 1.0, namespace: Mapping[str, Any] | None = None) -> None:
         self.ws = ws
         self.magic = magic

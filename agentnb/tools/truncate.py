@@ -23,12 +23,13 @@ import io
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .base import ToolContext, ToolError, ToolOutput, open_regular
+from ..errors import ToolError
+from .context import Counter, ToolContext, ToolOutput, fit_prefix
+from .paths import open_regular
 
 __all__ = ["HINTS", "NOTE_PREFIX", "cut_text", "fit_prefix", "read_file", "read_text_stream"]
 
@@ -50,7 +51,6 @@ HINTS = {
     "generic": "Ask for a smaller part of the result.",
 }
 
-Counter = Callable[[str], int]
 
 
 # ---------------------------------------------------------------------------
@@ -62,35 +62,6 @@ def _counter(ctx: ToolContext) -> Counter:
         return ctx.count_tokens
     cpt = ctx.chars_per_token or 4.0
     return lambda text: int(len(text) / cpt + 0.999)
-
-
-def fit_prefix(count: Counter, text: str, tokens: int) -> int:
-    """The length of the longest prefix of ``text`` found to fit in ``tokens`` (always verified).
-
-    Proportional steps first (a tokenizer is close to linear), then bisection, so
-    the answer is never an unchecked guess.
-    """
-    if tokens <= 0 or not text:
-        return 0
-    if len(text) * 4 <= tokens or count(text) <= tokens:  # a token is at least one UTF-8 byte
-        return len(text)
-    good, bad = 0, len(text)  # count(text[:good]) fits, count(text[:bad]) does not
-    n = len(text)
-    for _ in range(4):
-        n = max(good + 1, min(bad - 1, int(n * tokens / max(1, count(text[:n])) * 0.98)))
-        if n <= good or n >= bad:
-            break
-        if count(text[:n]) <= tokens:
-            good = n
-            break
-        bad = n
-    while bad - good > max(1, good // 200):  # within 0.5 %: close enough, and verified
-        mid = (good + bad) // 2
-        if count(text[:mid]) <= tokens:
-            good = mid
-        else:
-            bad = mid
-    return good
 
 
 def _fits(ctx: ToolContext, text: str) -> bool:
