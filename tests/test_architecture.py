@@ -57,10 +57,10 @@ def _resolve(importer: str, level: int, target: str | None) -> str:
     return ".".join(base + ([target] if target else []))
 
 
-def imports(module: str) -> Iterator[Import]:
-    """Every import statement of ``module``, anywhere in it."""
-    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"), filename=str(MODULES[module]))
-    for node in ast.walk(tree):
+def imports(module: str, source: str | None = None) -> Iterator[Import]:
+    """Every import statement of ``module`` (its file, or ``source``), anywhere in it."""
+    text = MODULES[module].read_text(encoding="utf-8") if source is None else source
+    for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield Import(module, node.lineno, alias.name, None)
@@ -125,7 +125,7 @@ def _describe(graph: dict[str, dict[str, list[Import]]], component: list[str]) -
     for a in component:
         for b, imps in sorted(graph[a].items()):
             if b in members:
-                lines.append(f"  {a} → {b} ({', '.join(i.where() for i in imps)})")
+                lines.append(f"  {a} → {b} ({', '.join(dict.fromkeys(i.where() for i in imps))})")
     return "\n".join(lines)
 
 
@@ -170,13 +170,13 @@ ABOVE_THE_VIEWS = ("agentnb.workspace", "agentnb.notebook", "agentnb.cli")
 
 
 def _upward(layer: str, forbidden: tuple[str, ...]) -> list[str]:
-    return [
+    return list(dict.fromkeys(
         f"{imp.where()}: {imp.importer} imports {imp.module}"
         for module in MODULES
         if _in(module, layer)
         for imp in imports(module)
         if _in(imp.module, *forbidden)
-    ]
+    ))
 
 
 def test_the_engine_never_imports_the_facade_the_worker_the_cli_the_views_or_the_notebook() -> None:
@@ -190,10 +190,22 @@ def test_the_views_never_import_the_facade_the_notebook_or_the_cli() -> None:
 
 
 def test_the_checks_see_the_imports_they_must() -> None:
-    # the reader itself: a TYPE_CHECKING import and one inside a function are found, relative ones resolved
-    graph = _edges()
-    assert "agentnb.events" in graph["agentnb.workspace"]
-    assert "agentnb.notebook.magic" in graph["agentnb"]  # inside load_ipython_extension
-    assert _resolve("agentnb.tools", 1, "base") == "agentnb.tools.base"
-    assert _resolve("agentnb.tools.base", 2, "errors") == "agentnb.errors"
+    # the reader itself, on a made-up tools/base.py: imports under TYPE_CHECKING and inside functions are
+    # found, relative ones resolved to modules (a submodule imported by name too), private names kept
+    source = """
+from typing import TYPE_CHECKING
+import sqlite3
+from ..errors import ToolError
+from . import builtin
+if TYPE_CHECKING:
+    from ..workspace import Workspace
+def f():
+    from .truncate import _utf8_cut
+"""
+    found = {(i.module, i.name) for i in imports("agentnb.tools.base", source)}
+    assert found == {("typing", "TYPE_CHECKING"), ("sqlite3", None), ("agentnb.errors", "ToolError"),
+                     ("agentnb.tools.builtin", None), ("agentnb.workspace", "Workspace"),
+                     ("agentnb.tools.truncate", "_utf8_cut")}
+    assert _resolve("agentnb.tools", 1, "base") == "agentnb.tools.base"  # in a package's __init__
     assert _cycles({"a": {"b": []}, "b": {"a": []}, "c": {"a": []}}) == [["a", "b"]]
+    assert "agentnb.notebook.magic" in _edges()["agentnb"]  # agentnb/__init__.py imports it inside a function
