@@ -164,16 +164,18 @@ def _keys_found(keys: dict[str, Any]) -> str:
     return ", ".join(keys) or "none"
 
 
+_KEY_LINE = re.compile(r"^( *)(- +)?([A-Za-z_][\w-]*) *:")
+
+
 def _yaml_field(text: str, line: int) -> str:
     """The key path around a (1-based) line, read from indentation, for errors the YAML parser can't place."""
     lines = [ln.replace("\t", " ") for ln in text.splitlines()]
     if not lines:
         return _TOP
-    key_rx = re.compile(r"^( *)(- +)?([A-Za-z_][\w-]*) *:")
     parts: list[str] = []
     limit: int | None = None  # the column of the innermost node found so far; parents sit left of it
     for i in range(min(max(line - 1, 0), len(lines) - 1), -1, -1):
-        m = key_rx.match(lines[i])
+        m = _KEY_LINE.match(lines[i])
         if not m:
             continue
         dash = len(m.group(1))
@@ -182,19 +184,30 @@ def _yaml_field(text: str, line: int) -> str:
             parts.insert(0, m.group(3))
             limit = column
         if m.group(2) and column <= limit:  # a list item that holds what we have: which item is it?
-            n = 0
-            for j in range(i - 1, -1, -1):
-                stripped = lines[j].lstrip()
-                if not stripped or stripped.startswith("#"):
-                    continue
-                if len(lines[j]) - len(stripped) < dash:
-                    break
-                if len(lines[j]) - len(stripped) == dash and stripped.startswith("-"):
-                    n += 1
-            parts.insert(0, f"[{n}]")
+            parts.insert(0, f"[{_item_index(lines, i, dash)}]")
             limit = dash
         if limit == 0:
             break
+    return _join_field(parts)
+
+
+def _item_index(lines: list[str], i: int, dash: int) -> int:
+    """Which item of its list the item starting on line ``i`` (its dash at column ``dash``) is, from 0."""
+    n = 0
+    for j in range(i - 1, -1, -1):
+        stripped = lines[j].lstrip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        indent = len(lines[j]) - len(stripped)
+        if indent < dash:
+            break
+        if indent == dash and stripped.startswith("-"):
+            n += 1
+    return n
+
+
+def _join_field(parts: list[str]) -> str:
+    """``movements[1].rules[0].next`` from its parts (keys and ``[i]`` indexes)."""
     out = ""
     for part in parts:
         out += part if part.startswith("[") or not out else "." + part
