@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .engine.pieces import Movement, Piece, PieceError, Rule, available_pieces, load_piece, parse_piece
@@ -50,6 +51,11 @@ def load_ipython_extension(ipython: Any) -> None:
     from .notebook.magic import load_ipython_extension as _load
 
     _load(ipython)
+    # The README's and notebooks' snippets call agentnb.plot_usage(job) and friends after %load_ext alone.
+    # A variable of the user's already named agentnb is left alone; interactive=False keeps the name out
+    # of %who, as for IPython's own names.
+    if "agentnb" not in ipython.user_ns:
+        ipython.push({"agentnb": sys.modules[__name__]}, interactive=False)
 
 
 def plot_usage(job_or_frame: Any, **kwargs: Any) -> Any:

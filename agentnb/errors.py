@@ -11,6 +11,8 @@ __all__ = [
     "AgentnbError",
     "ModelError",
     "ModelSpecError",
+    "NotFoundError",
+    "PathNotFoundError",
     "PieceError",
     "StoreError",
     "ToolError",
@@ -41,6 +43,14 @@ class ModelError(AgentnbError, RuntimeError):
 
 class StoreError(AgentnbError, RuntimeError):
     """The store cannot be opened, read or written, or has no such job."""
+
+
+class PathNotFoundError(AgentnbError, FileNotFoundError):
+    """A file or folder the user named (a job's ``workdir``) that does not exist."""
+
+
+class NotFoundError(AgentnbError, LookupError):
+    """Something the user named inside a job (a movement run) that the job does not have."""
 
 
 class ToolError(AgentnbError):

@@ -44,6 +44,7 @@ import nbformat
 from nbformat import v4
 
 from ._secrets import redact, secret_values
+from .errors import UsageError
 from .events import Event, payload_dict
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def export_notebook(
     if target.is_dir():
         target = target / f"job-{job_id}.ipynb"
     if target.suffix != ".ipynb":
-        raise ValueError(f"export path {str(path)!r} must end in .ipynb (or be an existing directory)")
+        raise UsageError(f"export path {str(path)!r} must end in .ipynb (or be an existing directory)")
     nb = build_notebook(ws, job_id, full=full, plot=plot)
     nbformat.validate(nb)
     text = _relative_paths(_mask_secrets(nbformat.writes(nb, version=4)), ws.root, target.resolve().parent)

@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from .engine.pieces import Piece, load_piece
 from .engine.runner import JobRunner, notify_parent
+from .errors import PathNotFoundError, UsageError
 from .events import ErrorEvent, Event
-from .models.base import check_model_spec, check_retry_settings, resolve_model
+from .models.base import check_model_spec, check_retry_settings
+from .models.factory import resolve_model
 from .store import Store, StoreError, open_store
 from .store.sqlite import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, can_name_a_job
 from .tools.base import ToolError, resolve_path
@@ -201,7 +203,7 @@ def prepare_workdir(root: Path, job_id: int, workdir: str | os.PathLike[str] | N
     else:
         wd = Path(workdir).expanduser().resolve()
         if not wd.is_dir():
-            raise FileNotFoundError(f"workdir {str(workdir)!r} is not an existing directory")
+            raise PathNotFoundError(f"workdir {str(workdir)!r} is not an existing directory")
     (wd / "input").mkdir(parents=True, exist_ok=True)
     (wd / "output").mkdir(parents=True, exist_ok=True)
     return wd.resolve()
@@ -292,9 +294,9 @@ class Workspace:
         and malformed answers for this job; unset, the workspace's settings and then the environment apply.
         """
         if not isinstance(instruction, str) or not instruction.strip():
-            raise ValueError("instruction must be non-empty text")
+            raise UsageError("instruction must be non-empty text")
         if len(instruction) > MAX_INSTRUCTION_CHARS:
-            raise ValueError(
+            raise UsageError(
                 f"the instruction has {len(instruction):,} characters; at most {MAX_INSTRUCTION_CHARS:,} are allowed "
                 "(MAX_INSTRUCTION_CHARS): put long material in a file and pass it with inputs= (--input FILE)"
             )
@@ -311,7 +313,7 @@ class Workspace:
 
             opts["context"] = check_context_options(context, p.thresholds)
         if workdir is not None and not Path(workdir).expanduser().is_dir():
-            raise FileNotFoundError(f"workdir {str(workdir)!r} is not an existing directory")
+            raise PathNotFoundError(f"workdir {str(workdir)!r} is not an existing directory")
         # Every input name is checked before the job exists, so a refused submit leaves nothing behind.
         # A fresh job's input/ is empty; an existing workdir's input/ may hold links that lead out.
         input_root = (Path(workdir).expanduser() if workdir is not None else self.root / "jobs" / "0") / "input"
@@ -319,12 +321,12 @@ class Workspace:
             raise TypeError(f"inputs must be a mapping of file name → content, not {type(inputs).__name__}")
         for name, value in (inputs or {}).items():
             if not isinstance(name, str) or ".." in Path(name).parts:
-                raise ValueError(f"input name {name!r} must be a relative path inside input/ (no '..')")
+                raise UsageError(f"input name {name!r} must be a relative path inside input/ (no '..')")
             try:
                 if resolve_path(input_root, name) == input_root.resolve():
-                    raise ValueError(f"input name {name!r} is input/ itself; give a file name inside input/")
+                    raise UsageError(f"input name {name!r} is input/ itself; give a file name inside input/")
             except ToolError as exc:
-                raise ValueError(f"input {name!r}: {exc}") from None
+                raise UsageError(f"input {name!r}: {exc}") from None
             if not isinstance(value, (str, bytes, os.PathLike)):
                 raise TypeError(f"input {name!r}: the content is {type(value).__name__}; allowed: text (str), "
                                 "bytes or a path of a file to copy")
@@ -345,7 +347,7 @@ class Workspace:
                     try:
                         target = resolve_path(wd / "input", name)
                     except ToolError as exc:
-                        raise ValueError(f"input {name!r}: {exc}") from None
+                        raise UsageError(f"input {name!r}: {exc}") from None
                     try:
                         target.parent.mkdir(parents=True, exist_ok=True)
                         if isinstance(value, bytes):
@@ -356,7 +358,7 @@ class Workspace:
                             target.write_text(str(value), encoding="utf-8")
                     except OSError as exc:  # a name too long for the file system, a source file that is gone
                         what = f"its source {os.fspath(value)!r}" if isinstance(value, os.PathLike) else "it"
-                        raise ValueError(f"input {name!r} cannot be written: {what}: "
+                        raise UsageError(f"input {name!r} cannot be written: {what}: "
                                          f"{exc.strerror or type(exc).__name__}") from None
                 self.store.update_job(c, job_id, workdir=str(wd))
         except BaseException:
@@ -481,7 +483,7 @@ class Workspace:
     def step(self, job: JobRef, unit: str = "movement") -> Job:
         """Run one movement (``unit="movement"``) or one LLM call with its tool calls (``unit="call"``)."""
         if unit not in ("movement", "call"):
-            raise ValueError(f"unit={unit!r}; allowed: 'movement', 'call'")
+            raise UsageError(f"unit={unit!r}; allowed: 'movement', 'call'")
         job_id = self._id(job)
         self._stops.pop(job_id, None)  # a Stop meant for an earlier run must not cut this step short
         row = self._claim(job_id)
@@ -519,7 +521,7 @@ class Workspace:
         A job that has ended (succeeded, failed, aborted) takes no reply: nothing would read it.
         """
         if not isinstance(text, str) or not text.strip():
-            raise ValueError("reply text must be non-empty")
+            raise UsageError("reply text must be non-empty")
         job_id = self._id(job)
         with self.store.transaction() as c:
             row = self.store.job(job_id)  # StoreError "no job …" when there is none

@@ -74,7 +74,7 @@ def fill(ws: Workspace, jobs: int, calls: int, seed: int = 7) -> None:
             prompt = 1500
             for it in range(1, n + 1):
                 t += 1.5
-                rows.append((job_id, m, it, t, "llm_request", {"messages": 2 + 3 * (it - 1), "tools": list(TOOLS) + ["transition"]}))
+                rows.append((job_id, m, it, t, "llm_request", {"messages": 2 + 3 * (it - 1), "tools": [*list(TOOLS), "transition"]}))
                 prompt += rng.randint(800, 3600)  # most runs cross warn, many prompt
                 completion = rng.randint(20, 400)
                 ratio = round(prompt / window, 6)

@@ -415,7 +415,7 @@ def table(results: list[Result], sizes: list[int]) -> str:
         if len(row) != len(head):
             lines.append(f"{row[0]:<{widths[0]}}  {row[1]}")
         else:
-            lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+            lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=False))))
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 
@@ -454,7 +454,7 @@ def machine() -> str:
         pass
     load = ""
     if hasattr(os, "getloadavg"):
-        load = ", load %.2f" % os.getloadavg()[0]
+        load = f", load {os.getloadavg()[0]:.2f}"
     return f"{os.cpu_count()} CPUs, {cpu}, Python {sys.version.split()[0]}{load}"
 
 

@@ -436,7 +436,7 @@ def differences(old: Any, new: Any, path: str = "") -> Iterator[tuple[str, Any, 
         for key in sorted(old.keys() | new.keys()):
             yield from differences(old.get(key, "<absent>"), new.get(key, "<absent>"), f"{path}/{key}")
     elif isinstance(old, list) and isinstance(new, list):
-        for i, (a, b) in enumerate(zip(old, new)):
+        for i, (a, b) in enumerate(zip(old, new, strict=False)):
             yield from differences(a, b, f"{path}[{i}]")
         if len(old) != len(new):
             yield f"{path} (length)", len(old), len(new)
@@ -453,7 +453,9 @@ CLOCK_START = 1_736_150_400.0  # 2025-01-06 08:00:00 UTC, a Monday; each case ta
 @contextlib.contextmanager
 def fixed_clock() -> Iterator[None]:
     real_time, started = time.time, time.monotonic()
-    fake_time = lambda: CLOCK_START + (time.monotonic() - started)
+
+    def fake_time() -> float:
+        return CLOCK_START + (time.monotonic() - started)
 
     class FixedDatetime(datetime.datetime):
         @classmethod
@@ -494,7 +496,7 @@ def case_folder(name: str) -> Iterator[Path]:
 def excerpt(old: Any, new: Any, width: int = 160) -> tuple[str, str]:
     """Both values around where they first differ, short enough to read in a test failure."""
     a, b = (v if isinstance(v, str) else json.dumps(v, sort_keys=True, ensure_ascii=False) for v in (old, new))
-    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     start = max(0, i - width // 2)
     return tuple(("…" if start else "") + repr(v[start:start + width])[1:-1] + ("…" if len(v) > start + width else "")
                  for v in (a, b))  # type: ignore[return-value]

@@ -70,7 +70,7 @@ def _check_resumed(ws: Workspace, job_id: int) -> None:
     # the earlier movement's messages are not replayed: the first call after the
     # answer sends exactly the system prompt and the new user prompt
     reqs = requests(ws, job)
-    first_after = [r for r in reqs if r.movement_seq == 2][0]
+    first_after = next(r for r in reqs if r.movement_seq == 2)
     assert first_after.iteration == 1 and first_after.payload["messages"] == 2
     assert "Glob" not in resumed and "input/*" not in resumed
     comments = [e.payload for e in ws.events(job, kinds=["comment"])]
@@ -178,8 +178,8 @@ def test_show_events_prints_comments(tmp_path: Path, capsys: pytest.CaptureFixtu
     job = ws.run(_submit(ws, tmp_path))
     cli_main(["--workspace", str(folder), "show", str(job.id), "--events"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert {"kind": "comment", "author": "agent", "body": QUESTION}.items() <= [
-        line for line in lines if line["kind"] == "comment"][0].items()
+    assert {"kind": "comment", "author": "agent", "body": QUESTION}.items() <= next(
+        line for line in lines if line["kind"] == "comment").items()
 
 
 def test_messages_sent_over_http_after_resume_hold_no_earlier_conversation(

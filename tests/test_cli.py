@@ -190,7 +190,8 @@ def test_a_scripted_file_that_is_not_yaml_is_one_line_with_its_position(
         tmp_path: Path, text: str, line: int, problem: str) -> None:
     import re
 
-    from agentnb.models.base import ModelSpecError, resolve_model
+    from agentnb.models.base import ModelSpecError
+    from agentnb.models.factory import resolve_model
 
     script = tmp_path / "broken.yaml"
     script.write_text(text, encoding="utf-8")

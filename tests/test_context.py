@@ -88,7 +88,7 @@ def test_each_threshold_fires_once_and_in_order_then_force_goes_to_default_next(
     actions = _of(events, "context_action")
     assert [(a.payload["action"], a.payload["iteration"]) for a in actions] == [
         ("warn", 2), ("prompt", 4), ("force_transition", 6)]
-    for a, tokens, limit in zip(actions, (7_000, 8_500, 9_500), (0.70, 0.85, 0.95)):
+    for a, tokens, limit in zip(actions, (7_000, 8_500, 9_500), (0.70, 0.85, 0.95), strict=False):
         assert a.payload["tokens"] == tokens
         assert a.payload["window"] == 10_000
         assert a.payload["ratio"] == pytest.approx(tokens / 10_000)
@@ -105,8 +105,8 @@ def test_each_threshold_fires_once_and_in_order_then_force_goes_to_default_next(
     assert len(reminders) == 1 and reminders[0].iteration == 4
     assert "transition" in reminders[0].payload["text"]
     # the wrap-up message is what the model sees next
-    request_5 = [e for e in _of(events, "llm_request") if e.movement_seq == 1 and e.iteration == 5][0]
-    request_4 = [e for e in _of(events, "llm_request") if e.movement_seq == 1 and e.iteration == 4][0]
+    request_5 = next(e for e in _of(events, "llm_request") if e.movement_seq == 1 and e.iteration == 5)
+    request_4 = next(e for e in _of(events, "llm_request") if e.movement_seq == 1 and e.iteration == 4)
     assert request_5.payload["messages"] == request_4.payload["messages"] + 3  # assistant, tool result, reminder
 
     forced = _of(events, "transition")[0]
@@ -146,7 +146,7 @@ def test_forced_into_complete_succeeds_but_stays_marked_forced(ws: Workspace, tm
 
 def test_a_jump_past_every_threshold_fires_all_four_in_order(ws: Workspace, tmp_path: Path) -> None:
     piece = _piece(tmp_path, context={"window_tokens": 10_000})
-    job, events = _run(ws, piece, _script(tmp_path, [_read(500), _read(9_950)]))
+    _job, events = _run(ws, piece, _script(tmp_path, [_read(500), _read(9_950)]))
     actions = _of(events, "context_action")
     assert [a.payload["action"] for a in actions] == ["warn", "prompt", "force_transition", "exhausted"]
     assert {a.payload["iteration"] for a in actions} == {2}
@@ -167,7 +167,7 @@ def test_the_models_own_transition_in_the_crossing_response_is_kept(ws: Workspac
 
 def test_an_invalid_transition_in_the_crossing_response_is_forced(ws: Workspace, tmp_path: Path) -> None:
     piece = _piece(tmp_path, context={"window_tokens": 10_000})
-    job, events = _run(ws, piece, _script(tmp_path, [_transition("nowhere", usage=9_700)]))
+    _job, events = _run(ws, piece, _script(tmp_path, [_transition("nowhere", usage=9_700)]))
     transitions = _of(events, "transition")
     assert (transitions[0].payload["next_step"], transitions[0].payload["forced"]) == ("wrap", True)
     results = [e for e in _of(events, "tool_result") if e.payload["tool"] == "transition"]
@@ -177,7 +177,7 @@ def test_an_invalid_transition_in_the_crossing_response_is_forced(ws: Workspace,
 def test_thresholds_come_from_the_piece(ws: Workspace, tmp_path: Path) -> None:
     th = {"warn": 0.2, "prompt": 0.3, "force_transition": 0.5, "exhausted": 0.6}
     piece = _piece(tmp_path, context={"window_tokens": 10_000, "thresholds": th})
-    job, events = _run(ws, piece, _script(tmp_path, [_read(1_000), _read(2_100), _read(3_100), _read(5_000)]))
+    _job, events = _run(ws, piece, _script(tmp_path, [_read(1_000), _read(2_100), _read(3_100), _read(5_000)]))
     actions = _of(events, "context_action")
     assert [(a.payload["action"], a.payload["iteration"], a.payload["threshold"]) for a in actions] == [
         ("warn", 2, 0.2), ("prompt", 3, 0.3), ("force_transition", 4, 0.5)]
@@ -278,7 +278,7 @@ def test_counted_sources_measure_the_messages_added_between_calls(ws: Workspace,
         monkeypatch.setenv("AGENTNB_TOKENIZER", "chars")
     piece = _piece(tmp_path)
     model = _script(tmp_path, [_read(), _read(offset=10), _transition("COMPLETE")])
-    job, events = _run(ws, piece, model)
+    _job, events = _run(ws, piece, model)
     responses = [e for e in _of(events, "llm_response") if e.movement_seq == 1]
     assert [r.payload["usage"]["source"] for r in responses] == [source] * 3
     counter = counter_for_model(model)
@@ -287,7 +287,7 @@ def test_counted_sources_measure_the_messages_added_between_calls(ws: Workspace,
     first = responses[0].payload
     args = json.dumps(first["tool_calls"][0]["arguments"], ensure_ascii=False)
     assistant_text = "\n".join(["Read", args])
-    result = [e for e in _of(events, "tool_result") if e.iteration == 1 and e.movement_seq == 1][0]
+    result = next(e for e in _of(events, "tool_result") if e.iteration == 1 and e.movement_seq == 1)
     added = _message_tokens(counter.count, assistant_text) + _message_tokens(counter.count, result.payload["content"])
     p1, p2 = (r.payload["usage"]["prompt_tokens"] for r in responses[:2])
     assert p2 - p1 == added
@@ -298,7 +298,7 @@ def test_counted_sources_measure_the_messages_added_between_calls(ws: Workspace,
 
 def test_usage_and_counted_sources_mix_per_call(ws: Workspace, tmp_path: Path) -> None:
     model = _script(tmp_path, [_read(1_234), _read(), _transition("COMPLETE", 2_000)])
-    job, events = _run(ws, _piece(tmp_path), model)
+    _job, events = _run(ws, _piece(tmp_path), model)
     responses = [e for e in _of(events, "llm_response") if e.movement_seq == 1]
     assert [r.payload["usage"]["source"] for r in responses] == ["usage", "tiktoken", "usage"]
     assert responses[0].payload["usage"]["prompt_tokens"] == 1_234
@@ -309,17 +309,17 @@ def test_a_call_without_usage_counts_on_from_the_last_reported_size(ws: Workspac
     # 94 % reported, then a response without usage: the context did not shrink to a bare count of the
     # messages, so force_transition fires at that call (source tiktoken), not never
     model = _script(tmp_path, [_read(9_400), _read(), _read(), _transition("COMPLETE")])
-    job, events = _run(ws, _piece(tmp_path, context={"window_tokens": 10_000}), model)
+    _job, events = _run(ws, _piece(tmp_path, context={"window_tokens": 10_000}), model)
     responses = [e for e in _of(events, "llm_response") if e.movement_seq == 1]
     assert [r.payload["usage"]["source"] for r in responses] == ["usage", "tiktoken"]
     count = counter_for_model(model).count
-    tool = [e for e in _of(events, "tool_result") if e.movement_seq == 1][0].payload["content"]
-    reminder = [e for e in _of(events, "reminder") if e.movement_seq == 1][0].payload["text"]
+    tool = next(e for e in _of(events, "tool_result") if e.movement_seq == 1).payload["content"]
+    reminder = next(e for e in _of(events, "reminder") if e.movement_seq == 1).payload["text"]
     second = responses[1].payload["usage"]
     assert second["prompt_tokens"] == 9_400 + 20 + _message_tokens(count, tool) + _message_tokens(count, reminder)
     actions = [(e.payload["action"], e.iteration) for e in _of(events, "context_action") if e.movement_seq == 1]
     assert actions == [("warn", 1), ("prompt", 1), ("force_transition", 2)]
-    assert [e.payload["forced"] for e in _of(events, "transition")][0] is True
+    assert next(e.payload["forced"] for e in _of(events, "transition")) is True
 
 
 # -- incremental counting ------------------------------------------------------------------
@@ -362,7 +362,7 @@ def test_tool_results_record_their_budget_and_fit_it(ws: Workspace, tmp_path: Pa
     piece = _piece(tmp_path, context={"window_tokens": 20_000})
     model = _script(tmp_path, [_read(2_000, completion=30, limit=None), _read(9_000, completion=30, limit=None),
                                _transition("COMPLETE", 9_500)])
-    job, events = _run(ws, piece, model)
+    _job, events = _run(ws, piece, model)
     results = [e for e in _of(events, "tool_result") if e.payload["tool"] == "Read"]
     assert [r.payload["budget_tokens"] for r in results] == [(20_000 - 2_030) // 2, (20_000 - 9_030) // 2]
     counter = counter_for_model(model)
@@ -382,7 +382,7 @@ def test_the_budget_floor_is_configurable(ws: Workspace, tmp_path: Path, where: 
     else:
         kw["context"] = {"min_tool_tokens": 2_000}
     model = _script(tmp_path, [_read(9_000, limit=None), _transition("COMPLETE", 9_100)])
-    job, events = _run(ws, _piece(tmp_path, context=context), model, **kw)
+    _job, events = _run(ws, _piece(tmp_path, context=context), model, **kw)
     (r,) = [e for e in _of(events, "tool_result") if e.payload["tool"] == "Read"]
     assert r.payload["budget_tokens"] == 2_000  # half of what is left would be ~490
     assert r.payload["truncated"] is True

@@ -10,6 +10,7 @@ unknown, and the job must finish.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -120,10 +121,8 @@ def _kill_when(proc: subprocess.Popen[str], ready: Any, what: str) -> None:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)  # reaped: the store sees its owner gone
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # a sleeping command the worker started, if any
-        except ProcessLookupError:
-            pass
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -136,7 +135,7 @@ def _crash_then_resume(ws: Workspace, server: OpenAIServer, tmp_path: Path, job:
     _kill_when(first, ready or (lambda: (wd / "ready").exists()), what)
     assert ws.job(job).status == "running"  # the dead worker's claim is still there
     second = _worker(ws, server, tmp_path, slow=False)
-    out, err = second.communicate(timeout=120)
+    _out, err = second.communicate(timeout=120)
     assert second.returncode == 0, err[-3000:]
     job = ws.job(job)
     reasons = [e.payload["reason"] for e in ws.events(job, kinds=["job_status"])]

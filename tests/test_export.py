@@ -53,7 +53,7 @@ def test_export_writes_a_valid_notebook_with_one_collapsed_section_per_movement(
     runs = ws.frames.movements(job)
     assert len(sections) == len(runs) == 2
     assert [h.splitlines()[0] for h, _ in sections] == ["## 1. gather → write", "## 2. write → COMPLETE (forced)"]
-    for (heading, cell), seq in zip(sections, runs["seq"]):
+    for (heading, cell), seq in zip(sections, runs["seq"], strict=False):
         assert cell.cell_type == "code"
         assert cell.metadata["collapsed"] is True
         # outputs hidden, source shown: JupyterLab hides the output's caption while the source is hidden too

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from pathlib import Path
@@ -198,9 +199,8 @@ def test_messages_follow_the_conversation(store: tuple[Workspace, dict[str, Job]
     ws, jobs = store
     for job in jobs.values():
         msgs = ws.frames.messages(job)
-        ev = ws.events(job)
-        count = lambda k: sum(1 for e in ev if e.kind == k)  # noqa: E731
-        assert len(msgs) == 2 * count("movement_start") + count("llm_response") + count("tool_result") + count("reminder")
+        count = collections.Counter(e.kind for e in ws.events(job))
+        assert len(msgs) == 2 * count["movement_start"] + count["llm_response"] + count["tool_result"] + count["reminder"]
         assert msgs["event_id"].is_monotonic_increasing
     msgs = ws.frames.messages(jobs["usage"])
     first = msgs[msgs["seq"] == 1]
@@ -223,7 +223,7 @@ def test_lessons_come_from_the_jsonl_and_match_the_lesson_events(store: tuple[Wo
         assert lessons["movement"].tolist() == [e.payload["movement"] for e in events]
         assert lessons["seq"].tolist() == [e.movement_seq for e in events]
         assert (lessons["job"] == job.id).all()
-        for stamp, e in zip(lessons["timestamp"], events):  # second resolution in the file
+        for stamp, e in zip(lessons["timestamp"], events, strict=False):  # second resolution in the file
             assert abs(stamp - pd.to_datetime(e.ts, unit="s")) < pd.Timedelta(seconds=2)
     # write ends in a forced COMPLETE: its summary is a lesson too
     assert ws.frames.lessons(jobs["usage"])["lessons"].tolist() == [
@@ -321,7 +321,7 @@ def test_a_run_paused_mid_way_counts_its_calls_so_far(tmp_path: Path) -> None:
 
 def test_the_issue_s_column_names_are_offered_too(store: tuple[Workspace, dict[str, Job]]) -> None:
     """Users who write the names of the issue (jobs' ``id``, movements' ``name`` and ``tokens``) get the same values."""
-    ws, jobs = store
+    ws, _jobs = store
     table = ws.frames.jobs()
     assert table["id"].tolist() == table["job"].tolist() and table["id"].dtype == "int64"
     mv = ws.frames.movements()

@@ -221,7 +221,7 @@ def test_run_job_runs_a_queued_job_to_its_end(shell: InteractiveShell) -> None:
         shell.run_line_magic("agent", f'run --job {job.id} --piece single "again"')
     with capture_output():
         asking = shell.run_line_magic("agent", 'run --piece ask-first "Summarise"')
-    with pytest.raises(UsageError, match="is waiting_human; .* answer it with %agent reply"):
+    with pytest.raises(UsageError, match=r"is waiting_human; .* answer it with %agent reply"):
         shell.run_line_magic("agent", f"run --job {asking.id}")
     with capture_output():
         shell.run_line_magic("agent", f'reply {asking.id} "Bullets."')

@@ -352,7 +352,7 @@ def test_a_resumed_movement_resends_the_models_own_argument_text(ws: Workspace, 
         text = re.sub(r"call_\d+_", "call_", json.dumps(body, ensure_ascii=False))
         return re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d \([^)]*\)", "<now>", text)
 
-    for a, b in zip(sent_whole, sent_stepped):
+    for a, b in zip(sent_whole, sent_stepped, strict=False):
         assert same_run(a) == same_run(b)
     assert sent_stepped[3]["messages"][2]["tool_calls"][0]["function"]["arguments"] == '{"path":"output/a.md","content":"A"}'
 
@@ -446,6 +446,6 @@ def test_a_tool_call_without_a_name_is_a_tool_error_the_model_reads(ws: Workspac
                                                   "or empty); available: Read, Write, crash_tool, transition")
     fourth = server.received[3].body["messages"]
     assert [m["role"] for m in fourth] == ["system", "user"] + ["assistant", "tool"] * 3
-    for assistant, tool in zip(fourth[2::2], fourth[3::2]):  # every answer names the call it answers
+    for assistant, tool in zip(fourth[2::2], fourth[3::2], strict=False):  # every answer names the call it answers
         assert tool["tool_call_id"] == assistant["tool_calls"][0]["id"] and tool["tool_call_id"]
     assert fourth[3]["content"] == results[0]["content"]

@@ -70,8 +70,8 @@ def test_prompt_reminder_schema_and_validation_agree(
             results = [e.payload for e in ws.events(job, kinds=["tool_result"])
                        if e.payload["tool"] == "transition" and e.movement_seq == 1]
             tried = remaining[: len(results)]
-            refused |= {c for c, r in zip(tried, results) if r["is_error"]}
-            accepted |= {c for c, r in zip(tried, results) if not r["is_error"]}
+            refused |= {c for c, r in zip(tried, results, strict=False) if r["is_error"]}
+            accepted |= {c for c, r in zip(tried, results, strict=False) if not r["is_error"]}
             remaining = remaining[len(results):]
             server.actions.clear()
             if prompt_list is None:

@@ -44,7 +44,7 @@ def _run_calls(ws: Workspace, tmp_path: Path, calls: list[tuple[str, dict[str, A
     """Run one job whose single movement makes ``calls`` (one LLM call each), then completes."""
     piece = write_piece(tmp_path, ALL_TOOLS)
     responses = [{"tool_calls": [{"name": n, "arguments": a}]} for n, a in calls]
-    model = write_script(tmp_path, {"responses": responses + [transition("COMPLETE")]})
+    model = write_script(tmp_path, {"responses": [*responses, transition("COMPLETE")]})
     job = ws.submit("escape", piece=piece, model=model, **submit)
     if setup is not None:
         setup(Path(job.workdir))
@@ -94,8 +94,8 @@ ESCAPES = [
 
 
 def test_every_escape_is_a_clear_tool_error(ws: Workspace, tmp_path: Path, outside: Path) -> None:
-    job, results = _run_calls(ws, tmp_path, [(t, a) for t, a, _ in ESCAPES], setup=_links(outside))
-    for (tool, args, expected), res in zip(ESCAPES, results):
+    _job, results = _run_calls(ws, tmp_path, [(t, a) for t, a, _ in ESCAPES], setup=_links(outside))
+    for (tool, args, expected), res in zip(ESCAPES, results, strict=False):
         assert res["is_error"], (tool, args, res["content"])
         assert res["content"].startswith("Error: "), res["content"]
         assert expected in res["content"], (tool, args, res["content"])
@@ -111,7 +111,7 @@ def test_every_escape_is_a_clear_tool_error(ws: Workspace, tmp_path: Path, outsi
 def test_searching_the_whole_workdir_skips_links_that_leave_it(ws: Workspace, tmp_path: Path, outside: Path) -> None:
     calls = [("Grep", {"pattern": "SECRET|inside"}), ("Glob", {"pattern": "**/*"}), ("Glob", {"pattern": "input/link_dir/*"}),
              ("Read", {"path": "output/inner_link"})]
-    job, (grep, glob_all, glob_link, inner) = _run_calls(ws, tmp_path, calls, setup=_links(outside))
+    _job, (grep, glob_all, glob_link, inner) = _run_calls(ws, tmp_path, calls, setup=_links(outside))
     assert "input/notes.md:1:inside" in grep["content"]
     assert SECRET not in grep["content"]
     assert "input/notes.md" in glob_all["content"]
@@ -132,7 +132,7 @@ def test_workdir_jobs_are_confined_to_that_directory(ws: Workspace, tmp_path: Pa
         ("Write", {"path": "../outside/new.txt", "content": "x"}),
         ("Grep", {"pattern": "notes|SECRET"}),
     ]
-    job, (read, write, escape_read, escape_write, grep) = _run_calls(ws, tmp_path, calls, workdir=project)
+    job, (read, _write, escape_read, escape_write, grep) = _run_calls(ws, tmp_path, calls, workdir=project)
     assert Path(job.workdir) == project.resolve()
     assert "project notes" in read["content"] and not read["is_error"]
     assert (project / "output" / "result.txt").read_text(encoding="utf-8") == "written"
@@ -154,7 +154,7 @@ def test_input_through_a_symlink_of_a_workdir_is_refused_at_submit(ws: Workspace
     project = tmp_path / "project"
     (project / "input").mkdir(parents=True)
     os.symlink(outside, project / "input" / "away")
-    with pytest.raises(ValueError, match="input 'away/x.md'.*leaves"):
+    with pytest.raises(ValueError, match=r"input 'away/x\.md'.*leaves"):
         ws.submit("task", piece="single", model="demo", workdir=project, inputs={"away/x.md": "x"})
     assert ws.jobs() == []
     assert not (outside / "x.md").exists()
@@ -214,7 +214,7 @@ def test_backslashes_loops_and_a_linked_input_folder_are_clear_errors(
         ("Grep", {"pattern": "SECRET|kept", "path": "."}),
     ]
     job, results = _run_calls(ws, tmp_path, calls, setup=_odd_links(outside))
-    for (tool, args, expected), res in zip(ODD, results):
+    for (tool, args, expected), res in zip(ODD, results, strict=False):
         assert res["is_error"] and expected in res["content"], (tool, args, res["content"])
         assert "\n" not in res["content"] and "raised" not in res["content"]
     made, glob_all, grep = results[len(ODD):]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -242,7 +243,7 @@ def test_call_labels_are_readable_inside_the_axes_and_apart(ws: Workspace, tmp_p
         # tilted and parallel, two names clear each other when their starts are two line heights apart
         line = names[0].get_fontsize() * fig.dpi / 72
         starts = [t.get_window_extent().x0 for t in names]
-        assert min(b - a for a, b in zip(starts, starts[1:])) >= 2 * line
+        assert min(b - a for a, b in itertools.pairwise(starts)) >= 2 * line
     threshold_colours = {to_rgba(line.get_color()) for line in ax.lines if (line.get_gid() or "").startswith("threshold:")}
     for t in labels:
         box = _text_box(t)
@@ -272,7 +273,7 @@ def test_legend_explains_markers_and_boundaries_and_the_runs_are_named(ws: Works
     fig = agentnb.plot_usage(job)
     ax = fig.axes[0]
     legend = ax.get_legend()
-    entries = dict(zip([t.get_text() for t in legend.get_texts()], legend.legend_handles))
+    entries = dict(zip([t.get_text() for t in legend.get_texts()], legend.legend_handles, strict=False))
     assert list(entries)[:4] == ["warn 70%", "prompt 85%", "force_transition 95%", "exhausted 99%"]
     # the marker shapes: transitions (hollow diamonds, red when forced) and the highest action fired at a call
     assert entries["transition (→ next step)"].get_marker() == "D"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from pathlib import Path
@@ -161,7 +162,7 @@ def test_the_view_keeps_its_look_without_the_style_block(ws: Workspace) -> None:
     assert re.search(r'<span class="anb-badge anb-st-succeeded" style="[^"]*background:#2e8b57', html)
     assert re.search(r'<span class="anb-badge anb-warn" style="[^"]*background:#c9a200', html)
     assert re.search(r'<pre style="white-space:pre-wrap', html)
-    assert 'class="anb-job" data-job="%d" style="font-family' % job.id in html
+    assert f'class="anb-job" data-job="{job.id}" style="font-family' in html
 
 
 def test_running_time_leaves_out_the_idle_time_and_wall_time_counts_it(ws: Workspace) -> None:
@@ -174,7 +175,7 @@ def test_running_time_leaves_out_the_idle_time_and_wall_time_counts_it(ws: Works
     job = ws.run(job)
     st = job_stats(ws, job.id)
     running = [e for e in ws.events(job, kinds=["job_status"])]
-    spans = sum(b.ts - a.ts for a, b in zip(running, running[1:]) if a.payload["status"] == "running")
+    spans = sum(b.ts - a.ts for a, b in itertools.pairwise(running) if a.payload["status"] == "running")
     assert st.running_s == pytest.approx(spans) and st.running_s < 1.0
     assert st.wall_s >= 2.4 and st.wall_s == pytest.approx(job.ended - job.created)
     head = header_html(ws, job.id)

@@ -181,7 +181,7 @@ def test_a_running_job_is_refused(ws: Workspace) -> None:
     ws.store.claim(job.id, owner="elsewhere")
     with pytest.raises(StoreError, match=f"^job {job.id} is running; only a failed or aborted job can be retried$"):
         ws.retry(job)
-    with pytest.raises(StoreError, match="^no job 99 in "):
+    with pytest.raises(StoreError, match=r"^no job 99 in "):
         ws.retry(99)
 
 

@@ -98,7 +98,7 @@ def test_tool_errors_name_paths_relative_to_the_work_directory(ws: Workspace, tm
         assert not any(h in res["content"] for h in hosts), res["content"][:300]
     errors = [r for r in results if r["is_error"]]
     assert len(errors) >= 8
-    too_long = [(c["tool_calls"][0]["arguments"], r["content"]) for c, r in zip(calls, results)
+    too_long = [(c["tool_calls"][0]["arguments"], r["content"]) for c, r in zip(calls, results, strict=False)
                 if "File name too long" in r["content"]]
     assert len(too_long) >= 6
     for args, content in too_long:  # the model's own relative path is named

@@ -207,7 +207,10 @@ def test_resumed_movement_sends_the_same_messages(ws: Workspace, tmp_path: Path,
             bodies.append([r.body for r in srv.received])
     normal = [json.dumps(b, sort_keys=True) for b in bodies[0]]
     restarted = [json.dumps(b, sort_keys=True) for b in bodies[1]]
-    clean = lambda s: re.sub(r"call_\d+_\d+", "call_N", re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d \(\w+, [^)]*\)", "<now>", s))
+
+    def clean(s: str) -> str:
+        return re.sub(r"call_\d+_\d+", "call_N", re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d \(\w+, [^)]*\)", "<now>", s))
+
     assert [clean(s) for s in restarted] == [clean(s) for s in normal]
     assert len(bodies[1][2]["messages"]) == 6  # the third call re-sent the whole movement so far
 
@@ -232,7 +235,7 @@ def test_stop_pauses_a_running_job(ws: Workspace, setup) -> None:
 def test_a_job_running_elsewhere_cannot_be_stepped(ws: Workspace, setup) -> None:
     job = _submit(ws, setup)
     assert ws.store.claim(job.id, owner="another-worker") is not None
-    with pytest.raises(StoreError, match="already running .*another-worker"):
+    with pytest.raises(StoreError, match=r"already running .*another-worker"):
         ws.step(job)
     with pytest.raises(ValueError, match="unit='line'; allowed: 'movement', 'call'"):
         ws.step(job, unit="line")

@@ -282,7 +282,7 @@ def test_subtasks_that_hand_out_subtasks_again_stop_at_the_nesting_limit(ws: Wor
     assert len(jobs) == 2 ** (MAX_SUBTASK_DEPTH + 1) - 1  # a full binary tree MAX_SUBTASK_DEPTH levels below the root
     assert all(j.status == "succeeded" for j in jobs)
     deepest = [j for j in jobs if not ws.children(j)]
-    refused = [e.payload["content"] for e in ws.events(deepest[0], kinds=["tool_result"])][0]
+    refused = next(e.payload["content"] for e in ws.events(deepest[0], kinds=["tool_result"]))
     assert refused == (f"Error: this job is already a subtask {MAX_SUBTASK_DEPTH} levels deep; subtasks may nest at "
                        f"most {MAX_SUBTASK_DEPTH} levels: do this work here instead of handing it out")
 

@@ -417,7 +417,7 @@ def test_a_model_following_the_notes_reads_the_whole_file(ws: Workspace, tmp_pat
     calls = [e.payload["arguments"] for e in events if e.kind == "tool_call" and e.payload["tool"] == "Read"]
     assert len(results) >= 3
     assert "".join(r["content"][: r["returned_chars"]] for r in results) == text
-    for r, next_call in zip(results, calls[1:]):
+    for r, next_call in zip(results, calls[1:], strict=False):
         assert r["truncated"] and r["continuation"] == next_call
         assert COUNTER.count(r["content"]) <= r["budget_tokens"]
     assert not results[-1]["truncated"] and results[-1]["continuation"] is None

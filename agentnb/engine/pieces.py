@@ -6,12 +6,13 @@ line, the field, what was found and what is allowed.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
@@ -150,6 +151,10 @@ _MOVEMENT_KEYS = (
     "permission", "max_iterations", "rules", "default_next", "verify",
 )
 _RULE_KEYS = ("condition", "next")
+# a mapping's keys, each with its key node and value node (for the lines errors name)
+_Keys = dict[str, tuple[Node, Node]]
+_T = TypeVar("_T")
+_D = TypeVar("_D")
 _TOP = "(top level)"
 # scalars whose text a text field takes as written (a name like `2024` or `yes`); null is "empty"
 _TEXTLIKE_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "timestamp"))
@@ -159,16 +164,18 @@ def _keys_found(keys: dict[str, Any]) -> str:
     return ", ".join(keys) or "none"
 
 
+_KEY_LINE = re.compile(r"^( *)(- +)?([A-Za-z_][\w-]*) *:")
+
+
 def _yaml_field(text: str, line: int) -> str:
     """The key path around a (1-based) line, read from indentation, for errors the YAML parser can't place."""
     lines = [ln.replace("\t", " ") for ln in text.splitlines()]
     if not lines:
         return _TOP
-    key_rx = re.compile(r"^( *)(- +)?([A-Za-z_][\w-]*) *:")
     parts: list[str] = []
     limit: int | None = None  # the column of the innermost node found so far; parents sit left of it
     for i in range(min(max(line - 1, 0), len(lines) - 1), -1, -1):
-        m = key_rx.match(lines[i])
+        m = _KEY_LINE.match(lines[i])
         if not m:
             continue
         dash = len(m.group(1))
@@ -177,19 +184,30 @@ def _yaml_field(text: str, line: int) -> str:
             parts.insert(0, m.group(3))
             limit = column
         if m.group(2) and column <= limit:  # a list item that holds what we have: which item is it?
-            n = 0
-            for j in range(i - 1, -1, -1):
-                stripped = lines[j].lstrip()
-                if not stripped or stripped.startswith("#"):
-                    continue
-                if len(lines[j]) - len(stripped) < dash:
-                    break
-                if len(lines[j]) - len(stripped) == dash and stripped.startswith("-"):
-                    n += 1
-            parts.insert(0, f"[{n}]")
+            parts.insert(0, f"[{_item_index(lines, i, dash)}]")
             limit = dash
         if limit == 0:
             break
+    return _join_field(parts)
+
+
+def _item_index(lines: list[str], i: int, dash: int) -> int:
+    """Which item of its list the item starting on line ``i`` (its dash at column ``dash``) is, from 0."""
+    n = 0
+    for j in range(i - 1, -1, -1):
+        stripped = lines[j].lstrip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        indent = len(lines[j]) - len(stripped)
+        if indent < dash:
+            break
+        if indent == dash and stripped.startswith("-"):
+            n += 1
+    return n
+
+
+def _join_field(parts: list[str]) -> str:
+    """``movements[1].rules[0].next`` from its parts (keys and ``[i]`` indexes)."""
     out = ""
     for part in parts:
         out += part if part.startswith("[") or not out else "." + part
@@ -239,7 +257,7 @@ class _Checker:
         value = node.value
         return _short(value) if value != "" else "an empty value"
 
-    def mapping(self, node: Node, fld: str, allowed: Iterable[str]) -> dict[str, tuple[Node, Node]]:
+    def mapping(self, node: Node, fld: str, allowed: Iterable[str]) -> _Keys:
         if not isinstance(node, MappingNode):
             raise self.fail(node, fld, f"found {self._describe(node)}, expected a mapping")
         allowed = tuple(allowed)
@@ -291,13 +309,22 @@ class _Checker:
             raise self.fail(node, fld, f"found {value}, expected a number between 0 (excluded) and 1")
         return value
 
+    def optional(self, keys: _Keys, key: str, default: _D, read: Callable[[Node, str], _T]) -> _T | _D:
+        """``read(value node, key)`` when ``key`` is given, else ``default``."""
+        return read(keys[key][1], key) if key in keys else default
+
+    def one_of(self, node: Node, fld: str, value: str, allowed: tuple[str, ...]) -> None:
+        """A name that must be one of ``allowed`` (movement names, or special next steps too)."""
+        if value not in allowed:
+            raise self.fail(node, fld, f"unknown movement {value!r}; allowed: {', '.join(allowed) or 'none'}")
+
     def sequence(self, node: Node, fld: str) -> list[Node]:
         if not isinstance(node, SequenceNode):
             raise self.fail(node, fld, f"found {self._describe(node)}, expected a list")
         return list(node.value)
 
     def text_or_file(
-        self, keys: dict[str, tuple[Node, Node]], fld: str, name: str, *, required: bool, owner: Node
+        self, keys: _Keys, fld: str, name: str, *, required: bool, owner: Node
     ) -> str:
         file_key = f"{name}_file"
         if name in keys and file_key in keys:
@@ -333,18 +360,12 @@ def parse_piece(
 
     ``known_tools``: tool names a movement may list; ``None`` takes the
     registered tools (built-ins and ``@agentnb.tool`` functions).
+
+    Checked in reading order (the top keys, ``context``, each movement, then the names that movements
+    refer to), so the first mistake in the file is the one reported.
     """
     ck = _Checker(source, Path(base_dir) if base_dir else None)
-    try:
-        root = yaml.compose(text, Loader=_FastLoader)
-    except yaml.YAMLError:
-        try:
-            root = yaml.compose(text)
-        except yaml.YAMLError as exc:
-            raise _yaml_error(exc, text, source) from None
-    if root is None:
-        raise PieceError("found an empty file, expected a mapping with at least name and movements",
-                         file=source, line=1, field=_TOP)
+    root = _compose(text, source)
     top = ck.mapping(root, _TOP, _TOP_KEYS)
     for required in ("name", "movements"):
         if required not in top:
@@ -356,128 +377,159 @@ def parse_piece(
     known = tuple(known_tools)
 
     name = ck.string(top["name"][1], "name")
-    description = ck.string(top["description"][1], "description", nonempty=False) if "description" in top else ""
-    max_movements = ck.integer(top["max_movements"][1], "max_movements") if "max_movements" in top else 12
-    language = ck.string(top["language"][1], "language", choices=LANGUAGES) if "language" in top else "en"
-
-    window = None
-    min_tool = None
-    thresholds = dict(DEFAULT_THRESHOLDS)
-    if "context" in top and not (isinstance(top["context"][1], ScalarNode) and top["context"][1].value == ""):
-        ctx = ck.mapping(top["context"][1], "context", _CONTEXT_KEYS)
-        if "window_tokens" in ctx:
-            window = ck.integer(ctx["window_tokens"][1], "context.window_tokens", minimum=256)
-        if "min_tool_tokens" in ctx:
-            min_tool = ck.integer(ctx["min_tool_tokens"][1], "context.min_tool_tokens")
-        if "thresholds" in ctx:
-            th = ck.mapping(ctx["thresholds"][1], "context.thresholds", DEFAULT_THRESHOLDS)
-            for key, (_, vnode) in th.items():
-                thresholds[key] = ck.ratio(vnode, f"context.thresholds.{key}")
-            order = list(DEFAULT_THRESHOLDS)
-            for lower, upper in zip(order, order[1:]):
-                if thresholds[lower] > thresholds[upper]:
-                    node = th.get(lower, th.get(upper, (ctx["thresholds"][1], ctx["thresholds"][1])))[1]
-                    raise ck.fail(
-                        node, f"context.thresholds.{lower}",
-                        f"found {lower}={thresholds[lower]} above {upper}={thresholds[upper]}; "
-                        "thresholds must rise: warn ≤ prompt ≤ force_transition ≤ exhausted",
-                    )
+    description = ck.optional(top, "description", "", lambda n, f: ck.string(n, f, nonempty=False))
+    max_movements = ck.optional(top, "max_movements", 12, ck.integer)
+    language = ck.optional(top, "language", "en", lambda n, f: ck.string(n, f, choices=LANGUAGES))
+    window, min_tool, thresholds = _context(ck, top)
 
     mnodes = ck.sequence(top["movements"][1], "movements")
     if not mnodes:
         raise ck.fail(top["movements"][1], "movements", "found an empty list, expected at least one movement")
-
-    parsed: list[tuple[Movement, dict[str, tuple[Node, Node]], str]] = []
-    seen: dict[str, int] = {}
-    for i, mnode in enumerate(mnodes):
-        fld = f"movements[{i}]"
-        keys = ck.mapping(mnode, fld, _MOVEMENT_KEYS)
-        if "name" not in keys:
-            raise ck.fail(mnode, f"{fld}.name", f"missing required key 'name'; found keys: {_keys_found(keys)}")
-        mname = ck.string(keys["name"][1], f"{fld}.name")
-        if mname in SPECIAL_NEXT:
-            raise ck.fail(keys["name"][1], f"{fld}.name", f"found {mname!r}, which is reserved for a special next step")
-        if mname in seen:
-            raise ck.fail(
-                keys["name"][1], f"{fld}.name",
-                f"duplicate movement name {mname!r} (first defined at line {seen[mname]})",
-            )
-        seen[mname] = keys["name"][1].start_mark.line + 1
-        fld = f"movements[{i}] ({mname})"
-        persona = ck.text_or_file(keys, fld, "persona", required=False, owner=mnode)
-        instruction = ck.text_or_file(keys, fld, "instruction", required=True, owner=mnode)
-        tools: list[str] = []
-        if "tools" in keys:
-            tool_lines: dict[str, int] = {}
-            for j, tnode in enumerate(ck.sequence(keys["tools"][1], f"{fld}.tools")):
-                tname = ck.string(tnode, f"{fld}.tools[{j}]")
-                if tname == "transition":
-                    continue  # always allowed
-                if tname not in known:
-                    raise ck.fail(tnode, f"{fld}.tools[{j}]", f"unknown tool {tname!r}; allowed: {', '.join(known)}")
-                if tname in tool_lines:
-                    # the model would be sent two functions of one name, which endpoints refuse
-                    raise ck.fail(tnode, f"{fld}.tools[{j}]",
-                                  f"found {tname!r} a second time (first listed at line {tool_lines[tname]}); "
-                                  "list each tool once")
-                tool_lines[tname] = tnode.start_mark.line + 1
-                tools.append(tname)
-        permission = (
-            ck.string(keys["permission"][1], f"{fld}.permission", choices=PERMISSIONS) if "permission" in keys else "readonly"
-        )
-        max_iterations = ck.integer(keys["max_iterations"][1], f"{fld}.max_iterations") if "max_iterations" in keys else 20
-        rules: list[Rule] = []
-        if "rules" in keys:
-            for j, rnode in enumerate(ck.sequence(keys["rules"][1], f"{fld}.rules")):
-                rkeys = ck.mapping(rnode, f"{fld}.rules[{j}]", _RULE_KEYS)
-                if "next" not in rkeys:
-                    raise ck.fail(rnode, f"{fld}.rules[{j}].next",
-                                  f"missing required key 'next'; found keys: {_keys_found(rkeys)}")
-                cond = ck.string(rkeys["condition"][1], f"{fld}.rules[{j}].condition") if "condition" in rkeys else ""
-                rules.append(Rule(condition=cond, next=ck.string(rkeys["next"][1], f"{fld}.rules[{j}].next")))
-        default_next = ck.string(keys["default_next"][1], f"{fld}.default_next") if "default_next" in keys else None
-        verify = ck.string(keys["verify"][1], f"{fld}.verify") if "verify" in keys else None
-        mdesc = ck.string(keys["description"][1], f"{fld}.description", nonempty=False) if "description" in keys else ""
-        movement = Movement(
-            name=mname, persona=persona, instruction=instruction, tools=tuple(tools), permission=permission,
-            max_iterations=max_iterations, rules=tuple(rules), default_next=default_next, verify=verify,
-            description=mdesc,
-        )
-        parsed.append((movement, keys, fld))
-
-    names = [m.name for m, _, _ in parsed]
-    targets = tuple(names) + SPECIAL_NEXT
-
-    def check_target(node: Node, fld: str, value: str, allowed: tuple[str, ...]) -> None:
-        if value not in allowed:
-            raise ck.fail(node, fld, f"unknown movement {value!r}; allowed: {', '.join(allowed) or 'none'}")
-
+    seen: dict[str, int] = {}  # movement name → the line it is defined on
+    parsed = [_movement(ck, i, mnode, known, seen) for i, mnode in enumerate(mnodes)]
+    names = tuple(m.name for m, _, _ in parsed)
     for movement, keys, fld in parsed:
-        rule_nodes = ck.sequence(keys["rules"][1], "") if "rules" in keys else []
-        for j, (rule, rnode) in enumerate(zip(movement.rules, rule_nodes)):
-            nnode = next(v for k, v in rnode.value if k.value == "next")
-            check_target(nnode, f"{fld}.rules[{j}].next", rule.next, targets)
-        if movement.default_next is not None:
-            check_target(keys["default_next"][1], f"{fld}.default_next", movement.default_next, targets)
-        if movement.verify is not None:
-            others = tuple(n for n in names if n != movement.name)
-            if movement.verify == movement.name:
-                raise ck.fail(keys["verify"][1], f"{fld}.verify",
-                              f"found {movement.verify!r}, the movement itself; allowed: {', '.join(others) or 'none'} "
-                              "(verify names the movement whose work this one checks)")
-            check_target(keys["verify"][1], f"{fld}.verify", movement.verify, others)
+        _check_next_steps(ck, movement, keys, fld, names)
 
     initial = names[0]
     if "initial_movement" in top:
         node = top["initial_movement"][1]
         initial = ck.string(node, "initial_movement")
-        check_target(node, "initial_movement", initial, tuple(names))
+        ck.one_of(node, "initial_movement", initial, names)
 
     return Piece(
         name=name, movements=tuple(m for m, _, _ in parsed), description=description, initial_movement=initial,
         max_movements=max_movements, language=language, window_tokens=window, thresholds=thresholds,
         min_tool_tokens=min_tool, source=source,
     )
+
+
+def _compose(text: str, source: str) -> Node:
+    """The YAML node tree of ``text``; a parse error or an empty file is a :class:`PieceError` with its line."""
+    try:
+        root = yaml.compose(text, Loader=_FastLoader)
+    except yaml.YAMLError:
+        try:
+            root = yaml.compose(text)  # the pure-Python parser words some errors better
+        except yaml.YAMLError as exc:
+            raise _yaml_error(exc, text, source) from None
+    if root is None:
+        raise PieceError("found an empty file, expected a mapping with at least name and movements",
+                         file=source, line=1, field=_TOP)
+    return root
+
+
+def _context(ck: _Checker, top: _Keys) -> tuple[int | None, int | None, dict[str, float]]:
+    """The piece's ``context:`` settings: window tokens, minimum tool tokens and the thresholds."""
+    thresholds = dict(DEFAULT_THRESHOLDS)
+    if "context" not in top or (isinstance(top["context"][1], ScalarNode) and top["context"][1].value == ""):
+        return None, None, thresholds
+    ctx = ck.mapping(top["context"][1], "context", _CONTEXT_KEYS)
+    window = ck.optional(ctx, "window_tokens", None, lambda n, f: ck.integer(n, f"context.{f}", minimum=256))
+    min_tool = ck.optional(ctx, "min_tool_tokens", None, lambda n, f: ck.integer(n, f"context.{f}"))
+    if "thresholds" in ctx:
+        thresholds = _thresholds(ck, ctx["thresholds"][1])
+    return window, min_tool, thresholds
+
+
+def _thresholds(ck: _Checker, node: Node) -> dict[str, float]:
+    """``context.thresholds``: ratios over the defaults, which must rise from warn to exhausted."""
+    th = ck.mapping(node, "context.thresholds", DEFAULT_THRESHOLDS)
+    thresholds = dict(DEFAULT_THRESHOLDS)
+    for key, (_, vnode) in th.items():
+        thresholds[key] = ck.ratio(vnode, f"context.thresholds.{key}")
+    for lower, upper in itertools.pairwise(DEFAULT_THRESHOLDS):
+        if thresholds[lower] > thresholds[upper]:
+            bad = th.get(lower, th.get(upper, (node, node)))[1]
+            raise ck.fail(
+                bad, f"context.thresholds.{lower}",
+                f"found {lower}={thresholds[lower]} above {upper}={thresholds[upper]}; "
+                "thresholds must rise: warn ≤ prompt ≤ force_transition ≤ exhausted",
+            )
+    return thresholds
+
+
+def _movement(
+    ck: _Checker, i: int, mnode: Node, known: tuple[str, ...], seen: dict[str, int]
+) -> tuple[Movement, _Keys, str]:
+    """Movement ``i``, with its keys and its field name for later errors; ``seen`` collects the names."""
+    fld = f"movements[{i}]"
+    keys = ck.mapping(mnode, fld, _MOVEMENT_KEYS)
+    if "name" not in keys:
+        raise ck.fail(mnode, f"{fld}.name", f"missing required key 'name'; found keys: {_keys_found(keys)}")
+    name_node = keys["name"][1]
+    mname = ck.string(name_node, f"{fld}.name")
+    if mname in SPECIAL_NEXT:
+        raise ck.fail(name_node, f"{fld}.name", f"found {mname!r}, which is reserved for a special next step")
+    if mname in seen:
+        raise ck.fail(name_node, f"{fld}.name",
+                      f"duplicate movement name {mname!r} (first defined at line {seen[mname]})")
+    seen[mname] = name_node.start_mark.line + 1
+    fld = f"movements[{i}] ({mname})"
+    persona = ck.text_or_file(keys, fld, "persona", required=False, owner=mnode)
+    instruction = ck.text_or_file(keys, fld, "instruction", required=True, owner=mnode)
+    tools = _tools(ck, keys["tools"][1], f"{fld}.tools", known) if "tools" in keys else ()
+    movement = Movement(
+        name=mname, persona=persona, instruction=instruction, tools=tools,
+        permission=ck.optional(keys, "permission", "readonly",
+                               lambda n, f: ck.string(n, f"{fld}.{f}", choices=PERMISSIONS)),
+        max_iterations=ck.optional(keys, "max_iterations", 20, lambda n, f: ck.integer(n, f"{fld}.{f}")),
+        rules=_rules(ck, keys["rules"][1], f"{fld}.rules") if "rules" in keys else (),
+        default_next=ck.optional(keys, "default_next", None, lambda n, f: ck.string(n, f"{fld}.{f}")),
+        verify=ck.optional(keys, "verify", None, lambda n, f: ck.string(n, f"{fld}.{f}")),
+        description=ck.optional(keys, "description", "", lambda n, f: ck.string(n, f"{fld}.{f}", nonempty=False)),
+    )
+    return movement, keys, fld
+
+
+def _tools(ck: _Checker, node: Node, fld: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    """A movement's ``tools:``: known names, each once; ``transition`` is always allowed and not listed."""
+    tools: list[str] = []
+    tool_lines: dict[str, int] = {}
+    for j, tnode in enumerate(ck.sequence(node, fld)):
+        tname = ck.string(tnode, f"{fld}[{j}]")
+        if tname == "transition":
+            continue  # always allowed
+        if tname not in known:
+            raise ck.fail(tnode, f"{fld}[{j}]", f"unknown tool {tname!r}; allowed: {', '.join(known)}")
+        if tname in tool_lines:
+            # the model would be sent two functions of one name, which endpoints refuse
+            raise ck.fail(tnode, f"{fld}[{j}]",
+                          f"found {tname!r} a second time (first listed at line {tool_lines[tname]}); "
+                          "list each tool once")
+        tool_lines[tname] = tnode.start_mark.line + 1
+        tools.append(tname)
+    return tuple(tools)
+
+
+def _rules(ck: _Checker, node: Node, fld: str) -> tuple[Rule, ...]:
+    """A movement's ``rules:``, each a ``next`` with an optional ``condition`` (targets are checked later)."""
+    rules: list[Rule] = []
+    for j, rnode in enumerate(ck.sequence(node, fld)):
+        rkeys = ck.mapping(rnode, f"{fld}[{j}]", _RULE_KEYS)
+        if "next" not in rkeys:
+            raise ck.fail(rnode, f"{fld}[{j}].next", f"missing required key 'next'; found keys: {_keys_found(rkeys)}")
+        cond = ck.string(rkeys["condition"][1], f"{fld}[{j}].condition") if "condition" in rkeys else ""
+        rules.append(Rule(condition=cond, next=ck.string(rkeys["next"][1], f"{fld}[{j}].next")))
+    return tuple(rules)
+
+
+def _check_next_steps(ck: _Checker, movement: Movement, keys: _Keys, fld: str, names: tuple[str, ...]) -> None:
+    """The movements a movement's rules, ``default_next`` and ``verify`` name exist (verify: another one)."""
+    targets = names + SPECIAL_NEXT
+    rule_nodes = ck.sequence(keys["rules"][1], "") if "rules" in keys else []
+    for j, (rule, rnode) in enumerate(zip(movement.rules, rule_nodes, strict=True)):
+        nnode = next(v for k, v in rnode.value if k.value == "next")
+        ck.one_of(nnode, f"{fld}.rules[{j}].next", rule.next, targets)
+    if movement.default_next is not None:
+        ck.one_of(keys["default_next"][1], f"{fld}.default_next", movement.default_next, targets)
+    if movement.verify is not None:
+        others = tuple(n for n in names if n != movement.name)
+        if movement.verify == movement.name:
+            raise ck.fail(keys["verify"][1], f"{fld}.verify",
+                          f"found {movement.verify!r}, the movement itself; allowed: {', '.join(others) or 'none'} "
+                          "(verify names the movement whose work this one checks)")
+        ck.one_of(keys["verify"][1], f"{fld}.verify", movement.verify, others)
 
 
 def piece_search_path() -> list[Path]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import yaml
 
-from ..errors import ModelError, ModelSpecError
+from ..errors import ModelError, ModelSpecError, UsageError
 from ..events import value_data
 
 if TYPE_CHECKING:
@@ -35,7 +35,6 @@ __all__ = [
     "ScriptedModel",
     "ToolCall",
     "check_retry_settings",
-    "resolve_model",
 ]
 
 MODEL_SPECS = ("demo", "scripted:<file.yaml>", "openai:<model>", "replay:<job_id>")
@@ -151,9 +150,9 @@ def _parse_response(item: Any, where: str) -> ModelResponse:
     if usage is not None:
         if not isinstance(usage, Mapping) or "prompt_tokens" not in usage:
             raise ModelSpecError(f"{where}.usage: needs prompt_tokens (and optionally completion_tokens)")
-        unknown = sorted(set(usage) - {"prompt_tokens", "completion_tokens", "total_tokens"})
-        if unknown:  # a misspelt completion_tokens would otherwise be dropped without a word
-            raise ModelSpecError(f"{where}.usage: unknown key(s) {unknown}; "
+        unknown_keys = sorted(set(usage) - {"prompt_tokens", "completion_tokens", "total_tokens"})
+        if unknown_keys:  # a misspelt completion_tokens would otherwise be dropped without a word
+            raise ModelSpecError(f"{where}.usage: unknown key(s) {unknown_keys}; "
                                  "allowed: prompt_tokens, completion_tokens, total_tokens")
         for key, value in usage.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -272,50 +271,16 @@ def check_retry_settings(retries: Any = None, max_backoff: Any = None) -> dict[s
     out: dict[str, Any] = {}
     if retries is not None:
         if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
-            raise ValueError(f"retries={retries!r}; allowed: a whole number from 0 to {MAX_RETRIES} "
+            raise UsageError(f"retries={retries!r}; allowed: a whole number from 0 to {MAX_RETRIES} "
                              "(the tries after the first)")
         out["retries"] = retries
     if max_backoff is not None:
         if isinstance(max_backoff, bool) or not isinstance(max_backoff, (int, float)) \
                 or not 0 <= max_backoff < float("inf"):
-            raise ValueError(f"max_backoff={max_backoff!r}; allowed: a number of seconds ≥ 0 "
+            raise UsageError(f"max_backoff={max_backoff!r}; allowed: a number of seconds ≥ 0 "
                              "(the longest wait between two tries)")
         out["max_backoff"] = float(max_backoff)
     return out
-
-
-def resolve_model(spec: str, *, store: Store | None = None, retries: int | None = None,
-                  max_backoff: float | None = None) -> Model:
-    """Build the model for a spec; :class:`ModelSpecError` names what is allowed.
-
-    ``retries`` and ``max_backoff`` configure an ``openai:`` model (``None``: its environment
-    variables, then its defaults); other models have nothing to retry and ignore them.
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ModelSpecError(f"empty model spec; allowed: {', '.join(MODEL_SPECS)}")
-    kind, _, rest = spec.partition(":")
-    if spec == "demo":
-        from .demo import DemoModel
-
-        return DemoModel()
-    if kind == "scripted" and rest:
-        return ScriptedModel(rest, spec=spec)
-    if kind == "openai" and rest:
-        from .openai import OpenAIModel
-
-        return OpenAIModel(rest, max_retries=retries, max_backoff=max_backoff)
-    if kind == "replay" and rest:
-        if store is None:
-            raise ModelSpecError("replay:<job_id> needs a workspace")
-        try:
-            job_id = int(rest)
-        except ValueError:
-            raise ModelSpecError(f"replay:{rest}: the job id must be a number") from None
-        try:
-            return ReplayModel(store, job_id)
-        except Exception as exc:
-            raise ModelSpecError(f"replay:{rest}: {exc}") from None
-    raise ModelSpecError(f"unknown model spec {spec!r}; allowed: {', '.join(MODEL_SPECS)}")
 
 
 def check_model_spec(spec: str) -> None:

@@ -69,11 +69,10 @@ class OpenAIModel:
         if self._client is None:
             import openai
 
-            if not self._api_key:
-                if self.base_url is None:
-                    raise ModelError(
-                        "openai model needs OPENAI_API_KEY (and OPENAI_BASE_URL for a non-OpenAI endpoint)"
-                    )
+            if not self._api_key and self.base_url is None:
+                raise ModelError(
+                    "openai model needs OPENAI_API_KEY (and OPENAI_BASE_URL for a non-OpenAI endpoint)"
+                )
             self._client = openai.OpenAI(
                 api_key=self._api_key or "not-needed", base_url=self.base_url, max_retries=0, timeout=self.timeout
             )

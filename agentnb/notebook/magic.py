@@ -18,6 +18,7 @@ Defaults are traitlets: ``%config AgentMagic.workspace = 'dir'`` (and ``.model``
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import threading
 from collections.abc import Callable, Mapping
@@ -30,10 +31,10 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import HTML, display
 from traitlets import Float, Unicode, observe
 
-from ..engine.pieces import PieceError, available_pieces, load_piece
-from ..models.base import ModelSpecError
-from ..store.sqlite import StoreError, owned_by_this_process
-from ..views.render import KEEPER, _seconds, job_html, job_stats, plural
+from ..engine.pieces import available_pieces, load_piece
+from ..errors import AgentnbError, PieceError, StoreError
+from ..store.sqlite import owned_by_this_process
+from ..views.render import KEEPER, duration, job_html, job_stats, plural
 from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
 from .vars import VarError, expand, expand_value, split_line
 
@@ -70,7 +71,6 @@ the notebook's variables; write {{ and }} for braces, $$ for a $ before a variab
 Defaults: %config AgentMagic.workspace / .model / .piece
 """
 
-_USER_ERRORS = (PieceError, ModelSpecError, StoreError, FileNotFoundError, ValueError, LookupError)
 # the arguments that name a job: filled by AgentMagic.job, which keeps a variable's int or Job whole
 _JOB_ARGS = frozenset({"job"})
 
@@ -165,7 +165,7 @@ class AgentMagic(Magics):
         except UsageError as exc:
             text = _one_line(exc)
             raise UsageError(text if text.startswith(("%agent", "%%agent")) else prefix + text) from None
-        except (VarError, *_USER_ERRORS) as exc:
+        except AgentnbError as exc:  # a user's mistake (VarError too): one line, no traceback
             raise UsageError(prefix + _one_line(exc)) from None
         # only a command that worked moves the session's default job (a refused `step 1` does not)
         if self._used_job is not None:
@@ -327,10 +327,8 @@ class AgentMagic(Magics):
             return
 
         def once(result: Any) -> None:
-            try:
+            with contextlib.suppress(ValueError):  # already gone
                 shell.events.unregister("post_run_cell", once)
-            except ValueError:
-                pass
             fn(getattr(result, "result", None))
 
         shell.events.register("post_run_cell", once)
@@ -529,7 +527,7 @@ def _summary_html(ws: Workspace, job_id: int, *, below: bool = False) -> str:
     where = "its view is below" if below else f"see it with <code>%agent show {job.id}</code>"
     # st.status, not job.status: a stepped or stopped job is "paused" here as in the view below it
     out = (f"<div>Job {job.id} <b>{_html.escape(st.status)}</b> · {plural(st.movements, 'movement')} · "
-           f"{plural(st.calls, 'LLM call')} · {st.total_tokens:,} tokens · running time {_seconds(st.running_s)} "
+           f"{plural(st.calls, 'LLM call')} · {st.total_tokens:,} tokens · running time {duration(st.running_s)} "
            f'<span style="color:#777">— {where}</span></div>')
     if job.error:
         out += f'<div style="color:#b00020">✖ {_html.escape(job.error)}</div>'
@@ -540,16 +538,13 @@ def _summary_html(ws: Workspace, job_id: int, *, below: bool = False) -> str:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Register ``%agent`` / ``%%agent`` and make ``AgentMagic`` configurable with ``%config``."""
-    import agentnb
+    """Register ``%agent`` / ``%%agent`` and make ``AgentMagic`` configurable with ``%config``.
 
+    ``%load_ext agentnb`` (:func:`agentnb.load_ipython_extension`) calls this, then gives the notebook the
+    name ``agentnb``.
+    """
     magic = AgentMagic(shell=ipython, config=ipython.config)
     ipython.register_magics(magic)
-    # The README's and notebooks' snippets call agentnb.plot_usage(job) and friends after %load_ext alone.
-    # A variable of the user's already named agentnb is left alone; interactive=False keeps the name out
-    # of %who, as for IPython's own names.
-    if "agentnb" not in ipython.user_ns:
-        ipython.push({"agentnb": agentnb}, interactive=False)
     if magic not in ipython.configurables:
         ipython.configurables.append(magic)
     if getattr(ipython, "kernel", None) is not None:

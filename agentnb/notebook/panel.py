@@ -32,13 +32,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ipywidgets as w
 
-from ..engine.pieces import DEFAULT_THRESHOLDS, Piece, PieceError, available_pieces
-from ..models.base import ModelSpecError
-from ..store.sqlite import StoreError
+from ..engine.pieces import DEFAULT_THRESHOLDS, Piece, available_pieces
+from ..errors import AgentnbError, UsageError
 from ..views.render import header_html, job_html, job_stats
 from ..views.status import PAUSED, display_status, last_status_reason
 
@@ -46,11 +45,21 @@ if TYPE_CHECKING:
     from IPython.display import DisplayHandle
 
     from ..workspace import Job, Workspace
-    from .magic import AgentMagic
 
-__all__ = ["Panel", "context_bar_html"]
+__all__ = ["MagicSession", "Panel", "context_bar_html"]
 
-_PROBLEMS = (PieceError, ModelSpecError, StoreError, FileNotFoundError, ValueError)
+
+class MagicSession(Protocol):
+    """What the panel uses of the ``%agent`` magic (an ``AgentMagic``) it was opened from.
+
+    A protocol, not the class, so that the panel does not import the magic that imports it.
+    """
+
+    piece: str
+    model: str
+    shell: Any
+    last_job: int | None
+
 _MARK_COLOURS = {"warn": "#c9a200", "prompt": "#e07b00", "force_transition": "#d03a3a", "exhausted": "#8b0000"}
 _RUNNABLE = ("queued", PAUSED)  # shown statuses that Step and Run continue
 # {name}, $name, or the {{ and }} escapes, in the model box (e.g. scripted:{SCRIPT})
@@ -97,7 +106,7 @@ class Panel(w.VBox):
     through ``magic`` or the running IPython).
     """
 
-    def __init__(self, ws: Workspace, *, magic: AgentMagic | None = None, poll: float = 0.3,
+    def __init__(self, ws: Workspace, *, magic: MagicSession | None = None, poll: float = 0.3,
                  idle_poll: float = 1.0, namespace: Mapping[str, Any] | None = None) -> None:
         self.ws = ws
         self.magic = magic
@@ -317,7 +326,7 @@ class Panel(w.VBox):
         allowed = ("allowed: a piece name from the list, a YAML path, or a notebook variable holding a Piece "
                    "or a path (PIECE, {PIECE} or $PIECE)")
         if not text:
-            raise ValueError(f"the Piece box is empty; {allowed}")
+            raise UsageError(f"the Piece box is empty; {allowed}")
         ns = self._namespace()
         m = _WHOLE_VAR.fullmatch(text)
         name = (m.group(1) or m.group(2)) if m else None
@@ -325,15 +334,15 @@ class Panel(w.VBox):
             name = text
         if name is None:
             if text.isidentifier() and text not in available_pieces():
-                raise ValueError(f"piece {text!r} is neither a piece in {', '.join(self._piece_names()) or 'none'} "
+                raise UsageError(f"piece {text!r} is neither a piece in {', '.join(self._piece_names()) or 'none'} "
                                  f"nor a notebook variable; {allowed}")
             return text
         if name not in ns:
-            raise ValueError(f"piece {text!r}: the notebook has no variable {name!r}; {allowed}")
+            raise UsageError(f"piece {text!r}: the notebook has no variable {name!r}; {allowed}")
         value = ns[name]
         if isinstance(value, (Piece, str, os.PathLike)):
             return value
-        raise ValueError(f"piece {text!r}: variable {name!r} holds a {type(value).__name__}; {allowed}")
+        raise UsageError(f"piece {text!r}: variable {name!r} holds a {type(value).__name__}; {allowed}")
 
     def model_choice(self) -> str:
         """The model box with ``{name}`` / ``$name`` filled from the notebook (``{{``/``}}`` are braces)."""
@@ -344,7 +353,7 @@ class Panel(w.VBox):
                 return m.group(0)[0]
             name = m.group(1) or m.group(2)
             if name not in ns:
-                raise ValueError(f"model {self.model.value.strip()!r}: the notebook has no variable {name!r}")
+                raise UsageError(f"model {self.model.value.strip()!r}: the notebook has no variable {name!r}")
             return os.fspath(ns[name]) if isinstance(ns[name], os.PathLike) else str(ns[name])
 
         return _VAR_REF.sub(fill, self.model.value.strip())
@@ -366,7 +375,7 @@ class Panel(w.VBox):
         def work() -> None:
             try:
                 fn(selected)
-            except _PROBLEMS as exc:
+            except AgentnbError as exc:  # a user's mistake: its one-line message alone
                 self._say(" ".join(str(exc).split()), error=True)
             except Exception as exc:
                 self._say(f"{type(exc).__name__}: {' '.join(str(exc).split())}", error=True)
@@ -454,26 +463,26 @@ class Panel(w.VBox):
             return
         job = None if job_id is None else self.ws.job(job_id)
         if job is None or str(job.status) not in ("queued", "waiting_subtasks"):
-            raise ValueError("write an instruction to start a new job (or select a queued or paused job to "
+            raise UsageError("write an instruction to start a new job (or select a queued or paused job to "
                              "continue it)")
         self._target = job.id
         self.ws.run(job.id)
 
     def _step(self, job_id: int | None, unit: str) -> None:
         if job_id is None:
-            raise ValueError("select a job first")
+            raise UsageError("select a job first")
         job = self.ws.job(job_id)
         if str(job.status) != "queued":
-            raise ValueError(f"job {job_id} is {job.status}; only a queued or paused job can be stepped")
+            raise UsageError(f"job {job_id} is {job.status}; only a queued or paused job can be stepped")
         self._target = job_id
         self.ws.step(job_id, unit=unit)
 
     def _reply(self, job_id: int | None) -> None:
         if job_id is None:
-            raise ValueError("select a job first")
+            raise UsageError("select a job first")
         text = self.reply_text.value.strip()
         if not text:
-            raise ValueError("write your answer in the Reply box first")
+            raise UsageError("write your answer in the Reply box first")
         job = self.ws.reply(job_id, text)
         self.reply_text.value = ""
         if str(job.status) == "queued":

@@ -24,13 +24,15 @@ import string
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import UsageError
+
 __all__ = ["VarError", "expand", "expand_value", "split_line"]
 
 _DOLLAR = re.compile(r"\$(\$?)([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 _BRACES_HINT = "write {{ and }} for literal braces"
 
 
-class VarError(ValueError):
+class VarError(UsageError):
     """An argument names a variable the notebook does not have, or an expression that fails."""
 
 

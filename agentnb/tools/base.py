@@ -8,12 +8,10 @@ resolved inside the job's work directory.
 
 from __future__ import annotations
 
-import errno
 import inspect
 import json
 import os
 import re
-import stat
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -21,9 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from ..errors import ToolError
-from .._fs import special_kind
 from .._secrets import redact, secret_values
+from ..errors import ToolError, UsageError
+from .context import ToolContext, ToolOutput
+from .paths import normalise_rel, open_regular, resolve_path, unlinked_path
+from .truncate import NOTE_PREFIX, cut_text
 
 __all__ = [
     "PERMISSION_RANK",
@@ -31,6 +31,7 @@ __all__ = [
     "ToolContext",
     "ToolError",
     "ToolOutput",
+    "builtin_tool",
     "get_tool",
     "normalise_rel",
     "open_regular",
@@ -44,58 +45,6 @@ __all__ = [
 ]
 
 PERMISSION_RANK = {"readonly": 0, "edit": 1, "full": 2}
-
-
-@dataclass
-class ToolContext:
-    """What a tool may know about the job it runs in."""
-
-    workdir: Path
-    logs_dir: Path
-    budget_tokens: int = 60_000
-    chars_per_token: float = 4.0
-    job_id: int = 0
-    movement: str = ""
-    count_tokens: Callable[[str], int] | None = None
-    # seconds Grep may spend matching in one call; None: $AGENTNB_GREP_TIMEOUT, else 5
-    grep_timeout: float | None = None
-
-    @property
-    def budget_chars(self) -> int:
-        return max(1, int(self.budget_tokens * self.chars_per_token))
-
-    def fit(self, text: str) -> int:
-        """How many leading characters of ``text`` fit in the token budget (measured, not guessed)."""
-        if self.count_tokens is None:
-            return min(len(text), self.budget_chars)
-        from .truncate import fit_prefix
-
-        return fit_prefix(self.count_tokens, text, self.budget_tokens)
-
-    def path(self, rel: str) -> Path:
-        return resolve_path(self.workdir, rel)
-
-    def rel(self, path: Path) -> str:
-        return os.path.relpath(path, os.path.realpath(self.workdir))
-
-
-@dataclass
-class ToolOutput:
-    """A tool's result, with the bookkeeping recorded in the ``tool_result`` event."""
-
-    content: str
-    is_error: bool = False
-    truncated: bool = False
-    original_chars: int | None = None
-    returned_chars: int | None = None
-    continuation: dict[str, Any] | None = None
-    image: str | None = None  # a data: URL, sent to the model as an image part
-
-    def __post_init__(self) -> None:
-        if self.original_chars is None:
-            self.original_chars = len(self.content)
-        if self.returned_chars is None:
-            self.returned_chars = len(self.content)
 
 
 @dataclass
@@ -160,8 +109,6 @@ class Tool:
                 text = json.dumps(result, ensure_ascii=False, default=str)
             except (TypeError, ValueError):
                 text = repr(result)
-        from .truncate import cut_text
-
         return cut_text(text, ctx, hint="generic")
 
 
@@ -180,8 +127,6 @@ def _safe_output(out: ToolOutput, ctx: ToolContext, arguments: Mapping[str, Any]
     from_inside = bool(arguments.get("byte_offset")) or (type(offset) is int and offset > 1)
     note_at = -1
     if out.truncated:
-        from .truncate import NOTE_PREFIX
-
         note_at = content.rfind(NOTE_PREFIX)
     if note_at >= 0:  # the body was cut where the note starts: a secret may be cut there too
         body = redact(content[:note_at], values, cut_start=from_inside, cut_end=True)
@@ -219,10 +164,10 @@ def _json_type(hint: Any) -> tuple[dict[str, Any], bool]:
         values = list(get_args(hint))
         return {"enum": values}, False
     if origin in (list, tuple, typing.Sequence) or hint in (list, tuple):
-        args = get_args(hint)
+        items = get_args(hint)
         out: dict[str, Any] = {"type": "array"}
-        if args and args[0] is not Ellipsis:
-            out["items"] = _json_type(args[0])[0]
+        if items and items[0] is not Ellipsis:
+            out["items"] = _json_type(items[0])[0]
         return out, False
     if origin in (dict, typing.Mapping) or hint is dict:
         return {"type": "object"}, False
@@ -276,7 +221,7 @@ def _build_tool(
     read_only: bool = False,
 ) -> Tool:
     if permission not in PERMISSION_RANK:
-        raise ValueError(f"permission={permission!r}; allowed: {', '.join(PERMISSION_RANK)}")
+        raise UsageError(f"permission={permission!r}; allowed: {', '.join(PERMISSION_RANK)}")
     sig = inspect.signature(fn)
     try:
         hints = typing.get_type_hints(fn)
@@ -304,7 +249,7 @@ def _build_tool(
     parameters: dict[str, Any] = {"type": "object", "properties": props, "required": required}
     tool_name = name or fn.__name__
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", tool_name):
-        raise ValueError(f"tool name {tool_name!r} must be 1–64 letters, digits, '_' or '-'")
+        raise UsageError(f"tool name {tool_name!r} must be 1–64 letters, digits, '_' or '-'")
     return Tool(
         name=tool_name,
         description=description or doc_desc or tool_name,
@@ -323,7 +268,7 @@ _REGISTRY: dict[str, Tool] = {}
 def register(t: Tool) -> Tool:
     existing = _REGISTRY.get(t.name)
     if existing is not None and existing.builtin and not t.builtin:
-        raise ValueError(f"{t.name!r} is a built-in tool; choose another name")
+        raise UsageError(f"{t.name!r} is a built-in tool; choose another name")
     _REGISTRY[t.name] = t
     return t
 
@@ -335,18 +280,11 @@ def unregister(name: str) -> None:
 
 
 def get_tool(name: str) -> Tool | None:
-    _ensure_builtins()
     return _REGISTRY.get(name)
 
 
 def registered_tool_names() -> list[str]:
-    _ensure_builtins()
     return list(_REGISTRY)
-
-
-def _ensure_builtins() -> None:
-    if "Read" not in _REGISTRY:
-        from . import builtin as _builtin_tools  # noqa: F401  (registers on import)
 
 
 @typing.overload
@@ -364,7 +302,6 @@ def tool(
     description: str | None = None,
     permission: str = "readonly",
     read_only: bool = False,
-    _builtin: bool = False,
 ) -> Any:
     """Make a plain function a tool that pieces can name in ``tools:``.
 
@@ -379,68 +316,25 @@ def tool(
     Redefining a tool in a notebook cell replaces the earlier definition.
     """
     if not isinstance(read_only, bool):
-        raise ValueError(f"read_only={read_only!r}; allowed: True or False")
+        raise UsageError(f"read_only={read_only!r}; allowed: True or False")
 
     def wrap(f: Callable[..., Any]) -> Tool:
-        return register(_build_tool(f, name, description, permission, _builtin, read_only))
+        return register(_build_tool(f, name, description, permission, False, read_only))
 
     return wrap(fn) if fn is not None else wrap
 
 
+def builtin_tool(*, permission: str = "readonly", read_only: bool = False) -> Callable[[Callable[..., Any]], Tool]:
+    """``@tool`` for agentnb's own tools (:mod:`.builtin`): a user's tool can never replace one of them."""
+
+    def wrap(f: Callable[..., Any]) -> Tool:
+        return register(_build_tool(f, None, None, permission, True, read_only))
+
+    return wrap
+
+
 # ---------------------------------------------------------------------------
-# Paths
-
-
-def resolve_path(workdir: str | os.PathLike[str], rel: str) -> Path:
-    """Resolve ``rel`` inside ``workdir``; refuse absolute paths and anything that leaves it.
-
-    Symlinks are followed before the check, so a link pointing outside is refused too;
-    backslashes count as separators (see :func:`normalise_rel`).
-    """
-    if not isinstance(rel, str) or not rel.strip():
-        raise ToolError("path must be a non-empty path relative to the work directory")
-    given = rel
-    rel = normalise_rel(rel, what="path")
-    root = os.path.realpath(workdir)
-    real = os.path.realpath(os.path.join(root, rel))
-    if real != root and not real.startswith(root + os.sep):
-        raise ToolError(f"path {given!r} leaves the work directory; only paths inside it are allowed")
-    if os.path.islink(real):  # realpath stops at a link it cannot resolve: a loop
-        raise ToolError(f"path {given!r} is a symbolic link that loops (it never reaches a file)")
-    return Path(real)
-
-
-_DRIVE = re.compile(r"^[A-Za-z]:(/|$)")
-
-
-def normalise_rel(rel: str, *, what: str = "path") -> str:
-    """A model's relative path in POSIX form; absolute ones (POSIX, ``~``, Windows) are refused.
-
-    Backslashes are taken as separators: a model writing ``output\\a.md`` or ``..\\x`` means
-    folders, and a file literally named with backslashes would only surprise the user.
-    """
-    if "\x00" in rel:
-        raise ToolError(f"{what} contains a NUL byte")
-    posix = rel.replace("\\", "/")
-    if os.path.isabs(posix) or posix.startswith("~") or _DRIVE.match(posix):
-        raise ToolError(f"{what} {rel!r} is absolute; give a path relative to the work directory")
-    return posix
-
-
-def unlinked_path(base: str | os.PathLike[str], *parts: str) -> Path:
-    """``base/parts…`` for a file the engine itself writes or reads on the host (logs, checklists).
-
-    In the default layout ``logs/`` sits inside the work directory, where a ``Bash`` command (jailed,
-    but its files stay) can leave symbolic links; following one would let the engine write or read
-    outside the job.  So no existing component below ``base`` may be a link.
-    """
-    path = Path(base)
-    for part in parts:
-        path = path / part
-        if path.is_symlink():
-            rel = "/".join(path.relative_to(base).parts)
-            raise ToolError(f"{rel} is a symbolic link; agentnb does not follow links in its log folder")
-    return path
+# Host paths out of results
 
 
 def relative_paths(text: str, ctx: ToolContext) -> str:
@@ -456,10 +350,14 @@ def relative_paths(text: str, ctx: ToolContext) -> str:
     for form, rel in _host_forms(ctx):
         if form not in text:
             continue
-        prefix = "" if rel == "." else rel + "/"
-        text = re.sub(re.escape(form) + r"(?:(/)|(?=[\s'\"`),:;\]}>]|$))",
-                      lambda m: prefix if m.group(1) else rel, text)
+        text = re.sub(re.escape(form) + r"(?:(/)|(?=[\s'\"`),:;\]}>]|$))", _rewrite_as(rel), text)
     return text
+
+
+def _rewrite_as(rel: str) -> Callable[[re.Match[str]], str]:
+    """The replacement of a host path: ``rel`` alone, or ``rel/`` when a path goes on inside it."""
+    prefix = "" if rel == "." else rel + "/"
+    return lambda m: prefix if m.group(1) else rel
 
 
 def _host_forms(ctx: ToolContext) -> list[tuple[str, str]]:
@@ -483,54 +381,3 @@ def _host_forms(ctx: ToolContext) -> list[tuple[str, str]]:
             if len(form) > 1:  # never rewrite "/" itself
                 forms.setdefault(form, rel)
     return sorted(forms.items(), key=lambda item: len(item[0]), reverse=True)
-
-
-def open_regular(path: Path, rel: str, *, write: bool = False, append: bool = False) -> int:
-    """A file descriptor for the regular file ``path`` (resolved already); anything else is a tool error.
-
-    A FIFO, socket or device would block the worker or never end (a FIFO without a writer, /dev/zero).
-    A check before opening is not enough, as the file can be swapped between the check and the open,
-    so the open itself never blocks (``O_NONBLOCK``), never follows a link swapped in (``O_NOFOLLOW``,
-    the path is resolved already), and ``fstat`` of what was opened decides.  ``write`` opens for
-    writing, creating or emptying the file; ``append`` opens it for appending, creating it.
-    """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        if not (write or append):
-            raise ToolError(f"no such file: {rel!r}") from None
-        st = None
-    except OSError as exc:
-        raise ToolError(f"cannot open {rel!r}: {exc.strerror or type(exc).__name__}") from None
-    if st is not None:
-        _check_regular(st.st_mode, rel)  # a device is never opened: opening one can act (a tape, a watchdog)
-    flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
-    if append:
-        flags |= os.O_WRONLY | os.O_CREAT | os.O_APPEND
-    else:
-        flags |= (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
-    try:
-        fd = os.open(path, flags, 0o666)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EWOULDBLOCK):
-            raise ToolError(f"{rel!r} changed while it was being opened (it is no longer a regular file); "
-                            "tools read and write regular files only") from None
-        raise ToolError(f"cannot open {rel!r}: {exc.strerror or type(exc).__name__}") from None
-    try:
-        _check_regular(os.fstat(fd).st_mode, rel)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _check_regular(mode: int, rel: str) -> None:
-    if stat.S_ISREG(mode):
-        return
-    if stat.S_ISDIR(mode):
-        raise ToolError(f"{rel!r} is a directory; use Glob to list it")
-    raise ToolError(f"{rel!r} is {special_kind(mode)}, not a regular file; tools read and write regular files "
-                    "only (a FIFO or device could block or never end)")
-
-

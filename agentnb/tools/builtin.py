@@ -13,25 +13,19 @@ import stat
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import regex
 
+from .._fs import special_kind
 from .._secrets import redact
-from .base import (
-    ToolContext,
-    ToolError,
-    ToolOutput,
-    normalise_rel,
-    open_regular,
-    resolve_path,
-    special_kind,
-    tool,
-    unlinked_path,
-)
+from ..errors import ToolError
+from .base import builtin_tool
+from .context import ToolContext, ToolOutput
 from .office import OFFICE_SUFFIXES, extract_text
+from .paths import normalise_rel, open_regular, resolve_path, unlinked_path
 from .sandbox import bash_argv, bash_env, run_bounded
 from .truncate import cut_text, read_document_text, read_file
 
@@ -83,14 +77,12 @@ def _write_text(p: Path, rel: str, content: str) -> None:
             f.write(content)
         os.replace(tmp, p)  # a link swapped in at p is replaced itself, never followed
     except BaseException:
-        try:
+        with suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 
-@tool(_builtin=True, read_only=True)
+@builtin_tool(read_only=True)
 def Read(ctx: ToolContext, path: str, offset: int | None = None, limit: int | None = None,
          byte_offset: int | None = None) -> ToolOutput:
     """Read a text file (or the text of a .docx, .xlsx, .pptx or .pdf) in the work directory.
@@ -117,7 +109,7 @@ def Read(ctx: ToolContext, path: str, offset: int | None = None, limit: int | No
         return read_file(p, path, ctx, offset=offset, limit=limit, byte_offset=byte_offset)
 
 
-@tool(_builtin=True, read_only=True)
+@builtin_tool(read_only=True)
 def Glob(ctx: ToolContext, pattern: str) -> ToolOutput:
     """List files in the work directory matching a glob pattern (``**`` matches any depth).
 
@@ -182,7 +174,7 @@ def Glob(ctx: ToolContext, pattern: str) -> ToolOutput:
     return result
 
 
-@tool(_builtin=True, read_only=True)
+@builtin_tool(read_only=True)
 def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
     """Search files for lines matching a regular expression.
 
@@ -312,7 +304,7 @@ def _long_line(line: str, raw: bytes, at: int, pos: int, rel: str) -> tuple[str,
                                f"Read path={rel!r} byte_offset={byte} to read on from here]")
 
 
-@tool(_builtin=True, read_only=True)
+@builtin_tool(read_only=True)
 def ReadImage(ctx: ToolContext, path: str) -> ToolOutput:
     """Attach an image file (png, jpg, gif, webp) so that a vision model can look at it.
 
@@ -337,7 +329,7 @@ def ReadImage(ctx: ToolContext, path: str) -> ToolOutput:
                       image=f"data:{mime};base64,{data}")
 
 
-@tool(_builtin=True, permission="edit")
+@builtin_tool(permission="edit")
 def Write(ctx: ToolContext, path: str, content: str) -> str:
     """Create or overwrite a text file in the work directory.
 
@@ -356,7 +348,7 @@ def Write(ctx: ToolContext, path: str, content: str) -> str:
     return f"Wrote {len(content):,} characters to {path}."
 
 
-@tool(_builtin=True, permission="edit")
+@builtin_tool(permission="edit")
 def Edit(ctx: ToolContext, path: str, old: str, new: str) -> str:
     """Replace one exact occurrence of ``old`` with ``new`` in a file.
 
@@ -382,7 +374,7 @@ def Edit(ctx: ToolContext, path: str, old: str, new: str) -> str:
     return f"Edited {path}: replaced {len(old):,} characters with {len(new):,}."
 
 
-@tool(_builtin=True)
+@builtin_tool()
 def Checklist(ctx: ToolContext, name: str, items: list[dict[str, Any]]) -> str:
     """Create or update a named checklist; items with the same text are updated, new ones appended.
 
@@ -444,7 +436,7 @@ def Checklist(ctx: ToolContext, name: str, items: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-@tool(_builtin=True, permission="full")
+@builtin_tool(permission="full")
 def Bash(ctx: ToolContext, command: str, timeout: int = 120) -> ToolOutput:
     """Run a shell command in the work directory and return its output (stdout and stderr).
 

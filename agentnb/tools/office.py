@@ -11,7 +11,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from .base import ToolError
+from ..errors import ToolError
 
 __all__ = ["OFFICE_SUFFIXES", "extract_text"]
 

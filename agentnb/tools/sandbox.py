@@ -18,6 +18,7 @@ when the worker dies).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fnmatch
 import os
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._secrets import is_secret_name
-from .base import ToolError
+from ..errors import ToolError
 
 __all__ = [
     "BASH_ENV_SETTING",
@@ -167,7 +168,7 @@ def _etc_argv() -> list[str]:
         folder = f"/etc/{hidden}"
         if hidden.split("/")[0] in shown and os.path.isdir(folder) and not os.path.islink(folder):
             argv += ["--tmpfs", folder, "--remount-ro", folder]
-    return argv + ["--remount-ro", "/etc"]
+    return [*argv, "--remount-ro", "/etc"]
 
 
 @dataclass
@@ -249,10 +250,8 @@ def run_bounded(argv: list[str], *, cwd: str, env: dict[str, str], timeout: floa
             except subprocess.TimeoutExpired:
                 pass
     finally:  # also on KeyboardInterrupt: the command never outlives the call
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         proc.wait()
     returncode: int | None = None if timed_out else proc.returncode
     for t in readers:

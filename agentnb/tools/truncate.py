@@ -23,12 +23,13 @@ import io
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .base import ToolContext, ToolError, ToolOutput, open_regular
+from ..errors import ToolError
+from .context import Counter, ToolContext, ToolOutput, fit_prefix
+from .paths import open_regular
 
 __all__ = ["HINTS", "NOTE_PREFIX", "cut_text", "fit_prefix", "read_file", "read_text_stream"]
 
@@ -50,7 +51,6 @@ HINTS = {
     "generic": "Ask for a smaller part of the result.",
 }
 
-Counter = Callable[[str], int]
 
 
 # ---------------------------------------------------------------------------
@@ -62,35 +62,6 @@ def _counter(ctx: ToolContext) -> Counter:
         return ctx.count_tokens
     cpt = ctx.chars_per_token or 4.0
     return lambda text: int(len(text) / cpt + 0.999)
-
-
-def fit_prefix(count: Counter, text: str, tokens: int) -> int:
-    """The length of the longest prefix of ``text`` found to fit in ``tokens`` (always verified).
-
-    Proportional steps first (a tokenizer is close to linear), then bisection, so
-    the answer is never an unchecked guess.
-    """
-    if tokens <= 0 or not text:
-        return 0
-    if len(text) * 4 <= tokens or count(text) <= tokens:  # a token is at least one UTF-8 byte
-        return len(text)
-    good, bad = 0, len(text)  # count(text[:good]) fits, count(text[:bad]) does not
-    n = len(text)
-    for _ in range(4):
-        n = max(good + 1, min(bad - 1, int(n * tokens / max(1, count(text[:n])) * 0.98)))
-        if n <= good or n >= bad:
-            break
-        if count(text[:n]) <= tokens:
-            good = n
-            break
-        bad = n
-    while bad - good > max(1, good // 200):  # within 0.5 %: close enough, and verified
-        mid = (good + bad) // 2
-        if count(text[:mid]) <= tokens:
-            good = mid
-        else:
-            bad = mid
-    return good
 
 
 def _fits(ctx: ToolContext, text: str) -> bool:
@@ -373,6 +344,28 @@ def read_text_stream(
     Line-oriented text is cut at a line boundary; text with few newlines (or a
     read from ``byte_offset``) at a byte boundary that never splits a character.
     """
+    _check_read_args(offset, limit, byte_offset)
+    read = _locate(f, _index(key, f, size), size, rel, kind, offset=offset, limit=limit, byte_offset=byte_offset)
+    measure: Counter
+    if isinstance(ctx, int):
+        budget_chars, measure, tokens = ctx, len, ctx
+    else:
+        budget_chars, measure, tokens = ctx.budget_chars, _counter(ctx), ctx.budget_tokens
+    search = _Search(tokens, measure, rest=read.end - read.start)
+    max_bytes = max(1, budget_chars)
+    for _ in range(16):
+        piece = (_take_lines(f, read.start, max_bytes, limit) if read.by_lines
+                 else _take_bytes(f, read.start, max_bytes))
+        out, note = read.output(piece)
+        used = measure(out.content)
+        step = search.fits(out, note, len(piece.data), used) if used <= tokens else search.too_big(out, piece, used)
+        if isinstance(step, ToolOutput):
+            return step
+        max_bytes = step
+    return out
+
+
+def _check_read_args(offset: int | None, limit: int | None, byte_offset: int | None) -> None:
     for name, value in (("offset", offset), ("limit", limit), ("byte_offset", byte_offset)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise ToolError(f"{name}={value!r}; allowed: a whole number")
@@ -382,7 +375,50 @@ def read_text_stream(
         raise ToolError(f"offset={offset}: lines are numbered from 1")
     if limit is not None and limit < 1:
         raise ToolError(f"limit={limit}: give at least 1 line")
-    idx = _index(key, f, size)
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One Read request located in a stream: where it starts, where the requested range ends, and how to cut."""
+
+    idx: _Index
+    rel: str
+    kind: str
+    size: int
+    limit: int | None
+    start: int  # byte position of the first byte returned
+    newlines_before: int
+    chars_before: int
+    by_lines: bool  # cut at line ends (else at a byte, never inside a character)
+    end: int  # byte position where the requested range ends: the stream's end, or after `limit` lines
+    end_chars: int
+
+    def output(self, piece: _Piece) -> tuple[ToolOutput, str]:
+        """The tool output for ``piece`` read from :attr:`start`, and its note (empty when nothing was cut)."""
+        end = self.start + len(piece.data)
+        text = piece.data.decode("utf-8", errors="replace")
+        if end >= self.end:
+            return ToolOutput(text), ""
+        first_line = self.newlines_before + 1
+        cont: dict[str, Any] = ({"path": self.rel, "offset": first_line + piece.lines}
+                                if self.by_lines and not piece.partial else {"path": self.rel, "byte_offset": end})
+        if self.limit is not None:
+            cont["limit"] = self.limit - piece.lines
+        original = self.end_chars - self.chars_before
+        note = _read_note(self.rel, self.kind, first_line=first_line, last_line=first_line + piece.lines - 1,
+                          lines=self.idx.lines, start=self.start, end=end, size=self.size, returned=len(text),
+                          original=original, cont=cont)
+        with _index_lock:  # remember where the next piece starts
+            self.idx.add_mark(end, self.newlines_before + piece.data.count(b"\n"),
+                              self.chars_before + _chars_in(piece.data))
+        out = ToolOutput(text + note, truncated=True, original_chars=original, returned_chars=len(text),
+                         continuation=cont)
+        return out, note
+
+
+def _locate(f: IO[bytes], idx: _Index, size: int, rel: str, kind: str, *, offset: int | None,
+            limit: int | None, byte_offset: int | None) -> _Read:
+    """Where a read from ``byte_offset`` (or line ``offset``, by default the first) starts and ends."""
     if byte_offset is not None:
         if byte_offset < 0 or (byte_offset >= size and not (size == 0 and byte_offset == 0)):
             raise ToolError(f"byte_offset={byte_offset} is outside {rel!r}, which has {size:,} bytes "
@@ -396,80 +432,65 @@ def read_text_stream(
             raise ToolError(f"offset={line} is past the end of {rel!r}, which has {idx.lines:,} lines")
         start, chars_before = _line_start(f, idx, line)
         newlines_before = line - 1
+        # a file of very long lines (minified, one-line JSON) is read by bytes unless lines were asked for
         by_lines = not (offset is None and limit is None and size / max(1, idx.lines) > _LONG_LINES)
-    first_line = newlines_before + 1
-    # where the requested range ends: the end of the stream, or after `limit` lines
     if limit is not None and newlines_before + limit < idx.lines:
-        request_end, request_end_chars = _line_start(f, idx, newlines_before + limit + 1)
+        end, end_chars = _line_start(f, idx, newlines_before + limit + 1)
     else:
-        request_end, request_end_chars = size, idx.chars
+        end, end_chars = size, idx.chars
+    return _Read(idx, rel, kind, size, limit, start, newlines_before, chars_before, by_lines, end, end_chars)
 
-    if isinstance(ctx, int):
-        budget_chars, count, tokens = ctx, None, ctx
-    else:
-        budget_chars, count, tokens = ctx.budget_chars, _counter(ctx), ctx.budget_tokens
-    max_bytes = max(1, budget_chars)
-    out: ToolOutput | None = None
+
+@dataclass
+class _Search:
+    """The search for the largest piece that fits in ``tokens``: the byte budget is only a guess from
+    characters per token, so each piece read is measured and the next byte budget set from it.
+
+    Each step returns the result, or the byte budget to read the next piece with.
+    """
+
+    tokens: int
+    measure: Counter
+    rest: int  # bytes from the start to the end of the requested range
     fitting: ToolOutput | None = None  # a cut result that fits, kept while trying a larger one
-    fitting_rate = (1, 1)  # (bytes, tokens) of that result
-    tried_whole = scaled = False
-    for _ in range(16):
-        piece = _take_lines(f, start, max_bytes, limit) if by_lines else _take_bytes(f, start, max_bytes)
-        end = start + len(piece.data)
-        text = piece.data.decode("utf-8", errors="replace")
-        if end >= request_end:
-            out = ToolOutput(text)
-        else:
-            if by_lines and not piece.partial:
-                cont: dict[str, Any] = {"path": rel, "offset": first_line + piece.lines}
-                if limit is not None:
-                    cont["limit"] = limit - piece.lines
-            else:
-                cont = {"path": rel, "byte_offset": end}
-                if limit is not None:
-                    cont["limit"] = limit - piece.lines
-            note = _read_note(rel, kind, first_line=first_line, last_line=first_line + piece.lines - 1,
-                              lines=idx.lines, start=start, end=end, size=size, returned=len(text),
-                              original=request_end_chars - chars_before, cont=cont)
-            out = ToolOutput(text + note, truncated=True, original_chars=request_end_chars - chars_before,
-                             returned_chars=len(text), continuation=cont)
-            with _index_lock:  # remember where the next piece starts
-                idx.add_mark(end, newlines_before + piece.data.count(b"\n"), chars_before + _chars_in(piece.data))
-        used = count(out.content) if count is not None else len(out.content)
-        if used <= tokens:
-            if not out.truncated or scaled:
-                return out
-            if fitting is None or out.returned_chars > fitting.returned_chars:
-                fitting, fitting_rate = out, (len(piece.data), used)
-            # The byte budget is a guess from characters per token.  When the rest of the requested range
-            # would take about the budget at this piece's rate (its text, without the note), try it whole:
-            # a range that fits in the tokens is returned whole, never cut because of the guess or the note.
-            text_tokens = max(1, used - (count(note) if count is not None else len(note)))
-            rest = request_end - start
-            if not tried_whole and rest * text_tokens <= len(piece.data) * tokens * 1.05:
-                tried_whole = True
-                max_bytes = rest
-                continue
-            if used >= tokens * 0.85:
-                return out
-            # the first guess of bytes per token was low (plain English runs ~4): try once to fill the budget
-            scaled = True
-            max_bytes = int(len(piece.data) * tokens / used * 0.95)
-            continue
-        if fitting is not None:
-            if scaled or fitting_rate[1] >= tokens * 0.85:
-                return fitting
+    fitting_rate: tuple[int, int] = (1, 1)  # (bytes, tokens) of that result
+    fitting_chars: int = -1
+    tried_whole: bool = False
+    scaled: bool = False
+
+    def fits(self, out: ToolOutput, note: str, data_bytes: int, used: int) -> ToolOutput | int:
+        """A piece that fits in the tokens: the result, or a larger byte budget to try."""
+        if not out.truncated or self.scaled:
+            return out
+        returned = len(out.content) - len(note)
+        if returned > self.fitting_chars:
+            self.fitting, self.fitting_rate, self.fitting_chars = out, (data_bytes, used), returned
+        # When the rest of the requested range would take about the budget at this piece's rate (its text,
+        # without the note), try it whole: a range that fits in the tokens is returned whole, never cut
+        # because of the guess or the note.
+        text_tokens = max(1, used - self.measure(note))
+        if not self.tried_whole and self.rest * text_tokens <= data_bytes * self.tokens * 1.05:
+            self.tried_whole = True
+            return self.rest
+        if used >= self.tokens * 0.85:
+            return out
+        # the first guess of bytes per token was low (plain English runs ~4): try once to fill the budget
+        self.scaled = True
+        return int(data_bytes * self.tokens / used * 0.95)
+
+    def too_big(self, out: ToolOutput, piece: _Piece, used: int) -> ToolOutput | int:
+        """A piece over the tokens: an earlier piece that fitted, or a smaller byte budget to try."""
+        if self.fitting is not None:
+            if self.scaled or self.fitting_rate[1] >= self.tokens * 0.85:
+                return self.fitting
             # the whole range did not fit after all: fill the budget from the fitting piece's rate instead
-            scaled = True
-            max_bytes = int(fitting_rate[0] * tokens / fitting_rate[1] * 0.95)
-            continue
+            self.scaled = True
+            return int(self.fitting_rate[0] * self.tokens / self.fitting_rate[1] * 0.95)
         if _utf8_cut(piece.data, 1) >= len(piece.data):
             return out  # one character already: progress matters more than the budget
         # too many tokens: shrink the byte budget in proportion and read again
-        smaller = int(len(piece.data) * tokens / used * 0.95)
-        max_bytes = max(1, min(smaller, len(piece.data) - 1))
-    assert out is not None
-    return out
+        smaller = int(len(piece.data) * self.tokens / used * 0.95)
+        return max(1, min(smaller, len(piece.data) - 1))
 
 
 def read_file(

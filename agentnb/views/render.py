@@ -36,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..errors import NotFoundError
 from ..events import Event
 from .status import display_status
 
@@ -193,7 +194,8 @@ def _latest_id(job_id: int) -> str:
     return f"anb-latest-{job_id}"
 
 
-def _seconds(s: float) -> str:
+def duration(s: float) -> str:
+    """``12.5 s``, ``3 min 4 s``, ``2 h 5 min``: a running or wall time as the views show it."""
     if s < 60:
         return f"{s:.1f} s"
     if s < 3600:
@@ -563,8 +565,8 @@ def _header(job: Any, st: JobStats, piece_max: int | None, *, latest_link: bool 
         f" · piece <b>{_e(job.piece)}</b> · model <code>{_e(job.model)}</code>",
         f" · movements {mv} · {plural(st.calls, 'LLM call')} · {_n(st.total_tokens)} tokens"
         f' <span class="anb-dim">({_n(st.prompt_tokens)} prompt + {_n(st.completion_tokens)} completion)</span>',
-        f" · running time {_seconds(st.running_s)}",
-        f' <span class="anb-dim">· wall {_seconds(st.wall_s)} '
+        f" · running time {duration(st.running_s)}",
+        f' <span class="anb-dim">· wall {duration(st.wall_s)} '
         f'{"from submit to end" if job.ended else "since submit"}</span>',
     ]
     if st.latest is not None and latest_link:
@@ -683,14 +685,14 @@ def movement_html(
 ) -> str:
     """One movement run (``seq`` is 1 for the job's first run) as a ``<details>`` section, without ``<style>``.
 
-    Raises ``LookupError`` when the job has no movement run ``seq``.
+    Raises ``NotFoundError`` (a ``LookupError``) when the job has no movement run ``seq``.
     """
     if full:
         max_chars = max_calls = None
     job = ws.job(job_id).snapshot()
     evs = ws.store.events(job.id, movement_seq=seq)
     if not evs:
-        raise LookupError(f"job {job.id} has no movement run {seq}; it has run {job.movement_seq}")
+        raise NotFoundError(f"job {job.id} has no movement run {seq}; it has run {job.movement_seq}")
     # the same markup as in job_html: the job's newest call is marked wherever its run is shown
     newest = ws.store.latest_request(job.id)
     latest = newest[1] if newest and newest[0] == seq else None

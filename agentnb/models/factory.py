@@ -1,0 +1,50 @@
+"""The model for a spec: ``demo``, ``scripted:PATH``, ``openai:NAME`` or ``replay:JOB``.
+
+Apart from :mod:`.base` so that the base (the request, the response, the scripted and replayed
+models every adapter shares) imports no adapter: the adapters import the base, and this module
+imports them all.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import ModelSpecError
+from .base import MODEL_SPECS, Model, ReplayModel, ScriptedModel
+from .demo import DemoModel
+from .openai import OpenAIModel
+
+if TYPE_CHECKING:
+    from ..store.sqlite import Store
+
+__all__ = ["resolve_model"]
+
+
+def resolve_model(spec: str, *, store: Store | None = None, retries: int | None = None,
+                  max_backoff: float | None = None) -> Model:
+    """Build the model for a spec; :class:`ModelSpecError` names what is allowed.
+
+    ``retries`` and ``max_backoff`` configure an ``openai:`` model (``None``: its environment
+    variables, then its defaults); other models have nothing to retry and ignore them.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelSpecError(f"empty model spec; allowed: {', '.join(MODEL_SPECS)}")
+    kind, _, rest = spec.partition(":")
+    if spec == "demo":
+        return DemoModel()
+    if kind == "scripted" and rest:
+        return ScriptedModel(rest, spec=spec)
+    if kind == "openai" and rest:
+        return OpenAIModel(rest, max_retries=retries, max_backoff=max_backoff)
+    if kind == "replay" and rest:
+        if store is None:
+            raise ModelSpecError("replay:<job_id> needs a workspace")
+        try:
+            job_id = int(rest)
+        except ValueError:
+            raise ModelSpecError(f"replay:{rest}: the job id must be a number") from None
+        try:
+            return ReplayModel(store, job_id)
+        except Exception as exc:
+            raise ModelSpecError(f"replay:{rest}: {exc}") from None
+    raise ModelSpecError(f"unknown model spec {spec!r}; allowed: {', '.join(MODEL_SPECS)}")

@@ -1,0 +1,211 @@
+"""The import rules of the layers, read from the sources with ``ast`` (nothing is imported).
+
+Every import counts: at the top, inside functions, and under ``if TYPE_CHECKING:``, since a type
+checker follows those too and a later refactoring turns them into runtime imports.  The layers:
+cli and notebook → workspace → views, engine → models, tools, store → events, errors.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "agentnb"
+
+
+@dataclass(frozen=True)
+class Import:
+    """One name an agentnb module imports: the module it comes from (and the name, for ``from M import name``)."""
+
+    importer: str
+    line: int
+    module: str  # the imported module, resolved to its full dotted name
+    name: str | None  # for ``from M import name`` where ``name`` is not itself a module
+
+    def where(self) -> str:
+        return f"{_path(self.importer)}:{self.line}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _sources() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+MODULES = _sources()
+
+
+def _path(module: str) -> str:
+    return str(MODULES[module].relative_to(PACKAGE.parent))
+
+
+def _resolve(importer: str, level: int, target: str | None) -> str:
+    """The absolute module of ``from <level dots><target> import …`` written in ``importer``."""
+    if level == 0:
+        return target or ""
+    is_package = MODULES[importer].name == "__init__.py"
+    base = importer.split(".")
+    # in a package's __init__, one dot is the package itself; in a module, its parent
+    base = base[: len(base) - level + (1 if is_package else 0)]
+    return ".".join(base + ([target] if target else []))
+
+
+def imports(module: str, source: str | None = None) -> Iterator[Import]:
+    """Every import statement of ``module`` (its file, or ``source``), anywhere in it."""
+    text = MODULES[module].read_text(encoding="utf-8") if source is None else source
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(module, node.lineno, alias.name, None)
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(module, node.level, node.module)
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                if sub in MODULES:  # `from . import render`: the submodule itself
+                    yield Import(module, node.lineno, sub, None)
+                else:
+                    yield Import(module, node.lineno, source, alias.name)
+
+
+def _edges() -> dict[str, dict[str, list[Import]]]:
+    """importer → imported agentnb module → the import statements."""
+    graph: dict[str, dict[str, list[Import]]] = {m: {} for m in MODULES}
+    for module in MODULES:
+        for imp in imports(module):
+            if imp.module in MODULES and imp.module != module:
+                graph[module].setdefault(imp.module, []).append(imp)
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, list[Import]]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _describe(graph: dict[str, dict[str, list[Import]]], component: list[str]) -> str:
+    members = set(component)
+    lines = [f"cycle of {len(component)} modules: {', '.join(component)}"]
+    for a in component:
+        for b, imps in sorted(graph[a].items()):
+            if b in members:
+                lines.append(f"  {a} → {b} ({', '.join(dict.fromkeys(i.where() for i in imps))})")
+    return "\n".join(lines)
+
+
+def test_no_import_cycles_between_agentnb_modules() -> None:
+    graph = _edges()
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (counting TYPE_CHECKING and function-level imports):\n" + "\n".join(
+        _describe(graph, c) for c in cycles)
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    found = [
+        f"{imp.where()}: {imp.importer} imports {imp.name} from {imp.module}"
+        for module in MODULES
+        for imp in imports(module)
+        if imp.name is not None and _is_private(imp.name) and imp.module in MODULES and imp.module != module
+    ]
+    assert not found, "private names imported across modules:\n" + "\n".join(found)
+
+
+def test_only_the_store_imports_sqlite3() -> None:
+    found = [
+        f"{imp.where()}: {imp.importer} imports {imp.module}"
+        for module in MODULES
+        if not module.startswith("agentnb.store.")
+        for imp in imports(module)
+        if imp.module == "sqlite3" or imp.module.startswith("sqlite3.")
+    ]
+    assert not found, "sqlite3 outside agentnb/store/:\n" + "\n".join(found)
+
+
+def _in(module: str, *layers: str) -> bool:
+    return any(module == layer or module.startswith(layer + ".") for layer in layers)
+
+
+ABOVE_THE_ENGINE = ("agentnb.workspace", "agentnb.worker", "agentnb.cli", "agentnb.views", "agentnb.notebook")
+ABOVE_THE_VIEWS = ("agentnb.workspace", "agentnb.notebook", "agentnb.cli")
+
+
+def _upward(layer: str, forbidden: tuple[str, ...]) -> list[str]:
+    return list(dict.fromkeys(
+        f"{imp.where()}: {imp.importer} imports {imp.module}"
+        for module in MODULES
+        if _in(module, layer)
+        for imp in imports(module)
+        if _in(imp.module, *forbidden)
+    ))
+
+
+def test_the_engine_never_imports_the_facade_the_worker_the_cli_the_views_or_the_notebook() -> None:
+    found = _upward("agentnb.engine", ABOVE_THE_ENGINE)
+    assert not found, "the engine imports a layer above it:\n" + "\n".join(found)
+
+
+def test_the_views_never_import_the_facade_the_notebook_or_the_cli() -> None:
+    found = _upward("agentnb.views", ABOVE_THE_VIEWS)
+    assert not found, "the views import a layer above them:\n" + "\n".join(found)
+
+
+def test_the_checks_see_the_imports_they_must() -> None:
+    # the reader itself, on a made-up tools/base.py: imports under TYPE_CHECKING and inside functions are
+    # found, relative ones resolved to modules (a submodule imported by name too), private names kept
+    source = """
+from typing import TYPE_CHECKING
+import sqlite3
+from ..errors import ToolError
+from . import builtin
+if TYPE_CHECKING:
+    from ..workspace import Workspace
+def f():
+    from .truncate import _utf8_cut
+"""
+    found = {(i.module, i.name) for i in imports("agentnb.tools.base", source)}
+    assert found == {("typing", "TYPE_CHECKING"), ("sqlite3", None), ("agentnb.errors", "ToolError"),
+                     ("agentnb.tools.builtin", None), ("agentnb.workspace", "Workspace"),
+                     ("agentnb.tools.truncate", "_utf8_cut")}
+    assert _resolve("agentnb.tools", 1, "base") == "agentnb.tools.base"  # in a package's __init__
+    assert _cycles({"a": {"b": []}, "b": {"a": []}, "c": {"a": []}}) == [["a", "b"]]
+    assert "agentnb.notebook.magic" in _edges()["agentnb"]  # agentnb/__init__.py imports it inside a function
