@@ -587,7 +587,7 @@ class Workspace:
         return Frames(self)
 
     def export_notebook(self, job: JobRef, path: str | os.PathLike[str]) -> Path:
-        from .export import export_notebook
+        from .views.transcript import export_notebook
 
         return export_notebook(self, self._id(job), path)
 

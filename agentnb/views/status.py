@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..events import JobStatusEvent
+
 if TYPE_CHECKING:
-    from ..store.sqlite import Store
+    from .source import EventReader
 
 __all__ = ["DISPLAY_STATES", "PAUSED", "STOP_REASON", "display_status", "last_status_reason"]
 
@@ -35,9 +37,7 @@ def display_status(status: Any, reason: Any) -> str:
     return text
 
 
-def last_status_reason(store: Store, job_id: int) -> str | None:
+def last_status_reason(store: EventReader, job_id: int) -> str | None:
     """The reason of the job's newest ``job_status`` event (``None`` before the first one)."""
-    rows = store.query(
-        "SELECT json_extract(payload, '$.reason') FROM events WHERE kind = 'job_status' AND job_id = ? "
-        "ORDER BY id DESC LIMIT 1", (job_id,))
-    return None if not rows or rows[0][0] is None else str(rows[0][0])
+    changes = [ev for ev in store.events(job_id, kinds=("job_status",)) if isinstance(ev, JobStatusEvent)]
+    return changes[-1].reason if changes else None
