@@ -718,6 +718,11 @@ class Store:
         rows = self.query("SELECT MAX(id) FROM events WHERE job_id=?", (job_id,))
         return int(rows[0][0] or 0)
 
+    def change_mark(self) -> tuple[int, int]:
+        """The newest event id and job id: a poller (the panel) redraws only when this moved on."""
+        rows = self.query("SELECT (SELECT MAX(id) FROM events), (SELECT MAX(id) FROM jobs)")
+        return int(rows[0][0] or 0), int(rows[0][1] or 0)
+
     # -- comments --------------------------------------------------------------
     def add_comment(self, c: sqlite3.Connection, job_id: int, author: str, body: str) -> None:
         now = time.time()
