@@ -8,10 +8,11 @@ any other source, e.g. a test's) satisfies without naming them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from ..engine.pieces import Piece
-from ..events import Event
+if TYPE_CHECKING:
+    from ..engine.pieces import Piece
+    from ..events import Event
 
 __all__ = ["EventReader", "JobRecord", "JobSource", "LiveJob"]
 
