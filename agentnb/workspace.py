@@ -578,7 +578,7 @@ class Workspace:
                       name=repr(self))
 
     def export_notebook(self, job: JobRef, path: str | os.PathLike[str]) -> Path:
-        from .export import export_notebook
+        from .views.transcript import export_notebook
 
         return export_notebook(self, self._id(job), path)
 

@@ -176,6 +176,18 @@ def test_export_masks_what_tool_results_are_cleared_of(ws: Workspace, tmp_path: 
     assert password not in text and "***" in text
 
 
+def test_export_masks_every_name_the_bash_filter_treats_as_secret(ws: Workspace, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # one pattern (agentnb._secrets) for Bash, the git excerpt and export: a *CREDENTIAL* is a secret in all
+    credential = "cred-0123456789-abcdef"
+    region = "region-0123456789-north"
+    monkeypatch.setenv("SERVICE_CREDENTIAL", credential)
+    monkeypatch.setenv("SERVICE_REGION", region)
+    job = ws.submit(f"Deploy with {credential} to {region}", piece="single", model="demo")
+    text = ws.export_notebook(job, tmp_path / "c.ipynb").read_text(encoding="utf-8")
+    assert credential not in text and f"Deploy with *** to {region}" in text
+
+
 def test_export_of_a_job_that_never_ran(ws: Workspace, tmp_path: Path) -> None:
     job = ws.submit("later", piece="single", model="demo")
     nb = _read(ws.export_notebook(job, tmp_path / "q.ipynb"))

@@ -506,3 +506,20 @@ def test_a_kernel_saves_a_snapshot_of_the_panel_beside_the_widget(tmp_path: Path
     assert text.splitlines()[0].startswith("agentnb panel of workspace 'agentnb-data': a saved snapshot")
     assert "#2 · queued · plan-implement-verify · 0 tokens" in text
     nbformat.validate(nb)
+
+
+def test_context_bar_marks_the_thresholds_the_job_runs_with(ws: Workspace, panels: Panels) -> None:
+    # a job's context= overrides its piece's thresholds: the bar marks what the run acts on, as the plots do
+    job = ws.submit("Summarise the inputs", piece="plan-implement-verify", model="demo",
+                    context={"thresholds": {"warn": 0.3, "prompt": 0.5}})
+    panel = panels(ws)
+    panel.select(job.id)
+    marks = re.findall(r'data-mark="(\w+)" style="position:absolute;left:([\d.]+)%', panel.context.value)
+    assert marks == [("warn", "30.0"), ("prompt", "50.0"), ("force_transition", "95.0"), ("exhausted", "99.0")]
+    assert "thresholds: warn 30% · prompt 50% · force_transition 95% · exhausted 99%" in panel.context.value
+    assert ws.frames.thresholds(job) == {"warn": 0.3, "prompt": 0.5, "force_transition": 0.95, "exhausted": 0.99}
+    # another job of the same piece, submitted without context=, keeps the piece's marks
+    plain = ws.submit("Summarise the inputs", piece="plan-implement-verify", model="demo")
+    panel.select(plain.id)
+    marks = re.findall(r'data-mark="(\w+)" style="position:absolute;left:([\d.]+)%', panel.context.value)
+    assert marks == [("warn", "70.0"), ("prompt", "85.0"), ("force_transition", "95.0"), ("exhausted", "99.0")]

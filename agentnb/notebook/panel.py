@@ -40,27 +40,17 @@ from ..engine.pieces import DEFAULT_THRESHOLDS, Piece, available_pieces
 from ..errors import AgentnbError, UsageError
 from ..views.render import header_html, job_html, job_stats
 from ..views.status import PAUSED, display_status, last_status_reason
+from ..views.style import ACTION_COLOURS, ACTIONS, ERROR_COLOUR, OK_COLOUR
 
 if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
     from IPython.display import DisplayHandle
 
     from ..workspace import Job, Workspace
 
-__all__ = ["MagicSession", "Panel", "context_bar_html"]
+__all__ = ["NotebookSession", "Panel", "context_bar_html"]
 
-
-class MagicSession(Protocol):
-    """What the panel uses of the ``%agent`` magic (an ``AgentMagic``) it was opened from.
-
-    A protocol, not the class, so that the panel does not import the magic that imports it.
-    """
-
-    piece: str
-    model: str
-    shell: Any
-    last_job: int | None
-
-_MARK_COLOURS = {"warn": "#c9a200", "prompt": "#e07b00", "force_transition": "#d03a3a", "exhausted": "#8b0000"}
+_PROBLEMS = (PieceError, ModelSpecError, StoreError, FileNotFoundError, ValueError)
 _RUNNABLE = ("queued", PAUSED)  # shown statuses that Step and Run continue
 # {name}, $name, or the {{ and }} escapes, in the model box (e.g. scripted:{SCRIPT})
 _VAR_REF = re.compile(r"\{\{|\}\}|\{(\w+)\}|\$(\w+)")
@@ -69,18 +59,32 @@ _FALLBACK_ROWS = 30  # newest jobs listed in the saved snapshot
 _FALLBACK_EVERY = 2.0  # seconds between snapshot updates while a job runs
 
 
+class NotebookSession(Protocol):
+    """What the panel shares with the ``%agent`` magic that opened it (``AgentMagic`` is one): the default
+    piece and model, the notebook's shell (its variables fill the piece and model boxes) and the last job."""
+
+    @property
+    def piece(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def shell(self) -> InteractiveShell | None: ...
+
+    last_job: int | None
+
+
 def context_bar_html(ratio: float | None, thresholds: dict[str, float], tokens: int | None = None,
                      window: int | None = None) -> str:
     """A horizontal bar of the context used (``ratio`` of the window) with a mark at each threshold."""
     r = max(0.0, min(1.0, ratio or 0.0))
-    colour = "#2e8b57"
-    for name in ("warn", "prompt", "force_transition", "exhausted"):
+    colour = OK_COLOUR
+    for name in ACTIONS:
         if ratio is not None and ratio >= thresholds.get(name, 2.0):
-            colour = _MARK_COLOURS[name]
+            colour = ACTION_COLOURS[name]
     marks = "".join(
         f'<div title="{html.escape(name)} {value:.0%}" data-mark="{html.escape(name)}" '
         f'style="position:absolute;left:{value * 100:.1f}%;top:-3px;height:18px;border-left:2px solid '
-        f'{_MARK_COLOURS.get(name, "#555")}"></div>'
+        f'{ACTION_COLOURS.get(name, "#555")}"></div>'
         for name, value in sorted(thresholds.items(), key=lambda kv: kv[1])
     )
     label = "no LLM call yet in this movement" if ratio is None else f"context {ratio:.0%}"
@@ -106,7 +110,7 @@ class Panel(w.VBox):
     through ``magic`` or the running IPython).
     """
 
-    def __init__(self, ws: Workspace, *, magic: MagicSession | None = None, poll: float = 0.3,
+    def __init__(self, ws: Workspace, *, magic: NotebookSession | None = None, poll: float = 0.3,
                  idle_poll: float = 1.0, namespace: Mapping[str, Any] | None = None) -> None:
         self.ws = ws
         self.magic = magic
@@ -245,9 +249,10 @@ class Panel(w.VBox):
             frame = self.ws.frames.jobs()
             self._any_running = bool((frame["status"] == "running").any()) if len(frame) else False
             target = self._target
-            options = [(f"{'▶ ' if int(r.job) == target else ''}#{r.job} · {r.display_status} · {r.piece} · "
-                        f"{int(r.total_tokens):,} tokens", int(r.job))
-                       for r in frame.itertuples()]
+            rows = frame[["job", "display_status", "piece", "total_tokens"]].to_dict("records")
+            options = [(f"{'▶ ' if int(r['job']) == target else ''}#{r['job']} · {r['display_status']} · {r['piece']} · "
+                        f"{int(r['total_tokens']):,} tokens", int(r["job"]))
+                       for r in rows]
             if options != list(self.jobs.options):
                 # New options make Select pick the first job: put the selection back in the same message to
                 # the browser, and skip the redraw of that first job in between.
@@ -283,7 +288,9 @@ class Panel(w.VBox):
                 self.movements.max = piece.max_movements
                 self.movements.value = min(st.movements, piece.max_movements)
                 self.movements_label.value = f"{st.movements} of {piece.max_movements} movements"
-                self.context.value = context_bar_html(st.last_ratio, dict(piece.thresholds), st.last_tokens, st.window)
+                # the thresholds the job runs with: its piece's, overridden by the context= it was submitted with
+                self.context.value = context_bar_html(st.last_ratio, self.ws.frames.thresholds(job.id),
+                                                      st.last_tokens, st.window)
                 self.view.value = job_html(self.ws, job.id)
             self._enable(self._shown[2] or None)
             self._update_fallbacks()
@@ -298,7 +305,7 @@ class Panel(w.VBox):
         self.reply_text.disabled = busy or status != "waiting_human"
 
     def _say(self, text: str, error: bool = False) -> None:
-        colour = "#b00020" if error else "#555"
+        colour = ERROR_COLOUR if error else "#555"
         # the widget's line height is a row's (28px): wrapped text would be spaced out
         self.message.value = (f'<div style="color:{colour};line-height:1.4">{html.escape(text)}</div>'
                               if text else "")
@@ -406,7 +413,7 @@ class Panel(w.VBox):
             self._thread.join(timeout)
 
     def _watch(self) -> None:
-        seen: tuple[Any, ...] | None = None
+        seen: tuple[int, int] | None = None
         while not self._closed.is_set():
             try:
                 mark = self.ws.store.change_mark()
@@ -461,12 +468,12 @@ class Panel(w.VBox):
                 return
             self.ws.run(job.id)
             return
-        job = None if job_id is None else self.ws.job(job_id)
-        if job is None or str(job.status) not in ("queued", "waiting_subtasks"):
+        selected = None if job_id is None else self.ws.job(job_id)
+        if selected is None or str(selected.status) not in ("queued", "waiting_subtasks"):
             raise UsageError("write an instruction to start a new job (or select a queued or paused job to "
                              "continue it)")
-        self._target = job.id
-        self.ws.run(job.id)
+        self._target = selected.id
+        self.ws.run(selected.id)
 
     def _step(self, job_id: int | None, unit: str) -> None:
         if job_id is None:

@@ -1,3 +1,4 @@
 """Views derived from the stored events: HTML (render), DataFrames (frames), plots and exported notebooks.
 
-Views read through the store; they never write events and never import the notebook layer."""
+Views read typed events through the store and the structural sources of ``views/source.py``; they never
+write events and never import the facade (workspace.py), the notebook layer or the CLI."""

@@ -35,8 +35,9 @@ import textwrap
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import pandas as pd
@@ -44,20 +45,38 @@ from matplotlib.figure import Figure
 from matplotlib.transforms import Bbox
 
 from ..engine.pieces import DEFAULT_THRESHOLDS
+from .source import JobSource
+from .style import ACTION_COLOURS, ACTIONS, ERROR_COLOUR
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.axes._secondary_axes import SecondaryAxis
     from matplotlib.text import Annotation
+    from matplotlib.typing import RcKeyType
 
-    from ..workspace import Workspace
+    from .frames import Frames
 
-__all__ = ["UsageFigure", "figure_png", "plot_usage"]
+__all__ = ["UsageFigure", "UsageSource", "figure_png", "plot_usage"]
 
-_ORDER = ("warn", "prompt", "force_transition", "exhausted")
-_THRESHOLD_STYLE = {"warn": "#d9a400", "prompt": "#e67e22", "force_transition": "#c0392b", "exhausted": "#6c0b0b"}
 _ACTION_MARKER = {"warn": "^", "prompt": "s", "force_transition": "X", "exhausted": "P"}
 _FORCED = "#c0392b"
-_ERROR = "#b00020"
+
+
+class UsageSource(JobSource, Protocol):
+    """A workspace as the plot reads it: its jobs and its frames (the usage rows, the thresholds in force)."""
+
+    @property
+    def frames(self) -> Frames: ...
+
+
+@runtime_checkable
+class _AttachedJob(Protocol):
+    """A job with the workspace it belongs to (an ``agentnb.Job``)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def workspace(self) -> UsageSource | None: ...
 # x-small (7 pt) labels were unreadable at a notebook's 100 px per inch
 _LABEL_SIZE = "small"
 # room above the highest call, so the label of an action fired there fits inside the axes
@@ -118,7 +137,7 @@ class _Target:
 def plot_usage(
     job_or_frame: Any,
     *,
-    ws: Workspace | None = None,
+    ws: UsageSource | None = None,
     thresholds: Mapping[str, float] | None = None,
     title: str | None = None,
     figsize: tuple[float, float] = (10.0, 6.5),
@@ -149,11 +168,11 @@ def _draw_no_calls(t: _Target, heading: str, figsize: tuple[float, float]) -> Us
     first = "This frame has no LLM calls." if t.status is None else _NO_CALLS.get(
         t.status, f"{t.status}: no LLM calls.")
     blocks: list[tuple[str, dict[str, Any]]] = [
-        (first, {"fontsize": "large", "color": _ERROR if failed else "black", "gid": "status"})]
+        (first, {"fontsize": "large", "color": ERROR_COLOUR if failed else "black", "gid": "status"})]
     if t.error:
-        blocks.append((_wrap(t.error, lines=8), {"fontsize": "medium", "color": _ERROR if failed else "black",
+        blocks.append((_wrap(t.error, lines=8), {"fontsize": "medium", "color": ERROR_COLOUR if failed else "black",
                                                  "gid": "error"}))
-    shown = ", ".join(f"{n} {t.thresholds[n]:.0%}" for n in _ORDER if n in t.thresholds)
+    shown = ", ".join(f"{n} {t.thresholds[n]:.0%}" for n in ACTIONS if n in t.thresholds)
     if shown:
         blocks.append((f"Context thresholds: {shown}", {"fontsize": "small", "color": "dimgrey"}))
     line = 0.24  # inches per line of text
@@ -177,7 +196,7 @@ def _draw(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure
     fig.suptitle(heading)
     if t.error:
         what = f"{t.status} after LLM call {int(df['call'].max())}" if t.status else "error"
-        ax.set_title(_wrap(f"{what}: {t.error}", lines=3), loc="left", fontsize="medium", color=_ERROR, gid="status")
+        ax.set_title(_wrap(f"{what}: {t.error}", lines=3), loc="left", fontsize="medium", color=ERROR_COLOUR, gid="status")
     ax.set_ylabel("context ratio (prompt / window)")
     ax_cum.set_ylabel("cumulative tokens")
     ax_cum.set_xlabel("LLM call")
@@ -185,9 +204,9 @@ def _draw(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure
     ax_cum.grid(alpha=0.3)
 
     legend: list[tuple[Any, str]] = []
-    for name in _ORDER:
+    for name in ACTIONS:
         if name in th:
-            line = ax.axhline(th[name], color=_THRESHOLD_STYLE[name], linestyle="--", linewidth=1,
+            line = ax.axhline(th[name], color=ACTION_COLOURS[name], linestyle="--", linewidth=1,
                               gid=f"threshold:{name}")
             legend.append((line, f"{name} {th[name]:.0%}"))
 
@@ -207,9 +226,9 @@ def _draw(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure
     if drawn.forced:
         legend.append((proxy(marker="D", markerfacecolor="none", markeredgecolor=_FORCED, markeredgewidth=1.5),
                        "forced transition"))
-    for action in _ORDER:
+    for action in ACTIONS:
         if action in drawn.actions:
-            legend.append((proxy(marker=_ACTION_MARKER[action], markerfacecolor=_THRESHOLD_STYLE[action],
+            legend.append((proxy(marker=_ACTION_MARKER[action], markerfacecolor=ACTION_COLOURS[action],
                                  markeredgecolor="black"), f"{action} fired"))
     if drawn.boundaries:
         legend.append((Line2D([], [], color="grey", alpha=0.5, linewidth=1.5), "movement boundary"))
@@ -272,13 +291,13 @@ def _draw_job(
         if name not in named:
             named.add(name)
             drawn.movements.append((line, name))
-        drawn.runs.append((int(seq), name, (float(calls.min()) + float(calls.max())) / 2))
+        drawn.runs.append((int(run["seq"].to_numpy()[0]), name, (float(calls.min()) + float(calls.max())) / 2))
 
     acted = rows[rows["action"].notna()]
     for action, group in acted.groupby("action", observed=True):
         drawn.actions.add(str(action))
         ax.scatter(group["call"], group["ratio"], marker=_ACTION_MARKER.get(str(action), "*"), s=90,
-                   color=_THRESHOLD_STYLE.get(str(action), "black"), edgecolors="black", zorder=4,
+                   color=ACTION_COLOURS.get(str(action), "black"), edgecolors="black", zorder=4,
                    gid=f"action:{job_id}")
     for _, r in acted.iterrows():
         # dark text on a white box edged in the action's colour: the threshold lines run right there
@@ -286,7 +305,7 @@ def _draw_job(
             str(r["actions"]), (r["call"], r["ratio"]), textcoords="offset points", xytext=(_NEAR, _NEAR), va="bottom",
             fontsize=_LABEL_SIZE, color="black", zorder=6, gid="label:action", arrowprops=_leader("dimgrey"),
             bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.9, "linewidth": 0.8,
-                  "edgecolor": _THRESHOLD_STYLE.get(str(r["action"]), "black")}))
+                  "edgecolor": ACTION_COLOURS.get(str(r["action"]), "black")}))
 
     ended = rows[rows["transition"].notna()]
     if not ended.empty:
@@ -298,7 +317,7 @@ def _draw_job(
                    edgecolors=[_FORCED if f else "black" for f in forced], linewidths=1.5, zorder=5,
                    gid=f"transition:{job_id}")
         last = float(x.max())
-        for (_, r), f in zip(ended.iterrows(), forced):
+        for (_, r), f in zip(ended.iterrows(), forced, strict=True):
             if several:  # one job's movement boundaries would mislead for the others
                 continue
             if r["call"] < last:  # a boundary only between two runs, not after the job's last call
@@ -314,8 +333,8 @@ def _draw_job(
                 arrowprops=_leader(_FORCED if f else "dimgrey"),
                 bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "alpha": 0.8, "linewidth": 0}))
 
-    dot = {"marker": "o", "markersize": 3} if len(x) == 1 else {}  # a one-call line would be invisible
-    if several:
+    dot: dict[str, Any] = {"marker": "o", "markersize": 3} if len(x) == 1 else {}  # a one-call line would be invisible
+    if nth is not None:
         # per job only the total, in the job's own colour: three lines per job would be unreadable
         # 10 colours × 4 line styles: a job's colour and style pair repeats only after 20 jobs
         ax_cum.plot(x, rows["cumulative_tokens"].to_numpy(), color=matplotlib.colormaps["tab10"](nth % 10),
@@ -330,12 +349,12 @@ def _draw_job(
                 **dot)
 
 
-def _name_runs(ax: Axes, runs: list[tuple[int, str, float]], colours: Mapping[str, Any]) -> Axes:
+def _name_runs(ax: Axes, runs: list[tuple[int, str, float]], colours: Mapping[str, Any]) -> SecondaryAxis:
     """The runs' names (``1. plan``) along the top of the ratio panel, in their movements' colours."""
     top = ax.secondary_xaxis("top")
     top.set_xticks([c for _, _, c in runs], labels=[f"{seq}. {name}" for seq, name, _ in runs])
     top.tick_params(length=0, labelsize=_LABEL_SIZE, pad=3)
-    for label, (_, name, _) in zip(top.get_xticklabels(), runs):
+    for label, (_, name, _) in zip(top.get_xticklabels(), runs, strict=False):
         label.set_color(colours.get(name, "grey"))
     return top
 
@@ -346,7 +365,7 @@ _NEAR = 7
 _PLACES = [(dx, dy) for dy in (_NEAR, -_NEAR, 20, -20, 33, -33, 46, -46) for dx in (_NEAR, -_NEAR)]
 
 
-def _fit_labels(fig: Figure, ax: Axes, labels: list[Annotation], runs_axis: Axes | None,
+def _fit_labels(fig: Figure, ax: Axes, labels: list[Annotation], runs_axis: SecondaryAxis | None,
                 points: Any = None) -> None:
     """Tilt run names that would overlap; put each call label inside the axes, clear of the other labels
     and of the markers.  The layout is fixed first, so the places found are the ones drawn (offsets are
@@ -357,19 +376,19 @@ def _fit_labels(fig: Figure, ax: Axes, labels: list[Annotation], runs_axis: Axes
         t.set_in_layout(False)
     _lay_out(fig)
     if runs_axis is not None:
-        names = [t for t in runs_axis.get_xticklabels() if t.get_text()]
-        boxes = [t.get_window_extent() for t in names]
-        if any(a.x1 + 4 > b.x0 for a, b in zip(boxes, boxes[1:])):
+        names = [n for n in runs_axis.get_xticklabels() if n.get_text()]
+        spans = [n.get_window_extent() for n in names]
+        if any(a.x1 + 4 > b.x0 for a, b in pairwise(spans)):
             # Tilted, parallel names clear each other when their anchors are 2 line heights apart; with more
             # runs than that allows, every k-th is named (the boundaries and colours still show each run).
-            height = max(b.height for b in boxes)
-            step = min((b.x0 + b.x1) / 2 - (a.x0 + a.x1) / 2 for a, b in zip(boxes, boxes[1:]))
+            height = max(b.height for b in spans)
+            step = min((b.x0 + b.x1) / 2 - (a.x0 + a.x1) / 2 for a, b in pairwise(spans))
             k = max(1, math.ceil(2.2 * height / max(step, 1e-9)))
             runs_axis.tick_params(labelrotation=30)
-            for i, t in enumerate(names):
-                t.set_horizontalalignment("left")
-                t.set_rotation_mode("anchor")
-                t.set_visible(i % k == 0)
+            for i, n in enumerate(names):
+                n.set_horizontalalignment("left")
+                n.set_rotation_mode("anchor")
+                n.set_visible(i % k == 0)
             _lay_out(fig)
     inside = ax.get_window_extent()
     pt = fig.dpi / 72
@@ -425,7 +444,7 @@ def _wrap(text: str, *, lines: int) -> str:
     return "\n".join(textwrap.wrap(" ".join(str(text).split()), width=100, max_lines=lines, placeholder=" …"))
 
 
-def _font_for(labels: Iterable[str]) -> dict[str, Any]:
+def _font_for(labels: Iterable[str]) -> dict[RcKeyType, Any]:
     """rcParams that draw ``labels``: the default font, with a CJK font behind it when a label needs one."""
     global _cjk_found
     wide = next((t for t in labels if _WIDE.search(t)), None)
@@ -457,10 +476,8 @@ def _font_for(labels: Iterable[str]) -> dict[str, Any]:
 
 
 def _resolve(
-    obj: Any, ws: Workspace | None, thresholds: Mapping[str, float] | None
+    obj: Any, ws: UsageSource | None, thresholds: Mapping[str, float] | None
 ) -> _Target:
-    from ..workspace import Job
-
     if isinstance(obj, pd.DataFrame):
         missing = {"job", "call", "movement", "seq", "ratio", "cumulative_tokens"} - set(obj.columns)
         if missing:
@@ -471,7 +488,7 @@ def _resolve(
         jobs = obj["job"].unique().tolist()
         heading = f"Job {jobs[0]}: context usage" if len(jobs) == 1 else f"Context usage of {len(jobs)} jobs"
         return _Target(obj, th, heading)
-    if isinstance(obj, Job):
+    if isinstance(obj, _AttachedJob):
         if obj.workspace is None:
             raise ValueError("plot_usage: this Job is not attached to a workspace; pass ws=")
         ws = ws or obj.workspace
@@ -479,7 +496,7 @@ def _resolve(
     elif isinstance(obj, (int, str)) and not isinstance(obj, bool):
         if ws is None:
             raise ValueError(f"plot_usage({obj!r}) needs ws= (a Workspace) to find the job")
-        job_id = ws._id(obj)
+        job_id = ws.job(obj).id
     else:
         raise TypeError(
             f"plot_usage takes a Job, a job id (with ws=) or a ws.frames.usage() DataFrame, not {type(obj).__name__}"

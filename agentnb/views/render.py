@@ -34,14 +34,27 @@ import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from string import Template
+from typing import Any
 
 from ..errors import NotFoundError
-from ..events import Event
+from ..events import (
+    CommentEvent,
+    ContextAction,
+    ErrorEvent,
+    Event,
+    JobStatusEvent,
+    LLMRequest,
+    LLMResponse,
+    MovementStart,
+    Reminder,
+    ToolCallEvent,
+    ToolResult,
+    Transition,
+)
+from .source import JobRecord, JobSource
 from .status import display_status
-
-if TYPE_CHECKING:
-    from ..workspace import Workspace
+from .style import ACTION_COLOURS, ACTIONS, ERROR_COLOUR, OK_COLOUR
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -63,7 +76,8 @@ DEFAULT_MAX_BYTES = 400_000
 # Bodies longer than this are folded into a closed <details> so a movement reads at a glance.
 _FOLD_CHARS = 300
 
-STYLE = """<style>
+# $warn, $prompt, …: the shared palette (views/style.py), which the panel's marks and the plots use too
+STYLE = Template("""<style>
 .anb-job{font-family:var(--jp-ui-font-family,system-ui,sans-serif);font-size:13px;line-height:1.4}
 .anb-job pre{white-space:pre-wrap;word-break:break-word;margin:2px 0;padding:4px 6px;background:rgba(127,127,127,.08);border-radius:3px;font-size:12px}
 .anb-head{padding:4px 0 6px}
@@ -72,13 +86,13 @@ STYLE = """<style>
 .anb-call{border-top:1px dotted rgba(127,127,127,.4);padding:3px 0}
 .anb-dim{color:#777}
 .anb-badge{display:inline-block;padding:0 6px;margin:1px 2px;border-radius:8px;font-size:11px;font-weight:600;color:#fff;background:#888}
-.anb-warn{background:#c9a200}.anb-prompt{background:#e07b00}.anb-force_transition{background:#d03a3a}.anb-exhausted{background:#8b0000}
-.anb-st-succeeded{background:#2e8b57}.anb-st-failed,.anb-st-aborted{background:#c0392b}.anb-st-running,.anb-st-queued{background:#2f6fb0}
+.anb-warn{background:$warn}.anb-prompt{background:$prompt}.anb-force_transition{background:$force_transition}.anb-exhausted{background:$exhausted}
+.anb-st-succeeded{background:$ok}.anb-st-failed,.anb-st-aborted{background:#c0392b}.anb-st-running,.anb-st-queued{background:#2f6fb0}
 .anb-st-waiting_human,.anb-st-waiting_subtasks{background:#8e44ad}.anb-st-paused{background:#b7791f}
-.anb-error{color:#b00020}
+.anb-error{color:$error}
 .anb-tr{background:rgba(46,139,87,.08);padding:3px 6px;border-radius:3px}
 .anb-more{font-size:11px;color:#777}
-</style>"""
+</style>""").substitute(ACTION_COLOURS, ok=OK_COLOUR, error=ERROR_COLOUR)
 
 # Live views (the magic's, the panel's) are re-drawn as events arrive.  This script, installed once per
 # page, remembers which sections the user opened or closed (by the ``data-anb-key`` of their <summary>,
@@ -140,13 +154,12 @@ _INLINE = {
     "anb-dim": "color:#777",
     "anb-badge": "display:inline-block;padding:0 6px;margin:1px 2px;border-radius:8px;font-size:11px;"
                  "font-weight:600;color:#fff;background:#888",
-    "anb-warn": "background:#c9a200", "anb-prompt": "background:#e07b00",
-    "anb-force_transition": "background:#d03a3a", "anb-exhausted": "background:#8b0000",
-    "anb-st-succeeded": "background:#2e8b57", "anb-st-failed": "background:#c0392b",
+    **{f"anb-{action}": f"background:{ACTION_COLOURS[action]}" for action in ACTIONS},
+    "anb-st-succeeded": f"background:{OK_COLOUR}", "anb-st-failed": "background:#c0392b",
     "anb-st-aborted": "background:#c0392b", "anb-st-running": "background:#2f6fb0",
     "anb-st-queued": "background:#2f6fb0", "anb-st-waiting_human": "background:#8e44ad",
     "anb-st-waiting_subtasks": "background:#8e44ad", "anb-st-paused": "background:#b7791f",
-    "anb-error": "color:#b00020",
+    "anb-error": f"color:{ERROR_COLOUR}",
     "anb-tr": "background:rgba(46,139,87,.08);padding:3px 6px;border-radius:3px",
     "anb-more": "font-size:11px;color:#777",
 }
@@ -239,48 +252,46 @@ class JobStats:
         return self.running_s
 
 
-def _stats(job: Any, events: Sequence[Event], now: float | None = None) -> JobStats:
+def _stats(job: JobRecord, events: Sequence[Event], now: float | None = None) -> JobStats:
     st = JobStats()
     reason: str | None = None
     now = time.time() if now is None else now
     running_since: float | None = None
     status_events = False
     for ev in events:
-        k = ev.kind
-        if k == "job_status":
-            status_events = True
-            reason = ev.reason
-            if running_since is not None:
-                st.running_s += max(0.0, ev.ts - running_since)
-                running_since = None
-            if ev.status == "running":
-                running_since = ev.ts
-        elif k == "movement_start":
-            st.movements += 1
-            st.last_seq = ev.movement_seq
-            st.last_ratio = st.last_tokens = None
-            st.actions = []
-        elif k == "llm_request":
-            if ev.movement_seq is not None and ev.iteration is not None:
-                st.latest = (ev.movement_seq, ev.iteration)  # a call in flight is the latest one
-        elif k == "llm_response":
-            st.calls += 1
-            u = ev.usage
-            st.prompt_tokens += u.prompt_tokens
-            st.completion_tokens += u.completion_tokens
-            st.total_tokens += u.total_tokens
-            if ev.movement_seq == st.last_seq:
-                st.last_ratio = u.ratio
-                st.last_tokens = u.prompt_tokens
-                st.window = u.window or st.window
-        elif k == "tool_call":
-            st.tool_calls += 1
-        elif k == "context_action" and ev.movement_seq == st.last_seq:
-            st.actions.append(ev.action)
-        elif k == "transition" and ev.question:
-            st.question = ev.question
-        elif k == "error":
-            st.errors.append(ev.message)
+        match ev:
+            case JobStatusEvent():
+                status_events = True
+                reason = ev.reason
+                if running_since is not None:
+                    st.running_s += max(0.0, ev.ts - running_since)
+                    running_since = None
+                if ev.status == "running":
+                    running_since = ev.ts
+            case MovementStart():
+                st.movements += 1
+                st.last_seq = ev.movement_seq
+                st.last_ratio = st.last_tokens = None
+                st.actions = []
+            case LLMRequest(movement_seq=int(seq), iteration=int(it)):
+                st.latest = (seq, it)  # a call in flight is the latest one
+            case LLMResponse(usage=u):
+                st.calls += 1
+                st.prompt_tokens += u.prompt_tokens
+                st.completion_tokens += u.completion_tokens
+                st.total_tokens += u.total_tokens
+                if ev.movement_seq == st.last_seq:
+                    st.last_ratio = u.ratio
+                    st.last_tokens = u.prompt_tokens
+                    st.window = u.window or st.window
+            case ToolCallEvent():
+                st.tool_calls += 1
+            case ContextAction() if ev.movement_seq == st.last_seq:
+                st.actions.append(ev.action)
+            case Transition(question=str(question)) if question:
+                st.question = question
+            case ErrorEvent():
+                st.errors.append(ev.message)
     st.status = display_status(job.status, reason)
     if job.status != "waiting_human":
         st.question = None
@@ -292,7 +303,7 @@ def _stats(job: Any, events: Sequence[Event], now: float | None = None) -> JobSt
     return st
 
 
-def job_stats(ws: Workspace, job_id: int) -> JobStats:
+def job_stats(ws: JobSource, job_id: int) -> JobStats:
     """Movements run, LLM calls, tokens, running and wall seconds and the newest context ratio of a job."""
     return _stats(ws.job(job_id).snapshot(), ws.events(job_id))
 
@@ -349,7 +360,7 @@ def _badge(text: str, cls: str) -> str:
     return f'<span class="anb-badge {_e(cls)}">{_e(text)}</span>'
 
 
-def _context_badge(ev: Any) -> str:
+def _context_badge(ev: ContextAction) -> str:
     icon = _ACTION_ICON.get(ev.action, "•")
     text = f"{icon} context {ev.action} · {_pct(ev.ratio)}"
     if ev.threshold:
@@ -359,8 +370,9 @@ def _context_badge(ev: Any) -> str:
     return _badge(text, f"anb-{ev.action}")
 
 
-def _tool_html(call: Any, result: Any, o: _Opts, seq: int | None) -> str:
+def _tool_html(call: ToolCallEvent | None, result: ToolResult | None, o: _Opts, seq: int | None) -> str:
     ev = call if call is not None else result
+    assert ev is not None, "a tool is shown from its call, its result or both"
     name, key = ev.tool, _key(o, seq, ev.iteration, ev.call_id)
     parts = [f'<div class="anb-tool">🔧 <b>{_e(name)}</b>']
     if call is not None:
@@ -386,7 +398,7 @@ def _tool_html(call: Any, result: Any, o: _Opts, seq: int | None) -> str:
     return "".join(parts)
 
 
-def _transition_html(ev: Any, o: _Opts, seq: int | None) -> str:
+def _transition_html(ev: Transition, o: _Opts, seq: int | None) -> str:
     forced = f" {_badge('forced', 'anb-force_transition')} <span class=\"anb-dim\">{_e(ev.reason)}</span>" if ev.forced else ""
     rows = [f'<div class="anb-tr">➜ next step <b>{_e(ev.next_step)}</b>{forced}']
     for label, value in (("summary", ev.summary), ("lessons", ev.lessons), ("question", ev.question),
@@ -411,53 +423,52 @@ def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int |
     """
     out: list[str] = []
     head = f"call {iteration}" if iteration else "call"
-    calls: dict[str, Any] = {}
-    pending: list[Any] = []
+    calls: dict[str, ToolCallEvent] = {}
+    pending: list[ToolCallEvent] = []
     for ev in evs:
-        k = ev.kind
-        if k == "llm_request":
-            head += f' <span class="anb-dim">· {ev.messages} messages</span>'
-        elif k == "llm_response":
-            u = ev.usage
-            head += (f' <span class="anb-dim">· {_n(u.prompt_tokens)} prompt + '
-                     f'{_n(u.completion_tokens)} completion tokens')
-            if u.ratio is not None:
-                head += f' · context {_pct(u.ratio)} of {_n(u.window or 0)} ({_e(u.source)})'
-            if ev.latency_s is not None:
-                head += f' · <span title="how long the model took to answer">⏱ {_latency(ev.latency_s)}</span>'
-            head += "</span>"
-            if ev.content:
-                out.append(f'<div class="anb-msg"><b>assistant</b>'
-                           f'{_body(ev.content, o, seq, key=_key(o, seq, iteration, "assistant"))}</div>')
-            elif not ev.tool_calls:
-                out.append('<div class="anb-dim">assistant: (empty message)</div>')
-        elif k == "context_action":
-            out.append(f"<div>{_context_badge(ev)}</div>")
-        elif k == "tool_call":
-            calls[ev.call_id] = ev
-            pending.append(ev)
-            if ev.tool != "transition":
-                out.append(f"\0{ev.call_id}\0")  # placeholder, filled when the result arrives
-        elif k == "tool_result":
-            call = calls.pop(ev.call_id, None)
-            if call is not None:
-                pending.remove(call)
-            if ev.tool == "transition" and not ev.is_error:
-                continue  # the transition box below says it better
-            block = _tool_html(call, ev, o, seq)
-            marker = f"\0{ev.call_id}\0"
-            if call is not None and marker in out:
-                out[out.index(marker)] = block
-            else:
-                out.append(block)
-        elif k == "reminder":
-            out.append(f'<div class="anb-dim">📌 reminder ({_e(ev.reason)}): {_e(ev.text)}</div>')
-        elif k == "transition":
-            out.append(_transition_html(ev, o, seq))
-        elif k == "error":
-            out.append(f'<div class="anb-error">✖ error ({_e(ev.where)}): {_body(ev.message, o, seq, fold=False)}</div>')
-        elif k == "comment":
-            out.append(_comment_html(ev, o))
+        match ev:
+            case LLMRequest():
+                head += f' <span class="anb-dim">· {ev.messages} messages</span>'
+            case LLMResponse(usage=u):
+                head += (f' <span class="anb-dim">· {_n(u.prompt_tokens)} prompt + '
+                         f'{_n(u.completion_tokens)} completion tokens')
+                if u.ratio is not None:
+                    head += f' · context {_pct(u.ratio)} of {_n(u.window or 0)} ({_e(u.source)})'
+                if ev.latency_s is not None:
+                    head += f' · <span title="how long the model took to answer">⏱ {_latency(ev.latency_s)}</span>'
+                head += "</span>"
+                if ev.content:
+                    out.append(f'<div class="anb-msg"><b>assistant</b>'
+                               f'{_body(ev.content, o, seq, key=_key(o, seq, iteration, "assistant"))}</div>')
+                elif not ev.tool_calls:
+                    out.append('<div class="anb-dim">assistant: (empty message)</div>')
+            case ContextAction():
+                out.append(f"<div>{_context_badge(ev)}</div>")
+            case ToolCallEvent():
+                calls[ev.call_id] = ev
+                pending.append(ev)
+                if ev.tool != "transition":
+                    out.append(f"\0{ev.call_id}\0")  # placeholder, filled when the result arrives
+            case ToolResult():
+                call = calls.pop(ev.call_id, None)
+                if call is not None:
+                    pending.remove(call)
+                if ev.tool == "transition" and not ev.is_error:
+                    continue  # the transition box below says it better
+                block = _tool_html(call, ev, o, seq)
+                marker = f"\0{ev.call_id}\0"
+                if call is not None and marker in out:
+                    out[out.index(marker)] = block
+                else:
+                    out.append(block)
+            case Reminder():
+                out.append(f'<div class="anb-dim">📌 reminder ({_e(ev.reason)}): {_e(ev.text)}</div>')
+            case Transition():
+                out.append(_transition_html(ev, o, seq))
+            case ErrorEvent():
+                out.append(_error_html(ev, o, seq))
+            case CommentEvent():
+                out.append(_comment_html(ev, o))
     for call in pending:  # a tool still running, or a job stopped between call and result
         marker = f"\0{call.call_id}\0"
         if marker in out:
@@ -466,14 +477,18 @@ def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int |
     return f'<div class="anb-call"{anchor}><div>{head}</div>{"".join(out)}</div>'
 
 
-def _comment_html(ev: Any, o: _Opts) -> str:
+def _comment_html(ev: CommentEvent, o: _Opts) -> str:
     return f'<div class="anb-comment">💬 <b>{_e(ev.author)}</b>: {_body(ev.body, o, None, fold=False)}</div>'
+
+
+def _error_html(ev: ErrorEvent, o: _Opts, seq: int | None) -> str:
+    return f'<div class="anb-error">✖ error ({_e(ev.where)}): {_body(ev.message, o, seq, fold=False)}</div>'
 
 
 def _group_calls(evs: Sequence[Event]) -> list[tuple[int | None, list[Event]]]:
     groups: list[tuple[int | None, list[Event]]] = []
     for ev in evs:
-        if ev.kind == "movement_start":
+        if isinstance(ev, MovementStart):
             continue
         it = ev.iteration
         if groups and groups[-1][0] == it:
@@ -483,17 +498,17 @@ def _group_calls(evs: Sequence[Event]) -> list[tuple[int | None, list[Event]]]:
     return groups
 
 
-def _movement_section(job: Any, seq: int, evs: Sequence[Event], o: _Opts, *, open_: bool, compact: bool = False,
-                      latest: int | None = None) -> str:
+def _movement_section(job: JobRecord, seq: int, evs: Sequence[Event], o: _Opts, *, open_: bool,
+                      compact: bool = False, latest: int | None = None) -> str:
     """Movement run ``seq`` as a ``<details>``; ``latest`` is the iteration of the job's newest call when it is in this run."""
-    start = next((e for e in evs if e.kind == "movement_start"), None)
+    start = next((e for e in evs if isinstance(e, MovementStart)), None)
     name = start.movement if start is not None else "?"
-    transition = next((e for e in reversed(evs) if e.kind == "transition"), None)
-    responses = [e for e in evs if e.kind == "llm_response"]
+    transition = next((e for e in reversed(evs) if isinstance(e, Transition)), None)
+    responses = [e for e in evs if isinstance(e, LLMResponse)]
     tokens = sum(e.usage.total_tokens for e in responses)
     ratios = [e.usage.ratio for e in responses if e.usage.ratio is not None]
-    actions = [e for e in evs if e.kind == "context_action"]
-    failed = any(e.kind == "error" for e in evs)
+    actions = [e for e in evs if isinstance(e, ContextAction)]
+    failed = any(isinstance(e, ErrorEvent) for e in evs)
     if transition is not None:
         status = "done"
     elif failed:
@@ -529,7 +544,7 @@ def _movement_section(job: Any, seq: int, evs: Sequence[Event], o: _Opts, *, ope
             head_n = max(1, o.max_calls // 4)
             tail_n = max(1, o.max_calls - head_n)
             hidden = groups[head_n:-tail_n]
-            shown = groups[:head_n] + [(None, [])] + groups[-tail_n:]
+            shown = [*groups[:head_n], (None, []), *groups[-tail_n:]]
         else:
             hidden, shown = [], groups
         for it, group in shown:
@@ -544,12 +559,12 @@ def _movement_section(job: Any, seq: int, evs: Sequence[Event], o: _Opts, *, ope
 
 
 def _hidden_line(hidden: Sequence[tuple[int | None, list[Event]]], o: _Opts, seq: int | None) -> str:
-    n_calls = sum(1 for _, g in hidden if any(e.kind == "llm_response" for e in g))
-    tokens = sum(e.usage.total_tokens for _, g in hidden for e in g if e.kind == "llm_response")
+    n_calls = sum(1 for _, g in hidden if any(isinstance(e, LLMResponse) for e in g))
+    tokens = sum(e.usage.total_tokens for _, g in hidden for e in g if isinstance(e, LLMResponse))
     tools: dict[str, int] = {}
     for _, g in hidden:
         for e in g:
-            if e.kind == "tool_call":
+            if isinstance(e, ToolCallEvent):
                 tools[e.tool] = tools.get(e.tool, 0) + 1
     first, last = hidden[0][0], hidden[-1][0]
     used = ", ".join(f"{_e(k)}×{v}" for k, v in sorted(tools.items(), key=lambda kv: -kv[1])[:8])
@@ -557,7 +572,7 @@ def _hidden_line(hidden: Sequence[tuple[int | None, list[Event]]], o: _Opts, seq
             + (f"; tools {used}" if used else "") + f"); all of them: <code>{_e(o.hint(seq))}</code></div>")
 
 
-def _header(job: Any, st: JobStats, piece_max: int | None, *, latest_link: bool = False) -> str:
+def _header(job: JobRecord, st: JobStats, piece_max: int | None, *, latest_link: bool = False) -> str:
     status = st.status or str(job.status)
     mv = f"{st.movements}" + (f" / {piece_max}" if piece_max else "")
     parts = [
@@ -586,36 +601,37 @@ def _header(job: Any, st: JobStats, piece_max: int | None, *, latest_link: bool 
     return "".join(parts)
 
 
-def _piece_max(ws: Workspace, job_id: int) -> int | None:
+def _piece_max(ws: JobSource, job_id: int) -> int | None:
     try:
         return ws.piece(job_id).max_movements
     except Exception:  # a stored piece that no longer parses must not break the view
         return None
 
 
-def header_html(ws: Workspace, job_id: int) -> str:
+def header_html(ws: JobSource, job_id: int) -> str:
     """The header line of a job: piece, model, status, movements run, calls, tokens, elapsed (no <style>)."""
     job = ws.job(job_id).snapshot()
     return _inline(_header(job, _stats(job, ws.events(job_id)), _piece_max(ws, job_id)))
 
 
-def _layout(events: Iterable[Event]) -> tuple[list[tuple[str, Any]], dict[int, list[Event]]]:
-    """The job's timeline: movement runs and job-level comments/errors in the order they happened."""
-    items: list[tuple[str, Any]] = []
+def timeline(events: Iterable[Event]) -> tuple[list[int | CommentEvent | ErrorEvent], dict[int, list[Event]]]:
+    """The job's timeline: movement runs (their ``seq``) and job-level comments and errors in the order they
+    happened, with each run's events by ``seq`` (the job view's ordering, which the exported notebook follows)."""
+    items: list[int | CommentEvent | ErrorEvent] = []
     by_seq: dict[int, list[Event]] = {}
     for ev in events:
         if ev.movement_seq is not None:
             if ev.movement_seq not in by_seq:
                 by_seq[ev.movement_seq] = []
-                items.append(("mv", ev.movement_seq))
+                items.append(ev.movement_seq)
             by_seq[ev.movement_seq].append(ev)
-        elif ev.kind in ("comment", "error"):
-            items.append((ev.kind, ev))
+        elif isinstance(ev, (CommentEvent, ErrorEvent)):
+            items.append(ev)
     return items, by_seq
 
 
 def job_html(
-    ws: Workspace,
+    ws: JobSource,
     job_id: int,
     *,
     max_chars: int | None = DEFAULT_MAX_CHARS,
@@ -640,8 +656,8 @@ def job_html(
     st = _stats(job, events)
     o = _Opts(job.id, max_chars, max_calls, st.question)
     # the agent's ASK is also stored as its comment: the transition box already shows that question
-    asked = {ev.question for ev in events if ev.kind == "transition" and ev.question}
-    items, by_seq = _layout(events)
+    asked = {ev.question for ev in events if isinstance(ev, Transition) and ev.question}
+    items, by_seq = timeline(events)
     last_seq = max(by_seq) if by_seq else None
     latest = dict([st.latest]) if st.latest is not None else {}
     sections: dict[int, str] = {
@@ -657,14 +673,15 @@ def job_html(
             total += len(compact) - len(sections[seq])
             sections[seq] = compact
     body: list[str] = []
-    for kind, item in items:
-        if kind == "mv":
-            body.append(sections[item])
-        elif kind == "comment":
-            if not (item.author == "agent" and item.body in asked):
-                body.append(_comment_html(item, o))
-        else:
-            body.append(f'<div class="anb-error">✖ error ({_e(item.where)}): {_body(item.message, o, None, fold=False)}</div>')
+    for item in items:
+        match item:
+            case int():
+                body.append(sections[item])
+            case CommentEvent():
+                if not (item.author == "agent" and item.body in asked):
+                    body.append(_comment_html(item, o))
+            case ErrorEvent():
+                body.append(_error_html(item, o, None))
     if not by_seq and str(job.status) == "queued":
         body.append('<div class="anb-dim">not started yet</div>')
     return (STYLE if style else "") + _inline(
@@ -674,7 +691,7 @@ def job_html(
 
 
 def movement_html(
-    ws: Workspace,
+    ws: JobSource,
     job_id: int,
     seq: int,
     *,

@@ -8,6 +8,7 @@ the cost when the frame has one.  Missing values are blank (never ``NaN`` next t
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import pandas as pd
@@ -32,14 +33,14 @@ def _compact(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(index=df.index)
     if df["job"].nunique() > 1:
         out["job"] = df["job"].map(_int)
-    out["movement"] = [f"{s}. {m}" if not pd.isna(m) else f"{s}." for s, m in zip(df["seq"], df["movement"])]
+    out["movement"] = [f"{s}. {m}" if not pd.isna(m) else f"{s}." for s, m in zip(df["seq"], df["movement"], strict=True)]
     out["call"] = df["call"].map(_int)
     out["tokens"] = [f"{_int(t)}  ({_int(p)} + {_int(c)})" for t, p, c in
-                     zip(df["total_tokens"], df["prompt_tokens"], df["completion_tokens"])]
+                     zip(df["total_tokens"], df["prompt_tokens"], df["completion_tokens"], strict=True)]
     out["context"] = ["" if pd.isna(r) else f"{r:.0%}" for r in df["ratio"]]
     out["action"] = ["" if pd.isna(a) else str(a).replace(",", ", ") for a in df["actions"]]
     out["next"] = ["" if pd.isna(t) else f"→ {t}" + (" (forced)" if f is True else "")
-                   for t, f in zip(df["transition"], df["forced"].astype(object))]
+                   for t, f in zip(df["transition"], df["forced"].astype(object), strict=True)]
     if "latency_s" in df:
         out["latency"] = df["latency_s"].map(_latency)
     if "cost_usd" in df and df["cost_usd"].notna().any():
@@ -56,11 +57,12 @@ def usage_table(df: pd.DataFrame) -> Any:
         styler = view.style
     except ImportError:  # pandas' Styler needs jinja2; the table is still readable without it
         return view.to_html(index=False)
+    numbers: list[Hashable] = ["tokens", "context", "call", *(["latency"] if "latency" in view else [])]
+    cell: dict[str, Any] = {"white-space": "nowrap", "text-align": "left", "font-size": "12px"}
     return (styler.hide(axis="index")
             .set_caption(caption)
-            .set_properties(**{"white-space": "nowrap", "text-align": "left", "font-size": "12px"})
-            .set_properties(subset=["tokens", "context", "call"] + (["latency"] if "latency" in view else []),
-                            **{"text-align": "right"})
+            .set_properties(None, **cell)
+            .set_properties(numbers, **{"text-align": "right"})
             .set_table_styles([{"selector": "th", "props": "text-align:left;font-size:12px;white-space:nowrap"},
                                {"selector": "caption", "props": "caption-side:top;text-align:left;color:#777;"
                                                                 "font-size:12px"}]))
