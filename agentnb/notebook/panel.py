@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 
 __all__ = ["NotebookSession", "Panel", "context_bar_html"]
 
-_PROBLEMS = (PieceError, ModelSpecError, StoreError, FileNotFoundError, ValueError)
 _RUNNABLE = ("queued", PAUSED)  # shown statuses that Step and Run continue
 # {name}, $name, or the {{ and }} escapes, in the model box (e.g. scripted:{SCRIPT})
 _VAR_REF = re.compile(r"\{\{|\}\}|\{(\w+)\}|\$(\w+)")
@@ -413,7 +412,7 @@ class Panel(w.VBox):
             self._thread.join(timeout)
 
     def _watch(self) -> None:
-        seen: tuple[int, int] | None = None
+        seen: tuple[int | None, int | None] | None = None
         while not self._closed.is_set():
             try:
                 mark = self.ws.store.change_mark()

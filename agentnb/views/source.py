@@ -7,14 +7,14 @@ any other source, e.g. a test's) satisfies without naming them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from ..engine.pieces import Piece
     from ..events import Event
+    from ..store.base import Store
 
-__all__ = ["EventReader", "JobRecord", "JobSource", "LiveJob"]
+__all__ = ["JobRecord", "JobSource", "LiveJob"]
 
 
 class JobRecord(Protocol):
@@ -52,20 +52,11 @@ class LiveJob(JobRecord, Protocol):
     def snapshot(self) -> JobRecord: ...
 
 
-class EventReader(Protocol):
-    """The store's event reads the views use."""
-
-    def events(self, job_id: int, *, after_id: int = ..., kinds: Sequence[str] | None = ...,
-               movement_seq: int | None = ...) -> list[Event]: ...
-
-    def last_event_id(self, job_id: int) -> int: ...
-
-
 class JobSource(Protocol):
     """A workspace as the views see it: its jobs, their events and pieces."""
 
     @property
-    def store(self) -> EventReader: ...
+    def store(self) -> Store: ...
 
     def job(self, job: int | str) -> LiveJob: ...
 

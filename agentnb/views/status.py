@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..events import JobStatusEvent
-
 if TYPE_CHECKING:
-    from .source import EventReader
+    from ..store.base import Store
 
 __all__ = ["DISPLAY_STATES", "PAUSED", "STOP_REASON", "display_status", "last_status_reason"]
 
@@ -37,6 +35,6 @@ def display_status(status: Any, reason: Any) -> str:
     return text
 
 
-def last_status_reason(store: EventReader, job_id: int) -> str | None:
+def last_status_reason(store: Store, job_id: int) -> str | None:
     """The reason of the job's newest ``job_status`` event (``None`` before the first one)."""
     return store.last_status_reason(job_id)

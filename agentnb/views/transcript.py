@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import nbformat
 from nbformat import v4
 
-from ..errors import UsageError
 from .._secrets import redact, secret_values
+from ..errors import UsageError
 from ..events import (
     ContextAction,
     ErrorEvent,
