@@ -300,8 +300,11 @@ def payload_dict(event: Event) -> dict[str, Any]:
             v = [value_data(x) for x in v]
         out[k] = v
     if event.kind == "context_action":
-        # DESIGN §6 lists `iteration` among this kind's payload keys; it lives in the row's column too
+        # DESIGN §6 lists `iteration` among this kind's payload keys; it lives in the row's column too.
+        # Stored before `threshold`, where the engine has always written it (the stored JSON stays the same).
+        threshold = out.pop("threshold")
         out["iteration"] = event.iteration
+        out["threshold"] = threshold
     return out
 
 

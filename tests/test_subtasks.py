@@ -268,7 +268,7 @@ def test_relative_scripted_path_of_a_subtask_is_kept_absolute(
 
 
 def test_subtasks_that_hand_out_subtasks_again_stop_at_the_nesting_limit(ws: Workspace, tmp_path: Path) -> None:
-    from agentnb.engine.runner import MAX_SUBTASK_DEPTH
+    from agentnb.engine.subtasks import MAX_SUBTASK_DEPTH
 
     # every job of this piece splits into two more of itself: without a limit the tree never ends
     spec = write_script(tmp_path, "again", {
@@ -282,13 +282,13 @@ def test_subtasks_that_hand_out_subtasks_again_stop_at_the_nesting_limit(ws: Wor
     assert len(jobs) == 2 ** (MAX_SUBTASK_DEPTH + 1) - 1  # a full binary tree MAX_SUBTASK_DEPTH levels below the root
     assert all(j.status == "succeeded" for j in jobs)
     deepest = [j for j in jobs if not ws.children(j)]
-    refused = [e.payload["content"] for e in ws.events(deepest[0], kinds=["tool_result"])][0]
+    refused = next(e.payload["content"] for e in ws.events(deepest[0], kinds=["tool_result"]))
     assert refused == (f"Error: this job is already a subtask {MAX_SUBTASK_DEPTH} levels deep; subtasks may nest at "
                        f"most {MAX_SUBTASK_DEPTH} levels: do this work here instead of handing it out")
 
 
 def test_too_many_subtasks_in_one_transition_are_a_tool_error(ws: Workspace, tmp_path: Path) -> None:
-    from agentnb.engine.runner import MAX_SUBTASKS_PER_CALL
+    from agentnb.engine.subtasks import MAX_SUBTASKS_PER_CALL
 
     spec = write_script(tmp_path, "many", {
         "split": [transition("WAIT_SUBTASKS", subtasks=[{"instruction": f"part {i}"} for i in range(MAX_SUBTASKS_PER_CALL + 1)]),
