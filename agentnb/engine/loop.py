@@ -326,6 +326,7 @@ class AgentLoop:
         seq = self.seq
         for i, call in enumerate(calls):
             resumed = i < started
+            budget = self.ctx.tool_budget()  # the tool is cut to it and its result records it
             if not resumed:
                 self.rec.add(ToolCallEvent(job_id=self.rec.job_id, movement_seq=seq, iteration=it, ts=time.time(),
                                            tool=call.name, arguments=call.arguments, call_id=call.id))
@@ -336,13 +337,13 @@ class AgentLoop:
             elif resumed and not self._rerunnable(call.name):
                 out = ToolOutput(INTERRUPTED.format(tool=call.name or "a tool"), is_error=True)
             else:
-                out = self._run_tool(call.name, call.arguments)
+                out = self._run_tool(call.name, call.arguments, budget)
             self.rec.add(ToolResult(
                 job_id=self.rec.job_id, movement_seq=seq, iteration=it, ts=time.time(), tool=call.name,
                 call_id=call.id, content=out.content, is_error=out.is_error, truncated=out.truncated,
                 # never None: ToolOutput fills both in from its content
                 original_chars=out.original_chars or 0, returned_chars=out.returned_chars or 0,
-                continuation=out.continuation, image=out.image, budget_tokens=self.ctx.tool_budget(),
+                continuation=out.continuation, image=out.image, budget_tokens=budget,
             ))
             self._append({"role": "tool", "tool_call_id": call.id, "content": out.content})
             if out.image:
@@ -408,7 +409,7 @@ class AgentLoop:
         return Outcome(next_step=target, summary=f"Forced transition: {reason}.", forced=True, reason=reason,
                        question=question)
 
-    def _run_tool(self, name: str, arguments: Any) -> ToolOutput:
+    def _run_tool(self, name: str, arguments: Any, budget: int) -> ToolOutput:
         if not isinstance(name, str) or not name.strip():
             return ToolOutput(f"Error: this tool call names no tool (its function name is missing or empty); "
                               f"available: {', '.join(self.tool_names)}", is_error=True)
@@ -431,7 +432,7 @@ class AgentLoop:
             return ToolOutput(f"Error: the arguments for {name} are not a JSON object: {str(arguments)[:200]}",
                               is_error=True)
         tctx = ToolContext(
-            workdir=self.workdir, logs_dir=self.logs_dir, budget_tokens=self.ctx.tool_budget(),
+            workdir=self.workdir, logs_dir=self.logs_dir, budget_tokens=budget,
             chars_per_token=self.ctx.chars_per_token, job_id=self.rec.job_id, movement=self.movement.name,
             count_tokens=self.ctx.counter.count,
         )
