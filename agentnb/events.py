@@ -277,23 +277,6 @@ _NESTED_LISTS: dict[str, dict[str, type]] = {
 _VALUE_TYPES = (Usage, RecordedToolCall, Subtask)
 
 
-def _field_reader(names: tuple[str, ...]) -> Callable[[Any], dict[str, Any]]:
-    """``lambda o: {"a": o.a, "b": o.b, ...}`` for ``names`` (fixed dataclass field names).
-
-    Every event is turned into its payload once, ~5 per LLM call: a dict display built this way is ~2x
-    as fast as a getattr loop over the names, which benchmarks/overhead.py shows per call.
-    """
-    return eval("lambda o: {" + ", ".join(f"{n!r}: o.{n}" for n in names) + "}")
-
-
-_VALUE_READERS = {cls: _field_reader(tuple(f.name for f in fields(cls))) for cls in _VALUE_TYPES}
-_PAYLOAD_READERS = {cls.kind: _field_reader(cls.payload_keys) for cls in _CLASSES}
-# the payload keys that hold a value type, or a list of them
-_VALUE_KEYS: dict[str, tuple[str, ...]] = {
-    kind: (*_NESTED.get(kind, {}), *_NESTED_LISTS.get(kind, {})) for kind in {*_NESTED, *_NESTED_LISTS}
-}
-
-
 def value_data(obj: Usage | RecordedToolCall | Subtask) -> dict[str, Any]:
     """A nested value as it is stored in the payload JSON."""
     cls = type(obj)
@@ -305,27 +288,46 @@ def value_data(obj: Usage | RecordedToolCall | Subtask) -> dict[str, Any]:
     return out
 
 
+def _stored(value: Any) -> Any:
+    """A field that holds a value type (or a list of them), as stored."""
+    if isinstance(value, _VALUE_TYPES):
+        return value_data(value)
+    if isinstance(value, list) and value and isinstance(value[0], _VALUE_TYPES):
+        return [value_data(v) for v in value]
+    return value
+
+
+def _reader(fields_: dict[str, str]) -> Callable[[Any], dict[str, Any]]:
+    """``lambda o: {"a": o.a, "b": _stored(o.b), ...}``: one dict display per type, from ``{key: expression}``.
+
+    An event is turned into its payload once, ~5 per LLM call (benchmarks/overhead.py): a dict display
+    built once per type costs a third of a loop over the field names that checks every value.
+    """
+    body = ", ".join(f"{key!r}: {expr}" for key, expr in fields_.items())
+    return eval(f"lambda o: {{{body}}}", {"_stored": _stored})  # only field names of the classes above
+
+
+def _payload_fields(cls: type[EventBase]) -> dict[str, str]:
+    nested = {*_NESTED.get(cls.kind, {}), *_NESTED_LISTS.get(cls.kind, {})}
+    out = {k: f"_stored(o.{k})" if k in nested else f"o.{k}" for k in cls.payload_keys}
+    if cls.kind == "context_action":
+        # DESIGN §6 lists `iteration` among this kind's payload keys; it lives in the row's column too.
+        # Stored before `threshold`, where the engine has always written it (the stored JSON stays the same).
+        threshold = out.pop("threshold")
+        out["iteration"] = "o.iteration"
+        out["threshold"] = threshold
+    return out
+
+
+_VALUE_READERS = {cls: _reader({f.name: f"o.{f.name}" for f in fields(cls)}) for cls in _VALUE_TYPES}
+_PAYLOAD_READERS = {cls.kind: _reader(_payload_fields(cls)) for cls in _CLASSES}
 # compact and UTF-8 as stored; default=str keeps a stray non-JSON value (a Path) readable instead of failing a run
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=str)
 
 
 def payload_dict(event: Event) -> dict[str, Any]:
     """The kind's own fields as plain JSON data, exactly as stored in the ``payload`` column."""
-    kind = event.kind
-    out = _PAYLOAD_READERS[kind](event)
-    for k in _VALUE_KEYS.get(kind, ()):
-        v = out[k]
-        if isinstance(v, _VALUE_TYPES):
-            out[k] = value_data(v)
-        elif isinstance(v, list) and v and isinstance(v[0], _VALUE_TYPES):
-            out[k] = [value_data(x) for x in v]
-    if kind == "context_action":
-        # DESIGN §6 lists `iteration` among this kind's payload keys; it lives in the row's column too.
-        # Stored before `threshold`, where the engine has always written it (the stored JSON stays the same).
-        threshold = out.pop("threshold")
-        out["iteration"] = event.iteration
-        out["threshold"] = threshold
-    return out
+    return _PAYLOAD_READERS[event.kind](event)
 
 
 def payload_json(event: Event) -> str:
