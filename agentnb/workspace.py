@@ -14,16 +14,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .engine.pieces import Piece, load_piece
-from .engine.runner import JobRunner, notify_parent
+from .engine.prompts import MAX_COMMENTS, build_enriched_instruction
+from .engine.runner import JobRunner, stored_piece
+from .engine.subtasks import notify_parent
+from .engine.workdir import prepare_workdir
 from .errors import PathNotFoundError, UsageError
 from .events import ErrorEvent, Event
-from .models.base import check_model_spec, check_retry_settings
+from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
 from .store import Store, StoreError, open_store
 from .store.sqlite import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, can_name_a_job
 from .tools.base import ToolError, resolve_path
 from .views.status import STOP_REASON
-from .worker import MAX_COMMENTS, Worker, build_enriched_instruction
+from .worker import Worker
 
 if TYPE_CHECKING:
     from .views.frames import Frames
@@ -194,21 +197,6 @@ def _shown_above_html(job: Job) -> str:
 JobRef = Job | int | str
 
 
-def prepare_workdir(root: Path, job_id: int, workdir: str | os.PathLike[str] | None) -> Path:
-    """The job's work directory (created with ``input/`` and ``output/``) and its logs folder."""
-    logs = root / "jobs" / str(job_id) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    if workdir is None:
-        wd = root / "jobs" / str(job_id)
-    else:
-        wd = Path(workdir).expanduser().resolve()
-        if not wd.is_dir():
-            raise PathNotFoundError(f"workdir {str(workdir)!r} is not an existing directory")
-    (wd / "input").mkdir(parents=True, exist_ok=True)
-    (wd / "output").mkdir(parents=True, exist_ok=True)
-    return wd.resolve()
-
-
 class Workspace:
     """A folder with ``agentnb.sqlite`` and ``jobs/<id>/``; the way to submit, run, step and inspect jobs."""
 
@@ -272,9 +260,7 @@ class Workspace:
         return self.store.movements(self._id(job))
 
     def piece(self, job: JobRef) -> Piece:
-        from .engine.runner import _parse_stored
-
-        return _parse_stored(self.store.job(self._id(job)))
+        return stored_piece(self.store.job(self._id(job)))
 
     def submit(
         self,
@@ -302,7 +288,7 @@ class Workspace:
             )
         settings = check_retry_settings(retries, max_backoff)
         p = load_piece(piece)
-        model = _normalise_spec(model)
+        model = normalise_spec(model)
         check_model_spec(model)
         # Build it once: a malformed script or an unknown replay job is refused now, not when a worker
         # claims the job (building an openai model makes no client and reads no key yet).
@@ -581,12 +567,3 @@ class Workspace:
         from .views.transcript import export_notebook
 
         return export_notebook(self, self._id(job), path)
-
-
-def _normalise_spec(spec: str) -> str:
-    if isinstance(spec, str) and spec.startswith("scripted:"):
-        path = spec.split(":", 1)[1]
-        if path and Path(path).is_file():
-            return "scripted:" + str(Path(path).resolve())
-    return spec
-

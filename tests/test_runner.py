@@ -11,7 +11,7 @@ from engine_helpers import call, say, transition, write_piece, write_script
 
 import agentnb
 from agentnb import Workspace
-from agentnb.engine.runner import MAX_LESSON_CHARS
+from agentnb.engine.prompts import MAX_LESSON_CHARS
 
 AB = """
 name: ab

@@ -268,7 +268,7 @@ def test_relative_scripted_path_of_a_subtask_is_kept_absolute(
 
 
 def test_subtasks_that_hand_out_subtasks_again_stop_at_the_nesting_limit(ws: Workspace, tmp_path: Path) -> None:
-    from agentnb.engine.runner import MAX_SUBTASK_DEPTH
+    from agentnb.engine.subtasks import MAX_SUBTASK_DEPTH
 
     # every job of this piece splits into two more of itself: without a limit the tree never ends
     spec = write_script(tmp_path, "again", {
@@ -288,7 +288,7 @@ def test_subtasks_that_hand_out_subtasks_again_stop_at_the_nesting_limit(ws: Wor
 
 
 def test_too_many_subtasks_in_one_transition_are_a_tool_error(ws: Workspace, tmp_path: Path) -> None:
-    from agentnb.engine.runner import MAX_SUBTASKS_PER_CALL
+    from agentnb.engine.subtasks import MAX_SUBTASKS_PER_CALL
 
     spec = write_script(tmp_path, "many", {
         "split": [transition("WAIT_SUBTASKS", subtasks=[{"instruction": f"part {i}"} for i in range(MAX_SUBTASKS_PER_CALL + 1)]),

@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
+from ..events import UsageSource
 from .pieces import DEFAULT_THRESHOLDS
 from .tokens import CHARS_PER_TOKEN, TokenCounter, counter_for_model
 
@@ -83,7 +85,7 @@ def check_thresholds(thresholds: Mapping[str, Any], *, complete: bool = False) -
             raise ValueError(f"context.thresholds.{key}={value!r}; allowed: a number between 0 (excluded) and 1")
         out[key] = float(value)
     if complete:
-        for lower, upper in zip(ACTIONS, ACTIONS[1:]):
+        for lower, upper in pairwise(ACTIONS):
             if out[lower] > out[upper]:
                 raise ValueError(
                     f"context.thresholds: {lower} ({out[lower]}) is above {upper} ({out[upper]}); "
@@ -130,7 +132,7 @@ class ContextDecision:
 
     prompt_tokens: int
     completion_tokens: int
-    source: str
+    source: UsageSource
     ratio: float
     fired: list[tuple[str, float]] = field(default_factory=list)  # (action, threshold)
 
@@ -208,7 +210,7 @@ class ContextManager:
         return n
 
     @property
-    def source(self) -> str:
+    def source(self) -> UsageSource:
         return self.counter.source
 
     def after_response(
@@ -224,7 +226,7 @@ class ContextManager:
             prompt = int(usage["prompt_tokens"])
             reported = usage.get("completion_tokens")
             completion = int(reported) if reported is not None else assistant_tokens
-            source = "usage"
+            source: UsageSource = "usage"
             self.current = prompt + completion
         else:
             prompt = estimate

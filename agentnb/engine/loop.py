@@ -23,7 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..events import ContextAction, Event, LLMResponse, MovementStart, Reminder, ToolCallEvent, ToolResult, value_data
+from ..events import (
+    ContextAction,
+    Event,
+    LLMRequest,
+    LLMResponse,
+    MovementStart,
+    RecordedToolCall,
+    Reminder,
+    ToolCallEvent,
+    ToolResult,
+    Usage,
+    check_event,
+    strict_events,
+    value_data,
+)
 from ..models.base import Model, ModelRequest, ModelResponse, ToolCall
 from ..tools.base import PERMISSION_RANK, ToolContext, ToolOutput, get_tool
 from .context import ContextManager
@@ -33,7 +47,7 @@ from .prompts import text
 if TYPE_CHECKING:
     from ..store.sqlite import Store
 
-__all__ = ["INTERRUPTED", "AgentLoop", "Outcome", "Recorder", "transition_schema"]
+__all__ = ["INTERRUPTED", "AgentLoop", "CallCounters", "Outcome", "Recorder", "transition_schema"]
 
 INTERRUPTED = (
     "Error: this call of {tool} was interrupted by a restart (agentnb stopped or was killed while it ran), "
@@ -43,17 +57,24 @@ INTERRUPTED = (
 
 
 class Recorder:
-    """Collects a job's events and writes them in one transaction per LLM call."""
+    """Collects a job's typed events and hands them to the store in one transaction per LLM call.
 
-    __slots__ = ("job_id", "pending", "store")
+    Each event is stamped (``ts``) by whoever builds it, when it happens, not when it is written.
+    """
+
+    __slots__ = ("job_id", "pending", "store", "strict")
 
     def __init__(self, store: Store, job_id: int) -> None:
         self.store = store
         self.job_id = job_id
-        self.pending: list[tuple[int, int | None, int | None, float, str, dict[str, Any]]] = []
+        self.pending: list[Event] = []
+        # the test suite checks every field's type where the event is made, so a failure names the writer
+        self.strict = strict_events()
 
-    def add(self, kind: str, payload: dict[str, Any], seq: int | None = None, iteration: int | None = None) -> None:
-        self.pending.append((self.job_id, seq, iteration, time.time(), kind, payload))
+    def add(self, event: Event) -> None:
+        if self.strict:
+            check_event(event)
+        self.pending.append(event)
 
     def flush(self, c: Any = None) -> None:
         if self.pending:
@@ -129,7 +150,9 @@ class _Unfinished:
 
 
 @dataclass
-class _Counters:
+class CallCounters:
+    """The job's LLM calls so far, which the model sees in each request (scripted models pick by them)."""
+
     call_index: int = 0  # LLM calls in the job so far
     by_movement: dict[str, int] = field(default_factory=dict)  # calls per movement name so far
 
@@ -146,7 +169,7 @@ class AgentLoop:
         workdir: Path,
         logs_dir: Path,
         language: str,
-        counters: _Counters,
+        counters: CallCounters,
         check_subtasks: Callable[[list[Any]], str | None] | None = None,
     ) -> None:
         self.rec = recorder
@@ -174,8 +197,8 @@ class AgentLoop:
     def start(self, system: str, user: str) -> None:
         self._append({"role": "system", "content": system})
         self._append({"role": "user", "content": user})
-        self.rec.add("movement_start", {"movement": self.movement.name, "seq": self.seq, "system": system, "user": user},
-                     self.seq, 0)
+        self.rec.add(MovementStart(job_id=self.rec.job_id, movement_seq=self.seq, iteration=0, ts=time.time(),
+                                   movement=self.movement.name, seq=self.seq, system=system, user=user))
 
     def resume(self, events: Sequence[Event]) -> None:
         """Rebuild messages, iteration and fired actions from this movement's events.
@@ -201,7 +224,7 @@ class AgentLoop:
             elif isinstance(ev, LLMResponse):
                 flush_images()
                 self.iteration = ev.iteration or self.iteration + 1
-                assistant = _assistant_message(ev.content, [value_data(c) for c in ev.tool_calls])
+                assistant = _assistant_message(ev.content, [_call_message(c) for c in ev.tool_calls])
                 self.messages.append(assistant)
                 self.ctx.after_response(assistant, value_data(ev.usage) if ev.usage.source == "usage" else None)
                 last, started, done, transition_ok, actions = ev, 0, 0, False, []
@@ -223,7 +246,7 @@ class AgentLoop:
             force = next((a for a in actions if a.action == "force_transition"), None)
             self._unfinished = _Unfinished(
                 iteration=self.iteration,
-                calls=[_recorded_call(value_data(c), i) for i, c in enumerate(last.tool_calls)],
+                calls=[_recorded_call(c, i) for i, c in enumerate(last.tool_calls)],
                 started=max(started, done), done=done, transition_ok=transition_ok,
                 force_reason=_force_reason(force.ratio, force.window, force.threshold) if force else "",
                 prompt=next((a for a in actions if a.action == "prompt"), None),
@@ -249,7 +272,8 @@ class AgentLoop:
         self.iteration += 1
         it = self.iteration
         seq = self.seq
-        self.rec.add("llm_request", {"messages": len(self.messages), "tools": self.tool_names}, seq, it)
+        self.rec.add(LLMRequest(job_id=self.rec.job_id, movement_seq=seq, iteration=it, ts=time.time(),
+                                messages=len(self.messages), tools=self.tool_names))
         self.rec.flush()  # durable before the (slow, fallible) model call
         name = mv.name
         request = ModelRequest(
@@ -267,32 +291,21 @@ class AgentLoop:
         assistant = _assistant_message(response.content, calls)
         self.messages.append(assistant)
         decision = self.ctx.after_response(assistant, response.usage)
-        self.rec.add(
-            "llm_response",
-            {
-                "content": response.content,
-                "tool_calls": [_call_record(c) for c in response.tool_calls],
-                "usage": {
-                    "prompt_tokens": decision.prompt_tokens,
-                    "completion_tokens": decision.completion_tokens,
-                    "total_tokens": decision.prompt_tokens + decision.completion_tokens,
-                    "source": decision.source,
-                    "window": self.ctx.window,
-                    "ratio": round(decision.ratio, 6),
-                    "encoding": self.ctx.counter.encoding,  # the tokenizer behind tiktoken counts and budgets
-                },
-                "latency_s": latency_s,
-            },
-            seq, it,
+        job_id = self.rec.job_id
+        usage = Usage(
+            prompt_tokens=decision.prompt_tokens, completion_tokens=decision.completion_tokens,
+            total_tokens=decision.prompt_tokens + decision.completion_tokens, source=decision.source,
+            window=self.ctx.window, ratio=round(decision.ratio, 6),
+            encoding=self.ctx.counter.encoding,  # the tokenizer behind tiktoken counts and budgets
         )
+        self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
+                                 content=response.content, tool_calls=[_call_record(c) for c in response.tool_calls],
+                                 usage=usage, latency_s=latency_s))
         force_reason = ""
         for action, limit in decision.fired:
-            self.rec.add(
-                "context_action",
-                {"action": action, "ratio": round(decision.ratio, 6), "tokens": decision.prompt_tokens,
-                 "window": self.ctx.window, "iteration": it, "threshold": limit},
-                seq, it,
-            )
+            self.rec.add(ContextAction(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(), action=action,
+                                       ratio=round(decision.ratio, 6), tokens=decision.prompt_tokens,
+                                       window=self.ctx.window, threshold=limit))
             if action == "prompt":
                 self._prompt_due = True
             elif action == "force_transition":
@@ -313,9 +326,10 @@ class AgentLoop:
         seq = self.seq
         for i, call in enumerate(calls):
             resumed = i < started
+            budget = self.ctx.tool_budget()  # the tool is cut to it and its result records it
             if not resumed:
-                self.rec.add("tool_call", {"tool": call.name, "arguments": call.arguments, "call_id": call.id},
-                             seq, it)
+                self.rec.add(ToolCallEvent(job_id=self.rec.job_id, movement_seq=seq, iteration=it, ts=time.time(),
+                                           tool=call.name, arguments=call.arguments, call_id=call.id))
             if outcome is not None:
                 out = ToolOutput("Skipped: the movement already ended with transition.", is_error=True)
             elif call.name == "transition":
@@ -323,15 +337,14 @@ class AgentLoop:
             elif resumed and not self._rerunnable(call.name):
                 out = ToolOutput(INTERRUPTED.format(tool=call.name or "a tool"), is_error=True)
             else:
-                out = self._run_tool(call.name, call.arguments)
-            self.rec.add(
-                "tool_result",
-                {"tool": call.name, "call_id": call.id, "content": out.content, "is_error": out.is_error,
-                 "truncated": out.truncated, "original_chars": out.original_chars,
-                 "returned_chars": out.returned_chars, "continuation": out.continuation, "image": out.image,
-                 "budget_tokens": self.ctx.tool_budget()},
-                seq, it,
-            )
+                out = self._run_tool(call.name, call.arguments, budget)
+            self.rec.add(ToolResult(
+                job_id=self.rec.job_id, movement_seq=seq, iteration=it, ts=time.time(), tool=call.name,
+                call_id=call.id, content=out.content, is_error=out.is_error, truncated=out.truncated,
+                # never None: ToolOutput fills both in from its content
+                original_chars=out.original_chars or 0, returned_chars=out.returned_chars or 0,
+                continuation=out.continuation, image=out.image, budget_tokens=budget,
+            ))
             self._append({"role": "tool", "tool_call_id": call.id, "content": out.content})
             if out.image:
                 images.append(_image_message(call.name, out.image))
@@ -354,7 +367,8 @@ class AgentLoop:
         if self._prompt_due:
             self._prompt_due = False
             msg = text(self.language, "wrap_up", pct=f"{ratio:.0%}", tokens=tokens, window=self.ctx.window)
-            self.rec.add("reminder", {"text": msg, "reason": "context prompt"}, self.seq, it)
+            self.rec.add(Reminder(job_id=self.rec.job_id, movement_seq=self.seq, iteration=it, ts=time.time(),
+                                  text=msg, reason="context prompt"))
             self._append({"role": "user", "content": msg})
         return None
 
@@ -384,7 +398,8 @@ class AgentLoop:
     def _remind(self, it: int) -> None:
         steps = ", ".join(self.movement.next_steps)
         msg = text(self.language, "reminder", steps=steps)
-        self.rec.add("reminder", {"text": msg, "reason": "no tool call"}, self.seq, it)
+        self.rec.add(Reminder(job_id=self.rec.job_id, movement_seq=self.seq, iteration=it, ts=time.time(),
+                              text=msg, reason="no tool call"))
         self._append({"role": "user", "content": msg})
 
     def _forced(self, reason: str) -> Outcome:
@@ -394,7 +409,7 @@ class AgentLoop:
         return Outcome(next_step=target, summary=f"Forced transition: {reason}.", forced=True, reason=reason,
                        question=question)
 
-    def _run_tool(self, name: str, arguments: Any) -> ToolOutput:
+    def _run_tool(self, name: str, arguments: Any, budget: int) -> ToolOutput:
         if not isinstance(name, str) or not name.strip():
             return ToolOutput(f"Error: this tool call names no tool (its function name is missing or empty); "
                               f"available: {', '.join(self.tool_names)}", is_error=True)
@@ -417,7 +432,7 @@ class AgentLoop:
             return ToolOutput(f"Error: the arguments for {name} are not a JSON object: {str(arguments)[:200]}",
                               is_error=True)
         tctx = ToolContext(
-            workdir=self.workdir, logs_dir=self.logs_dir, budget_tokens=self.ctx.tool_budget(),
+            workdir=self.workdir, logs_dir=self.logs_dir, budget_tokens=budget,
             chars_per_token=self.ctx.chars_per_token, job_id=self.rec.job_id, movement=self.movement.name,
             count_tokens=self.ctx.counter.count,
         )
@@ -470,33 +485,29 @@ def _force_reason(ratio: float, window: int, limit: float) -> str:
     return f"context at {ratio:.1%} of {window:,} tokens reached force_transition ({limit:.0%})"
 
 
-def _recorded_call(c: Any, i: int) -> ToolCall:
+def _recorded_call(c: RecordedToolCall, i: int) -> ToolCall:
     """A tool call as recorded in ``llm_response``, back as a :class:`ToolCall`."""
-    if not isinstance(c, dict):
-        return ToolCall(id=f"call_{i}", name="", arguments=c)
-    return ToolCall(id=str(c.get("id") or f"call_{i}"), name=str(c.get("name") or ""), arguments=c.get("arguments"),
-                    raw_arguments=c.get("raw_arguments") or "")
+    return ToolCall(id=str(c.id or f"call_{i}"), name=str(c.name or ""), arguments=c.arguments,
+                    raw_arguments=c.raw_arguments or "")
 
 
-def _call_record(c: Any) -> dict[str, Any]:
+def _call_record(c: ToolCall) -> RecordedToolCall:
     """A tool call as kept in ``llm_response``; the model's own argument text too when re-encoding
     would change it (compact or double-encoded JSON), so a resumed movement re-sends what it said."""
-    record = {"id": c.id, "name": c.name, "arguments": c.arguments}
-    if c.raw_arguments and c.raw_arguments != _json_args(c.arguments):
-        record["raw_arguments"] = c.raw_arguments
-    return record
+    raw = c.raw_arguments if c.raw_arguments and c.raw_arguments != _json_args(c.arguments) else None
+    return RecordedToolCall(id=c.id, name=c.name, arguments=c.arguments, raw_arguments=raw)
+
+
+def _call_message(c: RecordedToolCall) -> dict[str, Any]:
+    """A recorded tool call as the assistant message sent it (the model's own argument text when kept)."""
+    return {"id": c.id, "type": "function",
+            "function": {"name": c.name, "arguments": c.raw_arguments or _json_args(c.arguments)}}
 
 
 def _assistant_message(content: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
-        msg["tool_calls"] = [
-            c if "function" in c else {
-                "id": c["id"], "type": "function",
-                "function": {"name": c["name"], "arguments": c.get("raw_arguments") or _json_args(c.get("arguments"))},
-            }
-            for c in tool_calls
-        ]
+        msg["tool_calls"] = tool_calls
     return msg
 
 

@@ -1,6 +1,46 @@
-"""Headings and fixed texts of the prompts, in English and Japanese (the piece's ``language``)."""
+"""The prompts: their fixed texts in English and Japanese (the piece's ``language``) and their assembly.
+
+A movement's user prompt is the job's enriched instruction (:func:`build_enriched_instruction`, built
+once per activation: date and time, the last comments, the input/output listing, the task), then what
+earlier movements carried over — lessons, checklists, a verifier's feedback, the results of subtasks,
+the git excerpt after a verifying movement — then the step's own instruction and how to finish it
+(:func:`user_prompt`).  Older comments, earlier movements' conversations, logs and file contents are
+deliberately left out.
+"""
 
 from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..events import Lesson, Subtask, Transition
+from ..tools.base import ToolError, open_regular, unlinked_path
+from .git_context import git_excerpt
+from .pieces import Movement, Piece
+
+if TYPE_CHECKING:
+    from ..store.sqlite import Store
+
+__all__ = [
+    "MAX_COMMENTS",
+    "MAX_COMMENT_CHARS",
+    "MAX_LESSON_CHARS",
+    "MAX_LISTED_FILES",
+    "TEXTS",
+    "build_enriched_instruction",
+    "finish_block",
+    "text",
+    "user_prompt",
+]
+
+MAX_COMMENTS = 5
+MAX_COMMENT_CHARS = 500
+MAX_LISTED_FILES = 50
+MAX_LESSON_CHARS = 2000
 
 TEXTS: dict[str, dict[str, str]] = {
     "en": {
@@ -59,3 +99,192 @@ TEXTS: dict[str, dict[str, str]] = {
 def text(language: str, key: str, **values: object) -> str:
     template = TEXTS.get(language, TEXTS["en"])[key]
     return template.format(**values) if values else template
+
+
+# -- the enriched instruction: the opening of every movement's user prompt ---------------------------------
+
+def build_enriched_instruction(
+    *,
+    instruction: str,
+    comments: Sequence[dict[str, Any]],
+    total_comments: int,
+    workdir: Path,
+    language: str = "en",
+    now: datetime | None = None,
+) -> str:
+    """The opening of every movement's user prompt for one activation of a job."""
+    blocks = [_now_block(language, now)]
+    if comments:
+        blocks.append(_comment_block(comments, total_comments, language))
+    files = [text(language, "workspace")]
+    files += _listing(workdir / "input", "input", language)
+    files += _listing(workdir / "output", "output", language)
+    blocks.append("\n".join(files))
+    blocks.append(f"{text(language, 'task')}\n{instruction}")
+    return "\n\n".join(blocks)
+
+
+def _now_block(language: str, now: datetime | None = None) -> str:
+    now = now or datetime.now().astimezone()
+    tz = now.tzname() or "UTC"
+    return f"{text(language, 'time')}\n{now.strftime('%Y-%m-%d %H:%M')} ({now.strftime('%A')}, {tz})"
+
+
+def _comment_block(comments: Sequence[dict[str, Any]], total: int, language: str) -> str:
+    lines = [text(language, "comments", shown=len(comments), total=total)]
+    for c in comments:
+        body = c["body"]
+        if len(body) > MAX_COMMENT_CHARS:
+            body = body[:MAX_COMMENT_CHARS] + " " + text(language, "cut", shown=MAX_COMMENT_CHARS, total=len(body))
+        when = datetime.fromtimestamp(c["ts"], tz=timezone.utc).astimezone().strftime("%Y-%m-%d %H:%M")
+        lines.append(f"- [{c['author']}, {when}] {body}")
+    return "\n".join(lines)
+
+
+def _listing(folder: Path, label: str, language: str) -> list[str]:
+    lines = [f"{label}/"]
+    entries: list[tuple[str, int]] = []
+    # what the tools cannot reach is not listed either: a linked input/ (or a link in it) that leads
+    # out of the work directory would show the names of outside files
+    root = os.path.realpath(folder.parent)
+
+    def inside(p: Path) -> bool:
+        return os.path.realpath(p).startswith(root + os.sep)
+
+    if folder.is_dir() and inside(folder):
+        for dirpath, dirnames, filenames in os.walk(folder):
+            dirnames.sort()
+            for name in sorted(filenames):
+                p = Path(dirpath) / name
+                if not inside(p):
+                    continue
+                try:
+                    entries.append((p.relative_to(folder).as_posix(), p.stat().st_size))
+                except OSError:
+                    continue
+    if not entries:
+        lines.append(f"  {text(language, 'empty')}")
+    for rel, size in entries[:MAX_LISTED_FILES]:
+        lines.append(f"  - {rel} ({size:,} bytes)")
+    if len(entries) > MAX_LISTED_FILES:
+        lines.append("  " + text(language, "more_files", n=len(entries) - MAX_LISTED_FILES))
+    return lines
+
+
+# -- a movement's user prompt ---------------------------------------------------------------------------
+
+def user_prompt(store: Store, job: dict[str, Any], piece: Piece, movement: Movement, *, logs_dir: Path,
+                workdir: Path) -> str:
+    """The first user message of ``movement``: the enriched instruction, what earlier movements of job
+    ``job`` carried over, then the step's instruction and how to finish it."""
+    job_id = int(job["id"])
+    lang = piece.language
+    parts = [job["enriched"] or ""]
+    lessons = _lessons_block(store.events(job_id, kinds=["lesson"]))
+    if lessons:
+        parts.append(f"{text(lang, 'lessons')}\n{lessons}")
+    checklists = _checklists_block(logs_dir, lang)
+    if checklists:
+        parts.append(f"{text(lang, 'checklists')}\n{checklists}")
+    transitions = [ev for ev in store.events(job_id, kinds=["transition"]) if isinstance(ev, Transition)]
+    feedback = _feedback_block(transitions, piece, movement)
+    if feedback:
+        parts.append(f"{text(lang, 'feedback')}\n\n{feedback}")
+    last = transitions[-1] if transitions else None
+    if last is not None and last.next_step == "WAIT_SUBTASKS" and last.subtasks:
+        parts.append(f"{text(lang, 'subtasks')}\n{_subtasks_block(store, last.subtasks, lang)}")
+    if last is not None and last.movement and _is_verify(piece, last.movement):
+        git = git_excerpt(workdir)
+        if git:
+            parts.append(f"{text(lang, 'git')}\n{git}")
+    parts.append(f"{text(lang, 'step', name=movement.name)}\n{movement.instruction.strip()}")
+    parts.append(finish_block(movement, lang))
+    return "\n\n".join(p for p in parts if p)
+
+
+def _lessons_block(events: Sequence[object]) -> str:
+    """The lessons so far, newest kept, oldest dropped, within :data:`MAX_LESSON_CHARS`."""
+    items = [f"- [{ev.movement}] {ev.lessons.strip()}" for ev in events if isinstance(ev, Lesson)]
+    kept: list[str] = []
+    size = 0
+    for item in reversed(items):
+        if size + len(item) + 1 > MAX_LESSON_CHARS:
+            if not kept:
+                kept.append(item[: MAX_LESSON_CHARS - 1] + "…")
+            break
+        kept.append(item)
+        size += len(item) + 1
+    return "\n".join(reversed(kept))
+
+
+def _checklists_block(logs_dir: Path, language: str) -> str:
+    try:
+        folder = unlinked_path(logs_dir.parent, logs_dir.name, "checklists")
+    except ToolError:
+        return ""  # a link planted in logs/ must not bring outside files into the prompt
+    if not folder.is_dir():
+        return ""
+    out = []
+    for path in sorted(folder.glob("*.json")):
+        if path.is_symlink():
+            continue
+        try:
+            # a FIFO named x.json (Bash can make one) would block the worker on every prompt
+            with open(open_regular(path, f"logs/checklists/{path.name}"), encoding="utf-8") as fh:
+                data = json.loads(fh.read())
+        except (OSError, ValueError, ToolError):
+            continue
+        # the default work directory holds logs/, so the model may have written these files itself
+        raw = data.get("items") if isinstance(data, dict) else None
+        items = [i for i in raw if isinstance(i, dict)] if isinstance(raw, list) else []
+        done = sum(1 for i in items if i.get("done"))
+        out.append(text(language, "checklist_head", name=path.stem, done=done, total=len(items)))
+        out += [f"- [{'x' if i.get('done') else ' '}] {i.get('text', '')}" for i in items]
+    return "\n".join(out)
+
+
+def _feedback_block(transitions: Sequence[Transition], piece: Piece, movement: Movement) -> str:
+    """The feedback of every verifying movement that sent the job back to ``movement``, oldest first."""
+    items = [(ev.movement, ev.feedback) for ev in transitions
+             if ev.next_step == movement.name and ev.feedback and _is_verify(piece, ev.movement, target=movement.name)]
+    return "\n\n".join(
+        f"{text(piece.language, 'feedback_item', n=n, source=source)}\n{feedback.strip()}"
+        for n, (source, feedback) in enumerate(items, start=1)
+    )
+
+
+def _is_verify(piece: Piece, name: str, target: str | None = None) -> bool:
+    try:
+        mv = piece.movement(name)
+    except KeyError:
+        return False
+    return mv.verify is not None and (target is None or mv.verify == target)
+
+
+def _subtasks_block(store: Store, subtasks: Sequence[Subtask], language: str) -> str:
+    """One entry per child: its status, its last summary and, when it failed or was aborted, why."""
+    lines = []
+    for sub in subtasks:
+        child = store.job(sub.job_id)
+        summary = ""
+        for ev in reversed(store.events(sub.job_id, kinds=["transition"])):
+            if isinstance(ev, Transition):
+                summary = ev.summary
+                break
+        lines.append(text(language, "subtask_line", id=sub.job_id, status=child["status"],
+                          instruction=sub.instruction, summary=summary or "-"))
+        # an abort's reason is usually its summary; a failure's message never is
+        if child["error"] and child["error"] != summary:
+            lines.append(text(language, "subtask_error", error=child["error"]))
+    return "\n".join(lines)
+
+
+def finish_block(movement: Movement, language: str) -> str:
+    """The prompt's "how to finish" block: one line per value of ``movement.next_steps``, no more, no less."""
+    lines = [text(language, "finish"), text(language, "finish_intro")]
+    for rule in movement.rules:
+        lines.append(f"- `{rule.next}`" + (f": {rule.condition}" if rule.condition else ""))
+    if "ABORT" not in {r.next for r in movement.rules}:
+        lines.append(text(language, "finish_abort"))
+    lines.append(text(language, "finish_notes"))
+    return "\n".join(lines)

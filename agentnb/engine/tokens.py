@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..events import UsageSource
+
 __all__ = ["CHARS", "CHARS_PER_TOKEN", "OFFLINE_ENCODING", "TokenCounter", "counter_for_model", "encoding_for_model"]
 
 CHARS_PER_TOKEN = 4.0
@@ -42,7 +44,7 @@ _FILES: dict[str, tuple[str, str]] = {
 class TokenCounter:
     """Counts tokens of text; ``source`` is ``tiktoken`` or ``chars``, ``encoding`` the encoding's name."""
 
-    source: str
+    source: UsageSource
     encoding: str
     _count: Callable[[str], int]
 

@@ -34,7 +34,9 @@ __all__ = [
     "ReplayModel",
     "ScriptedModel",
     "ToolCall",
+    "check_model_spec",
     "check_retry_settings",
+    "normalise_spec",
 ]
 
 MODEL_SPECS = ("demo", "scripted:<file.yaml>", "openai:<model>", "replay:<job_id>")
@@ -299,3 +301,12 @@ def check_model_spec(spec: str) -> None:
         return
     raise ModelSpecError(f"unknown model spec {spec!r}; allowed: {', '.join(MODEL_SPECS)}")
 
+
+def normalise_spec(spec: str) -> str:
+    """``spec`` with a ``scripted:`` file made absolute, so it names the same file for a worker started
+    in another folder."""
+    if isinstance(spec, str) and spec.startswith("scripted:"):
+        path = spec.split(":", 1)[1]
+        if path and Path(path).is_file():
+            return "scripted:" + str(Path(path).resolve())
+    return spec

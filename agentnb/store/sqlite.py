@@ -804,3 +804,75 @@ class SQLiteStore:
             "SELECT * FROM movements WHERE job_id=? AND status='running' ORDER BY seq DESC LIMIT 1", (job_id,)
         )
         return dict(rows[0]) if rows else None
+
+    # -- operations the engine asks for ----------------------------------------
+    # Each takes the transaction ``c`` when the engine needs it to be atomic with other writes.
+    def start_movement(self, c: sqlite3.Connection, job_id: int, seq: int, name: str) -> None:
+        """Open the row of movement run ``seq`` (its events are recorded in the same transaction)."""
+        c.execute("INSERT INTO movements (job_id, seq, name, status, started) VALUES (?,?,?,?,?)",
+                  (job_id, seq, name, "running", time.time()))
+
+    def finish_movement(self, c: sqlite3.Connection, job_id: int, seq: int, *, iterations: int, next_step: str,
+                        forced: bool, summary: str) -> None:
+        """Close movement run ``seq`` with the transition that ended it."""
+        c.execute("UPDATE movements SET status='done', ended=?, iterations=?, next_step=?, forced=?, summary=? "
+                  "WHERE job_id=? AND seq=?", (time.time(), iterations, next_step, int(forced), summary, job_id, seq))
+
+    def fail_movement(self, c: sqlite3.Connection, job_id: int, seq: int, *, iterations: int) -> None:
+        """Close movement run ``seq`` as failed (its job fails in the same transaction)."""
+        c.execute("UPDATE movements SET status='failed', ended=?, iterations=? WHERE job_id=? AND seq=?",
+                  (time.time(), iterations, job_id, seq))
+
+    def calls_by_movement(self, job_id: int) -> dict[str, int]:
+        """How many LLM calls (``llm_response`` events) each movement name of the job has made so far."""
+        rows = self.query(
+            "SELECT m.name, COUNT(*) FROM events e JOIN movements m ON m.job_id=e.job_id AND m.seq=e.movement_seq "
+            "WHERE e.job_id=? AND e.kind='llm_response' GROUP BY m.name",
+            (job_id,),
+        )
+        return {r[0]: int(r[1]) for r in rows}
+
+    def subtask_depth(self, job_id: int) -> int:
+        """How many ancestors job ``job_id`` has (0 for a job a user submitted)."""
+        rows = self.query(
+            "WITH RECURSIVE up(id, parent_id, n) AS (SELECT id, parent_id, 0 FROM jobs WHERE id=? "
+            "UNION ALL SELECT j.id, j.parent_id, up.n + 1 FROM jobs j JOIN up ON j.id = up.parent_id "
+            "WHERE up.n < 1000) SELECT MAX(n) FROM up", (job_id,),
+        )
+        return int(rows[0][0] or 0)
+
+    def create_child_job(self, c: sqlite3.Connection, parent_id: int, *, piece: str, piece_yaml: str,
+                         piece_path: str | None, model: str, instruction: str, options: str) -> int:
+        """Insert a queued subtask of ``parent_id`` (no work directory yet: see :meth:`update_job`); its id.
+
+        The instruction and the options text are kept exactly as given (no ``texts`` reference).
+        """
+        now = time.time()
+        cur = c.execute(
+            "INSERT INTO jobs (parent_id, piece, piece_yaml, piece_path, model, instruction, status, workdir, "
+            "options, created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (parent_id, piece, piece_yaml, piece_path, model, instruction, "queued", "", options, now, now),
+        )
+        return int(cur.lastrowid)  # type: ignore[arg-type]
+
+    def parent_of(self, c: sqlite3.Connection, job_id: int) -> int | None:
+        """The id of the job that created ``job_id`` as a subtask, or None."""
+        row = c.execute("SELECT parent_id FROM jobs WHERE id=?", (job_id,)).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def subtask_wait(self, c: sqlite3.Connection, job_id: int) -> tuple[bool, str | None]:
+        """Whether job ``job_id`` waits for its subtasks, and the movement it goes on at when they end
+        (the one it named, else its current one)."""
+        row = c.execute("SELECT status, resume_movement, current_movement FROM jobs WHERE id=?",
+                        (job_id,)).fetchone()
+        if row is None or row[0] != "waiting_subtasks":
+            return False, None
+        return True, row[1] or row[2]
+
+    def open_children(self, c: sqlite3.Connection, parent_id: int) -> int:
+        """How many subtasks of ``parent_id`` have not ended."""
+        states = sorted(TERMINAL_STATES)
+        return int(c.execute(
+            f"SELECT COUNT(*) FROM jobs WHERE parent_id=? AND status NOT IN ({','.join('?' * len(states))})",
+            (parent_id, *states),
+        ).fetchone()[0])
