@@ -242,20 +242,20 @@ class ErrorEvent(EventBase):
     where: str = ""
 
 
-Event = Union[
-    JobStatusEvent,
-    MovementStart,
-    LLMRequest,
-    LLMResponse,
-    ToolCallEvent,
-    ToolResult,
-    ContextAction,
-    Reminder,
-    Transition,
-    Lesson,
-    CommentEvent,
-    ErrorEvent,
-]
+Event = (
+    JobStatusEvent
+    | MovementStart
+    | LLMRequest
+    | LLMResponse
+    | ToolCallEvent
+    | ToolResult
+    | ContextAction
+    | Reminder
+    | Transition
+    | Lesson
+    | CommentEvent
+    | ErrorEvent
+)
 
 _CLASSES: tuple[type[EventBase], ...] = typing.get_args(Event)
 _BY_KIND: dict[str, type[EventBase]] = {cls.kind: cls for cls in _CLASSES}

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agentnb import Workspace
 from agentnb.engine.pieces import DEFAULT_THRESHOLDS, load_piece
+from agentnb.events import event_from_row
 
 MOVEMENTS = ("plan", "implement", "verify", "implement")
 TOOLS = ("Read", "Grep", "Glob", "Write")
@@ -108,7 +109,7 @@ def fill(ws: Workspace, jobs: int, calls: int, seed: int = 7) -> None:
             movement_rows.append((job_id, m, name, "done", started, t, n, "verify", 0, "done"))
             made += n
         with store.transaction() as c:
-            store.append(rows, c)
+            store.append([event_from_row((None, *r)) for r in rows], c)
             c.executemany("INSERT INTO movements (job_id, seq, name, status, started, ended, iterations, next_step, "
                           "forced, summary) VALUES (?,?,?,?,?,?,?,?,?,?)", movement_rows)
             store.set_status(c, job_id, "succeeded", reason="benchmark", ended=t)

@@ -128,6 +128,43 @@ class Store(Protocol):
         """Reopen the job's last movement run when it failed (a retry resumes it from its events)."""
         ...
 
+    # -- operations the engine asks for --------------------------------------------------------------------
+    def start_movement(self, c: Transaction, job_id: int, seq: int, name: str) -> None:
+        """Open the row of movement run ``seq`` (its events are recorded in the same transaction)."""
+        ...
+
+    def finish_movement(self, c: Transaction, job_id: int, seq: int, *, iterations: int, next_step: str,
+                        forced: bool, summary: str) -> None:
+        """Close movement run ``seq`` with the transition that ended it."""
+        ...
+
+    def fail_movement(self, c: Transaction, job_id: int, seq: int, *, iterations: int) -> None:
+        """Close movement run ``seq`` as failed (its job fails in the same transaction)."""
+        ...
+
+    def calls_by_movement(self, job_id: int) -> dict[str, int]:
+        """How many LLM calls each movement name of the job has made so far."""
+        ...
+
+    def subtask_depth(self, job_id: int) -> int:
+        """How many ancestors the job has (0 for a job a user submitted)."""
+        ...
+
+    def create_child_job(self, c: Transaction, parent_id: int, *, piece: str, piece_yaml: str,
+                         piece_path: str | None, model: str, instruction: str, options: str) -> int:
+        """Insert a queued subtask of ``parent_id``; its id."""
+        ...
+
+    def parent_of(self, c: Transaction, job_id: int) -> int | None: ...
+
+    def subtask_wait(self, c: Transaction, job_id: int) -> tuple[bool, str | None]:
+        """Whether the job waits for its subtasks, and the movement it goes on at when they end."""
+        ...
+
+    def open_children(self, c: Transaction, parent_id: int) -> int:
+        """How many subtasks of ``parent_id`` have not ended."""
+        ...
+
     # -- the DataFrame views --------------------------------------------------------------------------------
     def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
         """The rows of one of ``ws.frames``' views, of one job or (None) of every job."""

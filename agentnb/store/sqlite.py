@@ -31,7 +31,6 @@ from typing import Any, cast
 from .._fs import special_kind
 from ..errors import StoreError
 from ..events import (
-    EVENT_KINDS,
     CommentEvent,
     Event,
     EventBase,
@@ -81,11 +80,7 @@ _JOB_COLUMNS = (
 )
 _UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created"}
 
-_KINDS = frozenset(EVENT_KINDS)
 _SLOT = re.compile(r"\{(?:job|where)_\w\}")  # frames_sql's per-job slots
-
-# An event row waiting to be written: (job_id, movement_seq, iteration, ts, kind, payload)
-PendingEvent = tuple[int, "int | None", "int | None", float, str, dict[str, Any]]
 
 # what errors of this backend look like, for callers that word them (describe_error) instead of a traceback
 BACKEND_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error,)
@@ -656,28 +651,23 @@ class SQLiteStore:
         return None if not rows or rows[0][0] is None else str(rows[0][0])
 
     # -- events ---------------------------------------------------------------
-    def _append(self, c: sqlite3.Connection, events: Iterable[Event | PendingEvent]) -> None:
+    def _append(self, c: sqlite3.Connection, events: Iterable[Event]) -> None:
         c.executemany(
             "INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES (?,?,?,?,?,?)",
             [self._event_row(c, ev) for ev in events],
         )
 
-    def _event_row(self, c: sqlite3.Connection, ev: Event | PendingEvent) -> tuple[Any, ...]:
+    def _event_row(self, c: sqlite3.Connection, ev: Event) -> tuple[Any, ...]:
         """The ``events`` row of ``ev``: its payload data (events.py), the job's long instruction put by
         reference (texts.py), then encoded by events.py's one encoder."""
-        kind: str
-        if isinstance(ev, EventBase):
-            if self._strict:
-                check_event(ev)
-            job_id, seq, iteration, ts, kind, data = (ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(),
-                                                      ev.kind, payload_dict(ev))
-        else:  # the engine's old (job_id, seq, iteration, ts, kind, payload) tuples, until it builds events
-            job_id, seq, iteration, ts, kind, data = ev
-            if kind not in _KINDS:  # a typed event's kind is one by construction
-                raise StoreError(f"unknown event kind {kind!r}; allowed: {', '.join(EVENT_KINDS)}")
-        if kind in REF_FIELDS:
-            data = self._ref_payload(c, job_id, kind, data)
-        return job_id, seq, iteration, ts, kind, encode_payload(data)
+        if not isinstance(ev, EventBase):
+            raise StoreError(f"not an event: {ev!r}; the store appends only agentnb.events objects")
+        if self._strict:
+            check_event(ev)
+        data = payload_dict(ev)
+        if ev.kind in REF_FIELDS:
+            data = self._ref_payload(c, ev.job_id, ev.kind, data)
+        return ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(), ev.kind, encode_payload(data)
 
     def _ref_payload(self, c: sqlite3.Connection, job_id: int, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
         """The payload to store: the job's long instruction replaced by TEXT_REF in the fields that repeat it."""
@@ -694,7 +684,7 @@ class SQLiteStore:
             out["_texts"] = refs
         return out
 
-    def append(self, events: Sequence[Event | PendingEvent], c: Transaction | None = None) -> None:
+    def append(self, events: Sequence[Event], c: Transaction | None = None) -> None:
         # every row is built (and checked) before the first is written
         if c is not None:
             self._append(self._tx(c), events)
@@ -807,20 +797,20 @@ class SQLiteStore:
 
     # -- operations the engine asks for ----------------------------------------
     # Each takes the transaction ``c`` when the engine needs it to be atomic with other writes.
-    def start_movement(self, c: sqlite3.Connection, job_id: int, seq: int, name: str) -> None:
+    def start_movement(self, c: Transaction, job_id: int, seq: int, name: str) -> None:
         """Open the row of movement run ``seq`` (its events are recorded in the same transaction)."""
-        c.execute("INSERT INTO movements (job_id, seq, name, status, started) VALUES (?,?,?,?,?)",
+        self._tx(c).execute("INSERT INTO movements (job_id, seq, name, status, started) VALUES (?,?,?,?,?)",
                   (job_id, seq, name, "running", time.time()))
 
-    def finish_movement(self, c: sqlite3.Connection, job_id: int, seq: int, *, iterations: int, next_step: str,
+    def finish_movement(self, c: Transaction, job_id: int, seq: int, *, iterations: int, next_step: str,
                         forced: bool, summary: str) -> None:
         """Close movement run ``seq`` with the transition that ended it."""
-        c.execute("UPDATE movements SET status='done', ended=?, iterations=?, next_step=?, forced=?, summary=? "
+        self._tx(c).execute("UPDATE movements SET status='done', ended=?, iterations=?, next_step=?, forced=?, summary=? "
                   "WHERE job_id=? AND seq=?", (time.time(), iterations, next_step, int(forced), summary, job_id, seq))
 
-    def fail_movement(self, c: sqlite3.Connection, job_id: int, seq: int, *, iterations: int) -> None:
+    def fail_movement(self, c: Transaction, job_id: int, seq: int, *, iterations: int) -> None:
         """Close movement run ``seq`` as failed (its job fails in the same transaction)."""
-        c.execute("UPDATE movements SET status='failed', ended=?, iterations=? WHERE job_id=? AND seq=?",
+        self._tx(c).execute("UPDATE movements SET status='failed', ended=?, iterations=? WHERE job_id=? AND seq=?",
                   (time.time(), iterations, job_id, seq))
 
     def calls_by_movement(self, job_id: int) -> dict[str, int]:
@@ -841,38 +831,38 @@ class SQLiteStore:
         )
         return int(rows[0][0] or 0)
 
-    def create_child_job(self, c: sqlite3.Connection, parent_id: int, *, piece: str, piece_yaml: str,
+    def create_child_job(self, c: Transaction, parent_id: int, *, piece: str, piece_yaml: str,
                          piece_path: str | None, model: str, instruction: str, options: str) -> int:
         """Insert a queued subtask of ``parent_id`` (no work directory yet: see :meth:`update_job`); its id.
 
         The instruction and the options text are kept exactly as given (no ``texts`` reference).
         """
         now = time.time()
-        cur = c.execute(
+        cur = self._tx(c).execute(
             "INSERT INTO jobs (parent_id, piece, piece_yaml, piece_path, model, instruction, status, workdir, "
             "options, created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
             (parent_id, piece, piece_yaml, piece_path, model, instruction, "queued", "", options, now, now),
         )
         return int(cur.lastrowid)  # type: ignore[arg-type]
 
-    def parent_of(self, c: sqlite3.Connection, job_id: int) -> int | None:
+    def parent_of(self, c: Transaction, job_id: int) -> int | None:
         """The id of the job that created ``job_id`` as a subtask, or None."""
-        row = c.execute("SELECT parent_id FROM jobs WHERE id=?", (job_id,)).fetchone()
+        row = self._tx(c).execute("SELECT parent_id FROM jobs WHERE id=?", (job_id,)).fetchone()
         return None if row is None or row[0] is None else int(row[0])
 
-    def subtask_wait(self, c: sqlite3.Connection, job_id: int) -> tuple[bool, str | None]:
+    def subtask_wait(self, c: Transaction, job_id: int) -> tuple[bool, str | None]:
         """Whether job ``job_id`` waits for its subtasks, and the movement it goes on at when they end
         (the one it named, else its current one)."""
-        row = c.execute("SELECT status, resume_movement, current_movement FROM jobs WHERE id=?",
+        row = self._tx(c).execute("SELECT status, resume_movement, current_movement FROM jobs WHERE id=?",
                         (job_id,)).fetchone()
         if row is None or row[0] != "waiting_subtasks":
             return False, None
         return True, row[1] or row[2]
 
-    def open_children(self, c: sqlite3.Connection, parent_id: int) -> int:
+    def open_children(self, c: Transaction, parent_id: int) -> int:
         """How many subtasks of ``parent_id`` have not ended."""
         states = sorted(TERMINAL_STATES)
-        return int(c.execute(
+        return int(self._tx(c).execute(
             f"SELECT COUNT(*) FROM jobs WHERE parent_id=? AND status NOT IN ({','.join('?' * len(states))})",
             (parent_id, *states),
         ).fetchone()[0])
