@@ -20,13 +20,15 @@ import os
 import types
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, ClassVar, Literal, Union
 
 __all__ = [
+    "ACTIONS",
     "EVENT_KINDS",
     "CommentEvent",
     "ContextAction",
+    "ContextActionName",
     "ErrorEvent",
     "Event",
     "EventBase",
@@ -49,6 +51,7 @@ __all__ = [
     "event_from_row",
     "payload_dict",
     "payload_json",
+    "payload_path",
     "strict_events",
     "value_data",
 ]
@@ -58,6 +61,9 @@ EventKind = Literal[
     "context_action", "reminder", "transition", "lesson", "comment", "error",
 ]
 UsageSource = Literal["usage", "tiktoken", "chars"]
+# the ContextManager's actions, in threshold order (a context_action's `action`, frames' `action` categories)
+ContextActionName = Literal["warn", "prompt", "force_transition", "exhausted"]
+ACTIONS: tuple[ContextActionName, ...] = typing.get_args(ContextActionName)
 # how exact each source is: a sum is only as exact as its least exact part
 _EXACTNESS: dict[str, int] = {"usage": 2, "tiktoken": 1, "chars": 0}
 
@@ -192,7 +198,7 @@ class ToolResult(EventBase):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ContextAction(EventBase):
     kind: ClassVar[Literal["context_action"]] = "context_action"
-    action: str  # warn | prompt | force_transition | exhausted
+    action: ContextActionName
     ratio: float
     tokens: int
     window: int
@@ -271,6 +277,33 @@ _NESTED_LISTS: dict[str, dict[str, type]] = {
     "llm_response": {"tool_calls": RecordedToolCall},
     "transition": {"subtasks": Subtask},
 }
+
+
+# -- naming payload fields (the frames' SQL and column specs): checked against the dataclasses
+
+def payload_path(cls: type, *names: str) -> str:
+    """The JSON path ``$.a.b`` of field ``a`` of event class ``cls`` (then ``b`` of its value type),
+    checked against the dataclass fields: an unknown name is a ``LookupError``."""
+    owner: Any = cls
+    for name in names:
+        known = {f.name for f in fields(owner)}
+        if isinstance(owner, type) and issubclass(owner, EventBase):
+            known -= _BASE_FIELDS  # the row's columns, not the payload's
+        if name not in known:
+            raise LookupError(f"{owner.__name__} has no payload field {name!r} (fields: {', '.join(sorted(known))})")
+        owner = _value_type(typing.get_type_hints(owner)[name])
+    return "$." + ".".join(names)
+
+
+def _value_type(hint: Any) -> Any:
+    """The dataclass inside ``hint`` (``Usage``, ``list[RecordedToolCall]``, ``X | None``), else None."""
+    if is_dataclass(hint):
+        return hint
+    for arg in typing.get_args(hint):
+        found = _value_type(arg)
+        if found is not None:
+            return found
+    return None
 
 
 # -- serialisation: the one place payload JSON is written and read --------------------------------------

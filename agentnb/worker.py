@@ -14,7 +14,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from .store.sqlite import Store
+    from .store.base import Store
 
 __all__ = ["JobQueue", "Terminated", "Worker", "sigterm_interrupts"]
 

@@ -23,7 +23,7 @@ from .events import ErrorEvent, Event
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
 from .store import Store, StoreError, open_store
-from .store.sqlite import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, can_name_a_job
+from .store.base import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, can_name_a_job
 from .tools.base import ToolError, resolve_path
 from .views.status import STOP_REASON
 from .worker import Worker

@@ -17,11 +17,8 @@ from engine_helpers import transition, write_script
 import agentnb
 import agentnb.store
 from agentnb import Workspace
-from agentnb.engine.context import ACTIONS
-from agentnb.events import CommentEvent, JobStatusEvent, LLMResponse, ToolResult, payload_dict
+from agentnb.events import CommentEvent, JobStatusEvent, LLMResponse, ToolResult, payload_dict, payload_path
 from agentnb.store import Store, open_store
-from agentnb.store.frames_sql import ACTIONS as SQL_ACTIONS
-from agentnb.store.frames_sql import payload_path
 from agentnb.store.migrations import MIGRATIONS
 from agentnb.store.sqlite import SQLiteStore, StoreError
 
@@ -309,5 +306,3 @@ def test_frame_queries_name_payload_fields_the_events_have() -> None:
     for cls, names in ((ToolResult, ("is_eror",)), (LLMResponse, ("usage", "prompt")), (ToolResult, ("job_id",))):
         with pytest.raises(LookupError, match="has no payload field"):
             payload_path(cls, *names)
-    # the SQL ranks actions in the ContextManager's order
-    assert SQL_ACTIONS == ACTIONS

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from ..events import UsageSource
+from ..events import ACTIONS, ContextActionName, UsageSource
 from .pieces import DEFAULT_THRESHOLDS
 from .tokens import CHARS_PER_TOKEN, TokenCounter, counter_for_model
 
@@ -35,7 +35,6 @@ __all__ = [
 DEFAULT_WINDOW = 128_000
 DEFAULT_MIN_TOOL_TOKENS = 1_000
 MAX_TOOL_TOKENS = 60_000
-ACTIONS = ("warn", "prompt", "force_transition", "exhausted")
 
 # Context windows of well-known models (prefix match, longest first).
 KNOWN_WINDOWS: dict[str, int] = {
@@ -134,7 +133,7 @@ class ContextDecision:
     completion_tokens: int
     source: UsageSource
     ratio: float
-    fired: list[tuple[str, float]] = field(default_factory=list)  # (action, threshold)
+    fired: list[tuple[ContextActionName, float]] = field(default_factory=list)  # (action, threshold)
 
 
 def message_text(message: Mapping[str, Any]) -> str:

@@ -45,7 +45,7 @@ from .pieces import SPECIAL_NEXT, Movement
 from .prompts import text
 
 if TYPE_CHECKING:
-    from ..store.sqlite import Store
+    from ..store.base import Store
 
 __all__ = ["INTERRUPTED", "AgentLoop", "CallCounters", "Outcome", "Recorder", "transition_schema"]
 

@@ -23,7 +23,7 @@ from .git_context import git_excerpt
 from .pieces import Movement, Piece
 
 if TYPE_CHECKING:
-    from ..store.sqlite import Store
+    from ..store.base import Store
 
 __all__ = [
     "MAX_COMMENTS",

@@ -26,7 +26,7 @@ from .steps import Abort, Ask, Complete, Fail, GoTo, NextStep, WaitSubtasks, nex
 from .subtasks import CAP_OPTION, Subtasks, capped, notify_parent
 
 if TYPE_CHECKING:
-    from ..store.sqlite import Store
+    from ..store.base import Store
 
 __all__ = ["JobRunner", "stored_piece"]
 

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..events import JobStatusEvent, Subtask
 from ..models.base import ModelSpecError, check_model_spec, normalise_spec
-from ..store.sqlite import MAX_INSTRUCTION_CHARS
+from ..store.base import MAX_INSTRUCTION_CHARS
 from ..tools.base import PERMISSION_RANK
 from .pieces import Movement, Piece, PieceError, available_pieces, load_piece
 from .workdir import prepare_workdir
 
 if TYPE_CHECKING:
-    from ..store.sqlite import Store
+    from ..store.base import Store
 
 __all__ = ["CAP_OPTION", "MAX_SUBTASKS_PER_CALL", "MAX_SUBTASK_DEPTH", "Subtasks", "capped", "notify_parent"]
 

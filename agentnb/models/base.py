@@ -22,7 +22,7 @@ from ..errors import ModelError, ModelSpecError, UsageError
 from ..events import value_data
 
 if TYPE_CHECKING:
-    from ..store.sqlite import Store
+    from ..store.base import Store
 
 __all__ = [
     "MODEL_SPECS",

@@ -15,7 +15,7 @@ from .demo import DemoModel
 from .openai import OpenAIModel
 
 if TYPE_CHECKING:
-    from ..store.sqlite import Store
+    from ..store.base import Store
 
 __all__ = ["resolve_model"]
 

@@ -33,7 +33,7 @@ from traitlets import Float, Unicode, observe
 
 from ..engine.pieces import available_pieces, load_piece
 from ..errors import AgentnbError, PieceError, StoreError
-from ..store.sqlite import owned_by_this_process
+from ..store.base import owned_by_this_process
 from ..views.render import KEEPER, duration, job_html, job_stats, plural
 from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
 from .vars import VarError, expand, expand_value, split_line

@@ -8,6 +8,9 @@ frames' queries are asked for by frame name.
 
 from __future__ import annotations
 
+import os
+import socket
+import uuid
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -15,7 +18,56 @@ from typing import Any, Literal, Protocol
 
 from ..events import Event
 
-__all__ = ["FRAME_QUERIES", "FrameQuery", "FrameRows", "Store", "Transaction"]
+__all__ = [
+    "FRAME_QUERIES",
+    "JOB_STATES",
+    "MAX_INSTRUCTION_CHARS",
+    "TERMINAL_STATES",
+    "WAITING_STATES",
+    "FrameQuery",
+    "FrameRows",
+    "Store",
+    "Transaction",
+    "can_name_a_job",
+    "owned_by_this_process",
+    "owner_host_pid",
+    "owner_id",
+]
+
+# -- rules every backend keeps ------------------------------------------------------------------------
+
+JOB_STATES = ("queued", "running", "succeeded", "failed", "aborted", "waiting_human", "waiting_subtasks")
+TERMINAL_STATES = frozenset({"succeeded", "failed", "aborted"})
+WAITING_STATES = frozenset({"waiting_human", "waiting_subtasks"})
+
+# The longest instruction a job may have: far more than any model's window holds (long material belongs
+# in input files, which the tools read in budgeted pieces).  Subtasks are held to it too.
+MAX_INSTRUCTION_CHARS = 1_000_000
+
+
+def can_name_a_job(job_id: int) -> bool:
+    """Whether ``job_id`` lies in SQLite's (signed 64-bit) integer range of row ids: beyond it a lookup raises
+    OverflowError instead of finding nothing, so callers say "no job" without asking."""
+    return 0 < job_id < 2**63
+
+
+# a claim's owner is host:pid:random, so that a dead owner on this host can be told apart
+def owner_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def owner_host_pid(owner: str | None) -> tuple[str, int | None]:
+    """The host and process id named by ``owner`` (an :func:`owner_id`); pid None when it names none."""
+    host, _, rest = (owner or "").partition(":")
+    pid_text = rest.split(":", 1)[0]
+    return host, int(pid_text) if pid_text.isdigit() else None
+
+
+def owned_by_this_process(owner: str | None) -> bool:
+    """True when ``owner`` (a job's ``claimed_by``) is this very process."""
+    return owner_host_pid(owner) == (socket.gethostname(), os.getpid())
+
+
 
 # the DataFrame views whose rows a store computes (views/frames.py gives them their dtypes)
 FrameQuery = Literal["jobs", "movements", "messages", "tool_calls", "usage", "context_actions"]

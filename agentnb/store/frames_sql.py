@@ -7,13 +7,9 @@ import instead of silently reading NULL.
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-from typing import Any
-
 from ..events import (
+    ACTIONS,
     ContextAction,
-    EventBase,
     JobStatusEvent,
     LLMResponse,
     MovementStart,
@@ -22,40 +18,13 @@ from ..events import (
     ToolCallEvent,
     ToolResult,
     Transition,
+    payload_path,
 )
 from .base import FrameQuery
 from .texts import instruction_sql, payload_text_sql
 
-__all__ = ["ACTIONS", "FRAME_SQL", "payload_path"]
+__all__ = ["FRAME_SQL"]
 
-# the ContextManager's actions in threshold order (engine.context.ACTIONS; a test keeps the two equal)
-ACTIONS = ("warn", "prompt", "force_transition", "exhausted")
-_BASE_FIELDS = frozenset(f.name for f in dataclasses.fields(EventBase))
-
-
-def payload_path(cls: type, *names: str) -> str:
-    """The JSON path ``$.a.b`` of field ``a`` of event class ``cls`` (then ``b`` of its value type),
-    checked against the dataclass fields: an unknown name is a ``LookupError``."""
-    owner: Any = cls
-    for name in names:
-        known = {f.name for f in dataclasses.fields(owner)}
-        if isinstance(owner, type) and issubclass(owner, EventBase):
-            known -= _BASE_FIELDS  # the row's columns, not the payload's
-        if name not in known:
-            raise LookupError(f"{owner.__name__} has no payload field {name!r} (fields: {', '.join(sorted(known))})")
-        owner = _value_type(typing.get_type_hints(owner)[name])
-    return "$." + ".".join(names)
-
-
-def _value_type(hint: Any) -> Any:
-    """The dataclass inside ``hint`` (``Usage``, ``list[RecordedToolCall]``, ``X | None``), else None."""
-    if dataclasses.is_dataclass(hint):
-        return hint
-    for arg in typing.get_args(hint):
-        found = _value_type(arg)
-        if found is not None:
-            return found
-    return None
 
 
 # -- SQL -------------------------------------------------------------------------

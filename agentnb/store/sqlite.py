@@ -22,7 +22,6 @@ import sqlite3
 import stat
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,7 +40,19 @@ from ..events import (
     payload_dict,
     strict_events,
 )
-from .base import FrameQuery, FrameRows, Transaction
+from .base import (
+    JOB_STATES,
+    MAX_INSTRUCTION_CHARS,
+    TERMINAL_STATES,
+    WAITING_STATES,
+    FrameQuery,
+    FrameRows,
+    Transaction,
+    can_name_a_job,
+    owned_by_this_process,
+    owner_host_pid,
+    owner_id,
+)
 from .base import Store as Store  # the interface, for modules that still import it from here
 from .frames_sql import FRAME_SQL
 from .migrations import MIGRATIONS
@@ -69,9 +80,6 @@ SCHEMA_VERSION = len(MIGRATIONS)
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
-JOB_STATES = ("queued", "running", "succeeded", "failed", "aborted", "waiting_human", "waiting_subtasks")
-TERMINAL_STATES = frozenset({"succeeded", "failed", "aborted"})
-WAITING_STATES = frozenset({"waiting_human", "waiting_subtasks"})
 
 _JOB_COLUMNS = (
     "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
@@ -84,18 +92,6 @@ _SLOT = re.compile(r"\{(?:job|where)_\w\}")  # frames_sql's per-job slots
 
 # what errors of this backend look like, for callers that word them (describe_error) instead of a traceback
 BACKEND_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error,)
-
-
-# The longest instruction a job may have: far more than any model's window holds (long material belongs
-# in input files, which the tools read in budgeted pieces).  Subtasks are held to it too.
-MAX_INSTRUCTION_CHARS = 1_000_000
-
-
-def can_name_a_job(job_id: int) -> bool:
-    """Whether ``job_id`` lies in SQLite's (signed 64-bit) integer range of row ids: beyond it a lookup raises
-    OverflowError instead of finding nothing, so callers say "no job" without asking."""
-    return 0 < job_id < 2**63
-
 
 _SALVAGE = "restore it from a backup, or move it aside and save what is left with: sqlite3 {path} .recover"
 
@@ -203,28 +199,12 @@ def _writable(path: Path) -> bool:
     return os.access(path, os.W_OK)
 
 
-def owner_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-def _owner_host_pid(owner: str | None) -> tuple[str, int | None]:
-    """The host and process id named by ``owner`` (an :func:`owner_id`); pid None when it names none."""
-    host, _, rest = (owner or "").partition(":")
-    pid_text = rest.split(":", 1)[0]
-    return host, int(pid_text) if pid_text.isdigit() else None
-
-
-def owned_by_this_process(owner: str | None) -> bool:
-    """True when ``owner`` (a job's ``claimed_by``) is this very process."""
-    return _owner_host_pid(owner) == (socket.gethostname(), os.getpid())
-
-
 def _owner_is_gone(owner: str | None) -> bool:
     """True only when ``owner`` names a process of this host that no longer exists.
 
     Owners on other hosts, or in this very process, are never taken over.
     """
-    host, pid = _owner_host_pid(owner)
+    host, pid = owner_host_pid(owner)
     if host != socket.gethostname() or pid is None or pid == os.getpid():
         return False
     try:

@@ -92,18 +92,23 @@ from typing import Any, Protocol
 
 import pandas as pd
 
-from ..engine.context import ACTIONS, job_thresholds
-from ..events import ContextAction, LLMResponse, ToolCallEvent, ToolResult, Transition, Usage, UsageSource
-from ..store import Store
-from ..store.base import FrameQuery
-from ..store.frames_sql import ACTIONS as SQL_ACTIONS
-from ..store.frames_sql import payload_path
-from ..store.sqlite import JOB_STATES
+from ..engine.context import job_thresholds
+from ..events import (
+    ACTIONS,
+    ContextAction,
+    LLMResponse,
+    ToolCallEvent,
+    ToolResult,
+    Transition,
+    Usage,
+    UsageSource,
+    payload_path,
+)
+from ..store.base import JOB_STATES, FrameQuery, Store
 from ..tools.base import ToolError, unlinked_path
 from .status import DISPLAY_STATES, display_status
 
 # the store ranks actions in SQL in the order the ContextManager fires them
-assert SQL_ACTIONS == ACTIONS, (SQL_ACTIONS, ACTIONS)
 
 __all__ = ["ACTION_DTYPE", "COLUMNS", "Frames", "HasJobId", "JobArg"]
 

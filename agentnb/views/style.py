@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Final
 
+from ..events import ACTIONS
+
 __all__ = ["ACTIONS", "ACTION_COLOURS", "ERROR_COLOUR", "OK_COLOUR"]
 
-# The ContextManager's actions, in the order their thresholds rise.
-ACTIONS: Final = ("warn", "prompt", "force_transition", "exhausted")
 # One colour per action: its badge in the HTML view, its mark on the panel's context bar, its threshold
 # line and markers in the usage plot.
 ACTION_COLOURS: Final[dict[str, str]] = {
