@@ -281,6 +281,26 @@ def case_stepping(ws: Workspace, tmp: Path, snap: Snap) -> None:
         unregister_tool("pause_here")
 
 
+def case_openai(ws: Workspace, tmp: Path, snap: Snap) -> None:
+    """openai: through a loopback server speaking the OpenAI protocol: the endpoint's usage, a 500 retried,
+    a reply without a tool call (reminder), then a transition."""
+    from openai_server import OpenAIServer, error, reply
+
+    actions = [
+        reply("Looking.", [("Read", {"path": "input/notes.md", "limit": 5})], usage=(1200, 30)),
+        *error(500, times=1),
+        reply(None, [("Write", {"path": "output/a.md", "content": "x"})], usage=(1500, 20)),
+        reply("Nothing to call.", usage=(1600, 5)),
+        reply(None, [("transition", {"next_step": "COMPLETE", "summary": "done"})], usage=(1800, 15)),
+    ]
+    with OpenAIServer(actions=actions) as srv, _env("OPENAI_BASE_URL", srv.base_url), \
+            _env("OPENAI_API_KEY", "sk-golden-test-key-0000"), _env("AGENTNB_OPENAI_BACKOFF", "0.01"), \
+            _env("AGENTNB_OPENAI_TIMEOUT", "5"), _env("AGENTNB_OPENAI_RETRIES", "3"):
+        job = ws.run(ws.submit("Copy a line of input/notes.md to output/a.md", piece="single",
+                               model="openai:gpt-4o-mini", inputs={"notes.md": NOTES}))
+    snap("openai", job)
+
+
 CASES: dict[str, Callable[[Workspace, Path, Snap], None]] = {
     name[len("case_"):].replace("_", "-"): fn for name, fn in globals().items() if name.startswith("case_")}
 
