@@ -32,6 +32,7 @@ __all__ = [
     "owned_by_this_process",
     "owner_host_pid",
     "owner_id",
+    "owner_is_gone",
 ]
 
 # -- rules every backend keeps ------------------------------------------------------------------------
@@ -66,6 +67,40 @@ def owner_host_pid(owner: str | None) -> tuple[str, int | None]:
 def owned_by_this_process(owner: str | None) -> bool:
     """True when ``owner`` (a job's ``claimed_by``) is this very process."""
     return owner_host_pid(owner) == (socket.gethostname(), os.getpid())
+
+
+def owner_is_gone(owner: str | None) -> bool:
+    """True only when ``owner`` names a process of this host that no longer exists.
+
+    Owners on other hosts, or in this very process, are never taken over.
+    """
+    host, pid = owner_host_pid(owner)
+    if host != socket.gethostname() or pid is None or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists but belongs to someone else
+        pass
+    # A process that has exited but whose parent has not reaped it yet (a zombie) still answers kill(pid, 0);
+    # it will never run again, and its parent may never reap it.
+    return _process_state(pid) in ("Z", "X")
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (R, S, D, Z, …), or None where there is no /proc to ask."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return "X" if os.path.isdir("/proc/self") else None  # gone between the two looks, or no /proc here
+    except OSError:
+        return None
+    # "pid (comm) S …": comm may hold spaces and parentheses, so the state follows the last ')'
+    fields = stat[stat.rfind(b")") + 1:].split()
+    return fields[0].decode("ascii", "replace") if fields else None
+
 
 
 

@@ -12,14 +12,11 @@ to do, before anything is written.  ``SQLiteStore(path, readonly=True)`` only re
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import re
-import socket
 import sqlite3
-import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -27,7 +24,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
-from .._fs import special_kind
 from ..errors import StoreError
 from ..events import (
     CommentEvent,
@@ -50,10 +46,10 @@ from .base import (
     Transaction,
     can_name_a_job,
     owned_by_this_process,
-    owner_host_pid,
     owner_id,
+    owner_is_gone,
 )
-from .base import Store as Store  # the interface, for modules that still import it from here
+from .files import SALVAGE, describe_error, header_problem, special_problem, wal_holds_pages, writable
 from .frames_sql import FRAME_SQL
 from .migrations import MIGRATIONS
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS, instruction_sql, payload_text_sql
@@ -67,7 +63,6 @@ __all__ = [
     "TEXT_REF_MIN_CHARS",
     "WAITING_STATES",
     "SQLiteStore",
-    "Store",
     "StoreError",
     "can_name_a_job",
     "describe_error",
@@ -78,7 +73,6 @@ __all__ = [
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
-_SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
 _JOB_COLUMNS = (
@@ -93,143 +87,6 @@ _SLOT = re.compile(r"\{(?:job|where)_\w\}")  # frames_sql's per-job slots
 # what errors of this backend look like, for callers that word them (describe_error) instead of a traceback
 BACKEND_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error,)
 
-_SALVAGE = "restore it from a backup, or move it aside and save what is left with: sqlite3 {path} .recover"
-
-
-def describe_error(exc: BaseException, path: str | os.PathLike[str]) -> str:
-    """One line saying what is wrong with the store at ``path`` and what to do, for an error met using it."""
-    if isinstance(exc, StoreError):
-        return str(exc)
-    msg = " ".join(str(exc).split())
-    low = msg.lower()
-    if isinstance(exc, sqlite3.IntegrityError):
-        return (f"{path} refused a change ({msg}), which was not made: the store holds rows, indexes or triggers "
-                "that agentnb did not write; undo what was changed in it by hand, or restore it from a backup")
-    if "not a database" in low:
-        return f"{path} is not an agentnb store (not a SQLite database): move it aside, or use another workspace folder"
-    if "malformed" in low or "corrupt" in low:
-        return f"{path} is damaged ({msg}): " + _SALVAGE.format(path=path)
-    if "readonly" in low or "read-only" in low:
-        return (f"{path} cannot be written ({msg}): make it and its folder writable; reading still works "
-                "(agentnb jobs, show, export; Workspace(path, readonly=True))")
-    if "locked" in low or "busy" in low:
-        return f"{path} is locked by another process ({msg}): try again when it has finished"
-    if "disk is full" in low or "disk full" in low:
-        return f"{path}: the disk is full ({msg}): free some space and try again"
-    if "unable to open" in low:
-        return f"cannot open {path} ({msg}): check that its folder exists and can be read and written"
-    if isinstance(exc, OSError):
-        if exc.strerror is None:  # raised with a message of its own
-            return msg
-        hint = {
-            errno.EACCES: "check its permissions", errno.EPERM: "check its permissions",
-            errno.EROFS: "it is on a read-only file system", errno.ENOSPC: "free some space and try again",
-            errno.ENOTDIR: "a part of the path is a file, not a folder", errno.EISDIR: "it is a folder",
-            errno.ENOENT: "check the path",
-        }.get(exc.errno or 0, "check the path and its permissions")
-        return f"{exc.filename or path}: {exc.strerror}: {hint}"
-    return f"{path}: {msg}"
-
-
-def _header_problem(path: Path) -> str | None:
-    """What is wrong with the first 100 bytes of an existing store file, read without SQLite (nothing written).
-
-    SQLite only notices a truncated file when a query reaches a missing page; the header's page
-    count finds it on open.  A file shorter than its header says is normal while a WAL still holds
-    the rest (a checkpoint cut short), so a non-empty ``-wal`` file is left for SQLite to recover.
-    """
-    try:
-        special = _special_problem(path)
-        if special:
-            return special
-        size = path.stat().st_size
-        if size == 0:
-            return None  # SQLite makes an empty file a new database
-        with open(path, "rb") as f:
-            head = f.read(100)
-    except OSError as exc:
-        return describe_error(exc, path)
-    if len(head) < 100 or not head.startswith(_SQLITE_MAGIC):
-        return f"{path} is not an agentnb store (not a SQLite database): move it aside, or use another workspace folder"
-    page_size = int.from_bytes(head[16:18], "big")
-    page_size = 65536 if page_size == 1 else page_size
-    pages = int.from_bytes(head[28:32], "big")
-    counter_valid = head[24:28] == head[92:96]
-    wal_holds_pages = _wal_holds_pages(path)
-    if page_size < 512 or page_size & (page_size - 1):
-        return f"{path} is damaged (its header names a page size of {page_size}): " + _SALVAGE.format(path=path)
-    if counter_valid and pages and size < pages * page_size and not wal_holds_pages:
-        return (f"{path} is truncated ({size:,} bytes; its header says {pages * page_size:,}): "
-                + _SALVAGE.format(path=path))
-    return None
-
-
-_SIDE_FILES = ("-wal", "-shm", "-journal")
-
-
-def _special_problem(path: Path) -> str | None:
-    """The store file or one of SQLite's side files that exists and is not a regular file."""
-    for part in (path, *(Path(f"{path}{suffix}") for suffix in _SIDE_FILES)):
-        # SQLite opens these itself: a FIFO there blocks the open forever (and SIGTERM cannot end it)
-        kind = _special_kind(part)
-        if kind:
-            return (f"{part} is {kind}, not a regular file, so it cannot be part of a store: "
-                    "move it aside, or use another workspace folder")
-    return None
-
-
-def _special_kind(path: Path) -> str | None:
-    """What ``path`` is when it exists and is not a regular file (symlinks followed), else None."""
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        return None
-    if stat.S_ISREG(mode):
-        return None
-    return "a folder" if stat.S_ISDIR(mode) else special_kind(mode)
-
-
-def _wal_holds_pages(path: Path) -> bool:
-    wal = Path(f"{path}-wal")
-    return wal.exists() and wal.stat().st_size > 32  # more than the WAL header: frames not yet checkpointed
-
-
-def _writable(path: Path) -> bool:
-    # os.access asks the kernel, so it answers for root (which ignores file modes) and for read-only mounts alike
-    return os.access(path, os.W_OK)
-
-
-def _owner_is_gone(owner: str | None) -> bool:
-    """True only when ``owner`` names a process of this host that no longer exists.
-
-    Owners on other hosts, or in this very process, are never taken over.
-    """
-    host, pid = owner_host_pid(owner)
-    if host != socket.gethostname() or pid is None or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # exists but belongs to someone else
-        pass
-    # A process that has exited but whose parent has not reaped it yet (a zombie) still answers kill(pid, 0);
-    # it will never run again, and its parent may never reap it.
-    return _process_state(pid) in ("Z", "X")
-
-
-def _process_state(pid: int) -> str | None:
-    """The state letter of ``pid`` in /proc (R, S, D, Z, …), or None where there is no /proc to ask."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return "X" if os.path.isdir("/proc/self") else None  # gone between the two looks, or no /proc here
-    except OSError:
-        return None
-    # "pid (comm) S …": comm may hold spaces and parentheses, so the state follows the last ')'
-    fields = stat[stat.rfind(b")") + 1:].split()
-    return fields[0].decode("ascii", "replace") if fields else None
 
 
 class SQLiteStore:
@@ -268,7 +125,7 @@ class SQLiteStore:
         # Refused here, not at the first write: a read-only store must not half-open and then fail mid-job.
         # The folder must be writable too, for the WAL and its index.
         for where, what in ((self.path, "the file"), (folder, f"its folder {folder}")):
-            if where.exists() and not _writable(where):
+            if where.exists() and not writable(where):
                 raise StoreError(
                     f"{self.path} cannot be written ({what} is read-only): make it writable to run or change "
                     "jobs; reading works as it is (agentnb jobs/show/export, Workspace(path, readonly=True))"
@@ -305,9 +162,9 @@ class SQLiteStore:
         except sqlite3.OperationalError:
             # A WAL store needs its -shm index, which cannot be made in a read-only folder; once every
             # writer has closed there is nothing in a WAL to miss, and immutable reads the file as it is.
-            if _writable(self.path.parent):
+            if writable(self.path.parent):
                 raise
-            if _wal_holds_pages(self.path):
+            if wal_holds_pages(self.path):
                 raise StoreError(
                     f"{self.path}: the last transactions are in {self.path.name}-wal, which cannot be read in a "
                     "read-only folder without its -shm index: copy the workspace somewhere writable to read it"
@@ -319,7 +176,7 @@ class SQLiteStore:
                 conn.close()
                 return self._empty()  # an empty file: no jobs yet
             if version < SCHEMA_VERSION:
-                if not (_writable(self.path) and _writable(self.path.parent)):
+                if not (writable(self.path) and writable(self.path.parent)):
                     raise StoreError(
                         f"{self.path} has schema version {version}, older than this agentnb's {SCHEMA_VERSION}, "
                         "and cannot be upgraded because it is read-only: open it once where it is writable"
@@ -336,8 +193,8 @@ class SQLiteStore:
         """Refuse, before SQLite opens it, a store path that is a folder, or a file that is no SQLite store."""
         if self.path.is_dir():
             raise StoreError(f"{self.path} is a folder, not a store file: move it aside")
-        if self.path.exists() or _special_problem(self.path):
-            problem = _header_problem(self.path)
+        if self.path.exists() or special_problem(self.path):
+            problem = header_problem(self.path)
             if problem:
                 raise StoreError(problem)
 
@@ -539,7 +396,7 @@ class SQLiteStore:
                 row = self.conn.execute("SELECT body FROM texts WHERE hash=?", (ref,)).fetchone()
                 if row is None:
                     raise StoreError(f"{self.path} is damaged: text {ref[:12]}… that a job refers to is missing; "
-                                     + _SALVAGE.format(path=self.path))
+                                     + SALVAGE.format(path=self.path))
                 body = row[0]
                 self._remember(ref, body)
             return body
@@ -606,7 +463,7 @@ class SQLiteStore:
         if job_id is not None:
             sql, params = sql + " AND id=?", (job_id,)
         for jid, claimed_by in c.execute(sql, params).fetchall():
-            if _owner_is_gone(claimed_by):
+            if owner_is_gone(claimed_by):
                 self.set_status(c, int(jid), "queued", reason=f"recovered: the process that ran it ({claimed_by}) is gone")
 
     def runner_mark(self, job_id: int) -> tuple[int, int, str | None]:
