@@ -301,6 +301,95 @@ def case_openai(ws: Workspace, tmp: Path, snap: Snap) -> None:
     snap("openai", job)
 
 
+def case_fanout_ja(ws: Workspace, tmp: Path, snap: Snap) -> None:
+    """A Japanese fan-out piece from a file: two children (one aborts), a lesson, then the merge."""
+    piece = _yaml(tmp, "bunkatsu.yaml", {
+        "name": "bunkatsu", "description": "分割して統合する。", "language": "ja", "max_movements": 4,
+        "movements": [
+            {"name": "split", "persona": "あなたは作業を分割します。", "instruction": "作業を分割してください。",
+             "tools": ["Read", "Glob", "Grep", "Write", "Edit", "Checklist"], "permission": "edit",
+             "rules": [{"condition": "分割できた", "next": "WAIT_SUBTASKS"}], "default_next": "merge"},
+            {"name": "merge", "persona": "あなたは結果をまとめます。", "instruction": "結果を output/結果.md にまとめる。",
+             "tools": ["Read", "Glob", "Write"], "permission": "edit",
+             "rules": [{"condition": "書けた", "next": "COMPLETE"}]}]})
+    ok = _script(tmp, "ko-ok.yaml", movements={"work": [
+        call("Write", path="output/部分.md", content="第一部の結果"), transition("COMPLETE", "第一部 完了")]})
+    gives_up = _script(tmp, "ko-abort.yaml", movements={"work": [
+        call("Read", path="input/無い.md"), transition("ABORT", "入力がありません")]})
+    model = _script(tmp, "oya.yaml", movements={
+        "split": [call("Checklist", name="計画", items=[{"text": "分割", "done": True}]),
+                  transition("WAIT_SUBTASKS", "二つに分割", lessons="部分は独立している",
+                             subtasks=[{"instruction": "第一部をやる", "piece": "single", "model": ok},
+                                       {"instruction": "第二部をやる", "piece": "single", "model": gives_up}])],
+        "merge": [call("Glob", pattern="**"), call("Write", path="output/結果.md", content="統合 ✓"),
+                  transition("COMPLETE", "統合した", lessons="一つは中止された")]})
+    parent = ws.run(ws.submit("二つの部分を作る", piece=piece, model=model, inputs={"メモ.md": "- 一\n- 二\n"}))
+    snap("parent", parent)
+
+
+def case_forced_ask(ws: Workspace, tmp: Path, snap: Snap) -> None:
+    """A job's context= overrides (window, thresholds, tool minimum) force an ASK; the reply resumes it."""
+    piece = _yaml(tmp, "asker.yaml", {
+        "name": "asker", "max_movements": 3,
+        "context": {"window_tokens": 50000, "thresholds": {"warn": 0.7, "prompt": 0.8}},
+        "movements": [{"name": "dig", "persona": "You dig.", "instruction": "Dig through the notes.",
+                       "tools": ["Read", "Grep"], "permission": "readonly", "max_iterations": 9,
+                       "rules": [{"condition": "found", "next": "COMPLETE"}], "default_next": "ASK"}]})
+    model = _script(tmp, "asker-model.yaml", responses=[
+        call("Read", usage=800, path="input/notes.md", limit=40),
+        call("Grep", usage=2600, pattern="note 7[0-9]:", path="input"),
+        call("Read", usage=3300, path="input/notes.md", offset=100, limit=30),
+        call("Read", usage=4100, path="input/notes.md", offset=300, limit=5),
+        call("Read", usage=900, path="input/notes.md", limit=1),
+        transition("COMPLETE", "found it", usage=1000, lessons="ask early")])
+    job = ws.run(ws.submit("Find note 77", piece=piece, model=model, inputs={"notes.md": NOTES},
+                           context={"window_tokens": 5000, "min_tool_tokens": 300,
+                                    "thresholds": {"warn": 0.4, "prompt": 0.5, "force_transition": 0.75}}))
+    snap("asked", job)
+    ws.reply(job, "Look again from the top.")
+    snap("resumed", ws.run(job))
+
+
+def case_crash_retry(ws: Workspace, tmp: Path, snap: Snap) -> None:
+    """A run interrupted inside a tool with an effect (not run again on restart: the model is told), resumed
+    by a fresh Workspace; then the script runs out (failed) and a retry finishes the job."""
+    state = {"left": 1}
+
+    @agentnb.tool
+    def stamp(text: str) -> str:
+        """Stamp a text (interrupted the first time, after its effect)."""
+        (tmp / "stamps.txt").open("a", encoding="utf-8").write(text + "\n")
+        if state["left"]:
+            state["left"] -= 1
+            raise KeyboardInterrupt
+        return f"stamped {text}"
+
+    try:
+        piece = _yaml(tmp, "stamper.yaml", {"name": "stamper", "movements": [
+            {"name": "stamp", "persona": "You stamp.", "instruction": "Stamp twice.",
+             "tools": ["stamp", "Read", "Write"], "permission": "edit",
+             "rules": [{"condition": "stamped", "next": "COMPLETE"}]}]})
+        script = tmp / "stamper-model.yaml"
+        model = _script(tmp, script.name, responses=[
+            {"content": "Stamping.", "tool_calls": [{"name": "stamp", "arguments": {"text": "one"}},
+                                                    {"name": "Read", "arguments": {"path": "input/a.txt"}}]},
+            call("stamp", text="two")])
+        job = ws.submit("stamp things", piece=piece, model=model, inputs={"a.txt": "a\n"})
+        with contextlib.suppress(KeyboardInterrupt):
+            ws.run(job)
+        snap("interrupted", ws.job(job.id))
+        job = Workspace(ws.root).run(job.id)
+        snap("failed", job)
+        _script(tmp, script.name, responses=[
+            {"content": "Stamping.", "tool_calls": [{"name": "stamp", "arguments": {"text": "one"}},
+                                                    {"name": "Read", "arguments": {"path": "input/a.txt"}}]},
+            call("stamp", text="two"), call("Write", path="output/done.txt", content="2 stamps"),
+            transition("COMPLETE", "stamped", lessons="stamps are not idempotent")])
+        snap("retried", ws.run(ws.retry(job)))
+    finally:
+        unregister_tool("stamp")
+
+
 CASES: dict[str, Callable[[Workspace, Path, Snap], None]] = {
     name[len("case_"):].replace("_", "-"): fn for name, fn in globals().items() if name.startswith("case_")}
 

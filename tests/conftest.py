@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -12,6 +14,9 @@ import pytest
 os.environ.setdefault("AGENTNB_STRICT_EVENTS", "1")
 
 from agentnb import Workspace
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
 
 # What some tests need from the machine, and how to get it.  `@pytest.mark.needs("bwrap")` (or
 # `needs("chromium")`, `needs("postgres")`) skips with one line on a developer's machine without it,
@@ -61,3 +66,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture
 def ws(tmp_path: Path) -> Workspace:
     return Workspace(tmp_path / "ws")
+
+
+@pytest.fixture
+def shell(tmp_path: Path) -> Iterator[InteractiveShell]:
+    """A real IPython shell with the magic loaded on a fresh workspace (the demo model, plan-implement-verify);
+    the ``t_`` names a test leaves in it are removed after."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "agentnb")
+    sh.run_line_magic("config", f"AgentMagic.workspace = {str(tmp_path / 'ws')!r}")
+    sh.run_line_magic("config", "AgentMagic.model = 'demo'")
+    sh.run_line_magic("config", "AgentMagic.piece = 'plan-implement-verify'")
+    yield sh
+    for name in [k for k in sh.user_ns if k.startswith("t_")]:
+        del sh.user_ns[name]

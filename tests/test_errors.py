@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,18 +13,6 @@ import agentnb
 from agentnb import AgentnbError, Workspace
 from agentnb.notebook.panel import Panel
 from agentnb.store.sqlite import MAX_INSTRUCTION_CHARS
-
-
-@pytest.fixture
-def shell(tmp_path: Path) -> Iterator[InteractiveShell]:
-    sh = InteractiveShell.instance()
-    sh.run_line_magic("load_ext", "agentnb")
-    sh.run_line_magic("config", f"AgentMagic.workspace = {str(tmp_path / 'ws')!r}")
-    sh.run_line_magic("config", "AgentMagic.model = 'demo'")
-    sh.run_line_magic("config", "AgentMagic.piece = 'plan-implement-verify'")
-    yield sh
-    for name in [k for k in sh.user_ns if k.startswith("t_")]:
-        del sh.user_ns[name]
 
 
 def _shown(shell: InteractiveShell, cell: str) -> list[str]:

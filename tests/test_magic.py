@@ -8,7 +8,6 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +23,6 @@ import agentnb
 from agentnb import Job, Workspace
 from agentnb.notebook.magic import SUBCOMMANDS
 from agentnb.tools.base import unregister
-
-
-@pytest.fixture
-def shell(tmp_path: Path) -> Iterator[InteractiveShell]:
-    sh = InteractiveShell.instance()
-    sh.run_line_magic("load_ext", "agentnb")
-    sh.run_line_magic("config", f"AgentMagic.workspace = {str(tmp_path / 'ws')!r}")
-    sh.run_line_magic("config", "AgentMagic.model = 'demo'")
-    sh.run_line_magic("config", "AgentMagic.piece = 'plan-implement-verify'")
-    yield sh
-    for name in [k for k in sh.user_ns if k.startswith("t_")]:
-        del sh.user_ns[name]
 
 
 def _ws(tmp_path: Path) -> Workspace:

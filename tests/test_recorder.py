@@ -9,7 +9,7 @@ import pytest
 
 from agentnb import Workspace
 from agentnb.engine.loop import Recorder
-from agentnb.events import ErrorEvent, LLMResponse, RecordedToolCall, ToolResult, Usage
+from agentnb.events import CommentEvent, ErrorEvent, LLMResponse, RecordedToolCall, ToolResult, Usage, event_from_row
 
 
 def _job(ws: Workspace, tmp_path: Path) -> int:
@@ -50,3 +50,29 @@ def test_a_wrong_value_fails_where_the_event_is_made(ws: Workspace, tmp_path: Pa
         rec.add(LLMResponse(job_id=job_id, content=None, tool_calls=[],
                             usage=Usage(source="guess")))  # type: ignore[arg-type]
     assert rec.pending == []
+
+
+def test_an_unknown_or_missing_key_fails_at_write_time_and_nothing_is_written(ws: Workspace, tmp_path: Path) -> None:
+    """Issue 13: a misspelt or forgotten payload key is an error where the event is written, never dropped."""
+    job_id = _job(ws, tmp_path)
+    before = ws.events(job_id)
+    rec = Recorder(ws.store, job_id)
+    with pytest.raises(TypeError, match="orignal_chars"):  # misspelt: the event cannot even be made
+        rec.add(ToolResult(job_id=job_id, tool="Read", call_id="c1", content="x", orignal_chars=3))  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="call_id"):  # forgotten
+        rec.add(ToolResult(job_id=job_id, tool="Read", content="x"))  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"comment\.body"):  # given as None: the store refuses it too
+        ws.store.append([CommentEvent(job_id=job_id, author="user", body="kept only with the rest"),
+                         CommentEvent(job_id=job_id, author="user", body=None)])  # type: ignore[arg-type]
+    rec.flush()
+    assert ws.events(job_id) == before
+
+
+def test_a_stored_payload_with_an_unknown_or_missing_key_is_not_read_silently() -> None:
+    row = (7, 1, None, None, 0.0, "tool_result", '{"tool":"Read","call_id":"c1","content":"x","orignal_chars":3}')
+    with pytest.raises(ValueError, match=r"tool_result event 7: unknown payload key\(s\) \['orignal_chars'\]"):
+        event_from_row(row)
+    with pytest.raises(TypeError, match="call_id"):
+        event_from_row((8, 1, None, None, 0.0, "tool_result", '{"tool":"Read","content":"x"}'))
+    assert event_from_row((9, 1, None, None, 0.0, "tool_result", '{"tool":"Read","call_id":"c1","content":"x"}')) \
+        == ToolResult(id=9, job_id=1, tool="Read", call_id="c1", content="x")

@@ -6,6 +6,7 @@ import ast
 import inspect
 import multiprocessing as mp
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -306,3 +307,12 @@ def test_frame_queries_name_payload_fields_the_events_have() -> None:
     for cls, names in ((ToolResult, ("is_eror",)), (LLMResponse, ("usage", "prompt")), (ToolResult, ("job_id",))):
         with pytest.raises(LookupError, match="has no payload field"):
             payload_path(cls, *names)
+
+
+def test_the_store_names_every_payload_field_through_the_event_dataclasses() -> None:
+    """A JSON path written by hand in the store's SQL would read NULL after a field is renamed in events.py."""
+    store_dir = Path(agentnb.store.__file__).parent
+    by_hand = [f"{p.name}:{i}: {line.strip()}" for p in sorted(store_dir.glob("*.py")) if p.name != "texts.py"
+               for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+               if re.search(r"""['"]\$\.""", line)]
+    assert by_hand == []

@@ -37,3 +37,15 @@ def test_each_action_has_one_colour_in_every_view(ws: Workspace, tmp_path: Path)
     for action in ACTIONS:
         assert lines[action] == panel[action] == html.get(action, panel[action]), action
     assert len(set(panel.values())) == len(ACTIONS)  # and the actions stay told apart
+
+
+def test_the_shared_colours_are_written_only_in_views_style() -> None:
+    """A shared colour copied into another module drifts when style.py changes (the magic's error line did)."""
+    from agentnb.views import style
+
+    package = Path(agentnb.__file__).parent
+    shared = {c.lower() for c in (*style.ACTION_COLOURS.values(), style.OK_COLOUR, style.ERROR_COLOUR)}
+    copies = [f"{p.relative_to(package)}:{i}: {c}" for p in sorted(package.rglob("*.py")) if p.name != "style.py"
+              for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+              for c in re.findall(r"#[0-9a-fA-F]{6}\b", line) if c.lower() in shared]
+    assert copies == []

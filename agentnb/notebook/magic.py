@@ -35,6 +35,7 @@ from ..engine.pieces import available_pieces, load_piece
 from ..errors import AgentnbError, PieceError, StoreError
 from ..store.base import owned_by_this_process
 from ..views.render import KEEPER, duration, job_html, job_stats, plural
+from ..views.style import ERROR_COLOUR
 from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
 from .vars import VarError, expand, expand_value, split_line
 
@@ -530,7 +531,7 @@ def _summary_html(ws: Workspace, job_id: int, *, below: bool = False) -> str:
            f"{plural(st.calls, 'LLM call')} · {st.total_tokens:,} tokens · running time {duration(st.running_s)} "
            f'<span style="color:#777">— {where}</span></div>')
     if job.error:
-        out += f'<div style="color:#b00020">✖ {_html.escape(job.error)}</div>'
+        out += f'<div style="color:{ERROR_COLOUR}">✖ {_html.escape(job.error)}</div>'
     if st.question:
         out += (f"<div><b>❓ waiting for you:</b> {_html.escape(st.question)} <span style=\"color:#777\">— answer "
                 f'with <code>%agent reply {job.id} "…"</code></span></div>')

@@ -30,10 +30,12 @@ from ..events import (
     Event,
     EventBase,
     JobStatusEvent,
+    LLMResponse,
     check_event,
     encode_payload,
     event_from_row,
     payload_dict,
+    payload_path,
     strict_events,
 )
 from .base import (
@@ -82,6 +84,9 @@ _JOB_COLUMNS = (
 )
 _UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created"}
 
+# payload fields the store's own queries read, named through the event dataclasses like the frames' SQL
+_TOTAL_TOKENS = payload_path(LLMResponse, "usage", "total_tokens")
+_STATUS_REASON = payload_path(JobStatusEvent, "reason")
 _SLOT = re.compile(r"\{(?:job|where)_\w\}")  # frames_sql's per-job slots
 
 # what errors of this backend look like, for callers that word them (describe_error) instead of a traceback
@@ -476,15 +481,15 @@ class SQLiteStore:
 
     def total_tokens(self, job_id: int) -> int:
         rows = self.query(
-            "SELECT COALESCE(SUM(json_extract(payload,'$.usage.total_tokens')),0) FROM events "
+            f"SELECT COALESCE(SUM(json_extract(payload,'{_TOTAL_TOKENS}')),0) FROM events "
             "WHERE job_id=? AND kind='llm_response'", (job_id,),
         )
         return int(rows[0][0])
 
     def last_status_reason(self, job_id: int) -> str | None:
         rows = self.query(
-            "SELECT json_extract(payload, '$.reason') FROM events WHERE kind = 'job_status' AND job_id = ? "
-            "ORDER BY id DESC LIMIT 1", (job_id,))
+            f"SELECT json_extract(payload, '{_STATUS_REASON}') FROM events WHERE kind = 'job_status' "
+            "AND job_id = ? ORDER BY id DESC LIMIT 1", (job_id,))
         return None if not rows or rows[0][0] is None else str(rows[0][0])
 
     # -- events ---------------------------------------------------------------
