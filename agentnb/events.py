@@ -40,6 +40,7 @@ __all__ = [
     "MovementStart",
     "RecordedToolCall",
     "Reminder",
+    "ScoreEvent",
     "Subtask",
     "ToolCallEvent",
     "ToolResult",
@@ -58,7 +59,7 @@ __all__ = [
 
 EventKind = Literal[
     "job_status", "movement_start", "llm_request", "llm_response", "tool_call", "tool_result",
-    "context_action", "reminder", "transition", "lesson", "comment", "error",
+    "context_action", "reminder", "transition", "lesson", "comment", "error", "score",
 ]
 UsageSource = Literal["usage", "tiktoken", "chars"]
 # the ContextManager's actions, in threshold order (a context_action's `action`, frames' `action` categories)
@@ -248,6 +249,20 @@ class ErrorEvent(EventBase):
     where: str = ""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScoreEvent(EventBase):
+    """One scorer's verdict on a finished job (DESIGN §10); the latest per ``name`` is the job's score.
+
+    ``value`` is None exactly when the scorer raised or returned something that is not a bool, int,
+    float or str; ``error`` then says what happened.
+    """
+
+    kind: ClassVar[Literal["score"]] = "score"
+    name: str
+    value: bool | int | float | str | None = None
+    error: str | None = None
+
+
 Event = (
     JobStatusEvent
     | MovementStart
@@ -261,6 +276,7 @@ Event = (
     | Lesson
     | CommentEvent
     | ErrorEvent
+    | ScoreEvent
 )
 
 _CLASSES: tuple[type[EventBase], ...] = typing.get_args(Event)

@@ -7,12 +7,13 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .batch import DEFAULT_CONCURRENCY, Batch, Scorer, check_concurrency, check_scorers, open_batch, record_scores
 from .engine.pieces import Piece, load_piece
 from .engine.prompts import MAX_COMMENTS, build_enriched_instruction
 from .engine.runner import JobRunner, stored_piece
@@ -22,7 +23,7 @@ from .errors import PathNotFoundError, UsageError
 from .events import ErrorEvent, Event
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
-from .store import Store, StoreError, open_store
+from .store import Store, StoreError, Transaction, open_store
 from .store.base import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, can_name_a_job
 from .tools.base import ToolError, resolve_path
 from .views.status import STOP_REASON
@@ -61,6 +62,23 @@ class JobStatus(str, Enum):
 _CHANGING = ("status", "current_movement", "resume_movement", "movement_seq", "error", "updated", "started", "ended")
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A submit that passed every check (``Workspace._prepare``), ready to be stored by ``Workspace._create``."""
+
+    instruction: str
+    piece: Piece
+    model: str
+    options: dict[str, Any]
+    inputs: dict[str, str | bytes | os.PathLike[str]]
+    workdir: str | os.PathLike[str] | None
+
+
+def _remove_folders(folders: list[Path]) -> None:
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @dataclass(frozen=True, eq=False)
 class Job:
     """One job of a workspace, as returned by ``ws.submit``/``ws.job``/``ws.run`` and ``%agent run``.
@@ -78,9 +96,13 @@ class Job:
     piece: str
     model: str
     instruction: str
-    workdir: str
+    workdir: Path
     created: float
     workspace: Workspace | None = field(default=None, repr=False)
+    # a batch's job (DESIGN §10): the batch name, the case index and the variant index
+    batch: str | None = None
+    case: int | None = None
+    variant: int | None = field(default=None, repr=False)
     # the changing columns as last read; a snapshot (or a Job without a workspace) only ever shows these
     _row: Mapping[str, Any] = field(default_factory=dict, repr=False)
     _live: bool = field(default=True, repr=False)
@@ -90,7 +112,8 @@ class Job:
     @classmethod
     def from_row(cls, row: Mapping[str, Any], ws: Workspace | None = None) -> Job:
         return cls(id=int(row["id"]), parent_id=row["parent_id"], piece=row["piece"], model=row["model"],
-                   instruction=row["instruction"], workdir=row["workdir"], created=row["created"], workspace=ws,
+                   instruction=row["instruction"], workdir=Path(row["workdir"]), created=row["created"], workspace=ws,
+                   batch=row.get("batch"), case=row.get("batch_case"), variant=row.get("batch_variant"),
                    _row={k: row[k] for k in _CHANGING})
 
     def _get(self, name: str) -> Any:
@@ -131,6 +154,31 @@ class Job:
     @property
     def ended(self) -> float | None:
         return self._get("ended")
+
+    @property
+    def output(self) -> Path:
+        """The job's ``output/`` folder."""
+        return self.workdir / "output"
+
+    @property
+    def events(self) -> list[Event]:
+        """Every event of the job, oldest first (empty for a Job without a workspace)."""
+        return [] if self.workspace is None else self.workspace.events(self.id)
+
+    @property
+    def summary(self) -> str | None:
+        """The summary of the job's last finished movement run (its final summary once it has ended)."""
+        if self.workspace is None:
+            return None
+        done = [m for m in self.workspace.movements(self.id) if m.get("summary") is not None]
+        return done[-1]["summary"] if done else None
+
+    @property
+    def expected(self) -> Any:
+        """The ``expected`` value of the job's batch case (None outside a batch or when the case has none)."""
+        if self.workspace is None or self.batch is None or self.case is None:
+            return None
+        return self.workspace._batch_case(self.batch, self.case).get("expected")
 
     @property
     def is_snapshot(self) -> bool:
@@ -279,6 +327,30 @@ class Workspace:
         ``retries`` and ``max_backoff`` (seconds) set how an ``openai:`` model retries 429s, 5xx, timeouts
         and malformed answers for this job; unset, the workspace's settings and then the environment apply.
         """
+        prepared = self._prepare(instruction, piece=piece, model=model, inputs=inputs, workdir=workdir,
+                                 context=context, retries=retries, max_backoff=max_backoff)
+        job_folders: list[Path] = []
+        try:
+            with self.store.transaction() as c:
+                job_id = self._create(c, prepared, job_folders)
+        except BaseException:
+            _remove_folders(job_folders)
+            raise
+        return self.job(job_id)
+
+    def _prepare(
+        self,
+        instruction: str,
+        *,
+        piece: str | os.PathLike[str] | Piece,
+        model: str,
+        inputs: Mapping[str, str | bytes | os.PathLike[str]] | None,
+        workdir: str | os.PathLike[str] | None,
+        context: Mapping[str, Any] | None,
+        retries: int | None,
+        max_backoff: float | None,
+    ) -> _Prepared:
+        """Every check of a submit, before anything is stored or written (a batch checks all its jobs first)."""
         if not isinstance(instruction, str) or not instruction.strip():
             raise UsageError("instruction must be non-empty text")
         if len(instruction) > MAX_INSTRUCTION_CHARS:
@@ -316,42 +388,41 @@ class Workspace:
             if not isinstance(value, (str, bytes, os.PathLike)):
                 raise TypeError(f"input {name!r}: the content is {type(value).__name__}; allowed: text (str), "
                                 "bytes or a path of a file to copy")
-        # One transaction: a job whose folder or inputs cannot be written (a read-only jobs/, a full disk)
-        # is not left queued without them.
-        job_folder: Path | None = None
-        try:
-            with self.store.transaction() as c:
-                job_id = self.store.create_job(
-                    piece=p.name, piece_yaml=p.to_yaml(), piece_path=p.source, model=model, instruction=instruction,
-                    status="queued", workdir="", options=opts,
-                )
-                job_folder = self.root / "jobs" / str(job_id)
-                if job_folder.exists():
-                    job_folder = None  # not ours to remove if this fails
-                wd = prepare_workdir(self.root, job_id, workdir)
-                for name, value in (inputs or {}).items():
-                    try:
-                        target = resolve_path(wd / "input", name)
-                    except ToolError as exc:
-                        raise UsageError(f"input {name!r}: {exc}") from None
-                    try:
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        if isinstance(value, bytes):
-                            target.write_bytes(value)
-                        elif isinstance(value, os.PathLike):
-                            target.write_bytes(Path(value).read_bytes())
-                        else:
-                            target.write_text(str(value), encoding="utf-8")
-                    except OSError as exc:  # a name too long for the file system, a source file that is gone
-                        what = f"its source {os.fspath(value)!r}" if isinstance(value, os.PathLike) else "it"
-                        raise UsageError(f"input {name!r} cannot be written: {what}: "
-                                         f"{exc.strerror or type(exc).__name__}") from None
-                self.store.update_job(c, job_id, workdir=str(wd))
-        except BaseException:
-            if job_folder is not None:
-                shutil.rmtree(job_folder, ignore_errors=True)
-            raise
-        return self.job(job_id)
+        return _Prepared(instruction=instruction, piece=p, model=model, options=opts, inputs=dict(inputs or {}),
+                         workdir=workdir)
+
+    def _create(self, c: Transaction, prepared: _Prepared, job_folders: list[Path], **tags: Any) -> int:
+        """Store a prepared job and write its folder and inputs, in ``c`` (``tags``: extra job columns, e.g.
+        a batch's).  A folder this made is added to ``job_folders``, for the caller to remove if ``c`` fails:
+        a job whose folder or inputs cannot be written (a read-only jobs/, a full disk) is not left queued."""
+        p = prepared.piece
+        job_id = self.store.create_job(
+            piece=p.name, piece_yaml=p.to_yaml(), piece_path=p.source, model=prepared.model,
+            instruction=prepared.instruction, status="queued", workdir="", options=prepared.options, **tags,
+        )
+        job_folder = self.root / "jobs" / str(job_id)
+        if not job_folder.exists():  # else not ours to remove if this fails
+            job_folders.append(job_folder)
+        wd = prepare_workdir(self.root, job_id, prepared.workdir)
+        for name, value in prepared.inputs.items():
+            try:
+                target = resolve_path(wd / "input", name)
+            except ToolError as exc:
+                raise UsageError(f"input {name!r}: {exc}") from None
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if isinstance(value, bytes):
+                    target.write_bytes(value)
+                elif isinstance(value, os.PathLike):
+                    target.write_bytes(Path(value).read_bytes())
+                else:
+                    target.write_text(str(value), encoding="utf-8")
+            except OSError as exc:  # a name too long for the file system, a source file that is gone
+                what = f"its source {os.fspath(value)!r}" if isinstance(value, os.PathLike) else "it"
+                raise UsageError(f"input {name!r} cannot be written: {what}: "
+                                 f"{exc.strerror or type(exc).__name__}") from None
+        self.store.update_job(c, job_id, workdir=str(wd))
+        return job_id
 
     # -- running ------------------------------------------------------------
     def _runner(self, row: Mapping[str, Any]) -> JobRunner:
@@ -551,6 +622,79 @@ class Workspace:
         with self._lock:
             self._runners.pop(job_id, None)
         return self.job(job_id)
+
+    # -- batches (DESIGN §10) ------------------------------------------------------------------------------
+    def batch(
+        self,
+        cases: Any = None,
+        *,
+        piece: Any = "plan-implement-verify",
+        model: str | Sequence[str] = "demo",
+        name: str | None = None,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        scorers: Mapping[str, Scorer] | None = None,
+        context: Mapping[str, Any] | None = None,
+        retries: int | None = None,
+        max_backoff: float | None = None,
+        run: bool = True,
+        progress: bool = True,
+    ) -> Batch:
+        """Run cases × variants as jobs, ``concurrency`` at once, scored and priced; a :class:`Batch`.
+
+        ``cases``: a list of dicts or a DataFrame with ``instruction`` (required), ``inputs`` (a dict of
+        file name → text or bytes, or a folder path) and ``expected`` (any JSON value); other columns are
+        carried into the results.  Variants are every ``piece`` (a name, path, YAML text or ``Piece``, or a
+        list) with every ``model`` (a spec or a list).  ``ws.batch("exp-1")``, or the same call again with
+        ``name="exp-1"``, resumes the batch: finished jobs are kept, unfinished ones run; new variants
+        with the same cases are added.  ``run=False`` only creates (or looks up) the batch.
+        """
+        check_concurrency(concurrency)
+        b = open_batch(self, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
+                       retries=retries, max_backoff=max_backoff, check_model=self._checked_spec)
+        if run:
+            b.run(concurrency=concurrency, progress=progress)
+        return b
+
+    def batches(self) -> list[dict[str, Any]]:
+        """Every batch: name, created, jobs and a count per status (``n_<status>``)."""
+        return [{k: v for k, v in row.items() if k not in ("cases", "variants", "options", "fingerprint")}
+                for row in self.store.batches()]
+
+    def score(self, batch_or_jobs: Batch | str | Sequence[JobRef], scorers: Mapping[str, Scorer]) -> list[Job]:
+        """Score ended jobs (a batch, a batch name or jobs) again without running them; the jobs scored.
+
+        Each scorer's result is a new ``score`` event (the latest per name is the score).
+        """
+        chosen = check_scorers(scorers)
+        if not chosen:
+            raise UsageError("no scorers: give scorers={'name': function(job)}")
+        if isinstance(batch_or_jobs, str):
+            if self.store.batch(batch_or_jobs) is None:
+                raise UsageError(f"no batch {batch_or_jobs!r} in {self.store.path}")
+            jobs = Batch(self, batch_or_jobs).jobs
+        elif isinstance(batch_or_jobs, Batch):
+            jobs = batch_or_jobs.jobs
+        else:
+            jobs = [self.job(j) for j in batch_or_jobs]
+        scored = [j for j in jobs if j.status.terminal]
+        for job in scored:
+            record_scores(self.store, job, chosen, time.time)
+        return scored
+
+    def _checked_spec(self, spec: str) -> str:
+        if not isinstance(spec, str):
+            raise UsageError(f"model spec {spec!r} must be text (e.g. 'demo', 'scripted:PATH', 'openai:NAME')")
+        spec = normalise_spec(spec)
+        check_model_spec(spec)
+        resolve_model(spec, store=self.store)
+        return spec
+
+    def _batch_case(self, name: str, index: int) -> dict[str, Any]:
+        row = self.store.batch(name)
+        if row is None:
+            return {}
+        cases = json.loads(row["cases"])
+        return dict(cases[index]) if 0 <= index < len(cases) else {}
 
     def worker(self) -> Worker:
         return Worker(self)

@@ -500,7 +500,8 @@ def glance(ws: Workspace, job: Any) -> dict[str, Any]:
     job = ws.job(job.id if hasattr(job, "id") else job)
     fields = ("id", "parent_id", "piece", "model", "instruction", "status", "current_movement", "resume_movement",
               "movement_seq", "error", "workdir")
-    return {"job": {f: str(getattr(job, f)) if f == "status" else getattr(job, f) for f in fields},
+    # status is an enum and workdir a Path: a user reads both as their text
+    return {"job": {f: str(getattr(job, f)) if f in ("status", "workdir") else getattr(job, f) for f in fields},
             "repr": repr(job), "html": job._repr_html_(), "cli_show": _cli(ws, "show", str(job.id)),
             "event_count": len(ws.events(job))}
 

@@ -62,6 +62,7 @@ def test_a_reset_file_is_migrated_again(tmp_path: Path) -> None:
     raw.execute("DROP TABLE comments")
     raw.execute("DROP TABLE jobs")
     raw.execute("DROP TABLE texts")
+    raw.execute("DROP TABLE batches")
     raw.commit()
     raw.close()
     store = SQLiteStore(path)

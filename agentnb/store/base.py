@@ -144,7 +144,10 @@ class Store(Protocol):
         """The job's row, long texts expanded; :class:`StoreError` when there is no such job."""
         ...
 
-    def jobs(self, status: str | None = None, parent_id: int | None = None) -> list[dict[str, Any]]: ...
+    def jobs(self, status: str | None = None, parent_id: int | None = None,
+             batch: str | None = None) -> list[dict[str, Any]]:
+        """Job rows in id order, optionally only those with ``status``, of ``parent_id`` or of ``batch``."""
+        ...
 
     def job_ids(self) -> list[int]: ...
 
@@ -250,6 +253,24 @@ class Store(Protocol):
 
     def open_children(self, c: Transaction, parent_id: int) -> int:
         """How many subtasks of ``parent_id`` have not ended."""
+        ...
+
+    # -- batches (DESIGN §10) --------------------------------------------------------------------------------
+    def create_batch(self, c: Transaction, name: str, *, fingerprint: str, cases: str, variants: str,
+                     options: str) -> None:
+        """Insert the batch row (``cases``/``variants``/``options`` are JSON texts); its jobs follow in ``c``."""
+        ...
+
+    def update_batch(self, c: Transaction, name: str, **values: Any) -> None:
+        """Change ``variants``, ``options`` or ``fingerprint`` of a batch (``updated`` is set too)."""
+        ...
+
+    def batch(self, name: str) -> dict[str, Any] | None:
+        """The batch row (JSON columns as text), or None when there is none of that name."""
+        ...
+
+    def batches(self) -> list[dict[str, Any]]:
+        """Every batch row, oldest first, each with ``jobs`` and a count per job status (``n_<status>``)."""
         ...
 
     # -- the DataFrame views --------------------------------------------------------------------------------

@@ -81,4 +81,22 @@ MIGRATIONS: list[str] = [
     ALTER TABLE jobs ADD COLUMN instruction_ref TEXT REFERENCES texts(hash);
     ALTER TABLE jobs ADD COLUMN enriched_ref TEXT REFERENCES texts(hash)
     """,
+    # 3: batches (issue 14, DESIGN §10).  A batch is its cases and variants (JSON), and the fingerprint
+    # that tells a resume with the same cases from a new batch under a taken name.  Its jobs are ordinary
+    # jobs tagged with the batch name, the case index and the variant index.
+    """
+    CREATE TABLE batches (
+        name        TEXT PRIMARY KEY,
+        created     REAL NOT NULL,
+        updated     REAL NOT NULL,
+        fingerprint TEXT NOT NULL,
+        cases       TEXT NOT NULL,
+        variants    TEXT NOT NULL,
+        options     TEXT NOT NULL DEFAULT '{}'
+    );
+    ALTER TABLE jobs ADD COLUMN batch TEXT REFERENCES batches(name);
+    ALTER TABLE jobs ADD COLUMN batch_case INTEGER;
+    ALTER TABLE jobs ADD COLUMN batch_variant INTEGER;
+    CREATE INDEX jobs_batch ON jobs(batch, batch_case, batch_variant)
+    """,
 ]

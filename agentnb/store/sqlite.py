@@ -80,7 +80,7 @@ SCHEMA_VERSION = len(MIGRATIONS)
 _JOB_COLUMNS = (
     "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
     "current_movement", "resume_movement", "movement_seq", "workdir", "options", "enriched",
-    "error", "claimed_by", "created", "updated", "started", "ended",
+    "error", "claimed_by", "created", "updated", "started", "ended", "batch", "batch_case", "batch_variant",
 )
 _UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created"}
 
@@ -321,7 +321,8 @@ class SQLiteStore:
             raise StoreError(f"no job {job_id} in {self.path}")
         return self._job_dict(rows[0])
 
-    def jobs(self, status: str | None = None, parent_id: int | None = None) -> list[dict[str, Any]]:
+    def jobs(self, status: str | None = None, parent_id: int | None = None,
+             batch: str | None = None) -> list[dict[str, Any]]:
         sql, params = "SELECT * FROM jobs", list[Any]()
         where = []
         if status is not None:
@@ -330,6 +331,9 @@ class SQLiteStore:
         if parent_id is not None:
             where.append("parent_id=?")
             params.append(parent_id)
+        if batch is not None:
+            where.append("batch=?")
+            params.append(batch)
         if where:
             sql += " WHERE " + " AND ".join(where)
         return [self._job_dict(r) for r in self.query(sql + " ORDER BY id", params)]
@@ -491,6 +495,34 @@ class SQLiteStore:
             f"SELECT json_extract(payload, '{_STATUS_REASON}') FROM events WHERE kind = 'job_status' "
             "AND job_id = ? ORDER BY id DESC LIMIT 1", (job_id,))
         return None if not rows or rows[0][0] is None else str(rows[0][0])
+
+    # -- batches ---------------------------------------------------------------
+    def create_batch(self, c: Transaction, name: str, *, fingerprint: str, cases: str, variants: str,
+                     options: str) -> None:
+        now = time.time()
+        self._tx(c).execute(
+            "INSERT INTO batches (name, created, updated, fingerprint, cases, variants, options) VALUES (?,?,?,?,?,?,?)",
+            (name, now, now, fingerprint, cases, variants, options),
+        )
+
+    def update_batch(self, c: Transaction, name: str, **values: Any) -> None:
+        bad = set(values) - {"fingerprint", "cases", "variants", "options"}
+        if bad:
+            raise StoreError(f"cannot update batch columns {sorted(bad)}")
+        values["updated"] = time.time()
+        sets = ", ".join(f"{k}=?" for k in values)
+        self._tx(c).execute(f"UPDATE batches SET {sets} WHERE name=?", (*values.values(), name))
+
+    def batch(self, name: str) -> dict[str, Any] | None:
+        rows = self.query("SELECT * FROM batches WHERE name=?", (name,))
+        return dict(rows[0]) if rows else None
+
+    def batches(self) -> list[dict[str, Any]]:
+        counts = ", ".join(f"SUM(j.status='{s}') AS n_{s}" for s in JOB_STATES)
+        rows = self.query(
+            f"SELECT b.*, COUNT(j.id) AS jobs, {counts} FROM batches b LEFT JOIN jobs j ON j.batch = b.name "
+            "GROUP BY b.name ORDER BY b.created, b.name")
+        return [{k: (int(v or 0) if k.startswith("n_") else v) for k, v in dict(r).items()} for r in rows]
 
     # -- events ---------------------------------------------------------------
     def _append(self, c: sqlite3.Connection, events: Iterable[Event]) -> None:

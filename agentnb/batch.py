@@ -1,0 +1,492 @@
+"""Batches (DESIGN §10): cases × variants, each an ordinary job, run concurrently, scored and compared.
+
+``ws.batch(cases, piece=[…], model=[…], name=…)`` checks every case and variant before anything is
+stored, then creates the batch row and all its jobs in one transaction (a refused batch leaves nothing
+behind).  Calling it again with the same name resumes: finished jobs are kept, unfinished ones run.
+This module does not import the facade (which imports it): what it needs of the workspace is
+:class:`BatchHost`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .engine.pieces import Piece, load_piece, parse_piece
+from .errors import UsageError
+from .events import ScoreEvent
+from .store.base import TERMINAL_STATES, WAITING_STATES, Store, Transaction
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["DEFAULT_CONCURRENCY", "Batch", "BatchHost", "Case", "Scorer", "Variant", "batch_names"]
+
+DEFAULT_CONCURRENCY = 4
+Scorer = Callable[[Any], Any]
+# what a scorer may return; anything else is recorded as the score's error
+SCORE_TYPES = (bool, int, float, str)
+
+
+class BatchHost(Protocol):
+    """What a batch needs of the workspace facade (:class:`agentnb.workspace.Workspace`)."""
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def root(self) -> Path: ...
+
+    def job(self, job: Any) -> Any: ...
+
+    def run(self, job: Any, *, subtasks: bool = True) -> Any: ...
+
+    def stop(self, job: Any) -> list[int]: ...
+
+    def _prepare(self, instruction: str, *, piece: Any, model: str, inputs: Any, workdir: Any, context: Any,
+                 retries: int | None, max_backoff: float | None) -> Any: ...
+
+    def _create(self, c: Transaction, prepared: Any, job_folders: list[Path], **tags: Any) -> int: ...
+
+
+@dataclass(frozen=True)
+class Case:
+    """One case of a batch: the instruction, its input files, the expected value and the other columns."""
+
+    index: int
+    instruction: str
+    inputs: dict[str, str | bytes | os.PathLike[str]] = field(default_factory=dict)
+    expected: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def stored(self) -> dict[str, Any]:
+        """What the batch row keeps of the case (input files by name, size and hash; their bytes are in
+        each job's ``input/``); also what its fingerprint is made of."""
+        files = {name: _file_digest(value) for name, value in sorted(self.inputs.items())}
+        return {"instruction": self.instruction, "inputs": files, "expected": self.expected, "extra": self.extra}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One piece × model of a batch; ``label`` is the piece's name, made unique within the batch."""
+
+    index: int
+    label: str
+    piece: Piece
+    model: str
+
+    def stored(self) -> dict[str, Any]:
+        return {"piece": self.label, "piece_yaml": self.piece.to_yaml(), "piece_source": self.piece.source,
+                "model": self.model}
+
+
+def _file_digest(value: str | bytes | os.PathLike[str]) -> dict[str, Any]:
+    if isinstance(value, os.PathLike):
+        data = Path(value).read_bytes()
+    elif isinstance(value, bytes):
+        data = value
+    else:
+        data = str(value).encode("utf-8")
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+# -- checking the input -------------------------------------------------------------------------------------
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as JSON data (numpy/pandas scalars unwrapped, a missing value as None), or a UsageError."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return None if math.isnan(value) else float(value)
+    item = getattr(value, "item", None)  # numpy scalars
+    if callable(item) and type(value).__module__ == "numpy":
+        return _plain(item(), where)
+    try:
+        import pandas as pd
+
+        if value is pd.NA or value is pd.NaT:
+            return None
+        if isinstance(value, pd.Timestamp):
+            return value.isoformat()
+    except ImportError:  # pragma: no cover - pandas is a dependency
+        pass
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise UsageError(f"{where} is a {type(value).__name__}; allowed: JSON values (text, numbers, true/false, "
+                     "None, lists and dicts of them), so that the batch can be resumed from its store")
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value)) or (
+        type(value).__module__.startswith("pandas") and str(value) in ("<NA>", "NaT"))
+
+
+def _inputs(value: Any, where: str) -> dict[str, str | bytes | os.PathLike[str]]:
+    if _missing(value):
+        return {}
+    if isinstance(value, Mapping):
+        out: dict[str, str | bytes | os.PathLike[str]] = {}
+        for name, content in value.items():
+            if isinstance(content, os.PathLike) and not Path(content).is_file():
+                raise UsageError(f"{where}[{name!r}]: {os.fspath(content)!r} is not an existing file")
+            out[name] = content
+        return out
+    if isinstance(value, (str, os.PathLike)):
+        folder = Path(value).expanduser()
+        if not folder.is_dir():
+            what = "a file, not a folder" if folder.exists() else "not an existing folder"
+            raise UsageError(f"{where}: {os.fspath(value)!r} is {what}; allowed: a dict of file name → text "
+                             "or bytes, or the path of a folder whose files are copied into input/")
+        return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+    raise UsageError(f"{where} is a {type(value).__name__}; allowed: a dict of file name → text or bytes, "
+                     "or the path of a folder")
+
+
+def check_cases(cases: Any) -> list[Case]:
+    """The cases as :class:`Case` objects: a list of dicts or a DataFrame, each with an ``instruction``."""
+    records: list[Any]
+    if hasattr(cases, "to_dict") and hasattr(cases, "columns"):  # a DataFrame
+        records = cases.to_dict("records")
+    elif isinstance(cases, (str, bytes, Mapping)) or not isinstance(cases, Iterable):
+        raise UsageError(f"cases must be a list of dicts or a DataFrame, not {type(cases).__name__}")
+    else:
+        records = list(cases)
+    if not records:
+        raise UsageError("cases is empty; give at least one case with an 'instruction'")
+    out = []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, Mapping):
+            raise UsageError(f"case {i} is a {type(rec).__name__}; allowed: a dict with an 'instruction'")
+        instruction = rec.get("instruction")
+        if _missing(instruction) or not isinstance(instruction, str) or not instruction.strip():
+            got = "has none" if _missing(instruction) else f"is {instruction!r}"
+            raise UsageError(f"case {i} needs an 'instruction' (non-empty text); it {got}")
+        extra = {str(k): _plain(v, f"case {i} column {k!r}") for k, v in rec.items()
+                 if k not in ("instruction", "inputs", "expected")}
+        reserved = sorted(set(extra) & set(RESERVED_COLUMNS))
+        if reserved:
+            raise UsageError(f"case {i} has column(s) {', '.join(map(repr, reserved))}, which the batch's frame "
+                             f"uses itself; rename them (reserved: {', '.join(RESERVED_COLUMNS)})")
+        out.append(Case(index=i, instruction=instruction, inputs=_inputs(rec.get("inputs"), f"case {i} inputs"),
+                        expected=_plain(rec.get("expected"), f"case {i} expected"), extra=extra))
+    return out
+
+
+# the columns of Batch.frame that a case's own columns may not take
+RESERVED_COLUMNS = ("case", "variant", "piece", "model", "job", "status", "movements", "llm_calls",
+                    "prompt_tokens", "completion_tokens", "total_tokens", "cost_usd", "seconds")
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _load_variant_piece(ref: Any) -> Piece:
+    if isinstance(ref, str) and "\n" in ref:  # YAML text
+        return parse_piece(ref, source="<piece text>")
+    return load_piece(ref)
+
+
+def check_variants(pieces: Any, models: Any, check_model: Callable[[str], str]) -> list[Variant]:
+    """Pieces × models, every piece loaded and every model spec checked (``check_model`` normalises one)."""
+    loaded = [_load_variant_piece(p) for p in _as_list(pieces)]
+    specs = [check_model(m) for m in _as_list(models)]
+    if not loaded:
+        raise UsageError("piece= is an empty list; give at least one piece")
+    if not specs:
+        raise UsageError("model= is an empty list; give at least one model spec")
+    labels: list[str] = []
+    for p in loaded:
+        label, n = p.name, 2
+        while label in labels:  # two pieces of the same name (say, a piece and an edited copy)
+            label, n = f"{p.name}#{n}", n + 1
+        labels.append(label)
+    out: list[Variant] = []
+    for (label, p) in zip(labels, loaded, strict=True):
+        for m in specs:
+            out.append(Variant(index=len(out), label=label, piece=p, model=m))
+    keys = [(v.piece.to_yaml(), v.model) for v in out]
+    if len(set(keys)) != len(keys):
+        raise UsageError("the same piece and model are given twice; each variant must differ")
+    return out
+
+
+def check_scorers(scorers: Any) -> dict[str, Scorer]:
+    if scorers is None:
+        return {}
+    if not isinstance(scorers, Mapping):
+        raise UsageError(f"scorers must be a dict of name → function(job), not {type(scorers).__name__}")
+    for name, fn in scorers.items():
+        if not isinstance(name, str) or not name.strip():
+            raise UsageError(f"scorer name {name!r} must be non-empty text")
+        if not callable(fn):
+            raise UsageError(f"scorer {name!r} is a {type(fn).__name__}, which is not callable; "
+                             "allowed: a function taking the finished Job")
+        if name in RESERVED_COLUMNS:
+            raise UsageError(f"scorer name {name!r} is a column of the batch's frame; choose another name")
+    return dict(scorers)
+
+
+def check_concurrency(concurrency: Any) -> int:
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise UsageError(f"concurrency={concurrency!r}; allowed: a whole number ≥ 1 (jobs run at once)")
+    return concurrency
+
+
+def fingerprint(stored_cases: Sequence[Mapping[str, Any]]) -> str:
+    text = json.dumps(list(stored_cases), ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def batch_names(store: Store) -> list[str]:
+    return [str(b["name"]) for b in store.batches()]
+
+
+# -- scoring ---------------------------------------------------------------------------------------------------
+
+def score_value(fn: Scorer, job: Any) -> tuple[Any, str | None]:
+    """Run one scorer: ``(value, None)``, or ``(None, error)`` when it raised or returned another type."""
+    try:
+        value = fn(job)
+    except Exception as exc:  # a scorer's bug is recorded on the job, never stops the batch
+        text = " ".join(str(exc).split())
+        return None, f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)):
+        value = value.item()
+    if isinstance(value, float) and math.isnan(value):
+        return None, "returned NaN; allowed: bool, int, float or str"
+    if not isinstance(value, SCORE_TYPES):
+        return None, f"returned {type(value).__name__} {value!r:.80}; allowed: bool, int, float or str"
+    return value, None
+
+
+def record_scores(store: Store, job: Any, scorers: Mapping[str, Scorer], now: Callable[[], float]) -> list[ScoreEvent]:
+    """Run each scorer on the finished ``job`` and record one ``score`` event per scorer."""
+    events = []
+    for name, fn in scorers.items():
+        value, error = score_value(fn, job)
+        events.append(ScoreEvent(job_id=job.id, ts=now(), name=name, value=value, error=error))
+    if events:
+        store.append(events)
+    return events
+
+
+# -- the batch ---------------------------------------------------------------------------------------------
+
+class Batch:
+    """A named batch of a workspace: its cases, variants and jobs; results as DataFrames.
+
+    Built by ``ws.batch(...)``; everything it shows is read from the store, so a Batch kept in a
+    variable never goes stale.
+    """
+
+    def __init__(self, ws: BatchHost, name: str, scorers: Mapping[str, Scorer] | None = None) -> None:
+        self.ws = ws
+        self.name = name
+        self.scorers: dict[str, Scorer] = dict(scorers or {})
+
+    def __repr__(self) -> str:
+        counts = self.counts()
+        done = sum(counts[s] for s in TERMINAL_STATES)
+        return f"<Batch {self.name!r}: {done}/{counts['jobs']} ended · {self._counts_text(counts)}>"
+
+    @staticmethod
+    def _counts_text(counts: Mapping[str, int]) -> str:
+        parts = [f"{counts[s]} {s}" for s in ("succeeded", "failed", "aborted", "running", "queued") if counts[s]]
+        waiting = counts["waiting_human"] + counts["waiting_subtasks"]
+        if waiting:
+            parts.append(f"{waiting} waiting")
+        return ", ".join(parts) or "no jobs"
+
+    # -- what it is ---------------------------------------------------------------------------------------
+    def _row(self) -> dict[str, Any]:
+        row = self.ws.store.batch(self.name)
+        if row is None:
+            raise UsageError(f"no batch {self.name!r} in {self.ws.store.path}")
+        return row
+
+    @property
+    def cases(self) -> list[dict[str, Any]]:
+        """The stored cases: instruction, inputs (name → bytes and sha256), expected, extra columns."""
+        return list(json.loads(self._row()["cases"]))
+
+    @property
+    def variants(self) -> list[dict[str, Any]]:
+        """The variants, in order: piece (its label), piece_yaml, piece_source, model."""
+        return list(json.loads(self._row()["variants"]))
+
+    @property
+    def jobs(self) -> list[Any]:
+        """The batch's jobs, by case and then variant."""
+        rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: (r["batch_case"], r["batch_variant"]))
+        return [self.ws.job(int(r["id"])) for r in rows]
+
+    def counts(self) -> dict[str, int]:
+        """How many jobs the batch has (``jobs``) and how many are in each status."""
+        rows = self.ws.store.jobs(batch=self.name)
+        out = {s: 0 for s in ("queued", "running", "succeeded", "failed", "aborted", *sorted(WAITING_STATES))}
+        for r in rows:
+            out[r["status"]] = out.get(r["status"], 0) + 1
+        out["jobs"] = len(rows)
+        return out
+
+    # -- running ----------------------------------------------------------------------------------------------
+    def pending(self) -> list[int]:
+        """Ids of the jobs a run would start or resume: queued ones (new, paused, interrupted) and running
+        ones whose process is gone; jobs waiting for their subtasks are included (their children run)."""
+        rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: (r["batch_case"], r["batch_variant"]))
+        return [int(r["id"]) for r in rows if r["status"] in ("queued", "running", "waiting_subtasks")]
+
+    def run(self, *, concurrency: int = DEFAULT_CONCURRENCY, scorers: Mapping[str, Scorer] | None = None,
+            progress: bool = True) -> Batch:
+        """Run every unfinished job, ``concurrency`` at once, and score each as it ends (see :meth:`score`)."""
+        from .executor import run_jobs
+
+        concurrency = check_concurrency(concurrency)
+        if scorers is not None:
+            self.scorers = check_scorers(scorers)
+        run_jobs(self.ws, self.pending(), concurrency=concurrency, progress=progress, batch=self,
+                 on_end=self._scored_once)
+        self._score_unscored()
+        return self
+
+    def _scored_once(self, job: Any) -> None:
+        """Score a job that just ended with every scorer it has no score from yet."""
+        if not self.scorers or str(job.status) not in TERMINAL_STATES:
+            return
+        have = {ev.name for ev in self.ws.store.events(job.id, kinds=["score"]) if isinstance(ev, ScoreEvent)}
+        todo = {n: fn for n, fn in self.scorers.items() if n not in have}
+        if todo:
+            record_scores(self.ws.store, job, todo, _now)
+
+    def _score_unscored(self) -> None:
+        # a job that ended while no scorer was given (or in a run that was killed before it scored)
+        for job in self.jobs:
+            self._scored_once(job)
+
+    def score(self, scorers: Mapping[str, Scorer] | None = None) -> Batch:
+        """Score every ended job again (new ``score`` events; the latest per name counts), without running any."""
+        chosen = check_scorers(scorers) if scorers is not None else self.scorers
+        if not chosen:
+            raise UsageError("no scorers: give scorers={'name': function(job)}")
+        for job in self.jobs:
+            if str(job.status) in TERMINAL_STATES:
+                record_scores(self.ws.store, job, chosen, _now)
+        return self
+
+    # -- results (views of the store) -----------------------------------------------------------------------------
+    @property
+    def frame(self) -> pd.DataFrame:
+        """One row per case × variant (DESIGN §10)."""
+        from .views.batch_frames import batch_frame
+
+        return batch_frame(self)
+
+    def summary(self) -> pd.DataFrame:
+        """One row per variant (DESIGN §10)."""
+        from .views.batch_frames import batch_summary
+
+        return batch_summary(self)
+
+    def _repr_html_(self) -> str:
+        from .views.batch_frames import batch_html
+
+        return batch_html(self)
+
+
+def _now() -> float:
+    import time
+
+    return time.time()
+
+
+def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
+               context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
+               check_model: Callable[[str], str]) -> Batch:
+    """Create the batch ``name`` (every job of it, in one transaction), or extend/resume the one of that name."""
+    chosen = check_scorers(scorers)
+    if isinstance(cases, str) and name is None:  # ws.batch("exp-1"): resume by name
+        name, cases = cases, None
+    if name is not None and (not isinstance(name, str) or not name.strip() or name != name.strip()):
+        raise UsageError(f"batch name {name!r} must be non-empty text without surrounding spaces")
+    existing = ws.store.batch(name) if name is not None else None
+    if cases is None:
+        if existing is None:
+            known = ", ".join(batch_names(ws.store)) or "none yet"
+            raise UsageError(f"no batch {name!r} in {ws.store.path} (batches: {known}); "
+                             "give cases to create it")
+        return Batch(ws, str(name), chosen)
+    checked = check_cases(cases)
+    variants = check_variants(piece, model, check_model)
+    stored_cases = [c.stored() for c in checked]
+    print_ = fingerprint(stored_cases)
+    if name is None:
+        taken = set(batch_names(ws.store))
+        n = len(taken) + 1
+        while f"batch-{n}" in taken:
+            n += 1
+        name = f"batch-{n}"
+    new_variants = variants
+    if existing is not None:
+        if existing["fingerprint"] != print_:
+            raise UsageError(_differs(name, json.loads(existing["cases"]), stored_cases))
+        old = json.loads(existing["variants"])
+        have = {(v["piece_yaml"], v["model"]) for v in old}
+        new_variants = [v for v in variants if (v.piece.to_yaml(), v.model) not in have]
+        if not new_variants:
+            return Batch(ws, name, chosen)
+        labels = {v["piece"] for v in old}
+        renumbered = []
+        for k, v in enumerate(new_variants):
+            label, n = v.label, 2
+            while label in labels and not any(o["piece"] == label and o["piece_yaml"] == v.piece.to_yaml() for o in old):
+                label, n = f"{v.piece.name}#{n}", n + 1
+            labels.add(label)
+            renumbered.append(Variant(index=len(old) + k, label=label, piece=v.piece, model=v.model))
+        new_variants = renumbered
+    # every job is checked before anything is stored
+    prepared = [(case, variant, ws._prepare(case.instruction, piece=variant.piece, model=variant.model,
+                                            inputs=case.inputs, workdir=None, context=context,
+                                            retries=retries, max_backoff=max_backoff))
+                for case in checked for variant in new_variants]
+    folders: list[Path] = []
+    try:
+        with ws.store.transaction() as c:
+            if existing is None:
+                ws.store.create_batch(c, name, fingerprint=print_, cases=json.dumps(stored_cases, ensure_ascii=False),
+                                      variants=json.dumps([v.stored() for v in new_variants], ensure_ascii=False),
+                                      options=json.dumps({"context": dict(context or {})}, ensure_ascii=False))
+            else:
+                old = json.loads(existing["variants"])
+                ws.store.update_batch(c, name, variants=json.dumps(old + [v.stored() for v in new_variants],
+                                                                   ensure_ascii=False))
+            for case, variant, prep in prepared:
+                ws._create(c, prep, folders, batch=name, batch_case=case.index, batch_variant=variant.index)
+    except BaseException:
+        for folder in folders:
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return Batch(ws, name, chosen)
+
+
+def _differs(name: str, old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:
+    if len(old) != len(new):
+        what = f"it has {len(old)} cases, these are {len(new)}"
+    else:
+        i = next(k for k, (a, b) in enumerate(zip(old, new, strict=True)) if a != b)
+        field_ = next((f for f in ("instruction", "inputs", "expected", "extra") if old[i].get(f) != new[i].get(f)), "")
+        what = f"case {i} differs in {field_ or 'its columns'}"
+    return (f"batch {name!r} already exists with different cases ({what}); give another name= "
+            f"or call ws.batch({name!r}) to resume it as it is")
