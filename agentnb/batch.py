@@ -26,7 +26,9 @@ from .store.base import TERMINAL_STATES, WAITING_STATES, Store, Transaction
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["DEFAULT_CONCURRENCY", "Batch", "BatchHost", "Case", "Scorer", "Variant", "batch_names"]
+__all__ = ["DEFAULT_CONCURRENCY", "RESERVED_COLUMNS", "Batch", "BatchHost", "Case", "Scorer", "Variant", "batch_names",
+           "check_cases", "check_concurrency", "check_score_names", "check_scorers", "check_variants", "open_batch",
+           "record_scores", "score_jobs", "score_value"]
 
 DEFAULT_CONCURRENCY = 4
 Scorer = Callable[[Any], Any]
@@ -183,8 +185,9 @@ def check_cases(cases: Any) -> list[Case]:
 
 
 # the columns of Batch.frame that a case's own columns may not take
-RESERVED_COLUMNS = ("case", "variant", "piece", "model", "job", "status", "movements", "llm_calls",
-                    "prompt_tokens", "completion_tokens", "total_tokens", "cost_usd", "seconds")
+RESERVED_COLUMNS = ("case", "instruction", "expected", "variant", "piece", "model", "job", "status", "subtasks",
+                    "movements", "llm_calls", "prompt_tokens", "completion_tokens", "total_tokens", "cost_usd",
+                    "seconds")
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -234,7 +237,18 @@ def check_scorers(scorers: Any) -> dict[str, Scorer]:
                              "allowed: a function taking the finished Job")
         if name in RESERVED_COLUMNS:
             raise UsageError(f"scorer name {name!r} is a column of the batch's frame; choose another name")
+        if name.endswith("_error") and name[:-len("_error")] in scorers:
+            raise UsageError(f"scorer name {name!r} is the error column of scorer {name[:-6]!r}; choose another name")
     return dict(scorers)
+
+
+def check_score_names(scorers: Mapping[str, Scorer], cases: Iterable[Mapping[str, Any]]) -> None:
+    """Refuse a scorer named like a case's own column: both would be a column of the batch's frame."""
+    columns = {k for case in cases for k in case.get("extra", {})}
+    clash = sorted(n for n in scorers if n in columns or f"{n}_error" in columns)
+    if clash:
+        raise UsageError(f"scorer name(s) {', '.join(map(repr, clash))} clash with the cases' own columns "
+                         f"({', '.join(sorted(columns))}); choose other names")
 
 
 def check_concurrency(concurrency: Any) -> int:
@@ -281,6 +295,14 @@ def record_scores(store: Store, job: Any, scorers: Mapping[str, Scorer], now: Ca
     return events
 
 
+def score_jobs(store: Store, jobs: Iterable[Any], scorers: Mapping[str, Scorer]) -> list[Any]:
+    """Score the jobs among ``jobs`` that have ended (succeeded, failed or aborted); the jobs scored."""
+    scored = [job for job in jobs if str(job.status) in TERMINAL_STATES]
+    for job in scored:
+        record_scores(store, job, scorers, _now)
+    return scored
+
+
 # -- the batch ---------------------------------------------------------------------------------------------
 
 class Batch:
@@ -309,6 +331,10 @@ class Batch:
         return ", ".join(parts) or "no jobs"
 
     # -- what it is ---------------------------------------------------------------------------------------
+    @property
+    def store(self) -> Store:
+        return self.ws.store
+
     def _row(self) -> dict[str, Any]:
         row = self.ws.store.batch(self.name)
         if row is None:
@@ -375,13 +401,16 @@ class Batch:
             self._scored_once(job)
 
     def score(self, scorers: Mapping[str, Scorer] | None = None) -> Batch:
-        """Score every ended job again (new ``score`` events; the latest per name counts), without running any."""
+        """Score every ended job again (new ``score`` events; the latest per name counts), without running any.
+
+        Failed and aborted jobs are scored too (a scorer that checks ``output/`` says False for them, so a
+        variant's mean score counts its failures); jobs still queued, running or waiting are not.
+        """
         chosen = check_scorers(scorers) if scorers is not None else self.scorers
         if not chosen:
             raise UsageError("no scorers: give scorers={'name': function(job)}")
-        for job in self.jobs:
-            if str(job.status) in TERMINAL_STATES:
-                record_scores(self.ws.store, job, chosen, _now)
+        check_score_names(chosen, self.cases)
+        score_jobs(self.ws.store, self.jobs, chosen)
         return self
 
     # -- results (views of the store) -----------------------------------------------------------------------------
@@ -425,10 +454,12 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
             known = ", ".join(batch_names(ws.store)) or "none yet"
             raise UsageError(f"no batch {name!r} in {ws.store.path} (batches: {known}); "
                              "give cases to create it")
+        check_score_names(chosen, json.loads(existing["cases"]))
         return Batch(ws, str(name), chosen)
     checked = check_cases(cases)
     variants = check_variants(piece, model, check_model)
     stored_cases = [c.stored() for c in checked]
+    check_score_names(chosen, stored_cases)
     print_ = fingerprint(stored_cases)
     if name is None:
         taken = set(batch_names(ws.store))

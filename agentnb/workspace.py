@@ -7,13 +7,22 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .batch import DEFAULT_CONCURRENCY, Batch, Scorer, check_concurrency, check_scorers, open_batch, record_scores
+from .batch import (
+    DEFAULT_CONCURRENCY,
+    Batch,
+    Scorer,
+    check_concurrency,
+    check_score_names,
+    check_scorers,
+    open_batch,
+    score_jobs,
+)
 from .engine.pieces import Piece, load_piece
 from .engine.prompts import MAX_COMMENTS, build_enriched_instruction
 from .engine.runner import JobRunner, stored_piece
@@ -660,26 +669,31 @@ class Workspace:
         return [{k: v for k, v in row.items() if k not in ("cases", "variants", "options", "fingerprint")}
                 for row in self.store.batches()]
 
-    def score(self, batch_or_jobs: Batch | str | Sequence[JobRef], scorers: Mapping[str, Scorer]) -> list[Job]:
-        """Score ended jobs (a batch, a batch name or jobs) again without running them; the jobs scored.
+    def score(self, batch_or_jobs: Batch | str | JobRef | Sequence[JobRef], scorers: Mapping[str, Scorer]) -> list[Job]:
+        """Score ended jobs (a batch, a batch name, a job or jobs) again without running them; the jobs scored.
 
-        Each scorer's result is a new ``score`` event (the latest per name is the score).
+        Each scorer's result is a new ``score`` event (the latest per name is the score in ``batch.frame``).
+        Failed and aborted jobs are scored too; queued, running and waiting ones are skipped.
         """
         chosen = check_scorers(scorers)
         if not chosen:
             raise UsageError("no scorers: give scorers={'name': function(job)}")
         if isinstance(batch_or_jobs, str):
             if self.store.batch(batch_or_jobs) is None:
-                raise UsageError(f"no batch {batch_or_jobs!r} in {self.store.path}")
-            jobs = Batch(self, batch_or_jobs).jobs
-        elif isinstance(batch_or_jobs, Batch):
+                known = ", ".join(b["name"] for b in self.store.batches()) or "none yet"
+                raise UsageError(f"no batch {batch_or_jobs!r} in {self.store.path} (batches: {known})")
+            batch_or_jobs = Batch(self, batch_or_jobs)
+        if isinstance(batch_or_jobs, Batch):
+            check_score_names(chosen, batch_or_jobs.cases)
             jobs = batch_or_jobs.jobs
+        elif isinstance(batch_or_jobs, (bytes, Mapping)):
+            raise UsageError(f"ws.score takes a Batch, a batch name, a job or a list of jobs, "
+                             f"not {type(batch_or_jobs).__name__}")
+        elif not isinstance(batch_or_jobs, Iterable):  # one job
+            jobs = [self.job(batch_or_jobs)]
         else:
             jobs = [self.job(j) for j in batch_or_jobs]
-        scored = [j for j in jobs if j.status.terminal]
-        for job in scored:
-            record_scores(self.store, job, chosen, time.time)
-        return scored
+        return score_jobs(self.store, jobs, chosen)
 
     def _checked_spec(self, spec: str) -> str:
         if not isinstance(spec, str):

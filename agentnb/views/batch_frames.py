@@ -1,39 +1,289 @@
 """A batch's results as DataFrames and HTML (DESIGN §10): ``batch.frame``, ``batch.summary()``, its view.
 
-First version: the jobs and their status only; the totals, cost, seconds and scores come next.
+Everything is read from the store when asked for, so a Batch kept in a variable never goes stale.
+
+Choices the design leaves open, made here:
+
+- **A job's subtasks count into its row.**  ``movements``, ``llm_calls``, the tokens, ``cost_usd`` and
+  ``seconds`` are sums over the job *and every job below it* (a fan-out's children), so that "is
+  fan-out worth it" compares what each variant really spent; ``subtasks`` says how many jobs were
+  below it.  ``status`` is the batch job's own.
+- **seconds** is the time the job tree was ``running``: for each job, the sum of the intervals from a
+  ``job_status`` running event to the job's next ``job_status`` event (an interval still open counts
+  up to now).  Queued, paused, waiting and idle time are not counted.  Children's running time is
+  added (compute time, not wall time of the tree).
+- **cost_usd** prices each ``llm_response`` of the tree with the model spec of the job that made it
+  (``agentnb.models.prices``); NA as soon as one call's price is unknown; 0 for offline models.
+- **Scores**: one column per scorer, the value of the latest ``score`` event of that name; a scorer
+  that raised (or returned a value of another type) leaves NA there and its error text in
+  ``<name>_error`` (NA when it did not fail).  A score column is ``boolean`` when every value is a
+  bool, ``Int64`` when every value is an int, ``Float64`` when they are numbers (a bool counted as
+  0/1) and ``string`` otherwise.
+- The frame also carries each case's ``instruction`` and ``expected`` (object: any JSON value), so a
+  row can be read on its own.
 """
 
 from __future__ import annotations
 
 import html
 import json
-from typing import Any
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import pandas as pd
 
-__all__ = ["batch_frame", "batch_html", "batch_summary"]
+from ..events import JobStatusEvent, LLMResponse, MovementStart, ScoreEvent
+from ..models.prices import call_costs
+from ..store.base import TERMINAL_STATES, WAITING_STATES, Store
+
+__all__ = ["BatchSource", "JobTotals", "batch_frame", "batch_html", "batch_summary", "job_totals",
+           "score_columns"]
+
+_COUNTS = ("subtasks", "movements", "llm_calls", "prompt_tokens", "completion_tokens", "total_tokens")
 
 
-def batch_frame(batch: Any) -> pd.DataFrame:
-    """One row per case × variant."""
-    row = batch.ws.store.batch(batch.name)
-    cases = json.loads(row["cases"]) if row else []
-    variants = json.loads(row["variants"]) if row else []
+class BatchSource(Protocol):
+    """What the views read of a batch (an :class:`agentnb.batch.Batch`)."""
+
+    name: str
+
+    @property
+    def scorers(self) -> Mapping[str, Any]: ...
+
+    @property
+    def store(self) -> Store: ...
+
+
+@dataclass
+class JobTotals:
+    """What one batch job's tree (the job and its subtasks) used."""
+
+    subtasks: int = 0
+    movements: int = 0
+    llm_calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    cost_usd: float | None = 0.0
+    seconds: float = 0.0
+
+
+def _running_seconds(statuses: Sequence[JobStatusEvent], now: float) -> float:
+    total, since = 0.0, None
+    for ev in statuses:
+        if since is not None:
+            total += max(0.0, ev.ts - since)
+            since = None
+        if ev.status == "running":
+            since = ev.ts
+    if since is not None:
+        total += max(0.0, now - since)
+    return total
+
+
+def job_totals(store: Store, root: int, children: Mapping[int, list[int]], models: Mapping[int, str],
+               now: float) -> JobTotals:
+    """The totals of job ``root`` and every job below it (``children``: parent id → child ids).
+
+    The one place the batch views price and count calls: when ``ws.frames.usage()`` carries
+    ``cost_usd`` this is what would read it instead.
+    """
+    out = JobTotals()
+    tree, stack = [], [root]
+    while stack:
+        job_id = stack.pop()
+        tree.append(job_id)
+        stack.extend(children.get(job_id, ()))
+    out.subtasks = len(tree) - 1
+    for job_id in tree:
+        events = store.events(job_id, kinds=["job_status", "movement_start", "llm_response"])
+        calls = [e for e in events if isinstance(e, LLMResponse)]
+        out.movements += sum(isinstance(e, MovementStart) for e in events)
+        out.llm_calls += len(calls)
+        out.prompt_tokens += sum(e.usage.prompt_tokens for e in calls)
+        out.completion_tokens += sum(e.usage.completion_tokens for e in calls)
+        out.total_tokens += sum(e.usage.total_tokens for e in calls)
+        out.seconds += _running_seconds([e for e in events if isinstance(e, JobStatusEvent)], now)
+        costs = call_costs(models[job_id], [e.usage.prompt_tokens for e in calls],
+                           [e.usage.completion_tokens for e in calls], [e.ts for e in calls])
+        if out.cost_usd is not None:
+            out.cost_usd = None if any(c is None for c in costs) else out.cost_usd + sum(c or 0.0 for c in costs)
+    return out
+
+
+def _latest_scores(store: Store, job_id: int) -> dict[str, ScoreEvent]:
+    latest: dict[str, ScoreEvent] = {}
+    for ev in store.events(job_id, kinds=["score"]):  # oldest first: the last one of a name wins
+        if isinstance(ev, ScoreEvent):
+            latest[ev.name] = ev
+    return latest
+
+
+def _score_dtype(values: Iterable[Any]) -> str:
+    present = [v for v in values if v is not None]
+    if present and all(isinstance(v, bool) for v in present):
+        return "boolean"
+    if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+        return "Int64"
+    if all(isinstance(v, (bool, int, float)) for v in present):
+        return "Float64"
+    return "string"
+
+
+def _score_series(values: list[Any], index: pd.Index) -> pd.Series:
+    dtype = _score_dtype(values)
+    if dtype == "Float64":
+        values = [None if v is None else float(v) for v in values]
+    elif dtype == "string":
+        values = [None if v is None else str(v) for v in values]
+    return pd.Series(values, index=index, dtype=dtype)
+
+
+def score_columns(frame: pd.DataFrame) -> list[str]:
+    """The score columns of a batch frame (in order), from its ``attrs``."""
+    return list(frame.attrs.get("scores", []))
+
+
+def batch_frame(batch: BatchSource) -> pd.DataFrame:
+    """One row per case × variant, by case and then variant (see the module's notes for the columns)."""
+    store = batch.store
+    row = store.batch(batch.name)
+    cases: list[dict[str, Any]] = json.loads(row["cases"]) if row else []
+    variants: list[dict[str, Any]] = json.loads(row["variants"]) if row else []
+    jobs = sorted(store.jobs(batch=batch.name), key=lambda r: (r["batch_case"], r["batch_variant"]))
+    everything = store.jobs()
+    children: dict[int, list[int]] = {}
+    for r in everything:
+        if r["parent_id"] is not None:
+            children.setdefault(int(r["parent_id"]), []).append(int(r["id"]))
+    models = {int(r["id"]): str(r["model"]) for r in everything}
+    extra_cols: list[str] = []
+    for case in cases:
+        extra_cols.extend(k for k in case.get("extra", {}) if k not in extra_cols)
+    now = time.time()
+    records: list[dict[str, Any]] = []
+    scores: list[dict[str, ScoreEvent]] = []
+    for job in jobs:
+        case = cases[job["batch_case"]] if 0 <= job["batch_case"] < len(cases) else {}
+        variant = variants[job["batch_variant"]] if 0 <= job["batch_variant"] < len(variants) else {}
+        totals = job_totals(store, int(job["id"]), children, models, now)
+        extra = case.get("extra", {})
+        records.append({"case": job["batch_case"], "instruction": case.get("instruction"),
+                        **{k: extra.get(k) for k in extra_cols}, "expected": case.get("expected"),
+                        "variant": job["batch_variant"], "piece": variant.get("piece", job["piece"]),
+                        "model": job["model"], "job": job["id"], "status": job["status"],
+                        **{k: getattr(totals, k) for k in _COUNTS}, "cost_usd": totals.cost_usd,
+                        "seconds": totals.seconds})
+        scores.append(_latest_scores(store, int(job["id"])))
+    names = list(batch.scorers)
+    for found in scores:
+        names.extend(n for n in found if n not in names)
+    df = pd.DataFrame.from_records(records, columns=[
+        "case", "instruction", *extra_cols, "expected", "variant", "piece", "model", "job", "status", *_COUNTS,
+        "cost_usd", "seconds"])
+    types: dict[str, Any] = {"case": "Int64", "instruction": "string", "variant": "Int64", "piece": "string",
+                             "model": "string", "job": "Int64", "status": "string", "cost_usd": "Float64",
+                             "seconds": "Float64", **dict.fromkeys(_COUNTS, "Int64")}
+    df = df.astype(types)
+    df["expected"] = df["expected"].astype(object)
+    for col in extra_cols:  # the case's own columns keep pandas' own inference (numbers, text, …)
+        df[col] = df[col].convert_dtypes()
+    for name in names:
+        ev = [found.get(name) for found in scores]
+        df[name] = _score_series([e.value if e is not None and e.error is None else None for e in ev], df.index)
+    for name in names:
+        ev = [found.get(name) for found in scores]
+        df[f"{name}_error"] = pd.array([e.error if e is not None else None for e in ev], dtype="string")
+    df.attrs["batch"] = batch.name
+    df.attrs["scores"] = names
+    return df
+
+
+def _mean_score(col: pd.Series) -> Any:
+    values = col.dropna()
+    if values.empty:
+        return pd.NA
+    return float(values.astype("Float64").mean())
+
+
+def _total(values: pd.Series) -> Any:
+    # one unknown price makes the total unknown (a partial sum would look cheaper than it was)
+    return pd.NA if values.isna().any() else float(values.sum())
+
+
+def batch_summary(batch: BatchSource, frame: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per variant, in variant order.
+
+    ``n`` jobs; how many ``succeeded``/``failed``/``aborted``/``waiting`` (for a human or for subtasks)
+    and ``unfinished`` (queued or running); ``mean_tokens``/``median_tokens`` of ``total_tokens`` and
+    ``cost_usd`` (total)/``mean_cost_usd`` over every job of the variant (what it spent so far; NA when
+    a price is unknown); ``p50_seconds``/``p95_seconds`` over the jobs that ended (pandas' linear
+    quantiles; NA before any ended); ``mean_<score>`` for each score whose column is boolean (the share
+    true) or numeric, over the jobs that have a value.
+    """
+    df = batch_frame(batch) if frame is None else frame
+    numeric = [n for n in score_columns(df) if str(df[n].dtype) in ("boolean", "Int64", "Float64")]
     rows = []
-    for job in batch.ws.store.jobs(batch=batch.name):
-        case, variant = job["batch_case"], job["batch_variant"]
-        rows.append({"case": case, **cases[case].get("extra", {}), "piece": variants[variant]["piece"],
-                     "model": variants[variant]["model"], "job": job["id"], "status": job["status"]})
-    return pd.DataFrame(rows)
+    for variant, group in df.groupby("variant", sort=True):
+        status = group["status"].astype(str)
+        ended = group[status.isin(TERMINAL_STATES)]
+        rows.append({
+            "variant": variant, "piece": group["piece"].iloc[0], "model": group["model"].iloc[0],
+            "n": len(group), "succeeded": int((status == "succeeded").sum()),
+            "failed": int((status == "failed").sum()), "aborted": int((status == "aborted").sum()),
+            "waiting": int(status.isin(WAITING_STATES).sum()),
+            "unfinished": int(status.isin(("queued", "running")).sum()),
+            "mean_tokens": float(group["total_tokens"].mean()),
+            "median_tokens": float(group["total_tokens"].median()),
+            "cost_usd": _total(group["cost_usd"]),
+            "mean_cost_usd": pd.NA if group["cost_usd"].isna().any() else float(group["cost_usd"].mean()),
+            "p50_seconds": float(ended["seconds"].quantile(0.5)) if len(ended) else pd.NA,
+            "p95_seconds": float(ended["seconds"].quantile(0.95)) if len(ended) else pd.NA,
+            **{f"mean_{n}": _mean_score(group[n]) for n in numeric},
+        })
+    columns = ["variant", "piece", "model", "n", "succeeded", "failed", "aborted", "waiting", "unfinished",
+               "mean_tokens", "median_tokens", "cost_usd", "mean_cost_usd", "p50_seconds", "p95_seconds",
+               *[f"mean_{n}" for n in numeric]]
+    out = pd.DataFrame.from_records(rows, columns=columns)
+    types = {"variant": "Int64", "piece": "string", "model": "string",
+             **dict.fromkeys(("n", "succeeded", "failed", "aborted", "waiting", "unfinished"), "Int64"),
+             **dict.fromkeys(columns[9:], "Float64")}
+    return out.astype(types)
 
 
-def batch_summary(batch: Any) -> pd.DataFrame:
-    """One row per variant."""
+def _money(value: Any) -> str:
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return "cost unknown"
+    return f"${value:,.4f}"
+
+
+def batch_html(batch: BatchSource) -> str:
+    """The progress line, the summary table and the jobs that failed or were aborted (each with the
+    ``%agent show JOB`` that opens its view); every text escaped."""
     df = batch_frame(batch)
-    if df.empty:
-        return pd.DataFrame(columns=["piece", "model", "n"])
-    return df.groupby(["piece", "model"], sort=False).size().rename("n").reset_index()
-
-
-def batch_html(batch: Any) -> str:
-    return f"<div><b>{html.escape(repr(batch))}</b>{batch_summary(batch).to_html(index=False)}</div>"
+    status = df["status"].astype(str)
+    n, ended = len(df), int(status.isin(TERMINAL_STATES).sum())
+    counts = [f"{int((status == s).sum())} {s}" for s in ("succeeded", "failed", "aborted", "running", "queued")
+              if (status == s).any()]
+    waiting = int(status.isin(WAITING_STATES).sum())
+    if waiting:
+        counts.append(f"{waiting} waiting")
+    tokens = int(df["total_tokens"].sum()) if n else 0
+    cost = _total(df["cost_usd"]) if n else 0.0
+    line = (f"batch {batch.name}: {ended} of {n} ended · {', '.join(counts) or 'no jobs'} · "
+            f"{tokens:,} tokens · {_money(cost)}")
+    parts = [f"<div class='agentnb-batch'><p><b>{html.escape(line)}</b></p>",
+             batch_summary(batch, df).to_html(index=False, escape=True, na_rep="NA")]
+    bad = df[status.isin(("failed", "aborted"))]
+    if len(bad):
+        ids = [int(j) for j in bad["job"]]
+        parts.append(f"<p>failed or aborted jobs: {html.escape(', '.join(map(str, ids)))}</p><ul>")
+        for _, r in bad.iterrows():
+            what = f"case {r['case']}, {r['piece']} × {r['model']}: {r['status']}"
+            parts.append(f"<li><code>%agent show {int(r['job'])}</code> — {html.escape(what)}</li>")
+        parts.append("</ul>")
+    parts.append("</div>")
+    return "".join(parts)
