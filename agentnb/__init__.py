@@ -41,6 +41,7 @@ __all__ = [
     "load_ipython_extension",
     "load_piece",
     "parse_piece",
+    "plot_batch",
     "plot_usage",
     "tool",
 ]
@@ -56,6 +57,13 @@ def load_ipython_extension(ipython: Any) -> None:
     # of %who, as for IPython's own names.
     if "agentnb" not in ipython.user_ns:
         ipython.push({"agentnb": sys.modules[__name__]}, interactive=False)
+
+
+def plot_batch(batch: Any, **kwargs: Any) -> Any:
+    """A batch's variants compared (mean score against cost, tokens per case) as a matplotlib Figure."""
+    from .views.batch_plots import plot_batch as _plot
+
+    return _plot(batch, **kwargs)
 
 
 def plot_usage(job_or_frame: Any, **kwargs: Any) -> Any:

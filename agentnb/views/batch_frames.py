@@ -214,7 +214,7 @@ def _total(values: pd.Series) -> Any:
     return pd.NA if values.isna().any() else float(values.sum())
 
 
-def batch_summary(batch: BatchSource, frame: pd.DataFrame | None = None) -> pd.DataFrame:
+def batch_summary(batch: BatchSource | None, frame: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per variant, in variant order.
 
     ``n`` jobs; how many ``succeeded``/``failed``/``aborted``/``waiting`` (for a human or for subtasks)
@@ -222,9 +222,14 @@ def batch_summary(batch: BatchSource, frame: pd.DataFrame | None = None) -> pd.D
     ``cost_usd`` (total)/``mean_cost_usd`` over every job of the variant (what it spent so far; NA when
     a price is unknown); ``p50_seconds``/``p95_seconds`` over the jobs that ended (pandas' linear
     quantiles; NA before any ended); ``mean_<score>`` for each score whose column is boolean (the share
-    true) or numeric, over the jobs that have a value.
+    true) or numeric, over the jobs that have a value.  ``frame`` (a ``batch_frame``) is summarised
+    instead of reading the batch again.
     """
-    df = batch_frame(batch) if frame is None else frame
+    if frame is None:
+        if batch is None:
+            raise TypeError("batch_summary needs a batch or its frame")
+        frame = batch_frame(batch)
+    df = frame
     numeric = [n for n in score_columns(df) if str(df[n].dtype) in ("boolean", "Int64", "Float64")]
     rows = []
     for variant, group in df.groupby("variant", sort=True):
