@@ -188,7 +188,8 @@ def batch_frame(batch: BatchSource) -> pd.DataFrame:
                              "model": "string", "job": "Int64", "status": "string", "cost_usd": "Float64",
                              "seconds": "Float64", **dict.fromkeys(_COUNTS, "Int64")}
     df = df.astype(types)
-    df["expected"] = df["expected"].astype(object)
+    # any JSON value, kept as it is (pandas would make a None among numbers NaN)
+    df["expected"] = pd.Series([r["expected"] for r in records], index=df.index, dtype=object)
     for col in extra_cols:  # the case's own columns keep pandas' own inference (numbers, text, …)
         df[col] = df[col].convert_dtypes()
     for name in names:

@@ -1,0 +1,381 @@
+"""Batches (DESIGN §10): cases × variants as ordinary jobs, resumed by name, refused whole on bad input,
+and their results (``batch.frame``, ``summary()``, the HTML view, ``plot_batch``) checked against the events."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+from _batching import answering_model, asking_model, draft_review, llm_events, tree, tree_totals
+from _scripting import call, transition, write_script
+from openai_server import OpenAIServer, reply
+
+import agentnb
+from agentnb import AgentnbError, Workspace
+from agentnb.batch import Batch
+from agentnb.events import JobStatusEvent
+from agentnb.models.prices import UnknownPriceWarning, call_cost
+
+
+def _cases(n: int = 3) -> list[dict[str, Any]]:
+    return [{"instruction": f"Answer question {i}", "expected": str(40 + i), "topic": f"t{i}", "weight": i * 0.5}
+            for i in range(n)]
+
+
+def _answer_ok(job: Any) -> bool:
+    path = job.output / "answer.txt"
+    return path.is_file() and path.read_text() == job.expected
+
+
+# -- cases and variants ----------------------------------------------------------------------------------------------
+
+def test_list_of_dicts_times_pieces_times_models_each_job_tagged(ws: Workspace, tmp_path: Path) -> None:
+    m1, m2 = answering_model(tmp_path, "m1", "41"), answering_model(tmp_path, "m2", "42", prompt=300)
+    b = ws.batch(_cases(), piece=["single", draft_review(tmp_path)], model=[m1, m2], name="exp-1",
+                 concurrency=3, progress=False)
+    assert isinstance(b, Batch) and b.name == "exp-1"
+    assert [(v["piece"], v["model"]) for v in b.variants] == [
+        ("single", m1), ("single", m2), ("draft-review", m1), ("draft-review", m2)]
+    jobs = b.jobs
+    assert len(jobs) == 12 and len(set(j.id for j in jobs)) == 12
+    assert [(j.case, j.variant) for j in jobs] == [(c, v) for c in range(3) for v in range(4)]
+    for j in jobs:
+        assert j.batch == "exp-1"
+        assert j.status == "succeeded", j.error
+        assert j.instruction == f"Answer question {j.case}"
+        assert (j.piece, j.model) == (b.variants[j.variant]["piece"], b.variants[j.variant]["model"])
+        # an ordinary job: viewable by id like any other
+        assert ws.job(j.id).batch == "exp-1" and ws.job(j.id).case == j.case
+    assert b.counts()["succeeded"] == 12 and b.counts()["jobs"] == 12
+    frame = b.frame
+    assert len(frame) == 12
+    assert list(frame["case"]) == [c for c in range(3) for _ in range(4)]
+    assert list(frame["piece"]) == ["single", "single", "draft-review", "draft-review"] * 3
+    assert list(frame["model"]) == [m1, m2, m1, m2] * 3
+    assert list(frame["job"]) == [j.id for j in jobs]
+    # the case's own columns and expected are carried through
+    assert list(frame["topic"]) == [f"t{c}" for c in range(3) for _ in range(4)]
+    assert list(frame["weight"]) == [c * 0.5 for c in range(3) for _ in range(4)]
+    assert list(frame["expected"]) == [str(40 + c) for c in range(3) for _ in range(4)]
+    assert list(frame["instruction"]) == [f"Answer question {c}" for c in range(3) for _ in range(4)]
+    # the batch is listed with its counts
+    listed = ws.batches()
+    assert [r["name"] for r in listed] == ["exp-1"]
+    assert listed[0]["jobs"] == 12 and listed[0]["n_succeeded"] == 12
+
+
+def test_dataframe_cases_with_inputs_as_text_bytes_and_a_folder(ws: Workspace, tmp_path: Path) -> None:
+    folder = tmp_path / "docs"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.md").write_text("alpha")
+    (folder / "sub" / "b.bin").write_bytes(b"\x00\x01")
+    cases = pd.DataFrame([
+        {"instruction": "Summarise", "inputs": {"notes.md": "# notes", "raw.bin": b"\xff\xfe"}, "expected": 1},
+        {"instruction": "Summarise the folder", "inputs": str(folder), "expected": np.nan},
+        {"instruction": "Nothing to read", "inputs": None, "expected": 3},
+    ])
+    b = ws.batch(cases, piece="single", model=answering_model(tmp_path, "m", "x"), name="df", progress=False)
+    one, two, three = b.jobs
+    assert (one.workdir / "input" / "notes.md").read_text() == "# notes"
+    assert (one.workdir / "input" / "raw.bin").read_bytes() == b"\xff\xfe"
+    assert (two.workdir / "input" / "a.md").read_text() == "alpha"
+    assert (two.workdir / "input" / "sub" / "b.bin").read_bytes() == b"\x00\x01"
+    assert list((three.workdir / "input").iterdir()) == []
+    # a DataFrame's NaN is a missing value (None), numbers stay numbers
+    assert [one.expected, two.expected, three.expected] == [1, None, 3]
+    assert list(b.frame["expected"]) == [1, None, 3]
+    assert b.cases[0]["inputs"]["raw.bin"]["bytes"] == 2
+
+
+# -- resuming ----------------------------------------------------------------------------------------------------------
+
+def test_resume_by_name_and_by_the_same_call_runs_nothing_twice(ws: Workspace, tmp_path: Path) -> None:
+    model = answering_model(tmp_path, "m", "40")
+    b = ws.batch(_cases(), piece="single", model=model, name="r", run=False, progress=False)
+    assert b.counts()["queued"] == 3 and llm_events(ws) == 0
+    first = b.jobs[0]
+    ws.run(first)  # one job ran before (as after an interrupted run)
+    done_calls = len(ws.events(first, kinds=["llm_response"]))
+    assert done_calls == 2 and b.pending() == [j.id for j in b.jobs[1:]]
+
+    resumed = ws.batch("r", progress=False)
+    assert resumed.counts()["succeeded"] == 3
+    assert len(ws.events(first, kinds=["llm_response"])) == done_calls  # the finished job was kept
+    assert llm_events(ws) == 3 * done_calls
+    assert ws.batch(name="r", progress=False).counts()["succeeded"] == 3
+    ws.batch(_cases(), piece="single", model=model, name="r", progress=False)  # the same call again
+    assert llm_events(ws) == 3 * done_calls
+    assert len(ws.store.jobs()) == 3 and [r["name"] for r in ws.batches()] == ["r"]
+
+
+def test_a_new_variant_is_added_to_an_existing_batch(ws: Workspace, tmp_path: Path) -> None:
+    model = answering_model(tmp_path, "m", "40")
+    b = ws.batch(_cases(2), piece="single", model=model, name="grow", progress=False)
+    before = {j.id: len(j.events) for j in b.jobs}
+    grown = ws.batch(_cases(2), piece=["single", draft_review(tmp_path)], model=model, name="grow", progress=False)
+    assert [v["piece"] for v in grown.variants] == ["single", "draft-review"]
+    jobs = grown.jobs
+    assert len(jobs) == 4 and all(j.status == "succeeded" for j in jobs)
+    assert [(j.case, j.variant) for j in jobs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {j.id: len(j.events) for j in jobs if j.id in before} == before  # the old jobs did not run again
+    assert list(grown.frame["piece"]) == ["single", "draft-review"] * 2
+
+
+def test_jobs_waiting_for_a_human_stay_waiting_and_do_not_block(ws: Workspace, tmp_path: Path) -> None:
+    b = ws.batch(_cases(3), piece="single", model=[asking_model(tmp_path), answering_model(tmp_path, "m", "41")],
+                 name="ask", concurrency=1, progress=False)
+    frame = b.frame
+    assert list(frame["status"]) == ["waiting_human", "succeeded"] * 3
+    counts = b.counts()
+    assert counts["waiting_human"] == 3 and counts["succeeded"] == 3
+    summary = b.summary()
+    assert list(summary["waiting"]) == [3, 0] and list(summary["succeeded"]) == [0, 3]
+    assert b.pending() == []  # a resume leaves them waiting
+    calls = llm_events(ws)
+    assert ws.batch("ask", progress=False).counts()["waiting_human"] == 3
+    assert llm_events(ws) == calls
+    assert "3 waiting" in repr(b) and "3 waiting" in b._repr_html_()
+    # waiting is not running: the time stops when the job waits
+    again = b.frame
+    waiting = frame["status"] == "waiting_human"
+    assert list(again.loc[waiting, "seconds"]) == list(frame.loc[waiting, "seconds"])
+
+
+# -- bad input: one line, nothing stored --------------------------------------------------------------------------
+
+def _nothing_stored(ws: Workspace) -> None:
+    assert ws.batches() == []
+    assert ws.store.jobs() == []
+    jobs = ws.root / "jobs"
+    assert not jobs.exists() or list(jobs.iterdir()) == []
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda c, t: {"cases": [*c, {"expected": "1"}]}, r"case 3 needs an 'instruction'"),
+    (lambda c, t: {"cases": [*c, {"instruction": "x", "inputs": str(t / "missing")}]},
+     r"case 3 inputs: .*missing' is not an existing folder"),
+    (lambda c, t: {"piece": ["single", "no-such-piece"]}, r"no-such-piece"),
+    (lambda c, t: {"model": ["demo", "bogus:thing"]}, r"bogus"),
+    (lambda c, t: {"concurrency": 0}, r"concurrency=0; allowed: a whole number ≥ 1"),
+    (lambda c, t: {"scorers": {"ok": "yes"}}, r"scorer 'ok' is a str, which is not callable"),
+    (lambda c, t: {"cases": [*c, {"instruction": "x", "expected": object()}]},
+     r"case 3 expected is a object; allowed: JSON values"),
+    (lambda c, t: {"cases": [*c, {"instruction": "x", "when": {1, 2}}]}, r"case 3 column 'when' is a set"),
+    (lambda c, t: {"cases": [*c, {"instruction": "x", "job": 3}]}, r"case 3 has column\(s\) 'job'"),
+    (lambda c, t: {"scorers": {"status": bool}}, r"scorer name 'status' is a column"),
+    (lambda c, t: {"scorers": {"topic": bool}}, r"scorer name\(s\) 'topic' clash with the cases' own columns"),
+    (lambda c, t: {"cases": []}, r"cases is empty"),
+    (lambda c, t: {"cases": "Answer"}, r"no batch 'Answer'"),
+])
+def test_bad_input_is_one_line_and_leaves_nothing(ws: Workspace, tmp_path: Path, change: Any, message: str) -> None:
+    args: dict[str, Any] = {"cases": _cases(), "piece": "single", "model": "demo", "name": "bad", "progress": False}
+    args.update(change(args["cases"], tmp_path))
+    cases = args.pop("cases")
+    if isinstance(cases, str):
+        args.pop("name")
+    with pytest.raises(AgentnbError) as info:
+        ws.batch(cases, **args)
+    text = str(info.value)
+    assert "\n" not in text and re.search(message, text), text
+    _nothing_stored(ws)
+
+
+def test_same_name_with_other_cases_is_refused_and_changes_nothing(ws: Workspace, tmp_path: Path) -> None:
+    ws.batch(_cases(2), piece="single", model="demo", name="same", run=False, progress=False)
+    jobs, folders = ws.store.jobs(), sorted((ws.root / "jobs").iterdir())
+    other = _cases(2)
+    other[1]["expected"] = "different"
+    with pytest.raises(AgentnbError, match=r"^batch 'same' already exists with different cases \(case 1 differs "
+                                           r"in expected\); give another name="):
+        ws.batch(other, piece=["single", "ask-first"], model="demo", name="same", progress=False)
+    with pytest.raises(AgentnbError, match=r"it has 2 cases, these are 3"):
+        ws.batch(_cases(3), piece="single", model="demo", name="same", progress=False)
+    assert ws.store.jobs() == jobs and sorted((ws.root / "jobs").iterdir()) == folders
+    assert len(Batch(ws, "same").variants) == 1
+
+
+# -- results: the frame against the events ----------------------------------------------------------------------------
+
+def _running_seconds(ws: Workspace, job_id: int) -> float:
+    """Running time from the job_status events, the plain way (the job has ended: no open interval)."""
+    statuses = [e for e in ws.events(job_id, kinds=["job_status"]) if isinstance(e, JobStatusEvent)]
+    return sum(b.ts - a.ts for a, b in itertools.pairwise(statuses) if a.status == "running")
+
+
+def test_frame_totals_equal_the_sums_over_the_events(ws: Workspace, tmp_path: Path) -> None:
+    b = ws.batch(_cases(), piece=["single", draft_review(tmp_path)],
+                 model=[answering_model(tmp_path, "m1", "41"), answering_model(tmp_path, "m2", "42", 250, 30)],
+                 name="sums", progress=False)
+    frame = b.frame
+    assert frame.dtypes.to_dict() == {
+        "case": "Int64", "instruction": "string", "topic": "string", "weight": "Float64", "expected": object,
+        "variant": "Int64", "piece": "string", "model": "string", "job": "Int64", "status": "string",
+        "subtasks": "Int64", "movements": "Int64", "llm_calls": "Int64", "prompt_tokens": "Int64",
+        "completion_tokens": "Int64", "total_tokens": "Int64", "cost_usd": "Float64", "seconds": "Float64"}
+    for _, row in frame.iterrows():
+        expected = tree_totals(ws, int(row["job"]))
+        assert {k: int(row[k]) for k in expected} == expected
+        assert row["subtasks"] == 0
+        assert row["cost_usd"] == 0.0  # scripted models are free
+        assert row["seconds"] == pytest.approx(_running_seconds(ws, int(row["job"])))
+        assert row["seconds"] > 0
+    assert set(frame.loc[frame["piece"] == "draft-review", "movements"]) == {2}
+    assert set(frame.loc[frame["piece"] == "single", "llm_calls"]) == {2}
+
+
+def test_a_jobs_subtasks_count_into_its_row(ws: Workspace, tmp_path: Path) -> None:
+    kid = answering_model(tmp_path, "kid", "part", prompt=500, completion=50)
+    parent = write_script(tmp_path, "parent", {
+        "split": [transition("WAIT_SUBTASKS", summary="split", subtasks=[
+            {"instruction": "part one", "piece": "single", "model": kid},
+            {"instruction": "part two", "piece": "single", "model": kid}])],
+        "merge": [call("Glob", pattern="**"), transition("COMPLETE", summary="merged")],
+    })
+    b = ws.batch(_cases(2), piece="fan-out", model=parent, name="fan", progress=False)
+    frame = b.frame
+    assert list(frame["status"]) == ["succeeded", "succeeded"]
+    assert list(frame["subtasks"]) == [2, 2]
+    for _, row in frame.iterrows():
+        ids = tree(ws, int(row["job"]))
+        assert len(ids) == 3
+        expected = tree_totals(ws, int(row["job"]))
+        assert {k: int(row[k]) for k in expected} == expected
+        own = len(ws.events(int(row["job"]), kinds=["llm_response"]))
+        assert row["llm_calls"] == own + 4  # the children's two calls each are counted
+        assert row["seconds"] == pytest.approx(sum(_running_seconds(ws, j) for j in ids))
+
+
+@pytest.fixture
+def priced_server(monkeypatch: pytest.MonkeyPatch) -> Any:
+    with OpenAIServer() as srv:
+        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test-batch")
+        monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
+        monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "2")
+        yield srv
+
+
+def _complete(prompt: int, completion: int) -> dict[str, Any]:
+    return reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "done"})], usage=(prompt, completion))
+
+
+def test_cost_of_priced_and_unpriced_models_over_the_loopback_endpoint(ws: Workspace, priced_server: Any) -> None:
+    unknown = "openai:agentnb-test-unpriced-model-7"
+    priced_server.play(*[_complete(1000 + 10 * i, 200) for i in range(4)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        b = ws.batch(_cases(2), piece="single", model=["openai:gpt-4o-mini", unknown], name="paid",
+                     concurrency=1, progress=False)
+        frame = b.frame  # the warning comes with the first pricing of the unknown model, wherever that is
+    assert list(frame["status"]) == ["succeeded"] * 4
+    assert any(issubclass(w.category, UnknownPriceWarning) and "agentnb-test-unpriced-model-7" in str(w.message)
+               for w in caught)
+    priced = frame[frame["model"] == "openai:gpt-4o-mini"]
+    for _, row in priced.iterrows():
+        want = sum(call_cost("openai:gpt-4o-mini", e.payload["usage"]["prompt_tokens"],
+                             e.payload["usage"]["completion_tokens"], e.ts)
+                   for e in ws.events(int(row["job"]), kinds=["llm_response"]))
+        assert row["cost_usd"] == pytest.approx(want) and want > 0
+    assert frame.loc[frame["model"] == unknown, "cost_usd"].isna().all()
+    summary = b.summary()
+    assert summary.loc[0, "cost_usd"] == pytest.approx(priced["cost_usd"].sum())
+    assert summary.loc[0, "mean_cost_usd"] == pytest.approx(priced["cost_usd"].mean())
+    assert summary["cost_usd"].isna().tolist() == [False, True]
+    fig = agentnb.plot_batch(b)  # the points stand on the cost axis only when every cost is known
+    assert "tokens" in fig.axes[0].get_xlabel()
+
+
+# -- the summary's arithmetic ---------------------------------------------------------------------------------------
+
+def test_summary_arithmetic(ws: Workspace, tmp_path: Path) -> None:
+    broken = write_script(tmp_path, "broken", {"work": [call("Glob", pattern="*")]})  # runs out of responses: fails
+    b = ws.batch(_cases(4), piece="single",
+                 model=[answering_model(tmp_path, "m1", "41"), answering_model(tmp_path, "m2", "42", 90, 7), broken],
+                 name="sum", progress=False, scorers={"ok": _answer_ok, "length": lambda j: len(j.summary or "")})
+    frame, summary = b.frame, b.summary()
+    assert list(summary.columns) == [
+        "variant", "piece", "model", "n", "succeeded", "failed", "aborted", "waiting", "unfinished", "mean_tokens",
+        "median_tokens", "cost_usd", "mean_cost_usd", "p50_seconds", "p95_seconds", "mean_ok", "mean_length"]
+    assert summary["n"].dtype == "Int64" and summary["mean_tokens"].dtype == "Float64"
+    assert list(summary["failed"]) == [0, 0, 4] and list(summary["succeeded"]) == [4, 4, 0]
+    for v, row in summary.iterrows():
+        rows = frame[frame["variant"] == v]
+        tokens = rows["total_tokens"].astype(float).to_numpy()
+        seconds = rows["seconds"].astype(float).to_numpy()  # every job ended
+        assert row["n"] == 4 and row["piece"] == "single" and row["model"] == b.variants[v]["model"]
+        assert row["mean_tokens"] == pytest.approx(tokens.mean())
+        assert row["median_tokens"] == pytest.approx(np.median(tokens))
+        assert row["cost_usd"] == 0.0 and row["mean_cost_usd"] == 0.0
+        assert row["p50_seconds"] == pytest.approx(np.percentile(seconds, 50))
+        assert row["p95_seconds"] == pytest.approx(np.percentile(seconds, 95))
+        oks = [bool(x) for x in rows["ok"]]
+        assert row["mean_ok"] == pytest.approx(sum(oks) / len(oks))
+        assert row["mean_length"] == pytest.approx(rows["length"].astype(float).mean())
+    # case i expects "4i": only case 1 of m1 (41) and case 2 of m2 (42) are right; the failed jobs are scored False
+    assert list(summary["mean_ok"]) == [0.25, 0.25, 0.0]
+
+
+# -- the HTML view -------------------------------------------------------------------------------------------------
+
+def test_html_progress_summary_and_failed_jobs_escaped(ws: Workspace, tmp_path: Path) -> None:
+    broken = write_script(tmp_path, "broken", {"work": [call("Glob", pattern="*")]})
+    b = ws.batch(_cases(2), piece="single", model=[answering_model(tmp_path, "m", "41"), broken],
+                 name="<exp> & co", progress=False)
+    page = b._repr_html_()
+    assert "batch &lt;exp&gt; &amp; co: 4 of 4 ended · 2 succeeded, 2 failed · " in page
+    tokens = int(b.frame["total_tokens"].sum())
+    assert f"{tokens:,} tokens · $0.0000" in page
+    assert "<exp>" not in page
+    failed = [j.id for j in b.jobs if j.status == "failed"]
+    assert f"failed or aborted jobs: {failed[0]}, {failed[1]}" in page
+    for job_id in failed:
+        assert f"<code>%agent show {job_id}</code>" in page
+    assert page.count("%agent show") == 2
+    assert "<table" in page and "mean_tokens" in page
+
+
+# -- the plot --------------------------------------------------------------------------------------------------------
+
+def test_plot_batch_points_per_variant_and_tokens_per_case(ws: Workspace, tmp_path: Path) -> None:
+    b = ws.batch(_cases(3), piece=["single", draft_review(tmp_path)], model=answering_model(tmp_path, "m", "41"),
+                 name="plot", progress=False, scorers={"ok": _answer_ok, "grade": lambda j: 0.5 + j.case})
+    fig = agentnb.plot_batch(b)
+    scatter, boxes = fig.axes
+    points = {a.get_gid(): a.get_offsets()[0] for a in scatter.collections if a.get_gid()}
+    summary = b.summary()
+    assert set(points) == {"variant:0", "variant:1"}
+    for v in (0, 1):
+        x, y = points[f"variant:{v}"]
+        assert x == pytest.approx(summary.loc[v, "mean_tokens"])  # scripted: nothing is priced
+        assert y == pytest.approx(summary.loc[v, "mean_ok"])
+    assert "tokens" in scatter.get_xlabel() and "no cost" in scatter.get_xlabel()
+    assert scatter.get_ylabel() == "share of ok true"
+    labels = {t.get_gid(): t.get_text() for t in scatter.texts}
+    assert labels["label:0"] == f"single · {b.variants[0]['model']}"
+    assert [t.get_text() for t in boxes.get_xticklabels()] == [labels["label:0"], labels["label:1"]]
+    other = agentnb.plot_batch(b.frame, score="grade")
+    assert other.axes[0].get_ylabel() == "mean grade"
+    assert other.axes[0].collections[0].get_offsets()[0][1] == pytest.approx(1.5)
+    png, size = fig._repr_png_()
+    assert png.startswith(b"\x89PNG") and size["width"] > 0
+    with pytest.raises(AgentnbError, match=r"score='nope' is not a score of this batch; allowed: ok, grade"):
+        agentnb.plot_batch(b, score="nope")
+    with pytest.raises(AgentnbError, match=r"plot_batch takes a Batch"):
+        agentnb.plot_batch(42)
+
+
+def test_plot_batch_without_scores_says_so(ws: Workspace, tmp_path: Path) -> None:
+    b = ws.batch(_cases(2), piece="single", model=answering_model(tmp_path, "m", "41"), name="plain",
+                 progress=False)
+    fig = agentnb.plot_batch(b)
+    assert any(t.get_gid() == "no-score" for t in fig.axes[0].texts)
+    assert not math.isnan(float(b.summary().loc[0, "mean_tokens"]))
+    assert json.loads(json.dumps(b.cases))[0]["instruction"] == "Answer question 0"
