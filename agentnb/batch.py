@@ -139,8 +139,14 @@ def _inputs(value: Any, where: str) -> dict[str, str | bytes | os.PathLike[str]]
     if isinstance(value, Mapping):
         out: dict[str, str | bytes | os.PathLike[str]] = {}
         for name, content in value.items():
+            if not isinstance(name, str):
+                raise UsageError(f"{where}: file name {name!r} is a {type(name).__name__}; allowed: text, a path "
+                                 "relative to input/")
             if isinstance(content, os.PathLike) and not Path(content).is_file():
                 raise UsageError(f"{where}[{name!r}]: {os.fspath(content)!r} is not an existing file")
+            if not isinstance(content, (str, bytes, os.PathLike)):
+                raise UsageError(f"{where}[{name!r}] is a {type(content).__name__}; allowed: text, bytes or a "
+                                 "pathlib.Path of a file to copy")
             out[name] = content
         return out
     if isinstance(value, (str, os.PathLike)):
@@ -486,10 +492,15 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
             renumbered.append(Variant(index=len(old) + k, label=label, piece=v.piece, model=v.model))
         new_variants = renumbered
     # every job is checked before anything is stored
-    prepared = [(case, variant, ws._prepare(case.instruction, piece=variant.piece, model=variant.model,
-                                            inputs=case.inputs, workdir=None, context=context,
-                                            retries=retries, max_backoff=max_backoff))
-                for case in checked for variant in new_variants]
+    prepared = []
+    for case in checked:
+        for variant in new_variants:
+            try:
+                prep = ws._prepare(case.instruction, piece=variant.piece, model=variant.model, inputs=case.inputs,
+                                   workdir=None, context=context, retries=retries, max_backoff=max_backoff)
+            except UsageError as exc:  # say which case (the same check fails for every variant of it)
+                raise UsageError(f"case {case.index}: {exc}") from exc
+            prepared.append((case, variant, prep))
     folders: list[Path] = []
     try:
         with ws.store.transaction() as c:
