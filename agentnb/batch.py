@@ -422,13 +422,18 @@ class Batch:
     # -- results (views of the store) -----------------------------------------------------------------------------
     @property
     def frame(self) -> pd.DataFrame:
-        """One row per case × variant (DESIGN §10)."""
+        """One row per case × variant (DESIGN §10): ``case``, ``instruction``, the case's own columns,
+        ``expected``, ``variant``, ``piece``, ``model``, ``job``, ``status``, then the totals of the job and
+        its subtasks (``subtasks``, ``movements``, ``llm_calls``, the tokens, ``cost_usd``, ``seconds`` of
+        running time), then one column per scorer (its latest score; NA when it raised) and ``<name>_error``.
+        See :mod:`agentnb.views.batch_frames`."""
         from .views.batch_frames import batch_frame
 
         return batch_frame(self)
 
     def summary(self) -> pd.DataFrame:
-        """One row per variant (DESIGN §10)."""
+        """One row per variant (DESIGN §10): counts by status, mean/median tokens, total and mean cost,
+        p50/p95 running seconds of the ended jobs, ``mean_<score>`` of each boolean or numeric score."""
         from .views.batch_frames import batch_summary
 
         return batch_summary(self)
