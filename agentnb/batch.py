@@ -263,8 +263,20 @@ def check_concurrency(concurrency: Any) -> int:
     return concurrency
 
 
+def _canonical(value: Any) -> Any:
+    # A DataFrame turns a column of whole numbers with a gap into floats: 1 and 1.0 are the same case.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
 def fingerprint(stored_cases: Sequence[Mapping[str, Any]]) -> str:
-    text = json.dumps(list(stored_cases), ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    """What tells the same cases from other ones (1 and 1.0 count as equal)."""
+    text = json.dumps(_canonical(list(stored_cases)), ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -450,6 +462,27 @@ def _now() -> float:
     return time.time()
 
 
+def _call_variants(existing: Mapping[str, Any] | None, piece: Any, model: Any,
+                   check_model: Callable[[str], str]) -> list[Variant]:
+    """The variants a call names.  A new batch defaults to ``plan-implement-verify`` on ``demo``; for an
+    existing batch, an omitted ``piece=`` or ``model=`` means the batch's own (so repeating the call without
+    them adds nothing, and ``model=`` alone adds that model to every piece of the batch)."""
+    if existing is None:
+        return check_variants("plan-implement-verify" if piece is None else piece,
+                              "demo" if model is None else model, check_model)
+    if piece is None and model is None:
+        return []
+    old = json.loads(existing["variants"])
+    if piece is None:
+        seen: dict[str, Piece] = {}
+        for v in old:
+            seen.setdefault(v["piece_yaml"], parse_piece(v["piece_yaml"], source=v.get("piece_source") or "<piece>"))
+        piece = list(seen.values())
+    if model is None:
+        model = list(dict.fromkeys(v["model"] for v in old))
+    return check_variants(piece, model, check_model)
+
+
 def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
                context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
                check_model: Callable[[str], str]) -> Batch:
@@ -468,7 +501,7 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
         check_score_names(chosen, json.loads(existing["cases"]))
         return Batch(ws, str(name), chosen)
     checked = check_cases(cases)
-    variants = check_variants(piece, model, check_model)
+    variants = _call_variants(existing, piece, model, check_model)
     stored_cases = [c.stored() for c in checked]
     check_score_names(chosen, stored_cases)
     print_ = fingerprint(stored_cases)

@@ -637,8 +637,8 @@ class Workspace:
         self,
         cases: Any = None,
         *,
-        piece: Any = "plan-implement-verify",
-        model: str | Sequence[str] = "demo",
+        piece: Any = None,
+        model: str | Sequence[str] | None = None,
         name: str | None = None,
         concurrency: int = DEFAULT_CONCURRENCY,
         scorers: Mapping[str, Scorer] | None = None,
@@ -653,9 +653,11 @@ class Workspace:
         ``cases``: a list of dicts or a DataFrame with ``instruction`` (required), ``inputs`` (a dict of
         file name → text or bytes, or a folder path) and ``expected`` (any JSON value); other columns are
         carried into the results.  Variants are every ``piece`` (a name, path, YAML text or ``Piece``, or a
-        list) with every ``model`` (a spec or a list).  ``ws.batch("exp-1")``, or the same call again with
-        ``name="exp-1"``, resumes the batch: finished jobs are kept, unfinished ones run; new variants
-        with the same cases are added.  ``run=False`` only creates (or looks up) the batch.
+        list) with every ``model`` (a spec or a list); a new batch defaults to ``plan-implement-verify`` on
+        ``demo``.  ``ws.batch("exp-1")``, or the same call again with ``name="exp-1"``, resumes the batch:
+        finished jobs are kept, unfinished ones run.  Given the same cases, pieces or models it does not have
+        yet are added as new variants (an omitted ``piece=``/``model=`` then means the batch's own).
+        ``run=False`` only creates (or looks up) the batch.
         """
         check_concurrency(concurrency)
         b = open_batch(self, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,

@@ -383,3 +383,26 @@ def test_plot_batch_without_scores_says_so(ws: Workspace, tmp_path: Path) -> Non
     assert any(t.get_gid() == "no-score" for t in fig.axes[0].texts)
     assert not math.isnan(float(b.summary().loc[0, "mean_tokens"]))
     assert json.loads(json.dumps(b.cases))[0]["instruction"] == "Answer question 0"
+
+
+def test_repeating_a_call_without_piece_or_model_adds_no_variant(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path / "ws")
+    cases = [{"instruction": "one"}, {"instruction": "two"}]
+    b = ws.batch(cases, piece="single", model="demo", name="e", progress=False)
+    assert len(b.variants) == 1 and b.counts()["jobs"] == 2
+    again = ws.batch(cases, name="e", progress=False)  # no piece=/model=: the batch's own
+    assert len(again.variants) == 1 and again.counts()["jobs"] == 2
+    more = ws.batch(cases, piece=["single", "plan-implement-verify"], name="e", progress=False)
+    # model omitted: the new piece runs on the batch's own model
+    assert [(v["piece"], v["model"]) for v in more.variants] == [("single", "demo"), ("plan-implement-verify", "demo")]
+    assert more.counts()["jobs"] == 4
+
+
+def test_whole_floats_from_a_dataframe_are_the_same_cases_as_ints(tmp_path: Path) -> None:
+    import pandas as pd
+
+    ws = Workspace(tmp_path / "ws")
+    cases = [{"instruction": "one", "n": 1, "expected": 2}, {"instruction": "two", "n": None, "expected": 3}]
+    ws.batch(cases, piece="single", name="e", run=False)
+    b = ws.batch(pd.DataFrame(cases), name="e", run=False)  # n becomes 1.0/NaN, expected stays int
+    assert b.counts()["jobs"] == 2
