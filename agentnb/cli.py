@@ -215,7 +215,7 @@ def _case_inputs(value: object, base: Path, where: str) -> object:
         folder = (base / Path(value).expanduser())
         if not folder.is_dir():
             what = "a file, not a folder" if folder.exists() else "no such folder"
-            raise _Usage(f"{where}: inputs {value!r} is {what} (a relative path is read from {base})")
+            raise _Usage(f"batch: {where}: inputs {value!r} is {what} (a relative path is read from {base})")
         return folder
     return value
 
