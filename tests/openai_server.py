@@ -22,13 +22,12 @@ class AsObject(dict):
 
 
 def reply(content: str | None = None, tool_calls: list[tuple[str, dict[str, Any] | str]] | None = None,
-          usage: tuple[int, int] | None = (100, 10), delay: float = 0.0) -> dict[str, Any]:
+          usage: tuple[int, int] | None = (100, 10)) -> dict[str, Any]:
     """A chat completion answer: text and/or ``(name, arguments)`` tool calls, with usage.
 
     Arguments given as a string are sent as they are (to play a model that writes broken JSON).
-    ``delay`` seconds pass before the answer (a model that takes its time, short of a timeout).
     """
-    return {"kind": "reply", "content": content, "tool_calls": tool_calls or [], "usage": usage, "delay": delay}
+    return {"kind": "reply", "content": content, "tool_calls": tool_calls or [], "usage": usage}
 
 
 def error(status: int, message: str = "scripted failure", times: int = 1,
@@ -91,8 +90,6 @@ class OpenAIServer:
                 if action["kind"] == "stall":
                     server._closing.wait(action["seconds"])
                     action = reply("late answer")
-                if action.get("delay"):
-                    server._closing.wait(action["delay"])
                 self._send(200, server._completion(body, action, n))
 
             def _send(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:

@@ -1,5 +1,6 @@
 """Batches from the notebook and the terminal: ``%agent batch`` / ``%agent batches`` through a real IPython
-shell, ``agentnb batch`` / ``agentnb batches`` as a subprocess on real SQLite files (DESIGN §10)."""
+shell, ``agentnb batch`` / ``agentnb batches`` as a subprocess on real SQLite files and the loopback
+OpenAI-protocol server (DESIGN §10)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pandas as pd
 import pytest
 from _scripting import transition, write_piece, write_script
 from IPython.core.error import UsageError
-from openai_server import OpenAIServer, reply
+from openai_server import OpenAIServer, reply, stall
 
 from agentnb import Workspace
 from agentnb.batch import Batch
@@ -296,11 +297,12 @@ def test_cli_batch_interrupted_with_sigint_pauses_and_the_same_command_resumes(t
          "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
     n = 6
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"instruction": f"task {i}"}) + "\n" for i in range(n)))
-    done = reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "done"})], delay=0.4)
+    # each job: an answer that takes its time (text only, so the loop asks again), then the transition
+    done = reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "done"})])
     argv = [str(AGENTNB), "--workspace", "ws", "batch", "c.jsonl", "--piece", str(piece), "--model", "openai:m",
             "--concurrency", "1", "--name", "slow", "--no-progress"]
     with OpenAIServer() as server:
-        server.play(*[dict(done) for _ in range(2 * n)])
+        server.play(*[a for _ in range(2 * n) for a in (stall(0.3), dict(done))])
         env = _env({"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": "sk-test"})
         proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
@@ -332,6 +334,6 @@ def test_cli_batch_interrupted_with_sigint_pauses_and_the_same_command_resumes(t
         assert out.stdout.startswith(f"<Batch 'slow': {n}/{n} ended · {n} succeeded>")
     ws = Workspace(tmp_path / "ws", readonly=True)
     after = {j.id: len(ws.events(j, kinds=["llm_request"])) for j in ws.jobs()}
-    assert all(after[i] == first[i][1] == 1 for i in ended)  # a finished job was not run again
+    assert all(after[i] == first[i][1] >= 2 for i in ended)  # a finished job was not run again
     assert all(after[i] >= 1 for i in after) and sum(after.values()) == len(server.received)  # each call once
     assert len(server.received) > calls_before
