@@ -78,6 +78,23 @@ def test_magic_batch_takes_a_dataframe_and_crosses_pieces_with_models(shell: Any
     assert sorted((j.case, j.variant) for j in b.jobs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
+
+def test_magic_batch_takes_pieces_and_models_from_variables_kept_whole(shell: Any, tmp_path: Path) -> None:
+    """A variable holding a list (or a Piece, or a Path) is used as it is, not as its text split at commas."""
+    from agentnb import load_piece
+
+    piece_path = tmp_path / "one, with a comma.yaml"  # a comma in the path would split a typed line
+    piece_path.write_text(load_piece("single").to_yaml().replace("name: single", "name: commas"), encoding="utf-8")
+    shell.user_ns.update(t_cases=CASES[:1], t_pieces=["single", piece_path], t_models=[_succeeding(tmp_path)])
+    b = shell.run_line_magic("agent", "batch t_cases --piece t_pieces --model t_models --name vars")
+    assert [v["piece"] for v in b.variants] == ["single", "commas"]
+    assert b.counts()["succeeded"] == 2
+    shell.user_ns["t_piece"] = load_piece(piece_path)
+    one = shell.run_line_magic("agent", "batch t_cases --piece {t_piece} --model $t_models --name one --no-run")
+    assert [v["piece"] for v in one.variants] == ["commas"]
+    with pytest.raises(UsageError, match=r"^%agent batch: give either a batch to resume \('vars'\) or --name x"):
+        shell.run_line_magic("agent", "batch vars --name x")
+
 def test_magic_batch_resumes_by_name_without_running_a_finished_job_again(shell: Any, tmp_path: Path) -> None:
     shell.user_ns["t_cases"] = CASES
     shell.user_ns["t_spec"] = _succeeding(tmp_path)
