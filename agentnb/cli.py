@@ -3,7 +3,11 @@
 Exit codes of ``run``: 0 when the job succeeded or waits for a human, 1 when it
 failed or was aborted, 2 on a usage, piece, model-spec or store error (one line on
 stderr, no traceback), 130 after Ctrl-C and 143 after SIGTERM (the running job is
-queued again).  ``jobs``, ``show`` and ``export`` open the store read-only.
+queued again).  ``batch``: 0 when every job ended (succeeded, failed or aborted),
+3 when some wait for a human (answer them with ``reply``, then rerun the command),
+2 and 130 as ``run`` (after Ctrl-C the running jobs are paused after their current
+LLM call; the same command again resumes).  ``jobs``, ``show``, ``export`` and
+``batches`` open the store read-only.
 """
 
 from __future__ import annotations
@@ -196,6 +200,142 @@ def cmd_pieces(args: argparse.Namespace) -> int:
     return 0
 
 
+# `agentnb batch`: some jobs wait for a human (or for subtasks that do), so the batch has not ended
+EXIT_WAITING = 3
+
+
+def _cell(value: str | None) -> str | None:
+    """A CSV cell: an empty one is a missing value."""
+    return None if value is None or value == "" else value
+
+
+def _case_inputs(value: object, base: Path, where: str) -> object:
+    """A case's ``inputs`` from a file: a folder path (relative to the cases file's folder), or a dict."""
+    if isinstance(value, str):
+        folder = (base / Path(value).expanduser())
+        if not folder.is_dir():
+            what = "a file, not a folder" if folder.exists() else "no such folder"
+            raise _Usage(f"batch: {where}: inputs {value!r} is {what} (a relative path is read from {base})")
+        return folder
+    return value
+
+
+def read_cases(path: Path) -> list[dict[str, object]]:
+    """The cases of a ``.csv`` (a header row, then one case a row) or ``.jsonl`` file (one JSON object a line).
+
+    Columns / keys map to case fields: ``instruction`` (required), ``inputs`` (in a CSV a folder path; in
+    JSONL a dict of file name → text, or a folder path), ``expected``, any other column carried through.
+    A missing file, another extension or a malformed row is a usage error naming the line.
+    """
+    import csv
+
+    suffix = path.suffix.lower()
+    if suffix not in (".csv", ".jsonl"):
+        raise _Usage(f"batch: {path}: cases must be a .csv or a .jsonl file, not {suffix or 'a file without an extension'}")
+    if not path.is_file():
+        raise _Usage(f"batch: {path}: no such file")
+    base = path.resolve().parent
+    cases: list[dict[str, object]] = []
+    try:
+        with path.open(encoding="utf-8", newline="") as f:
+            if suffix == ".csv":
+                reader = csv.DictReader(f, strict=True)
+                fields = reader.fieldnames or []
+                if "instruction" not in fields:
+                    raise _Usage(f"batch: {path} line 1: the header has no 'instruction' column "
+                                 f"(columns: {', '.join(fields) or 'none'})")
+                for row in reader:
+                    where = f"{path} line {reader.line_num}"
+                    if None in row or any(v is None for v in row.values()):
+                        raise _Usage(f"batch: {where}: {len(fields)} columns expected, as in the header")
+                    case: dict[str, object] = {k: _cell(v) for k, v in row.items()}
+                    if not case.get("instruction"):
+                        raise _Usage(f"batch: {where}: the instruction is empty")
+                    if case.get("inputs") is not None:
+                        case["inputs"] = _case_inputs(case["inputs"], base, where)
+                    cases.append(case)
+            else:
+                for n, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    where = f"{path} line {n}"
+                    try:
+                        data = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise _Usage(f"batch: {where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                    if not isinstance(data, dict):
+                        raise _Usage(f"batch: {where}: a JSON {type(data).__name__}; each line must be an object "
+                                     'such as {"instruction": "..."}')
+                    if not isinstance(data.get("instruction"), str) or not data["instruction"].strip():
+                        raise _Usage(f"batch: {where}: 'instruction' must be non-empty text")
+                    inputs = data.get("inputs")
+                    if inputs is not None and not isinstance(inputs, (str, dict)):
+                        raise _Usage(f"batch: {where}: inputs is a JSON {type(inputs).__name__}; allowed: an object "
+                                     "of file name → text, or a folder path")
+                    if inputs is not None:
+                        data["inputs"] = _case_inputs(inputs, base, where)
+                    cases.append(data)
+    except UnicodeDecodeError as exc:
+        raise _Usage(f"batch: {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except csv.Error as exc:
+        raise _Usage(f"batch: {path}: not a valid CSV file ({exc})") from None
+    if not cases:
+        raise _Usage(f"batch: {path}: no cases (the file has no rows)")
+    return cases
+
+
+def _print_batch(batch: object) -> None:
+    import pandas as pd
+
+    summary = batch.summary()  # type: ignore[attr-defined]
+    print(repr(batch))
+    with pd.option_context("display.width", 200, "display.max_columns", None, "display.max_colwidth", 40):
+        print(summary.to_string(index=False))
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    cases = read_cases(Path(args.cases).expanduser())
+    ws = _workspace(args)
+    batch = ws.batch(cases, piece=args.piece or ["plan-implement-verify"], model=args.model or ["demo"],
+                     name=args.name, concurrency=args.concurrency, retries=args.retries,
+                     max_backoff=args.max_backoff, run=False)
+    try:
+        batch.run(concurrency=args.concurrency, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        counts = batch.counts()
+        print(f"agentnb: interrupted; batch {batch.name!r} paused ({counts['queued']} of {counts['jobs']} jobs to "
+              "run); run the same command again to resume it", file=sys.stderr)
+        return 130
+    _print_batch(batch)
+    waiting = [j.id for j in batch.jobs if j.status in ("waiting_human", "waiting_subtasks")]
+    if waiting:
+        print(f"job(s) {', '.join(map(str, waiting))} wait for a human: see agentnb show JOB, answer with "
+              "agentnb reply JOB \"…\", then run the same command again")
+        return EXIT_WAITING
+    return 0
+
+
+def cmd_batches(args: argparse.Namespace) -> int:
+    from .store.base import JOB_STATES
+
+    ws = _workspace(args, readonly=True)
+    rows = ws.batches()
+    if not rows:
+        print("no batches")
+        return 0
+    import datetime as dt
+
+    short = {"waiting_human": "wait_human", "waiting_subtasks": "wait_sub"}
+    heads = [short.get(s, s) for s in JOB_STATES]
+    width = max(12, *(len(str(r["name"])) for r in rows))
+    print(f"{'name':<{width}}  {'created (UTC)':<19}  {'jobs':>5}  " + "  ".join(f"{h:>{max(len(h), 5)}}" for h in heads))
+    for r in rows:
+        created = dt.datetime.fromtimestamp(float(r["created"]), dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        print(f"{r['name']:<{width}}  {created:<19}  {r['jobs']:>5}  "
+              + "  ".join(f"{r.get('n_' + s, 0):>{max(len(h), 5)}}" for s, h in zip(JOB_STATES, heads, strict=True)))
+    return 0
+
+
 def _retry_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retries", type=int, metavar="N",
                    help="openai: tries after the first on 429, 5xx, timeouts and malformed answers "
@@ -252,6 +392,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
 
     add("pieces", cmd_pieces, "list the available pieces")
+
+    p = add("batch", cmd_batch, "run every case of a .csv/.jsonl file under every piece × model; print the summary")
+    p.add_argument("cases", metavar="CASES", help="a .csv (a header with 'instruction', optional 'inputs' (a folder), "
+                   "'expected', other columns) or .jsonl file (one object a line)")
+    p.add_argument("--piece", action="append", metavar="PIECE",
+                   help="piece name or YAML path (repeatable: one variant each; default plan-implement-verify)")
+    p.add_argument("--model", action="append", metavar="MODEL",
+                   help="model spec (repeatable: crossed with every piece; default demo)")
+    p.add_argument("--concurrency", type=int, default=4, metavar="N", help="jobs run at once (default 4)")
+    p.add_argument("--name", help="the batch's name: the same command again resumes it (default: batch-N)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _retry_options(p)
+
+    add("batches", cmd_batches, "list the batches: name, created, jobs and how many are in each status")
     return parser
 
 

@@ -1,4 +1,4 @@
-"""The quickstart notebook in a real JupyterLab, driven by Playwright in Debian's Chromium.
+"""The quickstart and design-lab notebooks in a real JupyterLab, driven by Playwright in Debian's Chromium.
 
 This is what a new user does: open ``notebooks/01-quickstart.ipynb``, run every cell, open a
 movement's collapsible section, and press a button of the ``%agent panel`` widget; then, in a
@@ -277,6 +277,34 @@ def test_quickstart_runs_in_jupyterlab(lab: Lab) -> None:
     shots = sorted(ARTIFACTS.glob("quickstart-*.png"))
     assert len(shots) == 2 and all(p.stat().st_size > 10_000 for p in shots), "a screenshot is missing or empty"
 
+
+
+def test_design_lab_runs_in_jupyterlab(lab: Lab) -> None:
+    """Notebook 05 as a new user runs it, fresh: every cell runs, and the batch, its summary table, the
+    plot and the worst job's view are drawn."""
+    from playwright.sync_api import expect, sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{lab.url}/lab/tree/notebooks/05-design-lab.ipynb")
+            _run_all_cells(page)
+            _assert_no_cell_raised(page)
+            outputs = page.locator(".jp-OutputArea-output")
+            expect(outputs.filter(has_text="<Batch 'review-or-not': 16/16 ended · 16 succeeded>")).to_have_count(1)
+            expect(outputs.filter(has_text="the review adds 0.38 coverage")).to_have_count(1)
+            expect(outputs.locator("table").filter(has_text="release-notes-reviewed").first).to_be_visible()
+            expect(outputs.locator("img").first).to_be_visible()  # plot_batch's figure
+            worst = outputs.locator(".anb-job").filter(has=page.locator("details.anb-mv")).first
+            expect(worst.locator("details.anb-mv[data-seq]")).to_have_count(4)  # draft, review, draft, review
+            worst.scroll_into_view_if_needed()
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
+        finally:
+            page.screenshot(path=str(ARTIFACTS / "design-lab.png"))
+            browser.close()
 
 # A notebook as a new user would write it: run a piece that asks, open the panel, show the job.
 ASK_CELLS = [

@@ -23,9 +23,26 @@ BINDER = REPO / "binder"
 CHECK = "NBVAL_CHECK_OUTPUT"
 
 
-def test_the_four_notebooks_exist() -> None:
+def test_the_five_notebooks_exist() -> None:
     assert [p.name for p in NOTEBOOKS] == [
-        "01-quickstart.ipynb", "02-stepping.ipynb", "03-token-usage.ipynb", "04-piece-design.ipynb"]
+        "01-quickstart.ipynb", "02-stepping.ipynb", "03-token-usage.ipynb", "04-piece-design.ipynb",
+        "05-design-lab.ipynb"]
+
+
+def test_the_design_lab_runs_on_scripted_models_kept_in_the_repository() -> None:
+    """Notebook 05 reads its pieces and scripts from notebooks/design-lab/, not from a temporary folder,
+    so a reader can open them; they must be there and be valid."""
+    from agentnb import load_piece
+    from agentnb.models.factory import resolve_model
+
+    lab = REPO / "notebooks" / "design-lab"
+    text = (REPO / "notebooks" / "05-design-lab.ipynb").read_text(encoding="utf-8")
+    for name in ("release-notes.yaml", "release-notes-reviewed.yaml"):
+        assert name in text
+        load_piece(lab / name)
+    for name in ("draft-script.yaml", "reviewed-script.yaml"):
+        assert name in text
+        resolve_model(f"scripted:{lab / name}")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -104,7 +121,7 @@ def test_binder_requirements_are_pinned_and_cover_the_package() -> None:
             f"binder pins {req.name}=={pins[name]}, outside pyproject's {req.specifier}"
 
 
-_CHART = re.compile(r"plot_usage\(|\.plot\b|%agent plot\b")
+_CHART = re.compile(r"plot_usage\(|plot_batch\(|\.plot\b|%agent plot\b")
 
 
 @pytest.mark.parametrize("path", [p for p in NOTEBOOKS if _CHART.search(p.read_text(encoding="utf-8"))],
@@ -119,6 +136,9 @@ def test_every_chart_of_the_notebook_is_drawn_in_a_fresh_kernel(path: Path, tmp_
 
     work = tmp_path / path.name
     shutil.copy(path, work)  # the notebook writes next to itself (an exported transcript)
+    for folder in path.parent.iterdir():  # and reads what sits next to it (05's pieces and scripts)
+        if folder.is_dir() and not folder.name.startswith((".", "agentnb-")):
+            shutil.copytree(folder, tmp_path / folder.name)
     nb = nbformat.read(work, as_version=4)
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # the kernel picks its inline backend
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])

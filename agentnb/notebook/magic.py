@@ -31,9 +31,10 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import HTML, display
 from traitlets import Float, Unicode, observe
 
+from ..batch import DEFAULT_CONCURRENCY, Batch
 from ..engine.pieces import available_pieces, load_piece
 from ..errors import AgentnbError, PieceError, StoreError
-from ..store.base import owned_by_this_process
+from ..store.base import JOB_STATES, owned_by_this_process
 from ..views.render import KEEPER, duration, job_html, job_stats, plural
 from ..views.style import ERROR_COLOUR
 from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
@@ -42,7 +43,7 @@ from .vars import VarError, expand, expand_value, split_line
 __all__ = ["SUBCOMMANDS", "AgentMagic", "expand_braces", "load_ipython_extension"]
 
 SUBCOMMANDS = ("run", "step", "reply", "stop", "show", "jobs", "usage", "lessons", "panel", "pieces", "export",
-               "plot", "retry")
+               "plot", "retry", "batch", "batches")
 
 _OVERVIEW = """\
 %agent SUBCOMMAND [options]      (%agent SUBCOMMAND --help for its options)
@@ -62,6 +63,10 @@ _OVERVIEW = """\
   pieces                       the available pieces, as a DataFrame
   export JOB PATH              the job as a notebook (.ipynb)
   plot [JOB]                   the usage plot: context ratio per LLM call, cumulative tokens
+  batch CASES --piece a,b --model m[,m2] [--concurrency N] [--name NAME] [--scorer VAR]...
+                               run every case (a list of dicts or a DataFrame variable) under every
+                               piece × model, scored; the Batch.  batch NAME resumes a batch
+  batches                      every batch of the workspace, as a DataFrame
 
 %%agent [--piece P] [--model M] [--background]   the cell body is the instruction
 %%agent reply JOB                                 the cell body is the reply
@@ -74,6 +79,9 @@ Defaults: %config AgentMagic.workspace / .model / .piece
 
 # the arguments that name a job: filled by AgentMagic.job, which keeps a variable's int or Job whole
 _JOB_ARGS = frozenset({"job"})
+# the arguments that name notebook objects (cases, scorers, pieces, models): filled by AgentMagic.value,
+# which keeps a variable's list, DataFrame, function or Piece whole
+_VALUE_ARGS = frozenset({"cases", "scorer", "piece_list", "model_list"})
 
 
 def _one_line(exc: BaseException | str) -> str:
@@ -184,8 +192,8 @@ class AgentMagic(Magics):
         """Fill ``{expr}``/``$name`` in every string argument; JOB arguments are resolved by :meth:`job`."""
         ns = self.shell.user_ns if self.shell is not None else {}
         for name, value in vars(args).items():
-            if name in _JOB_ARGS:
-                continue  # job() fills them, keeping an int or a Job whole
+            if name in _JOB_ARGS or name in _VALUE_ARGS:
+                continue  # job() and value() fill them, keeping the object whole
             where = "the instruction" if name in ("instruction", "text") else f"--{name}"
             if isinstance(value, str):
                 setattr(args, name, expand(value, ns, where))
@@ -514,6 +522,128 @@ class AgentMagic(Magics):
         from ..views.plots import plot_usage
 
         return plot_usage(self.job(args.job))
+
+
+    # -- batches ---------------------------------------------------------------
+    def value(self, text: str, what: str) -> tuple[bool, Any]:
+        """``(True, object)`` for an argument that names a notebook object (``name``, ``$name``, ``{expr}``);
+        ``(False, text)`` for plain text that names no variable."""
+        ns = self.shell.user_ns if self.shell is not None else {}
+        text = text.strip()
+        if "{" in text or "$" in text:
+            value = expand_value(text, ns, what)
+            return (not isinstance(value, str) or value != text), value
+        if text.isidentifier() and text in ns:
+            return True, ns[text]
+        return False, text
+
+    def _listed(self, text: str | None, what: str) -> Any:
+        """A --piece/--model argument: a variable's object (a list, a Piece, a Path) kept whole, or text split
+        at commas."""
+        if text is None:
+            return None
+        found, value = self.value(text, what)
+        if isinstance(value, str):
+            items = [v.strip() for v in value.split(",")]
+            if not all(items):
+                raise UsageError(f"{what} {text!r} has an empty item; give names separated by commas, e.g. a,b")
+            return items if len(items) > 1 else items[0]
+        if found and isinstance(value, (list, tuple)):
+            return list(value)
+        return value
+
+    def _scorers(self, names: list[str] | None) -> dict[str, Any] | None:
+        """The --scorer VARs: each a dict of name → function, or a function named after its variable."""
+        if not names:
+            return None
+        out: dict[str, Any] = {}
+        for ref in names:
+            found, value = self.value(ref, "--scorer")
+            if not found:
+                raise UsageError(f"--scorer {ref!r} is not a variable of the notebook; give the name of a variable "
+                                 "holding a function(job) or a dict of name → function")
+            if isinstance(value, Mapping):
+                scorers = dict(value)
+            elif callable(value):
+                name = ref.strip().lstrip("$").strip("{}").strip()
+                scorers = {name if name.isidentifier() else getattr(value, "__name__", name): value}
+            else:
+                raise UsageError(f"--scorer {ref}: the variable holds a {type(value).__name__}; allowed: a "
+                                 "function(job) or a dict of name → function")
+            twice = sorted(set(scorers) & set(out))
+            if twice:
+                raise UsageError(f"--scorer {ref}: scorer {twice[0]!r} is given twice")
+            out.update(scorers)
+        return out
+
+    @magic_arguments(name="agent batch")
+    @argument("cases", help="a variable holding the cases (a list of dicts or a DataFrame with an 'instruction' "
+              "column), or the name of a batch to resume")
+    @argument("--piece", "-p", dest="piece_list", metavar="PIECES",
+              help="pieces, separated by commas (names or YAML paths), or a variable holding a list of them "
+                   "(default: AgentMagic.piece)")
+    @argument("--model", "-m", dest="model_list", metavar="MODELS",
+              help="model specs, separated by commas, or a variable holding a list (default: AgentMagic.model)")
+    @argument("--concurrency", "-c", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
+              help=f"jobs run at once (default {DEFAULT_CONCURRENCY})")
+    @argument("--name", "-n", help="the batch's name; the same name again resumes it (default: batch-N)")
+    @argument("--scorer", "-s", action="append", metavar="VAR",
+              help="a variable holding a function(job) (scored under the variable's name) or a dict of name → "
+                   "function (repeatable)")
+    @argument("--no-run", action="store_true", help="only create the batch (or look it up); run it later")
+    def cmd_batch(self, args: Any, cell: str | None) -> Batch:
+        """Run cases × variants (pieces × models) as jobs, N at once, score them; the Batch (its summary shows).
+
+        Ctrl-C (the stop button) pauses every running job after its current LLM call; the same line
+        again (or %agent batch NAME) resumes: finished jobs are kept, the others run.
+        """
+        found, cases = self.value(args.cases, "CASES")
+        pieces, models = self._listed(args.piece_list, "--piece"), self._listed(args.model_list, "--model")
+        scorers = self._scorers(args.scorer)
+        if isinstance(cases, Batch):
+            found, cases = False, cases.name
+        if not found:  # a batch name: resume it
+            name = str(cases)
+            if args.name is not None and args.name != name:
+                raise UsageError(f"give either a batch to resume ({name!r}) or --name {args.name}, not both")
+            if pieces is not None or models is not None:
+                raise UsageError(f"{name!r} names no variable of the notebook, so it is read as a batch to resume, "
+                                 "which keeps its pieces and models; to add variants give the cases variable too")
+            if self.ws.store.batch(name) is None:
+                known = ", ".join(b["name"] for b in self.ws.batches()) or "none yet"
+                raise UsageError(f"CASES {name!r} is neither a variable of the notebook nor a batch of the workspace "
+                                 f"(batches: {known}); give a variable holding a list of dicts or a DataFrame")
+            batch = self.ws.batch(name, scorers=scorers, concurrency=args.concurrency, run=False)
+        else:
+            batch = self.ws.batch(cases, piece=self.piece if pieces is None else pieces,
+                                  model=self.model if models is None else models, name=args.name,
+                                  scorers=scorers, concurrency=args.concurrency, run=False)
+        if args.no_run:
+            return batch
+        try:
+            batch.run(concurrency=args.concurrency)
+        except KeyboardInterrupt:
+            print(f"batch {batch.name!r} paused: its running jobs stopped after their current LLM call; resume with "
+                  f"%agent batch {batch.name}")
+        return batch
+
+    @magic_arguments(name="agent batches")
+    def cmd_batches(self, args: Any, cell: str | None) -> Any:
+        """Every batch of the workspace as a DataFrame: name, created, jobs and how many are in each status."""
+        return _batches_frame(self.ws.batches())
+
+
+def _batches_frame(rows: list[dict[str, Any]]) -> Any:
+    """``ws.batches()`` as a DataFrame: name, created, updated (UTC, as ``ws.frames.jobs``), jobs, one count per
+    job status."""
+    import pandas as pd
+
+    columns = ["name", "created", "updated", "jobs", *JOB_STATES]
+    df = pd.DataFrame([{**{k: r.get(k) for k in ("name", "created", "updated", "jobs")},
+                        **{s: int(r.get(f"n_{s}") or 0) for s in JOB_STATES}} for r in rows], columns=columns)
+    for col in ("created", "updated"):
+        df[col] = pd.to_datetime(pd.to_numeric(df[col]), unit="s").astype("datetime64[ns]")
+    return df.astype({"jobs": "int64", **{s: "int64" for s in JOB_STATES}})
 
 
 def _summary_html(ws: Workspace, job_id: int, *, below: bool = False) -> str:
