@@ -15,6 +15,7 @@ from ..events import (
     MovementStart,
     RecordedToolCall,
     Reminder,
+    ScoreEvent,
     ToolCallEvent,
     ToolResult,
     Transition,
@@ -69,9 +70,10 @@ SELECT e.job_id AS job, e.movement_seq AS seq, m.name AS movement, e.iteration, 
        {_jx('e', LLMResponse, 'usage.window')} AS window,
        {_jx('e', LLMResponse, 'usage.ratio')} AS ratio,
        ca.rank AS action, ca.actions, tr.next_step AS transition, tr.forced,
-       {_jx('e', LLMResponse, 'latency_s')} AS latency_s
+       {_jx('e', LLMResponse, 'latency_s')} AS latency_s, j.model AS model
 FROM events e
 LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq
+LEFT JOIN jobs j ON j.id = e.job_id
 LEFT JOIN ca ON ca.job_id = e.job_id AND ca.movement_seq = e.movement_seq AND ca.iteration = e.iteration
 LEFT JOIN tr ON tr.job_id = e.job_id AND tr.movement_seq = e.movement_seq AND tr.iteration = e.iteration
 WHERE e.kind = 'llm_response'{{job_e}}
@@ -79,7 +81,7 @@ ORDER BY e.job_id, e.id
 """
 
 _JOBS_SQL = f"""
-SELECT j.id AS job, j.parent_id AS parent, j.piece, j.model, j.status, {instruction_sql('j')} AS instruction,
+SELECT j.id AS job, j.parent_id AS parent, j.batch, j.batch_case AS "case", j.piece, j.model, j.status, {instruction_sql('j')} AS instruction,
        j.current_movement,
        (SELECT COUNT(*) FROM movements mv WHERE mv.job_id = j.id) AS movements,
        COALESCE(a.llm_calls, 0) AS llm_calls,
@@ -100,6 +102,26 @@ LEFT JOIN (
     GROUP BY e.job_id
 ) a ON a.job_id = j.id
 ORDER BY j.id
+"""
+
+# What the jobs' cost is computed from (priced by views/frames.py with each job's model): token sums per
+# job and UTC day (a price is fixed for a day), and, for the rare model whose price is not linear in the
+# sums (tiered by prompt size, or by time of day), its jobs' calls one by one.  Both come off events_kind.
+_JOB_COSTS_SQL = f"""
+SELECT e.job_id AS job, CAST(e.ts / 86400 AS INTEGER) * 86400 AS day, COUNT(*) AS calls,
+       SUM({_jx('e', LLMResponse, 'usage.prompt_tokens')}) AS prompt_tokens,
+       SUM({_jx('e', LLMResponse, 'usage.completion_tokens')}) AS completion_tokens,
+       SUM({_jx('e', LLMResponse, 'usage.prompt_tokens')} IS NULL
+           OR {_jx('e', LLMResponse, 'usage.completion_tokens')} IS NULL) AS uncounted
+FROM events e WHERE e.kind = 'llm_response'
+GROUP BY e.job_id, day
+"""
+
+_CALL_COSTS_SQL = f"""
+SELECT e.job_id AS job, e.ts AS ts,
+       {_jx('e', LLMResponse, 'usage.prompt_tokens')} AS prompt_tokens,
+       {_jx('e', LLMResponse, 'usage.completion_tokens')} AS completion_tokens
+FROM events e WHERE e.kind = 'llm_response'{{job_e}}
 """
 
 _MOVEMENTS_SQL = f"""
@@ -172,6 +194,16 @@ WHERE e.kind = 'tool_call'{{job_e}}
 ORDER BY e.job_id, e.id
 """
 
+# value as JSON text (``->``): json_extract would give true/false as 1/0, and pandas would make 3 a float
+_SCORES_SQL = f"""
+SELECT e.job_id AS job, j.batch, j.batch_case AS "case", {_jx('e', ScoreEvent, 'name')} AS name,
+       e.payload -> '{payload_path(ScoreEvent, 'value')}' AS value,
+       {_jx('e', ScoreEvent, 'error')} AS error, e.ts AS ts, e.id AS event_id
+FROM events e LEFT JOIN jobs j ON j.id = e.job_id
+WHERE e.kind = 'score'{{job_e}}
+ORDER BY e.job_id, e.id
+"""
+
 _CONTEXT_ACTIONS_SQL = f"""
 SELECT {_EVENT_HEAD}, {_jx('e', ContextAction, 'action')} AS action, {_jx('e', ContextAction, 'ratio')} AS ratio,
        {_jx('e', ContextAction, 'tokens')} AS tokens, {_jx('e', ContextAction, 'window')} AS window, {_jx('e', ContextAction, 'threshold')} AS threshold
@@ -189,4 +221,7 @@ FRAME_SQL: dict[FrameQuery, tuple[str, tuple[str, ...]]] = {
     "tool_calls": (_TOOL_CALLS_SQL, ("e",)),
     "usage": (_USAGE_SQL, ("e", "c", "t")),
     "context_actions": (_CONTEXT_ACTIONS_SQL, ("e",)),
+    "job_costs": (_JOB_COSTS_SQL, ()),
+    "call_costs": (_CALL_COSTS_SQL, ("e",)),
+    "scores": (_SCORES_SQL, ("e",)),
 }

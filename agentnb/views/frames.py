@@ -90,6 +90,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import pandas as pd
 
 from ..engine.context import job_thresholds
@@ -97,6 +98,7 @@ from ..events import (
     ACTIONS,
     ContextAction,
     LLMResponse,
+    ScoreEvent,
     ToolCallEvent,
     ToolResult,
     Transition,
@@ -104,6 +106,7 @@ from ..events import (
     UsageSource,
     payload_path,
 )
+from ..models.prices import cost_array, summed_costs
 from ..store.base import JOB_STATES, FrameQuery, Store
 from ..tools.base import ToolError, unlinked_path
 from .status import DISPLAY_STATES, display_status
@@ -144,9 +147,9 @@ def _fields(cls: type, **dtypes: Any) -> dict[str, Any]:
 
 
 _JOBS: _Spec = {
-    "job": "int", "parent": "Int", "piece": "str", "model": "str", "status": _STATUS, "instruction": "str",
-    "current_movement": "str", "movements": "int", "llm_calls": "int", "tool_calls": "int",
-    "prompt_tokens": "int", "completion_tokens": "int", "total_tokens": "int", "peak_ratio": "float",
+    "job": "int", "parent": "Int", "batch": "str", "case": "Int", "piece": "str", "model": "str", "status": _STATUS,
+    "instruction": "str", "current_movement": "str", "movements": "int", "llm_calls": "int", "tool_calls": "int",
+    "prompt_tokens": "int", "completion_tokens": "int", "total_tokens": "int", "cost_usd": "float", "peak_ratio": "float",
     "created": "time", "started": "time", "ended": "time", "error": "str",
     "display_status": pd.CategoricalDtype(list(DISPLAY_STATES)), "id": "int",
 }
@@ -169,6 +172,7 @@ _TOOL_CALLS: _Spec = {
 _USAGE: _Spec = {
     "job": "int", "call": "int", "seq": "int", "movement": "str", "iteration": "int", "timestamp": "time",
     **_fields(Usage, prompt_tokens="int", completion_tokens="int", total_tokens="int"), "cumulative_tokens": "int",
+    "cost_usd": "float",
     **_fields(Usage, source=_SOURCE, window="int", ratio="float"), "action": ACTION_DTYPE, "actions": "str",
     "transition": "str", "forced": "boolean", **_fields(LLMResponse, latency_s="float"),
 }
@@ -180,10 +184,15 @@ _CONTEXT_ACTIONS: _Spec = {
     **_fields(ContextAction, action=ACTION_DTYPE, ratio="float", tokens="int", window="int", threshold="float"),
 }
 
+_SCORES: _Spec = {
+    "job": "int", "batch": "str", "case": "Int", **_fields(ScoreEvent, name="str", value="object", error="str"),
+    "ts": "time", "latest": "bool",
+}
+
 COLUMNS: dict[str, tuple[str, ...]] = {
     "jobs": tuple(_JOBS), "movements": tuple(_MOVEMENTS), "messages": tuple(_MESSAGES),
     "tool_calls": tuple(_TOOL_CALLS), "usage": tuple(_USAGE), "lessons": tuple(_LESSONS),
-    "context_actions": tuple(_CONTEXT_ACTIONS),
+    "context_actions": tuple(_CONTEXT_ACTIONS), "scores": tuple(_SCORES),
 }
 
 class Frames:
@@ -214,14 +223,44 @@ class Frames:
         self.store.job(job_id)  # an unknown job is an error, not an empty frame
         return job_id
 
-    def _query(self, frame: FrameQuery, job_id: int | None, spec: _Spec) -> pd.DataFrame:
+    def _raw(self, frame: FrameQuery, job_id: int | None) -> pd.DataFrame:
         names, rows = self.store.frame_rows(frame, job_id)
-        return _typed(pd.DataFrame.from_records(rows, columns=names), spec)
+        return pd.DataFrame.from_records(rows, columns=names)
+
+    def _query(self, frame: FrameQuery, job_id: int | None, spec: _Spec) -> pd.DataFrame:
+        return _typed(self._raw(frame, job_id), spec)
+
+    def _job_costs(self, models: pd.Series) -> pd.Series:
+        """Each job's cost in US dollars (``models``: job id → model spec): its calls' sum, NaN when any is unpriced.
+
+        Priced from token sums per job and day (one small query); only jobs of a model whose price is not
+        linear in the sums (tiered, time of day) are read again call by call.
+        """
+        sums = self._raw("job_costs", None)
+        if sums.empty:
+            return pd.Series(0.0, index=models.index, dtype="float64")
+        specs = sums["job"].map(models).fillna("").to_numpy(dtype=object)
+        costs, exact = summed_costs(specs, sums["calls"], pd.to_numeric(sums["prompt_tokens"]),
+                                    pd.to_numeric(sums["completion_tokens"]), sums["day"])
+        costs[pd.to_numeric(sums["uncounted"]).to_numpy() > 0] = float("nan")
+        for job_id in sums.loc[~exact, "job"].unique():
+            calls = self._raw("call_costs", int(job_id))
+            per_call = cost_array([models[job_id]] * len(calls), pd.to_numeric(calls["prompt_tokens"]),
+                                  pd.to_numeric(calls["completion_tokens"]), pd.to_numeric(calls["ts"]))
+            rows = (sums["job"] == job_id).to_numpy()
+            costs[rows] = 0.0
+            costs[np.flatnonzero(rows)[0]] = per_call.sum()  # NaN when any call is unpriced
+        # a sum with a NaN in it is NaN: a job with one unpriced call has no total
+        per_job = pd.Series(costs, index=sums["job"]).groupby(level=0).sum(min_count=1)
+        per_job[pd.Series(np.isnan(costs), index=sums["job"]).groupby(level=0).any()] = float("nan")
+        return per_job.reindex(models.index, fill_value=0.0).astype("float64")
 
     # -- frames -------------------------------------------------------------------
     def jobs(self) -> pd.DataFrame:
         """One row per job: what ran, its status, and its totals."""
-        df = self._query("jobs", None, {**_JOBS, "status_reason": "str"})
+        df = self._query("jobs", None, {k: v for k, v in _JOBS.items() if k != "cost_usd"} | {"status_reason": "str"})
+        models = pd.Series(df["model"].astype(object).to_numpy(), index=df["job"].to_numpy())
+        df.insert(COLUMNS["jobs"].index("cost_usd"), "cost_usd", self._job_costs(models).to_numpy())
         reasons = df.pop("status_reason").astype(object)
         df["display_status"] = pd.Series([display_status(s, r) for s, r in zip(df["status"].astype(object), reasons, strict=True)],
                                          index=df.index, dtype=_JOBS["display_status"])
@@ -245,13 +284,18 @@ class Frames:
     def usage(self, job: JobArg | None = None) -> pd.DataFrame:
         """One row per LLM call of ``job`` (every job when ``None``), with the actions it fired."""
         job_id = self._job(job)
-        spec = {k: v for k, v in _USAGE.items() if k not in ("call", "cumulative_tokens")}
-        df = self._query("usage", job_id, {**spec, "action": "Int"})
+        spec = {k: v for k, v in _USAGE.items() if k not in ("call", "cumulative_tokens", "cost_usd")}
+        raw = self._raw("usage", job_id)
+        # priced before typing: the raw epoch seconds and counts go straight to numpy
+        cost = cost_array(raw["model"].to_numpy(dtype=object), pd.to_numeric(raw["prompt_tokens"]),
+                          pd.to_numeric(raw["completion_tokens"]), pd.to_numeric(raw["timestamp"]))
+        df = _typed(raw, {**spec, "action": "Int"})
         # rows are in (job, id) order: numbering and running sums are vectorised, per job
         by_job = df.groupby("job", sort=False)
         df.insert(1, "call", (by_job.cumcount() + 1).astype("int64"))
         df.insert(COLUMNS["usage"].index("cumulative_tokens"), "cumulative_tokens",
                   by_job["total_tokens"].cumsum().astype(df["total_tokens"].dtype))
+        df.insert(COLUMNS["usage"].index("cost_usd"), "cost_usd", cost)
         # the SQL ranks actions 1..4; map the rank back to the ordered category
         df["action"] = pd.Categorical.from_codes(
             (df["action"].fillna(0).astype("int64") - 1).to_numpy(), dtype=ACTION_DTYPE
@@ -264,6 +308,17 @@ class Frames:
     def context_actions(self, job: JobArg | None = None) -> pd.DataFrame:
         """One row per ContextManager action (``context_action`` event)."""
         return self._query("context_actions", self._job(job), _CONTEXT_ACTIONS)
+
+    def scores(self, job: JobArg | None = None) -> pd.DataFrame:
+        """One row per ``score`` event of ``job`` (every job when ``None``), oldest first; ``latest`` marks the
+        newest score of each name of a job (a re-score supersedes, it does not erase)."""
+        raw = self._raw("scores", self._job(job))
+        # the store gives each value as JSON text: a bool stays a bool and an int an int
+        raw["value"] = pd.Series([None if v is None else json.loads(v) for v in raw["value"]],
+                                 index=raw.index, dtype=object)
+        newest = raw.groupby(["job", "name"], sort=False)["event_id"].transform("max") if len(raw) else raw["event_id"]
+        raw["latest"] = raw["event_id"] == newest
+        return _typed(raw, _SCORES)
 
     def lessons(self, job: JobArg | None = None) -> pd.DataFrame:
         """The rows of ``logs/lessons.jsonl`` of ``job`` (every job when ``None``)."""
@@ -325,6 +380,8 @@ def _typed(df: pd.DataFrame, spec: _Spec) -> pd.DataFrame:
             out[name] = pd.to_timedelta(pd.to_numeric(col), unit="s").astype("timedelta64[ns]")
         elif kind == "str":
             out[name] = col.astype("string")
+        elif kind == "object":
+            out[name] = col.astype(object)
         elif kind == "bool":
             out[name] = col.fillna(0).astype(bool) if len(col) else col.astype(bool)
         elif kind == "boolean":
