@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["FREE_PREFIXES", "UnknownPriceWarning", "call_cost", "call_costs", "cost_array", "dollars",
            "is_free", "priced_name", "summed_costs"]
@@ -130,8 +131,8 @@ def _one_model(name: str, prompt: np.ndarray, completion: np.ndarray, ts: np.nda
     return out
 
 
-def cost_array(specs: Sequence[str] | np.ndarray, prompt_tokens: Sequence[float] | np.ndarray,
-               completion_tokens: Sequence[float] | np.ndarray, ts: Sequence[float] | np.ndarray) -> np.ndarray:
+def cost_array(specs: npt.ArrayLike, prompt_tokens: npt.ArrayLike,
+               completion_tokens: npt.ArrayLike, ts: npt.ArrayLike) -> np.ndarray:
     """The price in US dollars of each call (float64; NaN where the model has no price or a count is missing).
 
     ``specs`` is each call's model spec and ``ts`` when it was made (epoch seconds): calls are grouped by
@@ -159,9 +160,9 @@ def cost_array(specs: Sequence[str] | np.ndarray, prompt_tokens: Sequence[float]
     return out
 
 
-def summed_costs(specs: Sequence[str] | np.ndarray, calls: Sequence[float] | np.ndarray,
-                 prompt_tokens: Sequence[float] | np.ndarray, completion_tokens: Sequence[float] | np.ndarray,
-                 days: Sequence[float] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def summed_costs(specs: npt.ArrayLike, calls: npt.ArrayLike,
+                 prompt_tokens: npt.ArrayLike, completion_tokens: npt.ArrayLike,
+                 days: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     """The price of groups of calls of one spec made on one UTC day, from their token sums alone.
 
     ``days`` is the start of each group's day (epoch seconds).  Returns the costs (float64, NaN when unknown)

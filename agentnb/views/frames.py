@@ -19,9 +19,9 @@ Conventions shared by all frames:
 =================== ===========================================================================
 frame               columns
 =================== ===========================================================================
-``jobs()``          job, parent, piece, model, status, instruction, current_movement, movements,
-                    llm_calls, tool_calls, prompt_tokens, completion_tokens, total_tokens,
-                    peak_ratio, created, started, ended, error, display_status, id
+``jobs()``          job, parent, batch, case, piece, model, status, instruction, current_movement,
+                    movements, llm_calls, tool_calls, prompt_tokens, completion_tokens, total_tokens,
+                    cost_usd, peak_ratio, created, started, ended, error, display_status, id
 ``movements(job)``  job, seq, movement, status, started, ended, iterations, llm_calls, tool_calls,
                     prompt_tokens, completion_tokens, total_tokens, peak_ratio, actions,
                     next_step, forced, summary, name, tokens
@@ -30,11 +30,12 @@ frame               columns
 ``tool_calls(job)`` job, event_id, seq, movement, iteration, timestamp, tool, call_id, arguments,
                     is_error, truncated, original_chars, returned_chars, duration, result
 ``usage(job)``      job, call, seq, movement, iteration, timestamp, prompt_tokens,
-                    completion_tokens, total_tokens, cumulative_tokens, source, window, ratio,
-                    action, actions, transition, forced, latency_s
+                    completion_tokens, total_tokens, cumulative_tokens, cost_usd, source, window,
+                    ratio, action, actions, transition, forced, latency_s
 ``lessons(job)``    job, movement, seq, lessons, summary, timestamp
 ``context_actions`` job, event_id, seq, movement, iteration, timestamp, action, ratio, tokens,
                     window, threshold
+``scores(job)``     job, batch, case, name, value, error, ts, latest
 =================== ===========================================================================
 
 The issue that specified these frames (and users) call some columns by other names; both work:
@@ -59,6 +60,20 @@ Details:
   context ratio seen (NaN before the first call).  ``display_status`` is ``status`` as the
   views show it: ``paused`` for a queued job that was stopped or stepped part-way
   (``agentnb._status.display_status``).
+* ``jobs().batch`` / ``case`` name the batch a job belongs to and its case index (NA outside a batch;
+  ``case`` is nullable ``Int64``).
+* ``cost_usd`` is in US dollars, ``float64`` with **NaN** (not pandas' NA) where the price is unknown,
+  so it sums, plots and divides like any float column.  ``usage()`` prices each call by its job's model
+  spec at the time the call was made (prices change over time) from genai-prices' bundled data, never
+  downloaded (``agentnb.models.prices``); offline models (``demo``, ``scripted:``, ``replay:``) cost 0; a
+  model genai-prices does not know is NaN, with one ``UnknownPriceWarning`` naming it per process.
+  ``jobs().cost_usd`` is the sum of its calls (0 for a job without calls) and **NaN when any of its calls
+  is unpriced** — a partial sum would pass for a total.
+* ``scores()`` has one row per ``score`` event, oldest first: ``value`` is the scorer's result as it
+  returned it (``bool``, ``int``, ``float``, ``str``; ``None`` when it raised, with ``error`` saying why),
+  ``ts`` when it was recorded, and ``latest`` is True for the newest score of each name of a job (re-scoring
+  adds rows, it does not erase).  Score events are not calls, messages or tool calls: the other frames
+  ignore them.
 * ``movements().iterations`` is the run's LLM call number reached: a call that failed (the job
   failed with it) counts, so it can exceed ``llm_calls`` by one; a run paused mid-way counts its calls so far.
 * ``usage()`` has one row per LLM call (``llm_response`` event).  ``call`` numbers the

@@ -48,8 +48,8 @@ from ..events import (
     LLMResponse,
     MovementStart,
     Reminder,
-    ToolCallEvent,
     ScoreEvent,
+    ToolCallEvent,
     ToolResult,
     Transition,
 )
