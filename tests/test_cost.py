@@ -108,8 +108,9 @@ def test_a_known_model_is_priced_per_call_from_the_bundled_data(ws: Workspace, s
 
 def test_each_call_is_priced_at_its_own_time(ws: Workspace, server: OpenAIServer,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """o3's price fell on 2025-06-10: the same calls cost 5x more before; a tiered model (gpt-5.6-luna)
-    is priced call by call, and its job's total is still the sum of its calls."""
+    """o3's price fell on 2025-06-10: the same calls cost 5x more before, and a job running over that
+    midnight pays both prices; a tiered model (gpt-5.6-luna) is priced call by call; each job's total is
+    the sum of its calls."""
     real_time = time.time
     jobs = {}
     for label, day in (("before", datetime(2025, 6, 1, 12, tzinfo=timezone.utc)),
@@ -117,6 +118,11 @@ def test_each_call_is_priced_at_its_own_time(ws: Workspace, server: OpenAIServer
         shift = day.timestamp() - real_time()
         monkeypatch.setattr(time, "time", lambda shift=shift: real_time() + shift)
         jobs[label] = _openai_job(ws, server, "openai:o3")
+    # a job whose calls cross midnight into the day of the new price: each clock reading is an hour later
+    hours = iter(range(10_000))
+    start = datetime(2025, 6, 9, 10, tzinfo=timezone.utc).timestamp()  # calls ≈ 21:00, 02:00, 07:00
+    monkeypatch.setattr(time, "time", lambda: start + 3600 * next(hours))
+    jobs["over midnight"] = _openai_job(ws, server, "openai:o3")
     monkeypatch.setattr(time, "time", real_time)
     jobs["tiered"] = _openai_job(ws, server, "openai:gpt-5.6-luna", usage=[(300_000, 100), (1000, 50)])
     table = ws.frames.jobs().set_index("job")
@@ -126,6 +132,8 @@ def test_each_call_is_priced_at_its_own_time(ws: Workspace, server: OpenAIServer
         assert ws.frames.usage(job)["cost_usd"].tolist() == pytest.approx(expected, rel=1e-12), label
         assert table.loc[job.id, "cost_usd"] == pytest.approx(sum(expected), rel=1e-12), label
     assert table.loc[jobs["before"].id, "cost_usd"] == pytest.approx(5 * table.loc[jobs["after"].id, "cost_usd"])
+    midnight = ws.frames.usage(jobs["over midnight"])
+    assert midnight["timestamp"].dt.date.nunique() > 1 and midnight["cost_usd"].nunique() > 1
     # all jobs at once: the same prices as one by one
     every = ws.frames.usage()
     assert every.groupby("job")["cost_usd"].sum().to_dict() == pytest.approx(table["cost_usd"].to_dict())

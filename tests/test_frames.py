@@ -297,7 +297,7 @@ def test_frame_queries_reach_events_through_indexes(store: tuple[Workspace, dict
     finally:
         ws.store.conn.set_trace_callback(None)
     statements = [s for s in seen if "FROM events" in s]
-    assert len(statements) == 8  # one query per frame; jobs() a second one, its calls' token sums per day
+    assert len(statements) == 7  # one query per frame
     events_aliases = {"e", "c", "t", "r", "x", "events"}
     for sql in statements:
         plan = [row[3] for row in ws.store.conn.execute("EXPLAIN QUERY PLAN " + sql)]

@@ -12,7 +12,7 @@ a name genai-prices does not know costs NA (``None``, NaN in arrays), with one
 
 :func:`cost_array` is the vectorised form the DataFrame views use: rates are looked up once per model
 and day (per call only for the rare tiered or time-of-day prices), then applied with numpy;
-:func:`summed_costs` prices a job's calls of one day from their token sums (``frames.jobs``).
+:func:`summed_costs` prices calls made on one day from their token sums (``frames.jobs``).
 """
 
 from __future__ import annotations

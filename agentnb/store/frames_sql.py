@@ -70,10 +70,9 @@ SELECT e.job_id AS job, e.movement_seq AS seq, m.name AS movement, e.iteration, 
        {_jx('e', LLMResponse, 'usage.window')} AS window,
        {_jx('e', LLMResponse, 'usage.ratio')} AS ratio,
        ca.rank AS action, ca.actions, tr.next_step AS transition, tr.forced,
-       {_jx('e', LLMResponse, 'latency_s')} AS latency_s, j.model AS model
+       {_jx('e', LLMResponse, 'latency_s')} AS latency_s
 FROM events e
 LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq
-LEFT JOIN jobs j ON j.id = e.job_id
 LEFT JOIN ca ON ca.job_id = e.job_id AND ca.movement_seq = e.movement_seq AND ca.iteration = e.iteration
 LEFT JOIN tr ON tr.job_id = e.job_id AND tr.movement_seq = e.movement_seq AND tr.iteration = e.iteration
 WHERE e.kind = 'llm_response'{{job_e}}
@@ -90,32 +89,26 @@ SELECT j.id AS job, j.parent_id AS parent, j.batch, j.batch_case AS "case", j.pi
        COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio,
        j.created, j.started, j.ended, j.error, j.id AS id,
        (SELECT {_jx('s', JobStatusEvent, 'reason')} FROM events s WHERE s.kind = 'job_status' AND s.job_id = j.id
-        ORDER BY s.id DESC LIMIT 1) AS status_reason
+        ORDER BY s.id DESC LIMIT 1) AS status_reason, a.first_day, a.last_day
 FROM jobs j
 LEFT JOIN (
     SELECT e.job_id, COUNT(*) AS llm_calls,
            SUM({_jx('e', LLMResponse, 'usage.prompt_tokens')}) AS prompt_tokens,
            SUM({_jx('e', LLMResponse, 'usage.completion_tokens')}) AS completion_tokens,
            SUM({_jx('e', LLMResponse, 'usage.total_tokens')}) AS total_tokens,
-           MAX({_jx('e', LLMResponse, 'usage.ratio')}) AS peak_ratio
+           MAX({_jx('e', LLMResponse, 'usage.ratio')}) AS peak_ratio,
+           CAST(MIN(e.ts) / 86400 AS INTEGER) * 86400 AS first_day, CAST(MAX(e.ts) / 86400 AS INTEGER) * 86400 AS last_day
     FROM events e WHERE e.kind = 'llm_response'
     GROUP BY e.job_id
 ) a ON a.job_id = j.id
 ORDER BY j.id
 """
 
-# What the jobs' cost is computed from (priced by views/frames.py with each job's model): token sums per
-# job and UTC day (a price is fixed for a day), and, for the rare model whose price is not linear in the
-# sums (tiered by prompt size, or by time of day), its jobs' calls one by one.  Both come off events_kind.
-_JOB_COSTS_SQL = f"""
-SELECT e.job_id AS job, CAST(e.ts / 86400 AS INTEGER) * 86400 AS day, COUNT(*) AS calls,
-       SUM({_jx('e', LLMResponse, 'usage.prompt_tokens')}) AS prompt_tokens,
-       SUM({_jx('e', LLMResponse, 'usage.completion_tokens')}) AS completion_tokens,
-       SUM({_jx('e', LLMResponse, 'usage.prompt_tokens')} IS NULL
-           OR {_jx('e', LLMResponse, 'usage.completion_tokens')} IS NULL) AS uncounted
-FROM events e WHERE e.kind = 'llm_response'
-GROUP BY e.job_id, day
-"""
+# The jobs' cost (priced by views/frames.py): the jobs query gives each job's token sums and the UTC days of its
+# first and last call, enough for a job whose calls all fell on one day (a price holds for a day); the calls of
+# the rare others (over midnight, or a model priced call by call: tiered, time of day) are read one job at a
+# time.  ``job_models`` is each job's model spec, for pricing the usage rows without a join per call.
+_JOB_MODELS_SQL = "SELECT j.id AS job, j.model FROM jobs j {where_j}"
 
 _CALL_COSTS_SQL = f"""
 SELECT e.job_id AS job, e.ts AS ts,
@@ -221,7 +214,7 @@ FRAME_SQL: dict[FrameQuery, tuple[str, tuple[str, ...]]] = {
     "tool_calls": (_TOOL_CALLS_SQL, ("e",)),
     "usage": (_USAGE_SQL, ("e", "c", "t")),
     "context_actions": (_CONTEXT_ACTIONS_SQL, ("e",)),
-    "job_costs": (_JOB_COSTS_SQL, ()),
+    "job_models": (_JOB_MODELS_SQL, ("j",)),
     "call_costs": (_CALL_COSTS_SQL, ("e",)),
     "scores": (_SCORES_SQL, ("e",)),
 }

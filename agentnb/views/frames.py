@@ -245,37 +245,40 @@ class Frames:
     def _query(self, frame: FrameQuery, job_id: int | None, spec: _Spec) -> pd.DataFrame:
         return _typed(self._raw(frame, job_id), spec)
 
-    def _job_costs(self, models: pd.Series) -> pd.Series:
-        """Each job's cost in US dollars (``models``: job id → model spec): its calls' sum, NaN when any is unpriced.
+    def _models(self, job_id: int | None) -> dict[int, str]:
+        """Job id → model spec (of one job, or of every job)."""
+        return {int(job): str(model) for job, model in self.store.frame_rows("job_models", job_id)[1]}
 
-        Priced from token sums per job and day (one small query); only jobs of a model whose price is not
-        linear in the sums (tiered, time of day) are read again call by call.
+    def _job_costs(self, raw: pd.DataFrame) -> np.ndarray:
+        """Each job's cost in US dollars from the jobs query's rows: its calls' sum, NaN when any is unpriced.
+
+        A job whose calls all fell on one UTC day is priced from its token sums (a price holds for a day);
+        the others (calls over midnight, or a model priced call by call) are read again call by call.
         """
-        sums = self._raw("job_costs", None)
-        if sums.empty:
-            return pd.Series(0.0, index=models.index, dtype="float64")
-        specs = sums["job"].map(models).fillna("").to_numpy(dtype=object)
-        costs, exact = summed_costs(specs, sums["calls"], pd.to_numeric(sums["prompt_tokens"]),
-                                    pd.to_numeric(sums["completion_tokens"]), sums["day"])
-        costs[pd.to_numeric(sums["uncounted"]).to_numpy() > 0] = float("nan")
-        for job_id in sums.loc[~exact, "job"].unique():
-            calls = self._raw("call_costs", int(job_id))
-            per_call = cost_array([models[job_id]] * len(calls), pd.to_numeric(calls["prompt_tokens"]),
-                                  pd.to_numeric(calls["completion_tokens"]), pd.to_numeric(calls["ts"]))
-            rows = (sums["job"] == job_id).to_numpy()
-            costs[rows] = 0.0
-            costs[np.flatnonzero(rows)[0]] = per_call.sum()  # NaN when any call is unpriced
-        # a sum with a NaN in it is NaN: a job with one unpriced call has no total
-        per_job = pd.Series(costs, index=sums["job"]).groupby(level=0).sum(min_count=1)
-        per_job[pd.Series(np.isnan(costs), index=sums["job"]).groupby(level=0).any()] = float("nan")
-        return per_job.reindex(models.index, fill_value=0.0).astype("float64")
+        calls = pd.to_numeric(raw["llm_calls"]).to_numpy(dtype="float64")
+        first = pd.to_numeric(raw["first_day"]).to_numpy(dtype="float64")
+        last = pd.to_numeric(raw["last_day"]).to_numpy(dtype="float64")
+        specs = raw["model"].to_numpy(dtype=object)
+        costs = np.zeros(len(raw))  # no call, no cost (whatever the model: an unknown one is not warned about)
+        exact = np.ones(len(raw), dtype=bool)
+        made = calls > 0
+        costs[made], exact[made] = summed_costs(
+            specs[made], calls[made], pd.to_numeric(raw["prompt_tokens"]).to_numpy()[made],
+            pd.to_numeric(raw["completion_tokens"]).to_numpy()[made], first[made])
+        ids = raw["job"].to_numpy()
+        for i in np.flatnonzero(made & (~exact | (first != last))):
+            rows = self._raw("call_costs", int(ids[i]))
+            per_call = cost_array([specs[i]] * len(rows), pd.to_numeric(rows["prompt_tokens"]),
+                                  pd.to_numeric(rows["completion_tokens"]), pd.to_numeric(rows["ts"]))
+            costs[i] = per_call.sum()  # NaN when any call is unpriced: a partial sum would pass for a total
+        return costs
 
     # -- frames -------------------------------------------------------------------
     def jobs(self) -> pd.DataFrame:
         """One row per job: what ran, its status, and its totals."""
-        df = self._query("jobs", None, {k: v for k, v in _JOBS.items() if k != "cost_usd"} | {"status_reason": "str"})
-        models = pd.Series(df["model"].astype(object).to_numpy(), index=df["job"].to_numpy())
-        df.insert(COLUMNS["jobs"].index("cost_usd"), "cost_usd", self._job_costs(models).to_numpy())
+        raw = self._raw("jobs", None)
+        df = _typed(raw, {k: v for k, v in _JOBS.items() if k != "cost_usd"} | {"status_reason": "str"})
+        df.insert(COLUMNS["jobs"].index("cost_usd"), "cost_usd", self._job_costs(raw))
         reasons = df.pop("status_reason").astype(object)
         df["display_status"] = pd.Series([display_status(s, r) for s, r in zip(df["status"].astype(object), reasons, strict=True)],
                                          index=df.index, dtype=_JOBS["display_status"])
@@ -302,8 +305,9 @@ class Frames:
         spec = {k: v for k, v in _USAGE.items() if k not in ("call", "cumulative_tokens", "cost_usd")}
         raw = self._raw("usage", job_id)
         # priced before typing: the raw epoch seconds and counts go straight to numpy
-        cost = cost_array(raw["model"].to_numpy(dtype=object), pd.to_numeric(raw["prompt_tokens"]),
-                          pd.to_numeric(raw["completion_tokens"]), pd.to_numeric(raw["timestamp"]))
+        specs = raw["job"].map(self._models(job_id)).to_numpy(dtype=object)
+        cost = cost_array(specs, pd.to_numeric(raw["prompt_tokens"]), pd.to_numeric(raw["completion_tokens"]),
+                          pd.to_numeric(raw["timestamp"]))
         df = _typed(raw, {**spec, "action": "Int"})
         # rows are in (job, id) order: numbering and running sums are vectorised, per job
         by_job = df.groupby("job", sort=False)
