@@ -275,7 +275,11 @@ class Frames:
 
     # -- frames -------------------------------------------------------------------
     def jobs(self) -> pd.DataFrame:
-        """One row per job: what ran, its status, and its totals."""
+        """One row per job: what ran (its batch and case when it is part of one), its status, and its totals.
+
+        ``cost_usd`` is the sum of the prices of the job's calls in US dollars (0 without calls) and NaN when
+        any of its calls has no price (a model genai-prices does not know): a partial sum is not a total.
+        """
         raw = self._raw("jobs", None)
         df = _typed(raw, {k: v for k, v in _JOBS.items() if k != "cost_usd"} | {"status_reason": "str"})
         df.insert(COLUMNS["jobs"].index("cost_usd"), "cost_usd", self._job_costs(raw))
@@ -300,7 +304,8 @@ class Frames:
         return self._query("tool_calls", self._job(job), _TOOL_CALLS)
 
     def usage(self, job: JobArg | None = None) -> pd.DataFrame:
-        """One row per LLM call of ``job`` (every job when ``None``), with the actions it fired."""
+        """One row per LLM call of ``job`` (every job when ``None``), with the actions it fired and its price
+        (``cost_usd``, US dollars at the time of the call; NaN when the model has no price)."""
         job_id = self._job(job)
         spec = {k: v for k, v in _USAGE.items() if k not in ("call", "cumulative_tokens", "cost_usd")}
         raw = self._raw("usage", job_id)
