@@ -5,7 +5,8 @@ events (plus the ``llm_request``, ``tool_call``, ``tool_result``, ``context_acti
 ``movement_start``, ``transition``, ``lesson`` and ``job_status`` events around them,
 in the shapes the engine writes), then times
 
-* ``ws.frames.usage()`` (every job), ``ws.frames.usage(job)`` (one job) and ``ws.frames.jobs()``
+* ``ws.frames.usage()`` (every job), ``ws.frames.usage(job)`` (one job) and ``ws.frames.jobs()``,
+  and, on its own, the pricing behind their ``cost_usd`` column (``prices.cost_array`` on 100,000 calls)
 
 against two baselines:
 
@@ -35,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agentnb import Workspace
 from agentnb.engine.pieces import DEFAULT_THRESHOLDS, load_piece
 from agentnb.events import event_from_row
+from agentnb.models.prices import cost_array
 
 MOVEMENTS = ("plan", "implement", "verify", "implement")
 TOOLS = ("Read", "Grep", "Glob", "Write")
@@ -160,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         t_jobs, jobs = best(lambda: ws.frames.jobs(), args.repeat)
         assert len(usage) == n_calls and int(jobs["llm_calls"].sum()) == n_calls
         assert int(jobs["total_tokens"].sum()) == int(usage["total_tokens"].sum())
+        # the cost column on its own: pricing every call (grouped by model and day) from the frame's columns
+        specs = usage["job"].map(jobs.set_index("job")["model"].astype(object)).to_numpy(dtype=object)
+        epoch = usage["timestamp"].to_numpy(dtype="datetime64[ns]").astype("int64") / 1e9
+        t_cost, cost = best(lambda: cost_array(specs, usage["prompt_tokens"], usage["completion_tokens"], epoch),
+                            args.repeat)
+        assert np.allclose(usage["cost_usd"].to_numpy(), cost, rtol=1e-12, atol=0)
+        assert np.isclose(jobs["cost_usd"].sum(), usage["cost_usd"].sum(), rtol=1e-9)
 
         print(f"\n{'':34}{'wall s':>8}{'cpu s':>8}   ratio to read_sql(events) / read_sql(llm rows)")
         print(f"{'':34}{'':16}   {'wall':>8}{'cpu':>7}   {'wall':>8}{'cpu':>7}")
@@ -167,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                               ("read_sql: llm_response rows", t_llm),
                               ("frames.usage()   (every job)", t_usage),
                               (f"frames.usage({middle})  ({len(one)} rows)", t_one),
-                              ("frames.jobs()", t_jobs)):
+                              ("frames.jobs()", t_jobs),
+                              ("  cost_usd alone (cost_array)", t_cost)):
             print(f"{label:34}{w:8.3f}{c:8.3f}   {w / t_all[0]:8.2f}{c / t_all[1]:7.2f}   "
                   f"{w / t_llm[0]:8.2f}{c / t_llm[1]:7.2f}")
         return 0

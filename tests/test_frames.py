@@ -53,7 +53,7 @@ def _cat(s: pd.Series) -> bool:
 
 
 EXPECTED = {
-    "jobs": {"job": _int, "parent": _nint, "piece": _text, "status": _cat, "movements": _int, "llm_calls": _int,
+    "jobs": {"job": _int, "parent": _nint, "batch": _text, "case": _nint, "cost_usd": pt.is_float_dtype, "piece": _text, "status": _cat, "movements": _int, "llm_calls": _int,
              "tool_calls": _int, "prompt_tokens": _int, "completion_tokens": _int, "total_tokens": _int,
              "peak_ratio": pt.is_float_dtype, "created": _time, "started": _time, "ended": _time, "error": _text},
     "movements": {"job": _int, "seq": _int, "movement": _text, "status": _cat, "started": _time, "ended": _time,
@@ -68,11 +68,13 @@ EXPECTED = {
               "prompt_tokens": _int, "completion_tokens": _int, "total_tokens": _int, "cumulative_tokens": _int,
               "source": _cat, "window": _int, "ratio": pt.is_float_dtype,
               "action": lambda s: s.dtype == ACTION_DTYPE, "actions": _text, "transition": _text,
-              "forced": lambda s: s.dtype == "boolean", "latency_s": pt.is_float_dtype},
+              "forced": lambda s: s.dtype == "boolean", "latency_s": pt.is_float_dtype, "cost_usd": pt.is_float_dtype},
     "lessons": {"job": _int, "movement": _text, "seq": _nint, "lessons": _text, "summary": _text,
                 "timestamp": _time},
     "context_actions": {"job": _int, "timestamp": _time, "action": lambda s: s.dtype == ACTION_DTYPE,
                         "ratio": pt.is_float_dtype, "tokens": _int, "window": _int, "threshold": pt.is_float_dtype},
+    "scores": {"job": _int, "batch": _text, "case": _nint, "name": _text, "value": pt.is_object_dtype,
+               "error": _text, "ts": _time, "latest": pt.is_bool_dtype},
 }
 
 
@@ -290,12 +292,12 @@ def test_frame_queries_reach_events_through_indexes(store: tuple[Workspace, dict
     ws.store.conn.set_trace_callback(seen.append)  # statements arrive with their parameters bound
     try:
         ws.frames.jobs()
-        for name in ("movements", "messages", "tool_calls", "usage", "context_actions"):
+        for name in ("movements", "messages", "tool_calls", "usage", "context_actions", "scores"):
             getattr(ws.frames, name)(jobs["usage"])
     finally:
         ws.store.conn.set_trace_callback(None)
     statements = [s for s in seen if "FROM events" in s]
-    assert len(statements) == 6  # one query per frame
+    assert len(statements) == 7  # one query per frame
     events_aliases = {"e", "c", "t", "r", "x", "events"}
     for sql in statements:
         plan = [row[3] for row in ws.store.conn.execute("EXPLAIN QUERY PLAN " + sql)]

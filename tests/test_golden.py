@@ -1,7 +1,10 @@
 """Characterisation: every golden case, built again, shows a user exactly what tests/golden/<case>.json holds.
 
-The files were written by ``python tests/_golden.py --write`` from the code before the redesign of issue 13;
-a difference is a change a user would see (or a volatile value the harness should have masked).
+The files were written by ``python tests/_golden.py --write`` from the code before the redesign of issue 13,
+and re-recorded once for issue 14 with nothing but its additions (``cost_usd`` in ``frames.usage`` and
+``frames.jobs``, ``batch``/``case`` in ``frames.jobs``, the cost in the job header) — checked by stripping
+those from the new files and finding the old ones byte for byte; a difference is a change a user would
+see (or a volatile value the harness should have masked).
 """
 
 from __future__ import annotations

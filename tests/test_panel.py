@@ -37,7 +37,7 @@ def test_run_from_the_panel_shows_job_progress_and_context(ws: Workspace) -> Non
     assert job is not None and job.status == "succeeded" and job.instruction == "Summarise the <inputs>"
     assert panel.instruction.value == ""
     tokens = sum(e.payload["usage"]["total_tokens"] for e in ws.events(job, kinds=["llm_response"]))
-    assert panel.jobs.options == ((f"#{job.id} · succeeded · plan-implement-verify · {tokens:,} tokens", job.id),)
+    assert panel.jobs.options == ((f"#{job.id} · succeeded · plan-implement-verify · {tokens:,} tokens · $0", job.id),)
     assert (panel.movements.value, panel.movements.max) == (3, 12)
     assert panel.movements_label.value == "3 of 12 movements"
     # the context bar shows the newest movement's last ratio and the piece's threshold marks
@@ -232,7 +232,7 @@ def test_stop_pauses_the_job_the_panel_runs_not_the_selected_one(ws: Workspace, 
     # the stale "will pause" note is replaced by what happened
     assert re.fullmatch(f'<div style="[^"]*">job {slow} is paused \\(Stop\\); Run or Step continues it</div>',
                         panel.message.value), panel.message.value
-    assert _label(panel, slow) == f"#{slow} · paused · gated · {_tokens(ws, slow):,} tokens"
+    assert _label(panel, slow) == f"#{slow} · paused · gated · {_tokens(ws, slow):,} tokens · $0"
     # Run on the paused job continues it to its end
     panel.jobs.value = slow
     panel.run_button.click()
@@ -334,13 +334,13 @@ def test_list_and_view_follow_a_running_job_live(ws: Workspace, gate: Gate, pane
     # the list says what the view says: running, with the tokens of the calls recorded so far (the third
     # call's response is committed before its tool runs)
     _until(lambda: "3 LLM calls" in panel.view.value, "the view to show the calls so far")
-    _until(lambda: _label(panel, job_id) == f"▶ #{job_id} · running · gated · {_tokens(ws, job_id):,} tokens",
+    _until(lambda: _label(panel, job_id) == f"▶ #{job_id} · running · gated · {_tokens(ws, job_id):,} tokens · $0",
            "the list to follow the job")
     assert _tokens(ws, job_id) > 0
     assert "running</span>" in panel.view.value
     gate.open.set()
     panel.wait(60)
-    assert _label(panel, job_id) == f"#{job_id} · succeeded · gated · {_tokens(ws, job_id):,} tokens"
+    assert _label(panel, job_id) == f"#{job_id} · succeeded · gated · {_tokens(ws, job_id):,} tokens · $0"
 
 
 def test_list_shows_jobs_run_outside_the_panel(ws: Workspace, panels: Panels) -> None:

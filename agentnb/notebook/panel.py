@@ -1,6 +1,6 @@
 """The ``%agent panel`` widget: pick, run, step, stop and answer jobs, and watch them live.
 
-Layout (top to bottom): the job list (status as shown, piece, tokens) with Refresh; the
+Layout (top to bottom): the job list (status as shown, piece, tokens, cost in US dollars) with Refresh; the
 piece and model chooser with the instruction box and the Run / Step / Step call / Stop
 buttons; the reply box (enabled only when the selected job waits for a human); a progress
 bar of movements run against the piece's ``max_movements``; a context-usage bar of the
@@ -26,6 +26,7 @@ job's header.  A live panel hides its own snapshot.
 from __future__ import annotations
 
 import html
+import math
 import os
 import re
 import threading
@@ -38,6 +39,7 @@ import ipywidgets as w
 
 from ..engine.pieces import DEFAULT_THRESHOLDS, Piece, available_pieces
 from ..errors import AgentnbError, UsageError
+from ..models.prices import dollars
 from ..views.render import header_html, job_html, job_stats
 from ..views.status import PAUSED, display_status, last_status_reason
 from ..views.style import ACTION_COLOURS, ACTIONS, ERROR_COLOUR, OK_COLOUR
@@ -248,9 +250,9 @@ class Panel(w.VBox):
             frame = self.ws.frames.jobs()
             self._any_running = bool((frame["status"] == "running").any()) if len(frame) else False
             target = self._target
-            rows = frame[["job", "display_status", "piece", "total_tokens"]].to_dict("records")
+            rows = frame[["job", "display_status", "piece", "total_tokens", "cost_usd"]].to_dict("records")
             options = [(f"{'▶ ' if int(r['job']) == target else ''}#{r['job']} · {r['display_status']} · {r['piece']} · "
-                        f"{int(r['total_tokens']):,} tokens", int(r["job"]))
+                        f"{int(r['total_tokens']):,} tokens · {_cost(r['cost_usd'])}", int(r["job"]))
                        for r in rows]
             if options != list(self.jobs.options):
                 # New options make Select pick the first job: put the selection back in the same message to
@@ -533,6 +535,11 @@ class Panel(w.VBox):
         self._fallback_sent, self._fallback_at = bundle["text/html"], now
         for handle in self._fallbacks:
             handle.update(bundle, raw=True)
+
+
+def _cost(cost: float) -> str:
+    """A job's cost in the list: ``$0.0123``, or ``cost unknown`` when a call has no price (NaN)."""
+    return "cost unknown" if math.isnan(cost) else dollars(cost)
 
 
 def _set(button: w.Button, enabled: bool, style: str = "") -> None:

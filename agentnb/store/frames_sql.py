@@ -15,6 +15,7 @@ from ..events import (
     MovementStart,
     RecordedToolCall,
     Reminder,
+    ScoreEvent,
     ToolCallEvent,
     ToolResult,
     Transition,
@@ -79,7 +80,7 @@ ORDER BY e.job_id, e.id
 """
 
 _JOBS_SQL = f"""
-SELECT j.id AS job, j.parent_id AS parent, j.piece, j.model, j.status, {instruction_sql('j')} AS instruction,
+SELECT j.id AS job, j.parent_id AS parent, j.batch, j.batch_case AS "case", j.piece, j.model, j.status, {instruction_sql('j')} AS instruction,
        j.current_movement,
        (SELECT COUNT(*) FROM movements mv WHERE mv.job_id = j.id) AS movements,
        COALESCE(a.llm_calls, 0) AS llm_calls,
@@ -88,18 +89,32 @@ SELECT j.id AS job, j.parent_id AS parent, j.piece, j.model, j.status, {instruct
        COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio,
        j.created, j.started, j.ended, j.error, j.id AS id,
        (SELECT {_jx('s', JobStatusEvent, 'reason')} FROM events s WHERE s.kind = 'job_status' AND s.job_id = j.id
-        ORDER BY s.id DESC LIMIT 1) AS status_reason
+        ORDER BY s.id DESC LIMIT 1) AS status_reason, a.first_day, a.last_day
 FROM jobs j
 LEFT JOIN (
     SELECT e.job_id, COUNT(*) AS llm_calls,
            SUM({_jx('e', LLMResponse, 'usage.prompt_tokens')}) AS prompt_tokens,
            SUM({_jx('e', LLMResponse, 'usage.completion_tokens')}) AS completion_tokens,
            SUM({_jx('e', LLMResponse, 'usage.total_tokens')}) AS total_tokens,
-           MAX({_jx('e', LLMResponse, 'usage.ratio')}) AS peak_ratio
+           MAX({_jx('e', LLMResponse, 'usage.ratio')}) AS peak_ratio,
+           CAST(MIN(e.ts) / 86400 AS INTEGER) * 86400 AS first_day, CAST(MAX(e.ts) / 86400 AS INTEGER) * 86400 AS last_day
     FROM events e WHERE e.kind = 'llm_response'
     GROUP BY e.job_id
 ) a ON a.job_id = j.id
 ORDER BY j.id
+"""
+
+# The jobs' cost (priced by views/frames.py): the jobs query gives each job's token sums and the UTC days of its
+# first and last call, enough for a job whose calls all fell on one day (a price holds for a day); the calls of
+# the rare others (over midnight, or a model priced call by call: tiered, time of day) are read one job at a
+# time.  ``job_models`` is each job's model spec, for pricing the usage rows without a join per call.
+_JOB_MODELS_SQL = "SELECT j.id AS job, j.model FROM jobs j {where_j}"
+
+_CALL_COSTS_SQL = f"""
+SELECT e.job_id AS job, e.ts AS ts,
+       {_jx('e', LLMResponse, 'usage.prompt_tokens')} AS prompt_tokens,
+       {_jx('e', LLMResponse, 'usage.completion_tokens')} AS completion_tokens
+FROM events e WHERE e.kind = 'llm_response'{{job_e}}
 """
 
 _MOVEMENTS_SQL = f"""
@@ -172,6 +187,16 @@ WHERE e.kind = 'tool_call'{{job_e}}
 ORDER BY e.job_id, e.id
 """
 
+# value as JSON text (``->``): json_extract would give true/false as 1/0, and pandas would make 3 a float
+_SCORES_SQL = f"""
+SELECT e.job_id AS job, j.batch, j.batch_case AS "case", {_jx('e', ScoreEvent, 'name')} AS name,
+       e.payload -> '{payload_path(ScoreEvent, 'value')}' AS value,
+       {_jx('e', ScoreEvent, 'error')} AS error, e.ts AS ts, e.id AS event_id
+FROM events e LEFT JOIN jobs j ON j.id = e.job_id
+WHERE e.kind = 'score'{{job_e}}
+ORDER BY e.job_id, e.id
+"""
+
 _CONTEXT_ACTIONS_SQL = f"""
 SELECT {_EVENT_HEAD}, {_jx('e', ContextAction, 'action')} AS action, {_jx('e', ContextAction, 'ratio')} AS ratio,
        {_jx('e', ContextAction, 'tokens')} AS tokens, {_jx('e', ContextAction, 'window')} AS window, {_jx('e', ContextAction, 'threshold')} AS threshold
@@ -189,4 +214,7 @@ FRAME_SQL: dict[FrameQuery, tuple[str, tuple[str, ...]]] = {
     "tool_calls": (_TOOL_CALLS_SQL, ("e",)),
     "usage": (_USAGE_SQL, ("e", "c", "t")),
     "context_actions": (_CONTEXT_ACTIONS_SQL, ("e",)),
+    "job_models": (_JOB_MODELS_SQL, ("j",)),
+    "call_costs": (_CALL_COSTS_SQL, ("e",)),
+    "scores": (_SCORES_SQL, ("e",)),
 }

@@ -19,9 +19,9 @@ Conventions shared by all frames:
 =================== ===========================================================================
 frame               columns
 =================== ===========================================================================
-``jobs()``          job, parent, piece, model, status, instruction, current_movement, movements,
-                    llm_calls, tool_calls, prompt_tokens, completion_tokens, total_tokens,
-                    peak_ratio, created, started, ended, error, display_status, id
+``jobs()``          job, parent, batch, case, piece, model, status, instruction, current_movement,
+                    movements, llm_calls, tool_calls, prompt_tokens, completion_tokens, total_tokens,
+                    cost_usd, peak_ratio, created, started, ended, error, display_status, id
 ``movements(job)``  job, seq, movement, status, started, ended, iterations, llm_calls, tool_calls,
                     prompt_tokens, completion_tokens, total_tokens, peak_ratio, actions,
                     next_step, forced, summary, name, tokens
@@ -30,11 +30,12 @@ frame               columns
 ``tool_calls(job)`` job, event_id, seq, movement, iteration, timestamp, tool, call_id, arguments,
                     is_error, truncated, original_chars, returned_chars, duration, result
 ``usage(job)``      job, call, seq, movement, iteration, timestamp, prompt_tokens,
-                    completion_tokens, total_tokens, cumulative_tokens, source, window, ratio,
-                    action, actions, transition, forced, latency_s
+                    completion_tokens, total_tokens, cumulative_tokens, cost_usd, source, window,
+                    ratio, action, actions, transition, forced, latency_s
 ``lessons(job)``    job, movement, seq, lessons, summary, timestamp
 ``context_actions`` job, event_id, seq, movement, iteration, timestamp, action, ratio, tokens,
                     window, threshold
+``scores(job)``     job, batch, case, name, value, error, ts, latest
 =================== ===========================================================================
 
 The issue that specified these frames (and users) call some columns by other names; both work:
@@ -59,6 +60,20 @@ Details:
   context ratio seen (NaN before the first call).  ``display_status`` is ``status`` as the
   views show it: ``paused`` for a queued job that was stopped or stepped part-way
   (``agentnb._status.display_status``).
+* ``jobs().batch`` / ``case`` name the batch a job belongs to and its case index (NA outside a batch;
+  ``case`` is nullable ``Int64``).
+* ``cost_usd`` is in US dollars, ``float64`` with **NaN** (not pandas' NA) where the price is unknown,
+  so it sums, plots and divides like any float column.  ``usage()`` prices each call by its job's model
+  spec at the time the call was made (prices change over time) from genai-prices' bundled data, never
+  downloaded (``agentnb.models.prices``); offline models (``demo``, ``scripted:``, ``replay:``) cost 0; a
+  model genai-prices does not know is NaN, with one ``UnknownPriceWarning`` naming it per process.
+  ``jobs().cost_usd`` is the sum of its calls (0 for a job without calls) and **NaN when any of its calls
+  is unpriced** — a partial sum would pass for a total.
+* ``scores()`` has one row per ``score`` event, oldest first: ``value`` is the scorer's result as it
+  returned it (``bool``, ``int``, ``float``, ``str``; ``None`` when it raised, with ``error`` saying why),
+  ``ts`` when it was recorded, and ``latest`` is True for the newest score of each name of a job (re-scoring
+  adds rows, it does not erase).  Score events are not calls, messages or tool calls: the other frames
+  ignore them.
 * ``movements().iterations`` is the run's LLM call number reached: a call that failed (the job
   failed with it) counts, so it can exceed ``llm_calls`` by one; a run paused mid-way counts its calls so far.
 * ``usage()`` has one row per LLM call (``llm_response`` event).  ``call`` numbers the
@@ -90,6 +105,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import pandas as pd
 
 from ..engine.context import job_thresholds
@@ -97,6 +113,7 @@ from ..events import (
     ACTIONS,
     ContextAction,
     LLMResponse,
+    ScoreEvent,
     ToolCallEvent,
     ToolResult,
     Transition,
@@ -104,6 +121,7 @@ from ..events import (
     UsageSource,
     payload_path,
 )
+from ..models.prices import cost_array, summed_costs
 from ..store.base import JOB_STATES, FrameQuery, Store
 from ..tools.base import ToolError, unlinked_path
 from .status import DISPLAY_STATES, display_status
@@ -144,9 +162,9 @@ def _fields(cls: type, **dtypes: Any) -> dict[str, Any]:
 
 
 _JOBS: _Spec = {
-    "job": "int", "parent": "Int", "piece": "str", "model": "str", "status": _STATUS, "instruction": "str",
-    "current_movement": "str", "movements": "int", "llm_calls": "int", "tool_calls": "int",
-    "prompt_tokens": "int", "completion_tokens": "int", "total_tokens": "int", "peak_ratio": "float",
+    "job": "int", "parent": "Int", "batch": "str", "case": "Int", "piece": "str", "model": "str", "status": _STATUS,
+    "instruction": "str", "current_movement": "str", "movements": "int", "llm_calls": "int", "tool_calls": "int",
+    "prompt_tokens": "int", "completion_tokens": "int", "total_tokens": "int", "cost_usd": "float", "peak_ratio": "float",
     "created": "time", "started": "time", "ended": "time", "error": "str",
     "display_status": pd.CategoricalDtype(list(DISPLAY_STATES)), "id": "int",
 }
@@ -169,6 +187,7 @@ _TOOL_CALLS: _Spec = {
 _USAGE: _Spec = {
     "job": "int", "call": "int", "seq": "int", "movement": "str", "iteration": "int", "timestamp": "time",
     **_fields(Usage, prompt_tokens="int", completion_tokens="int", total_tokens="int"), "cumulative_tokens": "int",
+    "cost_usd": "float",
     **_fields(Usage, source=_SOURCE, window="int", ratio="float"), "action": ACTION_DTYPE, "actions": "str",
     "transition": "str", "forced": "boolean", **_fields(LLMResponse, latency_s="float"),
 }
@@ -180,10 +199,15 @@ _CONTEXT_ACTIONS: _Spec = {
     **_fields(ContextAction, action=ACTION_DTYPE, ratio="float", tokens="int", window="int", threshold="float"),
 }
 
+_SCORES: _Spec = {
+    "job": "int", "batch": "str", "case": "Int", **_fields(ScoreEvent, name="str", value="object", error="str"),
+    "ts": "time", "latest": "bool",
+}
+
 COLUMNS: dict[str, tuple[str, ...]] = {
     "jobs": tuple(_JOBS), "movements": tuple(_MOVEMENTS), "messages": tuple(_MESSAGES),
     "tool_calls": tuple(_TOOL_CALLS), "usage": tuple(_USAGE), "lessons": tuple(_LESSONS),
-    "context_actions": tuple(_CONTEXT_ACTIONS),
+    "context_actions": tuple(_CONTEXT_ACTIONS), "scores": tuple(_SCORES),
 }
 
 class Frames:
@@ -214,14 +238,51 @@ class Frames:
         self.store.job(job_id)  # an unknown job is an error, not an empty frame
         return job_id
 
-    def _query(self, frame: FrameQuery, job_id: int | None, spec: _Spec) -> pd.DataFrame:
+    def _raw(self, frame: FrameQuery, job_id: int | None) -> pd.DataFrame:
         names, rows = self.store.frame_rows(frame, job_id)
-        return _typed(pd.DataFrame.from_records(rows, columns=names), spec)
+        return pd.DataFrame.from_records(rows, columns=names)
+
+    def _query(self, frame: FrameQuery, job_id: int | None, spec: _Spec) -> pd.DataFrame:
+        return _typed(self._raw(frame, job_id), spec)
+
+    def _models(self, job_id: int | None) -> dict[int, str]:
+        """Job id → model spec (of one job, or of every job)."""
+        return {int(job): str(model) for job, model in self.store.frame_rows("job_models", job_id)[1]}
+
+    def _job_costs(self, raw: pd.DataFrame) -> np.ndarray:
+        """Each job's cost in US dollars from the jobs query's rows: its calls' sum, NaN when any is unpriced.
+
+        A job whose calls all fell on one UTC day is priced from its token sums (a price holds for a day);
+        the others (calls over midnight, or a model priced call by call) are read again call by call.
+        """
+        calls = pd.to_numeric(raw["llm_calls"]).to_numpy(dtype="float64")
+        first = pd.to_numeric(raw["first_day"]).to_numpy(dtype="float64")
+        last = pd.to_numeric(raw["last_day"]).to_numpy(dtype="float64")
+        specs = raw["model"].to_numpy(dtype=object)
+        costs = np.zeros(len(raw))  # no call, no cost (whatever the model: an unknown one is not warned about)
+        exact = np.ones(len(raw), dtype=bool)
+        made = calls > 0
+        costs[made], exact[made] = summed_costs(
+            specs[made], calls[made], pd.to_numeric(raw["prompt_tokens"]).to_numpy()[made],
+            pd.to_numeric(raw["completion_tokens"]).to_numpy()[made], first[made])
+        ids = raw["job"].to_numpy()
+        for i in np.flatnonzero(made & (~exact | (first != last))):
+            rows = self._raw("call_costs", int(ids[i]))
+            per_call = cost_array([specs[i]] * len(rows), pd.to_numeric(rows["prompt_tokens"]),
+                                  pd.to_numeric(rows["completion_tokens"]), pd.to_numeric(rows["ts"]))
+            costs[i] = per_call.sum()  # NaN when any call is unpriced: a partial sum would pass for a total
+        return costs
 
     # -- frames -------------------------------------------------------------------
     def jobs(self) -> pd.DataFrame:
-        """One row per job: what ran, its status, and its totals."""
-        df = self._query("jobs", None, {**_JOBS, "status_reason": "str"})
+        """One row per job: what ran (its batch and case when it is part of one), its status, and its totals.
+
+        ``cost_usd`` is the sum of the prices of the job's calls in US dollars (0 without calls) and NaN when
+        any of its calls has no price (a model genai-prices does not know): a partial sum is not a total.
+        """
+        raw = self._raw("jobs", None)
+        df = _typed(raw, {k: v for k, v in _JOBS.items() if k != "cost_usd"} | {"status_reason": "str"})
+        df.insert(COLUMNS["jobs"].index("cost_usd"), "cost_usd", self._job_costs(raw))
         reasons = df.pop("status_reason").astype(object)
         df["display_status"] = pd.Series([display_status(s, r) for s, r in zip(df["status"].astype(object), reasons, strict=True)],
                                          index=df.index, dtype=_JOBS["display_status"])
@@ -243,15 +304,22 @@ class Frames:
         return self._query("tool_calls", self._job(job), _TOOL_CALLS)
 
     def usage(self, job: JobArg | None = None) -> pd.DataFrame:
-        """One row per LLM call of ``job`` (every job when ``None``), with the actions it fired."""
+        """One row per LLM call of ``job`` (every job when ``None``), with the actions it fired and its price
+        (``cost_usd``, US dollars at the time of the call; NaN when the model has no price)."""
         job_id = self._job(job)
-        spec = {k: v for k, v in _USAGE.items() if k not in ("call", "cumulative_tokens")}
-        df = self._query("usage", job_id, {**spec, "action": "Int"})
+        spec = {k: v for k, v in _USAGE.items() if k not in ("call", "cumulative_tokens", "cost_usd")}
+        raw = self._raw("usage", job_id)
+        # priced before typing: the raw epoch seconds and counts go straight to numpy
+        specs = raw["job"].map(self._models(job_id)).to_numpy(dtype=object)
+        cost = cost_array(specs, pd.to_numeric(raw["prompt_tokens"]), pd.to_numeric(raw["completion_tokens"]),
+                          pd.to_numeric(raw["timestamp"]))
+        df = _typed(raw, {**spec, "action": "Int"})
         # rows are in (job, id) order: numbering and running sums are vectorised, per job
         by_job = df.groupby("job", sort=False)
         df.insert(1, "call", (by_job.cumcount() + 1).astype("int64"))
         df.insert(COLUMNS["usage"].index("cumulative_tokens"), "cumulative_tokens",
                   by_job["total_tokens"].cumsum().astype(df["total_tokens"].dtype))
+        df.insert(COLUMNS["usage"].index("cost_usd"), "cost_usd", cost)
         # the SQL ranks actions 1..4; map the rank back to the ordered category
         df["action"] = pd.Categorical.from_codes(
             (df["action"].fillna(0).astype("int64") - 1).to_numpy(), dtype=ACTION_DTYPE
@@ -264,6 +332,17 @@ class Frames:
     def context_actions(self, job: JobArg | None = None) -> pd.DataFrame:
         """One row per ContextManager action (``context_action`` event)."""
         return self._query("context_actions", self._job(job), _CONTEXT_ACTIONS)
+
+    def scores(self, job: JobArg | None = None) -> pd.DataFrame:
+        """One row per ``score`` event of ``job`` (every job when ``None``), oldest first; ``latest`` marks the
+        newest score of each name of a job (a re-score supersedes, it does not erase)."""
+        raw = self._raw("scores", self._job(job))
+        # the store gives each value as JSON text: a bool stays a bool and an int an int
+        raw["value"] = pd.Series([None if v is None else json.loads(v) for v in raw["value"]],
+                                 index=raw.index, dtype=object)
+        newest = raw.groupby(["job", "name"], sort=False)["event_id"].transform("max") if len(raw) else raw["event_id"]
+        raw["latest"] = raw["event_id"] == newest
+        return _typed(raw, _SCORES)
 
     def lessons(self, job: JobArg | None = None) -> pd.DataFrame:
         """The rows of ``logs/lessons.jsonl`` of ``job`` (every job when ``None``)."""
@@ -325,6 +404,8 @@ def _typed(df: pd.DataFrame, spec: _Spec) -> pd.DataFrame:
             out[name] = pd.to_timedelta(pd.to_numeric(col), unit="s").astype("timedelta64[ns]")
         elif kind == "str":
             out[name] = col.astype("string")
+        elif kind == "object":
+            out[name] = col.astype(object)
         elif kind == "bool":
             out[name] = col.fillna(0).astype(bool) if len(col) else col.astype(bool)
         elif kind == "boolean":

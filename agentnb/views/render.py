@@ -3,7 +3,7 @@
 ``job_html`` is what ``Job._repr_html_`` shows and what the live views (magic,
 panel) and the notebook export reuse, so a saved notebook shows the run in
 nbviewer or on GitHub without a kernel.  Its shape: a header (piece, model,
-status, movements run, LLM calls, tokens, elapsed) followed by one collapsible
+status, movements run, LLM calls, tokens, cost in US dollars, elapsed, scores) followed by one collapsible
 ``<details>`` section per movement run, with job-level comments and errors
 placed between them in the order they happened.
 
@@ -48,10 +48,12 @@ from ..events import (
     LLMResponse,
     MovementStart,
     Reminder,
+    ScoreEvent,
     ToolCallEvent,
     ToolResult,
     Transition,
 )
+from ..models.prices import call_costs, dollars, is_free, priced_name
 from .source import JobRecord, JobSource
 from .status import display_status
 from .style import ACTION_COLOURS, ACTIONS, ERROR_COLOUR, OK_COLOUR
@@ -63,6 +65,7 @@ __all__ = [
     "KEEPER",
     "STYLE",
     "JobStats",
+    "cost_text",
     "header_html",
     "job_html",
     "job_stats",
@@ -245,6 +248,9 @@ class JobStats:
     errors: list[str] = field(default_factory=list)
     status: str = ""  # the status as shown: ``paused`` for a job stopped part-way (see _status.display_status)
     latest: tuple[int, int] | None = None  # (movement run, LLM call) of the newest call, answered or in flight
+    # US dollars of the answered calls, each priced at its own time by the job's model; None when unpriced
+    cost_usd: float | None = 0.0
+    scores: dict[str, ScoreEvent] = field(default_factory=dict)  # the latest score of each name
 
     @property
     def elapsed(self) -> float:
@@ -255,6 +261,7 @@ class JobStats:
 def _stats(job: JobRecord, events: Sequence[Event], now: float | None = None) -> JobStats:
     st = JobStats()
     reason: str | None = None
+    calls: tuple[list[int], list[int], list[float | None]] = ([], [], [])
     now = time.time() if now is None else now
     running_since: float | None = None
     status_events = False
@@ -280,6 +287,9 @@ def _stats(job: JobRecord, events: Sequence[Event], now: float | None = None) ->
                 st.prompt_tokens += u.prompt_tokens
                 st.completion_tokens += u.completion_tokens
                 st.total_tokens += u.total_tokens
+                calls[0].append(u.prompt_tokens)
+                calls[1].append(u.completion_tokens)
+                calls[2].append(ev.ts)
                 if ev.movement_seq == st.last_seq:
                     st.last_ratio = u.ratio
                     st.last_tokens = u.prompt_tokens
@@ -292,6 +302,10 @@ def _stats(job: JobRecord, events: Sequence[Event], now: float | None = None) ->
                 st.question = question
             case ErrorEvent():
                 st.errors.append(ev.message)
+            case ScoreEvent():
+                st.scores[ev.name] = ev
+    costs = call_costs(job.model, *calls)
+    st.cost_usd = None if None in costs else sum(c for c in costs if c is not None)
     st.status = display_status(job.status, reason)
     if job.status != "waiting_human":
         st.question = None
@@ -572,6 +586,29 @@ def _hidden_line(hidden: Sequence[tuple[int | None, list[Event]]], o: _Opts, seq
             + (f"; tools {used}" if used else "") + f"); all of them: <code>{_e(o.hint(seq))}</code></div>")
 
 
+def cost_text(model: str, cost: float | None) -> str:
+    """A job's cost as its header shows it: ``$0.0123``, ``$0 (offline model)``, ``cost unknown (…)``."""
+    if cost is None:
+        return f"cost unknown (model {priced_name(model) or model} has no price)"
+    if is_free(model):
+        return "$0 (offline model)"
+    return dollars(cost)
+
+
+def _cost(model: str, cost: float | None) -> str:
+    text = _e(cost_text(model, cost))
+    return f'<span class="anb-dim">{text}</span>' if cost is None else text
+
+
+def _score(ev: ScoreEvent) -> str:
+    """A score as a badge (green for true, red for false), or the scorer's error in red."""
+    if ev.error is not None:
+        return f'<span class="anb-error">✖ {_e(ev.name)}: {_e(ev.error)}</span>'
+    cls = {True: "anb-st-succeeded", False: "anb-st-failed"}.get(ev.value, "") if isinstance(ev.value, bool) else ""
+    value = f"{ev.value:.4g}" if isinstance(ev.value, float) else str(ev.value)
+    return _badge(f"{ev.name} = {value}", cls)
+
+
 def _header(job: JobRecord, st: JobStats, piece_max: int | None, *, latest_link: bool = False) -> str:
     status = st.status or str(job.status)
     mv = f"{st.movements}" + (f" / {piece_max}" if piece_max else "")
@@ -580,6 +617,7 @@ def _header(job: JobRecord, st: JobStats, piece_max: int | None, *, latest_link:
         f" · piece <b>{_e(job.piece)}</b> · model <code>{_e(job.model)}</code>",
         f" · movements {mv} · {plural(st.calls, 'LLM call')} · {_n(st.total_tokens)} tokens"
         f' <span class="anb-dim">({_n(st.prompt_tokens)} prompt + {_n(st.completion_tokens)} completion)</span>',
+        f" · {_cost(job.model, st.cost_usd)}",
         f" · running time {duration(st.running_s)}",
         f' <span class="anb-dim">· wall {duration(st.wall_s)} '
         f'{"from submit to end" if job.ended else "since submit"}</span>',
@@ -594,6 +632,8 @@ def _header(job: JobRecord, st: JobStats, piece_max: int | None, *, latest_link:
     parts.append(f'<div class="anb-dim">instruction: {_e(job.instruction if len(job.instruction) <= 300 else job.instruction[:299] + "…")}</div>')
     if job.error:
         parts.append(f'<div class="anb-error">✖ {_e(job.error)}</div>')
+    if st.scores:
+        parts.append(f'<div>scores: {" ".join(_score(ev) for ev in st.scores.values())}</div>')
     if st.question:
         parts.append(f'<div><b>❓ waiting for you:</b> {_e(st.question)} '
                      f'<span class="anb-dim">— answer with <code>%agent reply {job.id} "…"</code></span></div>')
@@ -609,7 +649,8 @@ def _piece_max(ws: JobSource, job_id: int) -> int | None:
 
 
 def header_html(ws: JobSource, job_id: int) -> str:
-    """The header line of a job: piece, model, status, movements run, calls, tokens, elapsed (no <style>)."""
+    """The header line of a job: piece, model, status, movements run, calls, tokens, cost, elapsed, the latest
+    score of each name (no <style>)."""
     job = ws.job(job_id).snapshot()
     return _inline(_header(job, _stats(job, ws.events(job_id)), _piece_max(ws, job_id)))
 

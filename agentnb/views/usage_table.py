@@ -3,7 +3,8 @@
 ``ws.frames.usage`` has 18 columns — right for pandas, too wide to read in a cell.  The table
 shows the few a reader scans a run by: the movement run, the call, its tokens, the context
 ratio as a percentage, the ContextManager action, the transition, the model's latency, and
-the cost when the frame has one.  Missing values are blank (never ``NaN`` next to ``<NA>``).
+the cost when it is worth a column (some call cost something or has no price; offline runs
+cost 0), with its total in the caption.  Missing values are blank (never ``NaN`` next to ``<NA>``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Hashable
 from typing import Any
 
 import pandas as pd
+
+from ..models.prices import dollars
 
 __all__ = ["UsageFrame", "usage_table"]
 
@@ -43,21 +46,35 @@ def _compact(df: pd.DataFrame) -> pd.DataFrame:
                    for t, f in zip(df["transition"], df["forced"].astype(object), strict=True)]
     if "latency_s" in df:
         out["latency"] = df["latency_s"].map(_latency)
-    if "cost_usd" in df and df["cost_usd"].notna().any():
-        out["cost"] = ["" if pd.isna(c) else f"${c:,.4f}" for c in df["cost_usd"]]
+    if _priced(df):
+        out["cost"] = ["" if pd.isna(c) else dollars(c) for c in df["cost_usd"]]
     return out
+
+
+def _priced(df: pd.DataFrame) -> bool:
+    """Whether the cost is worth a column: some call cost something or has no price (offline runs cost 0)."""
+    return "cost_usd" in df and bool((df["cost_usd"].fillna(1.0) != 0).any())
+
+
+def _caption(df: pd.DataFrame) -> str:
+    if not len(df):
+        return "no LLM calls yet"
+    totals = f"{len(df):,} LLM calls · {int(df['total_tokens'].sum()):,} tokens"
+    if _priced(df):
+        cost = df["cost_usd"]
+        totals += " · " + (dollars(float(cost.sum())) if cost.notna().all() else "cost unknown (a model has no price)")
+    return totals + " — the value of this cell is the full DataFrame (every column)"
 
 
 def usage_table(df: pd.DataFrame) -> Any:
     """A pandas Styler of ``df`` (a ``frames.usage`` frame) with the compact columns; plain HTML without jinja2."""
     view = _compact(df)
-    caption = (f"{len(df):,} LLM calls · {int(df['total_tokens'].sum()):,} tokens — "
-               "the value of this cell is the full DataFrame (every column)") if len(df) else "no LLM calls yet"
+    caption = _caption(df)
     try:
         styler = view.style
     except ImportError:  # pandas' Styler needs jinja2; the table is still readable without it
         return view.to_html(index=False)
-    numbers: list[Hashable] = ["tokens", "context", "call", *(["latency"] if "latency" in view else [])]
+    numbers: list[Hashable] = ["tokens", "context", "call", *[c for c in ("latency", "cost") if c in view]]
     cell: dict[str, Any] = {"white-space": "nowrap", "text-align": "left", "font-size": "12px"}
     return (styler.hide(axis="index")
             .set_caption(caption)
