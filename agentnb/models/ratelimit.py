@@ -10,9 +10,12 @@ its retries run out.  So every call passes through the :class:`Gate` of its (bas
   not only the one that was refused, waits it out before its next attempt.  A call never waits longer
   than its own ``max_backoff`` for the gate;
 * **fewer calls in flight (AIMD)** — the first 429 caps the number of calls in flight at half of those in
-  flight when it came; each further 429 halves the cap again (never below 1), and each successful call
-  raises it by one.  Once the cap is back up to the most calls ever seen in flight, the gate is open
-  again (no cap), so a batch settles just under the endpoint's limit instead of oscillating above it.
+  flight when it came; each further 429 halves the cap again (never below 1), and successful calls raise
+  it by one per round (each by 1/cap: raising it by a whole call per success would double it every round
+  and overshoot the endpoint's limit at once).  A 429 to a call sent before the last cut does not cut
+  again: it was sent before the gate reacted.  Once the cap is back up to the most calls ever seen in
+  flight, the gate is open again (no cap).  So a batch settles just under the endpoint's limit instead
+  of hammering it.
 
 Jobs do not fail because of this while their retries remain: a 429 is retried as before (``retries``
 and ``max_backoff`` per job, workspace or environment), the gate only decides *when*.  5xx answers,
@@ -34,7 +37,7 @@ class Gate:
         self._cond = threading.Condition()
         self.in_flight = 0
         self.peak = 0  # the most calls seen in flight: the "original" the cap grows back to
-        self.limit: int | None = None  # None: no cap (no 429 yet, or recovered)
+        self.limit: float | None = None  # None: no cap (no 429 yet, or recovered); its whole part counts
         self.paused_until = 0.0
         self.throttled = 0  # 429s seen, for the curious
         self._last_cut = float("-inf")
@@ -64,18 +67,18 @@ class Gate:
             slept_for.add(end)
             time.sleep(end - now)  # not under the lock: a 429 elsewhere may extend the pause meanwhile
         with self._cond:
-            while self.limit is not None and self.in_flight >= self.limit:
+            while self.limit is not None and self.in_flight >= int(self.limit):
                 self._cond.wait(0.5)  # a released call notifies; the timeout only guards a missed wake-up
             self.in_flight += 1
             self.peak = max(self.peak, self.in_flight)
             return self._clock()
 
     def release(self, *, ok: bool) -> None:
-        """A call ended; ``ok``: it was answered (anything but a 429), which lets the cap grow by one."""
+        """A call ended; ``ok``: it was answered, which lets the cap grow (by 1/cap)."""
         with self._cond:
             self.in_flight -= 1
             if ok and self.limit is not None:
-                self.limit += 1
+                self.limit += 1 / self.limit
                 if self.limit >= self.peak:
                     self.limit = None
             self._cond.notify_all()
@@ -91,8 +94,8 @@ class Gate:
             self.throttled += 1
             end = self._clock() + max(0.0, delay)
             if ticket is None or ticket >= self._last_cut:
-                base = self.limit if self.limit is not None else self.in_flight
-                self.limit = max(1, base // 2)
+                base = int(self.limit) if self.limit is not None else self.in_flight
+                self.limit = float(max(1, base // 2))
                 self._last_cut = self._clock()
                 self.paused_until = end
             else:
