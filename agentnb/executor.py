@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
 from .errors import StoreError
+from .events import LLMResponse
 from .models.prices import call_costs
 from .store.base import Store
 from .worker import sigterm_interrupts
@@ -77,10 +78,11 @@ class _Tally:
     def usage(self, job_id: int) -> tuple[int, float | None]:
         row = self.store.job(job_id)
         events = self.store.events(job_id, kinds=["llm_response"])
-        prompt = [int(ev.usage.prompt_tokens) for ev in events]  # type: ignore[union-attr]
-        completion = [int(ev.usage.completion_tokens) for ev in events]  # type: ignore[union-attr]
-        total = sum(int(ev.usage.total_tokens) for ev in events)  # type: ignore[union-attr]
-        costs = call_costs(str(row["model"]), prompt, completion, [ev.ts for ev in events])
+        calls = [ev for ev in events if isinstance(ev, LLMResponse)]
+        prompt = [int(ev.usage.prompt_tokens) for ev in calls]
+        completion = [int(ev.usage.completion_tokens) for ev in calls]
+        total = sum(int(ev.usage.total_tokens) for ev in calls)
+        costs = call_costs(str(row["model"]), prompt, completion, [ev.ts for ev in calls])
         cost = None if any(c is None for c in costs) else float(sum(c for c in costs if c is not None))
         return total, cost
 
@@ -106,11 +108,11 @@ class _Tally:
 def _make_bar(total: int, desc: str, file: TextIO) -> Any:
     """A ``tqdm.auto`` bar (a widget in Jupyter), or a text one where the widget cannot be drawn."""
     try:
-        from tqdm.auto import tqdm as auto_tqdm
+        from tqdm.auto import tqdm as auto_tqdm  # type: ignore[import-untyped]
 
         return auto_tqdm(total=total, desc=desc, unit="job", file=file, dynamic_ncols=True)
     except Exception:  # tqdm.notebook raises when ipywidgets is missing or too old
-        from tqdm.std import tqdm as text_tqdm
+        from tqdm.std import tqdm as text_tqdm  # type: ignore[import-untyped]
 
         return text_tqdm(total=total, desc=desc, unit="job", file=file, dynamic_ncols=True)
 
@@ -207,8 +209,9 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
                     refresh()
             except BaseException:
                 report.interrupted = True
-                _pause(ws, futures, stopping, active, lock, out)
-                _tell(report, name, job_ids, out)
+                say = _sayer(bar, out)
+                _pause(ws, futures, stopping, active, lock, say)
+                _tell(report, name, job_ids, say)
                 raise
     finally:
         pool.shutdown(wait=True)
@@ -222,8 +225,18 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
     return report
 
 
+def _sayer(bar: Any, out: TextIO) -> Callable[[str], None]:
+    """Print one line on ``out``, on a line of its own even while the text bar is drawn."""
+    def say(text: str) -> None:
+        if bar is not None:
+            bar.write(text, file=out)  # clears the bar, prints, draws it again
+        else:
+            print(text, file=out, flush=True)
+    return say
+
+
 def _pause(ws: JobRunnerHost, futures: list[Future[None]], stopping: threading.Event, active: set[int],
-           lock: threading.Lock, out: TextIO) -> None:
+           lock: threading.Lock, say: Callable[[str], None]) -> None:
     """Start no further job, ask every running one to pause after its current call, and wait for them."""
     with lock:
         stopping.set()
@@ -245,16 +258,14 @@ def _pause(ws: JobRunnerHost, futures: list[Future[None]], stopping: threading.E
                 said = True
                 with lock:
                     n = len(active)
-                print(f"agentnb: still pausing {n} running job(s); each stops after its current LLM call",
-                      file=out, flush=True)
+                say(f"agentnb: still pausing {n} running job(s); each stops after its current LLM call")
 
 
-def _tell(report: RunReport, name: str | None, job_ids: Sequence[int], out: TextIO) -> None:
+def _tell(report: RunReport, name: str | None, job_ids: Sequence[int], say: Callable[[str], None]) -> None:
     """The one line after an interrupt: how many jobs paused, and how to resume."""
     paused = report.count("queued") + report.count("running")
     skipped = set(report.skipped)
     left = sum(1 for j in job_ids if j not in skipped
                and report.statuses.get(j, "queued") in ("queued", "running", "waiting_subtasks"))
     how = f"ws.batch({name!r})" if name else "running them again"
-    print(f"agentnb: interrupted: {paused} running job(s) paused, {left} not finished; resume with {how}",
-          file=out, flush=True)
+    say(f"agentnb: interrupted: {paused} running job(s) paused, {left} not finished; resume with {how}")

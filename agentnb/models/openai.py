@@ -49,14 +49,23 @@ def shared_client(base_url: str | None, api_key: str, timeout: float) -> Any:
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
-            import httpx
             import openai
 
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS)
+            limits = _http_module().Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS)
             client = _clients[key] = openai.OpenAI(
                 api_key=api_key, base_url=base_url, max_retries=0, timeout=timeout,
                 http_client=openai.DefaultHttpxClient(limits=limits, timeout=timeout))
         return client
+
+
+def _http_module() -> Any:
+    """The HTTP library the installed openai SDK's client is built on: ``httpx2`` in recent SDKs, ``httpx`` before."""
+    import importlib
+
+    import openai
+
+    base = next(c for c in openai.DefaultHttpxClient.__mro__ if c.__name__ == "Client")
+    return importlib.import_module(base.__module__.partition(".")[0])
 
 
 class MalformedAnswer(Exception):

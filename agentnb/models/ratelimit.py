@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+
 __all__ = ["Gate", "gate_for"]
 
 
