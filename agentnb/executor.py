@@ -202,7 +202,8 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
     try:
         with sigterm_interrupts():
             try:
-                futures = [pool.submit(one, job_id) for job_id in job_ids]
+                for job_id in job_ids:  # one by one: an interrupt meanwhile must see those already started
+                    futures.append(pool.submit(one, job_id))
                 pending = set(futures)
                 while pending:
                     _done, pending = wait(pending, timeout=_TICK, return_when=FIRST_COMPLETED)

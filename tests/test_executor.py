@@ -29,6 +29,7 @@ from agentnb.errors import UsageError
 from agentnb.events import LLMResponse
 from agentnb.executor import run_jobs
 from agentnb.models.openai import OpenAIModel
+from agentnb.models.ratelimit import Gate
 from agentnb.views.status import STOP_REASON
 
 CALLS = 3  # LLM calls each job needs: CALLS-1 tool calls, then the transition
@@ -171,6 +172,48 @@ def test_concurrency_must_be_a_whole_number_of_at_least_one(tmp_path: Path, serv
     with pytest.raises(UsageError, match="concurrency=True"):
         b.run(concurrency=True)
     assert server.log == []
+
+
+def test_the_gate_halves_the_calls_in_flight_on_a_429_and_grows_back_by_one_per_round() -> None:
+    gate = Gate()
+    tickets = [gate.acquire() for _ in range(8)]
+    assert gate.limit is None and gate.peak == 8
+    gate.throttle(0.0, tickets[0])
+    assert gate.limit == 4
+    gate.throttle(0.0, tickets[1])  # sent before the gate reacted: no second cut
+    assert gate.limit == 4
+    for _ in range(8):
+        gate.release(ok=False)
+    assert gate.in_flight == 0 and gate.limit == 4
+    fresh = [gate.acquire() for _ in range(4)]  # up to the cap, then a fifth would wait
+    gate.throttle(0.0, fresh[0])  # a call sent after the cut brings news: halved again
+    assert gate.limit == 2
+    for _ in range(4):
+        gate.release(ok=True)  # 2 + 1/2 + 1/2.5 + …: about one more per round of answered calls
+    assert 3 <= gate.limit < 4  # type: ignore[operator]
+    while gate.limit is not None:  # answered calls raise it back to the most seen in flight, then no cap
+        gate.acquire()
+        gate.release(ok=True)
+    assert gate.in_flight == 0
+
+
+def test_the_pause_after_a_429_holds_every_caller_but_never_longer_than_its_max_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import agentnb.models.ratelimit as rl
+
+    slept: list[float] = []
+    monkeypatch.setattr(rl.time, "sleep", slept.append)
+    gate = Gate()
+    ticket = gate.acquire()
+    gate.throttle(30.0, ticket)
+    gate.release(ok=False)
+    gate.acquire(max_wait=2.0)  # another job's call: waits the pause out, capped by its max_backoff
+    gate.release(ok=True)
+    gate.acquire(max_wait=None)
+    gate.release(ok=True)
+    assert 1.9 < slept[0] <= 2.0 and 29 < slept[1] <= 30
+    gate.acquire(waited_until=time.monotonic() + 60)  # the caller that got the 429 has slept it already
+    assert len(slept) == 2
 
 
 # -- the openai client ----------------------------------------------------------------------------------
