@@ -393,14 +393,19 @@ class Batch:
 
     def run(self, *, concurrency: int = DEFAULT_CONCURRENCY, scorers: Mapping[str, Scorer] | None = None,
             progress: bool = True) -> Batch:
-        """Run every unfinished job, ``concurrency`` at once, and score each as it ends (see :meth:`score`)."""
+        """Run every unfinished job, ``concurrency`` at once, and score each as it ends (see :meth:`score`).
+
+        Ctrl-C (or the notebook's stop button) pauses the running jobs after their current call and
+        re-raises; ``ws.batch(name)`` resumes.  A job another process is running is skipped
+        (``last_run.skipped``).  ``progress``: a tqdm bar on stderr (see ``agentnb.executor``)."""
         from .executor import run_jobs
 
         concurrency = check_concurrency(concurrency)
         if scorers is not None:
             self.scorers = check_scorers(scorers)
-        run_jobs(self.ws, self.pending(), concurrency=concurrency, progress=progress, batch=self,
-                 on_end=self._scored_once)
+        # what the run did (the jobs it skipped because another process runs them, say), for the curious
+        self.last_run = run_jobs(self.ws, self.pending(), concurrency=concurrency, progress=progress, batch=self,
+                                 on_end=self._scored_once)
         self._score_unscored()
         return self
 

@@ -517,7 +517,8 @@ class Workspace:
     def run(self, job: JobRef, *, subtasks: bool = True) -> Job:
         """Run a job until it ends or waits for a human; runs its subtasks too unless ``subtasks=False``."""
         job_id = self._id(job)
-        self._stops.pop(job_id, None)
+        with self._lock:  # jobs run in threads of their own (agentnb.executor): _stops is shared
+            self._stops.pop(job_id, None)
         while True:
             row = self._claim(job_id)
             if row is None:
@@ -551,7 +552,8 @@ class Workspace:
         if unit not in ("movement", "call"):
             raise UsageError(f"unit={unit!r}; allowed: 'movement', 'call'")
         job_id = self._id(job)
-        self._stops.pop(job_id, None)  # a Stop meant for an earlier run must not cut this step short
+        with self._lock:
+            self._stops.pop(job_id, None)  # a Stop meant for an earlier run must not cut this step short
         row = self._claim(job_id)
         if row is None:
             return self.job(job_id)
@@ -576,7 +578,8 @@ class Workspace:
         while pending:
             job_id = pending.pop(0)
             asked.append(job_id)
-            self._stops.setdefault(job_id, threading.Event()).set()
+            with self._lock:
+                self._stops.setdefault(job_id, threading.Event()).set()
             pending.extend(int(r["id"]) for r in self.store.jobs(parent_id=job_id)
                            if r["status"] in ("running", "waiting_subtasks"))
         return asked

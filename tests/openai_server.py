@@ -4,12 +4,19 @@ It speaks ``POST /v1/chat/completions`` (tool calls and usage included) and play
 a list of actions, one per request: a response, an HTTP error, a stall long
 enough to make the client time out, or a raw body sent as it is.  Every request body and its headers are kept
 so tests can check what the model was sent.
+
+For many jobs at once (batches): ``latency`` delays every answer, ``responder(body)`` chooses the
+action when the list is empty (say, from the job's instruction), ``max_concurrent`` answers 429 with
+``retry-after`` to a request that arrives while that many are already being answered, and the server
+counts the requests in flight (``in_flight``, ``max_in_flight``) and logs each one's status and the
+number in flight when it arrived (``log``).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -54,15 +61,34 @@ class Received:
     body: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """One request as the server saw it: its number, the requests in flight when it came (itself
+    included), the HTTP status it got and the test's key of it (``key(body)``, say the job)."""
+
+    n: int
+    in_flight: int
+    status: int
+    key: Any = None
+
+
 @dataclass
 class OpenAIServer:
     actions: list[dict[str, Any]] = field(default_factory=list)
     received: list[Received] = field(default_factory=list)
+    latency: float = 0.0
+    responder: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    max_concurrent: int | None = None
+    retry_after: str = "0.05"
+    key: Callable[[dict[str, Any]], Any] | None = None
+    log: list[Arrival] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._count = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -73,10 +99,35 @@ class OpenAIServer:
                 length = int(self.headers.get("content-length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
                 with server._lock:
-                    server.received.append(Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
-                    action = server.actions.pop(0) if server.actions else None
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                    arrived = server.in_flight
                     server._count += 1
                     n = server._count
+                try:
+                    self._answer(body, n, arrived)
+                finally:
+                    with server._lock:
+                        server.in_flight -= 1
+
+            def _answer(self, body: dict[str, Any], n: int, arrived: int) -> None:
+                key = server.key(body) if server.key is not None else None
+                with server._lock:
+                    server.received.append(Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                if server.max_concurrent is not None and arrived > server.max_concurrent:
+                    with server._lock:
+                        server.log.append(Arrival(n, arrived, 429, key))
+                    return self._send(429, {"error": {"message": "too many requests in flight", "type": "rate_limit"}},
+                                      {"retry-after": server.retry_after})
+                with server._lock:
+                    action = server.actions.pop(0) if server.actions else None
+                if action is None and server.responder is not None:
+                    action = server.responder(body)
+                if server.latency:
+                    server._closing.wait(server.latency)
+                with server._lock:
+                    status = action.get("status", 200) if action is not None else 400
+                    server.log.append(Arrival(n, arrived, status, key))
                 if self.path.rstrip("/") != "/v1/chat/completions":
                     return self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
                 if action is None:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import threading
 import time
 from typing import Any
 
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
+from .ratelimit import gate_for
 
-__all__ = ["OpenAIModel"]
+__all__ = ["OpenAIModel", "shared_client"]
 
 
 def _env_float(name: str, default: float) -> float:
@@ -25,6 +28,44 @@ RETRIES_ENV = "AGENTNB_OPENAI_RETRIES"
 MAX_BACKOFF_ENV = "AGENTNB_OPENAI_MAX_BACKOFF"
 DEFAULT_RETRIES = 4
 DEFAULT_MAX_BACKOFF = 60.0
+
+
+# Idle connections kept per client: a batch at concurrency N reuses up to N of them between calls.
+# The number open at once is not capped (httpx's default of 100 would queue calls beyond it): the
+# rate-limit gate (models/ratelimit.py) and the batch's concurrency are what bound the calls in flight.
+KEEPALIVE_CONNECTIONS = 512
+
+_clients: dict[tuple[str | None, str, float], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def shared_client(base_url: str | None, api_key: str, timeout: float) -> Any:
+    """The process's one ``openai.OpenAI`` client for (base URL, key, timeout), made on first use.
+
+    The client and its httpx pool are thread-safe; one per job would each hold a pool of connections.
+    The key is part of the lookup only as a SHA-256 digest, so it is not kept anywhere but in the client.
+    """
+    key = (base_url, hashlib.sha256(api_key.encode("utf-8")).hexdigest(), float(timeout))
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            import openai
+
+            limits = _http_module().Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS)
+            client = _clients[key] = openai.OpenAI(
+                api_key=api_key, base_url=base_url, max_retries=0, timeout=timeout,
+                http_client=openai.DefaultHttpxClient(limits=limits, timeout=timeout))
+        return client
+
+
+def _http_module() -> Any:
+    """The HTTP library the installed openai SDK's client is built on: ``httpx2`` in recent SDKs, ``httpx`` before."""
+    import importlib
+
+    import openai
+
+    base = next(c for c in openai.DefaultHttpxClient.__mro__ if c.__name__ == "Client")
+    return importlib.import_module(base.__module__.partition(".")[0])
 
 
 class MalformedAnswer(Exception):
@@ -67,15 +108,11 @@ class OpenAIModel:
 
     def _get_client(self) -> Any:
         if self._client is None:
-            import openai
-
             if not self._api_key and self.base_url is None:
                 raise ModelError(
                     "openai model needs OPENAI_API_KEY (and OPENAI_BASE_URL for a non-OpenAI endpoint)"
                 )
-            self._client = openai.OpenAI(
-                api_key=self._api_key or "not-needed", base_url=self.base_url, max_retries=0, timeout=self.timeout
-            )
+            self._client = shared_client(self.base_url, self._api_key or "not-needed", self.timeout)
         return self._client
 
     def complete(self, request: ModelRequest) -> ModelResponse:
@@ -88,22 +125,34 @@ class OpenAIModel:
             kwargs["tool_choice"] = "auto"
         attempts = self.max_retries + 1
         last: Exception | None = None
+        # shared by every job of the process that calls this endpoint and model: a 429 slows them all
+        gate = gate_for(self.base_url, self.model)
+        waited_until: float | None = None
         for attempt in range(attempts):
+            ticket = gate.acquire(max_wait=self.max_backoff, waited_until=waited_until)
+            answered, delay = False, 0.0
             try:
                 # The raw body, read here: the SDK builds its objects without checking them, so a 200 that is
                 # an HTML page, broken JSON or the wrong shape would only fail later, far from the cause.
                 raw = client.chat.completions.with_raw_response.create(**kwargs)
+                answered = True
                 return _parse_completion(raw.http_response, request)
             except (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError,
                     openai.APIConnectionError, MalformedAnswer) as exc:
                 last = exc
-                if attempt + 1 < attempts:
-                    delay = self._retry_after(exc) or self.backoff * (2 ** attempt) * (0.5 + random.random() / 2)
-                    time.sleep(min(delay, self.max_backoff))
+                delay = min(self._retry_after(exc) or self.backoff * (2 ** attempt) * (0.5 + random.random() / 2),
+                            self.max_backoff)
+                if isinstance(exc, openai.RateLimitError):
+                    gate.throttle(delay, ticket)  # every other call to the endpoint waits it out too
             except openai.APIStatusError as exc:
                 raise ModelError(f"{self.spec}: HTTP {exc.status_code}: {_message(exc)}") from None
             except openai.OpenAIError as exc:
                 raise ModelError(f"{self.spec}: {type(exc).__name__}: {exc}") from None
+            finally:
+                gate.release(ok=answered)  # before the wait: a call backing off holds no slot
+            if attempt + 1 < attempts:
+                waited_until = time.monotonic() + delay
+                time.sleep(delay)
         status = getattr(last, "status_code", None)
         if isinstance(last, MalformedAnswer):
             what = f"malformed answer: {last}"

@@ -1,0 +1,375 @@
+"""Batches run concurrently (issue 14, "Concurrency" and "Progress"), against a real OpenAI-protocol server.
+
+The server (tests/openai_server.py) answers on loopback after a fixed latency, counts the requests in
+flight and, when told, refuses those over a limit with 429 and ``retry-after``.  Each job's answers
+depend only on the request (its case number and how many answers its movement has had), so a job that
+is paused, killed and resumed gets the same answers as one that runs straight through.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_helpers import write_piece
+from openai_server import OpenAIServer, error, reply
+
+from agentnb import Workspace
+from agentnb.errors import UsageError
+from agentnb.events import LLMResponse
+from agentnb.executor import run_jobs
+from agentnb.models.openai import OpenAIModel
+from agentnb.models.ratelimit import Gate
+from agentnb.views.status import STOP_REASON
+
+CALLS = 3  # LLM calls each job needs: CALLS-1 tool calls, then the transition
+PIECE = """
+name: lab
+movements:
+  - name: work
+    persona: You work.
+    instruction: Work.
+    tools: [Write]
+    permission: edit
+    max_iterations: 10
+    rules: [{next: COMPLETE}]
+"""
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _case(body: dict[str, Any]) -> str | None:
+    """The case a request belongs to ("case-7"), read from the job's instruction in the messages."""
+    for m in body.get("messages", []):
+        found = re.search(r"case-\d+|doomed", str(m.get("content") or ""))
+        if found:
+            return found.group(0)
+    return None
+
+
+def _answers(tool: str) -> Any:
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        case = _case(body)
+        if case == "doomed":
+            return error(429, "slow down", headers={"retry-after": "0.01"})[0]
+        k = sum(1 for m in body["messages"] if m.get("role") == "assistant")  # answers so far in this movement
+        if k < CALLS - 1:
+            args = ({"path": f"output/{k}.txt", "content": f"{case} {k}"} if tool == "Write"
+                    else {"line": f"{case} {k}"})
+            return reply(tool_calls=[(tool, args)])
+        return reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": f"{case} done"})])
+    return respond
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[OpenAIServer]:
+    with OpenAIServer(latency=0.2, responder=_answers("Write"), key=_case) as srv:
+        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test-executor")
+        monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
+        monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "20")
+        yield srv
+
+
+def _cases(n: int) -> list[dict[str, Any]]:
+    return [{"instruction": f"do case-{i}", "expected": i} for i in range(n)]
+
+
+def _answered(srv: OpenAIServer) -> collections.Counter[Any]:
+    return collections.Counter(a.key for a in srv.log if a.status == 200)
+
+
+def _check_events(ws: Workspace, job_id: int) -> list[LLMResponse]:
+    """A job's events are in order: ids increasing, movement runs and their iterations never going back."""
+    events = ws.events(job_id)
+    ids = [e.id for e in events]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert [e.ts for e in events] == sorted(e.ts for e in events)
+    place = [(e.movement_seq, e.iteration) for e in events if e.movement_seq is not None and e.iteration is not None]
+    assert place == sorted(place)
+    return [e for e in events if isinstance(e, LLMResponse)]
+
+
+# -- running at once ----------------------------------------------------------------------------------
+
+
+def test_jobs_overlap_up_to_the_concurrency_and_every_event_is_kept(tmp_path: Path, server: OpenAIServer) -> None:
+    ws = Workspace(tmp_path / "ws")
+    b = ws.batch(_cases(24), piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="wide",
+                 concurrency=8, progress=False)
+    assert server.max_in_flight == 8  # really at once, and never more than asked
+    assert b.counts()["succeeded"] == 24
+    answered = _answered(server)
+    for job in b.jobs:
+        responses = _check_events(ws, job.id)
+        assert len(responses) == CALLS == answered[f"case-{job.case}"]
+        assert sorted(p.name for p in job.output.iterdir()) == [f"{k}.txt" for k in range(CALLS - 1)]
+    assert sum(ws.store.total_tokens(j.id) for j in b.jobs) == 110 * sum(answered.values())
+    assert b.last_run.count("succeeded") == 24 and not b.last_run.skipped
+
+
+def test_a_rate_limit_slows_the_whole_batch_and_fails_no_job(tmp_path: Path, server: OpenAIServer) -> None:
+    server.max_concurrent = 3
+    server.retry_after = "0.05"
+    ws = Workspace(tmp_path / "ws")
+    b = ws.batch(_cases(16), piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="limited",
+                 concurrency=8, retries=30, progress=False)
+    assert b.counts()["succeeded"] == 16, [j.error for j in b.jobs]
+    refused = [a for a in server.log if a.status == 429]
+    answered = [a for a in server.log if a.status == 200]
+    assert refused and len(answered) == 16 * CALLS
+    # the gate cut the calls in flight: after the first 429 the batch settles under the endpoint's limit
+    # instead of sending all 8 again and again (which would earn more 429s than answers)
+    first = server.log.index(refused[0])
+    later = server.log[first + 8:]
+    assert max(a.in_flight for a in later) < 8
+    assert len(refused) < len(answered) / 2
+    for job in b.jobs:
+        assert len(_check_events(ws, job.id)) == CALLS
+
+
+def test_a_job_whose_retries_run_out_fails_in_one_line_and_the_others_go_on(tmp_path: Path,
+                                                                            server: OpenAIServer) -> None:
+    ws = Workspace(tmp_path / "ws")
+    cases = [*_cases(5), {"instruction": "the doomed one"}]
+    b = ws.batch(cases, piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="doom", concurrency=4,
+                 retries=2, max_backoff=0.05, progress=False)
+    by_case = {j.case: j for j in b.jobs}
+    assert str(by_case[5].status) == "failed"
+    assert by_case[5].error == "openai:m: gave up after 3 tries; last error HTTP 429: slow down"
+    assert all(str(by_case[i].status) == "succeeded" for i in range(5))
+
+
+def test_a_job_another_process_runs_is_skipped_and_counted(tmp_path: Path, server: OpenAIServer) -> None:
+    ws = Workspace(tmp_path / "ws")
+    b = ws.batch(_cases(4), piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="shared", run=False)
+    taken = b.pending()[1]
+    assert ws.store.claim(taken) is not None  # this process, alive: as if another worker were running it
+    b.run(concurrency=2, progress=False)
+    assert b.last_run.skipped == [taken]
+    assert b.counts()["succeeded"] == 3 and str(ws.job(taken).status) == "running"
+
+
+def test_concurrency_must_be_a_whole_number_of_at_least_one(tmp_path: Path, server: OpenAIServer) -> None:
+    ws = Workspace(tmp_path / "ws")
+    for bad in (0, True, -2, 1.5):
+        with pytest.raises(UsageError) as caught:
+            ws.batch(_cases(2), piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="bad",
+                     concurrency=bad)
+        assert "\n" not in str(caught.value) and f"concurrency={bad!r}" in str(caught.value)
+        assert "≥ 1" in str(caught.value)
+    assert ws.batches() == [] and ws.jobs() == []
+    b = ws.batch(_cases(2), piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="ok", run=False)
+    with pytest.raises(UsageError, match="concurrency=True"):
+        b.run(concurrency=True)
+    assert server.log == []
+
+
+def test_the_gate_halves_the_calls_in_flight_on_a_429_and_grows_back_by_one_per_round() -> None:
+    gate = Gate()
+    tickets = [gate.acquire() for _ in range(8)]
+    assert gate.limit is None and gate.peak == 8
+    gate.throttle(0.0, tickets[0])
+    assert gate.limit == 4
+    gate.throttle(0.0, tickets[1])  # sent before the gate reacted: no second cut
+    assert gate.limit == 4
+    for _ in range(8):
+        gate.release(ok=False)
+    assert gate.in_flight == 0 and gate.limit == 4
+    fresh = [gate.acquire() for _ in range(4)]  # up to the cap, then a fifth would wait
+    gate.throttle(0.0, fresh[0])  # a call sent after the cut brings news: halved again
+    assert gate.limit == 2
+    for _ in range(4):
+        gate.release(ok=True)  # 2 + 1/2 + 1/2.5 + …: about one more per round of answered calls
+    assert 3 <= gate.limit < 4  # type: ignore[operator]
+    while gate.limit is not None:  # answered calls raise it back to the most seen in flight, then no cap
+        gate.acquire()
+        gate.release(ok=True)
+    assert gate.in_flight == 0
+
+
+def test_the_pause_after_a_429_holds_every_caller_but_never_longer_than_its_max_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import agentnb.models.ratelimit as rl
+
+    slept: list[float] = []
+    monkeypatch.setattr(rl.time, "sleep", slept.append)
+    gate = Gate()
+    ticket = gate.acquire()
+    gate.throttle(30.0, ticket)
+    gate.release(ok=False)
+    gate.acquire(max_wait=2.0)  # another job's call: waits the pause out, capped by its max_backoff
+    gate.release(ok=True)
+    gate.acquire(max_wait=None)
+    gate.release(ok=True)
+    assert 1.9 < slept[0] <= 2.0 and 29 < slept[1] <= 30
+    gate.acquire(waited_until=time.monotonic() + 60)  # the caller that got the 429 has slept it already
+    assert len(slept) == 2
+
+
+# -- the openai client ----------------------------------------------------------------------------------
+
+
+def test_one_client_per_endpoint_key_and_timeout_is_shared(server: OpenAIServer) -> None:
+    a, b = OpenAIModel("m"), OpenAIModel("other")
+    assert a._get_client() is b._get_client()
+    assert OpenAIModel("m", api_key="sk-another")._get_client() is not a._get_client()
+    assert OpenAIModel("m", timeout=3)._get_client() is not a._get_client()
+    import agentnb.models.openai as oa
+
+    assert "sk-test-executor" not in repr(list(oa._clients))  # looked up by a digest of the key
+
+
+# -- progress ----------------------------------------------------------------------------------------------
+
+
+def test_the_progress_bar_counts_jobs_tokens_and_dollars_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ws = Workspace(tmp_path / "ws")
+    ws.batch(_cases(3), piece="single", model="demo", name="shown", concurrency=2)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    last = captured.err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "batch shown" in last and "3/3" in last
+    tokens = sum(ws.store.total_tokens(j.id) for j in ws.jobs())
+    assert f"{tokens:,} tokens" in last and "$0.0000" in last  # the demo model costs nothing
+    assert re.search(r"\d+ ok, 0 failed", last)
+    ws.batch(_cases(3), piece="plan-implement-verify", model="demo", name="quiet", progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_bar_that_cannot_be_drawn_as_a_widget_falls_back_to_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import tqdm.auto
+
+    def no_widget(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError("IProgress not found. Please update jupyter and ipywidgets.")
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", no_widget)
+    ws = Workspace(tmp_path / "ws")
+    b = ws.batch(_cases(2), piece="single", model="demo", name="plain")
+    assert b.counts()["queued"] == b.counts()["running"] == 0 and len(b.last_run.statuses) == 2
+    assert "batch plain: 100%" in capsys.readouterr().err
+
+
+def test_run_jobs_reports_each_jobs_status(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path / "ws")
+    jobs = [ws.submit(f"t{i}", piece="single", model="demo") for i in range(3)]
+    ended: list[int] = []
+    report = run_jobs(ws, [j.id for j in jobs], concurrency=3, on_end=lambda job: ended.append(job.id))
+    assert sorted(ended) == [j.id for j in jobs]
+    assert report.statuses == {j.id: str(j.status) for j in jobs} and set(report.statuses.values()) <= {
+        "succeeded", "waiting_human"}  # the demo model asks the user about a task this vague
+
+
+# -- Ctrl-C, SIGTERM and SIGKILL, in a real process ----------------------------------------------------
+
+SCRIPT = textwrap.dedent('''
+    import os, sys, time
+    from pathlib import Path
+    import agentnb
+
+    @agentnb.tool(permission="edit")
+    def append_line(ctx, line: str) -> str:
+        """Append a line to output/log.txt.
+
+        Args:
+            line: the line
+        """
+        with open(Path(ctx.workdir) / "output" / "log.txt", "a", encoding="utf-8") as f:
+            f.write(line + "\\n")
+        time.sleep(0.05)  # a kill may land after the effect, before its result is recorded
+        return "appended"
+
+    ws = agentnb.Workspace(sys.argv[1])
+    if sys.argv[2] == "start":
+        cases = [{"instruction": f"do case-{i}"} for i in range(int(sys.argv[4]))]
+        ws.batch(cases, piece=sys.argv[3], model="openai:m", name="exp", concurrency=4)
+    else:
+        b = ws.batch("exp", concurrency=4)
+        print("RESUMED", b.counts())
+''')
+
+TOOL_PIECE = PIECE.replace("tools: [Write]", "tools: [append_line]")
+
+
+def _start(tmp_path: Path, srv: OpenAIServer, *args: str) -> subprocess.Popen[str]:
+    script = tmp_path / "batch_script.py"
+    script.write_text(SCRIPT, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OPENAI_BASE_URL": srv.base_url, "OPENAI_API_KEY": "sk-test", "AGENTNB_OPENAI_BACKOFF": "0.01",
+           "AGENTNB_OPENAI_TIMEOUT": "20"}
+    return subprocess.Popen([sys.executable, str(script), str(tmp_path / "ws"), *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _when_seen(srv: OpenAIServer, proc: subprocess.Popen[str], n: int) -> None:
+    deadline = time.monotonic() + 60  # a guard against a hung child, not a timing assertion
+    while len(srv.received) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the batch never reached the server"
+        time.sleep(0.01)
+
+
+def _resume_and_check(tmp_path: Path, srv: OpenAIServer, n: int) -> None:
+    proc = _start(tmp_path, srv, "resume")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "RESUMED" in out
+    ws = Workspace(tmp_path / "ws", readonly=True)
+    jobs = ws.jobs()
+    assert len(jobs) == n and all(str(j.status) == "succeeded" for j in jobs), [(j.id, j.status, j.error) for j in jobs]
+    for job in jobs:
+        assert len(_check_events(ws, job.id)) == CALLS  # no LLM call recorded twice
+        lines = (job.output / "log.txt").read_text(encoding="utf-8").splitlines()
+        assert len(lines) == len(set(lines)), lines  # no completed tool call run twice
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGINT twice"])
+def test_ctrl_c_pauses_every_running_job_and_the_batch_resumes(tmp_path: Path, how: str) -> None:
+    answers = _answers("append_line")
+    with OpenAIServer(latency=0.15, responder=answers, key=_case) as srv:
+        piece = write_piece(tmp_path, TOOL_PIECE)
+        proc = _start(tmp_path, srv, "start", str(piece), "10")
+        _when_seen(srv, proc, 8)
+        proc.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGINT)
+        if how == "SIGINT twice":  # impatient: the jobs are still finishing their calls
+            time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        if how != "SIGTERM":
+            assert "KeyboardInterrupt" in err
+        assert "resume with ws.batch('exp')" in err
+        ws = Workspace(tmp_path / "ws", readonly=True)
+        statuses = collections.Counter(str(j.status) for j in ws.jobs())
+        assert statuses["running"] == 0 and statuses["queued"] > 0
+        started_and_paused = [j for j in ws.jobs() if str(j.status) == "queued" and ws.events(j.id, kinds=["llm_response"])]
+        assert started_and_paused
+        assert all(ws.store.last_status_reason(j.id) == STOP_REASON for j in started_and_paused)
+        # a pause comes after the current call: no request was cut short, so none is asked again
+        before = _answered(srv)
+        for j in ws.jobs():
+            assert len(ws.events(j.id, kinds=["llm_response"])) == before[f"case-{j.id - 1}"]
+        _resume_and_check(tmp_path, srv, 10)
+        assert all(count == CALLS for count in _answered(srv).values())  # every call answered once, overall
+
+
+def test_a_killed_batch_resumes_without_repeating_a_completed_tool_call(tmp_path: Path) -> None:
+    with OpenAIServer(latency=0.1, responder=_answers("append_line"), key=_case) as srv:
+        piece = write_piece(tmp_path, TOOL_PIECE)
+        proc = _start(tmp_path, srv, "start", str(piece), "8")
+        _when_seen(srv, proc, 9)
+        proc.kill()
+        proc.communicate(timeout=60)
+        ws = Workspace(tmp_path / "ws", readonly=True)
+        assert any(str(j.status) == "running" for j in ws.jobs())  # its owner is gone: the resume takes it over
+        _resume_and_check(tmp_path, srv, 8)
