@@ -289,7 +289,7 @@ def test_design_lab_runs_in_jupyterlab(lab: Lab) -> None:
         browser = _launch(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{lab.url}/lab/tree/notebooks/05-design-lab.ipynb")
+            page.goto(f"{lab.url}/lab/tree/notebooks/05-design-lab.ipynb?reset")  # ?reset: only this notebook open (the lab is shared with the other tests)
             _run_all_cells(page)
             _assert_no_cell_raised(page)
             outputs = page.locator(".jp-OutputArea-output")
