@@ -295,8 +295,8 @@ class AgentMagic(Magics):
             if handle is not None:
                 handle.update(view())
 
-        worker.start()
         if background:
+            worker.start()
             watcher = threading.Thread(target=watch, name=f"agentnb-watch-{job_id}", daemon=True)
             self.threads[job_id] = watcher
             watcher.start()
@@ -307,10 +307,16 @@ class AgentMagic(Magics):
             self._after_cell(lambda value: object.__setattr__(result, "_shown_live", False))
             return result
         try:
+            # started inside the try: a Ctrl-C while the thread starts must pause the job, not escape
+            worker.start()
             watch()
         except KeyboardInterrupt:
+            if worker.ident is None:  # interrupted before the job's thread existed: nothing ran
+                raise
+            # asked again until the run ends: a run that was only starting clears a request made before it
             self.ws.stop(job_id)
-            done.wait()
+            while not done.wait(0.25):
+                self.ws.stop(job_id)
             if handle is not None:
                 handle.update(view())
             if unit is None:
