@@ -5,7 +5,8 @@ frameworks for the GIL) and answers every ``POST /v1/chat/completions`` after a 
 50 ms).  It is stateless: it counts the tool results in the request's messages and answers with a call of
 the ``echo`` tool until there are four, then with the end of the run — a ``transition`` call when the
 request offers that tool (agentnb), a plain text answer otherwise (the peers).  So every run is 5 LLM
-calls: 4 tool calls and the end.
+calls: 4 tool calls and the end.  (To see where the CPU goes, profile every thread, not only the main one:
+the py-spy line below samples only threads holding the GIL.)
 
 * agentnb — ``ws.batch(cases, piece=<one movement with echo>, model="openai:bench", concurrency=N)``,
   real HTTP through the ``openai`` client (``OPENAI_BASE_URL`` points at the server), every event
@@ -15,6 +16,11 @@ calls: 4 tool calls and the end.
   ``ainvoke`` bounded by ``asyncio.Semaphore(N)``, no checkpointer.
 * pydantic-ai — ``Agent(OpenAIChatModel(...), tools=[echo])``, ``asyncio.gather`` of ``agent.run``
   bounded by ``asyncio.Semaphore(N)``, no persistence.
+* floor — the same requests over raw asyncio sockets: what the endpoint and the machine allow.
+* agentnb-preview — agentnb with ``OpenAIModel``'s client patched here to one shared client whose chat call
+  is a single ``client.post`` (see ``_preview_client``): what ``models/openai.py`` could gain; not as shipped.
+
+A framework that is not installed prints one line and the others go on.
 
 Ideal throughput is concurrency ÷ latency calls per second; the ratio is measured ÷ ideal.  Jobs come in
 whole runs of 5 calls, so when jobs is not a multiple of the concurrency the last wave runs part-empty:
@@ -25,8 +31,8 @@ the "bound" column is the best ratio that wave structure allows (ceil(jobs / N) 
     python benchmarks/batch_throughput.py --levels 32 --jobs 200 --only agentnb      # a quick run
     python benchmarks/batch_throughput.py --jobs-c1 400     # the full 400 at concurrency 1 (100 s)
     python benchmarks/batch_throughput.py --markdown --json run.json
-    python benchmarks/batch_throughput.py --profile 32      # pyinstrument of agentnb at concurrency 32
-    python benchmarks/batch_throughput.py --serve           # only the endpoint (prints its URL)
+    py-spy record --gil -f raw -o spy.txt -- python benchmarks/batch_throughput.py --levels 32 --only agentnb
+    python benchmarks/batch_throughput.py --serve --port 8050   # only the endpoint (prints PORT n)
 """
 
 from __future__ import annotations
@@ -185,7 +191,6 @@ class Outcome:
 
 Runner = Callable[[str, int, int], Outcome]
 _TMP: list[tempfile.TemporaryDirectory[str]] = []
-PROFILE: dict[str, Any] = {}  # set by --profile: {"concurrency": N, "path": html}
 
 
 def _echo_tool() -> Any:
@@ -283,20 +288,10 @@ def _agentnb(base_url: str, jobs: int, concurrency: int, *, preview: bool) -> Ou
     piece = agentnb.parse_piece(PIECE)
     # creating the batch (400 job rows and folders) is outside the timed region: the run is what is measured
     b = ws.batch(cases, piece=piece, model=f"openai:{MODEL}", name=f"c{concurrency}", run=False, progress=False)
-    profiler = None
-    if PROFILE.get("concurrency") == concurrency:
-        from pyinstrument import Profiler
-
-        profiler = Profiler(interval=0.0005, async_mode="disabled")
-        profiler.start()
     with _preview_client() if preview else nullcontext():
         c0, t0 = time.process_time(), time.perf_counter()
         b.run(concurrency=concurrency, progress=False)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-    if profiler is not None:
-        profiler.stop()
-        Path(PROFILE["path"]).write_text(profiler.output_html(), encoding="utf-8")
-        print(profiler.output_text(unicode=True, color=False, show_all=False)[:12000], file=sys.stderr)
     counts = b.counts()
     if counts.get("succeeded") != jobs:
         bad = [j for j in b.jobs if str(j.status) != "succeeded"][:1]
@@ -555,8 +550,6 @@ def main(argv: list[str] | None = None) -> int:
                    ", ".join(f.key for f in FRAMEWORKS))
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--json", metavar="PATH", help="also save the results as JSON")
-    p.add_argument("--profile", type=int, metavar="N", help="profile agentnb's run at concurrency N (pyinstrument)")
-    p.add_argument("--profile-html", default="batch_throughput_profile.html", help="where --profile writes HTML")
     p.add_argument("--serve", action="store_true", help="only run the endpoint (prints PORT n)")
     p.add_argument("--port", type=int, default=0, help="with --serve: the port (default: any free one)")
     args = p.parse_args(argv)
@@ -566,9 +559,10 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     plan = [(c, args.jobs_c1 if c == 1 else args.jobs) for c in levels]
     only = {x.strip() for x in args.only.split(",") if x.strip()}
+    unknown = only - {f.key for f in FRAMEWORKS}
+    if unknown:
+        p.error(f"--only: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(f.key for f in FRAMEWORKS)}")
     chosen = [f for f in FRAMEWORKS if not only or f.key in only]
-    if args.profile:
-        PROFILE.update(concurrency=args.profile, path=args.profile_html)
     results = []
     with Endpoint(args.latency) as endpoint:
         for fw in chosen:
