@@ -317,3 +317,47 @@ def test_the_store_names_every_payload_field_through_the_event_dataclasses() -> 
                for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
                if re.search(r"""['"]\$\.""", line)]
     assert by_hand == []
+
+
+def test_rows_are_encoded_before_the_store_lock_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every job thread of a batch waits for the store's lock, so encoding a payload must not hold it;
+    only a payload that refers to the stored instruction is built inside the transaction."""
+    import threading
+
+    import agentnb.store.sqlite as sqlite_module
+    from agentnb.events import MovementStart
+    from agentnb.store.sqlite import TEXT_REF, TEXT_REF_MIN_CHARS
+
+    store = SQLiteStore(tmp_path / "s.sqlite")
+    instruction = "Summarise the report. " * (TEXT_REF_MIN_CHARS // 10)
+    job_id = store.create_job(piece="p", piece_yaml="name: p", model="demo", instruction=instruction, workdir="")
+    held: list[bool] = []
+    encode = sqlite_module.encode_payload
+
+    def spying(data: dict) -> str:
+        free: list[bool] = []
+
+        def probe() -> None:  # from another thread, as a waiting job thread would
+            got = store._lock.acquire(blocking=False)
+            if got:
+                store._lock.release()
+            free.append(got)
+
+        t = threading.Thread(target=probe)
+        t.start()
+        t.join()
+        held.append(not free[0])
+        return encode(data)
+
+    monkeypatch.setattr(sqlite_module, "encode_payload", spying)
+    store.append([CommentEvent(job_id=job_id, author="user", body="hi"),
+                  ToolResult(job_id=job_id, tool="Read", call_id="c1", content="ok")])
+    assert held == [False, False]
+    user = f"## Task\n{instruction}\n"
+    store.append([MovementStart(job_id=job_id, movement_seq=1, movement="work", seq=1, system="s", user=user)])
+    assert held == [False, False, True]
+    raw = store.query("SELECT payload FROM events WHERE kind='movement_start'")[0][0]
+    assert TEXT_REF in raw and instruction not in raw  # still stored by reference
+    (back,) = store.events(job_id, kinds=["movement_start"])
+    assert isinstance(back, MovementStart) and back.user == user
+    assert [e.kind for e in store.events(job_id)][-3:] == ["comment", "tool_result", "movement_start"]

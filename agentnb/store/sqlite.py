@@ -526,20 +526,23 @@ class SQLiteStore:
 
     # -- events ---------------------------------------------------------------
     def _append(self, c: sqlite3.Connection, events: Iterable[Event]) -> None:
-        c.executemany(
-            "INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES (?,?,?,?,?,?)",
-            [self._event_row(c, ev) for ev in events],
-        )
+        self._insert(c, [self._event_row(c, ev) for ev in events])
 
-    def _event_row(self, c: sqlite3.Connection, ev: Event) -> tuple[Any, ...]:
+    @staticmethod
+    def _insert(c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+        c.executemany("INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES (?,?,?,?,?,?)",
+                      rows)
+
+    def _event_row(self, c: sqlite3.Connection | None, ev: Event) -> tuple[Any, ...]:
         """The ``events`` row of ``ev``: its payload data (events.py), the job's long instruction put by
-        reference (texts.py), then encoded by events.py's one encoder."""
+        reference (texts.py; needs the transaction ``c``), then encoded by events.py's one encoder."""
         if not isinstance(ev, EventBase):
             raise StoreError(f"not an event: {ev!r}; the store appends only agentnb.events objects")
         if self._strict:
             check_event(ev)
         data = payload_dict(ev)
         if ev.kind in REF_FIELDS:
+            assert c is not None, "a referencing payload is built inside its transaction"
             data = self._ref_payload(c, ev.job_id, ev.kind, data)
         return ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(), ev.kind, encode_payload(data)
 
@@ -563,8 +566,14 @@ class SQLiteStore:
         if c is not None:
             self._append(self._tx(c), events)
             return
+        # Checked and encoded before the lock is taken: every job's thread waits for that lock, so only the
+        # writes happen while it is held.  Only the payloads that refer to the job's stored instruction need
+        # the transaction (they read its reference).
+        rows = [ev if isinstance(ev, EventBase) and ev.kind in REF_FIELDS else self._event_row(None, ev)
+                for ev in events]
         with self.transaction() as c2:
-            self._append(self._tx(c2), events)
+            conn = self._tx(c2)
+            self._insert(conn, [r if isinstance(r, tuple) else self._event_row(conn, r) for r in rows])
 
     def events(
         self,

@@ -1,0 +1,590 @@
+"""Batch throughput against a slow endpoint: agentnb's ``ws.batch`` beside LangGraph and pydantic-ai (issue 14).
+
+An OpenAI-compatible endpoint runs on loopback in a separate process (so it does not compete with the
+frameworks for the GIL) and answers every ``POST /v1/chat/completions`` after a fixed latency (default
+50 ms).  It is stateless: it counts the tool results in the request's messages and answers with a call of
+the ``echo`` tool until there are four, then with the end of the run — a ``transition`` call when the
+request offers that tool (agentnb), a plain text answer otherwise (the peers).  So every run is 5 LLM
+calls: 4 tool calls and the end.  (To see where the CPU goes, profile every thread, not only the main one:
+the py-spy line below samples only threads holding the GIL.)
+
+* agentnb — ``ws.batch(cases, piece=<one movement with echo>, model="openai:bench", concurrency=N)``,
+  real HTTP through the ``openai`` client (``OPENAI_BASE_URL`` points at the server), every event
+  persisted in a real SQLite file.  Afterwards the benchmark checks that every job succeeded and that the
+  store holds jobs × 5 ``llm_response`` events.
+* LangGraph — ``create_react_agent`` on langchain-openai's ``ChatOpenAI``, ``asyncio.gather`` of
+  ``ainvoke`` bounded by ``asyncio.Semaphore(N)``, no checkpointer.
+* pydantic-ai — ``Agent(OpenAIChatModel(...), tools=[echo])``, ``asyncio.gather`` of ``agent.run``
+  bounded by ``asyncio.Semaphore(N)``, no persistence.
+* floor — the same requests over raw asyncio sockets: what the endpoint and the machine allow.
+* agentnb-preview — agentnb with ``OpenAIModel``'s client patched here to one shared client whose chat call
+  is a single ``client.post`` (see ``_preview_client``): what ``models/openai.py`` could gain; not as shipped.
+
+A framework that is not installed prints one line and the others go on.
+
+Ideal throughput is concurrency ÷ latency calls per second; the ratio is measured ÷ ideal.  Jobs come in
+whole runs of 5 calls, so when jobs is not a multiple of the concurrency the last wave runs part-empty:
+the "bound" column is the best ratio that wave structure allows (ceil(jobs / N) waves of 5 latencies).
+
+    pip install -e '.[bench]'                               # the peers; never part of the main install
+    python benchmarks/batch_throughput.py                   # 400 jobs at 8, 32, 64; 100 at concurrency 1
+    python benchmarks/batch_throughput.py --levels 32 --jobs 200 --only agentnb      # a quick run
+    python benchmarks/batch_throughput.py --jobs-c1 400     # the full 400 at concurrency 1 (100 s)
+    python benchmarks/batch_throughput.py --markdown --json run.json
+    py-spy record --gil -f raw -o spy.txt -- python benchmarks/batch_throughput.py --levels 32 --only agentnb
+    python benchmarks/batch_throughput.py --serve --port 8050   # only the endpoint (prints PORT n)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext, suppress
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FRAMEWORKS", "Level", "main", "serve"]
+
+CALLS_PER_RUN = 5  # 4 echo tool calls + the end of the run
+TOOL_CALLS = CALLS_PER_RUN - 1
+NOT_INSTALLED = "not installed (pip install -e '.[bench]')"
+MODEL = "bench"
+
+
+# ---------------------------------------------------------------------------
+# the endpoint (its own process): a minimal asyncio HTTP/1.1 server with keep-alive
+
+
+def _answer(request: dict[str, Any], n: int) -> dict[str, Any]:
+    """The chat completion for ``request``, decided from its messages alone (the server keeps no state)."""
+    messages = request.get("messages") or []
+    done = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "tool")
+    tools = {t.get("function", {}).get("name") for t in request.get("tools") or [] if isinstance(t, dict)}
+    message: dict[str, Any] = {"role": "assistant", "content": None}
+    if done < TOOL_CALLS:
+        call = {"name": "echo", "arguments": json.dumps({"text": f"hello {done}"})}
+    elif "transition" in tools:
+        call = {"name": "transition", "arguments": json.dumps({"next_step": "COMPLETE", "summary": "done"})}
+    else:
+        call = None
+        message["content"] = "done"
+    if call is not None:
+        message["tool_calls"] = [{"id": f"call_{n}", "type": "function", "function": call}]
+    return {
+        "id": f"chatcmpl-{n}", "object": "chat.completion", "created": 1_700_000_000,
+        "model": request.get("model", MODEL),
+        "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if call else "stop"}],
+        "usage": {"prompt_tokens": 100 + 20 * done, "completion_tokens": 10, "total_tokens": 110 + 20 * done},
+    }
+
+
+async def _serve(port: int, latency: float, ready: Callable[[int], None]) -> None:
+    count = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal count
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                arrived = time.monotonic()
+                lines = head.decode("latin-1").split("\r\n")
+                method, path = lines[0].split(" ")[:2]
+                length = 0
+                for line in lines[1:]:
+                    if line[:15].lower() == "content-length:":
+                        length = int(line[15:])
+                body = await reader.readexactly(length) if length else b""
+                count += 1
+                if method == "POST" and path.rstrip("/").endswith("/chat/completions"):
+                    status, payload = "200 OK", _answer(json.loads(body or b"{}"), count)
+                elif path.rstrip("/").endswith("/count"):
+                    status, payload = "200 OK", {"requests": count}
+                else:
+                    status, payload = "404 Not Found", {"error": {"message": f"no route {path}"}}
+                data = json.dumps(payload).encode()
+                # the latency runs from the request's arrival, so the server's own work is inside it
+                await asyncio.sleep(max(0.0, latency - (time.monotonic() - arrived)))
+                writer.write(f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(data)}"
+                             "\r\nconnection: keep-alive\r\n\r\n".encode() + data)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
+    ready(server.sockets[0].getsockname()[1])
+    async with server:
+        await server.serve_forever()
+
+
+def serve(port: int = 0, latency: float = 0.05) -> None:
+    """Run the endpoint in this process until killed; prints ``PORT <n>`` once it listens."""
+
+    def ready(p: int) -> None:
+        print(f"PORT {p}", flush=True)
+
+    with suppress(KeyboardInterrupt):
+        asyncio.run(_serve(port, latency, ready))
+
+
+class Endpoint:
+    """The endpoint in a child process, for a ``with`` block."""
+
+    def __init__(self, latency: float) -> None:
+        self.latency = latency
+        self.proc: subprocess.Popen[str] | None = None
+        self.base_url = ""
+
+    def __enter__(self) -> Endpoint:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", "--latency", str(self.latency)],
+            stdout=subprocess.PIPE, text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("PORT "):
+            self.proc.kill()
+            raise RuntimeError(f"the endpoint did not start: {line!r}")
+        self.base_url = f"http://127.0.0.1:{int(line.split()[1])}/v1"
+        return self
+
+    def requests(self) -> int:
+        """How many requests the endpoint has answered (one plain HTTP GET)."""
+        host, port = self.base_url.split("//")[1].split("/")[0].split(":")
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"GET /count HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+            data = b""
+            while not data.endswith(b"}"):
+                data += s.recv(4096)
+        return int(json.loads(data.split(b"\r\n\r\n", 1)[1])["requests"])
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+# ---------------------------------------------------------------------------
+# the frameworks: each runs `jobs` runs at `concurrency` and returns (seconds, LLM calls made)
+
+@dataclass
+class Outcome:
+    seconds: float  # wall time of the runs
+    cpu: float  # this process's CPU seconds over the same span
+    calls: int  # LLM calls made (agentnb: llm_response events in the store)
+
+
+Runner = Callable[[str, int, int], Outcome]
+_TMP: list[tempfile.TemporaryDirectory[str]] = []
+
+
+def _echo_tool() -> Any:
+    import agentnb
+    from agentnb.tools.base import get_tool
+
+    existing = get_tool("echo")
+    if existing is not None:
+        return existing
+
+    @agentnb.tool
+    def echo(text: str) -> str:
+        """Return the text unchanged."""
+        return text
+
+    return echo
+
+
+PIECE = (
+    "name: bench\n"
+    "movements:\n"
+    "  - name: work\n"
+    "    instruction: Echo the greetings, one tool call at a time, then finish.\n"
+    "    tools: [echo]\n"
+    "    max_iterations: 20\n"
+    "    rules: [{next: COMPLETE}]\n"
+)
+
+
+def agentnb_run(base_url: str, jobs: int, concurrency: int) -> Outcome:
+    return _agentnb(base_url, jobs, concurrency, preview=False)
+
+
+def agentnb_preview_run(base_url: str, jobs: int, concurrency: int) -> Outcome:
+    return _agentnb(base_url, jobs, concurrency, preview=True)
+
+
+class _LeanCompletions:
+    """``client.chat.completions.with_raw_response.create(**kw)`` as one ``client.post`` returning the raw
+    ``httpx.Response``: the same request body and errors, without the SDK's per-call ``maybe_transform`` of the
+    whole message list (~1 ms of CPU per call here) or its response wrapper."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.chat = self
+        self.completions = self
+        self.with_raw_response = self
+
+    def create(self, **kwargs: Any) -> Any:
+        import httpx
+
+        class Raw:
+            http_response = self._client.post("/chat/completions", body=kwargs, cast_to=httpx.Response)
+
+        return Raw
+
+
+@contextmanager
+def _preview_client() -> Iterator[None]:
+    """What ``agentnb/models/openai.py`` could do (it belongs to another change; see benchmarks/README.md):
+    one client per endpoint for every job instead of one per job (``openai.OpenAI()`` costs ~38 ms of CPU,
+    most of it an SSL context, even for http://), and the lean call above."""
+    from agentnb.models import openai as adapter
+
+    original = adapter.OpenAIModel._get_client
+    shared: dict[tuple[Any, ...], Any] = {}
+    lock = threading.Lock()
+
+    def get_client(model: Any) -> Any:
+        with lock:
+            key = (model.base_url, model.timeout)
+            if key not in shared:
+                shared[key] = _LeanCompletions(original(model))
+            model._client = shared[key]
+            return model._client
+
+    adapter.OpenAIModel._get_client = get_client  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        adapter.OpenAIModel._get_client = original  # type: ignore[method-assign]
+
+
+def _agentnb(base_url: str, jobs: int, concurrency: int, *, preview: bool) -> Outcome:
+    import agentnb
+    from agentnb import Workspace
+
+    _echo_tool()
+    os.environ["OPENAI_BASE_URL"] = base_url
+    os.environ.setdefault("OPENAI_API_KEY", "not-needed")
+    tmp = tempfile.TemporaryDirectory(prefix="agentnb-throughput-")
+    _TMP.append(tmp)
+    ws = Workspace(Path(tmp.name) / "ws")
+    cases = [{"instruction": f"Echo greeting number {i}."} for i in range(jobs)]
+    piece = agentnb.parse_piece(PIECE)
+    # creating the batch (400 job rows and folders) is outside the timed region: the run is what is measured
+    b = ws.batch(cases, piece=piece, model=f"openai:{MODEL}", name=f"c{concurrency}", run=False, progress=False)
+    with _preview_client() if preview else nullcontext():
+        c0, t0 = time.process_time(), time.perf_counter()
+        b.run(concurrency=concurrency, progress=False)
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    counts = b.counts()
+    if counts.get("succeeded") != jobs:
+        bad = [j for j in b.jobs if str(j.status) != "succeeded"][:1]
+        why = f"; e.g. job {bad[0].id}: {bad[0].status} {bad[0].error}" if bad else ""
+        raise RuntimeError(f"agentnb: not every job succeeded: {counts}{why}")
+    # what the store holds, not what we hoped: one llm_response row per call
+    calls = int(ws.store.query("SELECT COUNT(*) FROM events WHERE kind='llm_response'")[0][0])
+    ws.store.close()
+    return Outcome(elapsed, cpu, calls)
+
+
+async def _gathered(run_one: Callable[[int], Any], jobs: int, concurrency: int) -> Outcome:
+    """``run_one(i)`` for every job, ``concurrency`` at once; each returns the LLM calls it made."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def bounded(i: int) -> Any:
+        async with gate:
+            return await run_one(i)
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    results = await asyncio.gather(*(bounded(i) for i in range(jobs)))
+    return Outcome(time.perf_counter() - t0, time.process_time() - c0, sum(results))
+
+
+def floor_run(base_url: str, jobs: int, concurrency: int) -> Outcome:
+    """The same 5 requests per run over raw asyncio sockets (no HTTP library, no framework): what the
+    endpoint and the machine allow."""
+    host, port = base_url.split("//")[1].split("/")[0].split(":")
+
+    async def go() -> Outcome:
+        async def one(i: int) -> int:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            messages: list[dict[str, Any]] = [{"role": "user", "content": f"Echo greeting number {i}."}]
+            calls = 0
+            try:
+                while True:
+                    body = json.dumps({"model": MODEL, "messages": messages}).encode()
+                    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: "
+                                 b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length:"))
+                    message = json.loads(await reader.readexactly(length))["choices"][0]["message"]
+                    calls += 1
+                    messages.append(message)
+                    if not message.get("tool_calls"):
+                        return calls
+                    messages.append({"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "x"})
+            finally:
+                writer.close()
+
+        return await _gathered(one, jobs, concurrency)
+
+    return asyncio.run(go())
+
+
+def langgraph_run(base_url: str, jobs: int, concurrency: int) -> Outcome:
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool as lc_tool
+    from langchain_openai import ChatOpenAI
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # create_react_agent is deprecated in favour of langchain.agents
+        from langgraph.prebuilt import create_react_agent
+
+    @lc_tool
+    def echo(text: str) -> str:
+        """Return the text unchanged."""
+        return text
+
+    async def go() -> Outcome:
+        import openai
+
+        # a client of this event loop: langchain-openai's cached default one would outlive asyncio.run
+        http = openai.DefaultAsyncHttpxClient()
+        llm = ChatOpenAI(model=MODEL, base_url=base_url, api_key="not-needed", max_retries=0,  # type: ignore[arg-type]
+                         http_async_client=http)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            agent = create_react_agent(llm, [echo])
+
+        async def one(i: int) -> int:
+            out = await agent.ainvoke({"messages": [("user", f"Echo greeting number {i}.")]},
+                                      {"recursion_limit": 4 * CALLS_PER_RUN})
+            return sum(isinstance(m, AIMessage) for m in out["messages"])  # type: ignore[no-any-return]
+
+        try:
+            return await _gathered(one, jobs, concurrency)
+        finally:
+            await http.aclose()
+
+    return asyncio.run(go())
+
+
+def pydantic_ai_run(base_url: str, jobs: int, concurrency: int) -> Outcome:
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    def echo(text: str) -> str:
+        """Return the text unchanged."""
+        return text
+
+    async def go() -> Outcome:
+        model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=base_url, api_key="not-needed"))
+        agent = Agent(model, tools=[echo])
+
+        async def one(i: int) -> int:
+            result = await agent.run(f"Echo greeting number {i}.")
+            return int(result.usage().requests)
+
+        return await _gathered(one, jobs, concurrency)
+
+    return asyncio.run(go())
+
+
+@dataclass
+class Framework:
+    key: str
+    label: str
+    run: Runner
+
+
+FRAMEWORKS = [
+    Framework("floor", "floor: raw asyncio sockets, no HTTP library", floor_run),
+    Framework("agentnb", "agentnb ws.batch (SQLite, every event)", agentnb_run),
+    Framework("agentnb-preview", "agentnb + shared lean openai client (preview)", agentnb_preview_run),
+    Framework("langgraph", "LangGraph create_react_agent + ChatOpenAI (gather of ainvoke)", langgraph_run),
+    Framework("pydantic-ai", "pydantic-ai Agent + OpenAIChatModel (gather of run)", pydantic_ai_run),
+]
+
+
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Level:
+    concurrency: int
+    jobs: int
+    seconds: list[float] = field(default_factory=list)  # one per repeat
+    cpu: list[float] = field(default_factory=list)  # process CPU seconds per repeat
+    load: list[float] = field(default_factory=list)  # 1-minute load average before each repeat
+
+    def calls_per_s(self) -> float:
+        return self.jobs * CALLS_PER_RUN / statistics.median(self.seconds)
+
+
+@dataclass
+class Result:
+    key: str
+    label: str
+    error: str | None = None
+    levels: list[Level] = field(default_factory=list)
+
+
+def measure(fw: Framework, base_url: str, plan: list[tuple[int, int]], repeat: int, latency: float,
+            endpoint: Endpoint) -> Result:
+    res = Result(fw.key, fw.label)
+    try:
+        fw.run(base_url, 4, 2)  # warm-up: imports, the tokenizer, the first connections
+    except ImportError:
+        res.error = NOT_INSTALLED
+        return res
+    except Exception as exc:  # a peer's API changed: report it and go on with the others
+        res.error = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        return res
+    finally:
+        _cleanup()
+    for concurrency, jobs in plan:
+        level = Level(concurrency, jobs)
+        for _ in range(repeat):
+            load = os.getloadavg()[0]
+            before = endpoint.requests()
+            out = fw.run(base_url, jobs, concurrency)
+            elapsed, cpu, calls = out.seconds, out.cpu, out.calls
+            served = endpoint.requests() - before - 1  # minus the count request itself
+            _cleanup()
+            if calls != jobs * CALLS_PER_RUN or served != jobs * CALLS_PER_RUN:
+                raise RuntimeError(f"{fw.key} at concurrency {concurrency}: {calls} LLM calls recorded and "
+                                   f"{served} served, expected {jobs * CALLS_PER_RUN}")
+            level.seconds.append(elapsed)
+            level.cpu.append(cpu)
+            level.load.append(load)
+            ideal = concurrency / latency
+            print(f"  {fw.key:12} c={concurrency:<3} jobs={jobs:<4} {elapsed:7.2f} s  "
+                  f"{jobs * CALLS_PER_RUN / elapsed:7.1f} calls/s  ratio {jobs * CALLS_PER_RUN / elapsed / ideal:.2f}  "
+                  f"CPU {cpu:6.2f} s ({cpu / elapsed:.0%} of wall)  load {load:.1f}", file=sys.stderr, flush=True)
+        res.levels.append(level)
+    return res
+
+
+def _cleanup() -> None:
+    while _TMP:
+        _TMP.pop().cleanup()
+
+
+def _bound(jobs: int, concurrency: int) -> float:
+    """The best ratio whole runs allow: the last wave of runs may be part-empty."""
+    waves = math.ceil(jobs / concurrency)
+    return (jobs / concurrency) / waves
+
+
+def rows(results: list[Result], latency: float) -> list[list[str]]:
+    head = ["framework", "concurrency", "jobs", "seconds (median)", "calls/s", "ideal calls/s", "ratio",
+            "bound", "CPU ÷ wall", "load avg"]
+    out = [head]
+    for r in results:
+        if r.error:
+            out.append([r.label, r.error] + [""] * (len(head) - 2))
+            continue
+        for lv in r.levels:
+            ideal = lv.concurrency / latency
+            cps = lv.calls_per_s()
+            sec = statistics.median(lv.seconds)
+            cpu = statistics.median(c / s for c, s in zip(lv.cpu, lv.seconds, strict=True))
+            out.append([r.label, str(lv.concurrency), str(lv.jobs), f"{sec:.2f}", f"{cps:.1f}", f"{ideal:.0f}",
+                        f"{cps / ideal:.2f}", f"{_bound(lv.jobs, lv.concurrency):.2f}", f"{cpu:.0%}",
+                        "/".join(f"{x:.1f}" for x in lv.load)])
+    return out
+
+
+def _print(table: list[list[str]], markdown: bool) -> None:
+    if markdown:
+        print("| " + " | ".join(table[0]) + " |")
+        print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(table[0]))) + "|")
+        for row in table[1:]:
+            print("| " + " | ".join(row) + " |")
+        return
+    widths = [max(len(row[i]) for row in table if i < len(row)) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=False))))
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version(), "sqlite": __import__("sqlite3").sqlite_version}
+    for name in ("agentnb", "openai", "httpx", "langgraph", "langchain-openai", "pydantic-ai-slim"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--levels", default="1,8,32,64", help="concurrency levels, comma-separated (default 1,8,32,64)")
+    p.add_argument("--jobs", type=int, default=400, help="jobs (runs) per level (default 400)")
+    p.add_argument("--jobs-c1", type=int, default=100,
+                   help="jobs at concurrency 1 (default 100: 400 would take 400×5×latency = 100 s)")
+    p.add_argument("--latency", type=float, default=0.05, help="the endpoint's latency in seconds (default 0.05)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per level; the median is shown (default 1)")
+    p.add_argument("--only", default="", help="frameworks to run, comma-separated: " +
+                   ", ".join(f.key for f in FRAMEWORKS))
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--json", metavar="PATH", help="also save the results as JSON")
+    p.add_argument("--serve", action="store_true", help="only run the endpoint (prints PORT n)")
+    p.add_argument("--port", type=int, default=0, help="with --serve: the port (default: any free one)")
+    args = p.parse_args(argv)
+    if args.serve:
+        serve(args.port, args.latency)
+        return 0
+    levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    plan = [(c, args.jobs_c1 if c == 1 else args.jobs) for c in levels]
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    unknown = only - {f.key for f in FRAMEWORKS}
+    if unknown:
+        p.error(f"--only: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(f.key for f in FRAMEWORKS)}")
+    chosen = [f for f in FRAMEWORKS if not only or f.key in only]
+    results = []
+    with Endpoint(args.latency) as endpoint:
+        for fw in chosen:
+            print(f"{fw.label}:", file=sys.stderr, flush=True)
+            results.append(measure(fw, endpoint.base_url, plan, args.repeat, args.latency, endpoint))
+            if results[-1].error:
+                print(f"  {fw.key}: {results[-1].error}", file=sys.stderr, flush=True)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+            "machine": platform.machine(), "latency_s": args.latency, "calls_per_run": CALLS_PER_RUN,
+            "versions": _versions()}
+    c1 = [c for c, j in plan if c == 1 and j != args.jobs]
+    print(f"\n{meta['date']}, {meta['cpus']} CPUs, latency {args.latency * 1000:.0f} ms, {CALLS_PER_RUN} calls per "
+          f"run ({TOOL_CALLS} echo tool calls + the end); ideal = concurrency ÷ latency; bound = the best ratio "
+          f"whole runs allow (ceil(jobs ÷ concurrency) waves)"
+          + (f"; concurrency 1 ran {args.jobs_c1} jobs, not {args.jobs}" if c1 else ""))
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + "\n")
+    _print(rows(results, args.latency), args.markdown)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=1),
+                                   encoding="utf-8")
+    return 0 if all(r.error is None or r.error == NOT_INSTALLED for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
