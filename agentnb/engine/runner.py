@@ -9,6 +9,7 @@ bookkeeping of the job in one transaction.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -224,11 +225,15 @@ def stored_piece(job: dict[str, Any]) -> Piece:
     """The piece a job was submitted with (its YAML is kept in the store, files inlined)."""
     from ..tools.base import registered_tool_names
 
+    return _parsed_piece(job["piece_yaml"], job.get("piece_path") or job["piece"], tuple(registered_tool_names()))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_piece(piece_yaml: str, source: str, registered: tuple[str, ...]) -> Piece:
+    # A batch's jobs share their piece: parsed once per process, not once per job (a Piece is frozen).
     # Tools named by the piece were checked at submit; a later process may lack a
     # notebook's custom tool, which the loop then reports to the model.
-    piece = parse_piece(job["piece_yaml"], source=job.get("piece_path") or job["piece"],
-                        known_tools=_all_names(job["piece_yaml"]) + registered_tool_names())
-    return piece
+    return parse_piece(piece_yaml, source=source, known_tools=_all_names(piece_yaml) + list(registered))
 
 
 def _all_names(piece_yaml: str) -> list[str]:
