@@ -17,8 +17,6 @@ the py-spy line below samples only threads holding the GIL.)
 * pydantic-ai — ``Agent(OpenAIChatModel(...), tools=[echo])``, ``asyncio.gather`` of ``agent.run``
   bounded by ``asyncio.Semaphore(N)``, no persistence.
 * floor — the same requests over raw asyncio sockets: what the endpoint and the machine allow.
-* agentnb-preview — agentnb with ``OpenAIModel``'s client patched here to one shared client whose chat call
-  is a single ``client.post`` (see ``_preview_client``): what ``models/openai.py`` could gain; not as shipped.
 
 A framework that is not installed prints one line and the others go on.
 
@@ -48,11 +46,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,60 +218,10 @@ PIECE = (
 
 
 def agentnb_run(base_url: str, jobs: int, concurrency: int) -> Outcome:
-    return _agentnb(base_url, jobs, concurrency, preview=False)
+    return _agentnb(base_url, jobs, concurrency)
 
 
-def agentnb_preview_run(base_url: str, jobs: int, concurrency: int) -> Outcome:
-    return _agentnb(base_url, jobs, concurrency, preview=True)
-
-
-class _LeanCompletions:
-    """``client.chat.completions.with_raw_response.create(**kw)`` as one ``client.post`` returning the raw
-    ``httpx.Response``: the same request body and errors, without the SDK's per-call ``maybe_transform`` of the
-    whole message list (~1 ms of CPU per call here) or its response wrapper."""
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-        self.chat = self
-        self.completions = self
-        self.with_raw_response = self
-
-    def create(self, **kwargs: Any) -> Any:
-        import httpx
-
-        class Raw:
-            http_response = self._client.post("/chat/completions", body=kwargs, cast_to=httpx.Response)
-
-        return Raw
-
-
-@contextmanager
-def _preview_client() -> Iterator[None]:
-    """What ``agentnb/models/openai.py`` could do (it belongs to another change; see benchmarks/README.md):
-    one client per endpoint for every job instead of one per job (``openai.OpenAI()`` costs ~38 ms of CPU,
-    most of it an SSL context, even for http://), and the lean call above."""
-    from agentnb.models import openai as adapter
-
-    original = adapter.OpenAIModel._get_client
-    shared: dict[tuple[Any, ...], Any] = {}
-    lock = threading.Lock()
-
-    def get_client(model: Any) -> Any:
-        with lock:
-            key = (model.base_url, model.timeout)
-            if key not in shared:
-                shared[key] = _LeanCompletions(original(model))
-            model._client = shared[key]
-            return model._client
-
-    adapter.OpenAIModel._get_client = get_client  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        adapter.OpenAIModel._get_client = original  # type: ignore[method-assign]
-
-
-def _agentnb(base_url: str, jobs: int, concurrency: int, *, preview: bool) -> Outcome:
+def _agentnb(base_url: str, jobs: int, concurrency: int) -> Outcome:
     import agentnb
     from agentnb import Workspace
 
@@ -288,10 +235,9 @@ def _agentnb(base_url: str, jobs: int, concurrency: int, *, preview: bool) -> Ou
     piece = agentnb.parse_piece(PIECE)
     # creating the batch (400 job rows and folders) is outside the timed region: the run is what is measured
     b = ws.batch(cases, piece=piece, model=f"openai:{MODEL}", name=f"c{concurrency}", run=False, progress=False)
-    with _preview_client() if preview else nullcontext():
-        c0, t0 = time.process_time(), time.perf_counter()
-        b.run(concurrency=concurrency, progress=False)
-        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    c0, t0 = time.process_time(), time.perf_counter()
+    b.run(concurrency=concurrency, progress=False)
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     counts = b.counts()
     if counts.get("succeeded") != jobs:
         bad = [j for j in b.jobs if str(j.status) != "succeeded"][:1]
@@ -418,7 +364,6 @@ class Framework:
 FRAMEWORKS = [
     Framework("floor", "floor: raw asyncio sockets, no HTTP library", floor_run),
     Framework("agentnb", "agentnb ws.batch (SQLite, every event)", agentnb_run),
-    Framework("agentnb-preview", "agentnb + shared lean openai client (preview)", agentnb_preview_run),
     Framework("langgraph", "LangGraph create_react_agent + ChatOpenAI (gather of ainvoke)", langgraph_run),
     Framework("pydantic-ai", "pydantic-ai Agent + OpenAIChatModel (gather of run)", pydantic_ai_run),
 ]
