@@ -108,9 +108,10 @@ def _plain(value: Any, where: str) -> Any:
         return int(value)
     if isinstance(value, float):
         return None if math.isnan(value) else float(value)
-    item = getattr(value, "item", None)  # numpy scalars
-    if callable(item) and type(value).__module__ == "numpy":
-        return _plain(item(), where)
+    if type(value).__module__ == "numpy":
+        tolist = getattr(value, "tolist", None)  # a numpy array (a list column read from parquet, say) or scalar
+        if callable(tolist):
+            return _plain(tolist(), where)
     try:
         import pandas as pd
 

@@ -162,6 +162,10 @@ def _nothing_stored(ws: Workspace) -> None:
     (lambda c, t: {"cases": [*c, {"expected": "1"}]}, r"case 3 needs an 'instruction'"),
     (lambda c, t: {"cases": [*c, {"instruction": "x", "inputs": str(t / "missing")}]},
      r"case 3 inputs: .*missing' is not an existing folder"),
+    (lambda c, t: {"cases": [*c, {"instruction": "x", "inputs": str(_a_file(t))}]},
+     r"case 3 inputs: .*a\.txt' is a file, not a folder; allowed: a dict of file name"),
+    (lambda c, t: {"cases": [*c, {"instruction": "x", "expected": np.array([object()])}]},
+     r"case 3 expected\[0\] is a object; allowed: JSON values"),
     (lambda c, t: {"cases": [*c, {"instruction": "x", "inputs": {"a.md": 5}}]},
      r"case 3 inputs\['a.md'\] is a int; allowed: text, bytes or a pathlib.Path"),
     (lambda c, t: {"cases": [*c, {"instruction": "x", "inputs": {"../a.md": "x"}}]},
@@ -190,6 +194,28 @@ def test_bad_input_is_one_line_and_leaves_nothing(ws: Workspace, tmp_path: Path,
     text = str(info.value)
     assert "\n" not in text and re.search(message, text), text
     _nothing_stored(ws)
+
+
+def _a_file(folder: Path) -> Path:
+    path = folder / "a.txt"
+    path.write_text("a file, not a folder")
+    return path
+
+
+def test_numpy_arrays_in_the_cases_are_kept_as_lists(ws: Workspace, tmp_path: Path) -> None:
+    # a list column read from parquet (or built with numpy) holds arrays: they are JSON lists, not an error
+    cases = pd.DataFrame({"instruction": ["Answer question 0", "Answer question 1"],
+                          "expected": [np.array(["41", "42"]), np.array([], dtype=object)],
+                          "weights": [np.array([0.5, 1.0]), np.array([2])]})
+    b = ws.batch(cases, piece="single", model=answering_model(tmp_path, "m", "41"), name="arrays",
+                 scorers={"hit": lambda job: (job.output / "answer.txt").read_text() in job.expected},
+                 progress=False)
+    frame = b.frame
+    assert list(frame["expected"]) == [["41", "42"], []]
+    assert list(frame["weights"]) == [[0.5, 1.0], [2]]
+    assert list(frame["hit"]) == [True, False]
+    assert [j.expected for j in b.jobs] == [["41", "42"], []]
+    assert ws.batch(cases, name="arrays", progress=False).counts()["succeeded"] == 2  # the same cases: resumed
 
 
 def test_same_name_with_other_cases_is_refused_and_changes_nothing(ws: Workspace, tmp_path: Path) -> None:
