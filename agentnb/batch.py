@@ -393,12 +393,13 @@ class Batch:
         return [int(r["id"]) for r in rows if r["status"] in ("queued", "running", "waiting_subtasks")]
 
     def run(self, *, concurrency: int = DEFAULT_CONCURRENCY, scorers: Mapping[str, Scorer] | None = None,
-            progress: bool = True) -> Batch:
+            progress: bool = True, resume: str | None = None) -> Batch:
         """Run every unfinished job, ``concurrency`` at once, and score each as it ends (see :meth:`score`).
 
         Ctrl-C (or the notebook's stop button) pauses the running jobs after their current call and
         re-raises; ``ws.batch(name)`` resumes.  A job another process is running is skipped
-        (``last_run.skipped``).  ``progress``: a tqdm bar on stderr (see ``agentnb.executor``)."""
+        (``last_run.skipped``).  ``progress``: a tqdm bar on stderr (see ``agentnb.executor``).  ``resume``: how
+        the line after an interrupt says to resume (default ``ws.batch(name)``)."""
         from .executor import run_jobs
 
         concurrency = check_concurrency(concurrency)
@@ -406,7 +407,7 @@ class Batch:
             self.scorers = check_scorers(scorers)
         # what the run did (the jobs it skipped because another process runs them, say), for the curious
         self.last_run = run_jobs(self.ws, self.pending(), concurrency=concurrency, progress=progress, batch=self,
-                                 on_end=self._scored_once)
+                                 on_end=self._scored_once, resume=resume)
         self._score_unscored()
         return self
 

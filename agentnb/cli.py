@@ -300,11 +300,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
                      name=args.name, concurrency=args.concurrency, retries=args.retries,
                      max_backoff=args.max_backoff, run=False)
     try:
-        batch.run(concurrency=args.concurrency, progress=not args.no_progress)
+        # the one line after Ctrl-C (from the executor) says how to resume here: not ws.batch(…) but the command
+        batch.run(concurrency=args.concurrency, progress=not args.no_progress,
+                  resume=f"the same command again (batch {batch.name!r})")
     except KeyboardInterrupt:
-        counts = batch.counts()
-        print(f"agentnb: interrupted; batch {batch.name!r} paused ({counts['queued']} of {counts['jobs']} jobs to "
-              "run); run the same command again to resume it", file=sys.stderr)
         return 130
     _print_batch(batch)
     waiting = [j.id for j in batch.jobs if j.status in ("waiting_human", "waiting_subtasks")]

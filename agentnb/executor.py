@@ -130,10 +130,11 @@ def _postfix(statuses: dict[int, str], tokens: int, cost: float | None) -> str:
 
 def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, progress: bool = False,
              batch: Any = None, on_end: Callable[[Any], None] | None = None,
-             file: TextIO | None = None) -> RunReport:
+             file: TextIO | None = None, resume: str | None = None) -> RunReport:
     """Run ``job_ids`` with up to ``concurrency`` at once; ``on_end(job)`` after each, in its thread.
 
-    ``batch`` (with a ``name``) names the bar and the resume hint.  Raises what interrupted it
+    ``batch`` (with a ``name``) names the bar and the resume hint (``resume``: the hint's own words, e.g.
+    the command that resumes it in a terminal).  Raises what interrupted it
     (KeyboardInterrupt, :class:`~agentnb.worker.Terminated`) once every running job has paused.
     """
     name = getattr(batch, "name", None)
@@ -212,7 +213,7 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
                 report.interrupted = True
                 say = _sayer(bar, out)
                 _pause(ws, futures, stopping, active, lock, say)
-                _tell(report, name, job_ids, say)
+                _tell(report, name, job_ids, say, resume)
                 raise
     finally:
         pool.shutdown(wait=True)
@@ -262,11 +263,12 @@ def _pause(ws: JobRunnerHost, futures: list[Future[None]], stopping: threading.E
                 say(f"agentnb: still pausing {n} running job(s); each stops after its current LLM call")
 
 
-def _tell(report: RunReport, name: str | None, job_ids: Sequence[int], say: Callable[[str], None]) -> None:
+def _tell(report: RunReport, name: str | None, job_ids: Sequence[int], say: Callable[[str], None],
+          resume: str | None = None) -> None:
     """The one line after an interrupt: how many jobs paused, and how to resume."""
     paused = report.count("queued") + report.count("running")
     skipped = set(report.skipped)
     left = sum(1 for j in job_ids if j not in skipped
                and report.statuses.get(j, "queued") in ("queued", "running", "waiting_subtasks"))
-    how = f"ws.batch({name!r})" if name else "running them again"
+    how = resume or (f"ws.batch({name!r})" if name else "running them again")
     say(f"agentnb: interrupted: {paused} running job(s) paused, {left} not finished; resume with {how}")

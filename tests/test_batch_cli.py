@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -16,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from _scripting import transition, write_piece, write_script
+from _scripting import call, transition, write_piece, write_script
 from IPython.core.error import UsageError
 from openai_server import OpenAIServer, reply, stall
 
@@ -339,7 +340,11 @@ def test_cli_batch_interrupted_with_sigint_pauses_and_the_same_command_resumes(t
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 130, (stdout, stderr)
-        assert "paused" in stderr and "run the same command again to resume" in stderr
+        # one line says what happened and how to resume from a terminal (not with ws.batch(…), a Python call)
+        [said] = [line for line in stderr.splitlines() if "interrupted" in line]
+        assert re.fullmatch(r"agentnb: interrupted: \d running job\(s\) paused, \d not finished; resume with the "
+                            r"same command again \(batch 'slow'\)", said), stderr
+        assert "ws.batch" not in stderr
         ws = Workspace(tmp_path / "ws", readonly=True)
         first = {j.id: (str(j.status), len(ws.events(j, kinds=["llm_request"]))) for j in ws.jobs()}
         ended = {i for i, (status, _) in first.items() if status == "succeeded"}
@@ -354,3 +359,49 @@ def test_cli_batch_interrupted_with_sigint_pauses_and_the_same_command_resumes(t
     assert all(after[i] == first[i][1] >= 2 for i in ended)  # a finished job was not run again
     assert all(after[i] >= 1 for i in after) and sum(after.values()) == len(server.received)  # each call once
     assert len(server.received) > calls_before
+
+
+def test_magic_batch_interrupted_pauses_and_says_once_to_resume_with_the_magic(
+        shell: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a real SIGINT (the notebook's stop button) while the batch's first job runs a tool
+    import threading
+
+    from IPython.utils.capture import capture_output
+
+    import agentnb
+
+    magic = shell.magics_manager.registry["AgentMagic"]
+    ws = magic.ws
+    stop_asked = threading.Event()
+    real_stop = ws.stop
+
+    def stop(job: Any) -> Any:
+        stop_asked.set()
+        return real_stop(job)
+
+    monkeypatch.setattr(ws, "stop", stop)
+    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    @agentnb.tool(name="TestBatchCtrlC")
+    def press_ctrl_c() -> str:
+        """Interrupt the notebook."""
+        os.kill(os.getpid(), signal.SIGINT)
+        return "pressed" if stop_asked.wait(60) else "no stop"
+
+    try:
+        script = write_script(tmp_path, "ctrlc", {"work": [call("TestBatchCtrlC"), transition("COMPLETE")]})
+        piece = write_piece(tmp_path, "press", {"max_movements": 2, "movements": [
+            {"name": "work", "persona": "p", "instruction": "i", "tools": ["TestBatchCtrlC"],
+             "permission": "readonly", "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+        shell.user_ns["t_cases"] = CASES
+        with capture_output() as cap:
+            b = shell.run_line_magic("agent", f"batch t_cases --piece {piece} --model {script} --concurrency 1 "
+                                              "--name stopped")
+        assert isinstance(b, Batch)
+        assert [str(j.status) for j in b.jobs] == ["queued"] * 3  # the first paused after its call, none other began
+        said = [line for line in (cap.stdout + cap.stderr).splitlines() if "paused" in line or "interrupted" in line]
+        assert said == ["agentnb: interrupted: 1 running job(s) paused, 3 not finished; resume with "
+                        "%agent batch stopped"], cap.stderr
+        assert "ws.batch" not in cap.stdout + cap.stderr
+    finally:
+        signal.signal(signal.SIGINT, old_handler)

@@ -626,11 +626,9 @@ class AgentMagic(Magics):
                                   scorers=scorers, concurrency=args.concurrency, run=False)
         if args.no_run:
             return batch
-        try:
-            batch.run(concurrency=args.concurrency)
-        except KeyboardInterrupt:
-            print(f"batch {batch.name!r} paused: its running jobs stopped after their current LLM call; resume with "
-                  f"%agent batch {batch.name}")
+        # after Ctrl-C, the executor's one line says what paused and to resume with this magic
+        with contextlib.suppress(KeyboardInterrupt):
+            batch.run(concurrency=args.concurrency, resume=f"%agent batch {batch.name}")
         return batch
 
     @magic_arguments(name="agent batches")
