@@ -520,7 +520,7 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
         name = f"batch-{n}"
     new_variants = variants
     if existing is not None:
-        if existing["fingerprint"] != print_:
+        if existing["fingerprint"] != print_ and not _same_cases(json.loads(existing["cases"]), stored_cases):
             raise UsageError(_differs(name, json.loads(existing["cases"]), stored_cases))
         old = json.loads(existing["variants"])
         have = {(v["piece_yaml"], v["model"]) for v in old}
@@ -568,12 +568,27 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
     return Batch(ws, name, chosen)
 
 
+def _without_gaps(case: Mapping[str, Any]) -> Any:
+    # a column a case lacks and one it has empty are the same: a DataFrame of a list of dicts fills the gaps
+    extra = {k: v for k, v in (case.get("extra") or {}).items() if v is not None}
+    return _canonical({**case, "extra": extra})
+
+
+def _same_cases(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> bool:
+    """The same cases up to the gaps a DataFrame fills (and 1 against 1.0): the batch resumes, not refused."""
+    return len(old) == len(new) and all(_without_gaps(a) == _without_gaps(b) for a, b in zip(old, new, strict=True))
+
+
 def _differs(name: str, old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:
     if len(old) != len(new):
         what = f"it has {len(old)} cases, these are {len(new)}"
     else:
-        i = next(k for k, (a, b) in enumerate(zip(old, new, strict=True)) if a != b)
-        field_ = next((f for f in ("instruction", "inputs", "expected", "extra") if old[i].get(f) != new[i].get(f)), "")
-        what = f"case {i} differs in {field_ or 'its columns'}"
+        i = next(k for k, (a, b) in enumerate(zip(old, new, strict=True)) if _without_gaps(a) != _without_gaps(b))
+        a, b = _without_gaps(old[i]), _without_gaps(new[i])
+        field_ = next((f for f in ("instruction", "inputs", "expected") if a.get(f) != b.get(f)), "")
+        if not field_:
+            columns = sorted(k for k in set(a["extra"]) | set(b["extra"]) if a["extra"].get(k) != b["extra"].get(k))
+            field_ = f"column {', '.join(map(repr, columns))}" if columns else "its columns"
+        what = f"case {i} differs in {field_}"
     return (f"batch {name!r} already exists with different cases ({what}); give another name= "
             f"or call ws.batch({name!r}) to resume it as it is")

@@ -196,6 +196,20 @@ def test_bad_input_is_one_line_and_leaves_nothing(ws: Workspace, tmp_path: Path,
     _nothing_stored(ws)
 
 
+def test_a_batch_of_dicts_resumes_from_the_same_cases_as_a_dataframe(ws: Workspace, tmp_path: Path) -> None:
+    # pd.DataFrame(cases) fills a column a case lacks with NaN: the same cases, resumed, nothing run again
+    cases = [{"instruction": "Answer question 0", "topic": "x", "n": 1}, {"instruction": "Answer question 1"}]
+    b = ws.batch(cases, piece="single", model=answering_model(tmp_path, "m", "41"), name="gaps", progress=False)
+    assert b.counts()["succeeded"] == 2
+    calls = llm_events(ws)
+    again = ws.batch(pd.DataFrame(cases), name="gaps", progress=False)
+    assert llm_events(ws) == calls and len(ws.store.jobs()) == 2 and again.counts()["succeeded"] == 2
+    other = pd.DataFrame(cases).assign(topic=["x", "y"])
+    with pytest.raises(AgentnbError, match=r"^batch 'gaps' already exists with different cases \(case 1 differs in "
+                                           r"column 'topic'\); give another name="):
+        ws.batch(other, name="gaps", progress=False)
+
+
 def _a_file(folder: Path) -> Path:
     path = folder / "a.txt"
     path.write_text("a file, not a folder")
