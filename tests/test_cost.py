@@ -9,6 +9,7 @@ are computed by genai-prices' own ``calc_price`` at each call's recorded time.
 from __future__ import annotations
 
 import math
+import re
 import socket
 import time
 import uuid
@@ -104,6 +105,19 @@ def test_a_known_model_is_priced_per_call_from_the_bundled_data(ws: Workspace, s
     assert jobs.loc[job.id, "cost_usd"] == pytest.approx(sum(expected), rel=1e-12)
     assert jobs.loc[job.id, "cost_usd"] == pytest.approx(usage["cost_usd"].sum(), rel=1e-12)
     assert f" · {dollars(sum(expected))} · running time" in header_html(ws, job.id)
+
+
+def test_a_cheap_job_reads_as_plain_dollars_never_in_scientific_notation(ws: Workspace,
+                                                                          server: OpenAIServer) -> None:
+    # a few gpt-4o-mini calls cost a few hundred-thousandths of a dollar: "$0.000042", not "$4.2e-05"
+    job = _openai_job(ws, server, "openai:gpt-4o-mini")
+    cost = float(ws.frames.jobs().set_index("job").loc[job.id, "cost_usd"])
+    assert 0 < cost < 0.001
+    shown = dollars(cost)
+    assert re.fullmatch(r"\$0\.0{3,}[1-9]\d?", shown), shown
+    assert float(shown[1:]) == pytest.approx(cost, rel=0.05)
+    assert f" · {shown} · running time" in header_html(ws, job.id)
+    assert [dollars(c) for c in (0.00018, 0.0000042, 0.0123, 2.5)] == ["$0.00018", "$0.0000042", "$0.0123", "$2.50"]
 
 
 def test_each_call_is_priced_at_its_own_time(ws: Workspace, server: OpenAIServer,

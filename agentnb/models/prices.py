@@ -223,4 +223,6 @@ def dollars(cost: float) -> str:
         return f"${cost:,.2f}"
     if cost >= 0.01:
         return f"${cost:.4f}"
-    return f"${cost:.2g}"
+    # two significant digits in plain decimals: $0.000042, never 4.2e-05 (a price is read, not parsed)
+    places = 1 - math.floor(math.log10(cost))
+    return f"${cost:.{places}f}"
