@@ -499,8 +499,17 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
         name, cases = cases, None
     if name is not None and (not isinstance(name, str) or not name.strip() or name != name.strip()):
         raise UsageError(f"batch name {name!r} must be non-empty text without surrounding spaces")
+    if cases is None and name is None:
+        known = ", ".join(batch_names(ws.store)) or "none yet"
+        raise UsageError(f"ws.batch needs cases (a list of dicts or a DataFrame) or the name of a batch to resume "
+                         f"(batches: {known})")
     existing = ws.store.batch(name) if name is not None else None
     if cases is None:
+        if existing is not None and (piece is not None or model is not None):
+            # its input files are kept by digest only: new variants' jobs need the cases themselves
+            given = " and ".join(k for k, v in (("piece=", piece), ("model=", model)) if v is not None)
+            raise UsageError(f"ws.batch({name!r}) resumes the batch as it is, without {given}; to add pieces or "
+                             f"models, give its cases again: ws.batch(cases, piece=…, model=…, name={name!r})")
         if existing is None:
             known = ", ".join(batch_names(ws.store)) or "none yet"
             raise UsageError(f"no batch {name!r} in {ws.store.path} (batches: {known}); "

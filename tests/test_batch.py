@@ -210,6 +210,26 @@ def test_a_batch_of_dicts_resumes_from_the_same_cases_as_a_dataframe(ws: Workspa
         ws.batch(other, name="gaps", progress=False)
 
 
+def test_resuming_by_name_refuses_new_pieces_or_models_and_no_name_no_cases_says_what_is_needed(
+        ws: Workspace, tmp_path: Path) -> None:
+    model = answering_model(tmp_path, "m", "41")
+    with pytest.raises(AgentnbError, match=r"^ws\.batch needs cases \(a list of dicts or a DataFrame\) or the name "
+                                           r"of a batch to resume \(batches: none yet\)$"):
+        ws.batch(progress=False)
+    _nothing_stored(ws)
+    ws.batch(_cases(2), piece="single", model=model, name="kept", progress=False)
+    jobs = ws.store.jobs()
+    # ws.batch(name) has no cases to make new variants' jobs from: said, not silently ignored
+    with pytest.raises(AgentnbError, match=r"^ws\.batch\('kept'\) resumes the batch as it is, without piece=; to "
+                                           r"add pieces or models, give its cases again: ws\.batch\(cases, "):
+        ws.batch("kept", piece="plan-implement-verify", progress=False)
+    with pytest.raises(AgentnbError, match=r"without piece= and model="):
+        ws.batch(name="kept", piece="ask-first", model="demo", progress=False)
+    assert ws.store.jobs() == jobs and len(Batch(ws, "kept").variants) == 1
+    grown = ws.batch(_cases(2), piece="plan-implement-verify", model=model, name="kept", progress=False)
+    assert len(grown.variants) == 2 and len(grown.jobs) == 4
+
+
 def _a_file(folder: Path) -> Path:
     path = folder / "a.txt"
     path.write_text("a file, not a folder")
