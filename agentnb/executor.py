@@ -175,7 +175,8 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
             with lock:
                 active.discard(job_id)
 
-    bar = _make_bar(len(job_ids), f"batch {name}" if name else "jobs", out) if progress else None
+    # no bar over nothing: resuming a finished batch draws no empty "0job" bar
+    bar = _make_bar(len(job_ids), f"batch {name}" if name else "jobs", out) if progress and job_ids else None
     shown = 0
     live_at = 0.0
 

@@ -244,6 +244,8 @@ def test_the_progress_bar_counts_jobs_tokens_and_dollars_on_stderr(tmp_path: Pat
     assert re.search(r"\d+ ok, 0 failed", last)
     ws.batch(_cases(3), piece="plan-implement-verify", model="demo", name="quiet", progress=False)
     assert capsys.readouterr().err == ""
+    ws.batch("shown")  # resumed with nothing left to run: no empty bar
+    assert capsys.readouterr().err == ""
 
 
 def test_a_bar_that_cannot_be_drawn_as_a_widget_falls_back_to_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
