@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = ["DEFAULT_CONCURRENCY", "RESERVED_COLUMNS", "Batch", "BatchHost", "Case", "Scorer", "Variant", "batch_names",
-           "check_cases", "check_concurrency", "check_score_names", "check_scorers", "check_variants", "open_batch",
+           "batch_of_cases", "check_cases", "check_concurrency", "check_score_names", "check_scorers", "check_variants", "open_batch",
            "record_scores", "score_jobs", "score_value"]
 
 DEFAULT_CONCURRENCY = 4
@@ -283,6 +283,13 @@ def fingerprint(stored_cases: Sequence[Mapping[str, Any]]) -> str:
 
 def batch_names(store: Store) -> list[str]:
     return [str(b["name"]) for b in store.batches()]
+
+
+def batch_of_cases(store: Store, cases: Any) -> str | None:
+    """The latest batch made of exactly these cases (checked as :func:`check_cases` does), or None."""
+    print_ = fingerprint([c.stored() for c in check_cases(cases)])
+    found = [str(b["name"]) for b in store.batches() if b["fingerprint"] == print_]
+    return found[-1] if found else None
 
 
 # -- scoring ---------------------------------------------------------------------------------------------------

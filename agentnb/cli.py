@@ -294,10 +294,14 @@ def _print_batch(batch: object) -> None:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
+    from .batch import batch_of_cases
+
     cases = read_cases(Path(args.cases).expanduser())
     ws = _workspace(args)
+    # without --name, the same command again resumes the batch it made (the one of these very cases)
+    name = args.name if args.name is not None else batch_of_cases(ws.store, cases)
     batch = ws.batch(cases, piece=args.piece or ["plan-implement-verify"], model=args.model or ["demo"],
-                     name=args.name, concurrency=args.concurrency, retries=args.retries,
+                     name=name, concurrency=args.concurrency, retries=args.retries,
                      max_backoff=args.max_backoff, run=False)
     try:
         # the one line after Ctrl-C (from the executor) says how to resume here: not ws.batch(…) but the command
@@ -400,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", metavar="MODEL",
                    help="model spec (repeatable: crossed with every piece; default demo)")
     p.add_argument("--concurrency", type=int, default=4, metavar="N", help="jobs run at once (default 4)")
-    p.add_argument("--name", help="the batch's name: the same command again resumes it (default: batch-N)")
+    p.add_argument("--name", help="the batch's name: the same command again resumes it (default: the batch of the same cases, "
+                   "or a new batch-N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _retry_options(p)
 

@@ -245,6 +245,28 @@ def test_cli_batch_from_jsonl_with_inputs_as_dict_or_folder(tmp_path: Path) -> N
 
 
 @needs_cli
+def test_cli_batch_without_a_name_run_again_resumes_the_batch_of_the_same_cases(tmp_path: Path) -> None:
+    # "interrupted and rerun to resume" holds without --name too: the same file again is the same batch
+    (tmp_path / "c.csv").write_text("instruction,topic\nAnswer one,a\nAnswer two,b\n")
+    argv = ["--workspace", "ws", "batch", "c.csv", "--piece", "plan-implement-verify", "--model", "demo",
+            "--no-progress"]
+    first = agentnb(tmp_path, *argv)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("<Batch 'batch-1': 2/2 ended")
+    ws = Workspace(tmp_path / "ws", readonly=True)
+    calls = sum(_llm_requests(ws, j.id) for j in ws.jobs())
+    again = agentnb(tmp_path, *argv)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("<Batch 'batch-1': 2/2 ended")  # resumed, not a batch-2 run from scratch
+    ws = Workspace(tmp_path / "ws", readonly=True)
+    assert [b["name"] for b in ws.batches()] == ["batch-1"] and len(ws.jobs()) == 2
+    assert sum(_llm_requests(ws, j.id) for j in ws.jobs()) == calls
+    (tmp_path / "d.csv").write_text("instruction,topic\nAnswer three,c\n")  # other cases: a batch of their own
+    other = agentnb(tmp_path, "--workspace", "ws", "batch", "d.csv", "--no-progress")
+    assert other.returncode == 0 and other.stdout.startswith("<Batch 'batch-2': 1/1 ended"), other.stderr
+
+
+@needs_cli
 def test_cli_batch_with_jobs_waiting_for_a_human_exits_3_and_names_them(tmp_path: Path) -> None:
     asks = write_script(tmp_path, "asks", {"work": [transition("ASK", question="Which year?")]})
     ok = _succeeding(tmp_path)
