@@ -606,5 +606,6 @@ def _differs(name: str, old: list[dict[str, Any]], new: list[dict[str, Any]]) ->
             columns = sorted(k for k in set(a["extra"]) | set(b["extra"]) if a["extra"].get(k) != b["extra"].get(k))
             field_ = f"column {', '.join(map(repr, columns))}" if columns else "its columns"
         what = f"case {i} differs in {field_}"
-    return (f"batch {name!r} already exists with different cases ({what}); give another name= "
-            f"or call ws.batch({name!r}) to resume it as it is")
+    # in words for every front end (ws.batch's name=, the magic's and the command's --name)
+    return (f"batch {name!r} already exists with different cases ({what}); give another batch name, "
+            f"or its own cases (or the name alone) to resume it")

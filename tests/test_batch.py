@@ -206,7 +206,7 @@ def test_a_batch_of_dicts_resumes_from_the_same_cases_as_a_dataframe(ws: Workspa
     assert llm_events(ws) == calls and len(ws.store.jobs()) == 2 and again.counts()["succeeded"] == 2
     other = pd.DataFrame(cases).assign(topic=["x", "y"])
     with pytest.raises(AgentnbError, match=r"^batch 'gaps' already exists with different cases \(case 1 differs in "
-                                           r"column 'topic'\); give another name="):
+                                           r"column 'topic'\); give another batch name, or its own cases"):
         ws.batch(other, name="gaps", progress=False)
 
 
@@ -258,7 +258,7 @@ def test_same_name_with_other_cases_is_refused_and_changes_nothing(ws: Workspace
     other = _cases(2)
     other[1]["expected"] = "different"
     with pytest.raises(AgentnbError, match=r"^batch 'same' already exists with different cases \(case 1 differs "
-                                           r"in expected\); give another name="):
+                                           r"in expected\); give another batch name, or its own cases"):
         ws.batch(other, piece=["single", "ask-first"], model="demo", name="same", progress=False)
     with pytest.raises(AgentnbError, match=r"it has 2 cases, these are 3"):
         ws.batch(_cases(3), piece="single", model="demo", name="same", progress=False)
