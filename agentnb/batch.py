@@ -608,4 +608,4 @@ def _differs(name: str, old: list[dict[str, Any]], new: list[dict[str, Any]]) ->
         what = f"case {i} differs in {field_}"
     # in words for every front end (ws.batch's name=, the magic's and the command's --name)
     return (f"batch {name!r} already exists with different cases ({what}); give another batch name, "
-            f"or its own cases (or the name alone) to resume it")
+            f"or its own cases to resume it")
