@@ -40,6 +40,7 @@ __all__ = [
     "MovementStart",
     "RecordedToolCall",
     "Reminder",
+    "ReplayDivergence",
     "ScoreEvent",
     "Subtask",
     "ToolCallEvent",
@@ -59,7 +60,7 @@ __all__ = [
 
 EventKind = Literal[
     "job_status", "movement_start", "llm_request", "llm_response", "tool_call", "tool_result",
-    "context_action", "reminder", "transition", "lesson", "comment", "error", "score",
+    "context_action", "reminder", "transition", "lesson", "comment", "error", "score", "replay_divergence",
 ]
 UsageSource = Literal["usage", "tiktoken", "chars"]
 # the ContextManager's actions, in threshold order (a context_action's `action`, frames' `action` categories)
@@ -154,6 +155,8 @@ class MovementStart(EventBase):
     seq: int
     system: str
     user: str  # the prompts as sent; a long one is stored once in ``texts`` and referred to
+    # a fork's run re-served from this job's record (DESIGN §11); not stored when None
+    replayed_from: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -170,6 +173,9 @@ class LLMResponse(EventBase):
     tool_calls: list[RecordedToolCall]
     usage: Usage
     latency_s: float | None = None  # wall time of the model call (retries included); None in older stores
+    # A fork's call re-served from this job's record (DESIGN §11): no model was asked, so ``usage`` spends
+    # nothing (its tokens are 0; ``ratio``/``window`` keep the context as it was).  Not stored when None.
+    replayed_from: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -263,6 +269,22 @@ class ScoreEvent(EventBase):
     error: str | None = None
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplayDivergence(EventBase):
+    """A tool re-run in a fork's re-served run gave another result than the original's (DESIGN §11).
+
+    ``seq`` is the movement run; the row's ``iteration`` is stored in the payload too (DESIGN lists it).
+    ``expected`` is the original's result, ``actual`` the fork's (each as the model would read it).
+    """
+
+    kind: ClassVar[Literal["replay_divergence"]] = "replay_divergence"
+    seq: int
+    call_id: str
+    tool: str
+    expected: str
+    actual: str
+
+
 Event = (
     JobStatusEvent
     | MovementStart
@@ -277,6 +299,7 @@ Event = (
     | CommentEvent
     | ErrorEvent
     | ScoreEvent
+    | ReplayDivergence
 )
 
 _CLASSES: tuple[type[EventBase], ...] = typing.get_args(Event)
@@ -366,11 +389,35 @@ def _payload_fields(cls: type[EventBase]) -> dict[str, str]:
         threshold = out.pop("threshold")
         out["iteration"] = "o.iteration"
         out["threshold"] = threshold
+    elif cls.kind == "replay_divergence":
+        out = {"seq": out.pop("seq"), "iteration": "o.iteration", **out}  # DESIGN §11 lists it too
     return out
+
+
+# Fields added after stores existed, kept out of the payload while None: the JSON of every event that
+# does not use them stays what it was (and a replay's events stay equal to its original's).
+_OMIT_NONE: dict[EventKind, tuple[str, ...]] = {"movement_start": ("replayed_from",), "llm_response": ("replayed_from",)}
+_ROW_IN_PAYLOAD: dict[str, frozenset[str]] = {"context_action": frozenset({"iteration"}),
+                                              "replay_divergence": frozenset({"iteration"})}
 
 
 _VALUE_READERS = {cls: _reader({f.name: f"o.{f.name}" for f in fields(cls)}) for cls in _VALUE_TYPES}
 _PAYLOAD_READERS = {cls.kind: _reader(_payload_fields(cls)) for cls in _CLASSES}
+
+
+def _omitting(read: Callable[[Any], dict[str, Any]], keys: tuple[str, ...]) -> Callable[[Any], dict[str, Any]]:
+    def payload(o: Any) -> dict[str, Any]:
+        out = read(o)
+        for key in keys:
+            if out[key] is None:
+                del out[key]
+        return out
+
+    return payload
+
+
+for _kind, _keys in _OMIT_NONE.items():
+    _PAYLOAD_READERS[_kind] = _omitting(_PAYLOAD_READERS[_kind], _keys)
 # compact and UTF-8 as stored; default=str keeps a stray non-JSON value (a Path) readable instead of failing a run
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=str)
 
@@ -414,7 +461,7 @@ def event_from_row(row: Mapping[str, Any] | tuple[Any, ...]) -> Event:
         if isinstance(values.get(key), list):
             values[key] = [vtype(**item) for item in values[key]]
     if _STRICT:
-        unknown = set(data) - set(cls.payload_keys) - {"_texts"} - ({"iteration"} if kind == "context_action" else set())
+        unknown = set(data) - set(cls.payload_keys) - {"_texts"} - _ROW_IN_PAYLOAD.get(kind, frozenset())
         if unknown:
             raise ValueError(f"{kind} event {id_}: unknown payload key(s) {sorted(unknown)}")
     return cls(job_id=job_id, movement_seq=seq, iteration=iteration, ts=ts, id=id_, **values)  # type: ignore[return-value]

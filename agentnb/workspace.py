@@ -24,12 +24,13 @@ from .batch import (
     score_jobs,
 )
 from .engine.pieces import Piece, load_piece
-from .engine.prompts import MAX_COMMENTS, build_enriched_instruction
+from .engine.prompts import MAX_COMMENTS, build_enriched_instruction, clock_block
 from .engine.runner import JobRunner, stored_piece
 from .engine.subtasks import notify_parent
 from .engine.workdir import prepare_workdir
 from .errors import PathNotFoundError, UsageError
 from .events import ErrorEvent, Event
+from .fork import plan_fork
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
 from .store import Store, StoreError, Transaction, open_store
@@ -112,6 +113,8 @@ class Job:
     batch: str | None = None
     case: int | None = None
     variant: int | None = field(default=None, repr=False)
+    # a fork (DESIGN §11): (the original job's id, the movement run it runs live from)
+    forked_from: tuple[int, int] | None = None
     # the changing columns as last read; a snapshot (or a Job without a workspace) only ever shows these
     _row: Mapping[str, Any] = field(default_factory=dict, repr=False)
     _live: bool = field(default=True, repr=False)
@@ -123,6 +126,8 @@ class Job:
         return cls(id=int(row["id"]), parent_id=row["parent_id"], piece=row["piece"], model=row["model"],
                    instruction=row["instruction"], workdir=Path(row["workdir"]), created=row["created"], workspace=ws,
                    batch=row.get("batch"), case=row.get("batch_case"), variant=row.get("batch_variant"),
+                   forked_from=((int(row["forked_from_job"]), int(row["forked_from_seq"]))
+                                if row.get("forked_from_job") is not None else None),
                    _row={k: row[k] for k in _CHANGING})
 
     def _get(self, name: str) -> Any:
@@ -338,14 +343,17 @@ class Workspace:
         """
         prepared = self._prepare(instruction, piece=piece, model=model, inputs=inputs, workdir=workdir,
                                  context=context, retries=retries, max_backoff=max_backoff)
+        return self.job(self._store_prepared(prepared))
+
+    def _store_prepared(self, prepared: _Prepared, **tags: Any) -> int:
+        """Store one prepared job in a transaction of its own; a failure leaves no row and no folder."""
         job_folders: list[Path] = []
         try:
             with self.store.transaction() as c:
-                job_id = self._create(c, prepared, job_folders)
+                return self._create(c, prepared, job_folders, **tags)
         except BaseException:
             _remove_folders(job_folders)
             raise
-        return self.job(job_id)
 
     def _prepare(
         self,
@@ -464,9 +472,28 @@ class Workspace:
             total_comments=self.store.count_comments(job_id),
             workdir=Path(row["workdir"]),
             language=runner.piece.language,
+            clock=self._recorded_clock(row),
         )
         with self.store.transaction() as c:
             self.store.update_job(c, job_id, enriched=enriched)
+
+    def _recorded_clock(self, row: Mapping[str, Any]) -> str | None:
+        """The date and time a replay, or a fork up to its fork point, puts in its prompts: its original's
+        for the movement run about to start, so that those prompts are the original's (DESIGN §11)."""
+        seq = int(row.get("movement_seq") or 0) + 1
+        source: int | None = None
+        if row.get("forked_from_job") and seq <= int(row.get("forked_from_seq") or 0):
+            source = int(row["forked_from_job"])
+        elif str(row.get("model") or "").startswith("replay:") and str(row["model"])[7:].isdigit():
+            source = int(str(row["model"])[7:])
+        if source is None:
+            return None
+        try:
+            starts = self.store.events(source, kinds=["movement_start"], movement_seq=seq)
+        except StoreError:
+            return None
+        user = getattr(starts[0], "user", "") if starts else ""
+        return clock_block(user) if user else None
 
     def _run_claimed(self, row: dict[str, Any], unit: str) -> Job:
         job_id = int(row["id"])
@@ -634,6 +661,48 @@ class Workspace:
         with self._lock:
             self._runners.pop(job_id, None)
         return self.job(job_id)
+
+    # -- forks and replays (DESIGN §11) ---------------------------------------------------------------------
+    def fork(
+        self,
+        job: JobRef,
+        *,
+        at: int,
+        piece: str | os.PathLike[str] | Piece | None = None,
+        model: str | None = None,
+        strict: bool = False,
+        run: bool = True,
+    ) -> Job:
+        """A new job that re-serves movement runs ``1 … at-1`` of ``job`` and runs live from run ``at`` on.
+
+        The re-served runs ask no model and spend no tokens: each response is the original's, under the
+        original's piece, while every tool runs again, so the work directory is what it was when run ``at``
+        started.  A re-run tool whose result differs from the original's (a command reading the clock)
+        is recorded as a ``replay_divergence`` event; the fork goes on, or with ``strict=True`` fails naming
+        that call.  From run ``at`` on the job runs on ``piece`` (a name, path, YAML text or ``Piece``, e.g.
+        ``ws.piece(job).replace_movement("implement", instruction=…)``; default: the original's) and
+        ``model`` (default: the original's).  The fork starts from the original's ``input/`` files as they
+        are now, with its options, and keeps its date and time in the prompts up to run ``at``.  ``run=False``
+        only queues it (to step it).  A job that is running or waiting is refused, as is a fork point after a
+        run that asked a human or waited for subtasks.
+        """
+        plan = plan_fork(self.store, self._id(job), at=at, piece=piece, model=model, strict=strict)
+        prepared = self._prepare(plan.instruction, piece=plan.piece, model=plan.model, inputs=plan.inputs,
+                                 workdir=None, context=None, retries=None, max_backoff=None)
+        job_id = self._store_prepared(replace(prepared, options=plan.options), forked_from_job=plan.job_id,
+                                      forked_from_seq=plan.at)
+        return self.run(job_id) if run else self.job(job_id)
+
+    def replay(self, job: JobRef, *, piece: str | os.PathLike[str] | Piece | None = None, run: bool = True) -> Job:
+        """A new job on ``replay:<job>`` with the original's instruction, ``input/`` files (as they are now),
+        options and (unless ``piece`` is given) piece: every response is re-served in order and every tool
+        runs again.  With the same piece its events are the original's apart from timestamps and ids, and
+        its ``output/`` the same byte for byte, as long as the tools do what they did (DESIGN §11)."""
+        plan = plan_fork(self.store, self._id(job), at=1, piece=piece)
+        prepared = self._prepare(plan.instruction, piece=plan.piece, model=f"replay:{plan.job_id}",
+                                 inputs=plan.inputs, workdir=None, context=None, retries=None, max_backoff=None)
+        job_id = self._store_prepared(replace(prepared, options=plan.options))
+        return self.run(job_id) if run else self.job(job_id)
 
     # -- batches (DESIGN §10) ------------------------------------------------------------------------------
     def batch(

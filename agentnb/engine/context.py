@@ -225,7 +225,9 @@ class ContextManager:
             prompt = int(usage["prompt_tokens"])
             reported = usage.get("completion_tokens")
             completion = int(reported) if reported is not None else assistant_tokens
-            source: UsageSource = "usage"
+            # a recording re-served (replay, a fork's prefix) keeps the source its counts had
+            recorded = usage.get("source")
+            source: UsageSource = recorded if recorded in ("usage", "tiktoken", "chars") else "usage"
             self.current = prompt + completion
         else:
             prompt = estimate

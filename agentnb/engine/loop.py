@@ -31,6 +31,7 @@ from ..events import (
     MovementStart,
     RecordedToolCall,
     Reminder,
+    ReplayDivergence,
     ToolCallEvent,
     ToolResult,
     Usage,
@@ -38,7 +39,8 @@ from ..events import (
     strict_events,
     value_data,
 )
-from ..models.base import Model, ModelRequest, ModelResponse, ToolCall
+from ..models.base import Model, ModelError, ModelRequest, ModelResponse, ToolCall
+from ..models.replay import RecordedCall, Recording
 from ..tools.base import PERMISSION_RANK, ToolContext, ToolOutput, get_tool
 from .context import ContextManager
 from .pieces import SPECIAL_NEXT, Movement
@@ -47,13 +49,17 @@ from .prompts import text
 if TYPE_CHECKING:
     from ..store.base import Store
 
-__all__ = ["INTERRUPTED", "AgentLoop", "CallCounters", "Outcome", "Recorder", "transition_schema"]
+__all__ = ["INTERRUPTED", "AgentLoop", "CallCounters", "Outcome", "Recorder", "ReplayDiverged", "transition_schema"]
 
 INTERRUPTED = (
     "Error: this call of {tool} was interrupted by a restart (agentnb stopped or was killed while it ran), "
     "so it has no result. Its effect is unknown: it may have run completely, partly or not at all. "
     "Check the current state (for example read the files it would change) before repeating it."
 )
+
+
+class ReplayDiverged(ModelError):
+    """A fork run with ``strict=True`` re-ran a tool whose result differs from its original's (DESIGN §11)."""
 
 
 class Recorder:
@@ -171,6 +177,8 @@ class AgentLoop:
         language: str,
         counters: CallCounters,
         check_subtasks: Callable[[list[Any]], str | None] | None = None,
+        reserve: Recording | None = None,
+        strict: bool = False,
     ) -> None:
         self.rec = recorder
         self.movement = movement
@@ -182,6 +190,11 @@ class AgentLoop:
         self.language = language
         self.counters = counters
         self.check_subtasks = check_subtasks
+        # A fork's run before its fork point (DESIGN §11): each response is re-served from this recording
+        # instead of asking the model, and each tool re-run is compared with the recorded result.
+        self.reserve = reserve
+        self.strict = strict
+        self._recorded: RecordedCall | None = None
         self.messages: list[dict[str, Any]] = []
         self.iteration = 0
         self.tools = [t for t in (get_tool(n) for n in movement.tools) if t is not None]
@@ -198,7 +211,8 @@ class AgentLoop:
         self._append({"role": "system", "content": system})
         self._append({"role": "user", "content": user})
         self.rec.add(MovementStart(job_id=self.rec.job_id, movement_seq=self.seq, iteration=0, ts=time.time(),
-                                   movement=self.movement.name, seq=self.seq, system=system, user=user))
+                                   movement=self.movement.name, seq=self.seq, system=system, user=user,
+                                   replayed_from=self.reserve.job_id if self.reserve is not None else None))
 
     def resume(self, events: Sequence[Event]) -> None:
         """Rebuild messages, iteration and fired actions from this movement's events.
@@ -282,8 +296,13 @@ class AgentLoop:
             movement_call_index=self.counters.by_movement.get(name, 0),
         )
         started = time.perf_counter()
-        response: ModelResponse = self.model.complete(request)
-        latency_s = round(time.perf_counter() - started, 6)
+        latency_s: float | None
+        if self.reserve is not None:
+            response, latency_s = self._reserved(it), None  # no model was asked: nothing to time
+        else:
+            response = self.model.complete(request)
+            # a replayed response keeps its original's latency, so a replay's events are its original's
+            latency_s = response.latency_s if response.latency_s is not None else round(time.perf_counter() - started, 6)
         self.counters.call_index += 1
         self.counters.by_movement[name] = self.counters.by_movement.get(name, 0) + 1
 
@@ -292,15 +311,19 @@ class AgentLoop:
         self.messages.append(assistant)
         decision = self.ctx.after_response(assistant, response.usage)
         job_id = self.rec.job_id
+        # a re-served call spends nothing: its tokens are 0, its ratio and window the context as it was
+        spent = self.reserve is None
         usage = Usage(
-            prompt_tokens=decision.prompt_tokens, completion_tokens=decision.completion_tokens,
-            total_tokens=decision.prompt_tokens + decision.completion_tokens, source=decision.source,
+            prompt_tokens=decision.prompt_tokens if spent else 0,
+            completion_tokens=decision.completion_tokens if spent else 0,
+            total_tokens=decision.prompt_tokens + decision.completion_tokens if spent else 0, source=decision.source,
             window=self.ctx.window, ratio=round(decision.ratio, 6),
             encoding=self.ctx.counter.encoding,  # the tokenizer behind tiktoken counts and budgets
         )
         self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
                                  content=response.content, tool_calls=[_call_record(c) for c in response.tool_calls],
-                                 usage=usage, latency_s=latency_s))
+                                 usage=usage, latency_s=latency_s,
+                                 replayed_from=None if spent else self.reserve.job_id))  # type: ignore[union-attr]
         force_reason = ""
         for action, limit in decision.fired:
             self.rec.add(ContextAction(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(), action=action,
@@ -318,10 +341,10 @@ class AgentLoop:
         self._response_pending = False
         return self._after_calls(it, outcome, force_reason, decision.ratio, decision.prompt_tokens)
 
-    def _run_calls(self, calls: Sequence[ToolCall], it: int, *, started: int = 0,
+    def _run_calls(self, calls: Sequence[ToolCall], it: int, *, started: int = 0, first: int = 0,
                    images: list[dict[str, Any]] | None = None, outcome: Outcome | None = None) -> Outcome | None:
         """Run ``calls`` in order, recording each; the first ``started`` of them were begun by a process
-        that stopped before their results were recorded."""
+        that stopped before their results were recorded; ``first``: the index of ``calls[0]`` in its response."""
         images = [] if images is None else images
         seq = self.seq
         for i, call in enumerate(calls):
@@ -345,6 +368,8 @@ class AgentLoop:
                 original_chars=out.original_chars or 0, returned_chars=out.returned_chars or 0,
                 continuation=out.continuation, image=out.image, budget_tokens=budget,
             ))
+            if self.reserve is not None:
+                self._check_replayed(it, first + i, call, out)
             self._append({"role": "tool", "tool_call_id": call.id, "content": out.content})
             if out.image:
                 images.append(_image_message(call.name, out.image))
@@ -381,11 +406,44 @@ class AgentLoop:
         if u.transition_ok:  # cannot normally be left behind (a transition commits with its movement's end)
             call = next(c for c in u.calls[: u.done] if c.name == "transition")
             outcome = self._transition(call.arguments)[1]
-        outcome = self._run_calls(u.calls[u.done:], u.iteration, started=u.started - u.done, images=u.images,
-                                  outcome=outcome)
+        if self.reserve is not None:
+            self._recorded = self.reserve.call(self.seq, u.iteration)
+        outcome = self._run_calls(u.calls[u.done:], u.iteration, started=u.started - u.done, first=u.done,
+                                  images=u.images, outcome=outcome)
         self._prompt_due = u.prompt is not None
         ratio, tokens = (u.prompt.ratio, u.prompt.tokens) if u.prompt is not None else (0.0, 0)
         return self._after_calls(u.iteration, outcome, u.force_reason, ratio, tokens)
+
+    # -- a fork's re-served run (DESIGN §11) ----------------------------------------------------------------
+    def _reserved(self, it: int) -> ModelResponse:
+        assert self.reserve is not None
+        recorded = self.reserve.call(self.seq, it)
+        if recorded is None:
+            raise ModelError(
+                f"the fork's run {self.seq} ({self.movement.name}) asked for call {it}, which job "
+                f"{self.reserve.job_id} did not make: the re-served runs took another path than the original's"
+            )
+        self._recorded = recorded
+        return recorded.response
+
+    def _check_replayed(self, it: int, index: int, call: ToolCall, out: ToolOutput) -> None:
+        """Record a ``replay_divergence`` when a re-run tool's result is not what the original's was."""
+        recorded = self._recorded
+        expected = recorded.results[index] if recorded is not None and index < len(recorded.results) else None
+        if expected is not None and expected.content == out.content and expected.is_error == out.is_error:
+            return
+        assert self.reserve is not None
+        self.rec.add(ReplayDivergence(
+            job_id=self.rec.job_id, movement_seq=self.seq, iteration=it, ts=time.time(), seq=self.seq,
+            call_id=call.id, tool=call.name, expected="" if expected is None else expected.content,
+            actual=out.content,
+        ))
+        if self.strict:
+            raise ReplayDiverged(
+                f"the fork diverged from job {self.reserve.job_id} at run {self.seq} ({self.movement.name}), "
+                f"call {it}: {call.name or 'a tool'} ({call.id}) gave another result than the original's "
+                "(strict=True stops the fork; see its replay_divergence event)"
+            )
 
     def _rerunnable(self, name: str) -> bool:
         """Whether a started call of ``name`` may simply run again: a read-only tool, or a name this step

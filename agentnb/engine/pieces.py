@@ -140,6 +140,36 @@ class Piece:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
+    def replace_movement(self, name: str, **changes: Any) -> Piece:
+        """A copy of this piece with movement ``name`` changed, checked like a piece file (DESIGN §11).
+
+        ``changes`` are movement keys of the YAML: ``persona``, ``instruction``, ``tools`` (names),
+        ``permission``, ``max_iterations``, ``rules`` (``Rule``s, or mappings with ``condition`` and
+        ``next``), ``default_next``, ``verify``, ``description``; None removes an optional one.  For
+        example ``ws.fork(job, at=2, piece=piece.replace_movement("implement", instruction="…"))``.
+        """
+        allowed = [k for k in _MOVEMENT_KEYS if k not in ("name", "persona_file", "instruction_file")]
+        unknown = sorted(set(changes) - set(allowed))
+        if unknown:
+            raise PieceError(f"replace_movement: unknown key(s) {unknown}; allowed: {', '.join(allowed)} "
+                             "(a movement keeps its name, which other movements' rules refer to)", file=self.source)
+        if name not in self.names:
+            raise PieceError(f"replace_movement: no movement {name!r}; movements: {', '.join(self.names)}",
+                             file=self.source)
+        data = self.to_dict()
+        mv = next(m for m in data["movements"] if m["name"] == name)
+        for key, value in changes.items():
+            if key == "rules" and value is not None:
+                value = [{"condition": r.condition, "next": r.next} if isinstance(r, Rule) else r for r in value]
+            elif key == "tools" and value is not None and not isinstance(value, str):
+                value = list(value)
+            if value is None:
+                mv.pop(key, None)
+            else:
+                mv[key] = value
+        text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+        return parse_piece(text, source=f"{self.source} (movement {name} replaced)")
+
 
 # ---------------------------------------------------------------------------
 # Validation over YAML nodes, so every error knows its line.

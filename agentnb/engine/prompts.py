@@ -32,6 +32,7 @@ __all__ = [
     "MAX_LISTED_FILES",
     "TEXTS",
     "build_enriched_instruction",
+    "clock_block",
     "finish_block",
     "text",
     "user_prompt",
@@ -111,9 +112,13 @@ def build_enriched_instruction(
     workdir: Path,
     language: str = "en",
     now: datetime | None = None,
+    clock: str | None = None,
 ) -> str:
-    """The opening of every movement's user prompt for one activation of a job."""
-    blocks = [_now_block(language, now)]
+    """The opening of every movement's user prompt for one activation of a job.
+
+    ``clock``: the date-and-time block to use instead of now's (a replay or fork takes its original's, so
+    that its prompts are the original's: :func:`clock_block`)."""
+    blocks = [clock or _now_block(language, now)]
     if comments:
         blocks.append(_comment_block(comments, total_comments, language))
     files = [text(language, "workspace")]
@@ -128,6 +133,14 @@ def _now_block(language: str, now: datetime | None = None) -> str:
     now = now or datetime.now().astimezone()
     tz = now.tzname() or "UTC"
     return f"{text(language, 'time')}\n{now.strftime('%Y-%m-%d %H:%M')} ({now.strftime('%A')}, {tz})"
+
+
+def clock_block(user_prompt: str) -> str | None:
+    """The date-and-time block a movement's user prompt opens with, or None when it opens otherwise."""
+    head, _, _ = user_prompt.partition("\n\n")
+    if any(head.startswith(t["time"] + "\n") for t in TEXTS.values()) and head.count("\n") == 1:
+        return head
+    return None
 
 
 def _comment_block(comments: Sequence[dict[str, Any]], total: int, language: str) -> str:

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..events import ErrorEvent, Lesson, Subtask, Transition
 from ..models.base import Model, ModelError
+from ..models.replay import Recording
 from ..tools.base import ToolError, open_regular, unlinked_path
 from .context import ContextManager, job_thresholds, window_for_model
-from .loop import AgentLoop, CallCounters, Outcome, Recorder
+from .loop import AgentLoop, CallCounters, Outcome, Recorder, ReplayDiverged
 from .pieces import Movement, Piece, parse_piece
 from .prompts import user_prompt
 from .steps import Abort, Ask, Complete, Fail, GoTo, NextStep, WaitSubtasks, next_step
@@ -48,24 +49,46 @@ class JobRunner:
         self.subtasks = Subtasks(store, job_id=self.job_id, piece=self.piece, model_spec=self.model_spec,
                                  workdir=self.workdir, logs_dir=self.logs_dir)
         self.loop: AgentLoop | None = None
+        # A fork (DESIGN §11) re-serves runs 1 … fork_seq-1 of job forked_from_job, each under the piece,
+        # context settings and tokenizer of the job that ran it live, and runs live from fork_seq on.
+        self.fork_seq = int(job.get("forked_from_seq") or 0)
+        self.recording = (Recording(store, int(job["forked_from_job"]), before=self.fork_seq)
+                          if job.get("forked_from_job") else None)
+        self.strict = bool(self.options.get("strict_replay"))
         by_movement = store.calls_by_movement(self.job_id)
         self.counters = CallCounters(call_index=sum(by_movement.values()), by_movement=by_movement)
         open_mv = store.open_movement(self.job_id)
         if open_mv is not None:
-            self.loop = self._make_loop(self.piece.movement(open_mv["name"]), int(open_mv["seq"]))
+            seq = int(open_mv["seq"])
+            self.loop = self._make_loop(self._piece_at(seq).movement(open_mv["name"]), seq)
             self.loop.resume(store.events(self.job_id, movement_seq=int(open_mv["seq"])))
 
     # -- state ------------------------------------------------------------
     def job(self) -> dict[str, Any]:
         return self.store.job(self.job_id)
 
-    def _context_manager(self) -> ContextManager:
-        opts = self.options.get("context", {})
-        window = opts.get("window_tokens") or self.piece.window_tokens or window_for_model(self.model.spec)
-        thresholds = job_thresholds(self.piece.thresholds, self.options)
+    def _replayed(self, seq: int) -> bool:
+        return self.recording is not None and seq < self.fork_seq
+
+    def _live_row(self, seq: int) -> dict[str, Any]:
+        """The row of the job that ran re-served run ``seq`` live (the original, or its own original …)."""
+        assert self.recording is not None
+        return self.store.job(self.recording.live_job(seq))
+
+    def _piece_at(self, seq: int) -> Piece:
+        return stored_piece(self._live_row(seq)) if self._replayed(seq) else self.piece
+
+    def _context_manager(self, seq: int) -> ContextManager:
+        piece, options, spec = self.piece, self.options, self.model.spec
+        if self._replayed(seq):  # re-served: the ContextManager the run had, so budgets and actions match
+            row = self._live_row(seq)
+            piece, options, spec = stored_piece(row), json.loads(row.get("options") or "{}"), str(row["model"])
+        opts = options.get("context", {})
+        window = opts.get("window_tokens") or piece.window_tokens or window_for_model(spec)
+        thresholds = job_thresholds(piece.thresholds, options)
         return ContextManager(
-            window=window, thresholds=thresholds, model=self.model.spec,
-            min_tool_tokens=opts.get("min_tool_tokens") or self.piece.min_tool_tokens,
+            window=window, thresholds=thresholds, model=spec,
+            min_tool_tokens=opts.get("min_tool_tokens") or piece.min_tool_tokens,
         )
 
     def _make_loop(self, movement: Movement, seq: int) -> AgentLoop:
@@ -73,9 +96,10 @@ class JobRunner:
         # the check at transition time is the first line, this is the second (a row written any other way).
         movement = capped(movement, self.options.get(CAP_OPTION))
         return AgentLoop(
-            recorder=self.rec, movement=movement, seq=seq, model=self.model, ctx=self._context_manager(),
-            workdir=self.workdir, logs_dir=self.logs_dir, language=self.piece.language, counters=self.counters,
-            check_subtasks=lambda subtasks: self.subtasks.check(subtasks, movement),
+            recorder=self.rec, movement=movement, seq=seq, model=self.model, ctx=self._context_manager(seq),
+            workdir=self.workdir, logs_dir=self.logs_dir, language=self._piece_at(seq).language,
+            counters=self.counters, check_subtasks=lambda subtasks: self.subtasks.check(subtasks, movement),
+            reserve=self.recording if self._replayed(seq) else None, strict=self.strict,
         )
 
     # -- driving ---------------------------------------------------------------
@@ -101,6 +125,8 @@ class JobRunner:
                 if stop is not None and stop.is_set():
                     self.rec.flush()
                     return "running"
+        except ReplayDiverged as exc:
+            return self._fail(str(exc), where="replay")
         except ModelError as exc:
             return self._fail(str(exc), where="model")
         except Exception as exc:  # an engine bug must not lose the events or leave the job running
@@ -122,18 +148,23 @@ class JobRunner:
 
     def _start_movement(self) -> bool:
         job = self.job()
-        name = job["current_movement"] or self.piece.initial_movement
         seq = int(job["movement_seq"]) + 1
-        if seq > self.piece.max_movements:
+        piece = self._piece_at(seq)
+        name = job["current_movement"] or piece.initial_movement
+        if self.recording is not None and self._replayed(seq) and self.recording.movements.get(seq) != name:
+            self._fail(f"the fork's run {seq} would be {name!r} but job {self.recording.job_id} ran "
+                       f"{self.recording.movements.get(seq)!r}: the re-served runs took another path", where="replay")
+            return False
+        if seq > piece.max_movements:
             message = (
-                f"max_movements ({self.piece.max_movements}) exceeded: the piece ran {seq - 1} movements "
+                f"max_movements ({piece.max_movements}) exceeded: the piece ran {seq - 1} movements "
                 f"and wanted to start {name!r}"
             )
             self._fail(message, where="runner")
             return False
-        movement = self.piece.movement(name)
+        movement = piece.movement(name)
         system = movement.persona
-        user = user_prompt(self.store, job, self.piece, movement, logs_dir=self.logs_dir, workdir=self.workdir)
+        user = user_prompt(self.store, job, piece, movement, logs_dir=self.logs_dir, workdir=self.workdir)
         loop = self._make_loop(movement, seq)
         loop.start(system, user)
         with self.store.transaction() as c:

@@ -14,15 +14,11 @@ import os
 from collections.abc import Mapping  # not typing.Mapping: its isinstance checks are several times slower
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import yaml
 
 from ..errors import ModelError, ModelSpecError, UsageError
-from ..events import value_data
-
-if TYPE_CHECKING:
-    from ..store.base import Store
 
 __all__ = [
     "MODEL_SPECS",
@@ -31,7 +27,6 @@ __all__ = [
     "ModelRequest",
     "ModelResponse",
     "ModelSpecError",
-    "ReplayModel",
     "ScriptedModel",
     "ToolCall",
     "check_model_spec",
@@ -99,7 +94,10 @@ class ToolCall:
 class ModelResponse:
     content: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
-    usage: Mapping[str, int] | None = None
+    # prompt_tokens, completion_tokens (whole numbers) and, from a recording, the counts' source
+    usage: Mapping[str, Any] | None = None
+    # the latency a recording had (replay:), recorded instead of the time re-serving it took
+    latency_s: float | None = None
 
 
 @dataclass
@@ -227,35 +225,6 @@ def _with_ids(resp: ModelResponse, request: ModelRequest) -> ModelResponse:
         for i, c in enumerate(resp.tool_calls)
     )
     return ModelResponse(content=resp.content, tool_calls=calls, usage=resp.usage)
-
-
-# ---------------------------------------------------------------------------
-# Replay
-
-
-class ReplayModel:
-    """Re-serves the responses recorded for another job, in order."""
-
-    def __init__(self, store: Store, job_id: int) -> None:
-        self.spec = f"replay:{job_id}"
-        store.job(job_id)  # raises when unknown
-        self.responses: list[ModelResponse] = []
-        for ev in store.events(job_id, kinds=["llm_response"]):
-            calls = tuple(
-                ToolCall(id=c.id or f"call_{i}", name=c.name, arguments=c.arguments,
-                         raw_arguments=c.raw_arguments or "")
-                for i, c in enumerate(ev.tool_calls)  # type: ignore[union-attr]
-            )
-            usage = value_data(ev.usage) if ev.usage.source == "usage" else None  # type: ignore[union-attr]
-            self.responses.append(ModelResponse(content=ev.content, tool_calls=calls, usage=usage))  # type: ignore[union-attr]
-        self.job_id = job_id
-
-    def complete(self, request: ModelRequest) -> ModelResponse:
-        if request.call_index >= len(self.responses):
-            raise ModelError(
-                f"replay of job {self.job_id} ran out of responses: it recorded {len(self.responses)} LLM calls"
-            )
-        return _with_ids(self.responses[request.call_index], request)
 
 
 # ---------------------------------------------------------------------------

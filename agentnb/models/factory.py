@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import ModelSpecError
-from .base import MODEL_SPECS, Model, ReplayModel, ScriptedModel
+from .base import MODEL_SPECS, Model, ScriptedModel
 from .demo import DemoModel
 from .openai import OpenAIModel
+from .replay import ReplayModel
 
 if TYPE_CHECKING:
     from ..store.base import Store

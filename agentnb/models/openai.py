@@ -260,7 +260,7 @@ def _parse_completion(http: Any, request: ModelRequest) -> ModelResponse:
     u = data.get("usage")
     if isinstance(u, dict) and _count(u.get("prompt_tokens")) is not None:
         usage = {"prompt_tokens": _count(u["prompt_tokens"]), "completion_tokens": _count(u.get("completion_tokens")) or 0}
-    return ModelResponse(content=content, tool_calls=tuple(calls), usage=usage)  # type: ignore[arg-type]
+    return ModelResponse(content=content, tool_calls=tuple(calls), usage=usage)
 
 
 def _count(value: Any) -> int | None:

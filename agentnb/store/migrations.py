@@ -99,4 +99,10 @@ MIGRATIONS: list[str] = [
     ALTER TABLE jobs ADD COLUMN batch_variant INTEGER;
     CREATE INDEX jobs_batch ON jobs(batch, batch_case, batch_variant)
     """,
+    # 4: forks (issue 15, DESIGN §11).  A fork is an ordinary job that re-serves movement runs
+    # 1 … forked_from_seq-1 of job forked_from_job and runs live from forked_from_seq on.
+    """
+    ALTER TABLE jobs ADD COLUMN forked_from_job INTEGER REFERENCES jobs(id);
+    ALTER TABLE jobs ADD COLUMN forked_from_seq INTEGER
+    """,
 ]

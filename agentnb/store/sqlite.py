@@ -81,6 +81,7 @@ _JOB_COLUMNS = (
     "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
     "current_movement", "resume_movement", "movement_seq", "workdir", "options", "enriched",
     "error", "claimed_by", "created", "updated", "started", "ended", "batch", "batch_case", "batch_variant",
+    "forked_from_job", "forked_from_seq",
 )
 _UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created"}
 

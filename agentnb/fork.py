@@ -1,0 +1,108 @@
+"""Forks (DESIGN §11): a new job that re-serves an ended job's first movement runs and runs live from one.
+
+:func:`plan_fork` checks everything a fork needs before anything is stored — the original has stopped, the
+fork point is one of its runs, the runs before it neither waited for a human nor for subtasks, and the
+piece the fork runs on has the movement the fork point starts — and gathers what the new job is made of:
+the original's instruction, its ``input/`` files as they are now, its options, and the piece and model to
+run on from the fork point.  The re-serving itself is the engine's (``JobRunner`` with a ``Recording``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .engine.pieces import Piece, load_piece
+from .engine.runner import stored_piece
+from .errors import PieceError, UsageError
+from .events import Transition
+
+if TYPE_CHECKING:
+    from .store.base import Store
+
+__all__ = ["ForkPlan", "plan_fork"]
+
+STRICT_OPTION = "strict_replay"  # the job option a strict fork runs with
+
+
+@dataclass(frozen=True)
+class ForkPlan:
+    """A fork that passed every check: what its job is made of."""
+
+    job_id: int  # the original
+    at: int
+    instruction: str
+    piece: Piece
+    model: str
+    inputs: dict[str, os.PathLike[str]]
+    options: dict[str, Any]
+
+
+def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: Any = None,
+              strict: bool = False) -> ForkPlan:
+    """Check a fork of job ``job_id`` at movement run ``at``; a :class:`UsageError` (or ``PieceError``) in one
+    line naming what is wrong and what is allowed."""
+    row = store.job(job_id)  # StoreError "no job …"
+    status = row["status"]
+    if status == "running":
+        raise UsageError(f"job {job_id} is running; a fork needs a job that has stopped: wait for it to end, or "
+                         f"pause it (ws.stop({job_id}), the Stop button) and fork the paused job")
+    if status in ("waiting_human", "waiting_subtasks"):
+        waits = "a human's reply" if status == "waiting_human" else "its subtasks"
+        raise UsageError(f"job {job_id} is {status} (it waits for {waits}); a fork needs a job that has stopped: "
+                         "reply or let its subtasks end first")
+    runs = store.movements(job_id)
+    last = len(runs)
+    if status == "queued" and (not runs or runs[-1]["status"] == "done"):
+        last += 1  # paused between runs: the run it would start next can be forked at too
+    last = max(last, 1)
+    if isinstance(at, bool) or not isinstance(at, int) or not 1 <= at <= last:
+        allowed = f"a movement run from 1 to {last}" if last > 1 else "1"
+        raise UsageError(f"at={at!r}: job {job_id} ran {len(runs)} movement run(s); allowed: {allowed} "
+                         "(runs before it are re-served, it and the later ones run live)")
+    for ev in store.events(job_id, kinds=["transition"]):
+        if isinstance(ev, Transition) and (ev.movement_seq or 0) < at and ev.next_step in ("ASK", "WAIT_SUBTASKS"):
+            waited = "asked a human (ASK)" if ev.next_step == "ASK" else "waited for subtasks (WAIT_SUBTASKS)"
+            raise UsageError(f"at={at}: run {ev.movement_seq} ({ev.movement}) of job {job_id} {waited}, which a fork "
+                             f"cannot re-serve; allowed: at ≤ {ev.movement_seq}")
+    if strict not in (True, False):
+        raise UsageError(f"strict={strict!r}; allowed: True (a divergent re-run fails the fork) or False")
+    p = stored_piece(row) if piece is None else load_piece(piece)
+    if at == 1:
+        start = p.initial_movement
+    else:
+        start = runs[at - 1]["name"] if at <= len(runs) else str(row["current_movement"])
+        if start not in p.names:
+            raise PieceError(f"the fork starts run {at} with movement {start!r}, as job {job_id} did, but the piece "
+                             f"has no such movement; movements: {', '.join(p.names)}", file=p.source, field="movements")
+    spec = row["model"] if model is None else model
+    if not isinstance(spec, str):
+        raise UsageError(f"model={spec!r}; allowed: a model spec such as 'demo', 'scripted:PATH', 'openai:NAME'")
+    options = dict(_options(row))
+    options.pop(STRICT_OPTION, None)
+    if strict:
+        options[STRICT_OPTION] = True
+    return ForkPlan(job_id=job_id, at=at, instruction=row["instruction"], piece=p, model=spec,
+                    inputs=_inputs(Path(row["workdir"]) / "input"), options=options)
+
+
+def _options(row: dict[str, Any]) -> dict[str, Any]:
+    import json
+
+    return dict(json.loads(row.get("options") or "{}"))
+
+
+def _inputs(folder: Path) -> dict[str, os.PathLike[str]]:
+    """The original's ``input/`` files (as they are now), name → path, for the fork's own ``input/``."""
+    out: dict[str, os.PathLike[str]] = {}
+    if not folder.is_dir() or folder.is_symlink():
+        return out
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            if path.is_file() and not path.is_symlink():
+                out[path.relative_to(folder).as_posix()] = path
+    return out

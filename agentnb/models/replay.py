@@ -1,0 +1,125 @@
+"""Re-serving a recorded job (DESIGN §7, §11): :class:`Recording` and the ``replay:<job>`` model.
+
+A :class:`Recording` is a job's LLM calls as recorded, each with the tool results that followed it: what
+``replay:<job>`` re-serves in order, and what a fork re-serves for its movement runs before the fork
+point (the engine compares each re-run tool with the recorded result).  A fork's own re-served calls
+spend no tokens (their ``usage`` counts 0), so the counts the ContextManager needs are taken from the
+job that made the call live, following ``replayed_from`` back; a fork of a fork re-serves exactly what
+its original saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ModelError
+from ..events import LLMResponse, MovementStart, ToolResult
+from .base import ModelRequest, ModelResponse, ToolCall
+
+if TYPE_CHECKING:
+    from ..store.base import Store
+
+__all__ = ["RecordedCall", "Recording", "ReplayModel"]
+
+
+@dataclass(frozen=True)
+class RecordedCall:
+    """One recorded LLM call: the response as the model gave it, the counts the ContextManager used
+    (``usage``: prompt and completion tokens and their source) and the tool results that followed."""
+
+    seq: int
+    iteration: int
+    response: ModelResponse
+    results: tuple[ToolResult, ...]
+    latency_s: float | None
+
+
+class Recording:
+    """The recorded calls of job ``job_id`` in movement runs before ``before`` (all runs when None)."""
+
+    def __init__(self, store: Store, job_id: int, *, before: int | None = None) -> None:
+        self.store = store
+        self.job_id = job_id
+        self.before = before
+        store.job(job_id)  # a StoreError naming the job when there is none
+        kinds = ["movement_start", "llm_response", "tool_result"]
+        events = [ev for ev in store.events(job_id, kinds=kinds)
+                  if ev.movement_seq is not None and (before is None or ev.movement_seq < before)]
+        self.movements: dict[int, str] = {}  # run → movement name
+        self._replayed_runs: dict[int, int] = {}  # run → the job it was re-served from
+        results: dict[tuple[int, int], list[ToolResult]] = {}
+        responses: list[LLMResponse] = []
+        for ev in events:
+            if isinstance(ev, MovementStart):
+                self.movements[ev.seq] = ev.movement
+                if ev.replayed_from is not None:
+                    self._replayed_runs[ev.seq] = ev.replayed_from
+            elif isinstance(ev, LLMResponse):
+                responses.append(ev)
+            elif isinstance(ev, ToolResult):
+                results.setdefault((ev.movement_seq or 0, ev.iteration or 0), []).append(ev)
+        sources: dict[int, Recording] = {}
+        self.calls: list[RecordedCall] = []
+        for ev in responses:
+            seq, it = ev.movement_seq or 0, ev.iteration or 0
+            usage: dict[str, Any] = {"prompt_tokens": ev.usage.prompt_tokens,
+                                     "completion_tokens": ev.usage.completion_tokens, "source": ev.usage.source}
+            latency = ev.latency_s
+            if ev.replayed_from is not None:  # a fork's re-served call: the counts are its live original's
+                source = sources.get(ev.replayed_from)
+                if source is None:
+                    source = sources[ev.replayed_from] = Recording(store, ev.replayed_from, before=seq + 1)
+                live = source.call(seq, it)
+                if live is not None:
+                    usage = dict(live.response.usage or usage)
+                    latency = live.latency_s
+            calls = tuple(
+                ToolCall(id=c.id or f"call_{seq}_{it}_{i}", name=c.name, arguments=c.arguments,
+                         raw_arguments=c.raw_arguments or "")
+                for i, c in enumerate(ev.tool_calls)
+            )
+            self.calls.append(RecordedCall(
+                seq=seq, iteration=it,
+                response=ModelResponse(content=ev.content, tool_calls=calls, usage=usage, latency_s=latency),
+                results=tuple(results.get((seq, it), ())), latency_s=latency,
+            ))
+        self._by_key = {(c.seq, c.iteration): c for c in self.calls}
+
+    def call(self, seq: int, iteration: int) -> RecordedCall | None:
+        """The call made in run ``seq`` at ``iteration``, or None when none was recorded."""
+        return self._by_key.get((seq, iteration))
+
+    def live_job(self, seq: int) -> int:
+        """The job that ran run ``seq`` live (this one, or the job its re-served run came from, and so on)."""
+        source = self._replayed_runs.get(seq)
+        if source is None:
+            return self.job_id
+        return Recording(self.store, source, before=seq + 1).live_job(seq)
+
+    def replayed_runs(self) -> Sequence[int]:
+        """The runs this job itself re-served from another job's record."""
+        return sorted(self._replayed_runs)
+
+
+class ReplayModel:
+    """``replay:<job>``: re-serves the responses recorded for another job, in order.
+
+    Each response comes back as recorded (content, tool calls with their ids) with the token counts the
+    original's ContextManager used, whatever their source, so a replay of a whole job with the same piece
+    reproduces its events (DESIGN §11).
+    """
+
+    def __init__(self, store: Store, job_id: int) -> None:
+        self.spec = f"replay:{job_id}"
+        self.job_id = job_id
+        self.recording = Recording(store, job_id)
+        self.responses: list[ModelResponse] = [c.response for c in self.recording.calls]
+
+    def complete(self, request: ModelRequest) -> ModelResponse:
+        if request.call_index >= len(self.responses):
+            raise ModelError(
+                f"replay of job {self.job_id} ran out of responses: it recorded {len(self.responses)} LLM calls"
+            )
+        return self.responses[request.call_index]
