@@ -23,10 +23,10 @@ BINDER = REPO / "binder"
 CHECK = "NBVAL_CHECK_OUTPUT"
 
 
-def test_the_five_notebooks_exist() -> None:
+def test_the_six_notebooks_exist() -> None:
     assert [p.name for p in NOTEBOOKS] == [
         "01-quickstart.ipynb", "02-stepping.ipynb", "03-token-usage.ipynb", "04-piece-design.ipynb",
-        "05-design-lab.ipynb"]
+        "05-design-lab.ipynb", "06-fork-compare.ipynb"]
 
 
 def test_the_design_lab_runs_on_scripted_models_kept_in_the_repository() -> None:
@@ -41,6 +41,19 @@ def test_the_design_lab_runs_on_scripted_models_kept_in_the_repository() -> None
         assert name in text
         load_piece(lab / name)
     for name in ("draft-script.yaml", "reviewed-script.yaml"):
+        assert name in text
+        resolve_model(f"scripted:{lab / name}")
+
+
+def test_the_fork_notebook_runs_on_scripted_models_kept_in_the_repository() -> None:
+    """Notebook 06 reads its incident report and scripts from notebooks/fork-compare/, so a reader can open
+    them; they must be there and be valid scripts."""
+    from agentnb.models.factory import resolve_model
+
+    lab = REPO / "notebooks" / "fork-compare"
+    text = (REPO / "notebooks" / "06-fork-compare.ipynb").read_text(encoding="utf-8")
+    assert "incident.md" in text and (lab / "incident.md").is_file()
+    for name in ("summary-script.yaml", "bullets-script.yaml", "ticket-script.yaml"):
         assert name in text
         resolve_model(f"scripted:{lab / name}")
 
