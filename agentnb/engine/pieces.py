@@ -140,7 +140,7 @@ class Piece:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
-    def replace_movement(self, name: str, **changes: Any) -> Piece:
+    def replace_movement(self, name: str, /, **changes: Any) -> Piece:
         """A copy of this piece with movement ``name`` changed, checked like a piece file (DESIGN §11).
 
         ``changes`` are movement keys of the YAML: ``persona``, ``instruction``, ``tools`` (names),
