@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _scripting import call, transition, write_script
+from openai_server import OpenAIServer, reply
 
 import agentnb
 from agentnb import Workspace
 from agentnb.errors import PieceError, UsageError
 from agentnb.events import LLMResponse, MovementStart, ReplayDivergence
-
-from _scripting import call, transition, write_script
-from openai_server import OpenAIServer, reply
 
 PIECE = "plan-implement-verify"
 REPO = Path(__file__).resolve().parent.parent
@@ -181,8 +180,8 @@ def test_a_tool_whose_result_changes_is_recorded_as_a_divergence(ws: Workspace, 
     fork = ws.fork(job, at=2)
     assert fork.status == "succeeded"  # by default the fork goes on
     (div,) = [e for e in fork.events if isinstance(e, ReplayDivergence)]
-    recorded = [e for e in job.events if e.kind == "tool_result" and e.tool == "Clock"][0]
-    actual = [e for e in fork.events if e.kind == "tool_result" and e.tool == "Clock"][0]
+    recorded = next(e for e in job.events if e.kind == "tool_result" and e.tool == "Clock")
+    actual = next(e for e in fork.events if e.kind == "tool_result" and e.tool == "Clock")
     assert (div.seq, div.iteration, div.tool, div.call_id) == (1, 2, "Clock", recorded.call_id)
     assert div.expected == recorded.content and div.actual == actual.content != recorded.content
     assert div.payload["seq"] == 1 and div.payload["iteration"] == 2
@@ -210,7 +209,7 @@ def test_a_fork_keeps_the_originals_context_for_re_served_runs(ws: Workspace, tm
         "verify": [transition("COMPLETE", "ok")],
     })
     job = ws.run(ws.submit("t", piece=PIECE, model=spec, inputs={"a.md": "a"}, context={"window_tokens": 10_000}))
-    assert [m["forced"] for m in ws.movements(job)][0]
+    assert next(m["forced"] for m in ws.movements(job))
     wide = ws.piece(job).replace_movement("verify", max_iterations=5)
     fork = ws.fork(job, at=3, piece=wide)
     assert fork.status == "succeeded"
@@ -262,7 +261,7 @@ def test_a_running_or_waiting_job_cannot_be_forked(ws: Workspace, tmp_path: Path
     waiting = ws.run(ws.submit("t", piece=PIECE, model=asking))
     assert waiting.status == "waiting_human"
     before = len(ws.jobs())
-    with pytest.raises(UsageError, match="is waiting_human .*reply"):
+    with pytest.raises(UsageError, match=r"is waiting_human .*reply"):
         ws.fork(waiting, at=1)
     _nothing_added(ws, before)
 
@@ -284,7 +283,7 @@ def test_a_fork_cannot_re_serve_a_run_that_asked_a_human(ws: Workspace, tmp_path
 
 def test_a_fork_onto_a_piece_without_the_movement_is_refused(ws: Workspace, original: agentnb.Job) -> None:
     before = len(ws.jobs())
-    with pytest.raises(PieceError, match="starts run 2 with movement 'implement'.*movements: work"):
+    with pytest.raises(PieceError, match=r"starts run 2 with movement 'implement'.*movements: work"):
         ws.fork(original, at=2, piece="single")
     with pytest.raises(PieceError, match="replace_movement: no movement 'nope'"):
         ws.piece(original).replace_movement("nope", persona="x")
