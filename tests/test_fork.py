@@ -346,3 +346,12 @@ def test_a_fork_of_an_openai_job_asks_the_endpoint_only_from_its_point(ws: Works
     assert fork.status == "succeeded"
     costs = ws.frames.usage(fork).groupby("seq").cost_usd.sum()
     assert costs[1] == 0 and costs[2] == 0 and costs[3] > 0
+
+
+def test_a_fork_takes_its_piece_as_yaml_text(ws: Workspace, tmp_path: Path, original: agentnb.Job) -> None:
+    text = ws.piece(original).replace_movement("verify", instruction="Check twice.").to_yaml()
+    fork = ws.fork(original, at=3, piece=text)
+    assert fork.status == "succeeded"
+    assert "Check twice." in next(e.user for e in fork.events if isinstance(e, MovementStart) and e.seq == 3)
+    with pytest.raises(PieceError, match="<piece text>"):
+        ws.fork(original, at=3, piece="name: broken\nmovements: 3\n")
