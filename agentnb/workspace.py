@@ -24,7 +24,7 @@ from .batch import (
     score_jobs,
 )
 from .engine.pieces import Piece, load_piece
-from .engine.prompts import MAX_COMMENTS, build_enriched_instruction, clock_block
+from .engine.prompts import activation_instruction, clock_block
 from .engine.runner import JobRunner, stored_piece
 from .engine.subtasks import notify_parent
 from .engine.workdir import prepare_workdir
@@ -466,14 +466,8 @@ class Workspace:
         if row.get("enriched"):
             return
         job_id = int(row["id"])
-        enriched = build_enriched_instruction(
-            instruction=row["instruction"],
-            comments=self.store.comments(job_id, last=MAX_COMMENTS),
-            total_comments=self.store.count_comments(job_id),
-            workdir=Path(row["workdir"]),
-            language=runner.piece.language,
-            clock=self._recorded_clock(row),
-        )
+        enriched = activation_instruction(self.store, row, language=runner.piece.language,
+                                          clock=self._recorded_clock(row))
         with self.store.transaction() as c:
             self.store.update_job(c, job_id, enriched=enriched)
 

@@ -266,19 +266,42 @@ def test_a_running_or_waiting_job_cannot_be_forked(ws: Workspace, tmp_path: Path
     _nothing_added(ws, before)
 
 
-def test_a_fork_cannot_re_serve_a_run_that_asked_a_human(ws: Workspace, tmp_path: Path) -> None:
+def test_a_fork_re_serves_a_question_with_the_replies_it_got(ws: Workspace, tmp_path: Path) -> None:
     spec = write_script(tmp_path, "asked", {
-        "plan": [transition("ASK", "?", question="Which file?"), transition("implement", "planned")],
-        "implement": [transition("verify", "w")], "verify": [transition("COMPLETE", "ok")],
+        "clarify": [transition("ASK", "?", question="Which file?"), transition("work", "clear")],
+        "work": [call("Write", path="output/o.md", content="one"), transition("COMPLETE", "done")],
     })
-    job = ws.run(ws.submit("t", piece=PIECE, model=spec))
-    job = ws.run(ws.reply(job, "a.md"))
-    assert job.status == "succeeded"
-    with pytest.raises(UsageError, match=r"run 1 \(plan\) .* asked a human \(ASK\).*allowed: at ≤ 1"):
+    job = ws.run(ws.submit("t", piece="ask-first", model=spec))
+    assert job.status == "waiting_human"
+    job = ws.run(ws.reply(job, "Use a.md, please."))
+    assert job.status == "succeeded" and [m["name"] for m in ws.movements(job)] == ["clarify", "clarify", "work"]
+    edited = ws.piece(job).replace_movement("work", instruction="Write it twice.")
+    fork = ws.fork(job, at=3, piece=edited, model=write_script(tmp_path, "twice", {
+        "clarify": [transition("ASK", "?", question="Which file?"), transition("work", "clear")],
+        "work": [call("Write", path="output/o.md", content="one one"), transition("COMPLETE", "done")]}))
+    assert fork.status == "succeeded"  # never waited: the question was answered as the original's was
+    assert "waiting_human" not in [e.status for e in fork.events if e.kind == "job_status"]
+    assert [(c["author"], c["body"], c["ts"]) for c in ws.comments(fork)] == \
+        [(c["author"], c["body"], c["ts"]) for c in ws.comments(job)]
+    users = {e.seq: e.user for e in job.events if isinstance(e, MovementStart)}
+    mine = {e.seq: e.user for e in fork.events if isinstance(e, MovementStart)}
+    assert mine[2] == users[2] and "Use a.md, please." in mine[3]
+    assert mine[3].split("## Current step")[0] == users[3].split("## Current step")[0]
+    assert (fork.workdir / "output" / "o.md").read_text() == "one one"
+
+
+def test_a_fork_cannot_re_serve_a_run_that_waited_for_subtasks(ws: Workspace, tmp_path: Path) -> None:
+    spec = write_script(tmp_path, "fan", {
+        "split": [transition("WAIT_SUBTASKS", "split", subtasks=[{"instruction": "part one", "piece": "single"}])],
+        "merge": [transition("COMPLETE", "merged")],
+        "work": [transition("COMPLETE", "part done")],
+    })
+    job = ws.run(ws.submit("t", piece="fan-out", model=spec))
+    assert job.status == "succeeded", job.error
+    before = len(ws.jobs())
+    with pytest.raises(UsageError, match=r"run 1 \(split\) .* waited for subtasks .*allowed: at ≤ 1"):
         ws.fork(job, at=2)
-    assert ws.fork(job, at=1, model=write_script(tmp_path, "plain", {
-        "plan": [transition("implement", "p")], "implement": [transition("verify", "w")],
-        "verify": [transition("COMPLETE", "ok")]})).status == "succeeded"
+    assert len(ws.jobs()) == before
 
 
 def test_a_fork_onto_a_piece_without_the_movement_is_refused(ws: Workspace, original: agentnb.Job) -> None:

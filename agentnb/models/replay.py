@@ -48,12 +48,14 @@ class Recording:
         events = [ev for ev in store.events(job_id, kinds=kinds)
                   if ev.movement_seq is not None and (before is None or ev.movement_seq < before)]
         self.movements: dict[int, str] = {}  # run → movement name
+        self.starts: dict[int, MovementStart] = {}  # run → its movement_start (the prompts as sent, when)
         self._replayed_runs: dict[int, int] = {}  # run → the job it was re-served from
         results: dict[tuple[int, int], list[ToolResult]] = {}
         responses: list[LLMResponse] = []
         for ev in events:
             if isinstance(ev, MovementStart):
                 self.movements[ev.seq] = ev.movement
+                self.starts[ev.seq] = ev
                 if ev.replayed_from is not None:
                     self._replayed_runs[ev.seq] = ev.replayed_from
             elif isinstance(ev, LLMResponse):
