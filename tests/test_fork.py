@@ -288,6 +288,9 @@ def test_a_fork_re_serves_a_question_with_the_replies_it_got(ws: Workspace, tmp_
     assert mine[2] == users[2] and "Use a.md, please." in mine[3]
     assert mine[3].split("## Current step")[0] == users[3].split("## Current step")[0]
     assert (fork.workdir / "output" / "o.md").read_text() == "one one"
+    again = ws.fork(fork, at=3)  # a fork of the fork finds the replies in the job that was answered
+    assert again.status == "succeeded" and (again.workdir / "output" / "o.md").read_text() == "one one"
+    assert [c["body"] for c in ws.comments(again)] == ["Which file?", "Use a.md, please."]
 
 
 def test_a_fork_cannot_re_serve_a_run_that_waited_for_subtasks(ws: Workspace, tmp_path: Path) -> None:

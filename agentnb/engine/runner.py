@@ -246,8 +246,9 @@ class JobRunner:
     def _reserve_reply(self, c: Any, seq: int, step: Ask) -> str:
         """A re-served run asked a human: re-serve the conversation its original had before its next run (the
         question and the replies, with their times) and go on at once, as the original did when answered."""
-        rec = self.recording
-        assert rec is not None
+        assert self.recording is not None
+        # the job that asked and was answered live: a fork's own re-served question was answered in its original
+        rec = Recording(self.store, self.recording.live_job(seq), before=seq + 2)
         begun, then = rec.starts[seq].ts, rec.starts.get(seq + 1)
         for cm in self.store.comments(rec.job_id):
             if cm["ts"] >= begun and (then is None or cm["ts"] < then.ts):
