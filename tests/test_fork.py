@@ -293,18 +293,27 @@ def test_a_fork_re_serves_a_question_with_the_replies_it_got(ws: Workspace, tmp_
     assert [c["body"] for c in ws.comments(again)] == ["Which file?", "Use a.md, please."]
 
 
-def test_a_fork_cannot_re_serve_a_run_that_waited_for_subtasks(ws: Workspace, tmp_path: Path) -> None:
+def test_a_fork_re_serves_subtasks_as_replays_of_the_originals_children(ws: Workspace, tmp_path: Path) -> None:
     spec = write_script(tmp_path, "fan", {
-        "split": [transition("WAIT_SUBTASKS", "split", subtasks=[{"instruction": "part one", "piece": "single"}])],
-        "merge": [transition("COMPLETE", "merged")],
-        "work": [transition("COMPLETE", "part done")],
+        "split": [transition("WAIT_SUBTASKS", "split", subtasks=[{"instruction": "part one", "piece": "single"},
+                                                                 {"instruction": "part two", "piece": "single"}])],
+        "work": [call("Write", path="output/part.md", content="a part"), transition("COMPLETE", "part done")],
+        "merge": [call("Write", path="output/result.md", content="merged"), transition("COMPLETE", "merged")],
     })
     job = ws.run(ws.submit("t", piece="fan-out", model=spec))
     assert job.status == "succeeded", job.error
-    before = len(ws.jobs())
-    with pytest.raises(UsageError, match=r"run 1 \(split\) .* waited for subtasks .*allowed: at ≤ 1"):
-        ws.fork(job, at=2)
-    assert len(ws.jobs()) == before
+    children = ws.children(job)
+    fork = ws.fork(job, at=2, model=write_script(tmp_path, "fan2", {
+        "merge": [call("Write", path="output/result.md", content="merged again"), transition("COMPLETE", "m")]}))
+    assert fork.status == "succeeded", fork.error
+    mine = ws.children(fork)
+    assert [c.model for c in mine] == [f"replay:{c.id}" for c in children]
+    assert [c.instruction for c in mine] == ["part one", "part two"] and all(c.status == "succeeded" for c in mine)
+    assert all((c.workdir / "output" / "part.md").read_text() == "a part" for c in mine)
+    assert ws.frames.jobs().set_index("job").loc[[c.id for c in mine], "cost_usd"].sum() == 0
+    merge = next(e for e in fork.events if isinstance(e, MovementStart) and e.seq == 2)
+    assert f"job {mine[0].id} (succeeded): part one" in merge.user
+    assert (fork.workdir / "output" / "result.md").read_text() == "merged again"
 
 
 def test_a_fork_onto_a_piece_without_the_movement_is_refused(ws: Workspace, original: agentnb.Job) -> None:

@@ -186,7 +186,10 @@ class JobRunner:
         step = next_step(out, mv)
         with self.store.transaction() as c:
             children: list[Subtask] = []
-            if isinstance(step, WaitSubtasks):
+            if isinstance(step, WaitSubtasks) and self.recording is not None and self._replayed(seq):
+                ended = self.recording.transitions.get(seq)
+                children = self.subtasks.replay(c, list(ended.subtasks or []) if ended is not None else [])
+            elif isinstance(step, WaitSubtasks):
                 children = self.subtasks.create(c, step.requests, mv)
             now = time.time()
             self.rec.add(Transition(
