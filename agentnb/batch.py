@@ -202,9 +202,7 @@ def _as_list(value: Any) -> list[Any]:
 
 
 def _load_variant_piece(ref: Any) -> Piece:
-    if isinstance(ref, str) and "\n" in ref:  # YAML text
-        return parse_piece(ref, source="<piece text>")
-    return load_piece(ref)
+    return load_piece(ref)  # a name, a path, YAML text or a Piece
 
 
 def check_variants(pieces: Any, models: Any, check_model: Callable[[str], str]) -> list[Variant]:

@@ -1,10 +1,11 @@
 """Forks (DESIGN §11): a new job that re-serves an ended job's first movement runs and runs live from one.
 
 :func:`plan_fork` checks everything a fork needs before anything is stored — the original has stopped, the
-fork point is one of its runs, the runs before it neither waited for a human nor for subtasks, and the
-piece the fork runs on has the movement the fork point starts — and gathers what the new job is made of:
-the original's instruction, its ``input/`` files as they are now, its options, and the piece and model to
-run on from the fork point.  The re-serving itself is the engine's (``JobRunner`` with a ``Recording``).
+fork point is one of its runs, and the piece the fork runs on has the movement the fork point starts — and
+gathers what the new job is made of: the original's instruction, its ``input/`` files as they are now, its
+options, and the piece and model to run on from the fork point.  The re-serving itself is the engine's
+(``JobRunner`` with a ``Recording``): a re-served question is answered with the original's replies, and
+re-served subtasks are ``replay:`` jobs of the original's children.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from .engine.pieces import Piece, load_piece
 from .engine.runner import stored_piece
 from .errors import PieceError, UsageError
-from .events import Transition
 
 if TYPE_CHECKING:
     from .store.base import Store
@@ -62,11 +62,6 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
         allowed = f"a movement run from 1 to {last}" if last > 1 else "1"
         raise UsageError(f"at={at!r}: job {job_id} ran {len(runs)} movement run(s); allowed: {allowed} "
                          "(runs before it are re-served, it and the later ones run live)")
-    for ev in store.events(job_id, kinds=["transition"]):
-        if isinstance(ev, Transition) and (ev.movement_seq or 0) < at and ev.next_step in ("ASK", "WAIT_SUBTASKS"):
-            waited = "asked a human (ASK)" if ev.next_step == "ASK" else "waited for subtasks (WAIT_SUBTASKS)"
-            raise UsageError(f"at={at}: run {ev.movement_seq} ({ev.movement}) of job {job_id} {waited}, which a fork "
-                             f"cannot re-serve; allowed: at ≤ {ev.movement_seq}")
     if strict not in (True, False):
         raise UsageError(f"strict={strict!r}; allowed: True (a divergent re-run fails the fork) or False")
     p = stored_piece(row) if piece is None else load_piece(piece)

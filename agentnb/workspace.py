@@ -24,7 +24,7 @@ from .batch import (
     score_jobs,
 )
 from .engine.pieces import Piece, load_piece
-from .engine.prompts import MAX_COMMENTS, build_enriched_instruction, clock_block
+from .engine.prompts import activation_instruction, clock_block
 from .engine.runner import JobRunner, stored_piece
 from .engine.subtasks import notify_parent
 from .engine.workdir import prepare_workdir
@@ -466,14 +466,8 @@ class Workspace:
         if row.get("enriched"):
             return
         job_id = int(row["id"])
-        enriched = build_enriched_instruction(
-            instruction=row["instruction"],
-            comments=self.store.comments(job_id, last=MAX_COMMENTS),
-            total_comments=self.store.count_comments(job_id),
-            workdir=Path(row["workdir"]),
-            language=runner.piece.language,
-            clock=self._recorded_clock(row),
-        )
+        enriched = activation_instruction(self.store, row, language=runner.piece.language,
+                                          clock=self._recorded_clock(row))
         with self.store.transaction() as c:
             self.store.update_job(c, job_id, enriched=enriched)
 
@@ -682,9 +676,10 @@ class Workspace:
         that call.  From run ``at`` on the job runs on ``piece`` (a name, path, YAML text or ``Piece``, e.g.
         ``ws.piece(job).replace_movement("implement", instruction=…)``; default: the original's) and
         ``model`` (default: the original's).  The fork starts from the original's ``input/`` files as they
-        are now, with its options, and keeps its date and time in the prompts up to run ``at``.  ``run=False``
-        only queues it (to step it).  A job that is running or waiting is refused, as is a fork point after a
-        run that asked a human or waited for subtasks.
+        are now, with its options, and keeps its date and time in the prompts up to run ``at``.  A re-served
+        run that asked a human goes on with the replies the original got; one that handed out subtasks queues
+        ``replay:`` jobs of the original's children.  ``run=False`` only queues it (to step it).  A job that is
+        running or waiting is refused.
         """
         plan = plan_fork(self.store, self._id(job), at=at, piece=piece, model=model, strict=strict)
         prepared = self._prepare(plan.instruction, piece=plan.piece, model=plan.model, inputs=plan.inputs,

@@ -140,7 +140,7 @@ class Piece:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
-    def replace_movement(self, name: str, **changes: Any) -> Piece:
+    def replace_movement(self, name: str, /, **changes: Any) -> Piece:
         """A copy of this piece with movement ``name`` changed, checked like a piece file (DESIGN §11).
 
         ``changes`` are movement keys of the YAML: ``persona``, ``instruction``, ``tools`` (names),
@@ -579,9 +579,12 @@ def available_pieces() -> dict[str, Path]:
 
 
 def load_piece(ref: str | os.PathLike[str] | Piece, *, known_tools: Iterable[str] | None = None) -> Piece:
-    """Load a piece from a file path or by name (``./pieces/<name>.yaml``, then the package)."""
+    """Load a piece from a file path, by name (``./pieces/<name>.yaml``, then the package) or from YAML text
+    (a string with a line break)."""
     if isinstance(ref, Piece):
         return ref
+    if isinstance(ref, str) and "\n" in ref:
+        return parse_piece(ref, source="<piece text>", known_tools=known_tools)
     if not isinstance(ref, (str, os.PathLike)):
         raise PieceError(f"piece must be a name, a YAML path or a Piece, not {type(ref).__name__} {ref!r}",
                          field="piece")

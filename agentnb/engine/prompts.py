@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +31,7 @@ __all__ = [
     "MAX_LESSON_CHARS",
     "MAX_LISTED_FILES",
     "TEXTS",
+    "activation_instruction",
     "build_enriched_instruction",
     "clock_block",
     "finish_block",
@@ -127,6 +128,16 @@ def build_enriched_instruction(
     blocks.append("\n".join(files))
     blocks.append(f"{text(language, 'task')}\n{instruction}")
     return "\n\n".join(blocks)
+
+
+def activation_instruction(store: Store, job: Mapping[str, Any], *, language: str, clock: str | None = None) -> str:
+    """The enriched instruction of job ``job`` (its row) for an activation starting now: its last comments,
+    its work directory's listing and, unless ``clock`` is given, the current date and time."""
+    job_id = int(job["id"])
+    return build_enriched_instruction(
+        instruction=job["instruction"], comments=store.comments(job_id, last=MAX_COMMENTS),
+        total_comments=store.count_comments(job_id), workdir=Path(job["workdir"]), language=language, clock=clock,
+    )
 
 
 def _now_block(language: str, now: datetime | None = None) -> str:

@@ -23,7 +23,7 @@ from ..tools.base import ToolError, open_regular, unlinked_path
 from .context import ContextManager, job_thresholds, window_for_model
 from .loop import AgentLoop, CallCounters, Outcome, Recorder, ReplayDiverged
 from .pieces import Movement, Piece, parse_piece
-from .prompts import user_prompt
+from .prompts import activation_instruction, clock_block, user_prompt
 from .steps import Abort, Ask, Complete, Fail, GoTo, NextStep, WaitSubtasks, next_step
 from .subtasks import CAP_OPTION, Subtasks, capped, notify_parent
 
@@ -186,7 +186,10 @@ class JobRunner:
         step = next_step(out, mv)
         with self.store.transaction() as c:
             children: list[Subtask] = []
-            if isinstance(step, WaitSubtasks):
+            if isinstance(step, WaitSubtasks) and self.recording is not None and self._replayed(seq):
+                ended = self.recording.transitions.get(seq)
+                children = self.subtasks.replay(c, list(ended.subtasks or []) if ended is not None else [])
+            elif isinstance(step, WaitSubtasks):
                 children = self.subtasks.create(c, step.requests, mv)
             now = time.time()
             self.rec.add(Transition(
@@ -200,7 +203,10 @@ class JobRunner:
             self.rec.flush(c)
             self.store.finish_movement(c, self.job_id, seq, iterations=it, next_step=out.next_step,
                                        forced=out.forced, summary=out.summary)
-            status = self._apply(c, step, why=f"{mv.name} → {out.next_step}" + (" (forced)" if out.forced else ""))
+            if isinstance(step, Ask) and self._replayed(seq):
+                status = self._reserve_reply(c, seq, step)
+            else:
+                status = self._apply(c, step, why=f"{mv.name} → {out.next_step}" + (" (forced)" if out.forced else ""))
         if lesson_text:
             try:
                 self._append_lesson_file(mv.name, seq, lesson_text, out.summary)
@@ -239,6 +245,23 @@ class JobRunner:
             case GoTo(movement=movement):
                 self.store.update_job(c, self.job_id, current_movement=movement)
                 return "running"
+
+    def _reserve_reply(self, c: Any, seq: int, step: Ask) -> str:
+        """A re-served run asked a human: re-serve the conversation its original had before its next run (the
+        question and the replies, with their times) and go on at once, as the original did when answered."""
+        assert self.recording is not None
+        # the job that asked and was answered live: a fork's own re-served question was answered in its original
+        rec = Recording(self.store, self.recording.live_job(seq), before=seq + 2)
+        begun, then = rec.starts[seq].ts, rec.starts.get(seq + 1)
+        for cm in self.store.comments(rec.job_id):
+            if cm["ts"] >= begun and (then is None or cm["ts"] < then.ts):
+                self.store.add_comment(c, self.job_id, cm["author"], cm["body"], ts=cm["ts"])
+        # the answer starts a new activation: its enriched instruction, with the original's clock
+        job = self.store.job(self.job_id)
+        enriched = activation_instruction(self.store, job, language=self.piece.language,
+                                          clock=clock_block(then.user) if then is not None else None)
+        self.store.update_job(c, self.job_id, current_movement=step.resume, enriched=enriched)
+        return "running"
 
     # -- lessons --------------------------------------------------------------
     def _append_lesson_file(self, movement: str, seq: int, lessons: str, summary: str) -> None:

@@ -110,6 +110,26 @@ class Subtasks:
             created.append(Subtask(instruction=sub["instruction"], piece=piece_name, model=model, job_id=child_id))
         return created
 
+    def replay(self, c: Any, originals: list[Subtask]) -> list[Subtask]:
+        """Queue, in ``c``, one child per child of a re-served run (DESIGN §11): each a ``replay:`` of the
+        original child, with its piece, instruction and options (its rights included), so the fork's subtasks
+        spend nothing and bring back what the original's did."""
+        created = []
+        for sub in originals:
+            row = self.store.job(sub.job_id)
+            model = f"replay:{sub.job_id}"
+            child_id = self.store.create_child_job(
+                c, self.job_id, piece=row["piece"], piece_yaml=row["piece_yaml"], piece_path=row["piece_path"],
+                model=model, instruction=row["instruction"], options=row["options"] or "{}",
+            )
+            workdir = prepare_workdir(self.logs_dir.parents[2], child_id, None)
+            self.store.update_job(c, child_id, workdir=str(workdir))
+            self.store.append([JobStatusEvent(job_id=child_id, ts=time.time(), status="queued",
+                                              reason=f"subtask of job {self.job_id}, re-served from job {sub.job_id}")],
+                              c)
+            created.append(Subtask(instruction=row["instruction"], piece=row["piece"], model=model, job_id=child_id))
+        return created
+
     def _piece(self, sub: dict[str, Any], creator: Movement) -> Piece:
         """The piece a subtask runs, checked: a name ``agentnb pieces`` lists (never a path), whose every
         movement fits within ``creator``'s tools and permission.  No piece named: this job's own piece."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelError
-from ..events import LLMResponse, MovementStart, ToolResult
+from ..events import LLMResponse, MovementStart, ToolResult, Transition
 from .base import ModelRequest, ModelResponse, ToolCall
 
 if TYPE_CHECKING:
@@ -44,20 +44,25 @@ class Recording:
         self.job_id = job_id
         self.before = before
         store.job(job_id)  # a StoreError naming the job when there is none
-        kinds = ["movement_start", "llm_response", "tool_result"]
+        kinds = ["movement_start", "llm_response", "tool_result", "transition"]
         events = [ev for ev in store.events(job_id, kinds=kinds)
                   if ev.movement_seq is not None and (before is None or ev.movement_seq < before)]
         self.movements: dict[int, str] = {}  # run → movement name
+        self.starts: dict[int, MovementStart] = {}  # run → its movement_start (the prompts as sent, when)
+        self.transitions: dict[int, Transition] = {}  # run → how it ended
         self._replayed_runs: dict[int, int] = {}  # run → the job it was re-served from
         results: dict[tuple[int, int], list[ToolResult]] = {}
         responses: list[LLMResponse] = []
         for ev in events:
             if isinstance(ev, MovementStart):
                 self.movements[ev.seq] = ev.movement
+                self.starts[ev.seq] = ev
                 if ev.replayed_from is not None:
                     self._replayed_runs[ev.seq] = ev.replayed_from
             elif isinstance(ev, LLMResponse):
                 responses.append(ev)
+            elif isinstance(ev, Transition):
+                self.transitions[ev.movement_seq or 0] = ev
             elif isinstance(ev, ToolResult):
                 results.setdefault((ev.movement_seq or 0, ev.iteration or 0), []).append(ev)
         sources: dict[int, Recording] = {}

@@ -645,10 +645,11 @@ class SQLiteStore:
             return [d[0] for d in cur.description], rows
 
     # -- comments --------------------------------------------------------------
-    def add_comment(self, c: Transaction, job_id: int, author: str, body: str) -> None:
+    def add_comment(self, c: Transaction, job_id: int, author: str, body: str, *, ts: float | None = None) -> None:
         now = time.time()
         conn = self._tx(c)
-        conn.execute("INSERT INTO comments (job_id, author, body, ts) VALUES (?,?,?,?)", (job_id, author, body, now))
+        conn.execute("INSERT INTO comments (job_id, author, body, ts) VALUES (?,?,?,?)",
+                     (job_id, author, body, now if ts is None else ts))
         self._append(conn, [CommentEvent(job_id=job_id, ts=now, author=author, body=body)])
 
     def comments(self, job_id: int, last: int | None = None) -> list[dict[str, Any]]:
