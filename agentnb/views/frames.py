@@ -348,9 +348,13 @@ class Frames:
             raise UsageError("what_if(None): allowed: a Job or a job id")
         usage = self.usage(job_id)
         # the calls a fork re-served record 0 tokens: the simulation takes their context from ratio × window
-        served = {(e.movement_seq, e.iteration) for e in self.store.events(job_id, kinds=["llm_response"])
-                  if isinstance(e, LLMResponse) and e.replayed_from is not None}
-        replayed = [(s, i) in served for s, i in zip(usage["seq"].tolist(), usage["iteration"].tolist(), strict=True)]
+        if "replayed" in usage.columns:
+            replayed = usage["replayed"].fillna(False).to_numpy(dtype=bool)
+        else:
+            served = {(e.movement_seq, e.iteration) for e in self.store.events(job_id, kinds=["llm_response"])
+                      if isinstance(e, LLMResponse) and e.replayed_from is not None}
+            replayed = np.array([(s, i) in served for s, i in zip(usage["seq"].tolist(), usage["iteration"].tolist(),
+                                                                  strict=True)], dtype=bool)
         return simulate(usage, window=window, thresholds=thresholds, replayed=replayed)
 
     def context_actions(self, job: JobArg | None = None) -> pd.DataFrame:

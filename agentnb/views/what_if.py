@@ -127,8 +127,10 @@ def simulate(usage: pd.DataFrame, *, window: int | None = None, thresholds: Mapp
         hit = pd.Series(ratio_wi >= th[action], index=df.index)  # NaN compares False: no count, no action
         fired[action] = (hit & (hit.astype("int64").groupby(runs).cumsum() == 1)).to_numpy()
 
-    names = np.array(ACTIONS, dtype=object)
-    listed = [",".join(names[[fired[a][i] for a in ACTIONS]]) for i in range(len(df))]
+    listed = np.full(len(df), "", dtype=object)
+    for action in ACTIONS:  # in firing order, as the record's ``actions``
+        at = fired[action]
+        listed[at] = np.where(listed[at] == "", action, listed[at] + "," + action)
     codes = np.full(len(df), -1, dtype="int64")
     for code, action in enumerate(ACTIONS):
         codes[fired[action]] = code  # ACTIONS rise, so the last one set is the highest
@@ -138,7 +140,8 @@ def simulate(usage: pd.DataFrame, *, window: int | None = None, thresholds: Mapp
 
     df["action_recorded"] = df["action"].astype(_ACTION_DTYPE)
     df["action_what_if"] = pd.Categorical.from_codes(codes, dtype=_ACTION_DTYPE)
-    df["actions_what_if"] = pd.Series([s or None for s in listed], index=df.index, dtype="string")
+    text = pd.Series(listed, index=df.index, dtype="string")
+    df["actions_what_if"] = text.mask(text == "")  # NA where nothing fires, as the record's ``actions``
     df["ratio_what_if"] = ratio_wi.astype("float64")
     df["forced_what_if"] = forced.astype(bool)
     df["first_forced"] = first.to_numpy(dtype=bool)
