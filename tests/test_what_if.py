@@ -366,6 +366,9 @@ def test_plot_usage_overlays_the_what_if(ws: Workspace, job: Job) -> None:
     for c in ax.collections:
         if c.get_gid() == f"what_if:action:{job.id}":
             assert np.all(c.get_facecolors()[:, 3] == 0)  # hollow
+    labels = sorted(t.get_text() for t in ax.texts if t.get_gid() == "label:what_if")
+    assert labels == sorted(["warn", "prompt,force_transition,exhausted", "warn", "warn",
+                             "prompt,force_transition,exhausted", "warn,prompt,force_transition,exhausted"])
     assert lines["what_if:first_forced"].get_xdata()[0] == 3
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "what-if (window 5000)" in legend and "what-if warn 50%" in legend
@@ -379,6 +382,7 @@ def test_plot_usage_without_what_if_has_none_of_it(ws: Workspace, job: Job) -> N
     ax = fig.axes[0]
     assert not [g for g in _by_gid(ax) if g.startswith("what_if")]
     assert not [c for c in ax.collections if (c.get_gid() or "").startswith("what_if")]
+    assert not [t for t in ax.texts if t.get_gid() == "label:what_if"]
     assert not [t.get_text() for t in ax.get_legend().get_texts() if "what-if" in t.get_text()]
 
 

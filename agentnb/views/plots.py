@@ -23,14 +23,14 @@ plot of the notebook showed nothing.)  IPython shows it as a PNG at twice its pi
 With ``what_if=dict(window=…, thresholds=…)`` (or a ``ws.frames.what_if`` frame, passed there or as the
 frame to plot) the ratio panel also shows the ContextManager simulated under those settings
 (``views/what_if.py``): the recomputed ratio as a dashed line per job (legend ``what-if (window N)``), the
-actions that would fire as hollow markers, the what-if thresholds as thin long-dashed lines, and a dotted
+actions that would fire as hollow markers (labelled in italics), the what-if thresholds as thin long-dashed lines, and a dotted
 red line at the first call where a movement would have been forced to transition (from there on the
 simulation no longer describes what would have happened).  Without it the figure is what it was.
 
 Artists carry a ``gid`` (``threshold:<action>``, ``movement:<seq>``, ``boundary:<seq>``,
 ``action:<job>``, ``transition:<job>``, ``cumulative:<job>``, ``label:action``,
 ``label:transition``, ``status``; with a what-if ``what_if:threshold:<action>``, ``what_if:ratio:<job>``,
-``what_if:action:<job>``, ``what_if:first_forced``) so tests and users can find them.
+``what_if:action:<job>``, ``what_if:first_forced``, ``label:what_if``) so tests and users can find them.
 """
 
 from __future__ import annotations
@@ -427,6 +427,14 @@ def _draw_what_if(ax: Axes, rows: pd.DataFrame, job_id: int, drawn: _Drawn, nth:
         ax.scatter(group["call"], group["ratio_what_if"], marker=_ACTION_MARKER.get(str(action), "*"), s=110,
                    facecolors="none", edgecolors=ACTION_COLOURS.get(str(action), "black"), linewidths=1.6,
                    zorder=4, gid=f"what_if:action:{job_id}")
+    for _, r in acted.iterrows():
+        # italic on a dashed box: told apart from the record's labels; hidden where there is no room
+        drawn.labels.append(ax.annotate(
+            str(r["actions_what_if"]), (r["call"], r["ratio_what_if"]), textcoords="offset points",
+            xytext=(_NEAR, _NEAR), va="bottom", fontsize=_LABEL_SIZE, fontstyle="italic", color="dimgrey", zorder=6,
+            gid="label:what_if", arrowprops=_leader("dimgrey"),
+            bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.9, "linewidth": 0.8,
+                  "linestyle": "--", "edgecolor": ACTION_COLOURS.get(str(r["action_what_if"]), "black")}))
     first = rows[rows["first_forced"].fillna(False).to_numpy(dtype=bool)]
     if not first.empty:
         drawn.what_if_forced = True
