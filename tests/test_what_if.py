@@ -426,3 +426,15 @@ def test_plot_usage_refuses_a_what_if_frame_of_other_calls(ws: Workspace, job: J
         agentnb.plot_usage(job, what_if=ws.frames.what_if(other))
     with pytest.raises(UsageError, match="lacks"):
         agentnb.plot_usage(job, what_if=ws.frames.usage(job))
+
+
+def test_plot_what_if_thresholds_start_from_the_ones_drawn(ws: Workspace, job: Job) -> None:
+    # plot_usage's thresholds= stands for the job's; the what-if is merged over it, as for a frame
+    fig = agentnb.plot_usage(job, thresholds={"warn": 0.5}, what_if={"window": 5000, "thresholds": {"prompt": 0.6}})
+    lines = _by_gid(fig.axes[0])
+    assert lines["threshold:warn"].get_ydata()[0] == pytest.approx(0.5)
+    assert lines["what_if:threshold:warn"].get_ydata()[0] == pytest.approx(0.5)
+    assert lines["what_if:threshold:prompt"].get_ydata()[0] == pytest.approx(0.6)
+    # run 1 at window 5000: 0.2, 0.6 (warn and prompt), 1.0 (force_transition, exhausted)
+    texts = [t.get_text() for t in fig.axes[0].texts if t.get_gid() == "label:what_if"]
+    assert "warn,prompt" in texts and "force_transition,exhausted" in texts

@@ -631,7 +631,9 @@ def _with_what_if(target: _Target, obj: Any, ws: UsageSource | None,
         raise UsageError(f"plot_usage: what_if has unknown key(s) {unknown}; allowed: window, thresholds")
     window, thresholds = what_if.get("window"), what_if.get("thresholds")
     if target.ws is not None:  # a job: its frames know which calls a fork re-served
-        what = target.ws.frames.what_if(target.frame.attrs["job"], window=window, thresholds=thresholds)
+        # over the thresholds drawn as the job's (plot_usage's thresholds=, when given), as for a frame
+        merged = {**target.thresholds, **(thresholds or {})} if isinstance(thresholds, Mapping | None) else thresholds
+        what = target.ws.frames.what_if(target.frame.attrs["job"], window=window, thresholds=merged)
         return _what_if_frame(target, what)
     frame = target.frame.copy()
     frame.attrs = {**target.frame.attrs, "thresholds": target.thresholds}
