@@ -36,6 +36,8 @@ frame               columns
 ``context_actions`` job, event_id, seq, movement, iteration, timestamp, action, ratio, tokens,
                     window, threshold
 ``scores(job)``     job, batch, case, name, value, error, ts, latest
+``what_if(job, …)`` usage's columns, then action_recorded, action_what_if, actions_what_if,
+                    ratio_what_if, forced_what_if, first_forced (``views/what_if.py``)
 =================== ===========================================================================
 
 The issue that specified these frames (and users) call some columns by other names; both work:
@@ -109,6 +111,7 @@ import numpy as np
 import pandas as pd
 
 from ..engine.context import job_thresholds
+from ..errors import UsageError
 from ..events import (
     ACTIONS,
     ContextAction,
@@ -125,6 +128,7 @@ from ..models.prices import cost_array, summed_costs
 from ..store.base import JOB_STATES, FrameQuery, Store
 from ..tools.base import ToolError, unlinked_path
 from .status import DISPLAY_STATES, display_status
+from .what_if import simulate
 
 # the store ranks actions in SQL in the order the ContextManager fires them
 
@@ -328,6 +332,30 @@ class Frames:
             df.attrs["job"] = job_id
             df.attrs["thresholds"] = self.thresholds(job_id)
         return df
+
+    def what_if(self, job: JobArg, window: int | None = None,
+                thresholds: Mapping[str, float] | None = None) -> pd.DataFrame:
+        """``usage(job)`` with the ContextManager's actions recomputed from the recorded prompt token counts
+        under another ``window`` (None: each call's recorded one) and ``thresholds`` (some or all actions,
+        merged over the job's): ``action_recorded``, ``action_what_if``, ``actions_what_if``,
+        ``ratio_what_if``, ``forced_what_if``, ``first_forced``; ``attrs["what_if"]`` holds the settings.
+
+        A simulation of the ContextManager alone: a movement forced to transition earlier would have
+        changed everything after it, and calls the job never made cannot be simulated
+        (``agentnb.views.what_if`` says how it is computed)."""
+        job_id = self._job(job)
+        if job_id is None:  # one job's settings are simulated: a frame of every job has no one window
+            raise UsageError("what_if(None): allowed: a Job or a job id")
+        usage = self.usage(job_id)
+        # the calls a fork re-served record 0 tokens: the simulation takes their context from ratio × window
+        if "replayed" in usage.columns:
+            replayed = usage["replayed"].fillna(False).to_numpy(dtype=bool)
+        else:
+            served = {(e.movement_seq, e.iteration) for e in self.store.events(job_id, kinds=["llm_response"])
+                      if isinstance(e, LLMResponse) and e.replayed_from is not None}
+            replayed = np.array([(s, i) in served for s, i in zip(usage["seq"].tolist(), usage["iteration"].tolist(),
+                                                                  strict=True)], dtype=bool)
+        return simulate(usage, window=window, thresholds=thresholds, replayed=replayed)
 
     def context_actions(self, job: JobArg | None = None) -> pd.DataFrame:
         """One row per ContextManager action (``context_action`` event)."""
