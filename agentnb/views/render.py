@@ -98,10 +98,7 @@ STYLE = Template("""<style>
 .anb-error{color:$error}
 .anb-tr{background:rgba(46,139,87,.08);padding:3px 6px;border-radius:3px}
 .anb-more{font-size:11px;color:#777}
-.anb-reserved{background:$reserved}.anb-divergence{background:$divergence}
-.anb-diverged{border-left:3px solid $divergence;background:rgba(179,89,0,.07);padding:3px 6px;margin:2px 0;border-radius:3px}
-</style>""").substitute(ACTION_COLOURS, ok=OK_COLOUR, error=ERROR_COLOUR, reserved=RESERVED_COLOUR,
-                         divergence=DIVERGENCE_COLOUR)
+</style>""").substitute(ACTION_COLOURS, ok=OK_COLOUR, error=ERROR_COLOUR)
 
 # Live views (the magic's, the panel's) are re-drawn as events arrive.  This script, installed once per
 # page, remembers which sections the user opened or closed (by the ``data-anb-key`` of their <summary>,
@@ -171,6 +168,7 @@ _INLINE = {
     "anb-error": f"color:{ERROR_COLOUR}",
     "anb-tr": "background:rgba(46,139,87,.08);padding:3px 6px;border-radius:3px",
     "anb-more": "font-size:11px;color:#777",
+    # the fork marks are styled inline only (every tag of the view carries its style attribute)
     "anb-reserved": f"background:{RESERVED_COLOUR}", "anb-divergence": f"background:{DIVERGENCE_COLOUR}",
     "anb-diverged": f"border-left:3px solid {DIVERGENCE_COLOUR};background:rgba(179,89,0,.07);padding:3px 6px;"
                     "margin:2px 0;border-radius:3px",
