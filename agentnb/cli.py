@@ -1,7 +1,7 @@
 """The ``agentnb`` command: the Workspace operations for terminals and scripts.
 
-Exit codes of ``run``: 0 when the job succeeded or waits for a human, 1 when it
-failed or was aborted, 2 on a usage, piece, model-spec or store error (one line on
+Exit codes of ``run`` (and of ``fork`` and ``replay``, which run the new job the same way): 0 when the job
+succeeded or waits for a human, 1 when it failed or was aborted, 2 on a usage, piece, model-spec or store error (one line on
 stderr, no traceback), 130 after Ctrl-C and 143 after SIGTERM (the running job is
 queued again).  ``batch``: 0 when every job ended (succeeded, failed or aborted),
 3 when some wait for a human (answer them with ``reply``, then rerun the command),
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from .engine.pieces import PieceError, available_pieces
 from .errors import AgentnbError, UsageError
-from .events import payload_dict
+from .events import MovementStart, payload_dict
 from .store import BACKEND_ERRORS, describe_error
 from .worker import Terminated, sigterm_interrupts
 
@@ -64,9 +64,15 @@ def _question(ws: Workspace, job: Job) -> str | None:
 
 def _print_job(ws: Workspace, job: Job) -> None:
     print(f"job {job.id}: {job.status}  piece={job.piece} model={job.model}")
+    if job.forked_from is not None:
+        print(f"  forked from job {job.forked_from[0]} at run {job.forked_from[1]}")
+    # a fork's runs re-served from the original's record (no tokens spent): their movement_start names it
+    reserved = {ev.movement_seq: ev.replayed_from for ev in ws.events(job, kinds=["movement_start"])
+                if isinstance(ev, MovementStart) and ev.replayed_from is not None} if job.forked_from else {}
     for mv in ws.movements(job):
         forced = " (forced)" if mv["forced"] else ""
-        print(f"  {mv['seq']:>2}. {mv['name']:<14} {mv['iterations']:>3} {'call ' if mv['iterations'] == 1 else 'calls'} → {mv['next_step'] or '…'}{forced}"
+        served = f"re-served from job {reserved[mv['seq']]}: " if mv["seq"] in reserved else ""
+        print(f"  {mv['seq']:>2}. {mv['name']:<14} {served}{mv['iterations']:>3} {'call ' if mv['iterations'] == 1 else 'calls'} → {mv['next_step'] or '…'}{forced}"
               + (f"  {mv['summary']}" if mv["summary"] else ""))
     print(f"  tokens: {ws.store.total_tokens(job.id):,}")
     if job.error:
@@ -111,6 +117,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if job.status in ("succeeded", "waiting_human", "waiting_subtasks") else 1
 
 
+def _ran(ws: Workspace, job: Job) -> int:
+    """Print a job that was run and give ``run``'s exit code for it."""
+    _print_job(ws, job)
+    return 0 if job.status in ("succeeded", "waiting_human", "waiting_subtasks") else 1
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    ws = _workspace(args)
+    job = ws.fork(args.job, at=args.at, piece=args.piece, model=args.model, strict=args.strict, run=False)
+    if args.no_run:
+        _print_job(ws, job)
+        print(f"  run it with: agentnb worker (or %agent run --job {job.id} in a notebook)")
+        return 0
+    return _ran(ws, ws.run(job))
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    ws = _workspace(args)
+    job = ws.replay(args.job, piece=args.piece, run=False)
+    return _ran(ws, ws.run(job))
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     ws = _workspace(args)
     n = ws.worker().run(forever=args.forever, poll=args.poll, max_jobs=args.max_jobs)
@@ -128,10 +156,15 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if not jobs:
         print("no jobs")
         return 0
-    print(f"{'id':>4}  {'status':<16} {'piece':<24} {'model':<24} instruction")
+    # a fork's origin as JOB@RUN (forked from job JOB at movement run RUN); the column only when a fork exists
+    forks = {j.id: f"{j.forked_from[0]}@{j.forked_from[1]}" for j in jobs if j.forked_from is not None}
+    width = max((len(v) for v in forks.values()), default=0)
+    origin = (lambda j: f"{forks.get(j.id, ''):<{max(width, 4)}} ") if forks else (lambda j: "")
+    print(f"{'id':>4}  {'status':<16} {'piece':<24} {'model':<24} " + (f"{'from':<{max(width, 4)}} " if forks else "")
+          + "instruction")
     for j in jobs:
         instr = j.instruction.replace("\n", " ")
-        print(f"{j.id:>4}  {j.status.value:<16} {j.piece:<24} {j.model:<24} {instr[:50]}")
+        print(f"{j.id:>4}  {j.status.value:<16} {j.piece:<24} {j.model:<24} {origin(j)}{instr[:50]}")
     return 0
 
 
@@ -389,6 +422,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", type=int)
     p.add_argument("--run", action="store_true", help="run it right away (and its parent, when it waits for it)")
     _retry_options(p)
+
+    p = add("fork", cmd_fork, "a new job: runs 1…SEQ-1 of JOB re-served from its record (no tokens), SEQ on run live")
+    p.add_argument("job", type=int, help="the job to fork (it must have stopped)")
+    p.add_argument("--at", type=int, required=True, metavar="SEQ",
+                   help="the movement run to run live from (1 is the first); the runs before it are re-served")
+    p.add_argument("--piece", help="piece name or YAML path from SEQ on (default: the job's)")
+    p.add_argument("--model", help="model spec from SEQ on (default: the job's)")
+    p.add_argument("--strict", action="store_true", help="a re-run tool whose result differs fails the fork")
+    p.add_argument("--no-run", action="store_true", help="only create the fork, queued (a worker runs it)")
+
+    p = add("replay", cmd_replay, "a new job on replay:JOB: every response re-served, every tool run again")
+    p.add_argument("job", type=int, help="the job to replay (it must have stopped)")
+    p.add_argument("--piece", help="piece name or YAML path (default: the job's)")
 
     p = add("export", cmd_export, "export a job as a notebook")
     p.add_argument("job", type=int)

@@ -55,10 +55,11 @@ def _cat(s: pd.Series) -> bool:
 EXPECTED = {
     "jobs": {"job": _int, "parent": _nint, "batch": _text, "case": _nint, "cost_usd": pt.is_float_dtype, "piece": _text, "status": _cat, "movements": _int, "llm_calls": _int,
              "tool_calls": _int, "prompt_tokens": _int, "completion_tokens": _int, "total_tokens": _int,
-             "peak_ratio": pt.is_float_dtype, "created": _time, "started": _time, "ended": _time, "error": _text},
+             "peak_ratio": pt.is_float_dtype, "created": _time, "started": _time, "ended": _time, "error": _text,
+             "forked_from_job": _nint, "forked_from_seq": _nint},
     "movements": {"job": _int, "seq": _int, "movement": _text, "status": _cat, "started": _time, "ended": _time,
                   "iterations": _int, "llm_calls": _int, "total_tokens": _int, "next_step": _text,
-                  "forced": pt.is_bool_dtype, "summary": _text},
+                  "forced": pt.is_bool_dtype, "summary": _text, "replayed": pt.is_bool_dtype},
     "messages": {"job": _int, "event_id": _int, "seq": _nint, "iteration": _nint, "timestamp": _time,
                  "role": _cat, "kind": _cat, "content": _text, "chars": _int},
     "tool_calls": {"event_id": _int, "timestamp": _time, "tool": _cat, "arguments": _text,
@@ -68,13 +69,16 @@ EXPECTED = {
               "prompt_tokens": _int, "completion_tokens": _int, "total_tokens": _int, "cumulative_tokens": _int,
               "source": _cat, "window": _int, "ratio": pt.is_float_dtype,
               "action": lambda s: s.dtype == ACTION_DTYPE, "actions": _text, "transition": _text,
-              "forced": lambda s: s.dtype == "boolean", "latency_s": pt.is_float_dtype, "cost_usd": pt.is_float_dtype},
+              "forced": lambda s: s.dtype == "boolean", "latency_s": pt.is_float_dtype, "cost_usd": pt.is_float_dtype,
+              "replayed": pt.is_bool_dtype},
     "lessons": {"job": _int, "movement": _text, "seq": _nint, "lessons": _text, "summary": _text,
                 "timestamp": _time},
     "context_actions": {"job": _int, "timestamp": _time, "action": lambda s: s.dtype == ACTION_DTYPE,
                         "ratio": pt.is_float_dtype, "tokens": _int, "window": _int, "threshold": pt.is_float_dtype},
     "scores": {"job": _int, "batch": _text, "case": _nint, "name": _text, "value": pt.is_object_dtype,
                "error": _text, "ts": _time, "latest": pt.is_bool_dtype},
+    "divergences": {"job": _int, "event_id": _int, "seq": _nint, "movement": _text, "iteration": _nint,
+                    "timestamp": _time, "call_id": _text, "tool": _text, "expected": _text, "actual": _text},
 }
 
 

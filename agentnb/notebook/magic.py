@@ -22,6 +22,7 @@ import contextlib
 import numbers
 import threading
 from collections.abc import Callable, Mapping
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from IPython.display import HTML, display
 from traitlets import Float, Unicode, observe
 
 from ..batch import DEFAULT_CONCURRENCY, Batch
-from ..engine.pieces import available_pieces, load_piece
+from ..engine.pieces import Piece, available_pieces, load_piece
 from ..errors import AgentnbError, PieceError, StoreError
 from ..store.base import JOB_STATES, owned_by_this_process
 from ..views.render import KEEPER, duration, job_html, job_stats, plural
@@ -43,7 +44,7 @@ from .vars import VarError, expand, expand_value, split_line
 __all__ = ["SUBCOMMANDS", "AgentMagic", "expand_braces", "load_ipython_extension"]
 
 SUBCOMMANDS = ("run", "step", "reply", "stop", "show", "jobs", "usage", "lessons", "panel", "pieces", "export",
-               "plot", "retry", "batch", "batches")
+               "plot", "retry", "fork", "batch", "batches")
 
 _OVERVIEW = """\
 %agent SUBCOMMAND [options]      (%agent SUBCOMMAND --help for its options)
@@ -55,6 +56,8 @@ _OVERVIEW = """\
   reply JOB "text" [--run]     answer a job that waits for a human
   stop [JOB]                   pause a job running in this notebook after its current LLM call
   retry JOB [--run]            queue a failed or aborted job again (it goes on from its last complete call)
+  fork JOB --at SEQ [--piece P] [--model M] [--strict] [--no-run]
+                               a new job: runs 1…SEQ-1 of JOB re-served (no tokens), SEQ on live; the Job
   show [JOB] [--full] [--movement SEQ]   the job's view (--full: nothing cut)
   jobs                         every job, as a DataFrame
   usage [JOB] [--all]          one row per LLM call, as a DataFrame
@@ -81,7 +84,7 @@ Defaults: %config AgentMagic.workspace / .model / .piece
 _JOB_ARGS = frozenset({"job"})
 # the arguments that name notebook objects (cases, scorers, pieces, models): filled by AgentMagic.value,
 # which keeps a variable's list, DataFrame, function or Piece whole
-_VALUE_ARGS = frozenset({"cases", "scorer", "piece_list", "model_list"})
+_VALUE_ARGS = frozenset({"cases", "scorer", "piece_list", "model_list", "fork_piece"})
 
 
 def _one_line(exc: BaseException | str) -> str:
@@ -450,6 +453,34 @@ class AgentMagic(Magics):
         if args.run:
             return self.run_live(job)
         return job
+
+    @magic_arguments(name="agent fork")
+    @argument("job", help="the job to fork: a job id or Job variable (it must have stopped)")
+    @argument("--at", required=True, metavar="SEQ",
+              help="the movement run to run live from (1 is the first); runs before it are re-served")
+    @argument("--piece", "-p", dest="fork_piece", metavar="P",
+              help="the piece from SEQ on: a name, a YAML path or a variable holding a Piece (default: the job's)")
+    @argument("--model", "-m", help="the model from SEQ on (default: the job's)")
+    @argument("--strict", action="store_true", help="a re-run tool whose result differs fails the fork")
+    @argument("--no-run", action="store_true", help="only create the fork, queued (run it with run --job or step)")
+    def cmd_fork(self, args: Any, cell: str | None) -> Job:
+        """Fork a job at a movement run: runs 1…SEQ-1 re-served from its record (no tokens spent, tools run
+        again), SEQ on run live on the given piece and model, shown as it runs like %agent run; the new Job."""
+        original = self.job(args.job)
+        at = args.at.strip()  # text until here, so that --at {n} and --at $n are filled like any argument
+        if not at.isdigit():
+            raise UsageError(f"--at {args.at!r} is not a movement run number; allowed: 1, 2, … (1 is the first run)")
+        piece: Any = None
+        if args.fork_piece is not None:
+            found, piece = self.value(args.fork_piece, "--piece")
+            if found and not isinstance(piece, (str, PathLike, Piece)):
+                raise UsageError(f"--piece {args.fork_piece}: the variable holds a {type(piece).__name__}; allowed: "
+                                 "a Piece, a piece name or a YAML path")
+        job = self.ws.fork(original, at=int(at), piece=piece, model=args.model, strict=args.strict, run=False)
+        self._used_job = job.id  # the fork, not the original, is the session's job from now on
+        if args.no_run:
+            return job
+        return self.run_live(job)
 
     @magic_arguments(name="agent show")
     @argument("job", nargs="?", help="job id or Job variable (default: the last job)")

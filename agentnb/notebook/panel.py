@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import html
 import math
+import numbers
 import os
 import re
 import threading
@@ -250,9 +251,10 @@ class Panel(w.VBox):
             frame = self.ws.frames.jobs()
             self._any_running = bool((frame["status"] == "running").any()) if len(frame) else False
             target = self._target
-            rows = frame[["job", "display_status", "piece", "total_tokens", "cost_usd"]].to_dict("records")
-            options = [(f"{'▶ ' if int(r['job']) == target else ''}#{r['job']} · {r['display_status']} · {r['piece']} · "
-                        f"{int(r['total_tokens']):,} tokens · {_cost(r['cost_usd'])}", int(r["job"]))
+            rows = frame[["job", "display_status", "piece", "total_tokens", "cost_usd", "forked_from_job",
+                          "forked_from_seq"]].to_dict("records")
+            options = [(f"{'▶ ' if int(r['job']) == target else ''}#{r['job']}{_fork_mark(r)} · {r['display_status']} · "
+                        f"{r['piece']} · {int(r['total_tokens']):,} tokens · {_cost(r['cost_usd'])}", int(r["job"]))
                        for r in rows]
             if options != list(self.jobs.options):
                 # New options make Select pick the first job: put the selection back in the same message to
@@ -535,6 +537,15 @@ class Panel(w.VBox):
         self._fallback_sent, self._fallback_at = bundle["text/html"], now
         for handle in self._fallbacks:
             handle.update(bundle, raw=True)
+
+
+def _fork_mark(row: Mapping[str, Any]) -> str:
+    """`` ⑂3@2`` for a fork of job 3 at movement run 2 (the jobs frame's ``forked_from_*``), else nothing."""
+    origin, seq = row.get("forked_from_job"), row.get("forked_from_seq")
+    # Int64 cells: a number for a fork, pandas' NA for the others
+    if isinstance(origin, numbers.Integral) and isinstance(seq, numbers.Integral):
+        return f" ⑂{int(origin)}@{int(seq)}"
+    return ""
 
 
 def _cost(cost: float) -> str:

@@ -106,9 +106,9 @@ def _process_state(pid: int) -> str | None:
 
 # the DataFrame views whose rows a store computes (views/frames.py gives them their dtypes)
 FrameQuery = Literal["jobs", "movements", "messages", "tool_calls", "usage", "context_actions", "job_models",
-                     "call_costs", "scores"]
+                     "call_costs", "scores", "divergences"]
 FRAME_QUERIES: tuple[FrameQuery, ...] = ("jobs", "movements", "messages", "tool_calls", "usage", "context_actions",
-                                         "job_models", "call_costs", "scores")
+                                         "job_models", "call_costs", "scores", "divergences")
 # column names, then plain row tuples
 FrameRows = tuple[list[str], list[tuple[Any, ...]]]
 

@@ -15,6 +15,7 @@ from ..events import (
     MovementStart,
     RecordedToolCall,
     Reminder,
+    ReplayDivergence,
     ScoreEvent,
     ToolCallEvent,
     ToolResult,
@@ -70,7 +71,8 @@ SELECT e.job_id AS job, e.movement_seq AS seq, m.name AS movement, e.iteration, 
        {_jx('e', LLMResponse, 'usage.window')} AS window,
        {_jx('e', LLMResponse, 'usage.ratio')} AS ratio,
        ca.rank AS action, ca.actions, tr.next_step AS transition, tr.forced,
-       {_jx('e', LLMResponse, 'latency_s')} AS latency_s
+       {_jx('e', LLMResponse, 'latency_s')} AS latency_s,
+       {_jx('e', LLMResponse, 'replayed_from')} IS NOT NULL AS replayed
 FROM events e
 LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq
 LEFT JOIN ca ON ca.job_id = e.job_id AND ca.movement_seq = e.movement_seq AND ca.iteration = e.iteration
@@ -89,7 +91,8 @@ SELECT j.id AS job, j.parent_id AS parent, j.batch, j.batch_case AS "case", j.pi
        COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio,
        j.created, j.started, j.ended, j.error, j.id AS id,
        (SELECT {_jx('s', JobStatusEvent, 'reason')} FROM events s WHERE s.kind = 'job_status' AND s.job_id = j.id
-        ORDER BY s.id DESC LIMIT 1) AS status_reason, a.first_day, a.last_day
+        ORDER BY s.id DESC LIMIT 1) AS status_reason, a.first_day, a.last_day,
+       j.forked_from_job, j.forked_from_seq
 FROM jobs j
 LEFT JOIN (
     SELECT e.job_id, COUNT(*) AS llm_calls,
@@ -124,7 +127,8 @@ SELECT m.job_id AS job, m.seq, m.name AS movement, m.status, m.started, m.ended,
        COALESCE(a.llm_calls, 0) AS llm_calls, COALESCE(a.tool_calls, 0) AS tool_calls,
        COALESCE(a.prompt_tokens, 0) AS prompt_tokens, COALESCE(a.completion_tokens, 0) AS completion_tokens,
        COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio, a.actions,
-       m.next_step, m.forced, m.summary, m.name AS name, COALESCE(a.total_tokens, 0) AS tokens
+       m.next_step, m.forced, m.summary, m.name AS name, COALESCE(a.total_tokens, 0) AS tokens,
+       COALESCE(a.replayed, 0) AS replayed
 FROM movements m
 LEFT JOIN (
     SELECT e.job_id, e.movement_seq,
@@ -135,8 +139,10 @@ LEFT JOIN (
            SUM(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', LLMResponse, 'usage.completion_tokens')} END) AS completion_tokens,
            SUM(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', LLMResponse, 'usage.total_tokens')} END) AS total_tokens,
            MAX(CASE WHEN e.kind = 'llm_response' THEN {_jx('e', LLMResponse, 'usage.ratio')} END) AS peak_ratio,
-           group_concat(CASE WHEN e.kind = 'context_action' THEN {_jx('e', ContextAction, 'action')} END, ',') AS actions
-    FROM events e WHERE e.kind IN ('llm_response', 'tool_call', 'context_action'){{job_e}}
+           group_concat(CASE WHEN e.kind = 'context_action' THEN {_jx('e', ContextAction, 'action')} END, ',') AS actions,
+           -- a fork's run re-served from the original's record: its movement_start names that job
+           MAX(e.kind = 'movement_start' AND {_jx('e', MovementStart, 'replayed_from')} IS NOT NULL) AS replayed
+    FROM events e WHERE e.kind IN ('llm_response', 'tool_call', 'context_action', 'movement_start'){{job_e}}
     GROUP BY e.job_id, e.movement_seq
 ) a ON a.job_id = m.job_id AND a.movement_seq = m.seq
 {{where_m}}
@@ -205,6 +211,16 @@ WHERE e.kind = 'context_action'{{job_e}}
 ORDER BY e.job_id, e.id
 """
 
+# a fork's re-run tool whose result differed from the original's (payload ``seq`` is the row's movement_seq)
+_DIVERGENCES_SQL = f"""
+SELECT e.job_id AS job, e.id AS event_id, e.movement_seq AS seq, m.name AS movement, e.iteration, e.ts AS timestamp,
+       {_jx('e', ReplayDivergence, 'call_id')} AS call_id, {_jx('e', ReplayDivergence, 'tool')} AS tool,
+       {_jx('e', ReplayDivergence, 'expected')} AS expected, {_jx('e', ReplayDivergence, 'actual')} AS actual
+FROM events e {_MOVEMENT_NAME}
+WHERE e.kind = 'replay_divergence'{{job_e}}
+ORDER BY e.job_id, e.id
+"""
+
 
 FRAME_SQL: dict[FrameQuery, tuple[str, tuple[str, ...]]] = {
     # frame → (SQL with {job_<alias>}/{where_<alias>} slots, the aliases whose slots it has)
@@ -217,4 +233,5 @@ FRAME_SQL: dict[FrameQuery, tuple[str, tuple[str, ...]]] = {
     "job_models": (_JOB_MODELS_SQL, ("j",)),
     "call_costs": (_CALL_COSTS_SQL, ("e",)),
     "scores": (_SCORES_SQL, ("e",)),
+    "divergences": (_DIVERGENCES_SQL, ("e",)),
 }

@@ -21,21 +21,25 @@ frame               columns
 =================== ===========================================================================
 ``jobs()``          job, parent, batch, case, piece, model, status, instruction, current_movement,
                     movements, llm_calls, tool_calls, prompt_tokens, completion_tokens, total_tokens,
-                    cost_usd, peak_ratio, created, started, ended, error, display_status, id
+                    cost_usd, peak_ratio, created, started, ended, error, forked_from_job,
+                    forked_from_seq, display_status, id
 ``movements(job)``  job, seq, movement, status, started, ended, iterations, llm_calls, tool_calls,
                     prompt_tokens, completion_tokens, total_tokens, peak_ratio, actions,
-                    next_step, forced, summary, name, tokens
+                    next_step, forced, summary, replayed, name, tokens
 ``messages(job)``   job, event_id, seq, movement, iteration, timestamp, role, kind, tool, call_id,
                     content, chars
 ``tool_calls(job)`` job, event_id, seq, movement, iteration, timestamp, tool, call_id, arguments,
                     is_error, truncated, original_chars, returned_chars, duration, result
 ``usage(job)``      job, call, seq, movement, iteration, timestamp, prompt_tokens,
                     completion_tokens, total_tokens, cumulative_tokens, cost_usd, source, window,
-                    ratio, action, actions, transition, forced, latency_s
+                    ratio, action, actions, transition, forced, latency_s, replayed
 ``lessons(job)``    job, movement, seq, lessons, summary, timestamp
 ``context_actions`` job, event_id, seq, movement, iteration, timestamp, action, ratio, tokens,
                     window, threshold
 ``scores(job)``     job, batch, case, name, value, error, ts, latest
+``what_if(job, …)`` usage's columns, then action_recorded, action_what_if, actions_what_if,
+                    ratio_what_if, forced_what_if, first_forced (``views/what_if.py``)
+``divergences(job)`` job, event_id, seq, movement, iteration, timestamp, call_id, tool, expected, actual
 =================== ===========================================================================
 
 The issue that specified these frames (and users) call some columns by other names; both work:
@@ -94,6 +98,13 @@ Details:
 * ``tool_calls()`` pairs each ``tool_call`` with its ``tool_result``: ``arguments`` is the JSON
   text of the arguments, ``duration`` the time the tool took, ``result`` what the model saw.
   Result columns are missing when a result was never recorded (e.g. a crash).
+* Forks (DESIGN §11): ``jobs().forked_from_job`` / ``forked_from_seq`` (nullable ``Int64``, NA for a job that
+  is no fork) name the job a fork was made of and the movement run it runs live from.  ``movements().replayed``
+  is True for a run re-served from another job's record (its ``movement_start`` names it): a fork's runs before
+  its fork point, every run of a ``replay:`` job.  ``usage().replayed`` is True for a call whose response was
+  re-served (no tokens spent: its token counts are 0, its ``ratio`` and ``window`` the context as recorded).
+  ``divergences()`` has one row per ``replay_divergence``: a tool re-run in a re-served run whose result
+  (``actual``) differed from the original's (``expected``).
 * ``lessons()`` reads ``<workspace>/jobs/<id>/logs/lessons.jsonl`` (the file is the source).
 """
 
@@ -109,10 +120,12 @@ import numpy as np
 import pandas as pd
 
 from ..engine.context import job_thresholds
+from ..errors import UsageError
 from ..events import (
     ACTIONS,
     ContextAction,
     LLMResponse,
+    ReplayDivergence,
     ScoreEvent,
     ToolCallEvent,
     ToolResult,
@@ -125,6 +138,7 @@ from ..models.prices import cost_array, summed_costs
 from ..store.base import JOB_STATES, FrameQuery, Store
 from ..tools.base import ToolError, unlinked_path
 from .status import DISPLAY_STATES, display_status
+from .what_if import simulate
 
 # the store ranks actions in SQL in the order the ContextManager fires them
 
@@ -166,13 +180,15 @@ _JOBS: _Spec = {
     "instruction": "str", "current_movement": "str", "movements": "int", "llm_calls": "int", "tool_calls": "int",
     "prompt_tokens": "int", "completion_tokens": "int", "total_tokens": "int", "cost_usd": "float", "peak_ratio": "float",
     "created": "time", "started": "time", "ended": "time", "error": "str",
+    "forked_from_job": "Int", "forked_from_seq": "Int",
     "display_status": pd.CategoricalDtype(list(DISPLAY_STATES)), "id": "int",
 }
 _MOVEMENTS: _Spec = {
     "job": "int", "seq": "int", "movement": "str", "status": _MOVEMENT_STATUS, "started": "time", "ended": "time",
     "iterations": "int", "llm_calls": "int", "tool_calls": "int", "prompt_tokens": "int",
     "completion_tokens": "int", "total_tokens": "int", "peak_ratio": "float", "actions": "str",
-    **_fields(Transition, next_step="str", forced="bool", summary="str"), "name": "str", "tokens": "int",
+    **_fields(Transition, next_step="str", forced="bool", summary="str"), "replayed": "bool",
+    "name": "str", "tokens": "int",
 }
 _MESSAGES: _Spec = {
     "job": "int", "event_id": "int", "seq": "Int", "movement": "str", "iteration": "Int", "timestamp": "time",
@@ -189,7 +205,7 @@ _USAGE: _Spec = {
     **_fields(Usage, prompt_tokens="int", completion_tokens="int", total_tokens="int"), "cumulative_tokens": "int",
     "cost_usd": "float",
     **_fields(Usage, source=_SOURCE, window="int", ratio="float"), "action": ACTION_DTYPE, "actions": "str",
-    "transition": "str", "forced": "boolean", **_fields(LLMResponse, latency_s="float"),
+    "transition": "str", "forced": "boolean", **_fields(LLMResponse, latency_s="float"), "replayed": "bool",
 }
 _LESSONS: _Spec = {
     "job": "int", "movement": "str", "seq": "Int", "lessons": "str", "summary": "str", "timestamp": "iso",
@@ -204,10 +220,15 @@ _SCORES: _Spec = {
     "ts": "time", "latest": "bool",
 }
 
+_DIVERGENCES: _Spec = {
+    "job": "int", "event_id": "int", "seq": "Int", "movement": "str", "iteration": "Int", "timestamp": "time",
+    **_fields(ReplayDivergence, call_id="str", tool="str", expected="str", actual="str"),
+}
+
 COLUMNS: dict[str, tuple[str, ...]] = {
     "jobs": tuple(_JOBS), "movements": tuple(_MOVEMENTS), "messages": tuple(_MESSAGES),
     "tool_calls": tuple(_TOOL_CALLS), "usage": tuple(_USAGE), "lessons": tuple(_LESSONS),
-    "context_actions": tuple(_CONTEXT_ACTIONS), "scores": tuple(_SCORES),
+    "context_actions": tuple(_CONTEXT_ACTIONS), "scores": tuple(_SCORES), "divergences": tuple(_DIVERGENCES),
 }
 
 class Frames:
@@ -329,9 +350,32 @@ class Frames:
             df.attrs["thresholds"] = self.thresholds(job_id)
         return df
 
+    def what_if(self, job: JobArg, window: int | None = None,
+                thresholds: Mapping[str, float] | None = None) -> pd.DataFrame:
+        """``usage(job)`` with the ContextManager's actions recomputed from the recorded prompt token counts
+        under another ``window`` (None: each call's recorded one) and ``thresholds`` (some or all actions,
+        merged over the job's): ``action_recorded``, ``action_what_if``, ``actions_what_if``,
+        ``ratio_what_if``, ``forced_what_if``, ``first_forced``; ``attrs["what_if"]`` holds the settings.
+
+        A simulation of the ContextManager alone: a movement forced to transition earlier would have
+        changed everything after it, and calls the job never made cannot be simulated
+        (``agentnb.views.what_if`` says how it is computed)."""
+        job_id = self._job(job)
+        if job_id is None:  # one job's settings are simulated: a frame of every job has no one window
+            raise UsageError("what_if(None): allowed: a Job or a job id")
+        usage = self.usage(job_id)
+        # the calls a fork re-served record 0 tokens: the simulation takes their context from ratio × window
+        replayed = usage["replayed"].fillna(False).to_numpy(dtype=bool)
+        return simulate(usage, window=window, thresholds=thresholds, replayed=replayed)
+
     def context_actions(self, job: JobArg | None = None) -> pd.DataFrame:
         """One row per ContextManager action (``context_action`` event)."""
         return self._query("context_actions", self._job(job), _CONTEXT_ACTIONS)
+
+    def divergences(self, job: JobArg | None = None) -> pd.DataFrame:
+        """One row per ``replay_divergence`` of ``job`` (every job when ``None``): a tool a fork (or a replay)
+        ran again in a re-served run whose result, ``actual``, differed from the original's, ``expected``."""
+        return self._query("divergences", self._job(job), _DIVERGENCES)
 
     def scores(self, job: JobArg | None = None) -> pd.DataFrame:
         """One row per ``score`` event of ``job`` (every job when ``None``), oldest first; ``latest`` marks the

@@ -20,9 +20,17 @@ inside the font ``rc_context``, whose exit reset ``interactive`` to False, and e
 plot of the notebook showed nothing.)  IPython shows it as a PNG at twice its pixel density
 (``_repr_png_``) until the inline backend is loaded, and with that backend's formatter after.
 
+With ``what_if=dict(window=…, thresholds=…)`` (or a ``ws.frames.what_if`` frame, passed there or as the
+frame to plot) the ratio panel also shows the ContextManager simulated under those settings
+(``views/what_if.py``): the recomputed ratio as a dashed line per job (legend ``what-if (window N)``), the
+actions that would fire as hollow markers (labelled in italics), the what-if thresholds as thin long-dashed lines, and a dotted
+red line at the first call where a movement would have been forced to transition (from there on the
+simulation no longer describes what would have happened).  Without it the figure is what it was.
+
 Artists carry a ``gid`` (``threshold:<action>``, ``movement:<seq>``, ``boundary:<seq>``,
 ``action:<job>``, ``transition:<job>``, ``cumulative:<job>``, ``label:action``,
-``label:transition``, ``status``) so tests and users can find them.
+``label:transition``, ``status``; with a what-if ``what_if:threshold:<action>``, ``what_if:ratio:<job>``,
+``what_if:action:<job>``, ``what_if:first_forced``, ``label:what_if``) so tests and users can find them.
 """
 
 from __future__ import annotations
@@ -45,8 +53,10 @@ from matplotlib.figure import Figure
 from matplotlib.transforms import Bbox
 
 from ..engine.pieces import DEFAULT_THRESHOLDS
+from ..errors import UsageError
 from .source import JobSource
 from .style import ACTION_COLOURS, ACTIONS, ERROR_COLOUR
+from .what_if import WHAT_IF_COLUMNS, simulate
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -60,6 +70,8 @@ __all__ = ["UsageFigure", "UsageSource", "figure_png", "plot_usage"]
 
 _ACTION_MARKER = {"warn": "^", "prompt": "s", "force_transition": "X", "exhausted": "P"}
 _FORCED = "#c0392b"
+_WHAT_IF = "#34495e"
+_WHAT_IF_DASH = (0, (8, 4))  # longer than the recorded thresholds' "--", so the two sets stay apart
 
 
 class UsageSource(JobSource, Protocol):
@@ -132,6 +144,8 @@ class _Target:
     heading: str
     status: str | None = None  # None: a frame, perhaps of several jobs
     error: str | None = None
+    what_if: dict[str, Any] | None = None  # the simulated settings; the frame then has the what-if columns
+    ws: UsageSource | None = None  # the workspace of a job plotted (None for a frame)
 
 
 def plot_usage(
@@ -141,13 +155,20 @@ def plot_usage(
     thresholds: Mapping[str, float] | None = None,
     title: str | None = None,
     figsize: tuple[float, float] = (10.0, 6.5),
+    what_if: Mapping[str, Any] | pd.DataFrame | None = None,
 ) -> UsageFigure:
     """Draw the usage timeline of a :class:`~agentnb.Job` (or a job id with ``ws=``) or a usage DataFrame.
 
     Thresholds come from ``thresholds=``, else the job's piece (and ``context=`` given
     at submit), else the frame's ``attrs["thresholds"]``, else the defaults.
+
+    ``what_if=dict(window=…, thresholds=…)`` overlays the ContextManager simulated under another window
+    and/or thresholds (``ws.frames.what_if``): the recomputed ratio dashed, the actions that would fire
+    hollow, the what-if thresholds long-dashed.  It may also be a ``ws.frames.what_if`` frame, and such a
+    frame may be plotted directly.  A simulation of the ContextManager alone: a transition forced earlier
+    would have changed every call after it.
     """
-    target = _resolve(job_or_frame, ws, thresholds)
+    target = _with_what_if(_resolve(job_or_frame, ws, thresholds), job_or_frame, ws, what_if)
     heading = title or target.heading
     df = target.frame
     import matplotlib
@@ -210,12 +231,17 @@ def _draw(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure
                               gid=f"threshold:{name}")
             legend.append((line, f"{name} {th[name]:.0%}"))
 
+    if t.what_if is not None:
+        legend += _what_if_thresholds(ax, t.what_if["thresholds"], th)
+
     colours = _movement_colours(df["movement"])
     jobs = list(dict.fromkeys(df["job"].tolist()))
     several = len(jobs) > 1
     drawn = _Drawn()
     for n, job_id in enumerate(jobs):
         _draw_job(ax, ax_cum, df[df["job"] == job_id], job_id, colours, drawn, n if several else None)
+        if t.what_if is not None:
+            _draw_what_if(ax, df[df["job"] == job_id], job_id, drawn, n if several else None)
 
     def proxy(**kw: Any) -> Line2D:
         return Line2D([], [], linestyle="none", markersize=8, **kw)
@@ -230,13 +256,29 @@ def _draw(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure
         if action in drawn.actions:
             legend.append((proxy(marker=_ACTION_MARKER[action], markerfacecolor=ACTION_COLOURS[action],
                                  markeredgecolor="black"), f"{action} fired"))
+    if t.what_if is not None:
+        window = t.what_if.get("window")
+        legend.append((drawn.what_if_line or Line2D([], [], color=_WHAT_IF, linestyle="--"),
+                       f"what-if (window {window})" if window is not None else "what-if (recorded windows)"))
+        for action in ACTIONS:
+            if action in drawn.what_if_actions:
+                legend.append((proxy(marker=_ACTION_MARKER[action], markerfacecolor="none",
+                                     markeredgecolor=ACTION_COLOURS[action], markeredgewidth=1.5),
+                               f"{action} would fire (what-if)"))
+        if drawn.what_if_forced:
+            legend.append((Line2D([], [], color=_FORCED, linestyle=":", linewidth=1.5),
+                           "what-if: first forced transition"))
     if drawn.boundaries:
         legend.append((Line2D([], [], color="grey", alpha=0.5, linewidth=1.5), "movement boundary"))
     if drawn.forced_boundaries:
         legend.append((Line2D([], [], color=_FORCED, alpha=0.5, linewidth=1.5), "forced boundary"))
     legend += drawn.movements
 
-    top = max(1.0, float(df["ratio"].max())) * _HEADROOM
+    highest = float(df["ratio"].max())
+    if t.what_if is not None:
+        simulated = float(pd.to_numeric(df["ratio_what_if"]).max())  # NaN when no call has a window
+        highest = highest if math.isnan(simulated) else max(highest, simulated)
+    top = max(1.0, highest) * _HEADROOM
     # a little room below 0 %: calls with a tiny ratio would otherwise have their markers cut in half
     ax.set_ylim(-0.04 * top, top)
     ax.yaxis.set_major_formatter(_percent())
@@ -252,7 +294,10 @@ def _draw(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure
     ax_cum.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0)
 
     runs_axis = _name_runs(ax, drawn.runs, colours) if not several else None
-    _fit_labels(fig, ax, drawn.labels, runs_axis, df[["call", "ratio"]].dropna().to_numpy(dtype=float))
+    points = df[["call", "ratio"]].dropna().to_numpy(dtype=float)
+    if t.what_if is not None:  # the labels keep clear of the simulated markers too
+        points = np.vstack([points, df[["call", "ratio_what_if"]].dropna().to_numpy(dtype=float)])
+    _fit_labels(fig, ax, drawn.labels, runs_axis, points)
     return fig
 
 
@@ -268,6 +313,9 @@ class _Drawn:
     forced: bool = False
     boundaries: bool = False
     forced_boundaries: bool = False
+    what_if_line: Any = None  # the first job's what-if ratio line, for the legend
+    what_if_actions: set[str] = field(default_factory=set)
+    what_if_forced: bool = False
 
 
 def _draw_job(
@@ -347,6 +395,51 @@ def _draw_job(
     ax_cum.plot(x, rows["prompt_tokens"].cumsum().to_numpy(), color="#2e86c1", linewidth=1, label="prompt", **dot)
     ax_cum.plot(x, rows["completion_tokens"].cumsum().to_numpy(), color="#28b463", linewidth=1, label="completion",
                 **dot)
+
+
+def _what_if_thresholds(ax: Axes, what_if: Mapping[str, float], recorded: Mapping[str, float]) -> list[tuple[Any, str]]:
+    """The what-if thresholds as thin long-dashed lines; the legend names those that differ from the record's."""
+    legend: list[tuple[Any, str]] = []
+    for name in ACTIONS:
+        if name not in what_if:
+            continue
+        line = ax.axhline(what_if[name], color=ACTION_COLOURS[name], linestyle=_WHAT_IF_DASH, linewidth=1.2,
+                          alpha=0.8, gid=f"what_if:threshold:{name}")
+        if recorded.get(name) != what_if[name]:
+            legend.append((line, f"what-if {name} {what_if[name]:.0%}"))
+    return legend
+
+
+def _draw_what_if(ax: Axes, rows: pd.DataFrame, job_id: int, drawn: _Drawn, nth: int | None) -> None:
+    """One job's simulated ContextManager: the recomputed ratio, the actions that would fire, the first
+    forced transition."""
+    x = rows["call"].to_numpy()
+    style = "--" if nth is None else ["--", (0, (1, 1)), (0, (5, 1, 1, 1)), (0, (3, 3))][nth % 4]
+    ratio = rows["ratio_what_if"].to_numpy(dtype=float, na_value=np.nan)
+    (line,) = ax.plot(x, ratio, color=_WHAT_IF, linestyle=style, linewidth=1.3, marker=".", markersize=4,
+                      zorder=3, gid=f"what_if:ratio:{job_id}")
+    if drawn.what_if_line is None:
+        drawn.what_if_line = line
+    acted = rows[rows["action_what_if"].notna()]
+    for action, group in acted.groupby("action_what_if", observed=True):
+        drawn.what_if_actions.add(str(action))
+        # hollow, so the recorded action's filled marker shows through where both fire at one call
+        ax.scatter(group["call"], group["ratio_what_if"], marker=_ACTION_MARKER.get(str(action), "*"), s=110,
+                   facecolors="none", edgecolors=ACTION_COLOURS.get(str(action), "black"), linewidths=1.6,
+                   zorder=4, gid=f"what_if:action:{job_id}")
+    for _, r in acted.iterrows():
+        # italic on a dashed box: told apart from the record's labels; hidden where there is no room
+        drawn.labels.append(ax.annotate(
+            str(r["actions_what_if"]), (r["call"], r["ratio_what_if"]), textcoords="offset points",
+            xytext=(_NEAR, _NEAR), va="bottom", fontsize=_LABEL_SIZE, fontstyle="italic", color="dimgrey", zorder=6,
+            gid="label:what_if", arrowprops=_leader("dimgrey"),
+            bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.9, "linewidth": 0.8,
+                  "linestyle": "--", "edgecolor": ACTION_COLOURS.get(str(r["action_what_if"]), "black")}))
+    first = rows[rows["first_forced"].fillna(False).to_numpy(dtype=bool)]
+    if not first.empty:
+        drawn.what_if_forced = True
+        ax.axvline(float(first["call"].iloc[0]), color=_FORCED, linestyle=":", linewidth=1.5, alpha=0.8,
+                   zorder=0, gid="what_if:first_forced")
 
 
 def _name_runs(ax: Axes, runs: list[tuple[int, str, float]], colours: Mapping[str, Any]) -> SecondaryAxis:
@@ -509,7 +602,48 @@ def _resolve(
     if model.startswith("scripted:"):  # the script's full path would crowd the title
         model = "scripted:" + Path(model.split(":", 1)[1]).name
     heading = f"Job {job.id} · {job.piece} · {model} · {job.status}"
-    return _Target(df, th, heading, status=str(job.status), error=job.error)
+    return _Target(df, th, heading, status=str(job.status), error=job.error, ws=ws)
+
+
+def _with_what_if(target: _Target, obj: Any, ws: UsageSource | None,
+                  what_if: Mapping[str, Any] | pd.DataFrame | None) -> _Target:
+    """``target`` with the what-if columns and settings: from ``what_if`` (settings or a what-if frame), or
+    from the plotted frame itself when it is a what-if frame."""
+    if what_if is None:
+        if isinstance(obj, pd.DataFrame) and set(WHAT_IF_COLUMNS) <= set(obj.columns):
+            return _what_if_frame(target, obj)
+        return target
+    if isinstance(what_if, pd.DataFrame):
+        missing = [c for c in WHAT_IF_COLUMNS if c not in what_if.columns]
+        if missing:
+            raise UsageError(f"plot_usage: what_if= needs settings (window=, thresholds=) or a ws.frames.what_if() "
+                             f"DataFrame; this one lacks {missing}")
+        if not target.frame[["job", "call"]].reset_index(drop=True).equals(
+                what_if[["job", "call"]].reset_index(drop=True)):
+            raise UsageError("plot_usage: the what_if frame is not of the calls plotted; "
+                             "allowed: ws.frames.what_if() of the same job")
+        return _what_if_frame(target, what_if)
+    if not isinstance(what_if, Mapping):
+        raise UsageError(f"plot_usage: what_if={what_if!r}; allowed: a dict with window= and/or thresholds=, "
+                         "or a ws.frames.what_if() DataFrame")
+    unknown = sorted(set(what_if) - {"window", "thresholds"})
+    if unknown:
+        raise UsageError(f"plot_usage: what_if has unknown key(s) {unknown}; allowed: window, thresholds")
+    window, thresholds = what_if.get("window"), what_if.get("thresholds")
+    if target.ws is not None:  # a job: its frames know which calls a fork re-served
+        # over the thresholds drawn as the job's (plot_usage's thresholds=, when given), as for a frame
+        merged = {**target.thresholds, **(thresholds or {})} if isinstance(thresholds, Mapping | None) else thresholds
+        what = target.ws.frames.what_if(target.frame.attrs["job"], window=window, thresholds=merged)
+        return _what_if_frame(target, what)
+    frame = target.frame.copy()
+    frame.attrs = {**target.frame.attrs, "thresholds": target.thresholds}
+    return _what_if_frame(target, simulate(frame, window=window, thresholds=thresholds))
+
+
+def _what_if_frame(target: _Target, frame: pd.DataFrame) -> _Target:
+    settings = frame.attrs.get("what_if") or {"window": None, "thresholds": dict(target.thresholds)}
+    return _Target(frame, target.thresholds, target.heading, status=target.status, error=target.error, ws=target.ws,
+                   what_if={"window": settings.get("window"), "thresholds": dict(settings["thresholds"])})
 
 
 def _movement_colours(names: pd.Series) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from ..events import (
     LLMResponse,
     MovementStart,
     Reminder,
+    ReplayDivergence,
     ScoreEvent,
     ToolCallEvent,
     ToolResult,
@@ -56,7 +57,7 @@ from ..events import (
 from ..models.prices import call_costs, dollars, is_free, priced_name
 from .source import JobRecord, JobSource
 from .status import display_status
-from .style import ACTION_COLOURS, ACTIONS, ERROR_COLOUR, OK_COLOUR
+from .style import ACTION_COLOURS, ACTIONS, DIVERGENCE_COLOUR, ERROR_COLOUR, OK_COLOUR, RESERVED_COLOUR
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -66,11 +67,13 @@ __all__ = [
     "STYLE",
     "JobStats",
     "cost_text",
+    "fork_lines",
     "header_html",
     "job_html",
     "job_stats",
     "movement_html",
     "plural",
+    "reserved_runs",
 ]
 
 DEFAULT_MAX_CHARS = 2_000
@@ -165,6 +168,10 @@ _INLINE = {
     "anb-error": f"color:{ERROR_COLOUR}",
     "anb-tr": "background:rgba(46,139,87,.08);padding:3px 6px;border-radius:3px",
     "anb-more": "font-size:11px;color:#777",
+    # the fork marks are styled inline only (every tag of the view carries its style attribute)
+    "anb-reserved": f"background:{RESERVED_COLOUR}", "anb-divergence": f"background:{DIVERGENCE_COLOUR}",
+    "anb-diverged": f"border-left:3px solid {DIVERGENCE_COLOUR};background:rgba(179,89,0,.07);padding:3px 6px;"
+                    "margin:2px 0;border-radius:3px",
 }
 _PRE_STYLE = ("white-space:pre-wrap;word-break:break-word;margin:2px 0;padding:4px 6px;"
               "background:rgba(127,127,127,.08);border-radius:3px;font-size:12px")
@@ -323,6 +330,45 @@ def job_stats(ws: JobSource, job_id: int) -> JobStats:
 
 
 # ---------------------------------------------------------------------------
+# Forks (DESIGN §11)
+
+
+def reserved_runs(events: Iterable[Event]) -> dict[int, int]:
+    """Movement run → the job it was re-served from, for every run of a fork (or a ``replay:`` job) whose
+    ``movement_start`` names one (its responses came from that job's record; no tokens were spent)."""
+    return {int(ev.movement_seq): ev.replayed_from for ev in events
+            if isinstance(ev, MovementStart) and ev.replayed_from is not None and ev.movement_seq is not None}
+
+
+def _runs_text(seqs: Sequence[int]) -> str:
+    """``run 1``, ``runs 1–2``, ``runs 1–2, 4``: sorted movement runs with consecutive ones joined."""
+    spans: list[list[int]] = []
+    for seq in sorted(seqs):
+        if spans and seq == spans[-1][1] + 1:
+            spans[-1][1] = seq
+        else:
+            spans.append([seq, seq])
+    text = ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in spans)
+    return ("runs " if len(seqs) > 1 else "run ") + text
+
+
+def fork_lines(job: JobRecord, events: Iterable[Event]) -> list[str]:
+    """Where a job came from, in plain text: ``forked from job 1 at run 3`` for a fork, then which runs were
+    re-served from which job (``runs 1–2 re-served from job 1``; a fork at run 1 re-serves none)."""
+    lines: list[str] = []
+    origin = getattr(job, "forked_from", None)  # a JobRecord of a source written before forks: none
+    if origin is not None:
+        lines.append(f"forked from job {origin[0]} at run {origin[1]}")
+    by_source: dict[int, list[int]] = {}
+    for seq, source in reserved_runs(events).items():
+        by_source.setdefault(source, []).append(seq)
+    lines.extend(f"{_runs_text(seqs)} re-served from job {source}" for source, seqs in by_source.items())
+    if origin is not None and not by_source:
+        lines.append("no run re-served: every run is live")
+    return lines
+
+
+# ---------------------------------------------------------------------------
 # Building blocks
 
 
@@ -370,8 +416,9 @@ def _json(value: Any) -> str:
         return repr(value)
 
 
-def _badge(text: str, cls: str) -> str:
-    return f'<span class="anb-badge {_e(cls)}">{_e(text)}</span>'
+def _badge(text: str, cls: str, title: str | None = None) -> str:
+    hover = f' title="{_e(title)}"' if title else ""
+    return f'<span class="anb-badge {_e(cls)}"{hover}>{_e(text)}</span>'
 
 
 def _context_badge(ev: ContextAction) -> str:
@@ -450,6 +497,8 @@ def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int |
                     head += f' · context {_pct(u.ratio)} of {_n(u.window or 0)} ({_e(u.source)})'
                 if ev.latency_s is not None:
                     head += f' · <span title="how long the model took to answer">⏱ {_latency(ev.latency_s)}</span>'
+                if ev.replayed_from is not None:
+                    head += f" · re-served from job {ev.replayed_from}, no tokens spent"
                 head += "</span>"
                 if ev.content:
                     out.append(f'<div class="anb-msg"><b>assistant</b>'
@@ -483,6 +532,8 @@ def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int |
                 out.append(_error_html(ev, o, seq))
             case CommentEvent():
                 out.append(_comment_html(ev, o))
+            case ReplayDivergence():
+                out.append(_divergence_html(ev, o, seq))
     for call in pending:  # a tool still running, or a job stopped between call and result
         marker = f"\0{call.call_id}\0"
         if marker in out:
@@ -493,6 +544,17 @@ def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int |
 
 def _comment_html(ev: CommentEvent, o: _Opts) -> str:
     return f'<div class="anb-comment">💬 <b>{_e(ev.author)}</b>: {_body(ev.body, o, None, fold=False)}</div>'
+
+
+def _divergence_html(ev: ReplayDivergence, o: _Opts, seq: int | None) -> str:
+    """A tool re-run in a re-served run whose result differed from the original's: a warning block with both."""
+    key = _key(o, seq, ev.iteration, ev.call_id, "divergence")
+    return (f'<div class="anb-diverged">{_badge("⚠ divergence", "anb-divergence")} the re-run of tool '
+            f"<b>{_e(ev.tool)}</b> <span class=\"anb-dim\">(call {_e(ev.call_id)})</span> gave another result than "
+            "the original's"
+            + _body(ev.expected, o, seq, label="expected (the original's result)", key=key + ":expected")
+            + _body(ev.actual, o, seq, label="actual (this run's result)", key=key + ":actual")
+            + "</div>")
 
 
 def _error_html(ev: ErrorEvent, o: _Opts, seq: int | None) -> str:
@@ -523,6 +585,7 @@ def _movement_section(job: JobRecord, seq: int, evs: Sequence[Event], o: _Opts, 
     ratios = [e.usage.ratio for e in responses if e.usage.ratio is not None]
     actions = [e for e in evs if isinstance(e, ContextAction)]
     failed = any(isinstance(e, ErrorEvent) for e in evs)
+    diverged = sum(isinstance(e, ReplayDivergence) for e in evs)
     if transition is not None:
         status = "done"
     elif failed:
@@ -531,8 +594,14 @@ def _movement_section(job: JobRecord, seq: int, evs: Sequence[Event], o: _Opts, 
         status = "running"
     else:
         status = "open"
-    summ = [f"<b>{seq}. {_e(name)}</b>", f'<span class="anb-dim">{status} · {plural(len(responses), "call")} · {_n(tokens)} tokens'
-            + (f" · context up to {_pct(max(ratios))}" if ratios else "") + "</span>"]
+    summ = [f"<b>{seq}. {_e(name)}</b>"]
+    if start is not None and start.replayed_from is not None:
+        summ.append(_badge("re-served", "anb-reserved",
+                           title=f"responses re-served from job {start.replayed_from}: no tokens spent"))
+    summ.append(f'<span class="anb-dim">{status} · {plural(len(responses), "call")} · {_n(tokens)} tokens'
+                + (f" · context up to {_pct(max(ratios))}" if ratios else "") + "</span>")
+    if diverged:
+        summ.append(_badge(f"⚠ {plural(diverged, 'divergence')}", "anb-divergence"))
     summ.extend(_badge(f"{_ACTION_ICON.get(a.action, '')} {a.action} {_pct(a.ratio)}", f"anb-{a.action}") for a in actions)
     if transition is not None:
         summ.append(f"➜ <b>{_e(transition.next_step)}</b>")
@@ -609,7 +678,8 @@ def _score(ev: ScoreEvent) -> str:
     return _badge(f"{ev.name} = {value}", cls)
 
 
-def _header(job: JobRecord, st: JobStats, piece_max: int | None, *, latest_link: bool = False) -> str:
+def _header(job: JobRecord, st: JobStats, piece_max: int | None, *, latest_link: bool = False,
+            fork: Sequence[str] = ()) -> str:
     status = st.status or str(job.status)
     mv = f"{st.movements}" + (f" / {piece_max}" if piece_max else "")
     parts = [
@@ -629,6 +699,9 @@ def _header(job: JobRecord, st: JobStats, piece_max: int | None, *, latest_link:
                      f"↓ {'latest' if str(job.status) == 'running' else 'last'} call ({seq}.{it})</a>")
     if job.parent_id:
         parts.append(f' · <span class="anb-dim">subtask of job {job.parent_id}</span>')
+    if fork:
+        parts.append(f'<div class="anb-fork">{_badge("fork", "anb-reserved") if job.forked_from else ""} '
+                     + " · ".join(_e(line) for line in fork) + "</div>")
     parts.append(f'<div class="anb-dim">instruction: {_e(job.instruction if len(job.instruction) <= 300 else job.instruction[:299] + "…")}</div>')
     if job.error:
         parts.append(f'<div class="anb-error">✖ {_e(job.error)}</div>')
@@ -652,7 +725,8 @@ def header_html(ws: JobSource, job_id: int) -> str:
     """The header line of a job: piece, model, status, movements run, calls, tokens, cost, elapsed, the latest
     score of each name (no <style>)."""
     job = ws.job(job_id).snapshot()
-    return _inline(_header(job, _stats(job, ws.events(job_id)), _piece_max(ws, job_id)))
+    events = ws.events(job_id)
+    return _inline(_header(job, _stats(job, events), _piece_max(ws, job_id), fork=fork_lines(job, events)))
 
 
 def timeline(events: Iterable[Event]) -> tuple[list[int | CommentEvent | ErrorEvent], dict[int, list[Event]]]:
@@ -726,7 +800,8 @@ def job_html(
     if not by_seq and str(job.status) == "queued":
         body.append('<div class="anb-dim">not started yet</div>')
     return (STYLE if style else "") + _inline(
-        f'<div class="anb-job" data-job="{job.id}">' + _header(job, st, _piece_max(ws, job_id), latest_link=True)
+        f'<div class="anb-job" data-job="{job.id}">'
+        + _header(job, st, _piece_max(ws, job_id), latest_link=True, fork=fork_lines(job, events))
         + "".join(body) + "</div>"
     )
 

@@ -6,7 +6,7 @@ from typing import Final
 
 from ..events import ACTIONS
 
-__all__ = ["ACTIONS", "ACTION_COLOURS", "ERROR_COLOUR", "OK_COLOUR"]
+__all__ = ["ACTIONS", "ACTION_COLOURS", "DIVERGENCE_COLOUR", "ERROR_COLOUR", "OK_COLOUR", "RESERVED_COLOUR"]
 
 # One colour per action: its badge in the HTML view, its mark on the panel's context bar, its threshold
 # line and markers in the usage plot.
@@ -16,3 +16,8 @@ ACTION_COLOURS: Final[dict[str, str]] = {
 # a job that succeeded, and the context bar below every threshold
 OK_COLOUR: Final = "#2e8b57"
 ERROR_COLOUR: Final = "#b00020"
+# a fork's movement run re-served from the original's record (no tokens spent): a calm blue-grey, apart from
+# the status and action colours, so it reads as "not live" rather than as a state or a warning
+RESERVED_COLOUR: Final = "#5b7083"
+# a tool re-run in a re-served run gave another result than the original's: a warning, not an error
+DIVERGENCE_COLOUR: Final = "#b35900"

@@ -56,11 +56,12 @@ from ..events import (
     LLMResponse,
     MovementStart,
     Reminder,
+    ReplayDivergence,
     ToolCallEvent,
     ToolResult,
     Transition,
 )
-from .render import STYLE, JobStats, job_stats, movement_html, timeline
+from .render import STYLE, JobStats, fork_lines, job_stats, movement_html, timeline
 from .source import JobRecord, JobSource
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ def build_notebook(ws: NotebookSource, job_id: int, *, full: bool = False, plot:
         "agentnb": {"job": job.id, "piece": job.piece, "model": job.model, "status": str(job.status),
                     "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
     })
-    cells = [v4.new_markdown_cell(_title(ws, job, job_stats(ws, job.id)))]
+    cells = [v4.new_markdown_cell(_title(ws, job, job_stats(ws, job.id), fork_lines(job, events)))]
     if plot and any(isinstance(e, LLMResponse) for e in events):
         cells += _usage_cells(ws, job.id)
 
@@ -148,7 +149,7 @@ def build_notebook(ws: NotebookSource, job_id: int, *, full: bool = False, plot:
 # -- cells ------------------------------------------------------------------------
 
 
-def _title(ws: NotebookSource, job: JobRecord, st: JobStats) -> str:
+def _title(ws: NotebookSource, job: JobRecord, st: JobStats, fork: Sequence[str] = ()) -> str:
     first = job.instruction.strip().splitlines()[0] if job.instruction.strip() else "(no instruction)"
     if len(first) > 100:
         first = first[:99] + "…"
@@ -160,6 +161,7 @@ def _title(ws: NotebookSource, job: JobRecord, st: JobStats) -> str:
     ]
     if job.parent_id:
         rows.append(("parent job", str(job.parent_id)))
+    rows.extend(("fork" if line.startswith("forked") else "re-served", _md(line)) for line in fork)
     lines = [f"# Job {job.id}: {_md(first)}", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     lines += ["", "**Instruction**", "", *[f"> {_md(line)}" for line in job.instruction.splitlines()]]
@@ -181,6 +183,8 @@ def _run_facts(seq: int, evs: Sequence[Event]) -> tuple[str, str, Transition | N
     calls = [e for e in evs if isinstance(e, LLMResponse)]
     tokens = sum(e.usage.total_tokens for e in calls)
     title = f"{seq}. {name}"
+    if start is not None and start.replayed_from is not None:
+        title += " (re-served)"
     if tr is not None:
         title += f" → {tr.next_step}" + (" (forced)" if tr.forced else "")
     elif any(isinstance(e, ErrorEvent) for e in evs):
@@ -246,14 +250,16 @@ def movement_text(evs: Sequence[Event], *, max_chars: int | None = EXPORT_MAX_CH
     for ev in evs:
         match ev:
             case MovementStart():
-                out.append(f"=== movement run {ev.seq}: {ev.movement} ===")
+                out.append(f"=== movement run {ev.seq}: {ev.movement}"
+                           + (f" (re-served from job {ev.replayed_from})" if ev.replayed_from is not None else "") + " ===")
                 out.append("[system]")
                 body(ev.system)
                 out.append("[user]")
                 body(ev.user)
             case LLMResponse(usage=u):
                 out.append(f"--- call {ev.iteration}: {u.prompt_tokens:,} prompt + {u.completion_tokens:,} completion "
-                           f"tokens, context {float(u.ratio or 0):.1%} of {int(u.window or 0):,} ({u.source})")
+                           f"tokens, context {float(u.ratio or 0):.1%} of {int(u.window or 0):,} ({u.source})"
+                           + (f", re-served from job {ev.replayed_from}" if ev.replayed_from is not None else ""))
                 if ev.content:
                     out.append("[assistant]")
                     body(ev.content)
@@ -284,6 +290,12 @@ def movement_text(evs: Sequence[Event], *, max_chars: int | None = EXPORT_MAX_CH
                         body(f"job {t.job_id}: {t.instruction}" + (f" ({t.piece})" if t.piece else ""), "    - ")
             case ErrorEvent():
                 out.append(f"✖ error ({ev.where}): {ev.message}")
+            case ReplayDivergence():
+                out.append(f"⚠ divergence: the re-run of {ev.tool} (call {ev.call_id}) gave another result than the original's")
+                out.append("  expected:")
+                body(ev.expected)
+                out.append("  actual:")
+                body(ev.actual)
     return "\n".join(out)
 
 
