@@ -46,13 +46,16 @@ def test_the_design_lab_runs_on_scripted_models_kept_in_the_repository() -> None
 
 
 def test_the_fork_notebook_runs_on_scripted_models_kept_in_the_repository() -> None:
-    """Notebook 06 reads its incident report and scripts from notebooks/fork-compare/, so a reader can open
-    them; they must be there and be valid scripts."""
+    """Notebook 06 reads its piece, incident report and scripts from notebooks/fork-compare/, so a reader can
+    open them; they must be there and be valid."""
+    from agentnb import load_piece
     from agentnb.models.factory import resolve_model
 
     lab = REPO / "notebooks" / "fork-compare"
     text = (REPO / "notebooks" / "06-fork-compare.ipynb").read_text(encoding="utf-8")
     assert "incident.md" in text and (lab / "incident.md").is_file()
+    assert "incident-summary.yaml" in text
+    assert load_piece(lab / "incident-summary.yaml").window_tokens == 8000  # the notebook edits this line
     for name in ("summary-script.yaml", "bullets-script.yaml", "ticket-script.yaml"):
         assert name in text
         resolve_model(f"scripted:{lab / name}")
