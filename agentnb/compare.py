@@ -218,9 +218,14 @@ class Comparison:
             rows.append({"path": path, "change": change, "size_a": x.size if x else None,
                          "size_b": y.size if y else None,
                          "diff": None if change == "same" else _diff(path, x, y)})
-        df = pd.DataFrame.from_records(rows, columns=list(FILE_COLUMNS))
-        return df.astype({"path": "string", "change": pd.CategoricalDtype(list(CHANGES)), "size_a": "Int64", "size_b": "Int64",
-                          "diff": object})
+        return pd.DataFrame({
+            "path": pd.Series([r["path"] for r in rows], dtype="string"),
+            "change": pd.Series([r["change"] for r in rows], dtype=pd.CategoricalDtype(list(CHANGES))),
+            "size_a": pd.Series([r["size_a"] for r in rows], dtype="Int64"),
+            "size_b": pd.Series([r["size_b"] for r in rows], dtype="Int64"),
+            # object, so that a binary file's diff is None (pandas would read text with gaps as str with NaN)
+            "diff": pd.Series([r["diff"] for r in rows], dtype=object),
+        }, columns=list(FILE_COLUMNS))
 
     def _workdir(self, job_id: int) -> Path:
         return Path(self._source.store.job(job_id)["workdir"])
