@@ -30,6 +30,7 @@ from .events import LLMResponse, MovementStart, ToolResult, Transition
 from .tools.paths import open_regular, unlinked_path
 from .views.compare_html import ForkNote, comparison_html
 
+# pandas is imported inside the functions that use it: `import agentnb` (and so the CLI's start) stays light
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -112,7 +113,6 @@ def _runs(events: Sequence[Event]) -> dict[int, _Run]:
 def _run_costs(frames: Frames, job_id: int) -> dict[int, float]:
     """US dollars per movement run, priced call by call as ``frames.usage()`` prices them; NaN when any call of
     the run has no price (a partial sum would pass for a total)."""
-    # pandas is imported by what uses it, so that `import agentnb` stays light (the CLI starts with it)
     usage = frames.usage(job_id)
     if usage.empty:
         return {}
@@ -148,7 +148,7 @@ class Comparison:
         side has no such run.  ``identical``: both ran the same movement with the same conversation;
         ``diverged``: True on the first position that is not identical, only there.
         """
-        return self._frame()[0]
+        return self._frame()
 
     @property
     def first_divergence(self) -> int | None:
@@ -157,7 +157,7 @@ class Comparison:
         hit = frame.loc[frame["diverged"], "seq"]
         return int(hit.iloc[0]) if len(hit) else None
 
-    def _frame(self) -> tuple[pd.DataFrame, dict[str, dict[int, _Run]]]:
+    def _frame(self) -> pd.DataFrame:
         import pandas as pd
 
         runs = {"a": _runs(self._source.events(self.a)), "b": _runs(self._source.events(self.b))}
@@ -186,7 +186,7 @@ class Comparison:
         first = next((i for i, same in enumerate(identical) if not same), None)
         columns["identical"] = pd.Series(identical, dtype=bool)
         columns["diverged"] = pd.Series([i == first for i in range(len(seqs))], dtype=bool)
-        return pd.DataFrame(columns, index=pd.RangeIndex(len(seqs))), runs
+        return pd.DataFrame(columns, index=pd.RangeIndex(len(seqs)))
 
     # -- output/ ----------------------------------------------------------------------------------------------
     def files(self, *, unchanged: bool = False) -> pd.DataFrame:
@@ -254,7 +254,7 @@ class Comparison:
     def html(self, *, max_chars: int | None = None, max_calls: int | None = None,
              max_bytes: int | None = None, full: bool = False) -> str:
         """The two runs side by side (see :func:`agentnb.views.compare_html.comparison_html` for the bounds)."""
-        frame, _ = self._frame()
+        frame = self._frame()
         bounds = {k: v for k, v in {"max_chars": max_chars, "max_calls": max_calls, "max_bytes": max_bytes}.items()
                   if v is not None}
         return comparison_html(self._source, self.a, self.b, frame, note=self.fork_note(), full=full, **bounds)
