@@ -29,6 +29,7 @@ from .errors import ToolError
 from .events import LLMResponse, MovementStart, ToolResult, Transition
 from .tools.paths import open_regular, unlinked_path
 from .views.compare_html import ForkNote, comparison_html
+from .views.render import DEFAULT_MAX_BYTES, DEFAULT_MAX_CALLS, DEFAULT_MAX_CHARS
 
 # pandas is imported inside the functions that use it: `import agentnb` (and so the CLI's start) stays light
 if TYPE_CHECKING:
@@ -251,13 +252,12 @@ class Comparison:
     def _repr_html_(self) -> str:
         return self.html()
 
-    def html(self, *, max_chars: int | None = None, max_calls: int | None = None,
-             max_bytes: int | None = None, full: bool = False) -> str:
-        """The two runs side by side (see :func:`agentnb.views.compare_html.comparison_html` for the bounds)."""
-        frame = self._frame()
-        bounds = {k: v for k, v in {"max_chars": max_chars, "max_calls": max_calls, "max_bytes": max_bytes}.items()
-                  if v is not None}
-        return comparison_html(self._source, self.a, self.b, frame, note=self.fork_note(), full=full, **bounds)
+    def html(self, *, max_chars: int | None = DEFAULT_MAX_CHARS, max_calls: int | None = DEFAULT_MAX_CALLS,
+             max_bytes: int | None = DEFAULT_MAX_BYTES, full: bool = False) -> str:
+        """The two runs side by side, bounded as the job view is (``None`` lifts one bound, ``full=True`` all;
+        see :func:`agentnb.views.compare_html.comparison_html`)."""
+        return comparison_html(self._source, self.a, self.b, self._frame(), note=self.fork_note(),
+                               max_chars=max_chars, max_calls=max_calls, max_bytes=max_bytes, full=full)
 
 
 # -- output/ trees --------------------------------------------------------------------------------------------

@@ -300,6 +300,7 @@ def test_html_is_bounded_like_the_job_view(ws: Workspace, tmp_path: Path, origin
     assert f"%agent show {original.id} --movement 1" in small
     full = c.html(full=True)
     assert "x" * 50_000 in full
+    assert "x" * 50_000 in c.html(max_chars=None)  # None lifts that one bound, as in job_html
 
 
 def test_compare_refuses_an_unknown_job(ws: Workspace, original: Job) -> None:
