@@ -16,6 +16,7 @@ comparison kept in a variable shows the jobs as they are now.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 import stat
@@ -269,7 +270,8 @@ class _Entry:
 
     kind: str  # "file" | "link" | "special"
     size: int | None
-    data: bytes | None = None  # a file's bytes (None when it could not be read)
+    data: bytes | None = None  # a file's bytes, up to MAX_DIFF_BYTES
+    digest: str | None = None  # a larger file's SHA-256
     target: str | None = None  # a link's target, or a special file's kind
 
     def same_as(self, other: _Entry) -> bool:
@@ -315,8 +317,14 @@ def _entry(path: Path, rel: str) -> _Entry:
     except ToolError:
         return _Entry("special", st.st_size, target="unreadable")
     with os.fdopen(fd, "rb") as fh:
-        data = fh.read()
-    return _Entry("file", len(data), data=data)
+        data = fh.read(MAX_DIFF_BYTES + 1)
+        if len(data) <= MAX_DIFF_BYTES:
+            return _Entry("file", len(data), data=data)
+        # too large to diff: compared by digest, without holding the whole file
+        digest = hashlib.sha256(data)
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+        return _Entry("file", fh.tell(), digest=digest.hexdigest())
 
 
 def _text(entry: _Entry | None) -> list[str] | None:
@@ -324,7 +332,7 @@ def _text(entry: _Entry | None) -> list[str] | None:
     text."""
     if entry is None:
         return []
-    if entry.kind != "file" or entry.data is None or len(entry.data) > MAX_DIFF_BYTES or b"\0" in entry.data:
+    if entry.kind != "file" or entry.data is None or b"\0" in entry.data:
         return None
     try:
         text = entry.data.decode("utf-8")

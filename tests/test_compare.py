@@ -24,6 +24,7 @@ from IPython.utils.capture import capture_output
 from openai_server import OpenAIServer, reply
 
 from agentnb import Comparison, Job, StoreError, Workspace
+from agentnb.compare import MAX_DIFF_BYTES
 from agentnb.views.compare_html import DIVERGED_BADGE, divergence_anchor
 
 PIECE = "plan-implement-verify"
@@ -183,6 +184,9 @@ def test_files_binary_no_newline_symlinks_and_unchanged(ws: Workspace, tmp_path:
     (b / "img.bin").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x02\x03")
     (a / "end.txt").write_text("no newline")
     (b / "end.txt").write_text("no newline\n")
+    big = "a line of text\n" * (MAX_DIFF_BYTES // 15 + 10)
+    (a / "big.txt").write_text(big)
+    (b / "big.txt").write_text(big[:-2] + "X\n")  # the same size, one byte apart at the end
     (b / "sub").mkdir()
     (b / "sub" / "deep.txt").write_text("deep\n")
     secret = tmp_path / "secret.txt"
@@ -191,7 +195,9 @@ def test_files_binary_no_newline_symlinks_and_unchanged(ws: Workspace, tmp_path:
     (b / "outdir").symlink_to(tmp_path)
     files = ws.compare(original, fork).files()
     rows = {r.path: r for r in files.itertuples()}
-    assert set(rows) == {"img.bin", "end.txt", "sub/deep.txt", "leak.txt", "outdir"}
+    assert set(rows) == {"img.bin", "end.txt", "big.txt", "sub/deep.txt", "leak.txt", "outdir"}
+    big_row = rows["big.txt"]  # too large to diff, compared all the same
+    assert big_row.change == "changed" and big_row.diff is None and big_row.size_a == big_row.size_b == len(big)
     assert rows["img.bin"].change == "changed" and rows["img.bin"].diff is None
     assert (rows["img.bin"].size_a, rows["img.bin"].size_b) == (10, 11)
     assert rows["end.txt"].diff == ("--- a/output/end.txt\n+++ b/output/end.txt\n@@ -1 +1 @@\n"
