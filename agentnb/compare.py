@@ -5,9 +5,10 @@ at the same positions, so position ``n`` of both jobs is the same step of the sa
 *identical* when both jobs ran the same movement there and had the same conversation in it — the same
 responses (content, and tool calls by name and arguments), the same tool results, the same transition —
 whatever the timestamps, event and call ids, latencies and token counts (a fork's re-served calls count 0
-tokens, as nothing was spent, yet they are the same calls).  The prompts are not compared: they open with the
-date and time of the run and list ``output/`` as it was when the job (re)started, which differ between two
-runs of the same steps.
+tokens, as nothing was spent, yet they are the same calls) — and the same prompts, apart from the date and
+time they open with (a fork and a replay keep their original's, but two separate runs do not), so a fork that
+edits a movement's persona or instruction differs there even when its model answers the same.  A subtask is
+compared by its instruction and piece (a fork's re-served subtasks are ``replay:`` jobs of the original's).
 
 Everything is read from the store when asked for (``frame``, ``files()``, the HTML), like a ``Job``: a
 comparison kept in a variable shows the jobs as they are now.
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from ._fs import special_kind
+from .engine.prompts import clock_block
 from .errors import ToolError
 from .events import LLMResponse, MovementStart, ToolResult, Transition
 from .tools.paths import open_regular, unlinked_path
@@ -97,7 +99,7 @@ def _runs(events: Sequence[Event]) -> dict[int, _Run]:
             elif isinstance(ev, Transition):
                 transition = ev
                 # a subtask's job id is the id of another job, different in every run
-                subtasks = tuple((s.instruction, s.piece, s.model) for s in ev.subtasks or ())
+                subtasks = tuple((s.instruction, s.piece) for s in ev.subtasks or ())
                 said.append(("transition", ev.movement, ev.next_step, ev.summary, ev.lessons, ev.forced, ev.reason,
                              ev.question, ev.feedback, subtasks))
         runs[seq] = _Run(
@@ -107,9 +109,14 @@ def _runs(events: Sequence[Event]) -> dict[int, _Run]:
             llm_calls=calls, total_tokens=tokens,
             summary=transition.summary if transition else None,
             replayed=start.replayed_from is not None,
-            conversation=(start.movement, *said),
+            conversation=(start.movement, start.system, _without_clock(start.user), *said),
         )
     return runs
+
+
+def _without_clock(user: str) -> str:
+    clock = clock_block(user)
+    return user[len(clock):] if clock else user
 
 
 def _run_costs(frames: Frames, job_id: int) -> dict[int, float]:

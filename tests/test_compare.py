@@ -143,6 +143,17 @@ def test_an_edited_fork_diverges_exactly_at_the_fork_point(ws: Workspace, tmp_pa
     assert "diverge at run 2" in repr(c)
 
 
+def test_a_fork_that_only_edits_a_prompt_differs_there(ws: Workspace, original: Job) -> None:
+    """The scripted model answers the same whatever the prompt: the edited instruction is the difference."""
+    piece = ws.piece(original).replace_movement("implement", instruction="Write it in French.")
+    fork = ws.fork(original, at=2, piece=piece)
+    f = ws.compare(original, fork).frame
+    assert _col(f, "identical") == [True, False, True] and _col(f, "diverged") == [False, True, False]
+    assert _col(f, "summary_a") == _col(f, "summary_b")
+    # a replay keeps its original's clock in its prompts, so it stays identical even a minute later
+    assert ws.compare(original, ws.replay(original)).frame["identical"].all()
+
+
 def test_files_shows_the_changed_added_and_removed_output(ws: Workspace, tmp_path: Path, original: Job) -> None:
     fork = _edited_fork(ws, tmp_path, original)
     files = ws.compare(original, fork).files()
