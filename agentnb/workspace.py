@@ -40,6 +40,7 @@ from .views.status import STOP_REASON
 from .worker import Worker
 
 if TYPE_CHECKING:
+    from .compare import Comparison
     from .views.frames import Frames
 
 __all__ = ["DEFAULT_WORKSPACE", "MAX_INSTRUCTION_CHARS", "Job", "JobRef", "JobStatus", "Workspace", "prepare_workdir"]
@@ -698,6 +699,13 @@ class Workspace:
                                  inputs=plan.inputs, workdir=None, context=None, retries=None, max_backoff=None)
         job_id = self._store_prepared(replace(prepared, options=plan.options))
         return self.run(job_id) if run else self.job(job_id)
+
+    def compare(self, a: JobRef, b: JobRef) -> Comparison:
+        """Jobs ``a`` and ``b`` side by side, aligned by movement run: ``.frame``, ``.files()``, and in a notebook
+        the two runs with the first point where they diverge marked (DESIGN §11)."""
+        from .compare import Comparison
+
+        return Comparison(self, self.frames, self._id(a), self._id(b))
 
     # -- batches (DESIGN §10) ------------------------------------------------------------------------------
     def batch(

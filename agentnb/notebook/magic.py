@@ -33,6 +33,7 @@ from IPython.display import HTML, display
 from traitlets import Float, Unicode, observe
 
 from ..batch import DEFAULT_CONCURRENCY, Batch
+from ..compare import Comparison
 from ..engine.pieces import Piece, available_pieces, load_piece
 from ..errors import AgentnbError, PieceError, StoreError
 from ..store.base import JOB_STATES, owned_by_this_process
@@ -44,7 +45,7 @@ from .vars import VarError, expand, expand_value, split_line
 __all__ = ["SUBCOMMANDS", "AgentMagic", "expand_braces", "load_ipython_extension"]
 
 SUBCOMMANDS = ("run", "step", "reply", "stop", "show", "jobs", "usage", "lessons", "panel", "pieces", "export",
-               "plot", "retry", "fork", "batch", "batches")
+               "plot", "retry", "fork", "batch", "batches", "compare")
 
 _OVERVIEW = """\
 %agent SUBCOMMAND [options]      (%agent SUBCOMMAND --help for its options)
@@ -70,6 +71,7 @@ _OVERVIEW = """\
                                run every case (a list of dicts or a DataFrame variable) under every
                                piece × model, scored; the Batch.  batch NAME resumes a batch
   batches                      every batch of the workspace, as a DataFrame
+  compare A B                  two jobs side by side, aligned by movement run, the first divergence marked
 
 %%agent [--piece P] [--model M] [--background]   the cell body is the instruction
 %%agent reply JOB                                 the cell body is the reply
@@ -81,7 +83,7 @@ Defaults: %config AgentMagic.workspace / .model / .piece
 """
 
 # the arguments that name a job: filled by AgentMagic.job, which keeps a variable's int or Job whole
-_JOB_ARGS = frozenset({"job"})
+_JOB_ARGS = frozenset({"job", "a", "b"})
 # the arguments that name notebook objects (cases, scorers, pieces, models): filled by AgentMagic.value,
 # which keeps a variable's list, DataFrame, function or Piece whole
 _VALUE_ARGS = frozenset({"cases", "scorer", "piece_list", "model_list", "fork_piece"})
@@ -666,6 +668,15 @@ class AgentMagic(Magics):
     def cmd_batches(self, args: Any, cell: str | None) -> Any:
         """Every batch of the workspace as a DataFrame: name, created, jobs and how many are in each status."""
         return _batches_frame(self.ws.batches())
+
+    # -- comparing runs (DESIGN §11) ------------------------------------------------------------------
+    @magic_arguments(name="agent compare")
+    @argument("a", help="the first job: a job id or Job variable")
+    @argument("b", help="the second job: a job id or Job variable")
+    def cmd_compare(self, args: Any, cell: str | None) -> Comparison:
+        """Two jobs side by side, aligned by movement run, with the first point where they diverge marked;
+        the value is the Comparison (.frame, .files())."""
+        return self.ws.compare(self.job(args.a), self.job(args.b))
 
 
 def _batches_frame(rows: list[dict[str, Any]]) -> Any:
