@@ -41,7 +41,7 @@ class ForkPlan:
 
 
 def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: Any = None,
-              strict: bool = False) -> ForkPlan:
+              strict: bool = False, context: Any = None) -> ForkPlan:
     """Check a fork of job ``job_id`` at movement run ``at``; a :class:`UsageError` (or ``PieceError``) in one
     line naming what is wrong and what is allowed."""
     row = store.job(job_id)  # StoreError "no job …"
@@ -77,6 +77,17 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
         raise UsageError(f"model={spec!r}; allowed: a model spec such as 'demo', 'scripted:PATH', 'openai:NAME'")
     options = dict(_options(row))
     options.pop(STRICT_OPTION, None)
+    if context is not None:  # the fork's own context settings, from its fork point on (merged over the original's)
+        from .engine.context import check_context_options
+
+        try:
+            mine = check_context_options(context, p.thresholds)
+            merged = {**options.get("context", {}), **mine}
+            if "thresholds" in mine:
+                merged["thresholds"] = {**options.get("context", {}).get("thresholds", {}), **mine["thresholds"]}
+            options["context"] = check_context_options(merged, p.thresholds)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     if strict:
         options[STRICT_OPTION] = True
     return ForkPlan(job_id=job_id, at=at, instruction=row["instruction"], piece=p, model=spec,

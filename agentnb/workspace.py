@@ -666,6 +666,7 @@ class Workspace:
         piece: str | os.PathLike[str] | Piece | None = None,
         model: str | None = None,
         strict: bool = False,
+        context: Mapping[str, Any] | None = None,
         run: bool = True,
     ) -> Job:
         """A new job that re-serves movement runs ``1 … at-1`` of ``job`` and runs live from run ``at`` on.
@@ -676,13 +677,15 @@ class Workspace:
         is recorded as a ``replay_divergence`` event; the fork goes on, or with ``strict=True`` fails naming
         that call.  From run ``at`` on the job runs on ``piece`` (a name, path, YAML text or ``Piece``, e.g.
         ``ws.piece(job).replace_movement("implement", instruction=…)``; default: the original's) and
-        ``model`` (default: the original's).  The fork starts from the original's ``input/`` files as they
+        ``model`` (default: the original's), with ``context`` (``window_tokens``, ``thresholds``,
+        ``min_tool_tokens``, as ``submit``'s) over the original's: the real answer to a what-if
+        (``frames.what_if``).  The fork starts from the original's ``input/`` files as they
         are now, with its options, and keeps its date and time in the prompts up to run ``at``.  A re-served
         run that asked a human goes on with the replies the original got; one that handed out subtasks queues
         ``replay:`` jobs of the original's children.  ``run=False`` only queues it (to step it).  A job that is
         running or waiting is refused.
         """
-        plan = plan_fork(self.store, self._id(job), at=at, piece=piece, model=model, strict=strict)
+        plan = plan_fork(self.store, self._id(job), at=at, piece=piece, model=model, strict=strict, context=context)
         prepared = self._prepare(plan.instruction, piece=plan.piece, model=plan.model, inputs=plan.inputs,
                                  workdir=None, context=None, retries=None, max_backoff=None)
         job_id = self._store_prepared(replace(prepared, options=plan.options), forked_from_job=plan.job_id,

@@ -390,3 +390,17 @@ def test_a_fork_takes_its_piece_as_yaml_text(ws: Workspace, tmp_path: Path, orig
     assert "Check twice." in next(e.user for e in fork.events if isinstance(e, MovementStart) and e.seq == 3)
     with pytest.raises(PieceError, match="<piece text>"):
         ws.fork(original, at=3, piece="name: broken\nmovements: 3\n")
+
+
+def test_a_fork_with_other_context_settings_is_the_real_answer_to_a_what_if(ws: Workspace, tmp_path: Path) -> None:
+    job = ws.run(ws.submit("t", piece=PIECE, model=_script(tmp_path, "w", "v1", usage=True), inputs={"a.md": "a"}))
+    what_if = ws.frames.what_if(job, window=1_300)
+    (seq, it), = what_if[what_if.first_forced][["seq", "iteration"]].values.tolist()
+    assert (seq, it) == (2, 2)  # implement's second call: 1,250 of 1,300 tokens ≥ 95 %
+    fork = ws.fork(job, at=2, context={"window_tokens": 1_300})
+    actions = [(e.movement_seq, e.iteration, e.action) for e in ws.events(fork, kinds=["context_action"])]
+    assert (2, 2, "force_transition") in actions and all(s >= 2 for s, _, _ in actions)
+    assert ws.movements(fork)[1]["forced"]
+    assert ws.frames.usage(fork).query("seq == 1").window.tolist() == [128_000, 128_000]  # re-served as recorded
+    with pytest.raises(UsageError, match="window_tokens=3; allowed: a whole number ≥ 256"):
+        ws.fork(job, at=2, context={"window_tokens": 3})
