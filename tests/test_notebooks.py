@@ -55,7 +55,7 @@ def test_the_fork_notebook_runs_on_scripted_models_kept_in_the_repository() -> N
     text = (REPO / "notebooks" / "06-fork-compare.ipynb").read_text(encoding="utf-8")
     assert "incident.md" in text and (lab / "incident.md").is_file()
     assert "incident-summary.yaml" in text
-    assert load_piece(lab / "incident-summary.yaml").window_tokens == 8000  # the notebook edits this line
+    assert load_piece(lab / "incident-summary.yaml").window_tokens == 8000  # the what-if cells reckon with it
     for name in ("summary-script.yaml", "bullets-script.yaml", "ticket-script.yaml"):
         assert name in text
         resolve_model(f"scripted:{lab / name}")
