@@ -454,3 +454,41 @@ def test_fork_and_compare_in_a_real_shell(shell: Any, tmp_path: Path) -> None:
         shell.run_line_magic("agent", f"fork {original.id} --at 4")
     assert str(err.value).startswith("%agent fork: at=4") and "\n" not in str(err.value)
     assert len(ws.jobs()) == jobs_before
+
+
+# -- fan-out and ask-first ------------------------------------------------------------------------------------------
+
+def _fan_events(ws: Workspace, job: agentnb.Job) -> list[tuple[Any, ...]]:
+    """The job's events with each child named by its place (child ids and models differ by design)."""
+    kids = [s for e in job.events if e.kind == "transition" for s in e.subtasks or []]
+    out = []
+    for kind, seq, it, text in _run_events(job):
+        for n, kid in enumerate(kids):
+            text = (text.replace(f'"job_id": {kid.job_id},', f'"job_id": "child {n}",')
+                    .replace(f'"model": "{kid.model}"', '"model": "child model"')
+                    .replace(f"job {kid.job_id} (", f"child {n} ("))
+        out.append((kind, seq, it, text))
+    return out
+
+
+def test_a_replay_of_a_fan_out_job_replays_its_children(ws: Workspace, tmp_path: Path) -> None:
+    spec = write_script(tmp_path, "fan", {
+        "split": [call("Read", path="input/x.txt"),
+                  transition("WAIT_SUBTASKS", "split", subtasks=[{"instruction": "one", "piece": "single"},
+                                                                  {"instruction": "two", "piece": "single"}])],
+        "work": [call("Write", path="output/part.md", content="p"), transition("COMPLETE", "part")],
+        "merge": [call("Write", path="output/result.md", content="merged"), transition("COMPLETE", "merged")]})
+    job = ws.run(ws.submit("Fan", piece="fan-out", model=spec, inputs={"x.txt": "x"}))
+    assert job.status == "succeeded"
+    replay = ws.replay(job)
+    assert replay.status == "succeeded"
+    kids = [s for e in job.events if e.kind == "transition" for s in e.subtasks or []]
+    mine = [s for e in replay.events if e.kind == "transition" for s in e.subtasks or []]
+    # the replay's children are replays of the original's children, not of the parent's responses
+    assert [s.model for s in mine] == [f"replay:{s.job_id}" for s in kids]
+    for theirs, ours in zip(kids, mine, strict=True):
+        child, again = ws.job(theirs.job_id), ws.job(ours.job_id)
+        assert again.status == "succeeded" and _run_events(again) == _run_events(child)
+        assert _tree(again.workdir) == _tree(child.workdir)
+    assert _fan_events(ws, replay) == _fan_events(ws, job)
+    assert _tree(replay.workdir) == _tree(job.workdir)
