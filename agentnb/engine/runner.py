@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import StoreError
 from ..events import ErrorEvent, Lesson, Subtask, Transition
 from ..models.base import Model, ModelError
 from ..models.replay import Recording
@@ -189,6 +190,8 @@ class JobRunner:
             if isinstance(step, WaitSubtasks) and self.recording is not None and self._replayed(seq):
                 ended = self.recording.transitions.get(seq)
                 children = self.subtasks.replay(c, list(ended.subtasks or []) if ended is not None else [])
+            elif isinstance(step, WaitSubtasks) and (same := self._replayed_children(seq, step)) is not None:
+                children = self.subtasks.replay(c, same)
             elif isinstance(step, WaitSubtasks):
                 children = self.subtasks.create(c, step.requests, mv)
             now = time.time()
@@ -217,6 +220,22 @@ class JobRunner:
                 self.rec.flush()
         self.loop = None
         return status
+
+    def _replayed_children(self, seq: int, step: WaitSubtasks) -> list[Subtask] | None:
+        """A ``replay:<job>`` job hands out what its original handed out at this run: ``replay:`` jobs of the
+        original's children (its own model would re-serve the parent's responses to them).  None when this job
+        is no replay, or its original did not hand out the same instructions at this run (another piece)."""
+        if not self.model_spec.startswith("replay:"):
+            return None
+        try:
+            original = Recording(self.store, int(self.model_spec.split(":", 1)[1]), before=seq + 1)
+        except (ValueError, StoreError):
+            return None
+        ended = original.transitions.get(seq)
+        subs = list(ended.subtasks or []) if ended is not None else []
+        if not subs or [s.instruction for s in subs] != [str(r.get("instruction")) for r in step.requests]:
+            return None
+        return subs
 
     def _apply(self, c: Any, step: NextStep, why: str) -> str:
         """Move the job to ``step`` in the store's transaction ``c``; the job's status afterwards."""

@@ -65,6 +65,12 @@ class Recording:
                 self.transitions[ev.movement_seq or 0] = ev
             elif isinstance(ev, ToolResult):
                 results.setdefault((ev.movement_seq or 0, ev.iteration or 0), []).append(ev)
+        # one Recording per job re-served from, reaching its last run this job re-served (not only the first:
+        # a Recording built for run 1 holds no calls of run 2)
+        reach: dict[int, int] = {}
+        for ev in responses:
+            if ev.replayed_from is not None:
+                reach[ev.replayed_from] = max(reach.get(ev.replayed_from, 0), (ev.movement_seq or 0) + 1)
         sources: dict[int, Recording] = {}
         self.calls: list[RecordedCall] = []
         for ev in responses:
@@ -75,7 +81,8 @@ class Recording:
             if ev.replayed_from is not None:  # a fork's re-served call: the counts are its live original's
                 source = sources.get(ev.replayed_from)
                 if source is None:
-                    source = sources[ev.replayed_from] = Recording(store, ev.replayed_from, before=seq + 1)
+                    source = sources[ev.replayed_from] = Recording(store, ev.replayed_from,
+                                                                  before=reach[ev.replayed_from])
                 live = source.call(seq, it)
                 if live is not None:
                     usage = dict(live.response.usage or usage)
