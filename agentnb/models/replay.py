@@ -105,10 +105,14 @@ class Recording:
 
     def live_job(self, seq: int) -> int:
         """The job that ran run ``seq`` live (this one, or the job its re-served run came from, and so on)."""
-        source = self._replayed_runs.get(seq)
-        if source is None:
-            return self.job_id
-        return Recording(self.store, source, before=seq + 1).live_job(seq)
+        # only each source's movement_start of that run is needed, not a whole Recording of it (whose
+        # calls would be read and resolved again for every re-served run the runner starts)
+        job, source = self.job_id, self._replayed_runs.get(seq)
+        while source is not None:
+            job = source
+            starts = self.store.events(job, kinds=["movement_start"], movement_seq=seq)
+            source = starts[0].replayed_from if starts and isinstance(starts[0], MovementStart) else None
+        return job
 
     def replayed_runs(self) -> Sequence[int]:
         """The runs this job itself re-served from another job's record."""
