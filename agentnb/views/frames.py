@@ -25,7 +25,7 @@ frame               columns
                     forked_from_seq, display_status, id
 ``movements(job)``  job, seq, movement, status, started, ended, iterations, llm_calls, tool_calls,
                     prompt_tokens, completion_tokens, total_tokens, peak_ratio, actions,
-                    next_step, forced, summary, replayed, name, tokens
+                    next_step, forced, summary, replayed, judge, name, tokens
 ``messages(job)``   job, event_id, seq, movement, iteration, timestamp, role, kind, tool, call_id,
                     content, chars
 ``tool_calls(job)`` job, event_id, seq, movement, iteration, timestamp, tool, call_id, arguments,
@@ -188,7 +188,7 @@ _MOVEMENTS: _Spec = {
     "iterations": "int", "llm_calls": "int", "tool_calls": "int", "prompt_tokens": "int",
     "completion_tokens": "int", "total_tokens": "int", "peak_ratio": "float", "actions": "str",
     **_fields(Transition, next_step="str", forced="bool", summary="str"), "replayed": "bool",
-    "name": "str", "tokens": "int",
+    "judge": "bool", "name": "str", "tokens": "int",
 }
 _MESSAGES: _Spec = {
     "job": "int", "event_id": "int", "seq": "Int", "movement": "str", "iteration": "Int", "timestamp": "time",
