@@ -15,6 +15,7 @@ from agentnb import Workspace
 from agentnb.engine.pieces import load_piece, parse_piece
 from agentnb.errors import PieceError
 from agentnb.events import LoopDetected
+from agentnb.views.render import job_html
 
 REPO = Path(__file__).resolve().parent.parent
 JUDGE = "judge:review/fix"
@@ -75,6 +76,10 @@ def test_judge_stops_a_two_movement_loop(tmp_path: Path) -> None:
     mv = ws.frames.movements(job)
     assert list(mv["judge"]) == [False] * 5 + [True]
     assert mv["next_step"].iloc[-1] == "ABORT"
+    # the job view: a loop badge on the run that closed the loop, saying which judge follows
+    markup = job_html(ws, job.id)
+    assert markup.count("⟳ loop review → fix ×2") == 1
+    assert f"loop monitor {JUDGE}: runs 2–5; then {JUDGE}" in markup
 
 
 def test_judge_says_go_on_then_is_asked_again_and_stops(tmp_path: Path) -> None:

@@ -528,29 +528,31 @@ def _loop_monitors(ck: _Checker, node: Node, names: tuple[str, ...]) -> tuple[Lo
         judge: Movement | None = None
         nxt: str | None = None
         if "judge" in keys:
-            jfld = f"{fld}.judge"
-            jkeys = ck.mapping(keys["judge"][1], jfld, _JUDGE_KEYS)
-            if "rules" not in jkeys:
-                raise ck.fail(keys["judge"][1], f"{jfld}.rules",
-                              f"missing required key 'rules'; found keys: {_keys_found(jkeys)}")
-            rules = _rules(ck, jkeys["rules"][1], f"{jfld}.rules")
-            if not rules:
-                raise ck.fail(jkeys["rules"][1], f"{jfld}.rules", "found an empty list, expected at least one rule")
-            for j, rnode in enumerate(ck.sequence(jkeys["rules"][1], "")):
-                nnode = next(v for k, v in rnode.value if k.value == "next")
-                ck.one_of(nnode, f"{jfld}.rules[{j}].next", rules[j].next, targets)
-            judge = Movement(
-                name=mname,
-                persona=ck.optional(jkeys, "persona", _JUDGE_PERSONA, lambda n, f: ck.string(n, f"{jfld}.{f}")),
-                instruction=ck.optional(jkeys, "instruction", _JUDGE_INSTRUCTION,
-                                        lambda n, f: ck.string(n, f"{jfld}.{f}")),
-                rules=rules, max_iterations=JUDGE_MAX_ITERATIONS,
-            )
+            judge = _judge(ck, keys["judge"][1], f"{fld}.judge", mname, targets)
         else:
             nxt = ck.string(keys["next"][1], f"{fld}.next")
             ck.one_of(keys["next"][1], f"{fld}.next", nxt, targets)
         monitors.append(LoopMonitor(name=mname, cycle=tuple(cycle), threshold=threshold, judge=judge, next=nxt))
     return tuple(monitors)
+
+
+def _judge(ck: _Checker, node: Node, fld: str, name: str, targets: tuple[str, ...]) -> Movement:
+    """A monitor's ``judge:`` as the movement its run is: tool-less, read-only, named after the monitor."""
+    jkeys = ck.mapping(node, fld, _JUDGE_KEYS)
+    if "rules" not in jkeys:
+        raise ck.fail(node, f"{fld}.rules", f"missing required key 'rules'; found keys: {_keys_found(jkeys)}")
+    rules = _rules(ck, jkeys["rules"][1], f"{fld}.rules")
+    if not rules:
+        raise ck.fail(jkeys["rules"][1], f"{fld}.rules", "found an empty list, expected at least one rule")
+    for j, rnode in enumerate(ck.sequence(jkeys["rules"][1], "")):
+        nnode = next(v for k, v in rnode.value if k.value == "next")
+        ck.one_of(nnode, f"{fld}.rules[{j}].next", rules[j].next, targets)
+    return Movement(
+        name=name,
+        persona=ck.optional(jkeys, "persona", _JUDGE_PERSONA, lambda n, f: ck.string(n, f"{fld}.{f}")),
+        instruction=ck.optional(jkeys, "instruction", _JUDGE_INSTRUCTION, lambda n, f: ck.string(n, f"{fld}.{f}")),
+        rules=rules, max_iterations=JUDGE_MAX_ITERATIONS,
+    )
 
 
 def _compose(text: str, source: str) -> Node:
