@@ -103,6 +103,8 @@ Details:
   is True for a run re-served from another job's record (its ``movement_start`` names it): a fork's runs before
   its fork point, every run of a ``replay:`` job.  ``usage().replayed`` is True for a call whose response was
   re-served (no tokens spent: its token counts are 0, its ``ratio`` and ``window`` the context as recorded).
+  ``movements().judge`` is True for a loop monitor's judge run (DESIGN §12): the run right after a
+  ``loop_detected`` event that named it as the judge.
   ``divergences()`` has one row per ``replay_divergence``: a tool re-run in a re-served run whose result
   (``actual``) differed from the original's (``expected``).
 * ``lessons()`` reads ``<workspace>/jobs/<id>/logs/lessons.jsonl`` (the file is the source).
