@@ -192,11 +192,20 @@ def test_piece_round_trip_and_replace_movement(tmp_path: Path) -> None:
     assert "loop_monitors" not in load_piece("plan-implement-verify").to_dict()
 
 
-def test_shipped_review_loop_piece() -> None:
+def test_shipped_review_loop_piece(tmp_path: Path) -> None:
     for path in (REPO / "pieces" / "review-loop.yaml", REPO / "agentnb" / "pieces" / "review-loop.yaml"):
         piece = load_piece(path)
         assert piece.loop_monitors and piece.loop_monitors[0].judge is not None
     assert (REPO / "pieces" / "review-loop.yaml").read_text() == (REPO / "agentnb/pieces/review-loop.yaml").read_text()
+    # by name, as a user runs it: three rounds of review/fix, then its judge stops the loop
+    ws = Workspace(tmp_path / "ws")
+    script = _rounds(3, ["review", "fix"])
+    script["review"] = [transition("fix", f"review round {r}", feedback="the title is still wrong") for r in (1, 2, 3)]
+    script["judge"] = [transition("ABORT", "the same issue keeps coming back")]
+    job = ws.run(ws.submit("t", piece="review-loop", model=write_script(tmp_path, "s", script)))
+    assert job.status == "aborted"
+    assert _names(ws, job) == ["write"] + ["review", "fix"] * 3 + ["judge"]
+    assert "the title is still wrong" in user_prompts(ws, job, "fix")[0]  # review verifies fix: its feedback
 
 
 _BASE = """name: p
