@@ -177,6 +177,10 @@ def test_fork_across_a_judged_loop(tmp_path: Path) -> None:
     assert again.status == "aborted" and _names(ws, again)[-1] == JUDGE
     assert not ws.frames.movements(again)["replayed"].iloc[-1] and ws.frames.movements(again)["judge"].iloc[-1]
     assert "review round 2" in user_prompts(ws, again, JUDGE)[0]
+    # a replay re-serves every response in order, the judges' too, and detects the same loops
+    replay = ws.replay(original)
+    assert replay.status == "aborted" and _names(ws, replay) == _names(ws, original)
+    assert [(e.movement_seq, e.runs) for e in _loops(ws, replay)] == [(e.movement_seq, e.runs) for e in _loops(ws, original)]
 
 
 def test_piece_round_trip_and_replace_movement(tmp_path: Path) -> None:
