@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -139,21 +140,30 @@ def test_a_run_that_leaves_the_cycle_is_no_loop(tmp_path: Path) -> None:
 def test_resume_in_another_process_between_detection_and_judge(tmp_path: Path) -> None:
     ws = Workspace(tmp_path / "ws")
     script = _rounds(2, ["review", "fix"])
-    script[JUDGE] = [transition("ABORT", "stuck")]
+    script[JUDGE] = [{"content": "Let me compare the rounds."}, transition("ABORT", "stuck")]
     spec = write_script(tmp_path, "s", script)
     job = ws.submit("t", piece=str(_piece(tmp_path)), model=spec)
     for _ in range(5):
         job = ws.step(job)
     assert len(_loops(ws, job)) == 1 and job.current_movement == JUDGE and job.status == "queued"
     code = ("import sys; from agentnb import Workspace; ws = Workspace(sys.argv[1]); "
-            "print(ws.run(int(sys.argv[2])).status)")
-    done = subprocess.run([sys.executable, "-c", code, str(ws.root), str(job.id)], capture_output=True, text=True,
-                          cwd=REPO, timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "aborted"
+            "print(getattr(ws, sys.argv[3])(int(sys.argv[2]), *sys.argv[4:]).status)")
+
+    def other_process(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-c", code, str(ws.root), str(job.id), *args], capture_output=True,
+                              text=True, cwd=REPO, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    # one process makes the judge's first call, another its second: the judge resumes like any run
+    assert other_process("step", "call") == "queued"
+    assert len(user_prompts(ws, job, JUDGE)) == 1 and len(_loops(ws, job)) == 1
+    assert other_process("run") == "aborted"
     assert _names(ws, job) == ["write", "review", "fix", "review", "fix", JUDGE]
     assert len(_loops(ws, job)) == 1
     assert "review round 2" in user_prompts(ws, job, JUDGE)[0]
+    judge_calls = [e for e in ws.events(job, kinds=["llm_request"]) if e.movement_seq == 6]
+    assert len(judge_calls) == 2
 
 
 def test_fork_across_a_judged_loop(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..events import LoopDetected
 from .pieces import LoopMonitor
+from .prompts import text
 
 __all__ = ["Loop", "Run", "find_loop", "judge_instruction", "last_judgements"]
 
@@ -53,12 +54,12 @@ def find_loop(monitors: Sequence[LoopMonitor], runs: Sequence[Run], judged: Mapp
     return None
 
 
-def judge_instruction(instruction: str, event: LoopDetected) -> str:
+def judge_instruction(instruction: str, event: LoopDetected, language: str = "en") -> str:
     """The judge's step instruction: the monitor's own, then the summaries of the runs in the loop."""
-    lines = [f"- run {seq} ({name}): {summary.strip() or '(no summary)'}"
+    lines = [text(language, "loop_run", seq=seq, name=name, summary=summary.strip() or "-")
              for seq, name, summary in zip(event.runs, _names(event), event.summaries, strict=False)]
-    return (f"{instruction.strip()}\n\nThe cycle {' → '.join(event.cycle)} has repeated {event.count} times. "
-            f"Summaries of the runs in the loop, oldest first:\n" + "\n".join(lines))
+    head = text(language, "loop", cycle=" → ".join(event.cycle), count=event.count)
+    return f"{instruction.strip()}\n\n{head}\n" + "\n".join(lines)
 
 
 def _names(event: LoopDetected) -> list[str]:

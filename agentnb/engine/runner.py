@@ -63,7 +63,7 @@ class JobRunner:
         open_mv = store.open_movement(self.job_id)
         if open_mv is not None:
             seq = int(open_mv["seq"])
-            self.loop = self._make_loop(self._piece_at(seq).movement(open_mv["name"]), seq)
+            self.loop = self._make_loop(self._movement(self._piece_at(seq), open_mv["name"]), seq)
             self.loop.resume(store.events(self.job_id, movement_seq=int(open_mv["seq"])))
 
     # -- state ------------------------------------------------------------
@@ -165,9 +165,7 @@ class JobRunner:
             )
             self._fail(message, where="runner")
             return False
-        movement = piece.movement(name)
-        if any(lm.judge is movement for lm in piece.loop_monitors):
-            movement = self._judge_movement(movement)
+        movement = self._movement(piece, name)
         system = movement.persona
         user = user_prompt(self.store, job, piece, movement, logs_dir=self.logs_dir, workdir=self.workdir)
         loop = self._make_loop(movement, seq)
@@ -262,13 +260,21 @@ class JobRunner:
             return event, Abort(f"loop monitor {lm.name}: {' → '.join(lm.cycle)} repeated {lm.threshold} times"), why
         return event, GoTo(str(lm.next)), why
 
+    def _movement(self, piece: Piece, name: str) -> Movement:
+        """Movement ``name`` of ``piece``; a loop monitor's judge with the summaries of the loop it judges."""
+        movement = piece.movement(name)
+        if any(lm.judge is movement for lm in piece.loop_monitors):
+            movement = self._judge_movement(movement)
+        return movement
+
     def _judge_movement(self, judge: Movement) -> Movement:
         """The judge's movement with the summaries of the loop it judges (the latest ``loop_detected``)."""
         events = [e for e in self.store.events(self.job_id, kinds=["loop_detected"])
                   if isinstance(e, LoopDetected) and e.judge == judge.name]
         if not events:
             return judge
-        return dataclasses.replace(judge, instruction=judge_instruction(judge.instruction, events[-1]))
+        return dataclasses.replace(judge, instruction=judge_instruction(judge.instruction, events[-1],
+                                                                        self.piece.language))
 
     def _replayed_children(self, seq: int, step: WaitSubtasks) -> list[Subtask] | None:
         """A ``replay:<job>`` job hands out what its original handed out at this run: ``replay:`` jobs of the
