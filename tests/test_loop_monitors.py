@@ -81,6 +81,9 @@ def test_judge_stops_a_two_movement_loop(tmp_path: Path) -> None:
     markup = job_html(ws, job.id)
     assert markup.count("⟳ loop review → fix ×2") == 1
     assert f"loop monitor {JUDGE}: runs 2–5; then {JUDGE}" in markup
+    # and the exported transcript
+    path = ws.export_notebook(job, tmp_path / "t.ipynb")
+    assert f"⟳ loop review → fix ×2 (monitor {JUDGE}, runs 2, 3, 4, 5): then {JUDGE}" in Path(path).read_text()
 
 
 def test_judge_says_go_on_then_is_asked_again_and_stops(tmp_path: Path) -> None:
