@@ -37,6 +37,7 @@ __all__ = [
     "LLMRequest",
     "LLMResponse",
     "Lesson",
+    "LoopDetected",
     "MovementStart",
     "RecordedToolCall",
     "Reminder",
@@ -61,6 +62,7 @@ __all__ = [
 EventKind = Literal[
     "job_status", "movement_start", "llm_request", "llm_response", "tool_call", "tool_result",
     "context_action", "reminder", "transition", "lesson", "comment", "error", "score", "replay_divergence",
+    "loop_detected",
 ]
 UsageSource = Literal["usage", "tiktoken", "chars"]
 # the ContextManager's actions, in threshold order (a context_action's `action`, frames' `action` categories)
@@ -285,6 +287,23 @@ class ReplayDivergence(EventBase):
     actual: str
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoopDetected(EventBase):
+    """A loop monitor fired (DESIGN §12): the runs ended with ``cycle`` repeated ``count`` times since the
+    monitor's last judgement.  The row's ``movement_seq`` is the run that closed the loop; ``summaries`` are the
+    transition summaries of the runs in the loop (``runs``, in order).  ``judge`` is the name of the judge's
+    run that follows (None: the monitor has no judge and sends the job to ``next``)."""
+
+    kind: ClassVar[Literal["loop_detected"]] = "loop_detected"
+    monitor: str
+    cycle: list[str]
+    count: int
+    summaries: list[str]
+    runs: list[int]
+    judge: str | None = None
+    next: str | None = None
+
+
 Event = (
     JobStatusEvent
     | MovementStart
@@ -300,6 +319,7 @@ Event = (
     | ErrorEvent
     | ScoreEvent
     | ReplayDivergence
+    | LoopDetected
 )
 
 _CLASSES: tuple[type[EventBase], ...] = typing.get_args(Event)

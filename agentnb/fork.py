@@ -69,9 +69,9 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
         start = p.initial_movement
     else:
         start = runs[at - 1]["name"] if at <= len(runs) else str(row["current_movement"])
-        if start not in p.names:
+        if start not in p.run_names:  # a loop monitor's judge may be forked at too (DESIGN §12)
             raise PieceError(f"the fork starts run {at} with movement {start!r}, as job {job_id} did, but the piece "
-                             f"has no such movement; movements: {', '.join(p.names)}", file=p.source, field="movements")
+                             f"has no such movement; movements: {', '.join(p.run_names)}", file=p.source, field="movements")
     spec = row["model"] if model is None else model
     if not isinstance(spec, str):
         raise UsageError(f"model={spec!r}; allowed: a model spec such as 'demo', 'scripted:PATH', 'openai:NAME'")

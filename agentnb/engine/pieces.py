@@ -21,8 +21,10 @@ from ..errors import PieceError
 
 __all__ = [
     "DEFAULT_THRESHOLDS",
+    "LOOP_NEXT",
     "PERMISSIONS",
     "SPECIAL_NEXT",
+    "LoopMonitor",
     "Movement",
     "Piece",
     "PieceError",
@@ -36,6 +38,10 @@ __all__ = [
 SPECIAL_NEXT = ("COMPLETE", "ASK", "ABORT", "WAIT_SUBTASKS")
 PERMISSIONS = ("readonly", "edit", "full")
 LANGUAGES = ("en", "ja")
+# where a loop monitor (its judge's rules or its `next`) may send a job besides a movement: ASK needs a
+# question and WAIT_SUBTASKS subtasks, which neither a monitor nor a tool-less judge has
+LOOP_NEXT = ("COMPLETE", "ABORT")
+JUDGE_MAX_ITERATIONS = 5
 DEFAULT_THRESHOLDS: dict[str, float] = {"warn": 0.70, "prompt": 0.85, "force_transition": 0.95, "exhausted": 0.99}
 PACKAGE_PIECES = Path(__file__).resolve().parents[1] / "pieces"
 # libyaml (when PyYAML has it) composes ~10x faster; a job's runner parses its stored piece on every
@@ -79,6 +85,19 @@ class Movement:
 
 
 @dataclass(frozen=True)
+class LoopMonitor:
+    """``loop_monitors[i]`` (DESIGN §12): when the runs end with ``cycle`` repeated ``threshold`` times (counted
+    since this monitor's last judgement), ``judge`` — a tool-less movement named ``name`` — decides the next
+    step, or without a judge the job goes to ``next``."""
+
+    name: str
+    cycle: tuple[str, ...]
+    threshold: int
+    judge: Movement | None = None
+    next: str | None = None
+
+
+@dataclass(frozen=True)
 class Piece:
     name: str
     movements: tuple[Movement, ...]
@@ -90,16 +109,26 @@ class Piece:
     thresholds: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
     min_tool_tokens: int | None = None
     source: str = "<piece>"
+    loop_monitors: tuple[LoopMonitor, ...] = ()
 
     def movement(self, name: str) -> Movement:
+        """Movement ``name``, or the judge of the loop monitor of that name (a judge's run is a movement run)."""
         for m in self.movements:
             if m.name == name:
                 return m
+        for lm in self.loop_monitors:
+            if lm.judge is not None and lm.judge.name == name:
+                return lm.judge
         raise KeyError(f"piece {self.name!r} has no movement {name!r}; movements: {', '.join(self.names)}")
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(m.name for m in self.movements)
+
+    @property
+    def run_names(self) -> tuple[str, ...]:
+        """Every name a movement run of this piece may have: its movements, then its loop monitors' judges."""
+        return self.names + tuple(lm.judge.name for lm in self.loop_monitors if lm.judge is not None)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain structure that :func:`parse_piece` reads back to an equal piece (files inlined)."""
@@ -135,6 +164,8 @@ class Piece:
             if m.verify:
                 d["verify"] = m.verify
             out["movements"].append(d)
+        if self.loop_monitors:  # only when present: the stored YAML of a piece without monitors is unchanged
+            out["loop_monitors"] = [_monitor_dict(lm) for lm in self.loop_monitors]
         return out
 
     def to_yaml(self) -> str:
@@ -171,10 +202,27 @@ class Piece:
         return parse_piece(text, source=f"{self.source} (movement {name} replaced)")
 
 
+def _monitor_dict(lm: LoopMonitor) -> dict[str, Any]:
+    d: dict[str, Any] = {"name": lm.name, "cycle": list(lm.cycle), "threshold": lm.threshold}
+    if lm.judge is not None:
+        d["judge"] = {"persona": lm.judge.persona, "instruction": lm.judge.instruction,
+                      "rules": [{"condition": r.condition, "next": r.next} if r.condition else {"next": r.next}
+                                for r in lm.judge.rules]}
+    else:
+        d["next"] = lm.next
+    return d
+
+
 # ---------------------------------------------------------------------------
 # Validation over YAML nodes, so every error knows its line.
 
-_TOP_KEYS = ("name", "description", "initial_movement", "max_movements", "language", "context", "movements")
+_TOP_KEYS = ("name", "description", "initial_movement", "max_movements", "language", "context", "movements",
+             "loop_monitors")
+_MONITOR_KEYS = ("name", "cycle", "threshold", "judge", "next")
+_JUDGE_KEYS = ("persona", "instruction", "rules")
+_JUDGE_PERSONA = "You judge whether a loop of movements in an agent workflow is making progress."
+_JUDGE_INSTRUCTION = ("The movements below have repeated as a loop. Look at the summaries of the last rounds and "
+                      "decide whether the work is converging.")
 _CONTEXT_KEYS = ("window_tokens", "thresholds", "min_tool_tokens")
 _MOVEMENT_KEYS = (
     "name", "description", "persona", "persona_file", "instruction", "instruction_file", "tools",
@@ -427,10 +475,83 @@ def parse_piece(
         initial = ck.string(node, "initial_movement")
         ck.one_of(node, "initial_movement", initial, names)
 
+    monitors = _loop_monitors(ck, top["loop_monitors"][1], names) if "loop_monitors" in top else ()
+
     return Piece(
         name=name, movements=tuple(m for m, _, _ in parsed), description=description, initial_movement=initial,
         max_movements=max_movements, language=language, window_tokens=window, thresholds=thresholds,
-        min_tool_tokens=min_tool, source=source,
+        min_tool_tokens=min_tool, source=source, loop_monitors=monitors,
+    )
+
+
+def _loop_monitors(ck: _Checker, node: Node, names: tuple[str, ...]) -> tuple[LoopMonitor, ...]:
+    """``loop_monitors:`` (DESIGN §12): each a cycle of existing movements, a threshold ≥ 1 and exactly one of
+    ``judge`` (a tool-less movement run named after the monitor) and ``next``."""
+    if isinstance(node, ScalarNode) and node.value == "":
+        return ()
+    targets = names + LOOP_NEXT
+    monitors: list[LoopMonitor] = []
+    taken: dict[str, int] = {}  # monitor names → their line (a judge's run is named after its monitor)
+    for i, mnode in enumerate(ck.sequence(node, "loop_monitors")):
+        fld = f"loop_monitors[{i}]"
+        keys = ck.mapping(mnode, fld, _MONITOR_KEYS)
+        for required in ("cycle", "threshold"):
+            if required not in keys:
+                raise ck.fail(mnode, f"{fld}.{required}",
+                              f"missing required key {required!r}; found keys: {_keys_found(keys)}")
+        cnodes = ck.sequence(keys["cycle"][1], f"{fld}.cycle")
+        if not cnodes:
+            raise ck.fail(keys["cycle"][1], f"{fld}.cycle", "found an empty list, expected at least one movement")
+        cycle: list[str] = []
+        for j, cnode in enumerate(cnodes):
+            cname = ck.string(cnode, f"{fld}.cycle[{j}]")
+            ck.one_of(cnode, f"{fld}.cycle[{j}]", cname, names)
+            if cname in cycle:
+                raise ck.fail(cnode, f"{fld}.cycle[{j}]",
+                              f"found {cname!r} a second time; a cycle names each movement once")
+            cycle.append(cname)
+        threshold = ck.integer(keys["threshold"][1], f"{fld}.threshold")
+        if ("judge" in keys) == ("next" in keys):
+            raise ck.fail(mnode, f"{fld}.judge", "give exactly one of 'judge' and 'next'; found "
+                          + ("both" if "judge" in keys else f"neither (keys: {_keys_found(keys)})"))
+        mname = "judge:" + "/".join(cycle)
+        if "name" in keys:
+            mname = ck.string(keys["name"][1], f"{fld}.name")
+        name_node = keys["name"][1] if "name" in keys else mnode
+        if mname in names or mname in SPECIAL_NEXT:
+            raise ck.fail(name_node, f"{fld}.name", f"found {mname!r}, the name of a movement or a special next "
+                          "step; a monitor's judge runs under the monitor's name, which must be its own")
+        if mname in taken:
+            raise ck.fail(name_node, f"{fld}.name", f"duplicate loop monitor name {mname!r} (first at line "
+                          f"{taken[mname]}); give each monitor its own name:")
+        taken[mname] = name_node.start_mark.line + 1
+        judge: Movement | None = None
+        nxt: str | None = None
+        if "judge" in keys:
+            judge = _judge(ck, keys["judge"][1], f"{fld}.judge", mname, targets)
+        else:
+            nxt = ck.string(keys["next"][1], f"{fld}.next")
+            ck.one_of(keys["next"][1], f"{fld}.next", nxt, targets)
+        monitors.append(LoopMonitor(name=mname, cycle=tuple(cycle), threshold=threshold, judge=judge, next=nxt))
+    return tuple(monitors)
+
+
+def _judge(ck: _Checker, node: Node, fld: str, name: str, targets: tuple[str, ...]) -> Movement:
+    """A monitor's ``judge:`` as the movement its run is: tool-less, read-only, named after the monitor."""
+    jkeys = ck.mapping(node, fld, _JUDGE_KEYS)
+    if "rules" not in jkeys:
+        raise ck.fail(node, f"{fld}.rules", f"missing required key 'rules'; found keys: {_keys_found(jkeys)}")
+    rules = _rules(ck, jkeys["rules"][1], f"{fld}.rules")
+    if not rules:
+        raise ck.fail(jkeys["rules"][1], f"{fld}.rules", "found an empty list, expected at least one rule")
+    for j, rnode in enumerate(ck.sequence(jkeys["rules"][1], "")):
+        nnode = next(v for k, v in rnode.value if k.value == "next")
+        ck.one_of(nnode, f"{fld}.rules[{j}].next", rules[j].next, targets)
+    return Movement(
+        name=name,
+        persona=ck.optional(jkeys, "persona", _JUDGE_PERSONA, lambda n, f: ck.string(n, f"{fld}.{f}")),
+        instruction=ck.optional(jkeys, "instruction", _JUDGE_INSTRUCTION, lambda n, f: ck.string(n, f"{fld}.{f}")),
+        rules=rules, max_iterations=JUDGE_MAX_ITERATIONS,
     )
 
 

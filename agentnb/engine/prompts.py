@@ -68,6 +68,8 @@ TEXTS: dict[str, dict[str, str]] = {
         "wrap_up": "The context window is {pct} full ({tokens:,} of {window:,} tokens). Wrap up your work now: save what matters, then call `transition` with a summary.",
         "subtask_line": "- job {id} ({status}): {instruction}\n  summary: {summary}",
         "subtask_error": "  error: {error}",
+        "loop": "The cycle {cycle} has repeated {count} times. Summaries of the runs in the loop, oldest first:",
+        "loop_run": "- run {seq} ({name}): {summary}",
         "checklist_head": "### {name} ({done}/{total} done)",
     },
     "ja": {
@@ -93,6 +95,8 @@ TEXTS: dict[str, dict[str, str]] = {
         "wrap_up": "コンテキストが {pct} まで埋まっています ({window:,} トークン中 {tokens:,})。作業をまとめて、`transition` を summary 付きで呼んでください。",
         "subtask_line": "- ジョブ {id} ({status}): {instruction}\n  要約: {summary}",
         "subtask_error": "  エラー: {error}",
+        "loop": "サイクル {cycle} が {count} 回繰り返されました。ループ内の各実行の要約 (古い順):",
+        "loop_run": "- 実行 {seq} ({name}): {summary}",
         "checklist_head": "### {name} ({total} 件中 {done} 件完了)",
     },
 }

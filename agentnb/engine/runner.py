@@ -9,6 +9,7 @@ bookkeeping of the job in one transaction.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import threading
@@ -17,12 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreError
-from ..events import ErrorEvent, Lesson, Subtask, Transition
+from ..events import ErrorEvent, Lesson, LoopDetected, Subtask, Transition
 from ..models.base import Model, ModelError
 from ..models.replay import Recording
 from ..tools.base import ToolError, open_regular, unlinked_path
 from .context import ContextManager, job_thresholds, window_for_model
 from .loop import AgentLoop, CallCounters, Outcome, Recorder, ReplayDiverged
+from .loops import Run, find_loop, judge_instruction, last_judgements
 from .pieces import Movement, Piece, parse_piece
 from .prompts import activation_instruction, clock_block, user_prompt
 from .steps import Abort, Ask, Complete, Fail, GoTo, NextStep, WaitSubtasks, next_step
@@ -61,7 +63,7 @@ class JobRunner:
         open_mv = store.open_movement(self.job_id)
         if open_mv is not None:
             seq = int(open_mv["seq"])
-            self.loop = self._make_loop(self._piece_at(seq).movement(open_mv["name"]), seq)
+            self.loop = self._make_loop(self._movement(self._piece_at(seq), open_mv["name"]), seq)
             self.loop.resume(store.events(self.job_id, movement_seq=int(open_mv["seq"])))
 
     # -- state ------------------------------------------------------------
@@ -163,7 +165,7 @@ class JobRunner:
             )
             self._fail(message, where="runner")
             return False
-        movement = piece.movement(name)
+        movement = self._movement(piece, name)
         system = movement.persona
         user = user_prompt(self.store, job, piece, movement, logs_dir=self.logs_dir, workdir=self.workdir)
         loop = self._make_loop(movement, seq)
@@ -185,6 +187,10 @@ class JobRunner:
         # to another step carries none, as it is no claim about the work (its lessons are always empty).
         lesson_text = out.lessons or (out.summary if out.next_step == "COMPLETE" else "")
         step = next_step(out, mv)
+        why = f"{mv.name} → {out.next_step}" + (" (forced)" if out.forced else "")
+        loop_event: LoopDetected | None = None
+        if isinstance(step, GoTo):
+            loop_event, step, why = self._check_loop(seq, it, mv.name, out.summary, step, why)
         with self.store.transaction() as c:
             children: list[Subtask] = []
             if isinstance(step, WaitSubtasks) and self.recording is not None and self._replayed(seq):
@@ -203,13 +209,15 @@ class JobRunner:
             if lesson_text:
                 self.rec.add(Lesson(job_id=self.job_id, movement_seq=seq, iteration=it, ts=now,
                                     lessons=lesson_text, summary=out.summary, movement=mv.name))
+            if loop_event is not None:  # after the transition, in its transaction: a restart finds both or neither
+                self.rec.add(loop_event)
             self.rec.flush(c)
             self.store.finish_movement(c, self.job_id, seq, iterations=it, next_step=out.next_step,
                                        forced=out.forced, summary=out.summary)
             if isinstance(step, Ask) and self._replayed(seq):
                 status = self._reserve_reply(c, seq, step)
             else:
-                status = self._apply(c, step, why=f"{mv.name} → {out.next_step}" + (" (forced)" if out.forced else ""))
+                status = self._apply(c, step, why=why)
         if lesson_text:
             try:
                 self._append_lesson_file(mv.name, seq, lesson_text, out.summary)
@@ -220,6 +228,53 @@ class JobRunner:
                 self.rec.flush()
         self.loop = None
         return status
+
+    def _check_loop(self, seq: int, it: int, name: str, summary: str, step: GoTo,
+                    why: str) -> tuple[LoopDetected | None, NextStep, str]:
+        """After run ``seq`` (movement ``name``) sent the job to ``step``: has a loop monitor's cycle repeated
+        ``threshold`` times since its last judgement?  Then the ``loop_detected`` event to record and the step
+        that replaces ``step`` — the judge's run, or the monitor's ``next``."""
+        piece = self._piece_at(seq)  # a re-served run detects what its original detected
+        if not piece.loop_monitors:
+            return None, step, why
+        runs = [Run(int(r["seq"]), str(r["name"]), str(r["summary"] or "")) for r in self.store.movements(self.job_id)
+                if int(r["seq"]) < seq and r["next_step"] is not None]
+        runs.append(Run(seq, name, summary))
+        judged = last_judgements(self.store.events(self.job_id, kinds=["loop_detected"]))
+        found = find_loop(piece.loop_monitors, runs, judged, step.movement)
+        if found is None:
+            return None, step, why
+        lm = found.monitor
+        event = LoopDetected(
+            job_id=self.job_id, movement_seq=seq, iteration=it, ts=time.time(), monitor=lm.name,
+            cycle=list(lm.cycle), count=lm.threshold, summaries=[r.summary for r in found.runs],
+            runs=[r.seq for r in found.runs], judge=lm.judge.name if lm.judge is not None else None, next=lm.next,
+        )
+        why = f"{why}; loop {' → '.join(lm.cycle)} ×{lm.threshold}"
+        if lm.judge is not None:
+            return event, GoTo(lm.judge.name), f"{why}: {lm.judge.name} judges"
+        why = f"{why}: {lm.name} → {lm.next}"
+        if lm.next == "COMPLETE":
+            return event, Complete(), why
+        if lm.next == "ABORT":
+            return event, Abort(f"loop monitor {lm.name}: {' → '.join(lm.cycle)} repeated {lm.threshold} times"), why
+        return event, GoTo(str(lm.next)), why
+
+    def _movement(self, piece: Piece, name: str) -> Movement:
+        """Movement ``name`` of ``piece``; a loop monitor's judge with the summaries of the loop it judges."""
+        movement = piece.movement(name)
+        if any(lm.judge is movement for lm in piece.loop_monitors):
+            movement = self._judge_movement(movement)
+        return movement
+
+    def _judge_movement(self, judge: Movement) -> Movement:
+        """The judge's movement with the summaries of the loop it judges (the latest ``loop_detected``)."""
+        events = [e for e in self.store.events(self.job_id, kinds=["loop_detected"])
+                  if isinstance(e, LoopDetected) and e.judge == judge.name]
+        if not events:
+            return judge
+        return dataclasses.replace(judge, instruction=judge_instruction(judge.instruction, events[-1],
+                                                                        self.piece.language))
 
     def _replayed_children(self, seq: int, step: WaitSubtasks) -> list[Subtask] | None:
         """A ``replay:<job>`` job hands out what its original handed out at this run: ``replay:`` jobs of the

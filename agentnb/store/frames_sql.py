@@ -12,6 +12,7 @@ from ..events import (
     ContextAction,
     JobStatusEvent,
     LLMResponse,
+    LoopDetected,
     MovementStart,
     RecordedToolCall,
     Reminder,
@@ -128,7 +129,10 @@ SELECT m.job_id AS job, m.seq, m.name AS movement, m.status, m.started, m.ended,
        COALESCE(a.prompt_tokens, 0) AS prompt_tokens, COALESCE(a.completion_tokens, 0) AS completion_tokens,
        COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio, a.actions,
        m.next_step, m.forced, m.summary, m.name AS name, COALESCE(a.total_tokens, 0) AS tokens,
-       COALESCE(a.replayed, 0) AS replayed
+       COALESCE(a.replayed, 0) AS replayed,
+       -- a loop monitor's judge (DESIGN §12): the run right after a loop_detected that named it as the judge
+       EXISTS (SELECT 1 FROM events d WHERE d.kind = 'loop_detected' AND d.job_id = m.job_id
+               AND d.movement_seq = m.seq - 1 AND {_jx('d', LoopDetected, 'judge')} = m.name) AS judge
 FROM movements m
 LEFT JOIN (
     SELECT e.job_id, e.movement_seq,

@@ -25,7 +25,7 @@ frame               columns
                     forked_from_seq, display_status, id
 ``movements(job)``  job, seq, movement, status, started, ended, iterations, llm_calls, tool_calls,
                     prompt_tokens, completion_tokens, total_tokens, peak_ratio, actions,
-                    next_step, forced, summary, replayed, name, tokens
+                    next_step, forced, summary, replayed, judge, name, tokens
 ``messages(job)``   job, event_id, seq, movement, iteration, timestamp, role, kind, tool, call_id,
                     content, chars
 ``tool_calls(job)`` job, event_id, seq, movement, iteration, timestamp, tool, call_id, arguments,
@@ -103,6 +103,8 @@ Details:
   is True for a run re-served from another job's record (its ``movement_start`` names it): a fork's runs before
   its fork point, every run of a ``replay:`` job.  ``usage().replayed`` is True for a call whose response was
   re-served (no tokens spent: its token counts are 0, its ``ratio`` and ``window`` the context as recorded).
+  ``movements().judge`` is True for a loop monitor's judge run (DESIGN §12): the run right after a
+  ``loop_detected`` event that named it as the judge.
   ``divergences()`` has one row per ``replay_divergence``: a tool re-run in a re-served run whose result
   (``actual``) differed from the original's (``expected``).
 * ``lessons()`` reads ``<workspace>/jobs/<id>/logs/lessons.jsonl`` (the file is the source).
@@ -188,7 +190,7 @@ _MOVEMENTS: _Spec = {
     "iterations": "int", "llm_calls": "int", "tool_calls": "int", "prompt_tokens": "int",
     "completion_tokens": "int", "total_tokens": "int", "peak_ratio": "float", "actions": "str",
     **_fields(Transition, next_step="str", forced="bool", summary="str"), "replayed": "bool",
-    "name": "str", "tokens": "int",
+    "judge": "bool", "name": "str", "tokens": "int",
 }
 _MESSAGES: _Spec = {
     "job": "int", "event_id": "int", "seq": "Int", "movement": "str", "iteration": "Int", "timestamp": "time",

@@ -46,6 +46,7 @@ from ..events import (
     JobStatusEvent,
     LLMRequest,
     LLMResponse,
+    LoopDetected,
     MovementStart,
     Reminder,
     ReplayDivergence,
@@ -57,7 +58,15 @@ from ..events import (
 from ..models.prices import call_costs, dollars, is_free, priced_name
 from .source import JobRecord, JobSource
 from .status import display_status
-from .style import ACTION_COLOURS, ACTIONS, DIVERGENCE_COLOUR, ERROR_COLOUR, OK_COLOUR, RESERVED_COLOUR
+from .style import (
+    ACTION_COLOURS,
+    ACTIONS,
+    DIVERGENCE_COLOUR,
+    ERROR_COLOUR,
+    LOOP_COLOUR,
+    OK_COLOUR,
+    RESERVED_COLOUR,
+)
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -170,6 +179,7 @@ _INLINE = {
     "anb-more": "font-size:11px;color:#777",
     # the fork marks are styled inline only (every tag of the view carries its style attribute)
     "anb-reserved": f"background:{RESERVED_COLOUR}", "anb-divergence": f"background:{DIVERGENCE_COLOUR}",
+    "anb-loop": f"background:{LOOP_COLOUR}",  # inline only too: views of pieces without monitors are unchanged
     "anb-diverged": f"border-left:3px solid {DIVERGENCE_COLOUR};background:rgba(179,89,0,.07);padding:3px 6px;"
                     "margin:2px 0;border-radius:3px",
 }
@@ -610,6 +620,10 @@ def _movement_section(job: JobRecord, seq: int, evs: Sequence[Event], o: _Opts, 
         if transition.summary:
             short = transition.summary if len(transition.summary) <= 120 else transition.summary[:119] + "…"
             summ.append(f'<span class="anb-dim">{_e(short)}</span>')
+    for lp in (e for e in evs if isinstance(e, LoopDetected)):
+        then = lp.judge if lp.judge is not None else lp.next
+        summ.append(_badge(f"⟳ loop {' → '.join(lp.cycle)} ×{lp.count}", "anb-loop",
+                           title=f"loop monitor {lp.monitor}: {_runs_text(lp.runs)}; then {then}"))
     if failed:
         summ.append(_badge("error", "anb-st-failed"))
     body: list[str] = []

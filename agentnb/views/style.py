@@ -6,7 +6,7 @@ from typing import Final
 
 from ..events import ACTIONS
 
-__all__ = ["ACTIONS", "ACTION_COLOURS", "DIVERGENCE_COLOUR", "ERROR_COLOUR", "OK_COLOUR", "RESERVED_COLOUR"]
+__all__ = ["ACTIONS", "ACTION_COLOURS", "DIVERGENCE_COLOUR", "ERROR_COLOUR", "LOOP_COLOUR", "OK_COLOUR", "RESERVED_COLOUR"]
 
 # One colour per action: its badge in the HTML view, its mark on the panel's context bar, its threshold
 # line and markers in the usage plot.
@@ -21,3 +21,5 @@ ERROR_COLOUR: Final = "#b00020"
 RESERVED_COLOUR: Final = "#5b7083"
 # a tool re-run in a re-served run gave another result than the original's: a warning, not an error
 DIVERGENCE_COLOUR: Final = "#b35900"
+# a loop monitor fired (DESIGN §12): a cycle of movements repeated; purple, apart from warnings and errors
+LOOP_COLOUR: Final = "#6d4c9f"

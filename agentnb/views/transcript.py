@@ -54,6 +54,7 @@ from ..events import (
     ErrorEvent,
     Event,
     LLMResponse,
+    LoopDetected,
     MovementStart,
     Reminder,
     ReplayDivergence,
@@ -290,6 +291,9 @@ def movement_text(evs: Sequence[Event], *, max_chars: int | None = EXPORT_MAX_CH
                         body(f"job {t.job_id}: {t.instruction}" + (f" ({t.piece})" if t.piece else ""), "    - ")
             case ErrorEvent():
                 out.append(f"✖ error ({ev.where}): {ev.message}")
+            case LoopDetected():
+                out.append(f"⟳ loop {' → '.join(ev.cycle)} ×{ev.count} (monitor {ev.monitor}, runs "
+                           f"{', '.join(map(str, ev.runs))}): then {ev.judge if ev.judge is not None else ev.next}")
             case ReplayDivergence():
                 out.append(f"⚠ divergence: the re-run of {ev.tool} (call {ev.call_id}) gave another result than the original's")
                 out.append("  expected:")
