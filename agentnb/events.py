@@ -27,6 +27,7 @@ __all__ = [
     "ACTIONS",
     "EVENT_KINDS",
     "CommentEvent",
+    "Compaction",
     "ContextAction",
     "ContextActionName",
     "ErrorEvent",
@@ -62,7 +63,7 @@ __all__ = [
 EventKind = Literal[
     "job_status", "movement_start", "llm_request", "llm_response", "tool_call", "tool_result",
     "context_action", "reminder", "transition", "lesson", "comment", "error", "score", "replay_divergence",
-    "loop_detected",
+    "loop_detected", "compaction",
 ]
 UsageSource = Literal["usage", "tiktoken", "chars"]
 # the ContextManager's actions, in threshold order (a context_action's `action`, frames' `action` categories)
@@ -166,6 +167,9 @@ class LLMRequest(EventBase):
     kind: ClassVar[Literal["llm_request"]] = "llm_request"
     messages: int  # how many messages were sent
     tools: list[str]
+    # why the call was made when it is not a turn of the conversation: "compaction" (DESIGN §12), a
+    # summarisation call without tools.  Not stored when None.
+    purpose: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,6 +182,8 @@ class LLMResponse(EventBase):
     # A fork's call re-served from this job's record (DESIGN §11): no model was asked, so ``usage`` spends
     # nothing (its tokens are 0; ``ratio``/``window`` keep the context as it was).  Not stored when None.
     replayed_from: int | None = None
+    # the request's purpose, repeated here so a response is known for what it is without its request
+    purpose: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -304,6 +310,24 @@ class LoopDetected(EventBase):
     next: str | None = None
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Compaction(EventBase):
+    """A movement's messages were replaced by a summary (DESIGN §12, ``context.on_pressure: compact``).
+
+    The conversation became: the system prompt, the user prompt, one message holding ``summary``, then the
+    last ``kept_messages`` messages as they were; ``removed_messages`` messages were dropped.  ``tokens_before``
+    is the context's size before (the ContextManager's estimate, as for its actions), ``tokens_after`` the new
+    list's count (tools included).  The row's ``iteration`` — the summarisation call's — is in the payload too.
+    """
+
+    kind: ClassVar[Literal["compaction"]] = "compaction"
+    tokens_before: int
+    tokens_after: int
+    removed_messages: int
+    kept_messages: int
+    summary: str
+
+
 Event = (
     JobStatusEvent
     | MovementStart
@@ -320,6 +344,7 @@ Event = (
     | ScoreEvent
     | ReplayDivergence
     | LoopDetected
+    | Compaction
 )
 
 _CLASSES: tuple[type[EventBase], ...] = typing.get_args(Event)
@@ -411,14 +436,19 @@ def _payload_fields(cls: type[EventBase]) -> dict[str, str]:
         out["threshold"] = threshold
     elif cls.kind == "replay_divergence":
         out = {"seq": out.pop("seq"), "iteration": "o.iteration", **out}  # DESIGN §11 lists it too
+    elif cls.kind == "compaction":
+        out["iteration"] = "o.iteration"  # DESIGN §12 lists it too
     return out
 
 
 # Fields added after stores existed, kept out of the payload while None: the JSON of every event that
 # does not use them stays what it was (and a replay's events stay equal to its original's).
-_OMIT_NONE: dict[EventKind, tuple[str, ...]] = {"movement_start": ("replayed_from",), "llm_response": ("replayed_from",)}
+_OMIT_NONE: dict[EventKind, tuple[str, ...]] = {"movement_start": ("replayed_from",),
+                                                "llm_request": ("purpose",),
+                                                "llm_response": ("replayed_from", "purpose")}
 _ROW_IN_PAYLOAD: dict[str, frozenset[str]] = {"context_action": frozenset({"iteration"}),
-                                              "replay_divergence": frozenset({"iteration"})}
+                                              "replay_divergence": frozenset({"iteration"}),
+                                              "compaction": frozenset({"iteration"})}
 
 
 _VALUE_READERS = {cls: _reader({f.name: f"o.{f.name}" for f in fields(cls)}) for cls in _VALUE_TYPES}

@@ -17,7 +17,7 @@ from itertools import pairwise
 from typing import Any
 
 from ..events import ACTIONS, ContextActionName, UsageSource
-from .pieces import DEFAULT_THRESHOLDS
+from .pieces import COMPACTION_DEFAULTS, DEFAULT_THRESHOLDS, ON_PRESSURE
 from .tokens import CHARS_PER_TOKEN, TokenCounter, counter_for_model
 
 __all__ = [
@@ -95,18 +95,27 @@ def check_thresholds(thresholds: Mapping[str, Any], *, complete: bool = False) -
 
 def check_context_options(options: Mapping[str, Any],
                           piece_thresholds: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """Validate a job's ``context=`` overrides (``window_tokens``, ``thresholds``, ``min_tool_tokens``).
+    """Validate a job's ``context=`` overrides (``window_tokens``, ``thresholds``, ``min_tool_tokens``, and the
+    compaction settings ``on_pressure``, ``compact_keep_last``, ``max_compactions`` of DESIGN §12).
 
     Called at submit time so that a bad value is refused before the job is stored.  The job's
     thresholds are merged over ``piece_thresholds`` (the piece's, else the defaults) as at run time,
     and the merged set must still rise.
     """
+    allowed = ("window_tokens", "thresholds", "min_tool_tokens", *COMPACTION_DEFAULTS)
     if not isinstance(options, Mapping):
-        raise ValueError(f"context={options!r}; allowed: a mapping with window_tokens, thresholds, min_tool_tokens")
-    unknown = sorted(set(options) - {"window_tokens", "thresholds", "min_tool_tokens"})
+        raise ValueError(f"context={options!r}; allowed: a mapping with {', '.join(allowed)}")
+    unknown = sorted(set(options) - set(allowed), key=str)
     if unknown:
-        raise ValueError(f"context: unknown key(s) {unknown}; allowed: window_tokens, thresholds, min_tool_tokens")
+        raise ValueError(f"context: unknown key(s) {unknown}; allowed: {', '.join(allowed)}")
     out: dict[str, Any] = {}
+    if options.get("on_pressure") is not None:
+        if options["on_pressure"] not in ON_PRESSURE:
+            raise ValueError(f"context.on_pressure={options['on_pressure']!r}; allowed: {', '.join(ON_PRESSURE)}")
+        out["on_pressure"] = options["on_pressure"]
+    for key in ("compact_keep_last", "max_compactions"):
+        if options.get(key) is not None:
+            out[key] = _whole(options[key], key, 0)
     if options.get("window_tokens") is not None:
         out["window_tokens"] = _whole(options["window_tokens"], "window_tokens", 256)
     if options.get("min_tool_tokens") is not None:
@@ -171,6 +180,9 @@ class ContextManager:
         model: str = "",
         min_tool_tokens: int | None = None,
         max_tool_tokens: int = MAX_TOOL_TOKENS,
+        on_pressure: str = "transition",
+        compact_keep_last: int = 4,
+        max_compactions: int = 2,
     ) -> None:
         self.window = int(window)
         if self.window < 1:
@@ -182,6 +194,12 @@ class ContextManager:
             min_tool_tokens if min_tool_tokens is not None else min(DEFAULT_MIN_TOOL_TOKENS, self.window // 16)
         )
         self.max_tool_tokens = max_tool_tokens
+        # DESIGN §12: at the prompt threshold, summarise and go on (compact) instead of wrapping up (transition)
+        if on_pressure not in ON_PRESSURE:
+            raise ValueError(f"on_pressure={on_pressure!r}; allowed: {', '.join(ON_PRESSURE)}")
+        self.on_pressure = on_pressure
+        self.compact_keep_last = _whole(compact_keep_last, "compact_keep_last", 0)
+        self.max_compactions = _whole(max_compactions, "max_compactions", 0)
         self.fired: set[str] = set()
         self.counted = 0  # tokens of every message so far, counted once each
         self.current = 0  # best estimate of the context size now
@@ -241,6 +259,31 @@ class ContextManager:
                 self.fired.add(action)
                 decision.fired.append((action, limit))
         return decision
+
+    def side_call(self, extra: Mapping[str, Any], reply: Mapping[str, Any],
+                  usage: Mapping[str, Any] | None) -> ContextDecision:
+        """The counts of a call that is not a turn of the conversation (a compaction's summarisation, DESIGN §12):
+        the messages so far and ``extra``, without tools, answered by ``reply``.  Nothing is added to the
+        context and no action fires."""
+        reply_tokens = self.count_message(reply)
+        if usage and usage.get("prompt_tokens") is not None:
+            reported = usage.get("completion_tokens")
+            recorded = usage.get("source")
+            source: UsageSource = recorded if recorded in ("usage", "tiktoken", "chars") else "usage"
+            return ContextDecision(int(usage["prompt_tokens"]), int(reported) if reported is not None else reply_tokens,
+                                   source, int(usage["prompt_tokens"]) / self.window)
+        prompt = self.current - self.tools_tokens + self.count_message(extra)
+        return ContextDecision(prompt, reply_tokens, self.counter.source, prompt / self.window)
+
+    def recount(self, messages: list[dict[str, Any]]) -> int:
+        """Start the accounting again from ``messages`` (after a compaction replaced them): the context is now
+        their count plus the tool schemas, and every action may fire again.  Returns that count."""
+        self.counted = self.tools_tokens
+        for m in messages:
+            self.counted += self.count_message(m)
+        self.current = self.counted
+        self.fired = set()
+        return self.current
 
     # -- budgets ----------------------------------------------------------------
     @property

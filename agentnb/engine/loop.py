@@ -13,6 +13,12 @@ therefore leaves the response in the store: the restarted loop does not ask the
 model again but completes the response's remaining calls.  A started call of a tool
 that is not read-only is never run twice — the model reads that it was interrupted
 and that its effect is unknown; a read-only one simply runs again.
+
+With ``context.on_pressure: compact`` (DESIGN §12) a call whose response crosses the prompt threshold is
+followed by a compaction step: one tool-less summarisation call (its ``llm_request`` has ``purpose:
+"compaction"``), then the messages become the system prompt, the user prompt, the summary and the last
+``compact_keep_last`` messages (moved back so a tool call is never parted from its results), recorded as a
+``compaction`` event from which :meth:`AgentLoop.resume` rebuilds the same list.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..events import (
+    Compaction,
     ContextAction,
+    ErrorEvent,
     Event,
     LLMRequest,
     LLMResponse,
@@ -155,6 +163,15 @@ class _Unfinished:
     images: list[dict[str, Any]]  # image parts of the done results, sent after every tool message
 
 
+@dataclass(frozen=True)
+class _Pressure:
+    """A compaction due at the next step: the crossing that called for it (for the fall-back, DESIGN §12)."""
+
+    force_reason: str
+    ratio: float
+    tokens: int
+
+
 @dataclass
 class CallCounters:
     """The job's LLM calls so far, which the model sees in each request (scripted models pick by them)."""
@@ -204,6 +221,13 @@ class AgentLoop:
         self._prompt_due = False
         self._unfinished: _Unfinished | None = None
         self._response_pending = False  # the current response is not committed yet
+        # compaction (DESIGN §12): how many this run made, calls that were not turns of the conversation (they
+        # do not count toward max_iterations), whether compacting is over for this run (a compaction that left
+        # the context above prompt, a failed one, nothing left to remove), and the compaction due next
+        self.compactions = 0
+        self.side_calls = 0
+        self._compaction_off = False
+        self._compaction: _Pressure | None = None
         self.ctx.set_tools(self.schemas)
 
     # -- starting and resuming ---------------------------------------------
@@ -225,6 +249,8 @@ class AgentLoop:
         started = done = 0
         transition_ok = False
         actions: list[ContextAction] = []
+        fired: set[str] = set()  # the actions fired since the run began or since its last compaction
+        pressure: ContextAction | None = None  # the last response's prompt crossing, until it is answered
 
         def flush_images() -> None:
             for m in images:
@@ -235,13 +261,25 @@ class AgentLoop:
             if isinstance(ev, MovementStart):
                 self._append({"role": "system", "content": ev.system})
                 self._append({"role": "user", "content": ev.user})
+            elif isinstance(ev, LLMResponse) and ev.purpose == "compaction":
+                self.iteration = ev.iteration or self.iteration + 1  # its summary is in the compaction event
+            elif isinstance(ev, Compaction):
+                flush_images()
+                self._compacted(ev.summary, ev.kept_messages)
+                self.side_calls += 1
+                self._compaction_off = self._compaction_off or self._still_pressed(ev.tokens_after)
+                fired, pressure = set(), None
+            elif isinstance(ev, ErrorEvent) and ev.where == "compaction":
+                self.iteration = max(self.iteration, ev.iteration or 0)  # a failed call leaves no response
+                self.side_calls += 1
+                self._compaction_off, pressure = True, None
             elif isinstance(ev, LLMResponse):
                 flush_images()
                 self.iteration = ev.iteration or self.iteration + 1
                 assistant = _assistant_message(ev.content, [_call_message(c) for c in ev.tool_calls])
                 self.messages.append(assistant)
                 self.ctx.after_response(assistant, value_data(ev.usage) if ev.usage.source == "usage" else None)
-                last, started, done, transition_ok, actions = ev, 0, 0, False, []
+                last, started, done, transition_ok, actions, pressure = ev, 0, 0, False, [], None
             elif isinstance(ev, ToolCallEvent):
                 started += 1
             elif isinstance(ev, ToolResult):
@@ -254,8 +292,13 @@ class AgentLoop:
             elif isinstance(ev, Reminder):
                 flush_images()
                 self._append({"role": "user", "content": ev.text})
+                if ev.reason == "context prompt":  # the seed's wrap-up: this run compacts no more
+                    self._compaction_off, pressure = True, None
             elif isinstance(ev, ContextAction):
                 actions.append(ev)
+                fired.add(ev.action)
+                if ev.action == "prompt":
+                    pressure = ev
         if last is not None and done < len(last.tool_calls):
             force = next((a for a in actions if a.action == "force_transition"), None)
             self._unfinished = _Unfinished(
@@ -268,7 +311,13 @@ class AgentLoop:
             )
         else:
             flush_images()
-        self.ctx.fired = {ev.action for ev in events if isinstance(ev, ContextAction)}
+            if pressure is not None and self._compaction_open():
+                # stopped between a call that crossed the prompt threshold and its compaction (or during it)
+                force = next((a for a in actions if a.action == "force_transition"), None)
+                self._compaction = _Pressure(
+                    _force_reason(force.ratio, force.window, force.threshold) if force else "",
+                    pressure.ratio, pressure.tokens)
+        self.ctx.fired = fired
 
     def _append(self, message: dict[str, Any]) -> None:
         self.messages.append(message)
@@ -282,6 +331,8 @@ class AgentLoop:
         """
         if self._unfinished is not None:
             return self._complete_unfinished()
+        if self._compaction is not None:
+            return self._compaction_step()
         mv = self.movement
         self.iteration += 1
         it = self.iteration
@@ -385,17 +436,134 @@ class AgentLoop:
         # would only throw its summary away.  The crossing is still recorded as a context_action above.
         if outcome is not None:
             return outcome
+        at_limit = self.iteration - self.side_calls >= mv.max_iterations  # turns of the conversation only
+        if self._prompt_due and not at_limit and self._compaction_open():
+            # DESIGN §12: the next step summarises instead of wrapping up (or forcing a transition at 95 %)
+            self._prompt_due = False
+            self._compaction = _Pressure(force_reason, ratio, tokens)
+            return None
         if force_reason:
             return self._forced(force_reason)
-        if it >= mv.max_iterations:
+        if at_limit:
             return self._forced(f"max_iterations ({mv.max_iterations}) reached without a transition")
         if self._prompt_due:
             self._prompt_due = False
-            msg = text(self.language, "wrap_up", pct=f"{ratio:.0%}", tokens=tokens, window=self.ctx.window)
-            self.rec.add(Reminder(job_id=self.rec.job_id, movement_seq=self.seq, iteration=it, ts=time.time(),
-                                  text=msg, reason="context prompt"))
-            self._append({"role": "user", "content": msg})
+            self._wrap_up(it, ratio, tokens)
         return None
+
+    def _wrap_up(self, it: int, ratio: float, tokens: int) -> None:
+        """The seed's answer to the prompt threshold: ask the model to save its work and transition."""
+        msg = text(self.language, "wrap_up", pct=f"{ratio:.0%}", tokens=tokens, window=self.ctx.window)
+        self.rec.add(Reminder(job_id=self.rec.job_id, movement_seq=self.seq, iteration=it, ts=time.time(),
+                              text=msg, reason="context prompt"))
+        self._append({"role": "user", "content": msg})
+        self._compaction_off = True  # from here on the seed's behaviour applies
+
+    # -- compaction (DESIGN §12) -----------------------------------------------------------------------
+    def _compaction_open(self) -> bool:
+        return (self.ctx.on_pressure == "compact" and self.compactions < self.ctx.max_compactions
+                and not self._compaction_off)
+
+    def _still_pressed(self, tokens: int) -> bool:
+        """Whether a compaction to ``tokens`` left the context at or above the prompt threshold."""
+        return tokens / self.ctx.window >= self.ctx.thresholds["prompt"]
+
+    def _keep_from(self) -> int:
+        """Where the kept tail of the messages begins: the last ``compact_keep_last``, moved back over tool
+        results (and the images they attached) to the assistant message that called them; never before the
+        first two (the system and user prompts)."""
+        msgs = self.messages
+        k = max(2, len(msgs) - self.ctx.compact_keep_last)
+        while 2 < k < len(msgs) and (msgs[k].get("role") == "tool" or isinstance(msgs[k].get("content"), list)):
+            k -= 1
+        return k
+
+    def _compacted(self, summary: str, kept: int) -> None:
+        """Replace the messages by the prompts, the summary and the last ``kept`` messages; recount."""
+        self.compactions += 1
+        note = {"role": "user", "content": text(self.language, "compact_summary", n=self.compactions, summary=summary)}
+        tail = self.messages[len(self.messages) - kept:] if kept else []
+        self.messages = [*self.messages[:2], note, *tail]
+        self.ctx.recount(self.messages)
+
+    def _compaction_step(self) -> Outcome | None:
+        """One step: the summarisation call and the new message list; when it cannot be made or fails, the
+        seed's behaviour for the crossing that called for it (its wrap-up reminder, or its forced transition)."""
+        pressure, self._compaction = self._compaction, None
+        assert pressure is not None
+        if not self._compact(pressure.ratio):
+            if pressure.force_reason:
+                return self._forced(pressure.force_reason)
+            self._wrap_up(self.iteration, pressure.ratio, pressure.tokens)
+        return None
+
+    def _compact(self, ratio: float) -> bool:
+        """Summarise and replace the messages; False (compaction over for this run) when nothing could be
+        removed or the call failed — recorded, never raised."""
+        keep_from = self._keep_from()
+        if keep_from <= 2:  # only the prompts and what must be kept: a summary would free nothing
+            self._compaction_off = True
+            return False
+        job_id, seq, name = self.rec.job_id, self.seq, self.movement.name
+        self.iteration += 1
+        it = self.iteration
+        self.side_calls += 1
+        ask = {"role": "user", "content": text(self.language, "compact_request", pct=f"{ratio:.0%}")}
+        self.rec.add(LLMRequest(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
+                                messages=len(self.messages) + 1, tools=[], purpose="compaction"))
+        self.rec.flush()  # durable before the model call, with the results of the call that crossed
+        request = ModelRequest(
+            messages=[*self.messages, ask], tools=[], job_id=job_id, movement=name, movement_seq=seq,
+            iteration=it, call_index=self.counters.call_index,
+            movement_call_index=self.counters.by_movement.get(name, 0), purpose="compaction",
+        )
+        started = time.perf_counter()
+        try:
+            if self.reserve is not None:
+                response, latency_s = self._reserved(it, purpose="compaction"), None
+            else:
+                response = self.model.complete(request)
+                latency_s = (response.latency_s if response.latency_s is not None
+                             else round(time.perf_counter() - started, 6))
+        except Exception as exc:  # a failed summary falls back to the seed; it never ends the job
+            self._compaction_failed(it, f"the summarisation call failed: {exc}")
+            return False
+        self.counters.call_index += 1
+        self.counters.by_movement[name] = self.counters.by_movement.get(name, 0) + 1
+        summary = (response.content or "").strip()
+        reply = _assistant_message(response.content, [])
+        size = self.ctx.side_call(ask, reply, response.usage)
+        spent = self.reserve is None
+        usage = Usage(
+            prompt_tokens=size.prompt_tokens if spent else 0, completion_tokens=size.completion_tokens if spent else 0,
+            total_tokens=size.prompt_tokens + size.completion_tokens if spent else 0, source=size.source,
+            window=self.ctx.window, ratio=round(size.ratio, 6), encoding=self.ctx.counter.encoding,
+        )
+        # the summary is the content; tool calls a model made anyway are kept in the record, never run
+        self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
+                                 content=response.content, tool_calls=[_call_record(c) for c in response.tool_calls],
+                                 usage=usage, latency_s=latency_s, purpose="compaction",
+                                 replayed_from=None if spent else self.reserve.job_id))  # type: ignore[union-attr]
+        if not summary:
+            self._compaction_failed(it, "the summarisation call returned no text")
+            return False
+        before = self.ctx.current
+        removed, kept = keep_from - 2, len(self.messages) - keep_from
+        self._compacted(summary, kept)
+        self.rec.add(Compaction(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
+                                tokens_before=before, tokens_after=self.ctx.current, removed_messages=removed,
+                                kept_messages=kept, summary=summary))
+        if self._still_pressed(self.ctx.current):
+            self._compaction_off = True  # it freed too little: the seed's wrap-up and forced transition apply
+        return True
+
+    def _compaction_failed(self, it: int, why: str) -> None:
+        self.rec.add(ErrorEvent(
+            job_id=self.rec.job_id, movement_seq=self.seq, iteration=it, ts=time.time(), where="compaction",
+            message=f"compaction {self.compactions + 1} of run {self.seq} ({self.movement.name}): {why}; the "
+                    "movement goes on uncompacted (the seed's wrap-up and forced transition apply)",
+        ))
+        self._compaction_off = True
 
     def _complete_unfinished(self) -> Outcome | None:
         """Finish the tool calls of a response recorded by a process that stopped in the middle of it."""
@@ -415,9 +583,15 @@ class AgentLoop:
         return self._after_calls(u.iteration, outcome, u.force_reason, ratio, tokens)
 
     # -- a fork's re-served run (DESIGN §11) ----------------------------------------------------------------
-    def _reserved(self, it: int) -> ModelResponse:
+    def _reserved(self, it: int, purpose: str | None = None) -> ModelResponse:
         assert self.reserve is not None
         recorded = self.reserve.call(self.seq, it)
+        if recorded is not None and recorded.purpose != purpose:
+            raise ModelError(
+                f"the fork's run {self.seq} ({self.movement.name}) made a "
+                f"{'compaction' if purpose else 'conversation'} call at {it}, where job {self.reserve.job_id} "
+                f"made a {'compaction' if recorded.purpose else 'conversation'} call"
+            )
         if recorded is None:
             raise ModelError(
                 f"the fork's run {self.seq} ({self.movement.name}) asked for call {it}, which job "

@@ -20,8 +20,10 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from ..errors import PieceError
 
 __all__ = [
+    "COMPACTION_DEFAULTS",
     "DEFAULT_THRESHOLDS",
     "LOOP_NEXT",
+    "ON_PRESSURE",
     "PERMISSIONS",
     "SPECIAL_NEXT",
     "LoopMonitor",
@@ -43,6 +45,10 @@ LANGUAGES = ("en", "ja")
 LOOP_NEXT = ("COMPLETE", "ABORT")
 JUDGE_MAX_ITERATIONS = 5
 DEFAULT_THRESHOLDS: dict[str, float] = {"warn": 0.70, "prompt": 0.85, "force_transition": 0.95, "exhausted": 0.99}
+# what a movement does when its context crosses the prompt threshold (DESIGN §12): the seed's wrap-up reminder
+# and forced transition, or summarise the conversation so far and go on
+ON_PRESSURE = ("transition", "compact")
+COMPACTION_DEFAULTS: dict[str, Any] = {"on_pressure": "transition", "compact_keep_last": 4, "max_compactions": 2}
 PACKAGE_PIECES = Path(__file__).resolve().parents[1] / "pieces"
 # libyaml (when PyYAML has it) composes ~10x faster; a job's runner parses its stored piece on every
 # (re)start, so the pure-Python parser was most of a short run's fixed cost.  Errors are still worded by
@@ -68,6 +74,11 @@ class Movement:
     default_next: str | None = None
     verify: str | None = None
     description: str = ""
+    # the movement's own `context:` (DESIGN §12): on_pressure, compact_keep_last, max_compactions; None
+    # takes the piece's
+    on_pressure: str | None = None
+    compact_keep_last: int | None = None
+    max_compactions: int | None = None
 
     @property
     def next_steps(self) -> tuple[str, ...]:
@@ -110,6 +121,9 @@ class Piece:
     min_tool_tokens: int | None = None
     source: str = "<piece>"
     loop_monitors: tuple[LoopMonitor, ...] = ()
+    on_pressure: str = "transition"
+    compact_keep_last: int = 4
+    max_compactions: int = 2
 
     def movement(self, name: str) -> Movement:
         """Movement ``name``, or the judge of the loop monitor of that name (a judge's run is a movement run)."""
@@ -137,6 +151,10 @@ class Piece:
             ctx["window_tokens"] = self.window_tokens
         if self.min_tool_tokens:
             ctx["min_tool_tokens"] = self.min_tool_tokens
+        # only when not the default: the stored YAML of a piece that does not use compaction is unchanged
+        for key, default in COMPACTION_DEFAULTS.items():
+            if getattr(self, key) != default:
+                ctx[key] = getattr(self, key)
         out: dict[str, Any] = {
             "name": self.name,
             "description": self.description,
@@ -163,6 +181,9 @@ class Piece:
                 d["default_next"] = m.default_next
             if m.verify:
                 d["verify"] = m.verify
+            mctx = {k: getattr(m, k) for k in COMPACTION_DEFAULTS if getattr(m, k) is not None}
+            if mctx:
+                d["context"] = mctx
             out["movements"].append(d)
         if self.loop_monitors:  # only when present: the stored YAML of a piece without monitors is unchanged
             out["loop_monitors"] = [_monitor_dict(lm) for lm in self.loop_monitors]
@@ -223,10 +244,11 @@ _JUDGE_KEYS = ("persona", "instruction", "rules")
 _JUDGE_PERSONA = "You judge whether a loop of movements in an agent workflow is making progress."
 _JUDGE_INSTRUCTION = ("The movements below have repeated as a loop. Look at the summaries of the last rounds and "
                       "decide whether the work is converging.")
-_CONTEXT_KEYS = ("window_tokens", "thresholds", "min_tool_tokens")
+_CONTEXT_KEYS = ("window_tokens", "thresholds", "min_tool_tokens", *COMPACTION_DEFAULTS)
+_MOVEMENT_CONTEXT_KEYS = tuple(COMPACTION_DEFAULTS)
 _MOVEMENT_KEYS = (
     "name", "description", "persona", "persona_file", "instruction", "instruction_file", "tools",
-    "permission", "max_iterations", "rules", "default_next", "verify",
+    "permission", "max_iterations", "rules", "default_next", "verify", "context",
 )
 _RULE_KEYS = ("condition", "next")
 # a mapping's keys, each with its key node and value node (for the lines errors name)
@@ -458,7 +480,7 @@ def parse_piece(
     description = ck.optional(top, "description", "", lambda n, f: ck.string(n, f, nonempty=False))
     max_movements = ck.optional(top, "max_movements", 12, ck.integer)
     language = ck.optional(top, "language", "en", lambda n, f: ck.string(n, f, choices=LANGUAGES))
-    window, min_tool, thresholds = _context(ck, top)
+    window, min_tool, thresholds, compaction = _context(ck, top)
 
     mnodes = ck.sequence(top["movements"][1], "movements")
     if not mnodes:
@@ -480,7 +502,7 @@ def parse_piece(
     return Piece(
         name=name, movements=tuple(m for m, _, _ in parsed), description=description, initial_movement=initial,
         max_movements=max_movements, language=language, window_tokens=window, thresholds=thresholds,
-        min_tool_tokens=min_tool, source=source, loop_monitors=monitors,
+        min_tool_tokens=min_tool, source=source, loop_monitors=monitors, **compaction,
     )
 
 
@@ -570,17 +592,29 @@ def _compose(text: str, source: str) -> Node:
     return root
 
 
-def _context(ck: _Checker, top: _Keys) -> tuple[int | None, int | None, dict[str, float]]:
-    """The piece's ``context:`` settings: window tokens, minimum tool tokens and the thresholds."""
+def _context(ck: _Checker, top: _Keys) -> tuple[int | None, int | None, dict[str, float], dict[str, Any]]:
+    """The piece's ``context:`` settings: window tokens, minimum tool tokens, the thresholds and the
+    compaction settings (only those given)."""
     thresholds = dict(DEFAULT_THRESHOLDS)
     if "context" not in top or (isinstance(top["context"][1], ScalarNode) and top["context"][1].value == ""):
-        return None, None, thresholds
+        return None, None, thresholds, {}
     ctx = ck.mapping(top["context"][1], "context", _CONTEXT_KEYS)
     window = ck.optional(ctx, "window_tokens", None, lambda n, f: ck.integer(n, f"context.{f}", minimum=256))
     min_tool = ck.optional(ctx, "min_tool_tokens", None, lambda n, f: ck.integer(n, f"context.{f}"))
     if "thresholds" in ctx:
         thresholds = _thresholds(ck, ctx["thresholds"][1])
-    return window, min_tool, thresholds
+    return window, min_tool, thresholds, _compaction(ck, ctx, "context")
+
+
+def _compaction(ck: _Checker, ctx: _Keys, fld: str) -> dict[str, Any]:
+    """``on_pressure``, ``compact_keep_last`` (≥ 0) and ``max_compactions`` (≥ 0) of a ``context:``, those given."""
+    out: dict[str, Any] = {}
+    if "on_pressure" in ctx:
+        out["on_pressure"] = ck.string(ctx["on_pressure"][1], f"{fld}.on_pressure", choices=ON_PRESSURE)
+    for key in ("compact_keep_last", "max_compactions"):
+        if key in ctx:
+            out[key] = ck.integer(ctx[key][1], f"{fld}.{key}", minimum=0)
+    return out
 
 
 def _thresholds(ck: _Checker, node: Node) -> dict[str, float]:
@@ -629,8 +663,17 @@ def _movement(
         default_next=ck.optional(keys, "default_next", None, lambda n, f: ck.string(n, f"{fld}.{f}")),
         verify=ck.optional(keys, "verify", None, lambda n, f: ck.string(n, f"{fld}.{f}")),
         description=ck.optional(keys, "description", "", lambda n, f: ck.string(n, f"{fld}.{f}", nonempty=False)),
+        **_movement_context(ck, keys, fld),
     )
     return movement, keys, fld
+
+
+def _movement_context(ck: _Checker, keys: _Keys, fld: str) -> dict[str, Any]:
+    """A movement's own ``context:`` — only the compaction settings; the window and thresholds are the piece's."""
+    if "context" not in keys or (isinstance(keys["context"][1], ScalarNode) and keys["context"][1].value == ""):
+        return {}
+    ctx = ck.mapping(keys["context"][1], f"{fld}.context", _MOVEMENT_CONTEXT_KEYS)
+    return _compaction(ck, ctx, f"{fld}.context")
 
 
 def _tools(ck: _Checker, node: Node, fld: str, known: tuple[str, ...]) -> tuple[str, ...]:

@@ -71,6 +71,8 @@ TEXTS: dict[str, dict[str, str]] = {
         "loop": "The cycle {cycle} has repeated {count} times. Summaries of the runs in the loop, oldest first:",
         "loop_run": "- run {seq} ({name}): {summary}",
         "checklist_head": "### {name} ({done}/{total} done)",
+        "compact_request": "The context window is {pct} full. Summarise the conversation so far so that the work can go on from the summary alone: the task, what has been done and found (files, facts, decisions), what is still open and the next step. Reply with the summary only; do not call tools.",
+        "compact_summary": "[Summary of the earlier conversation — agentnb compacted it to free the context window (compaction {n})]\n\n{summary}",
     },
     "ja": {
         "time": "## 現在日時",
@@ -98,6 +100,8 @@ TEXTS: dict[str, dict[str, str]] = {
         "loop": "サイクル {cycle} が {count} 回繰り返されました。ループ内の各実行の要約 (古い順):",
         "loop_run": "- 実行 {seq} ({name}): {summary}",
         "checklist_head": "### {name} ({total} 件中 {done} 件完了)",
+        "compact_request": "コンテキストが {pct} まで埋まっています。この要約だけから作業を続けられるように、ここまでの会話を要約してください: タスク、済んだことと分かったこと (ファイル、事実、決定)、残っていること、次の一歩。要約だけを返し、ツールは呼ばないでください。",
+        "compact_summary": "[これまでの会話の要約 — コンテキストを空けるため agentnb が圧縮しました (圧縮 {n} 回目)]\n\n{summary}",
     },
 }
 

@@ -81,7 +81,7 @@ class JobRunner:
     def _piece_at(self, seq: int) -> Piece:
         return stored_piece(self._live_row(seq)) if self._replayed(seq) else self.piece
 
-    def _context_manager(self, seq: int) -> ContextManager:
+    def _context_manager(self, seq: int, movement: Movement) -> ContextManager:
         piece, options, spec = self.piece, self.options, self.model.spec
         if self._replayed(seq):  # re-served: the ContextManager the run had, so budgets and actions match
             row = self._live_row(seq)
@@ -89,9 +89,13 @@ class JobRunner:
         opts = options.get("context", {})
         window = opts.get("window_tokens") or piece.window_tokens or window_for_model(spec)
         thresholds = job_thresholds(piece.thresholds, options)
+        # compaction (DESIGN §12): the job's context= over the movement's context: over the piece's
+        compaction = {key: next(v for v in (opts.get(key), getattr(movement, key), getattr(piece, key))
+                                if v is not None)
+                      for key in ("on_pressure", "compact_keep_last", "max_compactions")}
         return ContextManager(
             window=window, thresholds=thresholds, model=spec,
-            min_tool_tokens=opts.get("min_tool_tokens") or piece.min_tool_tokens,
+            min_tool_tokens=opts.get("min_tool_tokens") or piece.min_tool_tokens, **compaction,
         )
 
     def _make_loop(self, movement: Movement, seq: int) -> AgentLoop:
@@ -99,7 +103,7 @@ class JobRunner:
         # the check at transition time is the first line, this is the second (a row written any other way).
         movement = capped(movement, self.options.get(CAP_OPTION))
         return AgentLoop(
-            recorder=self.rec, movement=movement, seq=seq, model=self.model, ctx=self._context_manager(seq),
+            recorder=self.rec, movement=movement, seq=seq, model=self.model, ctx=self._context_manager(seq, movement),
             workdir=self.workdir, logs_dir=self.logs_dir, language=self._piece_at(seq).language,
             counters=self.counters, check_subtasks=lambda subtasks: self.subtasks.check(subtasks, movement),
             reserve=self.recording if self._replayed(seq) else None, strict=self.strict,

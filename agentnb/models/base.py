@@ -111,6 +111,8 @@ class ModelRequest:
     call_index: int = 0  # LLM calls made earlier in this job
     movement_call_index: int = 0  # LLM calls made earlier in runs of this movement name
     extra: dict[str, Any] = field(default_factory=dict)
+    # None for a turn of the conversation; "compaction" for the tool-less call that summarises it (DESIGN §12)
+    purpose: str | None = None
 
 
 @runtime_checkable

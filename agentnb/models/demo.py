@@ -34,6 +34,8 @@ class DemoModel:
     spec = "demo"
 
     def complete(self, request: ModelRequest) -> ModelResponse:
+        if request.purpose == "compaction":  # DESIGN §12: a summary, from what the conversation holds
+            return ModelResponse(content=self._summary(request))
         step = sum(1 for m in request.messages if m.get("role") == "assistant")
         handler = {"plan": self._plan, "implement": self._implement, "verify": self._verify}.get(
             request.movement, self._generic
@@ -69,6 +71,18 @@ class DemoModel:
         prompt = self._user_prompt(request)
         block = re.search(r"^input/\n(.*?)^output/", prompt, re.S | re.M)
         return re.findall(r"^  - (\S.*?) \(", block.group(1), re.M) if block else []
+
+    def _summary(self, request: ModelRequest) -> str:
+        calls = [c["function"]["name"] for m in request.messages if m.get("role") == "assistant"
+                 for c in m.get("tool_calls") or ()]
+        said = [m["content"] for m in request.messages if m.get("role") == "assistant" and m.get("content")]
+        last = self._last_tool(request).splitlines()
+        lines = [f"Task: {self._task(request)}",
+                 f"Step: {request.movement}; {len(calls)} tool calls so far ({', '.join(dict.fromkeys(calls)) or 'none'}).",
+                 *(f"- {s}" for s in said[-3:])]
+        if last:
+            lines.append(f"Last tool result began: {last[0][:120]}")
+        return "\n".join(lines)
 
     # -- plan-implement-verify ----------------------------------------------------
     def _plan(self, request: ModelRequest, step: int) -> ModelResponse:

@@ -34,6 +34,7 @@ class RecordedCall:
     response: ModelResponse
     results: tuple[ToolResult, ...]
     latency_s: float | None
+    purpose: str | None = None  # "compaction": a summarisation call (DESIGN §12), not a turn of the conversation
 
 
 class Recording:
@@ -95,7 +96,7 @@ class Recording:
             self.calls.append(RecordedCall(
                 seq=seq, iteration=it,
                 response=ModelResponse(content=ev.content, tool_calls=calls, usage=usage, latency_s=latency),
-                results=tuple(results.get((seq, it), ())), latency_s=latency,
+                results=tuple(results.get((seq, it), ())), latency_s=latency, purpose=ev.purpose,
             ))
         self._by_key = {(c.seq, c.iteration): c for c in self.calls}
 
@@ -137,5 +138,15 @@ class ReplayModel:
         if request.call_index >= len(self.responses):
             raise ModelError(
                 f"replay of job {self.job_id} ran out of responses: it recorded {len(self.responses)} LLM calls"
+            )
+        recorded = self.recording.calls[request.call_index]
+        if recorded.purpose != request.purpose:
+            # e.g. the original's summarisation call failed (it left no response) or it ran without compaction
+            def what(purpose: str | None) -> str:
+                return "a compaction call" if purpose == "compaction" else "a conversation call"
+
+            raise ModelError(
+                f"replay of job {self.job_id}: LLM call {request.call_index + 1} is {what(request.purpose)} here "
+                f"but was {what(recorded.purpose)} in the original (run {recorded.seq}, call {recorded.iteration})"
             )
         return self.responses[request.call_index]
