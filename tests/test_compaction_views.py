@@ -309,8 +309,15 @@ def test_compare_counts_summarisation_calls_and_tells_compactions_apart(ws: Work
     assert int(frame["total_tokens_a"].iloc[0]) == int(ws.frames.usage(a)["total_tokens"].sum())
     diff = ws.compare(a, other)
     assert diff.frame["identical"].tolist() == [False] and diff.first_divergence == 1
-    # a run that compacted and one that did not are not the same conversation either
-    assert ws.compare(a, _plain(ws, tmp_path)).frame["identical"].tolist() == [False]
+    # a run whose model said the same words as turns of the conversation (the seed's behaviour: no compaction)
+    # is not the same conversation: a summarisation call is told apart by its purpose
+    piece = write_piece(tmp_path, "talky", {"context": {"window_tokens": 1000}, "movements": [_WORK]})
+    script = write_script(tmp_path, "talk", {"work": [
+        _glob(500), _glob(900), {"content": "summary one", "usage": {"prompt_tokens": 800, "completion_tokens": 20}},
+        _glob(300), _glob(880), {"content": "summary two"}, _glob(400), _glob(960), transition("COMPLETE")]})
+    talk = ws.run(ws.submit("do it", piece=str(piece), model=script))
+    assert ws.frames.movements(talk)["llm_calls"].tolist() == [8] and ws.frames.compactions(talk).empty
+    assert ws.compare(a, talk).frame["identical"].tolist() == [False]
 
 
 # -- loop monitors in the plot ----------------------------------------------------------------------------------
