@@ -270,8 +270,8 @@ def test_summarisation_call_that_raised_is_a_warning(ws: Workspace, tmp_path: Pa
         piece = write_piece(tmp_path, "long", {"context": _CONTEXT, "movements": [_WORK]})
         job = ws.run(ws.submit("do it", piece=str(piece), model="openai:m"))
     assert job.status == "succeeded", job.error
-    assert [r["purpose"] if "purpose" in r else None for r in (e.payload for e in ws.events(job, kinds=["llm_request"]))] == [
-        None, None, "compaction", None]
+    purposes = [e.payload.get("purpose") for e in ws.events(job, kinds=["llm_request"])]
+    assert purposes == [None, None, "compaction", None]
     page = job_html(ws, job.id)
     assert "compaction failed —" in _text(page) and "no summaries today" in page
     assert "anb-badge anb-st-failed" not in page and "✖" not in _text(page)
