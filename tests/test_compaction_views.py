@@ -37,7 +37,7 @@ from openai_server import OpenAIServer, error, reply
 
 import agentnb
 from agentnb import Job, Workspace
-from agentnb.views.render import job_html, movement_html
+from agentnb.views.render import job_html, job_stats, movement_html
 from agentnb.views.transcript import movement_text
 
 _CONTEXT = {"window_tokens": 1000, "on_pressure": "compact", "compact_keep_last": 2}
@@ -345,3 +345,25 @@ def test_plot_marks_where_a_loop_monitor_fired(ws: Workspace, tmp_path: Path) ->
     # and the exported notebook says so (the transcript line of the run that closed the loop)
     assert "⟳ loop review → fix ×2" in movement_text(ws.store.events(job.id, movement_seq=4))
     assert pd.notna(ws.frames.movements(job)["judge"]).all()
+
+
+def test_context_of_a_job_paused_after_a_compaction_is_the_compacted_one(ws: Workspace, tmp_path: Path) -> None:
+    """The panel's context bar and the magic read ``job_stats``: after a compaction the context is the compacted
+    list (``tokens_after``), not the summarisation request's size, and the ContextManager's actions re-armed."""
+    piece = write_piece(tmp_path, "long", {"context": _CONTEXT, "movements": [_WORK]})
+    script = write_script(tmp_path, "s", {"work": [
+        _glob(500), _glob(900), {"content": "summary one", "usage": {"prompt_tokens": 950, "completion_tokens": 20}},
+        transition("COMPLETE")]})
+    job = ws.submit("do it", piece=str(piece), model=script)
+    for _ in range(2):
+        ws.step(job, unit="call")
+    before = job_stats(ws, job.id)
+    assert (before.last_tokens, before.actions) == (900, ["warn", "prompt"])
+    ws.step(job, unit="call")  # the summarisation call
+    st = job_stats(ws, job.id)
+    (c,) = ws.frames.compactions(job).to_dict("records")
+    assert (st.last_tokens, st.last_ratio, st.actions) == (c["tokens_after"], c["tokens_after"] / 1000, [])
+    assert st.calls == 3 and not st.errors
+    # the view of the paused job shows the compaction already
+    assert "Compaction 1: 2 messages summarised, 2 kept" in _text(job_html(ws, job.id))
+    assert ws.run(job).status == "succeeded"
