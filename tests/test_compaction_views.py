@@ -323,20 +323,29 @@ def test_compare_counts_summarisation_calls_and_tells_compactions_apart(ws: Work
 # -- loop monitors in the plot ----------------------------------------------------------------------------------
 
 
-def test_plot_marks_where_a_loop_monitor_fired(ws: Workspace, tmp_path: Path) -> None:
-    judge = "judge:review/fix"
-    piece = write_piece(tmp_path, "loopy", {"max_movements": 20, "movements": [
+_JUDGE = "judge:review/fix"
+
+
+def _looping(ws: Workspace, tmp: Path) -> Job:
+    """review ⇄ fix twice, then the monitor's judge aborts the job."""
+    piece = write_piece(tmp, "loopy", {"max_movements": 20, "movements": [
         {"name": "review", "instruction": "Review it.",
          "rules": [{"condition": "good", "next": "COMPLETE"}, {"condition": "bad", "next": "fix"}]},
         {"name": "fix", "instruction": "Fix it.", "rules": [{"next": "review"}]},
     ], "loop_monitors": [{"cycle": ["review", "fix"], "threshold": 2, "judge": {
         "persona": "You judge loops.", "instruction": "Decide.",
         "rules": [{"condition": "progress", "next": "review"}, {"condition": "stuck", "next": "ABORT"}]}}]})
-    script = write_script(tmp_path, "loop", {"review": [transition("fix", "bad"), transition("fix", "bad")],
-                                             "fix": [transition("review", "fixed"), transition("review", "fixed")],
-                                             judge: [transition("ABORT", "stuck")]})
+    script = write_script(tmp, "loop", {"review": [transition("fix", "bad"), transition("fix", "bad")],
+                                        "fix": [transition("review", "fixed"), transition("review", "fixed")],
+                                        _JUDGE: [transition("ABORT", "stuck")]})
     job = ws.run(ws.submit("t", piece=str(piece), model=script))
     assert job.status == "aborted"
+    return job
+
+
+def test_plot_marks_where_a_loop_monitor_fired(ws: Workspace, tmp_path: Path) -> None:
+    judge = _JUDGE
+    job = _looping(ws, tmp_path)
     fig = agentnb.plot_usage(job)
     (line,) = [ln for ln in fig.axes[0].lines if ln.get_gid() == "loop:4"]
     assert line.get_xdata()[0] == pytest.approx(4.5)  # after run 4's one call, before the judge's
@@ -344,7 +353,31 @@ def test_plot_marks_where_a_loop_monitor_fired(ws: Workspace, tmp_path: Path) ->
     assert "loop detected" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     # and the exported notebook says so (the transcript line of the run that closed the loop)
     assert "⟳ loop review → fix ×2" in movement_text(ws.store.events(job.id, movement_seq=4))
-    assert pd.notna(ws.frames.movements(job)["judge"]).all()
+    (row,) = ws.frames.loops(job).to_dict("records")
+    assert (row["seq"], row["monitor"], row["cycle"], row["count"], row["runs"], row["summaries"], row["judge"]) == (
+        4, judge, ["review", "fix"], 2, [1, 2, 3, 4], ["bad", "fixed", "bad", "fixed"], judge)
+    assert pd.isna(row["next"])
+    assert ws.frames.movements(job)["judge"].tolist() == [False] * 4 + [True]
+
+
+def test_panel_lists_compacted_and_looping_jobs_with_a_mark(ws: Workspace, tmp_path: Path) -> None:
+    from agentnb.notebook.panel import Panel
+
+    compacted = _compacted(ws, tmp_path)
+    plain = _plain(ws, tmp_path)
+    failed = _empty_summary(ws, tmp_path)
+    panel = Panel(ws)
+    try:
+        labels = {value: label for label, value in panel.jobs.options}
+        assert labels[compacted.id].startswith(f"#{compacted.id} ⇊2 · succeeded")
+        assert "⇊" not in labels[plain.id] and "⇊" not in labels[failed.id]  # no compaction was made there
+        assert "⟳" not in labels[compacted.id]
+        looping = _looping(ws, tmp_path)
+        panel.refresh()
+        labels = {value: label for label, value in panel.jobs.options}
+        assert labels[looping.id].startswith(f"#{looping.id} ⟳1 · aborted")
+    finally:
+        panel.close()
 
 
 def test_context_of_a_job_paused_after_a_compaction_is_the_compacted_one(ws: Workspace, tmp_path: Path) -> None:

@@ -252,6 +252,20 @@ ORDER BY e.job_id, e.id
 """
 
 
+# one row per loop_detected (DESIGN §12): a loop monitor fired after the run that closed the loop; the lists as
+# JSON text (frames.py parses them)
+_LOOPS_SQL = f"""
+SELECT {_EVENT_HEAD}, {_jx('e', LoopDetected, 'monitor')} AS monitor,
+       json_extract(e.payload, '{payload_path(LoopDetected, 'cycle')}') AS cycle, {_jx('e', LoopDetected, 'count')} AS count,
+       json_extract(e.payload, '{payload_path(LoopDetected, 'runs')}') AS runs,
+       json_extract(e.payload, '{payload_path(LoopDetected, 'summaries')}') AS summaries,
+       {_jx('e', LoopDetected, 'judge')} AS judge, {_jx('e', LoopDetected, 'next')} AS next
+FROM events e {_MOVEMENT_NAME}
+WHERE e.kind = 'loop_detected'{{job_e}}
+ORDER BY e.job_id, e.id
+"""
+
+
 FRAME_SQL: dict[FrameQuery, tuple[str, tuple[str, ...]]] = {
     # frame → (SQL with {job_<alias>}/{where_<alias>} slots, the aliases whose slots it has)
     "jobs": (_JOBS_SQL, ()),
@@ -265,4 +279,5 @@ FRAME_SQL: dict[FrameQuery, tuple[str, tuple[str, ...]]] = {
     "scores": (_SCORES_SQL, ("e",)),
     "divergences": (_DIVERGENCES_SQL, ("e",)),
     "compactions": (_COMPACTIONS_SQL, ("e",)),
+    "loops": (_LOOPS_SQL, ("e",)),
 }

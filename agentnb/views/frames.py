@@ -43,6 +43,8 @@ frame               columns
 ``divergences(job)`` job, event_id, seq, movement, iteration, timestamp, call_id, tool, expected, actual
 ``compactions(job)`` job, event_id, seq, movement, iteration, timestamp, tokens_before, tokens_after,
                     removed_messages, kept_messages, summary
+``loops(job)``      job, event_id, seq, movement, iteration, timestamp, monitor, cycle, count, runs,
+                    summaries, judge, next
 =================== ===========================================================================
 
 The issue that specified these frames (and users) call some columns by other names; both work:
@@ -124,6 +126,10 @@ Details:
   ``movements()`` count summarisation calls in ``llm_calls`` and their tokens in the token sums: they were
   spent.  In ``messages()`` the summarisation call's answer is an ``assistant`` row like any response, and
   the summary the conversation then went on from is a ``user`` row of ``kind`` compaction.
+* ``loops()`` has one row per ``loop_detected`` event (DESIGN §12): a loop monitor fired after run ``seq``
+  (the run that closed the loop), ``cycle`` repeated ``count`` times over ``runs`` (whose transition
+  ``summaries`` the judge read); ``cycle``, ``runs`` and ``summaries`` are Python lists; ``judge`` is the name
+  of the judge's run that followed (NA for a monitor without a judge) and ``next`` the monitor's ``next``.
 * ``lessons()`` reads ``<workspace>/jobs/<id>/logs/lessons.jsonl`` (the file is the source).
 """
 
@@ -144,6 +150,7 @@ from ..events import (
     Compaction,
     ContextAction,
     LLMResponse,
+    LoopDetected,
     ReplayDivergence,
     ScoreEvent,
     ToolCallEvent,
@@ -252,11 +259,17 @@ _COMPACTIONS: _Spec = {
               summary="str"),
 }
 
+_LOOPS: _Spec = {
+    "job": "int", "event_id": "int", "seq": "Int", "movement": "str", "iteration": "Int", "timestamp": "time",
+    **_fields(LoopDetected, monitor="str", cycle="object", count="int", runs="object", summaries="object",
+              judge="str", next="str"),
+}
+
 COLUMNS: dict[str, tuple[str, ...]] = {
     "jobs": tuple(_JOBS), "movements": tuple(_MOVEMENTS), "messages": tuple(_MESSAGES),
     "tool_calls": tuple(_TOOL_CALLS), "usage": tuple(_USAGE), "lessons": tuple(_LESSONS),
     "context_actions": tuple(_CONTEXT_ACTIONS), "scores": tuple(_SCORES), "divergences": tuple(_DIVERGENCES),
-    "compactions": tuple(_COMPACTIONS),
+    "compactions": tuple(_COMPACTIONS), "loops": tuple(_LOOPS),
 }
 
 class Frames:
@@ -409,6 +422,15 @@ class Frames:
         """One row per ``compaction`` of ``job`` (every job when ``None``, DESIGN §12): a movement run's messages
         replaced by a summary, with the context's size before and after (see the module docstring)."""
         return self._query("compactions", self._job(job), _COMPACTIONS)
+
+    def loops(self, job: JobArg | None = None) -> pd.DataFrame:
+        """One row per ``loop_detected`` of ``job`` (every job when ``None``, DESIGN §12): a loop monitor fired
+        (see the module docstring)."""
+        raw = self._raw("loops", self._job(job))
+        for name in ("cycle", "runs", "summaries"):  # JSON text from the store: lists here
+            raw[name] = pd.Series([None if v is None else json.loads(v) for v in raw[name]], index=raw.index,
+                                  dtype=object)
+        return _typed(raw, _LOOPS)
 
     def scores(self, job: JobArg | None = None) -> pd.DataFrame:
         """One row per ``score`` event of ``job`` (every job when ``None``), oldest first; ``latest`` marks the
