@@ -598,8 +598,7 @@ def _divergence_html(ev: ReplayDivergence, o: _Opts, seq: int | None) -> str:
 
 def _error_html(ev: ErrorEvent, o: _Opts, seq: int | None) -> str:
     if _compaction_error(ev):
-        return (f'<div class="anb-compaction-failed">{_badge("⚠ compaction failed", "anb-prompt")} '
-                f"compaction failed — {_body(ev.message, o, seq, fold=False)}</div>")
+        return f'<div class="anb-compaction-failed">⚠ compaction failed — {_body(ev.message, o, seq, fold=False)}</div>'
     return f'<div class="anb-error">✖ error ({_e(ev.where)}): {_body(ev.message, o, seq, fold=False)}</div>'
 
 
