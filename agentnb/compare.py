@@ -3,7 +3,9 @@
 The runs are aligned by movement-run position (``seq`` 1, 2, …): a fork re-serves its original's first runs
 at the same positions, so position ``n`` of both jobs is the same step of the same workflow.  A position is
 *identical* when both jobs ran the same movement there and had the same conversation in it — the same
-responses (content, and tool calls by name and arguments), the same tool results, the same transition —
+responses (content, and tool calls by name and arguments; a compaction's summarisation call is a response,
+told apart from the conversation's by its purpose, and each compaction's summary and the messages it removed
+and kept count too), the same tool results, the same transition —
 whatever the timestamps, event and call ids, latencies and token counts (a fork's re-served calls count 0
 tokens, as nothing was spent, yet they are the same calls) — and the same prompts, apart from the date and
 time they open with (a fork and a replay keep their original's, but two separate runs do not), so a fork that
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Final
 from ._fs import special_kind
 from .engine.prompts import clock_block
 from .errors import ToolError
-from .events import LLMResponse, MovementStart, ToolResult, Transition
+from .events import Compaction, LLMResponse, MovementStart, ToolResult, Transition
 from .tools.paths import open_regular, unlinked_path
 from .views.compare_html import ForkNote, comparison_html
 from .views.render import DEFAULT_MAX_BYTES, DEFAULT_MAX_CALLS, DEFAULT_MAX_CHARS
@@ -92,8 +94,13 @@ def _runs(events: Sequence[Event]) -> dict[int, _Run]:
             if isinstance(ev, LLMResponse):
                 calls += 1
                 tokens += ev.usage.total_tokens
-                said.append(("response", ev.content or "",
+                # a compaction's summarisation call (DESIGN §12) is a response too, told apart by its purpose:
+                # two runs that compacted differently (or only one of them) are not the same conversation
+                said.append(("response", ev.purpose, ev.content or "",
                              tuple((c.name, _arguments(c.arguments)) for c in ev.tool_calls)))
+            elif isinstance(ev, Compaction):
+                # what the conversation went on from; the token sizes are counts, ignored like the others
+                said.append(("compaction", ev.removed_messages, ev.kept_messages, ev.summary))
             elif isinstance(ev, ToolResult):
                 said.append(("result", ev.tool, ev.content, ev.is_error))
             elif isinstance(ev, Transition):
@@ -152,7 +159,7 @@ class Comparison:
         """One row per movement-run position (``seq`` 1 … the longer job's last run).
 
         Per side (``_a``, ``_b``): ``movement``, ``next_step``, ``forced``, ``llm_calls``, ``total_tokens``
-        (the tokens spent: 0 for a re-served run), ``cost_usd`` (US dollars, as ``frames.usage()`` prices the
+        (the tokens spent: 0 for a re-served run; both count a compaction's summarisation call), ``cost_usd`` (US dollars, as ``frames.usage()`` prices the
         calls), ``summary`` and ``replayed`` (the run was re-served from another job's record); NA where that
         side has no such run.  ``identical``: both ran the same movement with the same conversation;
         ``diverged``: True on the first position that is not identical, only there.

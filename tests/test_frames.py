@@ -80,6 +80,12 @@ EXPECTED = {
                "error": _text, "ts": _time, "latest": pt.is_bool_dtype},
     "divergences": {"job": _int, "event_id": _int, "seq": _nint, "movement": _text, "iteration": _nint,
                     "timestamp": _time, "call_id": _text, "tool": _text, "expected": _text, "actual": _text},
+    "compactions": {"job": _int, "event_id": _int, "seq": _nint, "movement": _text, "iteration": _nint,
+                    "timestamp": _time, "tokens_before": _int, "tokens_after": _int, "removed_messages": _int,
+                    "kept_messages": _int, "summary": _text},
+    "loops": {"job": _int, "event_id": _int, "seq": _nint, "movement": _text, "iteration": _nint,
+              "timestamp": _time, "monitor": _text, "cycle": pt.is_object_dtype, "count": _int,
+              "runs": pt.is_object_dtype, "summaries": pt.is_object_dtype, "judge": _text, "next": _text},
 }
 
 

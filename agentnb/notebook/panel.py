@@ -1,6 +1,7 @@
 """The ``%agent panel`` widget: pick, run, step, stop and answer jobs, and watch them live.
 
-Layout (top to bottom): the job list (status as shown, piece, tokens, cost in US dollars) with Refresh; the
+Layout (top to bottom): the job list (status as shown, piece, tokens, cost in US dollars; marks: ``⑂3@2`` a
+fork of job 3 at run 2, ``⇊2`` compacted twice, ``⟳1`` a loop monitor fired once, DESIGN §12) with Refresh; the
 piece and model chooser with the instruction box and the Run / Step / Step call / Stop
 buttons; the reply box (enabled only when the selected job waits for a human); a progress
 bar of movements run against the piece's ``max_movements``; a context-usage bar of the
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.display import DisplayHandle
 
+    from ..views.frames import Frames
     from ..workspace import Job, Workspace
 
 __all__ = ["NotebookSession", "Panel", "context_bar_html"]
@@ -253,7 +255,9 @@ class Panel(w.VBox):
             target = self._target
             rows = frame[["job", "display_status", "piece", "total_tokens", "cost_usd", "forked_from_job",
                           "forked_from_seq"]].to_dict("records")
-            options = [(f"{'▶ ' if int(r['job']) == target else ''}#{r['job']}{_fork_mark(r)} · {r['display_status']} · "
+            marks = _event_marks(self.ws.frames)
+            options = [(f"{'▶ ' if int(r['job']) == target else ''}#{r['job']}{_fork_mark(r)}{marks.get(int(r['job']), '')}"
+                        f" · {r['display_status']} · "
                         f"{r['piece']} · {int(r['total_tokens']):,} tokens · {_cost(r['cost_usd'])}", int(r["job"]))
                        for r in rows]
             if options != list(self.jobs.options):
@@ -546,6 +550,17 @@ def _fork_mark(row: Mapping[str, Any]) -> str:
     if isinstance(origin, numbers.Integral) and isinstance(seq, numbers.Integral):
         return f" ⑂{int(origin)}@{int(seq)}"
     return ""
+
+
+def _event_marks(frames: Frames) -> dict[int, str]:
+    """Job id → `` ⇊2`` (compacted twice, DESIGN §12) and `` ⟳1`` (a loop monitor fired once) for the list; each
+    read from one query over its kind of event (the events_kind index), so the list stays cheap to redraw."""
+    marks: dict[int, str] = {}
+    for frame, sign in ((frames.compactions(), "⇊"), (frames.loops(), "⟳")):
+        counts = frame.groupby("job", sort=True).size()
+        for job, n in zip(counts.index.tolist(), counts.tolist(), strict=True):
+            marks[int(job)] = marks.get(int(job), "") + f" {sign}{int(n)}"
+    return marks
 
 
 def _cost(cost: float) -> str:

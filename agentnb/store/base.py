@@ -106,9 +106,10 @@ def _process_state(pid: int) -> str | None:
 
 # the DataFrame views whose rows a store computes (views/frames.py gives them their dtypes)
 FrameQuery = Literal["jobs", "movements", "messages", "tool_calls", "usage", "context_actions", "job_models",
-                     "call_costs", "scores", "divergences"]
+                     "call_costs", "scores", "divergences", "compactions", "loops"]
 FRAME_QUERIES: tuple[FrameQuery, ...] = ("jobs", "movements", "messages", "tool_calls", "usage", "context_actions",
-                                         "job_models", "call_costs", "scores", "divergences")
+                                         "job_models", "call_costs", "scores", "divergences",
+                                         "compactions", "loops")
 # column names, then plain row tuples
 FrameRows = tuple[list[str], list[tuple[Any, ...]]]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..events import (
     ACTIONS,
+    Compaction,
     ContextAction,
     JobStatusEvent,
     LLMResponse,
@@ -48,6 +49,13 @@ def _action_rank(expr: str) -> str:
     return f"CASE {expr} " + " ".join(f"WHEN '{a}' THEN {i}" for i, a in enumerate(ACTIONS, start=1)) + " END"
 
 
+# A compaction's summarisation call (DESIGN §12: its llm_response has purpose "compaction") is no turn of the
+# conversation: the ContextManager fires nothing on it, and its usage row's action is "compaction", ranked
+# after the four actions (frames.py maps rank 5 to that category).
+_COMPACTION_RANK = len(ACTIONS) + 1
+_IS_COMPACTION = f"{_jx('e', LLMResponse, 'purpose')} IS 'compaction'"
+
+
 # ca and tr are small: MATERIALIZED builds each once (with an automatic index) instead of
 # probing the events index once per LLM call.  Rows come out of events_kind (kind, job_id, id)
 # already in (job, id) order, so there is no sort; call numbers and running sums are added by pandas.
@@ -71,7 +79,9 @@ SELECT e.job_id AS job, e.movement_seq AS seq, m.name AS movement, e.iteration, 
        {_jx('e', LLMResponse, 'usage.source')} AS source,
        {_jx('e', LLMResponse, 'usage.window')} AS window,
        {_jx('e', LLMResponse, 'usage.ratio')} AS ratio,
-       ca.rank AS action, ca.actions, tr.next_step AS transition, tr.forced,
+       CASE WHEN {_IS_COMPACTION} THEN {_COMPACTION_RANK} ELSE ca.rank END AS action,
+       CASE WHEN {_IS_COMPACTION} THEN 'compaction' ELSE ca.actions END AS actions,
+       tr.next_step AS transition, tr.forced,
        {_jx('e', LLMResponse, 'latency_s')} AS latency_s,
        {_jx('e', LLMResponse, 'replayed_from')} IS NOT NULL AS replayed
 FROM events e
@@ -174,6 +184,10 @@ SELECT * FROM (
     UNION ALL
     SELECT {_EVENT_HEAD}, 'user', e.kind, NULL, NULL, {_jx('e', Reminder, 'text')}, 0
     FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'reminder'{{job_e}}
+    UNION ALL
+    -- the summary the compacted conversation goes on from (DESIGN §12; the engine labels it in the message)
+    SELECT {_EVENT_HEAD}, 'user', e.kind, NULL, NULL, {_jx('e', Compaction, 'summary')}, 0
+    FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'compaction'{{job_e}}
 )
 ORDER BY job, event_id, part
 """
@@ -226,6 +240,32 @@ ORDER BY e.job_id, e.id
 """
 
 
+# one row per compaction (DESIGN §12): a movement's messages replaced by a summary
+_COMPACTIONS_SQL = f"""
+SELECT {_EVENT_HEAD},
+       {_jx('e', Compaction, 'tokens_before')} AS tokens_before, {_jx('e', Compaction, 'tokens_after')} AS tokens_after,
+       {_jx('e', Compaction, 'removed_messages')} AS removed_messages,
+       {_jx('e', Compaction, 'kept_messages')} AS kept_messages, {_jx('e', Compaction, 'summary')} AS summary
+FROM events e {_MOVEMENT_NAME}
+WHERE e.kind = 'compaction'{{job_e}}
+ORDER BY e.job_id, e.id
+"""
+
+
+# one row per loop_detected (DESIGN §12): a loop monitor fired after the run that closed the loop; the lists as
+# JSON text (frames.py parses them)
+_LOOPS_SQL = f"""
+SELECT {_EVENT_HEAD}, {_jx('e', LoopDetected, 'monitor')} AS monitor,
+       json_extract(e.payload, '{payload_path(LoopDetected, 'cycle')}') AS cycle, {_jx('e', LoopDetected, 'count')} AS count,
+       json_extract(e.payload, '{payload_path(LoopDetected, 'runs')}') AS runs,
+       json_extract(e.payload, '{payload_path(LoopDetected, 'summaries')}') AS summaries,
+       {_jx('e', LoopDetected, 'judge')} AS judge, {_jx('e', LoopDetected, 'next')} AS next
+FROM events e {_MOVEMENT_NAME}
+WHERE e.kind = 'loop_detected'{{job_e}}
+ORDER BY e.job_id, e.id
+"""
+
+
 FRAME_SQL: dict[FrameQuery, tuple[str, tuple[str, ...]]] = {
     # frame → (SQL with {job_<alias>}/{where_<alias>} slots, the aliases whose slots it has)
     "jobs": (_JOBS_SQL, ()),
@@ -238,4 +278,6 @@ FRAME_SQL: dict[FrameQuery, tuple[str, tuple[str, ...]]] = {
     "call_costs": (_CALL_COSTS_SQL, ("e",)),
     "scores": (_SCORES_SQL, ("e",)),
     "divergences": (_DIVERGENCES_SQL, ("e",)),
+    "compactions": (_COMPACTIONS_SQL, ("e",)),
+    "loops": (_LOOPS_SQL, ("e",)),
 }

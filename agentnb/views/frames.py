@@ -13,7 +13,8 @@ Conventions shared by all frames:
 * counts are ``int64``; ``Int64`` (nullable) where a value may be missing.
 * text is pandas' ``string`` dtype; ``status``, ``kind``, ``role``, ``source``,
   ``action`` and ``tool`` are categoricals (``action`` is ordered
-  ``warn < prompt < force_transition < exhausted``).
+  ``warn < prompt < force_transition < exhausted < compaction``; only ``usage()`` has ``compaction``,
+  the summarisation call of a compaction, DESIGN §12).
 * frames that take ``job=None`` cover every job in the store (for comparisons).
 
 =================== ===========================================================================
@@ -40,6 +41,10 @@ frame               columns
 ``what_if(job, …)`` usage's columns, then action_recorded, action_what_if, actions_what_if,
                     ratio_what_if, forced_what_if, first_forced (``views/what_if.py``)
 ``divergences(job)`` job, event_id, seq, movement, iteration, timestamp, call_id, tool, expected, actual
+``compactions(job)`` job, event_id, seq, movement, iteration, timestamp, tokens_before, tokens_after,
+                    removed_messages, kept_messages, summary
+``loops(job)``      job, event_id, seq, movement, iteration, timestamp, monitor, cycle, count, runs,
+                    summaries, judge, next
 =================== ===========================================================================
 
 The issue that specified these frames (and users) call some columns by other names; both work:
@@ -88,6 +93,12 @@ Details:
   ContextManager actions fired at that call: ``action`` is the *highest* one (NaN when
   none fired) and ``actions`` lists all of them, comma-separated in firing order
   (e.g. ``"warn,prompt"`` when both thresholds were crossed by the same call).
+  A compaction's summarisation call (DESIGN §12; its ``llm_response`` has ``purpose: "compaction"``) is a
+  row like any call, with its tokens and price, but it is no turn of the conversation: its ``action`` and
+  ``actions`` are ``compaction`` (the ContextManager fires nothing on it), so
+  ``usage[usage.action == "compaction"]`` are the summarisation calls and the other rows the conversation's.
+  Its ``ratio`` is the summarisation request's size (the whole conversation before it was compacted); the
+  call after it shows the compacted context.  ``compactions()`` has the sizes before and after.
   ``transition`` is the ``next_step`` of the transition that ended the movement at
   this call (missing otherwise) and ``forced`` whether it was forced (missing when no transition).
   ``latency_s`` is how long the model took to answer, in seconds (retries and their backoff
@@ -107,6 +118,18 @@ Details:
   ``loop_detected`` event that named it as the judge.
   ``divergences()`` has one row per ``replay_divergence``: a tool re-run in a re-served run whose result
   (``actual``) differed from the original's (``expected``).
+* ``compactions()`` has one row per ``compaction`` event (DESIGN §12): ``iteration`` is the summarisation
+  call's, ``tokens_before`` the context the ContextManager counted before, ``tokens_after`` the compacted
+  list's (tool schemas included), ``removed_messages`` / ``kept_messages`` how many messages were dropped
+  and kept verbatim after the summary, ``summary`` the summary.  A summarisation call that failed (an
+  ``error`` event with ``where`` compaction) made no compaction and has no row.  ``jobs()`` and
+  ``movements()`` count summarisation calls in ``llm_calls`` and their tokens in the token sums: they were
+  spent.  In ``messages()`` the summarisation call's answer is an ``assistant`` row like any response, and
+  the summary the conversation then went on from is a ``user`` row of ``kind`` compaction.
+* ``loops()`` has one row per ``loop_detected`` event (DESIGN §12): a loop monitor fired after run ``seq``
+  (the run that closed the loop), ``cycle`` repeated ``count`` times over ``runs`` (whose transition
+  ``summaries`` the judge read); ``cycle``, ``runs`` and ``summaries`` are Python lists; ``judge`` is the name
+  of the judge's run that followed (NA for a monitor without a judge) and ``next`` the monitor's ``next``.
 * ``lessons()`` reads ``<workspace>/jobs/<id>/logs/lessons.jsonl`` (the file is the source).
 """
 
@@ -124,9 +147,10 @@ import pandas as pd
 from ..engine.context import job_thresholds
 from ..errors import UsageError
 from ..events import (
-    ACTIONS,
+    Compaction,
     ContextAction,
     LLMResponse,
+    LoopDetected,
     ReplayDivergence,
     ScoreEvent,
     ToolCallEvent,
@@ -140,6 +164,7 @@ from ..models.prices import cost_array, summed_costs
 from ..store.base import JOB_STATES, FrameQuery, Store
 from ..tools.base import ToolError, unlinked_path
 from .status import DISPLAY_STATES, display_status
+from .style import USAGE_ACTIONS
 from .what_if import simulate
 
 # the store ranks actions in SQL in the order the ContextManager fires them
@@ -157,12 +182,13 @@ class HasJobId(Protocol):
 # what a frame's ``job`` argument may be: a Job, or a job id (int or digits)
 JobArg = HasJobId | int | str
 
-ACTION_DTYPE = pd.CategoricalDtype(list(ACTIONS), ordered=True)
+# the ContextManager's actions in firing order, then compaction (usage rows of summarisation calls)
+ACTION_DTYPE = pd.CategoricalDtype(list(USAGE_ACTIONS), ordered=True)
 _STATUS = pd.CategoricalDtype(list(JOB_STATES))
 _MOVEMENT_STATUS = pd.CategoricalDtype(["running", "done", "failed"])
 _SOURCE = pd.CategoricalDtype(list(typing.get_args(UsageSource)))
 _ROLE = pd.CategoricalDtype(["system", "user", "assistant", "tool"])
-_MESSAGE_KIND = pd.CategoricalDtype(["movement_start", "llm_response", "tool_result", "reminder"])
+_MESSAGE_KIND = pd.CategoricalDtype(["movement_start", "llm_response", "tool_result", "reminder", "compaction"])
 
 # dtype per column: "int" (int64), "Int" (nullable Int64), "float", "time", "delta",
 # "iso" (ISO-8601 text), "str", "bool", "boolean" (nullable) or a CategoricalDtype ("cat" = categories found).
@@ -227,10 +253,23 @@ _DIVERGENCES: _Spec = {
     **_fields(ReplayDivergence, call_id="str", tool="str", expected="str", actual="str"),
 }
 
+_COMPACTIONS: _Spec = {
+    "job": "int", "event_id": "int", "seq": "Int", "movement": "str", "iteration": "Int", "timestamp": "time",
+    **_fields(Compaction, tokens_before="int", tokens_after="int", removed_messages="int", kept_messages="int",
+              summary="str"),
+}
+
+_LOOPS: _Spec = {
+    "job": "int", "event_id": "int", "seq": "Int", "movement": "str", "iteration": "Int", "timestamp": "time",
+    **_fields(LoopDetected, monitor="str", cycle="object", count="int", runs="object", summaries="object",
+              judge="str", next="str"),
+}
+
 COLUMNS: dict[str, tuple[str, ...]] = {
     "jobs": tuple(_JOBS), "movements": tuple(_MOVEMENTS), "messages": tuple(_MESSAGES),
     "tool_calls": tuple(_TOOL_CALLS), "usage": tuple(_USAGE), "lessons": tuple(_LESSONS),
     "context_actions": tuple(_CONTEXT_ACTIONS), "scores": tuple(_SCORES), "divergences": tuple(_DIVERGENCES),
+    "compactions": tuple(_COMPACTIONS), "loops": tuple(_LOOPS),
 }
 
 class Frames:
@@ -343,7 +382,7 @@ class Frames:
         df.insert(COLUMNS["usage"].index("cumulative_tokens"), "cumulative_tokens",
                   by_job["total_tokens"].cumsum().astype(df["total_tokens"].dtype))
         df.insert(COLUMNS["usage"].index("cost_usd"), "cost_usd", cost)
-        # the SQL ranks actions 1..4; map the rank back to the ordered category
+        # the SQL ranks actions 1..4 (5: a compaction's summarisation call); map the rank back to the category
         df["action"] = pd.Categorical.from_codes(
             (df["action"].fillna(0).astype("int64") - 1).to_numpy(), dtype=ACTION_DTYPE
         )
@@ -378,6 +417,20 @@ class Frames:
         """One row per ``replay_divergence`` of ``job`` (every job when ``None``): a tool a fork (or a replay)
         ran again in a re-served run whose result, ``actual``, differed from the original's, ``expected``."""
         return self._query("divergences", self._job(job), _DIVERGENCES)
+
+    def compactions(self, job: JobArg | None = None) -> pd.DataFrame:
+        """One row per ``compaction`` of ``job`` (every job when ``None``, DESIGN §12): a movement run's messages
+        replaced by a summary, with the context's size before and after (see the module docstring)."""
+        return self._query("compactions", self._job(job), _COMPACTIONS)
+
+    def loops(self, job: JobArg | None = None) -> pd.DataFrame:
+        """One row per ``loop_detected`` of ``job`` (every job when ``None``, DESIGN §12): a loop monitor fired
+        (see the module docstring)."""
+        raw = self._raw("loops", self._job(job))
+        for name in ("cycle", "runs", "summaries"):  # JSON text from the store: lists here
+            raw[name] = pd.Series([None if v is None else json.loads(v) for v in raw[name]], index=raw.index,
+                                  dtype=object)
+        return _typed(raw, _LOOPS)
 
     def scores(self, job: JobArg | None = None) -> pd.DataFrame:
         """One row per ``score`` event of ``job`` (every job when ``None``), oldest first; ``latest`` marks the

@@ -27,9 +27,20 @@ actions that would fire as hollow markers (labelled in italics), the what-if thr
 red line at the first call where a movement would have been forced to transition (from there on the
 simulation no longer describes what would have happened).  Without it the figure is what it was.
 
+A compaction (DESIGN §12, ``context.on_pressure: compact``) is a teal down-pointing triangle at its
+summarisation call (the usage row whose ``action`` is ``compaction``), labelled ``compaction 1: 920→582
+tokens`` (the run's compactions numbered from 1; the sizes from ``frames.compactions()``, so only when a job
+is plotted: a frame alone says ``compaction 1``), with an arrow from the context before (``tokens_before`` /
+window) down to the compacted one (``tokens_after`` / window): the ratio drops there.  (The summarisation
+call's own ratio is its request's: the whole conversation plus the request for a summary.)  A summarisation call that made no compaction (its
+summary was empty) is labelled ``compaction failed``.  Where a loop monitor fired, a purple dotted line
+follows the run that closed the loop, labelled ``⟳ loop review → fix ×3``.  A job without either is drawn
+as before.
+
 Artists carry a ``gid`` (``threshold:<action>``, ``movement:<seq>``, ``boundary:<seq>``,
 ``action:<job>``, ``transition:<job>``, ``cumulative:<job>``, ``label:action``,
-``label:transition``, ``status``; with a what-if ``what_if:threshold:<action>``, ``what_if:ratio:<job>``,
+``label:transition``, ``status``; with a compaction ``compaction:<job>``, ``compaction:drop``,
+``label:compaction``; with a loop ``loop:<seq>``, ``label:loop``; with a what-if ``what_if:threshold:<action>``, ``what_if:ratio:<job>``,
 ``what_if:action:<job>``, ``what_if:first_forced``, ``label:what_if``) so tests and users can find them.
 """
 
@@ -54,8 +65,9 @@ from matplotlib.transforms import Bbox
 
 from ..engine.pieces import DEFAULT_THRESHOLDS
 from ..errors import UsageError
+from ..events import LoopDetected
 from .source import JobSource
-from .style import ACTION_COLOURS, ACTIONS, ERROR_COLOUR
+from .style import ACTION_COLOURS, ACTIONS, COMPACTION, COMPACTION_COLOUR, ERROR_COLOUR, LOOP_COLOUR
 from .what_if import WHAT_IF_COLUMNS, simulate
 
 if TYPE_CHECKING:
@@ -146,6 +158,9 @@ class _Target:
     error: str | None = None
     what_if: dict[str, Any] | None = None  # the simulated settings; the frame then has the what-if columns
     ws: UsageSource | None = None  # the workspace of a job plotted (None for a frame)
+    # a job's compactions (frames.compactions()), for the sizes in their labels; None for a frame
+    compactions: pd.DataFrame | None = None
+    loops: list[tuple[int, str]] = field(default_factory=list)  # (run that closed a loop, its label)
 
 
 def plot_usage(
@@ -240,6 +255,9 @@ def _draw(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure
     drawn = _Drawn()
     for n, job_id in enumerate(jobs):
         _draw_job(ax, ax_cum, df[df["job"] == job_id], job_id, colours, drawn, n if several else None)
+        _draw_compactions(ax, df[df["job"] == job_id], job_id, t.compactions, drawn)
+        if not several:
+            _draw_loops(ax, df, t.loops, drawn)
         if t.what_if is not None:
             _draw_what_if(ax, df[df["job"] == job_id], job_id, drawn, n if several else None)
 
@@ -256,6 +274,11 @@ def _draw(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure
         if action in drawn.actions:
             legend.append((proxy(marker=_ACTION_MARKER[action], markerfacecolor=ACTION_COLOURS[action],
                                  markeredgecolor="black"), f"{action} fired"))
+    if drawn.compactions:
+        legend.append((proxy(marker="v", markerfacecolor=COMPACTION_COLOUR, markeredgecolor="black"),
+                       "compaction (messages summarised)"))
+    if drawn.loops:
+        legend.append((Line2D([], [], color=LOOP_COLOUR, linestyle=":", linewidth=1.5), "loop detected"))
     if t.what_if is not None:
         window = t.what_if.get("window")
         legend.append((drawn.what_if_line or Line2D([], [], color=_WHAT_IF, linestyle="--"),
@@ -316,6 +339,8 @@ class _Drawn:
     what_if_line: Any = None  # the first job's what-if ratio line, for the legend
     what_if_actions: set[str] = field(default_factory=set)
     what_if_forced: bool = False
+    compactions: bool = False
+    loops: bool = False
 
 
 def _draw_job(
@@ -341,7 +366,8 @@ def _draw_job(
             drawn.movements.append((line, name))
         drawn.runs.append((int(run["seq"].to_numpy()[0]), name, (float(calls.min()) + float(calls.max())) / 2))
 
-    acted = rows[rows["action"].notna()]
+    # a compaction's summarisation call is drawn apart (_draw_compactions): it is no ContextManager action
+    acted = rows[rows["action"].notna() & (rows["action"] != COMPACTION)]
     for action, group in acted.groupby("action", observed=True):
         drawn.actions.add(str(action))
         ax.scatter(group["call"], group["ratio"], marker=_ACTION_MARKER.get(str(action), "*"), s=90,
@@ -395,6 +421,61 @@ def _draw_job(
     ax_cum.plot(x, rows["prompt_tokens"].cumsum().to_numpy(), color="#2e86c1", linewidth=1, label="prompt", **dot)
     ax_cum.plot(x, rows["completion_tokens"].cumsum().to_numpy(), color="#28b463", linewidth=1, label="completion",
                 **dot)
+
+
+def _draw_compactions(ax: Axes, rows: pd.DataFrame, job_id: int, compactions: pd.DataFrame | None,
+                      drawn: _Drawn) -> None:
+    """Each compaction of one job: a marker at its summarisation call, an arrow from the context before down
+    to the compacted one, and a label with the sizes before and after (when the job's compactions are known)."""
+    summarising = rows[rows["action"] == COMPACTION]
+    if summarising.empty:
+        return
+    drawn.compactions = True
+    ax.scatter(summarising["call"], summarising["ratio"], marker="v", s=110, color=COMPACTION_COLOUR,
+               edgecolors="black", zorder=4, gid=f"compaction:{job_id}")
+    made: dict[tuple[int, int], Any] = {}
+    if compactions is not None:
+        for _, c in compactions[compactions["job"] == job_id].iterrows():
+            made[(int(c["seq"]), int(c["iteration"]))] = c
+    number: dict[int, int] = {}
+    for _, r in summarising.iterrows():
+        seq = int(r["seq"])
+        number[seq] = number.get(seq, 0) + 1
+        text = f"compaction {number[seq]}"
+        c = made.get((seq, int(r["iteration"])))
+        if compactions is not None and c is None:
+            text = "compaction failed"  # the summarisation call answered, but nothing was compacted
+        elif c is not None:
+            before, after = int(c["tokens_before"]), int(c["tokens_after"])
+            text += f": {before:,}→{after:,} tokens"
+            window = r["window"]
+            if pd.notna(window) and window and after < before:
+                # the drop, drawn where it happens: from the context before to the compacted one
+                ax.annotate("", xy=(r["call"], after / float(window)), xytext=(r["call"], before / float(window)),
+                            arrowprops={"arrowstyle": "-|>", "color": COMPACTION_COLOUR, "linewidth": 1.5,
+                                        "shrinkA": 6, "shrinkB": 0},
+                            zorder=3, gid="compaction:drop")
+        drawn.labels.append(ax.annotate(
+            text, (r["call"], r["ratio"]), textcoords="offset points", xytext=(_NEAR, _NEAR), va="bottom",
+            fontsize=_LABEL_SIZE, color="black", zorder=6, gid="label:compaction", arrowprops=_leader("dimgrey"),
+            bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.9, "linewidth": 0.8,
+                  "edgecolor": COMPACTION_COLOUR}))
+
+
+def _draw_loops(ax: Axes, rows: pd.DataFrame, loops: list[tuple[int, str]], drawn: _Drawn) -> None:
+    """A dotted line after each run that closed a loop a monitor caught, labelled with the cycle."""
+    for seq, text in loops:
+        calls = rows.loc[rows["seq"] == seq, "call"]
+        if calls.empty:
+            continue
+        drawn.loops = True
+        x = float(calls.max()) + 0.5
+        ax.axvline(x, color=LOOP_COLOUR, linestyle=":", linewidth=1.5, zorder=0, gid=f"loop:{seq}")
+        drawn.labels.append(ax.annotate(
+            text, (x, 0.02), xycoords=("data", "axes fraction"), textcoords="offset points", xytext=(_NEAR, _NEAR),
+            va="bottom", fontsize=_LABEL_SIZE, color=LOOP_COLOUR, zorder=6, gid="label:loop",
+            bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.9, "linewidth": 0.8,
+                  "edgecolor": LOOP_COLOUR}))
 
 
 def _what_if_thresholds(ax: Axes, what_if: Mapping[str, float], recorded: Mapping[str, float]) -> list[tuple[Any, str]]:
@@ -602,7 +683,11 @@ def _resolve(
     if model.startswith("scripted:"):  # the script's full path would crowd the title
         model = "scripted:" + Path(model.split(":", 1)[1]).name
     heading = f"Job {job.id} · {job.piece} · {model} · {job.status}"
-    return _Target(df, th, heading, status=str(job.status), error=job.error, ws=ws)
+    compactions = frames.compactions(job_id) if (df["action"] == COMPACTION).any() else None
+    loops = [(int(ev.movement_seq), f"⟳ loop {' → '.join(ev.cycle)} ×{ev.count}") for ev in ws.events(job_id)
+             if isinstance(ev, LoopDetected) and ev.movement_seq is not None]
+    return _Target(df, th, heading, status=str(job.status), error=job.error, ws=ws, compactions=compactions,
+                   loops=loops)
 
 
 def _with_what_if(target: _Target, obj: Any, ws: UsageSource | None,
@@ -643,7 +728,7 @@ def _with_what_if(target: _Target, obj: Any, ws: UsageSource | None,
 def _what_if_frame(target: _Target, frame: pd.DataFrame) -> _Target:
     settings = frame.attrs.get("what_if") or {"window": None, "thresholds": dict(target.thresholds)}
     return _Target(frame, target.thresholds, target.heading, status=target.status, error=target.error, ws=target.ws,
-                   what_if={"window": settings.get("window"), "thresholds": dict(settings["thresholds"])})
+                   compactions=target.compactions, loops=target.loops, what_if={"window": settings.get("window"), "thresholds": dict(settings["thresholds"])})
 
 
 def _movement_colours(names: pd.Series) -> dict[str, Any]:

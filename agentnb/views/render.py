@@ -21,6 +21,12 @@ grow a saved notebook by its whole transcript):
 * when the whole view would exceed ``max_bytes``, the oldest movements are
   reduced to their summary line and transition, newest kept in detail.
 
+A compaction (DESIGN §12) shows in its movement run: a ``⇊ compacted`` badge on the run, and in the call
+list, at the summarisation call (shown as such, not as a turn of the conversation), a block "Compaction k:
+N messages summarised, M kept · before → after tokens" with the summary in a ``<details>``.  A summarisation
+call that failed (an ``error`` event with ``where`` compaction) is a warning, "compaction failed — …": the
+movement went on, and it does not mark the run failed (the job's status says how the job ended).
+
 ``full=True`` lifts all three bounds.  The signatures of :func:`job_html`,
 :func:`movement_html`, :func:`header_html` and :func:`job_stats` are stable:
 other modules (the export, the panel) build on them.
@@ -40,6 +46,7 @@ from typing import Any
 from ..errors import NotFoundError
 from ..events import (
     CommentEvent,
+    Compaction,
     ContextAction,
     ErrorEvent,
     Event,
@@ -61,6 +68,7 @@ from .status import display_status
 from .style import (
     ACTION_COLOURS,
     ACTIONS,
+    COMPACTION_COLOUR,
     DIVERGENCE_COLOUR,
     ERROR_COLOUR,
     LOOP_COLOUR,
@@ -180,6 +188,12 @@ _INLINE = {
     # the fork marks are styled inline only (every tag of the view carries its style attribute)
     "anb-reserved": f"background:{RESERVED_COLOUR}", "anb-divergence": f"background:{DIVERGENCE_COLOUR}",
     "anb-loop": f"background:{LOOP_COLOUR}",  # inline only too: views of pieces without monitors are unchanged
+    # a compaction (DESIGN §12), inline only as well: views of jobs that never compacted are unchanged
+    "anb-compaction": f"background:{COMPACTION_COLOUR}",
+    "anb-compacted": f"border-left:3px solid {COMPACTION_COLOUR};background:rgba(31,138,138,.07);padding:3px 6px;"
+                     "margin:2px 0;border-radius:3px",
+    "anb-compaction-failed": f"border-left:3px solid {ACTION_COLOURS['prompt']};background:rgba(224,123,0,.08);"
+                             "padding:3px 6px;margin:2px 0;border-radius:3px",
     "anb-diverged": f"border-left:3px solid {DIVERGENCE_COLOUR};background:rgba(179,89,0,.07);padding:3px 6px;"
                     "margin:2px 0;border-radius:3px",
 }
@@ -311,13 +325,18 @@ def _stats(job: JobRecord, events: Sequence[Event], now: float | None = None) ->
                     st.last_ratio = u.ratio
                     st.last_tokens = u.prompt_tokens
                     st.window = u.window or st.window
+            case Compaction() if ev.movement_seq == st.last_seq:
+                # the summarisation call's ratio is its request's; the context goes on from the compacted list
+                st.last_tokens = ev.tokens_after
+                st.last_ratio = ev.tokens_after / st.window if st.window else st.last_ratio
+                st.actions = []  # the ContextManager re-armed
             case ToolCallEvent():
                 st.tool_calls += 1
             case ContextAction() if ev.movement_seq == st.last_seq:
                 st.actions.append(ev.action)
             case Transition(question=str(question)) if question:
                 st.question = question
-            case ErrorEvent():
+            case ErrorEvent() if not _compaction_error(ev):  # a failed compaction is a warning, not an error
                 st.errors.append(ev.message)
             case ScoreEvent():
                 st.scores[ev.name] = ev
@@ -487,13 +506,18 @@ def _transition_html(ev: Transition, o: _Opts, seq: int | None) -> str:
     return "".join(rows)
 
 
-def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int | None, *, latest: bool = False) -> str:
+def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int | None, *, latest: bool = False,
+               compactions: dict[int, int] | None = None) -> str:
     """One LLM call: the assistant message, context badges, each tool call with its result, reminders.
 
-    ``latest`` marks the job's newest call, the target of the header's "latest call" link.
+    ``latest`` marks the job's newest call, the target of the header's "latest call" link.  A compaction's
+    summarisation call is headed as such, its summary shown in the compaction block (numbered by
+    ``compactions``: iteration → its number in the run) rather than as an assistant message.
     """
     out: list[str] = []
-    head = f"call {iteration}" if iteration else "call"
+    summarising = any(isinstance(e, LLMRequest | LLMResponse) and e.purpose == "compaction" for e in evs)
+    head = (f"summarisation call {iteration} <span class=\"anb-dim\">(compaction, no tools)</span>" if summarising
+            else f"call {iteration}" if iteration else "call")
     calls: dict[str, ToolCallEvent] = {}
     pending: list[ToolCallEvent] = []
     for ev in evs:
@@ -510,7 +534,10 @@ def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int |
                 if ev.replayed_from is not None:
                     head += f" · re-served from job {ev.replayed_from}, no tokens spent"
                 head += "</span>"
-                if ev.content:
+                if ev.purpose == "compaction":
+                    if not (ev.content or "").strip():
+                        out.append('<div class="anb-dim">summary: (empty)</div>')
+                elif ev.content:
                     out.append(f'<div class="anb-msg"><b>assistant</b>'
                                f'{_body(ev.content, o, seq, key=_key(o, seq, iteration, "assistant"))}</div>')
                 elif not ev.tool_calls:
@@ -544,6 +571,8 @@ def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int |
                 out.append(_comment_html(ev, o))
             case ReplayDivergence():
                 out.append(_divergence_html(ev, o, seq))
+            case Compaction():
+                out.append(_compaction_html(ev, (compactions or {}).get(ev.iteration or 0, 1), o, seq))
     for call in pending:  # a tool still running, or a job stopped between call and result
         marker = f"\0{call.call_id}\0"
         if marker in out:
@@ -568,7 +597,24 @@ def _divergence_html(ev: ReplayDivergence, o: _Opts, seq: int | None) -> str:
 
 
 def _error_html(ev: ErrorEvent, o: _Opts, seq: int | None) -> str:
+    if _compaction_error(ev):
+        return f'<div class="anb-compaction-failed">⚠ compaction failed — {_body(ev.message, o, seq, fold=False)}</div>'
     return f'<div class="anb-error">✖ error ({_e(ev.where)}): {_body(ev.message, o, seq, fold=False)}</div>'
+
+
+def _compaction_error(ev: ErrorEvent) -> bool:
+    """A summarisation call that failed (DESIGN §12): the movement went on uncompacted; no failure."""
+    return ev.where == "compaction"
+
+
+def _compaction_html(ev: Compaction, number: int, o: _Opts, seq: int | None) -> str:
+    """A compaction: how many messages were summarised and kept, the sizes, and the summary folded."""
+    key = _key(o, seq, ev.iteration, "compaction")
+    return (f'<div class="anb-compacted">{_badge(f"⇊ compaction {number}", "anb-compaction")} '
+            f"<b>Compaction {number}:</b> {plural(ev.removed_messages, 'message')} summarised, "
+            f"{_n(ev.kept_messages)} kept · {_n(ev.tokens_before)} → {_n(ev.tokens_after)} tokens"
+            f'<details><summary data-anb-key="{_e(key)}">summary <span class="anb-dim">'
+            f"({_n(len(ev.summary))} chars)</span></summary>{_body(ev.summary, o, seq, fold=False)}</details></div>")
 
 
 def _group_calls(evs: Sequence[Event]) -> list[tuple[int | None, list[Event]]]:
@@ -594,7 +640,11 @@ def _movement_section(job: JobRecord, seq: int, evs: Sequence[Event], o: _Opts, 
     tokens = sum(e.usage.total_tokens for e in responses)
     ratios = [e.usage.ratio for e in responses if e.usage.ratio is not None]
     actions = [e for e in evs if isinstance(e, ContextAction)]
-    failed = any(isinstance(e, ErrorEvent) for e in evs)
+    # a failed compaction is a warning: the movement went on (the job's status says how it ended)
+    failed = any(isinstance(e, ErrorEvent) and not _compaction_error(e) for e in evs)
+    compacted = [e for e in evs if isinstance(e, Compaction)]
+    numbers = {int(e.iteration or 0): k for k, e in enumerate(compacted, start=1)}
+    compaction_errors = sum(isinstance(e, ErrorEvent) and _compaction_error(e) for e in evs)
     diverged = sum(isinstance(e, ReplayDivergence) for e in evs)
     if transition is not None:
         status = "done"
@@ -608,7 +658,9 @@ def _movement_section(job: JobRecord, seq: int, evs: Sequence[Event], o: _Opts, 
     if start is not None and start.replayed_from is not None:
         summ.append(_badge("re-served", "anb-reserved",
                            title=f"responses re-served from job {start.replayed_from}: no tokens spent"))
-    summ.append(f'<span class="anb-dim">{status} · {plural(len(responses), "call")} · {_n(tokens)} tokens'
+    summarised = sum(e.purpose == "compaction" for e in responses)
+    summ.append(f'<span class="anb-dim">{status} · {plural(len(responses), "call")}'
+                + (f" ({summarised} summarisation)" if summarised else "") + f' · {_n(tokens)} tokens'
                 + (f" · context up to {_pct(max(ratios))}" if ratios else "") + "</span>")
     if diverged:
         summ.append(_badge(f"⚠ {plural(diverged, 'divergence')}", "anb-divergence"))
@@ -620,6 +672,12 @@ def _movement_section(job: JobRecord, seq: int, evs: Sequence[Event], o: _Opts, 
         if transition.summary:
             short = transition.summary if len(transition.summary) <= 120 else transition.summary[:119] + "…"
             summ.append(f'<span class="anb-dim">{_e(short)}</span>')
+    if compacted:
+        summ.append(_badge("⇊ compacted" + (f" ×{len(compacted)}" if len(compacted) > 1 else ""), "anb-compaction",
+                           title="; ".join(f"compaction {k}: {_n(e.tokens_before)} → {_n(e.tokens_after)} tokens"
+                                           for k, e in enumerate(compacted, start=1))))
+    if compaction_errors:
+        summ.append(_badge("⚠ compaction failed", "anb-prompt"))
     for lp in (e for e in evs if isinstance(e, LoopDetected)):
         then = lp.judge if lp.judge is not None else lp.next
         summ.append(_badge(f"⟳ loop {' → '.join(lp.cycle)} ×{lp.count}", "anb-loop",
@@ -648,7 +706,8 @@ def _movement_section(job: JobRecord, seq: int, evs: Sequence[Event], o: _Opts, 
             if not group:
                 body.append(_hidden_line(hidden, o, seq))
             else:
-                body.append(_call_html(it, group, o, seq, latest=latest is not None and it == latest))
+                body.append(_call_html(it, group, o, seq, latest=latest is not None and it == latest,
+                                       compactions=numbers))
     flag = " open" if open_ else ""
     return (f'<details class="anb-mv" data-seq="{seq}"{flag}><summary data-anb-key="{_e(_key(o, seq))}">'
             f'{" ".join(summ)}</summary>'

@@ -6,7 +6,8 @@ from typing import Final
 
 from ..events import ACTIONS
 
-__all__ = ["ACTIONS", "ACTION_COLOURS", "DIVERGENCE_COLOUR", "ERROR_COLOUR", "LOOP_COLOUR", "OK_COLOUR", "RESERVED_COLOUR"]
+__all__ = ["ACTIONS", "ACTION_COLOURS", "COMPACTION", "COMPACTION_COLOUR", "DIVERGENCE_COLOUR", "ERROR_COLOUR",
+           "LOOP_COLOUR", "OK_COLOUR", "RESERVED_COLOUR", "USAGE_ACTIONS"]
 
 # One colour per action: its badge in the HTML view, its mark on the panel's context bar, its threshold
 # line and markers in the usage plot.
@@ -23,3 +24,9 @@ RESERVED_COLOUR: Final = "#5b7083"
 DIVERGENCE_COLOUR: Final = "#b35900"
 # a loop monitor fired (DESIGN §12): a cycle of movements repeated; purple, apart from warnings and errors
 LOOP_COLOUR: Final = "#6d4c9f"
+# a movement's messages were replaced by a summary (DESIGN §12): teal, a relief rather than a warning
+COMPACTION_COLOUR: Final = "#1f8a8a"
+# ``frames.usage()``'s ``action``: the ContextManager's four, in firing order, then the summarisation call of
+# a compaction (not a ContextManager action: the call that compacted the messages)
+COMPACTION: Final = "compaction"
+USAGE_ACTIONS: Final[tuple[str, ...]] = (*ACTIONS, COMPACTION)

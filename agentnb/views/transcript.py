@@ -50,6 +50,7 @@ from nbformat import v4
 from .._secrets import redact, secret_values
 from ..errors import UsageError
 from ..events import (
+    Compaction,
     ContextAction,
     ErrorEvent,
     Event,
@@ -188,12 +189,15 @@ def _run_facts(seq: int, evs: Sequence[Event]) -> tuple[str, str, Transition | N
         title += " (re-served)"
     if tr is not None:
         title += f" → {tr.next_step}" + (" (forced)" if tr.forced else "")
-    elif any(isinstance(e, ErrorEvent) for e in evs):
+    elif any(isinstance(e, ErrorEvent) and e.where != "compaction" for e in evs):  # a failed compaction is no failure
         title += " ✖ failed"
     else:
         title += " (not finished)"
     actions = [e.action for e in evs if isinstance(e, ContextAction)]
-    line = f"{len(calls)} LLM call{'' if len(calls) == 1 else 's'} · {tokens:,} tokens" + (f" · context actions: {', '.join(actions)}" if actions else "")
+    compactions = sum(isinstance(e, Compaction) for e in evs)
+    line = (f"{len(calls)} LLM call{'' if len(calls) == 1 else 's'} · {tokens:,} tokens"
+            + (f" · context actions: {', '.join(actions)}" if actions else "")
+            + (f" · compacted {compactions}×" if compactions else ""))
     return title, line, tr
 
 
@@ -248,6 +252,7 @@ def movement_text(evs: Sequence[Event], *, max_chars: int | None = EXPORT_MAX_CH
             s = s[:max_chars] + f"\n… [{len(s):,} chars; first {max_chars:,} shown]"
         out.extend(indent + line for line in (s.splitlines() or [""]))
 
+    compactions = 0
     for ev in evs:
         match ev:
             case MovementStart():
@@ -257,6 +262,20 @@ def movement_text(evs: Sequence[Event], *, max_chars: int | None = EXPORT_MAX_CH
                 body(ev.system)
                 out.append("[user]")
                 body(ev.user)
+            case LLMResponse(usage=u) if ev.purpose == "compaction":
+                # a compaction's summarisation call (DESIGN §12): its summary is in the compaction line below
+                out.append(f"--- summarisation call {ev.iteration} (compaction, no tools): {u.prompt_tokens:,} prompt + "
+                           f"{u.completion_tokens:,} completion tokens"
+                           + (f", re-served from job {ev.replayed_from}" if ev.replayed_from is not None else ""))
+            case Compaction():
+                compactions += 1
+                out.append(f"⇊ compaction {compactions}: {ev.removed_messages:,} message"
+                           f"{'' if ev.removed_messages == 1 else 's'} summarised, {ev.kept_messages:,} kept, "
+                           f"{ev.tokens_before:,} → {ev.tokens_after:,} tokens")
+                out.append("  summary:")
+                body(ev.summary)
+            case ErrorEvent() if ev.where == "compaction":
+                out.append(f"⚠ compaction failed — {ev.message}")
             case LLMResponse(usage=u):
                 out.append(f"--- call {ev.iteration}: {u.prompt_tokens:,} prompt + {u.completion_tokens:,} completion "
                            f"tokens, context {float(u.ratio or 0):.1%} of {int(u.window or 0):,} ({u.source})"

@@ -28,6 +28,15 @@ model's answers, the tokens, the next movements) would have been different; and 
 (because the recorded run ended earlier) cannot be simulated.  ``first_forced`` marks where the first of
 those departures would have happened.
 
+A job that compacted (DESIGN §12, ``context.on_pressure: compact``): a compaction's summarisation call is
+no turn of the conversation, and the ContextManager fires nothing on it, so nothing is simulated on it
+either: its row is passed through with ``action_recorded`` ``compaction``, no ``action_what_if`` (NA), its
+``ratio_what_if`` (the summarisation request's size over the window) and ``forced_what_if`` False.  After it
+the record's ContextManager re-armed (each action may fire again in the rest of the run), and so does the
+simulation: a run is simulated in parts, each compaction starting a new one.  Under other settings the
+compaction itself would have come at another call (when ``prompt`` fired) or not at all; the conversation
+after it is the compacted one as recorded, like any call after a departure.
+
 ``window=None`` keeps each call's recorded window; ``thresholds`` may name only some actions: they are
 merged over the thresholds the job ran with and checked by the rules of ``context=``
 (``engine.context.check_thresholds``).  A call a fork re-served (``replayed_from`` set on its
@@ -50,6 +59,7 @@ from ..engine.context import check_thresholds
 from ..engine.pieces import DEFAULT_THRESHOLDS
 from ..errors import UsageError
 from ..events import ACTIONS
+from .style import COMPACTION, USAGE_ACTIONS
 
 __all__ = ["MIN_WINDOW", "WHAT_IF_COLUMNS", "check_window", "simulate", "what_if_thresholds"]
 
@@ -58,7 +68,8 @@ WHAT_IF_COLUMNS = ("action_recorded", "action_what_if", "actions_what_if", "rati
 # the smallest window context.window_tokens (a piece's or a job's) accepts
 MIN_WINDOW = 256
 
-_ACTION_DTYPE = pd.CategoricalDtype(list(ACTIONS), ordered=True)
+# as usage's ``action`` (frames.ACTION_DTYPE): the four actions, then a compaction's summarisation call
+_ACTION_DTYPE = pd.CategoricalDtype(list(USAGE_ACTIONS), ordered=True)
 _NEEDED = ("job", "seq", "prompt_tokens", "window", "ratio", "action")
 
 
@@ -120,11 +131,16 @@ def simulate(usage: pd.DataFrame, *, window: int | None = None, thresholds: Mapp
         # the same float as the ContextManager's prompt / window (both whole numbers below 2**53)
         ratio_wi = prompt / windows
 
-    # per movement run, each action fires once: at the first call at or above its threshold
-    runs = [df["job"], df["seq"]]
+    # a compaction's summarisation call fires nothing, and the ContextManager re-arms after it: each part of a
+    # run between compactions is simulated on its own
+    compacting = (df["action"].astype(object) == COMPACTION).fillna(False).to_numpy(dtype=bool)
+    part = pd.Series(compacting.astype("int64"), index=df.index).groupby([df["job"], df["seq"]]).cumsum()
+    # per movement run (part), each action fires once: at the first call at or above its threshold
+    runs = [df["job"], df["seq"], part]
     fired: dict[str, np.ndarray] = {}
     for action in ACTIONS:
-        hit = pd.Series(ratio_wi >= th[action], index=df.index)  # NaN compares False: no count, no action
+        # NaN compares False: no count, no action
+        hit = pd.Series((ratio_wi >= th[action]) & ~compacting, index=df.index)
         fired[action] = (hit & (hit.astype("int64").groupby(runs).cumsum() == 1)).to_numpy()
 
     listed = np.full(len(df), "", dtype=object)
