@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -36,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "openai:gpt-4o-mini"
 WINDOW = 4_000  # prompt at 3,400 tokens, force_transition at 3,800
 SUMMARY_LABEL = text("en", "compact_summary", n=0, summary="").split("(")[0]  # "[Summary of the earlier …"
+NOW = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d \(\w+, UTC\)")
 ASK = "Summarise the conversation so far"
 
 
@@ -81,6 +83,11 @@ def compact(tmp: Path, **context: Any) -> Path:
 
 def bodies(srv: OpenAIServer) -> list[dict[str, Any]]:
     return [r.body for r in srv.received]
+
+
+def timeless(value: Any) -> Any:
+    """``value`` with the prompts' current date and time (to the minute) masked, so two runs compare."""
+    return json.loads(NOW.sub("<now>", json.dumps(value)))
 
 
 def is_compaction(body: dict[str, Any]) -> bool:
@@ -353,3 +360,262 @@ def test_actions_re_arm_after_a_compaction(server: OpenAIServer, tmp_path: Path)
     # after max_compactions the third prompt gets the wrap-up reminder, and the model's transition stands
     assert [(r.iteration, r.payload["reason"]) for r in of(ws, job, "reminder")] == [(9, "context prompt")]
     assert job.status == "succeeded" and not payloads(ws, job, "transition")[0]["forced"]
+
+
+# -- 3. a summarisation call that fails, or says nothing ---------------------------------------------------------
+def _conversation(srv: OpenAIServer) -> list[dict[str, Any]]:
+    """The conversation requests, their tool-call ids numbered by first appearance (the server names them by
+    request number, which a summarisation request moves on)."""
+    ids: dict[str, str] = {}
+
+    def renumber(m: dict[str, Any]) -> dict[str, Any]:
+        m = dict(m)
+        if "tool_call_id" in m:
+            m["tool_call_id"] = ids.setdefault(m["tool_call_id"], f"id{len(ids)}")
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "id": ids.setdefault(c["id"], f"id{len(ids)}")} for c in m["tool_calls"]]
+        return m
+
+    return [{**b, "messages": [renumber(m) for m in b["messages"]]} for b in timeless(bodies(srv))
+            if not is_compaction(b)]
+
+
+def _seed_run(tmp_path: Path, srv: OpenAIServer, actions: list[dict[str, Any]]) -> tuple[Workspace, Any]:
+    """The same conversation with the seed's behaviour (no compaction key at all)."""
+    srv.received.clear()
+    srv.play(*actions)
+    ws = Workspace(tmp_path / "seed")
+    return ws, ws.run(ws.submit("List things.", piece=str(piece(tmp_path, name="seed")), model=MODEL))
+
+
+FAILURES: dict[str, Any] = {
+    "http-500": error(500, "the summariser is down"),
+    "http-400": error(400, "context too long for a summary"),
+    "empty": reply("   ", usage=(3_600, 1)),
+    "none": reply(None, usage=(3_600, 0)),
+}
+
+
+@pytest.mark.parametrize("how", list(FAILURES))
+@pytest.mark.parametrize("crossing", [3_500, 3_900])
+def test_a_failed_or_empty_summary_falls_back_to_the_seed(server: OpenAIServer, tmp_path: Path, how: str,
+                                                          crossing: int) -> None:
+    before = [globs(1, 1_000), globs(1, 1_100), globs(2, crossing)]
+    rest = [done(3_700)] if crossing < 3_800 else []  # at 97.5 % the seed forces the transition at once
+    server.play(*before, FAILURES[how], *rest)
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("List things.", piece=str(compact(tmp_path)), model=MODEL))
+    assert job.status == "succeeded", job.error
+    (err,) = [e for e in of(ws, job, "error")]
+    assert err.payload["where"] == "compaction" and err.iteration == 4
+    assert err.payload["message"].startswith("compaction 1 of run 1 (work): the summarisation ")
+    if how.startswith("http"):
+        assert f"HTTP {how[-3:]}" in err.payload["message"]
+        assert not [e for e in of(ws, job, "llm_response") if e.payload.get("purpose")]
+    else:
+        assert "returned no text" in err.payload["message"]
+        (summary,) = [e for e in of(ws, job, "llm_response") if e.payload.get("purpose") == "compaction"]
+        assert summary.iteration == 4 and summary.payload["usage"]["prompt_tokens"] == 3_600
+    assert not payloads(ws, job, "compaction")
+    transitions = payloads(ws, job, "transition")
+    # the job ends as the seed's does: the same conversation requests, the same reminder, the same transition
+    sent = _conversation(server)
+    seed_ws, seed = _seed_run(tmp_path, server, [*before, *rest])
+    assert sent == _conversation(server)
+    assert seed.status == job.status
+    seed_transitions = payloads(seed_ws, seed, "transition")
+    assert [(t["next_step"], t["forced"], t["reason"]) for t in transitions] == [
+        (t["next_step"], t["forced"], t["reason"]) for t in seed_transitions]
+    assert [r["text"] for r in payloads(ws, job, "reminder")] == [r["text"] for r in payloads(seed_ws, seed, "reminder")]
+    if crossing < 3_800:
+        assert [r["reason"] for r in payloads(ws, job, "reminder")] == ["context prompt"]
+        assert not transitions[0]["forced"]
+    else:
+        assert transitions[0]["forced"] and "97.5%" in transitions[0]["reason"]
+
+
+def test_a_scripted_model_that_runs_out_at_the_summary_falls_back(tmp_path: Path) -> None:
+    # the script ends with the answer that crosses 96 %: the summary has no response → error, then forced,
+    # exactly the transition the seed makes with the same script
+    def g(n: int) -> dict[str, Any]:
+        return {**call("Glob", pattern="*"), "usage": {"prompt_tokens": n, "completion_tokens": 10}}
+
+    spec = write_script(tmp_path, "s", {"work": [g(1_000), g(1_100), g(3_840)], "next": [transition("COMPLETE")]})
+    p = write_piece(tmp_path, "two", {"context": {"window_tokens": WINDOW, "on_pressure": "compact"}, "movements": [
+        {"name": "work", "instruction": "Work.", "tools": ["Glob"], "rules": [{"next": "next"}],
+         "default_next": "next"},
+        {"name": "next", "instruction": "Finish.", "rules": [{"next": "COMPLETE"}]}]})
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("List things.", piece=str(p), model=spec))
+    assert job.status == "succeeded", job.error
+    (err,) = of(ws, job, "error")
+    assert err.payload["where"] == "compaction" and "ran out of responses" in err.payload["message"]
+    first = payloads(ws, job, "transition")[0]
+    assert first["forced"] and first["next_step"] == "next" and "96.0%" in first["reason"]
+    seed_piece = p.read_text().replace("on_pressure: compact", "on_pressure: transition")
+    seed = ws.run(ws.submit("List things.", piece=seed_piece, model=spec))
+    assert [(t["next_step"], t["forced"], t["reason"]) for t in payloads(ws, seed, "transition")] == [
+        (t["next_step"], t["forced"], t["reason"]) for t in payloads(ws, job, "transition")]
+
+
+# -- 4. where on_pressure is set, and what is refused -----------------------------------------------------------
+def _g(n: int) -> dict[str, Any]:
+    return {**call("Glob", pattern="*"), "usage": {"prompt_tokens": n, "completion_tokens": 10}}
+
+
+def _summary(text_: str) -> dict[str, Any]:
+    return {"content": text_, "usage": {"prompt_tokens": 3_600, "completion_tokens": 20}}
+
+
+# both movements cross prompt at their third call; a movement that compacts takes a summary as its 4th response
+_PRESSED = [_g(1_000), _g(1_100), _g(3_500)]
+
+
+def _two_movements(tmp: Path, *, piece_context: dict[str, Any] | None = None,
+                   a: dict[str, Any] | None = None, b: dict[str, Any] | None = None) -> Path:
+    def mv(name: str, nxt: str, ctx: dict[str, Any] | None) -> dict[str, Any]:
+        m: dict[str, Any] = {"name": name, "instruction": f"Do {name}.", "tools": ["Glob"],
+                             "rules": [{"next": nxt}], "default_next": nxt}
+        return {**m, "context": ctx} if ctx is not None else m
+    return write_piece(tmp, "pair", {"context": {"window_tokens": WINDOW, **(piece_context or {})},
+                                     "movements": [mv("a", "b", a), mv("b", "COMPLETE", b)]})
+
+
+def _script_for(tmp: Path, compacting: set[str], name: str = "s") -> str:
+    return write_script(tmp, name, {m: [*_PRESSED, *([_summary(f"summary of {m}")] if m in compacting else []),
+                                        transition("b" if m == "a" else "COMPLETE")] for m in ("a", "b")})
+
+
+def _compacted(ws: Workspace, job: Any) -> list[str]:
+    names = {e.movement_seq: e.payload["movement"] for e in of(ws, job, "movement_start")}
+    return [names[e.movement_seq] for e in of(ws, job, "compaction")]
+
+
+def _wrapped(ws: Workspace, job: Any) -> list[str]:
+    names = {e.movement_seq: e.payload["movement"] for e in of(ws, job, "movement_start")}
+    return [names[e.movement_seq] for e in of(ws, job, "reminder") if e.payload["reason"] == "context prompt"]
+
+
+@pytest.mark.parametrize(("piece_context", "a", "b", "job_context", "compacting"), [
+    ({"on_pressure": "compact"}, None, None, None, {"a", "b"}),
+    ({"on_pressure": "compact"}, {"on_pressure": "transition"}, None, None, {"b"}),
+    (None, None, {"on_pressure": "compact"}, None, {"b"}),
+    ({"on_pressure": "transition"}, {"on_pressure": "compact"}, None, None, {"a"}),
+    (None, {"on_pressure": "transition"}, None, {"on_pressure": "compact"}, {"a", "b"}),
+    ({"on_pressure": "compact"}, {"on_pressure": "compact"}, None, {"on_pressure": "transition"}, set()),
+    ({"on_pressure": "compact", "max_compactions": 0}, {"max_compactions": 1}, None, None, {"a"}),
+    ({"on_pressure": "compact"}, {"max_compactions": 1}, None, {"max_compactions": 0}, set()),
+], ids=["piece", "movement-off", "movement-on", "movement-over-piece", "job-over-movement", "job-off",
+        "movement-max", "job-max"])
+def test_on_pressure_precedence_job_over_movement_over_piece(
+        tmp_path: Path, piece_context: dict[str, Any] | None, a: dict[str, Any] | None, b: dict[str, Any] | None,
+        job_context: dict[str, Any] | None, compacting: set[str]) -> None:
+    ws = Workspace(tmp_path / "ws")
+    p = _two_movements(tmp_path, piece_context=piece_context, a=a, b=b)
+    job = ws.run(ws.submit("Go.", piece=str(p), model=_script_for(tmp_path, compacting), context=job_context))
+    assert job.status == "succeeded", job.error
+    assert _compacted(ws, job) == sorted(compacting)
+    assert _wrapped(ws, job) == sorted({"a", "b"} - compacting)
+
+
+def test_keep_last_per_movement_and_per_job(tmp_path: Path) -> None:
+    p = _two_movements(tmp_path, piece_context={"on_pressure": "compact", "compact_keep_last": 4},
+                       a={"compact_keep_last": 0})
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("Go.", piece=str(p), model=_script_for(tmp_path, {"a", "b"})))
+    assert [e["kept_messages"] for e in payloads(ws, job, "compaction")] == [0, 4]
+    job = ws.run(ws.submit("Go.", piece=str(p), model=_script_for(tmp_path, {"a", "b"}),
+                           context={"compact_keep_last": 2}))
+    assert [e["kept_messages"] for e in payloads(ws, job, "compaction")] == [2, 2]
+
+
+def test_a_fork_with_context_compacts_where_the_original_wrapped_up(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path / "ws")
+    p = _two_movements(tmp_path)
+    original = ws.run(ws.submit("Go.", piece=str(p), model=_script_for(tmp_path, set())))
+    assert _wrapped(ws, original) == ["a", "b"] and not _compacted(ws, original)
+    fork = ws.fork(original, at=2, model=_script_for(tmp_path, {"b"}, "f"), context={"on_pressure": "compact"})
+    assert fork.status == "succeeded", fork.error
+    assert _compacted(ws, fork) == ["b"] and _wrapped(ws, fork) == ["a"]  # run 1 re-served as it was
+    with pytest.raises(ValueError, match=r"^context.on_pressure='sometimes'; allowed: transition, compact$"):
+        ws.fork(original, at=2, context={"on_pressure": "sometimes"})
+
+
+def _comparable(ws: Workspace, job: Any) -> list[tuple[Any, ...]]:
+    """A job's events without what differs between two runs of the same steps (times, latency, owners)."""
+    out = []
+    for e in ws.events(job):
+        payload = {k: v for k, v in e.payload.items() if k not in ("latency_s", "ts", "owner")}
+        if e.kind == "job_status" and str(payload.get("reason")).startswith("claimed by "):
+            payload["reason"] = "claimed by <owner>"
+        out.append((e.kind, e.movement_seq, e.iteration, json.dumps(timeless(payload), sort_keys=True, default=str)))
+    return out
+
+
+def test_on_pressure_transition_is_the_seed_exactly(tmp_path: Path) -> None:
+    spec = _script_for(tmp_path, set())
+    runs = {}
+    for key, ctx in {"absent": None, "piece": {"on_pressure": "transition"}}.items():
+        ws = Workspace(tmp_path / key)
+        (tmp_path / f"{key}p").mkdir()
+        p = _two_movements(tmp_path / f"{key}p", piece_context=ctx)
+        runs[key] = _comparable(ws, ws.run(ws.submit("Go.", piece=str(p), model=spec)))
+    ws = Workspace(tmp_path / "job")
+    (tmp_path / "jobp").mkdir()
+    p = _two_movements(tmp_path / "jobp")
+    runs["job"] = _comparable(ws, ws.run(ws.submit("Go.", piece=str(p), model=spec,
+                                                   context={"on_pressure": "transition"})))
+    assert runs["absent"] == runs["piece"] == runs["job"]
+    assert [k for k, *_ in runs["absent"]].count("reminder") == 2
+
+
+_BAD_PIECES = [
+    ("context:\n  on_pressure: compact\n  compact_often: 3\n", 4, "context.compact_often",
+     "unknown key 'compact_often'"),
+    ("context:\n  on_pressure: sometimes\n", 3, "context.on_pressure", "found 'sometimes', allowed: transition, compact"),
+    ("context:\n  compact_keep_last: -1\n", 3, "context.compact_keep_last", "found -1, expected a whole number ≥ 0"),
+    ("context:\n  max_compactions: two\n", 3, "context.max_compactions", "found 'two', expected a whole number ≥ 0"),
+    ("movements:\n  - name: work\n    instruction: Work.\n    context:\n      window_tokens: 5000\n", 6,
+     "movements[0] (work).context.window_tokens",
+     "unknown key 'window_tokens'; allowed keys: on_pressure, compact_keep_last, max_compactions"),
+    ("movements:\n  - name: work\n    instruction: Work.\n    context:\n      on_pressure: sometimes\n", 6,
+     "movements[0] (work).context.on_pressure", "found 'sometimes', allowed: transition, compact"),
+    ("movements:\n  - name: work\n    instruction: Work.\n    context:\n      compact_keep_last: -1\n", 6,
+     "movements[0] (work).context.compact_keep_last", "found -1, expected a whole number ≥ 0"),
+    ("movements:\n  - name: work\n    instruction: Work.\n    context:\n      max_compactions: two\n", 6,
+     "movements[0] (work).context.max_compactions", "found 'two', expected a whole number ≥ 0"),
+]
+
+
+@pytest.mark.parametrize(("yaml_text", "line", "field", "what"), _BAD_PIECES)
+def test_bad_compaction_settings_in_a_piece_name_file_line_and_field(tmp_path: Path, yaml_text: str, line: int,
+                                                                     field: str, what: str) -> None:
+    body = yaml_text if yaml_text.startswith("movements") else yaml_text + "movements:\n  - name: work\n    instruction: Work.\n"
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: bad\n" + body, encoding="utf-8")
+    with pytest.raises(PieceError) as info:
+        load_piece(str(path))
+    assert (info.value.file, info.value.line, info.value.field) == (str(path), line, field)
+    assert str(info.value) .startswith(f"{path}:{line}: {field}: ") and what in str(info.value)
+    assert "\n" not in str(info.value)
+    ws = Workspace(tmp_path / "ws")
+    with pytest.raises(PieceError):
+        ws.submit("x", piece=str(path), model="demo")
+    assert ws.frames.jobs().empty
+
+
+@pytest.mark.parametrize(("context", "message"), [
+    ({"on_pressure": "sometimes"}, "context.on_pressure='sometimes'; allowed: transition, compact"),
+    ({"compact_keep_last": -1}, "context.compact_keep_last=-1; allowed: a whole number ≥ 0"),
+    ({"max_compactions": "two"}, "context.max_compactions='two'; allowed: a whole number ≥ 0"),
+    ({"max_compactions": True}, "context.max_compactions=True; allowed: a whole number ≥ 0"),
+    ({"compact": True}, "context: unknown key(s) ['compact']; allowed: window_tokens, thresholds, min_tool_tokens, "
+                        "on_pressure, compact_keep_last, max_compactions"),
+])
+def test_bad_context_at_submit_is_one_line_and_stores_nothing(tmp_path: Path, context: dict[str, Any],
+                                                              message: str) -> None:
+    ws = Workspace(tmp_path / "ws")
+    with pytest.raises(ValueError) as info:
+        ws.submit("x", piece="single", model="demo", context=context)
+    assert str(info.value) == message
+    assert ws.frames.jobs().empty and not list((tmp_path / "ws").glob("jobs/*"))
