@@ -38,6 +38,7 @@ MODEL = "openai:gpt-4o-mini"
 WINDOW = 4_000  # prompt at 3,400 tokens, force_transition at 3,800
 SUMMARY_LABEL = text("en", "compact_summary", n=0, summary="").split("(")[0]  # "[Summary of the earlier …"
 NOW = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d \(\w+, UTC\)")
+CALL_ID = re.compile(r"call_\d+_\d+")
 ASK = "Summarise the conversation so far"
 
 
@@ -86,8 +87,12 @@ def bodies(srv: OpenAIServer) -> list[dict[str, Any]]:
 
 
 def timeless(value: Any) -> Any:
-    """``value`` with the prompts' current date and time (to the minute) masked, so two runs compare."""
-    return json.loads(NOW.sub("<now>", json.dumps(value)))
+    """``value`` with the prompts' current date and time (to the minute) masked, and the server's tool-call ids
+    (``call_<request>_<i>``: a request asked again moves them on) numbered by first appearance, so two runs
+    of the same steps compare."""
+    ids: dict[str, str] = {}
+    masked = NOW.sub("<now>", json.dumps(value))
+    return json.loads(CALL_ID.sub(lambda m: ids.setdefault(m.group(0), f"id{len(ids)}"), masked))
 
 
 def is_compaction(body: dict[str, Any]) -> bool:
@@ -541,15 +546,18 @@ def test_a_fork_with_context_compacts_where_the_original_wrapped_up(tmp_path: Pa
         ws.fork(original, at=2, context={"on_pressure": "sometimes"})
 
 
-def _comparable(ws: Workspace, job: Any) -> list[tuple[Any, ...]]:
-    """A job's events without what differs between two runs of the same steps (times, latency, owners)."""
+def _comparable(ws: Workspace, job: Any, statuses: bool = True) -> list[tuple[Any, ...]]:
+    """A job's events without what differs between two runs of the same steps (times, latency, claim owners;
+    with ``statuses=False`` the job_status events, which stepping and recovering add)."""
     out = []
     for e in ws.events(job):
+        if e.kind == "job_status" and not statuses:
+            continue
         payload = {k: v for k, v in e.payload.items() if k not in ("latency_s", "ts", "owner")}
         if e.kind == "job_status" and str(payload.get("reason")).startswith("claimed by "):
             payload["reason"] = "claimed by <owner>"
-        out.append((e.kind, e.movement_seq, e.iteration, json.dumps(timeless(payload), sort_keys=True, default=str)))
-    return out
+        out.append((e.kind, e.movement_seq, e.iteration, json.dumps(payload, sort_keys=True, default=str)))
+    return timeless(out)
 
 
 def test_on_pressure_transition_is_the_seed_exactly(tmp_path: Path) -> None:
@@ -619,3 +627,90 @@ def test_bad_context_at_submit_is_one_line_and_stores_nothing(tmp_path: Path, co
         ws.submit("x", piece="single", model="demo", context=context)
     assert str(info.value) == message
     assert ws.frames.jobs().empty and not list((tmp_path / "ws").glob("jobs/*"))
+
+
+# -- 5. resumed in another process between any two calls, and killed during the summary -----------------------
+CHILD = ("import sys; from agentnb import Workspace; ws = Workspace(sys.argv[1]); job = int(sys.argv[2]); "
+         "print(ws.step(job, unit='call').status if sys.argv[3] == 'call' else ws.run(job).status)")
+
+
+def _child_env(srv: OpenAIServer) -> dict[str, str]:
+    return {**os.environ, "OPENAI_BASE_URL": srv.base_url, "PYTHONPATH": os.pathsep.join(
+        [str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def _in_child(srv: OpenAIServer, ws: Workspace, job: Any, what: str) -> str:
+    done_ = subprocess.run([sys.executable, "-c", CHILD, str(ws.root), str(job.id), what], capture_output=True,
+                           text=True, cwd=REPO, timeout=120, env=_child_env(srv))
+    assert done_.returncode == 0, done_.stderr[-3000:]
+    return done_.stdout.strip()
+
+
+FAILED_THEN_SEED = [globs(1, 1_000), globs(2, 1_100), globs(1, 3_500), *error(500), globs(1, 3_600),
+                    globs(1, 3_850)]
+TOO_LITTLE = [globs(1, 1_000), globs(1, 1_100), globs(1, 3_500), reply("SUMMARY", usage=(3_600, 20)),
+              globs(1, 3_500), done(3_600)]
+
+
+@pytest.mark.parametrize(("actions", "persona"), [(TWO_COMPACTIONS, None), (FAILED_THEN_SEED, None),
+                                                  (TOO_LITTLE, " ".join(f"rule{i}" for i in range(3_300)))],
+                         ids=["two-compactions", "failed-summary", "stays-above-prompt"])
+def test_stepped_one_call_per_process_equals_a_straight_run(
+        server: OpenAIServer, tmp_path: Path, actions: list[dict[str, Any]], persona: str | None) -> None:
+    p = piece(tmp_path, context={"on_pressure": "compact", "compact_keep_last": 3}, persona=persona)
+    server.play(*actions)
+    straight_ws = Workspace(tmp_path / "straight")
+    straight = straight_ws.run(straight_ws.submit("List things.", piece=str(p), model=MODEL))
+    straight_sent = timeless(bodies(server))
+    with OpenAIServer(actions=list(actions)) as other:
+        ws = Workspace(tmp_path / "stepped")
+        job = ws.submit("List things.", piece=str(p), model=MODEL)
+        statuses = [_in_child(other, ws, job, "call") for _ in range(len(actions))]
+        assert statuses[-1] == straight.status and set(statuses[:-1]) == {"queued"}
+        assert timeless(bodies(other)) == straight_sent
+    assert _comparable(ws, job, statuses=False) == _comparable(straight_ws, straight, statuses=False)
+    assert [r for r in payloads(ws, job, "llm_request") if r.get("purpose") == "compaction"]
+    assert len(straight_sent) == len(actions)
+
+
+def test_killed_during_the_summarisation_call_resumes_to_the_straight_runs_events(
+        server: OpenAIServer, tmp_path: Path) -> None:
+    p = compact(tmp_path, compact_keep_last=3)
+    server.play(*TWO_COMPACTIONS)
+    straight_ws = Workspace(tmp_path / "straight")
+    straight = straight_ws.run(straight_ws.submit("List things.", piece=str(p), model=MODEL))
+    straight_sent = timeless(bodies(server))
+    # the same answers, but the first summarisation request is held until its process is killed
+    held = [*TWO_COMPACTIONS[:3], hold(), *TWO_COMPACTIONS[3:]]
+    with OpenAIServer(actions=held) as other:
+        ws = Workspace(tmp_path / "killed")
+        job = ws.submit("List things.", piece=str(p), model=MODEL)
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(ws.root), str(job.id), "run"], cwd=REPO,
+                                env=_child_env(other), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not other.holding.is_set():
+                assert proc.poll() is None, proc.communicate()[1][-3000:]
+                assert time.monotonic() < deadline, "the summarisation request never came"
+                time.sleep(0.02)
+            # the summarisation call was recorded before it was made, and has no answer yet
+            last = ws.events(job)[-1]
+            assert last.kind == "llm_request" and last.payload["purpose"] == "compaction" and last.iteration == 4
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+        assert ws.job(job.id).status == "running"  # the dead process's claim is still there
+        assert _in_child(other, ws, job, "run") == "succeeded"
+        sent = timeless(bodies(other))
+    # the held request is asked again with the same messages; nothing else differs
+    assert sent[3] == sent[4] and is_compaction(sent[3])
+    assert sent[:4] + sent[5:] == straight_sent
+    events = [tuple(e) for e in _comparable(ws, job, statuses=False)]
+    reasons = [e.payload["reason"] for e in of(ws, job, "job_status")]
+    assert any(r.startswith("recovered: the process that ran it") for r in reasons), reasons
+    requests = [i for i, e in enumerate(events) if e[0] == "llm_request" and e[2] == 4]
+    assert len(requests) == 2 and events[requests[0]] == events[requests[1]]
+    without = [e for i, e in enumerate(events) if i != requests[0]]
+    assert without == [tuple(e) for e in _comparable(straight_ws, straight, statuses=False)]
+    assert [e["summary"] for e in payloads(ws, job, "compaction")] == [e["summary"] for e in
+                                                                        payloads(straight_ws, straight, "compaction")]
