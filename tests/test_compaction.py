@@ -10,16 +10,13 @@ result without its call nor a call without all its results.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
 import signal
-import struct
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -714,3 +711,144 @@ def test_killed_during_the_summarisation_call_resumes_to_the_straight_runs_event
     assert without == [tuple(e) for e in _comparable(straight_ws, straight, statuses=False)]
     assert [e["summary"] for e in payloads(ws, job, "compaction")] == [e["summary"] for e in
                                                                         payloads(straight_ws, straight, "compaction")]
+
+
+# -- 6. forks, replays and the demo model ------------------------------------------------------------------------
+def _to(step: str, prompt: int = 1_000) -> dict[str, Any]:
+    return reply(None, [("transition", {"next_step": step, "summary": f"on to {step}"})], usage=(prompt, 10))
+
+
+def _run_of(step: str, name: str) -> list[dict[str, Any]]:
+    """One movement run: prompt crossed at its third answer, one summary, then its transition."""
+    return [globs(2, 1_000), globs(1, 1_100), globs(2, 3_500), reply(f"SUMMARY of {name}", usage=(3_600, 20)),
+            globs(1, 2_000), _to(step)]
+
+
+def _three_runs(tmp: Path) -> Path:
+    def mv(name: str, nxt: str) -> dict[str, Any]:
+        return {"name": name, "instruction": f"Do {name}.", "tools": ["Glob"], "rules": [{"next": nxt}],
+                "default_next": nxt}
+    return write_piece(tmp, "three", {
+        "context": {"window_tokens": WINDOW, "on_pressure": "compact", "compact_keep_last": 3},
+        "movements": [mv("a", "b"), mv("b", "c"), mv("c", "COMPLETE")]})
+
+
+RUNS = [_run_of("b", "a"), _run_of("c", "b"), _run_of("COMPLETE", "c")]
+
+
+def _by_run(sent: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Requests grouped by movement run (each run's requests share its system and user prompts)."""
+    out: list[list[dict[str, Any]]] = []
+    for b in sent:
+        if not out or b["messages"][:2] != out[-1][0]["messages"][:2]:
+            out.append([])
+        out[-1].append(b)
+    return out
+
+
+@pytest.mark.parametrize("at", [1, 2, 3])
+def test_a_fork_re_serves_the_compactions_and_reaches_the_same_messages(
+        server: OpenAIServer, tmp_path: Path, at: int) -> None:
+    server.play(*[a for run in RUNS for a in run])
+    ws = Workspace(tmp_path / "ws")
+    original = ws.run(ws.submit("Go.", piece=str(_three_runs(tmp_path)), model=MODEL))
+    assert original.status == "succeeded" and len(payloads(ws, original, "compaction")) == 3
+    original_runs = [timeless(run) for run in _by_run(bodies(server))]
+    server.received.clear()
+    server.play(*[a for run in RUNS[at - 1:] for a in run])  # only the live runs ask the model
+    fork = ws.fork(original, at=at)
+    assert fork.status == "succeeded", fork.error
+    assert not server.actions
+    # the live runs send what the original's sent (their prompts differ only in the time, which is masked)
+    assert [timeless(run) for run in _by_run(bodies(server))] == original_runs[at - 1:]
+    re_served = [e for e in of(ws, fork, "llm_response") if e.movement_seq < at]
+    assert len(re_served) == 6 * (at - 1) and all(e.payload["replayed_from"] == original.id for e in re_served)
+    assert all(e.payload["usage"]["total_tokens"] == 0 for e in re_served)
+    summaries = [e for e in re_served if e.payload.get("purpose") == "compaction"]
+    assert [e.movement_seq for e in summaries] == list(range(1, at))
+    # the same compactions, re-served or live, as the original's
+    assert payloads(ws, fork, "compaction") == payloads(ws, original, "compaction")
+    usage = ws.frames.usage(fork)
+    assert list(usage["replayed"]) == [e.movement_seq < at for e in of(ws, fork, "llm_response")]
+
+
+def test_a_replay_of_a_compacted_job_equals_the_original(server: OpenAIServer, tmp_path: Path) -> None:
+    server.play(*[a for run in RUNS for a in run])
+    ws = Workspace(tmp_path / "ws")
+    original = ws.run(ws.submit("Go.", piece=str(_three_runs(tmp_path)), model=MODEL))
+    n = len(server.received)
+    replay = ws.replay(original)
+    assert replay.status == "succeeded" and len(server.received) == n  # no model asked
+    assert payloads(ws, replay, "compaction") == payloads(ws, original, "compaction")
+
+    def conversation(job: Any) -> list[tuple[Any, ...]]:
+        keep = ("llm_request", "llm_response", "tool_call", "tool_result", "compaction", "context_action",
+                "reminder", "transition", "error")
+        return [(k, s, i, json.loads(p).get("purpose"), json.loads(p).get("content"), json.loads(p).get("summary"))
+                for k, s, i, p in _comparable(ws, job, statuses=False) if k in keep]
+
+    assert conversation(replay) == conversation(original)
+
+
+def test_a_replay_whose_calls_take_another_path_records_a_failed_compaction(tmp_path: Path) -> None:
+    # the original compacted at its 4th call; replayed under transition, call 4 is a conversation call, so the
+    # ReplayModel refuses it; under compact with keep 0 on a job that never compacted, the summary is refused
+    def g(n: int) -> dict[str, Any]:
+        return {**call("Glob", pattern="*"), "usage": {"prompt_tokens": n, "completion_tokens": 10}}
+
+    spec = write_script(tmp_path, "s", {"work": [g(1_000), g(1_100), g(3_500), transition("COMPLETE")]})
+    ws = Workspace(tmp_path / "ws")
+    plain = ws.run(ws.submit("Go.", piece=str(piece(tmp_path)), model=spec))
+    assert [r["reason"] for r in payloads(ws, plain, "reminder")] == ["context prompt"]
+    replay = ws.replay(plain, piece=str(compact(tmp_path)))
+    (err,) = of(ws, replay, "error")
+    assert err.payload["where"] == "compaction" and "is a compaction call here but was a conversation call" in \
+        err.payload["message"]
+    assert replay.status == "succeeded"  # the fall-back is the wrap-up the original had, then its transition
+    assert [r["text"] for r in payloads(ws, replay, "reminder")] == [r["text"] for r in payloads(ws, plain, "reminder")]
+
+
+def test_the_demo_model_compacts_the_shipped_piece_and_completes(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("Write a hello world script in output/hello.py and check it.",
+                           piece="plan-implement-verify", model="demo",
+                           context={"on_pressure": "compact", "window_tokens": 3_000}))
+    assert job.status == "succeeded", job.error
+    compactions = of(ws, job, "compaction")
+    assert compactions and all(e.payload["summary"].strip() for e in compactions)
+    summaries = [e for e in of(ws, job, "llm_response") if e.payload.get("purpose") == "compaction"]
+    assert [(e.movement_seq, e.iteration) for e in summaries] == [(e.movement_seq, e.iteration) for e in compactions]
+    assert all(e.payload["tokens_after"] < e.payload["tokens_before"] for e in compactions)
+    assert not of(ws, job, "error")
+    # and a replay of it re-serves the summaries in order
+    replay = ws.replay(job)
+    assert replay.status == "succeeded" and payloads(ws, replay, "compaction") == payloads(ws, job, "compaction")
+
+
+# -- 7. parallel tool calls with images --------------------------------------------------------------------------
+PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 24
+
+
+def _look(prompt: int) -> dict[str, Any]:
+    return reply(None, [("ReadImage", {"path": "input/dot.png"}), ("Glob", {"pattern": "*"})], usage=(prompt, 10))
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3, 4, 5])
+def test_images_stay_with_their_tool_results(server: OpenAIServer, tmp_path: Path, keep: int) -> None:
+    # each answer makes two parallel calls, one attaching an image: [assistant, tool, tool, user(image)]
+    server.play(_look(500), _look(900), _look(3_500), reply("SUMMARY-IMG", usage=(3_600, 20)),
+                _look(1_500), done(1_600))
+    ws = Workspace(tmp_path / "ws")
+    p = piece(tmp_path, context={"on_pressure": "compact", "compact_keep_last": keep}, tools=("Glob", "ReadImage"))
+    job = ws.run(ws.submit("Look.", piece=str(p), model=MODEL, inputs={"dot.png": PNG}))
+    assert job.status == "succeeded", job.error
+    (ev,) = check_compactions(server, ws, job, keep)
+    after = next(b for i, b in enumerate(bodies(server)) if i and is_compaction(bodies(server)[i - 1]))["messages"]
+    tail = after[3:]
+    # the whole last group is kept: its call, both results, then its image (never the image or a result alone)
+    assert [m["role"] for m in tail[:4]] == ["assistant", "tool", "tool", "user"]
+    assert is_attachment(tail[3]) and tail[3]["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert ev["kept_messages"] == len(tail) == (4 if keep <= 4 else 8)
+    assert_pairs_whole(after)
+    # the images were counted in both sizes
+    assert ev["tokens_after"] > 765
