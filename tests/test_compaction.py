@@ -852,3 +852,34 @@ def test_images_stay_with_their_tool_results(server: OpenAIServer, tmp_path: Pat
     assert_pairs_whole(after)
     # the images were counted in both sizes
     assert ev["tokens_after"] > 765
+
+
+def test_a_fork_and_a_replay_across_a_failed_summary_take_the_same_fall_back(
+        server: OpenAIServer, tmp_path: Path) -> None:
+    run_a = [globs(1, 1_000), globs(1, 1_100), globs(2, 3_500), *error(500, "the summariser is down"), _to("b")]
+    server.play(*run_a, *_run_of("c", "b"), *_run_of("COMPLETE", "c"))
+    ws = Workspace(tmp_path / "ws")
+    original = ws.run(ws.submit("Go.", piece=str(_three_runs(tmp_path)), model=MODEL))
+    assert original.status == "succeeded"
+    n = len(server.received)
+    server.play(*_run_of("COMPLETE", "c"), *_run_of("COMPLETE", "c"))
+    fork = ws.fork(original, at=3)
+    replay = ws.replay(original)
+    again = ws.fork(fork, at=3)  # a fork of the fork re-serves run 1 from the fork's record
+    assert fork.status == replay.status == again.status == "succeeded" and len(server.received) == n + 12
+
+    def run1(job: Any) -> list[tuple[Any, ...]]:
+        return [(e.kind, e.iteration, e.payload.get("purpose"), e.payload.get("where"), e.payload.get("reason"))
+                for e in ws.events(job) if e.movement_seq == 1 and e.kind in
+                ("llm_request", "llm_response", "error", "reminder", "compaction", "transition")]
+
+    assert run1(fork) == run1(replay) == run1(again) == run1(original)
+    (err,) = of(ws, original, "error")
+    assert err.payload["where"] == "compaction" and "HTTP 500" in err.payload["message"]
+    # re-served, the failure says what happened in the original (not that the re-served run took another path)
+    why = f"re-served from job {original.id}, whose summarisation call failed here too: {MODEL}: gave up after " \
+          "1 tries; last error HTTP 500: the summariser is down; the movement goes on"
+    for job in (fork, replay, again):
+        (e,) = of(ws, job, "error")
+        assert e.payload["where"] == "compaction" and why in e.payload["message"], e.payload["message"]
+    assert payloads(ws, fork, "compaction") == payloads(ws, original, "compaction")
