@@ -883,3 +883,53 @@ def test_a_fork_and_a_replay_across_a_failed_summary_take_the_same_fall_back(
         (e,) = of(ws, job, "error")
         assert e.payload["where"] == "compaction" and why in e.payload["message"], e.payload["message"]
     assert payloads(ws, fork, "compaction") == payloads(ws, original, "compaction")
+
+
+@pytest.fixture
+def interrupt_once() -> Iterator[dict[str, int]]:
+    """A read-only tool that is interrupted (Ctrl-C) the first time it runs: the store is left as a kill
+    between a response's tool calls leaves it."""
+    import agentnb
+
+    state = {"left": 0, "runs": 0}
+
+    @agentnb.tool(name="look_once", read_only=True)
+    def look_once() -> str:
+        """Look around."""
+        state["runs"] += 1
+        if state["left"]:
+            state["left"] -= 1
+            raise KeyboardInterrupt
+        return "looked"
+
+    yield state
+    agentnb.tools.base.unregister("look_once")
+
+
+def test_interrupted_inside_the_crossing_response_then_resumed_compacts_as_a_straight_run(
+        server: OpenAIServer, tmp_path: Path, interrupt_once: dict[str, int]) -> None:
+    crossing = reply(None, [("Glob", {"pattern": "*"}), ("look_once", {}), ("Glob", {"pattern": "input/*"})],
+                     usage=(3_500, 10))
+    actions = [globs(1, 1_000), globs(2, 1_100), crossing, reply("SUMMARY-1", usage=(3_600, 20)), globs(1, 1_500),
+               done(1_600)]
+    p = piece(tmp_path, context={"on_pressure": "compact", "compact_keep_last": 3}, tools=("Glob", "look_once"))
+    server.play(*actions)
+    straight_ws = Workspace(tmp_path / "straight")
+    straight = straight_ws.run(straight_ws.submit("Look.", piece=str(p), model=MODEL))
+    straight_sent = timeless(bodies(server))
+    assert straight.status == "succeeded" and len(payloads(straight_ws, straight, "compaction")) == 1
+    with OpenAIServer(actions=list(actions)) as other:
+        os.environ["OPENAI_BASE_URL"] = other.base_url  # restored by the server fixture's monkeypatch
+        ws = Workspace(tmp_path / "stopped")
+        job = ws.submit("Look.", piece=str(p), model=MODEL)
+        interrupt_once["left"] = 1
+        with pytest.raises(KeyboardInterrupt):
+            ws.run(job)
+        # the crossing response and its prompt action are stored; its tools and the compaction are not done
+        kinds = [e.kind for e in ws.events(job) if e.movement_seq == 1 and e.iteration == 3]
+        assert kinds[:2] == ["llm_request", "llm_response"] and "context_action" in kinds
+        assert len([k for k in kinds if k == "tool_result"]) < 3 and not of(ws, job, "compaction")
+        job = Workspace(ws.root).run(job.id)  # nothing kept in memory: rebuilt from the events
+        assert job.status == "succeeded", job.error
+        assert timeless(bodies(other)) == straight_sent
+    assert _comparable(ws, job, statuses=False) == _comparable(straight_ws, straight, statuses=False)
