@@ -141,14 +141,17 @@ def check_compactions(srv: OpenAIServer, ws: Workspace, job: Any, keep: int) -> 
     compaction events' payloads.  Each compaction is: the conversation request before it (``prev``), the
     summarisation request (``ask``), the next conversation request (``after``)."""
     sent = bodies(srv)
-    events = payloads(ws, job, "compaction")
     asks = [i for i, b in enumerate(sent) if is_compaction(b)]
-    assert len(asks) == len([r for r in payloads(ws, job, "llm_request") if r.get("purpose") == "compaction"])
+    # the k-th summarisation request is the k-th llm_request marked compaction; its compaction event (none when
+    # the call failed or said nothing) has the same iteration
+    ask_iterations = [e.iteration for e in of(ws, job, "llm_request") if e.payload.get("purpose") == "compaction"]
+    assert len(asks) == len(ask_iterations)
+    events = payloads(ws, job, "compaction")
+    by_iteration = {e["iteration"]: e for e in events}
     counter = ContextManager(window=WINDOW, model=MODEL)
-    succeeded = [i for i in asks if i + 1 < len(sent) and not is_compaction(sent[i + 1])]
     responses = {(e.iteration): e.payload for e in of(ws, job, "llm_response")}
     n = 0
-    for i in asks:
+    for i, iteration in zip(asks, ask_iterations, strict=True):
         ask = sent[i]
         prev = sent[i - 1]
         assert "tools" not in ask and "tool_choice" not in ask
@@ -159,9 +162,9 @@ def check_compactions(srv: OpenAIServer, ws: Workspace, job: Any, keep: int) -> 
         assert conv[: len(prev["messages"])] == prev["messages"]
         assert conv[len(prev["messages"])]["role"] == "assistant"
         assert_pairs_whole(conv)
-        if i not in succeeded or n >= len(events):
+        ev = by_iteration.get(iteration)
+        if ev is None:
             continue
-        ev = events[n]
         n += 1
         after = sent[i + 1]["messages"]
         start = expected_start(conv, keep)
@@ -418,7 +421,7 @@ def test_a_failed_or_empty_summary_falls_back_to_the_seed(server: OpenAIServer, 
         assert "returned no text" in err.payload["message"]
         (summary,) = [e for e in of(ws, job, "llm_response") if e.payload.get("purpose") == "compaction"]
         assert summary.iteration == 4 and summary.payload["usage"]["prompt_tokens"] == 3_600
-    assert not payloads(ws, job, "compaction")
+    assert not payloads(ws, job, "compaction") and check_compactions(server, ws, job, 4) == []
     transitions = payloads(ws, job, "transition")
     # the job ends as the seed's does: the same conversation requests, the same reminder, the same transition
     sent = _conversation(server)
