@@ -936,3 +936,28 @@ def test_interrupted_inside_the_crossing_response_then_resumed_compacts_as_a_str
         assert job.status == "succeeded", job.error
         assert timeless(bodies(other)) == straight_sent
     assert _comparable(ws, job, statuses=False) == _comparable(straight_ws, straight, statuses=False)
+
+
+def test_max_iterations_counts_only_the_conversation_calls(tmp_path: Path) -> None:
+    p = piece(tmp_path, context={"on_pressure": "compact", "compact_keep_last": 2}, max_iterations=4)
+    spec = write_script(tmp_path, "s", {"work": [_g(1_000), _g(1_100), _g(3_500), _summary("SUM"), _g(1_000),
+                                                 _g(1_000)]})
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("Go.", piece=str(p), model=spec))
+    assert [(e.iteration, e.payload.get("purpose")) for e in of(ws, job, "llm_request")] == [
+        (1, None), (2, None), (3, None), (4, "compaction"), (5, None)]
+    (t,) = payloads(ws, job, "transition")
+    assert t["forced"] and t["reason"] == "max_iterations (4) reached without a transition"
+
+
+def test_a_japanese_piece_labels_its_summary_in_japanese(server: OpenAIServer, tmp_path: Path) -> None:
+    server.play(globs(1, 1_000), globs(1, 1_100), globs(1, 3_500), reply("要約です", usage=(3_600, 20)), done())
+    p = write_piece(tmp_path, "ja", {"language": "ja", "context": {"window_tokens": WINDOW, "on_pressure": "compact"},
+                                     "movements": [{"name": "work", "instruction": "作業する。", "tools": ["Glob"],
+                                                    "rules": [{"next": "COMPLETE"}]}]})
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("一覧を作る。", piece=str(p), model=MODEL))
+    assert job.status == "succeeded", job.error
+    sent = bodies(server)
+    assert sent[3]["messages"][-1]["content"] == text("ja", "compact_request", pct="88%")
+    assert sent[4]["messages"][2]["content"] == text("ja", "compact_summary", n=1, summary="要約です")
