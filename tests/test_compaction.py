@@ -36,6 +36,7 @@ WINDOW = 4_000  # prompt at 3,400 tokens, force_transition at 3,800
 SUMMARY_LABEL = text("en", "compact_summary", n=0, summary="").split("(")[0]  # "[Summary of the earlier …"
 NOW = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d \(\w+, UTC\)")
 CALL_ID = re.compile(r"call_\d+_\d+")
+PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 24  # enough for ReadImage to attach it
 ASK = "Summarise the conversation so far"
 
 
@@ -652,19 +653,26 @@ TOO_LITTLE = [globs(1, 1_000), globs(1, 1_100), globs(1, 3_500), reply("SUMMARY"
               globs(1, 3_500), done(3_600)]
 
 
+IMAGES = [reply(None, [("ReadImage", {"path": "input/dot.png"}), ("Glob", {"pattern": "*"})], usage=(n, 10))
+          for n in (500, 900, 3_500)] + [reply("SUMMARY-IMG", usage=(3_600, 20)), done(1_600)]
+
+
 @pytest.mark.parametrize(("actions", "persona"), [(TWO_COMPACTIONS, None), (FAILED_THEN_SEED, None),
-                                                  (TOO_LITTLE, " ".join(f"rule{i}" for i in range(3_300)))],
-                         ids=["two-compactions", "failed-summary", "stays-above-prompt"])
+                                                  (TOO_LITTLE, " ".join(f"rule{i}" for i in range(3_300))),
+                                                  (IMAGES, None)],
+                         ids=["two-compactions", "failed-summary", "stays-above-prompt", "images"])
 def test_stepped_one_call_per_process_equals_a_straight_run(
         server: OpenAIServer, tmp_path: Path, actions: list[dict[str, Any]], persona: str | None) -> None:
-    p = piece(tmp_path, context={"on_pressure": "compact", "compact_keep_last": 3}, persona=persona)
+    p = piece(tmp_path, context={"on_pressure": "compact", "compact_keep_last": 3}, persona=persona,
+              tools=("Glob", "ReadImage"))
+    inputs = {"dot.png": PNG}
     server.play(*actions)
     straight_ws = Workspace(tmp_path / "straight")
-    straight = straight_ws.run(straight_ws.submit("List things.", piece=str(p), model=MODEL))
+    straight = straight_ws.run(straight_ws.submit("List things.", piece=str(p), model=MODEL, inputs=inputs))
     straight_sent = timeless(bodies(server))
     with OpenAIServer(actions=list(actions)) as other:
         ws = Workspace(tmp_path / "stepped")
-        job = ws.submit("List things.", piece=str(p), model=MODEL)
+        job = ws.submit("List things.", piece=str(p), model=MODEL, inputs=inputs)
         statuses = [_in_child(other, ws, job, "call") for _ in range(len(actions))]
         assert statuses[-1] == straight.status and set(statuses[:-1]) == {"queued"}
         assert timeless(bodies(other)) == straight_sent
@@ -829,9 +837,6 @@ def test_the_demo_model_compacts_the_shipped_piece_and_completes(tmp_path: Path)
 
 
 # -- 7. parallel tool calls with images --------------------------------------------------------------------------
-PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 24
-
-
 def _look(prompt: int) -> dict[str, Any]:
     return reply(None, [("ReadImage", {"path": "input/dot.png"}), ("Glob", {"pattern": "*"})], usage=(prompt, 10))
 
@@ -961,3 +966,13 @@ def test_a_japanese_piece_labels_its_summary_in_japanese(server: OpenAIServer, t
     sent = bodies(server)
     assert sent[3]["messages"][-1]["content"] == text("ja", "compact_request", pct="88%")
     assert sent[4]["messages"][2]["content"] == text("ja", "compact_summary", n=1, summary="要約です")
+
+
+def test_nothing_to_remove_at_95_percent_is_the_forced_transition(server: OpenAIServer, tmp_path: Path) -> None:
+    server.play(globs(3, 3_900))
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("List things.", piece=str(compact(tmp_path)), model=MODEL))
+    assert job.status == "succeeded" and len(server.received) == 1
+    assert not payloads(ws, job, "compaction") and not payloads(ws, job, "reminder") and not payloads(ws, job, "error")
+    (t,) = payloads(ws, job, "transition")
+    assert t["forced"] and "97.5%" in t["reason"]
