@@ -2,7 +2,8 @@
 
 It speaks ``POST /v1/chat/completions`` (tool calls and usage included) and plays
 a list of actions, one per request: a response, an HTTP error, a stall long
-enough to make the client time out, or a raw body sent as it is.  Every request body and its headers are kept
+enough to make the client time out, a hold until the test releases it (or kills the client meanwhile),
+or a raw body sent as it is.  Every request body and its headers are kept
 so tests can check what the model was sent.
 
 For many jobs at once (batches): ``latency`` delays every answer, ``responder(body)`` chooses the
