@@ -2,7 +2,8 @@
 
 It speaks ``POST /v1/chat/completions`` (tool calls and usage included) and plays
 a list of actions, one per request: a response, an HTTP error, a stall long
-enough to make the client time out, or a raw body sent as it is.  Every request body and its headers are kept
+enough to make the client time out, a hold until the test releases it (or kills the client meanwhile),
+or a raw body sent as it is.  Every request body and its headers are kept
 so tests can check what the model was sent.
 
 For many jobs at once (batches): ``latency`` delays every answer, ``responder(body)`` chooses the
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["AsObject", "OpenAIServer", "error", "raw", "reply", "stall"]
+__all__ = ["AsObject", "OpenAIServer", "error", "hold", "raw", "reply", "stall"]
 
 
 class AsObject(dict):
@@ -45,6 +46,14 @@ def error(status: int, message: str = "scripted failure", times: int = 1,
 def stall(seconds: float) -> dict[str, Any]:
     """Wait before answering (with a valid reply), so a client with a shorter timeout gives up."""
     return {"kind": "stall", "seconds": seconds}
+
+
+def hold(then: dict[str, Any] | list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Keep the request unanswered until the test calls :meth:`OpenAIServer.release` (or the server closes),
+    then play ``then`` (a reply by default); :attr:`OpenAIServer.holding` is set while a request is held, so a
+    test can kill the client in the middle of that call."""
+    chosen = then[0] if isinstance(then, list) else then
+    return {"kind": "hold", "then": chosen if chosen is not None else reply("late answer")}
 
 
 def raw(body: str | bytes | Any, content_type: str = "application/json", status: int = 200,
@@ -86,6 +95,8 @@ class OpenAIServer:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._closing = threading.Event()
+        self.holding = threading.Event()  # a request is held by a ``hold()`` action
+        self._released = threading.Event()
         self._count = 0
         self.in_flight = 0
         self.max_in_flight = 0
@@ -133,6 +144,11 @@ class OpenAIServer:
                 if action is None:
                     return self._send(400, {"error": {"message": "the test server's script ran out",
                                                       "type": "invalid_request_error"}})
+                if action["kind"] == "hold":
+                    server.holding.set()
+                    while not (server._released.is_set() or server._closing.is_set()):
+                        server._released.wait(0.05)
+                    action = action["then"]
                 if action["kind"] == "error":
                     return self._send(action["status"], {"error": {"message": action["message"], "type": "server_error"}},
                                       action.get("headers"))
@@ -192,6 +208,10 @@ class OpenAIServer:
     def play(self, *actions: dict[str, Any] | list[dict[str, Any]]) -> None:
         for a in actions:
             self.actions.extend(a if isinstance(a, list) else [a])
+
+    def release(self) -> None:
+        """Answer the requests held by ``hold()`` actions (and let later ones through at once)."""
+        self._released.set()
 
     def __enter__(self) -> OpenAIServer:
         self.thread.start()

@@ -592,6 +592,10 @@ class AgentLoop:
                 f"{'compaction' if purpose else 'conversation'} call at {it}, where job {self.reserve.job_id} "
                 f"made a {'compaction' if recorded.purpose else 'conversation'} call"
             )
+        if recorded is None and purpose == "compaction":
+            failed = self.reserve.failed_compaction(self.seq, it)
+            if failed is not None:
+                raise failed
         if recorded is None:
             raise ModelError(
                 f"the fork's run {self.seq} ({self.movement.name}) asked for call {it}, which job "

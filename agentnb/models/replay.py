@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelError
-from ..events import LLMResponse, MovementStart, ToolResult, Transition
+from ..events import ErrorEvent, LLMResponse, MovementStart, ToolResult, Transition
 from .base import ModelRequest, ModelResponse, ToolCall
 
 if TYPE_CHECKING:
@@ -45,13 +45,16 @@ class Recording:
         self.job_id = job_id
         self.before = before
         store.job(job_id)  # a StoreError naming the job when there is none
-        kinds = ["movement_start", "llm_response", "tool_result", "transition"]
+        kinds = ["movement_start", "llm_response", "tool_result", "transition", "error"]
         events = [ev for ev in store.events(job_id, kinds=kinds)
                   if ev.movement_seq is not None and (before is None or ev.movement_seq < before)]
         self.movements: dict[int, str] = {}  # run → movement name
         self.starts: dict[int, MovementStart] = {}  # run → its movement_start (the prompts as sent, when)
         self.transitions: dict[int, Transition] = {}  # run → how it ended
         self._replayed_runs: dict[int, int] = {}  # run → the job it was re-served from
+        # (run, call) → why the summarisation call made there failed: it left no response to re-serve, and a
+        # re-served run must fail it the same way, not as a call the original never made (DESIGN §12)
+        self.failed_compactions: dict[tuple[int, int], str] = {}
         results: dict[tuple[int, int], list[ToolResult]] = {}
         responses: list[LLMResponse] = []
         for ev in events:
@@ -66,6 +69,8 @@ class Recording:
                 self.transitions[ev.movement_seq or 0] = ev
             elif isinstance(ev, ToolResult):
                 results.setdefault((ev.movement_seq or 0, ev.iteration or 0), []).append(ev)
+            elif isinstance(ev, ErrorEvent) and ev.where == "compaction":
+                self.failed_compactions[(ev.movement_seq or 0, ev.iteration or 0)] = ev.message
         # one Recording per job re-served from, reaching its last run this job re-served (not only the first:
         # a Recording built for run 1 holds no calls of run 2)
         reach: dict[int, int] = {}
@@ -104,6 +109,18 @@ class Recording:
         """The call made in run ``seq`` at ``iteration``, or None when none was recorded."""
         return self._by_key.get((seq, iteration))
 
+    def failed_compaction(self, seq: int, iteration: int) -> ModelError | None:
+        """The error to re-serve for a summarisation call that failed in run ``seq`` at ``iteration`` with no
+        response (None when it did not fail there, or failed only on an empty answer, which is re-served)."""
+        if (seq, iteration) not in self.failed_compactions or (seq, iteration) in self._by_key:
+            return None
+        message = self.failed_compactions[(seq, iteration)]
+        # the engine's words are "…: the summarisation call failed: WHY; the movement goes on …": keep WHY
+        why = message.split("call failed: ", 1)[-1].rsplit("; the movement goes on", 1)[0]
+        if why.startswith("re-served from job "):  # a fork of a fork: already names the job that failed live
+            return ModelError(why)
+        return ModelError(f"re-served from job {self.job_id}, whose summarisation call failed here too: {why}")
+
     def live_job(self, seq: int) -> int:
         """The job that ran run ``seq`` live (this one, or the job its re-served run came from, and so on)."""
         # only each source's movement_start of that run is needed, not a whole Recording of it (whose
@@ -135,6 +152,10 @@ class ReplayModel:
         self.responses: list[ModelResponse] = [c.response for c in self.recording.calls]
 
     def complete(self, request: ModelRequest) -> ModelResponse:
+        if request.purpose == "compaction":
+            failed = self.recording.failed_compaction(request.movement_seq, request.iteration)
+            if failed is not None:  # it left no response, so the next recorded call is the one after it
+                raise failed
         if request.call_index >= len(self.responses):
             raise ModelError(
                 f"replay of job {self.job_id} ran out of responses: it recorded {len(self.responses)} LLM calls"
