@@ -258,8 +258,12 @@ def test_usage_rows_count_the_summarisation_calls(server: OpenAIServer, tmp_path
     assert list(usage["completion_tokens"]) == [a["usage"][1] for a in TWO_COMPACTIONS]
     assert list(usage["source"]) == ["usage"] * 9
     assert usage["cumulative_tokens"].iloc[-1] == sum(sum(a["usage"]) for a in TWO_COMPACTIONS)
-    # the summarisation calls fire no action; the conversation calls after them fire warn/prompt again
-    assert list(usage["actions"].fillna("")) == ["", "", "warn,prompt", "", "", "warn,prompt", "", "warn", ""]
+    # the summarisation calls fire no context action (their row says compaction, DESIGN §12); the conversation
+    # calls after them fire warn/prompt again
+    assert list(usage["actions"].fillna("")) == ["", "", "warn,prompt", "compaction", "", "warn,prompt", "compaction",
+                                                 "warn", ""]
+    assert list(usage["action"].astype(object).fillna("")) == ["", "", "prompt", "compaction", "", "prompt",
+                                                               "compaction", "warn", ""]
     actions = [(a.iteration, a.payload["action"]) for a in of(ws, job, "context_action")]
     assert actions == [(3, "warn"), (3, "prompt"), (6, "warn"), (6, "prompt"), (8, "warn")]
     mv = ws.frames.movements(job)
