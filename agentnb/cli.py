@@ -70,8 +70,16 @@ def _print_job(ws: Workspace, job: Job) -> None:
     # a fork's runs re-served from the original's record (no tokens spent): their movement_start names it
     reserved = {ev.movement_seq: ev.replayed_from for ev in ws.events(job, kinds=["movement_start"])
                 if isinstance(ev, MovementStart) and ev.replayed_from is not None} if job.forked_from else {}
+    # DESIGN §12: how many times each run compacted its context, and the runs that closed a loop
+    compacted: dict[int, int] = {}
+    for ev in ws.events(job, kinds=["compaction"]):
+        if ev.movement_seq is not None:
+            compacted[ev.movement_seq] = compacted.get(ev.movement_seq, 0) + 1
+    loops = {ev.movement_seq for ev in ws.events(job, kinds=["loop_detected"])}
     for mv in ws.movements(job):
-        forced = " (forced)" if mv["forced"] else ""
+        n = compacted.get(mv["seq"], 0)
+        forced = (" (forced)" if mv["forced"] else "") + (f" ({n} compaction{'s' if n > 1 else ''})" if n else "") \
+            + (" (loop detected)" if mv["seq"] in loops else "")
         served = f"re-served from job {reserved[mv['seq']]}: " if mv["seq"] in reserved else ""
         print(f"  {mv['seq']:>2}. {mv['name']:<14} {served}{mv['iterations']:>3} {'call ' if mv['iterations'] == 1 else 'calls'} → {mv['next_step'] or '…'}{forced}"
               + (f"  {mv['summary']}" if mv["summary"] else ""))

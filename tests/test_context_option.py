@@ -91,6 +91,7 @@ def test_run_context_turns_compaction_on_for_a_job_and_is_stored(tmp_path: Path)
                   "--context", "on_pressure=compact", "--context", "compact_keep_last=2", "Do it")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("job 1: succeeded")
+    assert " 1. work" in out.stdout and "→ COMPLETE (1 compaction)  done" in out.stdout  # run's job lines say so
     kinds = _kinds(tmp_path / "ws" / "agentnb.sqlite", 1)
     assert kinds.count("compaction") == 1 and "reminder" not in kinds
     assert _options(tmp_path / "ws" / "agentnb.sqlite", 1)["context"] == {"on_pressure": "compact",
@@ -106,6 +107,7 @@ def test_without_context_the_same_job_keeps_the_seeds_wrap_up(tmp_path: Path) ->
     piece, script = _job_files(tmp_path)
     out = agentnb(tmp_path, "run", "--workspace", "ws", "--piece", str(piece), "--model", script, "Do it")
     assert out.returncode == 0, out.stderr
+    assert "compaction)" not in out.stdout
     kinds = _kinds(tmp_path / "ws" / "agentnb.sqlite", 1)
     assert "compaction" not in kinds and "reminder" in kinds
 
@@ -203,3 +205,17 @@ def test_magic_fork_context(shell: Any, tmp_path: Path) -> None:
     assert fork.status == "succeeded", fork.error
     ws = Workspace(tmp_path / "ws")
     assert [e.payload["summary"] for e in ws.events(fork, kinds=["compaction"])] == ["forked summary"]
+
+
+@needs_cli
+def test_show_marks_the_run_that_closed_a_loop(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parent.parent / "notebooks" / "compaction-loops" / "review-loop-script.yaml"
+    out = agentnb(tmp_path, "run", "--workspace", "ws", "--piece", "review-loop", "--model", f"scripted:{script}",
+                  "Write an abstract to output/abstract.md")
+    assert out.returncode == 1  # the judge aborted it
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("job 1: aborted")
+    marked = [line for line in lines if "(loop detected)" in line]
+    assert len(marked) == 1 and marked[0].lstrip().startswith("7. fix") and "→ review (loop detected)" in marked[0]
+    assert any(line.lstrip().startswith("8. judge") and "→ ABORT" in line for line in lines)
+    assert "compaction)" not in out.stdout
