@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .engine.context import context_items
 from .engine.pieces import PieceError, available_pieces
 from .errors import AgentnbError, UsageError
 from .events import MovementStart, payload_dict
@@ -69,8 +70,16 @@ def _print_job(ws: Workspace, job: Job) -> None:
     # a fork's runs re-served from the original's record (no tokens spent): their movement_start names it
     reserved = {ev.movement_seq: ev.replayed_from for ev in ws.events(job, kinds=["movement_start"])
                 if isinstance(ev, MovementStart) and ev.replayed_from is not None} if job.forked_from else {}
+    # DESIGN §12: how many times each run compacted its context, and the runs that closed a loop
+    compacted: dict[int, int] = {}
+    for ev in ws.events(job, kinds=["compaction"]):
+        if ev.movement_seq is not None:
+            compacted[ev.movement_seq] = compacted.get(ev.movement_seq, 0) + 1
+    loops = {ev.movement_seq for ev in ws.events(job, kinds=["loop_detected"])}
     for mv in ws.movements(job):
-        forced = " (forced)" if mv["forced"] else ""
+        n = compacted.get(mv["seq"], 0)
+        forced = (" (forced)" if mv["forced"] else "") + (f" ({n} compaction{'s' if n > 1 else ''})" if n else "") \
+            + (" (loop detected)" if mv["seq"] in loops else "")
         served = f"re-served from job {reserved[mv['seq']]}: " if mv["seq"] in reserved else ""
         print(f"  {mv['seq']:>2}. {mv['name']:<14} {served}{mv['iterations']:>3} {'call ' if mv['iterations'] == 1 else 'calls'} → {mv['next_step'] or '…'}{forced}"
               + (f"  {mv['summary']}" if mv["summary"] else ""))
@@ -97,6 +106,7 @@ def _print_job(ws: Workspace, job: Job) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    context = context_items(args.context) if args.context else None  # refused before the store is opened
     ws = _workspace(args)
     inputs = {}
     for item in args.input or []:
@@ -108,7 +118,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not instruction:
         raise _Usage("run: the instruction is missing")
     job = ws.submit(instruction, piece=args.piece, model=args.model, inputs=inputs, workdir=args.workdir,
-                    retries=args.retries, max_backoff=args.max_backoff)
+                    context=context, retries=args.retries, max_backoff=args.max_backoff)
     if args.detach:
         print(job.id)
         return 0
@@ -124,8 +134,10 @@ def _ran(ws: Workspace, job: Job) -> int:
 
 
 def cmd_fork(args: argparse.Namespace) -> int:
+    context = context_items(args.context) if args.context else None
     ws = _workspace(args)
-    job = ws.fork(args.job, at=args.at, piece=args.piece, model=args.model, strict=args.strict, run=False)
+    job = ws.fork(args.job, at=args.at, piece=args.piece, model=args.model, strict=args.strict, context=context,
+                  run=False)
     if args.no_run:
         _print_job(ws, job)
         print(f"  run it with: agentnb worker (or %agent run --job {job.id} in a notebook)")
@@ -380,6 +392,13 @@ def _retry_options(p: argparse.ArgumentParser) -> None:
                    help="openai: the longest wait between two tries (default: $AGENTNB_OPENAI_MAX_BACKOFF, else 60)")
 
 
+def _context_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--context", action="append", metavar="KEY=VALUE",
+                   help=f"{what} (repeatable), as submit's context=: on_pressure=compact, "
+                        "compact_keep_last=N, max_compactions=N, window_tokens=N, thresholds.prompt=0.8, "
+                        "min_tool_tokens=N")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="agentnb", description="Run and inspect agentnb jobs.")
     parser.add_argument("--workspace", help="workspace folder (default: $AGENTNB_WORKSPACE, else ./agentnb-data)")
@@ -397,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", action="append", metavar="FILE", help="copy FILE into the job's input/ (repeatable)")
     p.add_argument("--workdir", help="use an existing directory as the work directory")
     p.add_argument("--detach", action="store_true", help="only queue the job (a worker runs it); print its id")
+    _context_option(p, "a context setting of the job")
     _retry_options(p)
     p.add_argument("instruction", nargs="*", help="the task")
 
@@ -431,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model spec from SEQ on (default: the job's)")
     p.add_argument("--strict", action="store_true", help="a re-run tool whose result differs fails the fork")
     p.add_argument("--no-run", action="store_true", help="only create the fork, queued (a worker runs it)")
+    _context_option(p, "a context setting from SEQ on, merged over the job's")
 
     p = add("replay", cmd_replay, "a new job on replay:JOB: every response re-served, every tool run again")
     p.add_argument("job", type=int, help="the job to replay (it must have stopped)")

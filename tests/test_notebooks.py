@@ -23,10 +23,10 @@ BINDER = REPO / "binder"
 CHECK = "NBVAL_CHECK_OUTPUT"
 
 
-def test_the_six_notebooks_exist() -> None:
+def test_the_seven_notebooks_exist() -> None:
     assert [p.name for p in NOTEBOOKS] == [
         "01-quickstart.ipynb", "02-stepping.ipynb", "03-token-usage.ipynb", "04-piece-design.ipynb",
-        "05-design-lab.ipynb", "06-fork-compare.ipynb"]
+        "05-design-lab.ipynb", "06-fork-compare.ipynb", "07-compaction-loops.ipynb"]
 
 
 def test_the_design_lab_runs_on_scripted_models_kept_in_the_repository() -> None:
@@ -57,6 +57,24 @@ def test_the_fork_notebook_runs_on_scripted_models_kept_in_the_repository() -> N
     assert "incident-summary.yaml" in text
     assert load_piece(lab / "incident-summary.yaml").window_tokens == 8000  # the what-if cells reckon with it
     for name in ("summary-script.yaml", "bullets-script.yaml", "ticket-script.yaml"):
+        assert name in text
+        resolve_model(f"scripted:{lab / name}")
+
+
+def test_the_compaction_notebook_runs_on_files_kept_in_the_repository() -> None:
+    """Notebook 07 reads its piece, sources and scripts from notebooks/compaction-loops/, so a reader can open
+    them; they must be there and be valid, and its piece must compact its movement as the notebook says."""
+    from agentnb import load_piece
+    from agentnb.models.factory import resolve_model
+
+    lab = REPO / "notebooks" / "compaction-loops"
+    nb = nbformat.read(REPO / "notebooks" / "07-compaction-loops.ipynb", as_version=4)
+    text = "\n".join(c.source for c in nb.cells)
+    assert "research.yaml" in text and 'piece="review-loop"' in text
+    movement = load_piece(lab / "research.yaml").movement("research")
+    assert (movement.on_pressure, movement.compact_keep_last, movement.max_compactions) == ("compact", 2, 2)
+    assert len(list((lab / "sources").glob("*.md"))) == 5
+    for name in ("research-script.yaml", "review-loop-script.yaml"):
         assert name in text
         resolve_model(f"scripted:{lab / name}")
 

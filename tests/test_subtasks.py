@@ -359,7 +359,7 @@ def test_a_piece_written_by_the_job_and_named_by_path_is_refused_and_nothing_run
     assert ws.children(job) == []
     refused = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["is_error"]]
     assert refused == [f"Error: subtasks[0].piece: {ref!r} is a path; a subtask's piece is a name that "
-                       "`agentnb pieces` lists: ask-first, fan-out, plan-implement-verify, review-loop, single"]
+                       "`agentnb pieces` lists: ask-first, fan-out, long-research, plan-implement-verify, review-loop, single"]
     assert SECRET not in _store_text(ws)
     assert len(ws.jobs()) == 1
 

@@ -11,11 +11,12 @@ it is appended, so a movement of N calls costs O(total message size).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from ..errors import UsageError
 from ..events import ACTIONS, ContextActionName, UsageSource
 from .pieces import COMPACTION_DEFAULTS, DEFAULT_THRESHOLDS, ON_PRESSURE
 from .tokens import CHARS_PER_TOKEN, TokenCounter, counter_for_model
@@ -28,6 +29,7 @@ __all__ = [
     "ContextDecision",
     "ContextManager",
     "check_context_options",
+    "context_items",
     "job_thresholds",
     "window_for_model",
 ]
@@ -305,3 +307,41 @@ def job_thresholds(piece_thresholds: Mapping[str, float], options: Mapping[str, 
     merged = dict(piece_thresholds)
     merged.update(((options or {}).get("context") or {}).get("thresholds") or {})
     return {k: float(v) for k, v in merged.items()}
+
+
+def context_items(items: Sequence[str], option: str = "--context") -> dict[str, Any]:
+    """A command line's ``KEY=VALUE`` items as the ``context=`` mapping ``submit`` and ``fork`` take.
+
+    ``agentnb run --context on_pressure=compact`` and ``%agent run --context …`` share it.  A value is read as a
+    YAML scalar (``64000`` a number, ``compact`` text); ``thresholds.prompt=0.8`` sets one threshold, as does
+    ``thresholds={prompt: 0.8}``.  Each item is checked as ``check_context_options`` checks a key, so a bad one is
+    refused with its own words before anything is stored; whether merged thresholds still rise is left to
+    ``submit``/``fork``, which know the piece's.
+    """
+    import yaml
+
+    keys = ", ".join(("window_tokens", "thresholds.ACTION", "min_tool_tokens", *COMPACTION_DEFAULTS))
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = (part.strip() for part in item.partition("="))
+        if not sep or not key or not raw:
+            raise UsageError(f"{option} {item!r}: expected KEY=VALUE, e.g. on_pressure=compact; keys: {keys}")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise UsageError(f"{option} {item}: {raw!r} is not a value (a number, a word, or {{prompt: 0.8}} "
+                             "for thresholds)") from None
+        try:
+            if key.startswith("thresholds."):
+                action = key.split(".", 1)[1]
+                check_thresholds({action: value})
+                out.setdefault("thresholds", {})[action] = value
+            elif key == "thresholds":
+                check_thresholds(value)
+                out["thresholds"] = {**out.get("thresholds", {}), **value}
+            else:
+                check_context_options({key: value})
+                out[key] = value
+        except ValueError as exc:
+            raise UsageError(f"{option} {item}: {exc}") from None
+    return out

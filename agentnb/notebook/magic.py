@@ -34,6 +34,7 @@ from traitlets import Float, Unicode, observe
 
 from ..batch import DEFAULT_CONCURRENCY, Batch
 from ..compare import Comparison
+from ..engine.context import context_items
 from ..engine.pieces import Piece, available_pieces, load_piece
 from ..errors import AgentnbError, PieceError, StoreError
 from ..store.base import JOB_STATES, owned_by_this_process
@@ -50,14 +51,14 @@ SUBCOMMANDS = ("run", "step", "reply", "stop", "show", "jobs", "usage", "lessons
 _OVERVIEW = """\
 %agent SUBCOMMAND [options]      (%agent SUBCOMMAND --help for its options)
 
-  run [--piece P] [--model M] [--input FILE] [--background] [--queue] "instruction"
+  run [--piece P] [--model M] [--input FILE] [--context KEY=VALUE] [--background] [--queue] "instruction"
                                submit a job and run it, live (--queue: only submit it)
   run --job JOB [--background]  run a queued job (queued, stepped, paused or answered) to its end
   step [JOB] [--call]          run the next movement (or, with --call, the next LLM call)
   reply JOB "text" [--run]     answer a job that waits for a human
   stop [JOB]                   pause a job running in this notebook after its current LLM call
   retry JOB [--run]            queue a failed or aborted job again (it goes on from its last complete call)
-  fork JOB --at SEQ [--piece P] [--model M] [--strict] [--no-run]
+  fork JOB --at SEQ [--piece P] [--model M] [--context KEY=VALUE] [--strict] [--no-run]
                                a new job: runs 1…SEQ-1 of JOB re-served (no tokens), SEQ on live; the Job
   show [JOB] [--full] [--movement SEQ]   the job's view (--full: nothing cut)
   jobs                         every job, as a DataFrame
@@ -364,6 +365,9 @@ class AgentMagic(Magics):
     @argument("--background", "-b", action="store_true", help="return the Job at once; the view keeps updating")
     @argument("--queue", action="store_true", help="only submit the job (run it later with step or run --job)")
     @argument("--job", "-j", metavar="JOB", help="run this queued job (an id or a Job variable) instead of submitting one")
+    @argument("--context", "-c", action="append", metavar="KEY=VALUE",
+              help="a context setting of the job (repeatable), as submit's context=: on_pressure=compact, "
+                   "compact_keep_last=N, max_compactions=N, window_tokens=N, thresholds.prompt=0.8, min_tool_tokens=N")
     def cmd_run(self, args: Any, cell: str | None) -> Job:
         """Submit a job and run it until it ends or waits, showing its view as it runs."""
         # a line's words were filled one by one in agent(); a cell body is filled here, once
@@ -374,14 +378,18 @@ class AgentMagic(Magics):
             raise UsageError("%%agent: the instruction is the cell body; put only options on the first line")
         if not text.strip():
             raise UsageError('%agent run: the instruction is missing; e.g. %agent run "Summarise input/notes.md"')
+        context = context_items(args.context) if args.context else None
         inputs: dict[str, Any] = {}
         for item in args.input or []:
             p = Path(item).expanduser()
             if not p.is_file():
                 raise UsageError(f"%agent run: --input {item}: no such file")
             inputs[p.name] = p
-        job = self.ws.submit(text.strip(), piece=args.piece or self.piece, model=args.model or self.model,
-                             inputs=inputs, workdir=args.workdir)
+        try:
+            job = self.ws.submit(text.strip(), piece=args.piece or self.piece, model=args.model or self.model,
+                                 inputs=inputs, workdir=args.workdir, context=context)
+        except ValueError as exc:  # context= merged with the piece's thresholds (the rest are AgentnbErrors)
+            raise UsageError(_one_line(exc)) from None
         self.last_job = job.id
         if args.queue:
             return job
@@ -390,7 +398,8 @@ class AgentMagic(Magics):
     def _run_existing(self, args: Any, text: str) -> Job:
         # A job keeps the instruction, piece, model and files it was submitted with.
         given = [o for o, v in (("an instruction", text.strip()), ("--piece", args.piece), ("--model", args.model),
-                                ("--input", args.input), ("--workdir", args.workdir), ("--queue", args.queue)) if v]
+                                ("--input", args.input), ("--workdir", args.workdir), ("--queue", args.queue),
+                                ("--context", args.context)) if v]
         if given:
             raise UsageError(f"%agent run --job: the job already has its instruction, piece and model; "
                              f"remove {', '.join(given)}")
@@ -465,6 +474,8 @@ class AgentMagic(Magics):
     @argument("--model", "-m", help="the model from SEQ on (default: the job's)")
     @argument("--strict", action="store_true", help="a re-run tool whose result differs fails the fork")
     @argument("--no-run", action="store_true", help="only create the fork, queued (run it with run --job or step)")
+    @argument("--context", "-c", action="append", metavar="KEY=VALUE",
+              help="a context setting from SEQ on, merged over the job's (repeatable), as --context of run")
     def cmd_fork(self, args: Any, cell: str | None) -> Job:
         """Fork a job at a movement run: runs 1…SEQ-1 re-served from its record (no tokens spent, tools run
         again), SEQ on run live on the given piece and model, shown as it runs like %agent run; the new Job."""
@@ -478,7 +489,9 @@ class AgentMagic(Magics):
             if found and not isinstance(piece, (str, PathLike, Piece)):
                 raise UsageError(f"--piece {args.fork_piece}: the variable holds a {type(piece).__name__}; allowed: "
                                  "a Piece, a piece name or a YAML path")
-        job = self.ws.fork(original, at=int(at), piece=piece, model=args.model, strict=args.strict, run=False)
+        context = context_items(args.context) if args.context else None
+        job = self.ws.fork(original, at=int(at), piece=piece, model=args.model, strict=args.strict, context=context,
+                           run=False)
         self._used_job = job.id  # the fork, not the original, is the session's job from now on
         if args.no_run:
             return job
