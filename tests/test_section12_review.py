@@ -302,6 +302,11 @@ def test_max_iterations_reached_on_the_call_right_after_a_compaction(tmp_path: P
     work = [t for t in payloads(ws, job, "transition") if t["movement"] == "work"]
     assert work[0]["forced"] and work[0]["reason"] == "max_iterations (3) reached without a transition"
     assert work[0]["next_step"] == "verify"
+    # stepped one call per process: the same events (the resumed run counts the summary as no turn)
+    stepped_ws = Workspace(tmp_path / "stepped")
+    stepped = stepped_ws.submit("Go.", piece=str(p), model=spec)
+    assert step_in_children(stepped_ws, stepped)[-1] == "succeeded"
+    assert comparable(stepped_ws, stepped) == comparable(ws, job)
 
 
 def test_a_crossing_on_the_last_allowed_call_is_forced_without_a_summary(tmp_path: Path) -> None:
@@ -316,6 +321,26 @@ def test_a_crossing_on_the_last_allowed_call_is_forced_without_a_summary(tmp_pat
     assert not [r for r in payloads(ws, job, "llm_request") if r.get("purpose")]
     work = [t for t in payloads(ws, job, "transition") if t["movement"] == "work"]
     assert work[0]["forced"] and "max_iterations (2)" in work[0]["reason"]
+
+
+def test_custom_thresholds_move_where_compaction_and_the_fall_back_happen(tmp_path: Path) -> None:
+    # prompt at 50 %, force_transition at 90 % of 4,000: two compactions, then the wrap-up, then forced at 92.5 %
+    p = write_piece(tmp_path, "low", {
+        "context": {"window_tokens": WINDOW, "on_pressure": "compact", "compact_keep_last": 2,
+                    "thresholds": {"warn": 0.3, "prompt": 0.5, "force_transition": 0.9, "exhausted": 0.99}},
+        "movements": [{"name": "work", "instruction": "W.", "tools": ["Glob"], "rules": [{"next": "COMPLETE"}],
+                       "default_next": "COMPLETE"}]})
+    spec = write_script(tmp_path, "s", {"work": [g(1_000), g(1_100), g(2_100), summary("S1"), g(1_000), g(2_200),
+                                                 summary("S2"), g(2_300), g(3_700)]})
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("t", piece=str(p), model=spec))
+    assert job.status == "succeeded", job.error
+    comps = payloads(ws, job, "compaction")
+    assert [(c["iteration"], c["summary"]) for c in comps] == [(4, "S1"), (7, "S2")]
+    assert all(c["tokens_after"] / WINDOW < 0.5 <= c["tokens_before"] / WINDOW for c in comps)
+    assert [(e.iteration, e.payload["reason"]) for e in of(ws, job, "reminder")] == [(8, "context prompt")]
+    (t,) = payloads(ws, job, "transition")
+    assert t["forced"] and t["reason"] == "context at 92.5% of 4,000 tokens reached force_transition (90%)"
 
 
 @pytest.mark.needs("bwrap")
@@ -503,6 +528,24 @@ def test_a_loop_of_forced_runs_is_detected_with_their_forced_summaries(tmp_path:
     assert [bool(f) for f in ws.frames.movements(job)["forced"]] == [False, True, True, True, True, False]
 
 
+def test_a_one_movement_cycle_and_a_monitor_sending_to_a_movement(tmp_path: Path) -> None:
+    # fix → fix three times is a loop of one movement; its monitor sends the job to test, with no judge
+    p = loop_piece(tmp_path, [{"name": "self", "cycle": ["fix"], "threshold": 3, "next": "test"}],
+                   extra={"fix": {"rules": [{"condition": "again", "next": "fix"},
+                                            {"condition": "fixed", "next": "review"}]}})
+    spec = write_script(tmp_path, "s", {
+        "write": [transition("review")], "review": [transition("fix", "r1")],
+        "fix": [transition("fix", f"f{i}") for i in range(1, 6)], "test": [transition("COMPLETE", "ok")]})
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("t", piece=str(p), model=spec))
+    assert job.status == "succeeded", job.error
+    assert names(ws, job) == ["write", "review", "fix", "fix", "fix", "test"]
+    (ev,) = loops_of(ws, job)
+    assert (ev["monitor"], ev["cycle"], ev["count"], ev["runs"], ev["next"]) == ("self", ["fix"], 3, [3, 4, 5], "test")
+    assert ev["summaries"] == ["f1", "f2", "f3"]
+    assert "⟳ loop fix ×3" in job_html(ws, job.id)
+
+
 @pytest.mark.parametrize(("yaml_text", "line", "field", "words"), [
     ("loop_monitors:\n  - cycle: [review, fix]\n    threshold: 2\n    next: ABORT\n"
      "  - cycle:\n      - review\n      - nowhere\n    threshold: 2\n    next: ABORT\n",
@@ -545,7 +588,8 @@ def loop_and_compaction(tmp: Path) -> tuple[Path, str]:
     p = loop_piece(tmp, [judged(2, "review", "ABORT")],
                    context={"window_tokens": WINDOW, "on_pressure": "compact", "compact_keep_last": 2},
                    extra={"review": {"context": {"on_pressure": "transition"}},
-                          "fix": {"context": {"compact_keep_last": 1}}})
+                          # one compaction per run: max_compactions counts per movement run, not per name
+                          "fix": {"context": {"compact_keep_last": 1, "max_compactions": 1}}})
     spec = write_script(tmp, "s", {
         "write": [transition("review", "wrote")],
         "review": [g(1_000), transition("fix", "review 1"), g(1_000), transition("fix", "review 2")],
