@@ -323,6 +323,26 @@ def test_a_crossing_on_the_last_allowed_call_is_forced_without_a_summary(tmp_pat
     assert work[0]["forced"] and "max_iterations (2)" in work[0]["reason"]
 
 
+def test_a_crossing_response_that_transitions_ends_without_a_summary_and_a_refused_one_compacts(
+        tmp_path: Path) -> None:
+    p = three_movements(tmp_path, work_context={"on_pressure": "compact", "compact_keep_last": 2}, work_tools=["Glob"])
+    at = {"usage": {"prompt_tokens": 3_500, "completion_tokens": 10}}
+    ws = Workspace(tmp_path / "ws")
+    ends = ws.run(ws.submit("t", piece=str(p), model=write_script(tmp_path, "a", {
+        "plan": [transition("work")], "work": [g(1_000), g(1_100), {**transition("verify", "done"), **at}],
+        "verify": [transition("COMPLETE")]})))
+    assert ends.status == "succeeded" and not payloads(ws, ends, "compaction")
+    assert not [r for r in payloads(ws, ends, "llm_request") if r.get("purpose")]
+    refused = ws.run(ws.submit("t", piece=str(p), model=write_script(tmp_path, "b", {
+        "plan": [transition("work")],
+        "work": [g(1_000), g(1_100), {**transition("nowhere", "bad"), **at}, summary("S"), transition("verify")],
+        "verify": [transition("COMPLETE")]})))
+    assert refused.status == "succeeded", refused.error
+    (c,) = payloads(ws, refused, "compaction")
+    # the refused transition and its error result are the kept tail
+    assert (c["summary"], c["removed_messages"], c["kept_messages"]) == ("S", 4, 2)
+
+
 def test_custom_thresholds_move_where_compaction_and_the_fall_back_happen(tmp_path: Path) -> None:
     # prompt at 50 %, force_transition at 90 % of 4,000: two compactions, then the wrap-up, then forced at 92.5 %
     p = write_piece(tmp_path, "low", {
@@ -438,6 +458,27 @@ def test_judge_goes_on_then_sends_to_a_movement_outside_the_cycle(tmp_path: Path
     assert list(mv["next_step"])[5] == "review" and list(mv["next_step"])[10] == "test"
     markup = job_html(ws, job.id)
     assert markup.count("⟳ loop review → fix ×2") == 2
+
+
+def test_the_judge_is_sent_its_persona_the_summaries_and_only_the_transition_tool(server: OpenAIServer,
+                                                                                    tmp_path: Path) -> None:
+    p = loop_piece(tmp_path, [judged(2, "review", "ABORT")])
+    server.play(go("review", summary="wrote"), go("fix", summary="R1: the title is wrong"),
+                go("review", summary="F1: retitled"), go("fix", summary="R2: the title is still wrong"),
+                go("review", summary="F2: retitled again"), go("ABORT", summary="stuck on the title"))
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("t", piece=str(p), model=MODEL))
+    assert job.status == "aborted", job.error
+    judge = server.received[-1].body
+    assert judge["messages"][0] == {"role": "system", "content": "You judge loops."}
+    assert [t["function"]["name"] for t in judge["tools"]] == ["transition"]
+    user = judge["messages"][1]["content"]
+    for words in ("Decide whether to go on.", "R1: the title is wrong", "F1: retitled", "R2: the title is still wrong",
+                  "F2: retitled again"):
+        assert words in user
+    assert user.index("R1: the title") < user.index("F1: retitled") < user.index("F2: retitled again")
+    enum = judge["tools"][0]["function"]["parameters"]["properties"]["next_step"].get("enum")
+    assert enum is None or set(enum) == {"review", "ABORT"}
 
 
 def test_judge_says_complete(tmp_path: Path) -> None:
