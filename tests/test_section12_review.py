@@ -343,6 +343,42 @@ def test_a_crossing_response_that_transitions_ends_without_a_summary_and_a_refus
     assert (c["summary"], c["removed_messages"], c["kept_messages"]) == ("S", 4, 2)
 
 
+def test_a_model_that_reports_no_usage_compacts_on_estimates_and_resumes_to_the_same(tmp_path: Path) -> None:
+    # no usage in any response: the context is the tokenizer's count; each Read is cut to half of what is left,
+    # so the ratio climbs 23 → 62 → 81 → 90 % (prompt), and starts again from the recount after each compaction
+    p = write_piece(tmp_path, "est", {
+        "context": {"window_tokens": 3_000, "on_pressure": "compact", "compact_keep_last": 2},
+        "movements": [{"name": "work", "instruction": "W.", "tools": ["Read"], "rules": [{"next": "COMPLETE"}],
+                       "default_next": "COMPLETE"}]})
+
+    def read(i: int) -> dict[str, Any]:
+        return call("Read", path=f"input/f{i}.txt")
+
+    spec = write_script(tmp_path, "s", {"work": [
+        read(1), read(2), read(3), read(4), {"content": "SUM-1"}, read(5), read(6), read(7), read(8),
+        {"content": "SUM-2"}, *[read(i) for i in range(1, 7)], transition("COMPLETE")]})
+    inputs = {f"f{i}.txt": " ".join(f"word{i}_{k}" for k in range(3_000)) for i in range(1, 9)}
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("t", piece=str(p), model=spec, inputs=inputs))
+    assert job.status == "succeeded", job.error
+    usage = ws.frames.usage(job)
+    assert set(usage["source"]) == {"tiktoken"}
+    comps = payloads(ws, job, "compaction")
+    assert [c["iteration"] for c in comps] == [5, 10]
+    for c in comps:
+        assert c["tokens_before"] / 3_000 >= 0.85 > c["tokens_after"] / 3_000 and c["kept_messages"] == 2
+        # the next call's estimate is the recounted list: what the compaction said it left
+        nxt = usage[usage["iteration"] == c["iteration"] + 1]
+        assert int(nxt["prompt_tokens"].iloc[0]) == c["tokens_after"]
+    assert [(e.iteration, e.payload["reason"]) for e in of(ws, job, "reminder")] == [(14, "context prompt")]
+    (t,) = payloads(ws, job, "transition")
+    assert t["forced"] and "force_transition (95%)" in t["reason"]
+    stepped_ws = Workspace(tmp_path / "stepped")
+    stepped = stepped_ws.submit("t", piece=str(p), model=spec, inputs=inputs)
+    assert step_in_children(stepped_ws, stepped)[-1] == "succeeded"
+    assert comparable(stepped_ws, stepped) == comparable(ws, job)
+
+
 def test_custom_thresholds_move_where_compaction_and_the_fall_back_happen(tmp_path: Path) -> None:
     # prompt at 50 %, force_transition at 90 % of 4,000: two compactions, then the wrap-up, then forced at 92.5 %
     p = write_piece(tmp_path, "low", {
