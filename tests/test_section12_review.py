@@ -544,7 +544,10 @@ def test_two_monitors_in_one_piece_each_fire_on_their_own_cycle(tmp_path: Path) 
     assert names(ws, a) == ["write", "review", "test", "review", "test"]
     (ev,) = loops_of(ws, a)
     assert (ev["monitor"], ev["cycle"], ev["judge"], ev["next"]) == ("tests-loop", ["review", "test"], None, "ABORT")
-    assert "tests-loop" in (a.error or "") or "loop" in (a.error or "")
+    assert a.error == "loop monitor tests-loop: review → test repeated 2 times"
+    markup = job_html(ws, a.id)
+    assert markup.count("⟳ loop review → test ×2") == 1 and "loop monitor tests-loop: runs 2–5; then ABORT" in markup
+    assert not ws.frames.movements(a)["judge"].any()
     # mixed: review→fix→review→test→review→fix→review→fix: the first monitor's cycle ends the history twice
     # only after the test detour, counted from the runs themselves
     b = ws.run(ws.submit("t", piece=str(p), model=write_script(tmp_path, "b", {
