@@ -274,6 +274,73 @@ def test_the_same_job_stepped_one_call_per_process_sends_and_records_the_same(se
     assert timeless(comparable(ws, job)) == timeless(comparable(straight_ws, straight))
 
 
+def _by_last_pattern(body: dict[str, Any]) -> dict[str, Any]:
+    """Answer from the conversation itself, so a request asked again after a kill gets the same answer: step
+    ``i`` globs ``s<i>/*``; the step after the last one seen in the messages comes next (the crossing answer is
+    always among the kept messages); a request without tools is a summarisation, answered with a summary."""
+    usage = [1_000, 1_500, 3_500, 1_200, 3_600, 1_100, 3_700, 1_300]
+    last = -1
+    for m in body["messages"]:
+        for c in m.get("tool_calls") or []:
+            pattern = json.loads(c["function"]["arguments"]).get("pattern", "")
+            if pattern.startswith("s"):
+                last = int(pattern[1:].split("/")[0])
+    if "tools" not in body:
+        return reply(f"SUM after s{last}", usage=(3_600, 20))
+    i = last + 1
+    if i >= len(usage):
+        return go("COMPLETE", 1_000)
+    return reply(None, [("Glob", {"pattern": f"s{i}/*"}), ("Glob", {"pattern": f"s{i}/x/*"})], usage=(usage[i], 10))
+
+
+def test_killed_at_random_points_and_resumed_each_time_equals_a_straight_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+    import signal
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-review-test-0000")  # submit checks the spec in this process
+    p = write_piece(tmp_path, "k", {
+        "context": {"window_tokens": WINDOW, "on_pressure": "compact", "compact_keep_last": 3, "max_compactions": 3},
+        "movements": [{"name": "work", "instruction": "W.", "tools": ["Glob"], "rules": [{"next": "COMPLETE"}],
+                       "default_next": "COMPLETE"}]})
+    env = {**os.environ, "OPENAI_API_KEY": "sk-review-test-0000", "AGENTNB_OPENAI_RETRIES": "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    runs = {}
+    for name, latency in (("straight", 0.0), ("killed", 0.3)):
+        with OpenAIServer(responder=_by_last_pattern, latency=latency) as srv:
+            ws = Workspace(tmp_path / name)
+            job = ws.submit("t", piece=str(p), model=MODEL)
+            chance = random.Random(16)
+            for _ in range(60):  # SIGKILL the process that runs it after 1.2–3 s, anywhere, until it ends
+                proc = subprocess.Popen([sys.executable, "-c", CHILD, str(ws.root), str(job.id), "run"], cwd=REPO,
+                                        env={**env, "OPENAI_BASE_URL": srv.base_url}, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+                try:
+                    out, err = proc.communicate(timeout=120 if name == "straight" else chance.uniform(1.2, 3.0))
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGKILL)
+                    proc.communicate()
+                    continue
+                assert out.strip() == "succeeded", err[-2000:]
+                break
+            else:
+                raise AssertionError("the job did not end within 60 processes")
+        runs[name] = (ws, job)
+    ws, job = runs["straight"]
+    assert [c["summary"] for c in payloads(ws, job, "compaction")] == ["SUM after s2", "SUM after s4", "SUM after s6"]
+
+    def events(ws: Workspace, job: Any) -> list[tuple[Any, ...]]:
+        # a request whose process was killed before its answer is asked again: keep the last of the repeats
+        out: list[tuple[Any, ...]] = []
+        for e in comparable(ws, job):
+            if out and e[0] == "llm_request" and out[-1][:3] == e[:3]:
+                out[-1] = e
+            else:
+                out.append(e)
+        return timeless(out)
+
+    assert events(*runs["killed"]) == events(*runs["straight"])
+
+
 # -- 2. max_iterations right after a compaction; tools with effects (scripted) -------------------------------------
 def g(prompt: int, tool: str = "Glob", **arguments: Any) -> dict[str, Any]:
     args = arguments or {"pattern": "*"}
