@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -34,6 +37,7 @@ WINDOW = 4_000  # warn 2,800 · prompt 3,400 · force_transition 3,800
 SUMMARY_LABEL = text("en", "compact_summary", n=0, summary="").split("(")[0]
 ASK = "Summarise the conversation so far"
 JUDGE = "judge:review/fix"
+NOW = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d \(\w+, UTC\)")  # the prompts' clock, to the minute
 CHILD = ("import sys; from agentnb import Workspace; ws = Workspace(sys.argv[1]); job = int(sys.argv[2]); "
          "print(ws.step(job, unit='call').status if sys.argv[3] == 'call' else ws.run(job).status)")
 
@@ -135,23 +139,21 @@ def check_sent_compactions(srv: OpenAIServer, ws: Workspace, job: Any, keep: int
 def comparable(ws: Workspace, job: Any) -> list[tuple[Any, ...]]:
     """Events minus what differs between two runs of the same steps (times, latency, claim owners, the
     job_status events stepping adds), the prompts' clock masked."""
-    import re
-    now = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d \(\w+, UTC\)")
     out = []
     for e in ws.events(job):
         if e.kind == "job_status":
             continue
         payload = {k: v for k, v in e.payload.items() if k not in ("latency_s", "ts", "owner")}
-        out.append((e.kind, e.movement_seq, e.iteration, now.sub("<now>", json.dumps(payload, sort_keys=True,
+        out.append((e.kind, e.movement_seq, e.iteration, NOW.sub("<now>", json.dumps(payload, sort_keys=True,
                                                                                     default=str))))
     return out
 
 
 def timeless(value: Any) -> Any:
-    import re
-    now = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d \(\w+, UTC\)")
+    """``value`` with the clock masked and the server's tool-call ids (``call_<request>_<i>``: a request asked
+    again moves them on) numbered by first appearance."""
     ids: dict[str, str] = {}
-    masked = now.sub("<now>", json.dumps(value))
+    masked = NOW.sub("<now>", json.dumps(value))
     return json.loads(re.sub(r"call_\d+_\d+", lambda m: ids.setdefault(m.group(0), f"id{len(ids)}"), masked))
 
 
@@ -295,8 +297,6 @@ def _by_last_pattern(body: dict[str, Any]) -> dict[str, Any]:
 
 def test_killed_at_random_points_and_resumed_each_time_equals_a_straight_run(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import random
-    import signal
     monkeypatch.setenv("OPENAI_API_KEY", "sk-review-test-0000")  # submit checks the spec in this process
     p = write_piece(tmp_path, "k", {
         "context": {"window_tokens": WINDOW, "on_pressure": "compact", "compact_keep_last": 3, "max_compactions": 3},
