@@ -584,6 +584,41 @@ def test_the_judge_is_sent_its_persona_the_summaries_and_only_the_transition_too
     assert enum is None or set(enum) == {"review", "ABORT"}
 
 
+def test_a_judged_loop_stepped_one_call_per_process_sends_the_same_messages(server: OpenAIServer,
+                                                                            tmp_path: Path) -> None:
+    p = loop_piece(tmp_path, [judged(2, "review", "ABORT")])
+    actions = [go("review", summary="wrote"), tools(1_000, ("Glob", {"pattern": "*"})),
+               go("fix", summary="R1"), go("review", summary="F1"), go("fix", summary="R2"),
+               tools(1_200, ("Glob", {"pattern": "output/*"})), go("review", summary="F2"),
+               tools(900, content="Comparing the rounds."), go("ABORT", summary="stuck")]
+    server.play(*actions)
+    straight_ws = Workspace(tmp_path / "straight")
+    straight = straight_ws.run(straight_ws.submit("t", piece=str(p), model=MODEL))
+    assert straight.status == "aborted", straight.error
+    with OpenAIServer(actions=list(actions)) as other:
+        ws = Workspace(tmp_path / "stepped")
+        job = ws.submit("t", piece=str(p), model=MODEL)
+        assert step_in_children(ws, job, env={**os.environ, "OPENAI_BASE_URL": other.base_url})[-1] == "aborted"
+        assert timeless([r.body for r in other.received]) == timeless([r.body for r in server.received])
+    assert timeless(comparable(ws, job)) == timeless(comparable(straight_ws, straight))
+    assert names(ws, job) == ["write", "review", "fix", "review", "fix", JUDGE]
+
+
+def test_a_monitor_without_a_judge_may_complete_the_job(tmp_path: Path) -> None:
+    p = loop_piece(tmp_path, [{"cycle": ["review", "fix", "test"], "threshold": 1, "next": "COMPLETE"}])
+    spec = write_script(tmp_path, "s", {"write": [transition("review")], "review": [transition("fix", "r1")],
+                                        "fix": [transition("test", "f1")], "test": [transition("review", "t1")]})
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("t", piece=str(p), model=spec))
+    assert job.status == "succeeded", job.error
+    assert names(ws, job) == ["write", "review", "fix", "test"]
+    (ev,) = loops_of(ws, job)
+    assert (ev["cycle"], ev["count"], ev["runs"], ev["summaries"], ev["next"]) == (
+        ["review", "fix", "test"], 1, [2, 3, 4], ["r1", "f1", "t1"], "COMPLETE")
+    # the run's own transition is recorded as the model made it; the monitor decided where the job went
+    assert payloads(ws, job, "transition")[-1]["next_step"] == "review"
+
+
 def test_judge_says_complete(tmp_path: Path) -> None:
     p = loop_piece(tmp_path, [judged(3, "COMPLETE", "ABORT")])
     spec = write_script(tmp_path, "s", {
