@@ -255,6 +255,10 @@ loop_monitors:
      "name of a movement"),
     ("  - {cycle: [review, fix], threshold: 2, judge: {rules: [{next: fix}], tools: [Bash]}}", 10,
      "loop_monitors[0].judge.tools", "unknown key"),
+    ("  - {cycle: [review, fix], threshold: 2, next: ASK}", 10, "loop_monitors[0].next",
+     "found 'ASK', which a loop monitor cannot go to"),
+    ("  - {cycle: [review, fix], threshold: 2, judge: {rules: [{next: WAIT_SUBTASKS}]}}", 10,
+     "loop_monitors[0].judge.rules[0].next", "'WAIT_SUBTASKS', which a loop monitor cannot go to"),
 ])
 def test_validation_errors_name_file_line_and_field(tmp_path: Path, monitor: str, line: int, field: str,
                                                     words: str) -> None:

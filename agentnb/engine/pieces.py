@@ -553,9 +553,17 @@ def _loop_monitors(ck: _Checker, node: Node, names: tuple[str, ...]) -> tuple[Lo
             judge = _judge(ck, keys["judge"][1], f"{fld}.judge", mname, targets)
         else:
             nxt = ck.string(keys["next"][1], f"{fld}.next")
-            ck.one_of(keys["next"][1], f"{fld}.next", nxt, targets)
+            _loop_target(ck, keys["next"][1], f"{fld}.next", nxt, targets)
         monitors.append(LoopMonitor(name=mname, cycle=tuple(cycle), threshold=threshold, judge=judge, next=nxt))
     return tuple(monitors)
+
+
+def _loop_target(ck: _Checker, node: Node, fld: str, value: str, targets: tuple[str, ...]) -> None:
+    """Where a monitor or its judge may send the job: a movement, COMPLETE or ABORT (see ``LOOP_NEXT``)."""
+    if value in SPECIAL_NEXT and value not in LOOP_NEXT:
+        raise ck.fail(node, fld, f"found {value!r}, which a loop monitor cannot go to (it has no question to ask "
+                      f"and no subtasks to hand out); allowed: {', '.join(targets)}")
+    ck.one_of(node, fld, value, targets)
 
 
 def _judge(ck: _Checker, node: Node, fld: str, name: str, targets: tuple[str, ...]) -> Movement:
@@ -568,7 +576,7 @@ def _judge(ck: _Checker, node: Node, fld: str, name: str, targets: tuple[str, ..
         raise ck.fail(jkeys["rules"][1], f"{fld}.rules", "found an empty list, expected at least one rule")
     for j, rnode in enumerate(ck.sequence(jkeys["rules"][1], "")):
         nnode = next(v for k, v in rnode.value if k.value == "next")
-        ck.one_of(nnode, f"{fld}.rules[{j}].next", rules[j].next, targets)
+        _loop_target(ck, nnode, f"{fld}.rules[{j}].next", rules[j].next, targets)
     return Movement(
         name=name,
         persona=ck.optional(jkeys, "persona", _JUDGE_PERSONA, lambda n, f: ck.string(n, f"{fld}.{f}")),
