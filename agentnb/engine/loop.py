@@ -50,7 +50,7 @@ from ..events import (
 from ..models.base import Model, ModelError, ModelRequest, ModelResponse, ToolCall
 from ..models.replay import RecordedCall, Recording
 from ..tools.base import PERMISSION_RANK, ToolContext, ToolOutput, get_tool
-from .context import ContextManager
+from .context import ContextDecision, ContextManager
 from .pieces import SPECIAL_NEXT, Movement
 from .prompts import text
 
@@ -364,13 +364,7 @@ class AgentLoop:
         job_id = self.rec.job_id
         # a re-served call spends nothing: its tokens are 0, its ratio and window the context as it was
         spent = self.reserve is None
-        usage = Usage(
-            prompt_tokens=decision.prompt_tokens if spent else 0,
-            completion_tokens=decision.completion_tokens if spent else 0,
-            total_tokens=decision.prompt_tokens + decision.completion_tokens if spent else 0, source=decision.source,
-            window=self.ctx.window, ratio=round(decision.ratio, 6),
-            encoding=self.ctx.counter.encoding,  # the tokenizer behind tiktoken counts and budgets
-        )
+        usage = self._usage(decision, spent)
         self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
                                  content=response.content, tool_calls=[_call_record(c) for c in response.tool_calls],
                                  usage=usage, latency_s=latency_s,
@@ -534,11 +528,7 @@ class AgentLoop:
         reply = _assistant_message(response.content, [])
         size = self.ctx.side_call(ask, reply, response.usage)
         spent = self.reserve is None
-        usage = Usage(
-            prompt_tokens=size.prompt_tokens if spent else 0, completion_tokens=size.completion_tokens if spent else 0,
-            total_tokens=size.prompt_tokens + size.completion_tokens if spent else 0, source=size.source,
-            window=self.ctx.window, ratio=round(size.ratio, 6), encoding=self.ctx.counter.encoding,
-        )
+        usage = self._usage(size, spent)
         # the summary is the content; tool calls a model made anyway are kept in the record, never run
         self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
                                  content=response.content, tool_calls=[_call_record(c) for c in response.tool_calls],
@@ -556,6 +546,17 @@ class AgentLoop:
         if self._still_pressed(self.ctx.current):
             self._compaction_off = True  # it freed too little: the seed's wrap-up and forced transition apply
         return True
+
+    def _usage(self, decision: ContextDecision, spent: bool) -> Usage:
+        """An ``llm_response``'s usage: the decision's counts, or 0 tokens for a re-served call (nothing spent)
+        that keeps its ratio and window (the context as it was)."""
+        return Usage(
+            prompt_tokens=decision.prompt_tokens if spent else 0,
+            completion_tokens=decision.completion_tokens if spent else 0,
+            total_tokens=decision.prompt_tokens + decision.completion_tokens if spent else 0, source=decision.source,
+            window=self.ctx.window, ratio=round(decision.ratio, 6),
+            encoding=self.ctx.counter.encoding,  # the tokenizer behind tiktoken counts and budgets
+        )
 
     def _compaction_failed(self, it: int, why: str) -> None:
         self.rec.add(ErrorEvent(
