@@ -11,8 +11,9 @@ psycopg 3 and a :class:`psycopg_pool.ConnectionPool` (extra ``agentnb[postgres]`
   COMMITTED two such transactions could both decide on what neither has committed.  Plain event appends and
   :meth:`PostgresStore.claim` do not take it: appends only insert, and a claim locks the one job row it takes
   (``SELECT … FOR UPDATE SKIP LOCKED``), so workers on many hosts claim side by side and never the same job.
-* numbered migrations (:mod:`agentnb.store.pg_migrations`) applied on open under ``pg_advisory_xact_lock``, so
-  two processes opening a new database at once migrate it once; a database of a newer schema is refused
+* numbered migrations (:mod:`agentnb.store.pg_migrations`) applied on open under an advisory lock (see
+  :meth:`PostgresStore._migrate` for why a session lock), so two processes opening a new database at once
+  migrate it once; a database of a newer schema is refused
   before anything is written.
 * every problem met on open (unreachable server, refused password, missing database, newer schema) is one
   :class:`StoreError` line naming the server by its URL *without* the password.
@@ -185,19 +186,29 @@ class PostgresStore:
         return version
 
     def _migrate(self, conn: psycopg.Connection[Any]) -> None:
-        """Apply the missing migrations, one process at a time (the advisory lock ends with the transaction)."""
+        """Apply the missing migrations, one process at a time.
+
+        The advisory lock is the session's, taken *before* the migrating transaction begins, not
+        ``pg_advisory_xact_lock`` inside it: a transaction that waited for the lock still sees the catalog as it
+        was when it began (its cache of "no such table" is refreshed only when a transaction starts), so it would
+        run migration 1 again after the first process committed it ("relation texts already exists").
+        """
         if self._check_version(conn) == PG_SCHEMA_VERSION:
             return  # the common case takes no lock
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATE_LOCK,))
-            version = self._check_version(conn)  # again: another process may have migrated while we waited
-            if version == PG_SCHEMA_VERSION:
-                return
-            conn.execute("CREATE TABLE IF NOT EXISTS agentnb_schema (version INTEGER NOT NULL)")
-            for number, script in enumerate(PG_MIGRATIONS[version:], start=version + 1):
-                conn.execute(script)  # no parameters: several statements in one go (PostgreSQL DDL is transactional)
-                conn.execute("DELETE FROM agentnb_schema")
-                conn.execute("INSERT INTO agentnb_schema (version) VALUES (%s)", (number,))
+        conn.execute("SELECT pg_advisory_lock(%s)", (_MIGRATE_LOCK,))
+        try:
+            with conn.transaction():
+                version = self._check_version(conn)  # again: another process may have migrated while we waited
+                if version == PG_SCHEMA_VERSION:
+                    return
+                conn.execute("CREATE TABLE IF NOT EXISTS agentnb_schema (version INTEGER NOT NULL)")
+                for number, script in enumerate(PG_MIGRATIONS[version:], start=version + 1):
+                    conn.execute(script)  # no parameters: several statements in one go (DDL is transactional)
+                    conn.execute("DELETE FROM agentnb_schema")
+                    conn.execute("INSERT INTO agentnb_schema (version) VALUES (%s)", (number,))
+        finally:
+            if not conn.closed:
+                conn.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATE_LOCK,))
 
     # -- plumbing --------------------------------------------------------------
     @contextmanager
