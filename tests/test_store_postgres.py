@@ -287,3 +287,30 @@ def test_sqlite_urls_and_folders_open_the_sqlite_store(tmp_path: Path) -> None:
     store = open_store(f"SQLITE://{tmp_path}/shared")  # schemes are case-insensitive; a folder again
     assert store.job_ids() == [job.id]
     store.close()
+
+
+# -- the CLI's --store ----------------------------------------------------------------------------------------
+
+@needs_pg
+def test_cli_store_option_runs_and_lists_jobs_on_the_server(pg_url: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from agentnb.cli import main
+
+    scratch = str(tmp_path / "scratch")
+    assert main(["run", "--workspace", scratch, "--store", pg_url, "--piece", "plan-implement-verify",
+                 "--model", "demo", "Summarise the files in input/"]) == 0
+    assert capsys.readouterr().out.startswith("job 1: succeeded")
+    assert main(["--store", pg_url, "--workspace", scratch, "jobs"]) == 0
+    listed = capsys.readouterr().out
+    assert "succeeded" in listed and "plan-implement-verify" in listed
+    assert not (tmp_path / "scratch" / "agentnb.sqlite").exists()
+    assert _sql(pg_url, "SELECT status FROM jobs") == [("succeeded",)]
+
+
+def test_cli_unsupported_store_scheme_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from agentnb.cli import main
+
+    assert main(["jobs", "--workspace", str(tmp_path / "ws"), "--store", "redis://h/0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "'redis'" in err
+    assert not (tmp_path / "ws").exists()

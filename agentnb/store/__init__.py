@@ -26,8 +26,8 @@ __all__ = [
     "describe_error",
     "instruction_sql",
     "open_store",
-    "store_scheme",
     "payload_text_sql",
+    "store_scheme",
 ]
 
 

@@ -287,6 +287,7 @@ class PostgresStore:
             marks = ", ".join("?" for _ in values)
             row = self._exec(conn, f"INSERT INTO jobs ({cols}) VALUES ({marks}) RETURNING id",
                              tuple(values.values())).fetchone()
+            assert row is not None  # INSERT … RETURNING gives its row
             job_id = int(row[0])
             self._append(conn, [JobStatusEvent(job_id=job_id, ts=now, status=values["status"], reason="submitted")])
         return job_id
@@ -663,6 +664,7 @@ class PostgresStore:
             "options, created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?) RETURNING id",
             (parent_id, piece, piece_yaml, piece_path, model, instruction, "queued", "", options, now, now),
         ).fetchone()
+        assert row is not None  # INSERT … RETURNING gives its row
         return int(row[0])
 
     def parent_of(self, c: Transaction, job_id: int) -> int | None:
