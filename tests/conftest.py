@@ -104,3 +104,19 @@ def pg_url(pg: PgServer) -> Iterator[str]:
     url = pg.create_database()
     yield url
     pg.drop_database(url)
+
+
+@pytest.fixture(autouse=True)
+def _store_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``AGENTNB_TEST_BACKEND=postgres``: every test's workspaces keep their jobs in a fresh PostgreSQL database
+    (through AGENTNB_STORE, which subprocesses inherit) — a first way to run the whole suite on the second
+    backend.  Tests that read the SQLite file itself fail then, and so do module-scoped workspaces (made before
+    this fixture runs)."""
+    if os.environ.get("AGENTNB_TEST_BACKEND", "sqlite") != "postgres":
+        yield
+        return
+    server: PgServer = request.getfixturevalue("pg")
+    url = server.create_database()
+    monkeypatch.setenv("AGENTNB_STORE", url)
+    yield
+    server.drop_database(url)

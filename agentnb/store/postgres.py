@@ -34,7 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 from psycopg.rows import dict_row
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..errors import StoreError
 from ..events import (
@@ -224,7 +224,7 @@ class PostgresStore:
             return
         if self.readonly:
             raise StoreError(f"{self.path} was opened read-only: open it without readonly to change jobs")
-        with self._pool.connection() as conn, conn.transaction():
+        with self._worded(), self._pool.connection() as conn, conn.transaction():
             if exclusive:
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITE_LOCK,))
             local.conn, local.depth = conn, 1
@@ -232,6 +232,14 @@ class PostgresStore:
                 yield conn
             finally:
                 local.conn, local.depth = None, 0
+
+    @contextmanager
+    def _worded(self) -> Iterator[None]:
+        """A lost server (stopped, unreachable, the pool out of connections) as one StoreError line, as on open."""
+        try:
+            yield
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            raise StoreError(describe_pg_error(exc, self.url)) from None
 
     @contextmanager
     def transaction(self) -> Iterator[Transaction]:
@@ -246,7 +254,7 @@ class PostgresStore:
         if conn is not None:
             yield conn
             return
-        with self._pool.connection() as pooled:
+        with self._worded(), self._pool.connection() as pooled:
             yield pooled
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
