@@ -138,7 +138,10 @@ def test_scripted_jobs_give_the_same_events_and_frames_as_on_sqlite(pg_url: str,
     assert _sql(pg_url, "SELECT COUNT(*) FROM texts") == [(1,)]
     pg_ws.store.close()
 
-    assert on_pg["events"].keys() == on_sqlite["events"].keys()
+    assert on_pg["events"].keys() == on_sqlite["events"].keys() == {1, 2, 3}
+    kinds = {e[0] for evs in on_sqlite["events"].values() for e in evs}
+    assert {"movement_start", "llm_request", "llm_response", "tool_call", "tool_result", "context_action",
+            "transition", "job_status"} <= kinds, kinds
     for job_id, evs in on_sqlite["events"].items():
         assert on_pg["events"][job_id] == evs, f"job {job_id}"
     assert on_pg["jobs"] == on_sqlite["jobs"]
