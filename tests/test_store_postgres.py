@@ -332,3 +332,16 @@ def test_a_connection_lost_mid_way_is_one_line_and_the_next_call_reconnects(pg: 
     assert pg.password not in _one_line(exc)
     assert store.job_ids() == [job]  # the pool replaced the broken connection
     store.close()
+
+
+@needs_pg
+def test_a_nul_in_an_event_is_kept_as_a_mark_and_the_frames_still_read(pg_url: str) -> None:
+    from agentnb.events import ToolResult
+
+    store = open_store(pg_url)
+    job = store.create_job(piece="single", piece_yaml="", model="demo", instruction="a", workdir="")
+    store.append([ToolResult(job_id=job, ts=time.time(), tool="Bash", call_id="c1", content="a\x00b \\u0000 c")])
+    (event,) = store.events(job, kinds=["tool_result"])
+    assert event.payload["content"] == "a\ufffdb \\u0000 c"  # the NUL marked, a literal backslash-u kept
+    assert store.frame_rows("messages", job)[1][0][-2] == "a\ufffdb \\u0000 c"
+    store.close()

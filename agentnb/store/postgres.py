@@ -92,6 +92,21 @@ _TOTAL_TOKENS = _pg_path(payload_path(LLMResponse, "usage", "total_tokens"))
 _STATUS_REASON = _pg_path(payload_path(JobStatusEvent, "reason"))
 
 
+# a NUL escape in JSON text: \u0000 after an even number of backslashes (after an odd number the backslash is
+# itself escaped, and the text reads "\u0000" literally)
+_NUL = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+def _no_nul(payload: str) -> str:
+    """``payload`` with each NUL character as U+FFFD.
+
+    PostgreSQL cannot hold NUL in text, and a ``json`` value holding ``\\u0000`` fails every ``#>``/``#>>`` read of
+    its row, which would break the frames of the whole workspace.  A NUL reaches a payload only from a command's
+    output or a model's text (the file tools refuse binary files); SQLite keeps it, this store marks where it was.
+    """
+    return _NUL.sub(lambda m: m.group(1) + "\\ufffd", payload) if "\\u0000" in payload else payload
+
+
 @functools.lru_cache(maxsize=512)
 def _q(sql: str) -> str:
     """SQL written with SQLite's ``?`` placeholders (as the shared frame SQL is) in psycopg's ``%s`` style."""
@@ -525,7 +540,7 @@ class PostgresStore:
         if ev.kind in REF_FIELDS:
             assert c is not None, "a referencing payload is built inside its transaction"
             data = self._ref_payload(c, ev.job_id, ev.kind, data)
-        return ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(), ev.kind, encode_payload(data)
+        return ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(), ev.kind, _no_nul(encode_payload(data))
 
     def _ref_payload(self, c: psycopg.Connection[Any], job_id: int, kind: str,
                      payload: dict[str, Any]) -> dict[str, Any]:
