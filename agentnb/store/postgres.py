@@ -147,6 +147,20 @@ def describe_pg_error(exc: BaseException, url: str) -> str:
     return f"{where}: {text}"
 
 
+class Row(dict[str, Any]):
+    """A row by column name, and by position as ``sqlite3.Row`` allows (``query(…)[0][0]`` reads the same on both)."""
+
+    def __getitem__(self, key: str | int) -> Any:
+        if isinstance(key, int):
+            return list(self.values())[key]
+        return super().__getitem__(key)
+
+
+def _row_factory(cursor: psycopg.Cursor[Any]) -> Any:
+    names = [d.name for d in cursor.description or ()]
+    return lambda values: Row(zip(names, values, strict=True))
+
+
 class PostgresStore:
     """A workspace's jobs, comments, movements and events in a PostgreSQL database (``postgresql://…``).
 
@@ -174,8 +188,10 @@ class PostgresStore:
                     self._migrate(conn)
         except psycopg.Error as exc:
             raise StoreError(describe_pg_error(exc, url)) from None
+        # check: a connection the server dropped while idle in the pool (a restart, a network cut, an idle
+        # timeout) is replaced when handed out, at the cost of one round trip, instead of failing the next call
         self._pool = ConnectionPool(url, min_size=1, max_size=max(1, pool_size), kwargs=kwargs, open=True,
-                                    name="agentnb", timeout=60.0)
+                                    name="agentnb", timeout=60.0, check=ConnectionPool.check_connection)
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.path!r})"
@@ -273,8 +289,8 @@ class PostgresStore:
             yield pooled
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        """Rows of ``sql`` (``?`` placeholders) as dicts."""
-        with self._reader() as conn, conn.cursor(row_factory=dict_row) as cur:
+        """Rows of ``sql`` (``?`` placeholders) as dicts that can also be indexed by position (:class:`Row`)."""
+        with self._reader() as conn, conn.cursor(row_factory=_row_factory) as cur:
             cur.execute(_q(sql), tuple(params))
             return cur.fetchall()
 
