@@ -54,7 +54,8 @@ def _folder(args: argparse.Namespace) -> Path:
 def _workspace(args: argparse.Namespace, *, readonly: bool = False) -> Workspace:
     from .workspace import Workspace
 
-    return Workspace(_folder(args), readonly=readonly)
+    # --store, else $AGENTNB_STORE (read by Workspace), else the folder's own agentnb.sqlite (DESIGN §13)
+    return Workspace(_folder(args), readonly=readonly, store=getattr(args, "store", None))
 
 
 def _question(ws: Workspace, job: Job) -> str | None:
@@ -402,11 +403,15 @@ def _context_option(p: argparse.ArgumentParser, what: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="agentnb", description="Run and inspect agentnb jobs.")
     parser.add_argument("--workspace", help="workspace folder (default: $AGENTNB_WORKSPACE, else ./agentnb-data)")
+    parser.add_argument("--store", help="where jobs are kept: postgresql://user@host:port/db or sqlite:///ABS/PATH "
+                        "(default: $AGENTNB_STORE, else the workspace folder's agentnb.sqlite); the workspace "
+                        "folder then holds only the work directories")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--workspace", default=argparse.SUPPRESS, help="workspace folder")
+        p.add_argument("--store", default=argparse.SUPPRESS, help="store URL (postgresql://… or sqlite:///…)")
         p.set_defaults(fn=fn)
         return p
 

@@ -33,7 +33,7 @@ from .events import ErrorEvent, Event
 from .fork import plan_fork
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
-from .store import Store, StoreError, Transaction, open_store
+from .store import STORE_SCHEMES, Store, StoreError, Transaction, open_store, store_scheme
 from .store.base import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, can_name_a_job
 from .tools.base import ToolError, resolve_path
 from .views.status import STOP_REASON
@@ -264,14 +264,24 @@ class Workspace:
     """A folder with ``agentnb.sqlite`` and ``jobs/<id>/``; the way to submit, run, step and inspect jobs."""
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_WORKSPACE, *, readonly: bool = False,
-                 retries: int | None = None, max_backoff: float | None = None) -> None:
+                 retries: int | None = None, max_backoff: float | None = None, store: str | None = None) -> None:
         """Open (or create) the workspace folder ``path``.
+
+        ``store`` (else the environment's ``AGENTNB_STORE``) keeps the jobs elsewhere than ``path/agentnb.sqlite``
+        (DESIGN §13): ``postgresql://user@host:port/db`` or ``sqlite:///ABS/PATH``; ``path`` is then the local
+        scratch folder where this process keeps the jobs' work directories.
 
         ``readonly=True`` only reads: nothing is created or written, so a read-only folder or mount
         works, and a folder without a store reads as an empty workspace.  ``retries`` and ``max_backoff``
         are the openai model's retry settings for jobs that set none themselves (None: the environment's).
         """
         self.model_settings = check_retry_settings(retries, max_backoff)
+        if store is None:
+            store = os.environ.get("AGENTNB_STORE") or None
+        # the scheme is checked before the folder is made: a mistyped URL leaves nothing behind
+        if store is not None and store_scheme(store) not in (None, *STORE_SCHEMES):
+            open_store(store)  # raises the one line naming the scheme and what is allowed
+        self.store_url = store
         self.root = Path(path).expanduser().resolve()
         self.readonly = readonly
         if self.root.exists() and not self.root.is_dir():
@@ -284,7 +294,7 @@ class Workspace:
                 self.root.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise StoreError(f"cannot make the workspace folder {self.root}: {exc.strerror or exc}") from None
-        self.store: Store = open_store(self.root / "agentnb.sqlite", readonly=readonly)
+        self.store: Store = open_store(self.root / "agentnb.sqlite" if store is None else store, readonly=readonly)
         self._runners: dict[int, tuple[JobRunner, tuple[Any, ...]]] = {}
         self._lock = threading.RLock()
         self._stops: dict[int, threading.Event] = {}

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from collections.abc import Iterator
@@ -12,6 +13,8 @@ import pytest
 # stored, so a wrong or missing payload value fails the test that wrote it.  Set before agentnb is imported;
 # subprocesses (workers, the CLI, notebook kernels) inherit it.
 os.environ.setdefault("AGENTNB_STRICT_EVENTS", "1")
+
+from _postgres import PgServer, pg_server
 
 from agentnb import Workspace
 
@@ -27,6 +30,9 @@ _NEEDS = {
     "chromium": (lambda: (shutil.which("chromium") or shutil.which("chromium-browser")) is not None,
                  "no chromium on PATH: apt-get install chromium"),
     "postgres": (lambda: _pg_ctl() is not None, "PostgreSQL is not installed: apt-get install postgresql"),
+    "psycopg": (lambda: importlib.util.find_spec("psycopg") is not None
+                and importlib.util.find_spec("psycopg_pool") is not None,
+                "psycopg 3 is not installed: pip install -e '.[postgres]'"),
 }
 
 
@@ -54,7 +60,7 @@ def require(what: str) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "needs(what): the test needs bwrap, chromium or postgres on the machine")
+    config.addinivalue_line("markers", "needs(what): the test needs bwrap, chromium, postgres or psycopg on the machine")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -82,3 +88,35 @@ def shell(tmp_path: Path) -> Iterator[InteractiveShell]:
     yield sh
     for name in [k for k in sh.user_ns if k.startswith("t_")]:
         del sh.user_ns[name]
+
+
+@pytest.fixture(scope="session")
+def pg() -> Iterator[PgServer]:
+    """A real PostgreSQL server for the session (tests/_postgres.py: a throw-away cluster on a free loopback
+    port, or the server AGENTNB_TEST_PG names).  Tests using it are marked ``needs("postgres", "psycopg")``."""
+    with pg_server() as server:
+        yield server
+
+
+@pytest.fixture
+def pg_url(pg: PgServer) -> Iterator[str]:
+    """A fresh, empty database on the session's server (dropped after the test); its URL, password included."""
+    url = pg.create_database()
+    yield url
+    pg.drop_database(url)
+
+
+@pytest.fixture(autouse=True)
+def _store_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``AGENTNB_TEST_BACKEND=postgres``: every test's workspaces keep their jobs in a fresh PostgreSQL database
+    (through AGENTNB_STORE, which subprocesses inherit) — a first way to run the whole suite on the second
+    backend.  Tests that read the SQLite file itself fail then, and so do module-scoped workspaces (made before
+    this fixture runs)."""
+    if os.environ.get("AGENTNB_TEST_BACKEND", "sqlite") != "postgres":
+        yield
+        return
+    server: PgServer = request.getfixturevalue("pg")
+    url = server.create_database()
+    monkeypatch.setenv("AGENTNB_STORE", url)
+    yield
+    server.drop_database(url)

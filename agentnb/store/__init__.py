@@ -1,4 +1,5 @@
-"""Where jobs, comments, movements and events are kept: the store interface and its SQLite backend.
+"""Where jobs, comments, movements and events are kept: the store interface, its SQLite backend
+and (extra ``agentnb[postgres]``, imported only when a ``postgresql://`` URL is opened) its PostgreSQL backend.
 
 No module outside this package runs SQL or imports ``sqlite3``: everything else is typed against
 :class:`Store` (the interface, in ``base.py``) and gets one from :func:`open_store`.
@@ -7,6 +8,8 @@ No module outside this package runs SQL or imports ``sqlite3``: everything else 
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 from ..errors import StoreError
 from .base import Store, Transaction
@@ -15,6 +18,7 @@ from .texts import instruction_sql, payload_text_sql
 
 __all__ = [
     "BACKEND_ERRORS",
+    "STORE_SCHEMES",
     "SQLiteStore",
     "Store",
     "StoreError",
@@ -23,9 +27,51 @@ __all__ = [
     "instruction_sql",
     "open_store",
     "payload_text_sql",
+    "store_scheme",
 ]
 
 
-def open_store(path: str | os.PathLike[str], *, readonly: bool = False) -> Store:
-    """The store at ``path`` (today always a SQLite file; ``readonly=True`` only reads)."""
-    return SQLiteStore(path, readonly=readonly)
+# a URL's scheme: letters, then digits, +, - or . (RFC 3986), then "://"
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+STORE_SCHEMES = ("sqlite", "postgresql", "postgres")
+
+
+def store_scheme(path_or_url: str | os.PathLike[str]) -> str | None:
+    """The scheme of a store URL (lower case), or None for a plain path."""
+    if not isinstance(path_or_url, str):
+        return None
+    found = _SCHEME.match(path_or_url)
+    return found.group(1).lower() if found else None
+
+
+def open_store(path_or_url: str | os.PathLike[str], *, readonly: bool = False) -> Store:
+    """The store at ``path_or_url`` (``readonly=True`` only reads):
+
+    * a path: the SQLite store in that file, or in ``agentnb.sqlite`` inside it when it is a folder;
+    * ``sqlite:///ABS/PATH``: the same, for an absolute path (``sqlite:///tmp/ws/agentnb.sqlite``);
+    * ``postgresql://user[:password]@host[:port]/db`` (or ``postgres://``): the PostgreSQL store (extra
+      ``agentnb[postgres]``);
+    * any other scheme: one :class:`StoreError` line naming it and what is allowed.
+    """
+    scheme = store_scheme(path_or_url)
+    if scheme is None:
+        path = Path(path_or_url)
+        return SQLiteStore(path / "agentnb.sqlite" if path.is_dir() else path, readonly=readonly)
+    url = str(path_or_url)
+    if scheme == "sqlite":
+        rest = url[len(scheme) + 3:]
+        if not rest.startswith("/"):
+            raise StoreError(f"the SQLite URL {url!r} needs an absolute path: sqlite:///abs/path/agentnb.sqlite "
+                             "(three slashes, then the path)")
+        path = Path(rest)
+        return SQLiteStore(path / "agentnb.sqlite" if path.is_dir() else path, readonly=readonly)
+    if scheme in ("postgresql", "postgres"):
+        try:
+            from .postgres import PostgresStore
+        except ImportError as exc:
+            raise StoreError(f"a PostgreSQL store needs psycopg 3 and psycopg-pool ({exc}): "
+                             "pip install 'agentnb[postgres]'") from None
+        return PostgresStore(url, readonly=readonly)
+    shown = url.split("://", 1)[0]
+    raise StoreError(f"unsupported store URL scheme {shown!r}: give a folder path, sqlite:///ABS/PATH or "
+                     "postgresql://user@host:port/db")

@@ -125,8 +125,9 @@ class Store(Protocol):
     """Jobs, comments, movements and the event log of one workspace."""
 
     @property
-    def path(self) -> Path:
-        """Where the store lives (named in error messages)."""
+    def path(self) -> Path | str:
+        """Where the store lives (named in error messages): the SQLite file, or a server's URL without its
+        password."""
         ...
 
     @property

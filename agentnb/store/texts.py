@@ -23,9 +23,14 @@ def instruction_sql(alias: str) -> str:
     return (f"COALESCE((SELECT t.body FROM texts t WHERE t.hash = {alias}.instruction_ref), {alias}.instruction)")
 
 
-def payload_text_sql(alias: str, key: str) -> str:
-    """SQL for payload ``key`` of event row ``alias`` as :meth:`SQLiteStore.events` returns it (references expanded)."""
-    value = f"json_extract({alias}.payload, '$.{key}')"
-    ref = f"json_extract({alias}.payload, '$._texts.{key}')"
+def payload_text_sql(alias: str, key: str, dialect: str = "sqlite") -> str:
+    """SQL for payload ``key`` of event row ``alias`` as :meth:`Store.events` returns it (references expanded);
+    ``dialect`` "sqlite" (TEXT payloads, json_extract) or "postgres" (``json`` payloads, ``#>>``)."""
+    if dialect == "sqlite":
+        value = f"json_extract({alias}.payload, '$.{key}')"
+        ref = f"json_extract({alias}.payload, '$._texts.{key}')"
+    else:
+        value = f"({alias}.payload #>> '{{{key}}}')"
+        ref = f"({alias}.payload #>> '{{_texts,{key}}}')"
     return (f"(CASE WHEN {ref} IS NULL THEN {value} ELSE replace({value}, '{TEXT_REF}', "
             f"(SELECT t.body FROM texts t WHERE t.hash = {ref})) END)")

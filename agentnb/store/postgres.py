@@ -1,0 +1,726 @@
+"""The PostgreSQL store: the :class:`~agentnb.store.base.Store` interface on a PostgreSQL server (DESIGN §13).
+
+The same tables, rows and events as :mod:`agentnb.store.sqlite` (a notebook cannot tell the two apart), through
+psycopg 3 and a :class:`psycopg_pool.ConnectionPool` (extra ``agentnb[postgres]``):
+
+* one transaction per write.  A thread's :meth:`PostgresStore.transaction` holds one pooled connection until it
+  ends, and re-entering it in the same thread joins it (the engine nests store operations in one transaction).
+* :meth:`PostgresStore.transaction` takes the transaction-level advisory lock ``_WRITE_LOCK`` first, so its
+  writes are serialised as SQLite's ``BEGIN IMMEDIATE`` serialises them: the engine reads and then decides
+  inside a transaction (the last subtask to end queues its parent, a batch name is free), and under READ
+  COMMITTED two such transactions could both decide on what neither has committed.  Plain event appends and
+  :meth:`PostgresStore.claim` do not take it: appends only insert, and a claim locks the one job row it takes
+  (``SELECT … FOR UPDATE SKIP LOCKED``), so workers on many hosts claim side by side and never the same job.
+* numbered migrations (:mod:`agentnb.store.pg_migrations`) applied on open under an advisory lock (see
+  :meth:`PostgresStore._migrate` for why a session lock), so two processes opening a new database at once
+  migrate it once; a database of a newer schema is refused
+  before anything is written.
+* every problem met on open (unreachable server, refused password, missing database, newer schema) is one
+  :class:`StoreError` line naming the server by its URL *without* the password.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, cast
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from ..errors import StoreError
+from ..events import (
+    CommentEvent,
+    Event,
+    EventBase,
+    JobStatusEvent,
+    LLMResponse,
+    check_event,
+    encode_payload,
+    event_from_row,
+    payload_dict,
+    payload_path,
+    strict_events,
+)
+from .base import (
+    JOB_STATES,
+    TERMINAL_STATES,
+    FrameQuery,
+    FrameRows,
+    Transaction,
+    can_name_a_job,
+    owner_id,
+    owner_is_gone,
+)
+from .frames_sql import PG_FRAME_SQL
+from .pg_migrations import PG_MIGRATIONS, PG_SCHEMA_VERSION
+from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
+
+__all__ = ["BACKEND_ERRORS", "PG_SCHEMA_VERSION", "PostgresStore", "describe_pg_error", "display_url"]
+
+# what errors of this backend look like, for callers that word them instead of a traceback
+BACKEND_ERRORS: tuple[type[Exception], ...] = (psycopg.Error,)
+
+# advisory lock keys (any bigint; these spell "agnbmigr" and "agnbwrit" so a DBA can tell them in pg_locks)
+_MIGRATE_LOCK = int.from_bytes(b"agnbmigr", "big") & (2**63 - 1)
+_WRITE_LOCK = int.from_bytes(b"agnbwrit", "big") & (2**63 - 1)
+
+_JOB_COLUMNS = (
+    "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
+    "current_movement", "resume_movement", "movement_seq", "workdir", "options", "enriched",
+    "error", "claimed_by", "created", "updated", "started", "ended", "batch", "batch_case", "batch_variant",
+    "forked_from_job", "forked_from_seq",
+)
+_UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created"}
+_SLOT = re.compile(r"\{((?:job|where)_\w)\}")  # frames_sql's per-job slots
+
+
+def _pg_path(json_path: str) -> str:
+    """``$.a.b`` (events.payload_path) as PostgreSQL's text-array path ``{a,b}``."""
+    return "{" + json_path[2:].replace(".", ",") + "}"
+
+
+_TOTAL_TOKENS = _pg_path(payload_path(LLMResponse, "usage", "total_tokens"))
+_STATUS_REASON = _pg_path(payload_path(JobStatusEvent, "reason"))
+
+
+# a NUL escape in JSON text: \u0000 after an even number of backslashes (after an odd number the backslash is
+# itself escaped, and the text reads "\u0000" literally)
+_NUL = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+def _no_nul(payload: str) -> str:
+    """``payload`` with each NUL character as U+FFFD.
+
+    PostgreSQL cannot hold NUL in text, and a ``json`` value holding ``\\u0000`` fails every ``#>``/``#>>`` read of
+    its row, which would break the frames of the whole workspace.  A NUL reaches a payload only from a command's
+    output or a model's text (the file tools refuse binary files); SQLite keeps it, this store marks where it was.
+    """
+    return _NUL.sub(lambda m: m.group(1) + "\\ufffd", payload) if "\\u0000" in payload else payload
+
+
+@functools.lru_cache(maxsize=512)
+def _q(sql: str) -> str:
+    """SQL written with SQLite's ``?`` placeholders (as the shared frame SQL is) in psycopg's ``%s`` style."""
+    return sql.replace("%", "%%").replace("?", "%s")
+
+
+def display_url(url: str) -> str:
+    """``url`` without its password (never shown, logged or put in an error)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{parts.username}@{host}" if parts.username else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def describe_pg_error(exc: BaseException, url: str) -> str:
+    """One line for an error met opening or using the store at ``url``; the password never appears in it."""
+    where = display_url(url)
+    parts = urlsplit(url)
+    text = " ".join(str(exc).split())
+    if parts.password:
+        text = text.replace(parts.password, "***")
+    low = text.lower()
+    if "password authentication failed" in low or "no password supplied" in low:
+        return (f"the PostgreSQL server at {where} refused the password for user {parts.username or '?'}: "
+                "check the password in the URL (or PGPASSWORD, ~/.pgpass)")
+    if "does not exist" in low and "database" in low:
+        return f"{where}: {text}: create it first (createdb) or name an existing database"
+    if isinstance(exc, psycopg.OperationalError) and ("connect" in low or "timeout" in low or "refused" in low
+                                                        or "could not translate host name" in low):
+        server = f"{parts.hostname or 'localhost'}:{parts.port or 5432}"
+        return f"cannot reach the PostgreSQL server at {server} ({where}): is it running and listening there?"
+    return f"{where}: {text}"
+
+
+class Row(dict[str, Any]):
+    """A row by column name, and by position as ``sqlite3.Row`` allows (``query(…)[0][0]`` reads the same on both)."""
+
+    def __getitem__(self, key: str | int) -> Any:
+        if isinstance(key, int):
+            return list(self.values())[key]
+        return super().__getitem__(key)
+
+
+def _row_factory(cursor: psycopg.Cursor[Any]) -> Any:
+    names = [d.name for d in cursor.description or ()]
+    return lambda values: Row(zip(names, values, strict=True))
+
+
+class PostgresStore:
+    """A workspace's jobs, comments, movements and events in a PostgreSQL database (``postgresql://…``).
+
+    ``readonly=True`` refuses every write (:meth:`transaction` raises), as SQLite's read-only store does.
+    ``pool_size`` is the most connections this process holds: one per thread inside a transaction.
+    """
+
+    def __init__(self, url: str, *, readonly: bool = False, pool_size: int = 16,
+                 connect_timeout: float = 10.0) -> None:
+        self.url = url
+        # what error messages name: the URL without its password
+        self.path = display_url(url)
+        self.readonly = readonly
+        self._local = threading.local()
+        self._texts: dict[str, str] = {}
+        self._texts_lock = threading.Lock()
+        self._strict = strict_events()
+        kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": max(1, int(connect_timeout))}
+        try:
+            # one plain connection first: its errors are the server's own words (a pool would only time out)
+            with psycopg.connect(url, **kwargs) as conn:
+                if readonly:
+                    self._check_version(conn)
+                else:
+                    self._migrate(conn)
+        except psycopg.Error as exc:
+            raise StoreError(describe_pg_error(exc, url)) from None
+        # check: a connection the server dropped while idle in the pool (a restart, a network cut, an idle
+        # timeout) is replaced when handed out, at the cost of one round trip, instead of failing the next call
+        self._pool = ConnectionPool(url, min_size=1, max_size=max(1, pool_size), kwargs=kwargs, open=True,
+                                    name="agentnb", timeout=60.0, check=ConnectionPool.check_connection)
+
+    def __repr__(self) -> str:
+        return f"PostgresStore({self.path!r})"
+
+    # -- opening ---------------------------------------------------------------
+    @staticmethod
+    def _version(conn: psycopg.Connection[Any]) -> int:
+        row = conn.execute("SELECT to_regclass('agentnb_schema') IS NOT NULL").fetchone()
+        if not row or not row[0]:
+            return 0
+        got = conn.execute("SELECT MAX(version) FROM agentnb_schema").fetchone()
+        return int(got[0] or 0) if got else 0
+
+    def _check_version(self, conn: psycopg.Connection[Any]) -> int:
+        version = self._version(conn)
+        if version > PG_SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path} has schema version {version}, newer than this agentnb's {PG_SCHEMA_VERSION}: "
+                "it was written by a newer agentnb; upgrade agentnb to open it (nothing was changed)")
+        if version < PG_SCHEMA_VERSION and self.readonly:
+            raise StoreError(f"{self.path} has schema version {version}, older than this agentnb's "
+                             f"{PG_SCHEMA_VERSION}: open it once without readonly to upgrade it")
+        return version
+
+    def _migrate(self, conn: psycopg.Connection[Any]) -> None:
+        """Apply the missing migrations, one process at a time.
+
+        The advisory lock is the session's, taken *before* the migrating transaction begins, not
+        ``pg_advisory_xact_lock`` inside it: a transaction that waited for the lock still sees the catalog as it
+        was when it began (its cache of "no such table" is refreshed only when a transaction starts), so it would
+        run migration 1 again after the first process committed it ("relation texts already exists").
+        """
+        if self._check_version(conn) == PG_SCHEMA_VERSION:
+            return  # the common case takes no lock
+        conn.execute("SELECT pg_advisory_lock(%s)", (_MIGRATE_LOCK,))
+        try:
+            with conn.transaction():
+                version = self._check_version(conn)  # again: another process may have migrated while we waited
+                if version == PG_SCHEMA_VERSION:
+                    return
+                conn.execute("CREATE TABLE IF NOT EXISTS agentnb_schema (version INTEGER NOT NULL)")
+                for number, script in enumerate(PG_MIGRATIONS[version:], start=version + 1):
+                    conn.execute(script)  # no parameters: several statements in one go (DDL is transactional)
+                    conn.execute("DELETE FROM agentnb_schema")
+                    conn.execute("INSERT INTO agentnb_schema (version) VALUES (%s)", (number,))
+        finally:
+            if not conn.closed:
+                conn.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATE_LOCK,))
+
+    # -- plumbing --------------------------------------------------------------
+    @contextmanager
+    def _transaction(self, *, exclusive: bool) -> Iterator[psycopg.Connection[Any]]:
+        local = self._local
+        conn = getattr(local, "conn", None)
+        if conn is not None:  # re-entered in the same thread: join the open transaction
+            local.depth += 1
+            try:
+                yield conn
+            finally:
+                local.depth -= 1
+            return
+        if self.readonly:
+            raise StoreError(f"{self.path} was opened read-only: open it without readonly to change jobs")
+        with self._worded(), self._pool.connection() as conn, conn.transaction():
+            if exclusive:
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITE_LOCK,))
+            local.conn, local.depth = conn, 1
+            try:
+                yield conn
+            finally:
+                local.conn, local.depth = None, 0
+
+    @contextmanager
+    def _worded(self) -> Iterator[None]:
+        """A lost server (stopped, unreachable, the pool out of connections) as one StoreError line, as on open."""
+        try:
+            yield
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            raise StoreError(describe_pg_error(exc, self.url)) from None
+
+    @contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        """One write transaction (re-entrant within a thread), serialised with the other stores' as SQLite's."""
+        with self._transaction(exclusive=True) as conn:
+            yield cast(Transaction, conn)
+
+    @contextmanager
+    def _reader(self) -> Iterator[psycopg.Connection[Any]]:
+        """The thread's open transaction (so it reads its own writes), else a pooled connection."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            yield conn
+            return
+        with self._worded(), self._pool.connection() as pooled:
+            yield pooled
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        """Rows of ``sql`` (``?`` placeholders) as dicts that can also be indexed by position (:class:`Row`)."""
+        with self._reader() as conn, conn.cursor(row_factory=_row_factory) as cur:
+            cur.execute(_q(sql), tuple(params))
+            return cur.fetchall()
+
+    def _tuples(self, sql: str, params: Sequence[Any]) -> FrameRows:
+        with self._reader() as conn, conn.cursor() as cur:
+            cur.execute(_q(sql), tuple(params))
+            rows = cur.fetchall()
+            return [d.name for d in cur.description or ()], rows
+
+    @staticmethod
+    def _tx(c: Transaction) -> psycopg.Connection[Any]:
+        # the transaction handle transaction() gives out is the thread's pooled connection
+        return cast("psycopg.Connection[Any]", c)
+
+    @staticmethod
+    def _exec(conn: psycopg.Connection[Any], sql: str, params: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
+        return conn.execute(_q(sql), tuple(params))
+
+    def close(self) -> None:
+        self._pool.close()
+
+    # -- jobs ------------------------------------------------------------------
+    def create_job(self, **values: Any) -> int:
+        now = time.time()
+        values.setdefault("status", "queued")
+        values.setdefault("created", now)
+        values.setdefault("updated", now)
+        if isinstance(values.get("options"), dict):
+            values["options"] = encode_payload(values["options"])
+        with self._transaction(exclusive=True) as conn:
+            self._ref_instruction(conn, values)
+            cols = ", ".join(values)
+            marks = ", ".join("?" for _ in values)
+            row = self._exec(conn, f"INSERT INTO jobs ({cols}) VALUES ({marks}) RETURNING id",
+                             tuple(values.values())).fetchone()
+            assert row is not None  # INSERT … RETURNING gives its row
+            job_id = int(row[0])
+            self._append(conn, [JobStatusEvent(job_id=job_id, ts=now, status=values["status"], reason="submitted")])
+        return job_id
+
+    def job(self, job_id: int) -> dict[str, Any]:
+        rows = self.query("SELECT * FROM jobs WHERE id=?", (job_id,)) if can_name_a_job(job_id) else []
+        if not rows:
+            raise StoreError(f"no job {job_id} in {self.path}")
+        return self._job_dict(rows[0])
+
+    def jobs(self, status: str | None = None, parent_id: int | None = None,
+             batch: str | None = None) -> list[dict[str, Any]]:
+        sql, params = "SELECT * FROM jobs", list[Any]()
+        where = []
+        for column, value in (("status", status), ("parent_id", parent_id), ("batch", batch)):
+            if value is not None:
+                where.append(f"{column}=?")
+                params.append(value)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        return [self._job_dict(r) for r in self.query(sql + " ORDER BY id", params)]
+
+    def job_ids(self) -> list[int]:
+        return [int(r["id"]) for r in self.query("SELECT id FROM jobs ORDER BY id")]
+
+    def job_columns(self, job_id: int, columns: Sequence[str]) -> dict[str, Any] | None:
+        bad = set(columns) - set(_JOB_COLUMNS)
+        if bad:
+            raise StoreError(f"no job columns {sorted(bad)}")
+        if not can_name_a_job(job_id):
+            return None
+        rows = self.query(f"SELECT {', '.join(columns)} FROM jobs WHERE id=?", (job_id,))
+        return rows[0] if rows else None
+
+    def update_job(self, c: Transaction, job_id: int, **values: Any) -> None:
+        bad = set(values) - _UPDATABLE
+        if bad:
+            raise StoreError(f"cannot update job columns {sorted(bad)}")
+        conn = self._tx(c)
+        values["updated"] = time.time()
+        if "instruction" in values:
+            self._ref_instruction(conn, values)
+        if "enriched" in values:
+            self._ref_enriched(conn, job_id, values)
+        sets = ", ".join(f"{k}=?" for k in values)
+        self._exec(conn, f"UPDATE jobs SET {sets} WHERE id=?", (*values.values(), job_id))
+
+    # -- large texts, stored once (see texts.py) ----------------------------------
+    def _ref_instruction(self, c: psycopg.Connection[Any], values: dict[str, Any]) -> None:
+        text = values.get("instruction")
+        values["instruction_ref"] = None
+        if isinstance(text, str) and len(text) >= TEXT_REF_MIN_CHARS:
+            values["instruction_ref"] = self._put_text(c, text)
+            values["instruction"] = TEXT_REF
+
+    def _ref_enriched(self, c: psycopg.Connection[Any], job_id: int, values: dict[str, Any]) -> None:
+        values["enriched_ref"] = None
+        ref = self._instruction_ref(c, job_id)
+        if ref is not None:
+            replaced = self._replace(values["enriched"], ref)
+            if replaced is not None:
+                values["enriched"], values["enriched_ref"] = replaced, ref
+
+    def _instruction_ref(self, c: psycopg.Connection[Any], job_id: int) -> str | None:
+        row = self._exec(c, "SELECT instruction_ref FROM jobs WHERE id=?", (job_id,)).fetchone()
+        return row[0] if row else None
+
+    def _replace(self, value: Any, ref: str) -> str | None:
+        """``value`` with the text ``ref`` replaced by TEXT_REF, or None when it cannot be (or need not be)."""
+        if not isinstance(value, str) or TEXT_REF in value:
+            return None
+        body = self._text(ref)
+        return value.replace(body, TEXT_REF) if body in value else None
+
+    def _put_text(self, c: psycopg.Connection[Any], body: str) -> str:
+        ref = hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()
+        self._exec(c, "INSERT INTO texts (hash, body) VALUES (?, ?) ON CONFLICT (hash) DO NOTHING", (ref, body))
+        self._remember(ref, body)
+        return ref
+
+    def _text(self, ref: str) -> str:
+        with self._texts_lock:
+            body = self._texts.get(ref)
+        if body is None:
+            rows = self.query("SELECT body FROM texts WHERE hash=?", (ref,))
+            if not rows:
+                raise StoreError(f"{self.path} is damaged: text {ref[:12]}… that a job refers to is missing")
+            body = str(rows[0]["body"])
+            self._remember(ref, body)
+        return body
+
+    def _remember(self, ref: str, body: str) -> None:
+        # texts never change (a hash names each), so a few are kept: Store.job runs once per step
+        with self._texts_lock:
+            if len(self._texts) >= 8:
+                self._texts.pop(next(iter(self._texts)))
+            self._texts[ref] = body
+
+    def _job_dict(self, row: dict[str, Any]) -> dict[str, Any]:
+        job = dict(row)
+        ref, enriched_ref = job.pop("instruction_ref", None), job.pop("enriched_ref", None)
+        if ref is not None:
+            job["instruction"] = self._text(ref)
+        if enriched_ref is not None and job.get("enriched"):
+            job["enriched"] = job["enriched"].replace(TEXT_REF, self._text(enriched_ref))
+        return job
+
+    def set_status(self, c: Transaction, job_id: int, status: str, reason: str = "", **values: Any) -> None:
+        """Change a job's status and record the ``job_status`` event, in transaction ``c``."""
+        now = time.time()
+        if status in TERMINAL_STATES:
+            values.setdefault("ended", now)
+        if status != "running":
+            values.setdefault("claimed_by", None)
+        self.update_job(c, job_id, status=status, **values)
+        self._append(self._tx(c), [JobStatusEvent(job_id=job_id, ts=now, status=status, reason=reason)])
+
+    def claim(self, job_id: int | None = None, owner: str | None = None) -> dict[str, Any] | None:
+        """Atomically move a queued job (the given one, or the oldest) to ``running``; its row, or None.
+
+        ``FOR UPDATE SKIP LOCKED``: a row another claim holds is passed over, so concurrent workers each
+        take a different job without waiting for one another (and without the store-wide write lock).
+        """
+        owner = owner or owner_id()
+        with self._transaction(exclusive=False) as conn:
+            self._recover_orphans(conn, job_id)
+            sql, params = "SELECT id FROM jobs WHERE status='queued'", list[Any]()
+            if job_id is not None:
+                if not can_name_a_job(job_id):
+                    return None
+                sql += " AND id=?"
+                params.append(job_id)
+            row = self._exec(conn, sql + " ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED", params).fetchone()
+            if row is None:
+                return None
+            job_id = int(row[0])
+            now = time.time()
+            cur = self._exec(conn, "UPDATE jobs SET status='running', claimed_by=?, updated=?, "
+                                   "started=COALESCE(started, ?) WHERE id=? AND status='queued'",
+                             (owner, now, now, job_id))
+            if cur.rowcount != 1:
+                return None
+            self._append(conn, [JobStatusEvent(job_id=job_id, ts=time.time(), status="running",
+                                               reason=f"claimed by {owner}")])
+            with conn.cursor(row_factory=dict_row) as dcur:
+                dcur.execute("SELECT * FROM jobs WHERE id=%s", (job_id,))
+                claimed = dcur.fetchone()
+            return self._job_dict(claimed) if claimed else None
+
+    def _recover_orphans(self, c: psycopg.Connection[Any], job_id: int | None) -> None:
+        """Queue again the running jobs whose owner process on this host has died (same host only until
+        leases exist: a process on another host cannot be asked)."""
+        sql, params = "SELECT id, claimed_by FROM jobs WHERE status='running'", list[Any]()
+        if job_id is not None:
+            sql += " AND id=?"
+            params.append(job_id)
+        for jid, claimed_by in self._exec(c, sql + " FOR UPDATE SKIP LOCKED", params).fetchall():
+            if owner_is_gone(claimed_by):
+                self.set_status(cast(Transaction, c), int(jid), "queued",
+                                reason=f"recovered: the process that ran it ({claimed_by}) is gone")
+
+    def runner_mark(self, job_id: int) -> tuple[int, int, str | None]:
+        rows = self._tuples(
+            "SELECT (SELECT MAX(id) FROM events WHERE job_id=? AND movement_seq IS NOT NULL), "
+            "(SELECT MAX(seq) FROM movements WHERE job_id=? AND status='running'), "
+            "(SELECT options FROM jobs WHERE id=?)", (job_id, job_id, job_id))[1]
+        return int(rows[0][0] or 0), int(rows[0][1] or 0), rows[0][2]
+
+    def total_tokens(self, job_id: int) -> int:
+        rows = self._tuples(
+            f"SELECT COALESCE(SUM((payload #>> '{_TOTAL_TOKENS}')::bigint), 0)::bigint FROM events "
+            "WHERE job_id=? AND kind='llm_response'", (job_id,))[1]
+        return int(rows[0][0])
+
+    def last_status_reason(self, job_id: int) -> str | None:
+        rows = self._tuples(
+            f"SELECT payload #>> '{_STATUS_REASON}' FROM events WHERE kind = 'job_status' "
+            "AND job_id = ? ORDER BY id DESC LIMIT 1", (job_id,))[1]
+        return None if not rows or rows[0][0] is None else str(rows[0][0])
+
+    # -- batches ---------------------------------------------------------------
+    def create_batch(self, c: Transaction, name: str, *, fingerprint: str, cases: str, variants: str,
+                     options: str) -> None:
+        now = time.time()
+        self._exec(self._tx(c),
+                   "INSERT INTO batches (name, created, updated, fingerprint, cases, variants, options) "
+                   "VALUES (?,?,?,?,?,?,?)", (name, now, now, fingerprint, cases, variants, options))
+
+    def update_batch(self, c: Transaction, name: str, **values: Any) -> None:
+        bad = set(values) - {"fingerprint", "cases", "variants", "options"}
+        if bad:
+            raise StoreError(f"cannot update batch columns {sorted(bad)}")
+        values["updated"] = time.time()
+        sets = ", ".join(f"{k}=?" for k in values)
+        self._exec(self._tx(c), f"UPDATE batches SET {sets} WHERE name=?", (*values.values(), name))
+
+    def batch(self, name: str) -> dict[str, Any] | None:
+        rows = self.query("SELECT * FROM batches WHERE name=?", (name,))
+        return rows[0] if rows else None
+
+    def batches(self) -> list[dict[str, Any]]:
+        counts = ", ".join(f"COUNT(*) FILTER (WHERE j.status='{s}') AS n_{s}" for s in JOB_STATES)
+        rows = self.query(
+            f"SELECT b.*, COUNT(j.id) AS jobs, {counts} FROM batches b LEFT JOIN jobs j ON j.batch = b.name "
+            "GROUP BY b.name ORDER BY b.created, b.name")
+        return [{k: (int(v or 0) if k.startswith("n_") or k == "jobs" else v) for k, v in r.items()} for r in rows]
+
+    # -- events ----------------------------------------------------------------
+    def _append(self, c: psycopg.Connection[Any], events: Iterable[Event]) -> None:
+        self._insert(c, [self._event_row(c, ev) for ev in events])
+
+    @staticmethod
+    def _insert(c: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:
+        if rows:
+            with c.cursor() as cur:
+                cur.executemany("INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) "
+                                "VALUES (%s,%s,%s,%s,%s,%s)", rows)
+
+    def _event_row(self, c: psycopg.Connection[Any] | None, ev: Event) -> tuple[Any, ...]:
+        """The ``events`` row of ``ev``, built as SQLiteStore builds it (payload_dict → text references →
+        encode_payload): the stored payload text is the same on both backends."""
+        if not isinstance(ev, EventBase):
+            raise StoreError(f"not an event: {ev!r}; the store appends only agentnb.events objects")
+        if self._strict:
+            check_event(ev)
+        data = payload_dict(ev)
+        if ev.kind in REF_FIELDS:
+            assert c is not None, "a referencing payload is built inside its transaction"
+            data = self._ref_payload(c, ev.job_id, ev.kind, data)
+        return ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(), ev.kind, _no_nul(encode_payload(data))
+
+    def _ref_payload(self, c: psycopg.Connection[Any], job_id: int, kind: str,
+                     payload: dict[str, Any]) -> dict[str, Any]:
+        ref = self._instruction_ref(c, job_id)
+        if ref is None:
+            return payload
+        refs = {}
+        out = dict(payload)
+        for key in REF_FIELDS[kind]:
+            replaced = self._replace(out.get(key), ref)
+            if replaced is not None:
+                out[key], refs[key] = replaced, ref
+        if refs:
+            out["_texts"] = refs
+        return out
+
+    def append(self, events: Sequence[Event], c: Transaction | None = None) -> None:
+        # every row is built (and checked) before the first is written
+        if c is not None:
+            self._append(self._tx(c), events)
+            return
+        rows = [ev if isinstance(ev, EventBase) and ev.kind in REF_FIELDS else self._event_row(None, ev)
+                for ev in events]
+        # inserts only: no store-wide lock (see the module's docstring)
+        with self._transaction(exclusive=False) as conn:
+            self._insert(conn, [r if isinstance(r, tuple) else self._event_row(conn, r) for r in rows])
+
+    def events(self, job_id: int, *, after_id: int = 0, kinds: Sequence[str] | None = None,
+               movement_seq: int | None = None) -> list[Event]:
+        # payload::text: the stored text itself (json keeps it), decoded by events.py like SQLite's
+        sql = ("SELECT id, job_id, movement_seq, iteration, ts, kind, payload::text FROM events "
+               "WHERE job_id=? AND id>?")
+        params: list[Any] = [job_id, after_id]
+        if kinds:
+            sql += f" AND kind IN ({','.join('?' for _ in kinds)})"
+            params.extend(kinds)
+        if movement_seq is not None:
+            sql += " AND movement_seq=?"
+            params.append(movement_seq)
+        rows = self._tuples(sql + " ORDER BY id", params)[1] if can_name_a_job(job_id) else []
+        return [event_from_row(self._expand(tuple(r)) if r[5] in REF_FIELDS else tuple(r)) for r in rows]
+
+    def _expand(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
+        """An event row with the texts its payload refers to put back, as it was recorded."""
+        if '"_texts"' not in row[6]:
+            return row
+        data = json.loads(row[6])
+        refs = data.pop("_texts", None)
+        if isinstance(refs, dict):
+            for key, ref in refs.items():
+                if isinstance(data.get(key), str):
+                    data[key] = data[key].replace(TEXT_REF, self._text(ref))
+        return (*row[:6], data)
+
+    def last_event_id(self, job_id: int) -> int:
+        return int(self._tuples("SELECT MAX(id) FROM events WHERE job_id=?", (job_id,))[1][0][0] or 0)
+
+    def latest_request(self, job_id: int) -> tuple[int | None, int | None] | None:
+        rows = self._tuples("SELECT movement_seq, iteration FROM events WHERE job_id=? AND kind='llm_request' "
+                            "ORDER BY id DESC LIMIT 1", (job_id,))[1]
+        return (rows[0][0], rows[0][1]) if rows else None
+
+    def change_mark(self) -> tuple[int | None, int | None]:
+        row = self._tuples("SELECT (SELECT MAX(id) FROM events), (SELECT MAX(id) FROM jobs)", ())[1][0]
+        return row[0], row[1]
+
+    # -- the DataFrame views (SQL in frames_sql.py, PostgreSQL dialect) -------------
+    def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
+        sql, aliases = PG_FRAME_SQL[frame]
+        fills: dict[str, str] = {}
+        for a in aliases:
+            fills[f"job_{a}"] = "" if job_id is None else f" AND {a}.job_id = ?"
+            fills[f"where_{a}"] = "" if job_id is None else f"WHERE {a}.{'id' if a == 'j' else 'job_id'} = ?"
+        params = [] if job_id is None else [job_id] * len(_SLOT.findall(sql))
+        # only the slots are filled: the SQL holds JSON paths in braces ('{usage,total_tokens}'), so no str.format
+        return self._tuples(_SLOT.sub(lambda m: fills[m.group(1)], sql), params)
+
+    # -- comments --------------------------------------------------------------
+    def add_comment(self, c: Transaction, job_id: int, author: str, body: str, *, ts: float | None = None) -> None:
+        now = time.time()
+        conn = self._tx(c)
+        self._exec(conn, "INSERT INTO comments (job_id, author, body, ts) VALUES (?,?,?,?)",
+                   (job_id, author, body, now if ts is None else ts))
+        self._append(conn, [CommentEvent(job_id=job_id, ts=now, author=author, body=body)])
+
+    def comments(self, job_id: int, last: int | None = None) -> list[dict[str, Any]]:
+        if last is None:
+            return self.query("SELECT * FROM comments WHERE job_id=? ORDER BY id", (job_id,))
+        return self.query("SELECT * FROM (SELECT * FROM comments WHERE job_id=? ORDER BY id DESC LIMIT ?) AS c "
+                          "ORDER BY id", (job_id, last))
+
+    def count_comments(self, job_id: int) -> int:
+        return int(self._tuples("SELECT COUNT(*) FROM comments WHERE job_id=?", (job_id,))[1][0][0])
+
+    def reopen_failed_movement(self, c: Transaction, job_id: int) -> None:
+        self._exec(self._tx(c), "UPDATE movements SET status='running', ended=NULL WHERE job_id=? AND "
+                                "status='failed' AND seq=(SELECT MAX(seq) FROM movements WHERE job_id=?)",
+                   (job_id, job_id))
+
+    # -- movements -------------------------------------------------------------
+    def movements(self, job_id: int) -> list[dict[str, Any]]:
+        return self.query("SELECT * FROM movements WHERE job_id=? ORDER BY seq", (job_id,))
+
+    def open_movement(self, job_id: int) -> dict[str, Any] | None:
+        rows = self.query("SELECT * FROM movements WHERE job_id=? AND status='running' ORDER BY seq DESC LIMIT 1",
+                          (job_id,))
+        return rows[0] if rows else None
+
+    # -- operations the engine asks for ----------------------------------------
+    def start_movement(self, c: Transaction, job_id: int, seq: int, name: str) -> None:
+        self._exec(self._tx(c), "INSERT INTO movements (job_id, seq, name, status, started) VALUES (?,?,?,?,?)",
+                   (job_id, seq, name, "running", time.time()))
+
+    def finish_movement(self, c: Transaction, job_id: int, seq: int, *, iterations: int, next_step: str,
+                        forced: bool, summary: str) -> None:
+        self._exec(self._tx(c), "UPDATE movements SET status='done', ended=?, iterations=?, next_step=?, forced=?, "
+                                "summary=? WHERE job_id=? AND seq=?",
+                   (time.time(), iterations, next_step, int(forced), summary, job_id, seq))
+
+    def fail_movement(self, c: Transaction, job_id: int, seq: int, *, iterations: int) -> None:
+        self._exec(self._tx(c), "UPDATE movements SET status='failed', ended=?, iterations=? WHERE job_id=? AND seq=?",
+                   (time.time(), iterations, job_id, seq))
+
+    def calls_by_movement(self, job_id: int) -> dict[str, int]:
+        rows = self._tuples(
+            "SELECT m.name, COUNT(*) FROM events e JOIN movements m ON m.job_id=e.job_id AND m.seq=e.movement_seq "
+            "WHERE e.job_id=? AND e.kind='llm_response' GROUP BY m.name", (job_id,))[1]
+        return {r[0]: int(r[1]) for r in rows}
+
+    def subtask_depth(self, job_id: int) -> int:
+        rows = self._tuples(
+            "WITH RECURSIVE up(id, parent_id, n) AS (SELECT id, parent_id, 0 FROM jobs WHERE id=? "
+            "UNION ALL SELECT j.id, j.parent_id, up.n + 1 FROM jobs j JOIN up ON j.id = up.parent_id "
+            "WHERE up.n < 1000) SELECT MAX(n) FROM up", (job_id,))[1]
+        return int(rows[0][0] or 0)
+
+    def create_child_job(self, c: Transaction, parent_id: int, *, piece: str, piece_yaml: str,
+                         piece_path: str | None, model: str, instruction: str, options: str) -> int:
+        """Insert a queued subtask of ``parent_id`` (its instruction and options kept exactly as given)."""
+        now = time.time()
+        row = self._exec(
+            self._tx(c),
+            "INSERT INTO jobs (parent_id, piece, piece_yaml, piece_path, model, instruction, status, workdir, "
+            "options, created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?) RETURNING id",
+            (parent_id, piece, piece_yaml, piece_path, model, instruction, "queued", "", options, now, now),
+        ).fetchone()
+        assert row is not None  # INSERT … RETURNING gives its row
+        return int(row[0])
+
+    def parent_of(self, c: Transaction, job_id: int) -> int | None:
+        row = self._exec(self._tx(c), "SELECT parent_id FROM jobs WHERE id=?", (job_id,)).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def subtask_wait(self, c: Transaction, job_id: int) -> tuple[bool, str | None]:
+        row = self._exec(self._tx(c), "SELECT status, resume_movement, current_movement FROM jobs WHERE id=?",
+                         (job_id,)).fetchone()
+        if row is None or row[0] != "waiting_subtasks":
+            return False, None
+        return True, row[1] or row[2]
+
+    def open_children(self, c: Transaction, parent_id: int) -> int:
+        states = sorted(TERMINAL_STATES)
+        row = self._exec(
+            self._tx(c),
+            f"SELECT COUNT(*) FROM jobs WHERE parent_id=? AND status NOT IN ({','.join('?' * len(states))})",
+            (parent_id, *states)).fetchone()
+        return int(row[0]) if row else 0

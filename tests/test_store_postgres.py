@@ -1,0 +1,350 @@
+"""The PostgreSQL store (DESIGN §13) on a real server: opening and migrating (two processes at once), the same
+events and frames as SQLite for the same jobs, claims from two processes, and the bad-input lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+from _postgres import PgServer, _free_port
+from _usage_jobs import demo_job, usage_job
+
+from agentnb import Workspace
+from agentnb.errors import StoreError
+from agentnb.store import open_store
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_pg = pytest.mark.needs("postgres", "psycopg")
+
+
+def _sql(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        cur = conn.execute(sql, params)
+        return cur.fetchall() if cur.description else []
+
+
+def _tables(url: str) -> list[str]:
+    return [r[0] for r in _sql(url, "SELECT tablename FROM pg_tables WHERE schemaname='public' ORDER BY 1")]
+
+
+def _python(code: str, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+# -- opening and migrating -------------------------------------------------------------------------------------
+
+@needs_pg
+def test_open_creates_the_schema_and_reopening_changes_nothing(pg_url: str) -> None:
+    from agentnb.store.postgres import PG_SCHEMA_VERSION, PostgresStore
+
+    store = open_store(pg_url)
+    assert isinstance(store, PostgresStore)
+    store.close()
+    assert set(_tables(pg_url)) == {"agentnb_schema", "batches", "comments", "events", "jobs", "movements", "texts"}
+    assert _sql(pg_url, "SELECT version FROM agentnb_schema") == [(PG_SCHEMA_VERSION,)]
+    open_store(pg_url.replace("postgresql://", "postgres://")).close()  # the short scheme too; no second row
+    assert _sql(pg_url, "SELECT version FROM agentnb_schema") == [(PG_SCHEMA_VERSION,)]
+
+
+@needs_pg
+def test_processes_opening_a_new_database_at_once_migrate_it_once(pg_url: str) -> None:
+    # each waits for the same moment, so the opens overlap (the advisory lock makes the second wait, then find
+    # the schema done); without the lock the second CREATE TABLE fails
+    start = time.time() + 1.5
+    code = """
+        import sys, time
+        from agentnb.store import open_store
+        time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+        open_store(sys.argv[1]).close()
+        print("ok")
+    """
+    procs = [_python(code, pg_url, str(start)) for _ in range(4)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outs
+    assert _sql(pg_url, "SELECT COUNT(*) FROM agentnb_schema") == [(1,)]
+    assert "jobs" in _tables(pg_url)
+
+
+# -- the same jobs on both backends -------------------------------------------------------------------------
+
+_TIME = re.compile(r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}(:\d{2}(\.\d+)?)?( ?UTC|Z|[+-]\d{2}:?\d{2})?")
+_OWNER = re.compile(r"claimed by \S+")
+# columns that hold times, durations or ids: they differ between any two runs, whatever the store
+_VOLATILE = {"timestamp", "ts", "created", "started", "ended", "duration", "latency_s", "first_day", "last_day",
+             "event_id", "status_reason", "cost_usd", "seconds"}
+
+
+def _norm(value: Any) -> Any:
+    if isinstance(value, str):
+        return _OWNER.sub("claimed by OWNER", _TIME.sub("TIME", value))
+    if isinstance(value, dict):
+        return {k: _norm(v) for k, v in value.items() if k not in ("latency_s",)}
+    if isinstance(value, list):
+        return [_norm(v) for v in value]
+    return value
+
+
+def _record(ws: Workspace) -> dict[str, Any]:
+    """Everything a notebook reads of the workspace, minus times, ids and owners."""
+    events = {}
+    for job in ws.jobs():
+        events[job.id] = [(e.kind, e.movement_seq, e.iteration, _norm(e.payload)) for e in ws.events(job.id)]
+    frames = {}
+    for name in ("jobs", "movements", "messages", "tool_calls", "usage", "context_actions", "scores",
+                 "divergences", "compactions", "loops"):
+        df: pd.DataFrame = getattr(ws.frames, name)()
+        frames[name] = df.drop(columns=[c for c in df.columns if c in _VOLATILE]).map(_norm)
+    jobs = [{k: _norm(v) for k, v in ws.store.job(j).items() if k not in _VOLATILE | {"updated", "claimed_by"}}
+            for j in ws.store.job_ids()]
+    return {"events": events, "frames": frames, "jobs": jobs,
+            "movements": [[{k: v for k, v in m.items() if k not in _VOLATILE} for m in ws.store.movements(j)]
+                          for j in ws.store.job_ids()]}
+
+
+@needs_pg
+def test_scripted_jobs_give_the_same_events_and_frames_as_on_sqlite(pg_url: str, tmp_path: Path) -> None:
+    # the same folder for both runs, so the paths in prompts and tool results are the same too
+    root = tmp_path / "ws"
+    long_instruction = "Report on input/notes.md. " + "Keep every detail. " * 300  # stored once, in texts
+
+    def run(ws: Workspace) -> dict[str, Any]:
+        usage_job(ws, tmp_path / "scripts", instruction=long_instruction)
+        demo_job(ws)
+        ws.submit("never run", piece="single", model="demo")
+        return _record(ws)
+
+    sqlite_ws = Workspace(root)
+    on_sqlite = run(sqlite_ws)
+    sqlite_ws.store.close()
+    shutil.rmtree(root)
+
+    pg_ws = Workspace(root, store=pg_url)
+    assert not (root / "agentnb.sqlite").exists()
+    on_pg = run(pg_ws)
+    assert _sql(pg_url, "SELECT COUNT(*) FROM texts") == [(1,)]
+    pg_ws.store.close()
+
+    assert on_pg["events"].keys() == on_sqlite["events"].keys() == {1, 2, 3}
+    kinds = {e[0] for evs in on_sqlite["events"].values() for e in evs}
+    assert {"movement_start", "llm_request", "llm_response", "tool_call", "tool_result", "context_action",
+            "transition", "job_status"} <= kinds, kinds
+    for job_id, evs in on_sqlite["events"].items():
+        assert on_pg["events"][job_id] == evs, f"job {job_id}"
+    assert on_pg["jobs"] == on_sqlite["jobs"]
+    assert on_pg["movements"] == on_sqlite["movements"]
+    for name, frame in on_sqlite["frames"].items():
+        assert len(frame) or name in ("scores", "divergences", "compactions", "loops")
+        pd.testing.assert_frame_equal(on_pg["frames"][name], frame, obj=f"frames.{name}()")
+
+
+@needs_pg
+def test_agentnb_store_in_the_environment_chooses_the_store(pg_url: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTNB_STORE", pg_url)
+    ws = Workspace(tmp_path / "scratch")
+    job = ws.submit("hello", piece="single", model="demo")
+    ws.store.close()
+    assert not (tmp_path / "scratch" / "agentnb.sqlite").exists()
+    assert _sql(pg_url, "SELECT id, instruction FROM jobs") == [(job.id, "hello")]
+
+
+# -- claims ------------------------------------------------------------------------------------------------
+
+@needs_pg
+def test_two_processes_claiming_never_take_the_same_job(pg_url: str) -> None:
+    store = open_store(pg_url)
+    ids = [store.create_job(piece="single", piece_yaml="", model="demo", instruction=f"job {i}", workdir="")
+           for i in range(60)]
+    store.close()
+    # each claims until nothing is left, ending each job at once (as a worker does) so that a process that
+    # finished first is never taken for a dead owner of running jobs
+    code = """
+        import json, sys, time
+        from agentnb.store import open_store
+        store = open_store(sys.argv[1])
+        time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+        got = []
+        while (row := store.claim()) is not None:
+            got.append(row["id"])
+            with store.transaction() as c:
+                store.set_status(c, row["id"], "succeeded", reason="done")
+        store.close()
+        print(json.dumps(got))
+    """
+    start = str(time.time() + 1.5)
+    procs = [_python(code, pg_url, start) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    a, b = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    assert not set(a) & set(b)
+    assert sorted(a + b) == ids
+    assert a and b, "both processes should have claimed some jobs"
+    claims = _sql(pg_url, "SELECT job_id, COUNT(*) FROM events WHERE kind='job_status' AND "
+                          "payload->>'status' = 'running' GROUP BY job_id HAVING COUNT(*) > 1")
+    assert claims == []
+
+
+@needs_pg
+def test_claim_of_a_given_job_and_of_none_left(pg_url: str) -> None:
+    store = open_store(pg_url)
+    first = store.create_job(piece="single", piece_yaml="", model="demo", instruction="a", workdir="")
+    second = store.create_job(piece="single", piece_yaml="", model="demo", instruction="b", workdir="")
+    row = store.claim(second)
+    assert row is not None and row["id"] == second and row["status"] == "running"
+    assert store.claim(second) is None  # already running
+    assert store.claim(2**70) is None
+    row = store.claim()
+    assert row is not None and row["id"] == first
+    assert store.claim() is None
+    store.close()
+
+
+# -- bad input: one line, store untouched -------------------------------------------------------------------
+
+def _one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
+    text = str(exc.value)
+    assert "\n" not in text and text, text
+    return text
+
+
+@needs_pg
+def test_a_newer_schema_is_refused_and_left_as_it_is(pg_url: str) -> None:
+    open_store(pg_url).close()
+    _sql(pg_url, "UPDATE agentnb_schema SET version = 99")
+    before = _tables(pg_url)
+    with pytest.raises(StoreError) as exc:
+        open_store(pg_url)
+    text = _one_line(exc)
+    assert "schema version 99, newer than" in text and "nothing was changed" in text
+    assert _tables(pg_url) == before
+    assert _sql(pg_url, "SELECT version FROM agentnb_schema") == [(99,)]
+    with pytest.raises(StoreError):
+        Workspace(Path("/nonexistent-not-made"), store=pg_url, readonly=True)
+
+
+@needs_pg
+def test_a_wrong_password_is_one_line_that_never_shows_a_password(pg: PgServer, pg_url: str,
+                                                                  tmp_path: Path) -> None:
+    db = pg_url.rsplit("/", 1)[1]
+    wrong = "not-the-Pa55word"
+    with pytest.raises(StoreError) as exc:
+        Workspace(tmp_path / "ws", store=pg.url(db, password=wrong))
+    text = _one_line(exc)
+    assert "refused the password for user" in text
+    assert wrong not in text and pg.password not in text
+    assert _tables(pg_url) == []  # nothing was created
+
+
+@needs_pg
+def test_an_unreachable_server_is_one_line(tmp_path: Path) -> None:
+    url = f"postgresql://agentnb:pw-xyz@127.0.0.1:{_free_port()}/agentnb"  # nothing listens there
+    with pytest.raises(StoreError) as exc:
+        Workspace(tmp_path / "ws", store=url)
+    text = _one_line(exc)
+    assert text.startswith("cannot reach the PostgreSQL server at 127.0.0.1:") and "pw-xyz" not in text
+
+
+@needs_pg
+def test_a_missing_database_is_one_line(pg: PgServer) -> None:
+    with pytest.raises(StoreError) as exc:
+        open_store(pg.url("no_such_db"))
+    text = _one_line(exc)
+    assert "no_such_db" in text and "does not exist" in text and pg.password not in text
+
+
+# -- URL resolution (no server needed) ----------------------------------------------------------------------
+
+def test_an_unsupported_scheme_is_one_line_and_makes_nothing(tmp_path: Path) -> None:
+    with pytest.raises(StoreError) as exc:
+        Workspace(tmp_path / "ws", store="mysql://u@h/db")
+    text = _one_line(exc)
+    assert "'mysql'" in text and "postgresql://" in text and "sqlite:///" in text
+    assert not (tmp_path / "ws").exists()
+    with pytest.raises(StoreError, match="absolute path"):
+        open_store("sqlite://relative/agentnb.sqlite")
+
+
+def test_sqlite_urls_and_folders_open_the_sqlite_store(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path / "scratch", store=f"sqlite://{tmp_path}/shared/agentnb.sqlite")
+    job = ws.submit("hello", piece="single", model="demo")
+    ws.store.close()
+    assert (tmp_path / "shared" / "agentnb.sqlite").is_file()
+    assert not (tmp_path / "scratch" / "agentnb.sqlite").exists()
+    store = open_store(tmp_path / "shared")  # a folder: its agentnb.sqlite
+    assert [j["id"] for j in store.jobs()] == [job.id]
+    store.close()
+    store = open_store(f"SQLITE://{tmp_path}/shared")  # schemes are case-insensitive; a folder again
+    assert store.job_ids() == [job.id]
+    store.close()
+
+
+# -- the CLI's --store ----------------------------------------------------------------------------------------
+
+@needs_pg
+def test_cli_store_option_runs_and_lists_jobs_on_the_server(pg_url: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from agentnb.cli import main
+
+    scratch = str(tmp_path / "scratch")
+    assert main(["run", "--workspace", scratch, "--store", pg_url, "--piece", "plan-implement-verify",
+                 "--model", "demo", "Summarise the files in input/"]) == 0
+    assert capsys.readouterr().out.startswith("job 1: succeeded")
+    assert main(["--store", pg_url, "--workspace", scratch, "jobs"]) == 0
+    listed = capsys.readouterr().out
+    assert "succeeded" in listed and "plan-implement-verify" in listed
+    assert not (tmp_path / "scratch" / "agentnb.sqlite").exists()
+    assert _sql(pg_url, "SELECT status FROM jobs") == [("succeeded",)]
+
+
+def test_cli_unsupported_store_scheme_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from agentnb.cli import main
+
+    assert main(["jobs", "--workspace", str(tmp_path / "ws"), "--store", "redis://h/0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "'redis'" in err
+    assert not (tmp_path / "ws").exists()
+
+
+@needs_pg
+def test_a_connection_lost_is_one_line_mid_transaction_and_replaced_when_idle(pg: PgServer, pg_url: str) -> None:
+    store = open_store(pg_url)
+    job = store.create_job(piece="single", piece_yaml="", model="demo", instruction="a", workdir="")
+    db = pg_url.rsplit("/", 1)[1]
+    with pytest.raises(StoreError) as exc, store.transaction() as c:
+        # what a server restart or a network cut does to a connection in use
+        _sql(pg.url(), "SELECT pg_terminate_backend(%s)", (c.info.backend_pid,))  # type: ignore[attr-defined]
+        store.update_job(c, job, error="never written")
+    assert pg.password not in _one_line(exc)
+    assert store.job(job)["error"] is None
+    # and to the connections idle in the pool: each is checked when handed out, and replaced
+    _sql(pg.url(), "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> "
+                   "pg_backend_pid()", (db,))
+    assert store.job_ids() == [job]
+    store.close()
+
+
+@needs_pg
+def test_a_nul_in_an_event_is_kept_as_a_mark_and_the_frames_still_read(pg_url: str) -> None:
+    from agentnb.events import ToolResult
+
+    store = open_store(pg_url)
+    job = store.create_job(piece="single", piece_yaml="", model="demo", instruction="a", workdir="")
+    store.append([ToolResult(job_id=job, ts=time.time(), tool="Bash", call_id="c1", content="a\x00b \\u0000 c")])
+    (event,) = store.events(job, kinds=["tool_result"])
+    assert event.payload["content"] == "a\ufffdb \\u0000 c"  # the NUL marked, a literal backslash-u kept
+    assert store.frame_rows("messages", job)[1][0][-2] == "a\ufffdb \\u0000 c"
+    store.close()
