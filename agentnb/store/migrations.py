@@ -105,4 +105,13 @@ MIGRATIONS: list[str] = [
     ALTER TABLE jobs ADD COLUMN forked_from_job INTEGER REFERENCES jobs(id);
     ALTER TABLE jobs ADD COLUMN forked_from_seq INTEGER
     """,
+    # 5: leases (issue 17, DESIGN §13).  A claim sets lease_until (epoch seconds) and increments lease_gen;
+    # the claimer renews lease_until while it runs the job.  Another claimer takes over a running job
+    # whose lease_until has passed ("recovered: lease expired"), and every write for a job checks the
+    # generation its writer claimed (fencing), so a writer that lost its lease writes nothing more.
+    # lease_until NULL: claimed before leases (or not running); the same-host pid check still applies.
+    """
+    ALTER TABLE jobs ADD COLUMN lease_until REAL;
+    ALTER TABLE jobs ADD COLUMN lease_gen INTEGER NOT NULL DEFAULT 0
+    """,
 ]

@@ -99,6 +99,24 @@ PG_MIGRATIONS: list[str] = [
     CREATE INDEX events_job ON events(job_id, id);
     CREATE INDEX events_kind ON events(kind, job_id, id)
     """,
+    # 2: leases (SQLite's migration 5: see there) and a job's files (issue 17, DESIGN §13).  Workers on
+    # other machines share only the database, so a job's work directory lives here: one row per file,
+    # `path` relative to the work directory in POSIX form, `mode` its permission bits, `sha256` of `data`.
+    # A file the job deleted has no row.  SQLite workspaces keep their work directories on disk.
+    """
+    ALTER TABLE jobs ADD COLUMN lease_until DOUBLE PRECISION;
+    ALTER TABLE jobs ADD COLUMN lease_gen BIGINT NOT NULL DEFAULT 0;
+    CREATE TABLE files (
+        job_id  BIGINT NOT NULL REFERENCES jobs(id),
+        path    TEXT NOT NULL,
+        mode    INTEGER NOT NULL,
+        size    BIGINT NOT NULL,
+        sha256  TEXT NOT NULL,
+        data    BYTEA NOT NULL,
+        updated DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (job_id, path)
+    )
+    """,
 ]
 
 PG_SCHEMA_VERSION = len(PG_MIGRATIONS)
