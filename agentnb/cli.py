@@ -55,7 +55,8 @@ def _workspace(args: argparse.Namespace, *, readonly: bool = False) -> Workspace
     from .workspace import Workspace
 
     # --store, else $AGENTNB_STORE (read by Workspace), else the folder's own agentnb.sqlite (DESIGN §13)
-    return Workspace(_folder(args), readonly=readonly, store=getattr(args, "store", None))
+    return Workspace(_folder(args), readonly=readonly, store=getattr(args, "store", None),
+                     lease=getattr(args, "lease", None))
 
 
 def _question(ws: Workspace, job: Job) -> str | None:
@@ -429,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--forever", action="store_true", help="keep polling for new jobs")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between polls")
     p.add_argument("--max-jobs", type=int, default=None)
+    # checked by Workspace (one line naming what is allowed), as AGENTNB_LEASE is
+    p.add_argument("--lease", metavar="SECONDS", default=None,
+                   help="seconds a claimed job stays this worker's without renewal (default: $AGENTNB_LEASE, else 30)")
 
     p = add("jobs", cmd_jobs, "list jobs")
     p.add_argument("--json", action="store_true")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -31,10 +32,11 @@ from .engine.workdir import prepare_workdir
 from .errors import PathNotFoundError, UsageError
 from .events import ErrorEvent, Event
 from .fork import plan_fork
+from .leases import holding, lease_setting
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
 from .store import STORE_SCHEMES, Store, StoreError, Transaction, open_store, store_scheme
-from .store.base import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, can_name_a_job
+from .store.base import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, WAITING_STATES, LeaseLost, can_name_a_job
 from .tools.base import ToolError, resolve_path
 from .views.status import STOP_REASON
 from .worker import Worker
@@ -264,7 +266,8 @@ class Workspace:
     """A folder with ``agentnb.sqlite`` and ``jobs/<id>/``; the way to submit, run, step and inspect jobs."""
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_WORKSPACE, *, readonly: bool = False,
-                 retries: int | None = None, max_backoff: float | None = None, store: str | None = None) -> None:
+                 retries: int | None = None, max_backoff: float | None = None, store: str | None = None,
+                 lease: float | None = None) -> None:
         """Open (or create) the workspace folder ``path``.
 
         ``store`` (else the environment's ``AGENTNB_STORE``) keeps the jobs elsewhere than ``path/agentnb.sqlite``
@@ -274,8 +277,11 @@ class Workspace:
         ``readonly=True`` only reads: nothing is created or written, so a read-only folder or mount
         works, and a folder without a store reads as an empty workspace.  ``retries`` and ``max_backoff``
         are the openai model's retry settings for jobs that set none themselves (None: the environment's).
+        ``lease`` (else ``AGENTNB_LEASE``, else 30) is how many seconds a job this workspace claims stays its
+        own without renewal; it renews every third of that while it runs the job (agentnb/leases.py).
         """
         self.model_settings = check_retry_settings(retries, max_backoff)
+        self.lease = lease_setting(lease)
         if store is None:
             store = os.environ.get("AGENTNB_STORE") or None
         # the scheme is checked before the folder is made: a mistyped URL leaves nothing behind
@@ -295,6 +301,7 @@ class Workspace:
             except OSError as exc:
                 raise StoreError(f"cannot make the workspace folder {self.root}: {exc.strerror or exc}") from None
         self.store: Store = open_store(self.root / "agentnb.sqlite" if store is None else store, readonly=readonly)
+        self.store.lease = self.lease
         self._runners: dict[int, tuple[JobRunner, tuple[Any, ...]]] = {}
         self._lock = threading.RLock()
         self._stops: dict[int, threading.Event] = {}
@@ -501,6 +508,22 @@ class Workspace:
         return clock_block(user) if user else None
 
     def _run_claimed(self, row: dict[str, Any], unit: str) -> Job:
+        """Run the job this process just claimed (``row``, from ``store.claim``), holding its lease meanwhile.
+
+        A job whose lease was lost (this process was frozen or cut off past it, and another claimer took it
+        back) stops here: nothing more is written for it, it is not marked failed, and the caller goes on.
+        """
+        job_id = int(row["id"])
+        try:
+            with holding(self.store, row, self.lease):
+                return self._run_leased(row, unit)
+        except LeaseLost:
+            with self._lock:
+                self._runners.pop(job_id, None)
+            print(f"job {job_id}: lease lost to another worker; stopping", file=sys.stderr, flush=True)
+            return self.job(job_id)
+
+    def _run_leased(self, row: dict[str, Any], unit: str) -> Job:
         job_id = int(row["id"])
         with self._lock:
             try:
@@ -516,6 +539,8 @@ class Workspace:
         try:
             # a movement can take many calls: Stop pauses it after the current one, as it does a run
             status = runner.advance(unit, stop if unit != "call" else None)
+        except LeaseLost:
+            raise  # nothing may be written for the job any more: not even its return to the queue
         except BaseException:
             # A KeyboardInterrupt (a notebook's stop button) or SystemExit mid-call: give the job back
             # to the queue, resumable from its events.  A model call cut short is asked again; a tool

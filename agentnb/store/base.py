@@ -16,20 +16,26 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from ..errors import StoreError
 from ..events import Event
 
 __all__ = [
+    "DEFAULT_LEASE",
     "FRAME_QUERIES",
+    "LEASE_EXPIRED",
     "JOB_STATES",
     "MAX_INSTRUCTION_CHARS",
     "TERMINAL_STATES",
     "WAITING_STATES",
     "FrameQuery",
     "FrameRows",
+    "LeaseLost",
     "Store",
     "Transaction",
     "can_name_a_job",
+    "lease_lost",
     "owned_by_this_process",
+    "owner_host",
     "owner_host_pid",
     "owner_id",
     "owner_is_gone",
@@ -52,9 +58,33 @@ def can_name_a_job(job_id: int) -> bool:
     return 0 < job_id < 2**63
 
 
+# How long a claim holds a job before another claimer may take it back (seconds); its holder renews it every
+# third of that (agentnb/leases.py).  Workspace(lease=), AGENTNB_LEASE and `agentnb worker --lease` change it.
+DEFAULT_LEASE = 30.0
+# the job_status reason of a running job taken back because its lease ran out (DESIGN §13)
+LEASE_EXPIRED = "recovered: lease expired"
+
+
+class LeaseLost(StoreError):
+    """A write by a lease holder whose lease generation is no longer the job's: another claimer has taken the
+    job back (the holder was frozen, partitioned or too slow to renew).  Nothing of that write was stored."""
+
+
+def lease_lost(job_id: int, held: int, now: Any) -> LeaseLost:
+    return LeaseLost(f"job {job_id}: lease lost to another worker (held generation {held}, "
+                     f"the job's is now {now}); nothing more is written for it here")
+
+
+def owner_host() -> str:
+    """The host name this process puts in its claims: ``AGENTNB_HOST`` when set (containers that share one
+    host name and pid numbers must set it, or the pid check of :func:`owner_is_gone` would ask the wrong
+    process), else the machine's."""
+    return os.environ.get("AGENTNB_HOST") or socket.gethostname()
+
+
 # a claim's owner is host:pid:random, so that a dead owner on this host can be told apart
 def owner_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    return f"{owner_host()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def owner_host_pid(owner: str | None) -> tuple[str, int | None]:
@@ -66,7 +96,7 @@ def owner_host_pid(owner: str | None) -> tuple[str, int | None]:
 
 def owned_by_this_process(owner: str | None) -> bool:
     """True when ``owner`` (a job's ``claimed_by``) is this very process."""
-    return owner_host_pid(owner) == (socket.gethostname(), os.getpid())
+    return owner_host_pid(owner) == (owner_host(), os.getpid())
 
 
 def owner_is_gone(owner: str | None) -> bool:
@@ -75,7 +105,7 @@ def owner_is_gone(owner: str | None) -> bool:
     Owners on other hosts, or in this very process, are never taken over.
     """
     host, pid = owner_host_pid(owner)
-    if host != socket.gethostname() or pid is None or pid == os.getpid():
+    if host != owner_host() or pid is None or pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)
@@ -133,6 +163,9 @@ class Store(Protocol):
     @property
     def readonly(self) -> bool: ...
 
+    # seconds a claim made without ``lease=`` holds its job (the Workspace sets it from its ``lease`` setting)
+    lease: float
+
     def close(self) -> None: ...
 
     def transaction(self) -> AbstractContextManager[Transaction]:
@@ -165,8 +198,25 @@ class Store(Protocol):
         """Change a job's status (and other columns) and record the ``job_status`` event, in ``c``."""
         ...
 
-    def claim(self, job_id: int | None = None, owner: str | None = None) -> dict[str, Any] | None:
-        """Atomically move a queued job (the given one, or the oldest) to ``running``; its row, or None."""
+    def claim(self, job_id: int | None = None, owner: str | None = None,
+              lease: float | None = None) -> dict[str, Any] | None:
+        """Atomically move a queued job (the given one, or the oldest) to ``running``; its row, or None.
+
+        First every running job whose lease has run out goes back to the queue (``LEASE_EXPIRED``; its
+        generation moves on, so its old holder's next write is refused), as does one whose owner process on
+        this host is gone.  The claimed job gets ``lease_gen`` + 1 and ``lease_until`` = now + ``lease``
+        (``self.lease`` when None); its row carries both.
+        """
+        ...
+
+    def renew_lease(self, job_id: int, gen: int, lease: float) -> bool:
+        """Extend a running job's lease to now + ``lease`` if ``gen`` is still its generation; False when the
+        lease was lost (the job was taken back or ended)."""
+        ...
+
+    def fenced(self, job_id: int, gen: int) -> AbstractContextManager[None]:
+        """While inside, every write transaction this thread begins first checks, in that transaction, that job
+        ``job_id``'s lease generation is still ``gen``, and raises :class:`LeaseLost` (writing nothing) when not."""
         ...
 
     def runner_mark(self, job_id: int) -> tuple[int, int, str | None]:

@@ -51,12 +51,15 @@ from ..events import (
     strict_events,
 )
 from .base import (
+    DEFAULT_LEASE,
     JOB_STATES,
+    LEASE_EXPIRED,
     TERMINAL_STATES,
     FrameQuery,
     FrameRows,
     Transaction,
     can_name_a_job,
+    lease_lost,
     owner_id,
     owner_is_gone,
 )
@@ -77,9 +80,13 @@ _JOB_COLUMNS = (
     "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
     "current_movement", "resume_movement", "movement_seq", "workdir", "options", "enriched",
     "error", "claimed_by", "created", "updated", "started", "ended", "batch", "batch_case", "batch_variant",
-    "forked_from_job", "forked_from_seq",
+    "forked_from_job", "forked_from_seq", "lease_until", "lease_gen",
 )
-_UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created"}
+# lease_gen moves only by claims and recoveries (a fence compares against it)
+_UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created", "lease_gen"}
+# Leases are set and checked on the server's clock, so the workers' clocks do not matter.  clock_timestamp(), not
+# now(): now() is the transaction's start, and a claim may have waited for locks since.
+_NOW = "extract(epoch from clock_timestamp())"
 _SLOT = re.compile(r"\{((?:job|where)_\w)\}")  # frames_sql's per-job slots
 
 
@@ -175,6 +182,9 @@ class PostgresStore:
         self.path = display_url(url)
         self.readonly = readonly
         self._local = threading.local()
+        self.lease = DEFAULT_LEASE
+        # the (job id, lease generation) this thread writes for, when it holds a lease (fenced())
+        self._fence = threading.local()
         self._texts: dict[str, str] = {}
         self._texts_lock = threading.Lock()
         self._strict = strict_events()
@@ -258,11 +268,33 @@ class PostgresStore:
         with self._worded(), self._pool.connection() as conn, conn.transaction():
             if exclusive:
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITE_LOCK,))
-            local.conn, local.depth = conn, 1
+            local.conn, local.depth, local.locked = conn, 1, set()
             try:
+                self._check_fence(conn)
                 yield conn
             finally:
-                local.conn, local.depth = None, 0
+                local.conn, local.depth, local.locked = None, 0, set()
+
+    @contextmanager
+    def fenced(self, job_id: int, gen: int) -> Iterator[None]:
+        previous = getattr(self._fence, "held", None)
+        self._fence.held = (job_id, gen)
+        try:
+            yield
+        finally:
+            self._fence.held = previous
+
+    def _check_fence(self, conn: psycopg.Connection[Any]) -> None:
+        """Refuse the transaction just begun when this thread writes for a job whose lease it lost.  The job's row
+        stays locked until this transaction ends, so no claim moves the generation before it commits (a claim
+        passes over a locked row: SKIP LOCKED)."""
+        held = getattr(self._fence, "held", None)
+        if held is None:
+            return
+        row = conn.execute("SELECT lease_gen FROM jobs WHERE id=%s FOR UPDATE", (held[0],)).fetchone()
+        self._local.locked.add(held[0])
+        if row is None or int(row[0] or 0) != held[1]:
+            raise lease_lost(held[0], held[1], None if row is None else row[0])
 
     @contextmanager
     def _worded(self) -> Iterator[None]:
@@ -441,16 +473,20 @@ class PostgresStore:
             values.setdefault("ended", now)
         if status != "running":
             values.setdefault("claimed_by", None)
+            values.setdefault("lease_until", None)
         self.update_job(c, job_id, status=status, **values)
         self._append(self._tx(c), [JobStatusEvent(job_id=job_id, ts=now, status=status, reason=reason)])
 
-    def claim(self, job_id: int | None = None, owner: str | None = None) -> dict[str, Any] | None:
-        """Atomically move a queued job (the given one, or the oldest) to ``running``; its row, or None.
+    def claim(self, job_id: int | None = None, owner: str | None = None,
+              lease: float | None = None) -> dict[str, Any] | None:
+        """Atomically move a queued job (the given one, or the oldest) to ``running``, leased for ``lease``
+        seconds on the server's clock; its row, or None.
 
         ``FOR UPDATE SKIP LOCKED``: a row another claim holds is passed over, so concurrent workers each
         take a different job without waiting for one another (and without the store-wide write lock).
         """
         owner = owner or owner_id()
+        seconds = float(self.lease if lease is None else lease)
         with self._transaction(exclusive=False) as conn:
             self._recover_orphans(conn, job_id)
             sql, params = "SELECT id FROM jobs WHERE status='queued'", list[Any]()
@@ -463,10 +499,12 @@ class PostgresStore:
             if row is None:
                 return None
             job_id = int(row[0])
+            self._local.locked.add(job_id)
             now = time.time()
             cur = self._exec(conn, "UPDATE jobs SET status='running', claimed_by=?, updated=?, "
-                                   "started=COALESCE(started, ?) WHERE id=? AND status='queued'",
-                             (owner, now, now, job_id))
+                                   f"started=COALESCE(started, ?), lease_gen=lease_gen+1, lease_until={_NOW}+? "
+                                   "WHERE id=? AND status='queued'",
+                             (owner, now, now, seconds, job_id))
             if cur.rowcount != 1:
                 return None
             self._append(conn, [JobStatusEvent(job_id=job_id, ts=time.time(), status="running",
@@ -477,16 +515,34 @@ class PostgresStore:
             return self._job_dict(claimed) if claimed else None
 
     def _recover_orphans(self, c: psycopg.Connection[Any], job_id: int | None) -> None:
-        """Queue again the running jobs whose owner process on this host has died (same host only until
-        leases exist: a process on another host cannot be asked)."""
-        sql, params = "SELECT id, claimed_by FROM jobs WHERE status='running'", list[Any]()
-        if job_id is not None:
-            sql += " AND id=?"
-            params.append(job_id)
-        for jid, claimed_by in self._exec(c, sql + " FOR UPDATE SKIP LOCKED", params).fetchall():
+        """Queue again the running jobs whose lease has run out on the server's clock (their holder died, froze
+        or lost the network, on any host), and those whose owner process on this host has died (no need to wait).
+
+        Their lease generation moves on, so that a holder that comes back writes nothing more.  A row locked
+        by its holder's write in progress is passed over (SKIP LOCKED): that holder is alive; a later claim
+        looks again.
+        """
+        rows = self._exec(
+            c, f"SELECT id, claimed_by, COALESCE(lease_until < {_NOW}, false) FROM jobs WHERE status='running' "
+               f"AND (? OR id=? OR lease_until < {_NOW}) FOR UPDATE SKIP LOCKED",
+            (job_id is None, job_id if job_id is not None and can_name_a_job(job_id) else 0)).fetchall()
+        for jid, claimed_by, expired in rows:
             if owner_is_gone(claimed_by):
-                self.set_status(cast(Transaction, c), int(jid), "queued",
-                                reason=f"recovered: the process that ran it ({claimed_by}) is gone")
+                reason = f"recovered: the process that ran it ({claimed_by}) is gone"
+            elif expired:
+                reason = LEASE_EXPIRED
+            else:
+                continue
+            self._local.locked.add(int(jid))
+            self._exec(c, "UPDATE jobs SET lease_gen=lease_gen+1 WHERE id=?", (int(jid),))
+            self.set_status(cast(Transaction, c), int(jid), "queued", reason=reason)
+
+    def renew_lease(self, job_id: int, gen: int, lease: float) -> bool:
+        # no store-wide lock: one row, and it waits only for its own holder's write in progress
+        with self._transaction(exclusive=False) as conn:
+            cur = self._exec(conn, f"UPDATE jobs SET lease_until={_NOW}+? WHERE id=? AND lease_gen=? "
+                                   "AND status='running'", (float(lease), job_id, gen))
+            return cur.rowcount == 1
 
     def runner_mark(self, job_id: int) -> tuple[int, int, str | None]:
         rows = self._tuples(
@@ -536,7 +592,22 @@ class PostgresStore:
 
     # -- events ----------------------------------------------------------------
     def _append(self, c: psycopg.Connection[Any], events: Iterable[Event]) -> None:
-        self._insert(c, [self._event_row(c, ev) for ev in events])
+        rows = [self._event_row(c, ev) for ev in events]
+        self._lock_jobs(c, {int(r[0]) for r in rows})
+        self._insert(c, rows)
+
+    def _lock_jobs(self, c: psycopg.Connection[Any], job_ids: set[int]) -> None:
+        """Lock the rows of the jobs whose events this transaction appends, until it ends.
+
+        Event ids come from a sequence, and two transactions appending for one job (its runner, a comment from
+        another process) could commit out of id order, so that a reader of ``events(after_id=)`` misses one.
+        Holding the job's row from the insert to the commit makes one job's events commit in id order.  A
+        fenced transaction and a claim hold their job's row already (one round trip saved per append)."""
+        locked: set[int] = self._local.locked
+        todo = sorted(job_ids - locked)
+        if todo:
+            c.execute("SELECT id FROM jobs WHERE id = ANY(%s) ORDER BY id FOR UPDATE", (todo,))
+            locked.update(todo)
 
     @staticmethod
     def _insert(c: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:

@@ -39,7 +39,9 @@ from ..events import (
     strict_events,
 )
 from .base import (
+    DEFAULT_LEASE,
     JOB_STATES,
+    LEASE_EXPIRED,
     MAX_INSTRUCTION_CHARS,
     TERMINAL_STATES,
     WAITING_STATES,
@@ -47,6 +49,7 @@ from .base import (
     FrameRows,
     Transaction,
     can_name_a_job,
+    lease_lost,
     owned_by_this_process,
     owner_id,
     owner_is_gone,
@@ -81,9 +84,10 @@ _JOB_COLUMNS = (
     "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
     "current_movement", "resume_movement", "movement_seq", "workdir", "options", "enriched",
     "error", "claimed_by", "created", "updated", "started", "ended", "batch", "batch_case", "batch_variant",
-    "forked_from_job", "forked_from_seq",
+    "forked_from_job", "forked_from_seq", "lease_until", "lease_gen",
 )
-_UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created"}
+# lease_gen moves only by claims and recoveries (a fence compares against it)
+_UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created", "lease_gen"}
 
 # payload fields the store's own queries read, named through the event dataclasses like the frames' SQL
 _TOTAL_TOKENS = payload_path(LLMResponse, "usage", "total_tokens")
@@ -108,6 +112,9 @@ class SQLiteStore:
         self._lock = threading.RLock()
         self._depth = 0
         self._texts: dict[str, str] = {}
+        self.lease = DEFAULT_LEASE
+        # the (job id, lease generation) this thread writes for, when it holds a lease (fenced())
+        self._fence = threading.local()
         # read once: every appended event is type-checked when set (the test suite sets it)
         self._strict = strict_events()
         try:
@@ -265,6 +272,7 @@ class SQLiteStore:
                 raise
             self._depth = 1
             try:
+                self._check_fence()
                 yield self.conn
                 self._depth = 0
                 self.conn.execute("COMMIT")
@@ -276,6 +284,25 @@ class SQLiteStore:
                     self.conn.execute("ROLLBACK")
                 self._damage(exc)
                 raise
+
+    @contextmanager
+    def fenced(self, job_id: int, gen: int) -> Iterator[None]:
+        previous = getattr(self._fence, "held", None)
+        self._fence.held = (job_id, gen)
+        try:
+            yield
+        finally:
+            self._fence.held = previous
+
+    def _check_fence(self) -> None:
+        """Refuse the transaction just begun when this thread writes for a job whose lease it lost.  Inside
+        BEGIN IMMEDIATE no claim can move the generation before this transaction commits."""
+        held = getattr(self._fence, "held", None)
+        if held is None:
+            return
+        row = self.conn.execute("SELECT lease_gen FROM jobs WHERE id=?", (held[0],)).fetchone()
+        if row is None or int(row[0] or 0) != held[1]:
+            raise lease_lost(held[0], held[1], None if row is None else row[0])
 
     def _damage(self, exc: BaseException) -> None:
         """Raise a damaged file (SQLite's plain DatabaseError: corrupt, not a database) as a one-line StoreError."""
@@ -436,15 +463,19 @@ class SQLiteStore:
             values.setdefault("ended", now)
         if status != "running":
             values.setdefault("claimed_by", None)
+            values.setdefault("lease_until", None)
         self.update_job(c, job_id, status=status, **values)
         self._append(self._tx(c), [JobStatusEvent(job_id=job_id, ts=now, status=status, reason=reason)])
 
-    def claim(self, job_id: int | None = None, owner: str | None = None) -> dict[str, Any] | None:
-        """Atomically move a queued job (the given one, or the oldest) to ``running``.
+    def claim(self, job_id: int | None = None, owner: str | None = None,
+              lease: float | None = None) -> dict[str, Any] | None:
+        """Atomically move a queued job (the given one, or the oldest) to ``running``, leased for ``lease``
+        seconds (this host's clock: hosts sharing the file must keep their clocks in step).
 
         Returns the claimed job row, or ``None`` when there is nothing to claim.
         """
         owner = owner or owner_id()
+        seconds = self.lease if lease is None else lease
         with self.transaction() as c:
             conn = self._tx(c)
             self._recover_orphans(conn, job_id)
@@ -453,10 +484,11 @@ class SQLiteStore:
                 if row is None:
                     return None
                 job_id = int(row[0])
+            now = time.time()
             cur = conn.execute(
-                "UPDATE jobs SET status='running', claimed_by=?, updated=?, started=COALESCE(started, ?) "
-                "WHERE id=? AND status='queued'",
-                (owner, time.time(), time.time(), job_id),
+                "UPDATE jobs SET status='running', claimed_by=?, updated=?, started=COALESCE(started, ?), "
+                "lease_gen=lease_gen+1, lease_until=? WHERE id=? AND status='queued'",
+                (owner, now, now, now + seconds, job_id),
             )
             if cur.rowcount != 1:
                 return None
@@ -465,16 +497,31 @@ class SQLiteStore:
             return self._job_dict(conn.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone())
 
     def _recover_orphans(self, c: sqlite3.Connection, job_id: int | None) -> None:
-        """Queue again the running jobs whose owner process on this host has died (a crash, a kill).
+        """Queue again the running jobs whose lease has run out (their holder died, froze or lost the network,
+        on any host) and those whose owner process on this host has died (a crash, a kill: no need to wait).
 
-        Their open movement is left open, so the next claim resumes it from its events.
+        Their open movement is left open, so the next claim resumes it from its events; their lease generation
+        moves on, so that a holder that comes back writes nothing more.
         """
-        sql, params = "SELECT id, claimed_by FROM jobs WHERE status='running'", tuple[Any, ...]()
-        if job_id is not None:
-            sql, params = sql + " AND id=?", (job_id,)
-        for jid, claimed_by in c.execute(sql, params).fetchall():
+        now = time.time()
+        rows = c.execute(
+            "SELECT id, claimed_by, lease_until IS NOT NULL AND lease_until < ? FROM jobs WHERE status='running' "
+            "AND (? OR id=? OR lease_until < ?)", (now, job_id is None, job_id or 0, now)).fetchall()
+        for jid, claimed_by, expired in rows:
             if owner_is_gone(claimed_by):
-                self.set_status(c, int(jid), "queued", reason=f"recovered: the process that ran it ({claimed_by}) is gone")
+                reason = f"recovered: the process that ran it ({claimed_by}) is gone"
+            elif expired:
+                reason = LEASE_EXPIRED
+            else:
+                continue
+            c.execute("UPDATE jobs SET lease_gen=lease_gen+1 WHERE id=?", (int(jid),))
+            self.set_status(c, int(jid), "queued", reason=reason)
+
+    def renew_lease(self, job_id: int, gen: int, lease: float) -> bool:
+        with self.transaction() as c:
+            cur = self._tx(c).execute("UPDATE jobs SET lease_until=? WHERE id=? AND lease_gen=? AND status='running'",
+                                      (time.time() + lease, job_id, gen))
+            return cur.rowcount == 1
 
     def runner_mark(self, job_id: int) -> tuple[int, int, str | None]:
         rows = self.query(
