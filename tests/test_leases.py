@@ -177,7 +177,7 @@ def test_the_holder_renews_its_lease_while_it_runs(store_url: str, tmp_path: Pat
         renewed = ws.store.job(job_id)["lease_until"]
     assert renewed > first and not held.lost.is_set()
     # nobody took it back meanwhile, although more than a lease went by while waiting for the renewal
-    other = open_store(store_url if not store_url.startswith("sqlite") else store_url)
+    other = open_store(store_url)
     assert other.claim(job_id) is None
     other.close()
 
@@ -333,7 +333,7 @@ def test_a_killed_worker_s_job_is_finished_by_another_after_the_lease(
     assert ws.job(job_id).status == "running"
     assert ws.store.job(job_id)["claimed_by"].startswith("elsewhere-1:")
     second = _worker(store_url, tmp_path / "w2", server, "--forever", "--poll", "0.1", "--max-jobs", "1")
-    out, err = _finish(second)
+    _, err = _finish(second)
     assert second.returncode == 0, err
     job = ws.job(job_id)
     assert job.status == "succeeded", job.error
@@ -355,10 +355,13 @@ def test_a_frozen_worker_past_its_lease_writes_nothing_more(
         first.send_signal(signal.SIGSTOP)
         # it is alive (stopped, not gone): only the lease running out lets the second worker take the job
         second = _worker(store_url, tmp_path / "w2", server, "--forever", "--poll", "0.1", "--max-jobs", "1")
-        out2, err2 = _finish(second)
+        _, err2 = _finish(second)
         assert second.returncode == 0, err2
         assert ws.job(job_id).status == "succeeded"
         after_takeover = ws.store.events(job_id)
+        # another job for the frozen worker to go on with once it has given up the lost one
+        server.play(SECOND, DONE)
+        later = ws.submit("Do the thing.", piece=tmp_path / "piece.yaml", model="openai:gpt-4o-mini").id
         # the frozen worker's call is answered now, and it comes back
         server.release()
         first.send_signal(signal.SIGCONT)
@@ -379,5 +382,9 @@ def test_a_frozen_worker_past_its_lease_writes_nothing_more(
                                      ("running", "claimed"), _statuses(ws, straight)[-1]]
     assert [m["status"] for m in ws.store.movements(job_id)] == ["done", "done"]
     assert ws.job(job_id).status == "succeeded"
+    # it went on with the next job, whole
+    assert ws.job(later).status == "succeeded" and _trace(ws, later) == _trace(ws, straight)
+    assert f":{first.pid}:" in str(ws.events(later, kinds=["job_status"])[1].payload["reason"])
+    assert "ran 2 job(s)" in out1
     assert len(ws.events(job_id, kinds=["llm_response"])) == len(ws.events(straight, kinds=["llm_response"]))
     ws.store.close()

@@ -21,6 +21,7 @@ from ..errors import StoreError
 from ..events import ErrorEvent, Lesson, LoopDetected, Subtask, Transition
 from ..models.base import Model, ModelError
 from ..models.replay import Recording
+from ..store.base import LeaseLost
 from ..tools.base import ToolError, open_regular, unlinked_path
 from .context import ContextManager, job_thresholds, window_for_model
 from .loop import AgentLoop, CallCounters, Outcome, Recorder, ReplayDiverged
@@ -132,6 +133,11 @@ class JobRunner:
                 if stop is not None and stop.is_set():
                     self.rec.flush()
                     return "running"
+        except LeaseLost:
+            # another claimer holds the job now: not a failure of the job, and nothing more may be written
+            # for it here (recording the failure would be refused anyway); the caller stops quietly
+            self.loop = None
+            raise
         except ReplayDiverged as exc:
             return self._fail(str(exc), where="replay")
         except ModelError as exc:

@@ -22,8 +22,8 @@ from ..events import Event
 __all__ = [
     "DEFAULT_LEASE",
     "FRAME_QUERIES",
-    "LEASE_EXPIRED",
     "JOB_STATES",
+    "LEASE_EXPIRED",
     "MAX_INSTRUCTION_CHARS",
     "TERMINAL_STATES",
     "WAITING_STATES",
