@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from engine_helpers import call, transition, write_piece, write_script
@@ -182,6 +183,23 @@ def test_the_holder_renews_its_lease_while_it_runs(store_url: str, tmp_path: Pat
     other.close()
 
 
+@needs_pg
+def test_on_postgresql_leases_follow_the_server_s_clock_not_the_worker_s(pg_url: str, tmp_path: Path) -> None:
+    ws = Workspace(tmp_path / "ws", store=pg_url, lease=30)
+    job_id = _job(ws, tmp_path)
+    assert ws.store.claim() is not None
+    # a claimer whose clock runs an hour ahead does not take back a lease that has 30 s left
+    other = Workspace(tmp_path / "other", store=pg_url, lease=30)
+    ahead = time.time() + 3600
+    with mock.patch("time.time", return_value=ahead):
+        assert other.store.claim(job_id) is None
+        assert other.store.renew_lease(job_id, 1, 30)
+    assert ws.store.job(job_id)["lease_until"] < ahead
+    assert ws.store.job(job_id)["status"] == "running"
+    ws.store.close()
+    other.store.close()
+
+
 def test_a_stale_generation_writes_nothing(store_url: str, tmp_path: Path) -> None:
     ws = Workspace(tmp_path / "ws", store=store_url, lease=5)
     job_id = _job(ws, tmp_path)
@@ -241,6 +259,7 @@ def test_an_expired_job_is_taken_back_and_resumes_to_the_same_events(store_url: 
     assert ws.run(straight).status == "succeeded"
     job_id = _job(ws, tmp_path)
     assert ws.step(job_id, unit="call").status == "queued"  # one call done: mid-movement
+    assert ws.store.job(job_id)["lease_gen"] == 1  # ws.step's claim took a lease too
     # this holder claims it again and then stops renewing (a crash on another host, say)
     assert ws.store.claim(job_id) is not None
     time.sleep(1.1)
