@@ -185,17 +185,18 @@ def _until(what: Any, proc: subprocess.Popen[str], limit: float = 60.0) -> None:
 
 
 @PG
-def test_an_idle_worker_on_listen_starts_a_job_queued_later(tmp_path: Path, pg_url: str) -> None:
+@pytest.mark.parametrize("concurrency", ["1", "2"])
+def test_an_idle_worker_on_listen_starts_a_job_queued_later(tmp_path: Path, pg_url: str, concurrency: str) -> None:
     """--poll 3600: the safety-net wake-up cannot come within the test, so only the NOTIFY of the new job can
     have woken the worker (the test waits for the job to end, it does not time it)."""
     ws = Workspace(tmp_path / "submitter", store=pg_url)
     piece = _quick_piece(tmp_path)
-    proc = _worker(tmp_path / "scratch", pg_url, "--forever", "--concurrency", "2", "--poll", "3600")
+    proc = _worker(tmp_path / "scratch", pg_url, "--forever", "--concurrency", concurrency, "--poll", "3600")
     try:
         _until(lambda: _listening(pg_url) == 1, proc)
         first = ws.submit("queued while the worker waits", piece=piece, model="demo")
         _until(lambda: ws.job(first).status.value == "succeeded", proc)
-        # a second one, after the worker went back to waiting (and a subtask-free reply path: set_status queued)
+        # a second one, after the worker went back to waiting
         second = ws.submit("and another", piece=piece, model="demo")
         _until(lambda: ws.job(second).status.value == "succeeded", proc)
         proc.send_signal(signal.SIGTERM)
