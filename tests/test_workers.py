@@ -141,7 +141,8 @@ def test_two_workers_at_concurrency_four_share_the_jobs_on_sqlite(tmp_path: Path
     ws = Workspace(tmp_path / "ws")
     piece = _quick_piece(tmp_path)
     job_ids = [ws.submit(f"task {n}", piece=piece, model="demo").id for n in range(40)]
-    reported = _run_workers(tmp_path, f"sqlite:///{ws.root}", 2, job_ids, ws, "--concurrency", "4")
+    # (AGENTNB_TEST_BACKEND=postgres gives the workspace a database: the workers then use it too)
+    reported = _run_workers(tmp_path, ws.store_url or f"sqlite:///{ws.root}", 2, job_ids, ws, "--concurrency", "4")
     _check_each_job_ran_once(ws, job_ids, reported)
 
 
@@ -247,7 +248,7 @@ def _held_workers_jobs(tmp_path: Path, store: str | None, server: OpenAIServer, 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OPENAI_API_KEY", "test-key")  # refused at submit without a key
         job_ids = [ws.submit(f"job {k}", piece="single", model="openai:test-model").id for k in range(n)]
-    proc = _worker(tmp_path / "scratch", store or f"sqlite:///{ws.root}", "--concurrency", str(n), *args,
+    proc = _worker(tmp_path / "scratch", ws.store_url or f"sqlite:///{ws.root}", "--concurrency", str(n), *args,
                    OPENAI_BASE_URL=server.base_url, OPENAI_API_KEY="test-key", AGENTNB_OPENAI_TIMEOUT="300")
     _until(lambda: len(server.received) == n, proc)
     assert [ws.job(j).status.value for j in job_ids] == ["running"] * n
