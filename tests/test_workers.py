@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,22 @@ movements:
 
 PG = pytest.mark.needs("postgres", "psycopg")
 _CLAIMED_BY = re.compile(r"^claimed by [^:]*:(\d+):")
+
+
+@pytest.fixture
+def submitter(tmp_path: Path) -> Iterator[Callable[[str | None], Workspace]]:
+    """Opens the workspace jobs are submitted from (on the given store), and closes its store after the test:
+    a PostgreSQL pool left to the garbage collector would be closed from one of its own threads."""
+    opened: list[Workspace] = []
+
+    def open_(store: str | None) -> Workspace:
+        ws = Workspace(tmp_path / "submitter", store=store)
+        opened.append(ws)
+        return ws
+
+    yield open_
+    for ws in opened:
+        ws.store.close()
 
 
 def _quick_piece(tmp_path: Path) -> str:
@@ -125,8 +141,9 @@ def _check_each_job_ran_once(ws: Workspace, job_ids: list[int], reported: dict[i
 
 
 @PG
-def test_four_workers_at_concurrency_four_share_500_jobs_on_postgresql(tmp_path: Path, pg_url: str) -> None:
-    ws = Workspace(tmp_path / "submitter", store=pg_url)
+def test_four_workers_at_concurrency_four_share_500_jobs_on_postgresql(tmp_path: Path, pg_url: str,
+                                                                       submitter: Any) -> None:
+    ws = submitter(pg_url)
     piece = _quick_piece(tmp_path)
     job_ids = [ws.submit(f"task {n}", piece=piece, model="demo").id for n in range(500)]
     started = time.monotonic()
@@ -187,10 +204,11 @@ def _until(what: Any, proc: subprocess.Popen[str], limit: float = 60.0) -> None:
 
 @PG
 @pytest.mark.parametrize("concurrency", ["1", "2"])
-def test_an_idle_worker_on_listen_starts_a_job_queued_later(tmp_path: Path, pg_url: str, concurrency: str) -> None:
+def test_an_idle_worker_on_listen_starts_a_job_queued_later(tmp_path: Path, pg_url: str, concurrency: str,
+                                                            submitter: Any) -> None:
     """--poll 3600: the safety-net wake-up cannot come within the test, so only the NOTIFY of the new job can
     have woken the worker (the test waits for the job to end, it does not time it)."""
-    ws = Workspace(tmp_path / "submitter", store=pg_url)
+    ws = submitter(pg_url)
     piece = _quick_piece(tmp_path)
     proc = _worker(tmp_path / "scratch", pg_url, "--forever", "--concurrency", concurrency, "--poll", "3600")
     try:
@@ -211,10 +229,10 @@ def test_an_idle_worker_on_listen_starts_a_job_queued_later(tmp_path: Path, pg_u
 
 
 @PG
-def test_a_job_put_back_in_the_queue_wakes_an_idle_worker(tmp_path: Path, pg_url: str) -> None:
+def test_a_job_put_back_in_the_queue_wakes_an_idle_worker(tmp_path: Path, pg_url: str, submitter: Any) -> None:
     """Queued again (here by a reply to a job that asked), not only newly submitted: the NOTIFY is sent by
     set_status as well."""
-    ws = Workspace(tmp_path / "submitter", store=pg_url)
+    ws = submitter(pg_url)
     job = ws.run(ws.submit("ask me", piece="single", model="demo"))  # the demo model asks on this piece
     assert job.status.value == "waiting_human"
     proc = _worker(tmp_path / "scratch", pg_url, "--forever", "--concurrency", "2", "--poll", "3600")
@@ -242,9 +260,9 @@ def held_server() -> Iterator[OpenAIServer]:
         yield server
 
 
-def _held_workers_jobs(tmp_path: Path, store: str | None, server: OpenAIServer, n: int,
+def _held_workers_jobs(tmp_path: Path, submitter: Any, store: str | None, server: OpenAIServer, n: int,
                        *args: str) -> tuple[Workspace, list[int], subprocess.Popen[str]]:
-    ws = Workspace(tmp_path / "submitter", store=store)
+    ws = submitter(store)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OPENAI_API_KEY", "test-key")  # refused at submit without a key
         job_ids = [ws.submit(f"job {k}", piece="single", model="openai:test-model").id for k in range(n)]
@@ -257,10 +275,11 @@ def _held_workers_jobs(tmp_path: Path, store: str | None, server: OpenAIServer, 
 
 @pytest.mark.parametrize("backend", [pytest.param("postgres", marks=PG), "sqlite"])
 def test_sigterm_gives_every_running_job_back_to_the_queue(tmp_path: Path, held_server: OpenAIServer,
-                                                            backend: str, request: pytest.FixtureRequest) -> None:
+                                                            backend: str, request: pytest.FixtureRequest,
+                                                            submitter: Any) -> None:
     """Their calls never answer: after the grace the worker puts them back itself, as a one-job worker does."""
     store = request.getfixturevalue("pg_url") if backend == "postgres" else None
-    ws, job_ids, proc = _held_workers_jobs(tmp_path, store, held_server, 3, "--grace", "0.2")
+    ws, job_ids, proc = _held_workers_jobs(tmp_path, submitter, store, held_server, 3, "--grace", "0.2")
     try:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
@@ -287,9 +306,9 @@ def test_sigterm_gives_every_running_job_back_to_the_queue(tmp_path: Path, held_
 
 @PG
 def test_sigterm_lets_running_jobs_pause_after_their_current_call(tmp_path: Path, held_server: OpenAIServer,
-                                                                  pg_url: str) -> None:
+                                                                  pg_url: str, submitter: Any) -> None:
     """Calls that answer within the grace: each job records its answer and pauses there, as ws.stop pauses."""
-    ws, job_ids, proc = _held_workers_jobs(tmp_path, pg_url, held_server, 3, "--grace", "120")
+    ws, job_ids, proc = _held_workers_jobs(tmp_path, submitter, pg_url, held_server, 3, "--grace", "120")
     try:
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)  # let the signal land before the answers do (either order ends the same way)
