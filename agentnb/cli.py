@@ -24,8 +24,9 @@ from .engine.context import context_items
 from .engine.pieces import PieceError, available_pieces
 from .errors import AgentnbError, UsageError
 from .events import MovementStart, payload_dict
+from .executor import GRACE, check_poll, check_slots
+from .interrupts import Terminated, sigterm_interrupts
 from .store import BACKEND_ERRORS, describe_error
-from .worker import Terminated, sigterm_interrupts
 
 if TYPE_CHECKING:
     from .workspace import Job, Workspace
@@ -154,9 +155,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    ws = _workspace(args)
-    n = ws.worker().run(forever=args.forever, poll=args.poll, max_jobs=args.max_jobs)
-    print(f"ran {n} job(s)")
+    # refused before the store is opened, as one line
+    check_slots(args.concurrency)
+    check_poll(args.poll)
+    if not args.grace >= 0:
+        raise UsageError(f"--grace {args.grace}; allowed: a number of seconds ≥ 0")
+    worker = _workspace(args).worker()
+    try:
+        worker.run(forever=args.forever, poll=args.poll, max_jobs=args.max_jobs, concurrency=args.concurrency,
+                   grace=args.grace)
+    finally:
+        # the jobs this process ran, said even when a SIGTERM ends it: what the logs of many workers add up to
+        ids = f": {' '.join(map(str, worker.ran))}" if args.list and worker.ran else ""
+        print(f"ran {len(worker.ran)} job(s){ids}", flush=True)
     return 0
 
 
@@ -426,10 +437,19 @@ def build_parser() -> argparse.ArgumentParser:
     _retry_options(p)
     p.add_argument("instruction", nargs="*", help="the task")
 
-    p = add("worker", cmd_worker, "run queued jobs")
-    p.add_argument("--forever", action="store_true", help="keep polling for new jobs")
-    p.add_argument("--poll", type=float, default=1.0, help="seconds between polls")
-    p.add_argument("--max-jobs", type=int, default=None)
+    p = add("worker", cmd_worker, "run queued jobs (until none is left, or --forever)")
+    p.add_argument("--concurrency", type=int, default=1, metavar="N",
+                   help="jobs run at once, each in a thread of its own (default 1)")
+    p.add_argument("--forever", action="store_true",
+                   help="keep waiting for new jobs (PostgreSQL: woken by LISTEN/NOTIFY; SQLite: polling)")
+    p.add_argument("--poll", type=float, default=None, metavar="SECONDS",
+                   help="the longest idle wait between two claims (default 1 on SQLite; 5 on PostgreSQL, "
+                        "where a NOTIFY wakes the worker sooner)")
+    p.add_argument("--grace", type=float, default=GRACE, metavar="SECONDS",
+                   help=f"on SIGTERM, how long running jobs get to pause after their current LLM call before "
+                        f"they are given back to the queue as they stand (default {GRACE:g})")
+    p.add_argument("--max-jobs", type=int, default=None, metavar="N", help="stop after claiming N jobs")
+    p.add_argument("--list", action="store_true", help="print the ids of the jobs it ran")
     # checked by Workspace (one line naming what is allowed), as AGENTNB_LEASE is
     p.add_argument("--lease", metavar="SECONDS", default=None,
                    help="seconds a claimed job stays this worker's without renewal (default: $AGENTNB_LEASE, else 30)")

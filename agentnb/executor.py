@@ -11,6 +11,10 @@ it waits is ignored (said once): leaving then would leave jobs ``running`` under
 thread of ours driving them to a pause.  A job another process is running is skipped and counted.
 The ``openai:`` calls of all the jobs share one rate-limit gate per endpoint (``models/ratelimit.py``).
 
+A queue worker (``agentnb worker --concurrency N``, :func:`run_queue`) runs the same way without a list:
+each of N slot threads claims the next queued job, runs it and claims again; an idle slot waits for a job
+to end here or, on PostgreSQL, for a ``NOTIFY`` that one was queued (:class:`Wake`).
+
 Progress is a ``tqdm.auto`` bar on stderr (a widget in Jupyter, text in a terminal) over the jobs to
 run, with the succeeded/failed counts, tokens and US dollars so far (``models.prices``), refreshed as
 jobs end and, at most every :data:`LIVE_EVERY` seconds, from the calls of the running jobs.
@@ -26,13 +30,15 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
-from .errors import StoreError
+from .errors import StoreError, UsageError
 from .events import LLMResponse
+from .interrupts import sigterm_interrupts
 from .models.prices import call_costs
-from .store.base import Store
-from .worker import sigterm_interrupts
+from .store.base import Store, owned_by_this_process
 
-__all__ = ["LIVE_EVERY", "JobRunnerHost", "RunReport", "run_jobs"]
+__all__ = ["GRACE", "LIVE_EVERY", "JobRunnerHost", "QueueReport", "RunReport", "Wake", "check_poll", "check_slots",
+           "idle_wait",
+           "run_jobs", "run_queue"]
 
 # the running jobs' calls are read again at most this often for the bar (each read is one query per job)
 LIVE_EVERY = 1.0
@@ -273,3 +279,223 @@ def _tell(report: RunReport, name: str | None, job_ids: Sequence[int], say: Call
                and report.statuses.get(j, "queued") in ("queued", "running", "waiting_subtasks"))
     how = resume or (f"ws.batch({name!r})" if name else "running them again")
     say(f"agentnb: interrupted: {paused} running job(s) paused, {left} not finished; resume with {how}")
+
+
+# -- a queue worker's slots (agentnb worker --concurrency N) -----------------------------------------------
+
+# how long an interrupted worker waits for its running jobs to pause after their current call before it gives
+# the rest back to the queue itself (a call can take minutes; SIGKILL follows SIGTERM after 10 s in Docker)
+GRACE = 5.0
+# the idle wait between two claims when nothing wakes the worker sooner: SQLite's poll; on PostgreSQL a
+# NOTIFY wakes it, and this is the safety net (an expired lease sends no NOTIFY, a claim recovers it)
+POLL_SQLITE = 1.0
+POLL_LISTENING = 5.0
+# how often the listening thread looks whether the worker is done
+_LISTEN_TICK = 1.0
+
+
+def check_slots(concurrency: Any) -> int:
+    """``concurrency`` of a worker: a whole number ≥ 1, else one line."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise UsageError(f"concurrency={concurrency!r}; allowed: a whole number ≥ 1 (jobs a worker runs at once)")
+    return concurrency
+
+
+class Wake:
+    """What wakes an idle worker: a job ended in this process, or (PostgreSQL) a ``NOTIFY`` that one was queued.
+
+    A generation count, bumped on each wake-up, closes the race between a claim that found nothing and the
+    wait after it: a waiter passes the generation it saw *before* claiming and returns at once if it moved.
+    The store's :class:`~agentnb.store.base.JobWaiter` (a ``LISTEN`` connection) is driven by a daemon thread,
+    connected before the first claim so that no NOTIFY sent after it is missed.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.cond = threading.Condition()
+        self.gen = 0
+        self._done = threading.Event()
+        self._waiter = store.job_waiter()
+        self.listening = self._waiter is not None
+        if self._waiter is not None:
+            self._waiter.wait(0.0)  # LISTEN now, before the first claim
+            threading.Thread(target=self._listen, name="agentnb-listen", daemon=True).start()
+
+    def _listen(self) -> None:
+        waiter = self._waiter
+        assert waiter is not None
+        try:
+            while not self._done.is_set():
+                if waiter.wait(_LISTEN_TICK):
+                    self.bump()
+        finally:
+            waiter.close()  # here, in the thread that uses the connection
+
+    def bump(self) -> None:
+        with self.cond:
+            self.gen += 1
+            self.cond.notify_all()
+
+    def seen(self) -> int:
+        with self.cond:
+            return self.gen
+
+    def wait(self, seen: int, timeout: float) -> None:
+        with self.cond:
+            if self.gen == seen:
+                self.cond.wait(timeout)
+
+    def close(self) -> None:
+        self._done.set()
+
+
+def check_poll(poll: Any) -> float | None:
+    """``poll`` of a worker: None (the default) or a number of seconds > 0, else one line."""
+    if poll is not None and (isinstance(poll, bool) or not isinstance(poll, int | float) or not poll > 0):
+        raise UsageError(f"poll={poll!r}; allowed: a number of seconds > 0")
+    return None if poll is None else float(poll)
+
+
+def idle_wait(poll: float | None, wake: Wake) -> float:
+    """The idle wait between claims: ``poll`` as given, else :data:`POLL_LISTENING` where a NOTIFY wakes the
+    worker, :data:`POLL_SQLITE` where it polls."""
+    if poll is not None:
+        return poll
+    return POLL_LISTENING if wake.listening else POLL_SQLITE
+
+
+@dataclass
+class QueueReport:
+    """What one :func:`run_queue` did: the jobs it ran, in the order their runs returned, with their statuses."""
+
+    ran: list[int] = field(default_factory=list)
+    statuses: dict[int, str] = field(default_factory=dict)
+    # jobs still running here when an interrupt's grace ran out, given back to the queue by this thread
+    given_back: list[int] = field(default_factory=list)
+    interrupted: bool = False
+
+
+def run_queue(store: Store, claim: Callable[[], dict[str, Any] | None], run: Callable[[dict[str, Any]], Any],
+              stop: Callable[[int], Any], *, concurrency: int, forever: bool = False, poll: float | None = None,
+              max_jobs: int | None = None, grace: float = GRACE, report: QueueReport | None = None) -> QueueReport:
+    """Run queued jobs in ``concurrency`` slot threads: each claims the next one (``claim``), runs it
+    (``run(row)``, which returns the job) and claims again.
+
+    Without ``forever`` it returns once the queue is empty and none of its jobs is still running (a running
+    job may queue subtasks, or its parent).  Ctrl-C or SIGTERM (in the main thread) starts no further job, asks
+    the running ones to pause after their current call (``stop(job_id)``), waits up to ``grace`` seconds for
+    them, gives back to the queue those still running (reason ``interrupted``, as a one-job worker does) and
+    re-raises; their threads are daemons, left blocked in their call, and die with the process.  ``report``,
+    when given, is filled as jobs end (so that it tells what ran even when an interrupt is raised).
+    """
+    check_slots(concurrency)
+    poll = check_poll(poll)
+    report = report if report is not None else QueueReport()
+    wake = Wake(store)
+    wait_s = idle_wait(poll, wake)
+    cond = wake.cond  # one lock for the slots' state and the wake-ups: a job's end and its bump are one step
+    active: set[int] = set()
+    errors: list[BaseException] = []
+    state = {"started": 0, "empty_gen": -1, "closed": False, "slots": concurrency}
+    all_done = threading.Event()
+
+    def take() -> dict[str, Any] | None:
+        """The next job for this slot (claimed, under ``cond``), or None when the slot should end."""
+        with cond:
+            while True:
+                if state["closed"] or (max_jobs is not None and state["started"] >= max_jobs):
+                    return None
+                seen = wake.gen
+                if state["empty_gen"] != seen:  # a slot that found the queue empty since the last wake-up: skip
+                    row = claim()
+                    if row is not None:
+                        state["started"] += 1
+                        active.add(int(row["id"]))
+                        return row
+                    state["empty_gen"] = seen
+                if not forever and not active:
+                    state["closed"] = True
+                    cond.notify_all()
+                    return None
+                if not cond.wait(wait_s) and wake.gen == seen:
+                    wake.gen += 1  # the safety net: claim again (it recovers expired leases), once per slot set
+                    cond.notify_all()
+
+    def slot() -> None:
+        try:
+            while True:
+                try:
+                    row = take()
+                except BaseException as exc:  # a lost store: this slot ends, the others stop claiming
+                    with cond:
+                        errors.append(exc)
+                        state["closed"] = True
+                        cond.notify_all()
+                    return
+                if row is None:
+                    return
+                job_id = int(row["id"])
+                try:
+                    job = run(row)
+                    with cond:
+                        report.statuses[job_id] = str(getattr(job, "status", ""))
+                except BaseException as exc:
+                    with cond:
+                        errors.append(exc)
+                        state["closed"] = True
+                finally:
+                    with cond:
+                        active.discard(job_id)
+                        report.ran.append(job_id)
+                        wake.gen += 1
+                        cond.notify_all()
+        finally:
+            with cond:
+                state["slots"] -= 1
+                if state["slots"] == 0:
+                    all_done.set()
+
+    threads = [threading.Thread(target=slot, name=f"agentnb-slot-{n}", daemon=True) for n in range(concurrency)]
+    try:
+        with sigterm_interrupts():
+            for t in threads:
+                t.start()
+            while not all_done.wait(_TICK):
+                pass
+    except BaseException:
+        report.interrupted = True
+        _give_back(store, stop, wake, state, active, all_done, grace, report)
+        raise
+    finally:
+        wake.close()
+    if errors:
+        raise errors[0]
+    return report
+
+
+def _give_back(store: Store, stop: Callable[[int], Any], wake: Wake, state: dict[str, Any], active: set[int],
+               all_done: threading.Event, grace: float, report: QueueReport) -> None:
+    """An interrupted worker: no further claim, the running jobs asked to pause, then the rest re-queued."""
+    cond = wake.cond
+    with cond:
+        state["closed"] = True
+        cond.notify_all()
+    deadline = time.monotonic() + max(0.0, grace)
+    try:
+        while not all_done.is_set() and time.monotonic() < deadline:
+            with cond:
+                running = sorted(active)
+            # asked again on every tick, as run_jobs does: a slot may have claimed one after the first ask
+            for job_id in running:
+                stop(job_id)
+            all_done.wait(min(_TICK, max(0.0, deadline - time.monotonic())))
+    except BaseException:  # a second Ctrl-C (or SIGTERM): stop waiting, give them back now
+        pass
+    with cond:
+        left = sorted(active)
+    for job_id in left:
+        with store.transaction() as c:
+            row = store.job(job_id)
+            # still ours: a job that paused meanwhile may already run elsewhere
+            if row["status"] == "running" and owned_by_this_process(row["claimed_by"]):
+                store.set_status(c, job_id, "queued", reason="interrupted")
+                report.given_back.append(job_id)

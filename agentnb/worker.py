@@ -1,17 +1,17 @@
-"""The queue worker: claims queued jobs one at a time and runs each through the workspace.
+"""The queue worker: claims queued jobs and runs each through the workspace, one at a time or N at once.
 
-SIGTERM while it runs gives the running job back to the queue (:func:`sigterm_interrupts`).
+One at a time (the default) the job runs in the calling thread, and SIGTERM (:func:`sigterm_interrupts`) cuts
+its current call short and gives it back to the queue.  With ``concurrency=N`` the jobs run in N slot threads
+(:func:`agentnb.executor.run_queue`, the executor ``ws.batch`` uses), each claiming the next queued job.  An
+idle worker on PostgreSQL waits on ``LISTEN agentnb_jobs`` (woken when a job is queued) rather than polling.
 """
 
 from __future__ import annotations
 
-import signal
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from types import FrameType
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from .executor import GRACE, QueueReport, Wake, check_poll, check_slots, idle_wait, run_queue
+from .interrupts import Terminated, sigterm_interrupts
 
 if TYPE_CHECKING:
     from .store.base import Store
@@ -30,47 +30,19 @@ class JobQueue(Protocol[JobT]):
 
     def _run_claimed(self, row: dict[str, Any], unit: str) -> JobT: ...
 
-
-class Terminated(SystemExit):
-    """A SIGTERM, raised in the main thread while a worker runs (the exit status is 128 + 15)."""
-
-
-@contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """While inside, SIGTERM interrupts the main thread as Ctrl-C does, so the running job is re-queued.
-
-    Without it SIGTERM (``kill``, ``systemctl stop``, a container shutting down) ends the process
-    where it stands and the job stays ``running`` until a later claim notices its owner is gone.
-    Only the main thread can receive signals: elsewhere this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    fired = False
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        nonlocal fired
-        if fired:  # a second SIGTERM must not cut short the re-queueing the first one started
-            return
-        fired = True
-        raise Terminated(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    def stop(self, job: Any) -> list[int]: ...
 
 
 class Worker(Generic[JobT]):
-    """Claims queued jobs one at a time and runs each until it ends or waits.
+    """Claims queued jobs and runs each until it ends or waits.
 
-    SIGTERM (like Ctrl-C) gives the running job back to the queue, resumable, and raises
-    :class:`Terminated`.
+    SIGTERM (like Ctrl-C) gives the running jobs back to the queue, resumable, and raises
+    :class:`Terminated`.  :attr:`ran` lists the jobs this worker ran, in the order their runs returned.
     """
 
     def __init__(self, workspace: JobQueue[JobT]) -> None:
         self.ws = workspace
+        self.ran: list[int] = []
 
     def run_once(self) -> JobT | None:
         """Claim the oldest queued job and run it; ``None`` when the queue is empty."""
@@ -78,18 +50,44 @@ class Worker(Generic[JobT]):
             row = self.ws.store.claim()
             if row is None:
                 return None
-            return self.ws._run_claimed(row, unit="job")
+            job = self.ws._run_claimed(row, unit="job")
+            self.ran.append(int(row["id"]))
+            return job
 
-    def run(self, *, forever: bool = False, poll: float = 1.0, max_jobs: int | None = None) -> int:
-        """Run queued jobs until none is left (or forever, polling); returns how many ran."""
+    def run(self, *, forever: bool = False, poll: float | None = None, max_jobs: int | None = None,
+            concurrency: int = 1, grace: float = GRACE) -> int:
+        """Run queued jobs until none is left and none of them runs (or forever); returns how many ran.
+
+        ``concurrency``: jobs run at once (slot threads).  ``poll``: the idle wait between two claims (default
+        1 s on SQLite; on PostgreSQL 5 s, a safety net, since a NOTIFY wakes the worker when a job is queued).
+        ``grace``: on SIGTERM or Ctrl-C with several jobs running, how long they get to pause after their
+        current call before the worker gives them back to the queue itself.
+        """
+        check_slots(concurrency)
+        poll = check_poll(poll)
+        if concurrency > 1:
+            report = QueueReport()
+            try:
+                run_queue(self.ws.store, self.ws.store.claim, lambda row: self.ws._run_claimed(row, unit="job"),
+                          self.ws.stop, concurrency=concurrency, forever=forever, poll=poll, max_jobs=max_jobs,
+                          grace=grace, report=report)
+            finally:
+                self.ran.extend(report.ran)
+            return len(report.ran)
         done = 0
         with sigterm_interrupts():
-            while max_jobs is None or done < max_jobs:
-                job = self.run_once()
-                if job is None:
-                    if not forever:
-                        break
-                    time.sleep(poll)
-                    continue
-                done += 1
+            wake = Wake(self.ws.store) if forever else None  # LISTEN only for a worker that waits
+            try:
+                while max_jobs is None or done < max_jobs:
+                    seen = wake.seen() if wake is not None else 0
+                    job = self.run_once()
+                    if job is None:
+                        if wake is None:
+                            break
+                        wake.wait(seen, idle_wait(poll, wake))
+                        continue
+                    done += 1
+            finally:
+                if wake is not None:
+                    wake.close()
         return done

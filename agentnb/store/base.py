@@ -29,6 +29,7 @@ __all__ = [
     "WAITING_STATES",
     "FrameQuery",
     "FrameRows",
+    "JobWaiter",
     "LeaseLost",
     "Store",
     "Transaction",
@@ -151,6 +152,17 @@ class Transaction(Protocol):
     """
 
 
+class JobWaiter(Protocol):
+    """An idle worker's wake-up call: blocks until a job may have been queued (PostgreSQL's LISTEN/NOTIFY)."""
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a job may have been queued (True) or ``timeout`` seconds passed (False).  Never raises:
+        a lost connection waits out the timeout and reconnects on the next call."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class Store(Protocol):
     """Jobs, comments, movements and the event log of one workspace."""
 
@@ -167,6 +179,11 @@ class Store(Protocol):
     lease: float
 
     def close(self) -> None: ...
+
+    def job_waiter(self) -> JobWaiter | None:
+        """A :class:`JobWaiter` woken when a job is queued (on its own connection; close it after), or None when
+        this backend sends no wake-ups and an idle worker polls instead (SQLite)."""
+        ...
 
     def transaction(self) -> AbstractContextManager[Transaction]:
         """One write transaction, re-entrant within a thread: every write inside commits together or not at all."""

@@ -65,6 +65,7 @@ from .base import (
 )
 from .frames_sql import PG_FRAME_SQL
 from .pg_migrations import PG_MIGRATIONS, PG_SCHEMA_VERSION
+from .pg_notify import NOTIFY_SQL, PgJobWaiter
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
 
 __all__ = ["BACKEND_ERRORS", "PG_SCHEMA_VERSION", "PostgresStore", "describe_pg_error", "display_url"]
@@ -344,6 +345,15 @@ class PostgresStore:
     def close(self) -> None:
         self._pool.close()
 
+    # -- wake-ups (pg_notify.py) -------------------------------------------------
+    @staticmethod
+    def _notify(conn: psycopg.Connection[Any]) -> None:
+        """Wake the idle workers when the transaction that just queued a job commits (pg_notify.py)."""
+        conn.execute(NOTIFY_SQL)
+
+    def job_waiter(self) -> PgJobWaiter:
+        return PgJobWaiter(self.url)
+
     # -- jobs ------------------------------------------------------------------
     def create_job(self, **values: Any) -> int:
         now = time.time()
@@ -361,6 +371,8 @@ class PostgresStore:
             assert row is not None  # INSERT … RETURNING gives its row
             job_id = int(row[0])
             self._append(conn, [JobStatusEvent(job_id=job_id, ts=now, status=values["status"], reason="submitted")])
+            if values["status"] == "queued":
+                self._notify(conn)
         return job_id
 
     def job(self, job_id: int) -> dict[str, Any]:
@@ -476,6 +488,8 @@ class PostgresStore:
             values.setdefault("lease_until", None)
         self.update_job(c, job_id, status=status, **values)
         self._append(self._tx(c), [JobStatusEvent(job_id=job_id, ts=now, status=status, reason=reason)])
+        if status == "queued":
+            self._notify(self._tx(c))
 
     def claim(self, job_id: int | None = None, owner: str | None = None,
               lease: float | None = None) -> dict[str, Any] | None:
@@ -775,6 +789,7 @@ class PostgresStore:
             (parent_id, piece, piece_yaml, piece_path, model, instruction, "queued", "", options, now, now),
         ).fetchone()
         assert row is not None  # INSERT … RETURNING gives its row
+        self._notify(self._tx(c))
         return int(row[0])
 
     def parent_of(self, c: Transaction, job_id: int) -> int | None:

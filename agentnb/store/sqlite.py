@@ -321,6 +321,10 @@ class SQLiteStore:
         with self._lock:
             self.conn.close()
 
+    def job_waiter(self) -> None:
+        """None: SQLite has no wake-ups to send between processes, so an idle worker polls."""
+        return None
+
     def _tx(self, c: Transaction) -> sqlite3.Connection:
         # the transaction handle transaction() gives out is this store's own connection
         return cast(sqlite3.Connection, c)
