@@ -88,7 +88,8 @@ def pg_server() -> Iterator[PgServer]:
                        parts.password or "")
         return
     as_postgres = os.geteuid() == 0
-    top = Path(tempfile.mkdtemp(prefix="agentnb-pg-"))
+    # AGENTNB_TEST_PG_DIR: the folder for the clusters (.ci/run's own, to stop any a killed run leaves behind)
+    top = Path(tempfile.mkdtemp(prefix="agentnb-pg-", dir=os.environ.get("AGENTNB_TEST_PG_DIR") or None))
     data = top / "data"
     pwfile = top / "pw"
     pwfile.write_text(PASSWORD + "\n")

@@ -17,6 +17,7 @@ os.environ.setdefault("AGENTNB_STRICT_EVENTS", "1")
 from _postgres import PgServer, pg_server
 
 from agentnb import Workspace
+from agentnb.store import Store, open_store
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -50,7 +51,12 @@ def in_ci() -> bool:
 
 
 def require(what: str) -> None:
-    """Skip (outside CI) or fail (under CI) the calling test when ``what`` is missing."""
+    """Skip (outside CI) or fail (under CI) the calling test when ``what`` is missing.  The test must carry
+    ``@pytest.mark.needs(what)`` (on the test or on the parameter that needs it): .ci/run's pass on a machine
+    without bwrap, chromium and PostgreSQL runs only ``-m needs``, so an unmarked test would never be tried there."""
+    if _current is not None and what not in _needs_of(_current):
+        pytest.fail(f"{_current.nodeid} calls require({what!r}) without @pytest.mark.needs({what!r}): "
+                    "mark the test (or its parameter) so that `pytest -m needs` selects it")
     present, reason = _NEEDS[what]
     if present():
         return
@@ -59,14 +65,72 @@ def require(what: str) -> None:
     pytest.skip(reason)
 
 
+def pg_backend() -> bool:
+    """Whether this run keeps the tests' workspaces on PostgreSQL (``AGENTNB_TEST_BACKEND=postgres``)."""
+    return os.environ.get("AGENTNB_TEST_BACKEND", "sqlite") == "postgres"
+
+
+# the test being set up or run, so that require() can tell whether it is marked
+_current: pytest.Item | None = None
+# fixtures that start or use the PostgreSQL server: a test using them must be marked needs("postgres")
+_PG_FIXTURES = {"pg", "pg_url"}
+
+
+def _needs_of(item: pytest.Item) -> set[str]:
+    return {what for mark in item.iter_markers("needs") for what in mark.args}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "needs(what): the test needs bwrap, chromium, postgres or psycopg on the machine")
+    config.addinivalue_line("markers", "sqlite_only(reason): the test is about the SQLite file itself; "
+                            "skipped when AGENTNB_TEST_BACKEND=postgres")
+
+
+# The longest test files (minutes each, on 2 cores), started first when pytest-xdist spreads the files over its
+# workers (`-n auto --dist loadfile`): started last, one of them would run alone at the end while the other
+# workers idle.
+_LONG_FILES = ("tests/test_browser.py", "tests/test_section12_review.py", "tests/test_golden.py",
+               "tests/test_compaction.py", "tests/test_executor.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike, so the collections agree
+        rank = {name: i for i, name in enumerate(_LONG_FILES)}
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+    # before `-m` deselects anything, so that the full pass checks every collected test
+    unmarked = [item.nodeid for item in items
+                if _PG_FIXTURES & set(getattr(item, "fixturenames", ())) and "postgres" not in _needs_of(item)]
+    if unmarked:
+        raise pytest.UsageError('tests use the PostgreSQL fixtures without @pytest.mark.needs("postgres", "psycopg"): '
+                                + ", ".join(unmarked[:5]))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    for mark in item.iter_markers("needs"):
-        for what in mark.args:
-            require(what)
+    global _current
+    _current = item
+    for what in sorted(_needs_of(item)):
+        require(what)
+    if pg_backend():
+        for mark in item.iter_markers("sqlite_only"):
+            pytest.skip(f"SQLite only: {mark.args[0] if mark.args else 'about the SQLite file itself'}")
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    global _current
+    _current = None
+
+
+def backend_store(request: pytest.FixtureRequest) -> str | None:
+    """The store for a workspace made in a module-scoped fixture (which runs before the autouse
+    ``_store_backend``): a fresh PostgreSQL database, dropped with the fixture, under
+    ``AGENTNB_TEST_BACKEND=postgres``; else None (the folder's agentnb.sqlite)."""
+    if not pg_backend():
+        return None
+    server: PgServer = request.getfixturevalue("pg")
+    url = server.create_database()
+    request.addfinalizer(lambda: server.drop_database(url))
+    return url
 
 
 @pytest.fixture
@@ -109,10 +173,10 @@ def pg_url(pg: PgServer) -> Iterator[str]:
 @pytest.fixture(autouse=True)
 def _store_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """``AGENTNB_TEST_BACKEND=postgres``: every test's workspaces keep their jobs in a fresh PostgreSQL database
-    (through AGENTNB_STORE, which subprocesses inherit) — a first way to run the whole suite on the second
-    backend.  Tests that read the SQLite file itself fail then, and so do module-scoped workspaces (made before
-    this fixture runs)."""
-    if os.environ.get("AGENTNB_TEST_BACKEND", "sqlite") != "postgres":
+    (through AGENTNB_STORE, which subprocesses inherit: a test that builds a subprocess's environment keeps
+    AGENTNB_STORE).  Tests about the SQLite file itself are marked ``sqlite_only``; module-scoped workspaces
+    (made before this fixture runs) take their store from ``backend_store(request)``."""
+    if not pg_backend():
         yield
         return
     server: PgServer = request.getfixturevalue("pg")
@@ -120,3 +184,14 @@ def _store_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("AGENTNB_STORE", url)
     yield
     server.drop_database(url)
+
+
+def store_of(folder: Path) -> Store | None:
+    """The store a subprocess working on the workspace ``folder`` used: the test's PostgreSQL database when
+    AGENTNB_STORE names one (AGENTNB_TEST_BACKEND=postgres), else ``folder/agentnb.sqlite`` read-only — None when
+    that file does not exist (nothing was stored).  The caller closes it."""
+    url = os.environ.get("AGENTNB_STORE")
+    if url:
+        return open_store(url)  # a database the subprocess has not migrated yet is migrated here: still empty
+    db = folder / "agentnb.sqlite"
+    return open_store(db, readonly=True) if db.exists() else None

@@ -18,11 +18,13 @@ from typing import Any
 import pandas as pd
 import pytest
 from _scripting import call, transition, write_piece, write_script
+from conftest import store_of
 from IPython.core.error import UsageError
 from openai_server import OpenAIServer, reply, stall
 
 from agentnb import Workspace
 from agentnb.batch import Batch
+from agentnb.store import StoreError
 
 AGENTNB = shutil.which("agentnb")
 
@@ -175,7 +177,9 @@ needs_cli = pytest.mark.skipif(AGENTNB is None, reason="the agentnb entry point 
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
+    # AGENTNB_STORE stays: under AGENTNB_TEST_BACKEND=postgres the subprocess must use the test's database
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("AGENTNB_", "OPENAI_")) or k == "AGENTNB_STORE"}
     env.update(extra or {})
     return env
 
@@ -186,12 +190,28 @@ def agentnb(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subproc
 
 
 def _batch_rows(folder: Path) -> list[tuple[Any, ...]]:
-    db = folder / "agentnb.sqlite"
-    if not db.exists():
+    store = store_of(folder)
+    if store is None:
         return []
-    with sqlite3.connect(db) as c:
-        return c.execute("SELECT name FROM batches").fetchall() + c.execute("SELECT id FROM jobs").fetchall()
+    try:
+        return [(r[0],) for sql in ("SELECT name FROM batches ORDER BY name", "SELECT id FROM jobs ORDER BY id") for r in store.query(sql)]
+    finally:
+        store.close()
 
+
+
+def _succeeded(folder: Path) -> int:
+    """How many jobs have succeeded so far (0 while the store or its schema is still being made)."""
+    try:
+        store = store_of(folder)
+        if store is None:
+            return 0
+        try:
+            return int(store.query("SELECT COUNT(*) FROM jobs WHERE status='succeeded'")[0][0])
+        finally:
+            store.close()
+    except (StoreError, sqlite3.Error):
+        return 0  # the schema is being created
 
 @needs_cli
 def test_cli_batch_from_csv_with_an_inputs_folder_prints_the_summary_and_exits_0(tmp_path: Path) -> None:
@@ -346,18 +366,12 @@ def test_cli_batch_interrupted_with_sigint_pauses_and_the_same_command_resumes(t
         env = _env({"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": "sk-test"})
         proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-        db = tmp_path / "ws" / "agentnb.sqlite"
         deadline = time.monotonic() + 120
         while True:  # wait until two jobs have succeeded, then press Ctrl-C
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the batch never got going"
-            if db.exists():
-                try:
-                    with sqlite3.connect(db) as c:
-                        if c.execute("SELECT COUNT(*) FROM jobs WHERE status='succeeded'").fetchone()[0] >= 2:
-                            break
-                except sqlite3.OperationalError:
-                    pass  # the schema is being created
+            if _succeeded(tmp_path / "ws") >= 2:
+                break
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)

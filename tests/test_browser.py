@@ -31,6 +31,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 NOTEBOOK = "notebooks/01-quickstart.ipynb"
+# every test here drives chromium (conftest: skipped without it off CI; .ci/run's pass on a machine without it
+# selects `-m needs`)
+pytestmark = pytest.mark.needs("chromium")
 
 # Flags seen working here as root with no network: no sandbox (root), no GPU (no screen), and no
 # background traffic to Google's hosts, which this machine's closed network would refuse.

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sqlite3
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _scripting import call, transition, write_piece, write_script
+from conftest import store_of
 from IPython.core.error import UsageError
 
 from agentnb import Workspace
@@ -24,7 +24,9 @@ needs_cli = pytest.mark.skipif(AGENTNB is None, reason="the agentnb entry point 
 
 
 def agentnb(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
+    # AGENTNB_STORE stays: under AGENTNB_TEST_BACKEND=postgres the subprocess must use the test's database
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("AGENTNB_", "OPENAI_")) or k == "AGENTNB_STORE"}
     assert AGENTNB is not None
     return subprocess.run([AGENTNB, *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
 
@@ -44,15 +46,24 @@ def _job_files(folder: Path) -> tuple[Path, str]:
     return piece, script
 
 
-def _kinds(db: Path, job: int) -> list[str]:
-    with sqlite3.connect(db) as conn:
-        return [k for (k,) in conn.execute("SELECT kind FROM events WHERE job_id=? ORDER BY id", (job,))]
+def _query(folder: Path, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+    """Rows of ``sql`` in the store the CLI wrote for the workspace ``folder`` (SQLite's file or the test's
+    PostgreSQL database)."""
+    store = store_of(folder)
+    assert store is not None, f"nothing stored for {folder}"
+    try:
+        return store.query(sql, params)
+    finally:
+        store.close()
 
 
-def _options(db: Path, job: int) -> dict[str, Any]:
-    with sqlite3.connect(db) as conn:
-        (text,) = conn.execute("SELECT options FROM jobs WHERE id=?", (job,)).fetchone()
-    return dict(json.loads(text or "{}"))
+def _kinds(folder: Path, job: int) -> list[str]:
+    return [r[0] for r in _query(folder, "SELECT kind FROM events WHERE job_id=? ORDER BY id", (job,))]
+
+
+def _options(folder: Path, job: int) -> dict[str, Any]:
+    (row,) = _query(folder, "SELECT options FROM jobs WHERE id=?", (job,))
+    return dict(json.loads(row[0] or "{}"))
 
 
 def test_items_become_submits_context_mapping() -> None:
@@ -92,9 +103,9 @@ def test_run_context_turns_compaction_on_for_a_job_and_is_stored(tmp_path: Path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("job 1: succeeded")
     assert " 1. work" in out.stdout and "→ COMPLETE (1 compaction)  done" in out.stdout  # run's job lines say so
-    kinds = _kinds(tmp_path / "ws" / "agentnb.sqlite", 1)
+    kinds = _kinds(tmp_path / "ws", 1)
     assert kinds.count("compaction") == 1 and "reminder" not in kinds
-    assert _options(tmp_path / "ws" / "agentnb.sqlite", 1)["context"] == {"on_pressure": "compact",
+    assert _options(tmp_path / "ws", 1)["context"] == {"on_pressure": "compact",
                                                                           "compact_keep_last": 2}
     ws = Workspace(tmp_path / "ws", readonly=True)
     (compaction,) = ws.events(1, kinds=["compaction"])
@@ -108,7 +119,7 @@ def test_without_context_the_same_job_keeps_the_seeds_wrap_up(tmp_path: Path) ->
     out = agentnb(tmp_path, "run", "--workspace", "ws", "--piece", str(piece), "--model", script, "Do it")
     assert out.returncode == 0, out.stderr
     assert "compaction)" not in out.stdout
-    kinds = _kinds(tmp_path / "ws" / "agentnb.sqlite", 1)
+    kinds = _kinds(tmp_path / "ws", 1)
     assert "compaction" not in kinds and "reminder" in kinds
 
 
@@ -119,7 +130,7 @@ def test_a_job_context_overrides_the_movements_on_pressure(tmp_path: Path) -> No
     out = agentnb(tmp_path, "run", "--workspace", "ws", "--piece", "long-research", "--model", "demo",
                   "--input", "notes.md", "--context", "on_pressure=transition", "Summarise input/notes.md")
     assert out.returncode == 0, out.stderr
-    kinds = _kinds(tmp_path / "ws" / "agentnb.sqlite", 1)
+    kinds = _kinds(tmp_path / "ws", 1)
     assert "compaction" not in kinds and "reminder" in kinds
 
 
@@ -135,10 +146,12 @@ def test_run_refuses_a_bad_context_with_one_line_and_stores_nothing(tmp_path: Pa
     assert line.startswith("agentnb: error: ")
     # thresholds.prompt=0.5 is a fine ratio, but below the piece's warn (0.7): refused when merged, by submit
     assert item.split("=")[0].split(".")[-1] in line
-    db = tmp_path / "ws" / "agentnb.sqlite"
-    if db.exists():
-        with sqlite3.connect(db) as conn:
-            assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (0,)
+    store = store_of(tmp_path / "ws")
+    if store is not None:
+        try:
+            assert store.query("SELECT count(*) FROM jobs")[0][0] == 0
+        finally:
+            store.close()
 
 
 @needs_cli
@@ -154,8 +167,8 @@ def test_fork_context_applies_from_the_fork_point(tmp_path: Path) -> None:
                   "--context", "on_pressure=compact", "--context", "compact_keep_last=2")
     assert out.returncode == 0, out.stderr
     assert "forked from job 1 at run 1" in out.stdout
-    assert _kinds(tmp_path / "ws" / "agentnb.sqlite", 2).count("compaction") == 1
-    assert _options(tmp_path / "ws" / "agentnb.sqlite", 2)["context"] == {"on_pressure": "compact",
+    assert _kinds(tmp_path / "ws", 2).count("compaction") == 1
+    assert _options(tmp_path / "ws", 2)["context"] == {"on_pressure": "compact",
                                                                           "compact_keep_last": 2}
     bad = agentnb(tmp_path, "fork", "1", "--workspace", "ws", "--at", "1", "--context", "max_compactions=-2")
     assert bad.returncode == 2

@@ -11,7 +11,7 @@ read through libyaml's node tree, and must still read exactly as ``yaml.safe_loa
 
 from __future__ import annotations
 
-import sqlite3
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import agentnb
 from agentnb import Workspace
 from agentnb.engine.runner import JobRunner
 from agentnb.models.base import ModelRequest, ModelResponse, ToolCall
+from agentnb.store import open_store
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +50,15 @@ class ProbeModel:
 
     spec = "probe"
 
-    def __init__(self, db: Path, calls: int) -> None:
-        self.db = db
+    def __init__(self, ws: Workspace, calls: int) -> None:
+        # a second store on the same database (its own connection) sees only committed transactions
+        self.probe = open_store(ws.store_url or ws.store.path, readonly=True)
         self.calls = calls
         self.seen: list[list[tuple[str, int | None]]] = []  # committed (kind, iteration) at each call
 
     def complete(self, request: ModelRequest) -> ModelResponse:
-        con = sqlite3.connect(self.db)  # a separate connection sees only committed transactions
-        try:
-            rows = con.execute(
-                "SELECT kind, iteration FROM events WHERE job_id=? ORDER BY id", (request.job_id,)
-            ).fetchall()
-        finally:
-            con.close()
-        self.seen.append([(k, i) for k, i in rows])
+        rows = self.probe.query("SELECT kind, iteration FROM events WHERE job_id=? ORDER BY id", (request.job_id,))
+        self.seen.append([(r[0], r[1]) for r in rows])
         n = len(self.seen)
         if n < self.calls:
             call = ToolCall(id=f"c{n}", name="durable_echo", arguments={"text": f"echo {n}"})
@@ -83,7 +79,7 @@ def test_each_call_sees_its_request_and_the_previous_calls_results_committed(
     tmp_path: Path, durable_echo: Any
 ) -> None:
     ws = Workspace(tmp_path / "ws")
-    model = ProbeModel(ws.store.path, calls=4)
+    model = ProbeModel(ws, calls=4)
     assert _run_with(ws, model) == "succeeded"
     assert len(model.seen) == 4
     for n, committed in enumerate(model.seen, start=1):
@@ -101,11 +97,9 @@ def test_each_call_sees_its_request_and_the_previous_calls_results_committed(
 
 def test_the_events_seen_mid_run_are_a_prefix_of_the_final_log(tmp_path: Path, durable_echo: Any) -> None:
     ws = Workspace(tmp_path / "ws")
-    model = ProbeModel(ws.store.path, calls=3)
+    model = ProbeModel(ws, calls=3)
     assert _run_with(ws, model) == "succeeded"
-    con = sqlite3.connect(ws.store.path)
-    final = [(k, i) for k, i in con.execute("SELECT kind, iteration FROM events WHERE job_id=1 ORDER BY id")]
-    con.close()
+    final = [(r[0], r[1]) for r in ws.store.query("SELECT kind, iteration FROM events WHERE job_id=1 ORDER BY id")]
     for committed in model.seen:
         assert final[: len(committed)] == committed  # committed events are never rewritten or reordered
     kinds = [k for k, _ in final]
@@ -159,16 +153,16 @@ def test_a_script_file_reads_exactly_as_yaml_safe_load_gives_it(tmp_path: Path) 
 # -- a tool with effects runs only once its call is durable (issue 11, item 8) ------------------------------
 
 
-def _committed(db: Path, job_id: int) -> list[tuple[str, str | None]]:
-    con = sqlite3.connect(db)  # a second connection: what a process restarted right now would find
+def _committed(ws: Workspace, job_id: int) -> list[tuple[str, str | None]]:
+    # a second store on the same database (its own connection): what a process restarted right now would find
+    probe = open_store(ws.store_url or ws.store.path, readonly=True)
     try:
-        rows = con.execute("SELECT kind, payload FROM events WHERE job_id=? AND kind IN "
-                           "('llm_response', 'tool_call', 'tool_result') ORDER BY id", (job_id,)).fetchall()
+        rows = probe.query("SELECT kind, payload FROM events WHERE job_id=? AND kind IN "
+                           "('llm_response', 'tool_call', 'tool_result') ORDER BY id", (job_id,))
     finally:
-        con.close()
-    import json
-
-    return [(k, json.loads(p).get("call_id") if k != "llm_response" else None) for k, p in rows]
+        probe.close()
+    payloads = [(r[0], r[1] if isinstance(r[1], dict) else json.loads(r[1])) for r in rows]
+    return [(k, p.get("call_id") if k != "llm_response" else None) for k, p in payloads]
 
 
 def test_the_response_and_a_side_effecting_call_are_committed_before_the_tool_runs(tmp_path: Path) -> None:
@@ -177,7 +171,7 @@ def test_the_response_and_a_side_effecting_call_are_committed_before_the_tool_ru
 
     def probe(name: str) -> Any:
         def fn(ctx: agentnb.ToolContext) -> str:
-            seen[name] = _committed(ws.store.path, ctx.job_id)
+            seen[name] = _committed(ws, ctx.job_id)
             return name
         return fn
 

@@ -261,6 +261,7 @@ def lab_over(tmp_path: Path):  # type: ignore[no-untyped-def]
         proc.wait(timeout=30)
 
 
+@pytest.mark.needs("chromium")
 def test_transcript_opens_collapsed_in_jupyterlab_and_expands_with_one_click(ws: Workspace, tmp_path: Path,
                                                                               lab_over) -> None:  # type: ignore[no-untyped-def]
     """What a user sees: one caption per movement run, no transcript shown; a click on a caption opens that run."""

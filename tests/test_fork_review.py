@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import yaml
 from _scripting import call, transition, write_piece, write_script
-from conftest import require
+from conftest import backend_store, require
 
 import agentnb
 from agentnb import Workspace
@@ -31,6 +31,8 @@ TOKENS = ["prompt_tokens", "completion_tokens", "total_tokens"]
 SEED = {"warn": 0.70, "prompt": 0.85, "force_transition": 0.95, "exhausted": 0.99}
 # skipped with one line on a machine without bubblewrap, failed under CI (conftest)
 needs_bwrap = pytest.mark.needs("bwrap")
+# the review loop runs Bash in its jail: only made when bwrap is there
+LOOP = pytest.param("loop", marks=needs_bwrap)
 
 
 # -- the outside checker's own comparison ---------------------------------------------------------------------
@@ -158,9 +160,9 @@ BIG = "\n".join(f"line {i} " + "lorem ipsum dolor sit amet " * 6 for i in range(
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def lab(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("review")
-    ws = Workspace(folder / "ws")
+    ws = Workspace(folder / "ws", store=backend_store(request))
     out: dict[str, Any] = {"ws": ws, "folder": folder}
     out["pressure"] = ws.run(ws.submit("Summarise", piece=str(_pressure_piece(folder)),
                                        model=_pressure_script(folder, "p"), inputs={"big.txt": BIG}))
@@ -201,7 +203,7 @@ def test_an_unedited_fork_of_the_review_loop_is_the_original(lab: dict[str, Any]
     assert c.frame["identical"].all() and c.first_divergence is None and c.files().empty
 
 
-@pytest.mark.parametrize("name", ["pressure", "loop"])
+@pytest.mark.parametrize("name", ["pressure", LOOP])
 def test_a_replay_is_its_original_event_for_event_and_byte_for_byte(lab: dict[str, Any], name: str) -> None:
     if name not in lab:
         require("bwrap")
@@ -333,8 +335,12 @@ def test_a_fork_resumed_by_another_process_in_its_re_served_runs(lab: dict[str, 
         fork = ws.step(fork, unit="call")
     assert fork.status == "queued" and fork.movement_seq == 3
     code = "import sys; from agentnb import Workspace; print(Workspace(sys.argv[1]).run(int(sys.argv[2])).status)"
+    # the lab's store, which under AGENTNB_TEST_BACKEND=postgres is not this test's AGENTNB_STORE
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if ws.store_url:
+        env["AGENTNB_STORE"] = ws.store_url
     out = subprocess.run([sys.executable, "-c", code, str(ws.root), str(fork.id)], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+                         timeout=120, env=env)
     assert out.stdout.strip() == "succeeded", out.stderr
     _assert_unedited_fork(ws, job, ws.job(fork.id), 5)
 
@@ -381,7 +387,7 @@ SETTINGS = [(None, None), (2500, None), (1000, None), (None, {"warn": 0.3, "prom
 
 
 @pytest.mark.parametrize("window, thresholds", SETTINGS)
-@pytest.mark.parametrize("name", ["pressure", "loop", "pressure-fork"])
+@pytest.mark.parametrize("name", ["pressure", LOOP, "pressure-fork"])
 def test_what_if_matches_a_reference_of_the_seed_rules(lab: dict[str, Any], name: str, window: int | None,
                                                        thresholds: dict[str, float] | None) -> None:
     if name not in lab and name != "pressure-fork":

@@ -282,7 +282,9 @@ needs_cli = pytest.mark.skipif(AGENTNB is None, reason="the agentnb entry point 
 
 
 def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
+    # AGENTNB_STORE stays: under AGENTNB_TEST_BACKEND=postgres the subprocess must use the test's database
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("AGENTNB_", "OPENAI_")) or k == "AGENTNB_STORE"}
     return subprocess.run([str(AGENTNB), "--workspace", "ws", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=120, env=env)
 

@@ -40,6 +40,14 @@ def outside(tmp_path: Path) -> Path:
     return out
 
 
+def _stored(ws: Workspace) -> bytes:
+    """Everything the store holds: the SQLite file's bytes, or every row of every table on PostgreSQL."""
+    if ws.store_url is None:
+        return (ws.root / "agentnb.sqlite").read_bytes()
+    tables = ("jobs", "events", "texts", "comments", "movements", "batches", "files")
+    return repr([[dict(r) for r in ws.store.query(f"SELECT * FROM {t}")] for t in tables]).encode()
+
+
 def _run_calls(ws: Workspace, tmp_path: Path, calls: list[tuple[str, dict[str, Any]]], setup=None, **submit: Any):
     """Run one job whose single movement makes ``calls`` (one LLM call each), then completes."""
     piece = write_piece(tmp_path, ALL_TOOLS)
@@ -105,7 +113,7 @@ def test_every_escape_is_a_clear_tool_error(ws: Workspace, tmp_path: Path, outsi
     assert sorted(p.name for p in outside.iterdir()) == ["secret.png", "secret.txt"]
     assert not (tmp_path / "ws" / "jobs" / "escape.txt").exists()
     assert not Path("/tmp/agentnb-escape.txt").exists()
-    assert SECRET.encode() not in (ws.root / "agentnb.sqlite").read_bytes()
+    assert SECRET.encode() not in _stored(ws)
 
 
 def test_searching_the_whole_workdir_skips_links_that_leave_it(ws: Workspace, tmp_path: Path, outside: Path) -> None:
@@ -118,7 +126,7 @@ def test_searching_the_whole_workdir_skips_links_that_leave_it(ws: Workspace, tm
     assert "secret" not in glob_all["content"]
     assert "secret" not in glob_link["content"]
     assert not inner["is_error"] and "inside" in inner["content"]  # a link that stays inside is fine
-    assert SECRET.encode() not in (ws.root / "agentnb.sqlite").read_bytes()
+    assert SECRET.encode() not in _stored(ws)
 
 
 def test_workdir_jobs_are_confined_to_that_directory(ws: Workspace, tmp_path: Path, outside: Path) -> None:
@@ -225,7 +233,7 @@ def test_backslashes_loops_and_a_linked_input_folder_are_clear_errors(
     assert "output/kept.md:1:kept" in grep["content"] and SECRET not in grep["content"]
     assert sorted(p.name for p in outside.iterdir()) == ["secret.png", "secret.txt"]
     assert not any("\\" in p.name for p in wd.rglob("*"))
-    assert SECRET.encode() not in (ws.root / "agentnb.sqlite").read_bytes()
+    assert SECRET.encode() not in _stored(ws)
 
 
 def test_links_left_in_logs_never_make_the_engine_write_or_read_outside(
@@ -267,7 +275,7 @@ movements:
     assert "logs/lessons.jsonl is a symbolic link" in errors[0]["message"]
     assert (outside / "secret.txt").read_text(encoding="utf-8") == SECRET + "\n"
     assert sorted(p.name for p in outside.iterdir()) == ["secret.png", "secret.txt", "todo.json"]
-    assert SECRET.encode() not in (ws.root / "agentnb.sqlite").read_bytes()  # no linked checklist in a prompt
+    assert SECRET.encode() not in _stored(ws)  # no linked checklist in a prompt
     # the lessons are still in the events
     assert [e.payload["lessons"] for e in ws.events(job, kinds=["lesson"])] == ["a lesson", "done"]
 

@@ -176,10 +176,12 @@ def test_running_time_leaves_out_the_idle_time_and_wall_time_counts_it(ws: Works
     st = job_stats(ws, job.id)
     running = [e for e in ws.events(job, kinds=["job_status"])]
     spans = sum(b.ts - a.ts for a, b in itertools.pairwise(running) if a.payload["status"] == "running")
-    assert st.running_s == pytest.approx(spans) and st.running_s < 1.0
+    # the 2.4 s of sleeps are wall time only (bounds, not timings: a loaded machine runs the steps slower)
+    assert st.running_s == pytest.approx(spans) and st.running_s <= st.wall_s - 2.4
     assert st.wall_s >= 2.4 and st.wall_s == pytest.approx(job.ended - job.created)
     head = header_html(ws, job.id)
-    assert re.search(r"running time \d+\.\d s", head) and re.search(r"wall 2\.\d s from submit to end", head)
+    wall = re.search(r"wall (\d+\.\d) s from submit to end", head)
+    assert re.search(r"running time \d+\.\d s", head) and wall and float(wall[1]) == pytest.approx(st.wall_s, abs=0.06)
 
     asker = ws.run(ws.submit("Summarise the meeting", piece="ask-first", model="demo"))
     assert asker.status == "waiting_human"

@@ -159,6 +159,10 @@ LEAKY_ENV = {
 }
 
 
+# the Bash tool in its bubblewrap jail: that parameter needs bwrap on the machine
+JAIL = pytest.param("jail", marks=pytest.mark.needs("bwrap"))
+
+
 def _sandbox(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if mode == "jail":
         require("bwrap")
@@ -167,7 +171,7 @@ def _sandbox(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("AGENTNB_BASH_SANDBOX", "off")
 
 
-@pytest.mark.parametrize("mode", ["jail", "off"])
+@pytest.mark.parametrize("mode", [JAIL, "off"])
 def test_bash_sees_only_allowed_variables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     _sandbox(mode, monkeypatch)
     for name, value in LEAKY_ENV.items():
@@ -284,6 +288,7 @@ def test_export_masks_a_credential_named_variable(ws: Workspace, tmp_path: Path,
 # Item 4: the jail's /etc, capabilities, and commands that die with their worker
 
 
+@pytest.mark.needs("bwrap")
 def test_the_jail_shows_only_the_etc_commands_need(tmp_path: Path) -> None:
     require("bwrap")
     bash = get_tool("Bash")
@@ -313,7 +318,7 @@ def test_the_jail_shows_only_the_etc_commands_need(tmp_path: Path) -> None:
 _LOOP = 'while true; do echo x >> "{log}"; sleep 0.05; done'
 
 
-@pytest.mark.parametrize("mode", ["off", "jail"])
+@pytest.mark.parametrize("mode", ["off", JAIL])
 @pytest.mark.parametrize("shape", ["loop", "background"])
 def test_a_command_dies_with_its_worker(ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                         mode: str, shape: str) -> None:
@@ -430,7 +435,7 @@ def test_special_files_are_refused_and_never_block(ws: Workspace, tmp_path: Path
     assert errors[13] and ("'input/null-device' is a character device" if device else "no such file") in r[13]
 
 
-@pytest.mark.parametrize("mode", ["jail", "off"])
+@pytest.mark.parametrize("mode", [JAIL, "off"])
 def test_a_fifo_made_by_bash_never_blocks_the_file_tools(ws: Workspace, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     _sandbox(mode, monkeypatch)

@@ -495,7 +495,7 @@ def test_the_childs_loop_refuses_tools_beyond_the_cap_even_if_its_row_names_a_bi
         {"name": "work", "instruction": "Read.", "tools": ["Read", "Write", "Edit"], "permission": "edit",
          "rules": [{"next": "COMPLETE"}]}]})
     with ws.store.transaction() as c:
-        c.execute("UPDATE jobs SET piece_yaml=? WHERE id=?", (bigger, kid.id))
+        ws.store.update_job(c, kid.id, piece_yaml=bigger)
     (Path(kid.workdir) / "output" / "seed.txt").write_text("a", encoding="utf-8")
     done = ws.run(kid.id)
     assert done.status == "succeeded", done.error

@@ -151,7 +151,7 @@ def test_japanese_headings_for_feedback_and_git(ws: Workspace, tmp_path: Path, r
     assert "## 現在のステップ: implement" in second
 
 
-@pytest.mark.parametrize("jail", ["off", "auto"])
+@pytest.mark.parametrize("jail", ["off", pytest.param("auto", marks=pytest.mark.needs("bwrap"))])
 def test_git_excerpt_never_runs_commands_the_repository_config_names(
     ws: Workspace, tmp_path: Path, repo: Path, monkeypatch: pytest.MonkeyPatch, jail: str
 ) -> None:

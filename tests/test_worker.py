@@ -159,7 +159,9 @@ def _stalled_worker(tmp_path: Path, command: list[str]) -> tuple[Workspace, int,
     ws = Workspace(tmp_path / "ws")
     with mock.patch.dict(os.environ, {"OPENAI_API_KEY": "test-key"}):  # refused at submit without a key
         job = ws.submit("Do it", piece="single", model="openai:test-model")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
+    # AGENTNB_STORE stays: under AGENTNB_TEST_BACKEND=postgres the subprocess must use the test's database
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("AGENTNB_", "OPENAI_")) or k == "AGENTNB_STORE"}
     env.update(OPENAI_BASE_URL=server.base_url, OPENAI_API_KEY="test-key", AGENTNB_OPENAI_TIMEOUT="300")
     proc = subprocess.Popen([sys.executable, *command, str(ws.root)], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
