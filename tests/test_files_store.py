@@ -301,7 +301,7 @@ def test_files_and_pull_on_sqlite_read_the_work_directory(tmp_path: Path) -> Non
     assert not (dest / "input" / "notes.md").exists()  # nothing copied on a refusal
     assert sorted(ws.pull(job, dest, overwrite=True)) == [dest / "input" / "notes.md", dest / "output" / "report.md"]
     assert (dest / "output" / "report.md").read_text(encoding="utf-8") == "the report"
-    with pytest.raises(UsageError, match="under='../x'"):
+    with pytest.raises(UsageError, match=r"under='\.\./x'"):
         ws.files(job, under="../x")
     with pytest.raises(UsageError, match="is a file"):
         ws.pull(job, dest / "output" / "report.md")
