@@ -305,3 +305,27 @@ def test_files_and_pull_on_sqlite_read_the_work_directory(tmp_path: Path) -> Non
         ws.files(job, under="../x")
     with pytest.raises(UsageError, match="is a file"):
         ws.pull(job, dest / "output" / "report.md")
+
+
+@needs_pg
+def test_subtasks_on_postgres_keep_their_files_in_the_store(pg_url: str, tmp_path: Path) -> None:
+    from _scripting import call as s_call
+    from _scripting import transition as s_transition
+    from _scripting import write_script as s_write_script
+
+    children = [{"instruction": f"Do part {n}", "piece": "single", "model": s_write_script(tmp_path, f"c{n}", {"work": [
+        s_call("Write", path="output/part.md", content=f"part {n}"), s_transition("COMPLETE", summary=f"part {n}")]})}
+        for n in (1, 2)]
+    spec = s_write_script(tmp_path, "parent", {
+        "split": [s_transition("WAIT_SUBTASKS", summary="split", subtasks=children)],
+        "merge": [s_call("Write", path="output/result.md", content="merged"), s_transition("COMPLETE", "merged")],
+    })
+    a = Workspace(tmp_path / "a", store=pg_url)
+    parent = a.run(a.submit("Do two parts", piece="fan-out", model=spec))
+    assert parent.status == "succeeded"
+    b = Workspace(tmp_path / "b", store=pg_url)  # reads them from elsewhere
+    for n, child in enumerate(b.children(parent), start=1):
+        assert b.store.job(child.id)["workdir"] == f"jobs/{child.id}"
+        assert child.workdir == b.root / "jobs" / str(child.id)
+        assert b.files(child, under="output")["sha256"].tolist() == [_sha(f"part {n}")]
+    assert b.files(parent, under="output")["path"].tolist() == ["output/result.md"]
