@@ -23,6 +23,7 @@ difference in the transaction that records the movement (:meth:`WriteBack.apply`
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -150,7 +151,8 @@ class _Local:
         if self.link is not None:
             data = os.fsencode(self.link)
             return StoredFile(self.path, self.mode, len(data), self.sha256, data)
-        data = self.full.read_bytes()
+        with os.fdopen(_open_regular(self.full), "rb") as fh:
+            data = fh.read()
         return StoredFile(self.path, self.mode, len(data), hashlib.sha256(data).hexdigest(), data)
 
 
@@ -158,12 +160,34 @@ def _inside(real: str, root: str) -> bool:
     return real == root or real.startswith(root + os.sep)
 
 
+def _open_regular(path: Path) -> int:
+    """A descriptor of the regular file ``path``; FileNotFoundError when it is gone or is no longer a regular
+    file (a tool may swap it for a link or a FIFO at any moment: never followed, never waited on)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO):
+            raise FileNotFoundError(str(path)) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FileNotFoundError(str(path))
+    return fd
+
+
 def _hash_file(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with os.fdopen(_open_regular(path), "rb") as fh:
         while chunk := fh.read(_READ_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _sha_or_none(path: Path) -> str | None:
+    try:
+        return _hash_file(path)
+    except FileNotFoundError:
+        return None
 
 
 def _entries(workdir: Path) -> dict[str, tuple[Path, os.stat_result]]:
@@ -331,7 +355,7 @@ def materialise(store: Store, job_id: int, workdir: Path) -> list[str]:
             if stat.S_ISLNK(mode) and stat.S_ISLNK(st.st_mode):
                 if hashlib.sha256(os.fsencode(os.readlink(full))).hexdigest() == sha:
                     continue
-            elif stat.S_ISREG(mode) and stat.S_ISREG(st.st_mode) and _hash_file(full) == sha:
+            elif stat.S_ISREG(mode) and stat.S_ISREG(st.st_mode) and _sha_or_none(full) == sha:
                 if stat.S_IMODE(st.st_mode) != stat.S_IMODE(mode):
                     os.chmod(full, stat.S_IMODE(mode))
                 continue
@@ -402,7 +426,7 @@ def _same(target: Path, mode: int, sha: str) -> bool:
     """Whether ``target`` already holds this file (or link)."""
     if stat.S_ISLNK(mode):
         return target.is_symlink() and hashlib.sha256(os.fsencode(os.readlink(target))).hexdigest() == sha
-    return target.is_file() and not target.is_symlink() and _hash_file(target) == sha
+    return target.is_file() and not target.is_symlink() and _sha_or_none(target) == sha
 
 
 def pull_files(store: Store, job_id: int, workdir: Path, dest: str | os.PathLike[str], *,
