@@ -329,3 +329,18 @@ def test_subtasks_on_postgres_keep_their_files_in_the_store(pg_url: str, tmp_pat
         assert child.workdir == b.root / "jobs" / str(child.id)
         assert b.files(child, under="output")["sha256"].tolist() == [_sha(f"part {n}")]
     assert b.files(parent, under="output")["path"].tolist() == ["output/result.md"]
+
+
+@needs_pg
+def test_compare_files_on_postgres_reads_both_outputs_from_the_store(pg_url: str, tmp_path: Path) -> None:
+    def job_writing(ws: Workspace, text: str) -> Any:
+        spec = write_script(tmp_path, {"responses": [call("Write", path="output/r.md", content=text),
+                                                     transition("COMPLETE", "ok")]}, name=f"{text}.yaml")
+        return ws.run(ws.submit("Write", piece="single", model=spec))
+
+    one = job_writing(Workspace(tmp_path / "a", store=pg_url), "one\n")
+    two = job_writing(Workspace(tmp_path / "b", store=pg_url), "two\n")
+    elsewhere = Workspace(tmp_path / "c", store=pg_url)  # neither ran here
+    frame = elsewhere.compare(one, two).files()
+    assert frame["path"].tolist() == ["r.md"] and frame["change"].tolist() == ["changed"]
+    assert "-one" in frame["diff"][0] and "+two" in frame["diff"][0]
