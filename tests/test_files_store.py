@@ -122,6 +122,9 @@ def test_a_worker_in_its_own_folder_reads_the_inputs_and_its_output_reaches_the_
     assert str(files["updated"].dtype) == "datetime64[ns]"
     assert list(submitter.files(job, under="output")["path"]) == ["output/report.md"]
 
+    lessons = submitter.frames.lessons(job)  # read from the store: the file is on the worker's disk
+    assert lessons["summary"].tolist() == ["reported"]
+
     written = submitter.pull(job, tmp_path / "pulled", under="output")
     assert written == [tmp_path / "pulled" / "output" / "report.md"]
     assert written[0].read_text(encoding="utf-8") == "# Report\nthe notes said hello\n"
