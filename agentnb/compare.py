@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from ._fs import special_kind
+from .engine.jobfiles import pull_files
 from .engine.prompts import clock_block
 from .errors import ToolError
 from .events import Compaction, LLMResponse, MovementStart, ToolResult, Transition
@@ -216,8 +217,8 @@ class Comparison:
         """
         import pandas as pd
 
-        left = _tree(self._workdir(self.a))
-        right = _tree(self._workdir(self.b))
+        left = self._output_tree(self.a)
+        right = self._output_tree(self.b)
         rows: list[dict[str, Any]] = []
         for path in sorted(left.keys() | right.keys()):
             x, y = left.get(path), right.get(path)
@@ -243,8 +244,17 @@ class Comparison:
             "diff": pd.Series([r["diff"] for r in rows], dtype=object),
         }, columns=list(FILE_COLUMNS))
 
-    def _workdir(self, job_id: int) -> Path:
-        return Path(self._source.store.job(job_id)["workdir"])
+    def _output_tree(self, job_id: int) -> dict[str, _Entry]:
+        store = self._source.store
+        if not store.keeps_files:
+            return _tree(Path(store.job(job_id)["workdir"]))
+        # where files live in the store (DESIGN §13) the job may have run on another machine: its output/ as the
+        # store holds it, copied aside (_tree keeps what it compares in memory)
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="agentnb-compare-") as tmp:
+            pull_files(store, job_id, Path(tmp), tmp, under="output")
+            return _tree(Path(tmp))
 
     # -- display ----------------------------------------------------------------------------------------------
     def fork_note(self) -> ForkNote | None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .engine.jobfiles import stored_inputs
 from .engine.pieces import Piece, load_piece
 from .engine.runner import stored_piece
 from .errors import PieceError, UsageError
@@ -36,7 +37,7 @@ class ForkPlan:
     instruction: str
     piece: Piece
     model: str
-    inputs: dict[str, os.PathLike[str]]
+    inputs: dict[str, bytes | os.PathLike[str]]
     options: dict[str, Any]
 
 
@@ -90,8 +91,12 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
             raise UsageError(str(exc)) from None
     if strict:
         options[STRICT_OPTION] = True
+    # where files live in the store (PostgreSQL), the original's input/ is read there: its work directory may
+    # be on another machine
+    inputs: dict[str, bytes | os.PathLike[str]] = (
+        dict(stored_inputs(store, job_id)) if store.keeps_files else dict(_inputs(Path(row["workdir"]) / "input")))
     return ForkPlan(job_id=job_id, at=at, instruction=row["instruction"], piece=p, model=spec,
-                    inputs=_inputs(Path(row["workdir"]) / "input"), options=options)
+                    inputs=inputs, options=options)
 
 
 def _options(row: dict[str, Any]) -> dict[str, Any]:

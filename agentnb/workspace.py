@@ -24,6 +24,16 @@ from .batch import (
     open_batch,
     score_jobs,
 )
+from .engine.jobfiles import (
+    check_total,
+    file_listing,
+    local_workdir,
+    materialise,
+    parse_files_limit,
+    pull_files,
+    read_rows,
+    workdir_column,
+)
 from .engine.pieces import Piece, load_piece
 from .engine.prompts import activation_instruction, clock_block
 from .engine.runner import JobRunner, stored_piece
@@ -87,6 +97,18 @@ class _Prepared:
     workdir: str | os.PathLike[str] | None
 
 
+def _input_size(value: str | bytes | os.PathLike[str]) -> int:
+    """The bytes an input will take (a file that cannot be read counts 0: writing it fails with its own line)."""
+    if isinstance(value, bytes):
+        return len(value)
+    if isinstance(value, os.PathLike):
+        try:
+            return os.stat(value).st_size
+        except OSError:
+            return 0
+    return len(str(value).encode("utf-8"))
+
+
 def _remove_folders(folders: list[Path]) -> None:
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
@@ -126,8 +148,9 @@ class Job:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], ws: Workspace | None = None) -> Job:
+        workdir = Path(row["workdir"]) if ws is None else local_workdir(ws.root, row, ws.store.keeps_files)
         return cls(id=int(row["id"]), parent_id=row["parent_id"], piece=row["piece"], model=row["model"],
-                   instruction=row["instruction"], workdir=Path(row["workdir"]), created=row["created"], workspace=ws,
+                   instruction=row["instruction"], workdir=workdir, created=row["created"], workspace=ws,
                    batch=row.get("batch"), case=row.get("batch_case"), variant=row.get("batch_variant"),
                    forked_from=((int(row["forked_from_job"]), int(row["forked_from_seq"]))
                                 if row.get("forked_from_job") is not None else None),
@@ -267,7 +290,7 @@ class Workspace:
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_WORKSPACE, *, readonly: bool = False,
                  retries: int | None = None, max_backoff: float | None = None, store: str | None = None,
-                 lease: float | None = None) -> None:
+                 lease: float | None = None, files_limit: int | str | None = None) -> None:
         """Open (or create) the workspace folder ``path``.
 
         ``store`` (else the environment's ``AGENTNB_STORE``) keeps the jobs elsewhere than ``path/agentnb.sqlite``
@@ -279,9 +302,14 @@ class Workspace:
         are the openai model's retry settings for jobs that set none themselves (None: the environment's).
         ``lease`` (else ``AGENTNB_LEASE``, else 30) is how many seconds a job this workspace claims stays its
         own without renewal; it renews every third of that while it runs the job (agentnb/leases.py).
+
+        ``files_limit``: the most bytes of files a job may hold where files live in the store (PostgreSQL): bytes,
+        or text such as ``"100MB"``; None: ``$AGENTNB_FILES_LIMIT``, else 100 MB.  Checked when this workspace
+        submits a job (its ``input/`` files) and when it ends a movement of one (the whole work directory).
         """
         self.model_settings = check_retry_settings(retries, max_backoff)
         self.lease = lease_setting(lease)
+        self.files_limit = parse_files_limit(files_limit)
         if store is None:
             store = os.environ.get("AGENTNB_STORE") or None
         # the scheme is checked before the folder is made: a mistyped URL leaves nothing behind
@@ -405,6 +433,10 @@ class Workspace:
             from .engine.context import check_context_options
 
             opts["context"] = check_context_options(context, p.thresholds)
+        if workdir is not None and self.store.keeps_files:
+            raise UsageError(f"workdir={str(workdir)!r} is a folder of this machine, and workers of {self.store.path} "
+                             "may run on others (they share only the database): give the files with inputs= "
+                             "instead; each job works in jobs/<id> under its worker's own folder")
         if workdir is not None and not Path(workdir).expanduser().is_dir():
             raise PathNotFoundError(f"workdir {str(workdir)!r} is not an existing directory")
         # Every input name is checked before the job exists, so a refused submit leaves nothing behind.
@@ -423,6 +455,9 @@ class Workspace:
             if not isinstance(value, (str, bytes, os.PathLike)):
                 raise TypeError(f"input {name!r}: the content is {type(value).__name__}; allowed: text (str), "
                                 "bytes or a path of a file to copy")
+        if self.store.keeps_files:  # the files go into the store: refused before anything is
+            check_total("the job's input files", sum(_input_size(v) for v in (inputs or {}).values()),
+                        self.files_limit, then="nothing was stored")
         return _Prepared(instruction=instruction, piece=p, model=model, options=opts, inputs=dict(inputs or {}),
                          workdir=workdir)
 
@@ -439,6 +474,7 @@ class Workspace:
         if not job_folder.exists():  # else not ours to remove if this fails
             job_folders.append(job_folder)
         wd = prepare_workdir(self.root, job_id, prepared.workdir)
+        written: list[Path] = []
         for name, value in prepared.inputs.items():
             try:
                 target = resolve_path(wd / "input", name)
@@ -456,7 +492,13 @@ class Workspace:
                 what = f"its source {os.fspath(value)!r}" if isinstance(value, os.PathLike) else "it"
                 raise UsageError(f"input {name!r} cannot be written: {what}: "
                                  f"{exc.strerror or type(exc).__name__}") from None
-        self.store.update_job(c, job_id, workdir=str(wd))
+            written.append(target)
+        if self.store.keeps_files:  # workers elsewhere share only the database: input/ goes in with the job
+            rows = read_rows(wd, written)
+            check_total("the job's input files", sum(f.size for f in rows), self.files_limit,
+                        then="nothing was stored")
+            self.store.write_files(c, job_id, rows, [])
+        self.store.update_job(c, job_id, workdir=workdir_column(self.store, job_id, wd))
         return job_id
 
     # -- running ------------------------------------------------------------
@@ -469,7 +511,7 @@ class Workspace:
         opts = json.loads(row.get("options") or "{}")
         settings = {**self.model_settings, **{k: opts[k] for k in ("retries", "max_backoff") if k in opts}}
         model = resolve_model(row["model"], store=self.store, **settings)
-        runner = JobRunner(self.store, dict(row), model, self.root / "jobs")
+        runner = JobRunner(self.store, dict(row), model, self.root / "jobs", files_limit=self.files_limit)
         self._runners[job_id] = (runner, mark)
         return runner
 
@@ -485,7 +527,7 @@ class Workspace:
             return
         job_id = int(row["id"])
         enriched = activation_instruction(self.store, row, language=runner.piece.language,
-                                          clock=self._recorded_clock(row))
+                                          clock=self._recorded_clock(row), workdir=runner.workdir)
         with self.store.transaction() as c:
             self.store.update_job(c, job_id, enriched=enriched)
 
@@ -525,15 +567,17 @@ class Workspace:
 
     def _run_leased(self, row: dict[str, Any], unit: str) -> Job:
         job_id = int(row["id"])
+        if self.store.keeps_files:  # it may have run elsewhere: its files as of its last movement end
+            try:
+                prepare_workdir(self.root, job_id, None)
+                materialise(self.store, job_id, local_workdir(self.root, row, True))
+            except Exception as exc:
+                return self._setup_failed(job_id, exc)
         with self._lock:
             try:
                 runner = self._runner(row)
             except Exception as exc:  # the model or piece cannot be set up: the job fails, visibly
-                with self.store.transaction() as c:
-                    self.store.append([ErrorEvent(job_id=job_id, ts=time.time(), message=str(exc), where="setup")], c)
-                    self.store.set_status(c, job_id, "failed", reason=str(exc), error=str(exc))
-                    notify_parent(self.store, c, job_id)
-                return self.job(job_id)
+                return self._setup_failed(job_id, exc)
             stop = self._stops.setdefault(job_id, threading.Event())
         self._activate(row, runner)
         try:
@@ -561,6 +605,13 @@ class Workspace:
                 self.store.set_status(c, job_id, "queued", reason=reason)
         with self._lock:
             self._runners[job_id] = (runner, self._runner_mark(job_id))
+        return self.job(job_id)
+
+    def _setup_failed(self, job_id: int, exc: Exception) -> Job:
+        with self.store.transaction() as c:
+            self.store.append([ErrorEvent(job_id=job_id, ts=time.time(), message=str(exc), where="setup")], c)
+            self.store.set_status(c, job_id, "failed", reason=str(exc), error=str(exc))
+            notify_parent(self.store, c, job_id)
         return self.job(job_id)
 
     def _claim(self, job_id: int) -> dict[str, Any] | None:
@@ -827,6 +878,41 @@ class Workspace:
 
     def worker(self) -> Worker:
         return Worker(self)
+
+    # -- a job's files (DESIGN §13) --------------------------------------------------------------------------
+    def files(self, job: JobRef, *, under: str | None = None) -> Any:
+        """A DataFrame of the job's files, one row per file (or symbolic link) of its work directory, by path:
+        ``path`` (relative to the work directory, POSIX), ``size`` (bytes), ``sha256``, ``updated`` (naive UTC)
+        and ``mode`` (the ``st_mode``: ``stat.S_ISLNK(mode)`` for a link, ``oct(mode)`` to read it).
+
+        On PostgreSQL these are the files in the store as of the job's last movement end (what any worker
+        materialises); on SQLite the work directory on disk, read the same way.  ``under="output"`` lists only
+        that folder.  A link leading out of the work directory is never listed, nor stored."""
+        import pandas as pd
+
+        job_id = self._id(job)
+        rows = file_listing(self.store, job_id, self._workdir(job_id), under)
+        return pd.DataFrame({
+            "path": pd.Series([r["path"] for r in rows], dtype="string"),
+            "size": pd.Series([r["size"] for r in rows], dtype="Int64"),
+            "sha256": pd.Series([r["sha256"] for r in rows], dtype="string"),
+            "updated": pd.to_datetime(pd.Series([float(r["updated"]) for r in rows], dtype="float64"),
+                                      unit="s").astype("datetime64[ns]"),
+            "mode": pd.Series([r["mode"] for r in rows], dtype="Int64"),
+        }, columns=["path", "size", "sha256", "updated", "mode"])
+
+    def pull(self, job: JobRef, dest: str | os.PathLike[str], *, overwrite: bool = False,
+             under: str | None = None) -> list[Path]:
+        """Copy the job's files into folder ``dest`` (made when missing) at their paths in the work directory
+        (``dest/output/report.md``), so a notebook on any machine can open ``output/``; ``under="output"`` copies
+        only that folder.  Files already in ``dest`` with the same content are left alone; a different file in
+        the way is refused in one line, nothing copied, unless ``overwrite=True``.  Returns the paths written.
+        On PostgreSQL the files come from the store, on SQLite from the work directory on disk."""
+        job_id = self._id(job)
+        return pull_files(self.store, job_id, self._workdir(job_id), dest, overwrite=overwrite, under=under)
+
+    def _workdir(self, job_id: int) -> Path:
+        return local_workdir(self.root, self.store.job(job_id), self.store.keeps_files)
 
     # -- views -----------------------------------------------------------------
     @property

@@ -108,8 +108,9 @@ def _record(ws: Workspace) -> dict[str, Any]:
                  "divergences", "compactions", "loops"):
         df: pd.DataFrame = getattr(ws.frames, name)()
         frames[name] = df.drop(columns=[c for c in df.columns if c in _VOLATILE]).map(_norm)
-    jobs = [{k: _norm(v) for k, v in ws.store.job(j).items() if k not in _VOLATILE | {"updated", "claimed_by"}}
-            for j in ws.store.job_ids()]
+    # workdir differs by design: SQLite's absolute path, PostgreSQL's jobs/<id> under each worker's own folder
+    jobs = [{k: _norm(v) for k, v in ws.store.job(j).items()
+             if k not in _VOLATILE | {"updated", "claimed_by", "workdir"}} for j in ws.store.job_ids()]
     return {"events": events, "frames": frames, "jobs": jobs,
             "movements": [[{k: v for k, v in m.items() if k not in _VOLATILE} for m in ws.store.movements(j)]
                           for j in ws.store.job_ids()]}
@@ -145,6 +146,7 @@ def test_scripted_jobs_give_the_same_events_and_frames_as_on_sqlite(pg_url: str,
     for job_id, evs in on_sqlite["events"].items():
         assert on_pg["events"][job_id] == evs, f"job {job_id}"
     assert on_pg["jobs"] == on_sqlite["jobs"]
+    assert _sql(pg_url, "SELECT id, workdir FROM jobs ORDER BY id") == [(j, f"jobs/{j}") for j in (1, 2, 3)]
     assert on_pg["movements"] == on_sqlite["movements"]
     for name, frame in on_sqlite["frames"].items():
         assert len(frame) or name in ("scores", "divergences", "compactions", "loops")

@@ -138,13 +138,16 @@ def build_enriched_instruction(
     return "\n\n".join(blocks)
 
 
-def activation_instruction(store: Store, job: Mapping[str, Any], *, language: str, clock: str | None = None) -> str:
+def activation_instruction(store: Store, job: Mapping[str, Any], *, language: str, clock: str | None = None,
+                           workdir: Path | None = None) -> str:
     """The enriched instruction of job ``job`` (its row) for an activation starting now: its last comments,
-    its work directory's listing and, unless ``clock`` is given, the current date and time."""
+    its work directory's listing (``workdir``: where it is on this machine, else the row's) and, unless
+    ``clock`` is given, the current date and time."""
     job_id = int(job["id"])
     return build_enriched_instruction(
         instruction=job["instruction"], comments=store.comments(job_id, last=MAX_COMMENTS),
-        total_comments=store.count_comments(job_id), workdir=Path(job["workdir"]), language=language, clock=clock,
+        total_comments=store.count_comments(job_id), workdir=workdir or Path(job["workdir"]), language=language,
+        clock=clock,
     )
 
 

@@ -24,6 +24,7 @@ from ..models.replay import Recording
 from ..store.base import LeaseLost
 from ..tools.base import ToolError, open_regular, unlinked_path
 from .context import ContextManager, job_thresholds, window_for_model
+from .jobfiles import DEFAULT_FILES_LIMIT, FilesOverLimit, WriteBack, local_workdir, plan_write_back
 from .loop import AgentLoop, CallCounters, Outcome, Recorder, ReplayDiverged
 from .loops import Run, find_loop, judge_instruction, last_judgements
 from .pieces import Movement, Piece, parse_piece
@@ -40,14 +41,17 @@ __all__ = ["JobRunner", "stored_piece"]
 class JobRunner:
     """Drives one job; one instance per job per process, rebuilt from the store when needed."""
 
-    def __init__(self, store: Store, job: dict[str, Any], model: Model, jobs_root: Path) -> None:
+    def __init__(self, store: Store, job: dict[str, Any], model: Model, jobs_root: Path, *,
+                 files_limit: int = DEFAULT_FILES_LIMIT) -> None:
         self.store = store
         self.job_id = int(job["id"])
         self.model = model
         self.piece: Piece = stored_piece(job)
         self.options: dict[str, Any] = json.loads(job.get("options") or "{}")
         self.model_spec = str(job["model"])
-        self.workdir = Path(job["workdir"])
+        # where files live in the store, the job works under this process's own folder (engine/jobfiles.py)
+        self.workdir = local_workdir(jobs_root.parent, job, store.keeps_files)
+        self.files_limit = files_limit
         self.logs_dir = jobs_root / str(self.job_id) / "logs"
         self.rec = Recorder(store, self.job_id)
         self.subtasks = Subtasks(store, job_id=self.job_id, piece=self.piece, model_spec=self.model_spec,
@@ -128,11 +132,9 @@ class JobRunner:
                     if unit != "job" or status != "running":
                         return status
                 elif unit == "call":
-                    self.rec.flush()
-                    return "running"
+                    return self._pause()
                 if stop is not None and stop.is_set():
-                    self.rec.flush()
-                    return "running"
+                    return self._pause()
         except LeaseLost:
             # another claimer holds the job now: not a failure of the job, and nothing more may be written
             # for it here (recording the failure would be refused anyway); the caller stops quietly
@@ -145,9 +147,44 @@ class JobRunner:
         except Exception as exc:  # an engine bug must not lose the events or leave the job running
             return self._fail(f"{type(exc).__name__}: {exc}", where="engine")
 
-    def _fail(self, message: str, where: str) -> str:
-        loop = self.loop
+    def _files(self) -> WriteBack | None:
+        """What the work directory changed since the store last had it, where the store keeps files (None
+        otherwise); :class:`FilesOverLimit` when it holds more than the limit."""
+        if not self.store.keeps_files:
+            return None
+        return plan_write_back(self.store, self.job_id, self.workdir, self.files_limit)
+
+    def _pause(self) -> str:
+        """Mid-movement (after one call, or stopped): the events so far and the files as they are, so that a
+        worker elsewhere resumes the movement on them."""
+        try:
+            files = self._files()
+        except FilesOverLimit as exc:
+            return self._fail(str(exc), where="files", write_files=False)
         with self.store.transaction() as c:
+            self.rec.flush(c)
+            if files is not None:
+                files.apply(self.store, c, self.job_id)
+        return "running"
+
+    def _fail(self, message: str, where: str, *, write_files: bool = True) -> str:
+        loop = self.loop
+        files: WriteBack | None = None
+        note: str | None = None
+        if write_files:  # the job ends: its files as it left them (not over the limit: then none, and say so)
+            try:
+                files = self._files()
+            except FilesOverLimit as exc:
+                note = str(exc)
+            except OSError as exc:
+                note = f"the work directory's files were not written back: {exc}"
+        with self.store.transaction() as c:
+            if note is not None:
+                self.rec.add(ErrorEvent(job_id=self.job_id, movement_seq=loop.seq if loop else None,
+                                        iteration=loop.iteration if loop else None, ts=time.time(),
+                                        message=note, where="files"))
+            if files is not None:
+                files.apply(self.store, c, self.job_id)
             self.rec.add(ErrorEvent(job_id=self.job_id, movement_seq=loop.seq if loop else None,
                                     iteration=loop.iteration if loop else None, ts=time.time(),
                                     message=message, where=where))
@@ -201,7 +238,13 @@ class JobRunner:
         loop_event: LoopDetected | None = None
         if isinstance(step, GoTo):
             loop_event, step, why = self._check_loop(seq, it, mv.name, out.summary, step, why)
+        try:  # the files the movement changed are written back with it, in its transaction: both or neither
+            files = self._files()
+        except FilesOverLimit as exc:
+            return self._fail(str(exc), where="files", write_files=False)
         with self.store.transaction() as c:
+            if files is not None:
+                files.apply(self.store, c, self.job_id)
             children: list[Subtask] = []
             if isinstance(step, WaitSubtasks) and self.recording is not None and self._replayed(seq):
                 ended = self.recording.transitions.get(seq)
@@ -236,6 +279,7 @@ class JobRunner:
                                         message=f"lesson not written to logs/lessons.jsonl: {exc}",
                                         where="lessons"))
                 self.rec.flush()
+            self._write_lesson_file_back(seq, it)
         self.loop = None
         return status
 
@@ -343,11 +387,26 @@ class JobRunner:
         # the answer starts a new activation: its enriched instruction, with the original's clock
         job = self.store.job(self.job_id)
         enriched = activation_instruction(self.store, job, language=self.piece.language,
-                                          clock=clock_block(then.user) if then is not None else None)
+                                          clock=clock_block(then.user) if then is not None else None,
+                                          workdir=self.workdir)
         self.store.update_job(c, self.job_id, current_movement=step.resume, enriched=enriched)
         return "running"
 
     # -- lessons --------------------------------------------------------------
+    def _write_lesson_file_back(self, seq: int, it: int) -> None:
+        """``logs/lessons.jsonl`` is appended after the movement's transaction (the lesson event comes first):
+        where files live in the store it follows in a transaction of its own, so that the next worker has it."""
+        try:
+            files = self._files()
+        except (FilesOverLimit, OSError) as exc:  # the movement has ended: say why the store lacks the line
+            self.rec.add(ErrorEvent(job_id=self.job_id, movement_seq=seq, iteration=it, ts=time.time(),
+                                    message=f"logs/lessons.jsonl not written back: {exc}", where="files"))
+            self.rec.flush()
+            return
+        if files is not None and not files.empty:
+            with self.store.transaction() as c:
+                files.apply(self.store, c, self.job_id)
+
     def _append_lesson_file(self, movement: str, seq: int, lessons: str, summary: str) -> None:
         path = unlinked_path(self.logs_dir.parent, self.logs_dir.name, "lessons.jsonl")
         self.logs_dir.mkdir(parents=True, exist_ok=True)

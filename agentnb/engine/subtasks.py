@@ -19,6 +19,7 @@ from ..events import JobStatusEvent, Subtask
 from ..models.base import ModelSpecError, check_model_spec, normalise_spec
 from ..store.base import MAX_INSTRUCTION_CHARS
 from ..tools.base import PERMISSION_RANK
+from .jobfiles import workdir_column
 from .pieces import Movement, Piece, PieceError, available_pieces, load_piece
 from .workdir import prepare_workdir
 
@@ -104,7 +105,7 @@ class Subtasks:
                 instruction=sub["instruction"], options=json.dumps(options),
             )
             workdir = prepare_workdir(self.logs_dir.parents[2], child_id, None)
-            self.store.update_job(c, child_id, workdir=str(workdir))
+            self.store.update_job(c, child_id, workdir=workdir_column(self.store, child_id, workdir))
             self.store.append([JobStatusEvent(job_id=child_id, ts=time.time(), status="queued",
                                               reason=f"subtask of job {self.job_id}")], c)
             created.append(Subtask(instruction=sub["instruction"], piece=piece_name, model=model, job_id=child_id))
@@ -123,7 +124,7 @@ class Subtasks:
                 model=model, instruction=row["instruction"], options=row["options"] or "{}",
             )
             workdir = prepare_workdir(self.logs_dir.parents[2], child_id, None)
-            self.store.update_job(c, child_id, workdir=str(workdir))
+            self.store.update_job(c, child_id, workdir=workdir_column(self.store, child_id, workdir))
             self.store.append([JobStatusEvent(job_id=child_id, ts=time.time(), status="queued",
                                               reason=f"subtask of job {self.job_id}, re-served from job {sub.job_id}")],
                               c)

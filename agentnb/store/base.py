@@ -13,6 +13,7 @@ import socket
 import uuid
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -32,6 +33,7 @@ __all__ = [
     "JobWaiter",
     "LeaseLost",
     "Store",
+    "StoredFile",
     "Transaction",
     "can_name_a_job",
     "lease_lost",
@@ -143,6 +145,21 @@ FRAME_QUERIES: tuple[FrameQuery, ...] = ("jobs", "movements", "messages", "tool_
                                          "compactions", "loops")
 # column names, then plain row tuples
 FrameRows = tuple[list[str], list[tuple[Any, ...]]]
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """One file of a job's work directory as a store that keeps files holds it (DESIGN §13, ``engine/jobfiles``).
+
+    ``path`` is relative to the work directory, in POSIX form; ``mode`` the ``st_mode`` (type and permission
+    bits: a regular file, or a symbolic link whose ``data`` is its target); ``sha256`` the hex digest of ``data``.
+    """
+
+    path: str
+    mode: int
+    size: int
+    sha256: str
+    data: bytes
 
 
 class Transaction(Protocol):
@@ -345,6 +362,26 @@ class Store(Protocol):
 
     def batches(self) -> list[dict[str, Any]]:
         """Every batch row, oldest first, each with ``jobs`` and a count per job status (``n_<status>``)."""
+        ...
+
+    # -- a job's files (DESIGN §13) ------------------------------------------------------------------------
+    @property
+    def keeps_files(self) -> bool:
+        """Whether jobs' files live in this store (PostgreSQL: workers on other machines share only the database).
+        False (SQLite): each job's work directory stays on disk where it is, and the three methods below refuse."""
+        ...
+
+    def file_rows(self, job_id: int) -> list[dict[str, Any]]:
+        """The job's stored files without their bytes (``path``, ``mode``, ``size``, ``sha256``, ``updated``),
+        by path."""
+        ...
+
+    def file_data(self, job_id: int, paths: Sequence[str]) -> dict[str, bytes]:
+        """The bytes of the job's stored files ``paths`` (a path it does not have is left out)."""
+        ...
+
+    def write_files(self, c: Transaction, job_id: int, files: Sequence[StoredFile], removed: Sequence[str]) -> None:
+        """In ``c``: store ``files`` (new or changed) and delete the rows of ``removed``."""
         ...
 
     # -- the DataFrame views --------------------------------------------------------------------------------

@@ -101,7 +101,8 @@ PG_MIGRATIONS: list[str] = [
     """,
     # 2: leases (SQLite's migration 5: see there) and a job's files (issue 17, DESIGN §13).  Workers on
     # other machines share only the database, so a job's work directory lives here: one row per file,
-    # `path` relative to the work directory in POSIX form, `mode` its permission bits, `sha256` of `data`.
+    # `path` relative to the work directory in POSIX form, `mode` its st_mode (type and permission bits: a regular
+    # file, or a symbolic link whose `data` is its target), `sha256` of `data`.
     # A file the job deleted has no row.  SQLite workspaces keep their work directories on disk.
     """
     ALTER TABLE jobs ADD COLUMN lease_until DOUBLE PRECISION;

@@ -57,6 +57,7 @@ from .base import (
     TERMINAL_STATES,
     FrameQuery,
     FrameRows,
+    StoredFile,
     Transaction,
     can_name_a_job,
     lease_lost,
@@ -709,6 +710,31 @@ class PostgresStore:
         return row[0], row[1]
 
     # -- the DataFrame views (SQL in frames_sql.py, PostgreSQL dialect) -------------
+    # -- a job's files (DESIGN §13: workers on other machines share only the database; engine/jobfiles.py) -----
+    keeps_files = True
+
+    def file_rows(self, job_id: int) -> list[dict[str, Any]]:
+        return [dict(r) for r in self.query("SELECT path, mode, size, sha256, updated FROM files WHERE job_id=? "
+                                            "ORDER BY path", (job_id,))]
+
+    def file_data(self, job_id: int, paths: Sequence[str]) -> dict[str, bytes]:
+        with self._reader() as conn:
+            rows = self._exec(conn, "SELECT path, data FROM files WHERE job_id=? AND path = ANY(?)",
+                              (job_id, list(paths))).fetchall()
+        return {str(path): bytes(data) for path, data in rows}
+
+    def write_files(self, c: Transaction, job_id: int, files: Sequence[StoredFile], removed: Sequence[str]) -> None:
+        conn, now = self._tx(c), time.time()
+        if removed:
+            self._exec(conn, "DELETE FROM files WHERE job_id=? AND path = ANY(?)", (job_id, list(removed)))
+        if files:
+            with conn.cursor() as cur:
+                cur.executemany(_q(
+                    "INSERT INTO files (job_id, path, mode, size, sha256, data, updated) VALUES (?,?,?,?,?,?,?) "
+                    "ON CONFLICT (job_id, path) DO UPDATE SET mode=EXCLUDED.mode, size=EXCLUDED.size, "
+                    "sha256=EXCLUDED.sha256, data=EXCLUDED.data, updated=EXCLUDED.updated"),
+                    [(job_id, f.path, f.mode, f.size, f.sha256, f.data, now) for f in files])
+
     def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
         sql, aliases = PG_FRAME_SQL[frame]
         fills: dict[str, str] = {}

@@ -47,6 +47,7 @@ from .base import (
     WAITING_STATES,
     FrameQuery,
     FrameRows,
+    StoredFile,
     Transaction,
     can_name_a_job,
     lease_lost,
@@ -673,6 +674,22 @@ class SQLiteStore:
         return row[0], row[1]
 
     # -- the DataFrame views (SQL in frames_sql.py) -------------------------------------
+    # -- a job's files: they stay on disk (DESIGN §13) ---------------------------------------------------------
+    keeps_files = False
+
+    def _no_files(self) -> StoreError:
+        return StoreError(f"{self.path} is a SQLite store: it keeps no files, each job's files stay in its work "
+                          "directory on disk (ws.files(job) and ws.pull(job, dest) read them there)")
+
+    def file_rows(self, job_id: int) -> list[dict[str, Any]]:
+        raise self._no_files()
+
+    def file_data(self, job_id: int, paths: Sequence[str]) -> dict[str, bytes]:
+        raise self._no_files()
+
+    def write_files(self, c: Transaction, job_id: int, files: Sequence[StoredFile], removed: Sequence[str]) -> None:
+        raise self._no_files()
+
     def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
         sql, aliases = FRAME_SQL[frame]
         fills: dict[str, str] = {}

@@ -449,14 +449,19 @@ class Frames:
         ids = [job_id] if job_id is not None else self.store.job_ids()
         records: list[dict[str, Any]] = []
         for i in ids:
-            try:
-                # a link planted in logs/ (the work directory's Bash may write there) is not the job's file
-                path = unlinked_path(self.root / "jobs" / str(i), "logs", "lessons.jsonl")
-            except ToolError:
-                continue
-            if not path.is_file():
-                continue
-            for line in path.read_text(encoding="utf-8").splitlines():
+            if self.store.keeps_files:  # DESIGN §13: the job may have run elsewhere; the store has its file
+                text = self.store.file_data(i, ["logs/lessons.jsonl"]).get("logs/lessons.jsonl", b"").decode(
+                    "utf-8", "replace")
+            else:
+                try:
+                    # a link planted in logs/ (the work directory's Bash may write there) is not the job's file
+                    path = unlinked_path(self.root / "jobs" / str(i), "logs", "lessons.jsonl")
+                except ToolError:
+                    continue
+                if not path.is_file():
+                    continue
+                text = path.read_text(encoding="utf-8")
+            for line in text.splitlines():
                 try:
                     rec = json.loads(line)
                 except ValueError:
