@@ -13,6 +13,7 @@ LLM call; the same command again resumes).  ``jobs``, ``show``, ``export`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -56,8 +57,20 @@ def _workspace(args: argparse.Namespace, *, readonly: bool = False) -> Workspace
     from .workspace import Workspace
 
     # --store, else $AGENTNB_STORE (read by Workspace), else the folder's own agentnb.sqlite (DESIGN §13)
-    return Workspace(_folder(args), readonly=readonly, store=getattr(args, "store", None),
-                     lease=getattr(args, "lease", None))
+    ws = Workspace(_folder(args), readonly=readonly, store=getattr(args, "store", None),
+                   lease=getattr(args, "lease", None))
+    _OPENED.append(ws)
+    return ws
+
+
+# the workspaces a command opened, closed when it returns (a PostgreSQL pool must not be left to the collector)
+_OPENED: list[Workspace] = []
+
+
+def _close_opened() -> None:
+    while _OPENED:
+        with contextlib.suppress(Exception):  # closing must not hide the command's own outcome
+            _OPENED.pop().close()
 
 
 def _question(ws: Workspace, job: Job) -> str | None:
@@ -520,7 +533,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not hasattr(args, "workspace"):
             args.workspace = None
         with sigterm_interrupts():
-            return int(args.fn(args))
+            try:
+                return int(args.fn(args))
+            finally:
+                _close_opened()
     except (AgentnbError, ValueError) as exc:
         return _error(" ".join(str(exc).split()))
     except KeyboardInterrupt:

@@ -334,6 +334,20 @@ class Workspace:
         self._lock = threading.RLock()
         self._stops: dict[int, threading.Event] = {}
 
+    def close(self) -> None:
+        """Close the store (a PostgreSQL store's connection pool and its threads); the workspace is unusable after.
+
+        A workspace left open is closed when it is garbage-collected, but a PostgreSQL pool collected from one of
+        its own threads cannot stop itself cleanly, so scripts and the CLI close theirs.
+        """
+        self.store.close()
+
+    def __enter__(self) -> Workspace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         return f"Workspace({str(self.root)!r})"
 
