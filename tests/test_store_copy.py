@@ -4,6 +4,7 @@ SRC, running jobs, bad URLs) leave DST as it was; the CLI; ``%agent`` and the ex
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import subprocess
@@ -197,7 +198,7 @@ def test_same_store_missing_and_empty_sources_and_bad_urls(tmp_path: Path) -> No
     with pytest.raises(StoreError, match=r"SRC .*nowhere.* does not exist: nothing to copy"):
         copy_store(tmp_path / "nowhere", tmp_path / "d1")
     Workspace(tmp_path / "empty").store.close()
-    with pytest.raises(StoreError, match="SRC .* is empty .*nothing to copy"):
+    with pytest.raises(StoreError, match=r"SRC .* is empty .*nothing to copy"):
         copy_store(tmp_path / "empty", tmp_path / "d2")
     with pytest.raises(StoreError, match="unsupported store URL scheme 'mysql'"):
         copy_store(tmp_path / "ws", "mysql://x@y/z")
@@ -231,7 +232,7 @@ def test_a_running_job_is_refused_or_copied_as_queued_without_its_claim(tmp_path
 
 
 @needs_pg
-def test_a_copy_failing_midway_leaves_the_destination_as_it_was(pg_url: str, tmp_path: Path) -> None:
+def test_a_copy_failing_midway_leaves_the_destination_as_it_was(pg_url: str, pg: Any, tmp_path: Path) -> None:
     src = Workspace(tmp_path / "src")
     first = src.submit("fine", piece="single", model="demo")
     src.submit("has a NUL\x00 in its instruction", piece="single", model="demo")  # PostgreSQL text cannot hold it
@@ -240,20 +241,26 @@ def test_a_copy_failing_midway_leaves_the_destination_as_it_was(pg_url: str, tmp
     with pytest.raises(StoreError, match=r"DST postgresql://agentnb@.* cannot hold a row of jobs .*nothing was written"):
         copy_store(tmp_path / "src", pg_url)
     assert _sql(pg_url, "SELECT COUNT(*) FROM jobs") == [(0,)] and _sql(pg_url, "SELECT COUNT(*) FROM texts") == [(0,)]
-    # and into SQLite: a file in the work directory that cannot be read fails the copy; no store file is left
-    src2 = Workspace(tmp_path / "src2")
-    job = src2.submit("x", piece="single", model="demo", inputs={"secret.txt": "s"})
-    src2.store.close()
-    unreadable = job.workdir / "input" / "secret.txt"
-    unreadable.chmod(0)
+    # and into SQLite: a damaged file row (its data does not match its sha256) fails the copy after the first
+    # job's files are written; neither they nor the store file are left
+    other = pg.create_database()
     try:
-        if os.access(unreadable, os.R_OK):
-            pytest.skip("running as root: every file is readable")
-        with pytest.raises(StoreError, match="cannot read .*secret.txt"):
-            copy_store(tmp_path / "src2", tmp_path / "dst2")
+        ws = Workspace(tmp_path / "scratch", store=other)
+        ids = [ws.submit(f"job {i}", piece="single", model="demo").id for i in (1, 2)]
+        ws.store.close()
+        digest = hashlib.sha256(b"abc").hexdigest()
+        _sql(other, f"INSERT INTO files (job_id, path, mode, size, sha256, data, updated) VALUES "
+                    f"({ids[0]}, 'input/a.txt', 420, 3, '{digest}', 'abc'::bytea, 1.5), "
+                    f"({ids[1]}, 'input/b.txt', 420, 3, '{digest}', 'abd'::bytea, 1.5)")
+        with pytest.raises(StoreError, match=f"job {ids[1]}'s file 'input/b.txt' does not match its sha256"):
+            copy_store(other, tmp_path / "dst2")
         assert not (tmp_path / "dst2").exists()
+        _sql(other, f"UPDATE files SET path='../escape.txt', data='abc'::bytea WHERE job_id={ids[1]}")
+        with pytest.raises(StoreError, match=r"'\.\./escape\.txt' that does not stay inside its work directory"):
+            copy_store(other, tmp_path / "dst3")
+        assert not (tmp_path / "dst3").exists() and not (tmp_path / "escape.txt").exists()
     finally:
-        unreadable.chmod(0o644)
+        pg.drop_database(other)
 
 
 @needs_pg
@@ -310,29 +317,35 @@ def test_magic_reaches_the_postgres_store_through_its_store_setting(shell: Any, 
     magic = shell.magics_manager.registry["AgentMagic"]
     try:
         job = shell.run_line_magic("agent", "run --piece single hello from the notebook")
-        assert job.status == "succeeded"
+        assert job.status == "waiting_human"  # the demo model asks its human about so short a task
         assert _sql(pg_url, "SELECT instruction FROM jobs") == [("hello from the notebook",)]
         assert not (Path(magic.workspace) / "agentnb.sqlite").exists()
         frame = shell.run_line_magic("agent", "jobs")
-        assert list(frame["status"]) == ["succeeded"]
+        assert list(frame["status"]) == ["waiting_human"]
+        shell.run_line_magic("agent", f"reply {job.id} go on --run")
+        assert _sql(pg_url, "SELECT status FROM jobs") == [("succeeded",)]
     finally:
         shell.run_line_magic("config", "AgentMagic.store = ''")
     # back on the folder's own SQLite store: the PostgreSQL job is not there
     assert magic.ws.store_url is None and magic.ws.jobs() == []
 
 
-def test_magic_store_defaults_to_the_environment(shell: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_magic_store_defaults_to_the_environment(shell: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     other = tmp_path / "elsewhere" / "agentnb.sqlite"
     monkeypatch.setenv("AGENTNB_STORE", f"sqlite://{other}")
     magic = shell.magics_manager.registry["AgentMagic"]
     shell.run_line_magic("config", "AgentMagic.workspace = " + repr(str(tmp_path / "ws2")))
     assert magic.store == ""
-    assert shell.run_line_magic("agent", "run --piece single hi").status == "succeeded"
+    assert shell.run_line_magic("agent", "run --piece single hi").status == "waiting_human"
     assert other.exists() and not (tmp_path / "ws2" / "agentnb.sqlite").exists()
+    shell.run_line_magic("agent", "--help")
+    assert "%config AgentMagic.store = 'postgresql://" in capsys.readouterr().out
 
 
 @needs_pg
-def test_export_and_its_transcript_read_the_store_url(pg_url: str, tmp_path: Path) -> None:
+def test_export_and_its_transcript_read_the_store_url(pg_url: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import json
 
     from agentnb.export import transcript
@@ -347,4 +360,10 @@ def test_export_and_its_transcript_read_the_store_url(pg_url: str, tmp_path: Pat
     assert done.returncode == 0, done.stderr
     nb = json.loads(out.read_text())
     sources = "\n".join("".join(c["source"]) for c in nb["cells"])
-    assert "store=" in sources and "s3cret" not in out.read_text()  # the URL without its password
+    assert "s3cret" not in out.read_text()  # the URL without its password
+    cell = next(line for line in sources.splitlines() if "transcript(" in line and "store=" in line)
+    # the cell runs where AGENTNB_STORE holds the same URL with its password
+    monkeypatch.setenv("AGENTNB_STORE", pg_url)
+    scope: dict[str, Any] = {}
+    exec(cell.replace("transcript(", "html = transcript("), scope)
+    assert "plan" in scope["html"].data

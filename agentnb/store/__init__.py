@@ -25,6 +25,7 @@ __all__ = [
     "Transaction",
     "copy_store",
     "describe_error",
+    "display_url",
     "instruction_sql",
     "open_store",
     "payload_text_sql",
@@ -94,3 +95,13 @@ def summary_lines(counts: dict[str, int]) -> list[str]:
     from .copy import summary_lines as lines
 
     return lines(counts)
+
+
+def display_url(path_or_url: str | os.PathLike[str]) -> str:
+    """A store's path or URL as it may be shown or written down (a notebook, a message): without a password."""
+    text = os.fspath(path_or_url)
+    if store_scheme(text) in ("postgresql", "postgres"):
+        from .postgres import display_url as without_password
+
+        return without_password(text)
+    return text
