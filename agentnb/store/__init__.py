@@ -87,7 +87,7 @@ def copy_store(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, runn
     """
     from .copy import copy_store as copy
 
-    return copy(src, dst, running=running)  # type: ignore[arg-type]
+    return copy(src, dst, running=running, opener=open_store, scheme_of=store_scheme)  # type: ignore[arg-type]
 
 
 def summary_lines(counts: dict[str, int]) -> list[str]:

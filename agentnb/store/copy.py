@@ -40,7 +40,6 @@ from urllib.parse import urlsplit
 
 from ..errors import StoreError, UsageError
 from ..events import JobStatusEvent, encode_payload, payload_dict
-from . import open_store, store_scheme
 from ._copy_files import FileRow, read_tree, write_tree
 from .base import Store
 from .sqlite import SQLiteStore
@@ -59,6 +58,25 @@ CopyCounts = dict[str, int]
 """Rows per table (``COPIED_TABLES``), then ``files`` and ``file_bytes``, as checked in DST."""
 
 RunningPolicy = Literal["refuse", "queue"]
+
+
+class _Opening:
+    """The package's ``open_store`` and ``store_scheme``, handed in by :func:`agentnb.store.copy_store` (this
+    module is imported by the package, so it cannot import them back)."""
+
+    open_store: Callable[..., Store]
+    store_scheme: Callable[[str], str | None]
+
+
+_opening = _Opening()
+
+
+def open_store(path_or_url: str | Path, *, readonly: bool = False) -> Store:
+    return _opening.open_store(path_or_url, readonly=readonly)
+
+
+def store_scheme(text: str) -> str | None:
+    return _opening.store_scheme(text)
 
 
 @dataclass(frozen=True)
@@ -185,11 +203,13 @@ def _describe(counts: dict[str, int]) -> str:
 
 # -- the copy --------------------------------------------------------------------------------------------------
 
-def copy_store(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
-               running: RunningPolicy = "refuse") -> CopyCounts:
+def copy_store(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, running: RunningPolicy = "refuse",
+               opener: Callable[..., Store], scheme_of: Callable[[str], str | None]) -> CopyCounts:
     """Copy the whole workspace in ``src`` into the empty store ``dst`` (see the module's docstring); the rows
     per table, files and file bytes now in ``dst``.  Every refusal and failure is one :class:`StoreError` or
-    :class:`UsageError` line, with ``dst`` left as it was."""
+    :class:`UsageError` line, with ``dst`` left as it was.  ``opener``/``scheme_of``: the package's
+    ``open_store``/``store_scheme`` (call :func:`agentnb.store.copy_store`, which passes them)."""
+    _opening.open_store, _opening.store_scheme = opener, scheme_of
     if running not in ("refuse", "queue"):
         raise UsageError(f"running={running!r}: give 'refuse' (the default) or 'queue'")
     s, d = _spec(src, "SRC"), _spec(dst, "DST")
