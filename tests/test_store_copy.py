@@ -27,6 +27,11 @@ FRAMES = ("jobs", "movements", "messages", "tool_calls", "usage", "context_actio
           "compactions", "loops")
 
 
+def _lite(folder: Path) -> Workspace:
+    """A workspace on its folder's own SQLite file, also when AGENTNB_TEST_BACKEND=postgres sets AGENTNB_STORE."""
+    return Workspace(folder, store=str(folder / "agentnb.sqlite"))
+
+
 def _sql(url: str, sql: str) -> list[tuple[Any, ...]]:
     import psycopg
 
@@ -92,7 +97,7 @@ def _same_frames(a: dict[str, pd.DataFrame], b: dict[str, pd.DataFrame]) -> None
 
 @needs_pg
 def test_sqlite_to_postgres_and_back_keeps_every_row_event_and_file(pg_url: str, pg: Any, tmp_path: Path) -> None:
-    src = Workspace(tmp_path / "src")
+    src = _lite(tmp_path / "src")
     ids = _build(src, tmp_path)
     rows, frames, files = _rows(src.store), _frames(src), _disk_files(src.root)
     lessons = src.frames.lessons()
@@ -116,7 +121,7 @@ def test_sqlite_to_postgres_and_back_keeps_every_row_event_and_file(pg_url: str,
 
     counts_back = copy_store(pg_url, f"sqlite://{tmp_path / 'back'}/agentnb.sqlite")
     assert counts_back == counts
-    back = Workspace(tmp_path / "back")
+    back = _lite(tmp_path / "back")
     assert _rows(back.store) == rows
     _same_frames(_frames(back), frames)
     pd.testing.assert_frame_equal(back.frames.lessons(), lessons)  # read from the files written back
@@ -153,13 +158,13 @@ def test_postgres_to_postgres_copies_rows_and_files(pg: Any, tmp_path: Path) -> 
 
 
 def test_sqlite_to_sqlite_copies_the_work_directories(tmp_path: Path) -> None:
-    src = Workspace(tmp_path / "src")
+    src = _lite(tmp_path / "src")
     demo_job(src)
     rows, files = _rows(src.store), _disk_files(src.root)
     src.store.close()
     counts = copy_store(str(tmp_path / "src"), str(tmp_path / "dst"))
     assert counts["events"] == len(rows["events"]) and counts["files"] == len(files)
-    dst = Workspace(tmp_path / "dst")
+    dst = _lite(tmp_path / "dst")
     assert _rows(dst.store) == rows and _disk_files(dst.root) == files
     assert dst.job(1).workdir == dst.root / "jobs" / "1"
 
@@ -167,7 +172,7 @@ def test_sqlite_to_sqlite_copies_the_work_directories(tmp_path: Path) -> None:
 # -- refusals: one line, DST as it was ----------------------------------------------------------------------------
 
 def test_a_non_empty_destination_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
-    src, dst = Workspace(tmp_path / "src"), Workspace(tmp_path / "dst")
+    src, dst = _lite(tmp_path / "src"), _lite(tmp_path / "dst")
     src.submit("one", piece="single", model="demo")
     kept = dst.submit("already here", piece="single", model="demo")
     before = _rows(dst.store)
@@ -175,12 +180,12 @@ def test_a_non_empty_destination_is_refused_and_nothing_is_written(tmp_path: Pat
     dst.store.close()
     with pytest.raises(StoreError, match=r"DST .*dst.* is not empty \(1 jobs, 1 events\).*nothing was written"):
         copy_store(tmp_path / "src", tmp_path / "dst")
-    reopened = Workspace(tmp_path / "dst")
+    reopened = _lite(tmp_path / "dst")
     assert _rows(reopened.store) == before and [j.id for j in reopened.jobs()] == [kept.id]
 
 
 def test_a_leftover_jobs_folder_in_the_destination_is_refused(tmp_path: Path) -> None:
-    Workspace(tmp_path / "src").submit("one", piece="single", model="demo").workspace.store.close()
+    _lite(tmp_path / "src").submit("one", piece="single", model="demo").workspace.store.close()
     (tmp_path / "dst" / "jobs" / "1").mkdir(parents=True)
     with pytest.raises(StoreError, match="already has job folders"):
         copy_store(tmp_path / "src", tmp_path / "dst")
@@ -188,7 +193,7 @@ def test_a_leftover_jobs_folder_in_the_destination_is_refused(tmp_path: Path) ->
 
 
 def test_same_store_missing_and_empty_sources_and_bad_urls(tmp_path: Path) -> None:
-    ws = Workspace(tmp_path / "ws")
+    ws = _lite(tmp_path / "ws")
     ws.submit("one", piece="single", model="demo")
     ws.store.close()
     file = tmp_path / "ws" / "agentnb.sqlite"
@@ -197,7 +202,7 @@ def test_same_store_missing_and_empty_sources_and_bad_urls(tmp_path: Path) -> No
             copy_store(tmp_path / "ws", dst)
     with pytest.raises(StoreError, match=r"SRC .*nowhere.* does not exist: nothing to copy"):
         copy_store(tmp_path / "nowhere", tmp_path / "d1")
-    Workspace(tmp_path / "empty").store.close()
+    _lite(tmp_path / "empty").store.close()
     with pytest.raises(StoreError, match=r"SRC .* is empty .*nothing to copy"):
         copy_store(tmp_path / "empty", tmp_path / "d2")
     with pytest.raises(StoreError, match="unsupported store URL scheme 'mysql'"):
@@ -210,7 +215,7 @@ def test_same_store_missing_and_empty_sources_and_bad_urls(tmp_path: Path) -> No
 
 
 def test_a_running_job_is_refused_or_copied_as_queued_without_its_claim(tmp_path: Path) -> None:
-    src = Workspace(tmp_path / "src")
+    src = _lite(tmp_path / "src")
     job = src.submit("one", piece="single", model="demo")
     claimed = src.store.claim(job.id, owner="otherhost:1:abcd")
     assert claimed and claimed["status"] == "running"
@@ -222,18 +227,18 @@ def test_a_running_job_is_refused_or_copied_as_queued_without_its_claim(tmp_path
 
     counts = copy_store(tmp_path / "src", tmp_path / "dst", running="queue")
     assert counts["events"] == n_events + 1
-    dst = Workspace(tmp_path / "dst")
+    dst = _lite(tmp_path / "dst")
     row = dst.store.job(job.id)
     assert (row["status"], row["claimed_by"]) == ("queued", None)
     assert dst.store.last_status_reason(job.id) == "copied: was running in SRC"
     # a claim in DST takes it at once, and it runs (the demo model asks its human about so short a task)
     assert dst.run(job.id).status == "waiting_human" and dst.events(job.id, kinds=["llm_response"])
-    assert Workspace(tmp_path / "src").job(job.id).status == "running"  # SRC untouched
+    assert _lite(tmp_path / "src").job(job.id).status == "running"  # SRC untouched
 
 
 @needs_pg
 def test_a_copy_failing_midway_leaves_the_destination_as_it_was(pg_url: str, pg: Any, tmp_path: Path) -> None:
-    src = Workspace(tmp_path / "src")
+    src = _lite(tmp_path / "src")
     first = src.submit("fine", piece="single", model="demo")
     src.submit("has a NUL\x00 in its instruction", piece="single", model="demo")  # PostgreSQL text cannot hold it
     src.store.close()
@@ -265,7 +270,7 @@ def test_a_copy_failing_midway_leaves_the_destination_as_it_was(pg_url: str, pg:
 
 @needs_pg
 def test_copy_into_a_postgres_store_that_has_rows_is_refused(pg_url: str, tmp_path: Path) -> None:
-    Workspace(tmp_path / "src").submit("one", piece="single", model="demo").workspace.store.close()
+    _lite(tmp_path / "src").submit("one", piece="single", model="demo").workspace.store.close()
     on_pg = Workspace(tmp_path / "scratch", store=pg_url)
     on_pg.submit("already here", piece="single", model="demo")
     on_pg.store.close()
@@ -288,7 +293,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 @needs_pg
 def test_cli_store_copy_prints_one_line_per_table_and_refuses_a_second_time(pg_url: str, tmp_path: Path) -> None:
-    ws = Workspace(tmp_path / "src")
+    ws = _lite(tmp_path / "src")
     demo_job(ws)
     n_events = len(ws.events(1))
     ws.store.close()
