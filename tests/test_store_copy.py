@@ -50,6 +50,8 @@ def _build(ws: Workspace, tmp: Path) -> dict[str, int]:
     queued = ws.submit("never run", piece="single", model="demo",
                        inputs={"a.txt": "hello", "sub/bin.dat": bytes(range(256))})
     os.chmod(queued.workdir / "input" / "a.txt", 0o750)
+    (queued.workdir / "input" / "link.txt").symlink_to("a.txt")  # inside: kept as a link
+    (queued.workdir / "input" / "out.txt").symlink_to(tmp / "scripts")  # leads out: never stored
     ws.reply(queued, "a comment on the queued job")
     ws.batch([{"instruction": "case one"}, {"instruction": "case two"}], piece="single", model="demo", name="b1",
              concurrency=1, progress=False)
@@ -72,11 +74,15 @@ def _rows(store: Any) -> dict[str, list[tuple[Any, ...]]]:
 
 
 def _disk_files(root: Path) -> dict[tuple[int, str], tuple[bytes, int]]:
+    """Every file and link under each job folder: its bytes (a link's: its target) and its whole st_mode."""
     out = {}
     for job_dir in (root / "jobs").iterdir():
         for p in job_dir.rglob("*"):
-            if p.is_file():
-                out[(int(job_dir.name), p.relative_to(job_dir).as_posix())] = (p.read_bytes(), stat.S_IMODE(p.stat().st_mode))
+            mode = p.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                out[(int(job_dir.name), p.relative_to(job_dir).as_posix())] = (os.fsencode(os.readlink(p)), mode)
+            elif stat.S_ISREG(mode):
+                out[(int(job_dir.name), p.relative_to(job_dir).as_posix())] = (p.read_bytes(), mode)
     return out
 
 
@@ -103,6 +109,8 @@ def test_sqlite_to_postgres_and_back_keeps_every_row_event_and_file(pg_url: str,
     lessons = src.frames.lessons()
     assert ("logs/lessons.jsonl" in {p for _j, p in files}) and len(lessons)
     assert files[(ids["queued"], "input/sub/bin.dat")][0] == bytes(range(256))
+    assert files[(ids["queued"], "input/link.txt")][0] == b"a.txt"
+    del files[(ids["queued"], "input/out.txt")]
     src.store.close()
 
     counts = copy_store(tmp_path / "src", pg_url)
@@ -126,6 +134,8 @@ def test_sqlite_to_postgres_and_back_keeps_every_row_event_and_file(pg_url: str,
     _same_frames(_frames(back), frames)
     pd.testing.assert_frame_equal(back.frames.lessons(), lessons)  # read from the files written back
     assert _disk_files(back.root) == files
+    assert _sql(pg_url, "SELECT DISTINCT workdir LIKE 'jobs/%' FROM jobs") == [(True,)]  # as PostgreSQL's own jobs
+    assert (back.root / "jobs" / str(ids["queued"]) / "input" / "link.txt").read_text() == "hello"
     for job in back.jobs():  # each work directory is under DST's folder, as prepare_workdir makes it
         assert job.workdir == back.root / "jobs" / str(job.id)
         assert (job.workdir / "input").is_dir() and (job.workdir / "output").is_dir()
@@ -146,7 +156,7 @@ def test_postgres_to_postgres_copies_rows_and_files(pg: Any, tmp_path: Path) -> 
         rows = _rows(ws.store)
         ws.store.close()
         _sql(a, "INSERT INTO files (job_id, path, mode, size, sha256, data, updated) VALUES "
-                "(1, 'output/x.txt', 420, 3, 'ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad', "
+                "(1, 'output/x.txt', 33188, 3, 'ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad', "
                 "'abc'::bytea, 1.5)")
         counts = copy_store(a, b)
         assert counts["jobs"] == 2 and counts["files"] == 1 and counts["file_bytes"] == 3
@@ -255,8 +265,8 @@ def test_a_copy_failing_midway_leaves_the_destination_as_it_was(pg_url: str, pg:
         ws.store.close()
         digest = hashlib.sha256(b"abc").hexdigest()
         _sql(other, f"INSERT INTO files (job_id, path, mode, size, sha256, data, updated) VALUES "
-                    f"({ids[0]}, 'input/a.txt', 420, 3, '{digest}', 'abc'::bytea, 1.5), "
-                    f"({ids[1]}, 'input/b.txt', 420, 3, '{digest}', 'abd'::bytea, 1.5)")
+                    f"({ids[0]}, 'input/a.txt', 33188, 3, '{digest}', 'abc'::bytea, 1.5), "
+                    f"({ids[1]}, 'input/b.txt', 33188, 3, '{digest}', 'abd'::bytea, 1.5)")
         with pytest.raises(StoreError, match=f"job {ids[1]}'s file 'input/b.txt' does not match its sha256"):
             copy_store(other, tmp_path / "dst2")
         assert not (tmp_path / "dst2").exists()
@@ -264,6 +274,12 @@ def test_a_copy_failing_midway_leaves_the_destination_as_it_was(pg_url: str, pg:
         with pytest.raises(StoreError, match=r"'\.\./escape\.txt' that does not stay inside its work directory"):
             copy_store(other, tmp_path / "dst3")
         assert not (tmp_path / "dst3").exists() and not (tmp_path / "escape.txt").exists()
+        link = b"../../../outside"
+        _sql(other, f"UPDATE files SET path='input/l', mode={0o120777}, data='{link.decode()}'::bytea, size={len(link)}, "
+                    f"sha256='{hashlib.sha256(link).hexdigest()}' WHERE job_id={ids[1]}")
+        with pytest.raises(StoreError, match=r"link 'input/l' leads out of its work directory"):
+            copy_store(other, tmp_path / "dst4")
+        assert not (tmp_path / "dst4").exists()
     finally:
         pg.drop_database(other)
 

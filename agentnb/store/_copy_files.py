@@ -2,13 +2,15 @@
 keeps them there) or from the PostgreSQL ``files`` table, and written to either.
 
 One file is a :class:`FileRow`, the shape of a ``files`` row (PG migration 2): ``path`` relative to the work
-directory in POSIX form, ``mode`` its permission bits, ``size``, ``sha256`` of ``data``, ``updated`` (mtime).
+directory in POSIX form, ``mode`` its whole ``st_mode`` (a regular file, or a symbolic link whose
+``data`` is its target), ``size``, ``sha256`` of ``data``, ``updated`` (mtime).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,46 +31,40 @@ class FileRow:
     updated: float
 
 
-def _inside(path: Path, root: Path) -> bool:
-    try:
-        path.relative_to(root)
-    except ValueError:
-        return False
-    return True
-
-
-def read_tree(root: Path, prefix: str = "", *, skip: Path | None = None) -> Iterator[FileRow]:
-    """Every regular file under ``root`` (sorted by path), each path prefixed with ``prefix``.
-
-    A symbolic link is followed only when it leads to a regular file inside ``root`` (its content is stored,
-    as a worker elsewhere would need it); one leading out is skipped, as the tools never leave the work
-    directory.  ``skip``: a folder under ``root`` left out (it is read on its own).
-    """
+def read_tree(root: Path, prefix: str = "") -> Iterator[FileRow]:
+    """Every regular file and symbolic link under ``root`` (sorted by path), each path prefixed with ``prefix``,
+    stored as the work-directory write-back (engine/jobfiles.py) stores them: ``mode`` the whole ``st_mode``; a
+    link's data its target (made relative when it was absolute), kept only when it stays inside ``root`` (the
+    tools never follow one out); FIFOs, sockets, devices and empty folders are not files to keep."""
     if not root.is_dir():
         return
-    real_root = root.resolve()
+    real_root = os.path.realpath(root)
     found: list[tuple[str, Path]] = []
-    for folder, dirs, names in os.walk(root, followlinks=False):
+    for folder, dirs, names in os.walk(real_root):
         here = Path(folder)
-        if skip is not None:
-            dirs[:] = [d for d in dirs if (here / d) != skip]
-        for name in names:
+        for name in (*dirs, *names):  # a link to a folder is listed among the folders, and not walked into
             p = here / name
-            found.append((PurePosixPath(*p.relative_to(root).parts).as_posix(), p))
+            if p.is_dir() and not p.is_symlink():
+                continue
+            found.append((PurePosixPath(*p.relative_to(real_root).parts).as_posix(), p))
     for rel, p in sorted(found):
         try:
-            if p.is_symlink():
-                target = p.resolve()
-                if not _inside(target, real_root) or not target.is_file():
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                real = os.path.realpath(p)
+                if not (real == real_root or real.startswith(real_root + os.sep)):
                     continue
-            st = p.stat()
-            if not stat.S_ISREG(st.st_mode):
-                continue  # a FIFO or socket left in the folder is no file to keep
-            data = p.read_bytes()
+                target = os.readlink(p)
+                if os.path.isabs(target):
+                    target = os.path.relpath(real, os.path.dirname(p))
+                data = os.fsencode(target)
+            elif stat.S_ISREG(st.st_mode):
+                data = p.read_bytes()
+            else:
+                continue
         except OSError as exc:
             raise StoreError(f"cannot read {p}: {exc.strerror or type(exc).__name__}") from None
-        yield FileRow(prefix + rel, stat.S_IMODE(st.st_mode), len(data), hashlib.sha256(data).hexdigest(), data,
-                      st.st_mtime)
+        yield FileRow(prefix + rel, st.st_mode, len(data), hashlib.sha256(data).hexdigest(), data, st.st_mtime)
 
 
 def check_rel_path(job_id: int, path: str) -> PurePosixPath:
@@ -93,8 +89,17 @@ def write_tree(root: Path, job_id: int, rows: Iterator[FileRow]) -> tuple[int, i
         target = root.joinpath(*rel.parts)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
+            if stat.S_ISLNK(row.mode):
+                link = os.fsdecode(row.data)
+                lands = posixpath.normpath(posixpath.join(posixpath.dirname(rel.as_posix()), link))
+                if posixpath.isabs(link) or lands == ".." or lands.startswith("../"):
+                    raise StoreError(f"job {job_id}'s link {row.path!r} leads out of its work directory "
+                                     f"({link!r}): nothing was copied")
+                os.symlink(link, target)
+                n, total = n + 1, total + row.size
+                continue
             target.write_bytes(row.data)
-            os.chmod(target, row.mode & 0o7777)
+            os.chmod(target, stat.S_IMODE(row.mode))
             os.utime(target, (row.updated, row.updated))
         except OSError as exc:
             raise StoreError(f"cannot write {target}: {exc.strerror or type(exc).__name__}") from None

@@ -7,9 +7,11 @@ PostgreSQL the sequences are set with ``setval``; SQLite's AUTOINCREMENT counter
 
 A job's files go with it: SQLite keeps them on disk in the job's work directory (``jobs.workdir``; with a
 work directory of the user's own, ``jobs/<id>/logs`` of the workspace folder is added as ``logs/…``),
-PostgreSQL in its ``files`` table.  Into SQLite they are written to ``jobs/<id>`` under DST's folder (the
-folder of its ``agentnb.sqlite``) and ``workdir`` says so; into PostgreSQL they become ``files`` rows and
-``workdir`` keeps SRC's value.
+PostgreSQL in its ``files`` table, one row per regular file or inside-pointing symbolic link, ``mode`` its
+whole ``st_mode`` (as the work-directory write-back of ``engine/jobfiles.py`` stores them).  Into SQLite they
+are written to ``jobs/<id>`` under DST's folder (the folder of its ``agentnb.sqlite``) and ``workdir`` says so;
+into PostgreSQL they become ``files`` rows and ``workdir`` is the relative ``jobs/<id>`` a PostgreSQL job holds
+(each worker works in that folder under its own workspace folder).
 
 What is refused, each with one line and nothing written: a DST that holds any row (a job, batch, text …),
 or whose folder already has a ``jobs/`` folder with something in it; SRC and DST naming the same store; a
@@ -442,8 +444,10 @@ def _row_fixer(table: str, cols: Sequence[str], source: _Side,
                 out[pos[c]] = None
         if out[pos["status"]] == "running":
             out[pos["status"]] = "queued"
-        if not target.pg:
-            out[pos["workdir"]] = str(target.spec.root / "jobs" / str(row[pos["id"]]))
+        # where the job works in DST: under DST's folder (SQLite), or the relative jobs/<id> that a PostgreSQL
+        # store's jobs hold (each worker materialises it in its own folder)
+        job_id = int(row[pos["id"]])
+        out[pos["workdir"]] = f"jobs/{job_id}" if target.pg else str(target.spec.root / "jobs" / str(job_id))
         return tuple(out)
 
     return fix_job
@@ -526,11 +530,14 @@ def _copy_files(source: _Side, target: _Side) -> CopyCounts:
 
 
 def _count_files(root: Path) -> tuple[int, int]:
+    """The files and links under ``root`` and their bytes (a link's: its target's text), as read_tree counts."""
     n = total = 0
-    for folder, _dirs, names in os.walk(root):
-        for name in names:
+    for folder, dirs, names in os.walk(root):
+        for name in (*dirs, *names):
             p = Path(folder) / name
-            if p.is_file() and not p.is_symlink():
+            if p.is_symlink():
+                n, total = n + 1, total + len(os.fsencode(os.readlink(p)))
+            elif p.is_file():
                 n, total = n + 1, total + p.stat().st_size
     return n, total
 
