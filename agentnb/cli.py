@@ -7,7 +7,8 @@ queued again).  ``batch``: 0 when every job ended (succeeded, failed or aborted)
 3 when some wait for a human (answer them with ``reply``, then rerun the command),
 2 and 130 as ``run`` (after Ctrl-C the running jobs are paused after their current
 LLM call; the same command again resumes).  ``jobs``, ``show``, ``export`` and
-``batches`` open the store read-only.
+``batches`` open the store read-only.  ``store copy SRC DST``: 0 when every row and file was copied and
+counted again in DST (one line per table on stdout), 2 when it was refused or failed (one line; DST as it was).
 """
 
 from __future__ import annotations

@@ -94,6 +94,7 @@ class _Spec:
     def shown(self) -> str:
         if self.kind == "sqlite":
             return str(self.file)
+        _psycopg()
         from .postgres import display_url
 
         return display_url(self.url or "")
@@ -235,16 +236,27 @@ def copy_store(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, runn
         if running_ids and running == "refuse":
             shown = ", ".join(map(str, running_ids[:10])) + (" …" if len(running_ids) > 10 else "")
             raise StoreError(f"SRC {s.shown} has running jobs ({shown}): their runners may still write there; "
-                             "stop them first (or let them end), or copy them as queued with --running queue")
+                             "stop them first (or let them end), or copy them as queued with --running queue "
+                             "(running='queue')")
         _precheck_dst(d)
         return _copy_into(source, d, expected, running_ids, stack)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _psycopg() -> Any:
+    """psycopg, or the one line open_store gives when it is missing."""
+    try:
+        import psycopg
+    except ImportError as exc:
+        raise StoreError(f"a PostgreSQL store needs psycopg 3 and psycopg-pool ({exc}): "
+                         "pip install 'agentnb[postgres]'") from None
+    return psycopg
+
+
 def _refuse_unmigrated_pg(spec: _Spec) -> None:
     """A PostgreSQL SRC without agentnb's tables is an empty store, said as such (a read-only open would ask
     for an upgrade instead)."""
-    import psycopg
+    psycopg = _psycopg()
 
     from .postgres import describe_pg_error
 
@@ -260,8 +272,7 @@ def _refuse_unmigrated_pg(spec: _Spec) -> None:
 def _begin_snapshot(side: _Side, stack: ExitStack) -> None:
     """Read SRC in one read-only snapshot: rows written meanwhile are either all in the copy or none."""
     if side.pg:
-        import psycopg
-
+        psycopg = _psycopg()
         url = side.spec.given
         conn = psycopg.connect(url, connect_timeout=10)
         stack.callback(conn.close)
@@ -295,8 +306,7 @@ def _precheck_dst(d: _Spec) -> None:
             raise StoreError(f"DST's folder {d.root} already has job folders in {jobs}: copy needs an empty "
                              "workspace; give a new folder")
     else:
-        import psycopg
-
+        psycopg = _psycopg()
         from .postgres import describe_pg_error
 
         try:
