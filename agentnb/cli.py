@@ -7,7 +7,8 @@ queued again).  ``batch``: 0 when every job ended (succeeded, failed or aborted)
 3 when some wait for a human (answer them with ``reply``, then rerun the command),
 2 and 130 as ``run`` (after Ctrl-C the running jobs are paused after their current
 LLM call; the same command again resumes).  ``jobs``, ``show``, ``export`` and
-``batches`` open the store read-only.
+``batches`` open the store read-only.  ``store copy SRC DST``: 0 when every row and file was copied and
+counted again in DST (one line per table on stdout), 2 when it was refused or failed (one line; DST as it was).
 """
 
 from __future__ import annotations
@@ -256,6 +257,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     ws = _workspace(args, readonly=True)
     path = ws.export_notebook(args.job, args.path)
     print(path)
+    return 0
+
+
+def cmd_store_copy(args: argparse.Namespace) -> int:
+    from .store import copy_store, summary_lines
+
+    counts = copy_store(args.src, args.dst, running=args.running)
+    for line in summary_lines(counts):
+        print(line)
     return 0
 
 
@@ -519,6 +529,18 @@ def build_parser() -> argparse.ArgumentParser:
     _retry_options(p)
 
     add("batches", cmd_batches, "list the batches: name, created, jobs and how many are in each status")
+
+    p = sub.add_parser("store", help="move a workspace between stores (store copy SRC DST)")
+    store_sub = p.add_subparsers(dest="store_command", parser_class=_Parser, required=True)
+    p = store_sub.add_parser("copy", help="copy a whole workspace (jobs, events, files) into an empty store; "
+                             "prints the rows copied per table")
+    p.add_argument("src", metavar="SRC", help="a workspace folder or store file, sqlite:///ABS/PATH or postgresql://…")
+    p.add_argument("dst", metavar="DST", help="an empty store: a folder (its agentnb.sqlite; made when missing), "
+                   "a file ending in .sqlite, sqlite:///ABS/PATH or postgresql://… (an existing database)")
+    p.add_argument("--running", choices=("refuse", "queue"), default="refuse",
+                   help="a job running in SRC: refuse the copy (default), or copy it as queued so that a worker "
+                   "on DST resumes it from its events")
+    p.set_defaults(fn=cmd_store_copy)
     return parser
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .store import display_url
 from .views.render import STYLE, movement_html
 from .views.transcript import (
     COLLAPSED,
@@ -25,9 +26,21 @@ __all__ = ["COLLAPSED", "EXPORT_MAX_CHARS", "TRANSCRIPT_TAG", "build_notebook", 
            "transcript"]
 
 
-def transcript(workspace: str | os.PathLike[str] | Workspace, job: int, seq: int) -> Any:
-    """Movement run ``seq`` of job ``job`` as HTML for a notebook (what an exported transcript cell runs)."""
+def transcript(workspace: str | os.PathLike[str] | Workspace, job: int, seq: int, *,
+               store: str | None = None) -> Any:
+    """Movement run ``seq`` of job ``job`` as HTML for a notebook (what an exported transcript cell runs).
+
+    ``store``: the store URL the jobs are kept in (DESIGN §13; None: ``$AGENTNB_STORE``, else the folder's
+    ``agentnb.sqlite``).  An exported cell names it without its password: when ``$AGENTNB_STORE`` is that
+    same URL with a password, the environment's is used (else psycopg looks in ``PGPASSWORD``/``~/.pgpass``).
+    """
     from IPython.display import HTML
 
-    ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
+    if isinstance(workspace, Workspace):
+        ws = workspace
+    else:
+        env = os.environ.get("AGENTNB_STORE") or None
+        if store is not None and env is not None and display_url(env) == store:
+            store = env
+        ws = Workspace(workspace, store=store)
     return HTML(STYLE + movement_html(ws, job, seq, max_calls=None))

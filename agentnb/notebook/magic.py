@@ -13,7 +13,7 @@ The line is split first, then every argument is filled from the notebook's varia
 ``jid`` or a variable holding a :class:`~agentnb.Job`.  Only a command that succeeds makes its
 job the session's default one.
 
-Defaults are traitlets: ``%config AgentMagic.workspace = 'dir'`` (and ``.model``, ``.piece``).
+Defaults are traitlets: ``%config AgentMagic.workspace = 'dir'`` (and ``.model``, ``.piece``, ``.store``: a store URL, DESIGN §13).
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ JOB is a job id (3, {jid}, $jid, or jid holding an int) or a variable holding a 
 defaults to the last job of this session.  {expr} and $name in any argument are filled from
 the notebook's variables; write {{ and }} for braces, $$ for a $ before a variable's name.
 Defaults: %config AgentMagic.workspace / .model / .piece
+Store:    %config AgentMagic.store = 'postgresql://user@host:5432/db' keeps the jobs in PostgreSQL (the
+          workspace folder then holds only work directories); '' (the default) means $AGENTNB_STORE,
+          else the workspace folder's agentnb.sqlite
 """
 
 # the arguments that name a job: filled by AgentMagic.job, which keeps a variable's int or Job whole
@@ -124,6 +127,9 @@ class AgentMagic(Magics):
     workspace = Unicode(DEFAULT_WORKSPACE, help="the workspace folder (agentnb.sqlite and jobs/)").tag(config=True)
     model = Unicode("demo", help="default model spec: demo | scripted:<file> | openai:<model> | replay:<id>").tag(config=True)
     piece = Unicode("plan-implement-verify", help="default piece: a name or a YAML path").tag(config=True)
+    store = Unicode("", help="where the jobs are kept (DESIGN §13): postgresql://user@host:port/db or "
+                    "sqlite:///ABS/PATH; '' means $AGENTNB_STORE, else the workspace folder's agentnb.sqlite; "
+                    "the workspace folder then holds the jobs' work directories").tag(config=True)
     poll = Float(0.25, help="seconds between updates of a live job view").tag(config=True)
 
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
@@ -133,16 +139,17 @@ class AgentMagic(Magics):
         self._used_job: int | None = None  # the job the running command named (see agent())
         self.threads: dict[int, threading.Thread] = {}
 
-    @observe("workspace")
+    @observe("workspace", "store")
     def _workspace_changed(self, change: Any) -> None:
         self._ws = None
         self.last_job = None  # job ids belong to a workspace
 
     @property
     def ws(self) -> Workspace:
-        """The :class:`Workspace` of ``AgentMagic.workspace`` (opened once, reopened when the setting changes)."""
+        """The :class:`Workspace` of ``AgentMagic.workspace`` and ``.store`` (opened once, reopened when either
+        setting changes)."""
         if self._ws is None:
-            self._ws = Workspace(self.workspace)
+            self._ws = Workspace(self.workspace, store=self.store or None)
         return self._ws
 
     # -- dispatch ------------------------------------------------------------

@@ -23,11 +23,14 @@ __all__ = [
     "Store",
     "StoreError",
     "Transaction",
+    "copy_store",
     "describe_error",
+    "display_url",
     "instruction_sql",
     "open_store",
     "payload_text_sql",
     "store_scheme",
+    "summary_lines",
 ]
 
 
@@ -75,3 +78,30 @@ def open_store(path_or_url: str | os.PathLike[str], *, readonly: bool = False) -
     shown = url.split("://", 1)[0]
     raise StoreError(f"unsupported store URL scheme {shown!r}: give a folder path, sqlite:///ABS/PATH or "
                      "postgresql://user@host:port/db")
+
+
+def copy_store(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, running: str = "refuse") -> dict[str, int]:
+    """Copy the whole workspace in ``src`` (a path, ``sqlite:///…`` or ``postgresql://…``) into the empty store
+    ``dst``: rows with their ids, and each job's files; the rows per table, ``files`` and ``file_bytes`` now in
+    ``dst`` (checked against ``src`` before the copy commits).  See :mod:`agentnb.store.copy` for what is refused.
+    """
+    from .copy import copy_store as copy
+
+    return copy(src, dst, running=running, opener=open_store, scheme_of=store_scheme)  # type: ignore[arg-type]
+
+
+def summary_lines(counts: dict[str, int]) -> list[str]:
+    """:func:`copy_store`'s counts as one line per table, then the files (what ``agentnb store copy`` prints)."""
+    from .copy import summary_lines as lines
+
+    return lines(counts)
+
+
+def display_url(path_or_url: str | os.PathLike[str]) -> str:
+    """A store's path or URL as it may be shown or written down (a notebook, a message): without a password."""
+    text = os.fspath(path_or_url)
+    if store_scheme(text) in ("postgresql", "postgres"):
+        from .postgres import display_url as without_password
+
+        return without_password(text)
+    return text

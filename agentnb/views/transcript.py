@@ -63,6 +63,7 @@ from ..events import (
     ToolResult,
     Transition,
 )
+from ..store import display_url
 from .render import STYLE, JobStats, fork_lines, job_stats, movement_html, timeline
 from .source import JobRecord, JobSource
 
@@ -88,7 +89,19 @@ class NotebookSource(JobSource, Protocol):
     def root(self) -> Path: ...
 
     @property
+    def store_url(self) -> str | None:
+        """The store URL the workspace was opened with (None: its folder's agentnb.sqlite)."""
+        ...
+
+    @property
     def frames(self) -> Frames: ...
+
+
+def _open_args(ws: NotebookSource) -> str:
+    """The arguments that open ``ws`` again in an exported cell: its folder, and its store URL without the
+    password (psycopg finds that in ``PGPASSWORD`` or ``~/.pgpass``, or ``transcript`` in ``AGENTNB_STORE``)."""
+    folder = repr(str(ws.root))
+    return folder if ws.store_url is None else f"{folder}, store={display_url(ws.store_url)!r}"
 
 
 def export_notebook(
@@ -215,7 +228,7 @@ def _caption(seq: int, evs: Sequence[Event]) -> str:
 
 def _transcript_cell(ws: NotebookSource, job_id: int, seq: int, markup: str, text: str) -> nbformat.NotebookNode:
     # one line: it stays in view above the collapsed output (re-running it renders the run again)
-    source = f"from agentnb.export import transcript; transcript({str(ws.root)!r}, job={job_id}, seq={seq})"
+    source = f"from agentnb.export import transcript; transcript({_open_args(ws)}, job={job_id}, seq={seq})"
     cell = v4.new_code_cell(source=source)
     cell.outputs = [v4.new_output("display_data", data={"text/html": markup, "text/plain": text})]
     cell.metadata.update(json.loads(json.dumps(COLLAPSED)))
@@ -230,7 +243,7 @@ def _usage_cells(ws: NotebookSource, job_id: int) -> list[nbformat.NotebookNode]
     # and no size given, the labels were 7 px high.  PNG rather than SVG: JupyterLab does not show an SVG
     # output of an untrusted notebook, and an exported transcript opens untrusted.
     png, size = figure_png(plot_usage(job_id, ws=ws), scale=2.0)
-    cell = v4.new_code_cell(source=f"import agentnb\nagentnb.plot_usage(agentnb.Workspace({str(ws.root)!r}).job({job_id}))")
+    cell = v4.new_code_cell(source=f"import agentnb\nagentnb.plot_usage(agentnb.Workspace({_open_args(ws)}).job({job_id}))")
     cell.outputs = [v4.new_output("display_data", data={
         "image/png": base64.b64encode(png).decode("ascii"), "text/plain": f"<usage timeline of job {job_id}>"},
         metadata={"image/png": size})]
