@@ -42,5 +42,6 @@ def transcript(workspace: str | os.PathLike[str] | Workspace, job: int, seq: int
         env = os.environ.get("AGENTNB_STORE") or None
         if store is not None and env is not None and display_url(env) == store:
             store = env
-        ws = Workspace(workspace, store=store)
+        with Workspace(workspace, store=store) as opened:  # closed here: a PostgreSQL pool must not linger
+            return HTML(STYLE + movement_html(opened, job, seq, max_calls=None))
     return HTML(STYLE + movement_html(ws, job, seq, max_calls=None))
