@@ -384,6 +384,12 @@ def cmd_batch(args: argparse.Namespace) -> int:
     batch = ws.batch(cases, piece=args.piece or ["plan-implement-verify"], model=args.model or ["demo"],
                      name=name, concurrency=args.concurrency, retries=args.retries,
                      max_backoff=args.max_backoff, run=False)
+    if args.detach:  # workers (on this or other machines) run the queued jobs; the same command later scores
+        queued = [j.id for j in batch.jobs if j.status == "queued"]
+        print(f"batch {batch.name!r}: {len(batch.jobs)} job(s), {len(queued)} queued")
+        print("  run them with: agentnb worker (on any machine sharing the store), then run the same command "
+              "again without --detach to score and summarise them")
+        return 0
     try:
         # the one line after Ctrl-C (from the executor) says how to resume here: not ws.batch(…) but the command
         batch.run(concurrency=args.concurrency, progress=not args.no_progress,
@@ -526,6 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="the batch's name: the same command again resumes it (default: the batch of the same cases, "
                    "or a new batch-N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--detach", action="store_true",
+                   help="only create the batch and queue its jobs (workers run them); print its name")
     _retry_options(p)
 
     add("batches", cmd_batches, "list the batches: name, created, jobs and how many are in each status")

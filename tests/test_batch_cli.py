@@ -287,6 +287,26 @@ def test_cli_batch_without_a_name_run_again_resumes_the_batch_of_the_same_cases(
 
 
 @needs_cli
+def test_cli_batch_detach_only_queues_a_worker_runs_the_jobs_and_the_same_command_scores_them(tmp_path: Path) -> None:
+    (tmp_path / "c.csv").write_text("instruction,topic\nAnswer one,a\nAnswer two,b\n")
+    argv = ["--workspace", "ws", "batch", "c.csv", "--piece", "plan-implement-verify", "--model", "demo",
+            "--no-progress"]
+    detached = agentnb(tmp_path, *argv, "--detach")
+    assert detached.returncode == 0, detached.stderr
+    assert detached.stdout.splitlines()[0] == "batch 'batch-1': 2 job(s), 2 queued"
+    ws = Workspace(tmp_path / "ws", readonly=True)
+    assert [j.status for j in ws.jobs()] == ["queued", "queued"]
+    assert all(_llm_requests(ws, j.id) == 0 for j in ws.jobs())  # nothing ran
+    worker = agentnb(tmp_path, "--workspace", "ws", "worker", "--concurrency", "2")
+    assert worker.returncode == 0 and "ran 2 job(s)" in worker.stdout, worker.stderr
+    calls = sum(_llm_requests(ws, j.id) for j in ws.jobs())
+    scored = agentnb(tmp_path, *argv)
+    assert scored.returncode == 0, scored.stderr
+    assert scored.stdout.startswith("<Batch 'batch-1': 2/2 ended")
+    assert sum(_llm_requests(ws, j.id) for j in ws.jobs()) == calls  # the worker's runs kept, not run again
+
+
+@needs_cli
 def test_cli_batch_with_jobs_waiting_for_a_human_exits_3_and_names_them(tmp_path: Path) -> None:
     asks = write_script(tmp_path, "asks", {"work": [transition("ASK", question="Which year?")]})
     ok = _succeeding(tmp_path)
