@@ -239,6 +239,20 @@ def test_a_newer_schema_is_refused_and_left_as_it_is(pg_url: str) -> None:
 
 
 @needs_pg
+def test_a_read_only_open_of_an_empty_database_says_there_is_nothing_yet_and_creates_nothing(
+        pg_url: str, tmp_path: Path) -> None:
+    with pytest.raises(StoreError) as exc:
+        Workspace(tmp_path / "ws", store=pg_url, readonly=True)
+    assert "holds no agentnb workspace yet" in _one_line(exc) and "s3cret" not in _one_line(exc)
+    assert _tables(pg_url) == []  # nothing created by reading
+    proc = subprocess.run([sys.executable, "-m", "agentnb.cli", "--workspace", str(tmp_path / "ws"), "--store", pg_url,
+                           "jobs"], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "holds no agentnb workspace yet" in proc.stderr
+    assert _tables(pg_url) == []
+
+
+@needs_pg
 def test_a_wrong_password_is_one_line_that_never_shows_a_password(pg: PgServer, pg_url: str,
                                                                   tmp_path: Path) -> None:
     db = pg_url.rsplit("/", 1)[1]

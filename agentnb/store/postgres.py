@@ -223,6 +223,9 @@ class PostgresStore:
             raise StoreError(
                 f"{self.path} has schema version {version}, newer than this agentnb's {PG_SCHEMA_VERSION}: "
                 "it was written by a newer agentnb; upgrade agentnb to open it (nothing was changed)")
+        if version == 0 and self.readonly:
+            raise StoreError(f"{self.path} holds no agentnb workspace yet (no agentnb tables): there is nothing to "
+                             "read; the first write (a submit, a batch, agentnb store copy) creates them")
         if version < PG_SCHEMA_VERSION and self.readonly:
             raise StoreError(f"{self.path} has schema version {version}, older than this agentnb's "
                              f"{PG_SCHEMA_VERSION}: open it once without readonly to upgrade it")
