@@ -182,6 +182,10 @@ def test_two_processes_claiming_never_take_the_same_job(pg_url: str) -> None:
         got = []
         while (row := store.claim()) is not None:
             got.append(row["id"])
+            if len(got) == 1:  # hold the first claim until the other process has one too (a late start under load)
+                until = time.time() + 60
+                while store.query("SELECT COUNT(*) FROM jobs WHERE status='running'")[0][0] < 2 and time.time() < until:
+                    time.sleep(0.01)
             with store.transaction() as c:
                 store.set_status(c, row["id"], "succeeded", reason="done")
         store.close()
