@@ -7,7 +7,6 @@ process) and compared with what each worker says it ran.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -219,7 +218,7 @@ def test_four_workers_end_many_subtasks_at_once_and_each_parent_is_queued_once_o
         assert len(_claims(ws, [p])[p]) == 2  # before its children, and once after them
         assert all(len(pids) == 1 for pids in _claims(ws, [c.id for c in children]).values())
         # the movement after the split (run 2) was told every child's result
-        merge = json.dumps(next(ev.payload for ev in ws.events(p, kinds=["llm_request"]) if ev.movement_seq == 2))
+        merge = next(ev.payload["user"] for ev in ws.events(p, kinds=["movement_start"]) if ev.movement_seq == 2)
         assert all(f"job {c.id} (succeeded)" in merge for c in children), merge
 
 
