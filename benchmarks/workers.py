@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 pg.drop_database(url)
             throughput.append(run)
             print(f"  {n} worker(s) x {args.concurrency}: {run.jobs_per_s:.1f} jobs/s", flush=True)
-        # the same at one worker on SQLite: is PostgreSQL (its store-wide write lock) what limits one worker?
+        # the same at one worker on SQLite: does the PostgreSQL store cost one worker anything?
         throughput.append(_run(f"sqlite:///{top / 'sqlite-throughput'}", top / "sqlite-throughput", server,
                                workers=1, concurrency=args.concurrency, jobs=args.jobs, backend="sqlite"))
         server.latency = 0.0
