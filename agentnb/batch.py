@@ -495,10 +495,35 @@ def _call_variants(existing: Mapping[str, Any] | None, piece: Any, model: Any,
     return check_variants(piece, model, check_model)
 
 
+class _Raced(Exception):
+    """The batch changed (or its name was taken) between reading it and the write transaction."""
+
+
+# how often a call is tried again when other processes keep changing the same batch under it
+_RACE_TRIES = 5
+
+
 def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
                context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
                check_model: Callable[[str], str]) -> Batch:
-    """Create the batch ``name`` (every job of it, in one transaction), or extend/resume the one of that name."""
+    """Create the batch ``name`` (every job of it, in one transaction), or extend/resume the one of that name.
+
+    What the call decides from (the batch as it was read, a free name) is checked again inside the write
+    transaction, which the store orders against every other: when another process created or extended the
+    batch meanwhile, nothing is written and the call is made again on the batch as it now is."""
+    for _ in range(_RACE_TRIES):
+        try:
+            return _open_batch(ws, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
+                               retries=retries, max_backoff=max_backoff, check_model=check_model)
+        except _Raced:
+            continue
+    raise UsageError(f"batch {name!r} was changed by other processes {_RACE_TRIES} times while this call "
+                     "was adding to it: nothing was added; call again")
+
+
+def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
+                context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
+                check_model: Callable[[str], str]) -> Batch:
     chosen = check_scorers(scorers)
     if isinstance(cases, str) and name is None:  # ws.batch("exp-1"): resume by name
         name, cases = cases, None
@@ -563,6 +588,8 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
     folders: list[Path] = []
     try:
         with ws.store.transaction() as c:
+            if ws.store.batch(name) != existing:  # another process created or extended it since it was read
+                raise _Raced(name)
             if existing is None:
                 ws.store.create_batch(c, name, fingerprint=print_, cases=json.dumps(stored_cases, ensure_ascii=False),
                                       variants=json.dumps([v.stored() for v in new_variants], ensure_ascii=False),

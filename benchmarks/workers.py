@@ -81,10 +81,16 @@ class Run:
     span: float  # first claim → last end, from the store
     wall: float  # the worker processes' start → their exit
     cpu: float  # user + system seconds of the worker processes, less their start-up's (see _startup_cpu)
-    # PostgreSQL: sampled every 20 ms, the mean number of sessions waiting for the store-wide write lock
-    # (an advisory lock, plan17 decision 1) and of sessions running a statement
+    # PostgreSQL: sampled every 20 ms, the mean number of sessions waiting for an advisory lock (the write
+    # locks: store-wide, or a job tree's), for a row lock, and running a statement
     lock_waiters: float | None = None
     active: float | None = None
+    row_waiters: float | None = None
+    # cores busy over the wall time, from /proc (None elsewhere): the whole machine (other users included),
+    # the PostgreSQL server's processes, and this process (the endpoint, the sampler)
+    machine: float | None = None
+    server_cpu: float | None = None
+    endpoint_cpu: float | None = None
 
     @property
     def jobs_per_s(self) -> float:
@@ -121,6 +127,9 @@ def _run(store: str, folder: Path, server: OpenAIServer, *, workers: int, concur
     ids = [ws.submit(f"job {n}", piece=str(piece), model="openai:bench").id for n in range(jobs)]
     sampler = _LockSampler(store) if backend == "postgresql" else None
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    machine = _machine_busy()
+    server_before = sampler.server_cpu() if sampler is not None else None
     started = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-m", "agentnb.cli", "worker", "--store", store, "--workspace",
                                str(folder / f"worker-{n}"), "--concurrency", str(concurrency)],
@@ -132,7 +141,13 @@ def _run(store: str, folder: Path, server: OpenAIServer, *, workers: int, concur
             raise SystemExit(f"a worker failed ({proc.returncode}): {err.strip() or out.strip()}")
     wall = time.monotonic() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    waiters, active = sampler.stop() if sampler is not None else (None, None)
+    me_after = resource.getrusage(resource.RUSAGE_SELF)
+    machine_after = _machine_busy()
+    server_after = sampler.server_cpu() if sampler is not None else None
+    endpoint_cpu = ((me_after.ru_utime - me.ru_utime) + (me_after.ru_stime - me.ru_stime)) / wall
+    machine_cores = None if machine is None or machine_after is None else (machine_after - machine) / wall
+    server_cores = None if server_before is None or server_after is None else (server_after - server_before) / wall
+    waiters, rows_waiting, active = sampler.stop() if sampler is not None else (None, None, None)
     rows = [ws.store.job(j) for j in ids]
     statuses = Counter(r["status"] for r in rows)
     if statuses != {"succeeded": jobs}:
@@ -145,37 +160,87 @@ def _run(store: str, folder: Path, server: OpenAIServer, *, workers: int, concur
     span = max(float(r["ended"]) for r in rows) - min(float(r["started"]) for r in rows)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime) - workers * startup
     ws.store.close()
-    return Run(backend, workers, concurrency, server.latency, jobs, calls, span, wall, cpu, waiters, active)
+    return Run(backend, workers, concurrency, server.latency, jobs, calls, span, wall, cpu, waiters, active,
+               rows_waiting, machine_cores, server_cores, endpoint_cpu)
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _machine_busy() -> float | None:
+    """CPU seconds the whole machine has spent busy (not idle, not waiting for I/O) since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / _TICK
+
+
+def _proc_cpu(pid: int, *, reaped: bool) -> tuple[int, float]:
+    """The parent pid of ``pid`` and its CPU seconds (with its reaped children's when ``reaped``)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ppid, times = int(fields[1]), [int(x) for x in fields[11:15]]
+    return ppid, (sum(times) if reaped else times[0] + times[1]) / _TICK
 
 
 class _LockSampler:
     """Samples ``pg_stat_activity`` of the run's database in a thread: how many sessions wait for an advisory
-    lock (the store's write lock) and how many run a statement, on average."""
+    lock (the store's write locks), how many for another lock (a row's) and how many run a statement, on
+    average."""
 
     def __init__(self, url: str) -> None:
         import psycopg
 
         self._conn = psycopg.connect(url, autocommit=True)
-        self._samples: list[tuple[int, int]] = []
+        # the server's main process, when it runs on this machine: the parent of this session's backend
+        self._postmaster: int | None = None
+        try:
+            row = self._conn.execute("SELECT pg_backend_pid()").fetchone()
+            self._postmaster = _proc_cpu(int(row[0]), reaped=False)[0] if row else None
+        except (OSError, ValueError):
+            pass
+        self._samples: list[tuple[int, int, int]] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         sql = ("SELECT count(*) FILTER (WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'), "
+               "count(*) FILTER (WHERE wait_event_type = 'Lock' AND wait_event <> 'advisory'), "
                "count(*) FILTER (WHERE state = 'active') - 1 FROM pg_stat_activity "
                "WHERE datname = current_database()")
         while not self._done.wait(0.02):
             row = self._conn.execute(sql).fetchone()
             if row is not None:
-                self._samples.append((int(row[0]), int(row[1])))
+                self._samples.append((int(row[0]), int(row[1]), int(row[2])))
 
-    def stop(self) -> tuple[float, float]:
+    def server_cpu(self) -> float | None:
+        """CPU seconds of the server's processes so far: the main process with the backends it has reaped,
+        plus the backends alive now (this sampler's own included)."""
+        if self._postmaster is None:
+            return None
+        try:
+            total = _proc_cpu(self._postmaster, reaped=True)[1]
+            for entry in os.listdir("/proc"):
+                if entry.isdigit():
+                    try:
+                        ppid, cpu = _proc_cpu(int(entry), reaped=False)
+                    except (OSError, ValueError, IndexError):
+                        continue
+                    if ppid == self._postmaster:
+                        total += cpu
+            return total
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def stop(self) -> tuple[float, float, float]:
         self._done.set()
         self._thread.join()
         self._conn.close()
         n = max(1, len(self._samples))
-        return sum(w for w, _ in self._samples) / n, sum(a for _, a in self._samples) / n
+        return tuple(sum(s[i] for s in self._samples) / n for i in range(3))  # type: ignore[return-value]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 pg.drop_database(url)
             throughput.append(run)
             print(f"  {n} worker(s) x {args.concurrency}: {run.jobs_per_s:.1f} jobs/s", flush=True)
-        # the same at one worker on SQLite: is PostgreSQL (its store-wide write lock) what limits one worker?
+        # the same at one worker on SQLite: does the PostgreSQL store cost one worker anything?
         throughput.append(_run(f"sqlite:///{top / 'sqlite-throughput'}", top / "sqlite-throughput", server,
                                workers=1, concurrency=args.concurrency, jobs=args.jobs, backend="sqlite"))
         server.latency = 0.0
@@ -225,15 +290,17 @@ def main(argv: list[str] | None = None) -> int:
 def _report(throughput: list[Run], overhead: list[Run], args: argparse.Namespace, cores: int) -> None:
     base = throughput[0].jobs_per_s / throughput[0].workers if throughput else 1.0
     head = ["store", "workers × concurrency", "jobs/s", "speed-up vs 1", "ideal jobs/s", "of ideal", "worker CPU (cores)",
-            "worker CPU ms per call", "waiting for the write lock / running SQL (sessions)", "wall s (with start-up)"]
+            "worker CPU ms per call", "waiting for a write lock / a row lock / running SQL (sessions)",
+            "wall s (with start-up)", "machine busy / PostgreSQL / endpoint (cores, over the wall)"]
     rows = []
     for r in throughput:
         ideal = r.workers * r.concurrency / (CALLS_PER_JOB * r.latency)
         rows.append([r.backend, f"{r.workers} × {r.concurrency}", f"{r.jobs_per_s:.1f}", f"{r.jobs_per_s / base:.2f}",
                      f"{ideal:.1f}", f"{r.jobs_per_s / ideal:.0%}", f"{r.cpu / r.span:.2f} of {cores}",
                      f"{1000 * r.cpu / r.calls:.1f}",
-                     "—" if r.lock_waiters is None else f"{r.lock_waiters:.2f} / {r.active:.2f}",
-                     f"{r.wall:.1f}"])
+                     "—" if r.lock_waiters is None else f"{r.lock_waiters:.2f} / {r.row_waiters:.2f} / {r.active:.2f}",
+                     f"{r.wall:.1f}", " / ".join("—" if x is None else f"{x:.2f}"
+                                                 for x in (r.machine, r.server_cpu, r.endpoint_cpu))])
     _table(f"{args.jobs} jobs × {CALLS_PER_JOB} calls, endpoint latency {args.latency:g} s", head, rows,
            args.markdown)
     head2 = ["store", "ms per call", "worker CPU ms per call (start-up excluded)", "÷ SQLite"]

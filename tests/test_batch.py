@@ -8,6 +8,7 @@ import json
 import math
 import re
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -466,3 +467,49 @@ def test_whole_floats_from_a_dataframe_are_the_same_cases_as_ints(tmp_path: Path
     ws.batch(cases, piece="single", name="e", run=False)
     b = ws.batch(pd.DataFrame(cases), name="e", run=False)  # n becomes 1.0/NaN, expected stays int
     assert b.counts()["jobs"] == 2
+
+
+# -- processes creating and extending the same batch at once ---------------------------------------------------
+
+@pytest.mark.parametrize("backend", [pytest.param("postgres", marks=pytest.mark.needs("postgres", "psycopg")),
+                                     "sqlite"])
+def test_processes_creating_the_same_batch_at_once_make_one_batch(tmp_path: Path, backend: str,
+                                                                  request: pytest.FixtureRequest) -> None:
+    """Three processes call ws.batch on the same name at the same instant: two with the same variant, one with
+    another piece.  The first to write creates the batch; the others, finding it created under them, add only
+    what it lacks: one batch, both variants, every case once per variant, and no process fails."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    store = request.getfixturevalue("pg_url") if backend == "postgres" else f"sqlite:///{tmp_path / 'ws'}"
+    code = textwrap.dedent("""
+        import sys, time
+        from agentnb import Workspace
+        ws = Workspace(sys.argv[1], store=sys.argv[2])
+        cases = [{"instruction": f"case {n}"} for n in range(6)]
+        time.sleep(max(0.0, float(sys.argv[4]) - time.time()))
+        b = ws.batch(cases, name="exp", piece=sys.argv[3], model="demo", run=False)
+        print(len(b.jobs))
+        ws.store.close()
+    """)
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTNB_STORE")}
+    env["PYTHONPATH"] = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    start = str(time.time() + 2.0)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / f"p{k}"), store, piece, start], env=env,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for k, piece in enumerate(["single", "single", "plan-implement-verify"])]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    ws = Workspace(tmp_path / "reader", store=store)
+    try:
+        assert [b["name"] for b in ws.store.batches()] == ["exp"]
+        jobs = ws.store.jobs(batch="exp")
+        assert len(jobs) == 12
+        assert sorted(Counter((j["batch_case"], j["piece"]) for j in jobs).values()) == [1] * 12
+        assert {j["piece"] for j in jobs} == {"single", "plan-implement-verify"}
+    finally:
+        ws.store.close()

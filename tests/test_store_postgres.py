@@ -368,3 +368,142 @@ def test_a_nul_in_an_event_is_kept_as_a_mark_and_the_frames_still_read(pg_url: s
     assert event.payload["content"] == "a\ufffdb \\u0000 c"  # the NUL marked, a literal backslash-u kept
     assert store.frame_rows("messages", job)[1][0][-2] == "a\ufffdb \\u0000 c"
     store.close()
+
+
+# -- write locks: jobs of different trees write side by side, decisions within a tree stay ordered -------------
+
+def _children_of_a_waiting_parent(store: Any, n: int) -> tuple[int, list[tuple[int, int]]]:
+    """A parent waiting for ``n`` subtasks, each claimed (running, leased): the parent and (child, lease gen)."""
+    parent = store.create_job(piece="single", piece_yaml="", model="demo", instruction="split", workdir="")
+    with store.transaction() as c:
+        kids = [store.create_child_job(c, parent, piece="single", piece_yaml="", piece_path=None, model="demo",
+                                       instruction=f"part {k}", options="{}") for k in range(n)]
+        store.set_status(c, parent, "waiting_subtasks", reason="split", resume_movement="merge")
+    claimed = [store.claim(kid, lease=60) for kid in kids]
+    return parent, [(int(r["id"]), int(r["lease_gen"])) for r in claimed if r is not None]
+
+
+@needs_pg
+def test_subtasks_ending_at_once_in_threads_queue_their_parent_exactly_once(pg_url: str) -> None:
+    """Many children of one parent end at the same moment, each in its own thread as its lease holder (as a
+    worker's slots run them): exactly one of them — the last to commit — queues the parent.  Under READ
+    COMMITTED without the tree's lock each would count the others as still open (nobody queues it) or two
+    would both see none (twice).  Jobs of other trees write meanwhile."""
+    import threading
+
+    from agentnb.engine.subtasks import notify_parent
+    from agentnb.store.postgres import PostgresStore
+
+    store = PostgresStore(pg_url, pool_size=40)
+    try:
+        for _ in range(3):
+            parent, kids = _children_of_a_waiting_parent(store, 12)
+            other, other_kids = _children_of_a_waiting_parent(store, 4)
+            start = threading.Barrier(len(kids) + len(other_kids))
+            errors: list[BaseException] = []
+
+            def end(kid: int, gen: int, start: threading.Barrier = start, errors: list[BaseException] = errors) -> None:
+                try:
+                    start.wait(timeout=30)
+                    with store.fenced(kid, gen), store.transaction() as c:
+                        store.set_status(c, kid, "succeeded", reason="done")
+                        notify_parent(store, c, kid)
+                        # the runner goes on writing before it commits: the others count meanwhile
+                        time.sleep(0.01)
+                except BaseException as exc:  # reported by the main thread
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=end, args=kg) for kg in kids + other_kids]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert not errors, errors
+            for p in (parent, other):
+                queued = [ev for ev in store.events(p, kinds=["job_status"])
+                          if ev.payload["reason"] == "every subtask has ended"]
+                assert len(queued) == 1, f"parent {p} queued {len(queued)} times"
+                row = store.job(p)
+                assert (row["status"], row["current_movement"]) == ("queued", "merge")
+            # it was queued after every child had ended: the event follows each child's end
+            ends = [ev.id for k, _ in kids for ev in store.events(k, kinds=["job_status"])
+                    if ev.payload["status"] == "succeeded"]
+            assert len(ends) == len(kids) and max(ends) < queued_id(store, parent)
+    finally:
+        store.close()
+
+
+def queued_id(store: Any, parent: int) -> int:
+    return max(ev.id for ev in store.events(parent, kinds=["job_status"])
+               if ev.payload["reason"] == "every subtask has ended")
+
+
+@needs_pg
+def test_lease_holders_of_different_trees_write_at_once_and_others_wait_for_all(pg_url: str) -> None:
+    """Two lease holders of different job trees hold write transactions open at the same time; a
+    transaction that holds no lease (a submit, a comment) waits until both have ended; a second holder in
+    the same tree waits for the first."""
+    import threading
+
+    from agentnb.store.postgres import PostgresStore
+
+    store = PostgresStore(pg_url, pool_size=8)
+    try:
+        a = store.create_job(piece="single", piece_yaml="", model="demo", instruction="a", workdir="")
+        b = store.create_job(piece="single", piece_yaml="", model="demo", instruction="b", workdir="")
+        with store.transaction() as c:
+            a_kid = store.create_child_job(c, a, piece="single", piece_yaml="", piece_path=None, model="demo",
+                                           instruction="a's part", options="{}")
+        rows = {r["id"]: int(r["lease_gen"]) for r in (store.claim(j, lease=60) for j in (a, b, a_kid)) if r}
+        order: list[str] = []
+        inside = {k: threading.Event() for k in ("a", "b")}
+        release = threading.Event()
+
+        def hold(name: str, job: int) -> None:
+            with store.fenced(job, rows[job]), store.transaction() as c:
+                store.update_job(c, job, current_movement=name)
+                inside[name].set()
+                release.wait(timeout=30)
+                order.append(f"{name} ends")
+
+        def later(name: str, work: Any) -> None:
+            work()
+            order.append(name)
+
+        holders = [threading.Thread(target=hold, args=("a", a)), threading.Thread(target=hold, args=("b", b))]
+        for t in holders:
+            t.start()
+        # both inside their transactions at once: different trees do not wait for each other
+        assert inside["a"].wait(timeout=30) and inside["b"].wait(timeout=30)
+
+        def same_tree() -> None:
+            with store.fenced(a_kid, rows[a_kid]), store.transaction() as c:
+                store.update_job(c, a_kid, current_movement="kid")
+
+        def unleased() -> None:
+            store.create_job(piece="single", piece_yaml="", model="demo", instruction="c", workdir="")
+
+        def waiting_for_locks(n: int) -> None:  # asked of the server, not timed
+            deadline = time.monotonic() + 30
+            while _sql(pg_url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND "
+                               "wait_event_type = 'Lock' AND wait_event = 'advisory'")[0][0] < n:
+                assert time.monotonic() < deadline, f"{order}: fewer than {n} transactions wait for a lock"
+                time.sleep(0.02)
+
+        waiters = [threading.Thread(target=later, args=("same tree", same_tree)),
+                   threading.Thread(target=later, args=("submit", unleased))]
+        # the same tree first (it holds the store-wide lock shared, then waits for its tree's), then the submit
+        waiters[0].start()
+        waiting_for_locks(1)
+        waiters[1].start()
+        waiting_for_locks(2)
+        assert order == []
+        release.set()
+        for t in holders + waiters:
+            t.join(timeout=30)
+        assert sorted(order) == ["a ends", "b ends", "same tree", "submit"]
+        assert order.index("same tree") > order.index("a ends")
+        assert order.index("submit") > max(order.index("a ends"), order.index("b ends"))
+        assert store.job(a_kid)["current_movement"] == "kid"
+    finally:
+        store.close()

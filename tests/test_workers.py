@@ -182,6 +182,46 @@ def test_a_worker_in_this_process_runs_subtasks_and_their_parent_to_the_end(ws: 
     assert ws.worker().run(concurrency=3) == 0  # nothing left
 
 
+@PG
+def test_four_workers_end_many_subtasks_at_once_and_each_parent_is_queued_once_on_postgresql(
+        tmp_path: Path, pg_url: str, submitter: Any) -> None:
+    """Subtasks of one parent end at the same moment in different worker processes and slots: the last to
+    end queues the parent exactly once (the decision is made under the job tree's lock), the parent's next
+    movement sees every child's result, and no transaction deadlocks (a deadlock fails a job)."""
+    ws = submitter(pg_url)
+    n_children = 8
+    child = write_script(tmp_path, "child", {"work": [transition("COMPLETE", summary="part done")]})
+    parent = write_script(tmp_path, "parent", {
+        "split": [transition("WAIT_SUBTASKS", summary="split", subtasks=[
+            {"instruction": f"Part {n}", "piece": "single", "model": child} for n in range(n_children)])],
+        "merge": [transition("COMPLETE", summary="merged")],
+        "check": [transition("COMPLETE", summary="checked")],
+    })
+    parents = [ws.submit(f"Split {n}", piece="fan-out", model=parent).id for n in range(4)]
+    procs = [_worker(tmp_path / f"scratch-{n}", pg_url, "--concurrency", "8") for n in range(4)]
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, err
+            assert "Traceback" not in err and "deadlock" not in err.lower(), err
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for p in parents:
+        assert ws.job(p).status.value == "succeeded"
+        children = ws.children(p)
+        assert len(children) == n_children and all(c.status.value == "succeeded" for c in children)
+        statuses = ws.events(p, kinds=["job_status"])
+        assert sum(ev.payload["reason"] == "every subtask has ended" for ev in statuses) == 1
+        assert len(_claims(ws, [p])[p]) == 2  # before its children, and once after them
+        assert all(len(pids) == 1 for pids in _claims(ws, [c.id for c in children]).values())
+        # the movement after the split (run 2) was told every child's result
+        merge = next(ev.payload["user"] for ev in ws.events(p, kinds=["movement_start"]) if ev.movement_seq == 2)
+        assert all(f"job {c.id} (succeeded)" in merge for c in children), merge
+
+
 # -- waiting on LISTEN ----------------------------------------------------------------------------------------
 
 

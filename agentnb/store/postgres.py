@@ -5,12 +5,29 @@ psycopg 3 and a :class:`psycopg_pool.ConnectionPool` (extra ``agentnb[postgres]`
 
 * one transaction per write.  A thread's :meth:`PostgresStore.transaction` holds one pooled connection until it
   ends, and re-entering it in the same thread joins it (the engine nests store operations in one transaction).
-* :meth:`PostgresStore.transaction` takes the transaction-level advisory lock ``_WRITE_LOCK`` first, so its
-  writes are serialised as SQLite's ``BEGIN IMMEDIATE`` serialises them: the engine reads and then decides
-  inside a transaction (the last subtask to end queues its parent, a batch name is free), and under READ
-  COMMITTED two such transactions could both decide on what neither has committed.  Plain event appends and
-  :meth:`PostgresStore.claim` do not take it: appends only insert, and a claim locks the one job row it takes
-  (``SELECT … FOR UPDATE SKIP LOCKED``), so workers on many hosts claim side by side and never the same job.
+* write transactions are ordered where the engine decides on what it has read.  The engine reads and then
+  decides inside a transaction (the last subtask to end queues its parent, a batch name is free, a comment
+  arrives for a running job), and under READ COMMITTED two such transactions could both decide on what neither
+  has committed.  :meth:`PostgresStore.transaction` therefore takes advisory locks first (see
+  :meth:`PostgresStore._lock_for_writing`):
+
+  - a transaction of a *lease holder* writing for its job (:meth:`PostgresStore.fenced`: the runner's
+    activation, movement start and end, status, subtasks, ``notify_parent``) takes the store-wide lock
+    ``_WRITE_LOCK`` **shared** and its job *tree*'s lock (the root job's id) **exclusive**: the decisions such a
+    transaction makes concern its own tree only (its children, its parent's open children), so jobs of
+    different trees write side by side, and the jobs of one tree one at a time;
+  - every other transaction (submit, batch creation and resumption, a user's comment or stop, a worker giving
+    jobs back) takes ``_WRITE_LOCK`` **exclusive**, and so is ordered against every write transaction, as
+    SQLite's ``BEGIN IMMEDIATE`` orders them.
+
+  Plain event appends, lease renewals and :meth:`PostgresStore.claim` take no advisory lock: appends only
+  insert, a renewal updates one row, and a claim locks the job rows it takes (``SELECT … FOR UPDATE SKIP
+  LOCKED``), so workers on many hosts claim side by side and never the same job.
+
+  **Lock order** (deadlocks): advisory locks before any row lock, ``_WRITE_LOCK`` before a tree's lock, and at
+  most one tree lock per transaction; then row locks: the transaction's own job (the fence), then its parent
+  (``notify_parent``), then rows it creates.  Claims and recoveries never wait for a row (SKIP LOCKED), and
+  renewals and plain appends hold nothing else while they wait for their one job's row.
 * numbered migrations (:mod:`agentnb.store.pg_migrations`) applied on open under an advisory lock (see
   :meth:`PostgresStore._migrate` for why a session lock), so two processes opening a new database at once
   migrate it once; a database of a newer schema is refused
@@ -77,6 +94,9 @@ BACKEND_ERRORS: tuple[type[Exception], ...] = (psycopg.Error,)
 # advisory lock keys (any bigint; these spell "agnbmigr" and "agnbwrit" so a DBA can tell them in pg_locks)
 _MIGRATE_LOCK = int.from_bytes(b"agnbmigr", "big") & (2**63 - 1)
 _WRITE_LOCK = int.from_bytes(b"agnbwrit", "big") & (2**63 - 1)
+# a job tree's lock is the two-int4 form (classid "agnt", the root job's id folded into an int4): PostgreSQL
+# keeps that key space apart from the one-bigint form above.  Two trees that fold alike only wait for each other.
+_TREE_LOCK = int.from_bytes(b"agnt", "big")
 
 _JOB_COLUMNS = (
     "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
@@ -272,7 +292,7 @@ class PostgresStore:
             raise StoreError(f"{self.path} was opened read-only: open it without readonly to change jobs")
         with self._worded(), self._pool.connection() as conn, conn.transaction():
             if exclusive:
-                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITE_LOCK,))
+                self._lock_for_writing(conn)
             local.conn, local.depth, local.locked = conn, 1, set()
             try:
                 self._check_fence(conn)
@@ -280,14 +300,35 @@ class PostgresStore:
             finally:
                 local.conn, local.depth, local.locked = None, 0, set()
 
+    def _lock_for_writing(self, conn: psycopg.Connection[Any]) -> None:
+        """The advisory locks a write transaction takes before anything else (the module's docstring says why
+        and in which order): a lease holder's, ``_WRITE_LOCK`` shared then its job tree's lock; any other,
+        ``_WRITE_LOCK`` exclusive.  Two statements, so that the order is certain."""
+        tree = getattr(self._fence, "tree", None)
+        if tree is None:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITE_LOCK,))
+            return
+        conn.execute("SELECT pg_advisory_xact_lock_shared(%s)", (_WRITE_LOCK,))
+        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_TREE_LOCK, tree % 2**31))
+
+    def _root_of(self, job_id: int) -> int:
+        """The id of the job at the top of ``job_id``'s tree (itself when it has no parent); a job's parent
+        never changes, so this is looked up once per lease."""
+        rows = self._tuples(
+            "WITH RECURSIVE up(id, parent_id, n) AS (SELECT id, parent_id, 0 FROM jobs WHERE id=? "
+            "UNION ALL SELECT j.id, j.parent_id, up.n + 1 FROM jobs j JOIN up ON j.id = up.parent_id "
+            "WHERE up.n < 1000) SELECT id FROM up ORDER BY n DESC LIMIT 1", (job_id,))[1]
+        return int(rows[0][0]) if rows else job_id
+
     @contextmanager
     def fenced(self, job_id: int, gen: int) -> Iterator[None]:
-        previous = getattr(self._fence, "held", None)
-        self._fence.held = (job_id, gen)
+        previous = getattr(self._fence, "held", None), getattr(self._fence, "tree", None)
+        tree = self._root_of(job_id) if can_name_a_job(job_id) else job_id
+        self._fence.held, self._fence.tree = (job_id, gen), tree
         try:
             yield
         finally:
-            self._fence.held = previous
+            self._fence.held, self._fence.tree = previous
 
     def _check_fence(self, conn: psycopg.Connection[Any]) -> None:
         """Refuse the transaction just begun when this thread writes for a job whose lease it lost.  The job's row
@@ -311,7 +352,9 @@ class PostgresStore:
 
     @contextmanager
     def transaction(self) -> Iterator[Transaction]:
-        """One write transaction (re-entrant within a thread), serialised with the other stores' as SQLite's."""
+        """One write transaction (re-entrant within a thread): a lease holder's is ordered with the others of
+        its job tree and with every transaction that is not a lease holder's; any other, with all (as
+        SQLite's).  See the module's docstring."""
         with self._transaction(exclusive=True) as conn:
             yield cast(Transaction, conn)
 
@@ -540,10 +583,18 @@ class PostgresStore:
         by its holder's write in progress is passed over (SKIP LOCKED): that holder is alive; a later claim
         looks again.
         """
-        rows = self._exec(
-            c, f"SELECT id, claimed_by, COALESCE(lease_until < {_NOW}, false) FROM jobs WHERE status='running' "
-               f"AND (? OR id=? OR lease_until < {_NOW}) FOR UPDATE SKIP LOCKED",
-            (job_id is None, job_id if job_id is not None and can_name_a_job(job_id) else 0)).fetchall()
+        select = (f"SELECT id, claimed_by, COALESCE(lease_until < {_NOW}, false) FROM jobs WHERE status='running' "
+                  f"AND (? OR id=? OR lease_until < {_NOW})")
+        # Looked at first without locking: locking every running row (FOR UPDATE) would hold up, until this
+        # claim commits, the writes and renewals of every job in progress.  Only the rows to take back are then
+        # locked, and looked at again, as their holder may have renewed or ended them meanwhile.
+        params = (job_id is None, job_id if job_id is not None and can_name_a_job(job_id) else 0)
+        todo = [int(jid) for jid, claimed_by, expired in self._exec(c, select, params).fetchall()
+                if expired or owner_is_gone(claimed_by)]
+        if not todo:
+            return
+        rows = self._exec(c, select + " AND id = ANY(?) ORDER BY id FOR UPDATE SKIP LOCKED",
+                          (*params, todo)).fetchall()
         for jid, claimed_by, expired in rows:
             if owner_is_gone(claimed_by):
                 reason = f"recovered: the process that ran it ({claimed_by}) is gone"
