@@ -271,7 +271,7 @@ def test_a_batch_on_workers_killed_and_frozen_matches_the_same_batch_on_sqlite(
         # the frozen worker's call is answered now, and it comes back: it must write nothing for its lost job
         server.release()
         w2.send_signal(signal.SIGCONT)
-        out2, err2 = w2.communicate(timeout=120)
+        _, err2 = w2.communicate(timeout=120)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -302,7 +302,7 @@ def test_a_batch_on_workers_killed_and_frozen_matches_the_same_batch_on_sqlite(
     assert sorted(ran) == every, outs  # w3 and w4 between them ran every job to its end, each once
     # -- events -----------------------------------------------------------------------------------------------------
     sq_roots = (str(sq.root),)
-    pg_roots = tuple(str(tmp_path / w / "ws") for w in ("w1", "w2", "w3", "w4")) + (str(pg.root),)
+    pg_roots = (*(str(tmp_path / w / "ws") for w in ("w1", "w2", "w3", "w4")), str(pg.root))
     for j in every:
         on_pg, on_sq = _events(pg, j, pg_roots), _events(sq, j, sq_roots)
         if j in (killed, frozen):
