@@ -324,3 +324,69 @@ def test_a_batch_on_workers_killed_and_frozen_matches_the_same_batch_on_sqlite(
         pd.testing.assert_frame_equal(on_pg_frames[name], frame, obj=f"frames.{name}()")
     pg.close()
     sq.close()
+
+
+# -- the bad inputs of the issue, against a real server, through the CLI ----------------------------------------
+
+def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTNB_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "agentnb.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def _refused(done: subprocess.CompletedProcess[str], *secrets: str) -> str:
+    """The one line a refused command printed (and nothing else), without any password."""
+    assert done.returncode not in (0, None), done
+    assert "Traceback" not in done.stderr and done.stdout == "", done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    for secret in secrets:
+        assert secret not in done.stderr, done.stderr
+    return lines[0]
+
+
+def _snapshot(url: str) -> list[Any]:
+    tables = [t for (t,) in _sql(url, "SELECT tablename FROM pg_tables WHERE schemaname='public' ORDER BY 1")]
+    return [(t, _sql(url, f"SELECT count(*) FROM {t}")) for t in tables] + \
+        [_sql(url, "SELECT version FROM agentnb_schema")] if "agentnb_schema" in tables else tables
+
+
+@needs_pg
+def test_bad_stores_through_the_cli_are_one_line_and_leave_the_server_as_it_was(
+        pg: Any, pg_url: str, tmp_path: Path) -> None:
+    ws = Workspace(tmp_path / "ws", store=pg_url)
+    ws.submit("kept", piece="single", model="demo")
+    ws.close()
+    before = _snapshot(pg_url)
+    db = pg_url.rsplit("/", 1)[1]
+    wrong = "not-the-Pa55word"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    port = _sql(pg_url, "SELECT current_setting('port')")[0][0]
+
+    line = _refused(_cli(cwd, "run", "x", "--detach", "--store", pg.url(db, password=wrong)), wrong, pg.password)
+    assert "refused the password" in line, line
+    line = _refused(_cli(cwd, "worker", "--store", pg.url(db, password=wrong)), wrong, pg.password)
+    assert "refused the password" in line, line
+    dead = f"postgresql://agentnb:pw-xyz@127.0.0.1:{int(port) + 1}/agentnb"
+    assert "cannot reach the PostgreSQL server" in _refused(_cli(cwd, "jobs", "--store", dead), "pw-xyz")
+    assert "'mysql'" in _refused(_cli(cwd, "run", "x", "--store", "mysql://u:pw-abc@h/db"), "pw-abc")
+    assert sorted(p.name for p in cwd.iterdir()) == []  # no workspace folder made for a store that failed
+
+    # store copy into a non-empty store (the server's own), from a SQLite workspace with a job
+    src = Workspace(tmp_path / "src")
+    src.submit("copied?", piece="single", model="demo")
+    src.close()
+    line = _refused(_cli(cwd, "store", "copy", str(tmp_path / "src"), pg_url), pg.password)
+    assert "not empty" in line or "non-empty" in line or "refus" in line, line
+    assert _snapshot(pg_url) == before
+
+    # a newer schema: refused by every kind of command, left at its version
+    _sql(pg_url, "UPDATE agentnb_schema SET version = 99")
+    newer = _snapshot(pg_url)
+    for args in (["jobs"], ["run", "x", "--detach"], ["worker"]):
+        line = _refused(_cli(cwd, *args, "--store", pg_url), pg.password)
+        assert "schema version 99" in line, line
+    assert _snapshot(pg_url) == newer
+    assert sorted(p.name for p in cwd.iterdir()) == []
