@@ -390,3 +390,40 @@ def test_bad_stores_through_the_cli_are_one_line_and_leave_the_server_as_it_was(
         assert "schema version 99" in line, line
     assert _snapshot(pg_url) == newer
     assert sorted(p.name for p in cwd.iterdir()) == []
+
+
+# -- an idle worker's LISTEN connection through a server restart --------------------------------------------------
+
+def _listening(url: str) -> int:
+    return int(_sql(url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                         "AND query = 'LISTEN agentnb_jobs'")[0][0])
+
+
+@needs_pg
+def test_an_idle_worker_listens_again_after_its_connections_are_cut(pg_url: str, tmp_path: Path,
+                                                                    server: OpenAIServer) -> None:
+    """Every connection of the database ended by the server (as a restart does): the worker, polling only once
+    an hour, is still woken by the NOTIFY of a job queued after it listened again, and runs it."""
+    ws = Workspace(tmp_path / "laptop", store=pg_url)
+    quick = write_piece(tmp_path, QUICK, name="quick.yaml")
+    proc = _worker(pg_url, tmp_path / "w", server, "--forever", "--poll", "3600")
+    try:
+        _wait("the worker to listen", lambda: _listening(pg_url) == 1, [proc])
+        first = ws.submit("before", piece=quick, model="demo")
+        _wait("the first job", lambda: ws.job(first).status == "succeeded", [proc])
+        cut = _sql(pg_url, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                           "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        assert cut[0][0] >= 1
+        _wait("the worker to listen again", lambda: _listening(pg_url) == 1, [proc])
+        second = ws.submit("after", piece=quick, model="demo")
+        _wait("the second job", lambda: ws.job(second).status == "succeeded", [proc])
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err, err
+    assert re.search(rf"^ran 2 job\(s\): {first.id} {second.id}$", out, re.M), out
+    ws.close()
