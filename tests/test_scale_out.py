@@ -427,3 +427,43 @@ def test_an_idle_worker_listens_again_after_its_connections_are_cut(pg_url: str,
     assert "Traceback" not in err, err
     assert re.search(rf"^ran 2 job\(s\): {first.id} {second.id}$", out, re.M), out
     ws.close()
+
+
+# -- a batch made in a notebook, run by workers, scored back in the notebook --------------------------------------
+
+@needs_pg
+def test_a_batch_queued_on_postgresql_and_run_by_workers_reads_as_on_sqlite(
+        pg_url: str, tmp_path: Path, server: OpenAIServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTNB_STORE", raising=False)
+    quick = write_piece(tmp_path, QUICK, name="quick.yaml")
+    model = write_script(tmp_path, {"responses": [
+        call("Read", path="input/case.md"),
+        call("Write", path="output/report.md", content="# Report\n"),
+        transition("COMPLETE", "reported"),
+    ]}, name="files.yaml")
+    cases = [{"instruction": f"Case {n}", "inputs": {"case.md": f"case {n}"}, "expected": n} for n in range(4)]
+
+    def scored(ws: Workspace) -> pd.DataFrame:
+        b = ws.batch("exp").score({"wrote": lambda job: bool(ws.files(job, under="output")["path"].tolist())})
+        frame = b.frame.drop(columns=[c for c in b.frame.columns if c in _VOLATILE | {"job"}])
+        return frame.map(lambda v: _norm(v, ()))
+
+    sq = Workspace(tmp_path / "sq")
+    sq.batch(cases, piece=["single", str(quick)], model=[model, "demo"], name="exp", concurrency=1, progress=False)
+    on_sq = scored(sq)
+
+    pg = Workspace(tmp_path / "laptop", store=pg_url)
+    b = pg.batch(cases, piece=["single", str(quick)], model=[model, "demo"], name="exp", run=False, progress=False)
+    assert b.counts()["queued"] == 16, b.counts()
+    procs = [_worker(pg_url, tmp_path / f"w{n}", server, "--concurrency", "2") for n in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and "Traceback" not in err, err
+    on_pg = scored(pg)
+    pd.testing.assert_frame_equal(on_pg, on_sq)
+    # the scripted variant on "single" wrote its report, in a worker's folder; the notebook scored it from the store
+    assert on_pg.loc[on_pg["variant"] == 0, "wrote"].tolist() == [True] * 4
+    for job in pg.batch("exp").jobs:
+        assert _files(pg, job.id) == _files(sq, job.id), job.id
+    pg.close()
+    sq.close()
