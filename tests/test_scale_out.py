@@ -467,3 +467,38 @@ def test_a_batch_queued_on_postgresql_and_run_by_workers_reads_as_on_sqlite(
         assert _files(pg, job.id) == _files(sq, job.id), job.id
     pg.close()
     sq.close()
+
+
+# -- a file written before a holder was killed mid-movement ------------------------------------------------------
+
+WRITE = reply(tool_calls=[("Write", {"path": "output/a.txt", "content": "written before the kill\n"})])
+
+
+@needs_pg
+def test_a_file_written_before_the_holder_died_mid_movement_is_in_the_job_s_files(
+        pg_url: str, tmp_path: Path, server: OpenAIServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The killed worker wrote output/a.txt, then was cut off in the same movement's next call: the resumed run
+    does not write it again (its tool_result is in the events and is not re-run), so the file must come from the
+    store, as on SQLite it stays in the one work directory."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    ws = Workspace(tmp_path / "laptop", store=pg_url)
+    job = ws.submit("Do the thing.", piece=write_piece(tmp_path, TWO_STEPS), model="openai:gpt-4o-mini")
+    server.play(WRITE, hold(SECOND), SECOND, DONE)
+    w1 = _worker(pg_url, tmp_path / "w1", server, AGENTNB_HOST="elsewhere-1")
+    try:
+        _wait("w1's held call", server.holding.is_set, [w1])
+        assert (tmp_path / "w1" / "ws" / "jobs" / str(job.id) / "output" / "a.txt").is_file()
+        w1.send_signal(signal.SIGKILL)
+        w1.wait()
+    finally:
+        if w1.poll() is None:
+            w1.kill()
+            w1.wait()
+    server.release()
+    w2 = _worker(pg_url, tmp_path / "w2", server, "--forever", "--poll", "0.2", "--max-jobs", "1")
+    _, err = w2.communicate(timeout=120)
+    assert w2.returncode == 0, err
+    assert ws.job(job).status == "succeeded", ws.job(job).error
+    assert [e.payload["status"] for e in ws.events(job, kinds=["job_status"])][:3] == ["queued", "running", "queued"]
+    assert list(ws.files(job, under="output")["path"]) == ["output/a.txt"]
+    ws.close()
