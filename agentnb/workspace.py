@@ -323,12 +323,20 @@ class Workspace:
         for parent in self.root.parents:
             if parent.exists() and not parent.is_dir():
                 raise StoreError(f"the workspace {self.root} cannot be made: {parent} is a file, not a folder")
+        # a server's store is opened before the folder is made: a server that cannot be reached, refuses the
+        # password or holds a newer schema leaves no empty workspace folder behind either
+        on_server = store is not None and store_scheme(store) in ("postgresql", "postgres")
+        if on_server:
+            self.store: Store = open_store(store, readonly=readonly)  # type: ignore[arg-type]
         if not readonly:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
+                if on_server:
+                    self.store.close()
                 raise StoreError(f"cannot make the workspace folder {self.root}: {exc.strerror or exc}") from None
-        self.store: Store = open_store(self.root / "agentnb.sqlite" if store is None else store, readonly=readonly)
+        if not on_server:
+            self.store = open_store(self.root / "agentnb.sqlite" if store is None else store, readonly=readonly)
         self.store.lease = self.lease
         self._runners: dict[int, tuple[JobRunner, tuple[Any, ...]]] = {}
         self._lock = threading.RLock()

@@ -245,8 +245,9 @@ def test_the_limit_at_a_movement_end_fails_the_job_and_writes_nothing_back(pg_ur
     assert "1 kB (1,004 bytes)" in job.error and "1 kB (1,000 bytes)" in job.error and "nothing was written back" in job.error
     errors = [e.payload for e in ws.events(job, kinds=["error"])]
     assert errors == [{"message": job.error, "where": "files"}]
-    # only the inputs of the submit: nothing of the movement, no part of it
-    assert list(ws.files(job)["path"]) == ["input/in.txt"]
+    # the inputs of the submit, and what the first Write (within the limit) left, stored with its tool result;
+    # nothing of the Write that went over
+    assert list(ws.files(job)["path"]) == ["input/in.txt", "output/small.txt"]
 
 
 def test_limit_values() -> None:

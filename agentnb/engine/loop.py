@@ -76,12 +76,15 @@ class Recorder:
     Each event is stamped (``ts``) by whoever builds it, when it happens, not when it is written.
     """
 
-    __slots__ = ("job_id", "pending", "store", "strict")
+    __slots__ = ("job_id", "pending", "store", "strict", "write_back")
 
     def __init__(self, store: Store, job_id: int) -> None:
         self.store = store
         self.job_id = job_id
         self.pending: list[Event] = []
+        # where the store keeps a job's files: what the work directory changed since the store last had it
+        # (engine/jobfiles.WriteBack), written with the tool results that changed it
+        self.write_back: Callable[[], Any] | None = None
         # the test suite checks every field's type where the event is made, so a failure names the writer
         self.strict = strict_events()
 
@@ -91,9 +94,20 @@ class Recorder:
         self.pending.append(event)
 
     def flush(self, c: Any = None) -> None:
-        if self.pending:
-            rows, self.pending = self.pending, []
-            self.store.append(rows, c)
+        if not self.pending:
+            return
+        if c is None and self.write_back is not None and any(isinstance(e, ToolResult) for e in self.pending):
+            # planned before the events leave ``pending``: a work directory over the files limit raises
+            # here (FilesOverLimit) with nothing lost
+            files = self.write_back()
+            if files is not None and not files.empty:
+                with self.store.transaction() as tx:
+                    rows, self.pending = self.pending, []
+                    self.store.append(rows, tx)
+                    files.apply(self.store, tx, self.job_id)
+                return
+        rows, self.pending = self.pending, []
+        self.store.append(rows, c)
 
 
 @dataclass

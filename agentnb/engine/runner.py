@@ -54,6 +54,10 @@ class JobRunner:
         self.files_limit = files_limit
         self.logs_dir = jobs_root / str(self.job_id) / "logs"
         self.rec = Recorder(store, self.job_id)
+        if store.keeps_files:
+            # a tool's result and the files it changed are stored together: a movement resumed on another
+            # worker does not run a recorded tool again, so its effect on the files must be in the store
+            self.rec.write_back = self._files
         self.subtasks = Subtasks(store, job_id=self.job_id, piece=self.piece, model_spec=self.model_spec,
                                  workdir=self.workdir, logs_dir=self.logs_dir)
         self.loop: AgentLoop | None = None
@@ -144,6 +148,8 @@ class JobRunner:
             return self._fail(str(exc), where="replay")
         except ModelError as exc:
             return self._fail(str(exc), where="model")
+        except FilesOverLimit as exc:  # a tool grew the work directory past the limit (Recorder.flush)
+            return self._fail(str(exc), where="files", write_files=False)
         except Exception as exc:  # an engine bug must not lose the events or leave the job running
             return self._fail(f"{type(exc).__name__}: {exc}", where="engine")
 
