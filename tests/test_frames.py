@@ -249,6 +249,7 @@ def test_lessons_come_from_the_jsonl_and_match_the_lesson_events(store: tuple[Wo
     assert sorted(set(every["job"])) == sorted(j.id for j in jobs.values() if ws.events(j, kinds=["lesson"]))
 
 
+@pytest.mark.sqlite_only("writes logs/lessons.jsonl on disk; on PostgreSQL the lessons file lives in the store (test_files_store covers it)")
 def test_lessons_read_the_file_not_the_events(tmp_path: Path) -> None:
     ws = Workspace(tmp_path / "ws")
     job = ws.submit("x", piece="single", model="demo")

@@ -101,6 +101,7 @@ ESCAPES = [
 ]
 
 
+@pytest.mark.sqlite_only("puts links and files into the job's work directory on disk, or uses workdir=; on PostgreSQL the work directory is materialised from the store (test_files_store covers links there)")
 def test_every_escape_is_a_clear_tool_error(ws: Workspace, tmp_path: Path, outside: Path) -> None:
     _job, results = _run_calls(ws, tmp_path, [(t, a) for t, a, _ in ESCAPES], setup=_links(outside))
     for (tool, args, expected), res in zip(ESCAPES, results, strict=False):
@@ -116,6 +117,7 @@ def test_every_escape_is_a_clear_tool_error(ws: Workspace, tmp_path: Path, outsi
     assert SECRET.encode() not in _stored(ws)
 
 
+@pytest.mark.sqlite_only("puts links and files into the job's work directory on disk, or uses workdir=; on PostgreSQL the work directory is materialised from the store (test_files_store covers links there)")
 def test_searching_the_whole_workdir_skips_links_that_leave_it(ws: Workspace, tmp_path: Path, outside: Path) -> None:
     calls = [("Grep", {"pattern": "SECRET|inside"}), ("Glob", {"pattern": "**/*"}), ("Glob", {"pattern": "input/link_dir/*"}),
              ("Read", {"path": "output/inner_link"})]
@@ -129,6 +131,7 @@ def test_searching_the_whole_workdir_skips_links_that_leave_it(ws: Workspace, tm
     assert SECRET.encode() not in _stored(ws)
 
 
+@pytest.mark.sqlite_only("puts links and files into the job's work directory on disk, or uses workdir=; on PostgreSQL the work directory is materialised from the store (test_files_store covers links there)")
 def test_workdir_jobs_are_confined_to_that_directory(ws: Workspace, tmp_path: Path, outside: Path) -> None:
     project = tmp_path / "project"
     project.mkdir()
@@ -158,6 +161,7 @@ def test_input_names_that_escape_are_refused_at_submit(ws: Workspace, name: str)
     assert ws.jobs() == []
 
 
+@pytest.mark.sqlite_only("puts links and files into the job's work directory on disk, or uses workdir=; on PostgreSQL the work directory is materialised from the store (test_files_store covers links there)")
 def test_input_through_a_symlink_of_a_workdir_is_refused_at_submit(ws: Workspace, tmp_path: Path, outside: Path) -> None:
     project = tmp_path / "project"
     (project / "input").mkdir(parents=True)
@@ -213,6 +217,7 @@ ODD = [
 ]
 
 
+@pytest.mark.sqlite_only("puts links and files into the job's work directory on disk, or uses workdir=; on PostgreSQL the work directory is materialised from the store (test_files_store covers links there)")
 def test_backslashes_loops_and_a_linked_input_folder_are_clear_errors(
     ws: Workspace, tmp_path: Path, outside: Path
 ) -> None:
@@ -236,6 +241,7 @@ def test_backslashes_loops_and_a_linked_input_folder_are_clear_errors(
     assert SECRET.encode() not in _stored(ws)
 
 
+@pytest.mark.sqlite_only("puts links and files into the job's work directory on disk, or uses workdir=; on PostgreSQL the work directory is materialised from the store (test_files_store covers links there)")
 def test_links_left_in_logs_never_make_the_engine_write_or_read_outside(
     ws: Workspace, tmp_path: Path, outside: Path
 ) -> None:

@@ -364,6 +364,7 @@ def test_a_piece_written_by_the_job_and_named_by_path_is_refused_and_nothing_run
     assert len(ws.jobs()) == 1
 
 
+@pytest.mark.sqlite_only("submit(workdir=) is refused on PostgreSQL (files live in the store)")
 def test_a_listed_piece_inside_the_work_directory_is_refused(
     ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -472,6 +473,7 @@ def test_fan_out_hands_out_single_within_its_rights_and_the_children_keep_the_ca
                                           "permission": "edit"}
 
 
+@pytest.mark.sqlite_only("seeds a child's work directory on disk; on PostgreSQL a claim materialises it from the store")
 def test_the_childs_loop_refuses_tools_beyond_the_cap_even_if_its_row_names_a_bigger_piece(
     ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

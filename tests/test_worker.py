@@ -134,6 +134,7 @@ def test_worker_runs_every_queued_job(ws: Workspace, tmp_path: Path) -> None:
     assert ws.worker().run() == 0  # nothing left
 
 
+@pytest.mark.sqlite_only("submit(workdir=) is refused on PostgreSQL (files live in the store)")
 def test_the_listing_leaves_out_what_leads_outside_the_work_directory(ws: Workspace, tmp_path: Path) -> None:
     import os
 
