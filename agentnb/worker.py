@@ -50,9 +50,11 @@ class Worker(Generic[JobT]):
             row = self.ws.store.claim()
             if row is None:
                 return None
-            job = self.ws._run_claimed(row, unit="job")
-            self.ran.append(int(row["id"]))
-            return job
+            try:
+                return self.ws._run_claimed(row, unit="job")
+            finally:
+                # listed even when a SIGTERM lands between the job's last commit and here (as run_queue does)
+                self.ran.append(int(row["id"]))
 
     def run(self, *, forever: bool = False, poll: float | None = None, max_jobs: int | None = None,
             concurrency: int = 1, grace: float = GRACE) -> int:
