@@ -45,3 +45,33 @@ def user_prompts(ws: Workspace, job: Any, movement: str | None = None) -> list[s
 
 def requests(ws: Workspace, job: Any) -> list[Any]:
     return ws.events(job, kinds=["llm_request"])
+
+
+# Pieces the worker, lease and scale-out tests share, as YAML text.
+# two movements: first (Read, Write) goes on to second (Read), which completes
+TWO_STEPS = """
+name: two-steps
+movements:
+  - name: first
+    instruction: Look around.
+    tools: [Read, Write]
+    permission: edit
+    rules:
+      - {condition: seen, next: second}
+  - name: second
+    instruction: Finish.
+    tools: [Read]
+    rules:
+      - {condition: done, next: COMPLETE}
+"""
+
+# one movement, one rule: the demo model finishes a job in two quick calls
+QUICK = """\
+name: quick
+movements:
+  - name: work
+    instruction: Do the task.
+    tools: []
+    rules:
+      - {condition: done, next: COMPLETE}
+"""

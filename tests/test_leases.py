@@ -17,6 +17,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
+from _scripting import TWO_STEPS
 from engine_helpers import call, transition, write_piece, write_script
 from openai_server import OpenAIServer, hold, reply
 
@@ -29,21 +30,6 @@ from agentnb.store.base import DEFAULT_LEASE, LEASE_EXPIRED, LeaseLost
 ROOT = Path(__file__).resolve().parent.parent
 needs_pg = pytest.mark.needs("postgres", "psycopg")
 
-TWO_STEPS = """
-name: two-steps
-movements:
-  - name: first
-    instruction: Look around.
-    tools: [Read, Write]
-    permission: edit
-    rules:
-      - {condition: seen, next: second}
-  - name: second
-    instruction: Finish.
-    tools: [Read]
-    rules:
-      - {condition: done, next: COMPLETE}
-"""
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=needs_pg)])

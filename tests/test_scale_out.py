@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
+from _scripting import QUICK, TWO_STEPS
 from engine_helpers import call, transition, write_piece, write_script
 from openai_server import OpenAIServer, hold, reply
 
@@ -26,32 +27,7 @@ from agentnb.store.base import LEASE_EXPIRED
 ROOT = Path(__file__).resolve().parent.parent
 needs_pg = pytest.mark.needs("postgres", "psycopg")
 
-TWO_STEPS = """
-name: two-steps
-movements:
-  - name: first
-    instruction: Look around.
-    tools: [Read, Write]
-    permission: edit
-    rules:
-      - {condition: seen, next: second}
-  - name: second
-    instruction: Finish.
-    tools: [Read]
-    rules:
-      - {condition: done, next: COMPLETE}
-"""
 
-# one movement, one rule: the demo model finishes a job in two quick calls
-QUICK = """
-name: quick
-movements:
-  - name: work
-    instruction: Do the task.
-    tools: []
-    rules:
-      - {condition: done, next: COMPLETE}
-"""
 
 SECOND = reply(tool_calls=[("transition", {"next_step": "second", "summary": "looked"})])
 DONE = reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "finished"})])

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _scripting import transition, write_script
+from _scripting import QUICK, transition, write_script
 from openai_server import OpenAIServer, hold, reply
 
 from agentnb import Workspace
@@ -28,16 +28,6 @@ from agentnb.views.status import STOP_REASON
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# one movement, one rule: the demo model finishes a job in two quick calls
-QUICK = """\
-name: quick
-movements:
-  - name: work
-    instruction: Do the task.
-    tools: []
-    rules:
-      - {condition: done, next: COMPLETE}
-"""
 
 PG = pytest.mark.needs("postgres", "psycopg")
 _CLAIMED_BY = re.compile(r"^claimed by [^:]*:(\d+):")
