@@ -17,6 +17,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
+from _freeze import freeze
 from _scripting import TWO_STEPS
 from engine_helpers import call, transition, write_piece, write_script
 from openai_server import OpenAIServer, hold, reply
@@ -288,51 +289,6 @@ def _wait(what: str, done: Any, procs: list[subprocess.Popen[str]], limit: float
         time.sleep(0.02)
 
 
-def _holds_a_lock(store_url: str, job_id: int) -> bool:
-    """Whether a write of the store's (SQLite: any; PostgreSQL: the job's row) is held by someone else now."""
-    if store_url.startswith("sqlite:"):
-        import sqlite3
-
-        conn = sqlite3.connect(store_url.removeprefix("sqlite://"), timeout=0.05, isolation_level=None)
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            conn.execute("ROLLBACK")
-            return False
-        except sqlite3.OperationalError:
-            return True
-        finally:
-            conn.close()
-    import psycopg
-
-    with psycopg.connect(store_url) as pconn:
-        try:
-            pconn.execute("SELECT 1 FROM jobs WHERE id=%s FOR UPDATE NOWAIT", (job_id,))
-            return False
-        except psycopg.errors.LockNotAvailable:
-            return True
-        finally:
-            pconn.rollback()
-
-
-def _state(pid: int) -> str:
-    stat = Path(f"/proc/{pid}/stat").read_bytes()
-    return stat[stat.rfind(b")") + 2:].split()[0].decode()
-
-
-def _freeze(proc: subprocess.Popen[str], store_url: str, job_id: int) -> None:
-    """SIGSTOP ``proc`` at a moment it holds no lock in the store (its renewer writes every lease/3): a process
-    frozen inside a write transaction would hold up every other worker, which is not what this test is about."""
-    for _ in range(100):
-        proc.send_signal(signal.SIGSTOP)
-        while _state(proc.pid) != "T":  # the signal is delivered asynchronously
-            time.sleep(0.005)
-        if not _holds_a_lock(store_url, job_id):
-            return
-        proc.send_signal(signal.SIGCONT)
-        time.sleep(0.01)
-    raise AssertionError("the worker always held a lock in the store")
-
-
 def _finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
     try:
         return proc.communicate(timeout=120)
@@ -402,7 +358,7 @@ def test_a_frozen_worker_past_its_lease_writes_nothing_more(
     second: subprocess.Popen[str] | None = None
     try:
         _wait("the second call", server.holding.is_set, [first])
-        _freeze(first, store_url, job_id)
+        freeze(first, store_url, job_id)
         # it is alive (stopped, not gone): only the lease running out lets the second worker take the job
         second = _worker(store_url, tmp_path / "w2", server, "--forever", "--poll", "0.1", "--max-jobs", "1")
         _, err2 = _finish(second)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
+from _freeze import freeze
 from _scripting import QUICK, TWO_STEPS
 from engine_helpers import call, transition, write_piece, write_script
 from openai_server import OpenAIServer, hold, reply
@@ -79,38 +80,6 @@ def _sql(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ..
     with psycopg.connect(url, autocommit=True) as conn:
         cur = conn.execute(sql, params)
         return cur.fetchall() if cur.description else []
-
-
-def _unlocked(url: str, job_id: int) -> bool:
-    import psycopg
-
-    with psycopg.connect(url) as conn:
-        try:
-            conn.execute("SELECT 1 FROM jobs WHERE id=%s FOR UPDATE NOWAIT", (job_id,))
-            return True
-        except psycopg.errors.LockNotAvailable:
-            return False
-        finally:
-            conn.rollback()
-
-
-def _state(pid: int) -> str:
-    stat = Path(f"/proc/{pid}/stat").read_bytes()
-    return stat[stat.rfind(b")") + 2:].split()[0].decode()
-
-
-def _freeze(proc: subprocess.Popen[str], url: str, job_id: int) -> None:
-    """SIGSTOP ``proc`` at a moment it holds no row lock of the job (a process frozen inside a transaction would
-    hold up the others, which is not what is tested here)."""
-    for _ in range(100):
-        proc.send_signal(signal.SIGSTOP)
-        while _state(proc.pid) != "T":
-            time.sleep(0.005)
-        if _unlocked(url, job_id):
-            return
-        proc.send_signal(signal.SIGCONT)
-        time.sleep(0.01)
-    raise AssertionError("the worker always held the job's row")
 
 
 def _submit_batch(ws: Workspace, tmp_path: Path) -> dict[str, list[int]]:
@@ -229,7 +198,7 @@ def test_a_batch_on_workers_killed_and_frozen_matches_the_same_batch_on_sqlite(
         procs.append(w2)
         _wait("w2's held call", server.holding.is_set, [w2])
         assert pg.store.job(frozen)["claimed_by"].split(":")[1] == str(w2.pid)
-        _freeze(w2, pg_url, frozen)
+        freeze(w2, pg_url, frozen)
         # both leases run out (on the server's clock); then the other workers take everything
         _wait("both leases to expire", lambda: _sql(
             pg_url, "SELECT count(*) FROM jobs WHERE status='running' AND lease_until < extract(epoch FROM now())"
