@@ -191,13 +191,15 @@ def test_a_batch_on_workers_killed_and_frozen_matches_the_same_batch_on_sqlite(
         procs.append(w1)
         _wait("w1's held call", server.holding.is_set, [w1])
         assert pg.store.job(killed)["claimed_by"].startswith("elsewhere-1:")
-        w1.send_signal(signal.SIGKILL)
-        w1.wait()
+        # w2 starts while w1 still renews its lease, so it takes the next job (not w1's, had its lease run out
+        # during a slow start); w1 is killed once w2's call is held too
         server.holding.clear()
         w2 = _worker(pg_url, tmp_path / "w2", server, "--concurrency", "1")
         procs.append(w2)
         _wait("w2's held call", server.holding.is_set, [w2])
         assert pg.store.job(frozen)["claimed_by"].split(":")[1] == str(w2.pid)
+        w1.send_signal(signal.SIGKILL)
+        w1.wait()
         freeze(w2, pg_url, frozen)
         # both leases run out (on the server's clock); then the other workers take everything
         _wait("both leases to expire", lambda: _sql(
