@@ -115,9 +115,17 @@ class OpenAIServer:
                     arrived = server.in_flight
                     server._count += 1
                     n = server._count
+                self._counted = True
                 try:
                     self._answer(body, n, arrived)
                 finally:
+                    self._leave()
+
+            def _leave(self) -> None:
+                # A request stops being in flight before its answer is written: once the client has the answer
+                # it may send its next request, which could otherwise arrive before this thread counts down
+                if getattr(self, "_counted", False):
+                    self._counted = False
                     with server._lock:
                         server.in_flight -= 1
 
@@ -164,6 +172,7 @@ class OpenAIServer:
 
             def _send_bytes(self, status: int, data: bytes, content_type: str,
                             headers: dict[str, str] | None = None) -> None:
+                self._leave()
                 try:
                     self.send_response(status)
                     for name, value in (headers or {}).items():
