@@ -6,6 +6,20 @@ of the process — and fences the running thread's writes: each write transactio
 lease generation is still the one claimed, and raises :class:`~agentnb.store.base.LeaseLost` otherwise.  A holder
 that stopped renewing (killed, frozen, cut off) loses the job to the next claim after the lease runs out, and,
 if it comes back, writes nothing more for it.
+
+Nor does it *do* anything more for it: the engine calls :meth:`Held.check` before every outside effect (each
+LLM call, each tool call, between the tool calls of one response), which raises ``LeaseLost`` — the same quiet
+stop as a refused write — once the lease is lost.  A lease is lost when the store refuses its renewal (another
+claimer moved the generation), or when a whole lease has gone by since the last renewal the store confirmed
+while the store did not answer (every attempt since failed, or the one under way has hung for a third of the
+lease): another host may have claimed the job by then.  That second rule is decided by the clock, by the
+renewer when a failed attempt returns and by :meth:`Held.check` itself, so a renewal stuck on an unreachable
+server (a partition, a locked SQLite file) cannot postpone it.  When the renewer was merely late (this process
+was frozen or starved, its last attempt succeeded), :meth:`Held.check` asks the store itself before deciding.
+
+On PostgreSQL the server enforces the other side (:mod:`agentnb.store.postgres`): a connection idle inside a
+transaction for a whole lease is ended by the server, which frees the job row and the write locks a frozen
+or cut-off holder would otherwise keep until TCP noticed; keepalives make a dead peer noticed within a lease.
 """
 
 from __future__ import annotations
@@ -20,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import StoreError, UsageError
-from .store.base import DEFAULT_LEASE, Store
+from .store.base import DEFAULT_LEASE, LeaseLost, Store
 
 __all__ = ["DEFAULT_LEASE", "Held", "check_lease", "holding", "lease_setting"]
 
@@ -49,7 +63,12 @@ def lease_setting(lease: float | str | None = None) -> float:
 
 @dataclass(eq=False)
 class Held:
-    """One lease this process holds: the job, the generation its claim got, and whether it was lost."""
+    """One lease this process holds: the job, the generation its claim got, and whether it was lost.
+
+    Times are ``time.monotonic()``: ``renewed`` is when the last renewal the store confirmed was *sent* (at
+    first, when the claim returned), so the lease runs at least until ``renewed + seconds``; ``trying`` is when
+    the renewal under way was sent (None: none is), ``failed`` whether the last one to return failed.
+    """
 
     store: Store
     job_id: int
@@ -57,6 +76,68 @@ class Held:
     seconds: float
     due: float = 0.0
     lost: threading.Event = field(default_factory=threading.Event)
+    renewed: float = field(default_factory=time.monotonic)
+    trying: float | None = None
+    failed: bool = False
+    why: str = ""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` when the lease is lost (see the module's docstring); the engine calls this
+        before each LLM call and each tool call."""
+        if not self.lost.is_set():
+            now = time.monotonic()
+            with self._lock:
+                late = now - self.renewed >= self.seconds
+                stuck = self.failed or (self.trying is not None and now - self.trying >= self.seconds / 3)
+            if late and stuck:
+                self._lose(f"not renewed for {now - self.renewed:.1f} s, longer than its {self.seconds:g} s lease, "
+                           "while the store did not answer: another worker may hold it now")
+            elif late:  # the renewer is late but the store answered it last time: ask the store now
+                self._confirm()
+        if self.lost.is_set():
+            raise LeaseLost(f"job {self.job_id}: lease lost ({self.why}); nothing more is done for it here")
+
+    def _confirm(self) -> None:
+        sent = time.monotonic()
+        try:
+            renewed = self.store.renew_lease(self.job_id, self.gen, self.seconds)
+        except LeaseLost:
+            renewed = False
+        except StoreError as exc:
+            self._lose(f"not renewed for {time.monotonic() - self.renewed:.1f} s, longer than its "
+                       f"{self.seconds:g} s lease, and the store did not answer ({exc})")
+            return
+        self.answered(sent, renewed)
+
+    def attempt(self, sent: float) -> None:
+        with self._lock:
+            self.trying = sent
+
+    def answered(self, sent: float, renewed: bool) -> None:
+        """The store answered the renewal sent at ``sent``: renewed, or refused (the lease is lost)."""
+        with self._lock:
+            self.trying, self.failed = None, False
+            if renewed:
+                self.renewed = max(self.renewed, sent)
+        if not renewed:
+            self._lose(f"its renewal of generation {self.gen} was refused: another worker claimed it")
+
+    def unanswered(self) -> None:
+        """A renewal failed (the store could not be reached): lost once a whole lease went by without one."""
+        now = time.monotonic()
+        with self._lock:
+            self.trying, self.failed = None, True
+            late = now - self.renewed >= self.seconds
+        if late:
+            self._lose(f"not renewed for {now - self.renewed:.1f} s, longer than its {self.seconds:g} s lease: "
+                       "the store could not be reached, and another worker may hold it now")
+
+    def _lose(self, why: str) -> None:
+        with self._lock:
+            if not self.lost.is_set():
+                self.why = why
+                self.lost.set()
 
 
 class _Renewer:
@@ -96,15 +177,24 @@ class _Renewer:
                 self._renew(h)
 
     def _renew(self, held: Held) -> None:
+        if held.lost.is_set():  # given up by Held.check: extending it would only delay its recovery elsewhere
+            self.remove(held)
+            return
+        sent = time.monotonic()
+        held.attempt(sent)
         try:
             renewed = held.store.renew_lease(held.job_id, held.gen, held.seconds)
         except StoreError:
-            return  # the server is unreachable for now: try again at the next third; the fence guards the rest
+            # the server is unreachable for now: try again at the next third, until a whole lease went by
+            held.unanswered()
+            if held.lost.is_set():
+                self.remove(held)
+            return
         except Exception:  # a closed store (the workspace was closed under a running job): stop renewing it
             self.remove(held)
             return
+        held.answered(sent, renewed)
         if not renewed:
-            held.lost.set()
             self.remove(held)
 
 

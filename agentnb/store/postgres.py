@@ -74,6 +74,7 @@ from .base import (
     TERMINAL_STATES,
     FrameQuery,
     FrameRows,
+    LeaseLost,
     StoredFile,
     Transaction,
     can_name_a_job,
@@ -84,6 +85,7 @@ from .base import (
 from .frames_sql import PG_FRAME_SQL
 from .pg_migrations import PG_MIGRATIONS, PG_SCHEMA_VERSION
 from .pg_notify import NOTIFY_SQL, PgJobWaiter
+from .pg_session import session_limits
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
 
 __all__ = ["BACKEND_ERRORS", "PG_SCHEMA_VERSION", "PostgresStore", "describe_pg_error", "display_url"]
@@ -169,6 +171,9 @@ def describe_pg_error(exc: BaseException, url: str) -> str:
                 "check the password in the URL (or PGPASSWORD, ~/.pgpass)")
     if "does not exist" in low and "database" in low:
         return f"{where}: {text}: create it first (createdb) or name an existing database"
+    if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout):
+        return (f"{where}: the server ended this process's transaction, idle for longer than the lease "
+                "(frozen or cut off?); nothing of it was written")
     if isinstance(exc, psycopg.OperationalError) and ("connect" in low or "timeout" in low or "refused" in low
                                                         or "could not translate host name" in low):
         server = f"{parts.hostname or 'localhost'}:{parts.port or 5432}"
@@ -198,19 +203,22 @@ class PostgresStore:
     """
 
     def __init__(self, url: str, *, readonly: bool = False, pool_size: int = 16,
-                 connect_timeout: float = 10.0) -> None:
+                 connect_timeout: float = 10.0, lease: float = DEFAULT_LEASE) -> None:
         self.url = url
         # what error messages name: the URL without its password
         self.path = display_url(url)
         self.readonly = readonly
         self._local = threading.local()
-        self.lease = DEFAULT_LEASE
+        self.lease = lease
         # the (job id, lease generation) this thread writes for, when it holds a lease (fenced())
         self._fence = threading.local()
         self._texts: dict[str, str] = {}
         self._texts_lock = threading.Lock()
         self._strict = strict_events()
-        kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": max(1, int(connect_timeout))}
+        # every connection's server-side idle-in-transaction limit and TCP keepalives follow the lease this
+        # store is opened with (pg_session.py says why and which values)
+        kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": max(1, int(connect_timeout)),
+                                  **session_limits(url, lease)}
         try:
             # one plain connection first: its errors are the server's own words (a pool would only time out)
             with psycopg.connect(url, **kwargs) as conn:
@@ -349,6 +357,12 @@ class PostgresStore:
             yield
         except (psycopg.OperationalError, PoolTimeout) as exc:
             raise StoreError(describe_pg_error(exc, self.url)) from None
+        except psycopg.errors.IdleInTransactionSessionTimeout as exc:
+            # the server ended a transaction left idle for a whole lease (pg_session.py): this process was frozen
+            # or cut off meanwhile, so a holder may have lost its job: it stops as when a fence refuses it
+            held = getattr(self._fence, "held", None)
+            message = describe_pg_error(exc, self.url)
+            raise (StoreError(message) if held is None else LeaseLost(f"job {held[0]}: {message}")) from None
 
     @contextmanager
     def transaction(self) -> Iterator[Transaction]:
