@@ -1,9 +1,10 @@
-"""Leases on running jobs (DESIGN §13): the setting, and the one thread per process that renews them.
+"""Leases on running jobs (DESIGN §13): the setting, the threads that renew them, and when one is lost.
 
 A claim leases its job for ``lease`` seconds (:meth:`Store.claim`).  While this process runs the job,
-:func:`holding` keeps the lease alive — renewed every third of its length by one daemon thread for all the jobs
-of the process — and fences the running thread's writes: each write transaction first checks that the job's
-lease generation is still the one claimed, and raises :class:`~agentnb.store.base.LeaseLost` otherwise.  A holder
+:func:`holding` keeps the lease alive — renewed every third of its length by one daemon thread per store for
+all the jobs the process holds there — and fences the running thread's writes: each write transaction first
+checks that the job's lease generation is still the one claimed, and raises
+:class:`~agentnb.store.base.LeaseLost` otherwise.  A holder
 that stopped renewing (killed, frozen, cut off) loses the job to the next claim after the lease runs out, and,
 if it comes back, writes nothing more for it.
 
@@ -17,7 +18,7 @@ renewer when a failed attempt returns and by :meth:`Held.check` itself, so a ren
 server (a partition, a locked SQLite file) cannot postpone it.  When the renewer was merely late (this process
 was frozen or starved, its last attempt succeeded), :meth:`Held.check` asks the store itself before deciding.
 
-On PostgreSQL the server enforces the other side (:mod:`agentnb.store.postgres`): a connection idle inside a
+On PostgreSQL the server enforces the other side (:mod:`agentnb.store.pg_session`): a connection idle inside a
 transaction for a whole lease is ended by the server, which frees the job row and the write locks a frozen
 or cut-off holder would otherwise keep until TCP noticed; keepalives make a dead peer noticed within a lease.
 """
@@ -104,9 +105,11 @@ class Held:
             renewed = self.store.renew_lease(self.job_id, self.gen, self.seconds)
         except LeaseLost:
             renewed = False
-        except StoreError as exc:
+        except Exception as exc:  # unreachable, or the backend's own error (a closed store)
+            # a StoreError's line names the store without its password; a backend's raw error only by its type
+            said = exc if isinstance(exc, StoreError) else type(exc).__name__
             self._lose(f"not renewed for {time.monotonic() - self.renewed:.1f} s, longer than its "
-                       f"{self.seconds:g} s lease, and the store did not answer ({exc})")
+                       f"{self.seconds:g} s lease, and the store did not answer ({said})")
             return
         self.answered(sent, renewed)
 
@@ -141,21 +144,25 @@ class Held:
 
 
 class _Renewer:
-    """One daemon thread renewing every lease of the process, each a third of its length after the last."""
+    """One daemon thread renewing every lease held on one store, each a third of its length after the last.
 
-    def __init__(self) -> None:
+    One per store, not per process: a renewal hung on one store (a partition, a locked file) holds up only
+    the leases on that store.  The thread ends once it has held nothing for a while, and the next lease on
+    the store starts another.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
         self._held: set[Held] = set()
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self.done = False
+        self.pid = os.getpid()
+        threading.Thread(target=self._run, name="agentnb-lease-renewer", daemon=True).start()
 
     def add(self, held: Held) -> None:
         with self._cond:
             held.due = time.monotonic() + held.seconds / 3
             self._held.add(held)
-            # a fork()ed child inherits the Thread object but not the thread
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="agentnb-lease-renewer", daemon=True)
-                self._thread.start()
             self._cond.notify()
 
     def remove(self, held: Held) -> None:
@@ -168,13 +175,30 @@ class _Renewer:
                 now = time.monotonic()
                 due = [h for h in self._held if h.due <= now]
                 if not due:
-                    wait = min((h.due for h in self._held), default=now + 60) - now
+                    if not self._held and not self._cond.wait(timeout=_IDLE) and self._retire():
+                        return
+                    wait = min((h.due for h in self._held), default=now + _IDLE) - now
                     self._cond.wait(timeout=max(wait, 0.01))
                     continue
                 for h in due:
                     h.due = now + h.seconds / 3
             for h in due:
                 self._renew(h)
+
+    def _retire(self) -> bool:
+        """End this thread if it still holds nothing (called with ``_cond`` held; takes ``_RENEWERS_LOCK``
+        without waiting, as :func:`_renewer` takes them in the other order)."""
+        if not _RENEWERS_LOCK.acquire(blocking=False):
+            return False
+        try:
+            if self._held:
+                return False
+            self.done = True
+            if _RENEWERS.get(id(self.store)) is self:
+                del _RENEWERS[id(self.store)]
+            return True
+        finally:
+            _RENEWERS_LOCK.release()
 
     def _renew(self, held: Held) -> None:
         if held.lost.is_set():  # given up by Held.check: extending it would only delay its recovery elsewhere
@@ -184,21 +208,33 @@ class _Renewer:
         held.attempt(sent)
         try:
             renewed = held.store.renew_lease(held.job_id, held.gen, held.seconds)
-        except StoreError:
-            # the server is unreachable for now: try again at the next third, until a whole lease went by
+        except Exception:
+            # the store did not answer (unreachable, locked past its busy timeout, closed under a running job):
+            # try again at the next third, until a whole lease went by without a renewal
             held.unanswered()
             if held.lost.is_set():
                 self.remove(held)
-            return
-        except Exception:  # a closed store (the workspace was closed under a running job): stop renewing it
-            self.remove(held)
             return
         held.answered(sent, renewed)
         if not renewed:
             self.remove(held)
 
 
-_RENEWER = _Renewer()
+# seconds a renewer with nothing to renew waits before its thread ends
+_IDLE = 5.0
+_RENEWERS: dict[int, _Renewer] = {}
+_RENEWERS_LOCK = threading.Lock()
+
+
+def _add(held: Held) -> _Renewer:
+    """Hand ``held`` to its store's renewer (started when there is none, or it is ending or was inherited
+    by a fork()ed child without its thread)."""
+    with _RENEWERS_LOCK:
+        renewer = _RENEWERS.get(id(held.store))
+        if renewer is None or renewer.store is not held.store or renewer.done or os.getpid() != renewer.pid:
+            renewer = _RENEWERS[id(held.store)] = _Renewer(held.store)
+        renewer.add(held)
+        return renewer
 
 
 @contextmanager
@@ -212,9 +248,9 @@ def holding(store: Store, row: Mapping[str, Any], seconds: float | None = None) 
         gen = cols["lease_gen"] if cols else 0
     held = Held(store=store, job_id=job_id, gen=int(gen or 0),
                 seconds=float(store.lease if seconds is None else seconds))
-    _RENEWER.add(held)
+    renewer = _add(held)
     try:
         with store.fenced(held.job_id, held.gen):
             yield held
     finally:
-        _RENEWER.remove(held)
+        renewer.remove(held)
