@@ -93,6 +93,9 @@ __all__ = ["BACKEND_ERRORS", "PG_SCHEMA_VERSION", "PostgresStore", "describe_pg_
 # what errors of this backend look like, for callers that word them instead of a traceback
 BACKEND_ERRORS: tuple[type[Exception], ...] = (psycopg.Error,)
 
+# rows per multi-row INSERT (_insert_rows): far below PostgreSQL's 65,535 parameters per statement
+_ROWS_PER_INSERT = 500
+
 # advisory lock keys (any bigint; these spell "agnbmigr" and "agnbwrit" so a DBA can tell them in pg_locks)
 _MIGRATE_LOCK = int.from_bytes(b"agnbmigr", "big") & (2**63 - 1)
 _WRITE_LOCK = int.from_bytes(b"agnbwrit", "big") & (2**63 - 1)
@@ -179,6 +182,18 @@ def describe_pg_error(exc: BaseException, url: str) -> str:
         server = f"{parts.hostname or 'localhost'}:{parts.port or 5432}"
         return f"cannot reach the PostgreSQL server at {server} ({where}): is it running and listening there?"
     return f"{where}: {text}"
+
+
+def _insert_rows(conn: psycopg.Connection[Any], head: str, rows: Sequence[tuple[Any, ...]], tail: str = "") -> None:
+    """``head`` followed by one ``(%s, …)`` per row (and ``tail``), a few hundred rows per statement.
+
+    Not ``executemany``: psycopg runs it in pipeline mode, which ends with a Flush after its Sync, and PostgreSQL
+    disarms ``idle_in_transaction_session_timeout`` on a Flush until the next query: a process frozen right
+    after an append would keep its locks for good (pg_session.py)."""
+    for at in range(0, len(rows), _ROWS_PER_INSERT):
+        chunk = rows[at:at + _ROWS_PER_INSERT]
+        values = ",".join(["(" + ",".join(["%s"] * len(chunk[0])) + ")"] * len(chunk))
+        conn.execute(head + values + tail, [v for row in chunk for v in row])
 
 
 class Row(dict[str, Any]):
@@ -694,10 +709,7 @@ class PostgresStore:
 
     @staticmethod
     def _insert(c: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:
-        if rows:
-            with c.cursor() as cur:
-                cur.executemany("INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) "
-                                "VALUES (%s,%s,%s,%s,%s,%s)", rows)
+        _insert_rows(c, "INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES ", rows)
 
     def _event_row(self, c: psycopg.Connection[Any] | None, ev: Event) -> tuple[Any, ...]:
         """The ``events`` row of ``ev``, built as SQLiteStore builds it (payload_dict → text references →
@@ -795,13 +807,10 @@ class PostgresStore:
         conn, now = self._tx(c), time.time()
         if removed:
             self._exec(conn, "DELETE FROM files WHERE job_id=? AND path = ANY(?)", (job_id, list(removed)))
-        if files:
-            with conn.cursor() as cur:
-                cur.executemany(_q(
-                    "INSERT INTO files (job_id, path, mode, size, sha256, data, updated) VALUES (?,?,?,?,?,?,?) "
-                    "ON CONFLICT (job_id, path) DO UPDATE SET mode=EXCLUDED.mode, size=EXCLUDED.size, "
-                    "sha256=EXCLUDED.sha256, data=EXCLUDED.data, updated=EXCLUDED.updated"),
-                    [(job_id, f.path, f.mode, f.size, f.sha256, f.data, now) for f in files])
+        _insert_rows(conn, "INSERT INTO files (job_id, path, mode, size, sha256, data, updated) VALUES ",
+                     [(job_id, f.path, f.mode, f.size, f.sha256, f.data, now) for f in files],
+                     " ON CONFLICT (job_id, path) DO UPDATE SET mode=EXCLUDED.mode, size=EXCLUDED.size, "
+                     "sha256=EXCLUDED.sha256, data=EXCLUDED.data, updated=EXCLUDED.updated")
 
     def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
         sql, aliases = PG_FRAME_SQL[frame]
