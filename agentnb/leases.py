@@ -174,11 +174,12 @@ class _Renewer:
             with self._cond:
                 now = time.monotonic()
                 due = [h for h in self._held if h.due <= now]
-                if not due:
-                    if not self._held and not self._cond.wait(timeout=_IDLE) and self._retire():
+                if not self._held:
+                    if not self._cond.wait(timeout=_IDLE) and self._retire():
                         return
-                    wait = min((h.due for h in self._held), default=now + _IDLE) - now
-                    self._cond.wait(timeout=max(wait, 0.01))
+                    continue
+                if not due:
+                    self._cond.wait(timeout=max(min(h.due for h in self._held) - now, 0.01))
                     continue
                 for h in due:
                     h.due = now + h.seconds / 3
