@@ -23,7 +23,6 @@ from _scripting import QUICK
 from engine_helpers import write_piece
 
 from agentnb import Workspace
-from agentnb.store.pg_session import session_limits
 
 pytestmark = pytest.mark.needs("postgres", "psycopg")
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,6 +154,8 @@ def test_a_holder_frozen_inside_its_transaction_loses_its_job_to_another_worker(
 
 
 def test_the_limits_follow_the_lease_and_leave_the_url_s_own_settings_alone() -> None:
+    from agentnb.store.pg_session import session_limits  # needs psycopg: imported by the test that is marked so
+
     got = session_limits("postgresql://u:pw@db.example:5432/agentnb", 30)
     assert got == {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 3, "keepalives_count": 3,
                    "tcp_user_timeout": 30000, "options": "-c idle_in_transaction_session_timeout=30000"}
