@@ -8,7 +8,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
@@ -327,7 +327,7 @@ class Workspace:
         # password or holds a newer schema leaves no empty workspace folder behind either
         on_server = store is not None and store_scheme(store) in ("postgresql", "postgres")
         if on_server:
-            self.store: Store = open_store(store, readonly=readonly)  # type: ignore[arg-type]
+            self.store: Store = open_store(store, readonly=readonly, lease=self.lease)  # type: ignore[arg-type]
         if not readonly:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -336,8 +336,8 @@ class Workspace:
                     self.store.close()
                 raise StoreError(f"cannot make the workspace folder {self.root}: {exc.strerror or exc}") from None
         if not on_server:
-            self.store = open_store(self.root / "agentnb.sqlite" if store is None else store, readonly=readonly)
-        self.store.lease = self.lease
+            self.store = open_store(self.root / "agentnb.sqlite" if store is None else store, readonly=readonly,
+                                    lease=self.lease)
         self._runners: dict[int, tuple[JobRunner, tuple[Any, ...]]] = {}
         self._lock = threading.RLock()
         self._stops: dict[int, threading.Event] = {}
@@ -575,19 +575,21 @@ class Workspace:
         """Run the job this process just claimed (``row``, from ``store.claim``), holding its lease meanwhile.
 
         A job whose lease was lost (this process was frozen or cut off past it, and another claimer took it
-        back) stops here: nothing more is written for it, it is not marked failed, and the caller goes on.
+        back, or may have: the store did not answer for a whole lease) stops here, at its first write or its next
+        LLM or tool call, whichever comes first: nothing more is run or written for it, it is not marked failed,
+        and the caller goes on.
         """
         job_id = int(row["id"])
         try:
-            with holding(self.store, row, self.lease):
-                return self._run_leased(row, unit)
+            with holding(self.store, row, self.lease) as held:
+                return self._run_leased(row, unit, held.check)
         except LeaseLost:
             with self._lock:
                 self._runners.pop(job_id, None)
             print(f"job {job_id}: lease lost to another worker; stopping", file=sys.stderr, flush=True)
             return self.job(job_id)
 
-    def _run_leased(self, row: dict[str, Any], unit: str) -> Job:
+    def _run_leased(self, row: dict[str, Any], unit: str, lease: Callable[[], None]) -> Job:
         job_id = int(row["id"])
         if self.store.keeps_files:  # it may have run elsewhere: its files as of its last movement end
             try:
@@ -604,7 +606,8 @@ class Workspace:
         self._activate(row, runner)
         try:
             # a movement can take many calls: Stop pauses it after the current one, as it does a run
-            status = runner.advance(unit, stop if unit != "call" else None)
+            # and the lease is checked before every LLM call and tool call (a lost one raises LeaseLost)
+            status = runner.advance(unit, stop if unit != "call" else None, lease)
         except LeaseLost:
             raise  # nothing may be written for the job any more: not even its return to the queue
         except BaseException:

@@ -76,7 +76,7 @@ class Recorder:
     Each event is stamped (``ts``) by whoever builds it, when it happens, not when it is written.
     """
 
-    __slots__ = ("job_id", "pending", "store", "strict", "write_back")
+    __slots__ = ("job_id", "lease", "pending", "store", "strict", "write_back")
 
     def __init__(self, store: Store, job_id: int) -> None:
         self.store = store
@@ -85,6 +85,9 @@ class Recorder:
         # where the store keeps a job's files: what the work directory changed since the store last had it
         # (engine/jobfiles.WriteBack), written with the tool results that changed it
         self.write_back: Callable[[], Any] | None = None
+        # while a process runs the job under its lease (JobRunner.advance): raises LeaseLost once that lease is
+        # lost (leases.Held.check), so that nothing more is done for the job here, not only nothing written
+        self.lease: Callable[[], None] | None = None
         # the test suite checks every field's type where the event is made, so a failure names the writer
         self.strict = strict_events()
 
@@ -92,6 +95,11 @@ class Recorder:
         if self.strict:
             check_event(event)
         self.pending.append(event)
+
+    def still_held(self) -> None:
+        """Before an outside effect (an LLM call, a tool call): :class:`LeaseLost` when the lease is lost."""
+        if self.lease is not None:
+            self.lease()
 
     def flush(self, c: Any = None) -> None:
         if not self.pending:
@@ -347,6 +355,7 @@ class AgentLoop:
             return self._complete_unfinished()
         if self._compaction is not None:
             return self._compaction_step()
+        self.rec.still_held()  # a holder that lost its lease asks the model nothing more
         mv = self.movement
         self.iteration += 1
         it = self.iteration
@@ -365,6 +374,7 @@ class AgentLoop:
         if self.reserve is not None:
             response, latency_s = self._reserved(it), None  # no model was asked: nothing to time
         else:
+            self.rec.still_held()  # again: the flush above may have waited long for the store
             response = self.model.complete(request)
             # a replayed response keeps its original's latency, so a replay's events are its original's
             latency_s = response.latency_s if response.latency_s is not None else round(time.perf_counter() - started, 6)
@@ -517,6 +527,7 @@ class AgentLoop:
         it = self.iteration
         self.side_calls += 1
         ask = {"role": "user", "content": text(self.language, "compact_request", pct=f"{ratio:.0%}")}
+        self.rec.still_held()
         self.rec.add(LLMRequest(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
                                 messages=len(self.messages) + 1, tools=[], purpose="compaction"))
         self.rec.flush()  # durable before the model call, with the results of the call that crossed
@@ -525,6 +536,7 @@ class AgentLoop:
             iteration=it, call_index=self.counters.call_index,
             movement_call_index=self.counters.by_movement.get(name, 0), purpose="compaction",
         )
+        self.rec.still_held()  # again, after the flush; outside the try below, which turns failures into records
         started = time.perf_counter()
         try:
             if self.reserve is not None:
@@ -687,12 +699,15 @@ class AgentLoop:
             chars_per_token=self.ctx.chars_per_token, job_id=self.rec.job_id, movement=self.movement.name,
             count_tokens=self.ctx.counter.count,
         )
+        # a holder that lost its lease runs no further tool, not even the next one of the same response
+        self.rec.still_held()
         if self._response_pending or not t.read_only:
             # Durable before any tool runs: the response (a restart completes it instead of asking the model
             # again) and, for a tool with effects, this tool_call (a restart knows it started and never runs
             # it a second time).  Read-only tools after the first need no commit of their own.
             self.rec.flush()
             self._response_pending = False
+            self.rec.still_held()  # again: the commit may have waited long for the store
         return t.invoke(tctx, arguments)
 
     def _transition(self, args: Any) -> tuple[ToolOutput, Outcome | None]:

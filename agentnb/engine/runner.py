@@ -14,6 +14,7 @@ import functools
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,12 +120,22 @@ class JobRunner:
         )
 
     # -- driving ---------------------------------------------------------------
-    def advance(self, unit: str = "job", stop: threading.Event | None = None) -> str:
+    def advance(self, unit: str = "job", stop: threading.Event | None = None,
+                lease: Callable[[], None] | None = None) -> str:
         """Run one ``call``, one ``movement`` or the whole ``job`` (until it ends or waits).
 
         The job must be claimed (``running``).  Returns the job's status afterwards;
-        a job with more to do is left ``running`` for the caller to release.
+        a job with more to do is left ``running`` for the caller to release.  ``lease``, the check of the lease
+        this process holds on the job (``leases.Held.check``), is called before every LLM call and tool call:
+        the :class:`LeaseLost` it raises stops the job here as a refused write does.
         """
+        self.rec.lease = lease
+        try:
+            return self._advance(unit, stop)
+        finally:
+            self.rec.lease = None
+
+    def _advance(self, unit: str, stop: threading.Event | None) -> str:
         try:
             while True:
                 if self.loop is None and not self._start_movement():

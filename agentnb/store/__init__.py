@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from ..errors import StoreError
-from .base import Store, Transaction
+from .base import DEFAULT_LEASE, Store, Transaction
 from .sqlite import BACKEND_ERRORS, SQLiteStore, describe_error
 from .texts import instruction_sql, payload_text_sql
 
@@ -47,8 +47,9 @@ def store_scheme(path_or_url: str | os.PathLike[str]) -> str | None:
     return found.group(1).lower() if found else None
 
 
-def open_store(path_or_url: str | os.PathLike[str], *, readonly: bool = False) -> Store:
-    """The store at ``path_or_url`` (``readonly=True`` only reads):
+def open_store(path_or_url: str | os.PathLike[str], *, readonly: bool = False, lease: float | None = None) -> Store:
+    """The store at ``path_or_url`` (``readonly=True`` only reads; ``lease``: the seconds its claims hold a job,
+    by default :data:`~agentnb.store.base.DEFAULT_LEASE`; on PostgreSQL its connections' limits follow it):
 
     * a path: the SQLite store in that file, or in ``agentnb.sqlite`` inside it when it is a folder;
     * ``sqlite:///ABS/PATH``: the same, for an absolute path (``sqlite:///tmp/ws/agentnb.sqlite``);
@@ -59,7 +60,7 @@ def open_store(path_or_url: str | os.PathLike[str], *, readonly: bool = False) -
     scheme = store_scheme(path_or_url)
     if scheme is None:
         path = Path(path_or_url)
-        return SQLiteStore(path / "agentnb.sqlite" if path.is_dir() else path, readonly=readonly)
+        return _leasing(SQLiteStore(path / "agentnb.sqlite" if path.is_dir() else path, readonly=readonly), lease)
     url = str(path_or_url)
     if scheme == "sqlite":
         rest = url[len(scheme) + 3:]
@@ -67,17 +68,23 @@ def open_store(path_or_url: str | os.PathLike[str], *, readonly: bool = False) -
             raise StoreError(f"the SQLite URL {url!r} needs an absolute path: sqlite:///abs/path/agentnb.sqlite "
                              "(three slashes, then the path)")
         path = Path(rest)
-        return SQLiteStore(path / "agentnb.sqlite" if path.is_dir() else path, readonly=readonly)
+        return _leasing(SQLiteStore(path / "agentnb.sqlite" if path.is_dir() else path, readonly=readonly), lease)
     if scheme in ("postgresql", "postgres"):
         try:
             from .postgres import PostgresStore
         except ImportError as exc:
             raise StoreError(f"a PostgreSQL store needs psycopg 3 and psycopg-pool ({exc}): "
                              "pip install 'agentnb[postgres]'") from None
-        return PostgresStore(url, readonly=readonly)
+        return PostgresStore(url, readonly=readonly, lease=DEFAULT_LEASE if lease is None else lease)
     shown = url.split("://", 1)[0]
     raise StoreError(f"unsupported store URL scheme {shown!r}: give a folder path, sqlite:///ABS/PATH or "
                      "postgresql://user@host:port/db")
+
+
+def _leasing(store: Store, lease: float | None) -> Store:
+    if lease is not None:
+        store.lease = lease
+    return store
 
 
 def copy_store(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, running: str = "refuse") -> dict[str, int]:

@@ -74,6 +74,7 @@ from .base import (
     TERMINAL_STATES,
     FrameQuery,
     FrameRows,
+    LeaseLost,
     StoredFile,
     Transaction,
     can_name_a_job,
@@ -84,12 +85,16 @@ from .base import (
 from .frames_sql import PG_FRAME_SQL
 from .pg_migrations import PG_MIGRATIONS, PG_SCHEMA_VERSION
 from .pg_notify import NOTIFY_SQL, PgJobWaiter
+from .pg_session import session_limits
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
 
 __all__ = ["BACKEND_ERRORS", "PG_SCHEMA_VERSION", "PostgresStore", "describe_pg_error", "display_url"]
 
 # what errors of this backend look like, for callers that word them instead of a traceback
 BACKEND_ERRORS: tuple[type[Exception], ...] = (psycopg.Error,)
+
+# rows per multi-row INSERT (_insert_rows): far below PostgreSQL's 65,535 parameters per statement
+_ROWS_PER_INSERT = 500
 
 # advisory lock keys (any bigint; these spell "agnbmigr" and "agnbwrit" so a DBA can tell them in pg_locks)
 _MIGRATE_LOCK = int.from_bytes(b"agnbmigr", "big") & (2**63 - 1)
@@ -169,11 +174,26 @@ def describe_pg_error(exc: BaseException, url: str) -> str:
                 "check the password in the URL (or PGPASSWORD, ~/.pgpass)")
     if "does not exist" in low and "database" in low:
         return f"{where}: {text}: create it first (createdb) or name an existing database"
+    if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout):
+        return (f"{where}: the server ended this process's transaction, idle for longer than the lease "
+                "(frozen or cut off?); nothing of it was written")
     if isinstance(exc, psycopg.OperationalError) and ("connect" in low or "timeout" in low or "refused" in low
                                                         or "could not translate host name" in low):
         server = f"{parts.hostname or 'localhost'}:{parts.port or 5432}"
         return f"cannot reach the PostgreSQL server at {server} ({where}): is it running and listening there?"
     return f"{where}: {text}"
+
+
+def _insert_rows(conn: psycopg.Connection[Any], head: str, rows: Sequence[tuple[Any, ...]], tail: str = "") -> None:
+    """``head`` followed by one ``(%s, …)`` per row (and ``tail``), a few hundred rows per statement.
+
+    Not ``executemany``: psycopg runs it in pipeline mode, which ends with a Flush after its Sync, and PostgreSQL
+    disarms ``idle_in_transaction_session_timeout`` on a Flush until the next query: a process frozen right
+    after an append would keep its locks for good (pg_session.py)."""
+    for at in range(0, len(rows), _ROWS_PER_INSERT):
+        chunk = rows[at:at + _ROWS_PER_INSERT]
+        values = ",".join(["(" + ",".join(["%s"] * len(chunk[0])) + ")"] * len(chunk))
+        conn.execute(head + values + tail, [v for row in chunk for v in row])
 
 
 class Row(dict[str, Any]):
@@ -198,19 +218,22 @@ class PostgresStore:
     """
 
     def __init__(self, url: str, *, readonly: bool = False, pool_size: int = 16,
-                 connect_timeout: float = 10.0) -> None:
+                 connect_timeout: float = 10.0, lease: float = DEFAULT_LEASE) -> None:
         self.url = url
         # what error messages name: the URL without its password
         self.path = display_url(url)
         self.readonly = readonly
         self._local = threading.local()
-        self.lease = DEFAULT_LEASE
+        self.lease = lease
         # the (job id, lease generation) this thread writes for, when it holds a lease (fenced())
         self._fence = threading.local()
         self._texts: dict[str, str] = {}
         self._texts_lock = threading.Lock()
         self._strict = strict_events()
-        kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": max(1, int(connect_timeout))}
+        # every connection's server-side idle-in-transaction limit and TCP keepalives follow the lease this
+        # store is opened with (pg_session.py says why and which values)
+        kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": max(1, int(connect_timeout)),
+                                  **session_limits(url, lease)}
         try:
             # one plain connection first: its errors are the server's own words (a pool would only time out)
             with psycopg.connect(url, **kwargs) as conn:
@@ -349,6 +372,12 @@ class PostgresStore:
             yield
         except (psycopg.OperationalError, PoolTimeout) as exc:
             raise StoreError(describe_pg_error(exc, self.url)) from None
+        except psycopg.errors.IdleInTransactionSessionTimeout as exc:
+            # the server ended a transaction left idle for a whole lease (pg_session.py): this process was frozen
+            # or cut off meanwhile, so a holder may have lost its job: it stops as when a fence refuses it
+            held = getattr(self._fence, "held", None)
+            message = describe_pg_error(exc, self.url)
+            raise (StoreError(message) if held is None else LeaseLost(f"job {held[0]}: {message}")) from None
 
     @contextmanager
     def transaction(self) -> Iterator[Transaction]:
@@ -680,10 +709,7 @@ class PostgresStore:
 
     @staticmethod
     def _insert(c: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:
-        if rows:
-            with c.cursor() as cur:
-                cur.executemany("INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) "
-                                "VALUES (%s,%s,%s,%s,%s,%s)", rows)
+        _insert_rows(c, "INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES ", rows)
 
     def _event_row(self, c: psycopg.Connection[Any] | None, ev: Event) -> tuple[Any, ...]:
         """The ``events`` row of ``ev``, built as SQLiteStore builds it (payload_dict → text references →
@@ -781,13 +807,10 @@ class PostgresStore:
         conn, now = self._tx(c), time.time()
         if removed:
             self._exec(conn, "DELETE FROM files WHERE job_id=? AND path = ANY(?)", (job_id, list(removed)))
-        if files:
-            with conn.cursor() as cur:
-                cur.executemany(_q(
-                    "INSERT INTO files (job_id, path, mode, size, sha256, data, updated) VALUES (?,?,?,?,?,?,?) "
-                    "ON CONFLICT (job_id, path) DO UPDATE SET mode=EXCLUDED.mode, size=EXCLUDED.size, "
-                    "sha256=EXCLUDED.sha256, data=EXCLUDED.data, updated=EXCLUDED.updated"),
-                    [(job_id, f.path, f.mode, f.size, f.sha256, f.data, now) for f in files])
+        _insert_rows(conn, "INSERT INTO files (job_id, path, mode, size, sha256, data, updated) VALUES ",
+                     [(job_id, f.path, f.mode, f.size, f.sha256, f.data, now) for f in files],
+                     " ON CONFLICT (job_id, path) DO UPDATE SET mode=EXCLUDED.mode, size=EXCLUDED.size, "
+                     "sha256=EXCLUDED.sha256, data=EXCLUDED.data, updated=EXCLUDED.updated")
 
     def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
         sql, aliases = PG_FRAME_SQL[frame]
