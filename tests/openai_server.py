@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["AsObject", "OpenAIServer", "error", "hold", "raw", "reply", "stall"]
+__all__ = ["AsObject", "OpenAIServer", "error", "hold", "openai_env", "raw", "reply", "stall"]
 
 
 class AsObject(dict):
@@ -230,3 +230,16 @@ class OpenAIServer:
         self._closing.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def openai_env(server: OpenAIServer, api_key: str = "sk-test", *, backoff: str | None = "0.01",
+               timeout: str | None = None, retries: str | None = None) -> dict[str, str]:
+    """The environment that points ``openai:`` models at ``server``: its URL, an API key (never a real one), and
+    the client's settings a test chooses (``backoff`` short by default, so a retried call does not wait; a
+    ``timeout``/``retries`` of None leaves the client's own).  For a subprocess's env, or the ``loopback``
+    fixture (conftest), which sets it in this process for the test."""
+    env = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": api_key}
+    for name, value in (("BACKOFF", backoff), ("TIMEOUT", timeout), ("RETRIES", retries)):
+        if value is not None:
+            env[f"AGENTNB_OPENAI_{name}"] = value
+    return env

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +52,8 @@ def crash_tool():
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch):
-    with OpenAIServer() as srv:
-        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", KEY)
-        monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
-        monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "5")
-        monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "3")
-        yield srv
+def server(loopback: Callable[..., OpenAIServer]) -> OpenAIServer:
+    return loopback(KEY, timeout="5", retries="3")
 
 
 def _kinds(ws: Workspace, job) -> list[str]:
