@@ -98,6 +98,9 @@ def _check_events(ws: Workspace, job_id: int) -> list[LLMResponse]:
 
 
 def test_jobs_overlap_up_to_the_concurrency_and_every_event_is_kept(tmp_path: Path, server: OpenAIServer) -> None:
+    # the first calls wait at the server until 8 are in flight: on a loaded machine the 8 job threads could
+    # otherwise start too far apart to overlap (a batch limited to fewer would leave them waiting, and fail below)
+    server.gather = 8
     ws = Workspace(tmp_path / "ws")
     b = ws.batch(_cases(24), piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="wide",
                  concurrency=8, progress=False)
