@@ -224,12 +224,14 @@ def test_the_model_sees_tool_errors_and_reminders(ws: Workspace, tmp_path: Path,
 
 def test_retries_with_backoff_on_429_5xx_and_timeouts(ws: Workspace, tmp_path: Path, server: OpenAIServer,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "0.5")
+    # the timeout applies to every request: long enough that a loaded machine answers the others in time (a late
+    # answer would be retried and shift the script), the stall longer still
+    monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "2")
     monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "4")
     server.play(
         error(429, "slow down"), error(503, "overloaded"),
         reply(None, [("transition", {"next_step": "review", "summary": "done"})], usage=(10, 1)),
-        stall(5), error(500, "oops"),
+        stall(30), error(500, "oops"),
         reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})], usage=(20, 2)),
     )
     job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
