@@ -241,7 +241,7 @@ def _start_all_cells(page, lab: Lab, path: str, kernel: str) -> None:  # type: i
         try:
             page.wait_for_function(started, timeout=15_000)
             break
-        except Exception:  # kept from before the kernel was started ahead of the page: a missed first request
+        except Exception:  # a Run All the kernel missed only clears the prompts: ask again
             if attempt == 3:
                 raise
 
