@@ -3,9 +3,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -15,6 +15,7 @@ import pytest
 os.environ.setdefault("AGENTNB_STRICT_EVENTS", "1")
 
 from _postgres import PgServer, pg_server
+from openai_server import OpenAIServer, openai_env
 
 from agentnb import Workspace
 from agentnb.store import Store, open_store
@@ -152,6 +153,26 @@ def shell(tmp_path: Path) -> Iterator[InteractiveShell]:
     yield sh
     for name in [k for k in sh.user_ns if k.startswith("t_")]:
         del sh.user_ns[name]
+
+
+@pytest.fixture
+def loopback(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., OpenAIServer]]:
+    """Start tests/openai_server.py's loopback server and point this process's ``openai:`` models at it:
+    ``srv = loopback(api_key, timeout=…, retries=…, backoff=…, **OpenAIServer fields)`` sets ``openai_env``'s
+    variables for the test (the last server started wins) and closes every server it started after the test."""
+    started: list[OpenAIServer] = []
+
+    def start(api_key: str = "sk-test", *, backoff: str | None = "0.01", timeout: str | None = None,
+              retries: str | None = None, **server: Any) -> OpenAIServer:
+        srv = OpenAIServer(**server).__enter__()
+        started.append(srv)
+        for name, value in openai_env(srv, api_key, backoff=backoff, timeout=timeout, retries=retries).items():
+            monkeypatch.setenv(name, value)
+        return srv
+
+    yield start
+    for srv in reversed(started):
+        srv.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")

@@ -10,19 +10,20 @@ For many jobs at once (batches): ``latency`` delays every answer, ``responder(bo
 action when the list is empty (say, from the job's instruction), ``max_concurrent`` answers 429 with
 ``retry-after`` to a request that arrives while that many are already being answered, and the server
 counts the requests in flight (``in_flight``, ``max_in_flight``) and logs each one's status and the
-number in flight when it arrived (``log``).
+number in flight when it arrived (``log``); ``gather=N`` holds the first requests until N are in flight together.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["AsObject", "OpenAIServer", "error", "hold", "raw", "reply", "stall"]
+__all__ = ["AsObject", "OpenAIServer", "error", "hold", "openai_env", "raw", "reply", "stall"]
 
 
 class AsObject(dict):
@@ -91,12 +92,17 @@ class OpenAIServer:
     retry_after: str = "0.05"
     key: Callable[[dict[str, Any]], Any] | None = None
     log: list[Arrival] = field(default_factory=list)
+    # Hold the first requests until this many are in flight at once (for at most gather_timeout s), so a test of
+    # concurrency sees them together however slowly a loaded machine starts the client's threads
+    gather: int = 0
+    gather_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self.holding = threading.Event()  # a request is held by a ``hold()`` action
         self._released = threading.Event()
+        self._gathered = threading.Event()
         self._count = 0
         self.in_flight = 0
         self.max_in_flight = 0
@@ -117,9 +123,20 @@ class OpenAIServer:
                     n = server._count
                 self._counted = True
                 try:
+                    self._gather(arrived)
                     self._answer(body, n, arrived)
                 finally:
                     self._leave()
+
+            def _gather(self, arrived: int) -> None:
+                if not server.gather or server._gathered.is_set():
+                    return
+                if arrived >= server.gather:
+                    server._gathered.set()
+                    return
+                deadline = time.monotonic() + server.gather_timeout
+                while not (server._gathered.is_set() or server._closing.is_set()) and time.monotonic() < deadline:
+                    server._gathered.wait(0.05)
 
             def _leave(self) -> None:
                 # A request stops being in flight before its answer is written: once the client has the answer
@@ -230,3 +247,16 @@ class OpenAIServer:
         self._closing.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def openai_env(server: OpenAIServer, api_key: str = "sk-test", *, backoff: str | None = "0.01",
+               timeout: str | None = None, retries: str | None = None) -> dict[str, str]:
+    """The environment that points ``openai:`` models at ``server``: its URL, an API key (never a real one), and
+    the client's settings a test chooses (``backoff`` short by default, so a retried call does not wait; a
+    ``timeout``/``retries`` of None leaves the client's own).  For a subprocess's env, or the ``loopback``
+    fixture (conftest), which sets it in this process for the test."""
+    env = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": api_key}
+    for name, value in (("BACKOFF", backoff), ("TIMEOUT", timeout), ("RETRIES", retries)):
+        if value is not None:
+            env[f"AGENTNB_OPENAI_{name}"] = value
+    return env

@@ -9,6 +9,7 @@ import math
 import re
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -319,13 +320,8 @@ def test_a_jobs_subtasks_count_into_its_row(ws: Workspace, tmp_path: Path) -> No
 
 
 @pytest.fixture
-def priced_server(monkeypatch: pytest.MonkeyPatch) -> Any:
-    with OpenAIServer() as srv:
-        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test-batch")
-        monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
-        monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "2")
-        yield srv
+def priced_server(loopback: Callable[..., OpenAIServer]) -> OpenAIServer:
+    return loopback("sk-test-batch", retries="2")
 
 
 def _complete(prompt: int, completion: int) -> dict[str, Any]:

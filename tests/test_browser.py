@@ -13,6 +13,8 @@ on a developer machine, but fails when ``CI`` is set: CI must never pass by skip
 
 from __future__ import annotations
 
+import http.cookies
+import json
 import os
 import re
 import shutil
@@ -31,6 +33,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 NOTEBOOK = "notebooks/01-quickstart.ipynb"
+DESIGN_LAB = "notebooks/05-design-lab.ipynb"
 # every test here drives chromium (conftest: skipped without it off CI; .ci/run's pass on a machine without it
 # selects `-m needs`)
 pytestmark = pytest.mark.needs("chromium")
@@ -150,13 +153,49 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
             proc.wait()
 
 
+def _api(lab: Lab, method: str, path: str, body: dict[str, object] | None = None) -> object:
+    """A call of the lab's REST API (the server's XSRF check wants its cookie echoed in a header)."""
+    with urllib.request.urlopen(f"{lab.url}/lab", timeout=30) as resp:
+        jar: http.cookies.SimpleCookie = http.cookies.SimpleCookie()
+        for cookie in resp.headers.get_all("Set-Cookie") or []:
+            jar.load(cookie)
+    xsrf = jar["_xsrf"].value if "_xsrf" in jar else ""
+    req = urllib.request.Request(f"{lab.url}{path}", method=method,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "X-XSRFToken": xsrf,
+                                          "Cookie": f"_xsrf={xsrf}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def _session_kernel(lab: Lab, path: str) -> dict[str, object] | None:
+    """The kernel (id, execution_state, connections) of the lab's session of notebook ``path``, if any."""
+    sessions = _api(lab, "GET", "/api/sessions")
+    assert isinstance(sessions, list)
+    return next((s["kernel"] for s in sessions if s["path"] == path), None)
+
+
+def _open(page, lab: Lab, path: str, reset: bool = True) -> str:  # type: ignore[no-untyped-def]
+    """Open notebook ``path`` (relative to the lab's root) on a kernel the lab's REST API started for it before
+    the page loads, and return the kernel's id.
+
+    Left to the page, JupyterLab could start the notebook's kernel twice on a loaded machine: it shut the first
+    one down while it was still importing, and Run All Cells then went nowhere (the cells' prompts cleared, no
+    cell ran).  A session that exists when the notebook opens is joined instead: one kernel, no race."""
+    session = _api(lab, "POST", "/api/sessions", {"path": path, "type": "notebook", "name": Path(path).name,
+                                                  "kernel": {"name": "python3"}})
+    assert isinstance(session, dict)
+    page.goto(f"{lab.url}/lab/tree/{path}" + ("?reset" if reset else ""))
+    return str(session["kernel"]["id"])
+
+
 def _launch(pw):  # type: ignore[no-untyped-def]
     return pw.chromium.launch(executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS)
 
 
-def _run_all_cells(page) -> None:  # type: ignore[no-untyped-def]
+def _run_all_cells(page, lab: Lab, path: str, kernel: str) -> None:  # type: ignore[no-untyped-def]
     """Run > Run All Cells, then wait until the kernel has run every code cell."""
-    _start_all_cells(page)
+    _start_all_cells(page, lab, path, kernel)
     # every code cell's prompt shows a number once it ran ("[*]:" while queued or running)
     page.wait_for_function(
         """() => {
@@ -167,10 +206,19 @@ def _run_all_cells(page) -> None:  # type: ignore[no-untyped-def]
     )
 
 
-def _start_all_cells(page) -> None:  # type: ignore[no-untyped-def]
-    """Run > Run All Cells, and return once the kernel has started on them."""
+def _start_all_cells(page, lab: Lab, path: str, kernel: str) -> None:  # type: ignore[no-untyped-def]
+    """Run > Run All Cells, and return once the kernel (``kernel``, started by ``_open``) has started on them."""
     page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
-    # the notebook's kernel must be connected and idle, or Run All does nothing
+    # the page has joined the notebook's session: its kernel is still the one started for it, connected
+    deadline = time.monotonic() + LAB_START_TIMEOUT
+    while True:
+        now = _session_kernel(lab, path)
+        assert now is not None and now["id"] == kernel, f"the notebook's kernel changed: {now}\n{lab.log_tail()}"
+        if int(now["connections"]) >= 1:  # type: ignore[call-overload]
+            break
+        assert time.monotonic() < deadline, f"the page never connected to the notebook's kernel:\n{lab.log_tail()}"
+        time.sleep(0.25)
+    # and it shows the kernel connected and idle, or Run All does nothing
     page.wait_for_function(
         """() => {
             const el = document.querySelector('.jp-Notebook-ExecutionIndicator');
@@ -180,8 +228,7 @@ def _start_all_cells(page) -> None:  # type: ignore[no-untyped-def]
     )
     prompts_js = "[...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(p => p.textContent.trim())"
     before = page.evaluate(prompts_js)
-    # started: a cell is queued/running or got a new number (saved outputs keep old numbers, and a
-    # Run All sent too soon after the kernel started only clears the prompts)
+    # started: a cell is queued/running or got a new number (saved outputs keep old numbers)
     started = f"""() => {{
         const now = {prompts_js};
         const before = {before!r};
@@ -194,7 +241,7 @@ def _start_all_cells(page) -> None:  # type: ignore[no-untyped-def]
         try:
             page.wait_for_function(started, timeout=15_000)
             break
-        except Exception:  # a kernel that had just started can miss the first request
+        except Exception:  # a Run All the kernel missed only clears the prompts: ask again
             if attempt == 3:
                 raise
 
@@ -230,8 +277,8 @@ def test_quickstart_runs_in_jupyterlab(lab: Lab) -> None:
         browser = _launch(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{lab.url}/lab/tree/{NOTEBOOK}")
-            _run_all_cells(page)
+            kernel = _open(page, lab, NOTEBOOK, reset=False)
+            _run_all_cells(page, lab, NOTEBOOK, kernel)
             _assert_no_cell_raised(page)
 
             # the finished demo job renders one collapsible section per movement run
@@ -292,8 +339,9 @@ def test_design_lab_runs_in_jupyterlab(lab: Lab) -> None:
         browser = _launch(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{lab.url}/lab/tree/notebooks/05-design-lab.ipynb?reset")  # ?reset: only this notebook open (the lab is shared with the other tests)
-            _run_all_cells(page)
+            # ?reset: only this notebook open (the lab is shared with the other tests)
+            kernel = _open(page, lab, DESIGN_LAB)
+            _run_all_cells(page, lab, DESIGN_LAB, kernel)
             _assert_no_cell_raised(page)
             outputs = page.locator(".jp-OutputArea-output")
             expect(outputs.filter(has_text="<Batch 'review-or-not': 16/16 ended · 16 succeeded>")).to_have_count(1)
@@ -351,9 +399,9 @@ def test_reply_to_an_ask_from_the_panel_then_reopen_the_saved_notebook(lab: Lab)
         try:
             # ?reset: a clean JupyterLab layout, without the tabs an earlier test left open (the
             # helpers look for cells in the whole page)
-            page.goto(f"{lab.url}/lab/tree/{name}?reset")
+            kernel = _open(page, lab, name)
             expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
-            _run_all_cells(page)
+            _run_all_cells(page, lab, name, kernel)
             _assert_no_cell_raised(page)
 
             # the panel opened on the asking job: its question is in the view and Reply is enabled
@@ -461,9 +509,9 @@ def test_panel_stop_narrow_layout_and_restart(lab: Lab) -> None:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         shot = "panel-session-failed.png"
         try:
-            page.goto(f"{lab.url}/lab/tree/{name}?reset")
+            kernel = _open(page, lab, name)
             expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
-            _run_all_cells(page)
+            _run_all_cells(page, lab, name, kernel)
             _assert_no_cell_raised(page)
 
             panel = page.locator(".anb-panel")
@@ -598,10 +646,10 @@ def test_sections_opened_during_a_live_run_stay_open(lab: Lab) -> None:
         browser = _launch(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{lab.url}/lab/tree/{name}?reset")
+            kernel = _open(page, lab, name)
             expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
             # run everything without waiting: the user reads the slow job's view along while it goes on
-            _start_all_cells(page)
+            _start_all_cells(page, lab, name, kernel)
             view = page.locator(".jp-Notebook .jp-CodeCell").nth(3).locator(".anb-job")
             calls = view.locator(".anb-call")
             expect(calls).to_have_count(2, timeout=120_000)

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +42,9 @@ ASK = "Summarise the conversation so far"
 
 # -- the loopback endpoint ---------------------------------------------------------------------------------
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[OpenAIServer]:
-    with OpenAIServer() as srv:
-        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-compaction-test-0000")
-        monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "0")  # a scripted 500 fails the call at once
-        monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
-        monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "30")
-        yield srv
+def server(loopback: Callable[..., OpenAIServer]) -> OpenAIServer:
+    # retries 0: a scripted 500 fails the call at once
+    return loopback("sk-compaction-test-0000", retries="0", timeout="30")
 
 
 def globs(n: int, prompt: int, content: str | None = None) -> dict[str, Any]:

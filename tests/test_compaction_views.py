@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -257,18 +258,15 @@ def test_a_failed_compaction_is_a_warning_not_a_failure(ws: Workspace, tmp_path:
 
 
 def test_summarisation_call_that_raised_is_a_warning(ws: Workspace, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+                                                     loopback: Callable[..., OpenAIServer]) -> None:
     """openai: through the loopback server; the summarisation call gets an HTTP 400 (not retried)."""
-    with OpenAIServer() as srv:
-        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-        monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
-        srv.play(reply(None, [("Glob", {"pattern": "*"})], usage=(500, 10)),
-                 reply(None, [("Glob", {"pattern": "*"})], usage=(900, 10)),
-                 error(400, "no summaries today"),
-                 reply(None, [("transition", {"next_step": "COMPLETE", "summary": "done"})], usage=(920, 10)))
-        piece = write_piece(tmp_path, "long", {"context": _CONTEXT, "movements": [_WORK]})
-        job = ws.run(ws.submit("do it", piece=str(piece), model="openai:m"))
+    srv = loopback()
+    srv.play(reply(None, [("Glob", {"pattern": "*"})], usage=(500, 10)),
+             reply(None, [("Glob", {"pattern": "*"})], usage=(900, 10)),
+             error(400, "no summaries today"),
+             reply(None, [("transition", {"next_step": "COMPLETE", "summary": "done"})], usage=(920, 10)))
+    piece = write_piece(tmp_path, "long", {"context": _CONTEXT, "movements": [_WORK]})
+    job = ws.run(ws.submit("do it", piece=str(piece), model="openai:m"))
     assert job.status == "succeeded", job.error
     purposes = [e.payload.get("purpose") for e in ws.events(job, kinds=["llm_request"])]
     assert purposes == [None, None, "compaction", None]

@@ -11,7 +11,7 @@ import difflib
 import html
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -257,13 +257,8 @@ def test_runs_of_different_lengths_have_na_on_the_missing_side(ws: Workspace, tm
 # -- cost ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[OpenAIServer]:
-    with OpenAIServer() as srv:
-        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-compare-test-0000")
-        monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
-        monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "1")
-        yield srv
+def server(loopback: Callable[..., OpenAIServer]) -> OpenAIServer:
+    return loopback("sk-compare-test-0000", retries="1")
 
 
 def test_cost_is_priced_as_frames_usage_prices_calls(ws: Workspace, server: OpenAIServer) -> None:

@@ -14,7 +14,7 @@ import socket
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -40,14 +40,8 @@ USAGE = [(1200, 30), (1500, 20), (1800, 15)]
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[OpenAIServer]:
-    with OpenAIServer() as srv:
-        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", KEY)
-        monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
-        monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "5")
-        monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "1")
-        yield srv
+def server(loopback: Callable[..., OpenAIServer]) -> OpenAIServer:
+    return loopback(KEY, timeout="5", retries="1")
 
 
 def _openai_job(ws: Workspace, server: OpenAIServer, model: str, usage: list[tuple[int, int]] = USAGE) -> Any:

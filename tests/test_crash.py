@@ -18,14 +18,14 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
 from engine_helpers import write_piece
-from openai_server import OpenAIServer, reply, stall
+from openai_server import OpenAIServer, openai_env, reply, stall
 
 import agentnb
 from agentnb import Workspace
@@ -89,15 +89,13 @@ def tools() -> Iterator[None]:
 
 
 @pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with OpenAIServer() as srv:
-        yield srv
+def server(loopback: Callable[..., OpenAIServer]) -> OpenAIServer:
+    return loopback()
 
 
 def _env(server: OpenAIServer, slow: bool) -> dict[str, str]:
     src = str(Path(agentnb.__file__).resolve().parents[1])
-    return {**os.environ, "OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": "sk-test",
-            "AGENTNB_OPENAI_BACKOFF": "0.01", "CRASH_SLOW": "1" if slow else "0",
+    return {**os.environ, **openai_env(server), "CRASH_SLOW": "1" if slow else "0",
             "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
 
 
@@ -270,16 +268,9 @@ def stop_once() -> Iterator[dict[str, int]]:
     agentnb.tools.base.unregister("stop_once")
 
 
-def _openai_env(monkeypatch: pytest.MonkeyPatch, server: OpenAIServer) -> None:
-    monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-    monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
-
-
 def test_a_completed_response_keeps_its_tool_messages_together_and_images_after_them(
         ws: Workspace, tmp_path: Path, server: OpenAIServer, stop_once: dict[str, int],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    _openai_env(monkeypatch, server)
     piece = write_piece(tmp_path, PIECE.replace("slow_look]", "slow_look, ReadImage, stop_once]"))
     server.play(
         reply(None, [("ReadImage", {"path": "input/dot.png"}), ("stop_once", {}), ("Read", {"path": "input/a.txt"})]),
@@ -302,7 +293,6 @@ def test_a_completed_response_keeps_its_tool_messages_together_and_images_after_
 def test_a_completed_response_still_counts_against_max_iterations(ws: Workspace, tmp_path: Path,
                                                                   server: OpenAIServer, stop_once: dict[str, int],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    _openai_env(monkeypatch, server)
     piece = write_piece(tmp_path, PIECE.replace("slow_look]", "slow_look, stop_once]")
                         .replace("max_iterations: 10", "max_iterations: 1"))
     server.play(reply(None, [("stop_once", {})]))

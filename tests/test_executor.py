@@ -16,13 +16,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from engine_helpers import write_piece
-from openai_server import OpenAIServer, error, reply
+from openai_server import OpenAIServer, error, openai_env, reply
 
 from agentnb import Workspace
 from agentnb.errors import UsageError
@@ -71,13 +71,8 @@ def _answers(tool: str) -> Any:
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[OpenAIServer]:
-    with OpenAIServer(latency=0.2, responder=_answers("Write"), key=_case) as srv:
-        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test-executor")
-        monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
-        monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "20")
-        yield srv
+def server(loopback: Callable[..., OpenAIServer]) -> OpenAIServer:
+    return loopback("sk-test-executor", timeout="20", latency=0.2, responder=_answers("Write"), key=_case)
 
 
 def _cases(n: int) -> list[dict[str, Any]]:
@@ -103,6 +98,9 @@ def _check_events(ws: Workspace, job_id: int) -> list[LLMResponse]:
 
 
 def test_jobs_overlap_up_to_the_concurrency_and_every_event_is_kept(tmp_path: Path, server: OpenAIServer) -> None:
+    # the first calls wait at the server until 8 are in flight: on a loaded machine the 8 job threads could
+    # otherwise start too far apart to overlap (a batch limited to fewer would leave them waiting, and fail below)
+    server.gather = 8
     ws = Workspace(tmp_path / "ws")
     b = ws.batch(_cases(24), piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="wide",
                  concurrency=8, progress=False)
@@ -307,8 +305,7 @@ def _start(tmp_path: Path, srv: OpenAIServer, *args: str) -> subprocess.Popen[st
     script = tmp_path / "batch_script.py"
     script.write_text(SCRIPT, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OPENAI_BASE_URL": srv.base_url, "OPENAI_API_KEY": "sk-test", "AGENTNB_OPENAI_BACKOFF": "0.01",
-           "AGENTNB_OPENAI_TIMEOUT": "20"}
+           **openai_env(srv, timeout="20")}
     return subprocess.Popen([sys.executable, str(script), str(tmp_path / "ws"), *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -346,17 +347,15 @@ def test_a_replay_reproduces_the_events_and_the_output(ws: Workspace, tmp_path: 
     assert ws.frames.usage(again).total_tokens.tolist() == ws.frames.usage(job).total_tokens.tolist()
 
 
-def test_a_replay_of_an_openai_job_keeps_the_models_call_ids(ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
-    with OpenAIServer() as srv:
-        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-        srv.play(reply(tool_calls=[("Write", {"path": "output/r.md", "content": "r"})], usage=(300, 20)),
-                 reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "s"})], usage=(340, 9)))
-        job = ws.run(ws.submit("t", piece="single", model="openai:gpt-4o-mini"))
-        assert job.status == "succeeded", job.error
-        asked = len(srv.received)
-        again = ws.replay(job)
-        assert len(srv.received) == asked  # nothing was asked of the endpoint
+def test_a_replay_of_an_openai_job_keeps_the_models_call_ids(ws: Workspace, loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback()
+    srv.play(reply(tool_calls=[("Write", {"path": "output/r.md", "content": "r"})], usage=(300, 20)),
+             reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "s"})], usage=(340, 9)))
+    job = ws.run(ws.submit("t", piece="single", model="openai:gpt-4o-mini"))
+    assert job.status == "succeeded", job.error
+    asked = len(srv.received)
+    again = ws.replay(job)
+    assert len(srv.received) == asked  # nothing was asked of the endpoint
     assert again.status == "succeeded"
     assert _comparable(again.events) == _comparable(job.events)
     assert [c.id for e in again.events if isinstance(e, LLMResponse) for c in e.tool_calls] == ["call_1_0", "call_2_0"]
@@ -364,20 +363,18 @@ def test_a_replay_of_an_openai_job_keeps_the_models_call_ids(ws: Workspace, monk
 
 
 def test_a_fork_of_an_openai_job_asks_the_endpoint_only_from_its_point(ws: Workspace,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    with OpenAIServer() as srv:
-        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-        srv.play(reply(tool_calls=[("Read", {"path": "input/a.md"})], usage=(500, 10)),
-                 reply(tool_calls=[("transition", {"next_step": "implement", "summary": "p"})], usage=(520, 10)),
-                 reply(tool_calls=[("transition", {"next_step": "verify", "summary": "i"})], usage=(600, 10)),
-                 reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "v"})], usage=(700, 10)))
-        job = ws.run(ws.submit("t", piece=PIECE, model="openai:gpt-4o-mini", inputs={"a.md": "a"}))
-        assert job.status == "succeeded", job.error
-        asked = len(srv.received)
-        srv.play(reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "v2"})], usage=(710, 12)))
-        fork = ws.fork(job, at=3)
-        assert len(srv.received) == asked + 1  # runs 1 and 2 re-served: only verify was asked
+                                                                      loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback()
+    srv.play(reply(tool_calls=[("Read", {"path": "input/a.md"})], usage=(500, 10)),
+             reply(tool_calls=[("transition", {"next_step": "implement", "summary": "p"})], usage=(520, 10)),
+             reply(tool_calls=[("transition", {"next_step": "verify", "summary": "i"})], usage=(600, 10)),
+             reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "v"})], usage=(700, 10)))
+    job = ws.run(ws.submit("t", piece=PIECE, model="openai:gpt-4o-mini", inputs={"a.md": "a"}))
+    assert job.status == "succeeded", job.error
+    asked = len(srv.received)
+    srv.play(reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "v2"})], usage=(710, 12)))
+    fork = ws.fork(job, at=3)
+    assert len(srv.received) == asked + 1  # runs 1 and 2 re-served: only verify was asked
     assert fork.status == "succeeded"
     costs = ws.frames.usage(fork).groupby("seq").cost_usd.sum()
     assert costs[1] == 0 and costs[2] == 0 and costs[3] > 0

@@ -5,12 +5,14 @@ from __future__ import annotations
 import collections
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from _usage_jobs import COMPLETIONS, PROMPTS, demo_job, raw_usage, tiktoken_job, usage_job
 from conftest import backend_store
+from openai_server import OpenAIServer, reply, stall
 from pandas.api import types as pt
 
 from agentnb import Job, Workspace
@@ -359,19 +361,16 @@ def test_lessons_do_not_follow_a_link_planted_in_logs(tmp_path: Path) -> None:
     assert ws.frames.lessons(job).empty
 
 
-def test_usage_has_each_calls_latency(ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_usage_has_each_calls_latency(ws: Workspace, tmp_path: Path, loopback: Callable[..., OpenAIServer]) -> None:
     """``latency_s`` is the time the model took to answer: a loopback server that stalls 0.4 s shows it."""
     from _scripting import write_piece
-    from openai_server import OpenAIServer, reply, stall
 
     piece = write_piece(tmp_path, "one", {"movements": [{
         "name": "work", "persona": "p", "instruction": "i", "tools": [], "permission": "readonly",
         "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
-    with OpenAIServer() as server:
-        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test-latency")
-        server.play(stall(0.4), reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "ok"})]))
-        job = ws.run(ws.submit("t", piece=piece, model="openai:m"))
+    server = loopback("sk-test-latency")
+    server.play(stall(0.4), reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "ok"})]))
+    job = ws.run(ws.submit("t", piece=piece, model="openai:m"))
     assert job.status == "succeeded", job.error
     recorded = [e.payload["latency_s"] for e in ws.events(job, kinds=["llm_response"])]
     u = ws.frames.usage(job)

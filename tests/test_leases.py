@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -19,8 +19,9 @@ from unittest import mock
 import pytest
 from _freeze import freeze
 from _scripting import TWO_STEPS
+from _waiting import wait_for
 from engine_helpers import call, transition, write_piece, write_script
-from openai_server import OpenAIServer, hold, reply
+from openai_server import OpenAIServer, hold, openai_env, reply
 
 from agentnb import Workspace
 from agentnb.errors import UsageError
@@ -158,15 +159,19 @@ def test_the_holder_renews_its_lease_while_it_runs(store_url: str, tmp_path: Pat
     row = ws.store.claim()
     assert row is not None
     first = float(row["lease_until"])
+    # another store, opened first: on a loaded machine opening one can take longer than the 0.6 s lease
+    other = open_store(store_url)
     with holding(ws.store, row) as held:
+        # a renewal made more than a lease after the claim (lease_until > claim + 0.6 + 0.7): unrenewed, the
+        # lease would have run out by now
         deadline = time.time() + 30
-        while ws.store.job(job_id)["lease_until"] <= first + 0.1 and time.time() < deadline:
+        while ws.store.job(job_id)["lease_until"] <= first + 0.7 and time.time() < deadline:
             time.sleep(0.05)
         renewed = ws.store.job(job_id)["lease_until"]
-    assert renewed > first and not held.lost.is_set()
-    # nobody took it back meanwhile, although more than a lease went by while waiting for the renewal
-    other = open_store(store_url)
-    assert other.claim(job_id) is None
+        # and nobody can take it back while the holder renews it (asked while it still does: after the block
+        # nothing renews, and a claim a lease later would rightly take the job back)
+        assert other.claim(job_id) is None
+    assert renewed > first + 0.7 and not held.lost.is_set()
     other.close()
 
 
@@ -265,9 +270,7 @@ def test_an_expired_job_is_taken_back_and_resumes_to_the_same_events(store_url: 
 def _env(server: OpenAIServer | None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTNB_")}
     env.update({"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                "OPENAI_API_KEY": "sk-test", "AGENTNB_OPENAI_BACKOFF": "0.01", **extra})
-    if server is not None:
-        env["OPENAI_BASE_URL"] = server.base_url
+                "OPENAI_API_KEY": "sk-test", **(openai_env(server) if server is not None else {}), **extra})
     return env
 
 
@@ -276,17 +279,6 @@ def _worker(store_url: str, folder: Path, server: OpenAIServer, *args: str, **en
     return subprocess.Popen([sys.executable, "-m", "agentnb.cli", "worker", "--workspace", str(folder),
                              "--store", store_url, "--lease", "2", *args], cwd=folder, env=_env(server, **env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait(what: str, done: Any, procs: list[subprocess.Popen[str]], limit: float = 60) -> None:
-    deadline = time.time() + limit
-    while not done():
-        for p in procs:
-            if p.poll() is not None:
-                out, err = p.communicate()
-                raise AssertionError(f"a worker ended before {what}: {p.returncode}\n{out}\n{err}")
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
@@ -299,9 +291,8 @@ def _finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
 
 
 @pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with OpenAIServer() as srv:
-        yield srv
+def server(loopback: Callable[..., OpenAIServer]) -> OpenAIServer:
+    return loopback()
 
 
 SECOND = reply(tool_calls=[("transition", {"next_step": "second", "summary": "looked"})])
@@ -313,8 +304,6 @@ def _openai_jobs(store_url: str, tmp_path: Path, server: OpenAIServer,
     """A straight run of the two-movement job through the loopback server, and a second one, queued."""
     ws = Workspace(tmp_path / "submit", store=store_url)
     piece = write_piece(tmp_path, TWO_STEPS)
-    monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     server.play(SECOND, DONE)
     straight = ws.submit("Do the thing.", piece=piece, model="openai:gpt-4o-mini").id
     assert ws.run(straight).status == "succeeded"
@@ -330,7 +319,7 @@ def test_a_killed_worker_s_job_is_finished_by_another_after_the_lease(
     server.play(SECOND, hold(DONE), DONE)
     first = _worker(store_url, tmp_path / "w1", server, AGENTNB_HOST="elsewhere-1")
     try:
-        _wait("the second call", server.holding.is_set, [first])  # mid-movement, mid-call
+        wait_for("the second call", server.holding.is_set, [first])  # mid-movement, mid-call
         first.send_signal(signal.SIGKILL)
         first.wait()
     finally:
@@ -357,7 +346,7 @@ def test_a_frozen_worker_past_its_lease_writes_nothing_more(
     first = _worker(store_url, tmp_path / "w1", server)
     second: subprocess.Popen[str] | None = None
     try:
-        _wait("the second call", server.holding.is_set, [first])
+        wait_for("the second call", server.holding.is_set, [first])
         freeze(first, store_url, job_id)
         # it is alive (stopped, not gone): only the lease running out lets the second worker take the job
         second = _worker(store_url, tmp_path / "w2", server, "--forever", "--poll", "0.1", "--max-jobs", "1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +52,8 @@ def crash_tool():
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch):
-    with OpenAIServer() as srv:
-        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", KEY)
-        monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
-        monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "5")
-        monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "3")
-        yield srv
+def server(loopback: Callable[..., OpenAIServer]) -> OpenAIServer:
+    return loopback(KEY, timeout="5", retries="3")
 
 
 def _kinds(ws: Workspace, job) -> list[str]:
@@ -229,12 +224,14 @@ def test_the_model_sees_tool_errors_and_reminders(ws: Workspace, tmp_path: Path,
 
 def test_retries_with_backoff_on_429_5xx_and_timeouts(ws: Workspace, tmp_path: Path, server: OpenAIServer,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "0.5")
+    # the timeout applies to every request: long enough that a loaded machine answers the others in time (a late
+    # answer would be retried and shift the script), the stall longer still
+    monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "2")
     monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "4")
     server.play(
         error(429, "slow down"), error(503, "overloaded"),
         reply(None, [("transition", {"next_step": "review", "summary": "done"})], usage=(10, 1)),
-        stall(5), error(500, "oops"),
+        stall(30), error(500, "oops"),
         reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})], usage=(20, 2)),
     )
     job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))

@@ -119,7 +119,7 @@ class Gate:
             """Wait for the test."""
             self.calls += 1
             self.entered.release()
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 120  # only a guard against a test that never opens it
             while not self.open.is_set() and time.monotonic() < deadline:
                 if self.passes.acquire(timeout=0.02):
                     return "let through"
@@ -143,7 +143,7 @@ class Gate:
         self.passes.release()
 
     def wait_entered(self) -> None:
-        assert self.entered.acquire(timeout=30), "the job never reached the gate"
+        assert self.entered.acquire(timeout=60), "the job never reached the gate"
 
 
 @pytest.fixture
@@ -171,7 +171,7 @@ def panels() -> Iterator[Panels]:
         panel.close()
 
 
-def _until(check: Callable[[], bool], what: str, timeout: float = 20) -> None:
+def _until(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:

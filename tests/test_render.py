@@ -190,7 +190,8 @@ def test_running_time_leaves_out_the_idle_time_and_wall_time_counts_it(ws: Works
     ws.reply(asker, "Bullets.")
     asker = ws.run(asker)
     st = job_stats(ws, asker.id)
-    assert asker.status == "succeeded" and st.running_s < 1.0 <= st.wall_s
+    # the 1.2 s waiting for the human is wall time only (a bound, not a timing: the demo runs may be slow)
+    assert asker.status == "succeeded" and st.running_s <= st.wall_s - 1.2
 
 
 def test_each_call_shows_its_latency_and_the_header_links_the_latest_call(ws: Workspace) -> None:

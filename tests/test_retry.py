@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from engine_helpers import call, transition, write_piece, write_script
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
-from openai_server import OpenAIServer, error, reply
+from openai_server import OpenAIServer, error, openai_env, reply
 
 from agentnb import Workspace
 from agentnb.store.sqlite import StoreError
@@ -45,14 +45,9 @@ COMPLETE = ("transition", {"next_step": "COMPLETE", "summary": "fine"})
 
 
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[OpenAIServer]:
-    with OpenAIServer() as srv:
-        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-        monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
-        monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "5")
-        monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "6")  # what the job and workspace settings must win over
-        yield srv
+def server(loopback: Callable[..., OpenAIServer]) -> OpenAIServer:
+    # retries 6: what the job and workspace settings must win over
+    return loopback("sk-test", timeout="5", retries="6")
 
 
 def _reasons(ws: Workspace, job: Any) -> list[str]:
@@ -212,7 +207,7 @@ AGENTNB = shutil.which("agentnb")
 @pytest.mark.skipif(AGENTNB is None, reason="the agentnb entry point is not installed")
 def test_agentnb_retry(tmp_path: Path, server: OpenAIServer) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
-    env.update(OPENAI_BASE_URL=server.base_url, OPENAI_API_KEY="sk-test", AGENTNB_OPENAI_BACKOFF="0.01")
+    env.update(openai_env(server))
 
     def agentnb(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([AGENTNB, "--workspace", str(tmp_path / "ws"), *args], capture_output=True, text=True,
@@ -252,8 +247,7 @@ def test_agentnb_retry(tmp_path: Path, server: OpenAIServer) -> None:
 @pytest.mark.skipif(AGENTNB is None, reason="the agentnb entry point is not installed")
 def test_agentnb_retry_run(tmp_path: Path, server: OpenAIServer) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
-    env.update(OPENAI_BASE_URL=server.base_url, OPENAI_API_KEY="sk-test", AGENTNB_OPENAI_BACKOFF="0.01",
-               AGENTNB_OPENAI_RETRIES="0")
+    env.update(openai_env(server, retries="0"))
     piece = write_piece(tmp_path, PIECE)
     server.play(error(500, "boom"), reply(None, [TO_REVIEW]), reply(None, [COMPLETE]))
     base = [AGENTNB, "--workspace", str(tmp_path / "ws")]

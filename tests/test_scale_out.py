@@ -10,8 +10,7 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +18,9 @@ import pandas as pd
 import pytest
 from _freeze import freeze
 from _scripting import QUICK, TWO_STEPS
+from _waiting import wait_for
 from engine_helpers import call, transition, write_piece, write_script
-from openai_server import OpenAIServer, hold, reply
+from openai_server import OpenAIServer, hold, openai_env, reply
 
 from agentnb import Workspace
 from agentnb.store.base import LEASE_EXPIRED
@@ -43,16 +43,14 @@ _VOLATILE = {"timestamp", "ts", "created", "started", "ended", "duration", "late
 
 
 @pytest.fixture
-def server() -> Iterator[OpenAIServer]:
-    with OpenAIServer() as srv:
-        yield srv
+def server(loopback: Callable[..., OpenAIServer]) -> OpenAIServer:
+    return loopback()
 
 
 def _env(server: OpenAIServer, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
     env.update({"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                "OPENAI_API_KEY": "sk-test", "OPENAI_BASE_URL": server.base_url,
-                "AGENTNB_OPENAI_BACKOFF": "0.01", **extra})
+                **openai_env(server), **extra})
     return env
 
 
@@ -61,17 +59,6 @@ def _worker(url: str, scratch: Path, server: OpenAIServer, *args: str, **env: st
     return subprocess.Popen([sys.executable, "-m", "agentnb.cli", "worker", "--workspace", str(scratch / "ws"),
                              "--store", url, "--lease", "2", "--list", *args], cwd=scratch,
                             env=_env(server, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait(what: str, done: Any, procs: list[subprocess.Popen[str]], limit: float = 90) -> None:
-    deadline = time.monotonic() + limit
-    while not done():
-        for p in procs:
-            if p.poll() is not None:
-                out, err = p.communicate()
-                raise AssertionError(f"a worker ended before {what}: {p.returncode}\n{out}\n{err}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _sql(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -168,8 +155,6 @@ def _content(path: Path) -> str:
 def test_a_batch_on_workers_killed_and_frozen_matches_the_same_batch_on_sqlite(
         pg_url: str, tmp_path: Path, server: OpenAIServer, monkeypatch: pytest.MonkeyPatch) -> None:
     # -- SQLite, one process ----------------------------------------------------------------------------------
-    monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     monkeypatch.delenv("AGENTNB_STORE", raising=False)
     sq = Workspace(tmp_path / "sqlite-ws", store=f"sqlite:///{tmp_path / 'sqlite-ws' / 'agentnb.sqlite'}")
     sq_jobs = _submit_batch(sq, tmp_path)
@@ -189,20 +174,20 @@ def test_a_batch_on_workers_killed_and_frozen_matches_the_same_batch_on_sqlite(
         # w1 names another host in its claims, so only the lease (not the same-host pid check) brings its job back
         w1 = _worker(pg_url, tmp_path / "w1", server, "--concurrency", "1", AGENTNB_HOST="elsewhere-1")
         procs.append(w1)
-        _wait("w1's held call", server.holding.is_set, [w1])
+        wait_for("w1's held call", server.holding.is_set, [w1])
         assert pg.store.job(killed)["claimed_by"].startswith("elsewhere-1:")
         # w2 starts while w1 still renews its lease, so it takes the next job (not w1's, had its lease run out
         # during a slow start); w1 is killed once w2's call is held too
         server.holding.clear()
         w2 = _worker(pg_url, tmp_path / "w2", server, "--concurrency", "1")
         procs.append(w2)
-        _wait("w2's held call", server.holding.is_set, [w2])
+        wait_for("w2's held call", server.holding.is_set, [w2])
         assert pg.store.job(frozen)["claimed_by"].split(":")[1] == str(w2.pid)
         w1.send_signal(signal.SIGKILL)
         w1.wait()
         freeze(w2, pg_url, frozen)
         # both leases run out (on the server's clock); then the other workers take everything
-        _wait("both leases to expire", lambda: _sql(
+        wait_for("both leases to expire", lambda: _sql(
             pg_url, "SELECT count(*) FROM jobs WHERE status='running' AND lease_until < extract(epoch FROM now())"
         ) == [(2,)], [w2])
         w3 = _worker(pg_url, tmp_path / "w3", server, "--concurrency", "3")
@@ -355,15 +340,15 @@ def test_an_idle_worker_listens_again_after_its_connections_are_cut(pg_url: str,
     quick = write_piece(tmp_path, QUICK, name="quick.yaml")
     proc = _worker(pg_url, tmp_path / "w", server, "--forever", "--poll", "3600")
     try:
-        _wait("the worker to listen", lambda: _listening(pg_url) == 1, [proc])
+        wait_for("the worker to listen", lambda: _listening(pg_url) == 1, [proc])
         first = ws.submit("before", piece=quick, model="demo")
-        _wait("the first job", lambda: ws.job(first).status == "succeeded", [proc])
+        wait_for("the first job", lambda: ws.job(first).status == "succeeded", [proc])
         cut = _sql(pg_url, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                            "WHERE datname = current_database() AND pid <> pg_backend_pid()")
         assert cut[0][0] >= 1
-        _wait("the worker to listen again", lambda: _listening(pg_url) == 1, [proc])
+        wait_for("the worker to listen again", lambda: _listening(pg_url) == 1, [proc])
         second = ws.submit("after", piece=quick, model="demo")
-        _wait("the second job", lambda: ws.job(second).status == "succeeded", [proc])
+        wait_for("the second job", lambda: ws.job(second).status == "succeeded", [proc])
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -427,13 +412,12 @@ def test_a_file_written_before_the_holder_died_mid_movement_is_in_the_job_s_file
     """The killed worker wrote output/a.txt, then was cut off in the same movement's next call: the resumed run
     does not write it again (its tool_result is in the events and is not re-run), so the file must come from the
     store, as on SQLite it stays in the one work directory."""
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     ws = Workspace(tmp_path / "laptop", store=pg_url)
     job = ws.submit("Do the thing.", piece=write_piece(tmp_path, TWO_STEPS), model="openai:gpt-4o-mini")
     server.play(WRITE, hold(SECOND), SECOND, DONE)
     w1 = _worker(pg_url, tmp_path / "w1", server, AGENTNB_HOST="elsewhere-1")
     try:
-        _wait("w1's held call", server.holding.is_set, [w1])
+        wait_for("w1's held call", server.holding.is_set, [w1])
         assert (tmp_path / "w1" / "ws" / "jobs" / str(job.id) / "output" / "a.txt").is_file()
         w1.send_signal(signal.SIGKILL)
         w1.wait()

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +45,8 @@ CHILD = ("import sys; from agentnb import Workspace; ws = Workspace(sys.argv[1])
 
 # -- helpers ------------------------------------------------------------------------------------------------
 @pytest.fixture
-def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[OpenAIServer]:
-    with OpenAIServer() as srv:
-        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-review-test-0000")
-        monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "0")
-        monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "0.01")
-        monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "30")
-        yield srv
+def server(loopback: Callable[..., OpenAIServer]) -> OpenAIServer:
+    return loopback("sk-review-test-0000", retries="0", timeout="30")
 
 
 def tools(prompt: int, *calls: tuple[str, dict[str, Any]], content: str | None = None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,7 @@ def test_a_new_process_continues_from_the_sqlite_file(ws: Workspace, setup) -> N
     assert _shape(ws, job) == _shape(ws, ran)
 
 
-def test_resumed_movement_sends_the_same_messages(ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resumed_movement_sends_the_same_messages(ws: Workspace, tmp_path: Path, loopback: Callable[..., OpenAIServer]) -> None:
     """Through a real endpoint: the requests after a restart equal those of an uninterrupted run."""
     piece = write_piece(tmp_path, PIECE)
     actions = [
@@ -193,18 +194,16 @@ def test_resumed_movement_sends_the_same_messages(ws: Workspace, tmp_path: Path,
     ]
     bodies: list[list[dict[str, Any]]] = []
     for restart in (False, True):
-        with OpenAIServer() as srv:
-            monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-            monkeypatch.setenv("OPENAI_API_KEY", "sk-x")
-            srv.play(*actions)
-            job = ws.submit("collect", piece=piece, model="openai:m", inputs={"a.txt": "one\n"})
-            if restart:
-                while job.status == "queued":
-                    job = Workspace(ws.root).step(job.id, unit="call")
-            else:
-                job = ws.run(job)
-            assert job.status == "succeeded", job.error
-            bodies.append([r.body for r in srv.received])
+        srv = loopback("sk-x")
+        srv.play(*actions)
+        job = ws.submit("collect", piece=piece, model="openai:m", inputs={"a.txt": "one\n"})
+        if restart:
+            while job.status == "queued":
+                job = Workspace(ws.root).step(job.id, unit="call")
+        else:
+            job = ws.run(job)
+        assert job.status == "succeeded", job.error
+        bodies.append([r.body for r in srv.received])
     normal = [json.dumps(b, sort_keys=True) for b in bodies[0]]
     restarted = [json.dumps(b, sort_keys=True) for b in bodies[1]]
 

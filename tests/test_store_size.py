@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import sqlite3
 import string
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,19 +36,17 @@ def _transition(next_step: str, **extra: str) -> dict:
     return reply(tool_calls=[("transition", {"next_step": next_step, "summary": f"to {next_step}", **extra})])
 
 
-def _run(folder: Path, instruction: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Workspace, int, list[dict]]:
+def _run(folder: Path, instruction: str, loopback: Callable[..., OpenAIServer]) -> tuple[Workspace, int, list[dict]]:
     """plan asks, the user answers, then plan → implement → verify → COMPLETE: 4 movement runs, 2 activations."""
-    with OpenAIServer() as server:
-        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "test-key")
-        server.play(_transition("ASK", question="Short or long?"), _transition("implement"),
-                    _transition("verify"), _transition("COMPLETE"))
-        ws = Workspace(folder)
-        job = ws.run(ws.submit(instruction, piece="plan-implement-verify", model="openai:test-model"))
-        assert job.status == "waiting_human", job.error
-        job = ws.run(ws.reply(job, "Short, please."))
-        assert job.status == "succeeded", job.error
-        sent = [r.body for r in server.received]
+    server = loopback("test-key")
+    server.play(_transition("ASK", question="Short or long?"), _transition("implement"),
+                _transition("verify"), _transition("COMPLETE"))
+    ws = Workspace(folder)
+    job = ws.run(ws.submit(instruction, piece="plan-implement-verify", model="openai:test-model"))
+    assert job.status == "waiting_human", job.error
+    job = ws.run(ws.reply(job, "Short, please."))
+    assert job.status == "succeeded", job.error
+    sent = [r.body for r in server.received]
     return ws, job.id, sent
 
 
@@ -55,11 +54,11 @@ def _size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("agentnb.sqlite*"))
 
 
-def test_a_long_instruction_is_stored_once_and_reads_back_as_sent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    small_ws, _, _ = _run(tmp_path / "small", "Summarise what follows.", monkeypatch)
+def test_a_long_instruction_is_stored_once_and_reads_back_as_sent(tmp_path: Path, loopback: Callable[..., OpenAIServer]) -> None:
+    small_ws, _, _ = _run(tmp_path / "small", "Summarise what follows.", loopback)
     small_ws.store.close()
     instruction = _text(900_000)
-    ws, job_id, sent = _run(tmp_path / "large", instruction, monkeypatch)
+    ws, job_id, sent = _run(tmp_path / "large", instruction, loopback)
 
     # what is read back is what the model was sent, byte for byte
     starts = ws.events(job_id, kinds=["movement_start"])
@@ -86,9 +85,9 @@ def test_a_long_instruction_is_stored_once_and_reads_back_as_sent(tmp_path: Path
 
 
 def test_a_long_instruction_that_holds_the_reference_marker_is_stored_as_it_is(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, loopback: Callable[..., OpenAIServer]) -> None:
     instruction = _text(20_000) + f"\nA literal {TEXT_REF} in the task must stay itself."
-    ws, job_id, sent = _run(tmp_path / "ws", instruction, monkeypatch)
+    ws, job_id, sent = _run(tmp_path / "ws", instruction, loopback)
     starts = ws.events(job_id, kinds=["movement_start"])
     assert [s.user for s in starts] == [body["messages"][1]["content"] for body in sent]
     assert ws.job(job_id).instruction == instruction
