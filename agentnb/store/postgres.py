@@ -62,6 +62,7 @@ from ..events import (
     payload_path,
     strict_events,
 )
+from ._pg_dialect import Row as Row  # defined here before; importable from here still
 from ._pg_dialect import no_nul, pg_path, psycopg_sql, row_factory
 from ._rows import JOB_COLUMNS, StoreRows
 from .base import (
