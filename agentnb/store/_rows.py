@@ -1,6 +1,6 @@
 """The rows both stores build the same way, so that SQLite and PostgreSQL hold the same rows.
 
-* a job's columns (``JOB_COLUMNS``) and those a caller may update (``UPDATABLE``);
+* a job's columns (``JOB_COLUMNS``), those a caller may update (``UPDATABLE``) and the ``UPDATE`` of its row;
 * an event's ``events`` row: its payload data (events.py), the job's long instruction put by reference
   (texts.py), then encoded by events.py's one encoder — and, read back, the references expanded again;
 * the large texts stored once: a job's long instruction in ``texts``, ``TEXT_REF`` in its ``jobs`` row, its
@@ -38,7 +38,7 @@ C = TypeVar("C")  # the store's connection: the transaction a row is built in
 
 
 class StoreRows(Generic[C]):
-    """Event rows and large texts, for a store whose transactions hand out connections of type ``C``."""
+    """Job rows, event rows and large texts, for a store whose transactions hand out connections of type ``C``."""
 
     # set by the store's __init__
     _strict: bool  # every appended event is type-checked (events.strict_events, read once)
