@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
 
 from ..errors import StoreError
-from ..events import Event, EventBase, check_event, encode_payload, payload_dict
+from ..events import Event, EventBase, JobStatusEvent, check_event, encode_payload, payload_dict
+from .base import TERMINAL_STATES
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
 
-__all__ = ["JOB_COLUMNS", "UPDATABLE", "StoreRows"]
+__all__ = ["JOB_COLUMNS", "UPDATABLE", "StoreRows", "events_query"]
 
 JOB_COLUMNS = (
     "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
@@ -33,6 +34,23 @@ JOB_COLUMNS = (
 )
 # lease_gen moves only by claims and recoveries (a fence compares against it)
 UPDATABLE = frozenset(JOB_COLUMNS) - {"id", "created", "lease_gen"}
+
+
+
+def events_query(payload: str, job_id: int, after_id: int, kinds: Sequence[str] | None,
+                 movement_seq: int | None) -> tuple[str, list[Any]]:
+    """The query of :meth:`Store.events` (``?`` placeholders) and its parameters; ``payload`` is the column as the
+    store reads it as text."""
+    sql = f"SELECT id, job_id, movement_seq, iteration, ts, kind, {payload} FROM events WHERE job_id=? AND id>?"
+    params: list[Any] = [job_id, after_id]
+    if kinds:
+        sql += f" AND kind IN ({','.join('?' for _ in kinds)})"
+        params.extend(kinds)
+    if movement_seq is not None:
+        sql += " AND movement_seq=?"
+        params.append(movement_seq)
+    return sql, params
+
 
 C = TypeVar("C")  # the store's connection: the transaction a row is built in
 
@@ -76,6 +94,17 @@ class StoreRows(Generic[C]):
             self._ref_enriched(c, job_id, values)
         sets = ", ".join(f"{k}=?" for k in values)
         return f"UPDATE jobs SET {sets} WHERE id=?", (*values.values(), job_id)
+
+    def _status_change(self, job_id: int, status: str, reason: str, values: dict[str, Any]) -> JobStatusEvent:
+        """The ``job_status`` event of job ``job_id`` moving to ``status``, and the row ``values`` that go with
+        it filled in: the end time of a job that ends, no claim or lease on a job that is not running."""
+        now = time.time()
+        if status in TERMINAL_STATES:
+            values.setdefault("ended", now)
+        if status != "running":
+            values.setdefault("claimed_by", None)
+            values.setdefault("lease_until", None)
+        return JobStatusEvent(job_id=job_id, ts=now, status=status, reason=reason)
 
     # -- events ------------------------------------------------------------------------------------------------
     def _event_row(self, c: C | None, ev: Event) -> tuple[Any, ...]:

@@ -64,7 +64,7 @@ from ..events import (
 )
 from ._pg_dialect import Row as Row  # defined here before; importable from here still
 from ._pg_dialect import no_nul, pg_path, psycopg_sql, row_factory
-from ._rows import JOB_COLUMNS, StoreRows
+from ._rows import JOB_COLUMNS, StoreRows, events_query
 from .base import (
     DEFAULT_LEASE,
     JOB_STATES,
@@ -430,14 +430,9 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
 
     def set_status(self, c: Transaction, job_id: int, status: str, reason: str = "", **values: Any) -> None:
         """Change a job's status and record the ``job_status`` event, in transaction ``c``."""
-        now = time.time()
-        if status in TERMINAL_STATES:
-            values.setdefault("ended", now)
-        if status != "running":
-            values.setdefault("claimed_by", None)
-            values.setdefault("lease_until", None)
+        event = self._status_change(job_id, status, reason, values)
         self.update_job(c, job_id, status=status, **values)
-        self._append(self._tx(c), [JobStatusEvent(job_id=job_id, ts=now, status=status, reason=reason)])
+        self._append(self._tx(c), [event])
         if status == "queued":
             self._notify(self._tx(c))
 
@@ -605,15 +600,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
     def events(self, job_id: int, *, after_id: int = 0, kinds: Sequence[str] | None = None,
                movement_seq: int | None = None) -> list[Event]:
         # payload::text: the stored text itself (json keeps it), decoded by events.py like SQLite's
-        sql = ("SELECT id, job_id, movement_seq, iteration, ts, kind, payload::text FROM events "
-               "WHERE job_id=? AND id>?")
-        params: list[Any] = [job_id, after_id]
-        if kinds:
-            sql += f" AND kind IN ({','.join('?' for _ in kinds)})"
-            params.extend(kinds)
-        if movement_seq is not None:
-            sql += " AND movement_seq=?"
-            params.append(movement_seq)
+        sql, params = events_query("payload::text", job_id, after_id, kinds, movement_seq)
         rows = self._tuples(sql + " ORDER BY id", params)[1] if can_name_a_job(job_id) else []
         return [event_from_row(self._expand(tuple(r)) if r[5] in REF_FIELDS else tuple(r)) for r in rows]
 

@@ -34,7 +34,7 @@ from ..events import (
     payload_path,
     strict_events,
 )
-from ._rows import JOB_COLUMNS, StoreRows
+from ._rows import JOB_COLUMNS, StoreRows, events_query
 from .base import (
     DEFAULT_LEASE,
     JOB_STATES,
@@ -401,14 +401,9 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
         self, c: Transaction, job_id: int, status: str, reason: str = "", **values: Any
     ) -> None:
         """Change a job's status and record the ``job_status`` event, in transaction ``c``."""
-        now = time.time()
-        if status in TERMINAL_STATES:
-            values.setdefault("ended", now)
-        if status != "running":
-            values.setdefault("claimed_by", None)
-            values.setdefault("lease_until", None)
+        event = self._status_change(job_id, status, reason, values)
         self.update_job(c, job_id, status=status, **values)
-        self._append(self._tx(c), [JobStatusEvent(job_id=job_id, ts=now, status=status, reason=reason)])
+        self._append(self._tx(c), [event])
 
     def claim(self, job_id: int | None = None, owner: str | None = None,
               lease: float | None = None) -> dict[str, Any] | None:
@@ -545,14 +540,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
         kinds: Sequence[str] | None = None,
         movement_seq: int | None = None,
     ) -> list[Event]:
-        sql = "SELECT id, job_id, movement_seq, iteration, ts, kind, payload FROM events WHERE job_id=? AND id>?"
-        params: list[Any] = [job_id, after_id]
-        if kinds:
-            sql += f" AND kind IN ({','.join('?' for _ in kinds)})"
-            params.extend(kinds)
-        if movement_seq is not None:
-            sql += " AND movement_seq=?"
-            params.append(movement_seq)
+        sql, params = events_query("payload", job_id, after_id, kinds, movement_seq)
         with self._lock:
             rows = self._tuples(sql + " ORDER BY id", params)[1]
             return [event_from_row(self._expand(r) if r[5] in REF_FIELDS else r) for r in rows]
