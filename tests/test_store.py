@@ -324,7 +324,7 @@ def test_rows_are_encoded_before_the_store_lock_is_taken(tmp_path: Path, monkeyp
     only a payload that refers to the stored instruction is built inside the transaction."""
     import threading
 
-    import agentnb.store.sqlite as sqlite_module
+    import agentnb.store._rows as rows_module  # where both stores encode an event's payload
     from agentnb.events import MovementStart
     from agentnb.store.sqlite import TEXT_REF, TEXT_REF_MIN_CHARS
 
@@ -332,7 +332,7 @@ def test_rows_are_encoded_before_the_store_lock_is_taken(tmp_path: Path, monkeyp
     instruction = "Summarise the report. " * (TEXT_REF_MIN_CHARS // 10)
     job_id = store.create_job(piece="p", piece_yaml="name: p", model="demo", instruction=instruction, workdir="")
     held: list[bool] = []
-    encode = sqlite_module.encode_payload
+    encode = rows_module.encode_payload
 
     def spying(data: dict) -> str:
         free: list[bool] = []
@@ -349,7 +349,7 @@ def test_rows_are_encoded_before_the_store_lock_is_taken(tmp_path: Path, monkeyp
         held.append(not free[0])
         return encode(data)
 
-    monkeypatch.setattr(sqlite_module, "encode_payload", spying)
+    monkeypatch.setattr(rows_module, "encode_payload", spying)
     store.append([CommentEvent(job_id=job_id, author="user", body="hi"),
                   ToolResult(job_id=job_id, tool="Read", call_id="c1", content="ok")])
     assert held == [False, False]

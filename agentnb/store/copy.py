@@ -30,7 +30,6 @@ A NUL character in an event payload cannot live in PostgreSQL: copied into it, i
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,6 +42,7 @@ from urllib.parse import urlsplit
 from ..errors import StoreError, UsageError
 from ..events import JobStatusEvent, encode_payload, payload_dict
 from ._copy_files import FileRow, read_tree, write_tree
+from ._pg_dialect import no_nul
 from .base import Store
 from .sqlite import SQLiteStore
 
@@ -426,9 +426,6 @@ def _insert(target: _Side, table: str, cols: Sequence[str], rows: list[tuple[Any
             from None
 
 
-_NUL = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")  # as postgres._no_nul: a \u0000 escape, not an escaped backslash
-
-
 def _row_fixer(table: str, cols: Sequence[str], source: _Side,
                target: _Side) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
     if table == "events" and target.pg:
@@ -437,8 +434,7 @@ def _row_fixer(table: str, cols: Sequence[str], source: _Side,
         def fix_payload(row: tuple[Any, ...]) -> tuple[Any, ...]:
             p = row[at]
             if isinstance(p, str) and "\\u0000" in p:
-                p = _NUL.sub(lambda m: m.group(1) + "\\ufffd", p)
-                return (*row[:at], p, *row[at + 1:])
+                return (*row[:at], no_nul(p), *row[at + 1:])
             return row
 
         return fix_payload

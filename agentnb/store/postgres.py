@@ -38,9 +38,7 @@ psycopg 3 and a :class:`psycopg_pool.ConnectionPool` (extra ``agentnb[postgres]`
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
 import re
 import threading
 import time
@@ -57,16 +55,16 @@ from ..errors import StoreError
 from ..events import (
     CommentEvent,
     Event,
-    EventBase,
     JobStatusEvent,
     LLMResponse,
-    check_event,
     encode_payload,
     event_from_row,
-    payload_dict,
     payload_path,
     strict_events,
 )
+from ._pg_dialect import Row as Row  # defined here before; importable from here still
+from ._pg_dialect import no_nul, pg_path, psycopg_sql, row_factory
+from ._rows import JOB_COLUMNS, StoreRows, events_query
 from .base import (
     DEFAULT_LEASE,
     JOB_STATES,
@@ -86,7 +84,7 @@ from .frames_sql import PG_FRAME_SQL
 from .pg_migrations import PG_MIGRATIONS, PG_SCHEMA_VERSION
 from .pg_notify import NOTIFY_SQL, PgJobWaiter
 from .pg_session import session_limits
-from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
+from .texts import REF_FIELDS
 
 __all__ = ["BACKEND_ERRORS", "PG_SCHEMA_VERSION", "PostgresStore", "describe_pg_error", "display_url"]
 
@@ -103,48 +101,14 @@ _WRITE_LOCK = int.from_bytes(b"agnbwrit", "big") & (2**63 - 1)
 # keeps that key space apart from the one-bigint form above.  Two trees that fold alike only wait for each other.
 _TREE_LOCK = int.from_bytes(b"agnt", "big")
 
-_JOB_COLUMNS = (
-    "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
-    "current_movement", "resume_movement", "movement_seq", "workdir", "options", "enriched",
-    "error", "claimed_by", "created", "updated", "started", "ended", "batch", "batch_case", "batch_variant",
-    "forked_from_job", "forked_from_seq", "lease_until", "lease_gen",
-)
-# lease_gen moves only by claims and recoveries (a fence compares against it)
-_UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created", "lease_gen"}
 # Leases are set and checked on the server's clock, so the workers' clocks do not matter.  clock_timestamp(), not
 # now(): now() is the transaction's start, and a claim may have waited for locks since.
 _NOW = "extract(epoch from clock_timestamp())"
 _SLOT = re.compile(r"\{((?:job|where)_\w)\}")  # frames_sql's per-job slots
 
 
-def _pg_path(json_path: str) -> str:
-    """``$.a.b`` (events.payload_path) as PostgreSQL's text-array path ``{a,b}``."""
-    return "{" + json_path[2:].replace(".", ",") + "}"
-
-
-_TOTAL_TOKENS = _pg_path(payload_path(LLMResponse, "usage", "total_tokens"))
-_STATUS_REASON = _pg_path(payload_path(JobStatusEvent, "reason"))
-
-
-# a NUL escape in JSON text: \u0000 after an even number of backslashes (after an odd number the backslash is
-# itself escaped, and the text reads "\u0000" literally)
-_NUL = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
-
-
-def _no_nul(payload: str) -> str:
-    """``payload`` with each NUL character as U+FFFD.
-
-    PostgreSQL cannot hold NUL in text, and a ``json`` value holding ``\\u0000`` fails every ``#>``/``#>>`` read of
-    its row, which would break the frames of the whole workspace.  A NUL reaches a payload only from a command's
-    output or a model's text (the file tools refuse binary files); SQLite keeps it, this store marks where it was.
-    """
-    return _NUL.sub(lambda m: m.group(1) + "\\ufffd", payload) if "\\u0000" in payload else payload
-
-
-@functools.lru_cache(maxsize=512)
-def _q(sql: str) -> str:
-    """SQL written with SQLite's ``?`` placeholders (as the shared frame SQL is) in psycopg's ``%s`` style."""
-    return sql.replace("%", "%%").replace("?", "%s")
+_TOTAL_TOKENS = pg_path(payload_path(LLMResponse, "usage", "total_tokens"))
+_STATUS_REASON = pg_path(payload_path(JobStatusEvent, "reason"))
 
 
 def display_url(url: str) -> str:
@@ -196,21 +160,7 @@ def _insert_rows(conn: psycopg.Connection[Any], head: str, rows: Sequence[tuple[
         conn.execute(head + values + tail, [v for row in chunk for v in row])
 
 
-class Row(dict[str, Any]):
-    """A row by column name, and by position as ``sqlite3.Row`` allows (``query(…)[0][0]`` reads the same on both)."""
-
-    def __getitem__(self, key: str | int) -> Any:
-        if isinstance(key, int):
-            return list(self.values())[key]
-        return super().__getitem__(key)
-
-
-def _row_factory(cursor: psycopg.Cursor[Any]) -> Any:
-    names = [d.name for d in cursor.description or ()]
-    return lambda values: Row(zip(names, values, strict=True))
-
-
-class PostgresStore:
+class PostgresStore(StoreRows[psycopg.Connection[Any]]):
     """A workspace's jobs, comments, movements and events in a PostgreSQL database (``postgresql://…``).
 
     ``readonly=True`` refuses every write (:meth:`transaction` raises), as SQLite's read-only store does.
@@ -398,14 +348,14 @@ class PostgresStore:
             yield pooled
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        """Rows of ``sql`` (``?`` placeholders) as dicts that can also be indexed by position (:class:`Row`)."""
-        with self._reader() as conn, conn.cursor(row_factory=_row_factory) as cur:
-            cur.execute(_q(sql), tuple(params))
+        """Rows of ``sql`` (``?`` placeholders) as dicts that can also be indexed by position (:class:`_pg_dialect.Row`)."""
+        with self._reader() as conn, conn.cursor(row_factory=row_factory) as cur:
+            cur.execute(psycopg_sql(sql), tuple(params))
             return cur.fetchall()
 
     def _tuples(self, sql: str, params: Sequence[Any]) -> FrameRows:
         with self._reader() as conn, conn.cursor() as cur:
-            cur.execute(_q(sql), tuple(params))
+            cur.execute(psycopg_sql(sql), tuple(params))
             rows = cur.fetchall()
             return [d.name for d in cur.description or ()], rows
 
@@ -416,7 +366,7 @@ class PostgresStore:
 
     @staticmethod
     def _exec(conn: psycopg.Connection[Any], sql: str, params: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
-        return conn.execute(_q(sql), tuple(params))
+        return conn.execute(psycopg_sql(sql), tuple(params))
 
     def close(self) -> None:
         self._pool.close()
@@ -473,7 +423,7 @@ class PostgresStore:
         return [int(r["id"]) for r in self.query("SELECT id FROM jobs ORDER BY id")]
 
     def job_columns(self, job_id: int, columns: Sequence[str]) -> dict[str, Any] | None:
-        bad = set(columns) - set(_JOB_COLUMNS)
+        bad = set(columns) - set(JOB_COLUMNS)
         if bad:
             raise StoreError(f"no job columns {sorted(bad)}")
         if not can_name_a_job(job_id):
@@ -482,44 +432,13 @@ class PostgresStore:
         return rows[0] if rows else None
 
     def update_job(self, c: Transaction, job_id: int, **values: Any) -> None:
-        bad = set(values) - _UPDATABLE
-        if bad:
-            raise StoreError(f"cannot update job columns {sorted(bad)}")
         conn = self._tx(c)
-        values["updated"] = time.time()
-        if "instruction" in values:
-            self._ref_instruction(conn, values)
-        if "enriched" in values:
-            self._ref_enriched(conn, job_id, values)
-        sets = ", ".join(f"{k}=?" for k in values)
-        self._exec(conn, f"UPDATE jobs SET {sets} WHERE id=?", (*values.values(), job_id))
+        self._exec(conn, *self._job_update(conn, job_id, values))
 
-    # -- large texts, stored once (see texts.py) ----------------------------------
-    def _ref_instruction(self, c: psycopg.Connection[Any], values: dict[str, Any]) -> None:
-        text = values.get("instruction")
-        values["instruction_ref"] = None
-        if isinstance(text, str) and len(text) >= TEXT_REF_MIN_CHARS:
-            values["instruction_ref"] = self._put_text(c, text)
-            values["instruction"] = TEXT_REF
-
-    def _ref_enriched(self, c: psycopg.Connection[Any], job_id: int, values: dict[str, Any]) -> None:
-        values["enriched_ref"] = None
-        ref = self._instruction_ref(c, job_id)
-        if ref is not None:
-            replaced = self._replace(values["enriched"], ref)
-            if replaced is not None:
-                values["enriched"], values["enriched_ref"] = replaced, ref
-
+    # -- large texts, stored once (see texts.py): this store's SQL for _rows.StoreRows ----------------
     def _instruction_ref(self, c: psycopg.Connection[Any], job_id: int) -> str | None:
         row = self._exec(c, "SELECT instruction_ref FROM jobs WHERE id=?", (job_id,)).fetchone()
         return row[0] if row else None
-
-    def _replace(self, value: Any, ref: str) -> str | None:
-        """``value`` with the text ``ref`` replaced by TEXT_REF, or None when it cannot be (or need not be)."""
-        if not isinstance(value, str) or TEXT_REF in value:
-            return None
-        body = self._text(ref)
-        return value.replace(body, TEXT_REF) if body in value else None
 
     def _put_text(self, c: psycopg.Connection[Any], body: str) -> str:
         ref = hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()
@@ -538,32 +457,11 @@ class PostgresStore:
             self._remember(ref, body)
         return body
 
-    def _remember(self, ref: str, body: str) -> None:
-        # texts never change (a hash names each), so a few are kept: Store.job runs once per step
-        with self._texts_lock:
-            if len(self._texts) >= 8:
-                self._texts.pop(next(iter(self._texts)))
-            self._texts[ref] = body
-
-    def _job_dict(self, row: dict[str, Any]) -> dict[str, Any]:
-        job = dict(row)
-        ref, enriched_ref = job.pop("instruction_ref", None), job.pop("enriched_ref", None)
-        if ref is not None:
-            job["instruction"] = self._text(ref)
-        if enriched_ref is not None and job.get("enriched"):
-            job["enriched"] = job["enriched"].replace(TEXT_REF, self._text(enriched_ref))
-        return job
-
     def set_status(self, c: Transaction, job_id: int, status: str, reason: str = "", **values: Any) -> None:
         """Change a job's status and record the ``job_status`` event, in transaction ``c``."""
-        now = time.time()
-        if status in TERMINAL_STATES:
-            values.setdefault("ended", now)
-        if status != "running":
-            values.setdefault("claimed_by", None)
-            values.setdefault("lease_until", None)
+        event = self._status_change(job_id, status, reason, values)
         self.update_job(c, job_id, status=status, **values)
-        self._append(self._tx(c), [JobStatusEvent(job_id=job_id, ts=now, status=status, reason=reason)])
+        self._append(self._tx(c), [event])
         if status == "queued":
             self._notify(self._tx(c))
 
@@ -711,71 +609,26 @@ class PostgresStore:
     def _insert(c: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:
         _insert_rows(c, "INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES ", rows)
 
-    def _event_row(self, c: psycopg.Connection[Any] | None, ev: Event) -> tuple[Any, ...]:
-        """The ``events`` row of ``ev``, built as SQLiteStore builds it (payload_dict → text references →
-        encode_payload): the stored payload text is the same on both backends."""
-        if not isinstance(ev, EventBase):
-            raise StoreError(f"not an event: {ev!r}; the store appends only agentnb.events objects")
-        if self._strict:
-            check_event(ev)
-        data = payload_dict(ev)
-        if ev.kind in REF_FIELDS:
-            assert c is not None, "a referencing payload is built inside its transaction"
-            data = self._ref_payload(c, ev.job_id, ev.kind, data)
-        return ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(), ev.kind, _no_nul(encode_payload(data))
-
-    def _ref_payload(self, c: psycopg.Connection[Any], job_id: int, kind: str,
-                     payload: dict[str, Any]) -> dict[str, Any]:
-        ref = self._instruction_ref(c, job_id)
-        if ref is None:
-            return payload
-        refs = {}
-        out = dict(payload)
-        for key in REF_FIELDS[kind]:
-            replaced = self._replace(out.get(key), ref)
-            if replaced is not None:
-                out[key], refs[key] = replaced, ref
-        if refs:
-            out["_texts"] = refs
-        return out
+    def _payload_text(self, data: dict[str, Any]) -> str:
+        # the stored payload text is the same on both backends, but for the NULs PostgreSQL cannot hold
+        return no_nul(encode_payload(data))
 
     def append(self, events: Sequence[Event], c: Transaction | None = None) -> None:
         # every row is built (and checked) before the first is written
         if c is not None:
             self._append(self._tx(c), events)
             return
-        rows = [ev if isinstance(ev, EventBase) and ev.kind in REF_FIELDS else self._event_row(None, ev)
-                for ev in events]
+        rows = self._rows_before(events)
         # inserts only: no store-wide lock (see the module's docstring)
         with self._transaction(exclusive=False) as conn:
-            self._insert(conn, [r if isinstance(r, tuple) else self._event_row(conn, r) for r in rows])
+            self._insert(conn, self._rows_in(conn, rows))
 
     def events(self, job_id: int, *, after_id: int = 0, kinds: Sequence[str] | None = None,
                movement_seq: int | None = None) -> list[Event]:
         # payload::text: the stored text itself (json keeps it), decoded by events.py like SQLite's
-        sql = ("SELECT id, job_id, movement_seq, iteration, ts, kind, payload::text FROM events "
-               "WHERE job_id=? AND id>?")
-        params: list[Any] = [job_id, after_id]
-        if kinds:
-            sql += f" AND kind IN ({','.join('?' for _ in kinds)})"
-            params.extend(kinds)
-        if movement_seq is not None:
-            sql += " AND movement_seq=?"
-            params.append(movement_seq)
+        sql, params = events_query("payload::text", job_id, after_id, kinds, movement_seq)
         rows = self._tuples(sql + " ORDER BY id", params)[1] if can_name_a_job(job_id) else []
         return [event_from_row(self._expand(tuple(r)) if r[5] in REF_FIELDS else tuple(r)) for r in rows]
-
-    def _expand(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
-        """An event row with the texts its payload refers to put back, as it was recorded."""
-        if '"_texts"' not in row[6]:
-            return row
-        data = json.loads(row[6])
-        refs = data.pop("_texts", None)
-        if isinstance(refs, dict):
-            for key, ref in refs.items():
-                if isinstance(data.get(key), str):
-                    data[key] = data[key].replace(TEXT_REF, self._text(ref))
-        return (*row[:6], data)
 
     def last_event_id(self, job_id: int) -> int:
         return int(self._tuples("SELECT MAX(id) FROM events WHERE job_id=?", (job_id,))[1][0][0] or 0)

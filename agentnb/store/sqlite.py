@@ -13,7 +13,6 @@ to do, before anything is written.  ``SQLiteStore(path, readonly=True)`` only re
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import sqlite3
@@ -28,16 +27,14 @@ from ..errors import StoreError
 from ..events import (
     CommentEvent,
     Event,
-    EventBase,
     JobStatusEvent,
     LLMResponse,
-    check_event,
     encode_payload,
     event_from_row,
-    payload_dict,
     payload_path,
     strict_events,
 )
+from ._rows import JOB_COLUMNS, StoreRows, events_query
 from .base import (
     DEFAULT_LEASE,
     JOB_STATES,
@@ -81,15 +78,6 @@ SCHEMA_VERSION = len(MIGRATIONS)
 
 
 
-_JOB_COLUMNS = (
-    "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
-    "current_movement", "resume_movement", "movement_seq", "workdir", "options", "enriched",
-    "error", "claimed_by", "created", "updated", "started", "ended", "batch", "batch_case", "batch_variant",
-    "forked_from_job", "forked_from_seq", "lease_until", "lease_gen",
-)
-# lease_gen moves only by claims and recoveries (a fence compares against it)
-_UPDATABLE = frozenset(_JOB_COLUMNS) - {"id", "created", "lease_gen"}
-
 # payload fields the store's own queries read, named through the event dataclasses like the frames' SQL
 _TOTAL_TOKENS = payload_path(LLMResponse, "usage", "total_tokens")
 _STATUS_REASON = payload_path(JobStatusEvent, "reason")
@@ -100,7 +88,7 @@ BACKEND_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error,)
 
 
 
-class SQLiteStore:
+class SQLiteStore(StoreRows[sqlite3.Connection]):
     """Access to one ``agentnb.sqlite`` file: the :class:`~agentnb.store.base.Store` interface on SQLite.
 
     ``readonly=True`` opens it for reading only and never writes a byte: a read-only folder
@@ -113,6 +101,7 @@ class SQLiteStore:
         self._lock = threading.RLock()
         self._depth = 0
         self._texts: dict[str, str] = {}
+        self._texts_lock = self._lock  # the one lock: _text holds it while it reads and remembers a text
         self.lease = DEFAULT_LEASE
         # the (job id, lease generation) this thread writes for, when it holds a lease (fenced())
         self._fence = threading.local()
@@ -375,55 +364,20 @@ class SQLiteStore:
         return [int(r[0]) for r in self.query("SELECT id FROM jobs ORDER BY id")]
 
     def job_columns(self, job_id: int, columns: Sequence[str]) -> dict[str, Any] | None:
-        bad = set(columns) - set(_JOB_COLUMNS)
+        bad = set(columns) - set(JOB_COLUMNS)
         if bad:
             raise StoreError(f"no job columns {sorted(bad)}")
         rows = self.query(f"SELECT {', '.join(columns)} FROM jobs WHERE id=?", (job_id,))
         return dict(rows[0]) if rows else None
 
     def update_job(self, c: Transaction, job_id: int, **values: Any) -> None:
-        bad = set(values) - _UPDATABLE
-        if bad:
-            raise StoreError(f"cannot update job columns {sorted(bad)}")
         conn = self._tx(c)
-        values["updated"] = time.time()
-        if "instruction" in values:
-            self._ref_instruction(conn, values)
-        if "enriched" in values:
-            self._ref_enriched(conn, job_id, values)
-        sets = ", ".join(f"{k}=?" for k in values)
-        conn.execute(f"UPDATE jobs SET {sets} WHERE id=?", (*values.values(), job_id))
+        conn.execute(*self._job_update(conn, job_id, values))
 
-    # -- large texts, stored once (see texts.py) --------------------------------------
-    def _ref_instruction(self, c: sqlite3.Connection, values: dict[str, Any]) -> None:
-        text = values.get("instruction")
-        values["instruction_ref"] = None
-        if isinstance(text, str) and len(text) >= TEXT_REF_MIN_CHARS:
-            values["instruction_ref"] = self._put_text(c, text)
-            values["instruction"] = TEXT_REF
-
-    def _ref_enriched(self, c: sqlite3.Connection, job_id: int, values: dict[str, Any]) -> None:
-        values["enriched_ref"] = None
-        ref = self._instruction_ref(c, job_id)
-        if ref is not None:
-            replaced = self._replace(values["enriched"], ref)
-            if replaced is not None:
-                values["enriched"], values["enriched_ref"] = replaced, ref
-
+    # -- large texts, stored once (see texts.py): this store's SQL for _rows.StoreRows ----------------
     def _instruction_ref(self, c: sqlite3.Connection, job_id: int) -> str | None:
         row = c.execute("SELECT instruction_ref FROM jobs WHERE id=?", (job_id,)).fetchone()
         return row[0] if row else None
-
-    def _replace(self, value: Any, ref: str) -> str | None:
-        """``value`` with the text ``ref`` replaced by TEXT_REF, or None when it cannot be (or need not be).
-
-        A value that already holds TEXT_REF is kept as it is: on reading, every TEXT_REF in a
-        referencing value is expanded, so it must hold none of its own.
-        """
-        if not isinstance(value, str) or TEXT_REF in value:
-            return None
-        body = self._text(ref)
-        return value.replace(body, TEXT_REF) if body in value else None
 
     def _put_text(self, c: sqlite3.Connection, body: str) -> str:
         ref = hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()
@@ -443,34 +397,13 @@ class SQLiteStore:
                 self._remember(ref, body)
             return body
 
-    def _remember(self, ref: str, body: str) -> None:
-        # texts never change (a hash names each), so a few are kept: Store.job runs once per step
-        with self._lock:
-            if len(self._texts) >= 8:
-                self._texts.pop(next(iter(self._texts)))
-            self._texts[ref] = body
-
-    def _job_dict(self, row: sqlite3.Row) -> dict[str, Any]:
-        job = dict(row)
-        ref, enriched_ref = job.pop("instruction_ref", None), job.pop("enriched_ref", None)
-        if ref is not None:
-            job["instruction"] = self._text(ref)
-        if enriched_ref is not None and job.get("enriched"):
-            job["enriched"] = job["enriched"].replace(TEXT_REF, self._text(enriched_ref))
-        return job
-
     def set_status(
         self, c: Transaction, job_id: int, status: str, reason: str = "", **values: Any
     ) -> None:
         """Change a job's status and record the ``job_status`` event, in transaction ``c``."""
-        now = time.time()
-        if status in TERMINAL_STATES:
-            values.setdefault("ended", now)
-        if status != "running":
-            values.setdefault("claimed_by", None)
-            values.setdefault("lease_until", None)
+        event = self._status_change(job_id, status, reason, values)
         self.update_job(c, job_id, status=status, **values)
-        self._append(self._tx(c), [JobStatusEvent(job_id=job_id, ts=now, status=status, reason=reason)])
+        self._append(self._tx(c), [event])
 
     def claim(self, job_id: int | None = None, owner: str | None = None,
               lease: float | None = None) -> dict[str, Any] | None:
@@ -586,34 +519,6 @@ class SQLiteStore:
         c.executemany("INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES (?,?,?,?,?,?)",
                       rows)
 
-    def _event_row(self, c: sqlite3.Connection | None, ev: Event) -> tuple[Any, ...]:
-        """The ``events`` row of ``ev``: its payload data (events.py), the job's long instruction put by
-        reference (texts.py; needs the transaction ``c``), then encoded by events.py's one encoder."""
-        if not isinstance(ev, EventBase):
-            raise StoreError(f"not an event: {ev!r}; the store appends only agentnb.events objects")
-        if self._strict:
-            check_event(ev)
-        data = payload_dict(ev)
-        if ev.kind in REF_FIELDS:
-            assert c is not None, "a referencing payload is built inside its transaction"
-            data = self._ref_payload(c, ev.job_id, ev.kind, data)
-        return ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(), ev.kind, encode_payload(data)
-
-    def _ref_payload(self, c: sqlite3.Connection, job_id: int, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """The payload to store: the job's long instruction replaced by TEXT_REF in the fields that repeat it."""
-        ref = self._instruction_ref(c, job_id)
-        if ref is None:
-            return payload
-        refs = {}
-        out = dict(payload)
-        for key in REF_FIELDS[kind]:
-            replaced = self._replace(out.get(key), ref)
-            if replaced is not None:
-                out[key], refs[key] = replaced, ref
-        if refs:
-            out["_texts"] = refs
-        return out
-
     def append(self, events: Sequence[Event], c: Transaction | None = None) -> None:
         # every row is built (and checked) before the first is written
         if c is not None:
@@ -622,11 +527,10 @@ class SQLiteStore:
         # Checked and encoded before the lock is taken: every job's thread waits for that lock, so only the
         # writes happen while it is held.  Only the payloads that refer to the job's stored instruction need
         # the transaction (they read its reference).
-        rows = [ev if isinstance(ev, EventBase) and ev.kind in REF_FIELDS else self._event_row(None, ev)
-                for ev in events]
+        rows = self._rows_before(events)
         with self.transaction() as c2:
             conn = self._tx(c2)
-            self._insert(conn, [r if isinstance(r, tuple) else self._event_row(conn, r) for r in rows])
+            self._insert(conn, self._rows_in(conn, rows))
 
     def events(
         self,
@@ -636,29 +540,10 @@ class SQLiteStore:
         kinds: Sequence[str] | None = None,
         movement_seq: int | None = None,
     ) -> list[Event]:
-        sql = "SELECT id, job_id, movement_seq, iteration, ts, kind, payload FROM events WHERE job_id=? AND id>?"
-        params: list[Any] = [job_id, after_id]
-        if kinds:
-            sql += f" AND kind IN ({','.join('?' for _ in kinds)})"
-            params.extend(kinds)
-        if movement_seq is not None:
-            sql += " AND movement_seq=?"
-            params.append(movement_seq)
+        sql, params = events_query("payload", job_id, after_id, kinds, movement_seq)
         with self._lock:
             rows = self._tuples(sql + " ORDER BY id", params)[1]
             return [event_from_row(self._expand(r) if r[5] in REF_FIELDS else r) for r in rows]
-
-    def _expand(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
-        """An event row with the texts its payload refers to put back, as it was recorded."""
-        if '"_texts"' not in row[6]:
-            return row
-        data = json.loads(row[6])
-        refs = data.pop("_texts", None)
-        if isinstance(refs, dict):
-            for key, ref in refs.items():
-                if isinstance(data.get(key), str):
-                    data[key] = data[key].replace(TEXT_REF, self._text(ref))
-        return (*row[:6], data)
 
     def last_event_id(self, job_id: int) -> int:
         rows = self.query("SELECT MAX(id) FROM events WHERE job_id=?", (job_id,))

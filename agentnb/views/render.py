@@ -37,9 +37,8 @@ from __future__ import annotations
 import html
 import json
 import re
-import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from string import Template
 from typing import Any
 
@@ -50,7 +49,6 @@ from ..events import (
     ContextAction,
     ErrorEvent,
     Event,
-    JobStatusEvent,
     LLMRequest,
     LLMResponse,
     LoopDetected,
@@ -62,9 +60,13 @@ from ..events import (
     ToolResult,
     Transition,
 )
-from ..models.prices import call_costs, dollars, is_free, priced_name
+from ..models.prices import dollars, is_free, priced_name
+from ._fork_lines import fork_lines, reserved_runs
+from ._fork_lines import runs_text as _runs_text
+from ._job_stats import JobStats, job_stats
+from ._job_stats import is_compaction_error as _compaction_error
+from ._job_stats import stats_from_events as _stats
 from .source import JobRecord, JobSource
-from .status import display_status
 from .style import (
     ACTION_COLOURS,
     ACTIONS,
@@ -248,153 +250,6 @@ def duration(s: float) -> str:
     if s < 3600:
         return f"{int(s // 60)} min {int(s % 60)} s"
     return f"{int(s // 3600)} h {int(s % 3600 // 60)} min"
-
-
-# ---------------------------------------------------------------------------
-# Statistics
-
-
-@dataclass
-class JobStats:
-    """Numbers about a job read from its events (shared by the header, the panel and the magic)."""
-
-    movements: int = 0
-    calls: int = 0
-    tool_calls: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    # Seconds the job spent running (the sum of its running intervals, from its job_status events), and
-    # wall seconds since it was submitted (until it ended, for a job that ended).  Waiting for a human,
-    # for subtasks or in the queue between steps counts in ``wall_s`` only.
-    running_s: float = 0.0
-    wall_s: float = 0.0
-    last_seq: int | None = None
-    # The latest context accounting of the newest movement run: for a context-usage bar.
-    last_ratio: float | None = None
-    last_tokens: int | None = None
-    window: int | None = None
-    actions: list[str] = field(default_factory=list)  # context actions of the newest movement run
-    question: str | None = None  # the open ASK question, when the job waits for a human
-    errors: list[str] = field(default_factory=list)
-    status: str = ""  # the status as shown: ``paused`` for a job stopped part-way (see _status.display_status)
-    latest: tuple[int, int] | None = None  # (movement run, LLM call) of the newest call, answered or in flight
-    # US dollars of the answered calls, each priced at its own time by the job's model; None when unpriced
-    cost_usd: float | None = 0.0
-    scores: dict[str, ScoreEvent] = field(default_factory=dict)  # the latest score of each name
-
-    @property
-    def elapsed(self) -> float:
-        """The running time (``running_s``); kept for callers written before wall time was told apart."""
-        return self.running_s
-
-
-def _stats(job: JobRecord, events: Sequence[Event], now: float | None = None) -> JobStats:
-    st = JobStats()
-    reason: str | None = None
-    calls: tuple[list[int], list[int], list[float | None]] = ([], [], [])
-    now = time.time() if now is None else now
-    running_since: float | None = None
-    status_events = False
-    for ev in events:
-        match ev:
-            case JobStatusEvent():
-                status_events = True
-                reason = ev.reason
-                if running_since is not None:
-                    st.running_s += max(0.0, ev.ts - running_since)
-                    running_since = None
-                if ev.status == "running":
-                    running_since = ev.ts
-            case MovementStart():
-                st.movements += 1
-                st.last_seq = ev.movement_seq
-                st.last_ratio = st.last_tokens = None
-                st.actions = []
-            case LLMRequest(movement_seq=int(seq), iteration=int(it)):
-                st.latest = (seq, it)  # a call in flight is the latest one
-            case LLMResponse(usage=u):
-                st.calls += 1
-                st.prompt_tokens += u.prompt_tokens
-                st.completion_tokens += u.completion_tokens
-                st.total_tokens += u.total_tokens
-                calls[0].append(u.prompt_tokens)
-                calls[1].append(u.completion_tokens)
-                calls[2].append(ev.ts)
-                if ev.movement_seq == st.last_seq:
-                    st.last_ratio = u.ratio
-                    st.last_tokens = u.prompt_tokens
-                    st.window = u.window or st.window
-            case Compaction() if ev.movement_seq == st.last_seq:
-                # the summarisation call's ratio is its request's; the context goes on from the compacted list
-                st.last_tokens = ev.tokens_after
-                st.last_ratio = ev.tokens_after / st.window if st.window else st.last_ratio
-                st.actions = []  # the ContextManager re-armed
-            case ToolCallEvent():
-                st.tool_calls += 1
-            case ContextAction() if ev.movement_seq == st.last_seq:
-                st.actions.append(ev.action)
-            case Transition(question=str(question)) if question:
-                st.question = question
-            case ErrorEvent() if not _compaction_error(ev):  # a failed compaction is a warning, not an error
-                st.errors.append(ev.message)
-            case ScoreEvent():
-                st.scores[ev.name] = ev
-    costs = call_costs(job.model, *calls)
-    st.cost_usd = None if None in costs else sum(c for c in costs if c is not None)
-    st.status = display_status(job.status, reason)
-    if job.status != "waiting_human":
-        st.question = None
-    if running_since is not None and job.status == "running":
-        st.running_s += max(0.0, now - running_since)
-    elif not status_events and job.started:  # a store written without job_status events
-        st.running_s = max(0.0, (job.ended or (now if job.status == "running" else job.updated)) - job.started)
-    st.wall_s = max(0.0, (job.ended or now) - job.created)
-    return st
-
-
-def job_stats(ws: JobSource, job_id: int) -> JobStats:
-    """Movements run, LLM calls, tokens, running and wall seconds and the newest context ratio of a job."""
-    return _stats(ws.job(job_id).snapshot(), ws.events(job_id))
-
-
-# ---------------------------------------------------------------------------
-# Forks (DESIGN §11)
-
-
-def reserved_runs(events: Iterable[Event]) -> dict[int, int]:
-    """Movement run → the job it was re-served from, for every run of a fork (or a ``replay:`` job) whose
-    ``movement_start`` names one (its responses came from that job's record; no tokens were spent)."""
-    return {int(ev.movement_seq): ev.replayed_from for ev in events
-            if isinstance(ev, MovementStart) and ev.replayed_from is not None and ev.movement_seq is not None}
-
-
-def _runs_text(seqs: Sequence[int]) -> str:
-    """``run 1``, ``runs 1–2``, ``runs 1–2, 4``: sorted movement runs with consecutive ones joined."""
-    spans: list[list[int]] = []
-    for seq in sorted(seqs):
-        if spans and seq == spans[-1][1] + 1:
-            spans[-1][1] = seq
-        else:
-            spans.append([seq, seq])
-    text = ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in spans)
-    return ("runs " if len(seqs) > 1 else "run ") + text
-
-
-def fork_lines(job: JobRecord, events: Iterable[Event]) -> list[str]:
-    """Where a job came from, in plain text: ``forked from job 1 at run 3`` for a fork, then which runs were
-    re-served from which job (``runs 1–2 re-served from job 1``; a fork at run 1 re-serves none)."""
-    lines: list[str] = []
-    origin = getattr(job, "forked_from", None)  # a JobRecord of a source written before forks: none
-    if origin is not None:
-        lines.append(f"forked from job {origin[0]} at run {origin[1]}")
-    by_source: dict[int, list[int]] = {}
-    for seq, source in reserved_runs(events).items():
-        by_source.setdefault(source, []).append(seq)
-    lines.extend(f"{_runs_text(seqs)} re-served from job {source}" for source, seqs in by_source.items())
-    if origin is not None and not by_source:
-        lines.append("no run re-served: every run is live")
-    return lines
 
 
 # ---------------------------------------------------------------------------
@@ -600,11 +455,6 @@ def _error_html(ev: ErrorEvent, o: _Opts, seq: int | None) -> str:
     if _compaction_error(ev):
         return f'<div class="anb-compaction-failed">⚠ compaction failed — {_body(ev.message, o, seq, fold=False)}</div>'
     return f'<div class="anb-error">✖ error ({_e(ev.where)}): {_body(ev.message, o, seq, fold=False)}</div>'
-
-
-def _compaction_error(ev: ErrorEvent) -> bool:
-    """A summarisation call that failed (DESIGN §12): the movement went on uncompacted; no failure."""
-    return ev.where == "compaction"
 
 
 def _compaction_html(ev: Compaction, number: int, o: _Opts, seq: int | None) -> str:

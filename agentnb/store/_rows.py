@@ -1,0 +1,202 @@
+"""The rows both stores build the same way, so that SQLite and PostgreSQL hold the same rows.
+
+* a job's columns (``JOB_COLUMNS``), those a caller may update (``UPDATABLE``) and the ``UPDATE`` of its row;
+* an event's ``events`` row: its payload data (events.py), the job's long instruction put by reference
+  (texts.py), then encoded by events.py's one encoder — and, read back, the references expanded again;
+* the large texts stored once: a job's long instruction in ``texts``, ``TEXT_REF`` in its ``jobs`` row, its
+  enriched instruction and the payloads that repeat it.
+
+:class:`StoreRows` holds that machinery for a store class; each store supplies its own SQL and locking through
+the few methods it overrides (``_instruction_ref``, ``_put_text``, ``_text``; PostgreSQL also
+``_payload_text``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Generic, TypeVar
+
+from ..errors import StoreError
+from ..events import Event, EventBase, JobStatusEvent, check_event, encode_payload, payload_dict
+from .base import TERMINAL_STATES
+from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
+
+__all__ = ["JOB_COLUMNS", "UPDATABLE", "StoreRows", "events_query"]
+
+JOB_COLUMNS = (
+    "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
+    "current_movement", "resume_movement", "movement_seq", "workdir", "options", "enriched",
+    "error", "claimed_by", "created", "updated", "started", "ended", "batch", "batch_case", "batch_variant",
+    "forked_from_job", "forked_from_seq", "lease_until", "lease_gen",
+)
+# lease_gen moves only by claims and recoveries (a fence compares against it)
+UPDATABLE = frozenset(JOB_COLUMNS) - {"id", "created", "lease_gen"}
+
+
+
+def events_query(payload: str, job_id: int, after_id: int, kinds: Sequence[str] | None,
+                 movement_seq: int | None) -> tuple[str, list[Any]]:
+    """The query of :meth:`Store.events` (``?`` placeholders) and its parameters; ``payload`` is the column as the
+    store reads it as text."""
+    sql = f"SELECT id, job_id, movement_seq, iteration, ts, kind, {payload} FROM events WHERE job_id=? AND id>?"
+    params: list[Any] = [job_id, after_id]
+    if kinds:
+        sql += f" AND kind IN ({','.join('?' for _ in kinds)})"
+        params.extend(kinds)
+    if movement_seq is not None:
+        sql += " AND movement_seq=?"
+        params.append(movement_seq)
+    return sql, params
+
+
+C = TypeVar("C")  # the store's connection: the transaction a row is built in
+
+
+class StoreRows(Generic[C]):
+    """Job rows, event rows and large texts, for a store whose transactions hand out connections of type ``C``."""
+
+    # set by the store's __init__
+    _strict: bool  # every appended event is type-checked (events.strict_events, read once)
+    _texts: dict[str, str]  # a few texts by hash (they never change)
+    _texts_lock: AbstractContextManager[Any]  # guards _texts
+
+    # -- each store's own SQL ---------------------------------------------------------------------------------
+    def _instruction_ref(self, c: C, job_id: int) -> str | None:
+        """The hash of job ``job_id``'s stored instruction, or None when it is kept inline."""
+        raise NotImplementedError
+
+    def _put_text(self, c: C, body: str) -> str:
+        """Store ``body`` once in ``texts`` (in transaction ``c``); its hash."""
+        raise NotImplementedError
+
+    def _text(self, ref: str) -> str:
+        """The text stored under hash ``ref``."""
+        raise NotImplementedError
+
+    def _payload_text(self, data: dict[str, Any]) -> str:
+        """A payload as the ``events.payload`` text."""
+        return encode_payload(data)
+
+    # -- jobs --------------------------------------------------------------------------------------------------
+    def _job_update(self, c: C, job_id: int, values: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+        """The ``UPDATE`` of job ``job_id``'s row to ``values`` (``?`` placeholders) and its parameters, the
+        instruction and the enriched instruction put by reference (in transaction ``c``)."""
+        bad = set(values) - UPDATABLE
+        if bad:
+            raise StoreError(f"cannot update job columns {sorted(bad)}")
+        values["updated"] = time.time()
+        if "instruction" in values:
+            self._ref_instruction(c, values)
+        if "enriched" in values:
+            self._ref_enriched(c, job_id, values)
+        sets = ", ".join(f"{k}=?" for k in values)
+        return f"UPDATE jobs SET {sets} WHERE id=?", (*values.values(), job_id)
+
+    def _status_change(self, job_id: int, status: str, reason: str, values: dict[str, Any]) -> JobStatusEvent:
+        """The ``job_status`` event of job ``job_id`` moving to ``status``, and the row ``values`` that go with
+        it filled in: the end time of a job that ends, no claim or lease on a job that is not running."""
+        now = time.time()
+        if status in TERMINAL_STATES:
+            values.setdefault("ended", now)
+        if status != "running":
+            values.setdefault("claimed_by", None)
+            values.setdefault("lease_until", None)
+        return JobStatusEvent(job_id=job_id, ts=now, status=status, reason=reason)
+
+    # -- events ------------------------------------------------------------------------------------------------
+    def _event_row(self, c: C | None, ev: Event) -> tuple[Any, ...]:
+        """The ``events`` row of ``ev``: its payload data (events.py), the job's long instruction put by
+        reference (texts.py; needs the transaction ``c``), then encoded by events.py's one encoder."""
+        if not isinstance(ev, EventBase):
+            raise StoreError(f"not an event: {ev!r}; the store appends only agentnb.events objects")
+        if self._strict:
+            check_event(ev)
+        data = payload_dict(ev)
+        if ev.kind in REF_FIELDS:
+            assert c is not None, "a referencing payload is built inside its transaction"
+            data = self._ref_payload(c, ev.job_id, ev.kind, data)
+        return ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(), ev.kind, self._payload_text(data)
+
+    def _rows_before(self, events: Iterable[Event]) -> list[tuple[Any, ...] | Event]:
+        """The rows of ``events`` built (and checked) before any transaction, each but the payloads that refer
+        to the job's stored instruction (they read its reference): those stay events, for :meth:`_rows_in`."""
+        return [ev if isinstance(ev, EventBase) and ev.kind in REF_FIELDS else self._event_row(None, ev)
+                for ev in events]
+
+    def _rows_in(self, c: C, rows: list[tuple[Any, ...] | Event]) -> list[tuple[Any, ...]]:
+        """:meth:`_rows_before`'s rows with the rest built, in the transaction ``c``."""
+        return [r if isinstance(r, tuple) else self._event_row(c, r) for r in rows]
+
+    def _ref_payload(self, c: C, job_id: int, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """The payload to store: the job's long instruction replaced by TEXT_REF in the fields that repeat it."""
+        ref = self._instruction_ref(c, job_id)
+        if ref is None:
+            return payload
+        refs = {}
+        out = dict(payload)
+        for key in REF_FIELDS[kind]:
+            replaced = self._replace(out.get(key), ref)
+            if replaced is not None:
+                out[key], refs[key] = replaced, ref
+        if refs:
+            out["_texts"] = refs
+        return out
+
+    def _expand(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
+        """An event row with the texts its payload refers to put back, as it was recorded."""
+        if '"_texts"' not in row[6]:
+            return row
+        data = json.loads(row[6])
+        refs = data.pop("_texts", None)
+        if isinstance(refs, dict):
+            for key, ref in refs.items():
+                if isinstance(data.get(key), str):
+                    data[key] = data[key].replace(TEXT_REF, self._text(ref))
+        return (*row[:6], data)
+
+    # -- large texts, stored once (see texts.py) --------------------------------------
+    def _ref_instruction(self, c: C, values: dict[str, Any]) -> None:
+        text = values.get("instruction")
+        values["instruction_ref"] = None
+        if isinstance(text, str) and len(text) >= TEXT_REF_MIN_CHARS:
+            values["instruction_ref"] = self._put_text(c, text)
+            values["instruction"] = TEXT_REF
+
+    def _ref_enriched(self, c: C, job_id: int, values: dict[str, Any]) -> None:
+        values["enriched_ref"] = None
+        ref = self._instruction_ref(c, job_id)
+        if ref is not None:
+            replaced = self._replace(values["enriched"], ref)
+            if replaced is not None:
+                values["enriched"], values["enriched_ref"] = replaced, ref
+
+    def _replace(self, value: Any, ref: str) -> str | None:
+        """``value`` with the text ``ref`` replaced by TEXT_REF, or None when it cannot be (or need not be).
+
+        A value that already holds TEXT_REF is kept as it is: on reading, every TEXT_REF in a
+        referencing value is expanded, so it must hold none of its own.
+        """
+        if not isinstance(value, str) or TEXT_REF in value:
+            return None
+        body = self._text(ref)
+        return value.replace(body, TEXT_REF) if body in value else None
+
+    def _remember(self, ref: str, body: str) -> None:
+        # texts never change (a hash names each), so a few are kept: Store.job runs once per step
+        with self._texts_lock:
+            if len(self._texts) >= 8:
+                self._texts.pop(next(iter(self._texts)))
+            self._texts[ref] = body
+
+    def _job_dict(self, row: Any) -> dict[str, Any]:
+        """A ``jobs`` row (a mapping of column → value) as the job it stores: its texts put back."""
+        job = dict(row)
+        ref, enriched_ref = job.pop("instruction_ref", None), job.pop("enriched_ref", None)
+        if ref is not None:
+            job["instruction"] = self._text(ref)
+        if enriched_ref is not None and job.get("enriched"):
+            job["enriched"] = job["enriched"].replace(TEXT_REF, self._text(enriched_ref))
+        return job
