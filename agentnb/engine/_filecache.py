@@ -33,10 +33,10 @@ _READ_CHUNK = 1 << 20
 
 # Called with the path of every file whose bytes are read here (hashed or read to be stored): tests and
 # benchmarks count the reads through it; None in use.
-on_read: Callable[[Path], None] | None = None
+on_read: Callable[[str | Path], None] | None = None
 
 
-def open_regular(path: Path) -> int:
+def open_regular(path: str | Path) -> int:
     """A descriptor of the regular file ``path``; FileNotFoundError when it is gone or is no longer a regular
     file (a tool may swap it for a link or a FIFO at any moment: never followed, never waited on)."""
     try:
@@ -51,7 +51,7 @@ def open_regular(path: Path) -> int:
     return fd
 
 
-def _hash_open(path: Path) -> tuple[str, os.stat_result]:
+def _hash_open(path: str | Path) -> tuple[str, os.stat_result]:
     """The sha256 of the regular file ``path`` and the stat of the very file read (taken before reading)."""
     fd = open_regular(path)
     with os.fdopen(fd, "rb") as fh:
@@ -64,12 +64,12 @@ def _hash_open(path: Path) -> tuple[str, os.stat_result]:
     return digest.hexdigest(), st
 
 
-def hash_file(path: Path) -> str:
+def hash_file(path: str | Path) -> str:
     """The sha256 of the regular file ``path``, read now (FileNotFoundError as :func:`open_regular`)."""
     return _hash_open(path)[0]
 
 
-def read_regular(path: Path) -> tuple[bytes, os.stat_result]:
+def read_regular(path: str | Path) -> tuple[bytes, os.stat_result]:
     """The bytes of the regular file ``path`` and its stat (FileNotFoundError as :func:`open_regular`)."""
     fd = open_regular(path)
     with os.fdopen(fd, "rb") as fh:
@@ -102,7 +102,7 @@ class FileCache:
     def __len__(self) -> int:
         return len(self._seen)
 
-    def sha256(self, rel: str, full: Path, st: os.stat_result, since_ns: int) -> tuple[str, os.stat_result]:
+    def sha256(self, rel: str, full: str | Path, st: os.stat_result, since_ns: int) -> tuple[str, os.stat_result]:
         """The sha256 of regular file ``full`` (``rel`` in the work directory, ``st`` its ``lstat``) and the stat
         that goes with it: the cached hash when ``st`` is the stat it was hashed at and that hash is settled, else
         read and hashed now.  ``since_ns`` is ``time.time_ns()`` taken before ``st`` was (the scan's start).
@@ -115,7 +115,7 @@ class FileCache:
         self._seen[rel] = _Seen(_fingerprint(read_st), sha, settled)
         return sha, read_st
 
-    def written(self, rel: str, full: Path, sha: str) -> None:
+    def written(self, rel: str, full: str | Path, sha: str) -> None:
         """``full`` was just written with bytes of hash ``sha`` (a materialise): known, but not settled."""
         try:
             st = os.lstat(full)

@@ -146,7 +146,7 @@ class _Local:
     mode: int
     size: int
     sha256: str
-    full: Path
+    full: str
     link: str | None = None
 
     def row(self) -> StoredFile:
@@ -169,23 +169,30 @@ def _sha_or_none(path: Path) -> str | None:
         return None
 
 
-def _entries(workdir: Path) -> dict[str, tuple[Path, os.stat_result]]:
+def _entries(workdir: Path) -> dict[str, tuple[str, os.stat_result]]:
     """Everything under ``workdir`` that is not a folder (links to folders included), by POSIX relative path;
-    no link is followed."""
-    found: dict[str, tuple[Path, os.stat_result]] = {}
+    no link is followed.  (``os.scandir`` and string paths: it runs after every tool call, and making a
+    ``Path`` of each file cost more than its ``lstat``.)"""
+    found: dict[str, tuple[str, os.stat_result]] = {}
     if not workdir.is_dir():
         return found
-    for dirpath, dirnames, filenames in os.walk(workdir):
-        here = Path(dirpath)
-        for name in (*dirnames, *filenames):
-            full = here / name
-            try:
-                st = os.lstat(full)
-            except FileNotFoundError:  # gone while we looked
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                continue
-            found[full.relative_to(workdir).as_posix()] = (full, st)
+    folders = [(str(workdir), "")]
+    while folders:
+        folder, prefix = folders.pop()
+        try:
+            listing = os.scandir(folder)
+        except OSError:  # gone, or replaced, while we looked (os.walk skips it too)
+            continue
+        with listing:
+            for entry in listing:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # gone while we looked
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    folders.append((entry.path, f"{prefix}{entry.name}/"))
+                else:
+                    found[prefix + entry.name] = (entry.path, st)
     return found
 
 
@@ -351,24 +358,24 @@ def materialise(store: Store, job_id: int, workdir: Path, cache: FileCache | Non
     folders = {str(p) for rel in rows for p in PurePosixPath(rel).parents if str(p) != "."}
     for rel, (full, _st) in sorted(local.items(), reverse=True):
         if rel not in rows:
-            full.unlink()
-            _prune(root, full.parent)
+            os.unlink(full)
+            _prune(root, Path(full).parent)
     for rel in sorted(folders):
-        full = root / rel
-        if full.is_symlink() or (full.exists() and not full.is_dir()):
-            full.unlink()
+        folder = root / rel
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            folder.unlink()
     data = store.file_data(job_id, wanted) if wanted else {}
     for rel in wanted:
         if rel not in data:  # deleted by the job's new owner since we listed it: the next claim catches up
             continue
         _place(root, _safe_rel(job_id, rel), int(rows[rel]["mode"]), data[rel])
         if stat.S_ISREG(int(rows[rel]["mode"])):
-            cache.written(rel, root / rel, str(rows[rel]["sha256"]))
+            cache.written(rel, str(root / rel), str(rows[rel]["sha256"]))
     cache.keep_only(rel for rel, row in rows.items() if stat.S_ISREG(int(row["mode"])))
     return [rel for rel in wanted if rel in data]
 
 
-def _cached_sha(cache: FileCache, rel: str, full: Path, st: os.stat_result, since: int) -> str | None:
+def _cached_sha(cache: FileCache, rel: str, full: str, st: os.stat_result, since: int) -> str | None:
     try:
         return cache.sha256(rel, full, st, since)[0]
     except FileNotFoundError:
