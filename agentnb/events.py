@@ -258,9 +258,18 @@ class CommentEvent(EventBase):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ErrorEvent(EventBase):
+    """Something failed; ``message`` is the line a user reads, ``where`` the part that failed.
+
+    ``detail`` is the cause alone, as data, where a reader needs it apart from the message: a failed
+    compaction's summarisation call (``where: "compaction"``) keeps its model error there, which a fork or
+    replay re-serves (``models/replay.py``).  None (and absent from the payload) otherwise, and in every
+    error event stored before it existed.
+    """
+
     kind: ClassVar[Literal["error"]] = "error"
     message: str
     where: str = ""
+    detail: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -445,7 +454,8 @@ def _payload_fields(cls: type[EventBase]) -> dict[str, str]:
 # does not use them stays what it was (and a replay's events stay equal to its original's).
 _OMIT_NONE: dict[EventKind, tuple[str, ...]] = {"movement_start": ("replayed_from",),
                                                 "llm_request": ("purpose",),
-                                                "llm_response": ("replayed_from", "purpose")}
+                                                "llm_response": ("replayed_from", "purpose"),
+                                                "error": ("detail",)}
 _ROW_IN_PAYLOAD: dict[str, frozenset[str]] = {"context_action": frozenset({"iteration"}),
                                               "replay_divergence": frozenset({"iteration"}),
                                               "compaction": frozenset({"iteration"})}

@@ -25,6 +25,7 @@ from .batch import (
     score_jobs,
 )
 from .engine.jobfiles import (
+    FileCache,
     check_total,
     file_listing,
     local_workdir,
@@ -143,6 +144,9 @@ class Workspace:
             self.store = open_store(self.root / "agentnb.sqlite" if store is None else store, readonly=readonly,
                                     lease=self.lease)
         self._runners: dict[int, tuple[JobRunner, tuple[Any, ...]]] = {}
+        # job → its work directory's hashes as this process last saw them (engine/_filecache.py), from the claim's
+        # materialise to the write-backs of its runner; forgotten when the job ends here
+        self._file_caches: dict[int, FileCache] = {}
         self._lock = threading.RLock()
         self._stops: dict[int, threading.Event] = {}
 
@@ -337,7 +341,8 @@ class Workspace:
         opts = json.loads(row.get("options") or "{}")
         settings = {**self.model_settings, **{k: opts[k] for k in ("retries", "max_backoff") if k in opts}}
         model = resolve_model(row["model"], store=self.store, **settings)
-        runner = JobRunner(self.store, dict(row), model, self.root / "jobs", files_limit=self.files_limit)
+        runner = JobRunner(self.store, dict(row), model, self.root / "jobs", files_limit=self.files_limit,
+                           file_cache=self._file_caches.setdefault(job_id, FileCache()) if self.store.keeps_files else None)
         self._runners[job_id] = (runner, mark)
         return runner
 
@@ -398,7 +403,8 @@ class Workspace:
         if self.store.keeps_files:  # it may have run elsewhere: its files as of its last movement end
             try:
                 prepare_workdir(self.root, job_id, None)
-                materialise(self.store, job_id, local_workdir(self.root, row, True))
+                materialise(self.store, job_id, local_workdir(self.root, row, True),
+                            self._file_caches.setdefault(job_id, FileCache()))
             except Exception as exc:
                 return self._setup_failed(job_id, exc)
         with self._lock:
@@ -434,6 +440,8 @@ class Workspace:
                 self.store.set_status(c, job_id, "queued", reason=reason)
         with self._lock:
             self._runners[job_id] = (runner, self._runner_mark(job_id))
+        if status in TERMINAL_STATES:
+            self._file_caches.pop(job_id, None)  # a retry starts from a fresh claim
         return self.job(job_id)
 
     def _setup_failed(self, job_id: int, exc: Exception) -> Job:

@@ -892,6 +892,70 @@ def test_a_fork_and_a_replay_across_a_failed_summary_take_the_same_fall_back(
     assert payloads(ws, fork, "compaction") == payloads(ws, original, "compaction")
 
 
+def _failed_summary_job(server: OpenAIServer, tmp_path: Path) -> tuple[Workspace, Any, int]:
+    """A job whose first run's summarisation call failed (HTTP 500), and the server's request count after it."""
+    run_a = [globs(1, 1_000), globs(1, 1_100), globs(2, 3_500), *error(500, "the summariser is down"), _to("b")]
+    server.play(*run_a, *_run_of("c", "b"), *_run_of("COMPLETE", "c"))
+    ws = Workspace(tmp_path / "ws")
+    original = ws.run(ws.submit("Go.", piece=str(_three_runs(tmp_path)), model=MODEL))
+    assert original.status == "succeeded"
+    return ws, original, len(server.received)
+
+
+CAUSE = f"{MODEL}: gave up after 1 tries; last error HTTP 500: the summariser is down"
+
+
+def test_a_failed_compaction_keeps_its_cause_as_a_field_that_forks_re_serve(
+        server: OpenAIServer, tmp_path: Path) -> None:
+    ws, original, n = _failed_summary_job(server, tmp_path)
+    (err,) = of(ws, original, "error")
+    assert err.payload["detail"] == CAUSE  # the cause alone, as data (the message says it in a sentence)
+    server.play(*_run_of("COMPLETE", "c"))
+    fork = ws.fork(original, at=3)
+    assert fork.status == "succeeded" and len(server.received) == n + 6
+    (e,) = of(ws, fork, "error")
+    assert e.payload["detail"] == f"re-served from job {original.id}, whose summarisation call failed here too: {CAUSE}"
+
+
+def _edit_error_payloads(ws: Workspace, job: Any, edit: Any) -> None:
+    """Rewrite job's stored error events as a store written by an older agentnb (or by hand) would hold them."""
+    import sqlite3
+
+    con = sqlite3.connect(ws.root / "agentnb.sqlite")
+    with con:
+        for id_, payload in con.execute("SELECT id, payload FROM events WHERE job_id = ? AND kind = 'error'",
+                                        (job.id,)).fetchall():
+            con.execute("UPDATE events SET payload = ? WHERE id = ?", (json.dumps(edit(json.loads(payload))), id_))
+    con.close()
+
+
+@pytest.mark.sqlite_only("rewrites stored events in the SQLite file as an older agentnb wrote them")
+def test_a_failed_compaction_stored_before_the_detail_field_still_re_serves(
+        server: OpenAIServer, tmp_path: Path) -> None:
+    ws, original, n = _failed_summary_job(server, tmp_path)
+    _edit_error_payloads(ws, original, lambda p: {k: v for k, v in p.items() if k != "detail"})
+    (old,) = of(ws, original, "error")
+    assert "detail" not in old.payload and CAUSE in old.payload["message"]
+    server.play(*_run_of("COMPLETE", "c"))
+    fork = ws.fork(original, at=3)
+    assert fork.status == "succeeded" and len(server.received) == n + 6
+    (e,) = of(ws, fork, "error")  # the cause read back out of the old message's words
+    assert e.payload["detail"] == f"re-served from job {original.id}, whose summarisation call failed here too: {CAUSE}"
+
+
+@pytest.mark.sqlite_only("rewrites a stored event's message in the SQLite file")
+def test_a_re_served_failed_compaction_takes_its_cause_from_the_field_not_the_message(
+        server: OpenAIServer, tmp_path: Path) -> None:
+    ws, original, _n = _failed_summary_job(server, tmp_path)
+    # the message reworded (as a later agentnb may word it): the cause still comes from the field
+    _edit_error_payloads(ws, original, lambda p: {**p, "message": "the summary could not be made"})
+    replay = ws.replay(original)
+    assert replay.status == "succeeded" and not server.actions  # re-served whole: no model asked
+    (e,) = of(ws, replay, "error")
+    assert e.payload["detail"] == f"re-served from job {original.id}, whose summarisation call failed here too: {CAUSE}"
+    assert f"the summarisation call failed: {e.payload['detail']}; the movement goes on" in e.payload["message"]
+
+
 @pytest.fixture
 def interrupt_once() -> Iterator[dict[str, int]]:
     """A read-only tool that is interrupted (Ctrl-C) the first time it runs: the store is left as a kill

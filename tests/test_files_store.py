@@ -348,3 +348,103 @@ def test_compare_files_on_postgres_reads_both_outputs_from_the_store(pg_url: str
     frame = elsewhere.compare(one, two).files()
     assert frame["path"].tolist() == ["r.md"] and frame["change"].tolist() == ["changed"]
     assert "-one" in frame["diff"][0] and "+two" in frame["diff"][0]
+
+
+# -- the write-back after each tool call reads only what changed (engine/_filecache.py) ------------------------
+
+def _wait_until_settled(*paths: Path) -> None:
+    """Wait (only as long as needed) until every path's mtime and ctime are RACY_NS in the past: from then on
+    an unchanged stat is trusted."""
+    import time
+
+    from agentnb.engine._filecache import RACY_NS
+
+    newest = max(max(os.stat(p).st_mtime_ns, os.stat(p).st_ctime_ns) for p in paths)
+    left = newest + RACY_NS - time.time_ns()
+    if left > 0:
+        time.sleep(left / 1e9 + 0.05)
+
+
+REWRITE = """
+name: rewrite
+movements:
+  - name: work
+    instruction: Work.
+    tools: [Write, Glob, files_test_rewrite]
+    permission: edit
+    rules:
+      - {condition: done, next: COMPLETE}
+"""
+
+
+@pytest.fixture
+def rewrite_tool() -> Any:
+    """A tool that rewrites a file in place with bytes of the same size and puts its mtime back, as a tool that
+    keeps times (``cp -p``, ``tar``) or a file system whose clock ticks by the second would leave it."""
+    import agentnb
+
+    @agentnb.tool(name="files_test_rewrite", permission="edit")
+    def rewrite(ctx: Any, path: str, content: str) -> str:
+        """Rewrite a file in place, keeping its size and mtime."""
+        full = Path(ctx.workdir) / path
+        before = os.stat(full)
+        with open(full, "r+b") as fh:
+            fh.write(content.encode())
+        os.utime(full, ns=(before.st_atime_ns, before.st_mtime_ns))
+        after = os.stat(full)
+        same = (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+        return "rewritten, same inode, size and mtime" if same else "rewritten, but its stat changed"
+
+    yield
+    agentnb.tools.base.unregister("files_test_rewrite")
+
+
+@needs_pg
+def test_unchanged_files_are_not_read_again_and_a_same_size_rewrite_still_is(
+        pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rewrite_tool: None) -> None:
+    from agentnb.engine import _filecache
+
+    ws = Workspace(tmp_path / "w", store=pg_url)
+    spec = write_script(tmp_path, {"responses": [
+        call("Write", path="output/a.txt", content="aaaa"), call("Glob", pattern="*"), call("Glob", pattern="*"),
+        call("files_test_rewrite", path="output/a.txt", content="AAAA"), call("Write", path="output/b.txt", content="b"),
+        call("Glob", pattern="*"), transition("COMPLETE", "done"),
+    ]})
+    big = os.urandom(1 << 20)
+    job = ws.submit("Write two files", piece=write_piece(tmp_path, REWRITE), model=spec,
+                    inputs={"big.bin": big, "notes.md": "n"})
+    wd = ws.root / "jobs" / str(job.id)
+    reads: list[str] = []
+    monkeypatch.setattr(_filecache, "on_read", lambda p: reads.append(Path(p).relative_to(wd).as_posix()))
+
+    def step() -> list[str]:
+        reads.clear()
+        assert ws.step(job, unit="call").status == "queued"
+        return sorted(reads)
+
+    def stored(path: str) -> str:
+        return str(ws.files(job).set_index("path").loc[path, "sha256"])
+
+    assert "output/a.txt" in step()  # call 1 writes a.txt: read to be stored
+    assert stored("output/a.txt") == _sha("aaaa")
+    files = [wd / "input" / "big.bin", wd / "input" / "notes.md", wd / "output" / "a.txt"]
+    _wait_until_settled(*files)
+    # each file hashed once more, now that its timestamps are old enough to vouch for it (at the claim)
+    assert step() == ["input/big.bin", "input/notes.md", "output/a.txt"]
+    assert step() == []  # a claim and a tool call that change nothing read nothing
+
+    # call 4 rewrites a.txt in place: the same inode, size and mtime; only its ctime tells
+    read = step()
+    assert _results(ws, job)[-1] == "rewritten, same inode, size and mtime"
+    assert "output/a.txt" in read and "input/big.bin" not in read
+    assert stored("output/a.txt") == _sha("AAAA")
+
+    # a.txt was changed less than 2 s before it was hashed: its stat cannot vouch for it yet (a rewrite in the
+    # same clock tick would leave it the same), so the next tool call hashes it again, unchanged as it is
+    a_stat = os.stat(files[2])
+    read = step()  # call 5 writes b.txt
+    assert read.count("output/a.txt") >= 1 and "output/b.txt" in read and "input/big.bin" not in read
+    assert os.stat(files[2]) == a_stat
+    assert stored("output/b.txt") == _sha("b")
+    assert ws.run(job).status == "succeeded"
+    assert stored("input/big.bin") == _sha(big) and stored("output/a.txt") == _sha("AAAA")

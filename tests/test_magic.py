@@ -556,3 +556,72 @@ def test_the_line_above_a_stepped_job_says_paused_like_its_view(shell: Interacti
     line = _html(cap.outputs)[-1]
     assert line.startswith(f"<div>Job {job.id} <b>paused</b>") and "its view is below" in line, line
     assert re.search(r'anb-st-paused"[^>]*>paused<', job._repr_html_())
+
+
+# -- a workspace the settings replace is closed (its PostgreSQL pool with it) ----------------------------------
+
+def _connections(url: str) -> int:
+    """The sessions open on ``url``'s database, this query's own left out."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                           "AND pid <> pg_backend_pid()").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.needs("postgres", "psycopg")
+def test_changing_the_store_closes_the_old_workspaces_pool(shell: InteractiveShell, pg_url: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTNB_STORE", raising=False)
+    magic = shell.magics_manager.registry["AgentMagic"]
+    shell.run_line_magic("config", f"AgentMagic.store = {pg_url!r}")
+    try:
+        with capture_output():
+            job = shell.run_line_magic("agent", "run --piece single hello")
+            panel = shell.run_line_magic("agent", "panel")
+        assert job.status == "waiting_human"
+        old = magic.ws
+        assert _connections(pg_url) >= 1  # the workspace's pool
+    finally:
+        shell.run_line_magic("config", "AgentMagic.store = ''")
+    _wait_for(lambda: _connections(pg_url) == 0)  # a server session ends just after its client hangs up
+    assert panel._closed.is_set()  # the panel of that workspace stopped watching it
+    with pytest.raises(Exception, match="closed"):
+        old.jobs()
+    assert magic.ws is not old and magic.ws.store_url is None
+
+
+@pytest.mark.needs("postgres", "psycopg")
+def test_a_store_changed_under_a_background_job_is_closed_when_the_job_ends(
+        shell: InteractiveShell, pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTNB_STORE", raising=False)
+    gate = _Gate("TestGateRetire")
+    magic = shell.magics_manager.registry["AgentMagic"]
+    try:
+        script = write_script(tmp_path, "gate", {"work": [call(gate.name), transition("COMPLETE")]})
+        piece = _work_piece(tmp_path, [gate.name])
+        shell.run_line_magic("config", f"AgentMagic.store = {pg_url!r}")
+        with capture_output():
+            job = shell.run_line_magic("agent", f'run --background --piece {piece} --model {script} "t"')
+            watcher = magic.threads[job.id]
+            shell.run_line_magic("config", "AgentMagic.store = ''")  # while the job waits at its gate
+            assert magic.ws.store_url is None and magic.ws.jobs() == []  # the notebook is on the other store now
+            assert watcher.is_alive() and _connections(pg_url) >= 1  # the job's workspace stays open under it
+            gate.open.set()
+            watcher.join(30)
+        assert not watcher.is_alive()
+        with psycopg_connection(pg_url) as conn:
+            assert conn.execute("SELECT status FROM jobs WHERE id = %s", (job.id,)).fetchone() == ("succeeded",)
+        _wait_for(lambda: _connections(pg_url) == 0)  # closed once the run and its view ended
+    finally:
+        gate.open.set()
+        unregister(gate.name)
+        shell.run_line_magic("config", "AgentMagic.store = ''")
+
+
+def psycopg_connection(url: str) -> Any:
+    import psycopg
+
+    return psycopg.connect(url, autocommit=True)

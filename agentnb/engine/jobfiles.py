@@ -15,7 +15,9 @@ tools never follow one out either), nor are FIFOs, sockets or devices, nor empty
 **When.**  At submit, the ``input/`` files, in the submit's transaction (:func:`read_rows`).  At each claim,
 :func:`materialise` makes the local work directory what the store holds.  When a movement ends (and when a job
 ends or pauses), :func:`plan_write_back` compares the work directory with the store, and the runner writes the
-difference in the transaction that records the movement (:meth:`WriteBack.apply`).
+difference in the transaction that records the movement (:meth:`WriteBack.apply`).  A running job's
+:class:`~agentnb.engine._filecache.FileCache` (filled by :func:`materialise`) spares reading and hashing again
+a file whose stat has not changed since it was last hashed (racily clean files excepted, as there).
 
 **How much.**  At most ``files_limit`` bytes of files per job (:data:`DEFAULT_FILES_LIMIT`, ``AGENTNB_FILES_LIMIT``,
 :func:`parse_files_limit`): more is refused at submit, and fails the job at a movement end with nothing written.
@@ -23,12 +25,12 @@ difference in the transaction that records the movement (:meth:`WriteBack.apply`
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import re
 import shutil
 import stat
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreError, UsageError
 from ..store.base import StoredFile
+from ._filecache import FileCache, hash_file, read_regular
 
 if TYPE_CHECKING:
     from ..store.base import Store, Transaction
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_FILES_LIMIT",
     "FILES_LIMIT_ENV",
+    "FileCache",
     "FilesOverLimit",
     "WriteBack",
     "check_total",
@@ -63,7 +67,6 @@ FILES_LIMIT_ENV = "AGENTNB_FILES_LIMIT"
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 _LIMIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-_READ_CHUNK = 1 << 20
 # the folders every work directory has (engine/workdir.py): never removed when a materialise empties them
 _KEPT_FOLDERS = ("input", "output", "logs")
 
@@ -143,7 +146,7 @@ class _Local:
     mode: int
     size: int
     sha256: str
-    full: Path
+    full: str
     link: str | None = None
 
     def row(self) -> StoredFile:
@@ -151,74 +154,59 @@ class _Local:
         if self.link is not None:
             data = os.fsencode(self.link)
             return StoredFile(self.path, self.mode, len(data), self.sha256, data)
-        with os.fdopen(_open_regular(self.full), "rb") as fh:
-            data = fh.read()
-        return StoredFile(self.path, self.mode, len(data), hashlib.sha256(data).hexdigest(), data)
+        data, st = read_regular(self.full)
+        return StoredFile(self.path, st.st_mode, len(data), hashlib.sha256(data).hexdigest(), data)
 
 
 def _inside(real: str, root: str) -> bool:
     return real == root or real.startswith(root + os.sep)
 
 
-def _open_regular(path: Path) -> int:
-    """A descriptor of the regular file ``path``; FileNotFoundError when it is gone or is no longer a regular
-    file (a tool may swap it for a link or a FIFO at any moment: never followed, never waited on)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO):
-            raise FileNotFoundError(str(path)) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise FileNotFoundError(str(path))
-    return fd
-
-
-def _hash_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with os.fdopen(_open_regular(path), "rb") as fh:
-        while chunk := fh.read(_READ_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _sha_or_none(path: Path) -> str | None:
     try:
-        return _hash_file(path)
+        return hash_file(path)
     except FileNotFoundError:
         return None
 
 
-def _entries(workdir: Path) -> dict[str, tuple[Path, os.stat_result]]:
+def _entries(workdir: Path) -> dict[str, tuple[str, os.stat_result]]:
     """Everything under ``workdir`` that is not a folder (links to folders included), by POSIX relative path;
-    no link is followed."""
-    found: dict[str, tuple[Path, os.stat_result]] = {}
+    no link is followed.  (``os.scandir`` and string paths: it runs after every tool call, and making a
+    ``Path`` of each file cost more than its ``lstat``.)"""
+    found: dict[str, tuple[str, os.stat_result]] = {}
     if not workdir.is_dir():
         return found
-    for dirpath, dirnames, filenames in os.walk(workdir):
-        here = Path(dirpath)
-        for name in (*dirnames, *filenames):
-            full = here / name
-            try:
-                st = os.lstat(full)
-            except FileNotFoundError:  # gone while we looked
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                continue
-            found[full.relative_to(workdir).as_posix()] = (full, st)
+    folders = [(str(workdir), "")]
+    while folders:
+        folder, prefix = folders.pop()
+        try:
+            listing = os.scandir(folder)
+        except OSError:  # gone, or replaced, while we looked (os.walk skips it too)
+            continue
+        with listing:
+            for entry in listing:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # gone while we looked
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    folders.append((entry.path, f"{prefix}{entry.name}/"))
+                else:
+                    found[prefix + entry.name] = (entry.path, st)
     return found
 
 
-def _scan(workdir: Path) -> dict[str, _Local]:
-    """The files and inside-pointing links under ``workdir``, hashed; links that lead out and special files
-    are left out."""
+def _scan(workdir: Path, cache: FileCache | None = None) -> dict[str, _Local]:
+    """The files and inside-pointing links under ``workdir``, hashed (a file ``cache`` trusts is not read);
+    links that lead out and special files are left out."""
     root = os.path.realpath(workdir)
+    cache = FileCache() if cache is None else cache
+    since = time.time_ns()  # before any stat: what the cache measures a file's age against
     out: dict[str, _Local] = {}
     for rel, (full, st) in sorted(_entries(Path(root)).items()):
         if stat.S_ISREG(st.st_mode):
             try:
-                sha = _hash_file(full)
+                sha, st = cache.sha256(rel, full, st, since)
             except FileNotFoundError:
                 continue
             out[rel] = _Local(rel, st.st_mode, st.st_size, sha, full)
@@ -231,6 +219,7 @@ def _scan(workdir: Path) -> dict[str, _Local]:
                 target = os.path.relpath(real, os.path.dirname(full))
             data = os.fsencode(target)
             out[rel] = _Local(rel, st.st_mode, len(data), hashlib.sha256(data).hexdigest(), full, link=target)
+    cache.keep_only(rel for rel, f in out.items() if f.link is None)
     return out
 
 
@@ -266,12 +255,14 @@ class WriteBack:
             store.write_files(c, job_id, self.files, self.removed)
 
 
-def plan_write_back(store: Store, job_id: int, workdir: Path, limit: int) -> WriteBack:
-    """Compare ``workdir`` with job ``job_id``'s files in ``store``; :class:`FilesOverLimit` (nothing to write)
-    when the work directory holds more than ``limit`` bytes."""
+def plan_write_back(store: Store, job_id: int, workdir: Path, limit: int,
+                    cache: FileCache | None = None) -> WriteBack:
+    """Compare ``workdir`` with job ``job_id``'s files in ``store`` (reading only the files ``cache``, the
+    running job's, cannot vouch for); :class:`FilesOverLimit` (nothing to write) when the work directory holds
+    more than ``limit`` bytes."""
     what = f"job {job_id}'s work directory"
     then = "nothing was written back: remove large files from the work directory, or raise the limit"
-    local = _scan(workdir)
+    local = _scan(workdir, cache)
     check_total(what, sum(f.size for f in local.values()), limit, then=then)
     stored = {r["path"]: r for r in store.file_rows(job_id)}
     changed: list[StoredFile] = []
@@ -337,13 +328,16 @@ def _place(workdir: Path, rel: PurePosixPath, mode: int, data: bytes) -> None:
     os.replace(tmp, target)
 
 
-def materialise(store: Store, job_id: int, workdir: Path) -> list[str]:
+def materialise(store: Store, job_id: int, workdir: Path, cache: FileCache | None = None) -> list[str]:
     """Make ``workdir`` hold job ``job_id``'s files as the store has them: each file whose sha256 (or link
     target) differs is written with its mode, each local file or link the store does not have is removed.
+    ``cache`` (the running job's) learns every file's hash, and spares reading those it can vouch for.
     Returns the paths written."""
     rows = {r["path"]: r for r in store.file_rows(job_id)}
     workdir.mkdir(parents=True, exist_ok=True)
     root = Path(os.path.realpath(workdir))
+    cache = FileCache() if cache is None else cache
+    since = time.time_ns()
     local = _entries(root)
     wanted: list[str] = []
     for rel, row in rows.items():
@@ -355,7 +349,7 @@ def materialise(store: Store, job_id: int, workdir: Path) -> list[str]:
             if stat.S_ISLNK(mode) and stat.S_ISLNK(st.st_mode):
                 if hashlib.sha256(os.fsencode(os.readlink(full))).hexdigest() == sha:
                     continue
-            elif stat.S_ISREG(mode) and stat.S_ISREG(st.st_mode) and _sha_or_none(full) == sha:
+            elif stat.S_ISREG(mode) and stat.S_ISREG(st.st_mode) and _cached_sha(cache, rel, full, st, since) == sha:
                 if stat.S_IMODE(st.st_mode) != stat.S_IMODE(mode):
                     os.chmod(full, stat.S_IMODE(mode))
                 continue
@@ -364,18 +358,28 @@ def materialise(store: Store, job_id: int, workdir: Path) -> list[str]:
     folders = {str(p) for rel in rows for p in PurePosixPath(rel).parents if str(p) != "."}
     for rel, (full, _st) in sorted(local.items(), reverse=True):
         if rel not in rows:
-            full.unlink()
-            _prune(root, full.parent)
+            os.unlink(full)
+            _prune(root, Path(full).parent)
     for rel in sorted(folders):
-        full = root / rel
-        if full.is_symlink() or (full.exists() and not full.is_dir()):
-            full.unlink()
+        folder = root / rel
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            folder.unlink()
     data = store.file_data(job_id, wanted) if wanted else {}
     for rel in wanted:
         if rel not in data:  # deleted by the job's new owner since we listed it: the next claim catches up
             continue
         _place(root, _safe_rel(job_id, rel), int(rows[rel]["mode"]), data[rel])
+        if stat.S_ISREG(int(rows[rel]["mode"])):
+            cache.written(rel, str(root / rel), str(rows[rel]["sha256"]))
+    cache.keep_only(rel for rel, row in rows.items() if stat.S_ISREG(int(row["mode"])))
     return [rel for rel in wanted if rel in data]
+
+
+def _cached_sha(cache: FileCache, rel: str, full: str, st: os.stat_result, since: int) -> str | None:
+    try:
+        return cache.sha256(rel, full, st, since)[0]
+    except FileNotFoundError:
+        return None
 
 
 def _prune(root: Path, folder: Path) -> None:

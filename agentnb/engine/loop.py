@@ -546,7 +546,7 @@ class AgentLoop:
                 latency_s = (response.latency_s if response.latency_s is not None
                              else round(time.perf_counter() - started, 6))
         except Exception as exc:  # a failed summary falls back to the seed; it never ends the job
-            self._compaction_failed(it, f"the summarisation call failed: {exc}")
+            self._compaction_failed(it, f"the summarisation call failed: {exc}", detail=str(exc))
             return False
         self.counters.call_index += 1
         self.counters.by_movement[name] = self.counters.by_movement.get(name, 0) + 1
@@ -561,7 +561,7 @@ class AgentLoop:
                                  usage=usage, latency_s=latency_s, purpose="compaction",
                                  replayed_from=None if spent else self.reserve.job_id))  # type: ignore[union-attr]
         if not summary:
-            self._compaction_failed(it, "the summarisation call returned no text")
+            self._compaction_failed(it, "the summarisation call returned no text", detail="it returned no text")
             return False
         before = self.ctx.current
         removed, kept = keep_from - 2, len(self.messages) - keep_from
@@ -584,11 +584,14 @@ class AgentLoop:
             encoding=self.ctx.counter.encoding,  # the tokenizer behind tiktoken counts and budgets
         )
 
-    def _compaction_failed(self, it: int, why: str) -> None:
+    def _compaction_failed(self, it: int, why: str, *, detail: str) -> None:
+        # ``detail``: the cause alone (a failed call's own error, which a fork or replay re-serves as data,
+        # models/replay.py), ``why`` that cause in the message's words
         self.rec.add(ErrorEvent(
             job_id=self.rec.job_id, movement_seq=self.seq, iteration=it, ts=time.time(), where="compaction",
             message=f"compaction {self.compactions + 1} of run {self.seq} ({self.movement.name}): {why}; the "
                     "movement goes on uncompacted (the seed's wrap-up and forced transition apply)",
+            detail=detail,
         ))
         self._compaction_off = True
 

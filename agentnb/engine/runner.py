@@ -25,7 +25,7 @@ from ..models.replay import Recording
 from ..store.base import LeaseLost
 from ..tools.base import ToolError, open_regular, unlinked_path
 from .context import ContextManager, job_thresholds, window_for_model
-from .jobfiles import DEFAULT_FILES_LIMIT, FilesOverLimit, WriteBack, local_workdir, plan_write_back
+from .jobfiles import DEFAULT_FILES_LIMIT, FileCache, FilesOverLimit, WriteBack, local_workdir, plan_write_back
 from .loop import AgentLoop, CallCounters, Outcome, Recorder, ReplayDiverged
 from .loops import Run, find_loop, judge_instruction, last_judgements
 from .pieces import Movement, Piece, parse_piece
@@ -43,7 +43,7 @@ class JobRunner:
     """Drives one job; one instance per job per process, rebuilt from the store when needed."""
 
     def __init__(self, store: Store, job: dict[str, Any], model: Model, jobs_root: Path, *,
-                 files_limit: int = DEFAULT_FILES_LIMIT) -> None:
+                 files_limit: int = DEFAULT_FILES_LIMIT, file_cache: FileCache | None = None) -> None:
         self.store = store
         self.job_id = int(job["id"])
         self.model = model
@@ -53,6 +53,9 @@ class JobRunner:
         # where files live in the store, the job works under this process's own folder (engine/jobfiles.py)
         self.workdir = local_workdir(jobs_root.parent, job, store.keeps_files)
         self.files_limit = files_limit
+        # what this process last hashed of the work directory (the claim's materialise filled it): the write-back
+        # after each tool call reads only the files whose stat changed
+        self.file_cache = FileCache() if file_cache is None else file_cache
         self.logs_dir = jobs_root / str(self.job_id) / "logs"
         self.rec = Recorder(store, self.job_id)
         if store.keeps_files:
@@ -169,7 +172,7 @@ class JobRunner:
         otherwise); :class:`FilesOverLimit` when it holds more than the limit."""
         if not self.store.keeps_files:
             return None
-        return plan_write_back(self.store, self.job_id, self.workdir, self.files_limit)
+        return plan_write_back(self.store, self.job_id, self.workdir, self.files_limit, self.file_cache)
 
     def _pause(self) -> str:
         """Mid-movement (after one call, or stopped): the events so far and the files as they are, so that a

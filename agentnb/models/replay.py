@@ -70,7 +70,7 @@ class Recording:
             elif isinstance(ev, ToolResult):
                 results.setdefault((ev.movement_seq or 0, ev.iteration or 0), []).append(ev)
             elif isinstance(ev, ErrorEvent) and ev.where == "compaction":
-                self.failed_compactions[(ev.movement_seq or 0, ev.iteration or 0)] = ev.message
+                self.failed_compactions[(ev.movement_seq or 0, ev.iteration or 0)] = _failure_cause(ev)
         # one Recording per job re-served from, reaching its last run this job re-served (not only the first:
         # a Recording built for run 1 holds no calls of run 2)
         reach: dict[int, int] = {}
@@ -114,9 +114,7 @@ class Recording:
         response (None when it did not fail there, or failed only on an empty answer, which is re-served)."""
         if (seq, iteration) not in self.failed_compactions or (seq, iteration) in self._by_key:
             return None
-        message = self.failed_compactions[(seq, iteration)]
-        # the engine's words are "…: the summarisation call failed: WHY; the movement goes on …": keep WHY
-        why = message.split("call failed: ", 1)[-1].rsplit("; the movement goes on", 1)[0]
+        why = self.failed_compactions[(seq, iteration)]
         if why.startswith("re-served from job "):  # a fork of a fork: already names the job that failed live
             return ModelError(why)
         return ModelError(f"re-served from job {self.job_id}, whose summarisation call failed here too: {why}")
@@ -135,6 +133,14 @@ class Recording:
     def replayed_runs(self) -> Sequence[int]:
         """The runs this job itself re-served from another job's record."""
         return sorted(self._replayed_runs)
+
+
+def _failure_cause(ev: ErrorEvent) -> str:
+    """Why a compaction failed: its event's ``detail``; an event stored before that field existed has the
+    cause only inside its message, "…: the summarisation call failed: WHY; the movement goes on …"."""
+    if ev.detail is not None:
+        return ev.detail
+    return ev.message.split("call failed: ", 1)[-1].rsplit("; the movement goes on", 1)[0]
 
 
 class ReplayModel:

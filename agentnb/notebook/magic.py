@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from os import PathLike
 from pathlib import Path
@@ -41,6 +42,7 @@ from ..store.base import JOB_STATES, owned_by_this_process
 from ..views.render import KEEPER, duration, job_html, job_stats, plural
 from ..views.style import ERROR_COLOUR
 from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
+from ._retire import Retirement
 from .vars import VarError, expand, expand_value, split_line
 
 __all__ = ["SUBCOMMANDS", "AgentMagic", "expand_braces", "load_ipython_extension"]
@@ -138,11 +140,25 @@ class AgentMagic(Magics):
         self.last_job: int | None = None
         self._used_job: int | None = None  # the job the running command named (see agent())
         self.threads: dict[int, threading.Thread] = {}
+        # the workspace a setting replaced is closed once no run started here is on it (_retire.py)
+        self.retirement = Retirement()
+        self._panels: weakref.WeakSet[Any] = weakref.WeakSet()
 
     @observe("workspace", "store")
     def _workspace_changed(self, change: Any) -> None:
-        self._ws = None
+        old, self._ws = self._ws, None
         self.last_job = None  # job ids belong to a workspace
+        if old is not None:
+            def close_panels() -> None:
+                for panel in [p for p in self._panels if p.ws is old]:
+                    panel.close()
+
+            self.retirement.retire(old, close_panels)
+
+    def holding(self, ws: Workspace) -> contextlib.AbstractContextManager[None]:
+        """Keep ``ws`` open while a run started from the notebook (or its panel) is on it, even if a setting
+        replaces it meanwhile."""
+        return self.retirement.using(ws)
 
     @property
     def ws(self) -> Workspace:
@@ -267,13 +283,16 @@ class AgentMagic(Magics):
         returns at once, and the view goes on updating until the job stops.
         """
         job_id = job.id
+        # the run's own workspace: a setting changed meanwhile opens another, and this one is closed when the
+        # run and its view end (self.retirement)
+        ws = self.ws
         running = self.threads.get(job_id)
         if running is not None and running.is_alive():
             raise UsageError(f"job {job_id} is already running in the background of this session")
 
         def view() -> HTML:
             # KEEPER: what the user opens or closes in the view stays so while it is redrawn
-            return HTML(KEEPER + job_html(self.ws, job_id))
+            return HTML(KEEPER + job_html(ws, job_id))
 
         handle = display(view(), display_id=True)
         failure: list[BaseException] = []
@@ -284,9 +303,9 @@ class AgentMagic(Magics):
         def work() -> None:
             try:
                 if unit is None:
-                    self.ws.run(job_id)
+                    ws.run(job_id)
                 else:
-                    self.ws.step(job_id, unit=unit)
+                    ws.step(job_id, unit=unit)
             except BaseException as exc:
                 failure.append(exc)
             finally:
@@ -298,7 +317,7 @@ class AgentMagic(Magics):
             seen = -1
             while True:
                 alive = not done.is_set()
-                mark = self.ws.store.last_event_id(job_id)
+                mark = ws.store.last_event_id(job_id)
                 if mark != seen and handle is not None:
                     seen = mark
                     handle.update(view())
@@ -308,14 +327,21 @@ class AgentMagic(Magics):
             if handle is not None:
                 handle.update(view())
 
+        def watch_then_release() -> None:
+            try:
+                watch()
+            finally:
+                self.retirement.leave(ws)
+
+        self.retirement.enter(ws)
         if background:
             worker.start()
-            watcher = threading.Thread(target=watch, name=f"agentnb-watch-{job_id}", daemon=True)
+            watcher = threading.Thread(target=watch_then_release, name=f"agentnb-watch-{job_id}", daemon=True)
             self.threads[job_id] = watcher
             watcher.start()
             # A Job shown as this cell's value would be drawn once, as "running", and stay so: say instead
             # that the view above is the live one (for this cell only; later cells show the job in full).
-            result = self.ws.job(job_id)
+            result = ws.job(job_id)
             object.__setattr__(result, "_shown_live", True)
             self._after_cell(lambda value: object.__setattr__(result, "_shown_live", False))
             return result
@@ -327,9 +353,9 @@ class AgentMagic(Magics):
             if worker.ident is None:  # interrupted before the job's thread existed: nothing ran
                 raise
             # asked again until the run ends: a run that was only starting clears a request made before it
-            self.ws.stop(job_id)
+            ws.stop(job_id)
             while not done.wait(0.25):
-                self.ws.stop(job_id)
+                ws.stop(job_id)
             if handle is not None:
                 handle.update(view())
             if unit is None:
@@ -337,13 +363,15 @@ class AgentMagic(Magics):
                       "or %agent step")
             else:  # a step is already the smallest unit: it was let finish
                 print(f"job {job_id}: the step ran to its end; the job waits for the next %agent step")
+        finally:
+            self.retirement.leave(ws)
         if failure:
             raise UsageError(f"job {job_id}: {_one_line(failure[0])}")
-        result = self.ws.job(job_id)
+        result = ws.job(job_id)
 
         def shrink(value: Any) -> None:
             if value is result and handle is not None:  # the cell's value shows the job in full below
-                handle.update(HTML(_summary_html(self.ws, job_id, below=True)))
+                handle.update(HTML(_summary_html(ws, job_id, below=True)))
 
         self._after_cell(shrink)
         return result
@@ -548,7 +576,9 @@ class AgentMagic(Magics):
         """The interactive panel: job list, run / step / reply / stop, progress and context bars."""
         from .panel import Panel
 
-        return Panel(self.ws, magic=self)
+        panel = Panel(self.ws, magic=self)
+        self._panels.add(panel)  # closed with its workspace when a setting replaces it
+        return panel
 
     @magic_arguments(name="agent pieces")
     def cmd_pieces(self, args: Any, cell: str | None) -> Any:

@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Protocol
 
 import ipywidgets as w
@@ -75,6 +76,10 @@ class NotebookSession(Protocol):
     def shell(self) -> InteractiveShell | None: ...
 
     last_job: int | None
+
+    def holding(self, ws: Workspace) -> AbstractContextManager[None]:
+        """Keep ``ws`` open while the block runs, even if the session's settings replace it meanwhile."""
+        ...
 
 
 def context_bar_html(ratio: float | None, thresholds: dict[str, float], tokens: int | None = None,
@@ -387,6 +392,11 @@ class Panel(w.VBox):
             self._enable(None)
 
         def work() -> None:
+            # the magic closes a workspace its settings replaced only once this action is over
+            with self.magic.holding(self.ws) if self.magic is not None else nullcontext():
+                act()
+
+        def act() -> None:
             try:
                 fn(selected)
             except AgentnbError as exc:  # a user's mistake: its one-line message alone
