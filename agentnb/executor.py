@@ -253,15 +253,23 @@ def _pause(ws: JobRunnerHost, futures: list[Future[None]], stopping: threading.E
         f.cancel()
     said = False
     pending = {f for f in futures if not f.done()}
-    while pending:
+    # ``active`` too, not only the futures: an interrupt that lands inside ``pool.submit`` (while it waits for
+    # the thread it started) leaves that job's future out of ``futures`` and its thread out of the pool's
+    # shutdown, though the job already runs
+    while True:
         try:
             with lock:
                 running = sorted(active)
+            if not pending and not running:
+                break
             # asked again on every tick: a job whose thread had not yet begun its run when first asked
             # would otherwise clear the request as the run starts (ws.run forgets an earlier stop)
             for job_id in running:
                 ws.stop(job_id)
-            _done, pending = wait(pending, timeout=_TICK)
+            if pending:
+                _done, pending = wait(pending, timeout=_TICK)
+            else:
+                time.sleep(_TICK)
         except BaseException:  # a second Ctrl-C (or SIGTERM): keep waiting, the jobs are pausing
             if not said:
                 said = True
