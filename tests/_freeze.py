@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -55,3 +56,13 @@ def freeze(proc: subprocess.Popen[str], store_url: str, job_id: int) -> None:
         proc.send_signal(signal.SIGCONT)
         time.sleep(0.01)
     raise AssertionError("the worker always held a lock in the store")
+
+
+def reap(procs: Iterable[subprocess.Popen[str] | None]) -> None:
+    """Kill what is left of ``procs`` after a test, frozen ones included (a SIGSTOPped process takes SIGKILL,
+    but is continued first so nothing of it lingers stopped)."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()

@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-from _freeze import freeze
+from _freeze import freeze, reap
 from _partition import relay
 from _tool_worker import lease_gate, lease_mark  # noqa: F401 (the tools, also defined in this process)
 from engine_helpers import write_piece
@@ -250,11 +250,7 @@ def test_a_job_taken_over_while_a_tool_runs_starts_no_further_tool_of_that_respo
         first.send_signal(signal.SIGCONT)
         out1, err1 = _finish(first)
     finally:
-        for p in (first, second):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                p.wait()
+        reap((first, second))
     assert first.returncode == 0, err1
     assert f"job {job_id}: lease lost to another worker; stopping" in err1 and "Traceback" not in err1
     assert log.read_text().split("\n") == [f"LeaseGate {first.pid}", f"LeaseMark {second.pid}", ""]

@@ -17,7 +17,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from _freeze import freeze
+from _freeze import freeze, reap
 from _scripting import TWO_STEPS
 from _waiting import wait_for
 from engine_helpers import call, transition, write_piece, write_script
@@ -362,11 +362,7 @@ def test_a_frozen_worker_past_its_lease_writes_nothing_more(
         first.send_signal(signal.SIGCONT)
         out1, err1 = _finish(first)
     finally:
-        for p in (first, second):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                p.wait()
+        reap((first, second))
     assert first.returncode == 0, err1
     assert f"job {job_id}: lease lost to another worker; stopping" in err1
     assert "Traceback" not in err1

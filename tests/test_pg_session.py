@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _freeze import process_state
+from _freeze import process_state, reap
 from _scripting import QUICK
 from engine_helpers import write_piece
 
@@ -83,11 +83,7 @@ def frozen_writer(pg_url: str, tmp_path: Path) -> Iterator[Any]:
         return proc
 
     yield start
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGCONT)
-            p.kill()
-            p.wait()
+    reap(procs)
 
 
 def _thaw(proc: subprocess.Popen[str]) -> tuple[int, str, str]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from _freeze import freeze
+from _freeze import freeze, reap
 from _scripting import QUICK, TWO_STEPS
 from _waiting import wait_for
 from engine_helpers import call, transition, write_piece, write_script
@@ -205,11 +205,7 @@ def test_a_batch_on_workers_killed_and_frozen_matches_the_same_batch_on_sqlite(
         w2.send_signal(signal.SIGCONT)
         _, err2 = w2.communicate(timeout=120)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                p.wait()
+        reap(procs)
     assert w2.returncode == 0, err2
     assert f"job {frozen}: lease lost to another worker; stopping" in err2
     assert "Traceback" not in err2
