@@ -66,3 +66,11 @@ def reap(procs: Iterable[subprocess.Popen[str] | None]) -> None:
             p.send_signal(signal.SIGCONT)
             p.kill()
             p.wait()
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[str, str]:
+    """The output of worker ``proc`` once it ends (killed, frozen or not, if it has not after ``timeout`` s)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        reap([proc])

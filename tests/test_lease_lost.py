@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-from _freeze import freeze, reap
+from _freeze import finish, freeze, reap
 from _partition import relay
 from _tool_worker import lease_gate, lease_mark  # noqa: F401 (the tools, also defined in this process)
 from engine_helpers import write_piece
@@ -211,15 +211,6 @@ def _worker(store_url: str, folder: Path, env: dict[str, str], *args: str) -> su
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-            proc.wait()
-
 
 def test_a_job_taken_over_while_a_tool_runs_starts_no_further_tool_of_that_response(
         store_url: str, tmp_path: Path, server: OpenAIServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -241,14 +232,14 @@ def test_a_job_taken_over_while_a_tool_runs_starts_no_further_tool_of_that_respo
         # frozen in its tool call past its lease: a second worker takes the job back and finishes it (the
         # gate's call was started, so it is not run again; the mark is run there)
         second = _worker(store_url, tmp_path / "w2", env, "--forever", "--poll", "0.1", "--max-jobs", "1")
-        _, err2 = _finish(second)
+        _, err2 = finish(second)
         assert second.returncode == 0, err2
         assert ws.job(job_id).status == "succeeded"
         after_takeover = [e.id for e in ws.store.events(job_id)]
         # the first worker comes back, its gate opens: it must not go on to the mark
         (tmp_path / "gate").touch()
         first.send_signal(signal.SIGCONT)
-        out1, err1 = _finish(first)
+        out1, err1 = finish(first)
     finally:
         reap((first, second))
     assert first.returncode == 0, err1

@@ -17,7 +17,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from _freeze import freeze, reap
+from _freeze import finish, freeze, reap
 from _scripting import TWO_STEPS
 from _waiting import wait_for
 from engine_helpers import call, transition, write_piece, write_script
@@ -281,14 +281,6 @@ def _worker(store_url: str, folder: Path, server: OpenAIServer, *args: str, **en
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
 
 @pytest.fixture
 def server(loopback: Callable[..., OpenAIServer]) -> OpenAIServer:
@@ -323,12 +315,12 @@ def test_a_killed_worker_s_job_is_finished_by_another_after_the_lease(
         first.send_signal(signal.SIGKILL)
         first.wait()
     finally:
-        _finish(first)
+        finish(first)
     server.release()
     assert ws.job(job_id).status == "running"
     assert ws.store.job(job_id)["claimed_by"].startswith("elsewhere-1:")
     second = _worker(store_url, tmp_path / "w2", server, "--forever", "--poll", "0.1", "--max-jobs", "1")
-    _, err = _finish(second)
+    _, err = finish(second)
     assert second.returncode == 0, err
     job = ws.job(job_id)
     assert job.status == "succeeded", job.error
@@ -350,7 +342,7 @@ def test_a_frozen_worker_past_its_lease_writes_nothing_more(
         freeze(first, store_url, job_id)
         # it is alive (stopped, not gone): only the lease running out lets the second worker take the job
         second = _worker(store_url, tmp_path / "w2", server, "--forever", "--poll", "0.1", "--max-jobs", "1")
-        _, err2 = _finish(second)
+        _, err2 = finish(second)
         assert second.returncode == 0, err2
         assert ws.job(job_id).status == "succeeded"
         after_takeover = ws.store.events(job_id)
@@ -360,7 +352,7 @@ def test_a_frozen_worker_past_its_lease_writes_nothing_more(
         # the frozen worker's call is answered now, and it comes back
         server.release()
         first.send_signal(signal.SIGCONT)
-        out1, err1 = _finish(first)
+        out1, err1 = finish(first)
     finally:
         reap((first, second))
     assert first.returncode == 0, err1

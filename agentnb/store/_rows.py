@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
@@ -55,7 +56,7 @@ def events_query(payload: str, job_id: int, after_id: int, kinds: Sequence[str] 
 C = TypeVar("C")  # the store's connection: the transaction a row is built in
 
 
-class StoreRows(Generic[C]):
+class StoreRows(ABC, Generic[C]):
     """Job rows, event rows and large texts, for a store whose transactions hand out connections of type ``C``."""
 
     # set by the store's __init__
@@ -64,17 +65,17 @@ class StoreRows(Generic[C]):
     _texts_lock: AbstractContextManager[Any]  # guards _texts
 
     # -- each store's own SQL ---------------------------------------------------------------------------------
+    @abstractmethod
     def _instruction_ref(self, c: C, job_id: int) -> str | None:
         """The hash of job ``job_id``'s stored instruction, or None when it is kept inline."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _put_text(self, c: C, body: str) -> str:
         """Store ``body`` once in ``texts`` (in transaction ``c``); its hash."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _text(self, ref: str) -> str:
         """The text stored under hash ``ref``."""
-        raise NotImplementedError
 
     def _payload_text(self, data: dict[str, Any]) -> str:
         """A payload as the ``events.payload`` text."""
