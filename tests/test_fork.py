@@ -398,6 +398,21 @@ def test_agentnb_fork_onto_a_piece_without_the_movement_is_refused_in_one_line(w
     assert f"forked from job {original.id} at run 1" in out.stdout
 
 
+
+def test_agent_fork_magic_onto_a_piece_without_the_movement_is_refused(shell: Any, tmp_path: Path) -> None:
+    from IPython.core.error import UsageError as MagicUsageError
+
+    original = shell.run_line_magic("agent", 'run "Summarise the task"')
+    assert original.status == "succeeded", original.error
+    ws = Workspace(tmp_path / "ws")
+    before = len(ws.jobs())
+    with pytest.raises(MagicUsageError) as info:
+        shell.run_line_magic("agent", f"fork {original.id} --at 1 --piece single")
+    assert str(info.value).startswith("%agent fork: ") and "\n" not in str(info.value)
+    assert f"the fork starts run 1 with movement 'plan', as job {original.id} did" in str(info.value)
+    _nothing_added(ws, before)
+
+
 # -- replay ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("usage", [False, True], ids=["counted", "reported"])

@@ -252,6 +252,11 @@ def test_a_host_file_named_as_a_piece_is_not_echoed_whole(tmp_path: Path) -> Non
 SECRET = "host-secret-7f3a"
 
 
+def _quoted(value: str) -> str:
+    """A value as a piece error quotes it: cut after 80 characters (a temporary folder's path may be longer)."""
+    return repr(value if len(value) <= 80 else value[:80] + "…")
+
+
 @pytest.fixture
 def host(tmp_path: Path) -> dict[str, Path]:
     """A piece folder with a prompt inside it, a secret outside it and links to both."""
@@ -283,7 +288,7 @@ def test_a_piece_file_cannot_name_a_file_outside_its_folder(ws: Workspace, host:
     with pytest.raises(PieceError) as info:
         load_piece(path)
     folder = str(host["folder"].resolve())
-    assert str(info.value) == (f"{path}:{line}: movements[0] (a).{key}: found {ref!r}, "
+    assert str(info.value) == (f"{path}:{line}: movements[0] (a).{key}: found {_quoted(ref)}, "
                                + found.format(folder=folder))
     with pytest.raises(PieceError):
         ws.submit("task", piece=str(path), model="demo")
@@ -303,7 +308,7 @@ def test_yaml_text_and_piece_objects_name_files_inside_the_current_folder(
     # a Piece object is made by parse_piece, which reads its files at that moment, under the same rule
     with pytest.raises(PieceError) as info:
         parse_piece(text.format(host["secret"]))
-    assert str(info.value) == (f"<piece>:4: movements[0] (a).instruction_file: found {str(host['secret'])!r}, "
+    assert str(info.value) == (f"<piece>:4: movements[0] (a).instruction_file: found {_quoted(str(host['secret']))}, "
                                f"an absolute path; allowed: a path relative to the current folder ({folder!r})")
     with pytest.raises(PieceError, match=r"^<piece>:4: movements\[0\] \(a\)\.instruction_file: found 'out.md', a link "):
         parse_piece(text.format("out.md"))
