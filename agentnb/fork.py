@@ -39,6 +39,8 @@ class ForkPlan:
     model: str
     inputs: dict[str, bytes | os.PathLike[str]]
     options: dict[str, Any]
+    # the movement the new job's run 1 starts when it is not the piece's initial one (a fork at 1, a replay)
+    first: str | None = None
 
 
 def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: Any = None,
@@ -66,13 +68,13 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
     if strict not in (True, False):
         raise UsageError(f"strict={strict!r}; allowed: True (a divergent re-run fails the fork) or False")
     p = stored_piece(row) if piece is None else load_piece(piece)
-    if at == 1:
-        start = p.initial_movement
-    else:
-        start = runs[at - 1]["name"] if at <= len(runs) else str(row["current_movement"])
-        if start not in p.run_names:  # a loop monitor's judge may be forked at too (DESIGN §12)
-            raise PieceError(f"the fork starts run {at} with movement {start!r}, as job {job_id} did, but the piece "
-                             f"has no such movement; movements: {', '.join(p.run_names)}", file=p.source, field="movements")
+    # run `at` starts the movement the original's run `at` started (or, paused before it, would start), at
+    # every position: at 1 too, where another piece's own initial movement would otherwise run unnoticed
+    start = (runs[at - 1]["name"] if at <= len(runs)
+             else row["current_movement"] or stored_piece(row).initial_movement)
+    if start not in p.run_names:  # a loop monitor's judge may be forked at too (DESIGN §12)
+        raise PieceError(f"the fork starts run {at} with movement {start!r}, as job {job_id} did, but the piece "
+                         f"has no such movement; movements: {', '.join(p.run_names)}", file=p.source, field="movements")
     spec = row["model"] if model is None else model
     if not isinstance(spec, str):
         raise UsageError(f"model={spec!r}; allowed: a model spec such as 'demo', 'scripted:PATH', 'openai:NAME'")
@@ -96,7 +98,8 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
     inputs: dict[str, bytes | os.PathLike[str]] = (
         dict(stored_inputs(store, job_id)) if store.keeps_files else dict(_inputs(Path(row["workdir"]) / "input")))
     return ForkPlan(job_id=job_id, at=at, instruction=row["instruction"], piece=p, model=spec,
-                    inputs=inputs, options=options)
+                    inputs=inputs, options=options,
+                    first=start if at == 1 and start != p.initial_movement else None)
 
 
 def _options(row: dict[str, Any]) -> dict[str, Any]:

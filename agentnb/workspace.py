@@ -612,7 +612,7 @@ class Workspace:
         prepared = self._prepare(plan.instruction, piece=plan.piece, model=plan.model, inputs=plan.inputs,
                                  workdir=None, context=None, retries=None, max_backoff=None)
         job_id = self._store_prepared(replace(prepared, options=plan.options), forked_from_job=plan.job_id,
-                                      forked_from_seq=plan.at)
+                                      forked_from_seq=plan.at, current_movement=plan.first)
         return self.run(job_id) if run else self.job(job_id)
 
     def replay(self, job: JobRef, *, piece: str | os.PathLike[str] | Piece | None = None, run: bool = True) -> Job:
@@ -623,7 +623,7 @@ class Workspace:
         plan = plan_fork(self.store, self._id(job), at=1, piece=piece)
         prepared = self._prepare(plan.instruction, piece=plan.piece, model=f"replay:{plan.job_id}",
                                  inputs=plan.inputs, workdir=None, context=None, retries=None, max_backoff=None)
-        job_id = self._store_prepared(replace(prepared, options=plan.options))
+        job_id = self._store_prepared(replace(prepared, options=plan.options), current_movement=plan.first)
         return self.run(job_id) if run else self.job(job_id)
 
     def compare(self, a: JobRef, b: JobRef) -> Comparison:

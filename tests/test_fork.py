@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from _scripting import call, transition, write_script
 from openai_server import OpenAIServer, reply
 
@@ -331,6 +333,83 @@ def test_a_fork_onto_a_piece_without_the_movement_is_refused(ws: Workspace, orig
         ws.fork(original, at=2, model="nonsense")
     with pytest.raises(agentnb.errors.StoreError, match="no job 999"):
         ws.fork(999, at=1)
+    _nothing_added(ws, before)
+
+
+
+@pytest.mark.parametrize("at, movement", [(1, "plan"), (2, "implement"), (3, "verify")])
+def test_a_fork_onto_a_piece_without_the_movement_is_refused_at_every_run(ws: Workspace, original: agentnb.Job,
+                                                                          at: int, movement: str) -> None:
+    # at 1 the fork used to run the other piece's own first movement; README: run SEQ starts the movement the
+    # original's run SEQ started, so the piece must have it
+    before = len(ws.jobs())
+    single = agentnb.load_piece("single")
+    with pytest.raises(PieceError) as info:
+        ws.fork(original, at=at, piece="single")
+    assert str(info.value) == (f"{single.source}: movements: the fork starts run {at} with movement {movement!r}, "
+                               f"as job {original.id} did, but the piece has no such movement; movements: work")
+    with pytest.raises(PieceError, match=f"starts run 1 with movement 'plan', as job {original.id} did"):
+        ws.replay(original, piece=single)
+    _nothing_added(ws, before)
+
+
+def test_a_fork_at_1_starts_the_movement_the_original_started(ws: Workspace, tmp_path: Path,
+                                                             original: agentnb.Job) -> None:
+    edited = ws.piece(original).replace_movement("plan", instruction="Plan it twice.")
+    fork = ws.fork(original, at=1, piece=edited)
+    assert fork.status == "succeeded", fork.error
+    assert "Plan it twice." in next(e.user for e in fork.events if isinstance(e, MovementStart) and e.seq == 1)
+    # a piece that has the movement but starts elsewhere: run 1 is still the original's run 1
+    data = ws.piece(original).to_dict()
+    data["initial_movement"] = "implement"
+    elsewhere = agentnb.parse_piece(yaml.safe_dump(data), source="elsewhere")
+    fork = ws.fork(original, at=1, piece=elsewhere)
+    assert fork.status == "succeeded", fork.error
+    assert [m["name"] for m in ws.movements(fork)] == ["plan", "implement", "verify"]
+    again = ws.replay(original, piece=elsewhere)
+    assert again.status == "succeeded" and _comparable(again.events) == _comparable(original.events)
+
+
+CLI = shutil.which("agentnb")
+
+
+@pytest.mark.skipif(CLI is None, reason="the agentnb entry point is not installed")
+def test_agentnb_fork_onto_a_piece_without_the_movement_is_refused_in_one_line(ws: Workspace,
+                                                                               original: agentnb.Job) -> None:
+    # AGENTNB_STORE stays: under AGENTNB_TEST_BACKEND=postgres the command must use the test's database
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_")) or k == "AGENTNB_STORE"}
+
+    def fork(*args: str) -> subprocess.CompletedProcess[str]:
+        assert CLI is not None
+        return subprocess.run([CLI, "--workspace", str(ws.root), "fork", str(original.id), *args],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    before = len(ws.jobs())
+    single = agentnb.load_piece("single").source
+    for at, movement in (("1", "plan"), ("2", "implement")):
+        out = fork("--at", at, "--piece", "single")
+        assert out.returncode == 2 and out.stdout == ""
+        assert out.stderr == (f"agentnb: error: {single}: movements: the fork starts run {at} with movement "
+                              f"{movement!r}, as job {original.id} did, but the piece has no such movement; "
+                              "movements: work\n")
+    _nothing_added(ws, before)
+    out = fork("--at", "1", "--piece", PIECE)
+    assert out.returncode == 0, out.stderr
+    assert f"forked from job {original.id} at run 1" in out.stdout
+
+
+
+def test_agent_fork_magic_onto_a_piece_without_the_movement_is_refused(shell: Any, tmp_path: Path) -> None:
+    from IPython.core.error import UsageError as MagicUsageError
+
+    original = shell.run_line_magic("agent", 'run "Summarise the task"')
+    assert original.status == "succeeded", original.error
+    ws = Workspace(tmp_path / "ws")
+    before = len(ws.jobs())
+    with pytest.raises(MagicUsageError) as info:
+        shell.run_line_magic("agent", f"fork {original.id} --at 1 --piece single")
+    assert str(info.value).startswith("%agent fork: ") and "\n" not in str(info.value)
+    assert f"the fork starts run 1 with movement 'plan', as job {original.id} did" in str(info.value)
     _nothing_added(ws, before)
 
 

@@ -245,3 +245,91 @@ def test_a_host_file_named_as_a_piece_is_not_echoed_whole(tmp_path: Path) -> Non
         load_piece(path)
     message = str(info.value)
     assert "\n" not in message and len(message) < 300 and "…" in message and long_line not in message
+
+
+# -- files a piece names stay inside its folder -------------------------------------------------------------------
+
+SECRET = "host-secret-7f3a"
+
+
+def _quoted(value: str) -> str:
+    """A value as a piece error quotes it: cut after 80 characters (a temporary folder's path may be longer)."""
+    return repr(value if len(value) <= 80 else value[:80] + "…")
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> dict[str, Path]:
+    """A piece folder with a prompt inside it, a secret outside it and links to both."""
+    folder, outside = tmp_path / "piece", tmp_path / "outside"
+    (folder / "prompts").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "secret.txt").write_text(SECRET, encoding="utf-8")
+    (folder / "prompts" / "task.md").write_text("Task from a file.", encoding="utf-8")
+    (folder / "out.md").symlink_to(outside / "secret.txt")
+    (folder / "in.md").symlink_to(folder / "prompts" / "task.md")
+    (folder / "loop.md").symlink_to(folder / "loop.md")
+    return {"folder": folder, "secret": outside / "secret.txt"}
+
+
+@pytest.mark.parametrize("key", ["persona_file", "instruction_file"])
+@pytest.mark.parametrize("ref, found", [
+    ("ABS", "an absolute path; allowed: a path relative to the piece's folder ({folder!r})"),
+    ("../outside/secret.txt", "a '..' that leads out of the piece's folder ({folder!r}); allowed: a file inside it"),
+    ("prompts/../../outside/secret.txt", "a '..' that leads out of the piece's folder ({folder!r}); allowed: a file "
+                                         "inside it"),
+    ("out.md", "a link that leads out of the piece's folder ({folder!r}); allowed: a file inside it"),
+], ids=["absolute", "dotdot", "dotdot-inside", "symlink"])
+def test_a_piece_file_cannot_name_a_file_outside_its_folder(ws: Workspace, host: dict[str, Path], key: str,
+                                                            ref: str, found: str) -> None:
+    ref = str(host["secret"]) if ref == "ABS" else ref
+    other = "    instruction: do\n" if key == "persona_file" else ""
+    path = write_piece(host["folder"], f"name: x\nmovements:\n  - name: a\n{other}    {key}: {ref}\n")
+    line = 5 if other else 4
+    with pytest.raises(PieceError) as info:
+        load_piece(path)
+    folder = str(host["folder"].resolve())
+    assert str(info.value) == (f"{path}:{line}: movements[0] (a).{key}: found {_quoted(ref)}, "
+                               + found.format(folder=folder))
+    with pytest.raises(PieceError):
+        ws.submit("task", piece=str(path), model="demo")
+    assert ws.jobs() == [] and SECRET not in str(info.value)
+
+
+def test_yaml_text_and_piece_objects_name_files_inside_the_current_folder(
+    host: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(host["folder"])
+    folder = str(host["folder"].resolve())
+    text = "name: t\nmovements:\n  - name: a\n    instruction_file: {}\n"
+    with pytest.raises(PieceError) as info:
+        load_piece(text.format("../outside/secret.txt"))
+    assert str(info.value) == (f"<piece text>:4: movements[0] (a).instruction_file: found '../outside/secret.txt', "
+                               f"a '..' that leads out of the current folder ({folder!r}); allowed: a file inside it")
+    # a Piece object is made by parse_piece, which reads its files at that moment, under the same rule
+    with pytest.raises(PieceError) as info:
+        parse_piece(text.format(host["secret"]))
+    assert str(info.value) == (f"<piece>:4: movements[0] (a).instruction_file: found {_quoted(str(host['secret']))}, "
+                               f"an absolute path; allowed: a path relative to the current folder ({folder!r})")
+    with pytest.raises(PieceError, match=r"^<piece>:4: movements\[0\] \(a\)\.instruction_file: found 'out.md', a link "):
+        parse_piece(text.format("out.md"))
+    # parse_piece(base_dir=) makes that folder the piece's: a file beside it is outside
+    with pytest.raises(PieceError, match=r"^elsewhere:4: .*found '\.\./task\.md', a '\.\.' that leads out of the piece's"):
+        parse_piece(text.format("../task.md"), source="elsewhere", base_dir=host["folder"] / "prompts" / "x")
+    piece = load_piece(text.format("prompts/task.md"))
+    assert piece.movement("a").instruction == "Task from a file."
+    assert parse_piece(text.format("task.md"), base_dir=host["folder"] / "prompts").movement("a").instruction == \
+        "Task from a file."
+    # a Piece object holds texts, not file names: its files cannot be named again later
+    with pytest.raises(PieceError, match=r"unknown key\(s\) \['instruction_file'\]"):
+        piece.replace_movement("a", instruction_file="../outside/secret.txt")
+    assert load_piece(piece) is piece and "Task from a file." in piece.to_yaml()
+
+
+def test_links_inside_a_pieces_folder_still_work(host: dict[str, Path]) -> None:
+    path = write_piece(host["folder"], "name: x\nmovements:\n  - name: a\n    instruction_file: in.md\n")
+    assert load_piece(path).movement("a").instruction == "Task from a file."
+    path = write_piece(host["folder"], "name: x\nmovements:\n  - name: a\n    instruction_file: loop.md\n")
+    with pytest.raises(PieceError) as info:
+        load_piece(path)
+    assert f"{path}:4: movements[0] (a).instruction_file: cannot read 'loop.md'" in str(info.value)
+    assert "\n" not in str(info.value)

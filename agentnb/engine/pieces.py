@@ -423,9 +423,23 @@ class _Checker:
             raise self.fail(node, fld, f"found {self._describe(node)}, expected a list")
         return list(node.value)
 
-    def text_or_file(
-        self, keys: _Keys, fld: str, name: str, *, required: bool, owner: Node
-    ) -> str:
+    def inside(self, node: Node, fld: str, rel: str) -> Path:
+        """``rel`` resolved inside the piece's folder (the current folder for YAML text): a shared piece must
+        not send a host file to the model, by an absolute path, a ``..`` or a link leading out."""
+        base = (self.base or Path.cwd()).resolve()
+        where = ("the current folder" if self.base is None else "the piece's folder") + f" ({str(base)!r})"
+        if os.path.isabs(rel):
+            raise self.fail(node, fld, f"found {_short(rel)}, an absolute path; allowed: a path relative to {where}")
+        try:
+            path = (base / rel).resolve()
+        except (OSError, RuntimeError) as exc:  # a link loop (RuntimeError before Python 3.13)
+            raise self.fail(node, fld, f"cannot read {_short(rel)}: {exc}") from None
+        if path != base and base not in path.parents:
+            how = "a '..' that leads" if Path(os.path.normpath(rel)).parts[:1] == ("..",) else "a link that leads"
+            raise self.fail(node, fld, f"found {_short(rel)}, {how} out of {where}; allowed: a file inside it")
+        return path
+
+    def text_or_file(self, keys: _Keys, fld: str, name: str, *, required: bool, owner: Node) -> str:
         file_key = f"{name}_file"
         if name in keys and file_key in keys:
             raise self.fail(keys[file_key][0], f"{fld}.{file_key}", f"give either {name} or {file_key}, not both")
@@ -433,9 +447,7 @@ class _Checker:
             return self.string(keys[name][1], f"{fld}.{name}", nonempty=required)
         if file_key in keys:
             node = keys[file_key][1]
-            rel = self.string(node, f"{fld}.{file_key}")
-            base = self.base or Path.cwd()
-            path = (base / rel) if not os.path.isabs(rel) else Path(rel)
+            path = self.inside(node, f"{fld}.{file_key}", self.string(node, f"{fld}.{file_key}"))
             try:
                 return path.read_text(encoding="utf-8")
             except OSError as exc:
