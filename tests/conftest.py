@@ -7,13 +7,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# first: it clears the machine's and the developer's PG*, DATABASE_URL, OPENAI_* and AGENTNB_* settings (but the
+# suite's own AGENTNB_TEST_* switches) and sets AGENTNB_STRICT_EVENTS, before agentnb is imported
+import _hermetic  # noqa: F401
 import pytest
-
-# Every event the suite writes is type-checked against its dataclass (agentnb.events.check_event) before it is
-# stored, so a wrong or missing payload value fails the test that wrote it.  Set before agentnb is imported;
-# subprocesses (workers, the CLI, notebook kernels) inherit it.
-os.environ.setdefault("AGENTNB_STRICT_EVENTS", "1")
-
 from _postgres import PgServer, pg_server
 from openai_server import OpenAIServer, openai_env
 

@@ -362,7 +362,8 @@ def test_plot_usage_overlays_the_what_if(ws: Workspace, job: Job) -> None:
     # hollow markers where the actions would fire: run 1 calls 2 (warn at 0.6) and 3 (the rest at 1.0),
     # run 2 call 5 (warn at 0.8), run 3 calls 6 (warn at 0.6) and 7 (the rest at 1.2), run 4 call 9 (all at 1.3)
     expected = [(2, 0.6), (3, 1.0), (5, 0.8), (6, 0.6), (7, 1.2), (9, 1.3)]
-    assert sorted(set(_what_if_offsets(ax, job.id))) == pytest.approx(expected)
+    # as arrays: pytest.approx compares no nested sequences (pytest 9.2 refuses a list of tuples)
+    assert np.array(sorted(set(_what_if_offsets(ax, job.id)))) == pytest.approx(np.array(expected))
     for c in ax.collections:
         if c.get_gid() == f"what_if:action:{job.id}":
             assert np.all(c.get_facecolors()[:, 3] == 0)  # hollow
@@ -395,7 +396,7 @@ def test_plot_usage_takes_a_what_if_frame(ws: Workspace, job: Job) -> None:
                 agentnb.plot_usage(ws.frames.usage(job), what_if=settings), from_settings):
         ax = fig.axes[0]
         assert np.allclose(_by_gid(ax)[f"what_if:ratio:{job.id}"].get_ydata(), frame["ratio_what_if"])
-        assert sorted(set(_what_if_offsets(ax, job.id))) == pytest.approx(sorted(expected))
+        assert np.array(sorted(set(_what_if_offsets(ax, job.id)))) == pytest.approx(np.array(sorted(expected)))
         assert _by_gid(ax)["what_if:threshold:warn"].get_ydata()[0] == pytest.approx(0.3)
         assert "what-if (window 8000)" in [t.get_text() for t in ax.get_legend().get_texts()]
 

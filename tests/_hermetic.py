@@ -1,0 +1,29 @@
+"""Imported first by tests/conftest.py: the suite is hermetic, it runs on what its fixtures set, never on the
+machine's or the developer's settings.
+
+libpq's PG* variables (PGSSLMODE=require, PGOPTIONS, a PGSERVICE …) would change how the tests' own servers are
+reached, DATABASE_URL and AGENTNB_STORE or AGENTNB_WORKSPACE would move workspaces elsewhere, OPENAI_* would point
+the ``openai:`` models at a real endpoint.  They are removed before anything is imported or started, so every
+subprocess (workers, the CLI, notebook kernels, the PostgreSQL clusters) inherits the cleaned environment too.  The
+suite's own switches stay: AGENTNB_TEST_BACKEND, AGENTNB_TEST_PG, AGENTNB_TEST_PG_DIR (tests/_postgres.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["outside_setting"]
+
+
+def outside_setting(name: str) -> bool:
+    """Whether the environment variable ``name`` is a setting from outside that the tests must not see."""
+    if name.startswith("AGENTNB_TEST_"):
+        return False
+    return name.startswith(("PG", "AGENTNB_", "OPENAI_")) or name == "DATABASE_URL"
+
+
+for _name in [name for name in os.environ if outside_setting(name)]:
+    del os.environ[_name]
+# Every event the suite writes is type-checked against its dataclass (agentnb.events.check_event) before it is
+# stored, so a wrong or missing payload value fails the test that wrote it.  Subprocesses inherit it too.
+os.environ["AGENTNB_STRICT_EVENTS"] = "1"
