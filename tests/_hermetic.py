@@ -3,7 +3,8 @@ machine's or the developer's settings.
 
 libpq's PG* variables (PGSSLMODE=require, PGOPTIONS, a PGSERVICE …) would change how the tests' own servers are
 reached, DATABASE_URL and AGENTNB_STORE or AGENTNB_WORKSPACE would move workspaces elsewhere, OPENAI_* would point
-the ``openai:`` models at a real endpoint.  They are removed before anything is imported or started, so every
+the ``openai:`` models at a real endpoint, and a proxy variable (HTTP_PROXY, ALL_PROXY …, which httpx and so the
+``openai`` client follow) would send the loopback servers' requests elsewhere.  They are removed before anything is imported or started, so every
 subprocess (workers, the CLI, notebook kernels, the PostgreSQL clusters) inherits the cleaned environment too.  The
 suite's own switches stay: AGENTNB_TEST_BACKEND, AGENTNB_TEST_PG, AGENTNB_TEST_PG_DIR (tests/_postgres.py).
 """
@@ -19,7 +20,11 @@ def outside_setting(name: str) -> bool:
     """Whether the environment variable ``name`` is a setting from outside that the tests must not see."""
     if name.startswith("AGENTNB_TEST_"):
         return False
-    return name.startswith(("PG", "AGENTNB_", "OPENAI_")) or name == "DATABASE_URL"
+    return (name.startswith(("PG", "AGENTNB_", "OPENAI_")) or name == "DATABASE_URL"
+            or name.lower() in _PROXIES)
+
+
+_PROXIES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
 
 
 for _name in [name for name in os.environ if outside_setting(name)]:

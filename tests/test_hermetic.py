@@ -30,12 +30,18 @@ HOSTILE = {
     "AGENTNB_OPENAI_RETRIES": "0",
     "OPENAI_API_KEY": "sk-not-for-tests",
     "OPENAI_BASE_URL": "http://127.0.0.1:1/v1",
+    # a proxy for everything, loopback included: the `openai:` tests' requests to their own server would go there
+    "HTTP_PROXY": "http://127.0.0.1:1",
+    "ALL_PROXY": "http://127.0.0.1:1",
+    "http_proxy": "http://127.0.0.1:1",
 }
 
 
 @pytest.mark.parametrize("test", [
     # SQLite: the `ws` fixture's workspace, which AGENTNB_STORE would move to the unreachable server
     "tests/test_demo.py::test_demo_job_succeeds_with_every_behaviour",
+    # an `openai:` model on the loopback server, which a proxy variable would send elsewhere
+    "tests/test_models.py::test_full_job_through_an_openai_compatible_server",
     # PostgreSQL: the tests' own throw-away cluster, and a SQLite workspace beside it
     pytest.param("tests/test_store_postgres.py::test_scripted_jobs_give_the_same_events_and_frames_as_on_sqlite",
                  marks=pytest.mark.needs("postgres", "psycopg")),
