@@ -62,6 +62,21 @@ def test_nothing_outside_the_work_directory_is_reachable(ws: Workspace, tmp_path
     assert out[4]["is_error"] or listed <= allowed, listed
 
 
+def test_a_python_installation_under_tmp_stays_visible(ws: Workspace, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # a virtual environment made under /tmp (as CI's clone may be): the jail's own /tmp must not hide it, or
+    # `python3` in a command runs another interpreter than the one running agentnb
+    venv = Path("/tmp") / f"agentnb-venv-{uuid.uuid4().hex[:8]}"
+    (venv / "bin").mkdir(parents=True)
+    try:
+        (venv / "bin" / "marker").write_text("the installation\n")
+        monkeypatch.setattr("sys.prefix", str(venv))
+        out = _run_bash(ws, tmp_path, f"cat {venv}/bin/marker")
+    finally:
+        shutil.rmtree(venv)
+    assert not out[0]["is_error"] and "the installation" in out[0]["content"], out[0]
+
+
 def test_secrets_and_network_stay_out(ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-never-shown-123")
     out = _run_bash(ws, tmp_path, "echo key=[$OPENAI_API_KEY]; env | grep -c sk-test || true",

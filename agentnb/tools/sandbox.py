@@ -121,12 +121,13 @@ def sandbox_argv(workdir: str) -> list[str]:
             argv += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             argv += ["--ro-bind", path, path]
-    # the running Python's installation, so `python3` in a command finds the same interpreter
-    for prefix in {sys.base_prefix, sys.prefix}:
-        if os.path.isdir(prefix) and not prefix.startswith(("/usr", "/opt")):
-            argv += ["--ro-bind", prefix, prefix]
     argv += _etc_argv()
     argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    # the running Python's installation, so `python3` in a command finds the same interpreter; after the
+    # jail's own /tmp, which would otherwise hide a virtual environment made under /tmp
+    for prefix in sorted({sys.base_prefix, sys.prefix}):
+        if os.path.isdir(prefix) and not prefix.startswith(("/usr", "/opt")):
+            argv += ["--ro-bind", prefix, prefix]
     argv += ["--bind", workdir, workdir, "--chdir", workdir, "--setenv", "HOME", workdir]
     # no capabilities: when agentnb runs as root, root in the jail must not override file permissions,
     # mount, or make device nodes
