@@ -69,6 +69,7 @@ from .base import (
     DEFAULT_LEASE,
     JOB_STATES,
     LEASE_EXPIRED,
+    RECOVERED,
     TERMINAL_STATES,
     FrameQuery,
     FrameRows,
@@ -524,7 +525,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
                           (*params, todo)).fetchall()
         for jid, claimed_by, expired in rows:
             if owner_is_gone(claimed_by):
-                reason = f"recovered: the process that ran it ({claimed_by}) is gone"
+                reason = f"{RECOVERED}the process that ran it ({claimed_by}) is gone"
             elif expired:
                 reason = LEASE_EXPIRED
             else:

@@ -40,6 +40,7 @@ from .base import (
     JOB_STATES,
     LEASE_EXPIRED,
     MAX_INSTRUCTION_CHARS,
+    RECOVERED,
     TERMINAL_STATES,
     WAITING_STATES,
     FrameQuery,
@@ -447,7 +448,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
             "AND (? OR id=? OR lease_until < ?)", (now, job_id is None, job_id or 0, now)).fetchall()
         for jid, claimed_by, expired in rows:
             if owner_is_gone(claimed_by):
-                reason = f"recovered: the process that ran it ({claimed_by}) is gone"
+                reason = f"{RECOVERED}the process that ran it ({claimed_by}) is gone"
             elif expired:
                 reason = LEASE_EXPIRED
             else:
