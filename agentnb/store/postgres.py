@@ -217,6 +217,12 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             raise StoreError(
                 f"{self.path} has schema version {version}, newer than this agentnb's {PG_SCHEMA_VERSION}: "
                 "it was written by a newer agentnb; upgrade agentnb to open it (nothing was changed)")
+        if version == 0:
+            tables = [str(name) for (name,) in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY 1").fetchall()]
+            if tables:  # another program's: agentnb's tables would join its own, or clash with one of the same name
+                raise StoreError(f"{self.path}: not an agentnb store (it has tables {', '.join(tables)} but no "
+                                 "agentnb schema version); use another database (nothing was changed)")
         if version == 0 and self.readonly:
             raise StoreError(f"{self.path} holds no agentnb workspace yet (no agentnb tables): there is nothing to "
                              "read; the first write (a submit, a batch, agentnb store copy) creates them")
