@@ -84,6 +84,7 @@ from .base import (
 from .frames_sql import PG_FRAME_SQL
 from .pg_migrations import PG_MIGRATIONS, PG_SCHEMA_VERSION
 from .pg_notify import NOTIFY_SQL, PgJobWaiter
+from .pg_outage import connected, watch_outages
 from .pg_session import session_limits
 from .texts import REF_FIELDS
 
@@ -196,8 +197,11 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             raise StoreError(describe_pg_error(exc, url)) from None
         # check: a connection the server dropped while idle in the pool (a restart, a network cut, an idle
         # timeout) is replaced when handed out, at the cost of one round trip, instead of failing the next call
+        # a server restart: one line when it goes, one when it is back, not the pool's traces (pg_outage.py)
+        watch_outages()
         self._pool = ConnectionPool(url, min_size=1, max_size=max(1, pool_size), kwargs=kwargs, open=True,
-                                    name="agentnb", timeout=60.0, check=ConnectionPool.check_connection)
+                                    name="agentnb", timeout=60.0, check=ConnectionPool.check_connection,
+                                    configure=connected)
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.path!r})"
