@@ -50,6 +50,34 @@ class _Parser(argparse.ArgumentParser):
         raise _Usage(f"{sub}: {message}" if sub else message)
 
 
+# the positional arguments, named as the help names them; a list of them is one text, joined by spaces
+_POSITIONAL = frozenset({"instruction", "text", "cases", "src", "dst", "path"})
+
+
+def _check_utf8(args: argparse.Namespace) -> None:
+    """Refuse, before anything is opened, an argument that is not UTF-8: Python hands its bytes over as lone
+    surrogates (PEP 383), which no store can keep (the instruction, a reply, a name, a folder that is stored)."""
+    for dest, value in vars(args).items():
+        if isinstance(value, list) and dest in _POSITIONAL:
+            value = " ".join(map(str, value))
+        for text in value if isinstance(value, list) else [value]:
+            if not isinstance(text, str) or text.isascii():
+                continue
+            name = dest if dest in _POSITIONAL else "--" + dest.replace("_", "-")
+            try:
+                text.encode("utf-8")
+                continue
+            except UnicodeEncodeError as exc:
+                what = f"character U+{ord(text[exc.start]):04X} at position {exc.start}"
+            try:  # the bytes as they were given, to name the first one that is not UTF-8 where it is
+                text.encode("utf-8", "surrogateescape").decode("utf-8")
+            except UnicodeEncodeError:
+                pass
+            except UnicodeDecodeError as exc:
+                what = f"byte 0x{exc.object[exc.start]:02x} at position {exc.start}"
+            raise UsageError(f"{name}: not valid UTF-8 ({what}); pass UTF-8 text")
+
+
 def _folder(args: argparse.Namespace) -> Path:
     return Path(getattr(args, "workspace", None) or os.environ.get("AGENTNB_WORKSPACE") or "agentnb-data")
 
@@ -562,6 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if not hasattr(args, "workspace"):
             args.workspace = None
+        _check_utf8(args)
         with sigterm_interrupts():
             try:
                 return int(args.fn(args))

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PgServer", "pg_server"]
+__all__ = ["OwnPgServer", "PgServer", "own_pg_server", "pg_server"]
 
 USER = "agentnb"
 PASSWORD = "s3cret-test-pw"
@@ -87,6 +87,30 @@ def pg_server() -> Iterator[PgServer]:
         yield PgServer(parts.hostname or "127.0.0.1", parts.port or 5432, parts.username or USER,
                        parts.password or "")
         return
+    with own_pg_server() as server:
+        yield server
+
+
+@dataclass(frozen=True)
+class OwnPgServer(PgServer):
+    """A cluster this process started: it can be stopped and started again on the same port (a restart)."""
+
+    data: Path = Path()
+    opts: str = ""
+    log: Path = Path()
+    as_postgres: bool = False
+
+    def stop(self) -> None:
+        _run([_bin("pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop"], as_postgres=self.as_postgres)
+
+    def start(self) -> None:
+        _run([_bin("pg_ctl"), "-D", str(self.data), "-o", self.opts, "-l", str(self.log), "-w", "start"],
+             as_postgres=self.as_postgres)
+
+
+@contextmanager
+def own_pg_server() -> Iterator[OwnPgServer]:
+    """A throw-away cluster of this process's own, whatever AGENTNB_TEST_PG says (a test that restarts it)."""
     as_postgres = os.geteuid() == 0
     # AGENTNB_TEST_PG_DIR: the folder for the clusters (.ci/run's own, to stop any a killed run leaves behind)
     top = Path(tempfile.mkdtemp(prefix="agentnb-pg-", dir=os.environ.get("AGENTNB_TEST_PG_DIR") or None))
@@ -102,12 +126,14 @@ def pg_server() -> Iterator[PgServer]:
           else "--no-locale"], as_postgres=as_postgres)
     # fsync off: a throw-away cluster need not survive a power cut, and the tests then spend no time in fsync
     opts = f"-k {top} -c listen_addresses=127.0.0.1 -p {port} -c fsync=off -c synchronous_commit=off"
-    _run([_bin("pg_ctl"), "-D", str(data), "-o", opts, "-l", str(top / "log"), "-w", "start"],
-         as_postgres=as_postgres)
+    server = OwnPgServer("127.0.0.1", port, USER, PASSWORD, data=data, opts=opts, log=top / "log",
+                         as_postgres=as_postgres)
+    server.start()
     try:
-        yield PgServer("127.0.0.1", port, USER, PASSWORD)
+        yield server
     finally:
         try:
-            _run([_bin("pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"], as_postgres=as_postgres)
+            if (data / "postmaster.pid").exists():
+                _run([_bin("pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"], as_postgres=as_postgres)
         finally:
             shutil.rmtree(top, ignore_errors=True)

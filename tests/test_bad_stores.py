@@ -79,11 +79,22 @@ def _newer_schema(db: Path) -> None:
     raw.close()
 
 
+def _foreign_schema(db: Path) -> None:
+    """Another program's database in its place: tables of its own (one named as agentnb's), no schema version."""
+    db.unlink()
+    raw = sqlite3.connect(db)
+    raw.executescript("CREATE TABLE batches (id INTEGER, label TEXT); CREATE TABLE foo (x); "
+                      "INSERT INTO batches VALUES (1, 'mine');")
+    raw.close()
+
+
 BROKEN: dict[str, tuple[Callable[[Path], None], str]] = {
     "not a database": (_not_a_database, "is not an agentnb store (not a SQLite database)"),
     "truncated": (_truncated, "is truncated"),
     "damaged pages": (_damaged_pages, "is damaged (database disk image is malformed)"),
     "newer schema": (_newer_schema, f"has schema version 99, newer than this agentnb's {SCHEMA_VERSION}"),
+    "foreign schema": (_foreign_schema, ": not an agentnb store (it has tables batches, foo but no agentnb schema "
+                                        "version); use another path or move it aside"),
 }
 
 COMMANDS = [

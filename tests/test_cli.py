@@ -47,6 +47,24 @@ def test_run_demo_succeeds_with_its_events_in_the_sqlite_file(tmp_path: Path) ->
     assert (tmp_path / "ws" / "jobs" / "1" / "output" / "report.md").is_file()
 
 
+@pytest.mark.parametrize(("args", "line"), [
+    ([b"run", b"caf\xe9 au lait"], "instruction: not valid UTF-8 (byte 0xe9 at position 3)"),
+    ([b"run", b"--detach", b"make", b"caf\xc3"], "instruction: not valid UTF-8 (byte 0xc3 at position 8)"),
+    ([b"reply", b"1", b"\xff yes"], "text: not valid UTF-8 (byte 0xff at position 0)"),
+    ([b"batch", b"cases.csv", b"--name", b"exp-\xe9"], "--name: not valid UTF-8 (byte 0xe9 at position 4)"),
+    ([b"run", b"--context", b"note=\xe9t\xe9", b"task"], "--context: not valid UTF-8 (byte 0xe9 at position 5)"),
+])
+def test_an_argument_that_is_not_utf8_is_one_line_naming_it(tmp_path: Path, args: list[bytes], line: str) -> None:
+    """A Latin-1 terminal's bytes reach Python as lone surrogates, which no store can keep: refused by name
+    before anything is opened, not Python's codec message from the middle of a write."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
+    out = subprocess.run([str(AGENTNB).encode(), b"--workspace", b"ws", *args], cwd=tmp_path, capture_output=True,
+                         timeout=120, env=env)
+    assert out.returncode == 2
+    assert out.stderr.decode() == f"agentnb: error: {line}; pass UTF-8 text\n"
+    assert not (tmp_path / "ws").exists()
+
+
 def test_run_waiting_for_a_human_exits_0_and_reply_resumes(tmp_path: Path) -> None:
     out = agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "ask-first", "--model", "demo", "Make a list")
     assert out.returncode == 0, out.stderr

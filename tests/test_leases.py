@@ -331,6 +331,44 @@ def test_a_killed_worker_s_job_is_finished_by_another_after_the_lease(
     ws.store.close()
 
 
+def test_the_time_a_killed_worker_s_job_sat_running_is_not_running_time(
+        store_url: str, tmp_path: Path, server: OpenAIServer) -> None:
+    """A batch job whose worker was SIGKILLed mid-call looks ``running`` until its lease runs out; that span is
+    nobody's running time: the batch's ``seconds`` and the job view's running time end the killed run at its
+    worker's last event."""
+    ws = Workspace(tmp_path / "submit", store=store_url)
+    b = ws.batch([{"instruction": "Do the thing."}], piece=write_piece(tmp_path, TWO_STEPS),
+                 model="openai:gpt-4o-mini", name="b", run=False, progress=False)
+    job_id = b.jobs[0].id
+    server.play(SECOND, hold(DONE), DONE)
+    first = _worker(store_url, tmp_path / "w1", server, AGENTNB_HOST="elsewhere-1")  # only the lease recovers it
+    try:
+        wait_for("the second call", server.holding.is_set, [first])
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        killed = time.time()
+    finally:
+        finish(first)
+    server.release()
+    second = _worker(store_url, tmp_path / "w2", server, "--forever", "--poll", "0.1", "--max-jobs", "1")
+    _, err = finish(second)
+    assert second.returncode == 0 and ws.job(job_id).status == "succeeded", err
+    statuses = ws.events(job_id, kinds=["job_status"])
+    assert [e.payload["reason"] for e in statuses][2] == LEASE_EXPIRED
+    claimed, recovered, ended = statuses[1].ts, statuses[2].ts, statuses[-1].ts
+    dead = recovered - killed  # at least most of the 2 s lease: the killed worker renewed it last before then
+    assert dead > 0.5
+    # the job was running from its first claim to its end, less the dead span (and the moment it was queued)
+    bound = ended - claimed - dead
+    seconds = float(b.frame["seconds"].iloc[0])
+    assert 0 < seconds <= bound, (seconds, bound, dead)
+    assert float(b.summary()["p95_seconds"].iloc[0]) == seconds
+    from agentnb.views.render import job_stats
+
+    assert job_stats(ws, job_id).running_s == seconds
+    ws.store.close()
+
+
 def test_a_frozen_worker_past_its_lease_writes_nothing_more(
         store_url: str, tmp_path: Path, server: OpenAIServer, monkeypatch: pytest.MonkeyPatch) -> None:
     ws, straight, job_id = _openai_jobs(store_url, tmp_path, server, monkeypatch)

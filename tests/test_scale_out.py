@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import pandas as pd
 import pytest
 from _freeze import freeze, reap
+from _postgres import own_pg_server
 from _scripting import QUICK, TWO_STEPS
 from _waiting import wait_for
 from engine_helpers import call, transition, write_piece, write_script
@@ -24,6 +26,7 @@ from openai_server import OpenAIServer, hold, openai_env, reply
 
 from agentnb import Workspace
 from agentnb.store.base import LEASE_EXPIRED
+from agentnb.store.pg_outage import REACHABLE, UNREACHABLE
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_pg = pytest.mark.needs("postgres", "psycopg")
@@ -355,6 +358,44 @@ def test_an_idle_worker_listens_again_after_its_connections_are_cut(pg_url: str,
     assert "Traceback" not in err, err
     assert re.search(rf"^ran 2 job\(s\): {first.id} {second.id}$", out, re.M), out
     ws.close()
+
+
+def _just_claimed(url: str) -> bool:
+    """Whether a worker's pooled connection (not its LISTEN one) ended a query less than 0.3 s ago."""
+    return bool(_sql(url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                          "AND pid <> pg_backend_pid() AND query <> 'LISTEN agentnb_jobs' AND state = 'idle' "
+                          "AND clock_timestamp() - state_change < interval '300 milliseconds'")[0][0])
+
+
+@needs_pg
+def test_a_worker_through_a_server_restart_says_so_in_one_line_each_way(tmp_path: Path,
+                                                                        server: OpenAIServer) -> None:
+    """The pool's failed reconnection attempts were each a two-line libpq trace on the worker's stderr: now one
+    line when the store goes, one when it is back, and the worker goes on with the next job."""
+    quick = write_piece(tmp_path, QUICK, name="quick.yaml")
+    with own_pg_server() as own:  # a cluster of this test's own: it is stopped and started again
+        url = own.create_database()
+        Workspace(tmp_path / "laptop", store=url).close()
+        proc = _worker(url, tmp_path / "w", server, "--forever", "--poll", "1")
+        try:
+            wait_for("the worker to listen", lambda: _listening(url) == 1, [proc])
+            # stopped right after a claim, not in the middle of one: a claim cut off by the server's shutdown
+            # ends the worker with an error line, which is not what this test is about
+            wait_for("a claim just made", lambda: _just_claimed(url), [proc])
+            own.stop()
+            time.sleep(2)  # the worker claims every second: its pool tries to reconnect (and fails) meanwhile
+            own.start()
+            ws = Workspace(tmp_path / "laptop", store=url)
+            job = ws.submit("after the restart", piece=quick, model="demo")
+            wait_for("the job after the restart", lambda: ws.job(job).status == "succeeded", [proc])
+            ws.close()
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            reap([proc])
+    assert proc.returncode == 143, err
+    assert [ln for ln in err.splitlines() if "store" in ln] == [UNREACHABLE, REACHABLE], err
+    assert "error connecting" not in err and "Traceback" not in err and "Is the server running" not in err, err
 
 
 # -- a batch made in a notebook, run by workers, scored back in the notebook --------------------------------------

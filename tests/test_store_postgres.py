@@ -21,7 +21,7 @@ from _usage_jobs import demo_job, usage_job
 
 from agentnb import Workspace
 from agentnb.errors import StoreError
-from agentnb.store import open_store
+from agentnb.store import display_url, open_store
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_pg = pytest.mark.needs("postgres", "psycopg")
@@ -240,6 +240,21 @@ def test_a_newer_schema_is_refused_and_left_as_it_is(pg_url: str) -> None:
     assert _sql(pg_url, "SELECT version FROM agentnb_schema") == [(99,)]
     with pytest.raises(StoreError):
         Workspace(Path("/nonexistent-not-made"), store=pg_url, readonly=True)
+
+
+@needs_pg
+def test_a_database_of_another_program_is_refused_and_left_as_it_is(pg_url: str, tmp_path: Path) -> None:
+    """Tables of its own (one named as agentnb's) and no agentnb schema version: migrating would fail half-way
+    ("relation batches already exists") or add agentnb's tables to someone else's database."""
+    _sql(pg_url, "CREATE TABLE batches (id INTEGER, label TEXT); CREATE TABLE foo (x INTEGER); "
+                 "INSERT INTO batches VALUES (1, 'mine')")
+    for readonly in (False, True):
+        with pytest.raises(StoreError) as exc:
+            Workspace(tmp_path / "ws", store=pg_url, readonly=readonly)
+        assert _one_line(exc) == (f"{display_url(pg_url)}: not an agentnb store (it has tables batches, foo but no "
+                                  "agentnb schema version); use another database (nothing was changed)")
+    assert _tables(pg_url) == ["batches", "foo"]
+    assert _sql(pg_url, "SELECT * FROM batches") == [(1, "mine")]
 
 
 @needs_pg

@@ -26,6 +26,7 @@ __all__ = [
     "JOB_STATES",
     "LEASE_EXPIRED",
     "MAX_INSTRUCTION_CHARS",
+    "RECOVERED",
     "TERMINAL_STATES",
     "WAITING_STATES",
     "FrameQuery",
@@ -36,6 +37,7 @@ __all__ = [
     "StoredFile",
     "Transaction",
     "can_name_a_job",
+    "is_recovery",
     "lease_lost",
     "owned_by_this_process",
     "owner_host",
@@ -64,8 +66,16 @@ def can_name_a_job(job_id: int) -> bool:
 # How long a claim holds a job before another claimer may take it back (seconds); its holder renews it every
 # third of that (agentnb/leases.py).  Workspace(lease=), AGENTNB_LEASE and `agentnb worker --lease` change it.
 DEFAULT_LEASE = 30.0
+# every job_status reason of a recovery (a running job queued again because its holder died, froze or was cut
+# off) begins so: the time between its holder's last event and the recovery was nobody's running time
+RECOVERED = "recovered: "
 # the job_status reason of a running job taken back because its lease ran out (DESIGN §13)
-LEASE_EXPIRED = "recovered: lease expired"
+LEASE_EXPIRED = RECOVERED + "lease expired"
+
+
+def is_recovery(reason: str) -> bool:
+    """Whether a ``job_status`` reason is a recovery's (see :data:`RECOVERED`)."""
+    return reason.startswith(RECOVERED)
 
 
 class LeaseLost(StoreError):

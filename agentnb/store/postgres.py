@@ -69,6 +69,7 @@ from .base import (
     DEFAULT_LEASE,
     JOB_STATES,
     LEASE_EXPIRED,
+    RECOVERED,
     TERMINAL_STATES,
     FrameQuery,
     FrameRows,
@@ -83,6 +84,7 @@ from .base import (
 from .frames_sql import PG_FRAME_SQL
 from .pg_migrations import PG_MIGRATIONS, PG_SCHEMA_VERSION
 from .pg_notify import NOTIFY_SQL, PgJobWaiter
+from .pg_outage import connected, watch_outages
 from .pg_session import session_limits
 from .texts import REF_FIELDS
 
@@ -195,8 +197,11 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             raise StoreError(describe_pg_error(exc, url)) from None
         # check: a connection the server dropped while idle in the pool (a restart, a network cut, an idle
         # timeout) is replaced when handed out, at the cost of one round trip, instead of failing the next call
+        # a server restart: one line when it goes, one when it is back, not the pool's traces (pg_outage.py)
+        watch_outages()
         self._pool = ConnectionPool(url, min_size=1, max_size=max(1, pool_size), kwargs=kwargs, open=True,
-                                    name="agentnb", timeout=60.0, check=ConnectionPool.check_connection)
+                                    name="agentnb", timeout=60.0, check=ConnectionPool.check_connection,
+                                    configure=connected)
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.path!r})"
@@ -216,6 +221,12 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             raise StoreError(
                 f"{self.path} has schema version {version}, newer than this agentnb's {PG_SCHEMA_VERSION}: "
                 "it was written by a newer agentnb; upgrade agentnb to open it (nothing was changed)")
+        if version == 0:
+            tables = [str(name) for (name,) in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY 1").fetchall()]
+            if tables:  # another program's: agentnb's tables would join its own, or clash with one of the same name
+                raise StoreError(f"{self.path}: not an agentnb store (it has tables {', '.join(tables)} but no "
+                                 "agentnb schema version); use another database (nothing was changed)")
         if version == 0 and self.readonly:
             raise StoreError(f"{self.path} holds no agentnb workspace yet (no agentnb tables): there is nothing to "
                              "read; the first write (a submit, a batch, agentnb store copy) creates them")
@@ -524,7 +535,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
                           (*params, todo)).fetchall()
         for jid, claimed_by, expired in rows:
             if owner_is_gone(claimed_by):
-                reason = f"recovered: the process that ran it ({claimed_by}) is gone"
+                reason = f"{RECOVERED}the process that ran it ({claimed_by}) is gone"
             elif expired:
                 reason = LEASE_EXPIRED
             else:

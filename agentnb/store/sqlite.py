@@ -40,6 +40,7 @@ from .base import (
     JOB_STATES,
     LEASE_EXPIRED,
     MAX_INSTRUCTION_CHARS,
+    RECOVERED,
     TERMINAL_STATES,
     WAITING_STATES,
     FrameQuery,
@@ -225,6 +226,15 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
                 f"{self.path} has schema version {version}, newer than this agentnb's {SCHEMA_VERSION}: "
                 "it was written by a newer agentnb; upgrade agentnb to open it (nothing was changed)"
             )
+        tables = [str(name) for (name,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%' ORDER BY name")]
+        if (version == 0 and tables) or (version > 0 and "jobs" not in tables):
+            # another program's database: migrating would add agentnb's tables to it, or fail half-way on a
+            # table of the same name ("table batches already exists")
+            found = f"tables {', '.join(tables)}" if tables else "no tables"
+            schema = "no agentnb schema version" if version == 0 else f"user_version {version} but no jobs table"
+            raise StoreError(f"{self.path}: not an agentnb store (it has {found} but {schema}); use another path "
+                             "or move it aside (nothing was changed)")
         return version
 
     # -- plumbing ---------------------------------------------------------
@@ -447,7 +457,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
             "AND (? OR id=? OR lease_until < ?)", (now, job_id is None, job_id or 0, now)).fetchall()
         for jid, claimed_by, expired in rows:
             if owner_is_gone(claimed_by):
-                reason = f"recovered: the process that ran it ({claimed_by}) is gone"
+                reason = f"{RECOVERED}the process that ran it ({claimed_by}) is gone"
             elif expired:
                 reason = LEASE_EXPIRED
             else:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..events import (
+    CommentEvent,
     Compaction,
     ContextAction,
     ErrorEvent,
@@ -24,10 +25,11 @@ from ..events import (
     Transition,
 )
 from ..models.prices import call_costs
+from ..store.base import is_recovery
 from .source import JobRecord, JobSource
 from .status import display_status
 
-__all__ = ["JobStats", "is_compaction_error", "job_stats", "stats_from_events"]
+__all__ = ["JobStats", "RunningClock", "is_compaction_error", "job_stats", "stats_from_events"]
 
 
 @dataclass
@@ -65,23 +67,48 @@ class JobStats:
         return self.running_s
 
 
+class RunningClock:
+    """The seconds a job ran, from its events in order: the intervals from each ``running`` job_status to the
+    job's next job_status.  An interval a recovery ended (``recovered: …``: its holder was killed, froze or was
+    cut off) ends at that holder's last event instead: the job only looked ``running`` until its lease ran out
+    or a claim found its process gone, and nobody ran it then.  The views (a job's header, a batch's
+    ``seconds``) all count with this one clock."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.since: float | None = None  # the start of the open running interval
+        self._last = 0.0  # the latest event of the open interval's holder
+
+    def see(self, ev: Event) -> None:
+        if isinstance(ev, JobStatusEvent):
+            if self.since is not None:
+                end = min(self._last, ev.ts) if is_recovery(ev.reason) else ev.ts
+                self.total += max(0.0, end - self.since)
+            self.since = ev.ts if ev.status == "running" else None
+            self._last = ev.ts
+        elif self.since is not None and not isinstance(ev, CommentEvent | ScoreEvent):  # not the holder's own
+            self._last = max(self._last, ev.ts)
+
+    def seconds(self, now: float | None = None) -> float:
+        """The total; an interval still open counts up to ``now`` when it is given."""
+        if self.since is None or now is None:
+            return self.total
+        return self.total + max(0.0, now - self.since)
+
+
 def stats_from_events(job: JobRecord, events: Sequence[Event], now: float | None = None) -> JobStats:
     st = JobStats()
     reason: str | None = None
     calls: tuple[list[int], list[int], list[float | None]] = ([], [], [])
     now = time.time() if now is None else now
-    running_since: float | None = None
+    clock = RunningClock()
     status_events = False
     for ev in events:
+        clock.see(ev)
         match ev:
             case JobStatusEvent():
                 status_events = True
                 reason = ev.reason
-                if running_since is not None:
-                    st.running_s += max(0.0, ev.ts - running_since)
-                    running_since = None
-                if ev.status == "running":
-                    running_since = ev.ts
             case MovementStart():
                 st.movements += 1
                 st.last_seq = ev.movement_seq
@@ -121,9 +148,8 @@ def stats_from_events(job: JobRecord, events: Sequence[Event], now: float | None
     st.status = display_status(job.status, reason)
     if job.status != "waiting_human":
         st.question = None
-    if running_since is not None and job.status == "running":
-        st.running_s += max(0.0, now - running_since)
-    elif not status_events and job.started:  # a store written without job_status events
+    st.running_s = clock.seconds(now if job.status == "running" else None)
+    if not status_events and job.started:  # a store written without job_status events
         st.running_s = max(0.0, (job.ended or (now if job.status == "running" else job.updated)) - job.started)
     st.wall_s = max(0.0, (job.ended or now) - job.created)
     return st

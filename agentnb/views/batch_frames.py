@@ -10,8 +10,9 @@ Choices the design leaves open, made here:
   below it.  ``status`` is the batch job's own.
 - **seconds** is the time the job tree was ``running``: for each job, the sum of the intervals from a
   ``job_status`` running event to the job's next ``job_status`` event (an interval still open counts
-  up to now).  Queued, paused, waiting and idle time are not counted.  Children's running time is
-  added (compute time, not wall time of the tree).
+  up to now); one that a recovery ended (``recovered: …``: its worker was killed or cut off) ends at that
+  worker's last event, not when its lease ran out.  Queued, paused, waiting and idle time are not counted.
+  Children's running time is added (compute time, not wall time of the tree).
 - **cost_usd** prices each ``llm_response`` of the tree with the model spec of the job that made it
   (``agentnb.models.prices``); NA as soon as one call's price is unknown; 0 for offline models.
 - **Scores**: one column per scorer, the value of the latest ``score`` event of that name; a scorer
@@ -35,9 +36,10 @@ from typing import Any, Protocol
 
 import pandas as pd
 
-from ..events import JobStatusEvent, LLMResponse, MovementStart, ScoreEvent
+from ..events import Event, JobStatusEvent, LLMResponse, MovementStart, ScoreEvent
 from ..models.prices import call_costs
-from ..store.base import TERMINAL_STATES, WAITING_STATES, Store
+from ..store.base import TERMINAL_STATES, WAITING_STATES, Store, is_recovery
+from ._job_stats import RunningClock
 
 __all__ = ["BatchSource", "JobTotals", "batch_frame", "batch_html", "batch_summary", "job_totals",
            "score_columns"]
@@ -71,17 +73,16 @@ class JobTotals:
     seconds: float = 0.0
 
 
-def _running_seconds(statuses: Sequence[JobStatusEvent], now: float) -> float:
-    total, since = 0.0, None
-    for ev in statuses:
-        if since is not None:
-            total += max(0.0, ev.ts - since)
-            since = None
-        if ev.status == "running":
-            since = ev.ts
-    if since is not None:
-        total += max(0.0, now - since)
-    return total
+def _running_seconds(store: Store, job_id: int, statuses: Sequence[JobStatusEvent], now: float) -> float:
+    if any(is_recovery(e.reason) for e in statuses):
+        # a recovered interval ends at its dead holder's last event, of whatever kind: read them all (rare)
+        events: Sequence[Event] = store.events(job_id)
+    else:
+        events = statuses
+    clock = RunningClock()
+    for ev in events:
+        clock.see(ev)
+    return clock.seconds(now)
 
 
 def job_totals(store: Store, root: int, children: Mapping[int, list[int]], models: Mapping[int, str],
@@ -106,7 +107,8 @@ def job_totals(store: Store, root: int, children: Mapping[int, list[int]], model
         out.prompt_tokens += sum(e.usage.prompt_tokens for e in calls)
         out.completion_tokens += sum(e.usage.completion_tokens for e in calls)
         out.total_tokens += sum(e.usage.total_tokens for e in calls)
-        out.seconds += _running_seconds([e for e in events if isinstance(e, JobStatusEvent)], now)
+        out.seconds += _running_seconds(store, job_id, [e for e in events if isinstance(e, JobStatusEvent)],
+                                        now)
         costs = call_costs(models[job_id], [e.usage.prompt_tokens for e in calls],
                            [e.usage.completion_tokens for e in calls], [e.ts for e in calls])
         if out.cost_usd is not None:
