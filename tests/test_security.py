@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -513,8 +514,9 @@ def test_a_fifo_swapped_in_after_the_check_never_blocks(tmp_path: Path, monkeypa
 
 def test_a_catastrophic_pattern_is_stopped_with_a_hint(ws: Workspace, tmp_path: Path) -> None:
     calls = [call("Grep", pattern="(a+)+$", path="input/short.txt"),
-             call("Grep", pattern="(a|aa)+$", path="input/short.txt"),
-             call("Grep", pattern="(a+)+$", path="input/long.txt"),
+             call("Grep", pattern="(a|aa)+$", path="input/long.txt"),
+             call("Grep", pattern=r"(a|aa)+\1$", path="input/short.txt"),
+             call("Grep", pattern=r"\bneedle\b"),
              call("Grep", pattern="needle")]
     job = ws.submit("regex", piece=str(_piece(tmp_path, ["Grep"], "readonly")), model=_script(tmp_path, calls),
                     inputs={"short.txt": "a" * 40 + "b\n", "long.txt": "a" * 30_000 + "b\n", "n.txt": "a needle\n"})
@@ -522,12 +524,13 @@ def test_a_catastrophic_pattern_is_stopped_with_a_hint(ws: Workspace, tmp_path: 
     assert _run_in_worker(ws, job, timeout=60, AGENTNB_GREP_TIMEOUT="0.5") == "succeeded"
     assert time.monotonic() - started < 30
     res = _results(ws, job)
-    # `regex` answers the textbook case at once; what still backtracks is stopped after the limit
-    assert not res[0]["is_error"] and res[0]["content"].startswith("No lines match")
-    for r in res[1:3]:
-        assert r["is_error"], r["content"]
-        assert "took more than 0.5 s" in r["content"] and "simpler pattern" in r["content"]
-    assert res[3]["content"] == "input/n.txt:1:a needle"
+    # RE2 answers the hostile patterns it takes in linear time; a backreference is stopped at the limit
+    for r in res[:2]:
+        assert not r["is_error"] and r["content"].startswith("No lines match"), r["content"]
+    assert res[2]["is_error"], res[2]["content"]
+    assert "Grep: the pattern" in res[2]["content"] and "took longer than 0.5 s" in res[2]["content"]
+    assert "simpler pattern" in res[2]["content"]
+    assert res[3]["content"] == res[4]["content"] == "input/n.txt:1:a needle"
 
 
 def test_grep_time_limit_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -535,9 +538,181 @@ def test_grep_time_limit_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     grep = get_tool("Grep")
     assert grep is not None
     started = time.monotonic()
-    out = grep.invoke(_ctx(tmp_path, grep_timeout=0.2), {"pattern": "(a|aa)+$"})
-    assert out.is_error and "took more than 0.2 s" in out.content
+    out = grep.invoke(_ctx(tmp_path, grep_timeout=0.2), {"pattern": r"(a|aa)+\1$"})
+    assert out.is_error and "took longer than 0.2 s" in out.content
     assert time.monotonic() - started < 5
     monkeypatch.setenv("AGENTNB_GREP_TIMEOUT", "soon")
     out = grep.invoke(_ctx(tmp_path), {"pattern": "a"})
     assert out.is_error and "AGENTNB_GREP_TIMEOUT='soon'" in out.content and "seconds" in out.content
+
+
+_BURN = "while True: pass"
+_LIMIT = 0.5  # Grep's time limit in the tests below: every call must return within it plus 1 s
+
+# each pattern backtracks for ages in a backtracking engine on some of these inputs; RE2 takes them all
+_RE2_HOSTILE = [r"(a|a)+$", r"(a|aa)+$", r"(.*a){20}", r"((a+)+)+$", r"(a*)*$", r"(\w+\s?)+$", r"(x+x+)+y"]
+# `regex` only (a backreference, a lookbehind, a Unicode \b): run in the search process, killed at the limit
+_PROCESS_HOSTILE = [r"(a*)*\1$", r"(a|a)+\1$", r"(a|aa)+\1$", r"(a|a)+(?<!b)$", r"\b(a|a)+$"]
+
+
+def _burners(n: int) -> list[subprocess.Popen[bytes]]:
+    """``n`` processes that keep a core busy each (the machine a busy worker runs on)."""
+    return [subprocess.Popen([sys.executable, "-c", _BURN]) for _ in range(n)]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (whichever of its threads started them)."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to see the search processes")
+def test_hostile_patterns_return_within_the_limit_on_a_busy_machine(tmp_path: Path) -> None:
+    grep = get_tool("Grep")
+    assert grep is not None
+    for n in (30, 1_000, 10_000):
+        (tmp_path / f"a{n}.txt").write_text("a" * n + "b\n" + "xxx" * (n // 3) + "\n")
+    ctx = _ctx(tmp_path, grep_timeout=_LIMIT)
+    burners = _burners(3)
+    slow: list[str] = []
+    try:
+        for pattern in _RE2_HOSTILE + _PROCESS_HOSTILE:
+            for n in (30, 1_000, 10_000):
+                started = time.monotonic()
+                out = grep.invoke(ctx, {"pattern": pattern, "path": f"a{n}.txt"})
+                took = time.monotonic() - started
+                if took > _LIMIT + 1:
+                    slow.append(f"{pattern} on {n} characters: {took:.1f} s")
+                if pattern in _RE2_HOSTILE:  # answered, not stopped
+                    assert not out.is_error, (pattern, n, out.content)
+                elif out.is_error:
+                    assert out.content.startswith(f"Error: Grep: the pattern {pattern!r} took longer than 0.5 s"), \
+                        out.content
+                    assert "simpler pattern" in out.content
+        # the answers are right, not only quick
+        assert grep.invoke(ctx, {"pattern": "(a|aa)+$", "path": "a30.txt"}).content.startswith("No lines match")
+        assert grep.invoke(ctx, {"pattern": "(x+x+)+$", "path": "a30.txt"}).content == "a30.txt:2:" + "x" * 30
+        out = grep.invoke(ctx, {"pattern": r"(a|a)+\1$", "path": "a30.txt"})
+        assert out.is_error and "took longer than 0.5 s" in out.content
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    assert not slow, "Grep calls past the limit + 1 s:\n" + "\n".join(slow)
+    # a search process killed at the limit was reaped: none is left a zombie
+    assert [c for c in _children(os.getpid()) if _state(c) == "Z"] == []
+
+
+def test_python_only_patterns_run_from_many_threads_at_once(tmp_path: Path) -> None:
+    (tmp_path / "t.txt").write_text("abab x\nfoo foo\nnaïve café\n" * 50)
+    grep = get_tool("Grep")
+    assert grep is not None
+    want = {r"(ab)\1": "abab", r"(\w+) \1": "foo foo", r"\bcafé\b": "café", r"(?<=naïve )caf": "café"}
+    got: dict[str, list[str]] = {p: [] for p in want}
+
+    def run(pattern: str) -> None:
+        for _ in range(5):
+            got[pattern].append(grep.invoke(_ctx(tmp_path), {"pattern": pattern}).content)  # type: ignore[union-attr]
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in want for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for pattern, text in want.items():
+        assert len(got[pattern]) == 10
+        for content in got[pattern]:
+            lines = content.split("\n")
+            assert len(lines) == 50 and all(text in line for line in lines), content[:300]
+
+
+_KILL_PARENT = """
+import sys, threading
+from pathlib import Path
+from agentnb.tools.base import ToolContext, get_tool
+ctx = ToolContext(workdir=Path(sys.argv[1]), logs_dir=Path(sys.argv[1]) / "logs", grep_timeout=600)
+threading.Thread(target=get_tool("Grep").invoke, args=(ctx, {"pattern": r"(a|a)+\\1$"})).start()
+print("started", flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to see the search processes")
+def test_a_search_process_dies_with_its_parent(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("a" * 40 + "b\n")
+    parent = subprocess.Popen([sys.executable, "-c", _KILL_PARENT, str(tmp_path)], env=_env(),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 20
+        while not (searchers := _children(parent.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert searchers, "no search process was started"
+        time.sleep(0.3)  # it is matching now
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 5
+    while any(_state(p) not in (None, "Z") for p in searchers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [p for p in searchers if _state(p) not in (None, "Z")]
+    for p in alive:
+        with suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    assert not alive, "the search process outlived its parent"
+
+
+_SAME_TEXT = ("naïve café 42 ٣٤\tÉcole\u00a0x\x0bv\n"
+              "snake_case and CamelCase, a{,2}b aab\n"
+              "Straße STRASSE ǅ ǆ σς Σ Kelvin \u212a k\n"
+              "plain ascii line with 123 and foo.bar\n"
+              "[brackets] -dash- back\\slash $dollar ^caret\n"
+              "٣٤ école\u3000ok\n")
+_ORDINARY = [r"\w+é", r"\d+", r"\s\w", r"\W\d", r"[\w.]+", r"[^\W\d]+", r"[\d\s]+\w", r"\S+\s", r"(?i)straße",
+             r"(?i)k", r"(?i)[a-c]+\b", r"a{,2}b", r"[[:alpha:]]+", r"\bcaf", r"é\b", r"^\w+$", r"x\Z", r"\D{3}",
+             r"(?P<w>foo)\.bar", r"[]\[]", r"\$\w+", r"\\s", r"(?i)\W", r"(?i)[\W]", r"Σ|ς", r"caf(?=é)",
+             r"^\d+ \w+\s", r"^\S+\s\w+$", r"[\D]{3}\s"]
+
+
+def test_ordinary_patterns_match_as_python_regex_does(tmp_path: Path) -> None:
+    import regex
+
+    (tmp_path / "t.txt").write_text(_SAME_TEXT)
+    grep = get_tool("Grep")
+    assert grep is not None
+    lines = _SAME_TEXT.split("\n")[:-1]
+    for pattern in _ORDINARY:
+        want = [f"t.txt:{n}:{line}" for n, line in enumerate(lines, 1) if regex.search(pattern, line)]
+        out = grep.invoke(_ctx(tmp_path), {"pattern": pattern})
+        assert not out.is_error, out.content
+        got = [] if out.content.startswith("No lines match") else out.content.split("\n")
+        assert got == want, pattern
+
+
+def test_both_engines_show_the_same_output(tmp_path: Path) -> None:
+    # long lines cut around the match, the output budget, the count of matches: one format whichever engine ran
+    (tmp_path / "big.txt").write_text("".join(
+        ("x" * (i * 7 % 1500) + " foo " + "y" * (i * 13 % 900) if i % 3 == 0 else "nothing here") + "\n"
+        for i in range(3000)))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "s.txt").write_text("foo\n" * 10 + "bar\n")
+    grep = get_tool("Grep")
+    assert grep is not None
+    for budget in (500, 20_000, 200_000):
+        ctx = _ctx(tmp_path, budget_tokens=budget)
+        re2_out = grep.invoke(ctx, {"pattern": "foo|bar"})
+        regex_out = grep.invoke(ctx, {"pattern": r"(?<=\s)foo\b|(?<=^)foo|bar"})  # lookbehinds: not RE2
+        assert re2_out.content == regex_out.content
+        assert (re2_out.truncated, re2_out.original_chars) == (regex_out.truncated, regex_out.original_chars)
+        if budget == 500:
+            assert "(1,011 matching lines in all.)" in re2_out.content

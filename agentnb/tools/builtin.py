@@ -10,18 +10,17 @@ import json
 import os
 import re
 import stat
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-import regex
-
 from .._fs import special_kind
 from .._secrets import redact
 from ..errors import ToolError
+from ._grep import GrepTimeout, Matcher, PatternError, SearchFailed, matcher
+from ._grepscan import Record
 from .base import builtin_tool
 from .context import ToolContext, ToolOutput
 from .office import OFFICE_SUFFIXES, extract_text
@@ -32,7 +31,7 @@ from .truncate import cut_text, read_document_text, read_file
 _IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp"}
 _MAX_IMAGE_BYTES = 5 * 1024 * 1024
 GREP_TIMEOUT_ENV = "AGENTNB_GREP_TIMEOUT"
-_GREP_TIMEOUT = 5.0  # seconds of matching per Grep call
+_GREP_TIMEOUT = 5.0  # seconds per Grep call (of matching with RE2; of the search process, wall clock)
 
 
 @contextmanager
@@ -185,12 +184,27 @@ def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
     if not isinstance(pattern, str):
         raise ToolError(f"pattern must be text (a regular expression), not {type(pattern).__name__}")
     limit = _grep_timeout(ctx)
+    with _grep_errors(pattern, limit), matcher(pattern, limit) as found:
+        return _grep(ctx, found, pattern, path)
+
+
+@contextmanager
+def _grep_errors(pattern: str, limit: float) -> Iterator[None]:
     try:
-        # the `regex` package, for its per-search timeout: a pattern that backtracks catastrophically
-        # ((a+)+$, (a|aa)+$) would otherwise hold the worker for hours
-        rx = regex.compile(pattern)
-    except (regex.error, ValueError, OverflowError) as exc:
+        yield
+    except PatternError as exc:
         raise ToolError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from None
+    except GrepTimeout:
+        raise ToolError(
+            f"Grep: the pattern {pattern!r} took longer than {limit:g} s and was stopped; it probably backtracks "
+            "catastrophically (nested or overlapping repeats such as (a+)+ or (a|aa)+, or a backreference). "
+            "Use a simpler pattern: drop the nested repeat (a+ instead of (a+)+), use a literal word, or anchor "
+            "it; or search a smaller path.") from None
+    except SearchFailed as exc:
+        raise ToolError(f"Grep: the search for {pattern!r} failed ({exc}); try a simpler pattern") from None
+
+
+def _grep(ctx: ToolContext, scanner: Matcher, pattern: str, path: str) -> ToolOutput:
     base = ctx.path(path)
     root = os.path.realpath(ctx.workdir)
     with _os_errors(path, "search"):
@@ -212,7 +226,22 @@ def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
     size = 0
     matches = 0
     hidden = 0  # characters of long lines left out of the shown entries
-    left = limit  # seconds of matching still allowed in this call
+    rel = ""
+
+    def keep() -> bool:  # keep only what can be shown; still count the rest
+        return size <= budget * 2
+
+    def add(rec: Record) -> None:
+        nonlocal size, hidden
+        if len(rec) == 2:
+            entry = f"{rel}:{rec[0]}:{rec[1]}"
+        else:
+            shown, note = _long_line(rec, rel)
+            hidden += rec[1] - len(shown)
+            entry = f"{rel}:{rec[0]}:{shown}{note}"
+        out.append(entry)
+        size += len(entry) + 1
+
     for fp in files:
         real = os.path.realpath(fp)
         if not real.startswith(root + os.sep):
@@ -224,36 +253,7 @@ def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
             if single:
                 raise
             continue  # a FIFO, socket or device met while walking is skipped, never opened for reading
-        try:
-            with open(fd, "rb") as fh:
-                if b"\x00" in fh.read(4096):
-                    continue
-                fh.seek(0)
-                pos = 0
-                for n, raw in enumerate(fh, start=1):
-                    line = raw.decode("utf-8", errors="replace").rstrip("\n")
-                    started = time.monotonic()
-                    try:
-                        m = rx.search(line, timeout=left)
-                    except TimeoutError:
-                        raise _grep_timed_out(pattern, limit) from None
-                    left -= time.monotonic() - started
-                    if left <= 0:
-                        raise _grep_timed_out(pattern, limit)
-                    if m:
-                        matches += 1
-                        if size <= budget * 2:  # keep only what can be shown; still count the rest
-                            if len(line) > _GREP_LINE:
-                                shown, note = _long_line(line, raw, m.start(), pos, rel)
-                                hidden += len(line) - len(shown)
-                                entry = f"{rel}:{n}:{shown}{note}"
-                            else:
-                                entry = f"{rel}:{n}:{line}"
-                            out.append(entry)
-                            size += len(entry) + 1
-                    pos += len(raw)
-        except OSError:
-            continue
+        matches += scanner.scan(fd, keep, add)
     if not out:
         return ToolOutput(f"No lines match {pattern!r}.")
     result = cut_text("\n".join(out), ctx, hint="grep", extra=f"({matches:,} matching lines in all.)")
@@ -263,11 +263,8 @@ def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
     return result
 
 
-_GREP_LINE = 500  # characters of a matching line Grep shows
-
-
 def _grep_timeout(ctx: ToolContext) -> float:
-    """Seconds of matching one Grep call may take: the context's, else $AGENTNB_GREP_TIMEOUT, else 5."""
+    """Seconds one Grep call may take matching: the context's, else $AGENTNB_GREP_TIMEOUT, else 5."""
     if ctx.grep_timeout is not None:
         return float(ctx.grep_timeout)
     raw = os.environ.get(GREP_TIMEOUT_ENV, "").strip()
@@ -282,25 +279,14 @@ def _grep_timeout(ctx: ToolContext) -> float:
     return value
 
 
-def _grep_timed_out(pattern: str, limit: float) -> ToolError:
-    return ToolError(
-        f"pattern {pattern!r} took more than {limit:g} s to match and was stopped; it probably backtracks "
-        "catastrophically (nested or overlapping repeats such as (a+)+ or (a|aa)+). Use a simpler pattern: "
-        "drop the nested repeat (a+ instead of (a+)+), use a literal word, or anchor it; or search a smaller path."
-    )
-
-
-def _long_line(line: str, raw: bytes, at: int, pos: int, rel: str) -> tuple[str, str]:
-    """A part of a long matching line around the match, and a note saying where to Read the rest."""
-    start = max(0, min(at - _GREP_LINE // 4, len(line) - _GREP_LINE))
-    shown = line[start:start + _GREP_LINE]
-    # the byte where the shown part starts (invalid UTF-8 counted byte for byte, as Read counts it)
-    byte = pos + len(raw.decode("utf-8", errors="surrogateescape")[:start].encode("utf-8", errors="surrogateescape"))
+def _long_line(rec: Record, rel: str) -> tuple[str, str]:
+    """The window of a long matching line around the match, and a note saying where to Read the rest."""
+    _, length, start, window, byte = rec
     lead = "…" if start else ""
-    trail = "…" if start + len(shown) < len(line) else ""
+    trail = "…" if start + len(window) < length else ""
     # the window's edges are cuts: a secret split there is masked here, where the cut is made
-    shown = redact(shown, cut_start=bool(lead), cut_end=bool(trail))
-    return f"{lead}{shown}", (f"{trail} [a line of {len(line):,} characters, cut around the match; "
+    shown = redact(window, cut_start=bool(lead), cut_end=bool(trail))
+    return f"{lead}{shown}", (f"{trail} [a line of {length:,} characters, cut around the match; "
                                f"Read path={rel!r} byte_offset={byte} to read on from here]")
 
 
