@@ -9,14 +9,24 @@ Redaction works on values, not names: a command can print a key however it got i
 So every tool result is scrubbed of the values of the secret-named variables in the
 process's environment, and of the password part of any ``scheme://user:password@``
 value, before it is stored or shown to the model.
+
+The same values, with the keys registered in code (:func:`register_secret`: an ``openai:`` model
+adds the key it calls with, however it was given), are masked by :func:`scrub` in every text the
+store keeps (store/_rows.py) and in an exported notebook; :func:`scrub` also masks what has the
+shape of a key whatever its origin (:data:`KEY_SHAPED`: ``sk-…`` keys, ``Bearer`` tokens), since an
+endpoint's error may repeat a key this process never saw (``Incorrect API key provided: sk-…``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import threading
+from typing import Any
 
-__all__ = ["MASK", "MIN_SECRET_CHARS", "SECRET_NAME", "is_secret_name", "redact", "secret_values"]
+__all__ = ["KEY_SHAPED", "MASK", "MIN_SECRET_CHARS", "SECRET_NAME", "is_secret_name", "might_hold_secret", "redact",
+           "register_secret", "scrub", "scrub_data", "secret_values"]
 
 # Substrings that name a secret wherever they appear (GITHUB_TOKEN, AWS_SECRET_ACCESS_KEY, X_CREDENTIALS),
 # and short words that name one only as a whole `_`-separated word: MYSQL_PWD but not PWD/OLDPWD (the
@@ -35,12 +45,42 @@ _URL_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://[^/@:\s]*:([^/@\s]+)@")
 # A cut (Read's pieces, a truncated output) can split a value; an end piece this long is masked too.
 _MIN_PART = 6
 
+# Text shaped like a key, masked wherever it comes from: an OpenAI-style key (sk-…, sk-proj-…, sk-ant-…; 20+ key
+# characters with a digit, not inside a longer word: "task-list", "risk-2024-…" stay) and the token after
+# "Bearer " (16+ token characters with a digit: "bearer of bad news" stays).  The key characters hold no
+# quote or backslash, so a match never reaches past the JSON string it is in.
+KEY_SHAPED = re.compile(
+    r"(?<![A-Za-z0-9_])sk-(?=[A-Za-z0-9_\-]*[0-9])[A-Za-z0-9_\-]{20,}"
+    r"|(?<=\b[Bb]earer )(?=[A-Za-z0-9._~+/\-]*[0-9])[A-Za-z0-9._~+/\-]{16,}=*"
+)
+# What every KEY_SHAPED match contains: a text without either cannot match, and `in` is far cheaper than a search.
+_KEY_TRIGGERS = ("sk-", "earer ")
+# KEY_SHAPED without its word boundary, for a JSON text: there a key may follow an escape ("\nsk-…")
+_KEY_SHAPED_LOOSE = re.compile(
+    r"sk-(?=[A-Za-z0-9_\-]*[0-9])[A-Za-z0-9_\-]{20,}|[Bb]earer (?=[A-Za-z0-9._~+/\-]*[0-9])[A-Za-z0-9._~+/\-]{16,}"
+)
+
+# Secrets given in code rather than the environment (an API key passed to a model): kept for the process.
+_registered: frozenset[str] = frozenset()
+_registered_lock = threading.Lock()
+
 
 def is_secret_name(name: str) -> bool:
     return SECRET_NAME.search(name) is not None
 
 
-_cache: tuple[object, tuple[str, ...]] | None = None
+def register_secret(value: str | None) -> None:
+    """Mask ``value`` wherever :func:`scrub`/:func:`redact` mask the environment's secrets, for the rest of the
+    process: a key given in code never reaches the store, an export or a tool result either."""
+    global _registered, _cache
+    if not isinstance(value, str) or len(value) < MIN_SECRET_CHARS or value in _registered:
+        return
+    with _registered_lock:
+        _registered = _registered | {value}
+        _cache = None
+
+
+_cache: tuple[object, frozenset[str], tuple[str, ...], tuple[str, ...]] | None = None
 
 
 def _environ_snapshot() -> object:
@@ -50,13 +90,19 @@ def _environ_snapshot() -> object:
 
 
 def secret_values() -> tuple[str, ...]:
-    """The secret values in this process's environment, longest first (so a longer one masks whole)."""
+    """The secret values in this process's environment and those registered in code (:func:`register_secret`),
+    longest first (so a longer one masks whole)."""
+    return _values()[0]
+
+
+def _values() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The secret values (:func:`secret_values`) and those of them that JSON writes otherwise, as it writes them."""
     global _cache
     data = getattr(os.environ, "_data", None)
-    cached = _cache
-    if cached is not None and isinstance(data, dict) and data == cached[0]:
-        return cached[1]
-    found: set[str] = set()
+    cached, registered = _cache, _registered
+    if cached is not None and isinstance(data, dict) and cached[1] is registered and data == cached[0]:
+        return cached[2], cached[3]
+    found: set[str] = set(registered)
     for name, value in os.environ.items():
         if is_secret_name(name) and len(value) >= MIN_SECRET_CHARS:
             found.add(value)
@@ -66,8 +112,57 @@ def secret_values() -> tuple[str, ...]:
             if len(m.group(1)) >= MIN_SECRET_CHARS:
                 found.add(m.group(1))
     values = tuple(sorted(found, key=len, reverse=True))
-    _cache = (_environ_snapshot(), values)
-    return values
+    escaped = tuple(e for v in values if (e := json.dumps(v, ensure_ascii=False)[1:-1]) != v)
+    _cache = (_environ_snapshot(), registered, values, escaped)
+    return values, escaped
+
+
+def scrub(text: str) -> str:
+    """``text`` with every secret value (:func:`secret_values`, registered keys included) and everything
+    :data:`KEY_SHAPED` replaced by ``***``; ``text`` itself (no copy) when it holds none."""
+    if not text:
+        return text
+    values = _values()[0]
+    if values:
+        text = redact(text, values)
+    if _KEY_TRIGGERS[0] in text or _KEY_TRIGGERS[1] in text:
+        masked, n = KEY_SHAPED.subn(MASK, text)
+        if n:
+            return masked
+    return text
+
+
+def might_hold_secret(json_text: str) -> bool:
+    """Whether the JSON text ``json_text`` may hold something :func:`scrub` masks in the data it encodes (never
+    False when it does; rarely True when it does not): the cheap check before :func:`scrub_data` walks it."""
+    values, escaped = _values()
+    for value in values:
+        if value in json_text:
+            return True
+    for value in escaped:
+        if value in json_text:
+            return True
+    return ((_KEY_TRIGGERS[0] in json_text or _KEY_TRIGGERS[1] in json_text)
+            and _KEY_SHAPED_LOOSE.search(json_text) is not None)
+
+
+def scrub_data(data: Any) -> Any:
+    """JSON-like ``data`` (dicts, lists, tuples, strings, …) with :func:`scrub` applied to every string in it,
+    keys included; ``data`` itself when nothing changed, else a copy (dicts and lists rebuilt; a tuple as a list)."""
+    if isinstance(data, str):
+        return scrub(data)
+    if isinstance(data, dict):
+        out = {scrub(k) if isinstance(k, str) else k: scrub_data(v) for k, v in data.items()}
+        return data if _same_dict(data, out) else out
+    if isinstance(data, (list, tuple)):
+        items = [scrub_data(v) for v in data]
+        return data if all(a is b for a, b in zip(data, items, strict=True)) else items
+    return data
+
+
+def _same_dict(a: dict[Any, Any], b: dict[Any, Any]) -> bool:
+    # two keys masked alike make one: then the lengths differ
+    return len(a) == len(b) and all(ka is kb and va is vb for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True))
 
 
 def redact(text: str, values: tuple[str, ...] | None = None, *, cut_start: bool = False,

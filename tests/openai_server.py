@@ -4,7 +4,9 @@ It speaks ``POST /v1/chat/completions`` (tool calls and usage included) and play
 a list of actions, one per request: a response, an HTTP error, a stall long
 enough to make the client time out, a hold until the test releases it (or kills the client meanwhile),
 or a raw body sent as it is.  Every request body and its headers are kept
-so tests can check what the model was sent.
+so tests can check what the model was sent.  An error's message or a raw body may hold ``{api_key}``
+(:data:`ECHO_KEY`): it is sent with the key the request carried in its ``Authorization`` header, as some
+proxies repeat it ("Incorrect API key provided: sk-…").
 
 For many jobs at once (batches): ``latency`` delays every answer, ``responder(body)`` chooses the
 action when the list is empty (say, from the job's instruction), ``max_concurrent`` answers 429 with
@@ -23,7 +25,9 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["AsObject", "OpenAIServer", "error", "hold", "openai_env", "raw", "reply", "stall"]
+__all__ = ["ECHO_KEY", "AsObject", "OpenAIServer", "error", "hold", "openai_env", "raw", "reply", "stall"]
+
+ECHO_KEY = "{api_key}"  # in an error's message or a raw body: replaced by the key the request was sent with
 
 
 class AsObject(dict):
@@ -174,11 +178,14 @@ class OpenAIServer:
                     while not (server._released.is_set() or server._closing.is_set()):
                         server._released.wait(0.05)
                     action = action["then"]
+                sent_key = self.headers.get("authorization", "").removeprefix("Bearer ")
                 if action["kind"] == "error":
-                    return self._send(action["status"], {"error": {"message": action["message"], "type": "server_error"}},
+                    message = action["message"].replace(ECHO_KEY, sent_key)
+                    return self._send(action["status"], {"error": {"message": message, "type": "server_error"}},
                                       action.get("headers"))
                 if action["kind"] == "raw":
-                    return self._send_bytes(action["status"], action["body"], action["content_type"])
+                    return self._send_bytes(action["status"], action["body"].replace(ECHO_KEY.encode(), sent_key.encode()),
+                                            action["content_type"])
                 if action["kind"] == "stall":
                     server._closing.wait(action["seconds"])
                     action = reply("late answer")

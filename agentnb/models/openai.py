@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any
 
+from .._secrets import register_secret, scrub
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 from .ratelimit import gate_for
 
@@ -86,8 +87,8 @@ class MalformedAnswer(Exception):
 class OpenAIModel:
     """Calls ``client.chat.completions.create`` with retries and backoff on 429, 5xx, timeouts and malformed answers.
 
-    The key comes from ``OPENAI_API_KEY`` and the endpoint from ``OPENAI_BASE_URL``;
-    neither is ever recorded.  ``max_retries`` tries follow the first one, each after
+    The key comes from ``api_key`` or ``OPENAI_API_KEY`` and the endpoint from ``OPENAI_BASE_URL``;
+    neither is ever recorded (the key is registered with ``_secrets``, so the store masks it).  ``max_retries`` tries follow the first one, each after
     a wait that doubles from ``backoff`` seconds (or what the server asks for), never
     longer than ``max_backoff`` seconds.
     """
@@ -107,6 +108,9 @@ class OpenAIModel:
         self.spec = f"openai:{model}"
         self.base_url = base_url or os.environ.get("OPENAI_BASE_URL") or None
         self._api_key = api_key or os.environ.get("OPENAI_API_KEY")
+        # masked for the process from now on, wherever it came from: an endpoint's error may repeat it, and a
+        # key given in code is in no environment variable the store's scrub would know it by
+        register_secret(self._api_key)
         self.max_retries = int(max_retries if max_retries is not None else _env_float(RETRIES_ENV, DEFAULT_RETRIES))
         self.backoff = backoff if backoff is not None else _env_float("AGENTNB_OPENAI_BACKOFF", 1.0)
         self.timeout = timeout if timeout is not None else _env_float("AGENTNB_OPENAI_TIMEOUT", 120.0)
@@ -211,7 +215,8 @@ def _kind(value: Any) -> str:
 
 
 def _snippet(text: str, limit: int = 60) -> str:
-    one = " ".join(text.split())
+    # secrets masked before the cut: a key cut short here would be a piece the store's scrub cannot know
+    one = " ".join(scrub(text).split())
     return repr(one if len(one) <= limit else one[:limit] + "…")
 
 

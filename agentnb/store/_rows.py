@@ -4,7 +4,12 @@
 * an event's ``events`` row: its payload data (events.py), the job's long instruction put by reference
   (texts.py), then encoded by events.py's one encoder — and, read back, the references expanded again;
 * the large texts stored once: a job's long instruction in ``texts``, ``TEXT_REF`` in its ``jobs`` row, its
-  enriched instruction and the payloads that repeat it.
+  enriched instruction and the payloads that repeat it;
+* no secret in any of it: every text the store keeps — a job's texts (``error``, the instruction, the
+  enriched instruction, the options), every event's payload (a ``job_status`` reason, an ``error`` message,
+  a comment, …), a comment row, a movement's summary — passes :func:`agentnb._secrets.scrub` here on its way
+  in (the values of the environment's secrets, the keys registered in code, key-shaped text), so that an
+  endpoint's error repeating the API key reaches neither SQLite nor a PostgreSQL database others share.
 
 :class:`StoreRows` holds that machinery for a store class; each store supplies its own SQL and locking through
 the few methods it overrides (``_instruction_ref``, ``_put_text``, ``_text``; PostgreSQL also
@@ -20,8 +25,9 @@ from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
 
+from .._secrets import might_hold_secret, scrub, scrub_data
 from ..errors import StoreError
-from ..events import Event, EventBase, JobStatusEvent, check_event, encode_payload, payload_dict
+from ..events import CommentEvent, Event, EventBase, JobStatusEvent, check_event, encode_payload, payload_dict
 from .base import TERMINAL_STATES
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
 
@@ -35,7 +41,9 @@ JOB_COLUMNS = (
 )
 # lease_gen moves only by claims and recoveries (a fence compares against it)
 UPDATABLE = frozenset(JOB_COLUMNS) - {"id", "created", "lease_gen"}
-
+# the job columns that hold free text (an endpoint's error, what a user or a model wrote), scrubbed of secrets;
+# the piece's YAML is not: `***` would make YAML of it that no longer parses (an alias), and it is the user's file
+SCRUBBED_TEXTS = ("instruction", "enriched", "error")
 
 
 def events_query(payload: str, job_id: int, after_id: int, kinds: Sequence[str] | None,
@@ -81,6 +89,43 @@ class StoreRows(ABC, Generic[C]):
         """A payload as the ``events.payload`` text."""
         return encode_payload(data)
 
+    # -- secrets: every text passes here on its way into the store ----------------------------------------------
+    @staticmethod
+    def _clean(text: str) -> str:
+        """``text`` as the store keeps it: without secrets (``_secrets.scrub``)."""
+        return scrub(text) if isinstance(text, str) else text
+
+    @staticmethod
+    def _clean_json(text: Any) -> Any:
+        """JSON text (a job's options) without secrets, re-encoded only when it held one."""
+        if not isinstance(text, str) or not might_hold_secret(text):
+            return text
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return scrub(text)
+        return encode_payload(scrub_data(data))
+
+    def _clean_job(self, values: dict[str, Any]) -> None:
+        """A job row's ``values`` (to insert or update) without secrets, in place."""
+        for key in SCRUBBED_TEXTS:
+            if key in values:
+                values[key] = self._clean(values[key])
+        if "options" in values:
+            values["options"] = self._clean_json(values["options"])
+
+    def _new_job(self, c: C, values: dict[str, Any]) -> None:
+        """A new job's row ``values`` as stored (in transaction ``c``): no secrets, a long instruction by reference."""
+        self._clean_job(values)
+        self._ref_instruction(c, values)
+
+    def _comment_row(self, job_id: int, author: str, body: str, ts: float | None) -> tuple[tuple[Any, ...], Event]:
+        """A comment's ``comments`` row ``(job_id, author, body, ts)`` and its ``comment`` event, without secrets."""
+        now = time.time()
+        body = self._clean(body)
+        return (job_id, author, body, now if ts is None else ts), CommentEvent(job_id=job_id, ts=now, author=author,
+                                                                               body=body)
+
     # -- jobs --------------------------------------------------------------------------------------------------
     def _job_update(self, c: C, job_id: int, values: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
         """The ``UPDATE`` of job ``job_id``'s row to ``values`` (``?`` placeholders) and its parameters, the
@@ -89,6 +134,7 @@ class StoreRows(ABC, Generic[C]):
         if bad:
             raise StoreError(f"cannot update job columns {sorted(bad)}")
         values["updated"] = time.time()
+        self._clean_job(values)
         if "instruction" in values:
             self._ref_instruction(c, values)
         if "enriched" in values:
@@ -109,17 +155,25 @@ class StoreRows(ABC, Generic[C]):
 
     # -- events ------------------------------------------------------------------------------------------------
     def _event_row(self, c: C | None, ev: Event) -> tuple[Any, ...]:
-        """The ``events`` row of ``ev``: its payload data (events.py), the job's long instruction put by
-        reference (texts.py; needs the transaction ``c``), then encoded by events.py's one encoder."""
+        """The ``events`` row of ``ev``: its payload data (events.py) without secrets, the job's long instruction
+        put by reference (texts.py; needs the transaction ``c``), then encoded by events.py's one encoder."""
         if not isinstance(ev, EventBase):
             raise StoreError(f"not an event: {ev!r}; the store appends only agentnb.events objects")
         if self._strict:
             check_event(ev)
         data = payload_dict(ev)
-        if ev.kind in REF_FIELDS:
+        if ev.kind in REF_FIELDS:  # a movement's start: once per movement, its strings scrubbed one by one
             assert c is not None, "a referencing payload is built inside its transaction"
-            data = self._ref_payload(c, ev.job_id, ev.kind, data)
-        return ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(), ev.kind, self._payload_text(data)
+            text = self._payload_text(self._ref_payload(c, ev.job_id, ev.kind, scrub_data(data)))
+        else:
+            # every event passes here: the encoded text is searched once, and the payload walked only when it
+            # may hold a secret (a value, or something shaped like a key)
+            text = self._payload_text(data)
+            if might_hold_secret(text):
+                cleaned = scrub_data(data)
+                if cleaned is not data:
+                    text = self._payload_text(cleaned)
+        return ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(), ev.kind, text
 
     def _rows_before(self, events: Iterable[Event]) -> list[tuple[Any, ...] | Event]:
         """The rows of ``events`` built (and checked) before any transaction, each but the payloads that refer

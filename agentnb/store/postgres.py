@@ -53,7 +53,6 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..errors import StoreError
 from ..events import (
-    CommentEvent,
     Event,
     JobStatusEvent,
     LLMResponse,
@@ -400,7 +399,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
         if isinstance(values.get("options"), dict):
             values["options"] = encode_payload(values["options"])
         with self._transaction(exclusive=True) as conn:
-            self._ref_instruction(conn, values)
+            self._new_job(conn, values)
             cols = ", ".join(values)
             marks = ", ".join("?" for _ in values)
             row = self._exec(conn, f"INSERT INTO jobs ({cols}) VALUES ({marks}) RETURNING id",
@@ -688,11 +687,10 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
 
     # -- comments --------------------------------------------------------------
     def add_comment(self, c: Transaction, job_id: int, author: str, body: str, *, ts: float | None = None) -> None:
-        now = time.time()
+        row, event = self._comment_row(job_id, author, body, ts)
         conn = self._tx(c)
-        self._exec(conn, "INSERT INTO comments (job_id, author, body, ts) VALUES (?,?,?,?)",
-                   (job_id, author, body, now if ts is None else ts))
-        self._append(conn, [CommentEvent(job_id=job_id, ts=now, author=author, body=body)])
+        self._exec(conn, "INSERT INTO comments (job_id, author, body, ts) VALUES (?,?,?,?)", row)
+        self._append(conn, [event])
 
     def comments(self, job_id: int, last: int | None = None) -> list[dict[str, Any]]:
         if last is None:
@@ -726,7 +724,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
                         forced: bool, summary: str) -> None:
         self._exec(self._tx(c), "UPDATE movements SET status='done', ended=?, iterations=?, next_step=?, forced=?, "
                                 "summary=? WHERE job_id=? AND seq=?",
-                   (time.time(), iterations, next_step, int(forced), summary, job_id, seq))
+                   (time.time(), iterations, next_step, int(forced), self._clean(summary), job_id, seq))
 
     def fail_movement(self, c: Transaction, job_id: int, seq: int, *, iterations: int) -> None:
         self._exec(self._tx(c), "UPDATE movements SET status='failed', ended=?, iterations=? WHERE job_id=? AND seq=?",
@@ -747,13 +745,14 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
 
     def create_child_job(self, c: Transaction, parent_id: int, *, piece: str, piece_yaml: str,
                          piece_path: str | None, model: str, instruction: str, options: str) -> int:
-        """Insert a queued subtask of ``parent_id`` (its instruction and options kept exactly as given)."""
+        """Insert a queued subtask of ``parent_id`` (its instruction and options as given, but for secrets)."""
         now = time.time()
         row = self._exec(
             self._tx(c),
             "INSERT INTO jobs (parent_id, piece, piece_yaml, piece_path, model, instruction, status, workdir, "
             "options, created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?) RETURNING id",
-            (parent_id, piece, piece_yaml, piece_path, model, instruction, "queued", "", options, now, now),
+            (parent_id, piece, piece_yaml, piece_path, model, self._clean(instruction), "queued", "",
+             self._clean_json(options), now, now),
         ).fetchone()
         assert row is not None  # INSERT … RETURNING gives its row
         self._notify(self._tx(c))

@@ -25,7 +25,6 @@ from typing import Any, cast
 
 from ..errors import StoreError
 from ..events import (
-    CommentEvent,
     Event,
     JobStatusEvent,
     LLMResponse,
@@ -339,7 +338,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
             values["options"] = encode_payload(values["options"])
         with self.transaction() as c:
             conn = self._tx(c)
-            self._ref_instruction(conn, values)
+            self._new_job(conn, values)
             cols = ", ".join(values)
             marks = ", ".join("?" for _ in values)
             cur = conn.execute(f"INSERT INTO jobs ({cols}) VALUES ({marks})", tuple(values.values()))
@@ -609,11 +608,10 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
 
     # -- comments --------------------------------------------------------------
     def add_comment(self, c: Transaction, job_id: int, author: str, body: str, *, ts: float | None = None) -> None:
-        now = time.time()
+        row, event = self._comment_row(job_id, author, body, ts)
         conn = self._tx(c)
-        conn.execute("INSERT INTO comments (job_id, author, body, ts) VALUES (?,?,?,?)",
-                     (job_id, author, body, now if ts is None else ts))
-        self._append(conn, [CommentEvent(job_id=job_id, ts=now, author=author, body=body)])
+        conn.execute("INSERT INTO comments (job_id, author, body, ts) VALUES (?,?,?,?)", row)
+        self._append(conn, [event])
 
     def comments(self, job_id: int, last: int | None = None) -> list[dict[str, Any]]:
         if last is None:
@@ -654,7 +652,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
                         forced: bool, summary: str) -> None:
         """Close movement run ``seq`` with the transition that ended it."""
         self._tx(c).execute("UPDATE movements SET status='done', ended=?, iterations=?, next_step=?, forced=?, summary=? "
-                  "WHERE job_id=? AND seq=?", (time.time(), iterations, next_step, int(forced), summary, job_id, seq))
+                  "WHERE job_id=? AND seq=?", (time.time(), iterations, next_step, int(forced), self._clean(summary),
+                                                   job_id, seq))
 
     def fail_movement(self, c: Transaction, job_id: int, seq: int, *, iterations: int) -> None:
         """Close movement run ``seq`` as failed (its job fails in the same transaction)."""
@@ -683,13 +682,14 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
                          piece_path: str | None, model: str, instruction: str, options: str) -> int:
         """Insert a queued subtask of ``parent_id`` (no work directory yet: see :meth:`update_job`); its id.
 
-        The instruction and the options text are kept exactly as given (no ``texts`` reference).
+        The instruction and the options text are kept as given (no ``texts`` reference), but for secrets.
         """
         now = time.time()
         cur = self._tx(c).execute(
             "INSERT INTO jobs (parent_id, piece, piece_yaml, piece_path, model, instruction, status, workdir, "
             "options, created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            (parent_id, piece, piece_yaml, piece_path, model, instruction, "queued", "", options, now, now),
+            (parent_id, piece, piece_yaml, piece_path, model, self._clean(instruction), "queued", "",
+             self._clean_json(options), now, now),
         )
         return int(cur.lastrowid)  # type: ignore[arg-type]
 

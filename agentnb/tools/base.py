@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from .._secrets import redact, secret_values
+from .._secrets import redact, scrub, secret_values
 from ..errors import ToolError, UsageError
 from .context import ToolContext, ToolOutput
 from .paths import normalise_rel, open_regular, resolve_path, unlinked_path
@@ -115,12 +115,11 @@ class Tool:
 def _safe_output(out: ToolOutput, ctx: ToolContext, arguments: Mapping[str, Any]) -> ToolOutput:
     """The last checks on every tool result, built-in or not, before it is stored or shown to the model:
     an error names no host path (only paths relative to the work directory), and no result holds a
-    secret value from the environment (see ``_secrets``)."""
+    secret value from the environment or registered in code, nor anything shaped like a key — what the store
+    would mask anyway, masked here so that the model sees the result as it is recorded (see ``_secrets``)."""
     if out.is_error:
         out.content = relative_paths(out.content, ctx)
     values = secret_values()
-    if not values:
-        return out
     content = out.content
     # a piece read from further into a file may start inside a secret whose start the last piece masked
     offset = arguments.get("offset")
@@ -133,6 +132,7 @@ def _safe_output(out: ToolOutput, ctx: ToolContext, arguments: Mapping[str, Any]
         new = body + redact(content[note_at:], values)
     else:
         new = redact(content, values, cut_start=from_inside)
+    new = scrub(new)  # key-shaped text (values are gone already)
     if new != content:
         shrunk = len(content) - len(new)
         out.content = new

@@ -25,11 +25,12 @@ outputs are both hidden, JupyterLab hides the output's placeholder too, so the c
 show and opening the transcript would take two clicks, the first one only revealing code.)
 The source, :func:`agentnb.export.transcript`, re-renders the run from the store when re-executed.
 
-No secret reaches the file: the store holds none, and the value of any environment
-variable whose name is a secret's (``_secrets.SECRET_NAME``: ``*KEY*``, ``*TOKEN*``,
-``*SECRET*``, ``*PASSWORD*``, ``*CREDENTIAL*``, …) is masked wherever it appears (an
-instruction could quote one), as is the password of a URL in the environment (``DATABASE_URL``):
-the same secrets (``_secrets.secret_values``) the tool results are cleared of.
+No secret reaches the file: the store holds none (store/_rows.py scrubs every text on its way in), and
+every string of the notebook passes ``_secrets.scrub`` once more, which does not depend on the exporting
+shell: anything shaped like a key (``sk-…``, a ``Bearer`` token) is masked, as are the keys registered in
+this process and the values of its environment variables whose names are a secret's
+(``_secrets.SECRET_NAME``: ``*KEY*``, ``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ``*CREDENTIAL*``, …)
+and the password of a URL in it (``DATABASE_URL``): the same secrets the tool results are cleared of.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import nbformat
 from nbformat import v4
 
-from .._secrets import redact, secret_values
+from .._secrets import scrub
 from ..errors import UsageError
 from ..events import (
     Compaction,
@@ -118,8 +119,9 @@ def export_notebook(
     if target.suffix != ".ipynb":
         raise UsageError(f"export path {str(path)!r} must end in .ipynb (or be an existing directory)")
     nb = build_notebook(ws, job_id, full=full, plot=plot)
+    _mask_secrets(nb)
     nbformat.validate(nb)
-    text = _relative_paths(_mask_secrets(nbformat.writes(nb, version=4)), ws.root, target.resolve().parent)
+    text = _relative_paths(nbformat.writes(nb, version=4), ws.root, target.resolve().parent)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
@@ -378,7 +380,14 @@ def _relative_paths(text: str, root: Path, notebook_dir: Path) -> str:
     return text
 
 
-def _mask_secrets(text: str) -> str:
-    values = secret_values()  # the same secrets the tool results are cleared of before they are stored
-    text = redact(text, values)
-    return redact(text, tuple(json.dumps(v)[1:-1] for v in values))  # as escaped inside the JSON
+def _mask_secrets(node: Any) -> None:
+    """Every string in the notebook ``node`` scrubbed, in place (so it stays a NotebookNode): each string as it
+    is, before JSON escapes it, so a key after a newline is seen as one."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in list(items):
+        if isinstance(value, str):
+            cleaned = scrub(value)
+            if cleaned is not value:
+                node[key] = cleaned
+        elif isinstance(value, (dict, list)):
+            _mask_secrets(value)
