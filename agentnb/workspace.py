@@ -439,7 +439,13 @@ class Workspace:
             with self.store.transaction() as c:
                 self.store.set_status(c, job_id, "queued", reason=reason)
         with self._lock:
-            self._runners[job_id] = (runner, self._runner_mark(job_id))
+            # Kept for the next claim in this process only while the job is still as this runner left it: the
+            # mark is read before the claim generation, so an unchanged generation means no other claimer (a
+            # slot here, which re-claimed a parent whose subtasks ended meanwhile, or another process) wrote
+            # after it, and a stale runner never goes in under a newer mark.
+            mark = self._runner_mark(job_id)
+            if self.store.job(job_id).get("lease_gen") == row.get("lease_gen"):
+                self._runners[job_id] = (runner, mark)
         if status in TERMINAL_STATES:
             self._file_caches.pop(job_id, None)  # a retry starts from a fresh claim
         return self.job(job_id)
