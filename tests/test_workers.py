@@ -189,9 +189,11 @@ def test_four_workers_end_many_subtasks_at_once_and_each_parent_is_queued_once_o
     })
     parents = [ws.submit(f"Split {n}", piece="fan-out", model=parent).id for n in range(4)]
     procs = [_worker(tmp_path / f"scratch-{n}", pg_url, "--concurrency", "8") for n in range(4)]
+    said: list[str] = []  # what each worker printed: shown with any failure below, whichever assertion it is
     try:
         for proc in procs:
-            _, err = proc.communicate(timeout=240)
+            out, err = proc.communicate(timeout=240)
+            said.append(f"worker {proc.pid} (exit {proc.returncode}): {out.strip()} {err.strip()}")
             assert proc.returncode == 0, err
             assert "Traceback" not in err and "deadlock" not in err.lower(), err
     finally:
@@ -200,13 +202,15 @@ def test_four_workers_end_many_subtasks_at_once_and_each_parent_is_queued_once_o
                 proc.kill()
                 proc.wait()
     for p in parents:
-        assert ws.job(p).status.value == "succeeded"
         children = ws.children(p)
-        assert len(children) == n_children and all(c.status.value == "succeeded" for c in children)
         statuses = ws.events(p, kinds=["job_status"])
-        assert sum(ev.payload["reason"] == "every subtask has ended" for ev in statuses) == 1
-        assert len(_claims(ws, [p])[p]) == 2  # before its children, and once after them
-        assert all(len(pids) == 1 for pids in _claims(ws, [c.id for c in children]).values())
+        told = "\n".join([f"parent {p}: " + "; ".join(f"{ev.payload['status']} ({ev.payload['reason']})"
+                                                      for ev in statuses), *said])
+        assert ws.job(p).status.value == "succeeded", told
+        assert len(children) == n_children and all(c.status.value == "succeeded" for c in children), told
+        assert sum(ev.payload["reason"] == "every subtask has ended" for ev in statuses) == 1, told
+        assert len(_claims(ws, [p])[p]) == 2, told  # before its children, and once after them
+        assert all(len(pids) == 1 for pids in _claims(ws, [c.id for c in children]).values()), told
         # the movement after the split (run 2) was told every child's result
         merge = next(ev.payload["user"] for ev in ws.events(p, kinds=["movement_start"]) if ev.movement_seq == 2)
         assert all(f"job {c.id} (succeeded)" in merge for c in children), merge
