@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from functools import cache, lru_cache
@@ -165,12 +166,12 @@ def re2_compile(pattern: str) -> Any | None:
 # -- the matchers ------------------------------------------------------------------------------------
 
 
-class Matcher:
+class Matcher(ABC):
     """Scans one file at a time for one Grep call."""
 
+    @abstractmethod
     def scan(self, fd: int, keep: Keep, add: Add) -> int:
         """Scan the open file ``fd`` (closed here), pass ``add`` what to show while ``keep()``; the match count."""
-        raise NotImplementedError
 
 
 class _Re2Matcher(Matcher):
