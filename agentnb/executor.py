@@ -34,11 +34,10 @@ from .errors import StoreError, UsageError
 from .events import LLMResponse
 from .interrupts import sigterm_interrupts
 from .models.prices import call_costs
-from .store.base import Store, owned_by_this_process
+from .store.base import Store, StoreUnreachable, owned_by_this_process
 
-__all__ = ["GRACE", "LIVE_EVERY", "JobRunnerHost", "QueueReport", "RunReport", "Wake", "check_poll", "check_slots",
-           "idle_wait",
-           "run_jobs", "run_queue"]
+__all__ = ["GRACE", "LIVE_EVERY", "OUTAGE_FIRST", "Backoff", "JobRunnerHost", "QueueReport", "RunReport", "Wake",
+           "check_poll", "check_slots", "idle_wait", "run_jobs", "run_queue"]
 
 # the running jobs' calls are read again at most this often for the bar (each read is one query per job)
 LIVE_EVERY = 1.0
@@ -300,6 +299,8 @@ POLL_SQLITE = 1.0
 POLL_LISTENING = 5.0
 # how often the listening thread looks whether the worker is done
 _LISTEN_TICK = 1.0
+# the first wait of a --forever worker before it claims again from an unreachable store (Backoff)
+OUTAGE_FIRST = 0.1
 
 
 def check_slots(concurrency: Any) -> int:
@@ -371,6 +372,27 @@ def idle_wait(poll: float | None, wake: Wake) -> float:
     return POLL_LISTENING if wake.listening else POLL_SQLITE
 
 
+class Backoff:
+    """How long a ``--forever`` worker waits before it claims again while the store is unreachable
+    (:class:`~agentnb.store.base.StoreUnreachable`: a server restart, a network cut): :data:`OUTAGE_FIRST` s,
+    doubled at each failure, at most ``cap`` (the worker's idle wait), from the first claim after it is back.
+    Thread-safe: the slots of one worker share it."""
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+        self._lock = threading.Lock()
+        self._delay = 0.0
+
+    def next(self) -> float:
+        with self._lock:
+            self._delay = min(self.cap, max(OUTAGE_FIRST, self._delay * 2))
+            return self._delay
+
+    def over(self) -> None:
+        with self._lock:
+            self._delay = 0.0
+
+
 @dataclass
 class QueueReport:
     """What one :func:`run_queue` did: the jobs it ran, in the order their runs returned, with their statuses."""
@@ -389,7 +411,9 @@ def run_queue(store: Store, claim: Callable[[], dict[str, Any] | None], run: Cal
     (``run(row)``, which returns the job) and claims again.
 
     Without ``forever`` it returns once the queue is empty and none of its jobs is still running (a running
-    job may queue subtasks, or its parent).  Ctrl-C or SIGTERM (in the main thread) starts no further job, asks
+    job may queue subtasks, or its parent), and raises a :class:`StoreUnreachable` as any error.  With
+    ``forever`` an outage is waited out: a claim it cut off is tried again (:class:`Backoff`), and a run it cut
+    off ends that run only (the facade gave the job back, or its lease will).  Ctrl-C or SIGTERM (in the main thread) starts no further job, asks
     the running ones to pause after their current call (``stop(job_id)``), waits up to ``grace`` seconds for
     them, gives back to the queue those still running (reason ``interrupted``, as a one-job worker does) and
     re-raises; their threads are daemons, left blocked in their call, and die with the process.  ``report``,
@@ -404,6 +428,7 @@ def run_queue(store: Store, claim: Callable[[], dict[str, Any] | None], run: Cal
     active: set[int] = set()
     errors: list[BaseException] = []
     state = {"started": 0, "empty_gen": -1, "closed": False, "slots": concurrency}
+    outage = Backoff(wait_s)
     all_done = threading.Event()
 
     def take() -> dict[str, Any] | None:
@@ -414,7 +439,14 @@ def run_queue(store: Store, claim: Callable[[], dict[str, Any] | None], run: Cal
                     return None
                 seen = wake.gen
                 if state["empty_gen"] != seen:  # a slot that found the queue empty since the last wake-up: skip
-                    row = claim()
+                    try:
+                        row = claim()
+                    except StoreUnreachable:
+                        if not forever:
+                            raise
+                        cond.wait(outage.next())  # an interrupt (state closed) wakes it
+                        continue
+                    outage.over()
                     if row is not None:
                         state["started"] += 1
                         active.add(int(row["id"]))
@@ -446,6 +478,12 @@ def run_queue(store: Store, claim: Callable[[], dict[str, Any] | None], run: Cal
                     job = run(row)
                     with cond:
                         report.statuses[job_id] = str(getattr(job, "status", ""))
+                except StoreUnreachable as exc:
+                    if not forever:
+                        with cond:
+                            errors.append(exc)
+                            state["closed"] = True
+                    # forever: the job was cut off mid-run, not failed; the store holds it as of its last commit
                 except BaseException as exc:
                     with cond:
                         errors.append(exc)

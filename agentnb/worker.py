@@ -8,10 +8,12 @@ idle worker on PostgreSQL waits on ``LISTEN agentnb_jobs`` (woken when a job is 
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from .executor import GRACE, QueueReport, Wake, check_poll, check_slots, idle_wait, run_queue
+from .executor import GRACE, Backoff, QueueReport, Wake, check_poll, check_slots, idle_wait, run_queue
 from .interrupts import Terminated, sigterm_interrupts
+from .store.base import StoreUnreachable
 
 if TYPE_CHECKING:
     from .store.base import Store
@@ -79,10 +81,19 @@ class Worker(Generic[JobT]):
         done = 0
         with sigterm_interrupts():
             wake = Wake(self.ws.store) if forever else None  # LISTEN only for a worker that waits
+            outage = Backoff(idle_wait(poll, wake)) if wake is not None else None
             try:
                 while max_jobs is None or done < max_jobs:
                     seen = wake.seen() if wake is not None else 0
-                    job = self.run_once()
+                    try:
+                        job = self.run_once()
+                    except StoreUnreachable:
+                        if wake is None or outage is None:
+                            raise  # a worker that drains the queue ends with the line (exit 2)
+                        time.sleep(outage.next())
+                        continue
+                    if outage is not None:
+                        outage.over()
                     if job is None:
                         if wake is None:
                             break

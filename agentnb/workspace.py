@@ -47,7 +47,14 @@ from .leases import holding, lease_setting
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
 from .store import STORE_SCHEMES, Store, StoreError, Transaction, open_store, store_scheme
-from .store.base import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, LeaseLost, can_name_a_job
+from .store.base import (
+    MAX_INSTRUCTION_CHARS,
+    TERMINAL_STATES,
+    UNREACHABLE_REASON,
+    LeaseLost,
+    StoreUnreachable,
+    can_name_a_job,
+)
 from .tools.base import ToolError, resolve_path
 from .views.status import STOP_REASON
 from .worker import Worker
@@ -391,12 +398,30 @@ class Workspace:
         job_id = int(row["id"])
         try:
             with holding(self.store, row, self.lease) as held:
-                return self._run_leased(row, unit, held.check)
+                try:
+                    return self._run_leased(row, unit, held.check)
+                except StoreUnreachable:
+                    self._cut_off(job_id)
+                    raise
         except LeaseLost:
             with self._lock:
                 self._runners.pop(job_id, None)
             print(f"job {job_id}: lease lost to another worker; stopping", file=sys.stderr, flush=True)
             return self.job(job_id)
+
+    def _cut_off(self, job_id: int) -> None:
+        """The store became unreachable while this process ran the job (a server restart, a network cut): the job
+        has not failed, and what it committed stands.  It goes back to the queue if the store answers again
+        within the pool's wait, to go on from its last commit; else it stays ``running`` until its lease runs
+        out and a claim takes it back (``recovered: lease expired``), as after a crash."""
+        with self._lock:
+            self._runners.pop(job_id, None)  # its state in memory may be ahead of the store's
+        try:
+            with self.store.transaction() as c:
+                if self.store.job(job_id)["status"] == "running":
+                    self.store.set_status(c, job_id, "queued", reason=UNREACHABLE_REASON)
+        except StoreError:  # still unreachable, or the lease lost meanwhile: its lease decides
+            pass
 
     def _run_leased(self, row: dict[str, Any], unit: str, lease: Callable[[], None]) -> Job:
         job_id = int(row["id"])
@@ -405,11 +430,15 @@ class Workspace:
                 prepare_workdir(self.root, job_id, None)
                 materialise(self.store, job_id, local_workdir(self.root, row, True),
                             self._file_caches.setdefault(job_id, FileCache()))
+            except StoreUnreachable:
+                raise  # not the job's failure (_cut_off)
             except Exception as exc:
                 return self._setup_failed(job_id, exc)
         with self._lock:
             try:
                 runner = self._runner(row)
+            except StoreUnreachable:
+                raise
             except Exception as exc:  # the model or piece cannot be set up: the job fails, visibly
                 return self._setup_failed(job_id, exc)
             stop = self._stops.setdefault(job_id, threading.Event())
@@ -418,8 +447,8 @@ class Workspace:
             # a movement can take many calls: Stop pauses it after the current one, as it does a run
             # and the lease is checked before every LLM call and tool call (a lost one raises LeaseLost)
             status = runner.advance(unit, stop if unit != "call" else None, lease)
-        except LeaseLost:
-            raise  # nothing may be written for the job any more: not even its return to the queue
+        except (LeaseLost, StoreUnreachable):
+            raise  # nothing may be written for the job any more (_run_claimed, _cut_off)
         except BaseException:
             # A KeyboardInterrupt (a notebook's stop button) or SystemExit mid-call: give the job back
             # to the queue, resumable from its events.  A model call cut short is asked again; a tool

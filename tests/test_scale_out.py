@@ -6,6 +6,7 @@ events, claims, files and frames are compared with the same batch run on SQLite 
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import subprocess
@@ -18,14 +19,14 @@ from typing import Any
 import pandas as pd
 import pytest
 from _freeze import freeze, reap
-from _postgres import own_pg_server
+from _postgres import OwnPgServer, own_pg_server
 from _scripting import QUICK, TWO_STEPS
 from _waiting import wait_for
 from engine_helpers import call, transition, write_piece, write_script
 from openai_server import OpenAIServer, hold, openai_env, reply
 
 from agentnb import Workspace
-from agentnb.store.base import LEASE_EXPIRED
+from agentnb.store.base import LEASE_EXPIRED, TERMINAL_STATES, UNREACHABLE_REASON
 from agentnb.store.pg_outage import REACHABLE, UNREACHABLE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -379,8 +380,8 @@ def test_a_worker_through_a_server_restart_says_so_in_one_line_each_way(tmp_path
         proc = _worker(url, tmp_path / "w", server, "--forever", "--poll", "1")
         try:
             wait_for("the worker to listen", lambda: _listening(url) == 1, [proc])
-            # stopped right after a claim, not in the middle of one: a claim cut off by the server's shutdown
-            # ends the worker with an error line, which is not what this test is about
+            # stopped right after a claim, so that exactly one outage is seen (a claim cut off mid-way is
+            # test_an_idle_forever_worker_rides_out_restarts_at_any_moment's)
             wait_for("a claim just made", lambda: _just_claimed(url), [proc])
             own.stop()
             time.sleep(2)  # the worker claims every second: its pool tries to reconnect (and fails) meanwhile
@@ -396,6 +397,136 @@ def test_a_worker_through_a_server_restart_says_so_in_one_line_each_way(tmp_path
     assert proc.returncode == 143, err
     assert [ln for ln in err.splitlines() if "store" in ln] == [UNREACHABLE, REACHABLE], err
     assert "error connecting" not in err and "Traceback" not in err and "Is the server running" not in err, err
+
+
+@needs_pg
+def test_an_outage_is_told_from_a_setup_no_wait_mends() -> None:
+    """What a worker waits out (a server refusing connections, shutting down under a connection) and what ends
+    it (a refused password, a missing database), told from the errors psycopg raises for each."""
+    import psycopg
+    from psycopg_pool import PoolClosed
+
+    from agentnb.store.pg_outage import is_outage
+
+    def error(call: Callable[[], object]) -> BaseException:
+        with pytest.raises(psycopg.Error) as got:
+            call()
+        return got.value
+
+    with own_pg_server() as own:
+        url = own.create_database()
+        assert not is_outage(error(lambda: psycopg.connect(own.url(url.rsplit("/", 1)[1], password="wrong"))))
+        assert not is_outage(error(lambda: psycopg.connect(own.url("no_such_db"))))
+        conn = psycopg.connect(url, autocommit=True)
+        own.stop()
+        assert is_outage(error(lambda: conn.execute("SELECT 1")))  # terminating connection (57P01)
+        assert is_outage(error(lambda: conn.execute("SELECT 1")))  # the connection is closed
+        assert is_outage(error(lambda: psycopg.connect(url, connect_timeout=2)))  # connection refused
+        own.start()
+    assert not is_outage(PoolClosed("the pool 'agentnb' is already closed"))
+
+
+def _lock_waiters(url: str) -> int:
+    return int(_sql(url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                         "AND wait_event_type = 'Lock'")[0][0])
+
+
+def _stop_inside_a_transaction(own: OwnPgServer, url: str, table: str, proc: subprocess.Popen[str],
+                               then: Callable[[], None] = lambda: None) -> None:
+    """Stop the server while a transaction of the worker's waits for ``table``, which this test holds locked
+    (and then calls ``then``, to set off that transaction): the shutdown cuts that transaction off mid-way."""
+    import psycopg
+
+    conn = psycopg.connect(url)
+    try:
+        conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+        then()
+        wait_for(f"a transaction of the worker's waiting for {table}", lambda: _lock_waiters(url) >= 1, [proc])
+        own.stop()
+    finally:
+        conn.close()  # ended by the server
+
+
+def _restart_at_moments(own: OwnPgServer, url: str, proc: subprocess.Popen[str], seed: int) -> None:
+    """Stop the server and start it again at five moments of an idle worker's loop: inside a claim's
+    transaction (its recovery of expired leases, held up by a lock), at once after the previous start (the pool
+    reconnecting, the LISTEN connection cut), and after a short delay picked by ``seed``."""
+    rng = random.Random(seed)
+    for moment in ("claim", "now", "delay", "claim", "delay"):
+        if moment == "claim":
+            _stop_inside_a_transaction(own, url, "jobs", proc)
+        else:
+            time.sleep(rng.uniform(0.0, 0.3) if moment == "delay" else 0.0)
+            own.stop()
+        time.sleep(rng.uniform(0.0, 0.5))
+        own.start()
+        assert proc.poll() is None, proc.communicate()
+
+
+@needs_pg
+@pytest.mark.parametrize("slots", [1, 2])
+def test_an_idle_forever_worker_rides_out_restarts_at_any_moment(tmp_path: Path, server: OpenAIServer,
+                                                                 slots: int) -> None:
+    """A server stopped in the middle of a claim ended a --forever worker with exit 2: now it waits for the
+    server through every restart, says only the outage lines, and runs the next job."""
+    quick = write_piece(tmp_path, QUICK, name="quick.yaml")
+    with own_pg_server() as own:
+        url = own.create_database()
+        Workspace(tmp_path / "laptop", store=url).close()
+        # claims every 0.05 s: whatever the moment, the worker is in a claim, in its wait, or reconnecting
+        proc = _worker(url, tmp_path / "w", server, "--forever", "--poll", "0.05", "--concurrency", str(slots))
+        try:
+            wait_for("the worker to listen", lambda: _listening(url) == 1, [proc])
+            _restart_at_moments(own, url, proc, seed=slots)
+            ws = Workspace(tmp_path / "laptop", store=url)
+            job = ws.submit("after the restarts", piece=quick, model="demo")
+            wait_for("the job after the restarts", lambda: ws.job(job).status == "succeeded", [proc], limit=30)
+            ws.close()
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            reap([proc])
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "error" not in err, err
+    lines = [ln for ln in err.splitlines() if "store" in ln]
+    assert lines and lines == [UNREACHABLE, REACHABLE] * (len(lines) // 2), err
+    assert re.search(rf"^ran 1 job\(s\): {job.id}$", out, re.M), out
+
+
+@needs_pg
+def test_a_job_cut_off_mid_write_by_a_restart_goes_on_instead_of_failing(tmp_path: Path,
+                                                                         server: OpenAIServer) -> None:
+    """A running job whose write the server's shutdown cut off was marked failed (the engine took the lost
+    connection for its own error): now its worker gives it back to the queue once the server is back, and it
+    goes on from its last commit, asking the call whose answer was lost again."""
+    two = write_piece(tmp_path, TWO_STEPS)
+    server.play(SECOND, hold(DONE), DONE)
+    with own_pg_server() as own:
+        url = own.create_database()
+        ws = Workspace(tmp_path / "laptop", store=url)
+        job = ws.submit("cut off", piece=two, model="openai:gpt-4o-mini").id
+        ws.close()
+        proc = _worker(url, tmp_path / "w", server, "--forever", "--poll", "0.2")
+        try:
+            wait_for("the second movement's call", server.holding.is_set, [proc])
+            # its answer is written while this test holds the events table
+            _stop_inside_a_transaction(own, url, "events", proc, then=server.release)
+            time.sleep(0.5)
+            own.start()
+            ws = Workspace(tmp_path / "laptop", store=url)
+            wait_for("the job to end", lambda: ws.job(job).status in TERMINAL_STATES, [proc], limit=30)
+            statuses = [(e.status, e.reason) for e in ws.store.events(job, kinds=["job_status"])]
+            final = ws.store.job(job)
+            ws.close()
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            reap([proc])
+    assert final["status"] == "succeeded", (final["error"], statuses, err)
+    assert "failed" not in [s for s, _ in statuses], statuses
+    assert ("queued", UNREACHABLE_REASON) in statuses, statuses
+    assert "Traceback" not in err and "error" not in err, err
+    assert len(server.received) == 3  # the lost answer's call asked once more, nothing else repeated
 
 
 # -- a batch made in a notebook, run by workers, scored back in the notebook --------------------------------------

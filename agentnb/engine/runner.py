@@ -22,7 +22,7 @@ from ..errors import StoreError
 from ..events import ErrorEvent, Lesson, LoopDetected, Subtask, Transition
 from ..models.base import Model, ModelError
 from ..models.replay import Recording
-from ..store.base import LeaseLost
+from ..store.base import LeaseLost, StoreUnreachable
 from ..tools.base import ToolError, open_regular, unlinked_path
 from .context import ContextManager, job_thresholds, window_for_model
 from .jobfiles import DEFAULT_FILES_LIMIT, FileCache, FilesOverLimit, WriteBack, local_workdir, plan_write_back
@@ -153,9 +153,10 @@ class JobRunner:
                     return self._pause()
                 if stop is not None and stop.is_set():
                     return self._pause()
-        except LeaseLost:
-            # another claimer holds the job now: not a failure of the job, and nothing more may be written
-            # for it here (recording the failure would be refused anyway); the caller stops quietly
+        except (LeaseLost, StoreUnreachable):
+            # another claimer holds the job now, or the store went away mid-write (a server restart): not a
+            # failure of the job, and nothing more is written for it here; the caller stops quietly, or gives
+            # it back to go on from its last commit
             self.loop = None
             raise
         except ReplayDiverged as exc:

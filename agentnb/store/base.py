@@ -28,12 +28,14 @@ __all__ = [
     "MAX_INSTRUCTION_CHARS",
     "RECOVERED",
     "TERMINAL_STATES",
+    "UNREACHABLE_REASON",
     "WAITING_STATES",
     "FrameQuery",
     "FrameRows",
     "JobWaiter",
     "LeaseLost",
     "Store",
+    "StoreUnreachable",
     "StoredFile",
     "Transaction",
     "can_name_a_job",
@@ -71,6 +73,9 @@ DEFAULT_LEASE = 30.0
 RECOVERED = "recovered: "
 # the job_status reason of a running job taken back because its lease ran out (DESIGN §13)
 LEASE_EXPIRED = RECOVERED + "lease expired"
+# ... of a job its holder gave back because the store became unreachable while it ran (not a recovery: the
+# holder was alive and counts its time until then); it goes on from its last commit
+UNREACHABLE_REASON = "the store became unreachable while it ran"
 
 
 def is_recovery(reason: str) -> bool:
@@ -81,6 +86,13 @@ def is_recovery(reason: str) -> bool:
 class LeaseLost(StoreError):
     """A write by a lease holder whose lease generation is no longer the job's: another claimer has taken the
     job back (the holder was frozen, partitioned or too slow to renew).  Nothing of that write was stored."""
+
+
+class StoreUnreachable(StoreError):
+    """The store's server did not answer: refused the connection, was shutting down or starting up, or dropped
+    the connection mid-call (a restart, a network cut).  Worth trying again later, unlike a refused password, a
+    missing database or a newer schema.  A transaction it cut short wrote nothing, unless it was the commit
+    itself that went unanswered; either way the store holds the job as it was at one of its commits."""
 
 
 def lease_lost(job_id: int, held: int, now: Any) -> LeaseLost:

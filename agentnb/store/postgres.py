@@ -74,6 +74,7 @@ from .base import (
     FrameRows,
     LeaseLost,
     StoredFile,
+    StoreUnreachable,
     Transaction,
     can_name_a_job,
     lease_lost,
@@ -83,7 +84,7 @@ from .base import (
 from .frames_sql import PG_FRAME_SQL
 from .pg_migrations import PG_MIGRATIONS, PG_SCHEMA_VERSION
 from .pg_notify import NOTIFY_SQL, PgJobWaiter
-from .pg_outage import connected, watch_outages
+from .pg_outage import connected, is_outage, watch_outages
 from .pg_session import session_limits
 from .texts import REF_FIELDS
 
@@ -185,6 +186,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
         # store is opened with (pg_session.py says why and which values)
         kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": max(1, int(connect_timeout)),
                                   **session_limits(url, lease)}
+        self._kwargs = kwargs
         try:
             # one plain connection first: its errors are the server's own words (a pool would only time out)
             with psycopg.connect(url, **kwargs) as conn:
@@ -327,17 +329,32 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
 
     @contextmanager
     def _worded(self) -> Iterator[None]:
-        """A lost server (stopped, unreachable, the pool out of connections) as one StoreError line, as on open."""
+        """A lost server (stopped, unreachable, the pool out of connections) as one StoreError line, as on open:
+        a :class:`StoreUnreachable` when it is an outage (``pg_outage.is_outage``), which a worker waits out."""
         try:
             yield
-        except (psycopg.OperationalError, PoolTimeout) as exc:
-            raise StoreError(describe_pg_error(exc, self.url)) from None
+        except psycopg.OperationalError as exc:
+            line = describe_pg_error(exc, self.url)
+            raise (StoreUnreachable(line) if is_outage(exc) else StoreError(line)) from None
+        except PoolTimeout as exc:
+            raise self._no_connection(exc) from None
         except psycopg.errors.IdleInTransactionSessionTimeout as exc:
             # the server ended a transaction left idle for a whole lease (pg_session.py): this process was frozen
             # or cut off meanwhile, so a holder may have lost its job: it stops as when a fence refuses it
             held = getattr(self._fence, "held", None)
             message = describe_pg_error(exc, self.url)
             raise (StoreError(message) if held is None else LeaseLost(f"job {held[0]}: {message}")) from None
+
+    def _no_connection(self, exc: PoolTimeout) -> StoreError:
+        """Why the pool had no connection to give: the server's own words, from one connection made now.  The pool
+        only says it timed out, whether the server is down (an outage), refuses this process (its password
+        changed, its database dropped: no wait mends that) or every pooled connection was busy."""
+        try:
+            psycopg.connect(self.url, **self._kwargs).close()
+        except psycopg.Error as probe:
+            line = describe_pg_error(probe, self.url)
+            return StoreUnreachable(line) if is_outage(probe) else StoreError(line)
+        return StoreUnreachable(describe_pg_error(exc, self.url))
 
     @contextmanager
     def transaction(self) -> Iterator[Transaction]:
