@@ -184,6 +184,25 @@ def test_every_text_the_store_keeps_is_scrubbed(store_url: str, tmp_path: Path,
         assert secret not in stored, secret
 
 
+def test_a_batchs_cases_and_options_are_kept_without_secrets(store_url: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # a case's instruction, its other columns and the batch's context options are the batch row's texts too
+    monkeypatch.setenv("SERVICE_TOKEN", ENV_KEY)
+    said = f"keys {SHAPED_KEY} / {ENV_KEY}"
+    cases = [{"instruction": "Summarise: " + said, "note": said, "expected": {"answer": said}}]
+    with Workspace(tmp_path / "ws", store=store_url) as ws:
+        first = ws.batch(cases, piece="single", model="demo", name="exp", context={"on_pressure": "compact"},
+                         progress=False)
+        assert len(first.frame) == 1
+        assert first.frame["note"].tolist() == [f"keys {MASK} / {MASK}"]
+        # the same cases again are the same batch (its fingerprint is of the cases as given): nothing new runs
+        again = ws.batch(cases, piece="single", model="demo", name="exp", progress=False)
+        assert again.frame["job"].tolist() == first.frame["job"].tolist()
+    stored = _stored_text(store_url)
+    for secret in (SHAPED_KEY, ENV_KEY):
+        assert secret not in stored, secret
+
+
 @pytest.mark.parametrize("text", [
     "task-list-for-the-2024-release-candidate", "risk-0123456789abcdefghij", "desk-lamp sk-learn sk-2",
     "the bearer of bad news, Bearer short1", "sk-abcdefghijklmnopqrstuvwxyz (no digit)", "BEARER TOKEN",

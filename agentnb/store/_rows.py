@@ -7,7 +7,7 @@
   enriched instruction and the payloads that repeat it;
 * no secret in any of it: every text the store keeps — a job's texts (``error``, the instruction, the
   enriched instruction, the options), every event's payload (a ``job_status`` reason, an ``error`` message,
-  a comment, …), a comment row, a movement's summary — passes :func:`agentnb._secrets.scrub` here on its way
+  a comment, …), a comment row, a movement's summary, a batch's cases and options — passes :func:`agentnb._secrets.scrub` here on its way
   in (the values of the environment's secrets, the keys registered in code, key-shaped text), so that an
   endpoint's error repeating the API key reaches neither SQLite nor a PostgreSQL database others share.
 
@@ -113,6 +113,15 @@ class StoreRows(ABC, Generic[C]):
                 values[key] = self._clean(values[key])
         if "options" in values:
             values["options"] = self._clean_json(values["options"])
+
+    def _clean_batch(self, values: dict[str, Any]) -> dict[str, Any]:
+        """A batch row's ``values`` without secrets: its cases and options (JSON).  Not its variants, whose pieces'
+        YAML must parse again and match the pieces a resumed batch is given; nor its fingerprint, made of the
+        cases as given, which a resume recomputes from them."""
+        for key in ("cases", "options"):
+            if key in values:
+                values[key] = self._clean_json(values[key])
+        return values
 
     def _new_job(self, c: C, values: dict[str, Any]) -> None:
         """A new job's row ``values`` as stored (in transaction ``c``): no secrets, a long instruction by reference."""

@@ -590,6 +590,8 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
     def create_batch(self, c: Transaction, name: str, *, fingerprint: str, cases: str, variants: str,
                      options: str) -> None:
         now = time.time()
+        clean = self._clean_batch({"cases": cases, "options": options})
+        cases, options = clean["cases"], clean["options"]
         self._exec(self._tx(c),
                    "INSERT INTO batches (name, created, updated, fingerprint, cases, variants, options) "
                    "VALUES (?,?,?,?,?,?,?)", (name, now, now, fingerprint, cases, variants, options))
@@ -598,6 +600,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
         bad = set(values) - {"fingerprint", "cases", "variants", "options"}
         if bad:
             raise StoreError(f"cannot update batch columns {sorted(bad)}")
+        values = self._clean_batch(values)
         values["updated"] = time.time()
         sets = ", ".join(f"{k}=?" for k in values)
         self._exec(self._tx(c), f"UPDATE batches SET {sets} WHERE name=?", (*values.values(), name))

@@ -495,6 +495,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
     def create_batch(self, c: Transaction, name: str, *, fingerprint: str, cases: str, variants: str,
                      options: str) -> None:
         now = time.time()
+        clean = self._clean_batch({"cases": cases, "options": options})
+        cases, options = clean["cases"], clean["options"]
         self._tx(c).execute(
             "INSERT INTO batches (name, created, updated, fingerprint, cases, variants, options) VALUES (?,?,?,?,?,?,?)",
             (name, now, now, fingerprint, cases, variants, options),
@@ -504,6 +506,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
         bad = set(values) - {"fingerprint", "cases", "variants", "options"}
         if bad:
             raise StoreError(f"cannot update batch columns {sorted(bad)}")
+        values = self._clean_batch(values)
         values["updated"] = time.time()
         sets = ", ".join(f"{k}=?" for k in values)
         self._tx(c).execute(f"UPDATE batches SET {sets} WHERE name=?", (*values.values(), name))
