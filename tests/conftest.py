@@ -188,6 +188,16 @@ def pg_url(pg: PgServer) -> Iterator[str]:
     pg.drop_database(url)
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.needs("postgres", "psycopg"))])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A test once per backend, given its store's URL: a SQLite file alone in its folder (``tmp_path/shared``, so
+    that a test may read every file beside it), or a fresh PostgreSQL database (``pg_url``)."""
+    if request.param == "sqlite":
+        (tmp_path / "shared").mkdir()
+        return f"sqlite:///{tmp_path / 'shared' / 'agentnb.sqlite'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
 @pytest.fixture(autouse=True)
 def _store_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """``AGENTNB_TEST_BACKEND=postgres``: every test's workspaces keep their jobs in a fresh PostgreSQL database

@@ -48,14 +48,6 @@ movements:
 DONE = reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "finished"})])
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=needs_pg)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        (tmp_path / "shared").mkdir()
-        return f"sqlite:///{tmp_path / 'shared' / 'agentnb.sqlite'}"
-    return str(request.getfixturevalue("pg_url"))
-
-
 @pytest.fixture
 def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[OpenAIServer]:
     with OpenAIServer() as srv:

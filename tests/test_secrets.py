@@ -30,21 +30,12 @@ from agentnb.events import CommentEvent, ErrorEvent, ToolCallEvent
 from agentnb.models.openai import OpenAIModel
 
 ROOT = Path(agentnb.__file__).resolve().parents[1]
-needs_pg = pytest.mark.needs("postgres", "psycopg")
 
 # key-shaped (the pattern's net would catch it even were it in no variable)
 SHAPED_KEY = "sk-proj-" + "Tq4vW9" * 7
 # shaped like no key: only the value itself (from the environment, or registered by the model) can mask it
 ENV_KEY = "envkey-" + "Hp3Lm8" * 6
 CODE_KEY = "codekey-" + "Rz2Nx5" * 6
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=needs_pg)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        (tmp_path / "db").mkdir()
-        return f"sqlite:///{tmp_path / 'db' / 'agentnb.sqlite'}"
-    return str(request.getfixturevalue("pg_url"))
 
 
 def _stored_text(store_url: str) -> str:
