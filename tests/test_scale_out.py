@@ -368,6 +368,18 @@ def _just_claimed(url: str) -> bool:
                           "AND clock_timestamp() - state_change < interval '300 milliseconds'")[0][0])
 
 
+def _one_job_then_sigterm(ws: Workspace, piece: Path, proc: subprocess.Popen[str],
+                          limit: float = 60.0) -> tuple[int, str, str]:
+    """Submit a job, wait until ``proc`` (a worker, after the server's restarts) has run it, stop the worker: the
+    job's id and the worker's stdout and stderr."""
+    job = ws.submit("after the restarts", piece=str(piece), model="demo")
+    wait_for("the job after the restarts", lambda: ws.job(job).status == "succeeded", [proc], limit=limit)
+    ws.close()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    return job.id, out, err
+
+
 @needs_pg
 def test_a_worker_through_a_server_restart_says_so_in_one_line_each_way(tmp_path: Path,
                                                                         server: OpenAIServer) -> None:
@@ -386,12 +398,7 @@ def test_a_worker_through_a_server_restart_says_so_in_one_line_each_way(tmp_path
             own.stop()
             time.sleep(2)  # the worker claims every second: its pool tries to reconnect (and fails) meanwhile
             own.start()
-            ws = Workspace(tmp_path / "laptop", store=url)
-            job = ws.submit("after the restart", piece=quick, model="demo")
-            wait_for("the job after the restart", lambda: ws.job(job).status == "succeeded", [proc])
-            ws.close()
-            proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=60)
+            _, _, err = _one_job_then_sigterm(Workspace(tmp_path / "laptop", store=url), quick, proc)
         finally:
             reap([proc])
     assert proc.returncode == 143, err
@@ -478,19 +485,14 @@ def test_an_idle_forever_worker_rides_out_restarts_at_any_moment(tmp_path: Path,
         try:
             wait_for("the worker to listen", lambda: _listening(url) == 1, [proc])
             _restart_at_moments(own, url, proc, seed=slots)
-            ws = Workspace(tmp_path / "laptop", store=url)
-            job = ws.submit("after the restarts", piece=quick, model="demo")
-            wait_for("the job after the restarts", lambda: ws.job(job).status == "succeeded", [proc], limit=30)
-            ws.close()
-            proc.send_signal(signal.SIGTERM)
-            out, err = proc.communicate(timeout=60)
+            job_id, out, err = _one_job_then_sigterm(Workspace(tmp_path / "laptop", store=url), quick, proc, limit=30)
         finally:
             reap([proc])
     assert proc.returncode == 143, err
     assert "Traceback" not in err and "error" not in err, err
     lines = [ln for ln in err.splitlines() if "store" in ln]
     assert lines and lines == [UNREACHABLE, REACHABLE] * (len(lines) // 2), err
-    assert re.search(rf"^ran 1 job\(s\): {job.id}$", out, re.M), out
+    assert re.search(rf"^ran 1 job\(s\): {job_id}$", out, re.M), out
 
 
 @needs_pg
