@@ -289,3 +289,39 @@ def test_a_special_file_in_place_of_the_store_is_one_line_not_a_hang(
         make(tmp_path / "new" / name)
         one_error_line(cli(tmp_path, "--workspace", "new", *COMMANDS[4]), phrase, name)
         assert not (tmp_path / "new" / "agentnb.sqlite").exists()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.needs("postgres", "psycopg"))])
+def test_a_new_store_opened_from_many_threads_at_once_is_never_taken_for_another_programs(
+        backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    # Another program's database is refused (it has tables but no agentnb version).  A new store's first
+    # migration commits agentnb's tables and version together, so an opener that read the version before that
+    # commit and the tables after it took agentnb's own new store for another program's (1 round in 10-40
+    # refused, before both were read from one snapshot); and SQLite's switch to WAL, which does not wait for the
+    # lock, failed at once ("database is locked").  Many rounds of six openers released at once.
+    import threading
+
+    from agentnb.store import open_store
+
+    rounds = 200 if backend == "sqlite" else 30
+    server = request.getfixturevalue("pg") if backend == "postgres" else None
+    refused: list[str] = []
+    for r in range(rounds):
+        url = server.create_database() if server is not None else str(tmp_path / f"s{r}" / "agentnb.sqlite")
+        gate = threading.Barrier(6)
+
+        def open_it(url: str = url, gate: threading.Barrier = gate) -> None:
+            gate.wait()
+            try:
+                open_store(url).close()
+            except StoreError as exc:
+                refused.append(str(exc))
+
+        threads = [threading.Thread(target=open_it) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not refused, refused[0]
+        if server is not None:
+            server.drop_database(url)

@@ -209,25 +209,28 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
 
     # -- opening ---------------------------------------------------------------
     @staticmethod
-    def _version(conn: psycopg.Connection[Any]) -> int:
-        row = conn.execute("SELECT to_regclass('agentnb_schema') IS NOT NULL").fetchone()
-        if not row or not row[0]:
-            return 0
+    def _version(conn: psycopg.Connection[Any]) -> tuple[int, list[str]]:
+        """The schema version and the current schema's tables, read in one statement (one snapshot): a process
+        migrating meanwhile commits both at once, and two reads could see its tables without its version."""
+        row = conn.execute("SELECT to_regclass('agentnb_schema') IS NOT NULL, ARRAY(SELECT tablename::text "
+                           "FROM pg_tables WHERE schemaname = current_schema() ORDER BY 1)").fetchone()
+        if not row:
+            return 0, []
+        tables = [str(name) for name in row[1] or []]
+        if not row[0]:
+            return 0, tables
         got = conn.execute("SELECT MAX(version) FROM agentnb_schema").fetchone()
-        return int(got[0] or 0) if got else 0
+        return (int(got[0] or 0) if got else 0), tables
 
     def _check_version(self, conn: psycopg.Connection[Any]) -> int:
-        version = self._version(conn)
+        version, tables = self._version(conn)
         if version > PG_SCHEMA_VERSION:
             raise StoreError(
                 f"{self.path} has schema version {version}, newer than this agentnb's {PG_SCHEMA_VERSION}: "
                 "it was written by a newer agentnb; upgrade agentnb to open it (nothing was changed)")
-        if version == 0:
-            tables = [str(name) for (name,) in conn.execute(
-                "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY 1").fetchall()]
-            if tables:  # another program's: agentnb's tables would join its own, or clash with one of the same name
-                raise StoreError(f"{self.path}: not an agentnb store (it has tables {', '.join(tables)} but no "
-                                 "agentnb schema version); use another database (nothing was changed)")
+        if version == 0 and tables:  # another program's: agentnb's tables would join its own, or clash with one
+            raise StoreError(f"{self.path}: not an agentnb store (it has tables {', '.join(tables)} but no "
+                             "agentnb schema version); use another database (nothing was changed)")
         if version == 0 and self.readonly:
             raise StoreError(f"{self.path} holds no agentnb workspace yet (no agentnb tables): there is nothing to "
                              "read; the first write (a submit, a batch, agentnb store copy) creates them")

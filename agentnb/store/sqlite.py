@@ -87,6 +87,22 @@ _SLOT = re.compile(r"\{(?:job|where)_\w\}")  # frames_sql's per-job slots
 BACKEND_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error,)
 
 
+def _wal(conn: sqlite3.Connection, wait: float = 30.0) -> None:
+    """Switch ``conn``'s file to WAL.  The switch takes the file's exclusive lock and SQLite does not wait for it
+    as it does for a write (no busy handler): processes opening a new store at once had it fail at once with
+    "database is locked".  Tried again until ``wait`` seconds pass, as long as a write would wait."""
+    deadline = time.monotonic() + wait
+    pause = 0.005
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+
 
 class SQLiteStore(StoreRows[sqlite3.Connection]):
     """Access to one ``agentnb.sqlite`` file: the :class:`~agentnb.store.base.Store` interface on SQLite.
@@ -137,7 +153,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
         try:
             # before anything that could write: the version check must see the file as it was
             self._check_version(conn)
-            conn.execute("PRAGMA journal_mode=WAL")
+            _wal(conn)
             # NORMAL is durable across application crashes in WAL mode; only an OS
             # crash can lose the last transactions.
             conn.execute("PRAGMA synchronous=NORMAL")
@@ -219,14 +235,20 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
         return self.conn
 
     def _check_version(self, conn: sqlite3.Connection) -> int:
-        version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        # the version and the tables from one read transaction: another process migrating a new file meanwhile
+        # commits both together, and two reads could see its tables but not yet its version
+        conn.execute("BEGIN")
+        try:
+            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+            tables = [str(name) for (name,) in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%' ORDER BY name")]
+        finally:
+            conn.execute("COMMIT")
         if version > SCHEMA_VERSION:
             raise StoreError(
                 f"{self.path} has schema version {version}, newer than this agentnb's {SCHEMA_VERSION}: "
                 "it was written by a newer agentnb; upgrade agentnb to open it (nothing was changed)"
             )
-        tables = [str(name) for (name,) in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%' ORDER BY name")]
         if (version == 0 and tables) or (version > 0 and "jobs" not in tables):
             # another program's database: migrating would add agentnb's tables to it, or fail half-way on a
             # table of the same name ("table batches already exists")
