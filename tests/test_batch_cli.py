@@ -132,6 +132,9 @@ def test_magic_batches_lists_each_batch_with_counts_by_status(shell: Any, tmp_pa
     assert df.set_index("name").loc["done", ["jobs", "succeeded", "queued"]].tolist() == [3, 3, 0]
     assert df.set_index("name").loc["later", ["jobs", "succeeded", "queued"]].tolist() == [3, 0, 3]
     assert pd.api.types.is_datetime64_any_dtype(df["created"])
+    # shown to the second, not the nanosecond: "2026-12-04 23:30:12", never "…:12.123456789"
+    assert (df["created"] == df["created"].dt.floor("s")).all() and (df["updated"] == df["updated"].dt.floor("s")).all()
+    assert re.search(r"\d{2}:\d{2}:\d{2}\s", df.to_string()) and not re.search(r":\d{2}\.\d", df.to_string())
 
 
 @pytest.mark.parametrize(("line", "needle"), [

@@ -730,15 +730,15 @@ class AgentMagic(Magics):
 
 
 def _batches_frame(rows: list[dict[str, Any]]) -> Any:
-    """``ws.batches()`` as a DataFrame: name, created, updated (UTC, as ``ws.frames.jobs``), jobs, one count per
-    job status."""
+    """``ws.batches()`` as a DataFrame: name, created, updated (UTC, as ``ws.frames.jobs``, to the second: the
+    nanoseconds only widened the table), jobs, one count per job status."""
     import pandas as pd
 
     columns = ["name", "created", "updated", "jobs", *JOB_STATES]
     df = pd.DataFrame([{**{k: r.get(k) for k in ("name", "created", "updated", "jobs")},
                         **{s: int(r.get(f"n_{s}") or 0) for s in JOB_STATES}} for r in rows], columns=columns)
     for col in ("created", "updated"):
-        df[col] = pd.to_datetime(pd.to_numeric(df[col]), unit="s").astype("datetime64[ns]")
+        df[col] = pd.to_datetime(pd.to_numeric(df[col]), unit="s").astype("datetime64[ns]").dt.floor("s")
     return df.astype({"jobs": "int64", **{s: "int64" for s in JOB_STATES}})
 
 
