@@ -43,6 +43,7 @@ from ..views.render import KEEPER, duration, job_html, job_stats, plural
 from ..views.style import ERROR_COLOUR
 from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
 from ._retire import Retirement
+from .tracebacks import install as install_one_line_errors
 from .vars import VarError, expand, expand_value, split_line
 
 __all__ = ["SUBCOMMANDS", "AgentMagic", "expand_braces", "load_ipython_extension"]
@@ -765,7 +766,8 @@ def _summary_html(ws: Workspace, job_id: int, *, below: bool = False) -> str:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Register ``%agent`` / ``%%agent`` and make ``AgentMagic`` configurable with ``%config``.
+    """Register ``%agent`` / ``%%agent``, make ``AgentMagic`` configurable with ``%config`` and show an
+    ``AgentnbError`` raised by a cell as one line (:mod:`agentnb.notebook.tracebacks`).
 
     ``%load_ext agentnb`` (:func:`agentnb.load_ipython_extension`) calls this, then gives the notebook the
     name ``agentnb``.
@@ -774,6 +776,7 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(magic)
     if magic not in ipython.configurables:
         ipython.configurables.append(magic)
+    install_one_line_errors(ipython)  # an AgentnbError from the Python API in a cell: one line, as the magic's
     if getattr(ipython, "kernel", None) is not None:
         # In a notebook, install the keeper of the live views' open sections once (a page-wide script: it
         # also serves the panel's view, whose widget cannot run scripts); a terminal gets nothing.
