@@ -115,12 +115,12 @@ def test_the_record_is_what_the_table_says(ws: Workspace, job: Job) -> None:
 def test_no_settings_reproduce_the_record(ws: Workspace, job: Job) -> None:
     w = ws.frames.what_if(job)
     usage = ws.frames.usage(job)
-    assert tuple(w.columns) == COLUMNS["usage"] + WHAT_IF_COLUMNS
+    assert sorted(w.columns) == sorted(COLUMNS["usage"] + WHAT_IF_COLUMNS)
     pd.testing.assert_frame_equal(w[list(COLUMNS["usage"])], usage)  # the usage frame whole, as it is
     assert _listed(w, "action_recorded") == _listed(usage, "action")
     assert _listed(w, "action_what_if") == _listed(usage, "action")
     assert _listed(w, "actions_what_if") == _listed(usage, "actions")
-    assert np.allclose(w["ratio_what_if"], usage["ratio"])
+    assert w["ratio_what_if"].tolist() == usage["ratio"].tolist()
     assert not w["forced_what_if"].any() and not w["first_forced"].any()
     assert w.attrs["what_if"] == {"window": 10000,
                                   "thresholds": {"warn": 0.7, "prompt": 0.85, "force_transition": 0.95,
@@ -130,6 +130,37 @@ def test_no_settings_reproduce_the_record(ws: Workspace, job: Job) -> None:
     assert w["action_what_if"].dtype == usage["action"].dtype == w["action_recorded"].dtype
     assert w["actions_what_if"].dtype == "string" and w["ratio_what_if"].dtype == "float64"
     assert w["forced_what_if"].dtype == bool and w["first_forced"].dtype == bool
+
+
+def test_each_what_if_column_sits_after_its_recorded_twin(ws: Workspace, job: Job) -> None:
+    w = ws.frames.what_if(job, window=8000, thresholds={"prompt": 0.8})
+    columns = list(w.columns)
+    # the usage columns keep their order; each simulated one follows the recorded column it is compared with
+    assert [c for c in columns if c not in WHAT_IF_COLUMNS] == list(COLUMNS["usage"])
+    for twin, after in {"ratio": ["ratio_what_if"], "action": ["action_recorded", "action_what_if"],
+                        "actions": ["actions_what_if"], "forced": ["forced_what_if", "first_forced"]}.items():
+        at = columns.index(twin)
+        assert columns[at:at + 1 + len(after)] == [twin, *after], columns
+    # a frame displayed with pandas' default 20 columns hides the middle: the README's pairs are all there
+    assert columns[columns.index("ratio") + 1] == "ratio_what_if"
+    # the what-if columns have their twins' dtypes
+    for twin, simulated in (("ratio", "ratio_what_if"), ("action", "action_what_if"),
+                            ("action", "action_recorded"), ("actions", "actions_what_if")):
+        assert w[simulated].dtype == w[twin].dtype, simulated
+
+
+def test_ratio_what_if_is_rounded_as_the_record_is(ws: Workspace, job: Job, tmp_path: Path) -> None:
+    # the same calls really run in a 7,000-token window: their recorded ratio is what the what-if must show
+    p = PROMPTS
+    real = _run(ws, tmp_path / "seven", name="seven", window=7000,
+                draft=[_glob(p[0]), _glob(p[1]), _to("check", p[2]), _glob(p[5]), _glob(p[6]), _to("check", p[7])],
+                check=[_glob(p[3]), _to("draft", p[4]), _glob(p[8]), _to("COMPLETE", p[9])])
+    recorded = ws.frames.usage(real)["ratio"]
+    assert recorded.tolist()[0] == 0.142857  # 1000 / 7000, to 6 places
+    simulated = ws.frames.what_if(job, window=7000)["ratio_what_if"]
+    assert simulated.tolist() == recorded.tolist()
+    # and displayed alike: pandas formats both columns the same way
+    assert simulated.to_string(index=False) == recorded.to_string(index=False)
 
 
 def test_a_smaller_window_by_hand(ws: Workspace, job: Job) -> None:
@@ -323,10 +354,10 @@ def test_what_if_needs_a_job_and_writes_nothing(ws: Workspace, job: Job) -> None
     assert after[1] == before[1] and len(after[0]) == len(before[0])
 
 
-def test_a_job_without_calls_gives_an_empty_frame(ws: Workspace) -> None:
+def test_a_job_without_calls_gives_an_empty_frame(ws: Workspace, job: Job) -> None:
     queued = ws.submit("not yet", piece="single", model="demo")
     w = ws.frames.what_if(queued, window=4000)
-    assert w.empty and tuple(w.columns) == COLUMNS["usage"] + WHAT_IF_COLUMNS
+    assert w.empty and list(w.columns) == list(ws.frames.what_if(job).columns)  # in the same order
     assert w.attrs["what_if"]["window"] == 4000
     fig = agentnb.plot_usage(queued, what_if={"window": 4000})
     assert not fig.axes  # the no-calls text, as without what_if

@@ -38,8 +38,8 @@ frame               columns
 ``context_actions`` job, event_id, seq, movement, iteration, timestamp, action, ratio, tokens,
                     window, threshold
 ``scores(job)``     job, batch, case, name, value, error, ts, latest
-``what_if(job, …)`` usage's columns, then action_recorded, action_what_if, actions_what_if,
-                    ratio_what_if, forced_what_if, first_forced (``views/what_if.py``)
+``what_if(job, …)`` usage's columns with, each after its twin, ratio_what_if, action_recorded,
+                    action_what_if, actions_what_if, forced_what_if, first_forced (``views/what_if.py``)
 ``divergences(job)`` job, event_id, seq, movement, iteration, timestamp, call_id, tool, expected, actual
 ``compactions(job)`` job, event_id, seq, movement, iteration, timestamp, tokens_before, tokens_after,
                     removed_messages, kept_messages, summary
@@ -396,7 +396,8 @@ class Frames:
         """``usage(job)`` with the ContextManager's actions recomputed from the recorded prompt token counts
         under another ``window`` (None: each call's recorded one) and ``thresholds`` (some or all actions,
         merged over the job's): ``action_recorded``, ``action_what_if``, ``actions_what_if``,
-        ``ratio_what_if``, ``forced_what_if``, ``first_forced``; ``attrs["what_if"]`` holds the settings.
+        ``ratio_what_if``, ``forced_what_if``, ``first_forced``, each right after its recorded twin
+        (``ratio``, ``action``, ``actions``, ``forced``); ``attrs["what_if"]`` holds the settings.
 
         A simulation of the ContextManager alone: a movement forced to transition earlier would have
         changed everything after it, and calls the job never made cannot be simulated

@@ -2,7 +2,9 @@
 
 ``ws.frames.what_if(job, window=8000, thresholds={"prompt": 0.8})`` is the job's usage frame
 (``ws.frames.usage(job)``, every column) with the ContextManager's actions recomputed from the recorded
-prompt token counts:
+prompt token counts, each new column right after its recorded twin (``ratio``, ``ratio_what_if``;
+``action``, ``action_recorded``, ``action_what_if``; ``actions``, ``actions_what_if``; ``forced``,
+``forced_what_if``, ``first_forced``), so the two sit side by side when the frame is displayed:
 
 ==================== ===========================================================================
 column               meaning
@@ -10,7 +12,7 @@ column               meaning
 ``action_recorded``  the highest action the record fired at that call (a copy of ``action``)
 ``action_what_if``   the highest action that would fire at that call under the new settings
 ``actions_what_if``  all of them, comma-separated in firing order (like ``actions``)
-``ratio_what_if``    prompt tokens / the new window
+``ratio_what_if``    prompt tokens / the new window, rounded to 6 decimals as the record's ``ratio`` is
 ``forced_what_if``   True at the call where ``force_transition`` would fire: that movement run would have
                      been forced to transition there (at most one call per run)
 ``first_forced``     True only at the first such call of the job: from there on the simulation no longer
@@ -65,6 +67,9 @@ __all__ = ["MIN_WINDOW", "WHAT_IF_COLUMNS", "check_window", "simulate", "what_if
 
 WHAT_IF_COLUMNS = ("action_recorded", "action_what_if", "actions_what_if", "ratio_what_if", "forced_what_if",
                    "first_forced")
+# where each what-if column goes: right after its recorded twin, so a displayed frame shows the pair together
+_AFTER_TWIN = {"ratio": ("ratio_what_if",), "action": ("action_recorded", "action_what_if"),
+               "actions": ("actions_what_if",), "forced": ("forced_what_if", "first_forced")}
 # the smallest window context.window_tokens (a piece's or a job's) accepts
 MIN_WINDOW = 256
 
@@ -158,9 +163,13 @@ def simulate(usage: pd.DataFrame, *, window: int | None = None, thresholds: Mapp
     df["action_what_if"] = pd.Categorical.from_codes(codes, dtype=_ACTION_DTYPE)
     text = pd.Series(listed, index=df.index, dtype="string")
     df["actions_what_if"] = text.mask(text == "")  # NA where nothing fires, as the record's ``actions``
-    df["ratio_what_if"] = ratio_wi.astype("float64")
+    # the actions above compare the exact quotient, as the ContextManager does; the column is rounded as the
+    # record's ratio is (engine/loop.py; Python's round: np.round differs in the last place for some
+    # quotients), so unchanged settings give back ``ratio`` exactly
+    df["ratio_what_if"] = np.array([round(r, 6) for r in ratio_wi.tolist()], dtype="float64")
     df["forced_what_if"] = forced.astype(bool)
     df["first_forced"] = first.to_numpy(dtype=bool)
+    df = df[_twinned([c for c in df.columns if c not in WHAT_IF_COLUMNS])]
 
     if new_window is None:
         known = pd.unique(recorded_window[~np.isnan(recorded_window)])
@@ -169,3 +178,11 @@ def simulate(usage: pd.DataFrame, *, window: int | None = None, thresholds: Mapp
         shown = new_window
     df.attrs = {**usage.attrs, "what_if": {"window": shown, "thresholds": th}}
     return df
+
+
+def _twinned(columns: list[str]) -> list[str]:
+    """``columns`` with each what-if column inserted after its twin; one whose twin is missing goes last."""
+    order: list[str] = []
+    for column in columns:
+        order += [column, *_AFTER_TWIN.get(column, ())]
+    return order + [c for c in WHAT_IF_COLUMNS if c not in order]
