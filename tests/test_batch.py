@@ -145,6 +145,13 @@ def test_jobs_waiting_for_a_human_stay_waiting_and_do_not_block(ws: Workspace, t
     assert ws.batch("ask", progress=False).counts()["waiting_human"] == 3
     assert llm_events(ws) == calls
     assert "3 waiting" in repr(b) and "3 waiting" in b._repr_html_()
+    # each waiting job with its question, the reply that answers it and the command that resumes the batch
+    page = b._repr_html_()
+    assert "jobs waiting for your reply: reply to each, then <code>%agent batch ask</code>" in page
+    asking = [j.id for j in b.jobs if j.status == "waiting_human"]
+    for job_id in asking:
+        assert f"<code>%agent reply {job_id} YOUR ANSWER</code>" in page
+    assert page.count("asks: Which language?") == 3
     # waiting is not running: the time stops when the job waits
     again = b.frame
     waiting = frame["status"] == "waiting_human"

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import pandas as pd
 
-from ..events import Event, JobStatusEvent, LLMResponse, MovementStart, ScoreEvent
+from ..events import Event, JobStatusEvent, LLMResponse, MovementStart, ScoreEvent, Transition
 from ..models.prices import call_costs
 from ..store.base import TERMINAL_STATES, WAITING_STATES, Store, is_recovery
 from ._job_stats import RunningClock
@@ -269,8 +269,9 @@ def _money(value: Any) -> str:
 
 
 def batch_html(batch: BatchSource) -> str:
-    """The progress line, the summary table and the jobs that failed or were aborted (each with the
-    ``%agent show JOB`` that opens its view); every text escaped."""
+    """The progress line, the summary table, the jobs that failed or were aborted (each with the
+    ``%agent show JOB`` that opens its view) and those waiting for a reply (each with its question, the
+    ``%agent reply`` that answers it and the command that resumes the batch); every text escaped."""
     df = batch_frame(batch)
     status = df["status"].astype(str)
     n, ended = len(df), int(status.isin(TERMINAL_STATES).sum())
@@ -293,5 +294,22 @@ def batch_html(batch: BatchSource) -> str:
             what = f"case {r['case']}, {r['piece']} × {r['model']}: {r['status']}"
             parts.append(f"<li><code>%agent show {int(r['job'])}</code> — {html.escape(what)}</li>")
         parts.append("</ul>")
+    asking = df[status == "waiting_human"]
+    if len(asking):
+        # what each asks, and the two commands that go on: a waiting job is not lost, but nothing else says so
+        parts.append(f"<p>jobs waiting for your reply: reply to each, then <code>%agent batch "
+                     f"{html.escape(batch.name)}</code> (or <code>ws.batch({html.escape(repr(batch.name))})</code>) "
+                     "resumes the batch</p><ul>")
+        for _, r in asking.iterrows():
+            job_id = int(r["job"])
+            what = f"case {r['case']}, {r['piece']} × {r['model']} asks: {_question(batch.store, job_id) or '(no question)'}"
+            parts.append(f"<li><code>%agent reply {job_id} YOUR ANSWER</code> — {html.escape(what)}</li>")
+        parts.append("</ul>")
     parts.append("</div>")
     return "".join(parts)
+
+
+def _question(store: Store, job_id: int) -> str | None:
+    """The question a job waiting for a human asked: its last ``ASK`` transition's."""
+    asked = [ev.question for ev in store.events(job_id, kinds=["transition"]) if isinstance(ev, Transition)]
+    return next((q for q in reversed(asked) if q), None)
