@@ -25,7 +25,8 @@ import re
 import threading
 from typing import Any
 
-__all__ = ["KEY_SHAPED", "MASK", "MIN_SECRET_CHARS", "SECRET_NAME", "is_secret_name", "might_hold_secret", "redact",
+__all__ = ["KEY_SHAPED", "MASK", "MIN_SECRET_CHARS", "SECRET_NAME", "is_secret_name", "mask_key_shaped",
+           "might_hold_secret", "redact",
            "register_secret", "scrub", "scrub_data", "secret_values"]
 
 # Substrings that name a secret wherever they appear (GITHUB_TOKEN, AWS_SECRET_ACCESS_KEY, X_CREDENTIALS),
@@ -125,6 +126,12 @@ def scrub(text: str) -> str:
     values = _values()[0]
     if values:
         text = redact(text, values)
+    return mask_key_shaped(text)
+
+
+def mask_key_shaped(text: str) -> str:
+    """``text`` with everything :data:`KEY_SHAPED` replaced by ``***`` (the secret values are :func:`redact`'s);
+    ``text`` itself when it holds none."""
     if _KEY_TRIGGERS[0] in text or _KEY_TRIGGERS[1] in text:
         masked, n = KEY_SHAPED.subn(MASK, text)
         if n:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from .._secrets import redact, scrub, secret_values
+from .._secrets import mask_key_shaped, redact, secret_values
 from ..errors import ToolError, UsageError
 from .context import ToolContext, ToolOutput
 from .paths import normalise_rel, open_regular, resolve_path, unlinked_path
@@ -132,7 +132,7 @@ def _safe_output(out: ToolOutput, ctx: ToolContext, arguments: Mapping[str, Any]
         new = body + redact(content[note_at:], values)
     else:
         new = redact(content, values, cut_start=from_inside)
-    new = scrub(new)  # key-shaped text (values are gone already)
+    new = mask_key_shaped(new)  # the values are gone already: one pass over the result, not a second redact
     if new != content:
         shrunk = len(content) - len(new)
         out.content = new
