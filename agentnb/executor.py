@@ -17,7 +17,8 @@ to end here or, on PostgreSQL, for a ``NOTIFY`` that one was queued (:class:`Wak
 
 Progress is a ``tqdm.auto`` bar on stderr (a widget in Jupyter, text in a terminal) over the jobs to
 run, with the succeeded/failed counts, tokens and US dollars so far (``models.prices``), refreshed as
-jobs end and, at most every :data:`LIVE_EVERY` seconds, from the calls of the running jobs.
+jobs end and, at most every :data:`LIVE_EVERY` seconds, from the calls of the running jobs.  When the run
+ends, however it ends, the bar leaves one static final line in its place (``agentnb.progress``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .errors import StoreError, UsageError
 from .events import LLMResponse
 from .interrupts import sigterm_interrupts
 from .models.prices import call_costs
+from .progress import BatchProgress, Outcome
 from .store.base import Store, StoreUnreachable, owned_by_this_process
 
 __all__ = ["GRACE", "LIVE_EVERY", "OUTAGE_FIRST", "Backoff", "JobRunnerHost", "QueueReport", "RunReport", "Wake",
@@ -110,29 +112,6 @@ class _Tally:
         return tokens, (None if any(c is None for c in costs) else float(sum(c for c in costs if c is not None)))
 
 
-def _make_bar(total: int, desc: str, file: TextIO) -> Any:
-    """A ``tqdm.auto`` bar (a widget in Jupyter), or a text one where the widget cannot be drawn."""
-    try:
-        from tqdm.auto import tqdm as auto_tqdm  # type: ignore[import-untyped]
-
-        return auto_tqdm(total=total, desc=desc, unit="job", file=file, dynamic_ncols=True)
-    except Exception:  # tqdm.notebook raises when ipywidgets is missing or too old
-        from tqdm.std import tqdm as text_tqdm  # type: ignore[import-untyped]
-
-        return text_tqdm(total=total, desc=desc, unit="job", file=file, dynamic_ncols=True)
-
-
-def _postfix(statuses: dict[int, str], tokens: int, cost: float | None) -> str:
-    ok = sum(1 for s in statuses.values() if s == "succeeded")
-    failed = sum(1 for s in statuses.values() if s in ("failed", "aborted"))
-    waiting = sum(1 for s in statuses.values() if s.startswith("waiting"))
-    dollars = "$NA" if cost is None else f"${cost:,.4f}"
-    text = f"{ok} ok, {failed} failed"
-    if waiting:
-        text += f", {waiting} waiting"
-    return f"{text} · {tokens:,} tokens · {dollars}"
-
-
 def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, progress: bool = False,
              batch: Any = None, on_end: Callable[[Any], None] | None = None,
              file: TextIO | None = None, resume: str | None = None) -> RunReport:
@@ -181,12 +160,12 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
                 active.discard(job_id)
 
     # no bar over nothing: resuming a finished batch draws no empty "0job" bar
-    bar = _make_bar(len(job_ids), f"batch {name}" if name else "jobs", out) if progress and job_ids else None
-    shown = 0
+    bar = BatchProgress(len(job_ids), f"batch {name}" if name else "jobs", out) if progress and job_ids else None
+    started = time.monotonic()
     live_at = 0.0
 
     def refresh(final: bool = False) -> None:
-        nonlocal shown, live_at
+        nonlocal live_at
         if bar is None or tally is None:
             return
         with lock:
@@ -196,12 +175,8 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
         if not final and now - live_at >= LIVE_EVERY:
             live_at = now
             tally.refresh(running)
-        ended = len(statuses) + len(report.skipped)
-        if ended > shown:
-            bar.update(ended - shown)
-            shown = ended
         tokens, cost = tally.totals()
-        bar.set_postfix_str(_postfix(statuses, tokens, cost), refresh=True)
+        bar.update(len(statuses) + len(report.skipped), statuses, tokens, cost)
 
     pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(job_ids) or 1)),
                               thread_name_prefix="agentnb-job")
@@ -217,27 +192,34 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
                     refresh()
             except BaseException:
                 report.interrupted = True
-                say = _sayer(bar, out)
-                _pause(ws, futures, stopping, active, lock, say)
-                _tell(report, name, job_ids, say, resume)
+                _pause(ws, futures, stopping, active, lock, _sayer(bar, out))
                 raise
     finally:
         pool.shutdown(wait=True)
-        if bar is not None:
-            try:
-                refresh(final=True)
-            finally:
-                bar.close()
+        try:
+            if bar is not None and tally is not None:
+                try:
+                    refresh(final=True)
+                finally:
+                    tokens, cost = tally.totals()
+                    stopped = "paused" if report.interrupted else "error" if errors else ""
+                    # the line that stays (a widget does not outlive its kernel), then the resume hint below it
+                    bar.finish(Outcome(len(job_ids), dict(report.statuses), skipped=len(report.skipped),
+                                       tokens=tokens, cost=cost, seconds=time.monotonic() - started,
+                                       stopped=stopped), resume=resume or (f"ws.batch({name!r})" if name else ""))
+        finally:
+            if report.interrupted:
+                _tell(report, name, job_ids, _sayer(None, out), resume)
     if errors:
         raise errors[0]
     return report
 
 
-def _sayer(bar: Any, out: TextIO) -> Callable[[str], None]:
+def _sayer(bar: BatchProgress | None, out: TextIO) -> Callable[[str], None]:
     """Print one line on ``out``, on a line of its own even while the text bar is drawn."""
     def say(text: str) -> None:
         if bar is not None:
-            bar.write(text, file=out)  # clears the bar, prints, draws it again
+            bar.write(text)  # clears the bar, prints, draws it again
         else:
             print(text, file=out, flush=True)
     return say

@@ -3,6 +3,7 @@ and their results (``batch.frame``, ``summary()``, the HTML view, ``plot_batch``
 
 from __future__ import annotations
 
+import html
 import itertools
 import json
 import math
@@ -403,11 +404,20 @@ def test_html_progress_summary_and_failed_jobs_escaped(ws: Workspace, tmp_path: 
     assert f"{tokens:,} tokens · $0.0000" in page
     assert "<exp>" not in page
     failed = [j.id for j in b.jobs if j.status == "failed"]
-    assert f"failed or aborted jobs: {failed[0]}, {failed[1]}" in page
+    # as the waiting jobs are: each with why it stopped, then the commands that go on from there
+    assert (f"failed or aborted jobs: {failed[0]}, {failed[1]} — <code>%agent retry JOB</code> queues one again "
+            "from its last complete call, then <code>%agent batch &lt;exp&gt; &amp; co</code> resumes the batch") in page
     for job_id in failed:
-        assert f"<code>%agent show {job_id}</code>" in page
+        error = " ".join(str(ws.job(job_id).error).split())
+        assert error and f"<code>%agent show {job_id}</code> — " in page
+        assert html.escape(f": failed: {error[:160]}", quote=True) in page
     assert page.count("%agent show") == 2
     assert "<table" in page and "mean_tokens" in page
+    # what the line says works: retried, the failed jobs run again when the batch is resumed
+    for job_id in failed:
+        ws.retry(job_id)
+    again = ws.batch("<exp> & co", progress=False)
+    assert sorted(again.last_run.statuses) == failed
 
 
 # -- the plot --------------------------------------------------------------------------------------------------------

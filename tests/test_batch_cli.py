@@ -315,9 +315,12 @@ def test_cli_batch_with_jobs_waiting_for_a_human_exits_3_and_names_them(tmp_path
     ok = _succeeding(tmp_path)
     (tmp_path / "c.jsonl").write_text('{"instruction": "Report on the year"}\n')
     out = agentnb(tmp_path, "--workspace", "ws", "batch", "c.jsonl", "--piece", "single", "--model", ok,
-                  "--model", asks, "--name", "w", "--no-progress")
+                  "--model", asks, "--name", "w")
     assert out.returncode == 3, out.stderr
     assert out.stdout.startswith("<Batch 'w': 1/2 ended · 1 succeeded, 1 waiting>")
+    # the bar on stderr is cleared at the end and its final line printed in its place
+    last = out.stderr.replace("\r", "\n").strip().splitlines()[-1]
+    assert re.fullmatch(r"batch w · 2/2 · 1 ok · 1 waiting · [\d,]+ tokens · \$0 · \d+\.\d s", last), out.stderr
     assert "job(s) 2 wait for a human" in out.stdout
     # rerunning changes nothing while the question is unanswered
     again = agentnb(tmp_path, "--workspace", "ws", "batch", "c.jsonl", "--piece", "single", "--model", ok,
@@ -458,9 +461,12 @@ def test_magic_batch_interrupted_pauses_and_says_once_to_resume_with_the_magic(
                                               "--name stopped")
         assert isinstance(b, Batch)
         assert [str(j.status) for j in b.jobs] == ["queued"] * 3  # the first paused after its call, none other began
-        said = [line for line in (cap.stdout + cap.stderr).splitlines() if "paused" in line or "interrupted" in line]
-        assert said == ["agentnb: interrupted: 1 running job(s) paused, 3 not finished; resume with "
-                        "%agent batch stopped"], cap.stderr
+        said = [line for line in (cap.stdout + cap.stderr).replace("\r", "\n").splitlines()
+                if "paused" in line or "interrupted" in line]
+        # the bar's final line, then the one line that says how to resume
+        assert len(said) == 2 and re.fullmatch(r"batch stopped · paused · 0/3 · 0 ok · 1 paused · 2 not started · "
+                                               r"[\d,]+ tokens · \$0 · \d+\.\d s", said[0]), cap.stderr
+        assert said[1] == "agentnb: interrupted: 1 running job(s) paused, 3 not finished; resume with %agent batch stopped"
         assert "ws.batch" not in cap.stdout + cap.stderr
     finally:
         signal.signal(signal.SIGINT, old_handler)

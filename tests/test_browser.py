@@ -739,3 +739,92 @@ def test_sections_opened_during_a_live_run_stay_open(lab: Lab) -> None:
         finally:
             page.screenshot(path=str(ARTIFACTS / "live-view-end.png"))
             browser.close()
+
+
+# The batch progress bar after a kernel restart: each batch's final line, never "Error displaying widget".
+BATCH_BAR_CELLS = [
+    '%load_ext agentnb\n%config AgentMagic.workspace = "batch-bar-data"',
+    'cases = [{"instruction": "Summarise input/notes.md", "inputs": {"notes.md": "Ship on Friday. QA is open."}},\n'
+    '         {"instruction": "List the open questions in input/notes.md", "inputs": {"notes.md": "Who owns QA?"}}]\n'
+    "%agent batch cases --piece plan-implement-verify,review-loop --model demo --name exp-1",
+    "%agent batch cases --piece ask-first --model demo --name asks",
+]
+
+
+def test_batch_bars_leave_their_final_lines_across_a_kernel_restart(lab: Lab) -> None:
+    import nbformat
+    from playwright.sync_api import expect, sync_playwright
+
+    name = "batch-bar.ipynb"
+    path = _notebook(lab, name, BATCH_BAR_CELLS, "batch-bar")
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        shot = "batch-bar-failed.png"
+        try:
+            kernel = _open(page, lab, name)
+            expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
+            _run_all_cells(page, lab, name, kernel)
+            _assert_no_cell_raised(page)
+
+            def check_lines() -> None:
+                done = page.locator(".anb-batch-end[data-state='ok']")
+                waiting = page.locator(".anb-batch-end[data-state='waiting']")
+                expect(done).to_have_count(1, timeout=60_000)
+                expect(done).to_be_visible()
+                expect(done.locator(".anb-batch-line")).to_have_text(
+                    re.compile(r"^batch exp-1 · 4/4 · 4 ok · [\d,]+ tokens · \$0 · \d+\.\d s$"))
+                expect(waiting).to_be_visible()
+                expect(waiting.locator(".anb-batch-line")).to_have_text(
+                    re.compile(r"^batch asks · 2/2 · 0 ok · 2 waiting · [\d,]+ tokens · \$0 · \d+\.\d s$"))
+                expect(waiting.locator(".anb-batch-hint")).to_contain_text(
+                    "job(s) 5, 6 wait for a reply", use_inner_text=True)
+                # the waiting batch is not green: its bar is the waiting purple, the other one's all green
+                colours = waiting.locator("[data-outcome]").evaluate_all(
+                    "els => els.map(e => [e.dataset.outcome, getComputedStyle(e).backgroundColor, e.offsetWidth])")
+                assert [(o, c) for o, c, _ in colours] == [("waiting", "rgb(142, 68, 173)")], colours
+                assert colours[0][2] > 100, colours  # drawn, not a sliver
+                ok = done.locator("[data-outcome]").evaluate_all(
+                    "els => els.map(e => [e.dataset.outcome, getComputedStyle(e).backgroundColor])")
+                assert ok == [["ok", "rgb(46, 139, 87)"]], ok
+                assert _overflow(page, ".anb-batch-end") == [], _overflow(page, ".anb-batch-end")
+                # no progress widget left anywhere, live or dead
+                expect(page.locator(".jp-OutputArea-output .widget-progress")).to_have_count(0)
+                expect(page.get_by_text("Error displaying widget")).to_have_count(0)
+                expect(page.get_by_text("model not found")).to_have_count(0)
+
+            check_lines()
+            page.locator(".anb-batch-end[data-state='waiting']").scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "batch-bar-live.png"))
+
+            # save, restart the kernel and reload: what a reopened notebook shows
+            page.keyboard.press("Control+s")
+            deadline = time.monotonic() + 60
+            while "anb-batch-end" not in _saved_outputs(path, 2) and time.monotonic() < deadline:
+                time.sleep(0.25)
+            saved = nbformat.read(path, as_version=4)
+            outputs = [o for cell in saved.cells for o in cell.get("outputs", [])]
+            assert not [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+            lines = [str(o["data"]["text/plain"]) for o in outputs if "anb-batch-end" in str(o.get("data", {}))]
+            assert [line.splitlines()[0].split(" · ")[:4] for line in lines] == [
+                ["batch exp-1", "4/4", "4 ok", lines[0].split(" · ")[3]], ["batch asks", "2/2", "0 ok", "2 waiting"]]
+            page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
+            page.get_by_role("menuitem", name=re.compile(r"^Restart Kernel…")).first.click()
+            page.locator(".jp-Dialog button", has_text="Restart").click()
+            page.wait_for_function(
+                """() => {
+                    const el = document.querySelector('.jp-Notebook-ExecutionIndicator');
+                    return el && el.getAttribute('data-status') === 'idle';
+                }""",
+                timeout=90_000,
+            )
+            page.reload()
+            page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
+            check_lines()
+            page.locator(".anb-batch-end[data-state='ok']").scroll_into_view_if_needed()
+            shot = "batch-bar-restarted.png"
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
+        finally:
+            page.screenshot(path=str(ARTIFACTS / shot))
+            browser.close()

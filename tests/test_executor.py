@@ -30,7 +30,9 @@ from agentnb.events import LLMResponse
 from agentnb.executor import run_jobs
 from agentnb.models.openai import OpenAIModel
 from agentnb.models.ratelimit import Gate
+from agentnb.progress import Outcome, final_html, final_line
 from agentnb.views.status import STOP_REASON
+from agentnb.views.style import OK_COLOUR
 
 CALLS = 3  # LLM calls each job needs: CALLS-1 tool calls, then the transition
 PIECE = """
@@ -235,11 +237,13 @@ def test_the_progress_bar_counts_jobs_tokens_and_dollars_on_stderr(tmp_path: Pat
     ws.batch(_cases(3), piece="single", model="demo", name="shown", concurrency=2)
     captured = capsys.readouterr()
     assert captured.out == ""
-    last = captured.err.replace("\r", "\n").strip().splitlines()[-1]
-    assert "batch shown" in last and "3/3" in last
+    drawn = captured.err.replace("\r", "\n").strip().splitlines()
     tokens = sum(ws.store.total_tokens(j.id) for j in ws.jobs())
-    assert f"{tokens:,} tokens" in last and "$0.0000" in last  # the demo model costs nothing
-    assert re.search(r"\d+ ok, 0 failed", last)
+    # the live bar: jobs, the counts so far, tokens and dollars (the demo model costs nothing)
+    assert any("batch shown: 100%" in line and f"0 ok, 0 failed, 3 waiting · {tokens:,} tokens · $0" in line
+               for line in drawn), drawn
+    # then the bar is cleared and its final line is the last one: the demo model asks on `single`, so all wait
+    assert re.fullmatch(rf"batch shown · 3/3 · 0 ok · 3 waiting · {tokens:,} tokens · \$0 · \d+\.\d s", drawn[-1])
     ws.batch(_cases(3), piece="plan-implement-verify", model="demo", name="quiet", progress=False)
     assert capsys.readouterr().err == ""
     ws.batch("shown")  # resumed with nothing left to run: no empty bar
@@ -257,7 +261,92 @@ def test_a_bar_that_cannot_be_drawn_as_a_widget_falls_back_to_text(tmp_path: Pat
     ws = Workspace(tmp_path / "ws")
     b = ws.batch(_cases(2), piece="single", model="demo", name="plain")
     assert b.counts()["queued"] == b.counts()["running"] == 0 and len(b.last_run.statuses) == 2
-    assert "batch plain: 100%" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "batch plain: 100%" in err and err.splitlines()[-1].startswith("batch plain · 2/2 · ")
+
+
+def test_the_final_line_says_how_the_run_ended_and_is_never_green_over_waiting_or_failed_jobs() -> None:
+    statuses = {1: "succeeded", 2: "waiting_human", 3: "succeeded", 4: "waiting_human"}
+    done = Outcome(4, statuses, tokens=12340, cost=0.04, seconds=8.24)
+    assert final_line("batch exp-1", done) == "batch exp-1 · 4/4 · 2 ok · 2 waiting · 12,340 tokens · $0.0400 · 8.2 s"
+    page = final_html("batch exp-1", done, resume="%agent batch exp-1")
+    assert 'data-state="waiting"' in page and OK_COLOUR in page  # the ok segment is green, the run is not
+    assert re.search(r'data-outcome="waiting" title="2 waiting" style="flex:2 0 0;background:#8e44ad"', page)
+    assert ("job(s) 2, 4 wait for a reply: answer each (%agent reply JOB &quot;…&quot; or ws.reply(JOB, "
+            "&quot;…&quot;); the batch&#x27;s view lists their questions), then resume with %agent batch exp-1") in page
+    assert Outcome(2, {1: "succeeded", 2: "succeeded"}).state() == "ok"
+    # failed and aborted: red, each counted
+    bad = Outcome(3, {1: "succeeded", 2: "failed", 3: "aborted"}, cost=None, seconds=125)
+    assert final_line("jobs", bad) == "jobs · 3/3 · 1 ok · 1 failed · 1 aborted · 0 tokens · cost unknown · 2 min 05 s"
+    assert bad.state() == "failed" and 'data-state="failed"' in final_html("jobs", bad)
+    # paused by Ctrl-C: the paused job, the ones never started and the one another process runs
+    paused = Outcome(6, {1: "succeeded", 2: "queued"}, skipped=1, seconds=3, stopped="paused")
+    assert final_line("batch b", paused) == ("batch b · paused · 1/6 · 1 ok · 1 paused · 1 skipped · 3 not started · "
+                                             "0 tokens · $0 · 3.0 s")
+    assert paused.state() == "paused"
+    stopped = Outcome(2, {1: "succeeded"}, seconds=7200, stopped="error")
+    assert final_line("batch b", stopped) == "batch b · stopped by an error · 1/2 · 1 ok · 1 not started · 0 tokens · $0 · 2 h 00 min"
+    assert stopped.state() == "failed"
+    # every text escaped: a batch's name is the user's
+    assert "<b>batch &lt;x&gt;</b>" in final_html("batch <x>", done) and "<x>" not in final_html("batch <x>", done)
+
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _readme_recipe() -> list[str]:
+    """The README's batch recipe, each ```python block a cell: a batch that completes, one that waits, the
+    replies and the resume."""
+    start = README.index("From a notebook, on the built-in `demo` model")
+    section = README[start:README.index("The other forms", start)]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def test_in_a_kernel_the_readme_batch_recipe_leaves_its_final_lines_in_the_saved_notebook(tmp_path: Path) -> None:
+    """The bar is a widget, which does not outlive its kernel ("Error displaying widget: model not found",
+    and the saved text was its first state, "0%| | 0/4"): each batch leaves its final line in the notebook."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    recipe = _readme_recipe()
+    assert len(recipe) == 3, recipe
+    nb = new_notebook(cells=[new_code_cell(c) for c in ["%load_ext agentnb", *recipe]])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute(env=env)
+    # the bar turned purple while the jobs of `asks` waited (the widget models' state, as the kernel sent it)
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    assert "#8e44ad" in [m["state"].get("bar_color") for m in state.values() if m["model_name"] == "ProgressStyleModel"]
+    # what a reopened notebook, GitHub or nbviewer has: the saved file, read back, no kernel and no widget
+    nbformat.write(nb, tmp_path / "saved.ipynb")
+    saved = nbformat.read(tmp_path / "saved.ipynb", as_version=4)
+    nbformat.validate(saved)
+
+    def final(cell: int) -> dict[str, Any]:
+        outputs = saved.cells[cell].outputs
+        assert not [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+        text = "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for o in outputs)
+        assert "0%|" not in text and "| 0/" not in text, text  # never the bar's first state, "0%| | 0/4"
+        [line] = [o for o in outputs if "anb-batch-end" in str(o.get("data", {}).get("text/html", ""))]
+        return dict(line["data"])
+
+    done = final(1)
+    assert re.fullmatch(r"batch exp-1 · 4/4 · 4 ok · [\d,]+ tokens · \$0 · \d+\.\d s", done["text/plain"])
+    assert 'data-state="ok"' in done["text/html"] and "4 ok" in done["text/html"]
+    waiting = final(2)
+    line, hint = waiting["text/plain"].splitlines()
+    assert re.fullmatch(r"batch asks · 2/2 · 0 ok · 2 waiting · [\d,]+ tokens · \$0 · \d+\.\d s", line)
+    assert hint.startswith("job(s) 5, 6 wait for a reply") and hint.endswith("then resume with %agent batch asks")
+    assert 'data-state="waiting"' in waiting["text/html"]
+    # the batch's view below it: each question and the reply the README then gives (jobs 5 and 6)
+    view = "".join(str(o.get("data", {}).get("text/html", "")) for o in saved.cells[2].outputs)
+    assert view.count("asks: Which format should the result have") == 2
+    assert "<code>%agent reply 5 YOUR ANSWER</code>" in view and "<code>%agent reply 6 YOUR ANSWER</code>" in view
+    resumed = final(3)
+    assert re.fullmatch(r"batch asks · 2/2 · 2 ok · [\d,]+ tokens · \$0 · \d+\.\d s", resumed["text/plain"])
+    ws = Workspace(tmp_path / "agentnb-data", readonly=True)
+    assert [str(j.status) for j in ws.jobs()] == ["succeeded"] * 6
 
 
 def test_run_jobs_reports_each_jobs_status(tmp_path: Path) -> None:

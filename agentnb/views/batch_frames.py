@@ -268,10 +268,15 @@ def _money(value: Any) -> str:
     return f"${value:,.4f}"
 
 
+# how much of a failed job's error its line in the batch's view shows (the job's view has all of it)
+_ERROR_CHARS = 160
+
+
 def batch_html(batch: BatchSource) -> str:
-    """The progress line, the summary table, the jobs that failed or were aborted (each with the
-    ``%agent show JOB`` that opens its view) and those waiting for a reply (each with its question, the
-    ``%agent reply`` that answers it and the command that resumes the batch); every text escaped."""
+    """The progress line, the summary table, the jobs that failed or were aborted (each with its error and the
+    ``%agent show JOB`` that opens its view, then the retry and resume commands) and those waiting for a reply
+    (each with its question, the ``%agent reply`` that answers it and the command that resumes the batch);
+    every text escaped."""
     df = batch_frame(batch)
     status = df["status"].astype(str)
     n, ended = len(df), int(status.isin(TERMINAL_STATES).sum())
@@ -289,9 +294,14 @@ def batch_html(batch: BatchSource) -> str:
     bad = df[status.isin(("failed", "aborted"))]
     if len(bad):
         ids = [int(j) for j in bad["job"]]
-        parts.append(f"<p>failed or aborted jobs: {html.escape(', '.join(map(str, ids)))}</p><ul>")
+        # as the waiting jobs below: why each stopped, and the commands that go on from there
+        parts.append(f"<p>failed or aborted jobs: {html.escape(', '.join(map(str, ids)))} — "
+                     "<code>%agent retry JOB</code> queues one again from its last complete call, then <code>"
+                     f"%agent batch {html.escape(batch.name)}</code> resumes the batch</p><ul>")
         for _, r in bad.iterrows():
-            what = f"case {r['case']}, {r['piece']} × {r['model']}: {r['status']}"
+            error = " ".join(str(batch.store.job(int(r["job"]))["error"] or "").split())
+            what = (f"case {r['case']}, {r['piece']} × {r['model']}: {r['status']}"
+                    + (f": {error[:_ERROR_CHARS]}{'…' if len(error) > _ERROR_CHARS else ''}" if error else ""))
             parts.append(f"<li><code>%agent show {int(r['job'])}</code> — {html.escape(what)}</li>")
         parts.append("</ul>")
     asking = df[status == "waiting_human"]

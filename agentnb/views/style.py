@@ -7,7 +7,7 @@ from typing import Final
 from ..events import ACTIONS
 
 __all__ = ["ACTIONS", "ACTION_COLOURS", "COMPACTION", "COMPACTION_COLOUR", "DIVERGENCE_COLOUR", "ERROR_COLOUR",
-           "LOOP_COLOUR", "OK_COLOUR", "RESERVED_COLOUR", "USAGE_ACTIONS"]
+           "LOOP_COLOUR", "OK_COLOUR", "RESERVED_COLOUR", "STATUS_COLOURS", "USAGE_ACTIONS"]
 
 # One colour per action: its badge in the HTML view, its mark on the panel's context bar, its threshold
 # line and markers in the usage plot.
@@ -17,6 +17,11 @@ ACTION_COLOURS: Final[dict[str, str]] = {
 # a job that succeeded, and the context bar below every threshold
 OK_COLOUR: Final = "#2e8b57"
 ERROR_COLOUR: Final = "#b00020"
+# a job's status as the job view's badges draw it (views/render.py), and the batch's progress line its outcomes
+STATUS_COLOURS: Final[dict[str, str]] = {
+    "succeeded": OK_COLOUR, "failed": "#c0392b", "aborted": "#c0392b", "queued": "#2f6fb0", "running": "#2f6fb0",
+    "waiting_human": "#8e44ad", "waiting_subtasks": "#8e44ad", "paused": "#b7791f",
+}
 # a fork's movement run re-served from the original's record (no tokens spent): a calm blue-grey, apart from
 # the status and action colours, so it reads as "not live" rather than as a state or a warning
 RESERVED_COLOUR: Final = "#5b7083"
