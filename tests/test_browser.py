@@ -828,3 +828,64 @@ def test_batch_bars_leave_their_final_lines_across_a_kernel_restart(lab: Lab) ->
         finally:
             page.screenshot(path=str(ARTIFACTS / shot))
             browser.close()
+
+
+# The panel's Piece and Model boxes follow the job selected in its list, and Run from
+# there starts a new job with them.
+FOLLOW_CELLS = [
+    '%load_ext agentnb\n%config AgentMagic.workspace = "panel-follow-data"',
+    'from pathlib import Path\nPath("follow-script.yaml").write_text("movements:\\n  work:\\n    - tool_calls: '
+    '[{name: transition, arguments: {next_step: COMPLETE, summary: done}}]\\n")\n'
+    'first = %agent run --queue --piece plan-implement-verify --model demo "The first job"\n'
+    'second = %agent run --queue --piece single --model scripted:follow-script.yaml "The second job"',
+    "%agent panel",
+]
+
+
+def test_panel_boxes_follow_the_selected_job(lab: Lab) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    name = "panel-follow.ipynb"
+    _notebook(lab, name, FOLLOW_CELLS, "panel-follow")
+    spec = f"scripted:{(lab.root / 'follow-script.yaml').resolve()}"
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        shot = "panel-follow-failed.png"
+        try:
+            kernel = _open(page, lab, name)
+            expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
+            _run_all_cells(page, lab, name, kernel)
+            _assert_no_cell_raised(page)
+            panel = page.locator(".anb-panel")
+            expect(panel).to_have_count(1)
+            piece_box, model_box = panel.locator("input[list]").all()
+            jobs = panel.locator("select")
+            # the panel opens on the session's last job, the second: its piece and model
+            expect(piece_box).to_have_value("single")
+            expect(model_box).to_have_value(spec)
+            for index, piece, model in ((0, "plan-implement-verify", "demo"), (1, "single", spec)):
+                jobs.select_option(index=index)
+                expect(panel.locator(f".anb-job[data-job='{index + 1}']")).to_be_visible()
+                expect(piece_box).to_have_value(piece)
+                expect(model_box).to_have_value(model)
+            # the piece's name is in view whole (the model's path is as long as the lab's temporary folder makes
+            # it), and nothing sticks out of the panel
+            assert piece_box.evaluate("el => el.scrollWidth <= el.clientWidth")
+            assert _overflow(page, ".anb-panel") == [], _overflow(page, ".anb-panel")
+            panel.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "panel-follow-selected.png"))
+            # Run from the selected job: a new job #3 with its piece and model; job 2 stays queued
+            panel.locator("textarea").fill("A third job")
+            panel.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Run\s*$")).click()
+            expect(jobs.locator("option", has_text="#3 · succeeded · single")).to_be_attached(timeout=60_000)
+            expect(jobs.locator("option", has_text="#2 · queued · single")).to_be_attached()
+            expect(panel).to_contain_text(f"new job #3 with single on {spec}; job #2 is left as it was")
+            expect(piece_box).to_have_value("single")
+            expect(model_box).to_have_value(spec)
+            shot = "panel-follow-run.png"
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
+        finally:
+            page.screenshot(path=str(ARTIFACTS / shot))
+            browser.close()

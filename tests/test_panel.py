@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 import threading
 import time
@@ -15,6 +16,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 import agentnb
 from agentnb import Workspace
+from agentnb.models.prices import UnknownPriceWarning
 from agentnb.notebook.panel import Panel
 from agentnb.tools.base import unregister
 
@@ -177,6 +179,11 @@ def _until(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def _said(panel: Panel) -> str:
+    """The message line's text."""
+    return html.unescape(re.sub(r"<[^>]+>", "", panel.message.value))
 
 
 def _label(panel: Panel, job_id: int) -> str:
@@ -380,7 +387,7 @@ def test_a_waiting_job_shows_its_question_once(ws: Workspace, panels: Panels) ->
     assert panel.view.value.count(question) == 1
     assert "waiting for you:" in panel.view.value
     assert "↑ above, waiting for your answer" in panel.view.value  # the movement's transition points to it
-    assert panel.message.value == ""
+    assert _said(panel) == f"new job #{job.id} with ask-first on demo"  # and no error
 
 
 def test_refresh_picks_up_new_piece_files(ws: Workspace, panels: Panels, tmp_path: Path,
@@ -410,7 +417,8 @@ def test_piece_box_takes_a_yaml_path_and_notebook_variables(ws: Workspace, panel
     for ref, name in ((str(path), "from-a-file"), ("piece", "written-here"), ("{PIECE}", "from-a-file"),
                       ("$piece", "written-here")):
         _new(panel, f"run {ref}", piece=ref, model="scripted:{SCRIPT}")
-        assert panel.message.value == "", (ref, panel.message.value)
+        assert _said(panel).startswith(f"new job #{panel.job.id} with {name} on scripted:{script.split(':', 1)[1]}"), \
+            (ref, panel.message.value)
         assert (panel.job.instruction, panel.job.piece, panel.job.status) == (f"run {ref}", name, "succeeded")
     jobs = len(ws.jobs())
     allowed = "allowed: a piece name from the list, a YAML path, or a notebook variable holding a Piece or a path"
@@ -446,7 +454,7 @@ def test_the_panel_runs_a_piece_written_in_the_notebook(tmp_path: Path) -> None:
     panel = sh.run_line_magic("agent", "panel")
     try:
         _new(panel, "Write the release notes", piece="piece", model="scripted:$SCRIPT")
-        assert panel.message.value == ""
+        assert _said(panel) == f"new job #{panel.job.id} with release-notes on {script}"
         assert (panel.job.piece, panel.job.status) == ("release-notes", "succeeded")
     finally:
         panel.close()
@@ -523,3 +531,179 @@ def test_context_bar_marks_the_thresholds_the_job_runs_with(ws: Workspace, panel
     panel.select(plain.id)
     marks = re.findall(r'data-mark="(\w+)" style="position:absolute;left:([\d.]+)%', panel.context.value)
     assert marks == [("warn", "70.0"), ("prompt", "85.0"), ("force_transition", "95.0"), ("exhausted", "99.0")]
+
+
+def _widget_state(panel: Panel) -> str:
+    """Everything the panel's widgets send to the browser (and a saved notebook keeps), as text."""
+    import json
+
+    import ipywidgets as w
+
+    states: list[Any] = []
+
+    def walk(widget: w.Widget) -> None:
+        states.append(widget.get_state())
+        for child in getattr(widget, "children", ()):
+            walk(child)
+
+    walk(panel)
+    return json.dumps(states, default=str)
+
+
+def test_selecting_a_job_shows_its_piece_and_model(ws: Workspace, panels: Panels, tmp_path: Path) -> None:
+    only = {"movements": [{"name": "only", "persona": "p", "instruction": "i", "tools": [],
+                           "rules": [{"condition": "done", "next": "COMPLETE"}]}]}
+    path = write_piece(tmp_path, "from-a-file", only)
+    script = write_script(tmp_path, "s", {"only": [transition("COMPLETE")]})
+    written = agentnb.parse_piece(path.read_text().replace("from-a-file", "written-here"))
+    jobs = [ws.submit("one", piece="plan-implement-verify", model="demo"),
+            ws.submit("two", piece="single", model=script),
+            ws.submit("three", piece=str(path), model=script),
+            ws.submit("four", piece=written, model=script)]
+    panel = panels(ws)
+    assert (panel.piece.value, panel.model.value) == ("plan-implement-verify", "demo")  # nothing selected yet
+    # as typed to run them again: a listed name, the YAML path, the store's own copy of a piece written in code
+    expected = {jobs[0].id: ("plan-implement-verify", "demo"), jobs[1].id: ("single", script),
+                jobs[2].id: (str(path), script), jobs[3].id: (f"written-here (from job {jobs[3].id})", script)}
+    for job_id in (2, 1, 4, 3, 2):  # a click in the list sets the Select's value
+        panel.jobs.value = job_id
+        assert (panel.piece.value, panel.model.value) == expected[job_id], job_id
+    # what the user types after selecting wins, also over the watcher's redraws
+    panel.jobs.value = jobs[0].id
+    panel.piece.value = "single"
+    ws.run(jobs[0])  # the list and the view move on
+    _until(lambda: " · succeeded · " in _label(panel, jobs[0].id), "the list to follow the job")
+    panel.refresh()
+    assert (panel.piece.value, panel.model.value) == ("single", "demo")
+    # another job selected: its own piece and model again
+    panel.select(jobs[2].id)
+    assert (panel.piece.value, panel.model.value) == expected[jobs[2].id]
+
+
+def test_run_from_a_selected_job_starts_a_new_job_with_its_piece_and_model(ws: Workspace, panels: Panels,
+                                                                         tmp_path: Path) -> None:
+    script = write_script(tmp_path, "s", {"only": [transition("COMPLETE")]})
+    written = agentnb.parse_piece("""
+name: written-here
+movements:
+  - name: only
+    persona: p
+    instruction: i
+    rules:
+      - {condition: done, next: COMPLETE}
+""")
+    queued = ws.submit("a queued job", piece=written, model=script)
+    asked = ws.run(ws.submit("an earlier job", piece="ask-first", model="demo"))
+    panel = panels(ws)
+    # a queued job selected, an instruction written: a new job on its piece and model; the queued one stays as it was
+    panel.select(queued.id)
+    panel.instruction.value = "run it again"
+    panel.run_button.click()
+    panel.wait(60)
+    new = panel.job
+    assert new.id not in (queued.id, asked.id) and len(ws.jobs()) == 3
+    assert (new.instruction, new.piece, new.model, new.status) == ("run it again", "written-here", script, "succeeded")
+    assert ws.piece(new).to_yaml() == ws.piece(queued).to_yaml()  # the store's copy: it has no file
+    assert ws.job(queued).status == "queued" and [e.kind for e in ws.events(queued)] == ["job_status"]
+    assert _said(panel) == f"new job #{new.id} with written-here on {script}; job #{queued.id} is left as it was"
+    # the boxes still name what the new job ran
+    assert panel.piece.value == f"written-here (from job {queued.id})" and panel.model.value == script
+    # from a job waiting for a reply: a new job, the waiting one is not answered
+    panel.select(asked.id)
+    panel.instruction.value = "ask me again"
+    panel.run_button.click()
+    panel.wait(60)
+    again = panel.job
+    assert (again.piece, again.model, again.instruction) == ("ask-first", "demo", "ask me again")
+    assert ws.job(asked).status == "waiting_human" and [c for c in ws.comments(asked) if c["author"] == "user"] == []
+    assert _said(panel) == f"new job #{again.id} with ask-first on demo; job #{asked.id} is left as it was"
+    # an edited box wins over the selected job's
+    panel.select(queued.id)
+    panel.model.value = "demo"
+    panel.piece.value = "single"
+    panel.instruction.value = "edited"
+    panel.run_button.click()
+    panel.wait(60)
+    assert (panel.job.piece, panel.job.model) == ("single", "demo")
+
+
+def test_the_piece_box_names_a_piece_the_store_keeps(ws: Workspace, panels: Panels) -> None:
+    written = agentnb.parse_piece(Path(agentnb.__file__).parent.joinpath("pieces", "single.yaml").read_text()
+                                  .replace("name: single", "name: my-single"))
+    kept = ws.submit("t", piece=written, model="demo")
+    panel = panels(ws)
+    panel.piece.value = f"my-single (from job {kept.id})"  # as typed, without selecting the job
+    assert panel.piece_choice().to_yaml() == ws.piece(kept).to_yaml()
+    for text, error in ((f"nonesuch (from job {kept.id})", f"job {kept.id} ran piece 'my-single', not 'nonesuch'"),
+                        ("my-single (from job 99)", "there is no job 99 in this workspace")):
+        _new(panel, "x", piece=text, model="demo")
+        assert f"piece {text!r}: {error}; allowed: " in _said(panel), _said(panel)
+    assert len(ws.jobs()) == 1
+
+
+def test_a_key_in_a_jobs_model_spec_never_reaches_the_panel(ws: Workspace, panels: Panels, loopback: Any) -> None:
+    from openai_server import reply
+
+    key = "sk-proj-AbCdEf0123456789ghIJkl"
+    srv = loopback(key, actions=[reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "ok"})])])
+    # a user pasted the key where the model name goes
+    job = ws.submit("t", piece="single", model=f"openai:{key}")
+    panel = panels(ws)
+    panel._ipython_display_()  # the saved snapshot too
+    panel.select(job.id)
+    assert (panel.piece.value, panel.model.value) == ("single", "openai:***")
+    assert key not in _widget_state(panel) and key not in panel.fallback_bundle()["text/html"]
+    assert "model <code>openai:***</code>" in panel.view.value
+    # Run from there: the job's own spec, not the masked text; the message line shows it masked
+    panel.instruction.value = "again"
+    with pytest.warns(UnknownPriceWarning) as warned:  # the panel's list prices the new job's call
+        panel.run_button.click()
+        panel.wait(60)
+    assert [str(w.message) for w in warned if key in str(w.message)] == []
+    new = panel.job
+    assert new.id != job.id and new.model == f"openai:{key}" and new.status == "succeeded", _said(panel)
+    assert srv.received[0].body["model"] == key
+    assert _said(panel) == f"new job #{new.id} with single on openai:***; job #{job.id} is left as it was"
+    assert key not in _widget_state(panel)
+
+
+def test_in_a_kernel_the_boxes_follow_the_selected_job_and_run_a_new_one(tmp_path: Path) -> None:
+    # issue 26: with job 2 (single) selected, the boxes still showed plan-implement-verify
+    import nbformat
+    from nbclient import NotebookClient
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    cells = [
+        '%load_ext agentnb\n%config AgentMagic.workspace = "agentnb-data"\n'
+        "_agent_magic = get_ipython().magics_manager.registry['AgentMagic']",
+        'from pathlib import Path\nPath("s.yaml").write_text("movements:\\n  work:\\n    - tool_calls: [{name: transition, '
+        'arguments: {next_step: COMPLETE, summary: done}}]\\n")\n'
+        'first = %agent run --queue --piece plan-implement-verify --model demo "The first job"\n'
+        'second = %agent run --queue --piece single --model scripted:s.yaml "The second job"',
+        "from agentnb.notebook.panel import Panel\npanel = Panel(_agent_magic.ws, magic=_agent_magic)\npanel",
+        # a click in the list sets the Select's value
+        "for job in (first, second, first):\n    panel.jobs.value = job.id\n"
+        "    print(job.id, panel.piece.value, panel.model.value, sep=' | ')",
+        "panel.jobs.value = second.id\npanel.instruction.value = 'A new job'\npanel.run_button.click()\npanel.wait(60)\n"
+        "new = panel.job\nprint(new.id, new.piece, new.model, new.status, new.instruction, sep=' | ')\n"
+        "print(second.status, len(_agent_magic.ws.events(second)), sep=' | ')\nprint(panel.message.value)",
+    ]
+    nb = new_notebook(cells=[new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    spec = f"scripted:{(tmp_path / 's.yaml').resolve()}"
+    def printed(cell: int) -> list[str]:
+        return "".join(o["text"] for o in nb.cells[cell].outputs if o["output_type"] == "stream").splitlines()
+
+    assert printed(3) == [
+        "1 | plan-implement-verify | demo", f"2 | single | {spec}", "1 | plan-implement-verify | demo"]
+    new, second, message = printed(4)
+    assert new == f"3 | single | {spec} | succeeded | A new job"
+    assert second == "queued | 1"  # the selected job was neither run nor changed: its one event is its submit
+    assert "new job #3 with single on scripted:" in message and "job #2 is left as it was" in message
+    # what the browser was sent, as the saved notebook keeps it: the boxes show job 3's piece and model
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    boxes = {m["state"]["description"]: m["state"]["value"] for m in state.values()
+             if m["model_name"] == "ComboboxModel"}
+    assert boxes == {"Piece": "single", "Model": spec}
+    nbformat.validate(nb)

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._secrets import scrub
+
 __all__ = ["FREE_PREFIXES", "UnknownPriceWarning", "call_cost", "call_costs", "cost_array", "dollars",
            "is_free", "priced_name", "summed_costs"]
 
@@ -110,7 +112,8 @@ def _warn_unknown(name: str) -> None:
         if name in _warned:
             return
         _warned.add(name)
-    warnings.warn(f"genai-prices has no price for model {name!r}: its calls' cost_usd is NA",
+    # masked: a key pasted as the model name would otherwise be printed in the notebook
+    warnings.warn(f"genai-prices has no price for model {scrub(name)!r}: its calls' cost_usd is NA",
                   UnknownPriceWarning, stacklevel=4)
 
 

@@ -14,6 +14,11 @@ Actions run in a thread so the notebook stays responsive.  A watcher thread poll
 the list and the view when anything was written, whoever wrote it.  :meth:`Panel.wait`
 joins the current action (for scripts and tests); :meth:`Panel.close` ends the watcher.
 
+Selecting a job fills the Piece and Model boxes with its piece and model, as they would be typed to run
+them again (a piece name from the list, the YAML path it was loaded from, else ``NAME (from job N)``: the
+piece as job N keeps it in the store), with nothing secret in them (``_secrets.scrub``); Run with an
+instruction then starts a new job with them and says so.  What the user types afterwards wins.
+
 Stop acts on the job the panel's own action is running (and that job's subtasks), whichever
 job is selected, and the message line says which.  Problems (a bad model spec, an unknown
 piece, a job another process is running) are shown on the message line rather than raised
@@ -36,10 +41,12 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import ipywidgets as w
 
+from .._secrets import scrub
 from ..engine.pieces import DEFAULT_THRESHOLDS, Piece, available_pieces
 from ..errors import AgentnbError, UsageError
 from ..models.prices import dollars
@@ -60,6 +67,10 @@ _RUNNABLE = ("queued", PAUSED)  # shown statuses that Step and Run continue
 # {name}, $name, or the {{ and }} escapes, in the model box (e.g. scripted:{SCRIPT})
 _VAR_REF = re.compile(r"\{\{|\}\}|\{(\w+)\}|\$(\w+)")
 _WHOLE_VAR = re.compile(r"\{(\w+)\}|\$(\w+)")
+# the piece box's name for a piece the store keeps only as YAML (no file to load it from): job N's piece
+_FROM_JOB = re.compile(r"(?P<name>.+?) \(from job (?P<job>\d+)\)")
+_PIECE_ALLOWED = ("allowed: a piece name from the list, a YAML path, or a notebook variable holding a Piece "
+                  "or a path (PIECE, {PIECE} or $PIECE), or NAME (from job N) for the piece job N ran")
 _FALLBACK_ROWS = 30  # newest jobs listed in the saved snapshot
 _FALLBACK_EVERY = 2.0  # seconds between snapshot updates while a job runs
 
@@ -141,6 +152,9 @@ class Panel(w.VBox):
         self._fallbacks: list[DisplayHandle] = []
         self._fallback_sent = ""
         self._fallback_at = 0.0
+        self._filled: int | None = None  # the job whose piece and model the boxes were last filled with
+        # (the Model box's text as filled, the job's own spec): the spec it stands for, secrets masked in the box
+        self._model_shown: tuple[str, str] | None = None
 
         self.jobs = w.Select(options=[], rows=6, description="Jobs",
                              layout=w.Layout(flex="1 1 320px", width="auto", min_width="0"))
@@ -150,20 +164,23 @@ class Panel(w.VBox):
         self.piece = w.Combobox(value=default_piece, options=self._piece_names(), ensure_option=False,
                                 description="Piece",
                                 placeholder="a piece name, a YAML path or a notebook variable",
-                                tooltip="a piece name from the list, a YAML path, or a notebook variable "
-                                        "holding a Piece or a path (PIECE, {PIECE} or $PIECE)",
+                                tooltip="a piece name from the list, a YAML path, a notebook variable "
+                                        "holding a Piece or a path (PIECE, {PIECE} or $PIECE), or "
+                                        "NAME (from job N): the piece job N ran; selecting a job fills it in",
                                 layout=w.Layout(flex="1 1 260px", width="auto", min_width="0"))
         self.model = w.Combobox(value=magic.model if magic is not None else "demo",
                                 options=["demo", "openai:gpt-4o-mini", "openai:gpt-4o"],
                                 description="Model", ensure_option=False,
                                 tooltip="demo | scripted:<file.yaml> | openai:<model> | replay:<job id>; "
-                                        "{name} and $name are filled from the notebook",
+                                        "{name} and $name are filled from the notebook; selecting a job "
+                                        "fills it in",
                                 layout=w.Layout(flex="1 1 260px", width="auto", min_width="0"))
         self.instruction = w.Textarea(placeholder="What should the job do?", description="Instruction",
                                       layout=w.Layout(width="auto", height="70px", min_width="0"))
         self.run_button = w.Button(description="Run", button_style="primary", icon="play",
-                                   tooltip="submit the instruction as a new job and run it (or continue the "
-                                           "selected queued or paused job)")
+                                   tooltip="submit the instruction as a new job on the Piece and Model shown and run it "
+                                           "(or, with no instruction, continue the selected queued or "
+                                           "paused job)")
         self.step_button = w.Button(description="Step", icon="step-forward", tooltip="run the next movement")
         self.step_call_button = w.Button(description="Step call", icon="forward", tooltip="run the next LLM call")
         self.stop_button = w.Button(description="Stop", button_style="warning", icon="stop",
@@ -286,7 +303,10 @@ class Panel(w.VBox):
     def _show(self) -> None:
         with self._lock:
             job = self.job
+            if job is not None and job.id != self._filled:
+                self._fill(job)
             if job is None:
+                self._filled = None
                 self._shown = (None, None, "")
                 self.view.value = '<div style="color:#777">no job selected</div>'
                 self.movements.value, self.movements.max = 0, 1
@@ -306,6 +326,32 @@ class Panel(w.VBox):
                 self.view.value = job_html(self.ws, job.id)
             self._enable(self._shown[2] or None)
             self._update_fallbacks()
+
+    def _fill(self, job: Job) -> None:
+        """Show ``job``'s piece and model in the boxes, once per selection: what the user types afterwards wins."""
+        self._filled = job.id
+        self.piece.value = self._piece_text(job)
+        spec = str(job.model)
+        # masked (a key typed as a model name must not reach the browser or the saved notebook), braces escaped
+        # as the box reads them; the box unchanged stands for the job's own spec (model_choice)
+        shown = scrub(spec).replace("{", "{{").replace("}", "}}")
+        self._model_shown = (shown, spec)
+        self.model.value = shown
+
+    def _piece_text(self, job: Job) -> str:
+        """``job``'s piece as the user would type it: a listed name, the YAML path it was loaded from, or
+        ``NAME (from job N)`` for a piece the store keeps only as YAML (written in a cell, a fork's edited one)."""
+        source = self.ws.piece(job.id).source  # the file it was loaded from, or <piece>, <piece text>, …
+        try:
+            here = Path(source).resolve()
+            for name, path in available_pieces().items():
+                if path.resolve() == here:
+                    return name
+        except (OSError, ValueError):  # not a path at all
+            pass
+        if Path(source).suffix in (".yaml", ".yml"):
+            return source  # loaded from that file again on Run: an edit made to it since is what runs
+        return f"{job.piece} (from job {job.id})"
 
     def _enable(self, status: str | None) -> None:
         busy = self._busy
@@ -340,12 +386,14 @@ class Panel(w.VBox):
         return sorted(available_pieces())
 
     def piece_choice(self) -> str | os.PathLike[str] | Piece:
-        """What the piece box names: a piece name, a YAML path, or a notebook variable's Piece or path."""
+        """What the piece box names: a piece name, a YAML path, a notebook variable's Piece or path, or job N's
+        stored piece (``NAME (from job N)``)."""
         text = self.piece.value.strip()
-        allowed = ("allowed: a piece name from the list, a YAML path, or a notebook variable holding a Piece "
-                   "or a path (PIECE, {PIECE} or $PIECE)")
+        allowed = _PIECE_ALLOWED
         if not text:
             raise UsageError(f"the Piece box is empty; {allowed}")
+        if m := _FROM_JOB.fullmatch(text):
+            return self._job_piece(text, m["name"], int(m["job"]))
         ns = self._namespace()
         m = _WHOLE_VAR.fullmatch(text)
         name = (m.group(1) or m.group(2)) if m else None
@@ -363,8 +411,23 @@ class Panel(w.VBox):
             return value
         raise UsageError(f"piece {text!r}: variable {name!r} holds a {type(value).__name__}; {allowed}")
 
+    def _job_piece(self, text: str, name: str, job_id: int) -> Piece:
+        """The piece job ``job_id`` ran, as the store keeps it (``NAME (from job N)`` in the piece box)."""
+        try:
+            job = self.ws.job(job_id)
+        except AgentnbError:
+            raise UsageError(f"piece {text!r}: there is no job {job_id} in this workspace; {_PIECE_ALLOWED}") from None
+        if job.piece != name:
+            raise UsageError(f"piece {text!r}: job {job_id} ran piece {job.piece!r}, not {name!r}; "
+                             f"{_PIECE_ALLOWED}")
+        return self.ws.piece(job_id)
+
     def model_choice(self) -> str:
-        """The model box with ``{name}`` / ``$name`` filled from the notebook (``{{``/``}}`` are braces)."""
+        """The model box with ``{name}`` / ``$name`` filled from the notebook (``{{``/``}}`` are braces); as a
+        selected job filled it, the job's own spec (the box shows it with its secrets masked)."""
+        shown = self._model_shown
+        if shown is not None and self.model.value.strip() == shown[0].strip():
+            return shown[1]
         ns = self._namespace()
 
         def fill(m: re.Match[str]) -> str:
@@ -478,7 +541,12 @@ class Panel(w.VBox):
             self.instruction.value = ""
             if self.magic is not None:
                 self.magic.last_job = job.id
-            self.select(job.id)
+            with self._lock:  # the boxes already name what the new job runs: they keep the user's text
+                self.refresh()
+                self._filled = job.id
+                self.jobs.value = job.id
+            kept = f"; job #{job_id} is left as it was" if job_id is not None else ""
+            self._say(f"new job #{job.id} with {job.piece} on {scrub(job.model)}{kept}")
             if self._stop_requested.is_set():
                 self._say(f"job {job.id} was submitted and not run (Stop); Run or Step starts it")
                 self._stop_requested.clear()

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from string import Template
 from typing import Any
 
+from .._secrets import scrub
 from ..errors import NotFoundError
 from ..events import (
     CommentEvent,
@@ -588,7 +589,7 @@ def cost_text(model: str, cost: float | None) -> str:
 
 
 def _cost(model: str, cost: float | None) -> str:
-    text = _e(cost_text(model, cost))
+    text = _e(scrub(cost_text(model, cost)))  # it may name the model
     return f'<span class="anb-dim">{text}</span>' if cost is None else text
 
 
@@ -607,7 +608,7 @@ def _header(job: JobRecord, st: JobStats, piece_max: int | None, *, latest_link:
     mv = f"{st.movements}" + (f" / {piece_max}" if piece_max else "")
     parts = [
         f'<div class="anb-head"><b>Job {job.id}</b> {_badge(status, "anb-st-" + status)}',
-        f" · piece <b>{_e(job.piece)}</b> · model <code>{_e(job.model)}</code>",
+        f" · piece <b>{_e(job.piece)}</b> · model <code>{_e(scrub(job.model))}</code>",  # a key typed as a model
         f" · movements {mv} · {plural(st.calls, 'LLM call')} · {_n(st.total_tokens)} tokens"
         f' <span class="anb-dim">({_n(st.prompt_tokens)} prompt + {_n(st.completion_tokens)} completion)</span>',
         f" · {_cost(job.model, st.cost_usd)}",
