@@ -192,8 +192,8 @@ def check_cases(cases: Any) -> list[Case]:
 
 
 # the columns of Batch.frame that a case's own columns may not take
-RESERVED_COLUMNS = ("case", "instruction", "expected", "variant", "piece", "model", "job", "status", "subtasks",
-                    "movements", "llm_calls", "prompt_tokens", "completion_tokens", "total_tokens", "cost_usd",
+RESERVED_COLUMNS = ("case", "instruction", "expected", "variant", "variant_label", "piece", "model", "job", "status",
+                    "subtasks", "movements", "llm_calls", "prompt_tokens", "completion_tokens", "total_tokens", "cost_usd",
                     "seconds")
 
 
@@ -447,7 +447,8 @@ class Batch:
     @property
     def frame(self) -> pd.DataFrame:
         """One row per case × variant (DESIGN §10): ``case``, ``instruction``, the case's own columns,
-        ``expected``, ``variant``, ``piece``, ``model``, ``job``, ``status``, then the totals of the job and
+        ``expected``, ``variant``, ``variant_label`` (short: the piece and the model's short spec), ``piece``,
+        ``model`` (the full spec), ``job``, ``status``, then the totals of the job and
         its subtasks (``subtasks``, ``movements``, ``llm_calls``, the tokens, ``cost_usd``, ``seconds`` of
         running time), then one column per scorer (its latest score; NA when it raised) and ``<name>_error``.
         See :mod:`agentnb.views.batch_frames`."""
@@ -456,8 +457,9 @@ class Batch:
         return batch_frame(self)
 
     def summary(self) -> pd.DataFrame:
-        """One row per variant (DESIGN §10): counts by status, mean/median tokens, total and mean cost,
-        p50/p95 running seconds of the ended jobs, ``mean_<score>`` of each boolean or numeric score."""
+        """One row per variant (DESIGN §10): ``variant``, ``variant_label``, counts by status,
+        ``mean_<score>`` of each boolean or numeric score, mean/median tokens, total and mean cost, p50/p95
+        running seconds of the ended jobs, then the full ``piece`` and ``model``."""
         from .views.batch_frames import batch_summary
 
         return batch_summary(self)

@@ -398,8 +398,11 @@ def _print_batch(batch: object) -> None:
 
     summary = batch.summary()  # type: ignore[attr-defined]
     print(repr(batch))
-    with pd.option_context("display.width", 200, "display.max_columns", None, "display.max_colwidth", 40):
-        print(summary.to_string(index=False))
+    with pd.option_context("display.width", 200, "display.max_columns", None, "display.max_colwidth", 60):
+        # each variant by its short label; the full piece and model spec once each, below the table
+        print(summary.drop(columns=["piece", "model"]).to_string(index=False))
+    for _, row in summary.iterrows():
+        print(f"variant {row['variant']}: {row['piece']} × {row['model']}")
 
 
 def cmd_batch(args: argparse.Namespace) -> int:

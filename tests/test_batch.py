@@ -291,8 +291,8 @@ def test_frame_totals_equal_the_sums_over_the_events(ws: Workspace, tmp_path: Pa
     frame = b.frame
     assert frame.dtypes.to_dict() == {
         "case": "Int64", "instruction": "string", "topic": "string", "weight": "Float64", "expected": object,
-        "variant": "Int64", "piece": "string", "model": "string", "job": "Int64", "status": "string",
-        "subtasks": "Int64", "movements": "Int64", "llm_calls": "Int64", "prompt_tokens": "Int64",
+        "variant": "Int64", "variant_label": "string", "piece": "string", "model": "string", "job": "Int64",
+        "status": "string", "subtasks": "Int64", "movements": "Int64", "llm_calls": "Int64", "prompt_tokens": "Int64",
         "completion_tokens": "Int64", "total_tokens": "Int64", "cost_usd": "Float64", "seconds": "Float64"}
     for _, row in frame.iterrows():
         expected = tree_totals(ws, int(row["job"]))
@@ -371,8 +371,9 @@ def test_summary_arithmetic(ws: Workspace, tmp_path: Path) -> None:
                  name="sum", progress=False, scorers={"ok": _answer_ok, "length": lambda j: len(j.summary or "")})
     frame, summary = b.frame, b.summary()
     assert list(summary.columns) == [
-        "variant", "piece", "model", "n", "succeeded", "failed", "aborted", "waiting", "unfinished", "mean_tokens",
-        "median_tokens", "cost_usd", "mean_cost_usd", "p50_seconds", "p95_seconds", "mean_ok", "mean_length"]
+        "variant", "variant_label", "n", "succeeded", "failed", "aborted", "waiting", "unfinished", "mean_ok",
+        "mean_length", "mean_tokens", "median_tokens", "cost_usd", "mean_cost_usd", "p50_seconds", "p95_seconds",
+        "piece", "model"]
     assert summary["n"].dtype == "Int64" and summary["mean_tokens"].dtype == "Float64"
     assert list(summary["failed"]) == [0, 0, 4] and list(summary["succeeded"]) == [4, 4, 0]
     for v, row in summary.iterrows():
@@ -412,12 +413,101 @@ def test_html_progress_summary_and_failed_jobs_escaped(ws: Workspace, tmp_path: 
         assert error and f"<code>%agent show {job_id}</code> — " in page
         assert html.escape(f": failed: {error[:160]}", quote=True) in page
     assert page.count("%agent show") == 2
-    assert "<table" in page and "mean_tokens" in page
+    assert "<table class='agentnb-batch-summary'" in page and "tokens<br>/job" in page
+    # the failed jobs are named by their variant's short label, not the script's full path
+    assert f"single · scripted:{Path(broken.split(':', 1)[1]).name}: failed" in page
     # what the line says works: retried, the failed jobs run again when the batch is resumed
     for job_id in failed:
         ws.retry(job_id)
     again = ws.batch("<exp> & co", progress=False)
     assert sorted(again.last_run.statuses) == failed
+
+
+def _table(page: str) -> tuple[list[str], list[list[tuple[str, str | None]]]]:
+    """The summary table of a batch's HTML: its header texts, and each row's cells as (text, title)."""
+    from html.parser import HTMLParser
+
+    class Table(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads: list[str] = []
+            self.rows: list[list[tuple[str, str | None]]] = []
+            self.cell: list[str] | None = None
+            self.title: str | None = None
+            self.inside = False
+
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            if tag == "table" and ("class", "agentnb-batch-summary") in attrs:
+                self.inside = True
+            elif self.inside and tag == "tr":
+                self.rows.append([])
+            elif self.inside and tag in ("th", "td"):
+                self.cell, self.title = [], dict(attrs).get("title")
+
+        def handle_endtag(self, tag: str) -> None:
+            if tag == "table":
+                self.inside = False
+            elif self.inside and tag in ("th", "td") and self.cell is not None:
+                text = "".join(self.cell)
+                if tag == "th":
+                    self.heads.append(text)
+                else:
+                    self.rows[-1].append((text, self.title))
+                self.cell = None
+
+        def handle_data(self, data: str) -> None:
+            if self.cell is not None:
+                self.cell.append(data)
+
+    parser = Table()
+    parser.feed(page)
+    return parser.heads, [r for r in parser.rows if r]
+
+
+def test_variants_are_named_by_short_unique_labels_and_the_full_spec_is_kept(ws: Workspace, tmp_path: Path) -> None:
+    deep = tmp_path / "clients" / "acme-corporation" / "experiments" / "release-notes-evaluation"
+    (deep / "other").mkdir(parents=True)
+    m1, m2 = answering_model(deep, "draft-script", "41"), answering_model(deep, "summary", "42", prompt=300)
+    twin = answering_model(deep / "other", "draft-script", "40")  # the same file name as m1, another folder
+    b = ws.batch(_cases(2), piece=["single", draft_review(tmp_path)], model=[m1, m2, twin], name="labels",
+                 progress=False, scorers={"ok": _answer_ok, "grade": lambda j: 0.5 + j.case, "has_answer":
+                                          lambda j: (j.output / "answer.txt").is_file(), "long_name_score": lambda j: len(j.summary or "")})
+    want = ["single · scripted:release-notes-evaluation/draft-script.yaml", "single · scripted:summary.yaml",
+            "single · scripted:other/draft-script.yaml",
+            "draft-review · scripted:release-notes-evaluation/draft-script.yaml",
+            "draft-review · scripted:summary.yaml", "draft-review · scripted:other/draft-script.yaml"]
+    frame, summary = b.frame, b.summary()
+    assert list(frame["variant_label"]) == want * 2
+    assert list(summary["variant_label"]) == want
+    assert list(frame["model"]) == [m1, m2, twin] * 4 and list(summary["model"]) == [m1, m2, twin] * 2  # full
+    heads, rows = _table(b._repr_html_())
+    # the variant, n, the outcome counts, each score, tokens, cost, time: what a reader scans, left to right
+    # (no job failed, aborted or waits: those counts are left out)
+    assert heads == ["variant", "n", "succeeded", "ok", "grade", "has_answer", "long_name_score", "tokens/job",
+                     "cost", "p50s", "p95s"]
+    assert [r[0][0] for r in rows] == want
+    assert [r[0][1] for r in rows] == [f"variant {i}: {p} × {m}" for i, (p, m) in
+                                       enumerate(itertools.product(["single", "draft-review"], [m1, m2, twin]))]
+    assert all(str(deep) not in text for r in rows for text, _ in r)  # the path only in the tooltip
+    assert [r[3][0] for r in rows] == [f"{v:.2f}" for v in summary["mean_ok"]]
+    assert [r[7][0] for r in rows] == [f"{v:,.0f}" for v in summary["mean_tokens"]]
+    assert [r[7][1] for r in rows] == [f"median {v:,.0f}" for v in summary["median_tokens"]]
+    # a label breaks only between the piece and the model, never inside a name such as "release-/notes"
+    assert "<span style='white-space:nowrap'>draft-review</span> · <span style='white-space:nowrap'>" \
+           "scripted:summary.yaml</span>" in b._repr_html_()
+
+
+def test_variant_labels_lengthen_only_what_clashes() -> None:
+    from agentnb.views.batch_frames import variant_labels
+
+    assert variant_labels([("a", "scripted:/w/x/p/s.yaml"), ("a", "scripted:/w/y/p/s.yaml"),
+                           ("a", "scripted:/w/z/t.yaml"), ("b", "openai:gpt-4o-mini"), ("b", "demo")]) == [
+        "a · scripted:x/p/s.yaml", "a · scripted:y/p/s.yaml", "a · scripted:t.yaml", "b · openai:gpt-4o-mini",
+        "b · demo"]
+    # a relative path shows no more than it has; the same piece name and model twice are numbered
+    assert variant_labels([("a", "scripted:s.yaml"), ("a", "scripted:/q/s.yaml")]) == [
+        "a · scripted:s.yaml", "a · scripted:/q/s.yaml"]
+    assert variant_labels([("a", "demo"), ("a", "demo"), ("b", "demo")]) == ["a · demo #0", "a · demo #1", "b · demo"]
 
 
 # -- the plot --------------------------------------------------------------------------------------------------------
@@ -436,9 +526,10 @@ def test_plot_batch_points_per_variant_and_tokens_per_case(ws: Workspace, tmp_pa
         assert y == pytest.approx(summary.loc[v, "mean_ok"])
     assert "tokens" in scatter.get_xlabel() and "no cost" in scatter.get_xlabel()
     assert scatter.get_ylabel() == "share of ok true"
-    labels = {t.get_gid(): t.get_text() for t in scatter.texts}
-    assert labels["label:0"] == f"single · {b.variants[0]['model']}"
-    assert [t.get_text() for t in boxes.get_xticklabels()] == [labels["label:0"], labels["label:1"]]
+    # each variant named once, by its short label, as a row of the tokens panel (first variant on top)
+    labels = {t.get_gid(): t.get_text() for t in boxes.get_yticklabels()}
+    assert labels == {"label:0": "● single · scripted:m.yaml", "label:1": "■ draft-review · scripted:m.yaml"}
+    assert not scatter.texts  # no label beside a point, where two could overprint
     other = agentnb.plot_batch(b.frame, score="grade")
     assert other.axes[0].get_ylabel() == "mean grade"
     assert other.axes[0].collections[0].get_offsets()[0][1] == pytest.approx(1.5)
@@ -457,6 +548,72 @@ def test_plot_batch_without_scores_says_so(ws: Workspace, tmp_path: Path) -> Non
     assert any(t.get_gid() == "no-score" for t in fig.axes[0].texts)
     assert not math.isnan(float(b.summary().loc[0, "mean_tokens"]))
     assert json.loads(json.dumps(b.cases))[0]["instruction"] == "Answer question 0"
+
+
+def _lab_frame(n: int, cases: int = 8) -> pd.DataFrame:
+    """A batch frame as notebook 05's, with ``n`` variants on scripts deep in a folder: ``has_notes`` is true
+    for every job, ``coverage`` differs between the variants."""
+    deep = "scripted:/home/someone/projects/acme-corporation/experiments/2026-q4/notebooks/design-lab"
+    rows = [{"case": c, "variant": v, "piece": ["release-notes", "release-notes-reviewed"][v % 2],
+             "model": f"{deep}/{['draft', 'reviewed'][v % 2]}-script-{v // 2}.yaml", "status": "succeeded",
+             "total_tokens": 2500 + 900 * v + 37 * c, "cost_usd": 0.0, "seconds": 1.5, "has_notes": True,
+             "coverage": min(1.0, (v % 4 + c % 2) / 4)} for c in range(cases) for v in range(n)]
+    frame = pd.DataFrame(rows).astype({"has_notes": "boolean", "coverage": "Float64", "total_tokens": "Int64"})
+    frame.attrs.update(batch="review-or-not", scores=["has_notes", "coverage"])
+    return frame
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 12])
+def test_plot_batch_layout_holds_from_2_to_12_variants(n: int) -> None:
+    """Notebook 05's plot was unreadable: the full script paths as labels overprinted each other, the left
+    panel was squeezed to ~100 px with its ticks run together, and titles and axis labels were clipped."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    fig = agentnb.plot_batch(_lab_frame(n))
+    canvas = FigureCanvasAgg(fig)  # laid out and drawn as the PNG shown in a notebook is
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    page = fig.bbox
+    ticks, shown = set(), []
+    for ax in fig.axes:  # a tick label outside the axis' limits is kept but not drawn
+        for labels, where, (lo, hi) in ((ax.get_xticklabels(), ax.get_xticks(), sorted(ax.get_xlim())),
+                                        (ax.get_yticklabels(), ax.get_yticks(), sorted(ax.get_ylim()))):
+            ticks.update(labels)
+            shown.extend(t for t, at in zip(labels, where, strict=True) if lo <= at <= hi)
+    texts = [t for t in [*fig.findobj(Text), *shown] if t not in ticks or t in shown]
+    texts = [t for t in dict.fromkeys(texts) if t.get_visible() and t.get_text().strip()]
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    for text, box in boxes:  # nothing clipped: every text lies inside the figure
+        assert page.x0 - 0.5 <= box.x0 and box.x1 <= page.x1 + 0.5 and page.y0 - 0.5 <= box.y0 \
+            and box.y1 <= page.y1 + 0.5, f"{text!r} runs out of the figure: {box} not in {page}"
+    for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2):  # and no two texts overprint
+        assert not box_a.overlaps(box_b), f"{a!r} overlaps {b!r}"
+    # no squeezed panel: each keeps a third of the figure's width, and a row of at least 20 px per variant
+    scatter, tokens = fig.axes
+    for ax in (scatter, tokens):
+        assert ax.get_window_extent(renderer).width >= page.width / 3, ax.get_title()
+    assert tokens.get_window_extent(renderer).height >= 20 * n
+    labels = [t.get_text() for t in tokens.get_yticklabels()]
+    assert len(labels) == n and all("/home/someone" not in t for t in labels)
+    assert "release-notes-reviewed" in labels[1] and "scripted:reviewed-script-0.yaml" in labels[1]
+
+
+def test_plot_batch_plots_the_score_that_varies_and_says_which(ws: Workspace) -> None:
+    frame = _lab_frame(2)
+    fig = agentnb.plot_batch(frame)  # has_notes is 1.0 for every variant: coverage is what tells them apart
+    scatter = fig.axes[0]
+    assert scatter.get_ylabel() == "mean coverage" and scatter.get_title() == "coverage against tokens"
+    assert fig.get_suptitle() == ("batch review-or-not: 2 variants × 8 cases\n"
+                                  "score plotted: coverage · others: has_notes (choose with score=)")
+    means = frame.groupby("variant")["coverage"].mean()
+    assert [c.get_offsets()[0][1] for c in scatter.collections if c.get_gid()] == pytest.approx(list(means))
+    chosen = agentnb.plot_batch(frame, score="has_notes")
+    assert chosen.axes[0].get_ylabel() == "share of has_notes true"
+    assert "score plotted: has_notes · others: coverage" in chosen.get_suptitle()
+    with pytest.raises(AgentnbError, match=r"^score='covrage' is not a score of this batch; "
+                                           r"allowed: has_notes, coverage$"):
+        agentnb.plot_batch(frame, score="covrage")
 
 
 def test_repeating_a_call_without_piece_or_model_adds_no_variant(tmp_path: Path) -> None:

@@ -231,8 +231,11 @@ def test_cli_batch_from_csv_with_an_inputs_folder_prints_the_summary_and_exits_0
     lines = out.stdout.splitlines()
     assert lines[0] == "<Batch 'exp1': 4/4 ended · 2 succeeded, 2 aborted>"
     header = lines[1].split()
-    assert header[:4] == ["variant", "piece", "model", "n"]
-    assert [ln.split()[:4] for ln in lines[2:4]] == [["0", "single", ok, "2"], ["1", "single", aborts, "2"]]
+    assert header[:3] == ["variant", "variant_label", "n"]
+    short = [f"scripted:{Path(m.split(':', 1)[1]).name}" for m in (ok, aborts)]
+    assert [ln.split()[:5] for ln in lines[2:4]] == [["0", "single", "·", short[0], "2"],
+                                                     ["1", "single", "·", short[1], "2"]]
+    assert lines[4:6] == [f"variant 0: single × {ok}", f"variant 1: single × {aborts}"]
     ws = Workspace(tmp_path / "ws", readonly=True)
     [row] = ws.batches()
     assert (row["name"], row["jobs"], row["n_succeeded"], row["n_aborted"]) == ("exp1", 4, 2, 2)

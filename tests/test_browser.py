@@ -889,3 +889,86 @@ def test_panel_boxes_follow_the_selected_job(lab: Lab) -> None:
         finally:
             page.screenshot(path=str(ARTIFACTS / shot))
             browser.close()
+
+
+# Batch tables and plots of 2 and 8 variants on long scripted: paths: narrow summaries, short labels, scores in view.
+BATCH_LABEL_CELLS = [
+    "import sys\nfrom pathlib import Path\n"
+    f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+    "import agentnb\nfrom _batching import answering_model, draft_review\n"
+    "deep = Path('batch-labels/clients/acme-corporation/experiments/2026-q4/release-notes-evaluation').resolve()\n"
+    "(deep / 'other').mkdir(parents=True, exist_ok=True)\n"
+    "ws = agentnb.Workspace('batch-labels/ws')\n"
+    "cases = [{'instruction': f'Answer question {i}', 'expected': str(40 + i)} for i in range(3)]\n"
+    "scorers = {'has_answer': lambda j: (j.output / 'answer.txt').is_file(),\n"
+    "           'right_answer': lambda j: (j.output / 'answer.txt').read_text() == j.expected,\n"
+    "           'answer_length': lambda j: len((j.output / 'answer.txt').read_text()),\n"
+    "           'mentions_plugins': lambda j: j.case == 1}\n"
+    "models = [answering_model(deep, f'summary-script-{k}', '41' if k else '99', prompt=100 + 60 * k)\n"
+    "          for k in range(3)]\n"
+    "models.append(answering_model(deep / 'other', 'summary-script-0', '42', prompt=500))\n"
+    # a long piece name with hyphens, which the old table broke as "release-/notes"
+    "(deep / 'release-notes-reviewed.yaml').write_text(draft_review(deep).read_text().replace("
+    "'name: draft-review', 'name: release-notes-reviewed'))\n"
+    "pieces = [deep / 'release-notes-reviewed.yaml', 'single']\n"
+    "b2 = ws.batch(cases, piece=pieces, model=models[0], name='two', scorers=scorers, progress=False)\n"
+    "b8 = ws.batch(cases, piece=pieces, model=models, name='eight', scorers=scorers, progress=False)",
+    "b2",
+    "agentnb.plot_batch(b2)",
+    "b8",
+    "agentnb.plot_batch(b8)",
+]
+
+
+def test_batch_summaries_and_plots_of_2_and_8_variants_fit_the_output(lab: Lab) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    name = "batch-labels.ipynb"
+    _notebook(lab, name, BATCH_LABEL_CELLS, "batch-labels")
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            kernel = _open(page, lab, name)
+            _run_all_cells(page, lab, name, kernel)
+            _assert_no_cell_raised(page)
+            tables = page.locator(".jp-OutputArea-output table.agentnb-batch-summary")
+            expect(tables).to_have_count(2)
+            for i, n in ((0, 2), (1, 8)):
+                table = tables.nth(i)
+                table.scroll_into_view_if_needed()
+                page.screenshot(path=str(ARTIFACTS / f"batch-labels-summary-{n}.png"))
+                seen = table.evaluate("""t => {
+                    const out = t.closest('.jp-OutputArea-output').getBoundingClientRect();
+                    const heads = [...t.querySelectorAll('th')].map(h => [h.textContent, h.getBoundingClientRect()]);
+                    const spans = [...t.querySelectorAll('td:first-child span')];
+                    return {width: t.getBoundingClientRect().width, outRight: out.right,
+                            heads: heads.map(([text, r]) => [text, r.right]), rows: t.querySelectorAll('tbody tr').length,
+                            text: t.innerText, wrapped: spans.filter(s => s.getClientRects().length > 1).map(s => s.textContent),
+                            titles: [...t.querySelectorAll('td[title]')].map(td => td.title)};
+                }""")
+                assert seen["rows"] == n
+                assert seen["width"] <= 1000, f"the summary of {n} variants is {seen['width']:.0f} px wide"
+                for text, right in seen["heads"]:  # every column, the scores too, within the output area
+                    assert right <= seen["outRight"] + 1, f"column {text!r} is off-screen ({right} > {seen['outRight']})"
+                assert [h for h, _ in seen["heads"]] == [
+                    "variant", "n", "succeeded", "has_answer", "right_answer", "answer_length", "mentions_plugins",
+                    "tokens/job", "cost", "p50s", "p95s"]
+                assert not seen["wrapped"], f"a name wraps inside itself: {seen['wrapped']}"
+                assert "acme-corporation" not in seen["text"]  # the path only in the tooltips
+                assert any("acme-corporation" in t for t in seen["titles"])
+                assert "release-notes-reviewed" in seen["text"] and "scripted:summary-script-" in seen["text"]
+            images = page.locator(".jp-OutputArea-output img")
+            expect(images).to_have_count(2)
+            for i, n in ((0, 2), (1, 8)):
+                image = images.nth(i)
+                image.scroll_into_view_if_needed()
+                box = image.bounding_box()
+                assert box is not None and box["width"] >= 600, box
+                image.screenshot(path=str(ARTIFACTS / f"batch-labels-plot-{n}.png"))
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
+        finally:
+            browser.close()
+    shots = sorted(ARTIFACTS.glob("batch-labels-*.png"))
+    assert len(shots) == 4 and all(p.stat().st_size > 10_000 for p in shots), "a screenshot is missing or empty"

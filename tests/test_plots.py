@@ -439,3 +439,42 @@ def test_agent_plot_takes_the_job_like_the_other_sub_commands(shell, capsys: pyt
     assert "%agent plot [job]" in capsys.readouterr().out
     shell.run_line_magic("agent", "--help")
     assert "\n  plot [JOB] " in capsys.readouterr().out
+
+
+def test_in_a_kernel_a_batch_of_2_or_8_variants_on_deep_script_paths_shows_short_labels(tmp_path: Path) -> None:
+    """Issue 26: notebook 05's plot_batch labels were the full scripted: paths, overprinted, and the summary was
+    1,700-1,900 px wide.  In a real kernel, a batch's HTML and its plot name each variant by its short label."""
+    deep = tmp_path / "clients" / "acme-corporation" / "experiments" / "2026-q4" / "release-notes-evaluation"
+    setup = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        "from pathlib import Path\nimport agentnb\nfrom _batching import answering_model, draft_review\n"
+        f"deep = Path({str(deep)!r}); (deep / 'other').mkdir(parents=True)\n"
+        f"ws = agentnb.Workspace({str(tmp_path / 'ws')!r})\n"
+        "cases = [{'instruction': f'Answer question {i}', 'expected': str(40 + i)} for i in range(3)]\n"
+        "scorers = {'has_answer': lambda j: (j.output / 'answer.txt').is_file(),\n"
+        "           'right': lambda j: (j.output / 'answer.txt').read_text() == j.expected}\n"
+        # one script answers no case right: `right` differs between the variants, has_answer does not
+        "models = [answering_model(deep, f'draft-script-{k}', '41' if k else '99', prompt=100 + 50 * k)\n"
+        "          for k in range(3)]\n"
+        "models.append(answering_model(deep / 'other', 'draft-script-0', '42', prompt=400))\n"
+        "pieces = ['single', draft_review(deep)]\n"
+        "b2 = ws.batch(cases, piece=pieces, model=models[0], name='two', scorers=scorers, progress=False)\n"
+        "b8 = ws.batch(cases, piece=pieces, model=models, name='eight', scorers=scorers, progress=False)"
+    )
+    outputs = _run_in_kernel([setup, "b2", "agentnb.plot_batch(b2)", "b8", "fig = agentnb.plot_batch(b8)\nfig",
+                              "print(fig.get_suptitle())"], tmp_path)
+    for shown, n in ((outputs[1], 2), (outputs[3], 8)):
+        (page,) = [o["data"]["text/html"] for o in shown if "text/html" in o.get("data", {})]
+        assert "<table class='agentnb-batch-summary'" in page
+        visible = re.sub(r"title='[^']*'", "", page)  # the full spec is in the tooltips only
+        assert str(deep) not in visible and page.count("title='variant ") == n
+        assert ">draft-review</span> · <span style='white-space:nowrap'>scripted:" in visible
+    text = re.sub(r"<[^>]+>", "", outputs[3][0]["data"]["text/html"])
+    assert "single · scripted:other/draft-script-0.yaml" in text  # lengthened: another draft-script-0.yaml exists
+    assert "single · scripted:draft-script-1.yaml" in text
+    for shown in (outputs[2], outputs[4]):
+        (image,) = _images(shown)
+        assert image["data"]["image/png"]  # base64 PNG of the figure
+    assert _printed(outputs[5]).splitlines() == [
+        "batch eight: 8 variants × 3 cases", "score plotted: right · others: has_answer (choose with score=)"]

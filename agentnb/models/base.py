@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Mapping  # not typing.Mapping: its isinstance checks are several times slower
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Protocol, runtime_checkable
 
 import yaml
@@ -32,6 +32,7 @@ __all__ = [
     "check_model_spec",
     "check_retry_settings",
     "normalise_spec",
+    "short_spec",
 ]
 
 MODEL_SPECS = ("demo", "scripted:<file.yaml>", "openai:<model>", "replay:<job_id>")
@@ -271,6 +272,18 @@ def check_model_spec(spec: str) -> None:
                                  "%env OPENAI_API_KEY=…")
         return
     raise ModelSpecError(f"unknown model spec {spec!r}; allowed: {', '.join(MODEL_SPECS)}")
+
+
+def short_spec(spec: str, parts: int = 1) -> str:
+    """``spec`` short enough for a label or a title: a ``scripted:`` file by the last ``parts`` parts of its
+    path (its file name by default: the full path crowds a plot or a table); any other spec as it is."""
+    if not spec.startswith("scripted:"):
+        return spec
+    path = PurePath(spec.split(":", 1)[1])
+    names = path.parts[1:] if path.anchor else path.parts
+    if parts >= len(names):
+        return spec
+    return "scripted:" + "/".join(names[-parts:])
 
 
 def normalise_spec(spec: str) -> str:

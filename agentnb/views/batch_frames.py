@@ -22,6 +22,9 @@ Choices the design leaves open, made here:
   0/1) and ``string`` otherwise.
 - The frame also carries each case's ``instruction`` and ``expected`` (object: any JSON value), so a
   row can be read on its own.
+- **variant_label** names a variant wherever one is shown (the HTML summary, ``plot_batch``): the piece
+  and the model's short spec (``models.base.short_spec``: a ``scripted:`` file by its name), lengthened
+  only where two variants would read the same.  ``piece`` and ``model`` keep the full spec.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from __future__ import annotations
 import html
 import json
 import math
+import re
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -37,12 +42,13 @@ from typing import Any, Protocol
 import pandas as pd
 
 from ..events import Event, JobStatusEvent, LLMResponse, MovementStart, ScoreEvent, Transition
+from ..models.base import short_spec
 from ..models.prices import call_costs
 from ..store.base import TERMINAL_STATES, WAITING_STATES, Store, is_recovery
 from ._job_stats import RunningClock
 
 __all__ = ["BatchSource", "JobTotals", "batch_frame", "batch_html", "batch_summary", "job_totals",
-           "score_columns"]
+           "score_columns", "summary_table", "variant_labels"]
 
 _COUNTS = ("subtasks", "movements", "llm_calls", "prompt_tokens", "completion_tokens", "total_tokens")
 
@@ -144,6 +150,24 @@ def _score_series(values: list[Any], index: pd.Index) -> pd.Series:
     return pd.Series(values, index=index, dtype=dtype)
 
 
+def variant_labels(variants: Sequence[tuple[str, str]]) -> list[str]:
+    """A short, unique label per ``(piece, model spec)``: ``piece · short spec``.  Where two would read the
+    same (two ``draft.yaml`` scripts in different folders), those two show more of their paths, one folder
+    at a time, until they differ; two that still do (the same piece name and model, added to a batch by two
+    calls) get their variant number."""
+    depth = [1] * len(variants)
+    while True:
+        labels = [f"{piece} · {short_spec(model, d)}" for (piece, model), d in zip(variants, depth, strict=True)]
+        seen = Counter(labels)
+        longer = [i for i, label in enumerate(labels)
+                  if seen[label] > 1 and short_spec(variants[i][1], depth[i]) != variants[i][1]]
+        if not longer:
+            break
+        for i in longer:
+            depth[i] += 1
+    return [f"{label} #{i}" if seen[label] > 1 else label for i, label in enumerate(labels)]
+
+
 def score_columns(frame: pd.DataFrame) -> list[str]:
     """The score columns of a batch frame (in order), from its ``attrs``."""
     return list(frame.attrs.get("scores", []))
@@ -165,17 +189,21 @@ def batch_frame(batch: BatchSource) -> pd.DataFrame:
     extra_cols: list[str] = []
     for case in cases:
         extra_cols.extend(k for k in case.get("extra", {}) if k not in extra_cols)
+    labels = variant_labels([(str(v.get("piece")), str(v.get("model"))) for v in variants])
     now = time.time()
     records: list[dict[str, Any]] = []
     scores: list[dict[str, ScoreEvent]] = []
     for job in jobs:
         case = cases[job["batch_case"]] if 0 <= job["batch_case"] < len(cases) else {}
-        variant = variants[job["batch_variant"]] if 0 <= job["batch_variant"] < len(variants) else {}
+        known = 0 <= job["batch_variant"] < len(variants)
+        variant = variants[job["batch_variant"]] if known else {}
+        label = labels[job["batch_variant"]] if known else f"{job['piece']} · {short_spec(job['model'])}"
         totals = job_totals(store, int(job["id"]), children, models, now)
         extra = case.get("extra", {})
         records.append({"case": job["batch_case"], "instruction": case.get("instruction"),
                         **{k: extra.get(k) for k in extra_cols}, "expected": case.get("expected"),
-                        "variant": job["batch_variant"], "piece": variant.get("piece", job["piece"]),
+                        "variant": job["batch_variant"], "variant_label": label,
+                        "piece": variant.get("piece", job["piece"]),
                         "model": job["model"], "job": job["id"], "status": job["status"],
                         **{k: getattr(totals, k) for k in _COUNTS}, "cost_usd": totals.cost_usd,
                         "seconds": totals.seconds})
@@ -184,9 +212,11 @@ def batch_frame(batch: BatchSource) -> pd.DataFrame:
     for found in scores:
         names.extend(n for n in found if n not in names)
     df = pd.DataFrame.from_records(records, columns=[
-        "case", "instruction", *extra_cols, "expected", "variant", "piece", "model", "job", "status", *_COUNTS,
+        "case", "instruction", *extra_cols, "expected", "variant", "variant_label", "piece", "model", "job", "status",
+        *_COUNTS,
         "cost_usd", "seconds"])
-    types: dict[str, Any] = {"case": "Int64", "instruction": "string", "variant": "Int64", "piece": "string",
+    types: dict[str, Any] = {"case": "Int64", "instruction": "string", "variant": "Int64",
+                             "variant_label": "string", "piece": "string",
                              "model": "string", "job": "Int64", "status": "string", "cost_usd": "Float64",
                              "seconds": "Float64", **dict.fromkeys(_COUNTS, "Int64")}
     df = df.astype(types)
@@ -218,15 +248,14 @@ def _total(values: pd.Series) -> Any:
 
 
 def batch_summary(batch: BatchSource | None, frame: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per variant, in variant order.
-
-    ``n`` jobs; how many ``succeeded``/``failed``/``aborted``/``waiting`` (for a human or for subtasks)
-    and ``unfinished`` (queued or running); ``mean_tokens``/``median_tokens`` of ``total_tokens`` and
-    ``cost_usd`` (total)/``mean_cost_usd`` over every job of the variant (what it spent so far; NA when
-    a price is unknown); ``p50_seconds``/``p95_seconds`` over the jobs that ended (pandas' linear
-    quantiles; NA before any ended); ``mean_<score>`` for each score whose column is boolean (the share
-    true) or numeric, over the jobs that have a value.  ``frame`` (a ``batch_frame``) is summarised
-    instead of reading the batch again.
+    """One row per variant, in variant order, its columns in the order they are read: the variant and its
+    ``variant_label``, ``n`` jobs, how many ``succeeded``/``failed``/``aborted``/``waiting`` (for a human or
+    for subtasks) and ``unfinished`` (queued or running); ``mean_<score>`` for each score whose column is
+    boolean (the share true) or numeric, over the jobs that have a value; ``mean_tokens``/``median_tokens``
+    of ``total_tokens``; ``cost_usd`` (total)/``mean_cost_usd`` over every job of the variant (what it spent
+    so far; NA when a price is unknown); ``p50_seconds``/``p95_seconds`` over the jobs that ended (pandas'
+    linear quantiles; NA before any ended); last the full ``piece`` and ``model``.  ``frame`` (a
+    ``batch_frame``) is summarised instead of reading the batch again.
     """
     if frame is None:
         if batch is None:
@@ -234,32 +263,41 @@ def batch_summary(batch: BatchSource | None, frame: pd.DataFrame | None = None) 
         frame = batch_frame(batch)
     df = frame
     numeric = [n for n in score_columns(df) if str(df[n].dtype) in ("boolean", "Int64", "Float64")]
+    groups = list(df.groupby("variant", sort=True))
+    if "variant_label" in df.columns:
+        labels = [str(g["variant_label"].iloc[0]) for _, g in groups]
+    else:  # a frame of the user's making
+        labels = variant_labels([(str(g["piece"].iloc[0]), str(g["model"].iloc[0])) for _, g in groups])
     rows = []
-    for variant, group in df.groupby("variant", sort=True):
+    for (variant, group), label in zip(groups, labels, strict=True):
         status = group["status"].astype(str)
         ended = group[status.isin(TERMINAL_STATES)]
         rows.append({
-            "variant": variant, "piece": group["piece"].iloc[0], "model": group["model"].iloc[0],
+            "variant": variant, "variant_label": label,
             "n": len(group), "succeeded": int((status == "succeeded").sum()),
             "failed": int((status == "failed").sum()), "aborted": int((status == "aborted").sum()),
             "waiting": int(status.isin(WAITING_STATES).sum()),
             "unfinished": int(status.isin(("queued", "running")).sum()),
+            **{f"mean_{n}": _mean_score(group[n]) for n in numeric},
             "mean_tokens": float(group["total_tokens"].mean()),
             "median_tokens": float(group["total_tokens"].median()),
             "cost_usd": _total(group["cost_usd"]),
             "mean_cost_usd": pd.NA if group["cost_usd"].isna().any() else float(group["cost_usd"].mean()),
             "p50_seconds": float(ended["seconds"].quantile(0.5)) if len(ended) else pd.NA,
             "p95_seconds": float(ended["seconds"].quantile(0.95)) if len(ended) else pd.NA,
-            **{f"mean_{n}": _mean_score(group[n]) for n in numeric},
+            "piece": group["piece"].iloc[0], "model": group["model"].iloc[0],
         })
-    columns = ["variant", "piece", "model", "n", "succeeded", "failed", "aborted", "waiting", "unfinished",
-               "mean_tokens", "median_tokens", "cost_usd", "mean_cost_usd", "p50_seconds", "p95_seconds",
-               *[f"mean_{n}" for n in numeric]]
+    measures = [*[f"mean_{n}" for n in numeric], "mean_tokens", "median_tokens", "cost_usd", "mean_cost_usd",
+                "p50_seconds", "p95_seconds"]
+    columns = ["variant", "variant_label", *_OUTCOMES, *measures, "piece", "model"]
     out = pd.DataFrame.from_records(rows, columns=columns)
-    types = {"variant": "Int64", "piece": "string", "model": "string",
-             **dict.fromkeys(("n", "succeeded", "failed", "aborted", "waiting", "unfinished"), "Int64"),
-             **dict.fromkeys(columns[9:], "Float64")}
+    types = {"variant": "Int64", "variant_label": "string", "piece": "string", "model": "string",
+             **dict.fromkeys(_OUTCOMES, "Int64"), **dict.fromkeys(measures, "Float64")}
     return out.astype(types)
+
+
+# n and the outcome counts of a summary row
+_OUTCOMES = ("n", "succeeded", "failed", "aborted", "waiting", "unfinished")
 
 
 def _money(value: Any) -> str:
@@ -290,7 +328,7 @@ def batch_html(batch: BatchSource) -> str:
     line = (f"batch {batch.name}: {ended} of {n} ended · {', '.join(counts) or 'no jobs'} · "
             f"{tokens:,} tokens · {_money(cost)}")
     parts = [f"<div class='agentnb-batch'><p><b>{html.escape(line)}</b></p>",
-             batch_summary(batch, df).to_html(index=False, escape=True, na_rep="NA")]
+             summary_table(batch_summary(batch, df))]
     bad = df[status.isin(("failed", "aborted"))]
     if len(bad):
         ids = [int(j) for j in bad["job"]]
@@ -300,7 +338,7 @@ def batch_html(batch: BatchSource) -> str:
                      f"%agent batch {html.escape(batch.name)}</code> resumes the batch</p><ul>")
         for _, r in bad.iterrows():
             error = " ".join(str(batch.store.job(int(r["job"]))["error"] or "").split())
-            what = (f"case {r['case']}, {r['piece']} × {r['model']}: {r['status']}"
+            what = (f"case {r['case']}, {r['variant_label']}: {r['status']}"
                     + (f": {error[:_ERROR_CHARS]}{'…' if len(error) > _ERROR_CHARS else ''}" if error else ""))
             parts.append(f"<li><code>%agent show {int(r['job'])}</code> — {html.escape(what)}</li>")
         parts.append("</ul>")
@@ -312,11 +350,73 @@ def batch_html(batch: BatchSource) -> str:
                      "resumes the batch</p><ul>")
         for _, r in asking.iterrows():
             job_id = int(r["job"])
-            what = f"case {r['case']}, {r['piece']} × {r['model']} asks: {_question(batch.store, job_id) or '(no question)'}"
+            what = f"case {r['case']}, {r['variant_label']} asks: {_question(batch.store, job_id) or '(no question)'}"
             parts.append(f"<li><code>%agent reply {job_id} YOUR ANSWER</code> — {html.escape(what)}</li>")
         parts.append("</ul>")
     parts.append("</div>")
     return "".join(parts)
+
+
+_CELL = "padding:2px 6px;text-align:right;vertical-align:top"
+_HEAD = "padding:2px 6px;text-align:right;vertical-align:bottom;font-weight:bold"
+_NOWRAP = "white-space:nowrap"
+
+
+def _na(value: Any) -> bool:
+    return value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value))
+
+
+def _number(value: Any, kind: str) -> str:
+    if _na(value):
+        return "NA"
+    if kind == "money":
+        return f"${value:,.4f}"
+    if kind == "count":
+        return f"{value:,.0f}"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.2f}"
+
+
+def summary_table(summary: pd.DataFrame) -> str:
+    """A ``batch_summary`` as a table narrow enough to scan in a notebook's output (about 1,000 px with four
+    scores): the variant's short label (its full piece and model in the tooltip), n, the outcome counts (a
+    count that is 0 for every variant is left out), each score, the mean tokens, the total cost and the
+    p50/p95 running seconds; the median tokens and mean cost in the tooltips.  The DataFrame has it all."""
+    scores = [c for c in summary.columns if c.startswith("mean_") and c not in ("mean_tokens", "mean_cost_usd")]
+    outcomes = ["n", "succeeded", *[c for c in ("failed", "aborted", "waiting", "unfinished") if summary[c].any()]]
+    e = html.escape
+    # a header breaks only at an underscore or where a <br> says: "mentions_<wbr>plugins", never "releas-/e"
+    heads = [f"<th style='{_HEAD};text-align:left'>variant</th>",
+             *[f"<th style='{_HEAD}'>{c}</th>" for c in outcomes],
+             *[f"<th style='{_HEAD}' title='{e(_score_tip(c[5:]), quote=True)}'>"
+               f"{'_<wbr>'.join(e(p) for p in c[5:].split('_'))}</th>" for c in scores],
+             f"<th style='{_HEAD}' title='mean total tokens per job'>tokens<br>/job</th>",
+             f"<th style='{_HEAD}' title='total cost in US$ (NA: a price is unknown)'>cost</th>",
+             f"<th style='{_HEAD}' title='running seconds of the jobs that ended, median'>p50<br>s</th>",
+             f"<th style='{_HEAD}' title='running seconds of the jobs that ended, 95th percentile'>p95<br>s</th>"]
+    rows = []
+    for _, r in summary.iterrows():
+        piece, _sep, model = str(r["variant_label"]).partition(" · ")
+        full = f"variant {r['variant']}: {r['piece']} × {r['model']}"
+        # nowrap on the piece and on each folder of the model's path: the label breaks only between the piece
+        # and the model, or after a "/", never inside a name ("release-/notes")
+        folders = [f"<span style='{_NOWRAP}'>{e(p)}</span>" for p in re.split(r"(?<=/)", model) if p]
+        label = f"<span style='{_NOWRAP}'>{e(piece)}</span>" + (f" · {'<wbr>'.join(folders)}" if _sep else "")
+        cells = [f"<td style='{_CELL};text-align:left' title='{e(full, quote=True)}'>{label}</td>",
+                 *[f"<td style='{_CELL}'>{_number(r[c], 'count')}</td>" for c in outcomes],
+                 *[f"<td style='{_CELL}'>{_number(r[c], 'score')}</td>" for c in scores],
+                 f"<td style='{_CELL}' title='median {e(_number(r['median_tokens'], 'count'))}'>"
+                 f"{_number(r['mean_tokens'], 'count')}</td>",
+                 f"<td style='{_CELL}' title='mean per job {e(_number(r['mean_cost_usd'], 'money'))}'>"
+                 f"{_number(r['cost_usd'], 'money')}</td>",
+                 f"<td style='{_CELL}'>{_number(r['p50_seconds'], 'score')}</td>",
+                 f"<td style='{_CELL}'>{_number(r['p95_seconds'], 'score')}</td>"]
+        rows.append(f"<tr data-variant='{int(r['variant'])}'>{''.join(cells)}</tr>")
+    return (f"<table class='agentnb-batch-summary' style='width:auto;max-width:100%'><thead><tr>{''.join(heads)}"
+            f"</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+
+
+def _score_tip(name: str) -> str:
+    return f"mean of {name} over the jobs that have it (a yes/no score: the share yes)"
 
 
 def _question(store: Store, job_id: int) -> str | None:

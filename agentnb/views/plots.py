@@ -66,6 +66,7 @@ from matplotlib.transforms import Bbox
 from ..engine.pieces import DEFAULT_THRESHOLDS
 from ..errors import UsageError
 from ..events import LoopDetected
+from ..models.base import short_spec
 from .source import JobSource
 from .style import ACTION_COLOURS, ACTIONS, COMPACTION, COMPACTION_COLOUR, ERROR_COLOUR, LOOP_COLOUR
 from .what_if import WHAT_IF_COLUMNS, simulate
@@ -679,10 +680,7 @@ def _resolve(
     df = frames.usage(job_id)
     th = dict(thresholds or frames.thresholds(job_id))
     job = ws.job(job_id)
-    model = job.model
-    if model.startswith("scripted:"):  # the script's full path would crowd the title
-        model = "scripted:" + Path(model.split(":", 1)[1]).name
-    heading = f"Job {job.id} · {job.piece} · {model} · {job.status}"
+    heading = f"Job {job.id} · {job.piece} · {short_spec(job.model)} · {job.status}"
     compactions = frames.compactions(job_id) if (df["action"] == COMPACTION).any() else None
     loops = [(int(ev.movement_seq), f"⟳ loop {' → '.join(ev.cycle)} ×{ev.count}") for ev in ws.events(job_id)
              if isinstance(ev, LoopDetected) and ev.movement_seq is not None]
