@@ -154,6 +154,43 @@ def test_a_fork_that_only_edits_a_prompt_differs_there(ws: Workspace, original: 
     assert ws.compare(original, ws.replay(original)).frame["identical"].all()
 
 
+def _demo_notes(view: str) -> list[str]:
+    return [html.unescape(n) for n in re.findall(r'class="[^"]*anb-demo-note[^"]*"[^>]*>note: ([^<]*)<', view)]
+
+
+def test_a_demo_fork_with_an_edited_instruction_says_demo_does_not_read_it(ws: Workspace) -> None:
+    """On demo an edited instruction gives the same answers, as if the edit were ignored: the fork's view and
+    the compare view say once that the demo model does not read it, naming what was edited."""
+    job = ws.run(ws.submit("Summarise the inputs", piece="plan-implement-verify", model="demo",
+                           inputs={"notes.md": "alpha\n"}))
+    piece = ws.piece(job).replace_movement("implement", instruction="Write three bullet points only.",
+                                           persona="You are terse.")
+    fork = ws.fork(job, at=2, piece=piece)
+    assert (fork.output / "report.md").read_bytes() == (job.output / "report.md").read_bytes()  # the symptom
+    c = ws.compare(job, fork)
+    assert _col(c.frame, "summary_a") == _col(c.frame, "summary_b")
+    (note,) = _demo_notes(c.html())
+    assert note.startswith(f"job {job.id} and job {fork.id} both ran on the demo model, which does not read "
+                           "instructions the way a real model does")
+    assert "the edited persona and instruction of implement reached its prompt" in note
+    assert "Fork onto a real model" in note
+    assert _demo_notes(ws.compare(fork, job).html()) == [note.replace(f"job {job.id} and job {fork.id}",
+                                                                       f"job {fork.id} and job {job.id}")]
+    assert _demo_notes(fork._repr_html_()) == [note]  # the fork's own view, where it is first shown
+    assert _demo_notes(job._repr_html_()) == []  # the original was edited nothing
+
+
+def test_no_demo_note_where_the_model_reads_the_edit_or_nothing_was_edited(ws: Workspace, tmp_path: Path,
+                                                                           original: Job) -> None:
+    job = ws.run(ws.submit("Summarise the inputs", piece="plan-implement-verify", model="demo"))
+    same = ws.fork(job, at=2)  # nothing edited
+    plan_only = ws.fork(job, at=3, piece=ws.piece(job).replace_movement("plan", instruction="Plan more."))
+    scripted = ws.fork(original, at=2, piece=ws.piece(original).replace_movement("implement", instruction="French."))
+    for a, b in ((job, same), (job, plan_only), (original, scripted), (job, ws.replay(job))):
+        assert _demo_notes(ws.compare(a, b).html()) == [], b.id  # plan_only: plan was re-served, never asked
+        assert _demo_notes(b._repr_html_()) == [], b.id
+
+
 def test_files_shows_the_changed_added_and_removed_output(ws: Workspace, tmp_path: Path, original: Job) -> None:
     fork = _edited_fork(ws, tmp_path, original)
     files = ws.compare(original, fork).files()
@@ -365,3 +402,38 @@ def test_no_link_in_output_is_followed_even_when_output_itself_is_one(ws: Worksp
     out.symlink_to(outside)
     files = ws.compare(original, fork).files()
     assert set(files["change"]) == {"removed"} and "x.txt" not in set(files["path"])
+
+
+def test_a_kernel_shows_the_demo_note_with_the_fork_and_the_comparison(tmp_path: Path) -> None:
+    """As notebook 06's reader meets it: the fork displayed after ws.fork, then ws.compare and %agent compare,
+    each drawn by a real ipykernel as text/html with the note once."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    cells = [
+        "%load_ext agentnb\nws = agentnb.Workspace('ws')\n%config AgentMagic.workspace = 'ws'\n"
+        "job = ws.run(ws.submit('Summarise the inputs', piece='plan-implement-verify', model='demo'))",
+        "brief = ws.piece(job).replace_movement('implement', instruction='Three bullet points only.')\n"
+        "fork = ws.fork(job, at=2, piece=brief)\nfork",
+        "ws.compare(job, fork)",
+        "%agent compare {job.id} {fork.id}",
+        "job",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent),
+                                         *filter(None, [os.environ.get("PYTHONPATH")])])
+    NotebookClient(nb, timeout=180, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute(env=env)
+
+    def notes(i: int) -> list[str]:
+        shown = [o["data"]["text/html"] for o in nb.cells[i].outputs if "text/html" in o.get("data", {})]
+        assert len(shown) == 1, nb.cells[i].outputs
+        return _demo_notes(shown[0])
+
+    expected = ("job 1 and job 2 both ran on the demo model, which does not read instructions the way a real model "
+                "does")
+    for i in (1, 2, 3):
+        (note,) = notes(i)
+        assert note.startswith(expected) and "the edited instruction of implement reached its prompt" in note
+    assert notes(4) == []

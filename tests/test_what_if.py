@@ -22,6 +22,7 @@ call  run  move    prompt  recorded (warn .70, prompt .85, force .95, exh .99)
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 from typing import Any
@@ -470,3 +471,71 @@ def test_plot_what_if_thresholds_start_from_the_ones_drawn(ws: Workspace, job: J
     # run 1 at window 5000: 0.2, 0.6 (warn and prompt), 1.0 (force_transition, exhausted)
     texts = [t.get_text() for t in fig.axes[0].texts if t.get_gid() == "label:what_if"]
     assert "warn,prompt" in texts and "force_transition,exhausted" in texts
+
+
+def _label_boxes(fig: Any) -> list[tuple[Any, Any]]:
+    """Each visible call label of the ratio panel with the extent of its text (without its leader line)."""
+    from matplotlib.text import Text
+
+    return [(t, Text.get_window_extent(t)) for t in fig.axes[0].texts if t.get_text() and t.get_visible()]
+
+
+@pytest.mark.parametrize(("what_if", "figsize"), [
+    # call 10: the record's warn,prompt and the what-if's warn at the very same marker
+    ({"thresholds": {"prompt": 0.9}}, (10.0, 6.5)),
+    ({"thresholds": {"prompt": 0.9}}, (8.0, 5.0)),
+    ({"window": 9000}, (10.0, 6.5)),
+    # a legend taller than the ratio panel: constrained layout moved the axes at every later draw
+    ({"window": 8000, "thresholds": {"warn": 0.3, "prompt": 0.5, "force_transition": 0.65}}, (8.0, 5.0)),
+    ({"window": 8000, "thresholds": {"warn": 0.3, "prompt": 0.5, "force_transition": 0.65}}, (7.0, 4.5)),
+])
+def test_what_if_labels_never_overlap_and_stay_inside(ws: Workspace, job: Job, tmp_path: Path,
+                                                      what_if: dict[str, Any], figsize: tuple[float, float]) -> None:
+    """Labels of the same or nearby calls (the record's and the what-if's) never overlap, however often and at
+    whatever density the figure is drawn (a notebook draws it again on every display), and stay inside the
+    ratio panel and the figure."""
+    fig = agentnb.plot_usage(job, what_if=what_if, figsize=figsize)
+    for _ in range(2):  # shown twice (the PNG at twice the density), then saved as a notebook export does
+        fig._repr_png_()
+    fig.savefig(tmp_path / "what-if.png", dpi=100)
+    inside, whole = fig.axes[0].get_window_extent(), fig.bbox
+    boxes = _label_boxes(fig)
+    assert len(boxes) >= 4
+    for t, box in boxes:
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, t.get_text()
+        assert whole.contains(box.x0, box.y0) and whole.contains(box.x1, box.y1), t.get_text()
+    for (a, ba), (b, bb) in itertools.combinations(boxes, 2):
+        assert not ba.overlaps(bb), f"{a.get_text()!r} at call {a.xy[0]} overlaps {b.get_text()!r} at call {b.xy[0]}"
+
+
+def test_labels_at_one_marker_are_stacked_in_one_column(ws: Workspace, tmp_path: Path) -> None:
+    """The README's what-if on the demo job: at call 8 the record fired warn and the what-if would fire
+    warn,prompt, at markers a pixel apart.  Both labels are shown one above the other on the same side, the
+    what-if's (the higher marker) outermost, apart by more than their boxes' pads, not one on each side of
+    the markers where they ran together."""
+    job = ws.run(ws.submit("Summarise the inputs", piece="plan-implement-verify", model="demo"))
+    fig = agentnb.plot_usage(job, what_if={"window": 8000, "thresholds": {"prompt": 0.8}})
+    fig._repr_png_()
+    fig.savefig(tmp_path / "readme-what-if.png", dpi=100)
+    at_8 = {t.get_gid(): (t, box) for t, box in _label_boxes(fig) if t.xy[0] == 8}
+    (record, rb), (simulated, sb) = at_8["label:action"], at_8["label:what_if"]
+    assert (record.get_text(), simulated.get_text()) == ("warn", "warn,prompt")
+    assert record.get_horizontalalignment() == simulated.get_horizontalalignment()
+    edge = "x0" if record.get_horizontalalignment() == "left" else "x1"
+    assert getattr(rb, edge) == pytest.approx(getattr(sb, edge), abs=1)  # one column
+    up = record.get_verticalalignment() == "bottom"
+    gap = sb.y0 - rb.y1 if up else rb.y0 - sb.y1
+    assert gap >= 6 * fig.dpi / 72 - 1
+
+
+def test_labels_of_any_number_of_jobs_at_one_call_are_stacked(ws: Workspace, tmp_path: Path) -> None:
+    """Four jobs with the same record: at each call where an action fired, four labels at one marker."""
+    for n in range(4):
+        probe_job(ws, tmp_path / f"scripts-{n}")
+    fig = agentnb.plot_usage(ws.frames.usage(), what_if={"thresholds": {"prompt": 0.9}})
+    fig.savefig(tmp_path / "four.png", dpi=100)
+    boxes = _label_boxes(fig)
+    at_10 = [b for t, b in boxes if t.xy[0] == 10 and t.get_gid() in ("label:action", "label:what_if")]
+    assert len(at_10) == 8  # four jobs, each its record's label and its what-if's
+    for (a, ba), (b, bb) in itertools.combinations(boxes, 2):
+        assert not ba.overlaps(bb), f"{a.get_text()!r} overlaps {b.get_text()!r}"

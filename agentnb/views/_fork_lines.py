@@ -1,6 +1,10 @@
 """Where a fork (DESIGN §11) came from, in plain text: which job and run it forked from, and which of its runs
 were re-served from which job; the job view's header, the transcript's title and the compare view say it.
 ``render`` re-exports ``reserved_runs`` and ``fork_lines``.
+
+``demo_note``: a fork (or any second job) on the built-in ``demo`` model with an edited persona or
+instruction gives the same answers as the original, since ``models/demo.py`` never reads them; the fork's view
+and the compare view say so, lest the edit look ignored.
 """
 
 from __future__ import annotations
@@ -8,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ..events import Event, MovementStart
-from .source import JobRecord
+from .source import JobRecord, JobSource
 
-__all__ = ["fork_lines", "reserved_runs", "runs_text"]
+__all__ = ["DEMO_MODEL", "demo_note", "fork_lines", "reserved_runs", "runs_text"]
+
+DEMO_MODEL = "demo"
 
 
 def reserved_runs(events: Iterable[Event]) -> dict[int, int]:
@@ -46,3 +52,38 @@ def fork_lines(job: JobRecord, events: Iterable[Event]) -> list[str]:
     if origin is not None and not by_source:
         lines.append("no run re-served: every run is live")
     return lines
+
+
+def demo_note(source: JobSource, a: int, b: int) -> str | None:
+    """One line when jobs ``a`` and ``b`` both ran on the ``demo`` model and a movement both ran live has another
+    persona or instruction in one job's piece than in the other's: the demo model does not read them, so the
+    edit cannot show in its answers.  None otherwise (another model reads them; an edit only in runs one job
+    re-served was never asked of a model)."""
+    try:
+        if source.job(a).model != DEMO_MODEL or source.job(b).model != DEMO_MODEL:
+            return None
+        pieces = source.piece(a), source.piece(b)
+    except Exception:  # a job deleted, or a stored piece that no longer parses: no note rather than no view
+        return None
+
+    def live(job: int) -> set[str]:
+        return {ev.movement for ev in source.events(job) if isinstance(ev, MovementStart) and ev.replayed_from is None}
+
+    both = live(a) & live(b)
+    edited: list[str] = []
+    for name in pieces[1].run_names:
+        if name not in both or name not in pieces[0].run_names:
+            continue
+        mine, theirs = pieces[0].movement(name), pieces[1].movement(name)
+        changed = [key for key in ("persona", "instruction") if getattr(mine, key) != getattr(theirs, key)]
+        if changed:
+            edited.append(f"{' and '.join(changed)} of {name}")
+    if not edited:
+        return None
+    # what models/demo.py reads: the movement's name (plan, implement, verify each have a script), the rules'
+    # next steps listed in the prompt, the task, the input files' names and the tool results
+    return (f"job {a} and job {b} both ran on the demo model, which does not read instructions the way a real "
+            f"model does: it answers from the piece (movement names, next steps), the task, the input files and "
+            f"the tool results, not from the wording of a persona or instruction; the edited "
+            f"{', '.join(edited)} reached its prompt but cannot change its answers. Fork onto a real model to "
+            f"see what the edit does.")

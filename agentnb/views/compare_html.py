@@ -16,6 +16,7 @@ import html
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from ._fork_lines import demo_note
 from .render import DEFAULT_MAX_BYTES, DEFAULT_MAX_CALLS, DEFAULT_MAX_CHARS, STYLE, header_html, movement_html, plural
 from .style import ERROR_COLOUR, OK_COLOUR
 
@@ -164,6 +165,9 @@ def comparison_html(
         head.append(f' · <a href="#{_e(anchor)}">{_badge(DIVERGED_BADGE, ERROR_COLOUR)} at run {first}</a>')
     elif rows:
         head.append(" · " + _badge("identical in every run", OK_COLOUR))
+    demo = demo_note(source, a, b)
+    if demo is not None:  # the same answers on both sides would otherwise look like an edit ignored
+        head.append(f'<div class="anb-demo-note" style="{_DIM};padding-top:2px">note: {_e(demo)}</div>')
     if not rows:
         body.append(f'<tr><td colspan="3" style="{_CELL};{_DIM}">neither job has run a movement yet</td></tr>')
     table = (

@@ -25,7 +25,9 @@ frame to plot) the ratio panel also shows the ContextManager simulated under tho
 (``views/what_if.py``): the recomputed ratio as a dashed line per job (legend ``what-if (window N)``), the
 actions that would fire as hollow markers (labelled in italics), the what-if thresholds as thin long-dashed lines, and a dotted
 red line at the first call where a movement would have been forced to transition (from there on the
-simulation no longer describes what would have happened).  Without it the figure is what it was.
+simulation no longer describes what would have happened).  Without it the figure is what it was.  Labels
+whose markers are at one call and near each other (the record's and the what-if's) are stacked in one
+column (``views/plot_labels.py``), and the layout is fixed once they are placed.
 
 A compaction (DESIGN §12, ``context.on_pressure: compact``) is a teal down-pointing triangle at its
 summarisation call (the usage row whose ``action`` is ``compaction``), labelled ``compaction 1: 920→582
@@ -54,19 +56,20 @@ import textwrap
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.transforms import Bbox
 
 from ..engine.pieces import DEFAULT_THRESHOLDS
 from ..errors import UsageError
 from ..events import LoopDetected
 from ..models.base import short_spec
+from .plot_labels import NEAR as _NEAR
+from .plot_labels import fit_labels as _fit_labels
+from .plot_labels import leader as _leader
 from .source import JobSource
 from .style import ACTION_COLOURS, ACTIONS, COMPACTION, COMPACTION_COLOUR, ERROR_COLOUR, LOOP_COLOUR
 from .what_if import WHAT_IF_COLUMNS, simulate
@@ -532,87 +535,6 @@ def _name_runs(ax: Axes, runs: list[tuple[int, str, float]], colours: Mapping[st
     for label, (_, name, _) in zip(top.get_xticklabels(), runs, strict=False):
         label.set_color(colours.get(name, "grey"))
     return top
-
-
-# Where a call's label may go, in points from its marker, best first: beside the marker, then further
-# up or down (with a leader line).  Left of the marker only when right of it is taken or outside the axes.
-_NEAR = 7
-_PLACES = [(dx, dy) for dy in (_NEAR, -_NEAR, 20, -20, 33, -33, 46, -46) for dx in (_NEAR, -_NEAR)]
-
-
-def _fit_labels(fig: Figure, ax: Axes, labels: list[Annotation], runs_axis: SecondaryAxis | None,
-                points: Any = None) -> None:
-    """Tilt run names that would overlap; put each call label inside the axes, clear of the other labels
-    and of the markers.  The layout is fixed first, so the places found are the ones drawn (offsets are
-    in points, so they hold at any dpi)."""
-    from matplotlib.text import Text
-
-    for t in labels:  # placed inside the axes below: they need not take part in the layout (slow with many)
-        t.set_in_layout(False)
-    _lay_out(fig)
-    if runs_axis is not None:
-        names = [n for n in runs_axis.get_xticklabels() if n.get_text()]
-        spans = [n.get_window_extent() for n in names]
-        if any(a.x1 + 4 > b.x0 for a, b in pairwise(spans)):
-            # Tilted, parallel names clear each other when their anchors are 2 line heights apart; with more
-            # runs than that allows, every k-th is named (the boundaries and colours still show each run).
-            height = max(b.height for b in spans)
-            step = min((b.x0 + b.x1) / 2 - (a.x0 + a.x1) / 2 for a, b in pairwise(spans))
-            k = max(1, math.ceil(2.2 * height / max(step, 1e-9)))
-            runs_axis.tick_params(labelrotation=30)
-            for i, n in enumerate(names):
-                n.set_horizontalalignment("left")
-                n.set_rotation_mode("anchor")
-                n.set_visible(i % k == 0)
-            _lay_out(fig)
-    inside = ax.get_window_extent()
-    pt = fig.dpi / 72
-    # every marker, as a small square no label may cover (numpy: a job may have thousands of calls)
-    marks = ax.transData.transform(points) if points is not None and len(points) else np.empty((0, 2))
-    boxes: list[Bbox] = []
-
-    def free(box: Bbox) -> bool:
-        near = 4 * pt
-        hit = ((marks[:, 0] + near > box.x0) & (marks[:, 0] - near < box.x1)
-               & (marks[:, 1] + near > box.y0) & (marks[:, 1] - near < box.y1))
-        return not hit.any() and not any(box.overlaps(other) for other in boxes)
-
-    def put(t: Annotation, dx: float, dy: float) -> Bbox:
-        t.xyann = (dx, dy)
-        t.set_horizontalalignment("left" if dx > 0 else "right")
-        t.set_verticalalignment("bottom" if dy > 0 else "top")
-        if t.arrow_patch is not None:  # a leader line only when the label had to move away
-            t.arrow_patch.set_visible(abs(dy) > _NEAR)
-        # the text alone: an Annotation's own extent includes its leader line, which ends at the marker
-        return Text.get_window_extent(t).padded(1.5 * pt)
-
-    for t in labels:
-        first_inside = None
-        # a transition's label goes under its marker first: the action fired at the same call goes above
-        below = t.get_gid() == "label:transition"
-        for dx, dy in (_PLACES if not below else [(dx, -dy) for dx, dy in _PLACES]):
-            box = put(t, dx, dy)
-            if not (inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1):
-                continue
-            first_inside = first_inside or (dx, dy)
-            if free(box):
-                break
-        else:  # nowhere free (a crowded plot): no label rather than labels written over each other
-            put(t, *(first_inside or _PLACES[0]))
-            t.set_visible(False)
-            continue
-        boxes.append(box)
-
-
-def _lay_out(fig: Figure) -> None:
-    with warnings.catch_warnings():
-        # a glyph missing from every font is reported when the figure is shown; once is enough
-        warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font")
-        fig.draw_without_rendering()
-
-
-def _leader(colour: str) -> dict[str, Any]:
-    return {"arrowstyle": "-", "color": colour, "linewidth": 0.8, "alpha": 0.8, "shrinkA": 0, "shrinkB": 5}
 
 
 def _wrap(text: str, *, lines: int) -> str:

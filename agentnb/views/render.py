@@ -62,7 +62,7 @@ from ..events import (
     Transition,
 )
 from ..models.prices import dollars, is_free, priced_name
-from ._fork_lines import fork_lines, reserved_runs
+from ._fork_lines import demo_note, fork_lines, reserved_runs
 from ._fork_lines import runs_text as _runs_text
 from ._job_stats import JobStats, job_stats
 from ._job_stats import is_compaction_error as _compaction_error
@@ -603,7 +603,7 @@ def _score(ev: ScoreEvent) -> str:
 
 
 def _header(job: JobRecord, st: JobStats, piece_max: int | None, *, latest_link: bool = False,
-            fork: Sequence[str] = ()) -> str:
+            fork: Sequence[str] = (), note: str | None = None) -> str:
     status = st.status or str(job.status)
     mv = f"{st.movements}" + (f" / {piece_max}" if piece_max else "")
     parts = [
@@ -626,6 +626,8 @@ def _header(job: JobRecord, st: JobStats, piece_max: int | None, *, latest_link:
     if fork:
         parts.append(f'<div class="anb-fork">{_badge("fork", "anb-reserved") if job.forked_from else ""} '
                      + " · ".join(_e(line) for line in fork) + "</div>")
+    if note:
+        parts.append(f'<div class="anb-dim anb-demo-note">note: {_e(note)}</div>')
     parts.append(f'<div class="anb-dim">instruction: {_e(job.instruction if len(job.instruction) <= 300 else job.instruction[:299] + "…")}</div>')
     if job.error:
         parts.append(f'<div class="anb-error">✖ {_e(job.error)}</div>')
@@ -725,7 +727,9 @@ def job_html(
         body.append('<div class="anb-dim">not started yet</div>')
     return (STYLE if style else "") + _inline(
         f'<div class="anb-job" data-job="{job.id}">'
-        + _header(job, st, _piece_max(ws, job_id), latest_link=True, fork=fork_lines(job, events))
+        + _header(job, st, _piece_max(ws, job_id), latest_link=True, fork=fork_lines(job, events),
+                  # said once where the fork is shown; header_html (the compare view's columns) leaves it to that view
+                  note=demo_note(ws, job.forked_from[0], job.id) if job.forked_from else None)
         + "".join(body) + "</div>"
     )
 
