@@ -23,8 +23,8 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 from _freeze import finish, freeze, reap
 from _partition import relay
+from _scripting import write_piece
 from _tool_worker import lease_gate, lease_mark  # noqa: F401 (the tools, also defined in this process)
-from engine_helpers import write_piece
 from openai_server import OpenAIServer, reply
 
 import agentnb
@@ -99,7 +99,7 @@ def _until(what: str, done: Callable[[], Any], limit: float = 60) -> Any:
 def test_a_holder_cut_off_from_its_store_loses_its_lease_once_a_lease_has_gone_by(
         cut_store: CutStore, tmp_path: Path) -> None:
     ws = Workspace(tmp_path / "ws", store=cut_store.url, lease=1)
-    job_id = ws.submit("Go.", piece=write_piece(tmp_path, GATED.format(tools="LeaseMark")), model="demo").id
+    job_id = ws.submit("Go.", piece=write_piece(tmp_path, "piece", GATED.format(tools="LeaseMark")), model="demo").id
     claimed_at = time.monotonic()
     row = ws.store.claim(job_id)
     assert row is not None
@@ -128,7 +128,7 @@ def _raises(check: Callable[[], None]) -> LeaseLost | None:
 def test_a_renewer_whose_every_attempt_fails_marks_the_lease_lost_after_one_lease(
         store_url: str, tmp_path: Path) -> None:
     ws = Workspace(tmp_path / "ws", store=store_url, lease=1)
-    job_id = ws.submit("Go.", piece=write_piece(tmp_path, GATED.format(tools="LeaseMark")), model="demo").id
+    job_id = ws.submit("Go.", piece=write_piece(tmp_path, "piece", GATED.format(tools="LeaseMark")), model="demo").id
     claimed_at = time.monotonic()
     row = ws.store.claim(job_id)
     assert row is not None
@@ -155,7 +155,7 @@ def test_a_job_cut_off_from_its_store_while_a_tool_runs_makes_no_further_llm_cal
         return "done waiting"
 
     ws = Workspace(tmp_path / "ws", store=cut_store.url, lease=1)
-    job_id = ws.submit("Go.", piece=write_piece(tmp_path, GATED.format(tools="LeaseWait")),
+    job_id = ws.submit("Go.", piece=write_piece(tmp_path, "piece", GATED.format(tools="LeaseWait")),
                        model="openai:gpt-4o-mini").id
     server.play(reply(tool_calls=[("LeaseWait", {})]), DONE)
     ran: list[Any] = []
@@ -211,7 +211,7 @@ def test_a_job_taken_over_while_a_tool_runs_starts_no_further_tool_of_that_respo
         monkeypatch.setenv(key, env[key])
     log = Path(env["LEASE_TEST_LOG"])
     ws = Workspace(tmp_path / "submit", store=store_url)
-    piece = write_piece(tmp_path, GATED.format(tools="LeaseGate, LeaseMark"))
+    piece = write_piece(tmp_path, "piece", GATED.format(tools="LeaseGate, LeaseMark"))
     job_id = ws.submit("Go.", piece=piece, model="openai:gpt-4o-mini").id
     # one response asks for both tools: the gate (which waits), then the mark — read-only, so no commit (which
     # the fence would refuse) comes before it: only the lease check keeps a holder that lost the job from it

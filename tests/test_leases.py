@@ -18,9 +18,8 @@ from unittest import mock
 
 import pytest
 from _freeze import finish, freeze, reap
-from _scripting import TWO_STEPS
+from _scripting import TWO_STEPS, call, transition, write_piece, write_script
 from _waiting import wait_for
-from engine_helpers import call, transition, write_piece, write_script
 from openai_server import OpenAIServer, hold, openai_env, reply
 
 from agentnb import Workspace
@@ -125,10 +124,10 @@ def test_the_worker_command_refuses_a_bad_lease_in_one_line(tmp_path: Path) -> N
 # -- claims, renewal, fencing ------------------------------------------------------------------------------------
 
 def _job(ws: Workspace, tmp_path: Path) -> int:
-    piece = write_piece(tmp_path, TWO_STEPS)
-    model = write_script(tmp_path, {"responses": [
+    piece = write_piece(tmp_path, "piece", TWO_STEPS)
+    model = write_script(tmp_path, "script", responses=[
         call("Write", path="output/a.txt", content="a"), transition("second", "looked"),
-        transition("COMPLETE", "finished")]})
+        transition("COMPLETE", "finished")])
     return ws.submit("Do the thing.", piece=piece, model=model).id
 
 
@@ -295,7 +294,7 @@ def _openai_jobs(store_url: str, tmp_path: Path, server: OpenAIServer,
                  monkeypatch: pytest.MonkeyPatch) -> tuple[Workspace, int, int]:
     """A straight run of the two-movement job through the loopback server, and a second one, queued."""
     ws = Workspace(tmp_path / "submit", store=store_url)
-    piece = write_piece(tmp_path, TWO_STEPS)
+    piece = write_piece(tmp_path, "piece", TWO_STEPS)
     server.play(SECOND, DONE)
     straight = ws.submit("Do the thing.", piece=piece, model="openai:gpt-4o-mini").id
     assert ws.run(straight).status == "succeeded"
@@ -337,7 +336,7 @@ def test_the_time_a_killed_worker_s_job_sat_running_is_not_running_time(
     nobody's running time: the batch's ``seconds`` and the job view's running time end the killed run at its
     worker's last event."""
     ws = Workspace(tmp_path / "submit", store=store_url)
-    b = ws.batch([{"instruction": "Do the thing."}], piece=write_piece(tmp_path, TWO_STEPS),
+    b = ws.batch([{"instruction": "Do the thing."}], piece=write_piece(tmp_path, "piece", TWO_STEPS),
                  model="openai:gpt-4o-mini", name="b", run=False, progress=False)
     job_id = b.jobs[0].id
     server.play(SECOND, hold(DONE), DONE)

@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 from _freeze import process_state, reap
-from _scripting import QUICK
-from engine_helpers import write_piece
+from _scripting import QUICK, write_piece
 
 from agentnb import Workspace
 
@@ -103,7 +102,7 @@ def _in_thread(work: Any) -> list[Any]:
 
 
 def _job(ws: Workspace, tmp_path: Path) -> int:
-    return ws.submit("Do the task.", piece=write_piece(tmp_path, QUICK, name="quick.yaml"), model="demo").id
+    return ws.submit("Do the task.", piece=write_piece(tmp_path, "quick", QUICK), model="demo").id
 
 
 def test_a_writer_frozen_inside_its_transaction_stalls_nobody_past_the_lease(
