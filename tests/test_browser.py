@@ -637,7 +637,7 @@ Path("slow-script.yaml").write_text(yaml.safe_dump(
 
 
 def test_sections_opened_during_a_live_run_stay_open(lab: Lab) -> None:
-    """Issue 12, item 2: the live view is redrawn at every event; what the user opened or closed stays so."""
+    """The live view is redrawn at every event; what the user opened or closed stays so."""
     from playwright.sync_api import expect, sync_playwright
 
     name = "live-view.ipynb"

@@ -1,4 +1,4 @@
-"""A crash never silently redoes a side effect (issue 11, item 8).
+"""A crash never silently redoes a side effect.
 
 Each test runs a job in a real worker process, talking to the OpenAI-protocol server on
 loopback, and SIGKILLs that process while a tool is in the middle of its work (the tool

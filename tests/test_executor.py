@@ -1,4 +1,4 @@
-"""Batches run concurrently (issue 14, "Concurrency" and "Progress"), against a real OpenAI-protocol server.
+"""Batches run concurrently, and show their progress, against a real OpenAI-protocol server.
 
 The server (tests/openai_server.py) answers on loopback after a fixed latency, counts the requests in
 flight and, when told, refuses those over a limit with 429 and ``retry-after``.  Each job's answers

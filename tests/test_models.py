@@ -374,7 +374,7 @@ def test_the_wait_a_server_asks_for_is_honoured(ws: Workspace, tmp_path: Path, s
     assert waits == [7.0, 0.25, 60.0]  # the server's own numbers, a long one capped; none after the last try
 
 
-# -- malformed 200 answers (issue 11, item 10) ---------------------------------------------------------------
+# -- malformed 200 answers ------------------------------------------------------------------------------------
 
 from openai_server import raw  # noqa: E402
 

@@ -433,7 +433,7 @@ def test_agent_plot_takes_the_job_like_the_other_sub_commands(shell, capsys: pyt
 
 
 def test_in_a_kernel_a_batch_of_2_or_8_variants_on_deep_script_paths_shows_short_labels(tmp_path: Path) -> None:
-    """Issue 26: notebook 05's plot_batch labels were the full scripted: paths, overprinted, and the summary was
+    """Notebook 05's plot_batch labels were once the full scripted: paths, overprinted, and the summary was
     1,700-1,900 px wide.  In a real kernel, a batch's HTML and its plot name each variant by its short label."""
     deep = tmp_path / "clients" / "acme-corporation" / "experiments" / "2026-q4" / "release-notes-evaluation"
     setup = (

@@ -1,4 +1,4 @@
-"""Retrying a failed or aborted job (issue 11, item 9): ``ws.retry``, ``agentnb retry`` and ``%agent retry``,
+"""Retrying a failed or aborted job: ``ws.retry``, ``agentnb retry`` and ``%agent retry``,
 and the openai model's retry settings per job and per workspace."""
 
 from __future__ import annotations

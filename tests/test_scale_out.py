@@ -1,4 +1,4 @@
-"""The checker's scenario of issue 17, end to end: a batch queued on a PostgreSQL store and run by several
+"""Scaling out, end to end: a batch queued on a PostgreSQL store and run by several
 ``agentnb worker`` processes, each in a scratch folder of its own (cwd and workspace; nothing shared but the
 database), one SIGKILLed mid-movement and one frozen with SIGSTOP past its lease and resumed later; then the
 events, claims, files and frames are compared with the same batch run on SQLite by one process."""
@@ -122,7 +122,7 @@ def _statuses(ws: Workspace, job_id: int) -> list[tuple[str, str]]:
 
 def _without_recovery(events: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """A recovered job's events minus what the recovery adds: the ``queued``/``running`` job_status pair of the
-    take-back, and the one ``llm_request`` the cut-short call left (recorded before the call, DESIGN §5, while
+    take-back, and the one ``llm_request`` the cut-short call left (recorded before the call, docs/pieces.md, while
     its holder still held the lease; the resumed run asks the same again)."""
     out = list(events)
     back = [i for i, e in enumerate(out) if e[0] == "job_status" and e[3]["reason"] == LEASE_EXPIRED]
@@ -257,7 +257,7 @@ def test_a_batch_on_workers_killed_and_frozen_matches_the_same_batch_on_sqlite(
     sq.close()
 
 
-# -- the bad inputs of the issue, against a real server, through the CLI ----------------------------------------
+# -- bad inputs, against a real server, through the CLI ----------------------------------------------------------
 
 def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTNB_")}
