@@ -357,6 +357,50 @@ def test_design_lab_runs_in_jupyterlab(lab: Lab) -> None:
             page.screenshot(path=str(ARTIFACTS / "design-lab.png"))
             browser.close()
 
+
+
+@pytest.mark.parametrize("notebook", ["notebooks/06-fork-compare.ipynb", "notebooks/07-compaction-loops.ipynb"])
+def test_fork_compare_and_compaction_notebooks_run_in_jupyterlab(lab: Lab, notebook: str) -> None:
+    """Notebooks 06 and 07 as a new user runs them, fresh: every cell runs, every figure is drawn whole
+    inside its output (the what-if plot's labels themselves are checked on the Agg canvas in
+    test_what_if.py), and the fork, comparison and compaction views show.  Each figure is kept as an
+    artifact of its own, to look at."""
+    from playwright.sync_api import expect, sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    stem = Path(notebook).stem
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            kernel = _open(page, lab, notebook)
+            _run_all_cells(page, lab, notebook, kernel)
+            _assert_no_cell_raised(page)
+            outputs = page.locator(".jp-OutputArea-output")
+            images = outputs.locator("img")
+            expect(images.first).to_be_visible()
+            sizes = images.evaluate_all(
+                "els => els.map(e => [e.naturalWidth, e.getBoundingClientRect().width,"
+                " e.closest('.jp-OutputArea-output').getBoundingClientRect().width])")
+            # each figure decoded, and shown no wider than its output (a figure wider than the output is cut)
+            assert sizes and all(natural > 0 and 0 < shown <= area + 1 for natural, shown, area in sizes), sizes
+            for i in range(len(sizes)):
+                images.nth(i).scroll_into_view_if_needed()
+                images.nth(i).screenshot(path=str(ARTIFACTS / f"{stem}-figure-{i + 1}.png"))
+            expect(outputs.locator(".anb-job").first).to_be_visible()
+            if stem.startswith("06"):
+                # the comparison of the fork with its original, side by side and within the output
+                table = outputs.locator("table.anb-cmp").first
+                expect(table).to_be_visible()
+                assert table.evaluate("el => el.scrollWidth <= el.closest('.jp-OutputArea-output').clientWidth + 1")
+            assert _overflow(page, ".anb-job") == [], _overflow(page, ".anb-job")
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
+        finally:
+            page.screenshot(path=str(ARTIFACTS / f"{stem}.png"), full_page=True)
+            browser.close()
+
+
 # A notebook as a new user would write it: run a piece that asks, open the panel, show the job.
 ASK_CELLS = [
     '%load_ext agentnb\n%config AgentMagic.workspace = "agentnb-data"',
