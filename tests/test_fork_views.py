@@ -202,8 +202,8 @@ def test_panel_lists_a_fork_with_its_origin(ws: Workspace, tmp_path: Path) -> No
     panel = Panel(ws)
     try:
         labels = dict((value, label) for label, value in panel.jobs.options)
-        assert f"#{fork.id} ⑂{original.id}@2 ·" in labels[fork.id]
-        assert "⑂" not in labels[original.id]
+        assert f"#{fork.id} ⎇{original.id}@2 ·" in labels[fork.id]
+        assert "⎇" not in labels[original.id]
     finally:
         panel.close()
 

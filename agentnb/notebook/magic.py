@@ -39,6 +39,7 @@ from ..engine.context import context_items
 from ..engine.pieces import Piece, available_pieces, load_piece
 from ..errors import AgentnbError, PieceError, StoreError
 from ..store.base import JOB_STATES, owned_by_this_process
+from ..views.icons import question_badge
 from ..views.render import KEEPER, duration, job_html, job_stats, plural
 from ..views.style import ERROR_COLOUR
 from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
@@ -760,8 +761,8 @@ def _summary_html(ws: Workspace, job_id: int, *, below: bool = False) -> str:
     if job.error:
         out += f'<div style="color:{ERROR_COLOUR}">✖ {_html.escape(job.error)}</div>'
     if st.question:
-        out += (f"<div><b>❓ waiting for you:</b> {_html.escape(st.question)} <span style=\"color:#777\">— answer "
-                f'with <code>%agent reply {job.id} "…"</code></span></div>')
+        out += (f"<div>{question_badge()} <b>waiting for you:</b> {_html.escape(st.question)} "
+                f'<span style="color:#777">— answer with <code>%agent reply {job.id} "…"</code></span></div>')
     return out
 
 

@@ -65,6 +65,7 @@ from ..events import (
     Transition,
 )
 from ..store import display_url
+from .icons import COMMENT
 from .render import STYLE, JobStats, fork_lines, job_stats, movement_html, timeline
 from .source import JobRecord, JobSource
 
@@ -157,8 +158,7 @@ def build_notebook(ws: NotebookSource, job_id: int, *, full: bool = False, plot:
         elif isinstance(item, ErrorEvent):
             cells.append(v4.new_markdown_cell(f"**✖ error ({_md(item.where)}):** {_md(item.message)}"))
         else:
-            who = "🧑 user" if item.author == "user" else f"🤖 {item.author}"
-            cells.append(v4.new_markdown_cell(f"> **{who}:** {_md(item.body)}"))
+            cells.append(v4.new_markdown_cell(f"> **{COMMENT} {_md(item.author)}:** {_md(item.body)}"))
     nb.cells = cells
     return nb
 
