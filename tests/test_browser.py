@@ -357,6 +357,50 @@ def test_design_lab_runs_in_jupyterlab(lab: Lab) -> None:
             page.screenshot(path=str(ARTIFACTS / "design-lab.png"))
             browser.close()
 
+
+
+@pytest.mark.parametrize("notebook", ["notebooks/06-fork-compare.ipynb", "notebooks/07-compaction-loops.ipynb"])
+def test_fork_compare_and_compaction_notebooks_run_in_jupyterlab(lab: Lab, notebook: str) -> None:
+    """Notebooks 06 and 07 as a new user runs them, fresh: every cell runs, every figure is drawn whole
+    inside its output (the what-if plot's labels themselves are checked on the Agg canvas in
+    test_what_if.py), and the fork, comparison and compaction views show.  Each figure is kept as an
+    artifact of its own, to look at."""
+    from playwright.sync_api import expect, sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    stem = Path(notebook).stem
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            kernel = _open(page, lab, notebook)
+            _run_all_cells(page, lab, notebook, kernel)
+            _assert_no_cell_raised(page)
+            outputs = page.locator(".jp-OutputArea-output")
+            images = outputs.locator("img")
+            expect(images.first).to_be_visible()
+            sizes = images.evaluate_all(
+                "els => els.map(e => [e.naturalWidth, e.getBoundingClientRect().width,"
+                " e.closest('.jp-OutputArea-output').getBoundingClientRect().width])")
+            # each figure decoded, and shown no wider than its output (a figure wider than the output is cut)
+            assert sizes and all(natural > 0 and 0 < shown <= area + 1 for natural, shown, area in sizes), sizes
+            for i in range(len(sizes)):
+                images.nth(i).scroll_into_view_if_needed()
+                images.nth(i).screenshot(path=str(ARTIFACTS / f"{stem}-figure-{i + 1}.png"))
+            expect(outputs.locator(".anb-job").first).to_be_visible()
+            if stem.startswith("06"):
+                # the comparison of the fork with its original, side by side and within the output
+                table = outputs.locator("table.anb-cmp").first
+                expect(table).to_be_visible()
+                assert table.evaluate("el => el.scrollWidth <= el.closest('.jp-OutputArea-output').clientWidth + 1")
+            assert _overflow(page, ".anb-job") == [], _overflow(page, ".anb-job")
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
+        finally:
+            page.screenshot(path=str(ARTIFACTS / f"{stem}.png"), full_page=True)
+            browser.close()
+
+
 # A notebook as a new user would write it: run a piece that asks, open the panel, show the job.
 ASK_CELLS = [
     '%load_ext agentnb\n%config AgentMagic.workspace = "agentnb-data"',
@@ -723,7 +767,7 @@ def test_sections_opened_during_a_live_run_stay_open(lab: Lab) -> None:
             expect(view.locator("details.anb-mv")).to_have_count(2)
             expect(view.locator(".anb-head")).to_contain_text("succeeded")
             assert is_open(f"{job}:1") and is_open(result_key)
-            expect(view.locator(".anb-call").first).to_contain_text("⏱")
+            expect(view.locator(".anb-call").first).to_contain_text("◷")
 
             page.wait_for_function(
                 "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][4].textContent)",
@@ -972,3 +1016,146 @@ def test_batch_summaries_and_plots_of_2_and_8_variants_fit_the_output(lab: Lab) 
             browser.close()
     shots = sorted(ARTIFACTS.glob("batch-labels-*.png"))
     assert len(shots) == 4 and all(p.stat().st_size > 10_000 for p in shots), "a screenshot is missing or empty"
+# The views' symbols in a Chromium without an emoji font, against the same views with the default fonts (🔧, ⏱, ❓
+# and ⑂ were once empty boxes there, "#12 □1@2").
+def _icon_cells(data: str) -> list[str]:
+    """A notebook showing every symbol: tool calls and latency, compaction and force_transition badges, a waiting
+    question, a reply (a comment), and a fork and a compacted job in the panel's list."""
+    return [
+        f'%load_ext agentnb\n%config AgentMagic.workspace = "{data}"',
+        f'''from pathlib import Path
+import yaml
+import agentnb
+
+ws = agentnb.Workspace("{data}")
+
+
+def glob(prompt):
+    return {{"tool_calls": [{{"name": "Glob", "arguments": {{"pattern": "*"}}}}],
+            "usage": {{"prompt_tokens": prompt, "completion_tokens": 10}}}}
+
+
+def done(next_step="COMPLETE", **extra):
+    return {{"tool_calls": [{{"name": "transition", "arguments": {{"next_step": next_step, "summary": "done", **extra}}}}]}}
+
+
+Path("icons-long.yaml").write_text(yaml.safe_dump({{
+    "name": "long", "context": {{"window_tokens": 1000, "on_pressure": "compact", "compact_keep_last": 2}},
+    "movements": [{{"name": "work", "instruction": "Work.", "tools": ["Glob"], "rules": [{{"next": "COMPLETE"}}],
+                   "default_next": "COMPLETE"}}]}}))
+Path("icons-long-script.yaml").write_text(yaml.safe_dump({{"movements": {{"work": [
+    glob(500), glob(900), {{"content": "summary one", "usage": {{"prompt_tokens": 950, "completion_tokens": 20}}}},
+    glob(300), glob(880), {{"content": "summary two"}}, glob(400), glob(960), done()]}}}}))
+Path("icons-ask-script.yaml").write_text(yaml.safe_dump({{"movements": {{"work": [done("ASK", question="Which language?")]}}}}))
+demo = ws.run(ws.submit("Summarise the files", piece="plan-implement-verify", model="demo"))
+fork = ws.fork(demo, at=2)''',
+        'compacted = %agent run --piece icons-long.yaml --model scripted:icons-long-script.yaml "Work long"',
+        'asker = %agent run --piece single --model scripted:icons-ask-script.yaml "Ask me"\nasker',
+        'ws.reply(ws.run(ws.submit("Ask me too", piece="single", model="scripted:icons-ask-script.yaml")), "Python.")',
+        "%agent panel",
+    ]
+
+
+# Every non-ASCII character in the notebook's outputs (the panel's <option>s included), drawn on a canvas in its
+# element's font: one drawn exactly as an unassigned code point (U+0378, which no font has) is an empty box.
+_GLYPHS_JS = """() => {
+    const draw = (font, text) => {
+        const c = document.createElement('canvas'); c.width = 48; c.height = 48;
+        const x = c.getContext('2d'); x.font = font; x.textBaseline = 'top'; x.fillText(text, 4, 4);
+        return Array.from(x.getImageData(0, 0, 48, 48).data).join(',');
+    };
+    const seen = new Map();
+    for (const area of document.querySelectorAll('.jp-Notebook .jp-OutputArea')) {
+        const walker = document.createTreeWalker(area, NodeFilter.SHOW_TEXT);
+        for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+            const cs = getComputedStyle(node.parentElement);
+            const font = `${cs.fontStyle} ${cs.fontWeight} ${cs.fontSize} ${cs.fontFamily}`;
+            for (const ch of node.data) if (ch.codePointAt(0) > 127 && !/\\s/.test(ch)) seen.set(ch + '\\u0000' + font, [ch, font]);
+        }
+    }
+    const boxes = [...seen.values()].filter(([ch, font]) => draw(font, ch) === draw(font, '\\u0378'));
+    // (the panel's saved snapshot is in the page too, hidden while the live panel is there)
+    const icons = [...document.querySelectorAll('.jp-Notebook .jp-OutputArea .anb-icon')].filter(el => el.checkVisibility()).map(el => {
+        const r = el.getBoundingClientRect();
+        return [el.textContent, el.getAttribute('aria-label'), Math.round(r.width * 10) / 10,
+                Math.round(r.height * 10) / 10];
+    });
+    const probe = document.createElement('span'); probe.textContent = '\\u{1F527}'; document.body.appendChild(probe);
+    const pf = getComputedStyle(document.querySelector('.jp-Notebook'));
+    const font = `${pf.fontStyle} ${pf.fontWeight} ${pf.fontSize} ${pf.fontFamily}`;
+    const emoji = draw(font, '\\u{1F527}') !== draw(font, '\\u0378');
+    probe.remove();
+    // the panel's buttons draw their icons from JupyterLab's own Font Awesome, whatever the system's fonts
+    const buttons = [...document.querySelectorAll('.anb-panel button i.fa')].map(i => i.getBoundingClientRect().width);
+    return {checked: seen.size, boxes: boxes.map(([ch, font]) => `${ch} U+${ch.codePointAt(0).toString(16)} in ${font}`),
+            icons, emoji, buttons};
+}"""
+
+_NO_EMOJI_FONTCONFIG = """<?xml version="1.0"?>
+<!DOCTYPE fontconfig SYSTEM "fonts.dtd">
+<fontconfig>
+  <include ignore_missing="yes">/etc/fonts/fonts.conf</include>
+  <selectfont><rejectfont>
+    <pattern><patelt name="family"><string>Noto Color Emoji</string></patelt></pattern>
+  </rejectfont></selectfont>
+</fontconfig>
+"""
+
+
+def _icons_in(lab: Lab, pw, mode: str, env: dict[str, str] | None) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """Run the icon notebook in a Chromium launched with ``env``; screenshot its views; measure its glyphs."""
+    from playwright.sync_api import expect
+
+    name = f"icons-{mode}.ipynb"
+    _notebook(lab, name, _icon_cells(f"icons-{mode}-data"), f"icons-{mode}")
+    browser = pw.chromium.launch(executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS, env=env)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    shot = f"icons-{mode}-failed.png"
+    try:
+        kernel = _open(page, lab, name)
+        expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
+        _run_all_cells(page, lab, name, kernel)
+        _assert_no_cell_raised(page)
+        cells = page.locator(".jp-Notebook .jp-CodeCell")
+        view = cells.nth(2).locator(".anb-job").last
+        expect(view.locator(".anb-compaction").first).to_be_visible()
+        expect(cells.nth(3).locator(".anb-ask").first).to_be_visible()
+        options = page.locator(".anb-panel select option")
+        expect(cells.nth(4).locator(".anb-comment .anb-icon")).to_have_attribute("aria-label", "comment")
+        expect(options.filter(has_text="⎇1@2")).to_have_count(1)
+        expect(options.filter(has_text="⇊2")).to_have_count(1)
+        view.locator(".anb-tool").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / f"icons-{mode}-job.png"))
+        cells.nth(3).locator(".anb-ask").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / f"icons-{mode}-question.png"))
+        page.locator(".anb-panel").scroll_into_view_if_needed()
+        shot = f"icons-{mode}-panel.png"
+        return page.evaluate(_GLYPHS_JS)  # type: ignore[no-any-return]
+    except Exception as exc:
+        raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
+    finally:
+        page.screenshot(path=str(ARTIFACTS / shot))
+        browser.close()
+
+
+def test_views_draw_their_symbols_without_an_emoji_font(lab: Lab, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    fonts = tmp_path / "fonts.conf"
+    fonts.write_text(_NO_EMOJI_FONTCONFIG)
+    with sync_playwright() as pw:
+        bare = _icons_in(lab, pw, "no-emoji", dict(os.environ, FONTCONFIG_FILE=str(fonts)))
+        default = _icons_in(lab, pw, "default", None)
+    # the bare browser really has no emoji font: an emoji is a box there (else this test proves nothing)
+    assert bare["emoji"] is False, "the emoji font was not rejected: the no-emoji run is not one"
+    # no character of any output is a box, with or without the emoji font
+    assert bare["checked"] and bare["boxes"] == [], bare["boxes"]
+    assert default["boxes"] == [], default["boxes"]
+    # each symbol is there, named for screen readers, drawn at a size, and the same with or without emoji fonts
+    icons = {tuple(i) for i in bare["icons"]}  # type: ignore[attr-defined]
+    assert {(text, label) for text, label, _, _ in icons} >= {
+        ("⚒", "tool call"), ("◷", "how long the model took to answer"), ("?", "question"), ("✎", "comment")}
+    assert all(w > 4 and h > 4 for _, _, w, h in icons), icons
+    assert icons == {tuple(i) for i in default["icons"]}  # type: ignore[attr-defined]
+    assert len(bare["buttons"]) >= 6 and all(w > 4 for w in bare["buttons"]), bare["buttons"]  # type: ignore[arg-type]
+    assert len(list(ARTIFACTS.glob("icons-no-emoji-*.png"))) == 3 == len(list(ARTIFACTS.glob("icons-default-*.png")))

@@ -1,4 +1,4 @@
-"""Forks and replays (docs/fork-compare.md): re-served runs spend nothing, rebuild the work directory and are
+"""Forks and replays (docs/fork-compare.md#fork): re-served runs spend nothing, rebuild the work directory and are
 checked.
 
 Then jobs unlike those (a review→fix loop with Bash, Glob, Grep, Checklist and Edit; a job forced out by context

@@ -1,4 +1,4 @@
-"""Forks (docs/fork-compare.md) where a user looks: the frames, the job view, the exported notebook, the panel's job list,
+"""Forks (docs/fork-compare.md#fork) where a user looks: the frames, the job view, the exported notebook, the panel's job list,
 ``%agent fork`` in a real IPython shell and ``agentnb fork`` / ``agentnb replay`` run as subprocesses."""
 
 from __future__ import annotations
@@ -202,8 +202,8 @@ def test_panel_lists_a_fork_with_its_origin(ws: Workspace, tmp_path: Path) -> No
     panel = Panel(ws)
     try:
         labels = dict((value, label) for label, value in panel.jobs.options)
-        assert f"#{fork.id} ⑂{original.id}@2 ·" in labels[fork.id]
-        assert "⑂" not in labels[original.id]
+        assert f"#{fork.id} ⎇{original.id}@2 ·" in labels[fork.id]
+        assert "⎇" not in labels[original.id]
     finally:
         panel.close()
 

@@ -6,7 +6,9 @@ and re-recorded once for the cost and batch columns with nothing but their addit
 those from the new files and finding the old ones byte for byte; a difference is a change a user would
 see (or a volatile value the harness should have masked).  Loop monitors re-recorded them for one addition,
 ``frames.movements()``'s ``judge`` column (False for every run of these pieces, which have no loop monitors):
-stripped of it, every file equals the one before.
+stripped of it, every file equals the one before.  The views' symbols re-recorded them once more (each
+emoji replaced by a character DejaVu Sans has, with an aria-label and title in HTML): with those replacements
+undone, every file equals the one before.
 """
 
 from __future__ import annotations

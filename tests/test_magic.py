@@ -161,7 +161,7 @@ def test_reply_from_the_magic_resumes_an_asking_job(shell: InteractiveShell) -> 
     assert job.status == "succeeded", job.error
     ws = job.workspace
     assert [c["body"] for c in ws.comments(job) if c["author"] == "user"] == ["Use bullets."]
-    assert re.search(r"💬 <b>user</b>: <pre[^>]*>Use bullets\.</pre>", job._repr_html_())
+    assert re.search(r"✎</span> <b>user</b>: <pre[^>]*>Use bullets\.</pre>", job._repr_html_())
 
 
 def test_error_inside_a_job_is_in_its_view_not_raised(shell: InteractiveShell, tmp_path: Path) -> None:

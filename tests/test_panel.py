@@ -90,7 +90,7 @@ def test_reply_is_enabled_only_while_the_job_waits_and_resumes_it(ws: Workspace)
     panel.wait(60)
     assert panel.job.status == "succeeded", panel.message.value
     assert [c["body"] for c in ws.comments(job) if c["author"] == "user"] == ["Use <bullets>."]
-    assert re.search(r"💬 <b>user</b>: <pre[^>]*>Use &lt;bullets&gt;\.</pre>", panel.view.value)
+    assert re.search(r"✎</span> <b>user</b>: <pre[^>]*>Use &lt;bullets&gt;\.</pre>", panel.view.value)
     assert panel.reply_button.disabled and panel.reply_text.value == ""
 
 

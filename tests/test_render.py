@@ -47,7 +47,7 @@ def test_demo_job_view_has_header_and_one_section_per_movement(ws: Workspace) ->
     # prompts, messages, tool calls with arguments, results, transition with summary and lessons
     assert "system prompt" in html and "You are a careful planner." in html
     assert "Let me see which files I was given." in html
-    assert "🔧 <b>Glob</b>" in html and "input/**/*" in html
+    assert 'aria-label="tool call" title="tool call">⚒</span> <b>Glob</b>' in html and "input/**/*" in html
     assert "➜ next step <b>implement</b>" in html
     assert "The inputs are notes.md; the first one shows 2 lines." in html
     # the demo's truncated Read shows the sizes and where to continue
@@ -69,7 +69,7 @@ def test_model_tool_and_user_text_is_escaped(ws: Workspace, tmp_path: Path) -> N
     job = ws.run(job)
     assert job.status == "waiting_human"
     waiting = job_html(ws, job.id)
-    assert "❓ waiting for you:</b> which? &lt;script&gt;" in waiting and f"%agent reply {job.id}" in waiting
+    assert 'aria-label="question"' in waiting and "waiting for you:</b> which? &lt;script&gt;" in waiting and f"%agent reply {job.id}" in waiting
     ws.reply(job, f"reply {XSS}")
     html = job_html(ws, job.id)
     assert "<script>" not in html
@@ -197,7 +197,7 @@ def test_each_call_shows_its_latency_and_the_header_links_the_latest_call(ws: Wo
     html = job_html(ws, job.id)
     responses = ws.events(job, kinds=["llm_response"])
     assert all(e.payload["latency_s"] >= 0 for e in responses)
-    assert html.count("⏱ ") == len(responses)
+    assert html.count('aria-label="how long the model took to answer"') == len(responses)
     # the newest call carries the anchor the header links to (one of each)
     last = responses[-1]
     assert html.count(f'id="anb-latest-{job.id}"') == 1 and html.count(f'href="#anb-latest-{job.id}"') == 1

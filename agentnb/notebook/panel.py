@@ -1,7 +1,7 @@
 """The ``%agent panel`` widget: pick, run, step, stop and answer jobs, and watch them live.
 
-Layout (top to bottom): the job list (status as shown, piece, tokens, cost in US dollars; marks: ``⑂3@2`` a
-fork of job 3 at run 2, ``⇊2`` compacted twice, ``⟳1`` a loop monitor fired once, DESIGN §12) with Refresh; the
+Layout (top to bottom): the job list (status as shown, piece, tokens, cost in US dollars; marks: ``⎇3@2`` a
+fork of job 3 at run 2, ``⇊2`` compacted twice, ``⟳1`` a loop monitor fired once, docs/context.md) with Refresh; the
 piece and model chooser with the instruction box and the Run / Step / Step call / Stop
 buttons; the reply box (enabled only when the selected job waits for a human); a progress
 bar of movements run against the piece's ``max_movements``; a context-usage bar of the
@@ -50,6 +50,7 @@ from .._secrets import scrub
 from ..engine.pieces import DEFAULT_THRESHOLDS, Piece, available_pieces
 from ..errors import AgentnbError, UsageError
 from ..models.prices import dollars
+from ..views.icons import FORK
 from ..views.render import header_html, job_html, job_stats
 from ..views.status import PAUSED, display_status, last_status_reason
 from ..views.style import ACTION_COLOURS, ACTIONS, ERROR_COLOUR, OK_COLOUR
@@ -156,7 +157,7 @@ class Panel(w.VBox):
         # (the Model box's text as filled, the job's own spec): the spec it stands for, secrets masked in the box
         self._model_shown: tuple[str, str] | None = None
 
-        self.jobs = w.Select(options=[], rows=6, description="Jobs",
+        self.jobs = w.Select(options=[], rows=6, description="Jobs", tooltip=_JOB_MARKS,
                              layout=w.Layout(flex="1 1 320px", width="auto", min_width="0"))
         self.refresh_button = w.Button(description="Refresh", icon="refresh",
                                        tooltip="re-read the jobs and the pieces in ./pieces")
@@ -621,17 +622,22 @@ class Panel(w.VBox):
             handle.update(bundle, raw=True)
 
 
+# what the job list's marks mean: the Select's tooltip (its options are plain text, no title of their own)
+_JOB_MARKS = (f"marks: {FORK}3@2 a fork of job 3 at movement run 2 · ⇊2 compacted twice · ⟳1 a loop monitor "
+              "fired once · ▶ the job this panel runs")
+
+
 def _fork_mark(row: Mapping[str, Any]) -> str:
-    """`` ⑂3@2`` for a fork of job 3 at movement run 2 (the jobs frame's ``forked_from_*``), else nothing."""
+    """`` ⎇3@2`` for a fork of job 3 at movement run 2 (the jobs frame's ``forked_from_*``), else nothing."""
     origin, seq = row.get("forked_from_job"), row.get("forked_from_seq")
     # Int64 cells: a number for a fork, pandas' NA for the others
     if isinstance(origin, numbers.Integral) and isinstance(seq, numbers.Integral):
-        return f" ⑂{int(origin)}@{int(seq)}"
+        return f" {FORK}{int(origin)}@{int(seq)}"
     return ""
 
 
 def _event_marks(frames: Frames) -> dict[int, str]:
-    """Job id → `` ⇊2`` (compacted twice, DESIGN §12) and `` ⟳1`` (a loop monitor fired once) for the list; each
+    """Job id → `` ⇊2`` (compacted twice, docs/context.md#compaction) and `` ⟳1`` (a loop monitor fired once) for the list; each
     read from one query over its kind of event (the events_kind index), so the list stays cheap to redraw."""
     marks: dict[int, str] = {}
     for frame, sign in ((frames.compactions(), "⇊"), (frames.loops(), "⟳")):

@@ -21,7 +21,7 @@ grow a saved notebook by its whole transcript):
 * when the whole view would exceed ``max_bytes``, the oldest movements are
   reduced to their summary line and transition, newest kept in detail.
 
-A compaction (DESIGN §12) shows in its movement run: a ``⇊ compacted`` badge on the run, and in the call
+A compaction (docs/context.md#compaction) shows in its movement run: a ``⇊ compacted`` badge on the run, and in the call
 list, at the summarisation call (shown as such, not as a turn of the conversation), a block "Compaction k:
 N messages summarised, M kept · before → after tokens" with the summary in a ``<details>``.  A summarisation
 call that failed (an ``error`` event with ``where`` compaction) is a warning, "compaction failed — …": the
@@ -67,6 +67,7 @@ from ._fork_lines import runs_text as _runs_text
 from ._job_stats import JobStats, job_stats
 from ._job_stats import is_compaction_error as _compaction_error
 from ._job_stats import stats_from_events as _stats
+from .icons import COMMENT, LATENCY, REMINDER, STOP, TOOL, icon, question_badge
 from .source import JobRecord, JobSource
 from .style import (
     ACTION_COLOURS,
@@ -191,7 +192,7 @@ _INLINE = {
     # the fork marks are styled inline only (every tag of the view carries its style attribute)
     "anb-reserved": f"background:{RESERVED_COLOUR}", "anb-divergence": f"background:{DIVERGENCE_COLOUR}",
     "anb-loop": f"background:{LOOP_COLOUR}",  # inline only too: views of pieces without monitors are unchanged
-    # a compaction (DESIGN §12), inline only as well: views of jobs that never compacted are unchanged
+    # a compaction (docs/context.md#compaction), inline only as well: views of jobs that never compacted are unchanged
     "anb-compaction": f"background:{COMPACTION_COLOUR}",
     "anb-compacted": f"border-left:3px solid {COMPACTION_COLOUR};background:rgba(31,138,138,.07);padding:3px 6px;"
                      "margin:2px 0;border-radius:3px",
@@ -214,7 +215,7 @@ def _inline(markup: str) -> str:
     return _CLASSED_TAG.sub(style, markup).replace("<pre>", f'<pre style="{_PRE_STYLE}">')
 
 
-_ACTION_ICON = {"warn": "⚠", "prompt": "⚠", "force_transition": "⛔", "exhausted": "⛔"}
+_ACTION_ICON = {"warn": "⚠", "prompt": "⚠", "force_transition": STOP, "exhausted": STOP}
 
 
 def _e(value: Any) -> str:
@@ -320,7 +321,7 @@ def _tool_html(call: ToolCallEvent | None, result: ToolResult | None, o: _Opts, 
     ev = call if call is not None else result
     assert ev is not None, "a tool is shown from its call, its result or both"
     name, key = ev.tool, _key(o, seq, ev.iteration, ev.call_id)
-    parts = [f'<div class="anb-tool">🔧 <b>{_e(name)}</b>']
+    parts = [f'<div class="anb-tool">{icon(TOOL, "tool call")} <b>{_e(name)}</b>']
     if call is not None:
         parts.append(_body(_json(call.arguments), o, seq, label="arguments", key=key + ":arguments"))
     if result is None:
@@ -386,7 +387,7 @@ def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int |
                 if u.ratio is not None:
                     head += f' · context {_pct(u.ratio)} of {_n(u.window or 0)} ({_e(u.source)})'
                 if ev.latency_s is not None:
-                    head += f' · <span title="how long the model took to answer">⏱ {_latency(ev.latency_s)}</span>'
+                    head += f' · {icon(LATENCY, "how long the model took to answer")} {_latency(ev.latency_s)}'
                 if ev.replayed_from is not None:
                     head += f" · re-served from job {ev.replayed_from}, no tokens spent"
                 head += "</span>"
@@ -418,7 +419,7 @@ def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int |
                 else:
                     out.append(block)
             case Reminder():
-                out.append(f'<div class="anb-dim">📌 reminder ({_e(ev.reason)}): {_e(ev.text)}</div>')
+                out.append(f'<div class="anb-dim">{icon(REMINDER, "reminder")} reminder ({_e(ev.reason)}): {_e(ev.text)}</div>')
             case Transition():
                 out.append(_transition_html(ev, o, seq))
             case ErrorEvent():
@@ -438,7 +439,7 @@ def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int |
 
 
 def _comment_html(ev: CommentEvent, o: _Opts) -> str:
-    return f'<div class="anb-comment">💬 <b>{_e(ev.author)}</b>: {_body(ev.body, o, None, fold=False)}</div>'
+    return f'<div class="anb-comment">{icon(COMMENT, "comment")} <b>{_e(ev.author)}</b>: {_body(ev.body, o, None, fold=False)}</div>'
 
 
 def _divergence_html(ev: ReplayDivergence, o: _Opts, seq: int | None) -> str:
@@ -634,7 +635,7 @@ def _header(job: JobRecord, st: JobStats, piece_max: int | None, *, latest_link:
     if st.scores:
         parts.append(f'<div>scores: {" ".join(_score(ev) for ev in st.scores.values())}</div>')
     if st.question:
-        parts.append(f'<div><b>❓ waiting for you:</b> {_e(st.question)} '
+        parts.append(f'<div>{question_badge()} <b>waiting for you:</b> {_e(st.question)} '
                      f'<span class="anb-dim">— answer with <code>%agent reply {job.id} "…"</code></span></div>')
     parts.append("</div>")
     return "".join(parts)

@@ -65,6 +65,7 @@ from ..events import (
     Transition,
 )
 from ..store import display_url
+from .icons import COMMENT
 from .render import STYLE, JobStats, fork_lines, job_stats, movement_html, timeline
 from .source import JobRecord, JobSource
 
@@ -157,8 +158,7 @@ def build_notebook(ws: NotebookSource, job_id: int, *, full: bool = False, plot:
         elif isinstance(item, ErrorEvent):
             cells.append(v4.new_markdown_cell(f"**✖ error ({_md(item.where)}):** {_md(item.message)}"))
         else:
-            who = "🧑 user" if item.author == "user" else f"🤖 {item.author}"
-            cells.append(v4.new_markdown_cell(f"> **{who}:** {_md(item.body)}"))
+            cells.append(v4.new_markdown_cell(f"> **{COMMENT} {_md(item.author)}:** {_md(item.body)}"))
     nb.cells = cells
     return nb
 
@@ -278,7 +278,7 @@ def movement_text(evs: Sequence[Event], *, max_chars: int | None = EXPORT_MAX_CH
                 out.append("[user]")
                 body(ev.user)
             case LLMResponse(usage=u) if ev.purpose == "compaction":
-                # a compaction's summarisation call (DESIGN §12): its summary is in the compaction line below
+                # a compaction's summarisation call (docs/context.md#compaction): its summary is in the compaction line below
                 out.append(f"--- summarisation call {ev.iteration} (compaction, no tools): {u.prompt_tokens:,} prompt + "
                            f"{u.completion_tokens:,} completion tokens"
                            + (f", re-served from job {ev.replayed_from}" if ev.replayed_from is not None else ""))
