@@ -8,13 +8,15 @@ import os
 import random
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from .._secrets import register_secret, scrub
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
+from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
 from .ratelimit import gate_for
 
-__all__ = ["OpenAIModel", "shared_client"]
+__all__ = ["OpenAIModel", "shared_client", "wire_message", "wire_messages"]
 
 
 def _env_float(name: str, default: float) -> float:
@@ -134,7 +136,7 @@ class OpenAIModel:
         import openai
 
         client = self._get_client()
-        kwargs: dict[str, Any] = {"model": self.model, "messages": request.messages}
+        kwargs: dict[str, Any] = {"model": self.model, "messages": wire_messages(request.messages)}
         if request.tools:
             kwargs["tools"] = request.tools
             kwargs["tool_choice"] = "auto"
@@ -206,6 +208,32 @@ class OpenAIModel:
             return None
 
 
+def wire_message(m: Message) -> dict[str, object]:
+    """One message as Chat Completions takes it."""
+    if isinstance(m, ToolMessage):
+        return {"role": "tool", "tool_call_id": m.call_id, "content": m.text}
+    if isinstance(m, AssistantMessage):
+        out: dict[str, object] = {"role": "assistant", "content": m.text}
+        if m.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments_text()}}
+                                 for c in m.tool_calls]
+        return out
+    if isinstance(m, UserMessage):
+        if not m.images:
+            return {"role": "user", "content": m.text}
+        return {"role": "user", "content": [{"type": "text", "text": m.text},
+                                            *({"type": "image_url", "image_url": {"url": i.url}} for i in m.images)]}
+    if isinstance(m, SystemMessage):
+        return {"role": "system", "content": m.text}
+    raise TypeError(f"not a message: {m!r}")
+
+
+def wire_messages(messages: Sequence[Message]) -> list[dict[str, object]]:
+    """A conversation as the ``messages`` of a Chat Completions request."""
+    return [wire_message(m) for m in messages]
+
+
 def _kind(value: Any) -> str:
     """What a JSON value is, for a one-line reason."""
     if value is None:
@@ -264,7 +292,7 @@ def _parse_completion(http: Any, request: ModelRequest) -> ModelResponse:
     usage = None
     u = data.get("usage")
     if isinstance(u, dict) and _count(u.get("prompt_tokens")) is not None:
-        usage = {"prompt_tokens": _count(u["prompt_tokens"]), "completion_tokens": _count(u.get("completion_tokens")) or 0}
+        usage = TokenUsage(_count(u["prompt_tokens"]) or 0, _count(u.get("completion_tokens")) or 0)
     return ModelResponse(content=content, tool_calls=tuple(calls), usage=usage)
 
 
