@@ -119,6 +119,8 @@ class OpenAIModel:
         self.max_backoff = float(max_backoff if max_backoff is not None
                                  else _env_float(MAX_BACKOFF_ENV, DEFAULT_MAX_BACKOFF))
         self._client: Any = None
+        # the last conversation sent and its wire form: the next call re-sends it with a few messages more
+        self._sent: tuple[list[Message], list[dict[str, object]]] = ([], [])
 
     def __repr__(self) -> str:  # never show the key
         return f"OpenAIModel({self.model!r}, base_url={self.base_url!r})"
@@ -136,7 +138,7 @@ class OpenAIModel:
         import openai
 
         client = self._get_client()
-        kwargs: dict[str, Any] = {"model": self.model, "messages": wire_messages(request.messages)}
+        kwargs: dict[str, Any] = {"model": self.model, "messages": self._wire(request.messages)}
         if request.tools:
             kwargs["tools"] = request.tools
             kwargs["tool_choice"] = "auto"
@@ -180,6 +182,18 @@ class OpenAIModel:
         else:
             what = f"{type(last).__name__}: {last}"
         raise ModelError(f"{self.spec}: gave up after {attempts} tries; last error {what}")
+
+    def _wire(self, messages: Sequence[Message]) -> list[dict[str, object]]:
+        """``wire_messages(messages)``, each message converted once: the part that is the previous request's
+        (the same frozen objects, in order) is taken from it, so a call costs what it added, not the whole
+        conversation again."""
+        sent, wire = self._sent  # one read: another thread's call may replace it meanwhile
+        same, n = 0, min(len(sent), len(messages))
+        while same < n and messages[same] is sent[same]:
+            same += 1
+        out = wire[:same] + [wire_message(m) for m in messages[same:]]
+        self._sent = (list(messages), out)
+        return out
 
     @staticmethod
     def _retry_after(exc: Exception) -> float | None:
