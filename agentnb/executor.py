@@ -83,7 +83,7 @@ class _Tally:
 
     def usage(self, job_id: int) -> tuple[int, float | None]:
         row = self.store.job(job_id)
-        totals = fold(self.store.events(job_id, kinds=["llm_response"])).totals
+        totals = fold(self.store.events(job_id, kinds=["llm_response"]), runs=False).totals
         cost = totals.cost_usd(str(row["model"]))
         return totals.total_tokens, None if cost is None else float(cost)
 

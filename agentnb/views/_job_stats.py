@@ -71,7 +71,7 @@ def stats_from_timeline(job: JobRecord, tl: Timeline, now: float | None = None) 
 
 
 def stats_from_events(job: JobRecord, events: Sequence[Event], now: float | None = None) -> JobStats:
-    return stats_from_timeline(job, fold(events), now)
+    return stats_from_timeline(job, fold(events, runs=False), now)
 
 
 def job_stats(ws: JobSource, job_id: int) -> JobStats:

@@ -93,9 +93,9 @@ def job_totals(store: Store, root: int, children: Mapping[int, list[int]], model
         stack.extend(children.get(job_id, ()))
     out.subtasks = len(tree) - 1
     for job_id in tree:
-        t = fold(store.events(job_id, kinds=["job_status", "movement_start", "llm_response"])).totals
+        t = fold(store.events(job_id, kinds=["job_status", "movement_start", "llm_response"]), runs=False).totals
         if t.recovered:  # a recovered interval ends at its dead holder's last event, of whatever kind (rare)
-            t = fold(store.events(job_id)).totals
+            t = fold(store.events(job_id), runs=False).totals
         out.movements += t.movements
         out.llm_calls += t.calls
         out.prompt_tokens += t.prompt_tokens
@@ -109,7 +109,7 @@ def job_totals(store: Store, root: int, children: Mapping[int, list[int]], model
 
 
 def _latest_scores(store: Store, job_id: int) -> dict[str, ScoreEvent]:
-    return dict(fold(store.events(job_id, kinds=["score"])).totals.scores)  # the last one of each name
+    return dict(fold(store.events(job_id, kinds=["score"]), runs=False).totals.scores)  # the last one of each name
 
 
 def _score_dtype(values: Iterable[Any]) -> str:
@@ -403,4 +403,4 @@ def _score_tip(name: str) -> str:
 
 def _question(store: Store, job_id: int) -> str | None:
     """The question a job waiting for a human asked: its last ``ASK`` transition's."""
-    return fold(store.events(job_id, kinds=["transition"])).totals.question
+    return fold(store.events(job_id, kinds=["transition"]), runs=False).totals.question

@@ -197,13 +197,15 @@ class RunningClock:
         self._last = 0.0  # the latest event of the open interval's holder
 
     def see(self, ev: Event) -> None:
-        if isinstance(ev, JobStatusEvent):
+        kind = type(ev)
+        if kind is JobStatusEvent:
+            assert isinstance(ev, JobStatusEvent)  # for the type checker: the kind is exact
             if self.since is not None:
                 end = min(self._last, ev.ts) if is_recovery(ev.reason) else ev.ts
                 self.total += max(0.0, end - self.since)
             self.since = ev.ts if ev.status == "running" else None
             self._last = ev.ts
-        elif self.since is not None and not isinstance(ev, CommentEvent | ScoreEvent):  # not the holder's own
+        elif self.since is not None and kind is not CommentEvent and kind is not ScoreEvent:  # not the holder's own
             self._last = max(self._last, ev.ts)
 
     def seconds(self, now: float | None = None) -> float:
@@ -220,31 +222,43 @@ class _CallParts:
         self.iteration = iteration
         self.items: list[CallItem] = []
         self.open: dict[str, int] = {}  # call id → the index of its ToolUse, until its result comes
+        self.tools: list[str] = []
+        self.answered = self.summarising = False
+        self.tokens = 0
         self.frozen: Call | None = None
 
     def add(self, ev: Event) -> None:
+        # exact types, not isinstance: the fold sees every event of a job each time a view is drawn
         self.frozen = None
-        if isinstance(ev, ToolCallEvent):
-            self.open[ev.call_id] = len(self.items)
-            self.items.append(ToolUse(ev, None))
-        elif isinstance(ev, ToolResult):
-            at = self.open.pop(ev.call_id, None)
+        kind = type(ev)
+        if kind is ToolCallEvent:
+            self.open[ev.call_id] = len(self.items)  # type: ignore[union-attr]
+            self.items.append(ToolUse(ev, None))  # type: ignore[arg-type]
+            self.tools.append(ev.tool)  # type: ignore[union-attr]
+            return
+        if kind is ToolResult:
+            at = self.open.pop(ev.call_id, None)  # type: ignore[union-attr]
             if at is None:
-                self.items.append(ToolUse(None, ev))
+                self.items.append(ToolUse(None, ev))  # type: ignore[arg-type]
             else:
-                self.items[at] = ToolUse(self.items[at].call, ev)  # type: ignore[union-attr]
-        else:
-            self.items.append(ev)
+                self._answer(at, ev)  # type: ignore[arg-type]
+            return
+        if kind is LLMResponse:
+            self.answered = True
+            self.tokens += ev.usage.total_tokens  # type: ignore[union-attr]
+        if (kind is LLMResponse or kind is LLMRequest) and ev.purpose == "compaction":  # type: ignore[union-attr]
+            self.summarising = True
+        self.items.append(ev)
+
+    def _answer(self, at: int, result: ToolResult) -> None:
+        use = self.items[at]
+        assert isinstance(use, ToolUse)
+        self.items[at] = ToolUse(use.call, result)
 
     def freeze(self) -> Call:
         if self.frozen is None:
-            responses = [e for e in self.items if isinstance(e, LLMResponse)]
-            self.frozen = Call(
-                iteration=self.iteration, items=tuple(self.items), answered=bool(responses),
-                summarising=any(isinstance(e, LLMRequest | LLMResponse) and e.purpose == "compaction"
-                                for e in self.items),
-                tokens=sum(e.usage.total_tokens for e in responses),
-                tools=tuple(e.call.tool for e in self.items if isinstance(e, ToolUse) and e.call is not None))
+            self.frozen = Call(iteration=self.iteration, items=tuple(self.items), answered=self.answered,
+                               summarising=self.summarising, tokens=self.tokens, tools=tuple(self.tools))
         return self.frozen
 
 
@@ -265,13 +279,17 @@ class _RunParts:
 
     def add(self, ev: Event) -> None:
         self.frozen = None
-        if isinstance(ev, MovementStart):
-            self.start = self.start or ev
+        kind = type(ev)
+        if kind is MovementStart:
+            self.start = self.start or ev  # type: ignore[assignment]
             return
-        if not self.calls or self.calls[-1].iteration != ev.iteration:
-            self.calls.append(_CallParts(ev.iteration))
-        self.calls[-1].add(ev)
-        _RUN_FACTS.get(type(ev), _ignore)(self, ev)
+        calls = self.calls
+        if not calls or calls[-1].iteration != ev.iteration:
+            calls.append(_CallParts(ev.iteration))
+        calls[-1].add(ev)
+        facts = _RUN_FACTS.get(kind)
+        if facts is not None:
+            facts(self, ev)
 
     def freeze(self) -> MovementRun:
         if self.frozen is None:
@@ -285,10 +303,6 @@ class _RunParts:
                 compactions=tuple(lists[Compaction]), divergences=tuple(lists[ReplayDivergence]),  # type: ignore[arg-type]
                 loops=tuple(lists[LoopDetected]))  # type: ignore[arg-type]
         return self.frozen
-
-
-def _ignore(_parts: object, _ev: Event) -> None:
-    return None
 
 
 def _run_response(run: _RunParts, ev: LLMResponse) -> None:
@@ -344,7 +358,9 @@ class _JobNumbers:
 
     def add(self, ev: Event) -> None:
         self.clock.see(ev)
-        _JOB_FACTS.get(type(ev), _ignore)(self, ev)
+        facts = _JOB_FACTS.get(type(ev))
+        if facts is not None:
+            facts(self, ev)
 
     def freeze(self) -> Totals:
         return Totals(
@@ -430,7 +446,8 @@ class Fold:
     """A job's timeline being folded: ``add`` events in the order they were recorded (all of them, or those
     after :attr:`last_id`), and get a frozen :class:`Timeline` back; only what changed is frozen again."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, runs: bool = True) -> None:
+        self._with_runs = runs  # False: only the job's totals (the numbers of a header), the runs left empty
         self._entries: list[int | CommentEvent | ErrorEvent] = []
         self._runs: dict[int, _RunParts] = {}
         self._asked: set[str] = set()
@@ -446,12 +463,15 @@ class Fold:
         if ev.id is not None and ev.id > self.last_id:
             self.last_id = ev.id
         self._numbers.add(ev)
-        if isinstance(ev, Transition) and ev.question:
-            self._asked.add(ev.question)
+        kind = type(ev)
+        if kind is Transition and ev.question:  # type: ignore[union-attr]
+            self._asked.add(ev.question)  # type: ignore[union-attr]
         seq = ev.movement_seq
+        if not self._with_runs:
+            return
         if seq is None:
-            if isinstance(ev, CommentEvent | ErrorEvent):
-                self._entries.append(ev)
+            if kind is CommentEvent or kind is ErrorEvent:
+                self._entries.append(ev)  # type: ignore[arg-type]
             return
         run = self._runs.get(seq)
         if run is None:
@@ -466,6 +486,7 @@ class Fold:
                         last_id=self.last_id)
 
 
-def fold(events: Iterable[Event]) -> Timeline:
-    """The timeline of a job's events (all of them, oldest first; any subset folds the same way)."""
-    return Fold().add(events)
+def fold(events: Iterable[Event], *, runs: bool = True) -> Timeline:
+    """The timeline of a job's events (all of them, oldest first; any subset folds the same way); ``runs=False``
+    folds only its :class:`Totals` (its runs and entries are then empty), for a view that shows numbers only."""
+    return Fold(runs=runs).add(events)
