@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .engine.context import context_items
 from .engine.pieces import PieceError, available_pieces
@@ -29,7 +29,7 @@ from .events import payload_dict
 from .executor import GRACE, check_poll, check_slots
 from .interrupts import Terminated, sigterm_interrupts
 from .store import BACKEND_ERRORS, describe_error
-from .views.timeline import fold
+from .views.timeline import MovementRun, fold
 
 if TYPE_CHECKING:
     from .workspace import Job, Workspace
@@ -109,6 +109,16 @@ def _question(ws: Workspace, job: Job) -> str | None:
     return str(asked[-1]["body"]) if asked else None
 
 
+def _run_line(mv: dict[str, Any], run: MovementRun | None, served_from: int | None) -> str:
+    """A movement run as ``agentnb show`` lists it (``mv``: its row of ``ws.movements``)."""
+    n = len(run.compactions) if run is not None else 0
+    forced = (" (forced)" if mv["forced"] else "") + (f" ({n} compaction{'s' if n > 1 else ''})" if n else "") \
+        + (" (loop detected)" if run is not None and run.loops else "")
+    served = f"re-served from job {served_from}: " if served_from is not None else ""
+    return (f"  {mv['seq']:>2}. {mv['name']:<14} {served}{mv['iterations']:>3} {'call ' if mv['iterations'] == 1 else 'calls'} → {mv['next_step'] or '…'}{forced}"
+            + (f"  {mv['summary']}" if mv["summary"] else ""))
+
+
 def _print_job(ws: Workspace, job: Job) -> None:
     print(f"job {job.id}: {job.status}  piece={job.piece} model={job.model}")
     if job.forked_from is not None:
@@ -118,13 +128,7 @@ def _print_job(ws: Workspace, job: Job) -> None:
     tl = fold(ws.events(job, kinds=["movement_start", "compaction", "loop_detected"]))
     reserved = tl.reserved_runs() if job.forked_from else {}
     for mv in ws.movements(job):
-        run = tl.run(mv["seq"])
-        n = len(run.compactions) if run is not None else 0
-        forced = (" (forced)" if mv["forced"] else "") + (f" ({n} compaction{'s' if n > 1 else ''})" if n else "") \
-            + (" (loop detected)" if run is not None and run.loops else "")
-        served = f"re-served from job {reserved[mv['seq']]}: " if mv["seq"] in reserved else ""
-        print(f"  {mv['seq']:>2}. {mv['name']:<14} {served}{mv['iterations']:>3} {'call ' if mv['iterations'] == 1 else 'calls'} → {mv['next_step'] or '…'}{forced}"
-              + (f"  {mv['summary']}" if mv["summary"] else ""))
+        print(_run_line(mv, tl.run(mv["seq"]), reserved.get(mv["seq"])))
     print(f"  tokens: {ws.store.total_tokens(job.id):,}")
     if job.error:
         print(f"  error: {job.error}")
