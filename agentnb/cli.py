@@ -86,7 +86,7 @@ def _folder(args: argparse.Namespace) -> Path:
 def _workspace(args: argparse.Namespace, *, readonly: bool = False) -> Workspace:
     from .workspace import Workspace
 
-    # --store, else $AGENTNB_STORE (read by Workspace), else the folder's own agentnb.sqlite (DESIGN §13)
+    # --store, else $AGENTNB_STORE (read by Workspace), else the folder's own agentnb.sqlite (docs/stores.md)
     ws = Workspace(_folder(args), readonly=readonly, store=getattr(args, "store", None),
                    lease=getattr(args, "lease", None))
     _OPENED.append(ws)

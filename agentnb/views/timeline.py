@@ -48,7 +48,7 @@ __all__ = ["Call", "Fold", "MovementRun", "RunningClock", "Timeline", "ToolUse",
 
 
 def is_compaction_error(ev: ErrorEvent) -> bool:
-    """A summarisation call that failed (docs/context.md): the movement went on uncompacted; no failure."""
+    """A summarisation call that failed (docs/context.md#compaction): the movement went on uncompacted; no failure."""
     return ev.where == "compaction"
 
 

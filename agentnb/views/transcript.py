@@ -302,7 +302,7 @@ class _RunText:
         u = ev.usage
         served = f", re-served from job {ev.replayed_from}" if ev.replayed_from is not None else ""
         if ev.purpose == "compaction":
-            # a compaction's summarisation call (docs/context.md): its summary is in the compaction line below
+            # a compaction's summarisation call (docs/context.md#compaction): its summary is in the compaction line below
             return [f"--- summarisation call {ev.iteration} (compaction, no tools): {u.prompt_tokens:,} prompt + "
                     f"{u.completion_tokens:,} completion tokens" + served]
         out = [f"--- call {ev.iteration}: {u.prompt_tokens:,} prompt + {u.completion_tokens:,} completion "
