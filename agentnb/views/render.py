@@ -637,7 +637,7 @@ def header_html(ws: JobSource, job_id: int) -> str:
     """The header line of a job: piece, model, status, movements run, calls, tokens, cost, elapsed, the latest
     score of each name (no <style>)."""
     job = ws.job(job_id).snapshot()
-    tl = fold(ws.events(job_id))
+    tl = fold(ws.events(job_id), runs=False)  # the numbers and the re-served runs only
     return _inline(_header(job, stats_from_timeline(job, tl), _piece_max(ws, job_id), fork=fork_lines(job, tl)))
 
 

@@ -146,6 +146,7 @@ class Totals:
     question: str | None = None  # the latest question asked (open or not)
     errors: tuple[str, ...] = ()  # failures, job-level and in runs
     scores: Mapping[str, ScoreEvent] = field(default_factory=dict)  # the latest score of each name
+    reserved: Mapping[int, int] = field(default_factory=dict)  # run → the job it was re-served from (a fork's)
     status_reason: str | None = None  # the last job_status event's reason
     status_events: bool = False  # a store written before job_status events has none
     recovered: bool = False  # a job_status event says a holder was gone (the clock then reads every event)
@@ -179,7 +180,7 @@ class Timeline:
 
     def reserved_runs(self) -> dict[int, int]:
         """Movement run → the job it was re-served from (a fork's or a ``replay:`` job's runs)."""
-        return {seq: run.replayed_from for seq, run in self.runs.items() if run.replayed_from is not None}
+        return dict(self.totals.reserved)
 
 
 # -- folding ---------------------------------------------------------------------------------------------
@@ -351,6 +352,7 @@ class _JobNumbers:
         self.question: str | None = None
         self.errors: list[str] = []
         self.scores: dict[str, ScoreEvent] = {}
+        self.reserved: dict[int, int] = {}
         self.reason: str | None = None
         self.status_events = False
         self.recovered = False
@@ -368,7 +370,7 @@ class _JobNumbers:
             completion_tokens=self.completion, total_tokens=self.total, usage=tuple(self.usage),
             last_seq=self.last_seq, last_ratio=self.last_ratio, last_tokens=self.last_tokens, window=self.window,
             actions=tuple(self.actions), latest=self.latest, question=self.question, errors=tuple(self.errors),
-            scores=dict(self.scores), status_reason=self.reason, status_events=self.status_events,
+            scores=dict(self.scores), reserved=dict(self.reserved), status_reason=self.reason, status_events=self.status_events,
             recovered=self.recovered,
             running_s=self.clock.total, running_since=self.clock.since)
 
@@ -380,6 +382,8 @@ def _job_status(n: _JobNumbers, ev: JobStatusEvent) -> None:
 
 
 def _job_start(n: _JobNumbers, ev: MovementStart) -> None:
+    if ev.replayed_from is not None and ev.movement_seq is not None:
+        n.reserved[ev.movement_seq] = ev.replayed_from
     n.movements += 1
     n.last_seq = ev.movement_seq
     n.last_ratio = n.last_tokens = None
@@ -455,29 +459,30 @@ class Fold:
         self.last_id = 0
 
     def add(self, events: Iterable[Event]) -> Timeline:
+        # one loop with its lookups held in locals: every view of a job folds all of its events
+        numbers, runs, entries, asked = self._numbers, self._runs, self._entries, self._asked
+        last: _RunParts | None = None
         for ev in events:
-            self._add(ev)
+            if ev.id is not None and ev.id > self.last_id:
+                self.last_id = ev.id
+            numbers.add(ev)
+            kind = type(ev)
+            if kind is Transition and ev.question:  # type: ignore[union-attr]
+                asked.add(ev.question)  # type: ignore[union-attr]
+            seq = ev.movement_seq
+            if not self._with_runs:
+                continue
+            if seq is None:
+                if kind is CommentEvent or kind is ErrorEvent:
+                    entries.append(ev)  # type: ignore[arg-type]
+                continue
+            if last is None or last.seq != seq:
+                last = runs.get(seq)
+                if last is None:
+                    last = runs[seq] = _RunParts(seq)
+                    entries.append(seq)
+            last.add(ev)
         return self.timeline()
-
-    def _add(self, ev: Event) -> None:
-        if ev.id is not None and ev.id > self.last_id:
-            self.last_id = ev.id
-        self._numbers.add(ev)
-        kind = type(ev)
-        if kind is Transition and ev.question:  # type: ignore[union-attr]
-            self._asked.add(ev.question)  # type: ignore[union-attr]
-        seq = ev.movement_seq
-        if not self._with_runs:
-            return
-        if seq is None:
-            if kind is CommentEvent or kind is ErrorEvent:
-                self._entries.append(ev)  # type: ignore[arg-type]
-            return
-        run = self._runs.get(seq)
-        if run is None:
-            run = self._runs[seq] = _RunParts(seq)
-            self._entries.append(seq)
-        run.add(ev)
 
     def timeline(self) -> Timeline:
         runs = {seq: parts.freeze() for seq, parts in self._runs.items()}
