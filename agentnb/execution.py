@@ -238,7 +238,7 @@ class Execution:
 
     def _recorded_clock(self, row: Mapping[str, Any]) -> str | None:
         """The date and time a replay, or a fork up to its fork point, puts in its prompts: its original's
-        for the movement run about to start, so that those prompts are the original's (DESIGN §11)."""
+        for the movement run about to start, so that those prompts are the original's (docs/fork-compare.md)."""
         seq = int(row.get("movement_seq") or 0) + 1
         source: int | None = None
         if row.get("forked_from_job") and seq <= int(row.get("forked_from_seq") or 0):

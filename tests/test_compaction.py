@@ -1,4 +1,4 @@
-"""Compaction (DESIGN §12, issue 16's "How this will be checked"), through the public API and real parts.
+"""Compaction (docs/context.md#compaction, issue 16's "How this will be checked"), through the public API and real parts.
 
 Most jobs run on ``openai:`` against the loopback server of ``tests/openai_server.py``, which keeps every
 request body and answers with the ``usage.prompt_tokens`` each test chooses, so the thresholds are crossed
@@ -253,7 +253,7 @@ def test_usage_rows_count_the_summarisation_calls(server: OpenAIServer, tmp_path
     assert list(usage["completion_tokens"]) == [a["usage"][1] for a in TWO_COMPACTIONS]
     assert list(usage["source"]) == ["usage"] * 9
     assert usage["cumulative_tokens"].iloc[-1] == sum(sum(a["usage"]) for a in TWO_COMPACTIONS)
-    # the summarisation calls fire no context action (their row says compaction, DESIGN §12); the conversation
+    # the summarisation calls fire no context action (their row says compaction, docs/context.md#compaction); the conversation
     # calls after them fire warn/prompt again
     assert list(usage["actions"].fillna("")) == ["", "", "warn,prompt", "compaction", "", "warn,prompt", "compaction",
                                                  "warn", ""]

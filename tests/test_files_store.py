@@ -1,4 +1,4 @@
-"""A job's files without a shared filesystem (DESIGN §13, issue 17): on PostgreSQL a job's ``input/`` goes into the
+"""A job's files without a shared filesystem (docs/stores.md#files, issue 17): on PostgreSQL a job's ``input/`` goes into the
 store at submit, each movement's changes go back at its end, a worker materialises the files in its own folder
 when it claims the job, and ``ws.files``/``ws.pull`` read them from any machine; on SQLite the same two read the
 work directory on disk.  A per-job size limit, at submit and at movement end."""

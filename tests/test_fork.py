@@ -1,4 +1,4 @@
-"""Forks and replays (DESIGN §11): re-served runs spend nothing, rebuild the work directory and are checked."""
+"""Forks and replays (docs/fork-compare.md#fork): re-served runs spend nothing, rebuild the work directory and are checked."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A holder that lost its lease stops at once (DESIGN §13; note17's limit): before each LLM call and each tool
+"""A holder that lost its lease stops at once (docs/stores.md#leases; note17's limit): before each LLM call and each tool
 call — between the tool calls of one response too — the running job checks the lease it holds, and stops as a
 refused write does (``job N: lease lost to another worker; stopping``, not failed, nothing written).  A lease is
 lost when another claimer took it, or when the store did not answer for a whole lease (a SQLite file locked by

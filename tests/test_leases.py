@@ -1,4 +1,4 @@
-"""Leases and fencing (DESIGN §13, issue 17) on both backends: a claim leases its job, its holder renews the
+"""Leases and fencing (docs/stores.md#leases, issue 17) on both backends: a claim leases its job, its holder renews the
 lease, a job whose lease ran out goes back to the queue (``recovered: lease expired``) and resumes from its
 events, and a holder that lost its lease writes nothing more for the job (SIGKILL and SIGSTOP of real worker
 processes, each in a scratch folder of its own, sharing only the store)."""
@@ -74,7 +74,7 @@ def _trace(ws: Workspace, job_id: int) -> list[tuple[Any, ...]]:
 
 def _resumed(trace: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """``trace`` without the one ``llm_request`` a cut-short call left: it was made, and recorded (durable
-    before the call, DESIGN §5) while its holder still held the lease; the resumed run asks the same again."""
+    before the call, docs/events.md) while its holder still held the lease; the resumed run asks the same again."""
     cut = [i for i in range(len(trace) - 1) if trace[i][0] == "llm_request" and trace[i] == trace[i + 1]]
     assert len(cut) == 1, trace
     return trace[:cut[0]] + trace[cut[0] + 1:]

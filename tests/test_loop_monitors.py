@@ -1,4 +1,4 @@
-"""Loop monitors (DESIGN §12): a cycle of movements repeated ``threshold`` times is recorded as
+"""Loop monitors (docs/context.md#loop-monitors): a cycle of movements repeated ``threshold`` times is recorded as
 ``loop_detected`` and judged (a movement run named after the monitor) or sent to the monitor's ``next``."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_judge_stops_a_two_movement_loop(tmp_path: Path) -> None:
     (ev,) = _loops(ws, job)
     assert (ev.cycle, ev.count, ev.movement_seq, ev.runs) == (["review", "fix"], 2, 5, [2, 3, 4, 5])
     assert ev.summaries == ["review round 1", "fix round 1", "review round 2", "fix round 2"]
-    assert ev.payload["summaries"] == ev.summaries  # the stored payload: DESIGN §12's fields
+    assert ev.payload["summaries"] == ev.summaries  # the stored payload: docs/events.md's fields
     # the judge's run is an ordinary movement run: its prompt holds the loop's summaries, no tools
     (prompt,) = user_prompts(ws, job, JUDGE)
     assert "Decide." in prompt and "review round 2" in prompt and "fix round 1" in prompt

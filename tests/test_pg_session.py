@@ -1,4 +1,4 @@
-"""A worker frozen inside a PostgreSQL transaction cannot stall the others (DESIGN §13; note17's limit): every
+"""A worker frozen inside a PostgreSQL transaction cannot stall the others (docs/stores.md#workers; note17's limit): every
 store connection asks the server to end a transaction idle for a whole lease
 (``idle_in_transaction_session_timeout``) and uses TCP keepalives within a lease (agentnb/store/pg_session.py).
 A real process is frozen (SIGSTOP) in the middle of a transaction through the store API; the others go on once

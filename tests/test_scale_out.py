@@ -123,7 +123,7 @@ def _statuses(ws: Workspace, job_id: int) -> list[tuple[str, str]]:
 
 def _without_recovery(events: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """A recovered job's events minus what the recovery adds: the ``queued``/``running`` job_status pair of the
-    take-back, and the one ``llm_request`` the cut-short call left (recorded before the call, DESIGN §5, while
+    take-back, and the one ``llm_request`` the cut-short call left (recorded before the call, docs/events.md, while
     its holder still held the lease; the resumed run asks the same again)."""
     out = list(events)
     back = [i for i, e in enumerate(out) if e[0] == "job_status" and e[3]["reason"] == LEASE_EXPIRED]

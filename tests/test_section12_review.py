@@ -1,4 +1,4 @@
-"""Issue 16 reviewed as its checker would (DESIGN §12): jobs the authors' tests did not run.
+"""Issue 16 reviewed as its checker would (docs/context.md): jobs the authors' tests did not run.
 
 Compaction in the middle movement of three pieces, set on that movement only and overridden per job, with tool
 mixes, a reminder at the crossing and ``max_iterations`` right after a compaction; every message sent after a

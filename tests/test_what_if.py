@@ -1,4 +1,4 @@
-"""What-if for the ContextManager (DESIGN §11): ``ws.frames.what_if`` and ``plot_usage(what_if=…)``.
+"""What-if for the ContextManager (docs/fork-compare.md#what-if): ``ws.frames.what_if`` and ``plot_usage(what_if=…)``.
 
 The job below reports its own usage, in a 10,000-token window, over four movement runs (a movement run
 twice, so the once-per-run re-arming is seen), so every ratio is known and the expected actions are written
