@@ -20,7 +20,7 @@ from agentnb.engine.context import (
 )
 from agentnb.engine.tokens import TokenCounter, counter_for_model
 from agentnb.models.base import ModelSpecError
-from agentnb.models.messages import AssistantMessage, ToolMessage
+from agentnb.models.messages import AssistantMessage, TokenUsage, ToolMessage
 
 NOTES = "".join(f"note line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(3000))
 
@@ -348,7 +348,7 @@ def test_tool_budget_is_half_the_available_capped_and_floored() -> None:
     big = ContextManager(window=1_000_000, model="gpt-4o")
     assert big.tool_budget() == MAX_TOOL_TOKENS
     cm = ContextManager(window=10_000, model="gpt-4o", min_tool_tokens=300)
-    cm.after_response(AssistantMessage("x"), {"prompt_tokens": 4_000, "completion_tokens": 0})
+    cm.after_response(AssistantMessage("x"), TokenUsage(prompt_tokens=4_000, completion_tokens=0))
     assert cm.tool_budget() == 3_000
     cm.add(ToolMessage("c1", "y" * 40_000))
     assert cm.tool_budget() == 300  # nothing much left: the floor

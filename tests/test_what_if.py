@@ -42,7 +42,7 @@ from agentnb.engine.context import ContextManager
 from agentnb.engine.tokens import counter_for_model
 from agentnb.errors import AgentnbError, UsageError
 from agentnb.events import ACTIONS
-from agentnb.models.messages import AssistantMessage
+from agentnb.models.messages import AssistantMessage, TokenUsage
 from agentnb.views.frames import COLUMNS
 from agentnb.views.what_if import WHAT_IF_COLUMNS, simulate
 
@@ -214,7 +214,7 @@ def _reference(prompts: list[int], runs: list[int], window: int, thresholds: dic
             cm, last = ContextManager(window=window, thresholds=thresholds, counter=counter), run
         assert cm is not None
         decision = cm.after_response(AssistantMessage(""),
-                                     {"prompt_tokens": prompt, "completion_tokens": 1})
+                                     TokenUsage(prompt_tokens=prompt, completion_tokens=1))
         out.append(",".join(a for a, _ in decision.fired) or None)
     return out
 
