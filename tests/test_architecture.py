@@ -215,6 +215,15 @@ def test_the_views_never_import_the_facade_the_notebook_or_the_cli() -> None:
     assert not found, "the views import a layer above them:\n" + "\n".join(found)
 
 
+def test_the_live_subscription_sits_below_the_store_and_the_engine() -> None:
+    # both stores publish to agentnb.live after each commit and the engine its notices, so it imports nothing of
+    # agentnb but the events: any other import would pull a layer above them in, or make a cycle
+    found = sorted({imp.module for imp in imports("agentnb.live") if imp.module.startswith("agentnb")})
+    assert found == ["agentnb.events"], found
+    users = {m for m in MODULES for imp in imports(m) if imp.module == "agentnb.live"}
+    assert {"agentnb.store._rows", "agentnb.engine.loop", "agentnb.notebook.liveview"} <= users
+
+
 def test_the_checks_see_the_imports_they_must() -> None:
     # the reader itself, on a made-up tools/base.py: imports under TYPE_CHECKING and inside functions are
     # found, relative ones resolved to modules (a submodule imported by name too), private names kept

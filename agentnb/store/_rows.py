@@ -19,15 +19,27 @@ the few methods it overrides (``_instruction_ref``, ``_put_text``, ``_text``; Po
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
 
+from .. import live
 from .._secrets import might_hold_secret, scrub, scrub_data
 from ..errors import StoreError
-from ..events import CommentEvent, Event, EventBase, JobStatusEvent, check_event, encode_payload, payload_dict
+from ..events import (
+    CommentEvent,
+    Event,
+    EventBase,
+    JobStatusEvent,
+    check_event,
+    encode_payload,
+    event_from_row,
+    payload_dict,
+)
 from .base import TERMINAL_STATES
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
 
@@ -62,6 +74,15 @@ def events_query(payload: str, job_id: int, after_id: int, kinds: Sequence[str] 
 
 
 C = TypeVar("C")  # the store's connection: the transaction a row is built in
+
+# the live subscription (live.py): per thread, store → the (event id, row) its open transaction appended that a
+# subscriber wants, published once that transaction commits; and whether the thread holds _PUBLISHING
+_OPEN = threading.local()
+# PostgreSQL commits in many threads at once: a transaction with events to publish takes this lock before its
+# commit and keeps it until they are published, so subscribers see them in commit order (SQLite's store lock
+# does that already).  Taken only when somebody listens, so unwatched jobs commit side by side.
+_PUBLISHING = threading.RLock()
+_log = logging.getLogger("agentnb.live")
 
 
 class StoreRows(ABC, Generic[C]):
@@ -220,6 +241,45 @@ class StoreRows(ABC, Generic[C]):
                 if isinstance(data.get(key), str):
                     data[key] = data[key].replace(TEXT_REF, self._text(ref))
         return (*row[:6], data)
+
+    # -- the live subscription (live.py) --------------------------------------------------------------------
+    def _live_wants(self, rows: Sequence[tuple[Any, ...]]) -> bool:
+        """Whether a subscriber listens to the job of any of these event rows (one dictionary test when none)."""
+        return live.wants(self, (r[0] for r in rows))  # type: ignore[arg-type]
+
+    def _live_rows(self, rows: Sequence[tuple[Any, ...]], ids: Iterable[int]) -> None:
+        """Keep the event rows just inserted, with their ids, to publish when the transaction commits."""
+        pending: dict[int, list[tuple[Any, ...]]] | None = getattr(_OPEN, "tx", None)
+        if pending is None:
+            pending = _OPEN.tx = {}
+        pending.setdefault(id(self), []).extend((i, *row) for i, row in zip(ids, rows, strict=True))
+
+    def _live_ready(self) -> None:
+        """Just before the commit (PostgreSQL): take the publishing lock if this transaction has events to publish."""
+        pending = getattr(_OPEN, "tx", None)
+        if pending and id(self) in pending:
+            held: set[int] | None = getattr(_OPEN, "held", None)
+            if held is None:
+                held = _OPEN.held = set()
+            if id(self) not in held:
+                _PUBLISHING.acquire()
+                held.add(id(self))
+
+    def _live_end(self, committed: bool) -> None:
+        """When the thread's outermost transaction has ended: publish what it appended if it committed (never what
+        a rollback undid), then let the next committer publish.  Nothing here raises into the committed write."""
+        pending = getattr(_OPEN, "tx", None)
+        rows = pending.pop(id(self), None) if pending else None
+        try:
+            if committed and rows:
+                live.publish(self, [event_from_row(self._expand(r)) for r in rows])  # type: ignore[arg-type]
+        except Exception:  # the events are stored: a subscriber reads them from the store instead
+            _log.exception("agentnb: the committed events of a transaction could not be published")
+        finally:
+            held: set[int] | None = getattr(_OPEN, "held", None)
+            if held and id(self) in held:
+                held.discard(id(self))
+                _PUBLISHING.release()
 
     # -- large texts, stored once (see texts.py) --------------------------------------
     def _ref_instruction(self, c: C, values: dict[str, Any]) -> None:
