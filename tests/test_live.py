@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _scripting import call, transition, write_piece, write_script
 
+import agentnb
 from agentnb import Workspace, live
 from agentnb.events import CommentEvent, Event, LLMRequest, LLMResponse
 from agentnb.live import Notice
@@ -213,3 +215,47 @@ def test_a_response_event_arrives_with_its_usage(tmp_path: Path) -> None:
         responses = [e for e in got.events if isinstance(e, LLMResponse)]
         assert len(responses) == 3 and all(r.usage.total_tokens > 0 for r in responses)
         assert responses[0].tool_calls[0].name == "Glob"
+
+
+def test_the_live_view_redraws_what_its_run_committed_before_it_began_to_watch(tmp_path: Path) -> None:
+    # The magic starts the run, then watches: a run quick to reach a slow tool has committed its first calls
+    # before the watch begins, and the view must show them then, not only at the next commit (seen under load:
+    # the view stayed on its first drawing while the job waited in a tool)
+    from agentnb.notebook.liveview import LiveView
+    from agentnb.tools.base import unregister
+
+    entered, gate = threading.Event(), threading.Event()
+
+    @agentnb.tool(name="TestLiveGate")
+    def live_gate() -> str:
+        """Wait for the test."""
+        entered.set()
+        return "opened" if gate.wait(60) else "timed out"
+
+    try:
+        piece = write_piece(tmp_path, "gated", {"movements": [{
+            "name": "work", "persona": "p", "instruction": "i", "tools": ["TestLiveGate"],
+            "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+        script = write_script(tmp_path, "gated-script", {"work": [call("TestLiveGate"), transition("COMPLETE")]})
+        with Workspace(tmp_path / "ws") as ws:
+            job = ws.submit("t", piece=piece, model=script)
+            view = LiveView(ws.store)
+            view.start(lambda: ws.run(job.id), job.id)
+            assert entered.wait(60)  # the call and its tool call are committed; nothing more until the gate opens
+            drawn: list[int] = []
+            watcher = threading.Thread(target=view.watch, args=(drawn.append,))
+            watcher.start()
+            try:
+                deadline = time.monotonic() + 10
+                while not drawn and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert drawn == [ws.store.last_event_id(job.id)]  # drawn at once, before any further commit
+            finally:
+                gate.set()
+                watcher.join(60)
+                view.close()
+            assert view.failure is None and drawn[-1] == ws.store.last_event_id(job.id)
+            assert ws.job(job.id).status == "succeeded"
+    finally:
+        gate.set()
+        unregister("TestLiveGate")

@@ -54,6 +54,7 @@ class LiveView:
         self._sub: live.Subscription | None = None
         self._thread: threading.Thread | None = None
         self._polled: Hashable = _UNREAD  # the store's mark as next_change last read it
+        self._started_at = 0  # last_event when the current run began
 
     # -- the run -------------------------------------------------------------------------------------------------
     @property
@@ -71,6 +72,8 @@ class LiveView:
             raise RuntimeError("this live view already runs a job")
         if job_id is not None:
             self.follow(job_id)
+        # what the view showed when the run began: events the run commits before watch() starts are news too
+        self._started_at = self.last_event
         self.failure = None
         self.done.clear()
 
@@ -135,7 +138,7 @@ class LiveView:
 
         Waits in short slices, so that a Ctrl-C in the notebook's main thread is taken at once.
         """
-        seen = self.last_event
+        seen = self._started_at
         while self.running:
             if self.wait(0.5) and self.last_event != seen:
                 seen = self.last_event
