@@ -70,11 +70,11 @@ class Job:
     workdir: Path
     created: float
     workspace: JobHost | None = field(default=None, repr=False)
-    # a batch's job (DESIGN §10): the batch name, the case index and the variant index
+    # a batch's job (docs/design-lab.md): the batch name, the case index and the variant index
     batch: str | None = None
     case: int | None = None
     variant: int | None = field(default=None, repr=False)
-    # a fork (DESIGN §11): (the original job's id, the movement run it runs live from)
+    # a fork (docs/fork-compare.md#fork): (the original job's id, the movement run it runs live from)
     forked_from: tuple[int, int] | None = None
     # the changing columns as last read; a snapshot (or a Job without a workspace) only ever shows these
     _row: Mapping[str, Any] = field(default_factory=dict, repr=False)

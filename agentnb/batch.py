@@ -1,4 +1,4 @@
-"""Batches (DESIGN §10): cases × variants, each an ordinary job, run concurrently, scored and compared.
+"""Batches (docs/design-lab.md): cases × variants, each an ordinary job, run concurrently, scored and compared.
 
 ``ws.batch(cases, piece=[…], model=[…], name=…)`` checks every case and variant before anything is
 stored, then creates the batch row and all its jobs in one transaction (a refused batch leaves nothing
@@ -446,7 +446,7 @@ class Batch:
     # -- results (views of the store) -----------------------------------------------------------------------------
     @property
     def frame(self) -> pd.DataFrame:
-        """One row per case × variant (DESIGN §10): ``case``, ``instruction``, the case's own columns,
+        """One row per case × variant (docs/design-lab.md): ``case``, ``instruction``, the case's own columns,
         ``expected``, ``variant``, ``variant_label`` (short: the piece and the model's short spec), ``piece``,
         ``model`` (the full spec), ``job``, ``status``, then the totals of the job and
         its subtasks (``subtasks``, ``movements``, ``llm_calls``, the tokens, ``cost_usd``, ``seconds`` of
@@ -457,7 +457,7 @@ class Batch:
         return batch_frame(self)
 
     def summary(self) -> pd.DataFrame:
-        """One row per variant (DESIGN §10): ``variant``, ``variant_label``, counts by status,
+        """One row per variant (docs/design-lab.md): ``variant``, ``variant_label``, counts by status,
         ``mean_<score>`` of each boolean or numeric score, mean/median tokens, total and mean cost, p50/p95
         running seconds of the ended jobs, then the full ``piece`` and ``model``."""
         from .views.batch_frames import batch_summary

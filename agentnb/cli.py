@@ -85,7 +85,7 @@ def _folder(args: argparse.Namespace) -> Path:
 def _workspace(args: argparse.Namespace, *, readonly: bool = False) -> Workspace:
     from .workspace import Workspace
 
-    # --store, else $AGENTNB_STORE (read by Workspace), else the folder's own agentnb.sqlite (DESIGN §13)
+    # --store, else $AGENTNB_STORE (read by Workspace), else the folder's own agentnb.sqlite (docs/stores.md)
     ws = Workspace(_folder(args), readonly=readonly, store=getattr(args, "store", None),
                    lease=getattr(args, "lease", None))
     _OPENED.append(ws)
@@ -115,7 +115,7 @@ def _print_job(ws: Workspace, job: Job) -> None:
     # a fork's runs re-served from the original's record (no tokens spent): their movement_start names it
     reserved = {ev.movement_seq: ev.replayed_from for ev in ws.events(job, kinds=["movement_start"])
                 if isinstance(ev, MovementStart) and ev.replayed_from is not None} if job.forked_from else {}
-    # DESIGN §12: how many times each run compacted its context, and the runs that closed a loop
+    # docs/context.md#compaction: how many times each run compacted its context, and the runs that closed a loop
     compacted: dict[int, int] = {}
     for ev in ws.events(job, kinds=["compaction"]):
         if ev.movement_seq is not None:

@@ -1,4 +1,4 @@
-"""Two runs side by side (DESIGN §11): :class:`Comparison`, what ``ws.compare(a, b)`` returns.
+"""Two runs side by side (docs/fork-compare.md#compare): :class:`Comparison`, what ``ws.compare(a, b)`` returns.
 
 The runs are aligned by movement-run position (``seq`` 1, 2, …): a fork re-serves its original's first runs
 at the same positions, so position ``n`` of both jobs is the same step of the same workflow.  A position is
@@ -95,7 +95,7 @@ def _runs(events: Sequence[Event]) -> dict[int, _Run]:
             if isinstance(ev, LLMResponse):
                 calls += 1
                 tokens += ev.usage.total_tokens
-                # a compaction's summarisation call (DESIGN §12) is a response too, told apart by its purpose:
+                # a compaction's summarisation call (docs/context.md#compaction) is a response too, told apart by its purpose:
                 # two runs that compacted differently (or only one of them) are not the same conversation
                 said.append(("response", ev.purpose, ev.content or "",
                              tuple((c.name, _arguments(c.arguments)) for c in ev.tool_calls)))
@@ -248,7 +248,7 @@ class Comparison:
         store = self._source.store
         if not store.keeps_files:
             return _tree(Path(store.job(job_id)["workdir"]))
-        # where files live in the store (DESIGN §13) the job may have run on another machine: its output/ as the
+        # where files live in the store (docs/stores.md#files) the job may have run on another machine: its output/ as the
         # store holds it, copied aside (_tree keeps what it compares in memory)
         import tempfile
 

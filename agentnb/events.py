@@ -158,7 +158,7 @@ class MovementStart(EventBase):
     seq: int
     system: str
     user: str  # the prompts as sent; a long one is stored once in ``texts`` and referred to
-    # a fork's run re-served from this job's record (DESIGN §11); not stored when None
+    # a fork's run re-served from this job's record (docs/fork-compare.md#fork); not stored when None
     replayed_from: int | None = None
 
 
@@ -167,7 +167,7 @@ class LLMRequest(EventBase):
     kind: ClassVar[Literal["llm_request"]] = "llm_request"
     messages: int  # how many messages were sent
     tools: list[str]
-    # why the call was made when it is not a turn of the conversation: "compaction" (DESIGN §12), a
+    # why the call was made when it is not a turn of the conversation: "compaction" (docs/context.md#compaction), a
     # summarisation call without tools.  Not stored when None.
     purpose: str | None = None
 
@@ -179,7 +179,7 @@ class LLMResponse(EventBase):
     tool_calls: list[RecordedToolCall]
     usage: Usage
     latency_s: float | None = None  # wall time of the model call (retries included); None in older stores
-    # A fork's call re-served from this job's record (DESIGN §11): no model was asked, so ``usage`` spends
+    # A fork's call re-served from this job's record (docs/fork-compare.md#fork): no model was asked, so ``usage`` spends
     # nothing (its tokens are 0; ``ratio``/``window`` keep the context as it was).  Not stored when None.
     replayed_from: int | None = None
     # the request's purpose, repeated here so a response is known for what it is without its request
@@ -274,7 +274,7 @@ class ErrorEvent(EventBase):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScoreEvent(EventBase):
-    """One scorer's verdict on a finished job (DESIGN §10); the latest per ``name`` is the job's score.
+    """One scorer's verdict on a finished job (docs/design-lab.md); the latest per ``name`` is the job's score.
 
     ``value`` is None exactly when the scorer raised or returned something that is not a bool, int,
     float or str; ``error`` then says what happened.
@@ -288,9 +288,9 @@ class ScoreEvent(EventBase):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ReplayDivergence(EventBase):
-    """A tool re-run in a fork's re-served run gave another result than the original's (DESIGN §11).
+    """A tool re-run in a fork's re-served run gave another result than the original's (docs/fork-compare.md#fork).
 
-    ``seq`` is the movement run; the row's ``iteration`` is stored in the payload too (DESIGN lists it).
+    ``seq`` is the movement run; the row's ``iteration`` is stored in the payload too (docs/events.md lists it).
     ``expected`` is the original's result, ``actual`` the fork's (each as the model would read it).
     """
 
@@ -304,7 +304,7 @@ class ReplayDivergence(EventBase):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoopDetected(EventBase):
-    """A loop monitor fired (DESIGN §12): the runs ended with ``cycle`` repeated ``count`` times since the
+    """A loop monitor fired (docs/context.md#loop-monitors): the runs ended with ``cycle`` repeated ``count`` times since the
     monitor's last judgement.  The row's ``movement_seq`` is the run that closed the loop; ``summaries`` are the
     transition summaries of the runs in the loop (``runs``, in order).  ``judge`` is the name of the judge's
     run that follows (None: the monitor has no judge and sends the job to ``next``)."""
@@ -321,7 +321,7 @@ class LoopDetected(EventBase):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Compaction(EventBase):
-    """A movement's messages were replaced by a summary (DESIGN §12, ``context.on_pressure: compact``).
+    """A movement's messages were replaced by a summary (docs/context.md#compaction, ``context.on_pressure: compact``).
 
     The conversation became: the system prompt, the user prompt, one message holding ``summary``, then the
     last ``kept_messages`` messages as they were; ``removed_messages`` messages were dropped.  ``tokens_before``
@@ -438,15 +438,15 @@ def _payload_fields(cls: type[EventBase]) -> dict[str, str]:
     nested = {*_NESTED.get(cls.kind, {}), *_NESTED_LISTS.get(cls.kind, {})}
     out = {k: f"_stored(o.{k})" if k in nested else f"o.{k}" for k in cls.payload_keys}
     if cls.kind == "context_action":
-        # DESIGN §6 lists `iteration` among this kind's payload keys; it lives in the row's column too.
+        # docs/events.md lists `iteration` among this kind's payload keys; it lives in the row's column too.
         # Stored before `threshold`, where the engine has always written it (the stored JSON stays the same).
         threshold = out.pop("threshold")
         out["iteration"] = "o.iteration"
         out["threshold"] = threshold
     elif cls.kind == "replay_divergence":
-        out = {"seq": out.pop("seq"), "iteration": "o.iteration", **out}  # DESIGN §11 lists it too
+        out = {"seq": out.pop("seq"), "iteration": "o.iteration", **out}  # docs/events.md lists it too
     elif cls.kind == "compaction":
-        out["iteration"] = "o.iteration"  # DESIGN §12 lists it too
+        out["iteration"] = "o.iteration"  # docs/events.md lists it too
     return out
 
 

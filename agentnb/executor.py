@@ -1,4 +1,4 @@
-"""Running many jobs at once in this process (``ws.batch``; DESIGN §10).
+"""Running many jobs at once in this process (``ws.batch``; docs/design-lab.md).
 
 Each job runs in a thread of its own through the workspace (``ws.run``): LLM calls wait on the network,
 so threads are enough, one job's events stay in order (a job is only ever run by the thread that

@@ -30,7 +30,7 @@ def transcript(workspace: str | os.PathLike[str] | Workspace, job: int, seq: int
                store: str | None = None) -> Any:
     """Movement run ``seq`` of job ``job`` as HTML for a notebook (what an exported transcript cell runs).
 
-    ``store``: the store URL the jobs are kept in (DESIGN §13; None: ``$AGENTNB_STORE``, else the folder's
+    ``store``: the store URL the jobs are kept in (docs/stores.md; None: ``$AGENTNB_STORE``, else the folder's
     ``agentnb.sqlite``).  An exported cell names it without its password: when ``$AGENTNB_STORE`` is that
     same URL with a password, the environment's is used (else psycopg looks in ``PGPASSWORD``/``~/.pgpass``).
     """

@@ -1,4 +1,4 @@
-"""Forks (DESIGN §11): a new job that re-serves an ended job's first movement runs and runs live from one.
+"""Forks (docs/fork-compare.md#fork): a new job that re-serves an ended job's first movement runs and runs live from one.
 
 :func:`plan_fork` checks everything a fork needs before anything is stored — the original has stopped, the
 fork point is one of its runs, and the piece the fork runs on has the movement the fork point starts — and
@@ -72,7 +72,7 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
     # every position: at 1 too, where another piece's own initial movement would otherwise run unnoticed
     start = (runs[at - 1]["name"] if at <= len(runs)
              else row["current_movement"] or stored_piece(row).initial_movement)
-    if start not in p.run_names:  # a loop monitor's judge may be forked at too (DESIGN §12)
+    if start not in p.run_names:  # a loop monitor's judge may be forked at too (docs/context.md#loop-monitors)
         raise PieceError(f"the fork starts run {at} with movement {start!r}, as job {job_id} did, but the piece "
                          f"has no such movement; movements: {', '.join(p.run_names)}", file=p.source, field="movements")
     spec = row["model"] if model is None else model

@@ -1,4 +1,4 @@
-"""Leases on running jobs (DESIGN §13): the setting, the threads that renew them, and when one is lost.
+"""Leases on running jobs (docs/stores.md#leases): the setting, the threads that renew them, and when one is lost.
 
 A claim leases its job for ``lease`` seconds (:meth:`Store.claim`).  While this process runs the job,
 :func:`holding` keeps the lease alive — renewed every third of its length by one daemon thread per store for

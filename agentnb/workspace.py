@@ -106,7 +106,7 @@ class Workspace:
         """Open (or create) the workspace folder ``path``.
 
         ``store`` (else the environment's ``AGENTNB_STORE``) keeps the jobs elsewhere than ``path/agentnb.sqlite``
-        (DESIGN §13): ``postgresql://user@host:port/db`` or ``sqlite:///ABS/PATH``; ``path`` is then the local
+        (docs/stores.md): ``postgresql://user@host:port/db`` or ``sqlite:///ABS/PATH``; ``path`` is then the local
         scratch folder where this process keeps the jobs' work directories.
 
         ``readonly=True`` only reads: nothing is created or written, so a read-only folder or mount
@@ -371,7 +371,7 @@ class Workspace:
 
     def _recorded_clock(self, row: Mapping[str, Any]) -> str | None:
         """The date and time a replay, or a fork up to its fork point, puts in its prompts: its original's
-        for the movement run about to start, so that those prompts are the original's (DESIGN §11)."""
+        for the movement run about to start, so that those prompts are the original's (docs/fork-compare.md)."""
         seq = int(row.get("movement_seq") or 0) + 1
         source: int | None = None
         if row.get("forked_from_job") and seq <= int(row.get("forked_from_seq") or 0):
@@ -615,7 +615,7 @@ class Workspace:
             self._runners.pop(job_id, None)
         return self.job(job_id)
 
-    # -- forks and replays (DESIGN §11) ---------------------------------------------------------------------
+    # -- forks and replays (docs/fork-compare.md#fork) ---------------------------------------------------------------------
     def fork(
         self,
         job: JobRef,
@@ -654,7 +654,7 @@ class Workspace:
         """A new job on ``replay:<job>`` with the original's instruction, ``input/`` files (as they are now),
         options and (unless ``piece`` is given) piece: every response is re-served in order and every tool
         runs again.  With the same piece its events are the original's apart from timestamps and ids, and
-        its ``output/`` the same byte for byte, as long as the tools do what they did (DESIGN §11)."""
+        its ``output/`` the same byte for byte, as long as the tools do what they did (docs/fork-compare.md)."""
         plan = plan_fork(self.store, self._id(job), at=1, piece=piece)
         prepared = self._prepare(plan.instruction, piece=plan.piece, model=f"replay:{plan.job_id}",
                                  inputs=plan.inputs, workdir=None, context=None, retries=None, max_backoff=None)
@@ -663,12 +663,12 @@ class Workspace:
 
     def compare(self, a: JobRef, b: JobRef) -> Comparison:
         """Jobs ``a`` and ``b`` side by side, aligned by movement run: ``.frame``, ``.files()``, and in a notebook
-        the two runs with the first point where they diverge marked (DESIGN §11)."""
+        the two runs with the first point where they diverge marked (docs/fork-compare.md)."""
         from .compare import Comparison
 
         return Comparison(self, self.frames, self._id(a), self._id(b))
 
-    # -- batches (DESIGN §10) ------------------------------------------------------------------------------
+    # -- batches (docs/design-lab.md) ------------------------------------------------------------------------------
     def batch(
         self,
         cases: Any = None,
@@ -751,7 +751,7 @@ class Workspace:
     def worker(self) -> Worker:
         return Worker(self)
 
-    # -- a job's files (DESIGN §13) --------------------------------------------------------------------------
+    # -- a job's files (docs/stores.md#files) --------------------------------------------------------------------------
     def files(self, job: JobRef, *, under: str | None = None) -> Any:
         """A DataFrame of the job's files, one row per file (or symbolic link) of its work directory, by path:
         ``path`` (relative to the work directory, POSIX), ``size`` (bytes), ``sha256``, ``updated`` (naive UTC)

@@ -1,6 +1,6 @@
 """The write-back after a tool call on PostgreSQL, with N MB of unchanged files in the work directory.
 
-Where the store keeps a job's files (DESIGN §13), the work directory is compared with the store after every
+Where the store keeps a job's files (docs/stores.md#files), the work directory is compared with the store after every
 tool call (``engine/jobfiles.plan_write_back``).  Before the running job kept a cache of its files' hashes
 (``engine/_filecache.FileCache``), every file was read and hashed each time; now a file whose stat is the one
 it was hashed at (and old enough to vouch for it) is not read.  The benchmark submits a job whose ``input/``

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
+from _scripting import write_piece, write_script
 
 import agentnb
 from agentnb import Workspace
@@ -56,16 +56,6 @@ unregister_tool = _internal("unregister", "agentnb.tools", "agentnb.tools.base",
 # -----------------------------------------------------------------------------------------------------
 
 Snap = Callable[[str, Any], None]
-
-
-def _yaml(folder: Path, name: str, data: Any) -> Path:
-    path = folder / name
-    path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8")
-    return path
-
-
-def _script(folder: Path, name: str, **data: Any) -> str:
-    return f"scripted:{_yaml(folder, name, data)}"
 
 
 def call(tool: str, usage: int | None = None, said: str | None = None, **arguments: Any) -> dict[str, Any]:
@@ -123,7 +113,7 @@ def case_demo(ws: Workspace, tmp: Path, snap: Snap) -> None:
 
 def case_single_tools(ws: Workspace, tmp: Path, snap: Snap) -> None:
     """single: every file tool, a truncated Read read on, tool errors, a reply without a tool call."""
-    model = _script(tmp, "single.yaml", responses=[
+    model = write_script(tmp, "single", responses=[
         call("Glob", usage=900, said="Looking around.", pattern="input/*"),
         call("Read", path="input/notes.md", limit=4000),
         call("Read", path="input/notes.md", offset=2400, limit=20),
@@ -145,7 +135,7 @@ def case_single_tools(ws: Workspace, tmp: Path, snap: Snap) -> None:
 def case_context(ws: Workspace, tmp: Path, snap: Snap) -> None:
     """A YAML-text piece with custom thresholds: warn, prompt (+ reminder), forced transition, then exhausted."""
     piece = agentnb.parse_piece(CTX_PIECE)  # a Piece object from YAML text; case_job_context uses the file
-    model = _script(tmp, "ctx.yaml", movements={
+    model = write_script(tmp, "ctx", movements={
         "work": [call("Read", usage=u, path="input/notes.md", limit=3) for u in (1000, 6100, 6500, 7600, 8000, 9100)],
         "wrap": [call("Read", usage=500, path="input/notes.md", limit=2),
                  call("Read", usage=9800, path="input/notes.md", limit=2)],
@@ -158,7 +148,7 @@ def case_job_context(ws: Workspace, tmp: Path, snap: Snap) -> None:
     """A job's own context= overrides the piece file's; a model's own transition in the crossing response."""
     path = tmp / "ctx-golden.yaml"
     path.write_text(CTX_PIECE, encoding="utf-8")
-    model = _script(tmp, "jctx.yaml", movements={
+    model = write_script(tmp, "jctx", movements={
         "work": [call("Read", usage=1000, path="input/notes.md", limit=3),
                  call("Read", usage=6500, path="input/notes.md", limit=3),
                  transition("COMPLETE", "done early", usage=19500, lessons="stop early")]})
@@ -169,7 +159,7 @@ def case_job_context(ws: Workspace, tmp: Path, snap: Snap) -> None:
 
 def case_chars(ws: Workspace, tmp: Path, snap: Snap) -> None:
     """Token counts from characters (no tokenizer) and from tiktoken, on the same script."""
-    model = _script(tmp, "chars.yaml", responses=[
+    model = write_script(tmp, "chars", responses=[
         call("Read", path="input/a.txt"), transition("COMPLETE", "read it", lessons="a is short")])
     with _env("AGENTNB_TOKENIZER", "chars"):
         job = ws.run(ws.submit("Read input/a.txt", piece="single", model=model, inputs={"a.txt": "a\n"}))
@@ -179,7 +169,7 @@ def case_chars(ws: Workspace, tmp: Path, snap: Snap) -> None:
 
 
 def case_ask_reply(ws: Workspace, tmp: Path, snap: Snap) -> None:
-    model = _script(tmp, "ask.yaml", movements={
+    model = write_script(tmp, "ask", movements={
         "clarify": [call("Glob", pattern="input/*"),
                     transition("ASK", "need the format", question="Short or long summary?", lessons="notes.md is a list"),
                     transition("work", "format is clear")],
@@ -195,7 +185,7 @@ def case_ask_reply(ws: Workspace, tmp: Path, snap: Snap) -> None:
 
 def case_verify(ws: Workspace, tmp: Path, snap: Snap) -> None:
     """plan-implement-verify: verify sends work back with feedback once, then completes."""
-    model = _script(tmp, "piv.yaml", movements={
+    model = write_script(tmp, "piv", movements={
         "plan": [transition("implement", "plan: write it", lessons="keep it short")],
         "implement": [call("Write", path="output/r.md", content="draft"), transition("verify", "drafted"),
                       call("Edit", path="output/r.md", old="draft", new="final"), transition("verify", "fixed")],
@@ -209,14 +199,14 @@ def case_verify(ws: Workspace, tmp: Path, snap: Snap) -> None:
 def case_subtasks(ws: Workspace, tmp: Path, snap: Snap) -> None:
     """fan-out: three children (one runs out of script and fails), then the merge."""
     def child(name: str) -> str:
-        return _script(tmp, f"{name}.yaml", movements={"work": [
+        return write_script(tmp, name, movements={"work": [
             call("Write", path="output/part.md", content=f"{name} result"), transition("COMPLETE", f"{name} done")]})
 
-    broken = _script(tmp, "broken.yaml", movements={"work": [call("Glob", pattern="*")]})
+    broken = write_script(tmp, "broken", movements={"work": [call("Glob", pattern="*")]})
     subtasks = [{"instruction": "Do part one", "piece": "single", "model": child("one")},
                 {"instruction": "Do part two", "piece": "single", "model": broken},
                 {"instruction": "Do part three", "piece": "single", "model": child("three")}]
-    model = _script(tmp, "parent.yaml", movements={
+    model = write_script(tmp, "parent", movements={
         "split": [transition("WAIT_SUBTASKS", "split in parts", subtasks=subtasks, lessons="parts are independent")],
         "merge": [call("Glob", pattern="**"), transition("COMPLETE", "merged")]})
     parent = ws.submit("Do three parts", piece="fan-out", model=model)
@@ -229,19 +219,18 @@ def case_subtasks(ws: Workspace, tmp: Path, snap: Snap) -> None:
 
 def case_retry(ws: Workspace, tmp: Path, snap: Snap) -> None:
     """A failed job (script ran out) retried from its movement; an aborted one retried at its movement."""
-    piece = _yaml(tmp, "wr.yaml", {"name": "wr", "movements": [
+    piece = write_piece(tmp, "wr", {"name": "wr", "movements": [
         {"name": "work", "persona": "You work.", "instruction": "Work.", "tools": ["Write"], "permission": "edit",
          "rules": [{"condition": "done", "next": "review"}, {"condition": "impossible", "next": "ABORT"}]},
         {"name": "review", "persona": "You review.", "instruction": "Review.", "tools": [],
          "rules": [{"condition": "ok", "next": "COMPLETE"}]}]})
-    script = tmp / "runs-out.yaml"
-    model = _script(tmp, script.name, responses=[call("Write", path="output/a.txt", content="A")])
+    model = write_script(tmp, "runs-out", responses=[call("Write", path="output/a.txt", content="A")])
     job = ws.run(ws.submit("task", piece=piece, model=model))
     snap("failed", job)
-    _script(tmp, script.name, responses=[call("Write", path="output/a.txt", content="A"),
-                                         transition("review"), transition("COMPLETE")])
+    write_script(tmp, "runs-out", responses=[call("Write", path="output/a.txt", content="A"),
+                                             transition("review"), transition("COMPLETE")])
     snap("retried", ws.run(ws.retry(job)))
-    model = _script(tmp, "abort.yaml", responses=[transition("ABORT", "the input is missing"),
+    model = write_script(tmp, "abort", responses=[transition("ABORT", "the input is missing"),
                                                   transition("review", "found it"), transition("COMPLETE")])
     job = ws.run(ws.submit("task", piece=piece, model=model))
     snap("aborted", job)
@@ -259,13 +248,13 @@ def case_stepping(ws: Workspace, tmp: Path, snap: Snap) -> None:
         return "pausing"
 
     try:
-        piece = _yaml(tmp, "steps.yaml", {"name": "steps", "movements": [
+        piece = write_piece(tmp, "steps", {"name": "steps", "movements": [
             {"name": "gather", "persona": "You gather.", "instruction": "Gather facts.",
              "tools": ["Read", "Glob", "Write", "pause_here"], "permission": "edit",
              "rules": [{"condition": "gathered", "next": "report"}]},
             {"name": "report", "persona": "You report.", "instruction": "Report.", "tools": ["Read"],
              "rules": [{"condition": "reported", "next": "COMPLETE"}]}]})
-        model = _script(tmp, "steps-model.yaml", responses=[
+        model = write_script(tmp, "steps-model", responses=[
             call("Glob", pattern="input/*"), call("Read", path="input/a.txt"), call("pause_here"),
             call("Write", path="output/facts.txt", content="a is one"),
             transition("report", "gathered", lessons="a is one"),
@@ -303,7 +292,7 @@ def case_openai(ws: Workspace, tmp: Path, snap: Snap) -> None:
 
 def case_fanout_ja(ws: Workspace, tmp: Path, snap: Snap) -> None:
     """A Japanese fan-out piece from a file: two children (one aborts), a lesson, then the merge."""
-    piece = _yaml(tmp, "bunkatsu.yaml", {
+    piece = write_piece(tmp, "bunkatsu", {
         "name": "bunkatsu", "description": "分割して統合する。", "language": "ja", "max_movements": 4,
         "movements": [
             {"name": "split", "persona": "あなたは作業を分割します。", "instruction": "作業を分割してください。",
@@ -312,11 +301,11 @@ def case_fanout_ja(ws: Workspace, tmp: Path, snap: Snap) -> None:
             {"name": "merge", "persona": "あなたは結果をまとめます。", "instruction": "結果を output/結果.md にまとめる。",
              "tools": ["Read", "Glob", "Write"], "permission": "edit",
              "rules": [{"condition": "書けた", "next": "COMPLETE"}]}]})
-    ok = _script(tmp, "ko-ok.yaml", movements={"work": [
+    ok = write_script(tmp, "ko-ok", movements={"work": [
         call("Write", path="output/部分.md", content="第一部の結果"), transition("COMPLETE", "第一部 完了")]})
-    gives_up = _script(tmp, "ko-abort.yaml", movements={"work": [
+    gives_up = write_script(tmp, "ko-abort", movements={"work": [
         call("Read", path="input/無い.md"), transition("ABORT", "入力がありません")]})
-    model = _script(tmp, "oya.yaml", movements={
+    model = write_script(tmp, "oya", movements={
         "split": [call("Checklist", name="計画", items=[{"text": "分割", "done": True}]),
                   transition("WAIT_SUBTASKS", "二つに分割", lessons="部分は独立している",
                              subtasks=[{"instruction": "第一部をやる", "piece": "single", "model": ok},
@@ -329,13 +318,13 @@ def case_fanout_ja(ws: Workspace, tmp: Path, snap: Snap) -> None:
 
 def case_forced_ask(ws: Workspace, tmp: Path, snap: Snap) -> None:
     """A job's context= overrides (window, thresholds, tool minimum) force an ASK; the reply resumes it."""
-    piece = _yaml(tmp, "asker.yaml", {
+    piece = write_piece(tmp, "asker", {
         "name": "asker", "max_movements": 3,
         "context": {"window_tokens": 50000, "thresholds": {"warn": 0.7, "prompt": 0.8}},
         "movements": [{"name": "dig", "persona": "You dig.", "instruction": "Dig through the notes.",
                        "tools": ["Read", "Grep"], "permission": "readonly", "max_iterations": 9,
                        "rules": [{"condition": "found", "next": "COMPLETE"}], "default_next": "ASK"}]})
-    model = _script(tmp, "asker-model.yaml", responses=[
+    model = write_script(tmp, "asker-model", responses=[
         call("Read", usage=800, path="input/notes.md", limit=40),
         call("Grep", usage=2600, pattern="note 7[0-9]:", path="input"),
         call("Read", usage=3300, path="input/notes.md", offset=100, limit=30),
@@ -365,12 +354,11 @@ def case_crash_retry(ws: Workspace, tmp: Path, snap: Snap) -> None:
         return f"stamped {text}"
 
     try:
-        piece = _yaml(tmp, "stamper.yaml", {"name": "stamper", "movements": [
+        piece = write_piece(tmp, "stamper", {"name": "stamper", "movements": [
             {"name": "stamp", "persona": "You stamp.", "instruction": "Stamp twice.",
              "tools": ["stamp", "Read", "Write"], "permission": "edit",
              "rules": [{"condition": "stamped", "next": "COMPLETE"}]}]})
-        script = tmp / "stamper-model.yaml"
-        model = _script(tmp, script.name, responses=[
+        model = write_script(tmp, "stamper-model", responses=[
             {"content": "Stamping.", "tool_calls": [{"name": "stamp", "arguments": {"text": "one"}},
                                                     {"name": "Read", "arguments": {"path": "input/a.txt"}}]},
             call("stamp", text="two")])
@@ -380,7 +368,7 @@ def case_crash_retry(ws: Workspace, tmp: Path, snap: Snap) -> None:
         snap("interrupted", ws.job(job.id))
         job = Workspace(ws.root).run(job.id)
         snap("failed", job)
-        _script(tmp, script.name, responses=[
+        write_script(tmp, "stamper-model", responses=[
             {"content": "Stamping.", "tool_calls": [{"name": "stamp", "arguments": {"text": "one"}},
                                                     {"name": "Read", "arguments": {"path": "input/a.txt"}}]},
             call("stamp", text="two"), call("Write", path="output/done.txt", content="2 stamps"),

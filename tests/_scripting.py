@@ -1,4 +1,5 @@
-"""Helpers for tests that drive jobs with ``scripted:`` models and read back what was sent."""
+"""The one set of helpers for tests that drive jobs with ``scripted:`` models: pieces and scripted-model files
+written to disk (docs/pieces.md, docs/models.md), the responses they hold, and what was sent, read back."""
 
 from __future__ import annotations
 
@@ -9,20 +10,42 @@ import yaml
 
 from agentnb import Workspace
 
-__all__ = ["call", "requests", "starts", "transition", "user_prompts", "write_piece", "write_script"]
+__all__ = ["QUICK", "TWO_STEPS", "call", "requests", "say", "starts", "transition", "user_prompts", "write_piece",
+           "write_script"]
 
 
-def write_script(folder: Path, name: str, movements: dict[str, list[dict[str, Any]]]) -> str:
-    """Write a per-movement script and return its ``scripted:`` spec."""
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"movements": movements}, allow_unicode=True), encoding="utf-8")
-    return f"scripted:{path}"
-
-
-def write_piece(folder: Path, name: str, piece: dict[str, Any]) -> Path:
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"name": name, **piece}, allow_unicode=True, sort_keys=False), encoding="utf-8")
+def _dump(path: Path, data: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, allow_unicode=True, sort_keys=False), encoding="utf-8")
     return path
+
+
+def write_piece(folder: Path, name: str, piece: dict[str, Any] | str) -> Path:
+    """Write ``folder/<name>.yaml`` and return its path: a piece given as a dict is named ``name`` (unless it
+    names itself); YAML text is written as it is (a test of what a loader makes of the text itself)."""
+    path = folder / f"{name}.yaml"
+    if isinstance(piece, str):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(piece, encoding="utf-8")
+        return path
+    return _dump(path, {"name": name, **piece})
+
+
+def write_script(folder: Path, name: str, movements: dict[str, list[dict[str, Any]]] | None = None, *,
+                 responses: list[dict[str, Any]] | None = None) -> str:
+    """Write the scripted-model file ``folder/<name>.yaml`` and return its ``scripted:`` spec: ``movements`` maps
+    a movement to its responses in order, ``responses`` is one list for the calls of every other movement."""
+    data: dict[str, Any] = {}
+    if responses is not None:
+        data["responses"] = responses
+    if movements is not None:
+        data["movements"] = movements
+    return f"scripted:{_dump(folder / f'{name}.yaml', data)}"
+
+
+def say(content: str) -> dict[str, Any]:
+    """A scripted reply with no tool call."""
+    return {"content": content}
 
 
 def call(tool: str, **arguments: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
+from _scripting import write_piece, write_script
 
 from agentnb import Job, Workspace
 
@@ -52,16 +52,9 @@ def _resp(tool: str, prompt: int, completion: int, said: str | None = None, **ar
     return out
 
 
-def _write(folder: Path, name: str, data: dict[str, Any]) -> Path:
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data, allow_unicode=True, sort_keys=False), encoding="utf-8")
-    return path
-
-
 def usage_job(ws: Workspace, folder: Path, instruction: str = "Report on input/notes.md") -> Job:
-    folder.mkdir(parents=True, exist_ok=True)
-    piece = _write(folder, "usage-probe", _PIECE)
-    script = {"movements": {
+    piece = write_piece(folder, "usage-probe", _PIECE)
+    script = {
         "gather": [
             _resp("Glob", PROMPTS[0], COMPLETIONS[0], "Looking around.", pattern="input/*"),
             _resp("Read", PROMPTS[1], COMPLETIONS[1], path="input/notes.md"),
@@ -73,9 +66,9 @@ def usage_job(ws: Workspace, folder: Path, instruction: str = "Report on input/n
                   content="# Report\nalpha\n"),
             _resp("Read", PROMPTS[4], COMPLETIONS[4], path="input/missing.md"),
         ],
-    }}
-    model = _write(folder, "usage-script", script)
-    job = ws.submit(instruction, piece=piece, model=f"scripted:{model}", inputs={"notes.md": "alpha\nbeta\n"})
+    }
+    model = write_script(folder, "usage-script", script)
+    job = ws.submit(instruction, piece=piece, model=model, inputs={"notes.md": "alpha\nbeta\n"})
     job = ws.run(job)
     assert job.status == "succeeded", job.error
     return job
@@ -83,13 +76,12 @@ def usage_job(ws: Workspace, folder: Path, instruction: str = "Report on input/n
 
 def tiktoken_job(ws: Workspace, folder: Path) -> Job:
     """The ``single`` piece on a script without usage: counts come from the tokenizer."""
-    folder.mkdir(parents=True, exist_ok=True)
-    model = _write(folder, "tiktoken-script", {"responses": [
+    model = write_script(folder, "tiktoken-script", responses=[
         {"content": "Listing.", "tool_calls": [{"name": "Glob", "arguments": {"pattern": "**/*"}}]},
         {"tool_calls": [{"name": "transition", "arguments": {"next_step": "COMPLETE", "summary": "listed",
                                                              "lessons": "nothing to read"}}]},
-    ]})
-    job = ws.run(ws.submit("List the files", piece="single", model=f"scripted:{model}"))
+    ])
+    job = ws.run(ws.submit("List the files", piece="single", model=model))
     assert job.status == "succeeded", job.error
     return job
 

@@ -87,8 +87,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # The longest test files (minutes each, on 2 cores), started first when pytest-xdist spreads the files over its
 # workers (`-n auto --dist loadfile`): started last, one of them would run alone at the end while the other
 # workers idle.
-_LONG_FILES = ("tests/test_browser.py", "tests/test_section12_review.py", "tests/test_golden.py",
-               "tests/test_compaction.py", "tests/test_executor.py")
+_LONG_FILES = ("tests/test_browser.py", "tests/test_compaction.py", "tests/test_golden.py",
+               "tests/test_loop_monitors.py", "tests/test_executor.py")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from engine_helpers import transition, write_script
+from _scripting import transition, write_script
 
 from agentnb import Workspace
 from agentnb.store.sqlite import SCHEMA_VERSION, SQLiteStore, StoreError
@@ -48,7 +48,7 @@ def make_store(folder: Path) -> Path:
     """A workspace with two jobs (one ended, one waiting for a human), closed so that no WAL is left."""
     ws = Workspace(folder)
     ws.run(ws.submit("Make a list", piece="single", model="demo"))
-    spec = write_script(folder.parent, {"responses": [transition("COMPLETE", "done")]}, "done.yaml")
+    spec = write_script(folder.parent, "done", responses=[transition("COMPLETE", "done")])
     ws.run(ws.submit("Finish", piece="single", model=spec))
     ws.store.close()
     db = folder / "agentnb.sqlite"

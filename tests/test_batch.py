@@ -1,4 +1,4 @@
-"""Batches (DESIGN §10): cases × variants as ordinary jobs, resumed by name, refused whole on bad input,
+"""Batches (docs/design-lab.md): cases × variants as ordinary jobs, resumed by name, refused whole on bad input,
 and their results (``batch.frame``, ``summary()``, the HTML view, ``plot_batch``) checked against the events."""
 
 from __future__ import annotations

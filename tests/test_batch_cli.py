@@ -1,6 +1,6 @@
 """Batches from the notebook and the terminal: ``%agent batch`` / ``%agent batches`` through a real IPython
 shell, ``agentnb batch`` / ``agentnb batches`` as a subprocess on real SQLite files and the loopback
-OpenAI-protocol server (DESIGN §10)."""
+OpenAI-protocol server (docs/design-lab.md)."""
 
 from __future__ import annotations
 

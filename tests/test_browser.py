@@ -681,7 +681,7 @@ Path("slow-script.yaml").write_text(yaml.safe_dump(
 
 
 def test_sections_opened_during_a_live_run_stay_open(lab: Lab) -> None:
-    """Issue 12, item 2: the live view is redrawn at every event; what the user opened or closed stays so."""
+    """The live view is redrawn at every event; what the user opened or closed stays so."""
     from playwright.sync_api import expect, sync_playwright
 
     name = "live-view.ipynb"
@@ -1016,8 +1016,8 @@ def test_batch_summaries_and_plots_of_2_and_8_variants_fit_the_output(lab: Lab) 
             browser.close()
     shots = sorted(ARTIFACTS.glob("batch-labels-*.png"))
     assert len(shots) == 4 and all(p.stat().st_size > 10_000 for p in shots), "a screenshot is missing or empty"
-# The views' symbols in a Chromium without an emoji font, against the same views with the default fonts (issue 26,
-# defect 7: 🔧, ⏱, ❓ and ⑂ were empty boxes there, "#12 □1@2").
+# The views' symbols in a Chromium without an emoji font, against the same views with the default fonts (🔧, ⏱, ❓
+# and ⑂ were once empty boxes there, "#12 □1@2").
 def _icon_cells(data: str) -> list[str]:
     """A notebook showing every symbol: tool calls and latency, compaction and force_transition badges, a waiting
     question, a reply (a comment), and a fork and a compacted job in the panel's list."""

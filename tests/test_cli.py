@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from engine_helpers import transition, write_piece, write_script
+from _scripting import transition, write_piece, write_script
 
 AGENTNB = shutil.which("agentnb")
 pytestmark = pytest.mark.skipif(AGENTNB is None, reason="the agentnb entry point is not installed")
@@ -79,12 +79,12 @@ def test_run_waiting_for_a_human_exits_0_and_reply_resumes(tmp_path: Path) -> No
 
 
 def test_run_exits_1_when_the_job_fails_or_aborts(tmp_path: Path) -> None:
-    failing = write_script(tmp_path, {"responses": []}, "empty.yaml")
+    failing = write_script(tmp_path, "empty", responses=[])
     out = agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "single", "--model", failing, "task")
     assert out.returncode == 1
     assert "job 1: failed" in out.stdout
     assert "error: scripted model ran out of responses" in out.stdout
-    aborting = write_script(tmp_path, {"responses": [transition("ABORT", "cannot be done")]}, "abort.yaml")
+    aborting = write_script(tmp_path, "abort", responses=[transition("ABORT", "cannot be done")])
     out = agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "single", "--model", aborting, "task")
     assert out.returncode == 1
     assert "job 2: aborted" in out.stdout and "error: cannot be done" in out.stdout
@@ -97,7 +97,7 @@ def test_run_exits_1_when_the_job_fails_or_aborts(tmp_path: Path) -> None:
      "movements[0] (a).rules[0].next"),
 ])
 def test_a_bad_piece_exits_2_with_one_line_and_no_job(tmp_path: Path, piece_text: str, line: int, field: str) -> None:
-    write_piece(tmp_path, piece_text, "bad.yaml")
+    write_piece(tmp_path, "bad", piece_text)
     out = agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "bad.yaml", "--model", "demo", "task")
     assert out.returncode == 2
     assert out.stdout == ""
@@ -130,7 +130,7 @@ def test_usage_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], mess
 
 
 def test_detach_worker_jobs_and_show(tmp_path: Path) -> None:
-    model = write_script(tmp_path, {"responses": [transition("COMPLETE", "done")]})
+    model = write_script(tmp_path, "script", responses=[transition("COMPLETE", "done")])
     ids = []
     for n in range(2):
         out = agentnb(tmp_path, "run", "--piece", "single", "--model", model, "--detach", f"task {n}",
@@ -161,8 +161,8 @@ def test_detach_worker_jobs_and_show(tmp_path: Path) -> None:
 
 def test_pieces_lists_local_and_shipped_pieces(tmp_path: Path) -> None:
     (tmp_path / "pieces").mkdir()
-    write_piece(tmp_path / "pieces", "name: mine\nmovements:\n  - name: only\n    instruction: x\n", "mine.yaml")
-    write_piece(tmp_path / "pieces", "name: broken\nmovements: 3\n", "broken.yaml")
+    write_piece(tmp_path / "pieces", "mine", "name: mine\nmovements:\n  - name: only\n    instruction: x\n")
+    write_piece(tmp_path / "pieces", "broken", "name: broken\nmovements: 3\n")
     out = agentnb(tmp_path, "pieces")
     assert out.returncode == 0
     assert "mine" in out.stdout and "plan-implement-verify" in out.stdout
@@ -170,12 +170,12 @@ def test_pieces_lists_local_and_shipped_pieces(tmp_path: Path) -> None:
 
 
 def test_a_parent_waiting_on_a_child_that_asks_says_so_and_reply_run_finishes_both(tmp_path: Path) -> None:
-    child = write_script(tmp_path, {"movements": {"work": [
-        transition("ASK", question="Which year?"), transition("COMPLETE", summary="used 2024")]}}, "child.yaml")
-    parent = write_script(tmp_path, {"movements": {
+    child = write_script(tmp_path, "child", movements={"work": [
+        transition("ASK", question="Which year?"), transition("COMPLETE", summary="used 2024")]})
+    parent = write_script(tmp_path, "parent", movements={
         "split": [transition("WAIT_SUBTASKS", subtasks=[{"instruction": "Ask first", "piece": "single", "model": child}])],
         "merge": [transition("COMPLETE", summary="merged")],
-    }}, "parent.yaml")
+    })
     out = agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "fan-out", "--model", parent, "Do it")
     assert out.returncode == 0, out.stderr
     assert "job 1: waiting_subtasks" in out.stdout
@@ -227,7 +227,7 @@ def test_a_scripted_file_that_is_not_yaml_is_one_line_with_its_position(
 
 
 def test_reply_to_a_job_that_has_ended_exits_2_naming_its_status(tmp_path: Path) -> None:
-    done = write_script(tmp_path, {"responses": [transition("COMPLETE", "done")]}, "done.yaml")
+    done = write_script(tmp_path, "done", responses=[transition("COMPLETE", "done")])
     assert agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "single", "--model", done, "task").returncode == 0
     out = agentnb(tmp_path, "--workspace", "ws", "reply", "1", "More", "please")
     assert out.returncode == 2

@@ -1,4 +1,4 @@
-"""Compaction (DESIGN §12, issue 16's "How this will be checked"), through the public API and real parts.
+"""Compaction (docs/context.md#compaction), through the public API and real parts.
 
 Most jobs run on ``openai:`` against the loopback server of ``tests/openai_server.py``, which keeps every
 request body and answers with the ``usage.prompt_tokens`` each test chooses, so the thresholds are crossed
@@ -6,13 +6,17 @@ exactly where a test wants.  What the model was sent after each compaction is re
 checked against the conversation as it was sent before: the prompts, the labelled summary, then exactly the
 last ``compact_keep_last`` messages (more only when the cut fell inside a tool-call group), never a tool
 result without its call nor a call without all its results.
+
+Then compaction in the middle movement of three, set on that movement only and overridden per job, with tool mixes,
+a reminder at the crossing and ``max_iterations`` right after a compaction; the same jobs resumed in another process
+between any two calls, or killed at random points, end as a straight run does.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
+import random
 import signal
 import subprocess
 import sys
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _resuming import CHILD, REPO, comparable, step_in_children, timeless
 from _scripting import call, transition, write_piece, write_script
 from openai_server import OpenAIServer, error, hold, reply
 
@@ -30,12 +35,9 @@ from agentnb.engine.context import ContextManager
 from agentnb.engine.pieces import PieceError, load_piece
 from agentnb.engine.prompts import text
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "openai:gpt-4o-mini"
 WINDOW = 4_000  # prompt at 3,400 tokens, force_transition at 3,800
 SUMMARY_LABEL = text("en", "compact_summary", n=0, summary="").split("(")[0]  # "[Summary of the earlier …"
-NOW = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d \(\w+, UTC\)")
-CALL_ID = re.compile(r"call_\d+_\d+")
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 24  # enough for ReadImage to attach it
 ASK = "Summarise the conversation so far"
 
@@ -77,15 +79,6 @@ def compact(tmp: Path, **context: Any) -> Path:
 
 def bodies(srv: OpenAIServer) -> list[dict[str, Any]]:
     return [r.body for r in srv.received]
-
-
-def timeless(value: Any) -> Any:
-    """``value`` with the prompts' current date and time (to the minute) masked, and the server's tool-call ids
-    (``call_<request>_<i>``: a request asked again moves them on) numbered by first appearance, so two runs
-    of the same steps compare."""
-    ids: dict[str, str] = {}
-    masked = NOW.sub("<now>", json.dumps(value))
-    return json.loads(CALL_ID.sub(lambda m: ids.setdefault(m.group(0), f"id{len(ids)}"), masked))
 
 
 def is_compaction(body: dict[str, Any]) -> bool:
@@ -186,6 +179,47 @@ def check_compactions(srv: OpenAIServer, ws: Workspace, job: Any, keep: int) -> 
     return events
 
 
+def movement_names(ws: Workspace, job: Any) -> list[str]:
+    return [str(m) for m in ws.frames.movements(job)["movement"]]
+
+
+def check_sent_compactions(srv: OpenAIServer, ws: Workspace, job: Any, keep: int) -> list[dict[str, Any]]:
+    """Each summarisation request (no tools) against the conversation request before it and the one after it:
+    the request is the conversation so far plus the ask; the one after is [system, user, summary, last ``keep``
+    messages (moved back to whole tool groups)]; the event's counts and token sizes match what was sent."""
+    sent = [r.body for r in srv.received]
+    asks = [i for i, b in enumerate(sent) if "tools" not in b]
+    events = of(ws, job, "compaction")
+    assert len(asks) == len(events), "every summarisation request made a compaction in these jobs"
+    counter = ContextManager(window=WINDOW, model=MODEL)
+    responses = {(e.movement_seq, e.iteration): e.payload for e in of(ws, job, "llm_response")}
+    for n, (i, ev) in enumerate(zip(asks, events, strict=True)):
+        p = ev.payload
+        prev, ask, after = sent[i - 1]["messages"], sent[i]["messages"], sent[i + 1]["messages"]
+        conv = ask[:-1]
+        assert ask[-1]["role"] == "user" and ASK in ask[-1]["content"]
+        assert conv[: len(prev)] == prev and conv[len(prev)]["role"] == "assistant"
+        start = expected_start(conv, keep)
+        assert after[:2] == conv[:2] and [m["role"] for m in after[:3]] == ["system", "user", "user"]
+        index = sum(1 for e in events[:n] if e.movement_seq == ev.movement_seq) + 1
+        assert after[2]["content"] == text("en", "compact_summary", n=index, summary=p["summary"])
+        assert after[2]["content"].startswith(SUMMARY_LABEL)
+        assert after[3:] == conv[start:]
+        assert len(after) - 3 >= min(keep, len(conv) - 2)
+        assert_pairs_whole(conv)
+        assert_pairs_whole(after)
+        assert (p["removed_messages"], p["kept_messages"]) == (start - 2, len(conv) - start)
+        trigger = responses[(ev.movement_seq, ev.iteration - 1)]
+        assert trigger.get("purpose") is None
+        added = conv[len(prev) + 1:]
+        assert p["tokens_before"] == sum(trigger["usage"][k] for k in ("prompt_tokens", "completion_tokens")) + sum(
+            counter.count_message(m) for m in added)
+        schemas = counter.counter.count(json.dumps(sent[i + 1]["tools"], ensure_ascii=False))
+        assert p["tokens_after"] == schemas + sum(counter.count_message(m) for m in after)
+        assert p["tokens_after"] < p["tokens_before"]
+    return [e.payload for e in events]
+
+
 # -- 1. the messages sent after each compaction ---------------------------------------------------------------
 TWO_COMPACTIONS = [
     globs(2, 1_000), globs(3, 1_500), globs(1, 3_500, "looking"),  # prompt (87.5 %) at the third
@@ -253,8 +287,8 @@ def test_usage_rows_count_the_summarisation_calls(server: OpenAIServer, tmp_path
     assert list(usage["completion_tokens"]) == [a["usage"][1] for a in TWO_COMPACTIONS]
     assert list(usage["source"]) == ["usage"] * 9
     assert usage["cumulative_tokens"].iloc[-1] == sum(sum(a["usage"]) for a in TWO_COMPACTIONS)
-    # the summarisation calls fire no context action (their row says compaction, DESIGN §12); the conversation
-    # calls after them fire warn/prompt again
+    # the summarisation calls fire no context action (their row says compaction, docs/context.md#compaction); the
+    # conversation calls after them fire warn/prompt again
     assert list(usage["actions"].fillna("")) == ["", "", "warn,prompt", "compaction", "", "warn,prompt", "compaction",
                                                  "warn", ""]
     assert list(usage["action"].astype(object).fillna("")) == ["", "", "prompt", "compaction", "", "prompt",
@@ -464,16 +498,17 @@ def test_a_scripted_model_that_runs_out_at_the_summary_falls_back(tmp_path: Path
 
 
 # -- 4. where on_pressure is set, and what is refused -----------------------------------------------------------
-def _g(n: int) -> dict[str, Any]:
-    return {**call("Glob", pattern="*"), "usage": {"prompt_tokens": n, "completion_tokens": 10}}
+def g(prompt: int, tool: str = "Glob", **arguments: Any) -> dict[str, Any]:
+    args = arguments or {"pattern": "*"}
+    return {**call(tool, **args), "usage": {"prompt_tokens": prompt, "completion_tokens": 10}}
 
 
-def _summary(text_: str) -> dict[str, Any]:
-    return {"content": text_, "usage": {"prompt_tokens": 3_600, "completion_tokens": 20}}
+def summary(words: str) -> dict[str, Any]:
+    return {"content": words, "usage": {"prompt_tokens": 3_600, "completion_tokens": 20}}
 
 
 # both movements cross prompt at their third call; a movement that compacts takes a summary as its 4th response
-_PRESSED = [_g(1_000), _g(1_100), _g(3_500)]
+_PRESSED = [g(1_000), g(1_100), g(3_500)]
 
 
 def _two_movements(tmp: Path, *, piece_context: dict[str, Any] | None = None,
@@ -487,7 +522,7 @@ def _two_movements(tmp: Path, *, piece_context: dict[str, Any] | None = None,
 
 
 def _script_for(tmp: Path, compacting: set[str], name: str = "s") -> str:
-    return write_script(tmp, name, {m: [*_PRESSED, *([_summary(f"summary of {m}")] if m in compacting else []),
+    return write_script(tmp, name, {m: [*_PRESSED, *([summary(f"summary of {m}")] if m in compacting else []),
                                         transition("b" if m == "a" else "COMPLETE")] for m in ("a", "b")})
 
 
@@ -630,10 +665,6 @@ def test_bad_context_at_submit_is_one_line_and_stores_nothing(tmp_path: Path, co
 
 
 # -- 5. resumed in another process between any two calls, and killed during the summary -----------------------
-CHILD = ("import sys; from agentnb import Workspace; ws = Workspace(sys.argv[1]); job = int(sys.argv[2]); "
-         "print(ws.step(job, unit='call').status if sys.argv[3] == 'call' else ws.run(job).status)")
-
-
 def _child_env(srv: OpenAIServer) -> dict[str, str]:
     return {**os.environ, "OPENAI_BASE_URL": srv.base_url, "PYTHONPATH": os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -1008,8 +1039,8 @@ def test_interrupted_inside_the_crossing_response_then_resumed_compacts_as_a_str
 
 def test_max_iterations_counts_only_the_conversation_calls(tmp_path: Path) -> None:
     p = piece(tmp_path, context={"on_pressure": "compact", "compact_keep_last": 2}, max_iterations=4)
-    spec = write_script(tmp_path, "s", {"work": [_g(1_000), _g(1_100), _g(3_500), _summary("SUM"), _g(1_000),
-                                                 _g(1_000)]})
+    spec = write_script(tmp_path, "s", {"work": [g(1_000), g(1_100), g(3_500), summary("SUM"), g(1_000),
+                                                 g(1_000)]})
     ws = Workspace(tmp_path / "ws")
     job = ws.run(ws.submit("Go.", piece=str(p), model=spec))
     assert [(e.iteration, e.payload.get("purpose")) for e in of(ws, job, "llm_request")] == [
@@ -1039,3 +1070,342 @@ def test_nothing_to_remove_at_95_percent_is_the_forced_transition(server: OpenAI
     assert not payloads(ws, job, "compaction") and not payloads(ws, job, "reminder") and not payloads(ws, job, "error")
     (t,) = payloads(ws, job, "transition")
     assert t["forced"] and "97.5%" in t["reason"]
+
+
+# -- 8. compaction in movement 2 of 3, set on that movement only, overridden per job; resumed ----------------------
+def tools(prompt: int, *calls: tuple[str, dict[str, Any]], content: str | None = None) -> dict[str, Any]:
+    return reply(content, list(calls), usage=(prompt, 10))
+
+
+def go(step: str, prompt: int = 900, summary: str = "done") -> dict[str, Any]:
+    return reply(None, [("transition", {"next_step": step, "summary": summary})], usage=(prompt, 10))
+
+
+def three_movements(tmp: Path, *, work_context: dict[str, Any] | None, work_tools: list[str],
+                    max_iterations: int | None = None, name: str = "trio") -> Path:
+    work: dict[str, Any] = {"name": "work", "instruction": "Do the work.", "tools": work_tools, "permission": "full",
+                            "rules": [{"next": "verify"}], "default_next": "verify"}
+    if work_context is not None:
+        work["context"] = work_context
+    if max_iterations is not None:
+        work["max_iterations"] = max_iterations
+    return write_piece(tmp, name, {"context": {"window_tokens": WINDOW}, "movements": [
+        {"name": "plan", "instruction": "Plan.", "tools": ["Glob"], "rules": [{"next": "work"}]},
+        work,
+        {"name": "verify", "instruction": "Verify.", "tools": ["Glob", "Read"], "default_next": "COMPLETE",
+         "rules": [{"next": "COMPLETE"}]},
+    ]})
+
+
+CHECK = {"name": "steps", "items": [{"text": "read the notes", "done": True}, {"text": "sum up", "done": False}]}
+TRIO = [
+    go("work", 800, "planned"),
+    # work: a tool mix, then a response without tool calls that crosses prompt (87.5 %): its reminder, then the
+    # summary instead of the wrap-up
+    tools(1_000, ("Glob", {"pattern": "input/*"}), ("Grep", {"pattern": "alpha", "path": "input"})),
+    tools(1_500, ("Read", {"path": "input/notes.txt"})),
+    tools(2_000, ("Checklist", CHECK)),
+    tools(3_500, content="Let me think about what is left."),
+    reply("SUM-A: read the notes, ticked the checklist.", usage=(3_550, 30)),
+    tools(1_200, ("Glob", {"pattern": "*"})),
+    tools(3_600, ("Grep", {"pattern": "beta", "path": "input"}), ("Read", {"path": "input/notes.txt"})),
+    reply("SUM-B: looked for beta.", usage=(3_650, 30)),
+    # the third crossing, at 97.5 %: max_compactions (2) reached, so the seed's forced transition to verify
+    tools(3_900, ("Glob", {"pattern": "output/*"})),
+    # verify keeps the seed's behaviour (the piece says nothing): the wrap-up at prompt
+    tools(3_500, ("Glob", {"pattern": "*"})),
+    go("COMPLETE", 3_600, "verified"),
+]
+TRIO_INPUTS = {"notes.txt": "alpha one\nbeta two\n" * 40}
+
+
+def trio_piece(tmp: Path) -> Path:
+    """The three movements TRIO answers: work compacts (keeping 3), with the tools TRIO calls."""
+    return three_movements(tmp, work_context={"on_pressure": "compact", "compact_keep_last": 3},
+                           work_tools=["Glob", "Grep", "Read", "Checklist"])
+
+
+def test_compaction_in_the_middle_movement_set_on_it_only_and_kept_per_job(server: OpenAIServer,
+                                                                            tmp_path: Path) -> None:
+    server.play(*TRIO)
+    p = trio_piece(tmp_path)
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("Sum up the notes.", piece=str(p), model=MODEL, inputs=TRIO_INPUTS,
+                           context={"compact_keep_last": 2}))  # the job's keep_last over the movement's
+    assert job.status == "succeeded", job.error
+    assert not server.actions and len(server.received) == len(TRIO)
+    assert movement_names(ws, job) == ["plan", "work", "verify"]
+    events = check_sent_compactions(server, ws, job, keep=2)
+    assert [e["summary"] for e in events] == ["SUM-A: read the notes, ticked the checklist.", "SUM-B: looked for beta."]
+    assert {e.movement_seq for e in of(ws, job, "compaction")} == {2}
+    sent = [r.body for r in server.received]
+    # the crossing had no tool call: its reminder was sent, and is one of the two messages kept verbatim
+    first_after = sent[6]["messages"]
+    assert [m["role"] for m in first_after] == ["system", "user", "user", "assistant", "user"]
+    assert first_after[3]["content"] == "Let me think about what is left." and "tool_calls" not in first_after[3]
+    (reminder,) = [r for r in payloads(ws, job, "reminder") if r["reason"] == "no tool call"]
+    assert first_after[4]["content"] == reminder["text"]
+    # the second kept the whole Grep+Read group (3 messages, though keep_last is 2)
+    assert [(e["removed_messages"], e["kept_messages"]) for e in events] == [(7, 2), (5, 3)]
+    assert sent[9]["messages"][3]["tool_calls"] and len(sent[9]["messages"][3]["tool_calls"]) == 2
+    # the third crossing (97.5 %) after max_compactions: forced to work's default_next, no wrap-up first
+    transitions = payloads(ws, job, "transition")
+    assert [(t["movement"], t["next_step"], t["forced"]) for t in transitions] == [
+        ("plan", "work", False), ("work", "verify", True), ("verify", "COMPLETE", False)]
+    assert "force_transition (95%)" in transitions[1]["reason"] and "97.5%" in transitions[1]["reason"]
+    # verify starts fresh (no summary) and wraps up at prompt as the seed does
+    assert [m["role"] for m in sent[10]["messages"]] == ["system", "user"]
+    assert [(e.movement_seq, e.payload["reason"]) for e in of(ws, job, "reminder")] == [
+        (2, "no tool call"), (3, "context prompt")]
+    assert sent[11]["messages"][-1]["content"] == payloads(ws, job, "reminder")[1]["text"]
+    # the tools ran as they would without compaction: the checklist is there, the reads were whole
+    assert (ws.root / "jobs" / str(job.id) / "logs" / "checklists" / "steps.json").is_file()
+    # frames.usage: the summarisation rows, iterations numbering every call of the run
+    usage = ws.frames.usage(job)
+    work = usage[usage["seq"] == 2]
+    assert list(work["iteration"]) == list(range(1, 10))
+    assert list(work["action"].astype(object).fillna("")) == ["", "", "", "prompt", "compaction", "",
+                                                              "prompt", "compaction", "force_transition"]
+    comp = ws.frames.compactions(job)
+    assert list(comp["tokens_after"]) == [e["tokens_after"] for e in events]
+
+
+def test_the_same_job_stepped_one_call_per_process_sends_and_records_the_same(server: OpenAIServer,
+                                                                               tmp_path: Path) -> None:
+    server.play(*TRIO)
+    p = trio_piece(tmp_path)
+    straight_ws = Workspace(tmp_path / "straight")
+    straight = straight_ws.run(straight_ws.submit("Sum up the notes.", piece=str(p), model=MODEL, inputs=TRIO_INPUTS,
+                                                  context={"compact_keep_last": 2}))
+    assert straight.status == "succeeded"
+    with OpenAIServer(actions=list(TRIO)) as other:
+        ws = Workspace(tmp_path / "stepped")
+        job = ws.submit("Sum up the notes.", piece=str(p), model=MODEL, inputs=TRIO_INPUTS,
+                        context={"compact_keep_last": 2})
+        statuses = step_in_children(ws, job, env={**os.environ, "OPENAI_BASE_URL": other.base_url})
+        assert statuses[-1] == "succeeded"
+        assert len(statuses) >= len(TRIO)  # at least one process per call
+        assert timeless([r.body for r in other.received]) == timeless([r.body for r in server.received])
+    assert timeless(comparable(ws, job)) == timeless(comparable(straight_ws, straight))
+
+
+def _by_last_pattern(body: dict[str, Any]) -> dict[str, Any]:
+    """Answer from the conversation itself, so a request asked again after a kill gets the same answer: step
+    ``i`` globs ``s<i>/*``; the step after the last one seen in the messages comes next (the crossing answer is
+    always among the kept messages); a request without tools is a summarisation, answered with a summary."""
+    usage = [1_000, 1_500, 3_500, 1_200, 3_600, 1_100, 3_700, 1_300]
+    last = -1
+    for m in body["messages"]:
+        for c in m.get("tool_calls") or []:
+            pattern = json.loads(c["function"]["arguments"]).get("pattern", "")
+            if pattern.startswith("s"):
+                last = int(pattern[1:].split("/")[0])
+    if "tools" not in body:
+        return reply(f"SUM after s{last}", usage=(3_600, 20))
+    i = last + 1
+    if i >= len(usage):
+        return go("COMPLETE", 1_000)
+    return reply(None, [("Glob", {"pattern": f"s{i}/*"}), ("Glob", {"pattern": f"s{i}/x/*"})], usage=(usage[i], 10))
+
+
+def test_killed_at_random_points_and_resumed_each_time_equals_a_straight_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-compaction-test-0000")  # submit checks the spec in this process
+    p = write_piece(tmp_path, "k", {
+        "context": {"window_tokens": WINDOW, "on_pressure": "compact", "compact_keep_last": 3, "max_compactions": 3},
+        "movements": [{"name": "work", "instruction": "W.", "tools": ["Glob"], "rules": [{"next": "COMPLETE"}],
+                       "default_next": "COMPLETE"}]})
+    env = {**os.environ, "OPENAI_API_KEY": "sk-compaction-test-0000", "AGENTNB_OPENAI_RETRIES": "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    runs = {}
+    for name, latency in (("straight", 0.0), ("killed", 0.3)):
+        with OpenAIServer(responder=_by_last_pattern, latency=latency) as srv:
+            ws = Workspace(tmp_path / name)
+            job = ws.submit("t", piece=str(p), model=MODEL)
+            chance = random.Random(16)
+            for _ in range(60):  # SIGKILL the process that runs it anywhere after its first request, until it ends
+                asked = len(srv.received)
+                proc = subprocess.Popen([sys.executable, "-c", CHILD, str(ws.root), str(job.id), "run"], cwd=REPO,
+                                        env={**env, "OPENAI_BASE_URL": srv.base_url}, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+                if name == "killed":
+                    # the clock starts at the process's first request, not its start: under load a start takes
+                    # seconds, and a kill before any request would make no progress at all
+                    waited = time.monotonic() + 120
+                    while len(srv.received) == asked and proc.poll() is None and time.monotonic() < waited:
+                        time.sleep(0.02)
+                try:
+                    out, err = proc.communicate(timeout=120 if name == "straight" else chance.uniform(0.2, 1.8))
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGKILL)
+                    proc.communicate()
+                    continue
+                assert out.strip() == "succeeded", err[-2000:]
+                break
+            else:
+                raise AssertionError("the job did not end within 60 processes")
+        runs[name] = (ws, job)
+    ws, job = runs["straight"]
+    assert [c["summary"] for c in payloads(ws, job, "compaction")] == ["SUM after s2", "SUM after s4", "SUM after s6"]
+
+    def events(ws: Workspace, job: Any) -> list[tuple[Any, ...]]:
+        # a request whose process was killed before its answer is asked again: keep the last of the repeats
+        out: list[tuple[Any, ...]] = []
+        for e in comparable(ws, job):
+            if out and e[0] == "llm_request" and out[-1][:3] == e[:3]:
+                out[-1] = e
+            else:
+                out.append(e)
+        return timeless(out)
+
+    assert events(*runs["killed"]) == events(*runs["straight"])
+
+
+# -- 9. max_iterations right after a compaction; tools with effects (scripted) -------------------------------------
+def test_max_iterations_reached_on_the_call_right_after_a_compaction(tmp_path: Path) -> None:
+    p = three_movements(tmp_path, work_context={"on_pressure": "compact", "compact_keep_last": 2},
+                        work_tools=["Glob"], max_iterations=3)
+    spec = write_script(tmp_path, "s", {
+        "plan": [transition("work", "planned")],
+        "work": [g(1_000), g(3_500), summary("SUM"), g(1_200)],  # conversation calls 1, 2, (summary), 3
+        "verify": [transition("COMPLETE", "ok")],
+    })
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("Go.", piece=str(p), model=spec))
+    assert job.status == "succeeded", job.error
+    reqs = [(e.iteration, e.payload.get("purpose")) for e in of(ws, job, "llm_request") if e.movement_seq == 2]
+    assert reqs == [(1, None), (2, None), (3, "compaction"), (4, None)]
+    (c,) = payloads(ws, job, "compaction")
+    assert c["iteration"] == 3 and c["summary"] == "SUM"
+    work = [t for t in payloads(ws, job, "transition") if t["movement"] == "work"]
+    assert work[0]["forced"] and work[0]["reason"] == "max_iterations (3) reached without a transition"
+    assert work[0]["next_step"] == "verify"
+    # stepped one call per process: the same events (the resumed run counts the summary as no turn)
+    stepped_ws = Workspace(tmp_path / "stepped")
+    stepped = stepped_ws.submit("Go.", piece=str(p), model=spec)
+    assert step_in_children(stepped_ws, stepped)[-1] == "succeeded"
+    assert comparable(stepped_ws, stepped) == comparable(ws, job)
+
+
+def test_a_crossing_on_the_last_allowed_call_is_forced_without_a_summary(tmp_path: Path) -> None:
+    # the crossing response is the max_iterations-th conversation call: a summary would serve no further call
+    p = three_movements(tmp_path, work_context={"on_pressure": "compact"}, work_tools=["Glob"], max_iterations=2)
+    spec = write_script(tmp_path, "s", {"plan": [transition("work")], "work": [g(1_000), g(3_500)],
+                                        "verify": [transition("COMPLETE")]})
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("Go.", piece=str(p), model=spec))
+    assert job.status == "succeeded", job.error
+    assert not payloads(ws, job, "compaction")
+    assert not [r for r in payloads(ws, job, "llm_request") if r.get("purpose")]
+    work = [t for t in payloads(ws, job, "transition") if t["movement"] == "work"]
+    assert work[0]["forced"] and "max_iterations (2)" in work[0]["reason"]
+
+
+def test_a_crossing_response_that_transitions_ends_without_a_summary_and_a_refused_one_compacts(
+        tmp_path: Path) -> None:
+    p = three_movements(tmp_path, work_context={"on_pressure": "compact", "compact_keep_last": 2}, work_tools=["Glob"])
+    at = {"usage": {"prompt_tokens": 3_500, "completion_tokens": 10}}
+    ws = Workspace(tmp_path / "ws")
+    ends = ws.run(ws.submit("t", piece=str(p), model=write_script(tmp_path, "a", {
+        "plan": [transition("work")], "work": [g(1_000), g(1_100), {**transition("verify", "done"), **at}],
+        "verify": [transition("COMPLETE")]})))
+    assert ends.status == "succeeded" and not payloads(ws, ends, "compaction")
+    assert not [r for r in payloads(ws, ends, "llm_request") if r.get("purpose")]
+    refused = ws.run(ws.submit("t", piece=str(p), model=write_script(tmp_path, "b", {
+        "plan": [transition("work")],
+        "work": [g(1_000), g(1_100), {**transition("nowhere", "bad"), **at}, summary("S"), transition("verify")],
+        "verify": [transition("COMPLETE")]})))
+    assert refused.status == "succeeded", refused.error
+    (c,) = payloads(ws, refused, "compaction")
+    # the refused transition and its error result are the kept tail
+    assert (c["summary"], c["removed_messages"], c["kept_messages"]) == ("S", 4, 2)
+
+
+def test_a_model_that_reports_no_usage_compacts_on_estimates_and_resumes_to_the_same(tmp_path: Path) -> None:
+    # no usage in any response: the context is the tokenizer's count; each Read is cut to half of what is left,
+    # so the ratio climbs 23 → 62 → 81 → 90 % (prompt), and starts again from the recount after each compaction
+    p = write_piece(tmp_path, "est", {
+        "context": {"window_tokens": 3_000, "on_pressure": "compact", "compact_keep_last": 2},
+        "movements": [{"name": "work", "instruction": "W.", "tools": ["Read"], "rules": [{"next": "COMPLETE"}],
+                       "default_next": "COMPLETE"}]})
+
+    def read(i: int) -> dict[str, Any]:
+        return call("Read", path=f"input/f{i}.txt")
+
+    spec = write_script(tmp_path, "s", {"work": [
+        read(1), read(2), read(3), read(4), {"content": "SUM-1"}, read(5), read(6), read(7), read(8),
+        {"content": "SUM-2"}, *[read(i) for i in range(1, 7)], transition("COMPLETE")]})
+    inputs = {f"f{i}.txt": " ".join(f"word{i}_{k}" for k in range(3_000)) for i in range(1, 9)}
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("t", piece=str(p), model=spec, inputs=inputs))
+    assert job.status == "succeeded", job.error
+    usage = ws.frames.usage(job)
+    assert set(usage["source"]) == {"tiktoken"}
+    comps = payloads(ws, job, "compaction")
+    assert [c["iteration"] for c in comps] == [5, 10]
+    for c in comps:
+        assert c["tokens_before"] / 3_000 >= 0.85 > c["tokens_after"] / 3_000 and c["kept_messages"] == 2
+        # the next call's estimate is the recounted list: what the compaction said it left
+        nxt = usage[usage["iteration"] == c["iteration"] + 1]
+        assert int(nxt["prompt_tokens"].iloc[0]) == c["tokens_after"]
+    assert [(e.iteration, e.payload["reason"]) for e in of(ws, job, "reminder")] == [(14, "context prompt")]
+    (t,) = payloads(ws, job, "transition")
+    assert t["forced"] and "force_transition (95%)" in t["reason"]
+    stepped_ws = Workspace(tmp_path / "stepped")
+    stepped = stepped_ws.submit("t", piece=str(p), model=spec, inputs=inputs)
+    assert step_in_children(stepped_ws, stepped)[-1] == "succeeded"
+    assert comparable(stepped_ws, stepped) == comparable(ws, job)
+
+
+def test_custom_thresholds_move_where_compaction_and_the_fall_back_happen(tmp_path: Path) -> None:
+    # prompt at 50 %, force_transition at 90 % of 4,000: two compactions, then the wrap-up, then forced at 92.5 %
+    p = write_piece(tmp_path, "low", {
+        "context": {"window_tokens": WINDOW, "on_pressure": "compact", "compact_keep_last": 2,
+                    "thresholds": {"warn": 0.3, "prompt": 0.5, "force_transition": 0.9, "exhausted": 0.99}},
+        "movements": [{"name": "work", "instruction": "W.", "tools": ["Glob"], "rules": [{"next": "COMPLETE"}],
+                       "default_next": "COMPLETE"}]})
+    spec = write_script(tmp_path, "s", {"work": [g(1_000), g(1_100), g(2_100), summary("S1"), g(1_000), g(2_200),
+                                                 summary("S2"), g(2_300), g(3_700)]})
+    ws = Workspace(tmp_path / "ws")
+    job = ws.run(ws.submit("t", piece=str(p), model=spec))
+    assert job.status == "succeeded", job.error
+    comps = payloads(ws, job, "compaction")
+    assert [(c["iteration"], c["summary"]) for c in comps] == [(4, "S1"), (7, "S2")]
+    assert all(c["tokens_after"] / WINDOW < 0.5 <= c["tokens_before"] / WINDOW for c in comps)
+    assert [(e.iteration, e.payload["reason"]) for e in of(ws, job, "reminder")] == [(8, "context prompt")]
+    (t,) = payloads(ws, job, "transition")
+    assert t["forced"] and t["reason"] == "context at 92.5% of 4,000 tokens reached force_transition (90%)"
+
+
+@pytest.mark.needs("bwrap")
+def test_write_edit_and_bash_in_a_compacting_movement_resumed_per_call(tmp_path: Path) -> None:
+    p = three_movements(tmp_path, work_context={"on_pressure": "compact", "compact_keep_last": 1},
+                        work_tools=["Write", "Edit", "Bash", "Read"])
+    script = {
+        "plan": [transition("work", "planned")],
+        "work": [
+            g(1_000, "Write", path="output/a.txt", content="one\n"),
+            g(1_400, "Bash", command="echo two >> output/a.txt && wc -l < output/a.txt"),
+            g(3_500, "Edit", path="output/a.txt", old="one", new="ONE"),  # crosses prompt
+            summary("SUM-1: wrote a.txt, appended, edited."),
+            g(1_600, "Read", path="output/a.txt"),
+            g(3_550, "Bash", command="cat output/a.txt"),  # crosses again
+            summary("SUM-2: read it back."),
+            transition("verify", "a.txt has ONE and two", ),
+        ],
+        "verify": [transition("COMPLETE", "ok")],
+    }
+    spec = write_script(tmp_path, "s", script)
+    straight_ws = Workspace(tmp_path / "straight")
+    straight = straight_ws.run(straight_ws.submit("Go.", piece=str(p), model=spec))
+    assert straight.status == "succeeded", straight.error
+    assert (straight_ws.root / "jobs" / str(straight.id) / "output" / "a.txt").read_text() == "ONE\ntwo\n"
+    comps = payloads(straight_ws, straight, "compaction")
+    assert [(c["removed_messages"], c["kept_messages"]) for c in comps] == [(4, 2), (5, 2)]
+    bash = [r["content"] for r in payloads(straight_ws, straight, "tool_result") if r["tool"] == "Bash"]
+    assert bash[1].strip().endswith("ONE\ntwo")
+    ws = Workspace(tmp_path / "stepped")
+    job = ws.submit("Go.", piece=str(p), model=spec)
+    assert step_in_children(ws, job)[-1] == "succeeded"
+    assert (ws.root / "jobs" / str(job.id) / "output" / "a.txt").read_text() == "ONE\ntwo\n"
+    assert comparable(ws, job) == comparable(straight_ws, straight)

@@ -1,5 +1,5 @@
-"""Compaction (DESIGN §12) in every view: ``frames.usage``' ``action``, ``frames.compactions``, ``what_if``,
-``plot_usage``, the job view, the exported notebook and ``compare``; and loop monitors in the plot.
+"""Compaction (docs/context.md#compaction) in every view: ``frames.usage``' ``action``, ``frames.compactions``,
+``what_if``, ``plot_usage``, the job view, the exported notebook and ``compare``; and loop monitors in the plot.
 
 The main job is one movement in a 1,000-token window with ``on_pressure: compact`` and
 ``compact_keep_last: 2``, whose scripted model reports its own usage:

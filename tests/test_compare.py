@@ -1,4 +1,4 @@
-"""Compare two runs (issue 15, DESIGN §11): ``ws.compare(a, b)`` → ``Comparison`` — its frame aligned by movement
+"""Compare two runs (docs/fork-compare.md#compare): ``ws.compare(a, b)`` → ``Comparison`` — its frame aligned by movement
 run, ``files()`` (the difference of the two ``output/`` folders), its HTML and ``%agent compare A B``.
 
 Real SQLite workspaces and scripted jobs on ``plan-implement-verify``; a priced job through the loopback

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from _scripting import write_piece, write_script
 
 from agentnb import Workspace
 from agentnb.engine.context import (
@@ -35,12 +35,10 @@ def _piece(tmp_path: Path, *, context: dict[str, Any] | None = None, default_nex
         work["default_next"] = default_next
     wrap = {"name": "wrap", "persona": "You wrap up.", "instruction": "Wrap up.", "tools": [],
             "rules": [{"condition": "done", "next": "COMPLETE"}]}
-    doc: dict[str, Any] = {"name": name, "movements": [work, wrap]}
+    doc: dict[str, Any] = {"movements": [work, wrap]}
     if context:
         doc["context"] = context
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
+    return write_piece(tmp_path, name, doc)
 
 
 def _read(usage: int | None = None, completion: int = 20, **args: Any) -> dict[str, Any]:
@@ -60,9 +58,7 @@ def _transition(step: str, usage: int | None = None) -> dict[str, Any]:
 
 
 def _script(tmp_path: Path, work: list[dict[str, Any]], wrap: list[dict[str, Any]] | None = None) -> str:
-    path = tmp_path / "script.yaml"
-    path.write_text(yaml.safe_dump({"movements": {"work": work, "wrap": wrap or [_transition("COMPLETE")]}}))
-    return f"scripted:{path}"
+    return write_script(tmp_path, "script", {"work": work, "wrap": wrap or [_transition("COMPLETE")]})
 
 
 def _run(ws: Workspace, piece: Path, model: str, **kw: Any) -> tuple[Any, list[Any]]:
@@ -242,10 +238,10 @@ def test_bad_job_context_options_are_refused_at_submit(ws: Workspace, tmp_path: 
 )
 def test_bad_usage_in_a_script_is_a_one_line_error(ws: Workspace, tmp_path: Path, usage: dict[str, Any],
                                                    message: str) -> None:
-    script = tmp_path / "bad.yaml"
-    script.write_text(yaml.safe_dump({"responses": [{**_transition("COMPLETE"), "usage": usage}]}))
+    spec = write_script(tmp_path, "bad", responses=[{**_transition("COMPLETE"), "usage": usage}])
+    script = spec.removeprefix("scripted:")
     with pytest.raises(ModelSpecError) as info:
-        ws.run(ws.submit("x", piece=str(_piece(tmp_path)), model=f"scripted:{script}"))
+        ws.run(ws.submit("x", piece=str(_piece(tmp_path)), model=spec))
     assert message in str(info.value) and f"{script}: responses[0]" in str(info.value)
     assert "\n" not in str(info.value)
 

@@ -1,5 +1,6 @@
 """``--context KEY=VALUE`` of ``agentnb run``/``fork`` and ``%agent run``/``fork``: a job's context settings
-(DESIGN §12's compaction keys among them) from a terminal or a notebook, as ``submit(context=…)`` takes them."""
+(the compaction keys of docs/context.md#compaction among them) from a terminal or a notebook, as ``submit(context=…)``
+takes them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cost in US dollars (issue 14, DESIGN §10): every LLM call priced from genai-prices' bundled data, shown in
+"""Cost in US dollars (docs/design-lab.md#cost): every LLM call priced from genai-prices' bundled data, shown in
 ``frames.usage``, ``frames.jobs``, the job header, the panel's job list and the ``%agent usage`` table; and the
 batch/case columns and score events in the views.
 

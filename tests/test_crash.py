@@ -1,4 +1,4 @@
-"""A crash never silently redoes a side effect (issue 11, item 8).
+"""A crash never silently redoes a side effect.
 
 Each test runs a job in a real worker process, talking to the OpenAI-protocol server on
 loopback, and SIGKILLs that process while a tool is in the middle of its work (the tool
@@ -24,7 +24,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from engine_helpers import write_piece
+from _scripting import write_piece
 from openai_server import OpenAIServer, openai_env, reply, stall
 
 import agentnb
@@ -148,7 +148,7 @@ def _results(ws: Workspace, job: Any, tool: str) -> list[dict[str, Any]]:
 def _submit(ws: Workspace, tmp_path: Path) -> Any:
     # an openai: job is refused at submit without a key; the workers below are given the endpoint
     with mock.patch.dict(os.environ, {"OPENAI_API_KEY": "sk-test"}):
-        return ws.submit("Do it.", piece=write_piece(tmp_path, PIECE), model="openai:m",
+        return ws.submit("Do it.", piece=write_piece(tmp_path, "piece", PIECE), model="openai:m",
                          inputs={"a.txt": "alpha gamma\n"})
 
 
@@ -271,7 +271,7 @@ def stop_once() -> Iterator[dict[str, int]]:
 def test_a_completed_response_keeps_its_tool_messages_together_and_images_after_them(
         ws: Workspace, tmp_path: Path, server: OpenAIServer, stop_once: dict[str, int],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    piece = write_piece(tmp_path, PIECE.replace("slow_look]", "slow_look, ReadImage, stop_once]"))
+    piece = write_piece(tmp_path, "piece", PIECE.replace("slow_look]", "slow_look, ReadImage, stop_once]"))
     server.play(
         reply(None, [("ReadImage", {"path": "input/dot.png"}), ("stop_once", {}), ("Read", {"path": "input/a.txt"})]),
         reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})]),
@@ -293,7 +293,7 @@ def test_a_completed_response_keeps_its_tool_messages_together_and_images_after_
 def test_a_completed_response_still_counts_against_max_iterations(ws: Workspace, tmp_path: Path,
                                                                   server: OpenAIServer, stop_once: dict[str, int],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    piece = write_piece(tmp_path, PIECE.replace("slow_look]", "slow_look, stop_once]")
+    piece = write_piece(tmp_path, "piece", PIECE.replace("slow_look]", "slow_look, stop_once]")
                         .replace("max_iterations: 10", "max_iterations: 1"))
     server.play(reply(None, [("stop_once", {})]))
     job = ws.submit("Once.", piece=piece, model="openai:m")

@@ -1,11 +1,11 @@
 """Durability of the event log: what happened before an LLM call is committed before the call is made.
 
-The engine batches a call's events into one transaction (issue 8), never across
+The engine batches a call's events into one transaction, never across
 calls.  These tests look from a second SQLite connection — as another process,
 a crashed-and-restarted worker or a notebook view would — at the moment each
 model call happens.
 
-The last test guards another optimisation of that issue: scripted-model files are
+The last test guards another optimisation of the event path: scripted-model files are
 read through libyaml's node tree, and must still read exactly as ``yaml.safe_load``.
 """
 
@@ -150,7 +150,7 @@ def test_a_script_file_reads_exactly_as_yaml_safe_load_gives_it(tmp_path: Path) 
     assert last.tool_calls[0].arguments["tags"] == {"a", "b"}  # !!set, as safe_load builds it
 
 
-# -- a tool with effects runs only once its call is durable (issue 11, item 8) ------------------------------
+# -- a tool with effects runs only once its call is durable ------------------------------------------------
 
 
 def _committed(ws: Workspace, job_id: int) -> list[tuple[str, str | None]]:

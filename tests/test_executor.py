@@ -1,4 +1,4 @@
-"""Batches run concurrently (issue 14, "Concurrency" and "Progress"), against a real OpenAI-protocol server.
+"""Batches run concurrently, and show their progress, against a real OpenAI-protocol server.
 
 The server (tests/openai_server.py) answers on loopback after a fixed latency, counts the requests in
 flight and, when told, refuses those over a limit with 429 and ``retry-after``.  Each job's answers
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import write_piece
+from _scripting import write_piece
 from openai_server import OpenAIServer, error, openai_env, reply
 
 from agentnb import Workspace
@@ -104,7 +104,7 @@ def test_jobs_overlap_up_to_the_concurrency_and_every_event_is_kept(tmp_path: Pa
     # otherwise start too far apart to overlap (a batch limited to fewer would leave them waiting, and fail below)
     server.gather = 8
     ws = Workspace(tmp_path / "ws")
-    b = ws.batch(_cases(24), piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="wide",
+    b = ws.batch(_cases(24), piece=str(write_piece(tmp_path, "piece", PIECE)), model="openai:m", name="wide",
                  concurrency=8, progress=False)
     assert server.max_in_flight == 8  # really at once, and never more than asked
     assert b.counts()["succeeded"] == 24
@@ -121,7 +121,7 @@ def test_a_rate_limit_slows_the_whole_batch_and_fails_no_job(tmp_path: Path, ser
     server.max_concurrent = 3
     server.retry_after = "0.05"
     ws = Workspace(tmp_path / "ws")
-    b = ws.batch(_cases(16), piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="limited",
+    b = ws.batch(_cases(16), piece=str(write_piece(tmp_path, "piece", PIECE)), model="openai:m", name="limited",
                  concurrency=8, retries=30, progress=False)
     assert b.counts()["succeeded"] == 16, [j.error for j in b.jobs]
     refused = [a for a in server.log if a.status == 429]
@@ -141,7 +141,7 @@ def test_a_job_whose_retries_run_out_fails_in_one_line_and_the_others_go_on(tmp_
                                                                             server: OpenAIServer) -> None:
     ws = Workspace(tmp_path / "ws")
     cases = [*_cases(5), {"instruction": "the doomed one"}]
-    b = ws.batch(cases, piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="doom", concurrency=4,
+    b = ws.batch(cases, piece=str(write_piece(tmp_path, "piece", PIECE)), model="openai:m", name="doom", concurrency=4,
                  retries=2, max_backoff=0.05, progress=False)
     by_case = {j.case: j for j in b.jobs}
     assert str(by_case[5].status) == "failed"
@@ -151,7 +151,8 @@ def test_a_job_whose_retries_run_out_fails_in_one_line_and_the_others_go_on(tmp_
 
 def test_a_job_another_process_runs_is_skipped_and_counted(tmp_path: Path, server: OpenAIServer) -> None:
     ws = Workspace(tmp_path / "ws")
-    b = ws.batch(_cases(4), piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="shared", run=False)
+    b = ws.batch(_cases(4), piece=str(write_piece(tmp_path, "piece", PIECE)), model="openai:m", name="shared",
+                 run=False)
     taken = b.pending()[1]
     assert ws.store.claim(taken) is not None  # this process, alive: as if another worker were running it
     b.run(concurrency=2, progress=False)
@@ -163,12 +164,12 @@ def test_concurrency_must_be_a_whole_number_of_at_least_one(tmp_path: Path, serv
     ws = Workspace(tmp_path / "ws")
     for bad in (0, True, -2, 1.5):
         with pytest.raises(UsageError) as caught:
-            ws.batch(_cases(2), piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="bad",
+            ws.batch(_cases(2), piece=str(write_piece(tmp_path, "piece", PIECE)), model="openai:m", name="bad",
                      concurrency=bad)
         assert "\n" not in str(caught.value) and f"concurrency={bad!r}" in str(caught.value)
         assert "≥ 1" in str(caught.value)
     assert ws.batches() == [] and ws.jobs() == []
-    b = ws.batch(_cases(2), piece=str(write_piece(tmp_path, PIECE)), model="openai:m", name="ok", run=False)
+    b = ws.batch(_cases(2), piece=str(write_piece(tmp_path, "piece", PIECE)), model="openai:m", name="ok", run=False)
     with pytest.raises(UsageError, match="concurrency=True"):
         b.run(concurrency=True)
     assert server.log == []
@@ -425,7 +426,7 @@ def _resume_and_check(tmp_path: Path, srv: OpenAIServer, n: int) -> None:
 def test_ctrl_c_pauses_every_running_job_and_the_batch_resumes(tmp_path: Path, how: str) -> None:
     answers = _answers("append_line")
     with OpenAIServer(latency=0.15, responder=answers, key=_case) as srv:
-        piece = write_piece(tmp_path, TOOL_PIECE)
+        piece = write_piece(tmp_path, "piece", TOOL_PIECE)
         proc = _start(tmp_path, srv, "start", str(piece), "10")
         _when_seen(srv, proc, 8)
         proc.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGINT)
@@ -453,7 +454,7 @@ def test_ctrl_c_pauses_every_running_job_and_the_batch_resumes(tmp_path: Path, h
 
 def test_a_killed_batch_resumes_without_repeating_a_completed_tool_call(tmp_path: Path) -> None:
     with OpenAIServer(latency=0.1, responder=_answers("append_line"), key=_case) as srv:
-        piece = write_piece(tmp_path, TOOL_PIECE)
+        piece = write_piece(tmp_path, "piece", TOOL_PIECE)
         proc = _start(tmp_path, srv, "start", str(piece), "8")
         _when_seen(srv, proc, 9)
         proc.kill()

@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 
 import nbformat
 import pytest
-import yaml
+from _scripting import call, transition, write_piece, write_script
 from _usage_jobs import demo_job, usage_job
 
 from agentnb import Workspace
@@ -131,13 +131,12 @@ def test_export_of_the_demo_job_through_the_cli(ws: Workspace, tmp_path: Path, c
 
 
 def test_comments_between_movements_and_waiting_jobs(ws: Workspace, tmp_path: Path) -> None:
-    script = tmp_path / "ask.yaml"
-    script.write_text(yaml.safe_dump({"responses": [
+    script = write_script(tmp_path, "ask", responses=[
         {"tool_calls": [{"name": "transition", "arguments": {"next_step": "ASK", "summary": "unclear",
                                                              "question": "Which format?"}}]},
         {"tool_calls": [{"name": "transition", "arguments": {"next_step": "COMPLETE", "summary": "done"}}]},
-    ]}), encoding="utf-8")
-    job = ws.run(ws.submit("Write it", piece="single", model=f"scripted:{script}"))
+    ])
+    job = ws.run(ws.submit("Write it", piece="single", model=script))
     assert job.status == "waiting_human"
     nb = _read(ws.export_notebook(job, tmp_path / "waiting.ipynb"))
     assert "**waiting_human**" in nb.cells[0].source
@@ -195,8 +194,6 @@ def test_export_of_a_job_that_never_ran(ws: Workspace, tmp_path: Path) -> None:
 
 
 def test_headings_name_failed_and_unfinished_runs_and_subtasks_are_listed(ws: Workspace, tmp_path: Path) -> None:
-    from _scripting import call, transition, write_script
-
     # a run that ends in failure, and one call (singular) per run
     failing = write_script(tmp_path, "fails", {"work": [call("Glob", pattern="*")]})
     job = ws.run(ws.submit("fail", piece="single", model=failing))
@@ -311,8 +308,6 @@ def test_transcript_opens_collapsed_in_jupyterlab_and_expands_with_one_click(ws:
 
 def test_the_transcript_has_no_local_absolute_path(ws: Workspace, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from _scripting import call, transition, write_piece, write_script
-
     import agentnb
     from agentnb.tools.base import unregister
 

@@ -1,4 +1,4 @@
-"""A job's files without a shared filesystem (DESIGN §13, issue 17): on PostgreSQL a job's ``input/`` goes into the
+"""A job's files without a shared filesystem (docs/stores.md#files): on PostgreSQL a job's ``input/`` goes into the
 store at submit, each movement's changes go back at its end, a worker materialises the files in its own folder
 when it claims the job, and ``ws.files``/``ws.pull`` read them from any machine; on SQLite the same two read the
 work directory on disk.  A per-job size limit, at submit and at movement end."""
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import call, transition, write_piece, write_script
+from _scripting import call, transition, write_piece, write_script
 
 from agentnb import Workspace
 from agentnb.engine.jobfiles import DEFAULT_FILES_LIMIT, parse_files_limit
@@ -86,11 +86,11 @@ def _results(ws: Workspace, job: Any) -> list[str]:
 def test_a_worker_in_its_own_folder_reads_the_inputs_and_its_output_reaches_the_submitter(
         pg_url: str, tmp_path: Path) -> None:
     submitter = Workspace(tmp_path / "laptop", store=pg_url)
-    spec = write_script(tmp_path, {"responses": [
+    spec = write_script(tmp_path, "script", responses=[
         call("Read", path="input/notes.md"),
         call("Write", path="output/report.md", content="# Report\nthe notes said hello\n"),
         transition("COMPLETE", "reported"),
-    ]})
+    ])
     blob = bytes(range(256)) * 3
     job = submitter.submit("Report on the notes", piece="single", model=spec,
                            inputs={"notes.md": "hello from the laptop", "data/blob.bin": blob})
@@ -137,7 +137,7 @@ def test_a_job_moved_between_workers_sees_their_files_deletions_modes_and_inside
     b = Workspace(tmp_path / "worker-b", store=pg_url)
     secret = tmp_path / "secret.txt"
     secret.write_text("not the job's", encoding="utf-8")
-    spec = write_script(tmp_path, {"responses": [
+    spec = write_script(tmp_path, "script", responses=[
         # first (on A)
         call("Write", path="output/a.txt", content="written on A"),
         call("Write", path="output/gone.txt", content="deleted on B"),
@@ -151,8 +151,9 @@ def test_a_job_moved_between_workers_sees_their_files_deletions_modes_and_inside
         call("Glob", pattern="output/*"),
         call("Read", path="output/linked.txt"),
         transition("COMPLETE", "done"),
-    ]})
-    job = a.submit("Move around", piece=write_piece(tmp_path, THREE_STEPS), model=spec, inputs={"in.txt": "in"})
+    ])
+    job = a.submit("Move around", piece=write_piece(tmp_path, "piece", THREE_STEPS), model=spec,
+                   inputs={"in.txt": "in"})
     assert a.step(job).status == "queued"  # movement 1 on A
 
     assert b.step(job, unit="call").status == "queued"  # B claims it: A's files are materialised on B
@@ -187,7 +188,7 @@ def test_a_job_moved_between_workers_sees_their_files_deletions_modes_and_inside
 @needs_pg
 def test_a_fork_on_postgres_starts_from_the_originals_inputs_in_the_store(pg_url: str, tmp_path: Path) -> None:
     a = Workspace(tmp_path / "a", store=pg_url)
-    spec = write_script(tmp_path, {"responses": [call("Read", path="input/n.md"), transition("COMPLETE", "ok")]})
+    spec = write_script(tmp_path, "script", responses=[call("Read", path="input/n.md"), transition("COMPLETE", "ok")])
     job = a.run(a.submit("Read", piece="single", model=spec, inputs={"n.md": "the original input"}))
     b = Workspace(tmp_path / "b", store=pg_url)  # another machine: the original's folder is not here
     fork = b.fork(job, at=1)
@@ -233,11 +234,11 @@ def test_the_limit_at_submit_is_one_line_and_nothing_is_stored(pg_url: str, tmp_
 
 @needs_pg
 def test_the_limit_at_a_movement_end_fails_the_job_and_writes_nothing_back(pg_url: str, tmp_path: Path) -> None:
-    spec = write_script(tmp_path, {"responses": [
+    spec = write_script(tmp_path, "script", responses=[
         call("Write", path="output/small.txt", content="fits"),
         call("Write", path="output/big.txt", content="z" * 900),
         transition("COMPLETE", "wrote"),
-    ]})
+    ])
     ws = Workspace(tmp_path / "ws", store=pg_url, files_limit="1000")
     job = ws.run(ws.submit("Write", piece="single", model=spec, inputs={"in.txt": "i" * 100}))
     assert job.status == "failed"
@@ -276,10 +277,10 @@ def test_a_bad_limit_is_one_line_before_the_folder_is_made(tmp_path: Path, monke
 
 def test_files_and_pull_on_sqlite_read_the_work_directory(tmp_path: Path) -> None:
     ws = Workspace(tmp_path / "ws")
-    spec = write_script(tmp_path, {"responses": [
+    spec = write_script(tmp_path, "script", responses=[
         call("Write", path="output/report.md", content="the report"),
         transition("COMPLETE", "ok"),
-    ]})
+    ])
     job = ws.run(ws.submit("Write", piece="single", model=spec, inputs={"notes.md": "notes"}))
     assert job.status == "succeeded"
     os.symlink(tmp_path, job.workdir / "output" / "escape")  # leads out: never listed or copied
@@ -313,16 +314,12 @@ def test_files_and_pull_on_sqlite_read_the_work_directory(tmp_path: Path) -> Non
 
 @needs_pg
 def test_subtasks_on_postgres_keep_their_files_in_the_store(pg_url: str, tmp_path: Path) -> None:
-    from _scripting import call as s_call
-    from _scripting import transition as s_transition
-    from _scripting import write_script as s_write_script
-
-    children = [{"instruction": f"Do part {n}", "piece": "single", "model": s_write_script(tmp_path, f"c{n}", {"work": [
-        s_call("Write", path="output/part.md", content=f"part {n}"), s_transition("COMPLETE", summary=f"part {n}")]})}
+    children = [{"instruction": f"Do part {n}", "piece": "single", "model": write_script(tmp_path, f"c{n}", {"work": [
+        call("Write", path="output/part.md", content=f"part {n}"), transition("COMPLETE", summary=f"part {n}")]})}
         for n in (1, 2)]
-    spec = s_write_script(tmp_path, "parent", {
-        "split": [s_transition("WAIT_SUBTASKS", summary="split", subtasks=children)],
-        "merge": [s_call("Write", path="output/result.md", content="merged"), s_transition("COMPLETE", "merged")],
+    spec = write_script(tmp_path, "parent", {
+        "split": [transition("WAIT_SUBTASKS", summary="split", subtasks=children)],
+        "merge": [call("Write", path="output/result.md", content="merged"), transition("COMPLETE", "merged")],
     })
     a = Workspace(tmp_path / "a", store=pg_url)
     parent = a.run(a.submit("Do two parts", piece="fan-out", model=spec))
@@ -338,8 +335,8 @@ def test_subtasks_on_postgres_keep_their_files_in_the_store(pg_url: str, tmp_pat
 @needs_pg
 def test_compare_files_on_postgres_reads_both_outputs_from_the_store(pg_url: str, tmp_path: Path) -> None:
     def job_writing(ws: Workspace, text: str) -> Any:
-        spec = write_script(tmp_path, {"responses": [call("Write", path="output/r.md", content=text),
-                                                     transition("COMPLETE", "ok")]}, name=f"{text}.yaml")
+        spec = write_script(tmp_path, text, responses=[call("Write", path="output/r.md", content=text),
+                                                       transition("COMPLETE", "ok")])
         return ws.run(ws.submit("Write", piece="single", model=spec))
 
     one = job_writing(Workspace(tmp_path / "a", store=pg_url), "one\n")
@@ -405,13 +402,13 @@ def test_unchanged_files_are_not_read_again_and_a_same_size_rewrite_still_is(
     from agentnb.engine import _filecache
 
     ws = Workspace(tmp_path / "w", store=pg_url)
-    spec = write_script(tmp_path, {"responses": [
+    spec = write_script(tmp_path, "script", responses=[
         call("Write", path="output/a.txt", content="aaaa"), call("Glob", pattern="*"), call("Glob", pattern="*"),
         call("files_test_rewrite", path="output/a.txt", content="AAAA"), call("Write", path="output/b.txt", content="b"),
         call("Glob", pattern="*"), transition("COMPLETE", "done"),
-    ]})
+    ])
     big = os.urandom(1 << 20)
-    job = ws.submit("Write two files", piece=write_piece(tmp_path, REWRITE), model=spec,
+    job = ws.submit("Write two files", piece=write_piece(tmp_path, "piece", REWRITE), model=spec,
                     inputs={"big.bin": big, "notes.md": "n"})
     wd = ws.root / "jobs" / str(job.id)
     reads: list[str] = []

@@ -1,4 +1,4 @@
-"""Forks (DESIGN §11) where a user looks: the frames, the job view, the exported notebook, the panel's job list,
+"""Forks (docs/fork-compare.md#fork) where a user looks: the frames, the job view, the exported notebook, the panel's job list,
 ``%agent fork`` in a real IPython shell and ``agentnb fork`` / ``agentnb replay`` run as subprocesses."""
 
 from __future__ import annotations

@@ -337,8 +337,8 @@ def test_a_run_paused_mid_way_counts_its_calls_so_far(tmp_path: Path) -> None:
     assert ws.frames.movements(job)["iterations"].tolist() == [3, 2]
 
 
-def test_the_issue_s_column_names_are_offered_too(store: tuple[Workspace, dict[str, Job]]) -> None:
-    """Users who write the names of the issue (jobs' ``id``, movements' ``name`` and ``tokens``) get the same values."""
+def test_id_name_and_tokens_are_offered_as_column_aliases_too(store: tuple[Workspace, dict[str, Job]]) -> None:
+    """Users who write jobs' ``id``, movements' ``name`` and ``tokens`` (the names a user asked for) get the same values."""
     ws, _jobs = store
     table = ws.frames.jobs()
     assert table["id"].tolist() == table["job"].tolist() and table["id"].dtype == "int64"

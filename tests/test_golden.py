@@ -1,12 +1,12 @@
 """Characterisation: every golden case, built again, shows a user exactly what tests/golden/<case>.json holds.
 
-The files were written by ``python tests/_golden.py --write`` from the code before the redesign of issue 13,
-and re-recorded once for issue 14 with nothing but its additions (``cost_usd`` in ``frames.usage`` and
+The files were written by ``python tests/_golden.py --write`` from the code before the typed-events redesign,
+and re-recorded once for the cost and batch columns with nothing but their additions (``cost_usd`` in ``frames.usage`` and
 ``frames.jobs``, ``batch``/``case`` in ``frames.jobs``, the cost in the job header) — checked by stripping
 those from the new files and finding the old ones byte for byte; a difference is a change a user would
-see (or a volatile value the harness should have masked).  Issue 16 re-recorded them for one addition,
+see (or a volatile value the harness should have masked).  Loop monitors re-recorded them for one addition,
 ``frames.movements()``'s ``judge`` column (False for every run of these pieces, which have no loop monitors):
-stripped of it, every file equals the one before.  Issue 26 re-recorded them for the views' symbols (each
+stripped of it, every file equals the one before.  The views' symbols re-recorded them once more (each
 emoji replaced by a character DejaVu Sans has, with an aria-label and title in HTML): with those replacements
 undone, every file equals the one before.
 """

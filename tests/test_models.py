@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import call, say, transition, write_piece, write_script
+from _scripting import call, say, transition, write_piece, write_script
 from openai_server import OpenAIServer, error, reply, stall
 
 import agentnb
@@ -64,13 +64,13 @@ def _kinds(ws: Workspace, job) -> list[str]:
 
 
 def test_scripted_responses_list_plays_in_order_across_the_job(ws: Workspace, tmp_path: Path) -> None:
-    model = write_script(tmp_path, {"responses": [
+    model = write_script(tmp_path, "script", responses=[
         {"content": "Writing.", "tool_calls": [{"name": "Write", "arguments": {"path": "output/a.txt", "content": "A"}}],
          "usage": {"prompt_tokens": 1200, "completion_tokens": 40}},
         transition("review", "wrote a.txt"),
         transition("COMPLETE", "fine"),
-    ]})
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model=model))
+    ])
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", LOOP), model=model))
     assert job.status == "succeeded", job.error
     assert (Path(job.workdir) / "output" / "a.txt").read_text() == "A"
     first = ws.events(job, kinds=["llm_response"])[0].payload
@@ -82,11 +82,11 @@ def test_scripted_responses_list_plays_in_order_across_the_job(ws: Workspace, tm
 
 
 def test_scripted_per_movement_lists_play_across_that_movements_runs(ws: Workspace, tmp_path: Path) -> None:
-    model = write_script(tmp_path, {"movements": {
+    model = write_script(tmp_path, "script", movements={
         "work": [transition("review", "first try"), call("Read", path="input"), transition("review", "second try")],
         "review": [transition("work", "redo", feedback="more"), transition("COMPLETE", "good now")],
-    }})
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model=model))
+    })
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", LOOP), model=model))
     assert job.status == "succeeded", job.error
     assert [(m["name"], m["summary"]) for m in ws.movements(job)] == [
         ("work", "first try"), ("review", "redo"), ("work", "second try"), ("review", "good now")]
@@ -99,8 +99,8 @@ def test_scripted_per_movement_lists_play_across_that_movements_runs(ws: Workspa
      "scripted model ran out of responses for movement 'review': {path} has 0, call 1 was asked for"),
 ])
 def test_a_script_that_runs_out_fails_the_job_saying_so(ws: Workspace, tmp_path: Path, script, message) -> None:
-    model = write_script(tmp_path, script)
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model=model))
+    model = write_script(tmp_path, "script", **script)
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", LOOP), model=model))
     assert job.status == "failed"
     assert job.error == message.format(path=model.split(":", 1)[1])
     err = ws.events(job, kinds=["error"])[-1].payload
@@ -139,12 +139,12 @@ def test_bad_model_specs_are_refused_at_submit(ws: Workspace, spec: str, match: 
 
 
 def test_replay_reproduces_a_recorded_job(ws: Workspace, tmp_path: Path) -> None:
-    model = write_script(tmp_path, {"responses": [
+    model = write_script(tmp_path, "script", responses=[
         call("Write", path="output/r.txt", content="replayed"), say("hmm"),
         transition("review", "wrote", lessons="l1"), transition("work", "again", feedback="fix"),
         transition("review", "fixed"), transition("COMPLETE", "ok"),
-    ]})
-    piece = write_piece(tmp_path, LOOP)
+    ])
+    piece = write_piece(tmp_path, "piece", LOOP)
     original = ws.run(ws.submit("task", piece=piece, model=model))
     copy = ws.run(ws.submit("task", piece=piece, model=f"replay:{original.id}"))
     assert copy.status == original.status == "succeeded"
@@ -174,7 +174,7 @@ def test_full_job_through_an_openai_compatible_server(ws: Workspace, tmp_path: P
               usage=(400, 20)),
         reply(None, [("transition", {"next_step": "COMPLETE", "summary": "approved"})], usage=(250, 5)),
     )
-    job = ws.submit("Summarise", piece=write_piece(tmp_path, LOOP), model="openai:test-model",
+    job = ws.submit("Summarise", piece=write_piece(tmp_path, "piece", LOOP), model="openai:test-model",
                     inputs={"notes.md": "alpha beta\n"})
     job = ws.run(job)
     assert job.status == "succeeded", job.error
@@ -211,7 +211,7 @@ def test_the_model_sees_tool_errors_and_reminders(ws: Workspace, tmp_path: Path,
         reply(None, [("transition", {"next_step": "review", "summary": "done"})]),
         reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})]),
     )
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", LOOP), model="openai:m"))
     assert job.status == "succeeded", job.error
     fourth = server.received[3].body["messages"]
     assert [m["role"] for m in fourth] == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant", "user"]
@@ -234,7 +234,7 @@ def test_retries_with_backoff_on_429_5xx_and_timeouts(ws: Workspace, tmp_path: P
         stall(30), error(500, "oops"),
         reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})], usage=(20, 2)),
     )
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", LOOP), model="openai:m"))
     assert job.status == "succeeded", job.error
     assert len(server.received) == 6  # two calls, with four failed tries between them
     assert len(ws.events(job, kinds=["llm_response"])) == 2  # retries are invisible to the job
@@ -245,7 +245,7 @@ def test_after_the_last_try_the_job_fails_with_a_clear_error(ws: Workspace, tmp_
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "2")
     server.play(error(500, "the backend is down", times=3))
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", LOOP), model="openai:m"))
     assert job.status == "failed"
     assert job.error == "openai:m: gave up after 3 tries; last error HTTP 500: the backend is down"
     assert len(server.received) == 3
@@ -259,14 +259,14 @@ def test_a_timeout_on_every_try_fails_the_job(ws: Workspace, tmp_path: Path, ser
     monkeypatch.setenv("AGENTNB_OPENAI_TIMEOUT", "0.3")
     monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "1")
     server.play(stall(5), stall(5))
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", LOOP), model="openai:m"))
     assert job.status == "failed"
     assert job.error.startswith("openai:m: gave up after 2 tries; last error APITimeoutError")
 
 
 def test_a_request_error_is_not_retried(ws: Workspace, tmp_path: Path, server: OpenAIServer) -> None:
     server.play(error(400, "tools are not supported by this model"))
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", LOOP), model="openai:m"))
     assert job.status == "failed"
     assert job.error == "openai:m: HTTP 400: tools are not supported by this model"
     assert len(server.received) == 1
@@ -298,7 +298,7 @@ def test_broken_json_arguments_are_a_tool_error_and_survive_a_restart(ws: Worksp
         reply(None, [("transition", {"next_step": "review", "summary": "ok"})]),
         reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})]),
     )
-    job = ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m")
+    job = ws.submit("task", piece=write_piece(tmp_path, "piece", LOOP), model="openai:m")
     job = ws.step(job, unit="call")
     job = Workspace(ws.root).step(job.id, unit="call")  # resumed from the file, broken arguments and all
     job = Workspace(ws.root).run(job.id)
@@ -328,7 +328,7 @@ def test_a_resumed_movement_resends_the_models_own_argument_text(ws: Workspace, 
             reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})]),
         )
 
-    piece = write_piece(tmp_path, LOOP)
+    piece = write_piece(tmp_path, "piece", LOOP)
     play()
     whole = ws.run(ws.submit("task", piece=piece, model="openai:m", inputs={"notes.md": "n\n"}))
     assert whole.status == "succeeded", whole.error
@@ -368,13 +368,13 @@ def test_the_wait_a_server_asks_for_is_honoured(ws: Workspace, tmp_path: Path, s
         error(503, "busy", headers={"Retry-After": "3600"}),
         error(500, "final boom"),
     )
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", LOOP), model="openai:m"))
     assert job.status == "failed"
     assert job.error == "openai:m: gave up after 4 tries; last error HTTP 500: final boom"
     assert waits == [7.0, 0.25, 60.0]  # the server's own numbers, a long one capped; none after the last try
 
 
-# -- malformed 200 answers (issue 11, item 10) ---------------------------------------------------------------
+# -- malformed 200 answers ------------------------------------------------------------------------------------
 
 from openai_server import raw  # noqa: E402
 
@@ -402,7 +402,7 @@ def test_a_malformed_200_is_retried_like_a_5xx(ws: Workspace, tmp_path: Path, se
         reply(None, [("transition", {"next_step": "review", "summary": "done"})]),
         reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})]),
     )
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", LOOP), model="openai:m"))
     assert job.status == "succeeded", job.error
     assert len(server.received) == 4
     assert not ws.events(job, kinds=["error"])
@@ -414,7 +414,7 @@ def test_a_malformed_200_on_every_try_fails_the_job_with_one_line(ws: Workspace,
                                                                   reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "2")
     server.play(bad, bad, bad)
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", LOOP), model="openai:m"))
     assert job.status == "failed"
     assert job.error == f"openai:m: gave up after 3 tries; last error malformed answer: {reason}"
     assert "\n" not in job.error
@@ -435,7 +435,7 @@ def test_a_tool_call_without_a_name_is_a_tool_error_the_model_reads(ws: Workspac
         reply(None, [("transition", {"next_step": "review", "summary": "done"})]),
         reply(None, [("transition", {"next_step": "COMPLETE", "summary": "ok"})]),
     )
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, LOOP), model="openai:m"))
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", LOOP), model="openai:m"))
     assert job.status == "succeeded", job.error
     results = [e.payload for e in ws.events(job, kinds=["tool_result"])][:3]
     for r in results:

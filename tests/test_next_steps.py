@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from _scripting import write_piece
 from openai_server import OpenAIServer, reply
 
 from agentnb import Workspace
@@ -50,8 +51,7 @@ def _transition(step: str) -> dict[str, Any]:
 def test_prompt_reminder_schema_and_validation_agree(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: str, doc: dict[str, Any], movement: str
 ) -> None:
-    path = tmp_path / f"{piece}-{movement}.yaml"
-    path.write_text(yaml.safe_dump({**doc, "initial_movement": movement}, allow_unicode=True), encoding="utf-8")
+    path = write_piece(tmp_path, f"{piece}-{movement}", {**doc, "initial_movement": movement})
     names = [m["name"] for m in doc["movements"]]
     candidates = [*names, *SPECIAL_NEXT, "nowhere"]
     ws = Workspace(tmp_path / "ws")

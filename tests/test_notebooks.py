@@ -1,4 +1,4 @@
-"""The example notebooks and the Binder files, as files: what a reviewer or repo2docker reads.
+"""The example notebooks and the Binder files, as files: what a reader or repo2docker reads.
 
 nbval runs the notebooks themselves (see pyproject's addopts); these tests keep the saved files
 clean — no stray outputs or widget state, no paths of a developer's machine, no key — and keep

@@ -695,7 +695,7 @@ def test_a_key_in_a_jobs_model_spec_never_reaches_the_panel(ws: Workspace, panel
 
 
 def test_in_a_kernel_the_boxes_follow_the_selected_job_and_run_a_new_one(tmp_path: Path) -> None:
-    # issue 26: with job 2 (single) selected, the boxes still showed plan-implement-verify
+    # a regression: with job 2 (single) selected, the boxes once still showed plan-implement-verify
     import nbformat
     from nbclient import NotebookClient
     from nbformat.v4 import new_code_cell, new_notebook

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import transition, write_piece, write_script
+from _scripting import transition, write_piece, write_script
 
 from agentnb import Workspace
 from agentnb.tools.base import ToolError, resolve_path
@@ -50,9 +50,9 @@ def _stored(ws: Workspace) -> bytes:
 
 def _run_calls(ws: Workspace, tmp_path: Path, calls: list[tuple[str, dict[str, Any]]], setup=None, **submit: Any):
     """Run one job whose single movement makes ``calls`` (one LLM call each), then completes."""
-    piece = write_piece(tmp_path, ALL_TOOLS)
+    piece = write_piece(tmp_path, "piece", ALL_TOOLS)
     responses = [{"tool_calls": [{"name": n, "arguments": a}]} for n, a in calls]
-    model = write_script(tmp_path, {"responses": [*responses, transition("COMPLETE")]})
+    model = write_script(tmp_path, "script", responses=[*responses, transition("COMPLETE")])
     job = ws.submit("escape", piece=piece, model=model, **submit)
     if setup is not None:
         setup(Path(job.workdir))
@@ -247,7 +247,7 @@ def test_links_left_in_logs_never_make_the_engine_write_or_read_outside(
 ) -> None:
     # A Bash command (jailed) can still leave links in the default work directory, which holds logs/;
     # the engine writes lessons and checklists there on the host, so it must not follow them.
-    piece = write_piece(tmp_path, """
+    piece = write_piece(tmp_path, "piece", """
 name: logs-links
 movements:
   - name: a
@@ -258,12 +258,12 @@ movements:
     instruction: go
     rules: [{next: COMPLETE}]
 """)
-    model = write_script(tmp_path, {"responses": [
+    model = write_script(tmp_path, "script", responses=[
         {"tool_calls": [{"name": "Checklist", "arguments": {"name": "todo", "items": [{"text": "x"}]}}]},
         {"tool_calls": [{"name": "Checklist", "arguments": {"name": "secret", "items": [{"text": "y"}]}}]},
         transition("b", lessons="a lesson"),
         transition("COMPLETE"),
-    ]})
+    ])
     (outside / "todo.json").write_text('{"items": [{"text": "' + SECRET + '", "done": false}]}', encoding="utf-8")
     job = ws.submit("go", piece=piece, model=model)
     logs = ws.root / "jobs" / str(job.id) / "logs"

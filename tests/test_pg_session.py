@@ -1,4 +1,4 @@
-"""A worker frozen inside a PostgreSQL transaction cannot stall the others (DESIGN §13; note17's limit): every
+"""A worker frozen inside a PostgreSQL transaction cannot stall the others (docs/stores.md#workers): every
 store connection asks the server to end a transaction idle for a whole lease
 (``idle_in_transaction_session_timeout``) and uses TCP keepalives within a lease (agentnb/store/pg_session.py).
 A real process is frozen (SIGSTOP) in the middle of a transaction through the store API; the others go on once
@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 from _freeze import process_state, reap
-from _scripting import QUICK
-from engine_helpers import write_piece
+from _scripting import QUICK, write_piece
 
 from agentnb import Workspace
 
@@ -103,7 +102,7 @@ def _in_thread(work: Any) -> list[Any]:
 
 
 def _job(ws: Workspace, tmp_path: Path) -> int:
-    return ws.submit("Do the task.", piece=write_piece(tmp_path, QUICK, name="quick.yaml"), model="demo").id
+    return ws.submit("Do the task.", piece=write_piece(tmp_path, "quick", QUICK), model="demo").id
 
 
 def test_a_writer_frozen_inside_its_transaction_stalls_nobody_past_the_lease(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_helpers import write_piece
+from _scripting import write_piece
 
 import agentnb
 from agentnb import Workspace
@@ -125,7 +125,7 @@ BROKEN = [
 @pytest.mark.parametrize("case", BROKEN, ids=[c[0] for c in BROKEN])
 def test_broken_piece_error_is_one_precise_line(tmp_path: Path, case) -> None:
     _, text, line, field, found, allowed = case
-    path = write_piece(tmp_path, text, "broken.yaml")
+    path = write_piece(tmp_path, "broken", text)
     with pytest.raises(PieceError) as info:
         load_piece(path)
     err = info.value
@@ -138,7 +138,7 @@ def test_broken_piece_error_is_one_precise_line(tmp_path: Path, case) -> None:
 
 
 def test_valid_piece_parses_and_round_trips(tmp_path: Path) -> None:
-    piece = load_piece(write_piece(tmp_path, OK))
+    piece = load_piece(write_piece(tmp_path, "piece", OK))
     assert piece.names == ("a", "b")
     assert piece.initial_movement == "a"
     assert piece.movement("a").next_steps[:1] == ("b",)
@@ -161,8 +161,8 @@ def test_shipped_pieces_are_valid() -> None:
 
 def test_load_by_name_prefers_cwd_pieces_then_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "pieces").mkdir()
-    write_piece(tmp_path / "pieces", OK.replace("name: ok", "name: local"), "local.yaml")
-    write_piece(tmp_path / "pieces", OK.replace("name: ok", "name: my-single"), "single.yaml")
+    write_piece(tmp_path / "pieces", "local", OK.replace("name: ok", "name: local"))
+    write_piece(tmp_path / "pieces", "single", OK.replace("name: ok", "name: my-single"))
     monkeypatch.chdir(tmp_path)
     assert load_piece("local").name == "local"
     assert load_piece("single").name == "my-single"  # ./pieces wins over the package
@@ -180,8 +180,8 @@ def test_files_are_read_relative_to_the_piece_file(tmp_path: Path, monkeypatch: 
     (folder / "prompts").mkdir(parents=True)
     (folder / "prompts" / "persona.md").write_text("You are from a file.", encoding="utf-8")
     (folder / "prompts" / "task.md").write_text("Instruction from a file.", encoding="utf-8")
-    path = write_piece(folder, "name: f\nmovements:\n  - name: a\n    persona_file: prompts/persona.md\n"
-                               "    instruction_file: prompts/task.md\n", "f.yaml")
+    path = write_piece(folder, "f", "name: f\nmovements:\n  - name: a\n    persona_file: prompts/persona.md\n"
+                               "    instruction_file: prompts/task.md\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -199,17 +199,17 @@ def test_user_tool_can_be_named_in_a_piece(tmp_path: Path) -> None:
         return text.upper()
 
     try:
-        piece = load_piece(write_piece(tmp_path, MV + "    tools: [Read, shout_piece_test]\n"))
+        piece = load_piece(write_piece(tmp_path, "piece", MV + "    tools: [Read, shout_piece_test]\n"))
         assert piece.movement("a").tools == ("Read", "shout_piece_test")
     finally:
         agentnb.tools.base.unregister("shout_piece_test")
     with pytest.raises(PieceError, match="unknown tool 'shout_piece_test'"):
-        load_piece(write_piece(tmp_path, MV + "    tools: [Read, shout_piece_test]\n"))
+        load_piece(write_piece(tmp_path, "piece", MV + "    tools: [Read, shout_piece_test]\n"))
 
 
 @pytest.mark.parametrize("case", BROKEN[:8] + BROKEN[-4:], ids=[c[0] for c in BROKEN[:8] + BROKEN[-4:]])
 def test_a_bad_piece_never_creates_a_job(ws: Workspace, tmp_path: Path, case) -> None:
-    path = write_piece(tmp_path, case[1], "broken.yaml")
+    path = write_piece(tmp_path, "broken", case[1])
     with pytest.raises(PieceError):
         ws.submit("task", piece=str(path), model="demo")
     assert ws.jobs() == []
@@ -225,7 +225,7 @@ def test_a_piece_that_is_not_utf8_is_refused_with_its_line(tmp_path: Path) -> No
     assert str(info.value) == (f"{path}:4: movements[0].instruction: found byte 0xe9, which is not UTF-8; "
                                "allowed: UTF-8 text (save the file as UTF-8)")
     (tmp_path / "persona.md").write_bytes(b"\xff\xfe")
-    path = write_piece(tmp_path, MV + "    persona_file: persona.md\n")
+    path = write_piece(tmp_path, "piece", MV + "    persona_file: persona.md\n")
     with pytest.raises(PieceError, match=r":5: movements\[0\] \(a\)\.persona_file: found .*not UTF-8"):
         load_piece(path)
 
@@ -283,7 +283,7 @@ def test_a_piece_file_cannot_name_a_file_outside_its_folder(ws: Workspace, host:
                                                             ref: str, found: str) -> None:
     ref = str(host["secret"]) if ref == "ABS" else ref
     other = "    instruction: do\n" if key == "persona_file" else ""
-    path = write_piece(host["folder"], f"name: x\nmovements:\n  - name: a\n{other}    {key}: {ref}\n")
+    path = write_piece(host["folder"], "piece", f"name: x\nmovements:\n  - name: a\n{other}    {key}: {ref}\n")
     line = 5 if other else 4
     with pytest.raises(PieceError) as info:
         load_piece(path)
@@ -326,9 +326,9 @@ def test_yaml_text_and_piece_objects_name_files_inside_the_current_folder(
 
 
 def test_links_inside_a_pieces_folder_still_work(host: dict[str, Path]) -> None:
-    path = write_piece(host["folder"], "name: x\nmovements:\n  - name: a\n    instruction_file: in.md\n")
+    path = write_piece(host["folder"], "piece", "name: x\nmovements:\n  - name: a\n    instruction_file: in.md\n")
     assert load_piece(path).movement("a").instruction == "Task from a file."
-    path = write_piece(host["folder"], "name: x\nmovements:\n  - name: a\n    instruction_file: loop.md\n")
+    path = write_piece(host["folder"], "piece", "name: x\nmovements:\n  - name: a\n    instruction_file: loop.md\n")
     with pytest.raises(PieceError) as info:
         load_piece(path)
     assert f"{path}:4: movements[0] (a).instruction_file: cannot read 'loop.md'" in str(info.value)

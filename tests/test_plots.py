@@ -13,6 +13,7 @@ matplotlib.use("Agg")  # no display in tests; must precede any pyplot import
 
 import numpy as np
 import pytest
+from _scripting import write_piece, write_script
 from _usage_jobs import PROMPTS, demo_job, usage_job
 from matplotlib.figure import Figure
 
@@ -92,25 +93,20 @@ def test_plot_refuses_what_it_cannot_draw(ws: Workspace) -> None:
 
 def _japanese_job(ws: Workspace, folder: Path) -> agentnb.Job:
     """Two movements with Japanese names (a ``language: ja`` piece), on a scripted model with usage."""
-    import yaml
-
-    folder.mkdir(parents=True, exist_ok=True)
-    piece = folder / "ja.yaml"
-    piece.write_text(yaml.safe_dump({"name": "ja-review", "language": "ja", "movements": [
+    piece = write_piece(folder, "ja", {"name": "ja-review", "language": "ja", "movements": [
         {"name": "下書き", "persona": "書き手", "instruction": "書く", "tools": ["Glob"], "permission": "readonly",
          "rules": [{"condition": "書けた", "next": "査読"}]},
         {"name": "査読", "persona": "査読者", "instruction": "読む", "tools": [], "permission": "readonly",
          "rules": [{"condition": "良い", "next": "COMPLETE"}]},
-    ]}, allow_unicode=True), encoding="utf-8")
-    script = folder / "ja-script.yaml"
-    script.write_text(yaml.safe_dump({"responses": [
+    ]})
+    script = write_script(folder, "ja-script", responses=[
         {"tool_calls": [{"name": "Glob", "arguments": {"pattern": "*"}}], "usage": {"prompt_tokens": 900, "completion_tokens": 9}},
         {"tool_calls": [{"name": "transition", "arguments": {"next_step": "査読", "summary": "書けた"}}],
          "usage": {"prompt_tokens": 1200, "completion_tokens": 9}},
         {"tool_calls": [{"name": "transition", "arguments": {"next_step": "COMPLETE", "summary": "合格"}}],
          "usage": {"prompt_tokens": 1500, "completion_tokens": 9}},
-    ]}, allow_unicode=True), encoding="utf-8")
-    job = ws.run(ws.submit("報告を書く", piece=piece, model=f"scripted:{script}"))
+    ])
+    job = ws.run(ws.submit("報告を書く", piece=piece, model=script))
     assert job.status == "succeeded", job.error
     return job
 
@@ -179,12 +175,7 @@ def test_many_jobs_get_distinct_cumulative_lines(ws: Workspace, tmp_path: Path) 
 
 def _failing_job(ws: Workspace, folder: Path, responses: list[dict]) -> agentnb.Job:
     """The ``single`` piece on a script that runs out after ``responses``: the job fails, saying why."""
-    import yaml
-
-    folder.mkdir(parents=True, exist_ok=True)
-    script = folder / "short.yaml"
-    script.write_text(yaml.safe_dump({"responses": responses}), encoding="utf-8")
-    job = ws.run(ws.submit("fail", piece="single", model=f"scripted:{script}"))
+    job = ws.run(ws.submit("fail", piece="single", model=write_script(folder, "short", responses=responses)))
     assert job.status == "failed" and "ran out of responses" in (job.error or "")
     return job
 
@@ -442,7 +433,7 @@ def test_agent_plot_takes_the_job_like_the_other_sub_commands(shell, capsys: pyt
 
 
 def test_in_a_kernel_a_batch_of_2_or_8_variants_on_deep_script_paths_shows_short_labels(tmp_path: Path) -> None:
-    """Issue 26: notebook 05's plot_batch labels were the full scripted: paths, overprinted, and the summary was
+    """Notebook 05's plot_batch labels were once the full scripted: paths, overprinted, and the summary was
     1,700-1,900 px wide.  In a real kernel, a batch's HTML and its plot name each variant by its short label."""
     deep = tmp_path / "clients" / "acme-corporation" / "experiments" / "2026-q4" / "release-notes-evaluation"
     setup = (

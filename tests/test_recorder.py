@@ -53,7 +53,7 @@ def test_a_wrong_value_fails_where_the_event_is_made(ws: Workspace, tmp_path: Pa
 
 
 def test_an_unknown_or_missing_key_fails_at_write_time_and_nothing_is_written(ws: Workspace, tmp_path: Path) -> None:
-    """Issue 13: a misspelt or forgotten payload key is an error where the event is written, never dropped."""
+    """A misspelt or forgotten payload key is an error where the event is written, never dropped."""
     job_id = _job(ws, tmp_path)
     before = ws.events(job_id)
     rec = Recorder(ws.store, job_id)

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from _scripting import call, transition, write_piece, write_script
 
 from agentnb import Workspace
@@ -127,8 +126,7 @@ def _loop_job(ws: Workspace, tmp_path: Path, calls_per_movement: int, movements:
                       for i in range(calls_per_movement - 1)]
         responses.append({**transition("work" if m < movements - 1 else "COMPLETE", summary=f"part {m}"),
                           "usage": {"prompt_tokens": 1000, "completion_tokens": 10}})
-    (tmp_path / "loop-script.yaml").write_text(yaml.safe_dump({"responses": responses}), encoding="utf-8")
-    job = ws.run(ws.submit("go", piece=piece, model=f"scripted:{tmp_path / 'loop-script.yaml'}",
+    job = ws.run(ws.submit("go", piece=piece, model=write_script(tmp_path, "loop-script", responses=responses),
                            inputs={"big.txt": "a line of <b>input</b>\n" * 200}))
     assert job.status == "succeeded", job.error
     return job.id

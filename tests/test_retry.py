@@ -1,4 +1,4 @@
-"""Retrying a failed or aborted job (issue 11, item 9): ``ws.retry``, ``agentnb retry`` and ``%agent retry``,
+"""Retrying a failed or aborted job: ``ws.retry``, ``agentnb retry`` and ``%agent retry``,
 and the openai model's retry settings per job and per workspace."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from engine_helpers import call, transition, write_piece, write_script
+from _scripting import call, transition, write_piece, write_script
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
@@ -60,7 +59,7 @@ def _reasons(ws: Workspace, job: Any) -> list[str]:
 def test_an_outage_fails_the_job_and_a_retry_goes_on_from_the_last_complete_call(
         ws: Workspace, tmp_path: Path, server: OpenAIServer) -> None:
     server.play(reply(None, [WRITE]), error(503, "down for maintenance", times=3))
-    job = ws.submit("task", piece=write_piece(tmp_path, PIECE), model="openai:m", retries=2)
+    job = ws.submit("task", piece=write_piece(tmp_path, "piece", PIECE), model="openai:m", retries=2)
     job = ws.run(job)
     assert job.status == "failed"
     assert job.error == "openai:m: gave up after 3 tries; last error HTTP 503: down for maintenance"
@@ -86,7 +85,7 @@ def test_an_outage_fails_the_job_and_a_retry_goes_on_from_the_last_complete_call
 
 def test_retry_can_change_the_jobs_retry_settings(ws: Workspace, tmp_path: Path, server: OpenAIServer) -> None:
     server.play(error(500, "boom", times=2))
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, PIECE), model="openai:m", retries=1))
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", PIECE), model="openai:m", retries=1))
     assert job.status == "failed" and len(server.received) == 2
     server.play(error(500, "boom", times=3), reply(None, [TO_REVIEW]), reply(None, [COMPLETE]))
     job = ws.run(ws.retry(job, retries=3))
@@ -96,7 +95,7 @@ def test_retry_can_change_the_jobs_retry_settings(ws: Workspace, tmp_path: Path,
 
 def test_the_workspace_setting_applies_unless_the_job_has_its_own(tmp_path: Path, server: OpenAIServer) -> None:
     ws = Workspace(tmp_path / "ws", retries=1)
-    piece = write_piece(tmp_path, PIECE)
+    piece = write_piece(tmp_path, "piece", PIECE)
     server.play(error(500, "boom", times=2))
     assert ws.run(ws.submit("task", piece=piece, model="openai:m")).status == "failed"
     assert len(server.received) == 2  # the workspace's 1 retry, not the environment's 6
@@ -111,7 +110,7 @@ def test_max_backoff_caps_every_wait(tmp_path: Path, server: OpenAIServer, monke
     waits: list[float] = []
     monkeypatch.setattr(oa.time, "sleep", waits.append)
     monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "1000")  # uncapped, the waits would be ≥ 500 s
-    piece = write_piece(tmp_path, PIECE)
+    piece = write_piece(tmp_path, "piece", PIECE)
     ws = Workspace(tmp_path / "ws", max_backoff=2.5)
     server.play(error(503, "busy", headers={"Retry-After": "3600"}), error(500, "boom", times=2))
     assert ws.run(ws.submit("task", piece=piece, model="openai:m", retries=2)).status == "failed"
@@ -128,17 +127,12 @@ def test_max_backoff_caps_every_wait(tmp_path: Path, server: OpenAIServer, monke
 # -- without an endpoint ----------------------------------------------------------------------------------
 
 
-def _script(path: Path, responses: list[dict[str, Any]]) -> str:
-    path.write_text(yaml.safe_dump({"responses": responses}), encoding="utf-8")
-    return f"scripted:{path}"
-
-
 def test_a_failed_job_resumes_its_movement_even_in_a_workspace_that_ran_it(ws: Workspace, tmp_path: Path) -> None:
-    script = tmp_path / "s.yaml"
-    spec = _script(script, [call("Write", path="output/a.txt", content="A")])
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, PIECE), model=spec))
+    spec = write_script(tmp_path, "s", responses=[call("Write", path="output/a.txt", content="A")])
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", PIECE), model=spec))
     assert job.status == "failed" and "ran out of responses" in job.error
-    _script(script, [call("Write", path="output/a.txt", content="A"), transition("review"), transition("COMPLETE")])
+    write_script(tmp_path, "s", responses=[call("Write", path="output/a.txt", content="A"), transition("review"),
+                                           transition("COMPLETE")])
     Workspace(ws.root).retry(job.id)  # another process; `ws` still holds the runner it failed with
     job = ws.run(job)
     assert job.status == "succeeded", job.error
@@ -147,9 +141,9 @@ def test_a_failed_job_resumes_its_movement_even_in_a_workspace_that_ran_it(ws: W
 
 
 def test_an_aborted_job_starts_the_movement_that_aborted_again(ws: Workspace, tmp_path: Path) -> None:
-    spec = write_script(tmp_path, {"responses": [
-        transition("ABORT", "the input is missing"), transition("review", "found it"), transition("COMPLETE")]})
-    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, PIECE), model=spec))
+    spec = write_script(tmp_path, "script", responses=[
+        transition("ABORT", "the input is missing"), transition("review", "found it"), transition("COMPLETE")])
+    job = ws.run(ws.submit("task", piece=write_piece(tmp_path, "piece", PIECE), model=spec))
     assert job.status == "aborted"
     job = ws.run(ws.retry(job))
     assert job.status == "succeeded", job.error
@@ -213,7 +207,7 @@ def test_agentnb_retry(tmp_path: Path, server: OpenAIServer) -> None:
         return subprocess.run([AGENTNB, "--workspace", str(tmp_path / "ws"), *args], capture_output=True, text=True,
                               timeout=120, env=env, cwd=tmp_path)
 
-    piece = write_piece(tmp_path, PIECE)
+    piece = write_piece(tmp_path, "piece", PIECE)
     server.play(reply(None, [WRITE]), error(502, "bad gateway", times=2))
     out = agentnb("run", "--piece", str(piece), "--model", "openai:m", "--retries", "1", "task")
     assert out.returncode == 1, out.stderr
@@ -248,7 +242,7 @@ def test_agentnb_retry(tmp_path: Path, server: OpenAIServer) -> None:
 def test_agentnb_retry_run(tmp_path: Path, server: OpenAIServer) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
     env.update(openai_env(server, retries="0"))
-    piece = write_piece(tmp_path, PIECE)
+    piece = write_piece(tmp_path, "piece", PIECE)
     server.play(error(500, "boom"), reply(None, [TO_REVIEW]), reply(None, [COMPLETE]))
     base = [AGENTNB, "--workspace", str(tmp_path / "ws")]
     out = subprocess.run([*base, "run", "--piece", str(piece), "--model", "openai:m", "task"], capture_output=True,
@@ -275,14 +269,15 @@ def shell(tmp_path: Path) -> Iterator[InteractiveShell]:
 
 
 def test_agent_retry_magic(shell: InteractiveShell, tmp_path: Path) -> None:
+    spec = write_script(tmp_path, "s", responses=[call("Write", path="output/a.txt", content="A")])
     script = tmp_path / "s.yaml"
-    spec = _script(script, [call("Write", path="output/a.txt", content="A")])
-    piece = write_piece(tmp_path, PIECE)
+    piece = write_piece(tmp_path, "piece", PIECE)
     with capture_output():
         shell.run_cell(f't_job = %agent run --piece {piece} --model scripted:{script} "task"')
     job = shell.user_ns["t_job"]
     assert job.status == "failed" and spec.endswith(job.model.split(":", 1)[1])
-    _script(script, [call("Write", path="output/a.txt", content="A"), transition("review"), transition("COMPLETE")])
+    write_script(tmp_path, "s", responses=[call("Write", path="output/a.txt", content="A"), transition("review"),
+                                           transition("COMPLETE")])
 
     with capture_output():
         shell.run_cell("t_queued = %agent retry t_job")
@@ -295,8 +290,8 @@ def test_agent_retry_magic(shell: InteractiveShell, tmp_path: Path) -> None:
     assert shell.user_ns["t_done"].status == "succeeded"
 
     # an aborted job, retried and run at once
-    spec2 = write_script(tmp_path, {"responses": [transition("ABORT", "no"), transition("review"),
-                                                  transition("COMPLETE")]}, "s2.yaml")
+    spec2 = write_script(tmp_path, "s2", responses=[transition("ABORT", "no"), transition("review"),
+                                                    transition("COMPLETE")])
     with capture_output():
         shell.run_cell(f't_ab = %agent run --piece {piece} --model {spec2} "task"')
     assert shell.user_ns["t_ab"].status == "aborted"

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import call, say, transition, write_piece, write_script
+from _scripting import call, say, transition, write_piece, write_script
 
 import agentnb
 from agentnb import Workspace
@@ -63,14 +63,14 @@ def user_tools():
 
 def _piece(tmp_path: Path, *, max_movements: int = 6, permission: str = "edit", max_iterations: int = 8,
            default_next: str | None = "b", extra: str = "") -> Path:
-    return write_piece(tmp_path, AB.format(
+    return write_piece(tmp_path, "piece", AB.format(
         max_movements=max_movements, permission=permission, max_iterations=max_iterations, extra=extra,
         default_next=f"default_next: {default_next}" if default_next else "",
     ))
 
 
 def _run(ws: Workspace, tmp_path: Path, script: dict[str, Any], **piece: Any):
-    job = ws.submit("the task", piece=_piece(tmp_path, **piece), model=write_script(tmp_path, script))
+    job = ws.submit("the task", piece=_piece(tmp_path, **piece), model=write_script(tmp_path, "script", **script))
     return ws.run(job)
 
 

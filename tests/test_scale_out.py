@@ -1,4 +1,4 @@
-"""The checker's scenario of issue 17, end to end: a batch queued on a PostgreSQL store and run by several
+"""Scaling out, end to end: a batch queued on a PostgreSQL store and run by several
 ``agentnb worker`` processes, each in a scratch folder of its own (cwd and workspace; nothing shared but the
 database), one SIGKILLed mid-movement and one frozen with SIGSTOP past its lease and resumed later; then the
 events, claims, files and frames are compared with the same batch run on SQLite by one process."""
@@ -20,9 +20,8 @@ import pandas as pd
 import pytest
 from _freeze import freeze, reap
 from _postgres import OwnPgServer, own_pg_server
-from _scripting import QUICK, TWO_STEPS
+from _scripting import QUICK, TWO_STEPS, call, transition, write_piece, write_script
 from _waiting import wait_for
-from engine_helpers import call, transition, write_piece, write_script
 from openai_server import OpenAIServer, hold, openai_env, reply
 
 from agentnb import Workspace
@@ -78,18 +77,18 @@ def _submit_batch(ws: Workspace, tmp_path: Path) -> dict[str, list[int]]:
     killed and frozen on PostgreSQL), three jobs that read their input/ and write output/, three demo jobs."""
     scripts = tmp_path / "scripts"
     scripts.mkdir(exist_ok=True)
-    two = write_piece(scripts, TWO_STEPS)
-    quick = write_piece(scripts, QUICK, name="quick.yaml")
+    two = write_piece(scripts, "piece", TWO_STEPS)
+    quick = write_piece(scripts, "quick", QUICK)
     jobs: dict[str, list[int]] = {"openai": [], "files": [], "demo": []}
     for n in range(2):
         jobs["openai"].append(ws.submit(f"Do thing {n}.", piece=two, model="openai:gpt-4o-mini").id)
     for n in range(3):
-        model = write_script(scripts, {"responses": [
+        model = write_script(scripts, f"files-{n}", responses=[
             call("Read", path="input/notes.md"),
             call("Write", path=f"output/report-{n}.md", content=f"# Report {n}\n"),
             call("Write", path="output/data/table.csv", content=f"a,b\n{n},{n * n}\n"),
             transition("COMPLETE", f"reported {n}"),
-        ]}, name=f"files-{n}.yaml")
+        ])
         jobs["files"].append(ws.submit(f"Report {n}", piece="single", model=model,
                                        inputs={"notes.md": f"notes of case {n}", "raw.bin": bytes([n]) * 300}).id)
     for n in range(3):
@@ -123,7 +122,7 @@ def _statuses(ws: Workspace, job_id: int) -> list[tuple[str, str]]:
 
 def _without_recovery(events: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """A recovered job's events minus what the recovery adds: the ``queued``/``running`` job_status pair of the
-    take-back, and the one ``llm_request`` the cut-short call left (recorded before the call, DESIGN §5, while
+    take-back, and the one ``llm_request`` the cut-short call left (recorded before the call, docs/events.md, while
     its holder still held the lease; the resumed run asks the same again)."""
     out = list(events)
     back = [i for i, e in enumerate(out) if e[0] == "job_status" and e[3]["reason"] == LEASE_EXPIRED]
@@ -258,7 +257,7 @@ def test_a_batch_on_workers_killed_and_frozen_matches_the_same_batch_on_sqlite(
     sq.close()
 
 
-# -- the bad inputs of the issue, against a real server, through the CLI ----------------------------------------
+# -- bad inputs, against a real server, through the CLI ----------------------------------------------------------
 
 def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTNB_")}
@@ -337,7 +336,7 @@ def test_an_idle_worker_listens_again_after_its_connections_are_cut(pg_url: str,
     """Every connection of the database ended by the server (as a restart does): the worker, polling only once
     an hour, is still woken by the NOTIFY of a job queued after it listened again, and runs it."""
     ws = Workspace(tmp_path / "laptop", store=pg_url)
-    quick = write_piece(tmp_path, QUICK, name="quick.yaml")
+    quick = write_piece(tmp_path, "quick", QUICK)
     proc = _worker(pg_url, tmp_path / "w", server, "--forever", "--poll", "3600")
     try:
         wait_for("the worker to listen", lambda: _listening(pg_url) == 1, [proc])
@@ -385,7 +384,7 @@ def test_a_worker_through_a_server_restart_says_so_in_one_line_each_way(tmp_path
                                                                         server: OpenAIServer) -> None:
     """The pool's failed reconnection attempts were each a two-line libpq trace on the worker's stderr: now one
     line when the store goes, one when it is back, and the worker goes on with the next job."""
-    quick = write_piece(tmp_path, QUICK, name="quick.yaml")
+    quick = write_piece(tmp_path, "quick", QUICK)
     with own_pg_server() as own:  # a cluster of this test's own: it is stopped and started again
         url = own.create_database()
         Workspace(tmp_path / "laptop", store=url).close()
@@ -476,7 +475,7 @@ def test_an_idle_forever_worker_rides_out_restarts_at_any_moment(tmp_path: Path,
                                                                  slots: int) -> None:
     """A server stopped in the middle of a claim ended a --forever worker with exit 2: now it waits for the
     server through every restart, says only the outage lines, and runs the next job."""
-    quick = write_piece(tmp_path, QUICK, name="quick.yaml")
+    quick = write_piece(tmp_path, "quick", QUICK)
     with own_pg_server() as own:
         url = own.create_database()
         Workspace(tmp_path / "laptop", store=url).close()
@@ -501,7 +500,7 @@ def test_a_job_cut_off_mid_write_by_a_restart_goes_on_instead_of_failing(tmp_pat
     """A running job whose write the server's shutdown cut off was marked failed (the engine took the lost
     connection for its own error): now its worker gives it back to the queue once the server is back, and it
     goes on from its last commit, asking the call whose answer was lost again."""
-    two = write_piece(tmp_path, TWO_STEPS)
+    two = write_piece(tmp_path, "piece", TWO_STEPS)
     server.play(SECOND, hold(DONE), DONE)
     with own_pg_server() as own:
         url = own.create_database()
@@ -537,12 +536,12 @@ def test_a_job_cut_off_mid_write_by_a_restart_goes_on_instead_of_failing(tmp_pat
 def test_a_batch_queued_on_postgresql_and_run_by_workers_reads_as_on_sqlite(
         pg_url: str, tmp_path: Path, server: OpenAIServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AGENTNB_STORE", raising=False)
-    quick = write_piece(tmp_path, QUICK, name="quick.yaml")
-    model = write_script(tmp_path, {"responses": [
+    quick = write_piece(tmp_path, "quick", QUICK)
+    model = write_script(tmp_path, "files", responses=[
         call("Read", path="input/case.md"),
         call("Write", path="output/report.md", content="# Report\n"),
         transition("COMPLETE", "reported"),
-    ]}, name="files.yaml")
+    ])
     cases = [{"instruction": f"Case {n}", "inputs": {"case.md": f"case {n}"}, "expected": n} for n in range(4)]
 
     def scored(ws: Workspace) -> pd.DataFrame:
@@ -583,7 +582,7 @@ def test_a_file_written_before_the_holder_died_mid_movement_is_in_the_job_s_file
     does not write it again (its tool_result is in the events and is not re-run), so the file must come from the
     store, as on SQLite it stays in the one work directory."""
     ws = Workspace(tmp_path / "laptop", store=pg_url)
-    job = ws.submit("Do the thing.", piece=write_piece(tmp_path, TWO_STEPS), model="openai:gpt-4o-mini")
+    job = ws.submit("Do the thing.", piece=write_piece(tmp_path, "piece", TWO_STEPS), model="openai:gpt-4o-mini")
     server.play(WRITE, hold(SECOND), SECOND, DONE)
     w1 = _worker(pg_url, tmp_path / "w1", server, AGENTNB_HOST="elsewhere-1")
     try:

@@ -1,4 +1,4 @@
-"""Scorers (DESIGN §10): what a scorer gets, what is recorded as ``score`` events, re-scoring without running,
+"""Scorers (docs/design-lab.md): what a scorer gets, what is recorded as ``score`` events, re-scoring without running,
 and the latest score per name in ``batch.frame``."""
 
 from __future__ import annotations

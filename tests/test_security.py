@@ -1,4 +1,4 @@
-"""Hardening (issue 11, items 2–7): no host paths in tool errors, no secrets in Bash's environment or in
+"""Hardening: no host paths in tool errors, no secrets in Bash's environment or in
 any stored tool result, commands die with their worker, special files and hostile regexes never hang.
 
 Jobs that could hang without the fixes (a FIFO, a catastrophic regex, an orphaned command) run in a real

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import call, say, transition, write_piece, write_script
+from _scripting import call, say, transition, write_piece, write_script
 from openai_server import OpenAIServer, reply
 
 import agentnb
@@ -65,7 +65,7 @@ def pause_tool():
 
 @pytest.fixture
 def setup(ws: Workspace, tmp_path: Path) -> tuple[Path, str]:
-    return write_piece(tmp_path, PIECE), write_script(tmp_path, SCRIPT)
+    return write_piece(tmp_path, "piece", PIECE), write_script(tmp_path, "script", **SCRIPT)
 
 
 def _submit(ws: Workspace, setup: tuple[Path, str]):
@@ -160,7 +160,7 @@ def test_a_new_workspace_object_continues_mid_movement(ws: Workspace, setup) -> 
 def test_a_new_process_continues_from_the_sqlite_file(ws: Workspace, setup) -> None:
     # the other process has only the built-in tools, so the piece uses only those
     piece, model = setup
-    setup = (write_piece(piece.parent, PIECE.replace(", pause_here", ""), "builtin.yaml"), model)
+    setup = (write_piece(piece.parent, "builtin", PIECE.replace(", pause_here", "")), model)
     ran = ws.run(_submit(ws, setup))
     job = ws.step(_submit(ws, setup), unit="call")
     code = textwrap.dedent(f"""
@@ -184,7 +184,7 @@ def test_a_new_process_continues_from_the_sqlite_file(ws: Workspace, setup) -> N
 
 def test_resumed_movement_sends_the_same_messages(ws: Workspace, tmp_path: Path, loopback: Callable[..., OpenAIServer]) -> None:
     """Through a real endpoint: the requests after a restart equal those of an uninterrupted run."""
-    piece = write_piece(tmp_path, PIECE)
+    piece = write_piece(tmp_path, "piece", PIECE)
     actions = [
         reply("Looking.", [("Glob", {"pattern": "input/*"})]),
         reply(None, [("Read", {"path": "input/a.txt"})]),
@@ -216,10 +216,10 @@ def test_resumed_movement_sends_the_same_messages(ws: Workspace, tmp_path: Path,
 
 def test_stop_pauses_a_running_job(ws: Workspace, setup) -> None:
     piece, _ = setup
-    model = write_script(Path(piece).parent, {"responses": [
+    model = write_script(Path(piece).parent, "stop", responses=[
         call("Glob", pattern="*"), call("pause_here"), call("Read", path="input/a.txt"),
         transition("report", "g"), transition("COMPLETE", "r"),
-    ]}, name="stop.yaml")
+    ])
     job = ws.submit("collect", piece=piece, model=model, inputs={"a.txt": "one\n"})
     _PAUSE.update(ws=ws, job=job)
     job = ws.run(job)
@@ -242,11 +242,11 @@ def test_a_job_running_elsewhere_cannot_be_stepped(ws: Workspace, setup) -> None
 
 def test_a_job_whose_process_died_is_recovered_and_resumed(ws: Workspace, tmp_path: Path) -> None:
     """A process killed mid-movement leaves the job `running`; the next claim on this host takes it over."""
-    piece = write_piece(tmp_path, PIECE.replace("pause_here", "die_now"), "die.yaml")
-    model = write_script(tmp_path, {"responses": [
+    piece = write_piece(tmp_path, "die", PIECE.replace("pause_here", "die_now"))
+    model = write_script(tmp_path, "die_script", responses=[
         call("Glob", pattern="input/*"), call("die_now"), call("die_now"), transition("report", "g"),
         transition("COMPLETE", "r"),
-    ]}, "die_script.yaml")
+    ])
     agentnb.tool(name="die_now")(lambda: "only the other process really dies")  # known here at submit …
     try:
         job = ws.submit("collect", piece=piece, model=model, inputs={"a.txt": "one\n"})
@@ -303,10 +303,10 @@ def test_an_interrupted_run_leaves_the_job_resumable(ws: Workspace, tmp_path: Pa
         return "fine now"
 
     try:
-        piece = write_piece(tmp_path, PIECE.replace("pause_here", "die_now"), "int.yaml")
-        model = write_script(tmp_path, {"responses": [
+        piece = write_piece(tmp_path, "int", PIECE.replace("pause_here", "die_now"))
+        model = write_script(tmp_path, "int_script", responses=[
             call("Glob", pattern="input/*"), call("die_now"), transition("report", "g"), transition("COMPLETE", "r"),
-        ]}, "int_script.yaml")
+        ])
         job = ws.submit("collect", piece=piece, model=model)
         with pytest.raises(KeyboardInterrupt):
             ws.run(job)

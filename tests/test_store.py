@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_helpers import transition, write_script
+from _scripting import transition, write_script
 
 import agentnb
 import agentnb.store
@@ -166,10 +166,10 @@ def test_only_typed_events_are_appended(tmp_path: Path) -> None:
 
 def test_every_status_change_is_a_job_status_event(ws: Workspace, tmp_path: Path) -> None:
     """Replay the job_status events: they must pass through every status the row had."""
-    model = write_script(tmp_path, {"responses": [
+    model = write_script(tmp_path, "script", responses=[
         transition("ASK", "need input", question="Which one?"),
         transition("COMPLETE", "finished"),
-    ]})
+    ])
     job = ws.submit("task", piece="single", model=model)
     seen = [job.status.value]
     job = ws.step(job, unit="call")
@@ -187,7 +187,7 @@ def test_every_status_change_is_a_job_status_event(ws: Workspace, tmp_path: Path
 
 
 def test_paused_and_failed_jobs_record_their_status_changes(ws: Workspace, tmp_path: Path) -> None:
-    model = write_script(tmp_path, {"responses": [{"content": "thinking"}]})
+    model = write_script(tmp_path, "script", responses=[{"content": "thinking"}])
     job = ws.submit("task", piece="single", model=model)
     job = ws.step(job, unit="call")
     assert job.status == "queued"

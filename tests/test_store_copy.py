@@ -1,5 +1,5 @@
-"""``agentnb store copy SRC DST`` (DESIGN §13): a whole workspace (rows with their ids, and each job's files)
-from SQLite to PostgreSQL and back, event for event; the refusals (non-empty DST, same store, empty or missing
+"""``agentnb store copy SRC DST`` (docs/stores.md#moving-between-stores): a whole workspace (rows with their ids, and
+each job's files) from SQLite to PostgreSQL and back, event for event; the refusals (non-empty DST, same store, empty or missing
 SRC, running jobs, bad URLs) leave DST as it was; the CLI; ``%agent`` and the export on a store URL."""
 
 from __future__ import annotations

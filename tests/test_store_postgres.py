@@ -1,4 +1,4 @@
-"""The PostgreSQL store (DESIGN §13) on a real server: opening and migrating (two processes at once), the same
+"""The PostgreSQL store (docs/stores.md) on a real server: opening and migrating (two processes at once), the same
 events and frames as SQLite for the same jobs, claims from two processes, and the bad-input lines."""
 
 from __future__ import annotations

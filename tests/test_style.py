@@ -145,7 +145,7 @@ def _showcase(ws: Workspace, shell: object, tmp: Path) -> dict[str, list[str]]:
 
 
 def test_every_symbol_of_the_views_has_a_glyph_in_dejavu_sans(ws: Workspace, shell: object, tmp_path: Path) -> None:
-    """Issue 26: without an emoji font 🔧, ⏱, ❓ and ⑂ were boxes ("#12 □1@2").  Every non-ASCII character any
+    """Without an emoji font 🔧, ⏱, ❓ and ⑂ were once boxes ("#12 □1@2").  Every non-ASCII character any
     view shows must be one DejaVu Sans draws, so a future emoji in a view fails here."""
     seen = _showcase(ws, shell, tmp_path)
     glyphs = _dejavu_sans()

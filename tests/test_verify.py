@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _scripting import call, transition, user_prompts, write_script
+from _scripting import call, transition, user_prompts, write_piece, write_script
 from conftest import require
 
 from agentnb import Workspace
@@ -140,8 +140,7 @@ def test_japanese_headings_for_feedback_and_git(ws: Workspace, tmp_path: Path, r
 
     data = yaml.safe_load(load_piece("plan-implement-verify").to_yaml())
     data["language"] = "ja"
-    ja_piece = tmp_path / "piv-ja.yaml"
-    ja_piece.write_text(yaml.safe_dump(data, allow_unicode=True), encoding="utf-8")
+    ja_piece = write_piece(tmp_path, "piv-ja", data)
     job = ws.run(ws.submit("ノートを要約", piece=str(ja_piece), model=_loop_script(tmp_path), workdir=repo))
     assert job.status == "succeeded", job.error
     second = user_prompts(ws, job, "implement")[1]

@@ -1,4 +1,4 @@
-"""What-if for the ContextManager (DESIGN §11): ``ws.frames.what_if`` and ``plot_usage(what_if=…)``.
+"""What-if for the ContextManager (docs/fork-compare.md#what-if): ``ws.frames.what_if`` and ``plot_usage(what_if=…)``.
 
 The job below reports its own usage, in a 10,000-token window, over four movement runs (a movement run
 twice, so the once-per-run re-arming is seen), so every ratio is known and the expected actions are written
@@ -34,7 +34,7 @@ matplotlib.use("Agg")  # no display in tests; must precede any pyplot import
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
+from _scripting import write_piece, write_script
 
 import agentnb
 from agentnb import Job, Workspace
@@ -74,18 +74,11 @@ def _to(next_step: str, prompt: int) -> dict[str, Any]:
             "usage": {"prompt_tokens": prompt, "completion_tokens": 10}}
 
 
-def _write(folder: Path, name: str, data: dict[str, Any]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
-    return path
-
-
 def _run(ws: Workspace, folder: Path, draft: list[dict[str, Any]], check: list[dict[str, Any]],
          name: str = "script", window: int = 10000) -> Job:
-    piece = _write(folder, f"piece-{name}", {**_PIECE, "context": {"window_tokens": window}})
-    model = _write(folder, name, {"movements": {"draft": draft, "check": check}})
-    job = ws.run(ws.submit("Probe the context", piece=piece, model=f"scripted:{model}"))
+    piece = write_piece(folder, f"piece-{name}", {**_PIECE, "context": {"window_tokens": window}})
+    model = write_script(folder, name, {"draft": draft, "check": check})
+    job = ws.run(ws.submit("Probe the context", piece=piece, model=model))
     assert job.status == "succeeded", job.error
     return job
 
@@ -266,11 +259,11 @@ def test_random_jobs_match_a_real_context_manager(ws: Workspace, tmp_path: Path)
         script = {m: [r for i, run in enumerate(draws[m]) for r in
                       [*(_glob(p) for p in run[:-1]), _to(nexts[m][i], run[-1])]] for m in draws}
         # high recorded thresholds, so the record itself never forces a transition and the runs go as scripted
-        piece = _write(tmp_path / f"r{n}", "piece", {**_PIECE, "context": {
+        piece = write_piece(tmp_path / f"r{n}", "piece", {**_PIECE, "context": {
             "window_tokens": 10000, "thresholds": {"warn": 0.97, "prompt": 0.98, "force_transition": 0.99,
                                                    "exhausted": 1.0}}})
-        model = _write(tmp_path / f"r{n}", "script", {"movements": script})
-        job = ws.run(ws.submit("Probe", piece=piece, model=f"scripted:{model}"))
+        model = write_script(tmp_path / f"r{n}", "script", script)
+        job = ws.run(ws.submit("Probe", piece=piece, model=model))
         assert job.status == "succeeded", job.error
         order = [draws["draft"][0], draws["check"][0], draws["draft"][1], draws["check"][1]]
         prompts = [p for run in order for p in run]

@@ -13,7 +13,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from engine_helpers import call, transition, write_piece, write_script
+from _scripting import call, transition, write_piece, write_script
 from openai_server import OpenAIServer, reply, stall
 
 from agentnb import Workspace
@@ -40,13 +40,13 @@ def _starts(ws: Workspace, job) -> list[dict]:
 
 
 def test_enriched_instruction_blocks(ws: Workspace, tmp_path: Path) -> None:
-    piece = write_piece(tmp_path, TWO_STEPS)
-    model = write_script(tmp_path, {"responses": [
+    piece = write_piece(tmp_path, "piece", TWO_STEPS)
+    model = write_script(tmp_path, "script", responses=[
         call("Read", path="input/notes.md"),
         call("Write", path="output/draft.txt", content="draft!"),
         transition("second", "looked", lessons="notes are short"),
         transition("COMPLETE", "finished"),
-    ]})
+    ])
     job = ws.submit("Summarise the notes, please.", piece=piece, model=model,
                     inputs={"notes.md": "SECRET-CONTENT-1234\n" * 10, "sub/data.csv": "a,b\n1,2\n"})
     bodies = [f"comment {n} " + ("x" * (600 if n == 6 else 20)) for n in range(1, 8)]
@@ -95,11 +95,11 @@ def test_enriched_instruction_blocks(ws: Workspace, tmp_path: Path) -> None:
 
 def test_enriched_instruction_is_rebuilt_after_a_reply(ws: Workspace, tmp_path: Path) -> None:
     """A reply re-activates the job: the new opening lists the new comment and the new output files."""
-    model = write_script(tmp_path, {"responses": [
+    model = write_script(tmp_path, "script", responses=[
         call("Write", path="output/answer.md", content="42"),
         transition("ASK", "asked", question="Short or long?"),
         transition("COMPLETE", "finished"),
-    ]})
+    ])
     job = ws.submit("task", piece="single", model=model)
     job = ws.run(job)
     assert job.status == "waiting_human"
@@ -114,10 +114,10 @@ def test_enriched_instruction_is_rebuilt_after_a_reply(ws: Workspace, tmp_path: 
 
 
 def test_japanese_headings(ws: Workspace, tmp_path: Path) -> None:
-    piece = write_piece(tmp_path, TWO_STEPS.replace("name: two-steps", "name: two-steps\nlanguage: ja"))
-    model = write_script(tmp_path, {"responses": [
+    piece = write_piece(tmp_path, "piece", TWO_STEPS.replace("name: two-steps", "name: two-steps\nlanguage: ja"))
+    model = write_script(tmp_path, "script", responses=[
         transition("second", "見た", lessons="メモは短い"), transition("COMPLETE", "完了"),
-    ]})
+    ])
     job = ws.run(ws.submit("要約して", piece=piece, model=model))
     assert job.status == "succeeded", job.error
     user2 = _starts(ws, job)[1]["user"]
@@ -127,7 +127,7 @@ def test_japanese_headings(ws: Workspace, tmp_path: Path) -> None:
 
 
 def test_worker_runs_every_queued_job(ws: Workspace, tmp_path: Path) -> None:
-    model = write_script(tmp_path, {"responses": [transition("COMPLETE", "ok")]})
+    model = write_script(tmp_path, "script", responses=[transition("COMPLETE", "ok")])
     jobs = [ws.submit(f"task {n}", piece="single", model=model) for n in range(3)]
     assert ws.worker().run() == 3
     assert [ws.job(j).status for j in jobs] == ["succeeded"] * 3
@@ -146,8 +146,8 @@ def test_the_listing_leaves_out_what_leads_outside_the_work_directory(ws: Worksp
     os.symlink(outside, project / "input")  # the whole input/ leads out
     os.symlink(outside / "outside-name.txt", project / "output" / "linked.txt")
     (project / "output" / "own.txt").write_text("mine", encoding="utf-8")
-    spec = write_script(tmp_path, {"responses": [transition("second"), transition("COMPLETE")]})
-    job = ws.run(ws.submit("Look", piece=write_piece(tmp_path, TWO_STEPS), model=spec, workdir=project))
+    spec = write_script(tmp_path, "script", responses=[transition("second"), transition("COMPLETE")])
+    job = ws.run(ws.submit("Look", piece=write_piece(tmp_path, "piece", TWO_STEPS), model=spec, workdir=project))
     user = _starts(ws, job)[0]["user"]
     assert "## Workspace files\ninput/\n  (empty)\noutput/\n  - own.txt (4 bytes)\n" in user
     assert "outside-name" not in user and "linked.txt" not in user

@@ -1,6 +1,6 @@
 """Reading a work directory's files, and a running job's cache of their hashes (``engine/jobfiles.py``).
 
-Where the store keeps a job's files (DESIGN §13), the work directory is compared with the store after every
+Where the store keeps a job's files (docs/stores.md#files), the work directory is compared with the store after every
 tool call.  :class:`FileCache` keeps, per file, the ``lstat`` it had when it was last hashed and that hash, so a
 file whose stat has not changed is neither read nor hashed again.  It lives with the running job (the
 :class:`~agentnb.workspace.Workspace` that claimed it; :func:`~agentnb.engine.jobfiles.materialise` fills it),

@@ -98,7 +98,7 @@ def check_thresholds(thresholds: Mapping[str, Any], *, complete: bool = False) -
 def check_context_options(options: Mapping[str, Any],
                           piece_thresholds: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Validate a job's ``context=`` overrides (``window_tokens``, ``thresholds``, ``min_tool_tokens``, and the
-    compaction settings ``on_pressure``, ``compact_keep_last``, ``max_compactions`` of DESIGN §12).
+    compaction settings ``on_pressure``, ``compact_keep_last``, ``max_compactions`` of docs/context.md#compaction).
 
     Called at submit time so that a bad value is refused before the job is stored.  The job's
     thresholds are merged over ``piece_thresholds`` (the piece's, else the defaults) as at run time,
@@ -196,7 +196,7 @@ class ContextManager:
             min_tool_tokens if min_tool_tokens is not None else min(DEFAULT_MIN_TOOL_TOKENS, self.window // 16)
         )
         self.max_tool_tokens = max_tool_tokens
-        # DESIGN §12: at the prompt threshold, summarise and go on (compact) instead of wrapping up (transition)
+        # docs/context.md#compaction: at the prompt threshold, summarise and go on (compact) instead of wrapping up (transition)
         if on_pressure not in ON_PRESSURE:
             raise ValueError(f"on_pressure={on_pressure!r}; allowed: {', '.join(ON_PRESSURE)}")
         self.on_pressure = on_pressure
@@ -264,7 +264,7 @@ class ContextManager:
 
     def side_call(self, extra: Mapping[str, Any], reply: Mapping[str, Any],
                   usage: Mapping[str, Any] | None) -> ContextDecision:
-        """The counts of a call that is not a turn of the conversation (a compaction's summarisation, DESIGN §12):
+        """The counts of a call that is not a turn of the conversation (a compaction's summarisation, docs/context.md#compaction):
         the messages so far and ``extra``, without tools, answered by ``reply``.  Nothing is added to the
         context and no action fires."""
         reply_tokens = self.count_message(reply)

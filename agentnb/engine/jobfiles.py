@@ -1,4 +1,4 @@
-"""A job's files in a store that keeps them (DESIGN §13): on PostgreSQL, workers share nothing but the database.
+"""A job's files in a store that keeps them (docs/stores.md#files): on PostgreSQL, workers share nothing but the database.
 
 **Where a job works.**  A job of such a store (``store.keeps_files``) works in ``jobs/<id>`` under the folder of
 whichever :class:`~agentnb.workspace.Workspace` runs it (its local scratch folder), never at a path of the

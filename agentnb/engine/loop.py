@@ -14,7 +14,7 @@ model again but completes the response's remaining calls.  A started call of a t
 that is not read-only is never run twice — the model reads that it was interrupted
 and that its effect is unknown; a read-only one simply runs again.
 
-With ``context.on_pressure: compact`` (DESIGN §12) a call whose response crosses the prompt threshold is
+With ``context.on_pressure: compact`` (docs/context.md#compaction) a call whose response crosses the prompt threshold is
 followed by a compaction step: one tool-less summarisation call (its ``llm_request`` has ``purpose:
 "compaction"``), then the messages become the system prompt, the user prompt, the summary and the last
 ``compact_keep_last`` messages (moved back so a tool call is never parted from its results), recorded as a
@@ -68,7 +68,7 @@ INTERRUPTED = (
 
 
 class ReplayDiverged(ModelError):
-    """A fork run with ``strict=True`` re-ran a tool whose result differs from its original's (DESIGN §11)."""
+    """A fork run with ``strict=True`` re-ran a tool whose result differs from its original's (docs/fork-compare.md#fork)."""
 
 
 class Recorder:
@@ -188,7 +188,7 @@ class _Unfinished:
 
 @dataclass(frozen=True)
 class _Pressure:
-    """A compaction due at the next step: the crossing that called for it (for the fall-back, DESIGN §12)."""
+    """A compaction due at the next step: the crossing that called for it (for the fall-back, docs/context.md#compaction)."""
 
     force_reason: str
     ratio: float
@@ -230,7 +230,7 @@ class AgentLoop:
         self.language = language
         self.counters = counters
         self.check_subtasks = check_subtasks
-        # A fork's run before its fork point (DESIGN §11): each response is re-served from this recording
+        # A fork's run before its fork point (docs/fork-compare.md#fork): each response is re-served from this recording
         # instead of asking the model, and each tool re-run is compared with the recorded result.
         self.reserve = reserve
         self.strict = strict
@@ -244,7 +244,7 @@ class AgentLoop:
         self._prompt_due = False
         self._unfinished: _Unfinished | None = None
         self._response_pending = False  # the current response is not committed yet
-        # compaction (DESIGN §12): how many this run made, calls that were not turns of the conversation (they
+        # compaction (docs/context.md#compaction): how many this run made, calls that were not turns of the conversation (they
         # do not count toward max_iterations), whether compacting is over for this run (a compaction that left
         # the context above prompt, a failed one, nothing left to remove), and the compaction due next
         self.compactions = 0
@@ -458,7 +458,7 @@ class AgentLoop:
             return outcome
         at_limit = self.iteration - self.side_calls >= mv.max_iterations  # turns of the conversation only
         if self._prompt_due and not at_limit and self._compaction_open():
-            # DESIGN §12: the next step summarises instead of wrapping up (or forcing a transition at 95 %)
+            # docs/context.md#compaction: the next step summarises instead of wrapping up (or forcing a transition at 95 %)
             self._prompt_due = False
             self._compaction = _Pressure(force_reason, ratio, tokens)
             return None
@@ -479,7 +479,7 @@ class AgentLoop:
         self._append({"role": "user", "content": msg})
         self._compaction_off = True  # from here on the seed's behaviour applies
 
-    # -- compaction (DESIGN §12) -----------------------------------------------------------------------
+    # -- compaction (docs/context.md#compaction) -----------------------------------------------------------------------
     def _compaction_open(self) -> bool:
         return (self.ctx.on_pressure == "compact" and self.compactions < self.ctx.max_compactions
                 and not self._compaction_off)
@@ -614,7 +614,7 @@ class AgentLoop:
         ratio, tokens = (u.prompt.ratio, u.prompt.tokens) if u.prompt is not None else (0.0, 0)
         return self._after_calls(u.iteration, outcome, u.force_reason, ratio, tokens)
 
-    # -- a fork's re-served run (DESIGN §11) ----------------------------------------------------------------
+    # -- a fork's re-served run (docs/fork-compare.md#fork) ----------------------------------------------------------------
     def _reserved(self, it: int, purpose: str | None = None) -> ModelResponse:
         assert self.reserve is not None
         recorded = self.reserve.call(self.seq, it)

@@ -1,4 +1,4 @@
-"""Loop monitors (DESIGN §12): has a cycle of movements repeated ``threshold`` times since its monitor's last
+"""Loop monitors (docs/context.md#loop-monitors): has a cycle of movements repeated ``threshold`` times since its monitor's last
 judgement?
 
 Everything here is derived from what the store already holds — the finished movement runs (their names and

@@ -45,7 +45,7 @@ LANGUAGES = ("en", "ja")
 LOOP_NEXT = ("COMPLETE", "ABORT")
 JUDGE_MAX_ITERATIONS = 5
 DEFAULT_THRESHOLDS: dict[str, float] = {"warn": 0.70, "prompt": 0.85, "force_transition": 0.95, "exhausted": 0.99}
-# what a movement does when its context crosses the prompt threshold (DESIGN §12): the seed's wrap-up reminder
+# what a movement does when its context crosses the prompt threshold (docs/context.md): the seed's wrap-up reminder
 # and forced transition, or summarise the conversation so far and go on
 ON_PRESSURE = ("transition", "compact")
 COMPACTION_DEFAULTS: dict[str, Any] = {"on_pressure": "transition", "compact_keep_last": 4, "max_compactions": 2}
@@ -74,7 +74,7 @@ class Movement:
     default_next: str | None = None
     verify: str | None = None
     description: str = ""
-    # the movement's own `context:` (DESIGN §12): on_pressure, compact_keep_last, max_compactions; None
+    # the movement's own `context:` (docs/context.md#compaction): on_pressure, compact_keep_last, max_compactions; None
     # takes the piece's
     on_pressure: str | None = None
     compact_keep_last: int | None = None
@@ -84,7 +84,7 @@ class Movement:
     def next_steps(self) -> tuple[str, ...]:
         """Every value ``transition.next_step`` may take in this movement: its rule targets, then ABORT.
 
-        DESIGN §5 has the model choose "one of the movement's rule targets", so COMPLETE, ASK and
+        docs/pieces.md has the model choose "one of the movement's rule targets", so COMPLETE, ASK and
         WAIT_SUBTASKS are open only where a rule names them (a plan step cannot skip to COMPLETE, and only a
         movement that says so creates child jobs).  ABORT is always open: a task that cannot be done must be
         able to stop, as the seed's force_transition falls back to it.  The prompt, the reminder, the
@@ -97,7 +97,7 @@ class Movement:
 
 @dataclass(frozen=True)
 class LoopMonitor:
-    """``loop_monitors[i]`` (DESIGN §12): when the runs end with ``cycle`` repeated ``threshold`` times (counted
+    """``loop_monitors[i]`` (docs/context.md#loop-monitors): when the runs end with ``cycle`` repeated ``threshold`` times (counted
     since this monitor's last judgement), ``judge`` — a tool-less movement named ``name`` — decides the next
     step, or without a judge the job goes to ``next``."""
 
@@ -193,7 +193,7 @@ class Piece:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
     def replace_movement(self, name: str, /, **changes: Any) -> Piece:
-        """A copy of this piece with movement ``name`` changed, checked like a piece file (DESIGN §11).
+        """A copy of this piece with movement ``name`` changed, checked like a piece file (docs/fork-compare.md).
 
         ``changes`` are movement keys of the YAML: ``persona``, ``instruction``, ``tools`` (names),
         ``permission``, ``max_iterations``, ``rules`` (``Rule``s, or mappings with ``condition`` and
@@ -519,7 +519,7 @@ def parse_piece(
 
 
 def _loop_monitors(ck: _Checker, node: Node, names: tuple[str, ...]) -> tuple[LoopMonitor, ...]:
-    """``loop_monitors:`` (DESIGN §12): each a cycle of existing movements, a threshold ≥ 1 and exactly one of
+    """``loop_monitors:`` (docs/context.md#loop-monitors): each a cycle of existing movements, a threshold ≥ 1 and exactly one of
     ``judge`` (a tool-less movement run named after the monitor) and ``next``."""
     if isinstance(node, ScalarNode) and node.value == "":
         return ()

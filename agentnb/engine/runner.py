@@ -65,7 +65,7 @@ class JobRunner:
         self.subtasks = Subtasks(store, job_id=self.job_id, piece=self.piece, model_spec=self.model_spec,
                                  workdir=self.workdir, logs_dir=self.logs_dir)
         self.loop: AgentLoop | None = None
-        # A fork (DESIGN §11) re-serves runs 1 … fork_seq-1 of job forked_from_job, each under the piece,
+        # A fork (docs/fork-compare.md#fork) re-serves runs 1 … fork_seq-1 of job forked_from_job, each under the piece,
         # context settings and tokenizer of the job that ran it live, and runs live from fork_seq on.
         self.fork_seq = int(job.get("forked_from_seq") or 0)
         self.recording = (Recording(store, int(job["forked_from_job"]), before=self.fork_seq)
@@ -102,7 +102,7 @@ class JobRunner:
         opts = options.get("context", {})
         window = opts.get("window_tokens") or piece.window_tokens or window_for_model(spec)
         thresholds = job_thresholds(piece.thresholds, options)
-        # compaction (DESIGN §12): the job's context= over the movement's context: over the piece's
+        # compaction (docs/context.md#compaction): the job's context= over the movement's context: over the piece's
         compaction = {key: next(v for v in (opts.get(key), getattr(movement, key), getattr(piece, key))
                                 if v is not None)
                       for key in ("on_pressure", "compact_keep_last", "max_compactions")}

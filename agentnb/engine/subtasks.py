@@ -112,7 +112,7 @@ class Subtasks:
         return created
 
     def replay(self, c: Any, originals: list[Subtask]) -> list[Subtask]:
-        """Queue, in ``c``, one child per child of a re-served run (DESIGN §11): each a ``replay:`` of the
+        """Queue, in ``c``, one child per child of a re-served run (docs/fork-compare.md#fork): each a ``replay:`` of the
         original child, with its piece, instruction and options (its rights included), so the fork's subtasks
         spend nothing and bring back what the original's did."""
         created = []

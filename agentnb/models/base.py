@@ -112,7 +112,7 @@ class ModelRequest:
     call_index: int = 0  # LLM calls made earlier in this job
     movement_call_index: int = 0  # LLM calls made earlier in runs of this movement name
     extra: dict[str, Any] = field(default_factory=dict)
-    # None for a turn of the conversation; "compaction" for the tool-less call that summarises it (DESIGN §12)
+    # None for a turn of the conversation; "compaction" for the tool-less call that summarises it (docs/context.md#compaction)
     purpose: str | None = None
 
 
@@ -166,7 +166,7 @@ def _parse_response(item: Any, where: str) -> ModelResponse:
 
 
 class ScriptedModel:
-    """Plays responses from a YAML script (DESIGN §5): one list for the whole job, or one per movement."""
+    """Plays responses from a YAML script (docs/models.md): one list for the whole job, or one per movement."""
 
     def __init__(self, script: Mapping[str, Any] | str | os.PathLike[str], *, spec: str | None = None) -> None:
         source = "<script>"

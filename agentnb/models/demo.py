@@ -34,7 +34,7 @@ class DemoModel:
     spec = "demo"
 
     def complete(self, request: ModelRequest) -> ModelResponse:
-        if request.purpose == "compaction":  # DESIGN §12: a summary, from what the conversation holds
+        if request.purpose == "compaction":  # docs/context.md#compaction: a summary, from what the conversation holds
             return ModelResponse(content=self._summary(request))
         step = sum(1 for m in request.messages if m.get("role") == "assistant")
         handler = {"plan": self._plan, "implement": self._implement, "verify": self._verify}.get(

@@ -1,4 +1,4 @@
-"""What an LLM call cost, in US dollars, from the ``genai-prices`` package's bundled data (DESIGN §10).
+"""What an LLM call cost, in US dollars, from the ``genai-prices`` package's bundled data (docs/design-lab.md#cost).
 
 Nothing is fetched: the prices are read from ``genai_prices.data`` (the snapshot that ships inside the
 package) through a snapshot of our own, so neither genai-prices' auto-update (``UpdatePrices``, which

@@ -1,4 +1,4 @@
-"""Re-serving a recorded job (DESIGN §7, §11): :class:`Recording` and the ``replay:<job>`` model.
+"""Re-serving a recorded job (docs/models.md, docs/fork-compare.md#replay): :class:`Recording` and the ``replay:<job>`` model.
 
 A :class:`Recording` is a job's LLM calls as recorded, each with the tool results that followed it: what
 ``replay:<job>`` re-serves in order, and what a fork re-serves for its movement runs before the fork
@@ -34,7 +34,7 @@ class RecordedCall:
     response: ModelResponse
     results: tuple[ToolResult, ...]
     latency_s: float | None
-    purpose: str | None = None  # "compaction": a summarisation call (DESIGN §12), not a turn of the conversation
+    purpose: str | None = None  # "compaction": a summarisation call (docs/context.md#compaction), not a turn of the conversation
 
 
 class Recording:
@@ -53,7 +53,7 @@ class Recording:
         self.transitions: dict[int, Transition] = {}  # run → how it ended
         self._replayed_runs: dict[int, int] = {}  # run → the job it was re-served from
         # (run, call) → why the summarisation call made there failed: it left no response to re-serve, and a
-        # re-served run must fail it the same way, not as a call the original never made (DESIGN §12)
+        # re-served run must fail it the same way, not as a call the original never made (docs/context.md)
         self.failed_compactions: dict[tuple[int, int], str] = {}
         results: dict[tuple[int, int], list[ToolResult]] = {}
         responses: list[LLMResponse] = []
@@ -148,7 +148,7 @@ class ReplayModel:
 
     Each response comes back as recorded (content, tool calls with their ids) with the token counts the
     original's ContextManager used, whatever their source, so a replay of a whole job with the same piece
-    reproduces its events (DESIGN §11).
+    reproduces its events (docs/fork-compare.md).
     """
 
     def __init__(self, store: Store, job_id: int) -> None:

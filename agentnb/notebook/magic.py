@@ -13,7 +13,7 @@ The line is split first, then every argument is filled from the notebook's varia
 ``jid`` or a variable holding a :class:`~agentnb.Job`.  Only a command that succeeds makes its
 job the session's default one.
 
-Defaults are traitlets: ``%config AgentMagic.workspace = 'dir'`` (and ``.model``, ``.piece``, ``.store``: a store URL, DESIGN §13).
+Defaults are traitlets: ``%config AgentMagic.workspace = 'dir'`` (and ``.model``, ``.piece``, ``.store``: a store URL, docs/stores.md).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class AgentMagic(Magics):
     workspace = Unicode(DEFAULT_WORKSPACE, help="the workspace folder (agentnb.sqlite and jobs/)").tag(config=True)
     model = Unicode("demo", help="default model spec: demo | scripted:<file> | openai:<model> | replay:<id>").tag(config=True)
     piece = Unicode("plan-implement-verify", help="default piece: a name or a YAML path").tag(config=True)
-    store = Unicode("", help="where the jobs are kept (DESIGN §13): postgresql://user@host:port/db or "
+    store = Unicode("", help="where the jobs are kept (docs/stores.md): postgresql://user@host:port/db or "
                     "sqlite:///ABS/PATH; '' means $AGENTNB_STORE, else the workspace folder's agentnb.sqlite; "
                     "the workspace folder then holds the jobs' work directories").tag(config=True)
 
@@ -705,7 +705,7 @@ class AgentMagic(Magics):
         """Every batch of the workspace as a DataFrame: name, created, jobs and how many are in each status."""
         return _batches_frame(self.ws.batches())
 
-    # -- comparing runs (DESIGN §11) ------------------------------------------------------------------
+    # -- comparing runs (docs/fork-compare.md) ------------------------------------------------------------------
     @magic_arguments(name="agent compare")
     @argument("a", help="the first job: a job id or Job variable")
     @argument("b", help="the second job: a job id or Job variable")

@@ -1,7 +1,7 @@
 """The ``%agent panel`` widget: pick, run, step, stop and answer jobs, and watch them live.
 
 Layout (top to bottom): the job list (status as shown, piece, tokens, cost in US dollars; marks: ``⎇3@2`` a
-fork of job 3 at run 2, ``⇊2`` compacted twice, ``⟳1`` a loop monitor fired once, DESIGN §12) with Refresh; the
+fork of job 3 at run 2, ``⇊2`` compacted twice, ``⟳1`` a loop monitor fired once, docs/context.md) with Refresh; the
 piece and model chooser with the instruction box and the Run / Step / Step call / Stop
 buttons; the reply box (enabled only when the selected job waits for a human); a progress
 bar of movements run against the piece's ``max_movements``; a context-usage bar of the
@@ -641,7 +641,7 @@ def _fork_mark(row: Mapping[str, Any]) -> str:
 
 
 def _event_marks(frames: Frames) -> dict[int, str]:
-    """Job id → `` ⇊2`` (compacted twice, DESIGN §12) and `` ⟳1`` (a loop monitor fired once) for the list; each
+    """Job id → `` ⇊2`` (compacted twice, docs/context.md#compaction) and `` ⟳1`` (a loop monitor fired once) for the list; each
     read from one query over its kind of event (the events_kind index), so the list stays cheap to redraw."""
     marks: dict[int, str] = {}
     for frame, sign in ((frames.compactions(), "⇊"), (frames.loops(), "⟳")):

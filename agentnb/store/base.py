@@ -71,7 +71,7 @@ DEFAULT_LEASE = 30.0
 # every job_status reason of a recovery (a running job queued again because its holder died, froze or was cut
 # off) begins so: the time between its holder's last event and the recovery was nobody's running time
 RECOVERED = "recovered: "
-# the job_status reason of a running job taken back because its lease ran out (DESIGN §13)
+# the job_status reason of a running job taken back because its lease ran out (docs/stores.md#leases)
 LEASE_EXPIRED = RECOVERED + "lease expired"
 # ... of a job its holder gave back because the store became unreachable while it ran (not a recovery: the
 # holder was alive and counts its time until then); it goes on from its last commit
@@ -171,7 +171,7 @@ FrameRows = tuple[list[str], list[tuple[Any, ...]]]
 
 @dataclass(frozen=True)
 class StoredFile:
-    """One file of a job's work directory as a store that keeps files holds it (DESIGN §13, ``engine/jobfiles``).
+    """One file of a job's work directory as a store that keeps files holds it (docs/stores.md#files, ``engine/jobfiles``).
 
     ``path`` is relative to the work directory, in POSIX form; ``mode`` the ``st_mode`` (type and permission
     bits: a regular file, or a symbolic link whose ``data`` is its target); ``sha256`` the hex digest of ``data``.
@@ -368,7 +368,7 @@ class Store(Protocol):
         """How many subtasks of ``parent_id`` have not ended."""
         ...
 
-    # -- batches (DESIGN §10) --------------------------------------------------------------------------------
+    # -- batches (docs/design-lab.md) --------------------------------------------------------------------------------
     def create_batch(self, c: Transaction, name: str, *, fingerprint: str, cases: str, variants: str,
                      options: str) -> None:
         """Insert the batch row (``cases``/``variants``/``options`` are JSON texts); its jobs follow in ``c``."""
@@ -386,7 +386,7 @@ class Store(Protocol):
         """Every batch row, oldest first, each with ``jobs`` and a count per job status (``n_<status>``)."""
         ...
 
-    # -- a job's files (DESIGN §13) ------------------------------------------------------------------------
+    # -- a job's files (docs/stores.md#files) ------------------------------------------------------------------------
     @property
     def keeps_files(self) -> bool:
         """Whether jobs' files live in this store (PostgreSQL: workers on other machines share only the database).

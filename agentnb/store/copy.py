@@ -1,4 +1,4 @@
-"""``agentnb store copy SRC DST``: a whole workspace moved from one store to another (DESIGN §13).
+"""``agentnb store copy SRC DST``: a whole workspace moved from one store to another (docs/stores.md#moving-between-stores).
 
 SRC and DST are each a folder or file path, ``sqlite:///ABS/PATH`` or ``postgresql://…``.  Every row is copied
 with its id (texts, batches, jobs, comments, movements, events, in that order, each in id order), so the copy

@@ -164,7 +164,7 @@ def _build(d: _Dialect) -> FrameSQL:
     _MOVEMENT_NAME = "LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq"
 
 
-    # A compaction's summarisation call (DESIGN §12: its llm_response has purpose "compaction") is no turn of the
+    # A compaction's summarisation call (docs/context.md#compaction: its llm_response has purpose "compaction") is no turn of the
     # conversation: the ContextManager fires nothing on it, and its usage row's action is "compaction", ranked
     # after the four actions (frames.py maps rank 5 to that category).
     _COMPACTION_RANK = len(ACTIONS) + 1
@@ -255,7 +255,7 @@ def _build(d: _Dialect) -> FrameSQL:
            COALESCE(a.total_tokens, 0) AS total_tokens, a.peak_ratio, a.actions,
            m.next_step, m.forced, m.summary, m.name AS name, COALESCE(a.total_tokens, 0) AS tokens,
            COALESCE(a.replayed, 0) AS replayed,
-           -- a loop monitor's judge (DESIGN §12): the run right after a loop_detected that named it as the judge
+           -- a loop monitor's judge (docs/context.md#loop-monitors): the run right after a loop_detected that named it as the judge
            {d.flag("EXISTS (SELECT 1 FROM events d WHERE d.kind = 'loop_detected' AND d.job_id = m.job_id "
                    "AND d.movement_seq = m.seq - 1 AND " + d.jx('d', LoopDetected, 'judge') + " = m.name)")} AS judge
     FROM movements m
@@ -300,7 +300,7 @@ def _build(d: _Dialect) -> FrameSQL:
         SELECT {_EVENT_HEAD}, 'user', e.kind, NULL, NULL, {d.jx('e', Reminder, 'text')}, 0
         FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'reminder'{{job_e}}
         UNION ALL
-        -- the summary the compacted conversation goes on from (DESIGN §12; the engine labels it in the message)
+        -- the summary the compacted conversation goes on from (docs/context.md#compaction; the engine labels it in the message)
         SELECT {_EVENT_HEAD}, 'user', e.kind, NULL, NULL, {d.jx('e', Compaction, 'summary')}, 0
         FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'compaction'{{job_e}}
     ) AS msgs
@@ -354,7 +354,7 @@ def _build(d: _Dialect) -> FrameSQL:
     """
 
 
-    # one row per compaction (DESIGN §12): a movement's messages replaced by a summary
+    # one row per compaction (docs/context.md#compaction): a movement's messages replaced by a summary
     _COMPACTIONS_SQL = f"""
     SELECT {_EVENT_HEAD},
            {d.jx('e', Compaction, 'tokens_before')} AS tokens_before, {d.jx('e', Compaction, 'tokens_after')} AS tokens_after,
@@ -366,7 +366,7 @@ def _build(d: _Dialect) -> FrameSQL:
     """
 
 
-    # one row per loop_detected (DESIGN §12): a loop monitor fired after the run that closed the loop; the lists as
+    # one row per loop_detected (docs/context.md#loop-monitors): a loop monitor fired after the run that closed the loop; the lists as
     # JSON text (frames.py parses them)
     _LOOPS_SQL = f"""
     SELECT {_EVENT_HEAD}, {d.jx('e', LoopDetected, 'monitor')} AS monitor,

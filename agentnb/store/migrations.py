@@ -7,7 +7,7 @@ records how many have been applied.
 from __future__ import annotations
 
 MIGRATIONS: list[str] = [
-    # 1: the initial schema (DESIGN §6)
+    # 1: the initial schema (docs/events.md)
     """
     CREATE TABLE jobs (
         id               INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -81,7 +81,7 @@ MIGRATIONS: list[str] = [
     ALTER TABLE jobs ADD COLUMN instruction_ref TEXT REFERENCES texts(hash);
     ALTER TABLE jobs ADD COLUMN enriched_ref TEXT REFERENCES texts(hash)
     """,
-    # 3: batches (issue 14, DESIGN §10).  A batch is its cases and variants (JSON), and the fingerprint
+    # 3: batches (issue 14, docs/design-lab.md).  A batch is its cases and variants (JSON), and the fingerprint
     # that tells a resume with the same cases from a new batch under a taken name.  Its jobs are ordinary
     # jobs tagged with the batch name, the case index and the variant index.
     """
@@ -99,13 +99,13 @@ MIGRATIONS: list[str] = [
     ALTER TABLE jobs ADD COLUMN batch_variant INTEGER;
     CREATE INDEX jobs_batch ON jobs(batch, batch_case, batch_variant)
     """,
-    # 4: forks (issue 15, DESIGN §11).  A fork is an ordinary job that re-serves movement runs
+    # 4: forks (issue 15, docs/fork-compare.md#fork).  A fork is an ordinary job that re-serves movement runs
     # 1 … forked_from_seq-1 of job forked_from_job and runs live from forked_from_seq on.
     """
     ALTER TABLE jobs ADD COLUMN forked_from_job INTEGER REFERENCES jobs(id);
     ALTER TABLE jobs ADD COLUMN forked_from_seq INTEGER
     """,
-    # 5: leases (issue 17, DESIGN §13).  A claim sets lease_until (epoch seconds) and increments lease_gen;
+    # 5: leases (issue 17, docs/stores.md#leases).  A claim sets lease_until (epoch seconds) and increments lease_gen;
     # the claimer renews lease_until while it runs the job.  Another claimer takes over a running job
     # whose lease_until has passed ("recovered: lease expired"), and every write for a job checks the
     # generation its writer claimed (fencing), so a writer that lost its lease writes nothing more.

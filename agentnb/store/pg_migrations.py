@@ -16,7 +16,7 @@ from __future__ import annotations
 __all__ = ["PG_MIGRATIONS", "PG_SCHEMA_VERSION"]
 
 PG_MIGRATIONS: list[str] = [
-    # 1: the schema of SQLite migrations 1–4 (DESIGN §6, texts, batches, forks)
+    # 1: the schema of SQLite migrations 1–4 (docs/events.md, texts, batches, forks)
     """
     CREATE TABLE texts (
         hash TEXT PRIMARY KEY,
@@ -99,7 +99,7 @@ PG_MIGRATIONS: list[str] = [
     CREATE INDEX events_job ON events(job_id, id);
     CREATE INDEX events_kind ON events(kind, job_id, id)
     """,
-    # 2: leases (SQLite's migration 5: see there) and a job's files (issue 17, DESIGN §13).  Workers on
+    # 2: leases (SQLite's migration 5: see there) and a job's files (issue 17, docs/stores.md).  Workers on
     # other machines share only the database, so a job's work directory lives here: one row per file,
     # `path` relative to the work directory in POSIX form, `mode` its st_mode (type and permission bits: a regular
     # file, or a symbolic link whose `data` is its target), `sha256` of `data`.

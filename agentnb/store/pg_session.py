@@ -1,4 +1,4 @@
-"""The limits every PostgreSQL connection of the store is opened with, tied to the lease (DESIGN §13).
+"""The limits every PostgreSQL connection of the store is opened with, tied to the lease (docs/stores.md#leases).
 
 A worker frozen (SIGSTOP, a long pause) or cut off by the network *inside* a write transaction holds its job's
 row and the advisory write locks (see :mod:`agentnb.store.postgres`): without limits every other worker waits

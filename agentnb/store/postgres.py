@@ -1,4 +1,4 @@
-"""The PostgreSQL store: the :class:`~agentnb.store.base.Store` interface on a PostgreSQL server (DESIGN §13).
+"""The PostgreSQL store: the :class:`~agentnb.store.base.Store` interface on a PostgreSQL server (docs/stores.md).
 
 The same tables, rows and events as :mod:`agentnb.store.sqlite` (a notebook cannot tell the two apart), through
 psycopg 3 and a :class:`psycopg_pool.ConnectionPool` (extra ``agentnb[postgres]``):
@@ -694,7 +694,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
         return row[0], row[1]
 
     # -- the DataFrame views (SQL in frames_sql.py, PostgreSQL dialect) -------------
-    # -- a job's files (DESIGN §13: workers on other machines share only the database; engine/jobfiles.py) -----
+    # -- a job's files (docs/stores.md#files: workers on other machines share only the database; engine/jobfiles.py) -----
     keeps_files = True
 
     def file_rows(self, job_id: int) -> list[dict[str, Any]]:

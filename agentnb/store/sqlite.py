@@ -598,7 +598,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
         return row[0], row[1]
 
     # -- the DataFrame views (SQL in frames_sql.py) -------------------------------------
-    # -- a job's files: they stay on disk (DESIGN §13) ---------------------------------------------------------
+    # -- a job's files: they stay on disk (docs/stores.md#files) ---------------------------------------------------------
     keeps_files = False
 
     def _no_files(self) -> StoreError:

@@ -1,4 +1,4 @@
-"""The built-in tools of DESIGN §5 (names and arguments are a public contract).
+"""The built-in tools of docs/tools.md (names and arguments are a public contract).
 
 ``transition`` is not here: the agent loop handles it, since it ends the movement.
 """

@@ -1,4 +1,4 @@
-"""Where a fork (DESIGN §11) came from, in plain text: which job and run it forked from, and which of its runs
+"""Where a fork (docs/fork-compare.md#fork) came from, in plain text: which job and run it forked from, and which of its runs
 were re-served from which job; the job view's header, the transcript's title and the compare view say it.
 ``render`` re-exports ``reserved_runs`` and ``fork_lines``.
 

@@ -161,5 +161,5 @@ def job_stats(ws: JobSource, job_id: int) -> JobStats:
 
 
 def is_compaction_error(ev: ErrorEvent) -> bool:
-    """A summarisation call that failed (DESIGN §12): the movement went on uncompacted; no failure."""
+    """A summarisation call that failed (docs/context.md#compaction): the movement went on uncompacted; no failure."""
     return ev.where == "compaction"

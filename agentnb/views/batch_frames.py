@@ -1,4 +1,4 @@
-"""A batch's results as DataFrames and HTML (DESIGN §10): ``batch.frame``, ``batch.summary()``, its view.
+"""A batch's results as DataFrames and HTML (docs/design-lab.md): ``batch.frame``, ``batch.summary()``, its view.
 
 Everything is read from the store when asked for, so a Batch kept in a variable never goes stale.
 

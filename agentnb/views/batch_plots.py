@@ -1,4 +1,4 @@
-"""``agentnb.plot_batch(batch)``: the variants of a batch compared, as a matplotlib Figure (DESIGN §10).
+"""``agentnb.plot_batch(batch)``: the variants of a batch compared, as a matplotlib Figure (docs/design-lab.md).
 
 Left: one marker per variant, its mean score against its mean cost per job.  The score is the one named
 by ``score=``; by default the first boolean or numeric score whose mean differs between the variants (a

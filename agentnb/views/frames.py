@@ -14,7 +14,7 @@ Conventions shared by all frames:
 * text is pandas' ``string`` dtype; ``status``, ``kind``, ``role``, ``source``,
   ``action`` and ``tool`` are categoricals (``action`` is ordered
   ``warn < prompt < force_transition < exhausted < compaction``; only ``usage()`` has ``compaction``,
-  the summarisation call of a compaction, DESIGN §12).
+  the summarisation call of a compaction, docs/context.md#compaction).
 * frames that take ``job=None`` cover every job in the store (for comparisons).
 
 =================== ===========================================================================
@@ -93,7 +93,7 @@ Details:
   ContextManager actions fired at that call: ``action`` is the *highest* one (NaN when
   none fired) and ``actions`` lists all of them, comma-separated in firing order
   (e.g. ``"warn,prompt"`` when both thresholds were crossed by the same call).
-  A compaction's summarisation call (DESIGN §12; its ``llm_response`` has ``purpose: "compaction"``) is a
+  A compaction's summarisation call (docs/context.md#compaction; its ``llm_response`` has ``purpose: "compaction"``) is a
   row like any call, with its tokens and price, but it is no turn of the conversation: its ``action`` and
   ``actions`` are ``compaction`` (the ContextManager fires nothing on it), so
   ``usage[usage.action == "compaction"]`` are the summarisation calls and the other rows the conversation's.
@@ -109,16 +109,16 @@ Details:
 * ``tool_calls()`` pairs each ``tool_call`` with its ``tool_result``: ``arguments`` is the JSON
   text of the arguments, ``duration`` the time the tool took, ``result`` what the model saw.
   Result columns are missing when a result was never recorded (e.g. a crash).
-* Forks (DESIGN §11): ``jobs().forked_from_job`` / ``forked_from_seq`` (nullable ``Int64``, NA for a job that
+* Forks (docs/fork-compare.md#fork): ``jobs().forked_from_job`` / ``forked_from_seq`` (nullable ``Int64``, NA for a job that
   is no fork) name the job a fork was made of and the movement run it runs live from.  ``movements().replayed``
   is True for a run re-served from another job's record (its ``movement_start`` names it): a fork's runs before
   its fork point, every run of a ``replay:`` job.  ``usage().replayed`` is True for a call whose response was
   re-served (no tokens spent: its token counts are 0, its ``ratio`` and ``window`` the context as recorded).
-  ``movements().judge`` is True for a loop monitor's judge run (DESIGN §12): the run right after a
+  ``movements().judge`` is True for a loop monitor's judge run (docs/context.md#loop-monitors): the run right after a
   ``loop_detected`` event that named it as the judge.
   ``divergences()`` has one row per ``replay_divergence``: a tool re-run in a re-served run whose result
   (``actual``) differed from the original's (``expected``).
-* ``compactions()`` has one row per ``compaction`` event (DESIGN §12): ``iteration`` is the summarisation
+* ``compactions()`` has one row per ``compaction`` event (docs/context.md#compaction): ``iteration`` is the summarisation
   call's, ``tokens_before`` the context the ContextManager counted before, ``tokens_after`` the compacted
   list's (tool schemas included), ``removed_messages`` / ``kept_messages`` how many messages were dropped
   and kept verbatim after the summary, ``summary`` the summary.  A summarisation call that failed (an
@@ -126,7 +126,7 @@ Details:
   ``movements()`` count summarisation calls in ``llm_calls`` and their tokens in the token sums: they were
   spent.  In ``messages()`` the summarisation call's answer is an ``assistant`` row like any response, and
   the summary the conversation then went on from is a ``user`` row of ``kind`` compaction.
-* ``loops()`` has one row per ``loop_detected`` event (DESIGN §12): a loop monitor fired after run ``seq``
+* ``loops()`` has one row per ``loop_detected`` event (docs/context.md#loop-monitors): a loop monitor fired after run ``seq``
   (the run that closed the loop), ``cycle`` repeated ``count`` times over ``runs`` (whose transition
   ``summaries`` the judge read); ``cycle``, ``runs`` and ``summaries`` are Python lists; ``judge`` is the name
   of the judge's run that followed (NA for a monitor without a judge) and ``next`` the monitor's ``next``.
@@ -420,12 +420,12 @@ class Frames:
         return self._query("divergences", self._job(job), _DIVERGENCES)
 
     def compactions(self, job: JobArg | None = None) -> pd.DataFrame:
-        """One row per ``compaction`` of ``job`` (every job when ``None``, DESIGN §12): a movement run's messages
+        """One row per ``compaction`` of ``job`` (every job when ``None``, docs/context.md#compaction): a movement run's messages
         replaced by a summary, with the context's size before and after (see the module docstring)."""
         return self._query("compactions", self._job(job), _COMPACTIONS)
 
     def loops(self, job: JobArg | None = None) -> pd.DataFrame:
-        """One row per ``loop_detected`` of ``job`` (every job when ``None``, DESIGN §12): a loop monitor fired
+        """One row per ``loop_detected`` of ``job`` (every job when ``None``, docs/context.md#loop-monitors): a loop monitor fired
         (see the module docstring)."""
         raw = self._raw("loops", self._job(job))
         for name in ("cycle", "runs", "summaries"):  # JSON text from the store: lists here
@@ -450,7 +450,7 @@ class Frames:
         ids = [job_id] if job_id is not None else self.store.job_ids()
         records: list[dict[str, Any]] = []
         for i in ids:
-            if self.store.keeps_files:  # DESIGN §13: the job may have run elsewhere; the store has its file
+            if self.store.keeps_files:  # docs/stores.md#files: the job may have run elsewhere; the store has its file
                 text = self.store.file_data(i, ["logs/lessons.jsonl"]).get("logs/lessons.jsonl", b"").decode(
                     "utf-8", "replace")
             else:

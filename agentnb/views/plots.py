@@ -29,7 +29,7 @@ simulation no longer describes what would have happened).  Without it the figure
 whose markers are at one call and near each other (the record's and the what-if's) are stacked in one
 column (``views/plot_labels.py``), and the layout is fixed once they are placed.
 
-A compaction (DESIGN §12, ``context.on_pressure: compact``) is a teal down-pointing triangle at its
+A compaction (docs/context.md#compaction, ``context.on_pressure: compact``) is a teal down-pointing triangle at its
 summarisation call (the usage row whose ``action`` is ``compaction``), labelled ``compaction 1: 920→582
 tokens`` (the run's compactions numbered from 1; the sizes from ``frames.compactions()``, so only when a job
 is plotted: a frame alone says ``compaction 1``), with an arrow from the context before (``tokens_before`` /

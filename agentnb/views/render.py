@@ -21,7 +21,7 @@ grow a saved notebook by its whole transcript):
 * when the whole view would exceed ``max_bytes``, the oldest movements are
   reduced to their summary line and transition, newest kept in detail.
 
-A compaction (DESIGN §12) shows in its movement run: a ``⇊ compacted`` badge on the run, and in the call
+A compaction (docs/context.md#compaction) shows in its movement run: a ``⇊ compacted`` badge on the run, and in the call
 list, at the summarisation call (shown as such, not as a turn of the conversation), a block "Compaction k:
 N messages summarised, M kept · before → after tokens" with the summary in a ``<details>``.  A summarisation
 call that failed (an ``error`` event with ``where`` compaction) is a warning, "compaction failed — …": the
@@ -192,7 +192,7 @@ _INLINE = {
     # the fork marks are styled inline only (every tag of the view carries its style attribute)
     "anb-reserved": f"background:{RESERVED_COLOUR}", "anb-divergence": f"background:{DIVERGENCE_COLOUR}",
     "anb-loop": f"background:{LOOP_COLOUR}",  # inline only too: views of pieces without monitors are unchanged
-    # a compaction (DESIGN §12), inline only as well: views of jobs that never compacted are unchanged
+    # a compaction (docs/context.md#compaction), inline only as well: views of jobs that never compacted are unchanged
     "anb-compaction": f"background:{COMPACTION_COLOUR}",
     "anb-compacted": f"border-left:3px solid {COMPACTION_COLOUR};background:rgba(31,138,138,.07);padding:3px 6px;"
                      "margin:2px 0;border-radius:3px",

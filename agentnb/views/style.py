@@ -27,9 +27,9 @@ STATUS_COLOURS: Final[dict[str, str]] = {
 RESERVED_COLOUR: Final = "#5b7083"
 # a tool re-run in a re-served run gave another result than the original's: a warning, not an error
 DIVERGENCE_COLOUR: Final = "#b35900"
-# a loop monitor fired (DESIGN §12): a cycle of movements repeated; purple, apart from warnings and errors
+# a loop monitor fired (docs/context.md#loop-monitors): a cycle of movements repeated; purple, apart from warnings and errors
 LOOP_COLOUR: Final = "#6d4c9f"
-# a movement's messages were replaced by a summary (DESIGN §12): teal, a relief rather than a warning
+# a movement's messages were replaced by a summary (docs/context.md#compaction): teal, a relief rather than a warning
 COMPACTION_COLOUR: Final = "#1f8a8a"
 # ``frames.usage()``'s ``action``: the ContextManager's four, in firing order, then the summarisation call of
 # a compaction (not a ContextManager action: the call that compacted the messages)

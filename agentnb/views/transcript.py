@@ -278,7 +278,7 @@ def movement_text(evs: Sequence[Event], *, max_chars: int | None = EXPORT_MAX_CH
                 out.append("[user]")
                 body(ev.user)
             case LLMResponse(usage=u) if ev.purpose == "compaction":
-                # a compaction's summarisation call (DESIGN §12): its summary is in the compaction line below
+                # a compaction's summarisation call (docs/context.md#compaction): its summary is in the compaction line below
                 out.append(f"--- summarisation call {ev.iteration} (compaction, no tools): {u.prompt_tokens:,} prompt + "
                            f"{u.completion_tokens:,} completion tokens"
                            + (f", re-served from job {ev.replayed_from}" if ev.replayed_from is not None else ""))

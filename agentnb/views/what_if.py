@@ -1,4 +1,4 @@
-"""What-if for the ContextManager (DESIGN §11): a job's recorded calls under another window or thresholds.
+"""What-if for the ContextManager (docs/fork-compare.md#what-if): a job's recorded calls under another window or thresholds.
 
 ``ws.frames.what_if(job, window=8000, thresholds={"prompt": 0.8})`` is the job's usage frame
 (``ws.frames.usage(job)``, every column) with the ContextManager's actions recomputed from the recorded
@@ -30,7 +30,7 @@ model's answers, the tokens, the next movements) would have been different; and 
 (because the recorded run ended earlier) cannot be simulated.  ``first_forced`` marks where the first of
 those departures would have happened.
 
-A job that compacted (DESIGN §12, ``context.on_pressure: compact``): a compaction's summarisation call is
+A job that compacted (docs/context.md#compaction, ``context.on_pressure: compact``): a compaction's summarisation call is
 no turn of the conversation, and the ContextManager fires nothing on it, so nothing is simulated on it
 either: its row is passed through with ``action_recorded`` ``compaction``, no ``action_what_if`` (NA), its
 ``ratio_what_if`` (the summarisation request's size over the window) and ``forced_what_if`` False.  After it
