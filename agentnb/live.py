@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from .events import Event
 
-__all__ = ["Item", "Notice", "Subscription", "channel", "notice", "publish", "subscribe", "wants"]
+__all__ = ["Item", "Notice", "Subscription", "channel", "listening", "notice", "publish", "subscribe", "wants"]
 
 _log = logging.getLogger("agentnb.live")
 
@@ -118,6 +118,11 @@ def _unsubscribe(sub: Subscription) -> None:
         else:
             subs.pop(sub.key, None)
         _SUBSCRIBERS = subs
+
+
+def listening() -> bool:
+    """Whether anyone listens at all (the publishers' first, cheapest test)."""
+    return bool(_SUBSCRIBERS)
 
 
 def wants(store: _Located, job_ids: Iterable[int]) -> bool:
