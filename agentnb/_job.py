@@ -7,6 +7,7 @@ which the facade satisfies, so this module does not import the facade.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -154,7 +155,9 @@ class Job:
         """The ``expected`` value of the job's batch case (None outside a batch or when the case has none)."""
         if self.workspace is None or self.batch is None or self.case is None:
             return None
-        return self.workspace._batch_case(self.batch, self.case).get("expected")
+        row = self.workspace.store.batch(self.batch)
+        cases = json.loads(row["cases"]) if row is not None else []
+        return dict(cases[self.case]).get("expected") if 0 <= self.case < len(cases) else None
 
     @property
     def is_snapshot(self) -> bool:
@@ -237,4 +240,3 @@ class JobHost(Protocol):
     def events(self, job: JobRef, kinds: list[str] | None = None) -> list[Event]: ...
     def movements(self, job: JobRef) -> list[dict[str, Any]]: ...
     def piece(self, job: JobRef) -> Piece: ...
-    def _batch_case(self, name: str, index: int) -> dict[str, Any]: ...

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .engine.pieces import Piece, load_piece, parse_piece
 from .errors import UsageError
 from .events import ScoreEvent
-from .store.base import TERMINAL_STATES, WAITING_STATES, Store, Transaction
+from .store.base import TERMINAL_STATES, WAITING_STATES, Store
+from .submission import Submitter, remove_folders
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -51,10 +52,8 @@ class BatchHost(Protocol):
 
     def stop(self, job: Any) -> list[int]: ...
 
-    def _prepare(self, instruction: str, *, piece: Any, model: str, inputs: Any, workdir: Any, context: Any,
-                 retries: int | None, max_backoff: float | None) -> Any: ...
-
-    def _create(self, c: Transaction, prepared: Any, job_folders: list[Path], **tags: Any) -> int: ...
+    @property
+    def submitter(self) -> Submitter: ...
 
 
 @dataclass(frozen=True)
@@ -582,8 +581,9 @@ def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str 
     for case in checked:
         for variant in new_variants:
             try:
-                prep = ws._prepare(case.instruction, piece=variant.piece, model=variant.model, inputs=case.inputs,
-                                   workdir=None, context=context, retries=retries, max_backoff=max_backoff)
+                prep = ws.submitter.prepare(case.instruction, piece=variant.piece, model=variant.model, inputs=case.inputs,
+                                             workdir=None, context=context, retries=retries,
+                                             max_backoff=max_backoff)
             except UsageError as exc:  # say which case (the same check fails for every variant of it)
                 raise UsageError(f"case {case.index}: {exc}") from exc
             prepared.append((case, variant, prep))
@@ -601,12 +601,9 @@ def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str 
                 ws.store.update_batch(c, name, variants=json.dumps(old + [v.stored() for v in new_variants],
                                                                    ensure_ascii=False))
             for case, variant, prep in prepared:
-                ws._create(c, prep, folders, batch=name, batch_case=case.index, batch_variant=variant.index)
+                ws.submitter.create(c, prep, folders, batch=name, batch_case=case.index, batch_variant=variant.index)
     except BaseException:
-        for folder in folders:
-            import shutil
-
-            shutil.rmtree(folder, ignore_errors=True)
+        remove_folders(folders)
         raise
     return Batch(ws, name, chosen)
 

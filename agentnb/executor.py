@@ -29,14 +29,17 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from .errors import StoreError, UsageError
 from .events import LLMResponse
 from .interrupts import sigterm_interrupts
 from .models.prices import call_costs
 from .progress import BatchProgress, Outcome
-from .store.base import Store, StoreUnreachable, owned_by_this_process
+from .store.base import Store, StoreUnreachable
+
+if TYPE_CHECKING:
+    from .execution import Execution
 
 __all__ = ["GRACE", "LIVE_EVERY", "OUTAGE_FIRST", "Backoff", "JobRunnerHost", "QueueReport", "RunReport", "Wake",
            "check_poll", "check_slots", "idle_wait", "run_jobs", "run_queue"]
@@ -386,17 +389,16 @@ class QueueReport:
     interrupted: bool = False
 
 
-def run_queue(store: Store, claim: Callable[[], dict[str, Any] | None], run: Callable[[dict[str, Any]], Any],
-              stop: Callable[[int], Any], *, concurrency: int, forever: bool = False, poll: float | None = None,
+def run_queue(execution: Execution, *, concurrency: int, forever: bool = False, poll: float | None = None,
               max_jobs: int | None = None, grace: float = GRACE, report: QueueReport | None = None) -> QueueReport:
-    """Run queued jobs in ``concurrency`` slot threads: each claims the next one (``claim``), runs it
-    (``run(row)``, which returns the job) and claims again.
+    """Run queued jobs in ``concurrency`` slot threads: each claims the next one, runs it to its end (or its
+    wait, or its stop) and claims again, all through ``execution``.
 
     Without ``forever`` it returns once the queue is empty and none of its jobs is still running (a running
     job may queue subtasks, or its parent), and raises a :class:`StoreUnreachable` as any error.  With
     ``forever`` an outage is waited out: a claim it cut off is tried again (:class:`Backoff`), and a run it cut
     off ends that run only (the facade gave the job back, or its lease will).  Ctrl-C or SIGTERM (in the main thread) starts no further job, asks
-    the running ones to pause after their current call (``stop(job_id)``), waits up to ``grace`` seconds for
+    the running ones to pause after their current call (``execution.stop``), waits up to ``grace`` seconds for
     them, gives back to the queue those still running (reason ``interrupted``, as a one-job worker does) and
     re-raises; their threads are daemons, left blocked in their call, and die with the process.  ``report``,
     when given, is filled as jobs end (so that it tells what ran even when an interrupt is raised).
@@ -404,7 +406,7 @@ def run_queue(store: Store, claim: Callable[[], dict[str, Any] | None], run: Cal
     check_slots(concurrency)
     poll = check_poll(poll)
     report = report if report is not None else QueueReport()
-    wake = Wake(store)
+    wake = Wake(execution.store)
     wait_s = idle_wait(poll, wake)
     cond = wake.cond  # one lock for the slots' state and the wake-ups: a job's end and its bump are one step
     active: set[int] = set()
@@ -422,7 +424,7 @@ def run_queue(store: Store, claim: Callable[[], dict[str, Any] | None], run: Cal
                 seen = wake.gen
                 if state["empty_gen"] != seen:  # a slot that found the queue empty since the last wake-up: skip
                     try:
-                        row = claim()
+                        row = execution.claim_next()
                     except StoreUnreachable:
                         if not forever:
                             raise
@@ -457,9 +459,9 @@ def run_queue(store: Store, claim: Callable[[], dict[str, Any] | None], run: Cal
                     return
                 job_id = int(row["id"])
                 try:
-                    job = run(row)
+                    status = execution.run_claimed(row, unit="job")
                     with cond:
-                        report.statuses[job_id] = str(getattr(job, "status", ""))
+                        report.statuses[job_id] = status
                 except StoreUnreachable as exc:
                     if not forever:
                         with cond:
@@ -491,7 +493,7 @@ def run_queue(store: Store, claim: Callable[[], dict[str, Any] | None], run: Cal
                 pass
     except BaseException:
         report.interrupted = True
-        _give_back(store, stop, wake, state, active, all_done, grace, report)
+        _give_back(execution, wake, state, active, all_done, grace, report)
         raise
     finally:
         wake.close()
@@ -500,7 +502,7 @@ def run_queue(store: Store, claim: Callable[[], dict[str, Any] | None], run: Cal
     return report
 
 
-def _give_back(store: Store, stop: Callable[[int], Any], wake: Wake, state: dict[str, Any], active: set[int],
+def _give_back(execution: Execution, wake: Wake, state: dict[str, Any], active: set[int],
                all_done: threading.Event, grace: float, report: QueueReport) -> None:
     """An interrupted worker: no further claim, the running jobs asked to pause, then the rest re-queued."""
     cond = wake.cond
@@ -514,16 +516,12 @@ def _give_back(store: Store, stop: Callable[[int], Any], wake: Wake, state: dict
                 running = sorted(active)
             # asked again on every tick, as run_jobs does: a slot may have claimed one after the first ask
             for job_id in running:
-                stop(job_id)
+                execution.stop(job_id)
             all_done.wait(min(_TICK, max(0.0, deadline - time.monotonic())))
     except BaseException:  # a second Ctrl-C (or SIGTERM): stop waiting, give them back now
         pass
     with cond:
         left = sorted(active)
     for job_id in left:
-        with store.transaction() as c:
-            row = store.job(job_id)
-            # still ours: a job that paused meanwhile may already run elsewhere
-            if row["status"] == "running" and owned_by_this_process(row["claimed_by"]):
-                store.set_status(c, job_id, "queued", reason="interrupted")
-                report.given_back.append(job_id)
+        if execution.give_back(job_id):  # still ours: a job that paused meanwhile may already run elsewhere
+            report.given_back.append(job_id)

@@ -16,6 +16,7 @@ from .interrupts import Terminated, sigterm_interrupts
 from .store.base import StoreUnreachable
 
 if TYPE_CHECKING:
+    from .execution import Execution
     from .store.base import Store
 
 __all__ = ["JobQueue", "Terminated", "Worker", "sigterm_interrupts"]
@@ -25,14 +26,16 @@ JobT = TypeVar("JobT", covariant=True)
 
 class JobQueue(Protocol[JobT]):
     """What a worker drives: the workspace facade (:class:`agentnb.workspace.Workspace`), named here by
-    what it does so that this module does not import the facade that imports it."""
+    what it does so that this module does not import the facade that imports it.  Its jobs run through its
+    :class:`~agentnb.execution.Execution`."""
 
     @property
     def store(self) -> Store: ...
 
-    def _run_claimed(self, row: dict[str, Any], unit: str) -> JobT: ...
+    @property
+    def execution(self) -> Execution: ...
 
-    def stop(self, job: Any) -> list[int]: ...
+    def job(self, job: Any) -> JobT: ...
 
 
 class Worker(Generic[JobT]):
@@ -49,11 +52,12 @@ class Worker(Generic[JobT]):
     def run_once(self) -> JobT | None:
         """Claim the oldest queued job and run it; ``None`` when the queue is empty."""
         with sigterm_interrupts():
-            row = self.ws.store.claim()
+            row = self.ws.execution.claim_next()
             if row is None:
                 return None
             try:
-                return self.ws._run_claimed(row, unit="job")
+                self.ws.execution.run_claimed(row, unit="job")
+                return self.ws.job(int(row["id"]))
             finally:
                 # listed even when a SIGTERM lands between the job's last commit and here (as run_queue does)
                 self.ran.append(int(row["id"]))
@@ -72,8 +76,7 @@ class Worker(Generic[JobT]):
         if concurrency > 1:
             report = QueueReport()
             try:
-                run_queue(self.ws.store, self.ws.store.claim, lambda row: self.ws._run_claimed(row, unit="job"),
-                          self.ws.stop, concurrency=concurrency, forever=forever, poll=poll, max_jobs=max_jobs,
+                run_queue(self.ws.execution, concurrency=concurrency, forever=forever, poll=poll, max_jobs=max_jobs,
                           grace=grace, report=report)
             finally:
                 self.ran.extend(report.ran)

@@ -23,10 +23,12 @@ from ..events import Event
 __all__ = [
     "DEFAULT_LEASE",
     "FRAME_QUERIES",
+    "INTERRUPTED_REASON",
     "JOB_STATES",
     "LEASE_EXPIRED",
     "MAX_INSTRUCTION_CHARS",
     "RECOVERED",
+    "STOP_REASON",
     "TERMINAL_STATES",
     "UNREACHABLE_REASON",
     "WAITING_STATES",
@@ -76,6 +78,10 @@ LEASE_EXPIRED = RECOVERED + "lease expired"
 # ... of a job its holder gave back because the store became unreachable while it ran (not a recovery: the
 # holder was alive and counts its time until then); it goes on from its last commit
 UNREACHABLE_REASON = "the store became unreachable while it ran"
+# ... of a job paused by a Stop (panel, %agent stop, Ctrl-C in a live run) after its current LLM call
+STOP_REASON = "paused on request after its current LLM call"
+# ... of a job given back because the process running it was interrupted (Ctrl-C, SIGTERM) mid-call
+INTERRUPTED_REASON = "interrupted"
 
 
 def is_recovery(reason: str) -> bool:

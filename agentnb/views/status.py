@@ -11,18 +11,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..store.base import INTERRUPTED_REASON, STOP_REASON
+
 if TYPE_CHECKING:
     from ..store.base import Store
 
 __all__ = ["DISPLAY_STATES", "PAUSED", "STOP_REASON", "display_status", "last_status_reason"]
 
 PAUSED = "paused"
-# The job_status reason written when a Stop (panel, %agent stop, Ctrl-C in a live run) paused a job.
-STOP_REASON = "paused on request after its current LLM call"
+# STOP_REASON (store/base.py): the job_status reason written when a Stop paused a job.
 # Reasons that leave a job queued part-way through its run: a step ("paused after one call"),
-# a Stop (STOP_REASON) and a KeyboardInterrupt ("interrupted").  Others that requeue a job
+# a Stop (STOP_REASON) and a KeyboardInterrupt (INTERRUPTED_REASON).  Others that requeue a job
 # (a reply, the end of its subtasks, a recovered worker crash) mean "ready to go on": queued.
-_PAUSE_PREFIXES = ("paused", "interrupted")
+_PAUSE_PREFIXES = ("paused", INTERRUPTED_REASON)
 
 DISPLAY_STATES = ("queued", "running", "succeeded", "failed", "aborted", "waiting_human", "waiting_subtasks", PAUSED)
 
