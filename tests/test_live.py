@@ -205,13 +205,15 @@ def test_only_events_of_a_watched_job_are_collected(tmp_path: Path) -> None:
         store.close()
 
 
-def test_a_response_event_arrives_with_its_usage(tmp_path: Path) -> None:
-    # what a subscriber gets is the typed event, nested values included (a view folds it without the store)
+def test_the_execution_subscribes_to_the_typed_events_of_its_jobs(tmp_path: Path) -> None:
+    # ws.execution.subscribe is the bus's door on the object that runs the job; what a subscriber gets is the
+    # typed event, nested values included (a view folds it without the store)
     with Workspace(tmp_path / "ws") as ws:
         job = ws.submit("t", piece=_piece(tmp_path), model=_script(tmp_path))
         got = Received()
-        with live.subscribe(ws.store, job.id, got):
+        with ws.execution.subscribe(job.id, got):
             ws.run(job)
+        assert got.events == ws.events(job)[1:]
         responses = [e for e in got.events if isinstance(e, LLMResponse)]
         assert len(responses) == 3 and all(r.usage.total_tokens > 0 for r in responses)
         assert responses[0].tool_calls[0].name == "Glob"
@@ -239,7 +241,7 @@ def test_the_live_view_redraws_what_its_run_committed_before_it_began_to_watch(t
         script = write_script(tmp_path, "gated-script", {"work": [call("TestLiveGate"), transition("COMPLETE")]})
         with Workspace(tmp_path / "ws") as ws:
             job = ws.submit("t", piece=piece, model=script)
-            view = LiveView(ws.store)
+            view = LiveView(ws.execution)
             view.start(lambda: ws.run(job.id), job.id)
             assert entered.wait(60)  # the call and its tool call are committed; nothing more until the gate opens
             drawn: list[int] = []

@@ -1,7 +1,7 @@
 """The live view of a job, shared by the ``%agent`` magic and the panel: run the job in a thread, redraw as it moves on.
 
 A job this kernel runs (``%agent run``/``step``, the panel's Run/Step/Reply) is followed through the in-process
-subscription (:mod:`agentnb.live`): each committed event of the job wakes the view at once, and nothing polls the
+subscription (:meth:`agentnb.execution.Execution.subscribe`, :mod:`agentnb.live`): each committed event of the job wakes the view at once, and nothing polls the
 store.  The subscriber only notes the newest event id and sets a flag, in the job's own thread; the redraw (which
 reads the store to render) happens in the view's thread, once for however many events arrived meanwhile.
 
@@ -19,11 +19,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import live
 from ..live import Notice
-from ..store.base import Store
+
+if TYPE_CHECKING:
+    from ..execution import Execution
 
 __all__ = ["LiveView", "display_marks"]
 
@@ -41,8 +43,8 @@ class LiveView:
     subscription.
     """
 
-    def __init__(self, store: Store, *, name: str = "agentnb-job") -> None:
-        self.store = store
+    def __init__(self, execution: Execution, *, name: str = "agentnb-job") -> None:
+        self.execution = execution  # whose subscription tells the view of a job run here (Execution.subscribe)
         self.name = name
         self.job_id: int | None = None
         self.last_event = 0  # the newest event id of the followed job the subscription delivered
@@ -103,7 +105,7 @@ class LiveView:
             if self._sub is not None:
                 self._sub.close()
             self.job_id, self.last_event = job_id, 0
-            self._sub = live.subscribe(self.store, job_id, self._arrived)
+            self._sub = self.execution.subscribe(job_id, self._arrived)
         self._changed.set()
 
     def _arrived(self, item: live.Item) -> None:

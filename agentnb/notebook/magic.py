@@ -298,7 +298,7 @@ class AgentMagic(Magics):
 
         handle = display(view(), display_id=True)
         # the job runs in this kernel: each of its commits wakes the view, nothing polls the store (liveview.py)
-        live = LiveView(ws.store, name="agentnb-job")
+        live = LiveView(ws.execution, name="agentnb-job")
 
         def redraw(event_id: int) -> None:
             if handle is not None:

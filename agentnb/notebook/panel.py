@@ -142,7 +142,7 @@ class Panel(w.VBox):
         self._namespace_arg = namespace
         self._lock = threading.RLock()
         # runs the panel's actions in a thread and wakes the watcher on each event of the job they run (liveview.py)
-        self._live = LiveView(ws.store, name="agentnb-panel")
+        self._live = LiveView(ws.execution, name="agentnb-panel")
         self._busy = False
         self._target: int | None = None  # the job the panel's current action runs
         self._stop_requested = threading.Event()
