@@ -39,16 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agentnb import Workspace
 from agentnb.engine.context import ContextManager
 from agentnb.engine.tokens import counter_for_model
+from agentnb.models.messages import AssistantMessage, SystemMessage, ToolCallPart, ToolMessage, UserMessage
 
 RESULT = ("src/module.py:{i}: def handler_{i}(request, response): return process(request.payload, "
           "retries=3)  # the quick brown fox jumps over the lazy dog\n") * 12
 
 
-def _messages(i: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    assistant = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": f"c{i}", "type": "function",
-         "function": {"name": "Read", "arguments": f'{{"path": "input/file_{i}.py", "offset": {i}}}'}}]}
-    tool = {"role": "tool", "tool_call_id": f"c{i}", "content": RESULT.format(i=i)}
+def _messages(i: int) -> tuple[AssistantMessage, ToolMessage]:
+    assistant = AssistantMessage(None, (ToolCallPart(f"c{i}", "Read", {"path": f"input/file_{i}.py", "offset": i},
+                                                     f'{{"path": "input/file_{i}.py", "offset": {i}}}'),))
+    tool = ToolMessage(f"c{i}", RESULT.format(i=i))
     return assistant, tool
 
 
@@ -56,8 +56,8 @@ def direct(n: int) -> tuple[float, float]:
     """Seconds per call: incremental accounting, and a naive full recount (reference)."""
     counter = counter_for_model("gpt-4o")
     cm = ContextManager(window=100_000_000, counter=counter)
-    cm.add({"role": "system", "content": "You work."})
-    cm.add({"role": "user", "content": "Do the task."})
+    cm.add(SystemMessage("You work."))
+    cm.add(UserMessage("Do the task."))
     t0 = time.perf_counter()
     for i in range(n):
         # built inside the loop, as a movement would: prebuilt messages sit in the CPU cache for small N only

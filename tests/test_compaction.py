@@ -34,6 +34,16 @@ from agentnb import Workspace
 from agentnb.engine.context import ContextManager
 from agentnb.engine.pieces import PieceError, load_piece
 from agentnb.engine.prompts import text
+from agentnb.models.messages import (
+    AssistantMessage,
+    ImagePart,
+    Message,
+    SystemMessage,
+    ToolCallPart,
+    ToolMessage,
+    UserMessage,
+)
+from agentnb.models.openai import wire_message
 
 MODEL = "openai:gpt-4o-mini"
 WINDOW = 4_000  # prompt at 3,400 tokens, force_transition at 3,800
@@ -125,6 +135,26 @@ def assert_pairs_whole(messages: list[dict[str, Any]]) -> None:
     assert not open_ids, f"the last tool calls {open_ids} have no result"
 
 
+def typed(m: dict[str, Any]) -> Message:
+    """A message as the endpoint received it, back as the typed message the loop held (to count it as the
+    loop did); checked to give back exactly what was sent."""
+    role, content = m["role"], m.get("content")
+    out: Message
+    if role == "tool":
+        out = ToolMessage(m["tool_call_id"], content)
+    elif role == "assistant":
+        out = AssistantMessage(content, tuple(ToolCallPart(c["id"], c["function"]["name"], None,
+                                                           c["function"]["arguments"]) for c in m.get("tool_calls") or ()))
+    elif role == "system":
+        out = SystemMessage(content)
+    elif isinstance(content, list):
+        out = UserMessage(content[0]["text"], tuple(ImagePart(p["image_url"]["url"]) for p in content[1:]))
+    else:
+        out = UserMessage(content)
+    assert wire_message(out) == m
+    return out
+
+
 def check_compactions(srv: OpenAIServer, ws: Workspace, job: Any, keep: int) -> list[dict[str, Any]]:
     """Check every compaction of ``job`` (one movement run) against what the server received, and return the
     compaction events' payloads.  Each compaction is: the conversation request before it (``prev``), the
@@ -171,10 +201,10 @@ def check_compactions(srv: OpenAIServer, ws: Workspace, job: Any, keep: int) -> 
         added = conv[len(prev["messages"]) + 1:]
         usage = trigger["usage"]
         assert ev["tokens_before"] == usage["prompt_tokens"] + usage["completion_tokens"] + sum(
-            counter.count_message(m) for m in added)
+            counter.count_message(typed(m)) for m in added)
         # tokens_after: the new list as counted, with the tool schemas sent alongside
         schemas = counter.counter.count(json.dumps(sent[i + 1]["tools"], ensure_ascii=False))
-        assert ev["tokens_after"] == schemas + sum(counter.count_message(m) for m in after)
+        assert ev["tokens_after"] == schemas + sum(counter.count_message(typed(m)) for m in after)
     assert n == len(events)
     return events
 
@@ -213,9 +243,9 @@ def check_sent_compactions(srv: OpenAIServer, ws: Workspace, job: Any, keep: int
         assert trigger.get("purpose") is None
         added = conv[len(prev) + 1:]
         assert p["tokens_before"] == sum(trigger["usage"][k] for k in ("prompt_tokens", "completion_tokens")) + sum(
-            counter.count_message(m) for m in added)
+            counter.count_message(typed(m)) for m in added)
         schemas = counter.counter.count(json.dumps(sent[i + 1]["tools"], ensure_ascii=False))
-        assert p["tokens_after"] == schemas + sum(counter.count_message(m) for m in after)
+        assert p["tokens_after"] == schemas + sum(counter.count_message(typed(m)) for m in after)
         assert p["tokens_after"] < p["tokens_before"]
     return [e.payload for e in events]
 

@@ -20,6 +20,7 @@ from agentnb.engine.context import (
 )
 from agentnb.engine.tokens import TokenCounter, counter_for_model
 from agentnb.models.base import ModelSpecError
+from agentnb.models.messages import AssistantMessage, TokenUsage, ToolMessage
 
 NOTES = "".join(f"note line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(3000))
 
@@ -331,9 +332,9 @@ def test_each_message_is_tokenized_once() -> None:
     cm = ContextManager(window=10_000_000, counter=TokenCounter("tiktoken", "test", count))
     total = 0
     for i in range(200):
-        tool = {"role": "tool", "tool_call_id": f"c{i}", "content": "r" * (i + 1)}
+        tool = ToolMessage(f"c{i}", "r" * (i + 1))
         cm.add(tool)
-        assistant = {"role": "assistant", "content": "a" * (i + 2)}
+        assistant = AssistantMessage("a" * (i + 2))
         cm.after_response(assistant, None)
         total += (i + 1) + (i + 2)
     assert sum(seen) == total  # linear in the text, not in calls × history
@@ -347,9 +348,9 @@ def test_tool_budget_is_half_the_available_capped_and_floored() -> None:
     big = ContextManager(window=1_000_000, model="gpt-4o")
     assert big.tool_budget() == MAX_TOOL_TOKENS
     cm = ContextManager(window=10_000, model="gpt-4o", min_tool_tokens=300)
-    cm.after_response({"role": "assistant", "content": "x"}, {"prompt_tokens": 4_000, "completion_tokens": 0})
+    cm.after_response(AssistantMessage("x"), TokenUsage(prompt_tokens=4_000, completion_tokens=0))
     assert cm.tool_budget() == 3_000
-    cm.add({"role": "tool", "content": "y" * 40_000})
+    cm.add(ToolMessage("c1", "y" * 40_000))
     assert cm.tool_budget() == 300  # nothing much left: the floor
     assert ContextManager(window=4_096, model="gpt-4o").min_tool_tokens == 4_096 // 16  # a floor fitting a small window
 

@@ -20,7 +20,7 @@ import pytest
 import agentnb
 from agentnb import Workspace
 from agentnb.engine.runner import JobRunner
-from agentnb.models.base import ModelRequest, ModelResponse, ToolCall
+from agentnb.models.base import ModelRequest, ModelResponse, TokenUsage, ToolCall
 from agentnb.store import open_store
 
 
@@ -143,10 +143,10 @@ def test_a_script_file_reads_exactly_as_yaml_safe_load_gives_it(tmp_path: Path) 
     assert from_file.responses == reference.responses
     first, second, third, last = from_file.responses  # type: ignore[misc]
     assert first.tool_calls[0].arguments["limit"] == 16 and first.tool_calls[0].arguments["flag"] is True
-    assert first.usage == {"prompt_tokens": 1200, "completion_tokens": 40}
+    assert first.usage == TokenUsage(prompt_tokens=1200, completion_tokens=40)
     assert second.content == "merged text"  # a merge key, not a key named "<<"
     assert second.tool_calls[0].name == "Read" and second.tool_calls[0].arguments["quoted"] == "12"
-    assert third.usage == {"prompt_tokens": 1200, "completion_tokens": 7}
+    assert third.usage == TokenUsage(prompt_tokens=1200, completion_tokens=7)
     assert last.tool_calls[0].arguments["tags"] == {"a", "b"}  # !!set, as safe_load builds it
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -14,7 +15,19 @@ from openai_server import OpenAIServer, error, reply, stall
 
 import agentnb
 from agentnb import Workspace
-from agentnb.models.base import ModelSpecError
+from agentnb.engine.runner import JobRunner
+from agentnb.models.base import ModelRequest, ModelResponse, ModelSpecError, ScriptedModel, ToolCall
+from agentnb.models.messages import (
+    AssistantMessage,
+    ImagePart,
+    Message,
+    SystemMessage,
+    TokenUsage,
+    ToolCallPart,
+    ToolMessage,
+    UserMessage,
+)
+from agentnb.models.openai import wire_messages
 
 KEY = "sk-test-DO-NOT-STORE-4f1c9a"
 
@@ -446,3 +459,94 @@ def test_a_tool_call_without_a_name_is_a_tool_error_the_model_reads(ws: Workspac
     for assistant, tool in zip(fourth[2::2], fourth[3::2], strict=False):  # every answer names the call it answers
         assert tool["tool_call_id"] == assistant["tool_calls"][0]["id"] and tool["tool_call_id"]
     assert fourth[3]["content"] == results[0]["content"]
+
+
+# -- the conversation a model reads: typed messages (models/messages.py) -----------------------------------------
+LISTED = """
+name: listed
+movements:
+  - name: work
+    persona: You are the worker.
+    instruction: List the files.
+    tools: [Glob]
+    rules:
+      - {condition: done, next: COMPLETE}
+"""
+
+
+class _Listener:
+    """A Python model answering by call index, keeping each request's messages."""
+
+    spec = "listener"
+
+    def __init__(self) -> None:
+        self.seen: dict[int, list[Message]] = {}
+
+    def complete(self, request: ModelRequest) -> ModelResponse:
+        self.seen[request.call_index] = list(request.messages)
+        return [
+            # compact JSON: kept verbatim, since re-encoding would add spaces
+            ModelResponse(content="Looking.", tool_calls=(ToolCall("c0", "Glob", {"pattern": "*"}, '{"pattern":"*"}'),)),
+            # not JSON at all: the tool error, and the model's own text sent back
+            ModelResponse(tool_calls=(ToolCall("c1", "Glob", '{"pattern": ', '{"pattern": '),),
+                          usage=TokenUsage(prompt_tokens=700)),
+            ModelResponse(tool_calls=(ToolCall("c2", "transition", {"next_step": "COMPLETE", "summary": "listed"}),)),
+        ][request.call_index]
+
+
+def test_a_model_reads_typed_messages_and_a_resumed_movement_rebuilds_the_same(tmp_path: Path) -> None:
+    ws = Workspace(tmp_path / "ws")
+    job = ws.submit("List.", piece=agentnb.parse_piece(LISTED), model="demo")
+    row = ws.store.claim(job.id)
+    assert row is not None
+    live = _Listener()
+    runner = JobRunner(ws.store, row, live, ws.root / "jobs")
+    assert runner.advance("call") == runner.advance("call") == "running"
+    # another process goes on from the events alone
+    resumed = _Listener()
+    assert JobRunner(ws.store, row, resumed, ws.root / "jobs").advance("job") == "succeeded"
+
+    start = ws.events(job, kinds=["movement_start"])[0].payload
+    results = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"])]
+    assert live.seen[0] == [SystemMessage(start["system"]), UserMessage(start["user"])]
+    assert live.seen[1] == [*live.seen[0], AssistantMessage("Looking.", (
+        ToolCallPart("c0", "Glob", {"pattern": "*"}, '{"pattern":"*"}'),)), ToolMessage("c0", results[0])]
+    assert results[1].startswith("Error: the arguments for Glob are not a JSON object")
+    assert resumed.seen[2] == [*live.seen[1], AssistantMessage(None, (
+        ToolCallPart("c1", "Glob", '{"pattern": ', '{"pattern": '),)), ToolMessage("c1", results[1])]
+    assert list(resumed.seen) == [2]
+    # the reported prompt size is the one recorded, the answer counted as it was sent
+    assert ws.events(job, kinds=["llm_response"])[1].payload["usage"]["prompt_tokens"] == 700
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resumed.seen[2][2].text = "changed"
+
+
+def test_the_openai_adapter_sends_each_kind_of_message_in_the_chat_completions_shape() -> None:
+    conversation: list[Message] = [
+        SystemMessage("Be brief."), UserMessage("Look."),
+        AssistantMessage(None, (ToolCallPart("a", "Read", {"path": "ü.md"}),
+                                ToolCallPart("b", "Read", '{"path', '{"path'))),
+        ToolMessage("a", "text"), ToolMessage("b", "Error: not JSON"),
+        UserMessage("(image attached by ReadImage)", (ImagePart("data:image/png;base64,AAAA"),)),
+        AssistantMessage(""),
+    ]
+    assert wire_messages(conversation) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Look."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "Read", "arguments": '{"path": "ü.md"}'}},
+            {"id": "b", "type": "function", "function": {"name": "Read", "arguments": '{"path'}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "text"},
+        {"role": "tool", "tool_call_id": "b", "content": "Error: not JSON"},
+        {"role": "user", "content": [{"type": "text", "text": "(image attached by ReadImage)"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+def test_a_scripted_usage_is_typed_and_an_unreported_completion_stays_unknown(tmp_path: Path) -> None:
+    model = ScriptedModel({"responses": [{"content": "a", "usage": {"prompt_tokens": 12}},
+                                         {"content": "b", "usage": {"prompt_tokens": 30, "completion_tokens": 4,
+                                                                    "total_tokens": 34}}]})
+    first, second = (model.complete(ModelRequest(messages=[UserMessage("x")], tools=[], call_index=i)) for i in (0, 1))
+    assert (first.usage, second.usage) == (TokenUsage(12), TokenUsage(30, 4))

@@ -42,6 +42,7 @@ from agentnb.engine.context import ContextManager
 from agentnb.engine.tokens import counter_for_model
 from agentnb.errors import AgentnbError, UsageError
 from agentnb.events import ACTIONS
+from agentnb.models.messages import AssistantMessage, TokenUsage
 from agentnb.views.frames import COLUMNS
 from agentnb.views.what_if import WHAT_IF_COLUMNS, simulate
 
@@ -212,8 +213,8 @@ def _reference(prompts: list[int], runs: list[int], window: int, thresholds: dic
         if run != last:
             cm, last = ContextManager(window=window, thresholds=thresholds, counter=counter), run
         assert cm is not None
-        decision = cm.after_response({"role": "assistant", "content": ""},
-                                     {"prompt_tokens": prompt, "completion_tokens": 1})
+        decision = cm.after_response(AssistantMessage(""),
+                                     TokenUsage(prompt_tokens=prompt, completion_tokens=1))
         out.append(",".join(a for a, _ in decision.fired) or None)
     return out
 

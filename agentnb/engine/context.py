@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..events import ACTIONS, ContextActionName, UsageSource
+from ..models.messages import AssistantMessage, Message, TokenUsage, UserMessage
 from .pieces import COMPACTION_DEFAULTS, DEFAULT_THRESHOLDS, ON_PRESSURE
 from .tokens import CHARS_PER_TOKEN, TokenCounter, counter_for_model
 
@@ -147,21 +148,16 @@ class ContextDecision:
     fired: list[tuple[ContextActionName, float]] = field(default_factory=list)  # (action, threshold)
 
 
-def message_text(message: Mapping[str, Any]) -> str:
-    """The text of a chat message that occupies the context (content and tool-call arguments)."""
-    content = message.get("content")
-    parts: list[str] = []
-    if isinstance(content, str):
-        parts.append(content)
-    elif isinstance(content, list):
-        for part in content:
-            if part.get("type") == "text":
-                parts.append(part.get("text", ""))
-    for call in message.get("tool_calls") or ():
-        fn = call.get("function", {})
-        parts.append(fn.get("name", ""))
-        parts.append(fn.get("arguments", ""))
-    return "\n".join(parts)
+def message_text(message: Message) -> str:
+    """The text of a message that occupies the context: its text and, for an answer, each tool call's name
+    and arguments as sent (the parts one per line, as the Chat Completions message's are counted)."""
+    if isinstance(message, AssistantMessage):
+        parts = [] if message.text is None else [message.text]
+        for call in message.tool_calls:
+            parts.append(call.name)
+            parts.append(call.arguments_text())
+        return "\n".join(parts)
+    return message.text
 
 
 # A fixed per-message overhead, as in OpenAI's own counting guide (role and separators).
@@ -208,11 +204,10 @@ class ContextManager:
         self.tools_tokens = 0
 
     # -- accounting ---------------------------------------------------------
-    def count_message(self, message: Mapping[str, Any]) -> int:
+    def count_message(self, message: Message) -> int:
         n = _PER_MESSAGE + self.counter.count(message_text(message))
-        content = message.get("content")
-        if isinstance(content, list):
-            n += _IMAGE_TOKENS * sum(1 for p in content if p.get("type") == "image_url")
+        if isinstance(message, UserMessage) and message.images:
+            n += _IMAGE_TOKENS * len(message.images)
         return n
 
     def set_tools(self, schemas: list[dict[str, Any]]) -> None:
@@ -222,7 +217,7 @@ class ContextManager:
         self.counted += new - self.tools_tokens
         self.tools_tokens = new
 
-    def add(self, message: Mapping[str, Any]) -> int:
+    def add(self, message: Message) -> int:
         n = self.count_message(message)
         self.counted += n
         self.current += n
@@ -233,7 +228,7 @@ class ContextManager:
         return self.counter.source
 
     def after_response(
-        self, assistant: Mapping[str, Any], usage: Mapping[str, Any] | None
+        self, assistant: AssistantMessage, usage: TokenUsage | None
     ) -> ContextDecision:
         """Record one LLM call: its prompt size, and the threshold actions that fire now."""
         # Without usage the prompt is what the last usage reported plus the messages counted since (all of
@@ -241,13 +236,11 @@ class ContextManager:
         # to shrink back to a bare count that misses the provider's own overhead.
         estimate = self.current
         assistant_tokens = self.add(assistant)
-        if usage and usage.get("prompt_tokens") is not None:
-            prompt = int(usage["prompt_tokens"])
-            reported = usage.get("completion_tokens")
-            completion = int(reported) if reported is not None else assistant_tokens
+        if usage is not None:
+            prompt = usage.prompt_tokens
+            completion = usage.completion_tokens if usage.completion_tokens is not None else assistant_tokens
             # a recording re-served (replay, a fork's prefix) keeps the source its counts had
-            recorded = usage.get("source")
-            source: UsageSource = recorded if recorded in ("usage", "tiktoken", "chars") else "usage"
+            source: UsageSource = usage.source or "usage"
             self.current = prompt + completion
         else:
             prompt = estimate
@@ -262,22 +255,20 @@ class ContextManager:
                 decision.fired.append((action, limit))
         return decision
 
-    def side_call(self, extra: Mapping[str, Any], reply: Mapping[str, Any],
-                  usage: Mapping[str, Any] | None) -> ContextDecision:
+    def side_call(self, extra: Message, reply: AssistantMessage,
+                  usage: TokenUsage | None) -> ContextDecision:
         """The counts of a call that is not a turn of the conversation (a compaction's summarisation, docs/context.md#compaction):
         the messages so far and ``extra``, without tools, answered by ``reply``.  Nothing is added to the
         context and no action fires."""
         reply_tokens = self.count_message(reply)
-        if usage and usage.get("prompt_tokens") is not None:
-            reported = usage.get("completion_tokens")
-            recorded = usage.get("source")
-            source: UsageSource = recorded if recorded in ("usage", "tiktoken", "chars") else "usage"
-            return ContextDecision(int(usage["prompt_tokens"]), int(reported) if reported is not None else reply_tokens,
-                                   source, int(usage["prompt_tokens"]) / self.window)
+        if usage is not None:
+            return ContextDecision(usage.prompt_tokens,
+                                   usage.completion_tokens if usage.completion_tokens is not None else reply_tokens,
+                                   usage.source or "usage", usage.prompt_tokens / self.window)
         prompt = self.current - self.tools_tokens + self.count_message(extra)
         return ContextDecision(prompt, reply_tokens, self.counter.source, prompt / self.window)
 
-    def recount(self, messages: list[dict[str, Any]]) -> int:
+    def recount(self, messages: Sequence[Message]) -> int:
         """Start the accounting again from ``messages`` (after a compaction replaced them): the context is now
         their count plus the tool schemas, and every action may fire again.  Returns that count."""
         self.counted = self.tools_tokens

@@ -46,9 +46,18 @@ from ..events import (
     Usage,
     check_event,
     strict_events,
-    value_data,
 )
 from ..models.base import Model, ModelError, ModelRequest, ModelResponse, ToolCall
+from ..models.messages import (
+    AssistantMessage,
+    ImagePart,
+    Message,
+    SystemMessage,
+    TokenUsage,
+    ToolCallPart,
+    ToolMessage,
+    UserMessage,
+)
 from ..models.replay import RecordedCall, Recording
 from ..tools.base import PERMISSION_RANK, ToolContext, ToolOutput, get_tool
 from .context import ContextDecision, ContextManager
@@ -183,7 +192,7 @@ class _Unfinished:
     transition_ok: bool  # a recorded, successful transition among the done calls
     force_reason: str
     prompt: ContextAction | None
-    images: list[dict[str, Any]]  # image parts of the done results, sent after every tool message
+    images: list[UserMessage]  # images of the done results, sent after every tool message
 
 
 @dataclass(frozen=True)
@@ -235,7 +244,7 @@ class AgentLoop:
         self.reserve = reserve
         self.strict = strict
         self._recorded: RecordedCall | None = None
-        self.messages: list[dict[str, Any]] = []
+        self.messages: list[Message] = []
         self.iteration = 0
         self.tools = [t for t in (get_tool(n) for n in movement.tools) if t is not None]
         self.schemas = [t.schema() for t in self.tools] + [transition_schema(movement)]
@@ -255,8 +264,8 @@ class AgentLoop:
 
     # -- starting and resuming ---------------------------------------------
     def start(self, system: str, user: str) -> None:
-        self._append({"role": "system", "content": system})
-        self._append({"role": "user", "content": user})
+        self._append(SystemMessage(system))
+        self._append(UserMessage(user))
         self.rec.add(MovementStart(job_id=self.rec.job_id, movement_seq=self.seq, iteration=0, ts=time.time(),
                                    movement=self.movement.name, seq=self.seq, system=system, user=user,
                                    replayed_from=self.reserve.job_id if self.reserve is not None else None))
@@ -267,7 +276,7 @@ class AgentLoop:
         When the last response's tool calls were not all completed (the process stopped
         in between), the next :meth:`call` completes them instead of asking the model.
         """
-        images: list[dict[str, Any]] = []
+        images: list[UserMessage] = []
         last: LLMResponse | None = None
         started = done = 0
         transition_ok = False
@@ -282,8 +291,8 @@ class AgentLoop:
 
         for ev in events:
             if isinstance(ev, MovementStart):
-                self._append({"role": "system", "content": ev.system})
-                self._append({"role": "user", "content": ev.user})
+                self._append(SystemMessage(ev.system))
+                self._append(UserMessage(ev.user))
             elif isinstance(ev, LLMResponse) and ev.purpose == "compaction":
                 self.iteration = ev.iteration or self.iteration + 1  # its summary is in the compaction event
             elif isinstance(ev, Compaction):
@@ -299,9 +308,10 @@ class AgentLoop:
             elif isinstance(ev, LLMResponse):
                 flush_images()
                 self.iteration = ev.iteration or self.iteration + 1
-                assistant = _assistant_message(ev.content, [_call_message(c) for c in ev.tool_calls])
+                assistant = AssistantMessage(ev.content, tuple(_call_part(c) for c in ev.tool_calls))
                 self.messages.append(assistant)
-                self.ctx.after_response(assistant, value_data(ev.usage) if ev.usage.source == "usage" else None)
+                self.ctx.after_response(assistant, TokenUsage(ev.usage.prompt_tokens, ev.usage.completion_tokens)
+                                        if ev.usage.source == "usage" else None)
                 last, started, done, transition_ok, actions, pressure = ev, 0, 0, False, [], None
             elif isinstance(ev, ToolCallEvent):
                 started += 1
@@ -309,12 +319,12 @@ class AgentLoop:
                 done += 1
                 if ev.tool == "transition" and not ev.is_error:
                     transition_ok = True
-                self._append({"role": "tool", "tool_call_id": ev.call_id, "content": ev.content})
+                self._append(ToolMessage(ev.call_id, ev.content))
                 if ev.image:
                     images.append(_image_message(ev.tool, ev.image))
             elif isinstance(ev, Reminder):
                 flush_images()
-                self._append({"role": "user", "content": ev.text})
+                self._append(UserMessage(ev.text))
                 if ev.reason == "context prompt":  # the seed's wrap-up: this run compacts no more
                     self._compaction_off, pressure = True, None
             elif isinstance(ev, ContextAction):
@@ -342,7 +352,7 @@ class AgentLoop:
                     pressure.ratio, pressure.tokens)
         self.ctx.fired = fired
 
-    def _append(self, message: dict[str, Any]) -> None:
+    def _append(self, message: Message) -> None:
         self.messages.append(message)
         self.ctx.add(message)
 
@@ -383,8 +393,7 @@ class AgentLoop:
         self.counters.call_index += 1
         self.counters.by_movement[name] = self.counters.by_movement.get(name, 0) + 1
 
-        calls = [c.to_message() for c in response.tool_calls]
-        assistant = _assistant_message(response.content, calls)
+        assistant = AssistantMessage(response.content, response.tool_calls)
         self.messages.append(assistant)
         decision = self.ctx.after_response(assistant, response.usage)
         job_id = self.rec.job_id
@@ -413,7 +422,7 @@ class AgentLoop:
         return self._after_calls(it, outcome, force_reason, decision.ratio, decision.prompt_tokens)
 
     def _run_calls(self, calls: Sequence[ToolCall], it: int, *, started: int = 0, first: int = 0,
-                   images: list[dict[str, Any]] | None = None, outcome: Outcome | None = None) -> Outcome | None:
+                   images: list[UserMessage] | None = None, outcome: Outcome | None = None) -> Outcome | None:
         """Run ``calls`` in order, recording each; the first ``started`` of them were begun by a process
         that stopped before their results were recorded; ``first``: the index of ``calls[0]`` in its response."""
         images = [] if images is None else images
@@ -441,7 +450,7 @@ class AgentLoop:
             ))
             if self.reserve is not None:
                 self._check_replayed(it, first + i, call, out)
-            self._append({"role": "tool", "tool_call_id": call.id, "content": out.content})
+            self._append(ToolMessage(call.id, out.content))
             if out.image:
                 images.append(_image_message(call.name, out.image))
         for m in images:
@@ -476,7 +485,7 @@ class AgentLoop:
         msg = text(self.language, "wrap_up", pct=f"{ratio:.0%}", tokens=tokens, window=self.ctx.window)
         self.rec.add(Reminder(job_id=self.rec.job_id, movement_seq=self.seq, iteration=it, ts=time.time(),
                               text=msg, reason="context prompt"))
-        self._append({"role": "user", "content": msg})
+        self._append(UserMessage(msg))
         self._compaction_off = True  # from here on the seed's behaviour applies
 
     # -- compaction (docs/context.md#compaction) -----------------------------------------------------------------------
@@ -494,14 +503,14 @@ class AgentLoop:
         first two (the system and user prompts)."""
         msgs = self.messages
         k = max(2, len(msgs) - self.ctx.compact_keep_last)
-        while 2 < k < len(msgs) and (msgs[k].get("role") == "tool" or isinstance(msgs[k].get("content"), list)):
+        while 2 < k < len(msgs) and (isinstance(msgs[k], ToolMessage) or _is_attachment(msgs[k])):
             k -= 1
         return k
 
     def _compacted(self, summary: str, kept: int) -> None:
         """Replace the messages by the prompts, the summary and the last ``kept`` messages; recount."""
         self.compactions += 1
-        note = {"role": "user", "content": text(self.language, "compact_summary", n=self.compactions, summary=summary)}
+        note = UserMessage(text(self.language, "compact_summary", n=self.compactions, summary=summary))
         tail = self.messages[len(self.messages) - kept:] if kept else []
         self.messages = [*self.messages[:2], note, *tail]
         self.ctx.recount(self.messages)
@@ -528,7 +537,7 @@ class AgentLoop:
         self.iteration += 1
         it = self.iteration
         self.side_calls += 1
-        ask = {"role": "user", "content": text(self.language, "compact_request", pct=f"{ratio:.0%}")}
+        ask = UserMessage(text(self.language, "compact_request", pct=f"{ratio:.0%}"))
         self.rec.still_held()
         self.rec.add(LLMRequest(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
                                 messages=len(self.messages) + 1, tools=[], purpose="compaction"))
@@ -553,7 +562,7 @@ class AgentLoop:
         self.counters.call_index += 1
         self.counters.by_movement[name] = self.counters.by_movement.get(name, 0) + 1
         summary = (response.content or "").strip()
-        reply = _assistant_message(response.content, [])
+        reply = AssistantMessage(response.content)
         size = self.ctx.side_call(ask, reply, response.usage)
         spent = self.reserve is None
         usage = self._usage(size, spent)
@@ -668,7 +677,7 @@ class AgentLoop:
         msg = text(self.language, "reminder", steps=steps)
         self.rec.add(Reminder(job_id=self.rec.job_id, movement_seq=self.seq, iteration=it, ts=time.time(),
                               text=msg, reason="no tool call"))
-        self._append({"role": "user", "content": msg})
+        self._append(UserMessage(msg))
 
     def _forced(self, reason: str) -> Outcome:
         target = self.movement.default_next or "ABORT"
@@ -769,17 +778,10 @@ def _call_record(c: ToolCall) -> RecordedToolCall:
     return RecordedToolCall(id=c.id, name=c.name, arguments=c.arguments, raw_arguments=raw)
 
 
-def _call_message(c: RecordedToolCall) -> dict[str, Any]:
+def _call_part(c: RecordedToolCall) -> ToolCallPart:
     """A recorded tool call as the assistant message sent it (the model's own argument text when kept)."""
-    return {"id": c.id, "type": "function",
-            "function": {"name": c.name, "arguments": c.raw_arguments or _json_args(c.arguments)}}
-
-
-def _assistant_message(content: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": content}
-    if tool_calls:
-        msg["tool_calls"] = tool_calls
-    return msg
+    return ToolCallPart(id=c.id, name=c.name, arguments=c.arguments,
+                        raw_arguments=c.raw_arguments or (c.arguments if isinstance(c.arguments, str) else ""))
 
 
 def _json_args(arguments: Any) -> str:
@@ -788,11 +790,10 @@ def _json_args(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def _image_message(tool: str, data_url: str) -> dict[str, Any]:
-    return {
-        "role": "user",
-        "content": [
-            {"type": "text", "text": f"(image attached by {tool})"},
-            {"type": "image_url", "image_url": {"url": data_url}},
-        ],
-    }
+def _image_message(tool: str, data_url: str) -> UserMessage:
+    return UserMessage(f"(image attached by {tool})", (ImagePart(data_url),))
+
+
+def _is_attachment(m: Message) -> bool:
+    """A user message carrying a tool's images: it belongs with the tool results before it."""
+    return isinstance(m, UserMessage) and bool(m.images)

@@ -9,9 +9,8 @@ the same answers.
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Mapping  # not typing.Mapping: its isinstance checks are several times slower
+from collections.abc import Mapping, Sequence  # not typing's: their isinstance checks are several times slower
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any, Protocol, runtime_checkable
@@ -19,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import yaml
 
 from ..errors import ModelError, ModelSpecError, UsageError
+from .messages import Message, TokenUsage, ToolCallPart
 
 __all__ = [
     "MODEL_SPECS",
@@ -28,7 +28,9 @@ __all__ = [
     "ModelResponse",
     "ModelSpecError",
     "ScriptedModel",
+    "TokenUsage",
     "ToolCall",
+    "ToolCallPart",
     "check_model_spec",
     "check_retry_settings",
     "normalise_spec",
@@ -79,31 +81,23 @@ def _load_script_yaml(text: str) -> Any:
         return yaml.load(text, Loader=_SafeLoader)
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: Any  # a dict, or the raw string when the model sent invalid JSON
-    raw_arguments: str = ""
-
-    def to_message(self) -> dict[str, Any]:
-        raw = self.raw_arguments or json.dumps(self.arguments, ensure_ascii=False)
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": raw}}
+# A tool call of the model's answer; the name models have always returned it under.
+ToolCall = ToolCallPart
 
 
 @dataclass(frozen=True)
 class ModelResponse:
     content: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
-    # prompt_tokens, completion_tokens (whole numbers) and, from a recording, the counts' source
-    usage: Mapping[str, Any] | None = None
+    usage: TokenUsage | None = None
     # the latency a recording had (replay:), recorded instead of the time re-serving it took
     latency_s: float | None = None
 
 
 @dataclass
 class ModelRequest:
-    messages: list[dict[str, Any]]
+    # the conversation so far, typed (models/messages.py); an adapter turns it into its provider's format
+    messages: Sequence[Message]
     tools: list[dict[str, Any]]
     job_id: int = 0
     movement: str = ""
@@ -160,9 +154,9 @@ def _parse_response(item: Any, where: str) -> ModelResponse:
         for key, value in usage.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ModelSpecError(f"{where}.usage.{key}: {value!r}; allowed: a whole number ≥ 0")
-        usage = dict(usage)
     content = item.get("content")
-    return ModelResponse(content=None if content is None else str(content), tool_calls=tuple(calls), usage=usage)
+    return ModelResponse(content=None if content is None else str(content), tool_calls=tuple(calls),
+                         usage=None if usage is None else TokenUsage(usage["prompt_tokens"], usage.get("completion_tokens")))
 
 
 class ScriptedModel:

@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from .base import ModelRequest, ModelResponse, ToolCall
+from .messages import AssistantMessage, ToolMessage, UserMessage
 
 __all__ = ["DemoModel"]
 
@@ -36,7 +37,7 @@ class DemoModel:
     def complete(self, request: ModelRequest) -> ModelResponse:
         if request.purpose == "compaction":  # docs/context.md#compaction: a summary, from what the conversation holds
             return ModelResponse(content=self._summary(request))
-        step = sum(1 for m in request.messages if m.get("role") == "assistant")
+        step = sum(1 for m in request.messages if isinstance(m, AssistantMessage))
         handler = {"plan": self._plan, "implement": self._implement, "verify": self._verify}.get(
             request.movement, self._generic
         )
@@ -51,15 +52,15 @@ class DemoModel:
     @staticmethod
     def _last_tool(request: ModelRequest) -> str:
         for m in reversed(request.messages):
-            if m.get("role") == "tool":
-                return str(m.get("content") or "")
+            if isinstance(m, ToolMessage):
+                return m.text
         return ""
 
     @staticmethod
     def _user_prompt(request: ModelRequest) -> str:
         for m in request.messages:
-            if m.get("role") == "user" and isinstance(m.get("content"), str):
-                return m["content"]
+            if isinstance(m, UserMessage) and not m.images:
+                return m.text
         return ""
 
     def _task(self, request: ModelRequest) -> str:
@@ -73,9 +74,9 @@ class DemoModel:
         return re.findall(r"^  - (\S.*?) \(", block.group(1), re.M) if block else []
 
     def _summary(self, request: ModelRequest) -> str:
-        calls = [c["function"]["name"] for m in request.messages if m.get("role") == "assistant"
-                 for c in m.get("tool_calls") or ()]
-        said = [m["content"] for m in request.messages if m.get("role") == "assistant" and m.get("content")]
+        answers = [m for m in request.messages if isinstance(m, AssistantMessage)]
+        calls = [c.name for m in answers for c in m.tool_calls]
+        said = [m.text for m in answers if m.text]
         last = self._last_tool(request).splitlines()
         lines = [f"Task: {self._task(request)}",
                  f"Step: {request.movement}; {len(calls)} tool calls so far ({', '.join(dict.fromkeys(calls)) or 'none'}).",
@@ -122,8 +123,7 @@ class DemoModel:
     def _verify(self, request: ModelRequest, step: int) -> ModelResponse:
         last = self._last_tool(request)
         wrap_up = any(
-            m.get("role") == "user" and isinstance(m.get("content"), str)
-            and ("Wrap up" in m["content"] or "まとめて" in m["content"])
+            isinstance(m, UserMessage) and not m.images and ("Wrap up" in m.text or "まとめて" in m.text)
             for m in request.messages[2:]
         )
         if step == 0:
@@ -133,8 +133,8 @@ class DemoModel:
             if m:
                 return _say("The report was cut; reading on from the offset the note gives.", "Read",
                             path="output/report.md", offset=int(m.group(1)))
-            greps = sum(1 for m in request.messages if m.get("role") == "assistant"
-                        and any(c["function"]["name"] == "Grep" for c in m.get("tool_calls") or ()))
+            greps = sum(1 for m in request.messages if isinstance(m, AssistantMessage)
+                        and any(c.name == "Grep" for c in m.tool_calls))
             if greps < len(_GREPS):
                 return _say("Cross-checking the statuses.", "Grep", pattern=_GREPS[greps], path="output")
         return _call(

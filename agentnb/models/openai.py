@@ -8,13 +8,15 @@ import os
 import random
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from .._secrets import register_secret, scrub
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
+from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
 from .ratelimit import gate_for
 
-__all__ = ["OpenAIModel", "shared_client"]
+__all__ = ["OpenAIModel", "shared_client", "wire_message", "wire_messages"]
 
 
 def _env_float(name: str, default: float) -> float:
@@ -117,6 +119,8 @@ class OpenAIModel:
         self.max_backoff = float(max_backoff if max_backoff is not None
                                  else _env_float(MAX_BACKOFF_ENV, DEFAULT_MAX_BACKOFF))
         self._client: Any = None
+        # the last conversation sent and its wire form: the next call re-sends it with a few messages more
+        self._sent: tuple[list[Message], list[dict[str, object]]] = ([], [])
 
     def __repr__(self) -> str:  # never show the key
         return f"OpenAIModel({self.model!r}, base_url={self.base_url!r})"
@@ -134,7 +138,7 @@ class OpenAIModel:
         import openai
 
         client = self._get_client()
-        kwargs: dict[str, Any] = {"model": self.model, "messages": request.messages}
+        kwargs: dict[str, Any] = {"model": self.model, "messages": self._wire(request.messages)}
         if request.tools:
             kwargs["tools"] = request.tools
             kwargs["tool_choice"] = "auto"
@@ -179,6 +183,18 @@ class OpenAIModel:
             what = f"{type(last).__name__}: {last}"
         raise ModelError(f"{self.spec}: gave up after {attempts} tries; last error {what}")
 
+    def _wire(self, messages: Sequence[Message]) -> list[dict[str, object]]:
+        """``wire_messages(messages)``, each message converted once: the part that is the previous request's
+        (the same frozen objects, in order) is taken from it, so a call costs what it added, not the whole
+        conversation again."""
+        sent, wire = self._sent  # one read: another thread's call may replace it meanwhile
+        same, n = 0, min(len(sent), len(messages))
+        while same < n and messages[same] is sent[same]:
+            same += 1
+        out = wire[:same] + [wire_message(m) for m in messages[same:]]
+        self._sent = (list(messages), out)
+        return out
+
     @staticmethod
     def _retry_after(exc: Exception) -> float | None:
         """The wait the server asked for: ``retry-after-ms``, ``retry-after`` in seconds or as an HTTP date."""
@@ -204,6 +220,32 @@ class OpenAIModel:
             return max(0.0, parsedate_to_datetime(header).timestamp() - time.time())
         except (TypeError, ValueError, IndexError):
             return None
+
+
+def wire_message(m: Message) -> dict[str, object]:
+    """One message as Chat Completions takes it."""
+    if isinstance(m, ToolMessage):
+        return {"role": "tool", "tool_call_id": m.call_id, "content": m.text}
+    if isinstance(m, AssistantMessage):
+        out: dict[str, object] = {"role": "assistant", "content": m.text}
+        if m.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments_text()}}
+                                 for c in m.tool_calls]
+        return out
+    if isinstance(m, UserMessage):
+        if not m.images:
+            return {"role": "user", "content": m.text}
+        return {"role": "user", "content": [{"type": "text", "text": m.text},
+                                            *({"type": "image_url", "image_url": {"url": i.url}} for i in m.images)]}
+    if isinstance(m, SystemMessage):
+        return {"role": "system", "content": m.text}
+    raise TypeError(f"not a message: {m!r}")
+
+
+def wire_messages(messages: Sequence[Message]) -> list[dict[str, object]]:
+    """A conversation as the ``messages`` of a Chat Completions request."""
+    return [wire_message(m) for m in messages]
 
 
 def _kind(value: Any) -> str:
@@ -264,7 +306,7 @@ def _parse_completion(http: Any, request: ModelRequest) -> ModelResponse:
     usage = None
     u = data.get("usage")
     if isinstance(u, dict) and _count(u.get("prompt_tokens")) is not None:
-        usage = {"prompt_tokens": _count(u["prompt_tokens"]), "completion_tokens": _count(u.get("completion_tokens")) or 0}
+        usage = TokenUsage(_count(u["prompt_tokens"]) or 0, _count(u.get("completion_tokens")) or 0)
     return ModelResponse(content=content, tool_calls=tuple(calls), usage=usage)
 
 

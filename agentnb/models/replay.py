@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import ModelError
 from ..events import ErrorEvent, LLMResponse, MovementStart, ToolResult, Transition
 from .base import ModelRequest, ModelResponse, ToolCall
+from .messages import TokenUsage
 
 if TYPE_CHECKING:
     from ..store.base import Store
@@ -81,8 +82,7 @@ class Recording:
         self.calls: list[RecordedCall] = []
         for ev in responses:
             seq, it = ev.movement_seq or 0, ev.iteration or 0
-            usage: dict[str, Any] = {"prompt_tokens": ev.usage.prompt_tokens,
-                                     "completion_tokens": ev.usage.completion_tokens, "source": ev.usage.source}
+            usage = TokenUsage(ev.usage.prompt_tokens, ev.usage.completion_tokens, ev.usage.source)
             latency = ev.latency_s
             if ev.replayed_from is not None:  # a fork's re-served call: the counts are its live original's
                 source = sources.get(ev.replayed_from)
@@ -91,7 +91,7 @@ class Recording:
                                                                   before=reach[ev.replayed_from])
                 live = source.call(seq, it)
                 if live is not None:
-                    usage = dict(live.response.usage or usage)
+                    usage = live.response.usage or usage
                     latency = live.latency_s
             calls = tuple(
                 ToolCall(id=c.id or f"call_{seq}_{it}_{i}", name=c.name, arguments=c.arguments,
