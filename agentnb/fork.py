@@ -19,6 +19,7 @@ from .engine.jobfiles import stored_inputs
 from .engine.pieces import Piece, load_piece
 from .engine.runner import stored_piece
 from .errors import PieceError, UsageError
+from .store.base import JobStatus
 
 if TYPE_CHECKING:
     from .store.base import Store
@@ -49,16 +50,16 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
     line naming what is wrong and what is allowed."""
     row = store.job(job_id)  # StoreError "no job …"
     status = row["status"]
-    if status == "running":
+    if status == JobStatus.running:
         raise UsageError(f"job {job_id} is running; a fork needs a job that has stopped: wait for it to end, or "
                          f"pause it (ws.stop({job_id}), the Stop button) and fork the paused job")
-    if status in ("waiting_human", "waiting_subtasks"):
-        waits = "a human's reply" if status == "waiting_human" else "its subtasks"
+    if status in (JobStatus.waiting_human, JobStatus.waiting_subtasks):
+        waits = "a human's reply" if status == JobStatus.waiting_human else "its subtasks"
         raise UsageError(f"job {job_id} is {status} (it waits for {waits}); a fork needs a job that has stopped: "
                          "reply or let its subtasks end first")
     runs = store.movements(job_id)
     last = len(runs)
-    if status == "queued" and (not runs or runs[-1]["status"] == "done"):
+    if status == JobStatus.queued and (not runs or runs[-1]["status"] == "done"):
         last += 1  # paused between runs: the run it would start next can be forked at too
     last = max(last, 1)
     if isinstance(at, bool) or not isinstance(at, int) or not 1 <= at <= last:

@@ -22,7 +22,7 @@ from ..errors import StoreError
 from ..events import ErrorEvent, Lesson, LoopDetected, Subtask, Transition
 from ..models.base import Model, ModelError
 from ..models.replay import Recording
-from ..store.base import LeaseLost, StoreUnreachable
+from ..store.base import JobStatus, LeaseLost, StoreUnreachable
 from ..tools.base import ToolError, open_regular, unlinked_path
 from .context import ContextManager, job_thresholds, window_for_model
 from .jobfiles import DEFAULT_FILES_LIMIT, FileCache, FilesOverLimit, WriteBack, local_workdir, plan_write_back
@@ -147,7 +147,7 @@ class JobRunner:
                 outcome = self.loop.call()
                 if outcome is not None:
                     status = self._finish_movement(outcome)
-                    if unit != "job" or status != "running":
+                    if unit != "job" or status != JobStatus.running:
                         return status
                 elif unit == "call":
                     return self._pause()
@@ -186,7 +186,7 @@ class JobRunner:
             self.rec.flush(c)
             if files is not None:
                 files.apply(self.store, c, self.job_id)
-        return "running"
+        return JobStatus.running
 
     def _fail(self, message: str, where: str, *, write_files: bool = True) -> str:
         loop = self.loop
@@ -212,10 +212,10 @@ class JobRunner:
             self.rec.flush(c)
             if loop is not None:
                 self.store.fail_movement(c, self.job_id, loop.seq, iterations=loop.iteration)
-            self.store.set_status(c, self.job_id, "failed", reason=message, error=message)
+            self.store.set_status(c, self.job_id, JobStatus.failed, reason=message, error=message)
             notify_parent(self.store, c, self.job_id)
         self.loop = None
-        return "failed"
+        return JobStatus.failed
 
     def _start_movement(self) -> bool:
         job = self.job()
@@ -371,29 +371,29 @@ class JobRunner:
         """Move the job to ``step`` in the store's transaction ``c``; the job's status afterwards."""
         match step:
             case Complete():
-                self.store.set_status(c, self.job_id, "succeeded", reason=why)
+                self.store.set_status(c, self.job_id, JobStatus.succeeded, reason=why)
                 notify_parent(self.store, c, self.job_id)
-                return "succeeded"
+                return JobStatus.succeeded
             case Abort(reason=reason):
-                self.store.set_status(c, self.job_id, "aborted", reason=why, error=reason)
+                self.store.set_status(c, self.job_id, JobStatus.aborted, reason=why, error=reason)
                 notify_parent(self.store, c, self.job_id)
-                return "aborted"
+                return JobStatus.aborted
             case Ask(question=question, resume=resume):
                 self.store.add_comment(c, self.job_id, "agent", question)
-                self.store.set_status(c, self.job_id, "waiting_human", reason=why, resume_movement=resume,
+                self.store.set_status(c, self.job_id, JobStatus.waiting_human, reason=why, resume_movement=resume,
                                       enriched=None)
-                return "waiting_human"
+                return JobStatus.waiting_human
             case Fail(message=message):
-                self.store.set_status(c, self.job_id, "failed", reason=why, error=message)
+                self.store.set_status(c, self.job_id, JobStatus.failed, reason=why, error=message)
                 notify_parent(self.store, c, self.job_id)
-                return "failed"
+                return JobStatus.failed
             case WaitSubtasks(resume=resume):
-                self.store.set_status(c, self.job_id, "waiting_subtasks", reason=why, resume_movement=resume,
+                self.store.set_status(c, self.job_id, JobStatus.waiting_subtasks, reason=why, resume_movement=resume,
                                       enriched=None)
-                return "waiting_subtasks"
+                return JobStatus.waiting_subtasks
             case GoTo(movement=movement):
                 self.store.update_job(c, self.job_id, current_movement=movement)
-                return "running"
+                return JobStatus.running
 
     def _reserve_reply(self, c: Any, seq: int, step: Ask) -> str:
         """A re-served run asked a human: re-serve the conversation its original had before its next run (the
@@ -411,7 +411,7 @@ class JobRunner:
                                           clock=clock_block(then.user) if then is not None else None,
                                           workdir=self.workdir)
         self.store.update_job(c, self.job_id, current_movement=step.resume, enriched=enriched)
-        return "running"
+        return JobStatus.running
 
     # -- lessons --------------------------------------------------------------
     def _write_lesson_file_back(self, seq: int, it: int) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..events import JobStatusEvent, Subtask
 from ..models.base import ModelSpecError, check_model_spec, normalise_spec
-from ..store.base import MAX_INSTRUCTION_CHARS
+from ..store.base import MAX_INSTRUCTION_CHARS, JobStatus
 from ..tools.base import PERMISSION_RANK
 from .jobfiles import workdir_column
 from .pieces import Movement, Piece, PieceError, available_pieces, load_piece
@@ -106,7 +106,7 @@ class Subtasks:
             )
             workdir = prepare_workdir(self.logs_dir.parents[2], child_id, None)
             self.store.update_job(c, child_id, workdir=workdir_column(self.store, child_id, workdir))
-            self.store.append([JobStatusEvent(job_id=child_id, ts=time.time(), status="queued",
+            self.store.append([JobStatusEvent(job_id=child_id, ts=time.time(), status=JobStatus.queued,
                                               reason=f"subtask of job {self.job_id}")], c)
             created.append(Subtask(instruction=sub["instruction"], piece=piece_name, model=model, job_id=child_id))
         return created
@@ -125,7 +125,7 @@ class Subtasks:
             )
             workdir = prepare_workdir(self.logs_dir.parents[2], child_id, None)
             self.store.update_job(c, child_id, workdir=workdir_column(self.store, child_id, workdir))
-            self.store.append([JobStatusEvent(job_id=child_id, ts=time.time(), status="queued",
+            self.store.append([JobStatusEvent(job_id=child_id, ts=time.time(), status=JobStatus.queued,
                                               reason=f"subtask of job {self.job_id}, re-served from job {sub.job_id}")],
                               c)
             created.append(Subtask(instruction=row["instruction"], piece=row["piece"], model=model, job_id=child_id))
@@ -225,5 +225,5 @@ def notify_parent(store: Store, c: Any, job_id: int) -> None:
         return
     waiting, resume = store.subtask_wait(c, parent_id)
     if waiting and store.open_children(c, parent_id) == 0:
-        store.set_status(c, parent_id, "queued", reason="every subtask has ended",
+        store.set_status(c, parent_id, JobStatus.queued, reason="every subtask has ended",
                          current_movement=resume, resume_movement=None)

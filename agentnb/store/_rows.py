@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 from .._secrets import might_hold_secret, scrub, scrub_data
 from ..errors import StoreError
 from ..events import CommentEvent, Event, EventBase, JobStatusEvent, check_event, encode_payload, payload_dict
-from .base import TERMINAL_STATES
+from .base import TERMINAL_STATES, JobStatus
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
 
 __all__ = ["JOB_COLUMNS", "UPDATABLE", "StoreRows", "events_query"]
@@ -157,7 +157,7 @@ class StoreRows(ABC, Generic[C]):
         now = time.time()
         if status in TERMINAL_STATES:
             values.setdefault("ended", now)
-        if status != "running":
+        if status != JobStatus.running:
             values.setdefault("claimed_by", None)
             values.setdefault("lease_until", None)
         return JobStatusEvent(job_id=job_id, ts=now, status=status, reason=reason)

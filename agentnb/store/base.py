@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -34,6 +35,7 @@ __all__ = [
     "WAITING_STATES",
     "FrameQuery",
     "FrameRows",
+    "JobStatus",
     "JobWaiter",
     "LeaseLost",
     "Store",
@@ -52,9 +54,36 @@ __all__ = [
 
 # -- rules every backend keeps ------------------------------------------------------------------------
 
-JOB_STATES = ("queued", "running", "succeeded", "failed", "aborted", "waiting_human", "waiting_subtasks")
-TERMINAL_STATES = frozenset({"succeeded", "failed", "aborted"})
-WAITING_STATES = frozenset({"waiting_human", "waiting_subtasks"})
+
+class JobStatus(str, Enum):
+    """A job's status (docs/job-states.md).  A ``str`` enum: a member is equal to, hashes as and is stored as its
+    value, so the store's columns, events and SQL hold the same text as before the enum was used; rows read back
+    from the store carry the plain text, which compares equal to the member."""
+
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    aborted = "aborted"
+    waiting_human = "waiting_human"
+    waiting_subtasks = "waiting_subtasks"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def terminal(self) -> bool:
+        return self.value in TERMINAL_STATES
+
+    @property
+    def waiting(self) -> bool:
+        return self.value in WAITING_STATES
+
+
+# plain text, not members: SQL is built from them and frames' categories are made of them
+JOB_STATES: tuple[str, ...] = tuple(s.value for s in JobStatus)
+TERMINAL_STATES = frozenset({JobStatus.succeeded.value, JobStatus.failed.value, JobStatus.aborted.value})
+WAITING_STATES = frozenset({JobStatus.waiting_human.value, JobStatus.waiting_subtasks.value})
 
 # The longest instruction a job may have: far more than any model's window holds (long material belongs
 # in input files, which the tools read in budgeted pieces).  Subtasks are held to it too.
