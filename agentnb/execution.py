@@ -19,7 +19,6 @@ a job, only this.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from .store.base import (
     STOP_REASON,
     TERMINAL_STATES,
     UNREACHABLE_REASON,
+    JobOptions,
     JobStatus,
     LeaseLost,
     Store,
@@ -208,11 +208,13 @@ class Execution:
         cached = self._runners.get(job_id)
         if cached is not None and cached[1] == mark:
             return cached[0]
-        opts = json.loads(row.get("options") or "{}")
-        settings = {**self.model_settings, **{k: opts[k] for k in ("retries", "max_backoff") if k in opts}}
+        opts = JobOptions.from_json(row.get("options"))
+        mine = {"retries": opts.retries, "max_backoff": opts.max_backoff}
+        settings = {**self.model_settings, **{k: v for k, v in mine.items() if v is not None}}
         model = resolve_model(row["model"], store=self.store, **settings)
         runner = JobRunner(self.store, dict(row), model, self.root / "jobs", files_limit=self.files_limit,
-                           file_cache=self._file_caches.setdefault(job_id, FileCache()) if self.store.keeps_files else None)
+                           file_cache=self._file_caches.setdefault(job_id, FileCache()) if self.store.keeps_files else None,
+                           options=opts)
         self._runners[job_id] = (runner, mark)
         return runner
 

@@ -32,7 +32,7 @@ from .leases import lease_setting
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
 from .store import STORE_SCHEMES, Store, StoreError, open_store, store_scheme
-from .store.base import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, can_name_a_job
+from .store.base import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, JobOptions, can_name_a_job
 from .submission import Submitter
 from .worker import Worker
 
@@ -250,7 +250,8 @@ class Workspace:
                 self.store.reopen_failed_movement(c, job_id)
             values: dict[str, Any] = {"error": None, "ended": None, "enriched": None}
             if settings:
-                values["options"] = json.dumps({**json.loads(row["options"] or "{}"), **settings}, ensure_ascii=False)
+                values["options"] = json.dumps(JobOptions.from_json(row["options"]).updated(**settings).to_dict(),
+                                               ensure_ascii=False)
             self.store.set_status(c, job_id, JobStatus.queued, reason="retried", **values)
         self.execution.forget(job_id)
         return self.job(job_id)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..events import JobStatusEvent, Subtask
 from ..models.base import ModelSpecError, check_model_spec, normalise_spec
-from ..store.base import MAX_INSTRUCTION_CHARS, JobStatus
+from ..store.base import MAX_INSTRUCTION_CHARS, JobOptions, JobStatus
 from ..tools.base import PERMISSION_RANK
 from .jobfiles import workdir_column
 from .pieces import Movement, Piece, PieceError, available_pieces, load_piece
@@ -86,9 +86,9 @@ class Subtasks:
     def create(self, c: Any, requests: tuple[dict[str, Any], ...], creator: Movement) -> list[Subtask]:
         """Queue one child job per request, in the store's transaction ``c``, each capped to ``creator``'s rights."""
         parent = self.store.job(self.job_id)
-        options = json.loads(parent["options"] or "{}")
         # what the child may never exceed, kept with it and enforced again by its loop (see capped)
-        options[CAP_OPTION] = {"tools": list(creator.tools), "permission": creator.permission}
+        options = JobOptions.from_json(parent["options"]).updated(
+            **{CAP_OPTION: {"tools": list(creator.tools), "permission": creator.permission}})
         created = []
         for sub in requests:
             try:  # checked when the transition was made; checked again, as the piece file may have changed since
@@ -102,7 +102,7 @@ class Subtasks:
                 piece_name, piece_yaml, piece_path = parent["piece"], parent["piece_yaml"], parent["piece_path"]
             child_id = self.store.create_child_job(
                 c, self.job_id, piece=piece_name, piece_yaml=piece_yaml, piece_path=piece_path, model=model,
-                instruction=sub["instruction"], options=json.dumps(options),
+                instruction=sub["instruction"], options=json.dumps(options.to_dict()),
             )
             workdir = prepare_workdir(self.logs_dir.parents[2], child_id, None)
             self.store.update_job(c, child_id, workdir=workdir_column(self.store, child_id, workdir))
