@@ -147,6 +147,11 @@ class Job:
         self._get("status")  # read the row again (when attached)
         return replace(self, _row=dict(self._row), _live=False, _shown_live=False)
 
+    def shown_live_above(self, shown: bool) -> None:
+        """While ``shown``, this Job's notebook view is one line pointing up to the live view of its run (the value
+        of a ``%agent run --background`` cell, whose live view just above already shows the job in full)."""
+        object.__setattr__(self, "_shown_live", shown)
+
     def refresh(self) -> Job:
         """The job read again from its workspace (a Job already reads its changing fields fresh; a snapshot does not)."""
         if self.workspace is None:

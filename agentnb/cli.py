@@ -20,16 +20,17 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .engine.context import context_items
 from .engine.pieces import PieceError, available_pieces
 from .errors import AgentnbError, UsageError
-from .events import MovementStart, payload_dict
+from .events import payload_dict
 from .executor import GRACE, check_poll, check_slots
 from .interrupts import Terminated, sigterm_interrupts
 from .store import BACKEND_ERRORS, describe_error
 from .store.base import JobStatus
+from .views.timeline import MovementRun, fold
 
 if TYPE_CHECKING:
     from .workspace import Job, Workspace
@@ -109,26 +110,26 @@ def _question(ws: Workspace, job: Job) -> str | None:
     return str(asked[-1]["body"]) if asked else None
 
 
+def _run_line(mv: dict[str, Any], run: MovementRun | None, served_from: int | None) -> str:
+    """A movement run as ``agentnb show`` lists it (``mv``: its row of ``ws.movements``)."""
+    n = len(run.compactions) if run is not None else 0
+    forced = (" (forced)" if mv["forced"] else "") + (f" ({n} compaction{'s' if n > 1 else ''})" if n else "") \
+        + (" (loop detected)" if run is not None and run.loops else "")
+    served = f"re-served from job {served_from}: " if served_from is not None else ""
+    return (f"  {mv['seq']:>2}. {mv['name']:<14} {served}{mv['iterations']:>3} {'call ' if mv['iterations'] == 1 else 'calls'} → {mv['next_step'] or '…'}{forced}"
+            + (f"  {mv['summary']}" if mv["summary"] else ""))
+
+
 def _print_job(ws: Workspace, job: Job) -> None:
     print(f"job {job.id}: {job.status}  piece={job.piece} model={job.model}")
     if job.forked_from is not None:
         print(f"  forked from job {job.forked_from[0]} at run {job.forked_from[1]}")
     # a fork's runs re-served from the original's record (no tokens spent): their movement_start names it
-    reserved = {ev.movement_seq: ev.replayed_from for ev in ws.events(job, kinds=["movement_start"])
-                if isinstance(ev, MovementStart) and ev.replayed_from is not None} if job.forked_from else {}
-    # docs/context.md#compaction: how many times each run compacted its context, and the runs that closed a loop
-    compacted: dict[int, int] = {}
-    for ev in ws.events(job, kinds=["compaction"]):
-        if ev.movement_seq is not None:
-            compacted[ev.movement_seq] = compacted.get(ev.movement_seq, 0) + 1
-    loops = {ev.movement_seq for ev in ws.events(job, kinds=["loop_detected"])}
+    # and how many times each run compacted its context, and the runs that closed a loop (docs/context.md)
+    tl = fold(ws.events(job, kinds=["movement_start", "compaction", "loop_detected"]))
+    reserved = tl.reserved_runs() if job.forked_from else {}
     for mv in ws.movements(job):
-        n = compacted.get(mv["seq"], 0)
-        forced = (" (forced)" if mv["forced"] else "") + (f" ({n} compaction{'s' if n > 1 else ''})" if n else "") \
-            + (" (loop detected)" if mv["seq"] in loops else "")
-        served = f"re-served from job {reserved[mv['seq']]}: " if mv["seq"] in reserved else ""
-        print(f"  {mv['seq']:>2}. {mv['name']:<14} {served}{mv['iterations']:>3} {'call ' if mv['iterations'] == 1 else 'calls'} → {mv['next_step'] or '…'}{forced}"
-              + (f"  {mv['summary']}" if mv["summary"] else ""))
+        print(_run_line(mv, tl.run(mv["seq"]), reserved.get(mv["seq"])))
     print(f"  tokens: {ws.store.total_tokens(job.id):,}")
     if job.error:
         print(f"  error: {job.error}")

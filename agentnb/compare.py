@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -32,16 +32,16 @@ from ._fs import special_kind
 from .engine.jobfiles import pull_files
 from .engine.prompts import clock_block
 from .errors import ToolError
-from .events import Compaction, LLMResponse, MovementStart, ToolResult, Transition
+from .events import Compaction, LLMResponse, MovementStart, Transition
 from .tools.paths import open_regular, unlinked_path
 from .views.compare_html import ForkNote, comparison_html
 from .views.render import DEFAULT_MAX_BYTES, DEFAULT_MAX_CALLS, DEFAULT_MAX_CHARS
+from .views.timeline import MovementRun, Timeline, ToolUse, fold
 
 # pandas is imported inside the functions that use it: `import agentnb` (and so the CLI's start) stays light
 if TYPE_CHECKING:
     import pandas as pd
 
-    from .events import Event
     from .views.frames import Frames
     from .views.source import JobSource
 
@@ -77,49 +77,37 @@ def _arguments(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
 
 
-def _runs(events: Sequence[Event]) -> dict[int, _Run]:
-    """A job's movement runs by ``seq``, each with its conversation as a comparable tuple."""
-    by_seq: dict[int, list[Event]] = {}
-    for ev in events:
-        if ev.movement_seq is not None:
-            by_seq.setdefault(ev.movement_seq, []).append(ev)
-    runs: dict[int, _Run] = {}
-    for seq, evs in by_seq.items():
-        start = next((e for e in evs if isinstance(e, MovementStart)), None)
-        if start is None:
-            continue  # events of a run whose start was never recorded: nothing to align it by
-        said: list[Any] = []
-        transition: Transition | None = None
-        calls = tokens = 0
-        for ev in evs:
-            if isinstance(ev, LLMResponse):
-                calls += 1
-                tokens += ev.usage.total_tokens
-                # a compaction's summarisation call (docs/context.md#compaction) is a response too, told apart by its purpose:
-                # two runs that compacted differently (or only one of them) are not the same conversation
-                said.append(("response", ev.purpose, ev.content or "",
-                             tuple((c.name, _arguments(c.arguments)) for c in ev.tool_calls)))
-            elif isinstance(ev, Compaction):
-                # what the conversation went on from; the token sizes are counts, ignored like the others
-                said.append(("compaction", ev.removed_messages, ev.kept_messages, ev.summary))
-            elif isinstance(ev, ToolResult):
-                said.append(("result", ev.tool, ev.content, ev.is_error))
-            elif isinstance(ev, Transition):
-                transition = ev
-                # a subtask's job id is the id of another job, different in every run
-                subtasks = tuple((s.instruction, s.piece) for s in ev.subtasks or ())
-                said.append(("transition", ev.movement, ev.next_step, ev.summary, ev.lessons, ev.forced, ev.reason,
-                             ev.question, ev.feedback, subtasks))
-        runs[seq] = _Run(
-            movement=start.movement,
-            next_step=transition.next_step if transition else None,
-            forced=transition.forced if transition else None,
-            llm_calls=calls, total_tokens=tokens,
-            summary=transition.summary if transition else None,
-            replayed=start.replayed_from is not None,
-            conversation=(start.movement, start.system, _without_clock(start.user), *said),
-        )
-    return runs
+# what each item of a run's calls says in its conversation (kinds not named here say nothing)
+_SAID: dict[type, Callable[[Any], tuple[Any, ...] | None]] = {
+    # a compaction's summarisation call (docs/context.md#compaction) is a response too, told apart by its purpose: two runs
+    # that compacted differently (or only one of them) are not the same conversation
+    LLMResponse: lambda ev: ("response", ev.purpose, ev.content or "",
+                             tuple((c.name, _arguments(c.arguments)) for c in ev.tool_calls)),
+    # what the conversation went on from; the token sizes are counts, ignored like the others
+    Compaction: lambda ev: ("compaction", ev.removed_messages, ev.kept_messages, ev.summary),
+    ToolUse: lambda use: None if use.result is None else ("result", use.tool, use.result.content,
+                                                          use.result.is_error),
+    # a subtask's job id is the id of another job, different in every run
+    Transition: lambda ev: ("transition", ev.movement, ev.next_step, ev.summary, ev.lessons, ev.forced, ev.reason,
+                            ev.question, ev.feedback, tuple((s.instruction, s.piece) for s in ev.subtasks or ())),
+}
+
+
+def _conversation(run: MovementRun, start: MovementStart) -> tuple[Any, ...]:
+    said = (_SAID[type(item)](item) for call in run.calls for item in call.items if type(item) in _SAID)
+    return (start.movement, start.system, _without_clock(start.user), *(s for s in said if s is not None))
+
+
+def _runs(tl: Timeline) -> dict[int, _Run]:
+    """A job's movement runs by ``seq``, each with its conversation as a comparable tuple (a run whose start was
+    never recorded has nothing to align it by)."""
+    return {seq: _Run(movement=run.name,
+                      next_step=run.transition.next_step if run.transition else None,
+                      forced=run.transition.forced if run.transition else None,
+                      llm_calls=run.llm_calls, total_tokens=run.tokens,
+                      summary=run.transition.summary if run.transition else None,
+                      replayed=run.replayed_from is not None, conversation=_conversation(run, run.start))
+            for seq, run in tl.runs.items() if run.start is not None}
 
 
 def _without_clock(user: str) -> str:
@@ -177,7 +165,7 @@ class Comparison:
     def _frame(self) -> pd.DataFrame:
         import pandas as pd
 
-        runs = {"a": _runs(self._source.events(self.a)), "b": _runs(self._source.events(self.b))}
+        runs = {"a": _runs(fold(self._source.events(self.a))), "b": _runs(fold(self._source.events(self.b)))}
         costs = {"a": _run_costs(self._frames, self.a), "b": _run_costs(self._frames, self.b)}
         last = max([0, *runs["a"], *runs["b"]])
         seqs = list(range(1, last + 1))

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from . import live
 from .engine.jobfiles import FileCache, local_workdir, materialise
 from .engine.prompts import activation_instruction, clock_block
 from .engine.runner import JobRunner
@@ -311,3 +312,11 @@ class Execution:
         one from the store."""
         with self._lock:
             self._runners.pop(job_id, None)
+
+    # -- watching a job run here -----------------------------------------------------------------------------
+    def subscribe(self, job_id: int | None, fn: Callable[[live.Item], None]) -> live.Subscription:
+        """Call ``fn`` with each event of job ``job_id`` (None: of every job of this store) right after it commits
+        in this process, in commit order, and with the engine's notices (a call started), until the returned
+        subscription is closed (:mod:`agentnb.live`; docs/python-api.md#live-events).  A job another process
+        runs publishes nothing here: read it from the store."""
+        return live.subscribe(self.store, job_id, fn)

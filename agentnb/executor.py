@@ -32,11 +32,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from .errors import StoreError, UsageError
-from .events import LLMResponse
 from .interrupts import sigterm_interrupts
-from .models.prices import call_costs
 from .progress import BatchProgress, Outcome
 from .store.base import JobStatus, Store, StoreUnreachable
+from .views.timeline import fold
 
 if TYPE_CHECKING:
     from .execution import Execution
@@ -87,14 +86,9 @@ class _Tally:
 
     def usage(self, job_id: int) -> tuple[int, float | None]:
         row = self.store.job(job_id)
-        events = self.store.events(job_id, kinds=["llm_response"])
-        calls = [ev for ev in events if isinstance(ev, LLMResponse)]
-        prompt = [int(ev.usage.prompt_tokens) for ev in calls]
-        completion = [int(ev.usage.completion_tokens) for ev in calls]
-        total = sum(int(ev.usage.total_tokens) for ev in calls)
-        costs = call_costs(str(row["model"]), prompt, completion, [ev.ts for ev in calls])
-        cost = None if any(c is None for c in costs) else float(sum(c for c in costs if c is not None))
-        return total, cost
+        totals = fold(self.store.events(job_id, kinds=["llm_response"]), runs=False).totals
+        cost = totals.cost_usd(str(row["model"]))
+        return totals.total_tokens, None if cost is None else float(cost)
 
     def ended(self, job_id: int) -> None:
         figures = self.usage(job_id)

@@ -159,8 +159,6 @@ def test_no_module_imports_another_modules_private_names() -> None:
 ALLOWED_PRIVATE_ACCESS: dict[tuple[str, str], str] = {
     ("agentnb._secrets", "_data"): "os.environ's own dict, compared to tell a changed environment in ~0.4 µs a call",
     ("agentnb.tools._grepscan", "_exit"): "os._exit, the documented way for a forked child to end without cleanup",
-    # temporary: the shared live view (issue 27, the liveview helper) replaces how the magic marks its result
-    ("agentnb.notebook.magic", "_shown_live"): "the Job a live %agent run returns, marked as shown above",
 }
 
 _ATTRIBUTE_FUNCTIONS = {"getattr", "setattr", "hasattr", "delattr", "__setattr__", "__getattribute__", "__delattr__"}
@@ -340,6 +338,15 @@ def test_the_execution_never_imports_the_facade_the_worker_the_executor_or_the_b
 def test_the_views_never_import_the_facade_the_notebook_or_the_cli() -> None:
     found = _upward("agentnb.views", ABOVE_THE_VIEWS)
     assert not found, "the views import a layer above them:\n" + "\n".join(found)
+
+
+def test_the_live_subscription_sits_below_the_store_and_the_engine() -> None:
+    # both stores publish to agentnb.live after each commit and the engine its notices, so it imports nothing of
+    # agentnb but the events: any other import would pull a layer above them in, or make a cycle
+    found = sorted({imp.module for imp in imports("agentnb.live") if imp.module.startswith("agentnb")})
+    assert found == ["agentnb.events"], found
+    users = {m for m in MODULES for imp in imports(m) if imp.module == "agentnb.live"}
+    assert {"agentnb.store._rows", "agentnb.engine.loop", "agentnb.execution", "agentnb.notebook.liveview"} <= users
 
 
 def test_the_checks_see_the_imports_they_must() -> None:

@@ -545,6 +545,100 @@ def test_a_step_is_shown_live_too(shell: InteractiveShell, tmp_path: Path, monke
         unregister(gate.name)
 
 
+# -- the live view in a real kernel: each commit reaches the view within 100 ms, and nothing polls the store ------
+
+_KERNEL_SETUP = '''
+%load_ext agentnb
+%config AgentMagic.workspace = "agentnb-data"
+import inspect, json, threading, time
+import agentnb
+from agentnb import live
+
+_magic = get_ipython().magics_manager.registry["AgentMagic"]
+store = _magic.ws.store
+naps, commits, reads = [], [], []
+
+@agentnb.tool(name="Nap")
+def nap() -> str:
+    """Wait a moment."""
+    start = time.time()
+    time.sleep(NAP)
+    naps.append((start, time.time()))
+    return "rested"
+
+# every store call, with its thread: the view's thread is the cell's (MainThread) in a foreground run
+for name in [n for n in dir(store) if not n.startswith("_") and inspect.ismethod(getattr(store, n))]:
+    def counted(*args, _name=name, _fn=getattr(store, name), **kwargs):
+        reads.append((time.time(), threading.current_thread().name, _name))
+        return _fn(*args, **kwargs)
+    setattr(store, name, counted)
+# when each event was committed: the stores publish right after the commit; this subscriber is called first
+live.subscribe(store, None, lambda item: commits.append((item.id, time.time())) if item.id is not None else None)
+'''
+
+
+def test_in_a_kernel_the_live_view_shows_each_commit_within_100_ms_without_polling(tmp_path: Path) -> None:
+    import json
+
+    from jupyter_client.manager import start_new_kernel
+
+    nap = 0.8
+    script = write_script(tmp_path, "kernel", {"work": [
+        call("Nap"), call("Glob", pattern="*"), call("Nap"), call("Nap"), call("Glob", pattern="*.md"),
+        transition("COMPLETE"),
+    ]})
+    piece = _work_piece(tmp_path, ["Nap", "Glob"])
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+
+    def execute(code: str) -> list[dict[str, Any]]:
+        """Run ``code`` in the kernel; its iopub messages, in order, once it is idle again."""
+        msg_id = kc.execute(code)
+        messages: list[dict[str, Any]] = []
+        while True:
+            msg = kc.get_iopub_msg(timeout=120)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            messages.append(msg)
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        errors = [m["content"] for m in messages if m["msg_type"] == "error"]
+        assert not errors, errors
+        return messages
+
+    try:
+        execute(f"NAP = {nap}\n" + _KERNEL_SETUP)
+        ran = execute(f'job = %agent run --piece {piece} --model {script} "t"\njob.status')
+        out = execute("print(json.dumps({'commits': commits, 'reads': reads, 'naps': naps, 'job': job.id, "
+                      "'status': str(job.status)}))")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    data = json.loads("".join(m["content"]["text"] for m in out if m["msg_type"] == "stream"))
+    assert data["status"] == "succeeded" and len(data["naps"]) == 3
+    commits = [(int(i), float(t)) for i, t in data["commits"]]
+    updates = [m["content"]["transient"]["agentnb"] for m in ran if m["msg_type"] == "update_display_data"]
+    assert updates and all(u["job"] == data["job"] for u in updates)
+    assert len(commits) >= 20 and [i for i, _ in commits] == sorted(i for i, _ in commits)
+    # each event's latency: from its commit to the first update of the view that shows it
+    latencies = []
+    for event_id, committed in commits:
+        shown = next(u for u in updates if u["event"] >= event_id)  # the last update shows the last event
+        latencies.append(shown["at"] - committed)
+    latencies.sort()
+    median = latencies[len(latencies) // 2]
+    assert 0 <= median < 0.1, f"median latency {median * 1000:.1f} ms over {len(latencies)} events: {latencies}"
+    # no polling: the store's marks are never read, and while the job naps (no commit) the view's thread reads
+    # nothing: a render follows a commit, it never looks for one
+    polled = [r for r in data["reads"] if r[2] in ("last_event_id", "change_mark")]
+    assert polled == []
+    view_reads = [t for t, thread, _ in data["reads"] if thread == "MainThread"]
+    for begun, ended in data["naps"]:
+        quiet = [t for t in view_reads if begun + 0.3 < t < ended]
+        assert quiet == [], f"the view read the store {len(quiet)} times while the job napped ({begun}–{ended})"
+    # one render per wake-up, and a wake-up only for a commit: far fewer updates than events
+    assert len(updates) <= len(commits) + 1
+
+
 def test_the_line_above_a_stepped_job_says_paused_like_its_view(shell: InteractiveShell) -> None:
     # Seen in JupyterLab: `%agent step 1` left "Job 1 queued · …" above a view headed "Job 1 paused".
     with capture_output():

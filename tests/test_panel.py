@@ -350,6 +350,33 @@ def test_list_and_view_follow_a_running_job_live(ws: Workspace, gate: Gate, pane
     assert _label(panel, job_id) == f"#{job_id} · succeeded · gated · {_tokens(ws, job_id):,} tokens · $0"
 
 
+def test_the_panel_polls_no_store_while_it_runs_the_selected_job(ws: Workspace, gate: Gate, panels: Panels,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # The job the panel's action runs wakes the view on each of its commits (agentnb.live): while it is selected,
+    # the watcher never reads the store's change mark; it polls it again once the run is over.
+    panel = panels(ws)
+    reads: list[float] = []
+    mark = ws.store.change_mark
+    monkeypatch.setattr(ws.store, "change_mark", lambda: (reads.append(time.monotonic()), mark())[1])
+    panel.piece.value, panel.model.value, panel.instruction.value = str(gate.piece), gate.script(calls=2), "t"
+    panel.run_button.click()
+    gate.wait_entered()  # the first call waits at the gate: nothing commits meanwhile
+    job_id = panel.jobs.value
+    _until(lambda: "1 LLM call" in panel.view.value, "the view to show the first call")
+    before = len(reads)
+    time.sleep(0.5)  # ten polls' worth (poll=0.05)
+    assert len(reads) == before
+    gate.let_one()
+    gate.wait_entered()  # the second call's events woke the view, with no store mark read
+    _until(lambda: "2 LLM calls" in panel.view.value, "the view to show the second call")
+    _until(lambda: _label(panel, job_id).startswith(f"▶ #{job_id} · running"), "the list to follow")
+    assert len(reads) == before
+    gate.open.set()
+    panel.wait(60)
+    _until(lambda: len(reads) > before, "the watcher to poll the store again")
+    _until(lambda: _label(panel, job_id).startswith(f"#{job_id} · succeeded"), "the list to show the end")
+
+
 def test_list_shows_jobs_run_outside_the_panel(ws: Workspace, panels: Panels) -> None:
     panel = panels(ws)
     assert panel.jobs.options == ()

@@ -222,3 +222,40 @@ def test_collapsible_parts_keep_their_names_as_the_job_grows(ws: Workspace) -> N
     assert steps > 5 and seen <= final  # nothing drawn while the job ran changed its key later
     assert {f"{job.id}:1", f"{job.id}:2", f"{job.id}:3", f"{job.id}:1:user"} <= final
     assert any(k.endswith(":result") for k in final) and any(k.endswith(":arguments") for k in final)
+
+
+# -- the view model: a job's events folded once (views/timeline.py), incrementally for a live view
+
+
+def test_folding_a_job_a_few_events_at_a_time_gives_the_same_timeline_and_view(ws: Workspace) -> None:
+    from agentnb.views.render import timeline_html
+    from agentnb.views.timeline import Fold, fold
+
+    job = ws.run(ws.submit("Summarise input/notes.md", piece="plan-implement-verify", model="demo",
+                           inputs={"notes.md": "alpha\nbeta\n"}))
+    events = ws.events(job)
+    whole = fold(events)
+    assert [run.seq for run in whole.runs.values()] == [1, 2, 3]
+    assert whole.totals.calls == len(ws.events(job, kinds=["llm_response"])) == sum(
+        run.llm_calls for run in whole.runs.values())
+    # every tool call is paired with its result in its call
+    uses = [item for run in whole.runs.values() for call in run.calls for item in call.items
+            if type(item).__name__ == "ToolUse"]
+    assert uses and all(u.call is not None and u.result is not None and u.call.call_id == u.result.call_id
+                        for u in uses)
+    for size in (1, 3, 17):
+        live = Fold()
+        seen = []
+        for at in range(0, len(events), size):
+            tl = live.add(ws.store.events(job.id, after_id=live.last_id) if at + size >= len(events)
+                          else events[at:at + size])
+            seen.append(tl)
+        assert tl == whole
+        # a run that no new event touched is the same object in the next snapshot: only what changed is rebuilt
+        assert any(a.runs[1] is b.runs[1] for a, b in itertools.pairwise(seen) if 2 in a.runs)
+        assert timeline_html(ws, job.snapshot(), tl) == job_html(ws, job.id)
+    # one event after another, as a live view receives them, until the job's last one
+    live = Fold()
+    for ev in events:
+        live.add([ev])
+    assert live.timeline() == whole and live.last_id == events[-1].id

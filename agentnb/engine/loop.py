@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import live
 from ..events import (
     Compaction,
     ContextAction,
@@ -375,6 +376,7 @@ class AgentLoop:
             response, latency_s = self._reserved(it), None  # no model was asked: nothing to time
         else:
             self.rec.still_held()  # again: the flush above may have waited long for the store
+            live.notice(self.rec.store, self.rec.job_id, "call_started", movement_seq=seq, iteration=it)
             response = self.model.complete(request)
             # a replayed response keeps its original's latency, so a replay's events are its original's
             latency_s = response.latency_s if response.latency_s is not None else round(time.perf_counter() - started, 6)

@@ -31,7 +31,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import HTML, display
-from traitlets import Float, Unicode, observe
+from traitlets import Unicode, observe
 
 from ..batch import DEFAULT_CONCURRENCY, Batch
 from ..compare import Comparison
@@ -44,6 +44,7 @@ from ..views.render import KEEPER, duration, job_html, job_stats, plural
 from ..views.style import ERROR_COLOUR
 from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
 from ._retire import Retirement
+from .liveview import LiveView, display_marks
 from .tracebacks import install as install_one_line_errors
 from .vars import VarError, expand, expand_value, split_line
 
@@ -134,7 +135,6 @@ class AgentMagic(Magics):
     store = Unicode("", help="where the jobs are kept (docs/stores.md): postgresql://user@host:port/db or "
                     "sqlite:///ABS/PATH; '' means $AGENTNB_STORE, else the workspace folder's agentnb.sqlite; "
                     "the workspace folder then holds the jobs' work directories").tag(config=True)
-    poll = Float(0.25, help="seconds between updates of a live job view").tag(config=True)
 
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
         super().__init__(shell=shell, **kwargs)
@@ -297,66 +297,49 @@ class AgentMagic(Magics):
             return HTML(KEEPER + job_html(ws, job_id))
 
         handle = display(view(), display_id=True)
-        failure: list[BaseException] = []
-        # Waited on instead of Thread.join: on Python 3.11 a Ctrl-C that interrupts join(timeout)
-        # marks the still-running thread as stopped, so a later join() returns at once.
-        done = threading.Event()
+        # the job runs in this kernel: each of its commits wakes the view, nothing polls the store (liveview.py)
+        live = LiveView(ws.execution, name="agentnb-job")
+
+        def redraw(event_id: int) -> None:
+            if handle is not None:
+                html = view()
+                handle.update(html, transient=display_marks(job_id, event_id))
 
         def work() -> None:
-            try:
-                if unit is None:
-                    ws.run(job_id)
-                else:
-                    ws.step(job_id, unit=unit)
-            except BaseException as exc:
-                failure.append(exc)
-            finally:
-                done.set()
-
-        worker = threading.Thread(target=work, name=f"agentnb-job-{job_id}", daemon=True)
-
-        def watch() -> None:
-            seen = -1
-            while True:
-                alive = not done.is_set()
-                mark = ws.store.last_event_id(job_id)
-                if mark != seen and handle is not None:
-                    seen = mark
-                    handle.update(view())
-                if not alive:
-                    break
-                done.wait(self.poll)
-            if handle is not None:
-                handle.update(view())
+            if unit is None:
+                ws.run(job_id)
+            else:
+                ws.step(job_id, unit=unit)
 
         def watch_then_release() -> None:
             try:
-                watch()
+                live.watch(redraw)
             finally:
+                live.close()
                 self.retirement.leave(ws)
 
         self.retirement.enter(ws)
         if background:
-            worker.start()
+            live.start(work, job_id)
             watcher = threading.Thread(target=watch_then_release, name=f"agentnb-watch-{job_id}", daemon=True)
             self.threads[job_id] = watcher
             watcher.start()
             # A Job shown as this cell's value would be drawn once, as "running", and stay so: say instead
             # that the view above is the live one (for this cell only; later cells show the job in full).
             result = ws.job(job_id)
-            object.__setattr__(result, "_shown_live", True)
-            self._after_cell(lambda value: object.__setattr__(result, "_shown_live", False))
+            result.shown_live_above(True)
+            self._after_cell(lambda value: result.shown_live_above(False))
             return result
         try:
             # started inside the try: a Ctrl-C while the thread starts must pause the job, not escape
-            worker.start()
-            watch()
+            live.start(work, job_id)
+            live.watch(redraw)
         except KeyboardInterrupt:
-            if worker.ident is None:  # interrupted before the job's thread existed: nothing ran
+            if not live.started:  # interrupted before the job's thread existed: nothing ran
                 raise
             # asked again until the run ends: a run that was only starting clears a request made before it
             ws.stop(job_id)
-            while not done.wait(0.25):
+            while not live.done.wait(0.25):
                 ws.stop(job_id)
             if handle is not None:
                 handle.update(view())
@@ -366,9 +349,10 @@ class AgentMagic(Magics):
             else:  # a step is already the smallest unit: it was let finish
                 print(f"job {job_id}: the step ran to its end; the job waits for the next %agent step")
         finally:
+            live.close()
             self.retirement.leave(ws)
-        if failure:
-            raise UsageError(f"job {job_id}: {_one_line(failure[0])}")
+        if live.failure is not None:
+            raise UsageError(f"job {job_id}: {_one_line(live.failure)}")
         result = ws.job(job_id)
 
         def shrink(value: Any) -> None:

@@ -9,10 +9,11 @@ newest movement run with its threshold marks; the message line; and the live vie
 selected job (:func:`agentnb.render.job_html`).  Rows wrap, so nothing overflows a narrow
 notebook.
 
-Actions run in a thread so the notebook stays responsive.  A watcher thread polls the store
-(every ``poll`` seconds while a job runs, every ``idle_poll`` seconds otherwise) and redraws
-the list and the view when anything was written, whoever wrote it.  :meth:`Panel.wait`
-joins the current action (for scripts and tests); :meth:`Panel.close` ends the watcher.
+Actions run in a thread so the notebook stays responsive (``liveview.LiveView``, shared with the magic).  A
+watcher thread redraws the list and the view: on each event of the job the panel's action runs, when that
+job is the selected one (the in-process subscription, no store read); otherwise when the store's change mark
+moved, read every ``poll`` seconds while a job runs and every ``idle_poll`` seconds otherwise, whoever wrote
+it.  :meth:`Panel.wait` joins the current action (for scripts and tests); :meth:`Panel.close` ends the watcher.
 
 Selecting a job fills the Piece and Model boxes with its piece and model, as they would be typed to run
 them again (a piece name from the list, the YAML path it was loaded from, else ``NAME (from job N)``: the
@@ -54,6 +55,7 @@ from ..views.icons import FORK
 from ..views.render import header_html, job_html, job_stats
 from ..views.status import PAUSED, display_status, last_status_reason
 from ..views.style import ACTION_COLOURS, ACTIONS, ERROR_COLOUR, OK_COLOUR
+from .liveview import LiveView
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -139,12 +141,12 @@ class Panel(w.VBox):
         self.idle_poll = idle_poll
         self._namespace_arg = namespace
         self._lock = threading.RLock()
-        self._thread: threading.Thread | None = None
+        # runs the panel's actions in a thread and wakes the watcher on each event of the job they run (liveview.py)
+        self._live = LiveView(ws.execution, name="agentnb-panel")
         self._busy = False
         self._target: int | None = None  # the job the panel's current action runs
         self._stop_requested = threading.Event()
         self._closed = threading.Event()
-        self._wake = threading.Event()
         self._any_running = False
         self._relisting: int | None = None  # the thread that is replacing the job list's options
         # (job id, (last event id, row updated), shown status) of the job drawn in the view
@@ -248,7 +250,7 @@ class Panel(w.VBox):
     def close(self) -> None:
         """Close the widget and end its watcher thread."""
         self._closed.set()
-        self._wake.set()
+        self._live.close()
         super().close()
 
     # -- state -------------------------------------------------------------------
@@ -477,9 +479,13 @@ class Panel(w.VBox):
                     self._stop_requested.clear()
                 self.refresh()
 
-        self._thread = threading.Thread(target=work, name="agentnb-panel", daemon=True)
-        self._thread.start()
-        self._wake.set()
+        self._live.start(work)
+        self._live.wake()  # the watcher polls at the busy pace from now on
+
+    def _runs(self, job_id: int) -> None:
+        """The panel's action is about to run job ``job_id`` here: Stop acts on it, and its events wake the view."""
+        self._target = job_id
+        self._live.follow(job_id)
 
     def _stopped_message(self, job_id: int) -> str:
         job = self.ws.job(job_id)
@@ -490,23 +496,21 @@ class Panel(w.VBox):
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until the panel's current action and its final refresh are done."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._live.join(timeout)
 
     def _watch(self) -> None:
-        seen: tuple[int | None, int | None] | None = None
+        # The selected job, when this panel's action runs it here, wakes the view on each of its events (no store
+        # read); anything else (another process's job, the list) is polled through the store's change mark.
         while not self._closed.is_set():
             try:
-                mark = self.ws.store.change_mark()
-                if mark != seen:
-                    seen = mark
+                busy = self._busy or self._any_running or self._stop_requested.is_set()
+                if self._live.next_change(self.jobs.value, interval=self.poll if busy else self.idle_poll,
+                                          mark=self.ws.store.change_mark) and not self._closed.is_set():
                     self.refresh()
                 if self._stop_requested.is_set():
                     self._enforce_stop()
             except Exception:
                 pass
-            self._wake.wait(self.poll if self._busy or self._any_running else self.idle_poll)
-            self._wake.clear()
 
     def _enforce_stop(self) -> list[int]:
         """Ask the panel's job (and its subtasks) to pause; again on every tick, until its run has taken it."""
@@ -538,7 +542,7 @@ class Panel(w.VBox):
         text = self.instruction.value.strip()
         if text:
             job = self.ws.submit(text, piece=self.piece_choice(), model=self.model_choice())
-            self._target = job.id
+            self._runs(job.id)
             self.instruction.value = ""
             if self.magic is not None:
                 self.magic.last_job = job.id
@@ -558,7 +562,7 @@ class Panel(w.VBox):
         if selected is None or str(selected.status) not in ("queued", "waiting_subtasks"):
             raise UsageError("write an instruction to start a new job (or select a queued or paused job to "
                              "continue it)")
-        self._target = selected.id
+        self._runs(selected.id)
         self.ws.run(selected.id)
 
     def _step(self, job_id: int | None, unit: str) -> None:
@@ -567,7 +571,7 @@ class Panel(w.VBox):
         job = self.ws.job(job_id)
         if str(job.status) != "queued":
             raise UsageError(f"job {job_id} is {job.status}; only a queued or paused job can be stepped")
-        self._target = job_id
+        self._runs(job_id)
         self.ws.step(job_id, unit=unit)
 
     def _reply(self, job_id: int | None) -> None:
@@ -579,7 +583,7 @@ class Panel(w.VBox):
         job = self.ws.reply(job_id, text)
         self.reply_text.value = ""
         if str(job.status) == "queued":
-            self._target = job_id
+            self._runs(job_id)
             self.ws.run(job_id)
 
     # -- the saved snapshot --------------------------------------------------------

@@ -19,15 +19,27 @@ the few methods it overrides (``_instruction_ref``, ``_put_text``, ``_text``; Po
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
 
+from .. import live
 from .._secrets import might_hold_secret, scrub, scrub_data
 from ..errors import StoreError
-from ..events import CommentEvent, Event, EventBase, JobStatusEvent, check_event, encode_payload, payload_dict
+from ..events import (
+    CommentEvent,
+    Event,
+    EventBase,
+    JobStatusEvent,
+    check_event,
+    encode_payload,
+    event_from_row,
+    payload_dict,
+)
 from .base import TERMINAL_STATES, JobStatus
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
 
@@ -62,6 +74,12 @@ def events_query(payload: str, job_id: int, after_id: int, kinds: Sequence[str] 
 
 
 C = TypeVar("C")  # the store's connection: the transaction a row is built in
+
+# PostgreSQL commits in many threads at once: a transaction with events to publish (live.py) takes this lock before
+# its commit and keeps it until they are published, so subscribers see them in commit order (SQLite's store lock
+# does that already).  Taken only when somebody listens, so unwatched jobs commit side by side.
+_PUBLISHING = threading.RLock()
+_log = logging.getLogger("agentnb.live")
 
 
 class StoreRows(ABC, Generic[C]):
@@ -220,6 +238,52 @@ class StoreRows(ABC, Generic[C]):
                 if isinstance(data.get(key), str):
                     data[key] = data[key].replace(TEXT_REF, self._text(ref))
         return (*row[:6], data)
+
+    # -- the live subscription (live.py) --------------------------------------------------------------------
+    # thread → the (event id, row…) its open transaction appended that a subscriber wants, published once the
+    # transaction commits; and the threads holding _PUBLISHING.  Made on the first event anyone wants: until then a
+    # commit's only cost here is reading this None.
+    _live_pending: dict[int, list[tuple[Any, ...]]] | None = None
+    _live_held: set[int] | None = None
+
+    def _live_wants(self, rows: Sequence[tuple[Any, ...]]) -> bool:
+        """Whether a subscriber listens to the job of any of these event rows (one test when nobody listens)."""
+        return live.listening() and live.wants(self, [r[0] for r in rows])  # type: ignore[arg-type]
+
+    def _live_rows(self, rows: Sequence[tuple[Any, ...]], ids: Iterable[int]) -> None:
+        """Keep the event rows just inserted, with their ids, to publish when the transaction commits."""
+        pending = self.__dict__.setdefault("_live_pending", {})  # setdefault: one dict even if two threads race
+        pending.setdefault(threading.get_ident(), []).extend((i, *row) for i, row in zip(ids, rows, strict=True))
+
+    def _live_ready(self) -> None:
+        """Just before the commit (PostgreSQL): take the publishing lock if this transaction has events to publish."""
+        pending, me = self._live_pending, threading.get_ident()
+        if pending and me in pending:
+            held = self.__dict__.setdefault("_live_held", set())
+            if me not in held:
+                _PUBLISHING.acquire()
+                held.add(me)
+
+    def _live_end(self, committed: bool) -> None:
+        """When the thread's outermost transaction has ended: publish what it appended if it committed (never what
+        a rollback undid), then let the next committer publish.  Nothing here raises into the committed write."""
+        pending = self._live_pending
+        if not pending:
+            return
+        me = threading.get_ident()
+        rows = pending.pop(me, None)
+        if rows is None:
+            return
+        try:
+            if committed:
+                live.publish(self, [event_from_row(self._expand(r)) for r in rows])  # type: ignore[arg-type]
+        except Exception:  # the events are stored: a subscriber reads them from the store instead
+            _log.exception("agentnb: the committed events of a transaction could not be published")
+        finally:
+            held = self._live_held
+            if held and me in held:
+                held.discard(me)
+                _PUBLISHING.release()
 
     # -- large texts, stored once (see texts.py) --------------------------------------
     def _ref_instruction(self, c: C, values: dict[str, Any]) -> None:

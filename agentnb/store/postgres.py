@@ -151,16 +151,21 @@ def describe_pg_error(exc: BaseException, url: str) -> str:
     return f"{where}: {text}"
 
 
-def _insert_rows(conn: psycopg.Connection[Any], head: str, rows: Sequence[tuple[Any, ...]], tail: str = "") -> None:
+def _insert_rows(conn: psycopg.Connection[Any], head: str, rows: Sequence[tuple[Any, ...]],
+                 tail: str = "") -> list[Any]:
     """``head`` followed by one ``(%s, …)`` per row (and ``tail``), a few hundred rows per statement.
 
     Not ``executemany``: psycopg runs it in pipeline mode, which ends with a Flush after its Sync, and PostgreSQL
     disarms ``idle_in_transaction_session_timeout`` on a Flush until the next query: a process frozen right
     after an append would keep its locks for good (pg_session.py)."""
+    returned: list[Any] = []  # what a RETURNING tail gives back
     for at in range(0, len(rows), _ROWS_PER_INSERT):
         chunk = rows[at:at + _ROWS_PER_INSERT]
         values = ",".join(["(" + ",".join(["%s"] * len(chunk[0])) + ")"] * len(chunk))
-        conn.execute(head + values + tail, [v for row in chunk for v in row])
+        cur = conn.execute(head + values + tail, [v for row in chunk for v in row])
+        if cur.description is not None:
+            returned.extend(r[0] for r in cur.fetchall())
+    return returned
 
 
 class PostgresStore(StoreRows[psycopg.Connection[Any]]):
@@ -279,15 +284,21 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             return
         if self.readonly:
             raise StoreError(f"{self.path} was opened read-only: open it without readonly to change jobs")
-        with self._worded(), self._pool.connection() as conn, conn.transaction():
-            if exclusive:
-                self._lock_for_writing(conn)
-            local.conn, local.depth, local.locked = conn, 1, set()
-            try:
-                self._check_fence(conn)
-                yield conn
-            finally:
-                local.conn, local.depth, local.locked = None, 0, set()
+        committed = False
+        try:
+            with self._worded(), self._pool.connection() as conn, conn.transaction():
+                if exclusive:
+                    self._lock_for_writing(conn)
+                local.conn, local.depth, local.locked = conn, 1, set()
+                try:
+                    self._check_fence(conn)
+                    yield conn
+                    self._live_ready()  # events to publish: in commit order (live.py)
+                finally:
+                    local.conn, local.depth, local.locked = None, 0, set()
+            committed = True
+        finally:
+            self._live_end(committed)
 
     def _lock_for_writing(self, conn: psycopg.Connection[Any]) -> None:
         """The advisory locks a write transaction takes before anything else (the module's docstring says why
@@ -639,9 +650,13 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             c.execute("SELECT id FROM jobs WHERE id = ANY(%s) ORDER BY id FOR UPDATE", (todo,))
             locked.update(todo)
 
-    @staticmethod
-    def _insert(c: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:
-        _insert_rows(c, "INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES ", rows)
+    def _insert(self, c: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:
+        head = "INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES "
+        if not self._live_wants(rows):
+            _insert_rows(c, head, rows)
+            return
+        # their ids, for live.py: a sequence gives them in row order
+        self._live_rows(rows, sorted(_insert_rows(c, head, rows, " RETURNING id")))
 
     def _payload_text(self, data: dict[str, Any]) -> str:
         # the stored payload text is the same on both backends, but for the NULs PostgreSQL cannot hold
@@ -653,9 +668,12 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             self._append(self._tx(c), events)
             return
         rows = self._rows_before(events)
-        # inserts only: no store-wide lock (see the module's docstring)
+        # inserts only: no store-wide lock (see the module's docstring); the jobs' rows, so that one job's events
+        # commit in id order (a fenced runner holds its own already: no round trip)
         with self._transaction(exclusive=False) as conn:
-            self._insert(conn, self._rows_in(conn, rows))
+            built = self._rows_in(conn, rows)
+            self._lock_jobs(conn, {int(r[0]) for r in built})
+            self._insert(conn, built)
 
     def events(self, job_id: int, *, after_id: int = 0, kinds: Sequence[str] | None = None,
                movement_seq: int | None = None) -> list[Event]:

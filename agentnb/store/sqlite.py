@@ -300,12 +300,15 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
                 self.conn.execute("COMMIT")
             except BaseException as exc:
                 self._depth = 0
+                self._live_end(committed=False)
                 # SQLite has already rolled back after some errors (a full disk, I/O): a second ROLLBACK
                 # would fail and hide the first error
                 if self.conn.in_transaction:
                     self.conn.execute("ROLLBACK")
                 self._damage(exc)
                 raise
+            # still under the store lock: subscribers see the events in commit order (live.py)
+            self._live_end(committed=True)
 
     @contextmanager
     def fenced(self, job_id: int, gen: int) -> Iterator[None]:
@@ -549,10 +552,12 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
     def _append(self, c: sqlite3.Connection, events: Iterable[Event]) -> None:
         self._insert(c, [self._event_row(c, ev) for ev in events])
 
-    @staticmethod
-    def _insert(c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+    def _insert(self, c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
         c.executemany("INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES (?,?,?,?,?,?)",
                       rows)
+        if self._live_wants(rows):  # their ids, for live.py: consecutive, as nobody else writes inside the transaction
+            last = int(c.execute("SELECT last_insert_rowid()").fetchone()[0])
+            self._live_rows(rows, range(last - len(rows) + 1, last + 1))
 
     def append(self, events: Sequence[Event], c: Transaction | None = None) -> None:
         # every row is built (and checked) before the first is written

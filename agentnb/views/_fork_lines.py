@@ -11,19 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..events import Event, MovementStart
+from ..events import Event
 from .source import JobRecord, JobSource
+from .timeline import Timeline, fold
 
 __all__ = ["DEMO_MODEL", "demo_note", "fork_lines", "reserved_runs", "runs_text"]
 
 DEMO_MODEL = "demo"
 
 
-def reserved_runs(events: Iterable[Event]) -> dict[int, int]:
+def reserved_runs(events: Timeline | Iterable[Event]) -> dict[int, int]:
     """Movement run → the job it was re-served from, for every run of a fork (or a ``replay:`` job) whose
     ``movement_start`` names one (its responses came from that job's record; no tokens were spent)."""
-    return {int(ev.movement_seq): ev.replayed_from for ev in events
-            if isinstance(ev, MovementStart) and ev.replayed_from is not None and ev.movement_seq is not None}
+    return (events if isinstance(events, Timeline) else fold(events)).reserved_runs()
 
 
 def runs_text(seqs: Sequence[int]) -> str:
@@ -38,7 +38,7 @@ def runs_text(seqs: Sequence[int]) -> str:
     return ("runs " if len(seqs) > 1 else "run ") + text
 
 
-def fork_lines(job: JobRecord, events: Iterable[Event]) -> list[str]:
+def fork_lines(job: JobRecord, events: Timeline | Iterable[Event]) -> list[str]:
     """Where a job came from, in plain text: ``forked from job 1 at run 3`` for a fork, then which runs were
     re-served from which job (``runs 1–2 re-served from job 1``; a fork at run 1 re-serves none)."""
     lines: list[str] = []
@@ -67,7 +67,8 @@ def demo_note(source: JobSource, a: int, b: int) -> str | None:
         return None
 
     def live(job: int) -> set[str]:
-        return {ev.movement for ev in source.events(job) if isinstance(ev, MovementStart) and ev.replayed_from is None}
+        return {run.name for run in fold(source.events(job)).runs.values()
+                if run.start is not None and run.replayed_from is None}
 
     both = live(a) & live(b)
     edited: list[str] = []

@@ -41,11 +41,10 @@ from typing import Any, Protocol
 
 import pandas as pd
 
-from ..events import Event, JobStatusEvent, LLMResponse, MovementStart, ScoreEvent, Transition
+from ..events import ScoreEvent
 from ..models.base import short_spec
-from ..models.prices import call_costs
-from ..store.base import TERMINAL_STATES, WAITING_STATES, Store, is_recovery
-from ._job_stats import RunningClock
+from ..store.base import TERMINAL_STATES, WAITING_STATES, Store
+from .timeline import fold
 
 __all__ = ["BatchSource", "JobTotals", "batch_frame", "batch_html", "batch_summary", "job_totals",
            "score_columns", "summary_table", "variant_labels"]
@@ -79,18 +78,6 @@ class JobTotals:
     seconds: float = 0.0
 
 
-def _running_seconds(store: Store, job_id: int, statuses: Sequence[JobStatusEvent], now: float) -> float:
-    if any(is_recovery(e.reason) for e in statuses):
-        # a recovered interval ends at its dead holder's last event, of whatever kind: read them all (rare)
-        events: Sequence[Event] = store.events(job_id)
-    else:
-        events = statuses
-    clock = RunningClock()
-    for ev in events:
-        clock.see(ev)
-    return clock.seconds(now)
-
-
 def job_totals(store: Store, root: int, children: Mapping[int, list[int]], models: Mapping[int, str],
                now: float) -> JobTotals:
     """The totals of job ``root`` and every job below it (``children``: parent id → child ids).
@@ -106,28 +93,23 @@ def job_totals(store: Store, root: int, children: Mapping[int, list[int]], model
         stack.extend(children.get(job_id, ()))
     out.subtasks = len(tree) - 1
     for job_id in tree:
-        events = store.events(job_id, kinds=["job_status", "movement_start", "llm_response"])
-        calls = [e for e in events if isinstance(e, LLMResponse)]
-        out.movements += sum(isinstance(e, MovementStart) for e in events)
-        out.llm_calls += len(calls)
-        out.prompt_tokens += sum(e.usage.prompt_tokens for e in calls)
-        out.completion_tokens += sum(e.usage.completion_tokens for e in calls)
-        out.total_tokens += sum(e.usage.total_tokens for e in calls)
-        out.seconds += _running_seconds(store, job_id, [e for e in events if isinstance(e, JobStatusEvent)],
-                                        now)
-        costs = call_costs(models[job_id], [e.usage.prompt_tokens for e in calls],
-                           [e.usage.completion_tokens for e in calls], [e.ts for e in calls])
+        t = fold(store.events(job_id, kinds=["job_status", "movement_start", "llm_response"]), runs=False).totals
+        if t.recovered:  # a recovered interval ends at its dead holder's last event, of whatever kind (rare)
+            t = fold(store.events(job_id), runs=False).totals
+        out.movements += t.movements
+        out.llm_calls += t.calls
+        out.prompt_tokens += t.prompt_tokens
+        out.completion_tokens += t.completion_tokens
+        out.total_tokens += t.total_tokens
+        out.seconds += t.running_seconds(now)
+        cost = t.cost_usd(models[job_id])
         if out.cost_usd is not None:
-            out.cost_usd = None if any(c is None for c in costs) else out.cost_usd + sum(c or 0.0 for c in costs)
+            out.cost_usd = None if cost is None else out.cost_usd + cost
     return out
 
 
 def _latest_scores(store: Store, job_id: int) -> dict[str, ScoreEvent]:
-    latest: dict[str, ScoreEvent] = {}
-    for ev in store.events(job_id, kinds=["score"]):  # oldest first: the last one of a name wins
-        if isinstance(ev, ScoreEvent):
-            latest[ev.name] = ev
-    return latest
+    return dict(fold(store.events(job_id, kinds=["score"]), runs=False).totals.scores)  # the last one of each name
 
 
 def _score_dtype(values: Iterable[Any]) -> str:
@@ -421,5 +403,4 @@ def _score_tip(name: str) -> str:
 
 def _question(store: Store, job_id: int) -> str | None:
     """The question a job waiting for a human asked: its last ``ASK`` transition's."""
-    asked = [ev.question for ev in store.events(job_id, kinds=["transition"]) if isinstance(ev, Transition)]
-    return next((q for q in reversed(asked) if q), None)
+    return fold(store.events(job_id, kinds=["transition"]), runs=False).totals.question

@@ -65,13 +65,13 @@ from matplotlib.figure import Figure
 
 from ..engine.pieces import DEFAULT_THRESHOLDS
 from ..errors import UsageError
-from ..events import LoopDetected
 from ..models.base import short_spec
 from .plot_labels import NEAR as _NEAR
 from .plot_labels import fit_labels as _fit_labels
 from .plot_labels import leader as _leader
 from .source import JobSource
 from .style import ACTION_COLOURS, ACTIONS, COMPACTION, COMPACTION_COLOUR, ERROR_COLOUR, LOOP_COLOUR
+from .timeline import fold
 from .what_if import WHAT_IF_COLUMNS, simulate
 
 if TYPE_CHECKING:
@@ -604,8 +604,8 @@ def _resolve(
     job = ws.job(job_id)
     heading = f"Job {job.id} · {job.piece} · {short_spec(job.model)} · {job.status}"
     compactions = frames.compactions(job_id) if (df["action"] == COMPACTION).any() else None
-    loops = [(int(ev.movement_seq), f"⟳ loop {' → '.join(ev.cycle)} ×{ev.count}") for ev in ws.events(job_id)
-             if isinstance(ev, LoopDetected) and ev.movement_seq is not None]
+    loops = [(run.seq, f"⟳ loop {' → '.join(ev.cycle)} ×{ev.count}") for run in fold(ws.events(job_id)).runs.values()
+             for ev in run.loops]
     return _Target(df, th, heading, status=str(job.status), error=job.error, ws=ws, compactions=compactions,
                    loops=loops)
 

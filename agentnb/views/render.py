@@ -37,7 +37,7 @@ from __future__ import annotations
 import html
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from string import Template
 from typing import Any
@@ -49,11 +49,8 @@ from ..events import (
     Compaction,
     ContextAction,
     ErrorEvent,
-    Event,
     LLMRequest,
     LLMResponse,
-    LoopDetected,
-    MovementStart,
     Reminder,
     ReplayDivergence,
     ScoreEvent,
@@ -64,9 +61,7 @@ from ..events import (
 from ..models.prices import dollars, is_free, priced_name
 from ._fork_lines import demo_note, fork_lines, reserved_runs
 from ._fork_lines import runs_text as _runs_text
-from ._job_stats import JobStats, job_stats
-from ._job_stats import is_compaction_error as _compaction_error
-from ._job_stats import stats_from_events as _stats
+from ._job_stats import JobStats, job_stats, stats_from_timeline
 from .icons import COMMENT, LATENCY, REMINDER, STOP, TOOL, icon, question_badge
 from .source import JobRecord, JobSource
 from .style import (
@@ -79,6 +74,7 @@ from .style import (
     OK_COLOUR,
     RESERVED_COLOUR,
 )
+from .timeline import Call, MovementRun, Timeline, ToolUse, fold, is_compaction_error
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -95,6 +91,8 @@ __all__ = [
     "movement_html",
     "plural",
     "reserved_runs",
+    "run_html",
+    "timeline_html",
 ]
 
 DEFAULT_MAX_CHARS = 2_000
@@ -363,79 +361,74 @@ def _transition_html(ev: Transition, o: _Opts, seq: int | None) -> str:
     return "".join(rows)
 
 
-def _call_html(iteration: int | None, evs: Sequence[Event], o: _Opts, seq: int | None, *, latest: bool = False,
-               compactions: dict[int, int] | None = None) -> str:
+def _call_head(call: Call) -> str:
+    """The line above a call: which call, the messages sent, its tokens, context, latency."""
+    it = call.iteration
+    head = (f"summarisation call {it} <span class=\"anb-dim\">(compaction, no tools)</span>" if call.summarising
+            else f"call {it}" if it else "call")
+    for ev in call.items:
+        if isinstance(ev, LLMRequest):
+            head += f' <span class="anb-dim">· {ev.messages} messages</span>'
+        elif isinstance(ev, LLMResponse):
+            head += _response_head(ev)
+    return head
+
+
+def _response_head(ev: LLMResponse) -> str:
+    u = ev.usage
+    head = f' <span class="anb-dim">· {_n(u.prompt_tokens)} prompt + {_n(u.completion_tokens)} completion tokens'
+    if u.ratio is not None:
+        head += f' · context {_pct(u.ratio)} of {_n(u.window or 0)} ({_e(u.source)})'
+    if ev.latency_s is not None:
+        head += f' · {icon(LATENCY, "how long the model took to answer")} {_latency(ev.latency_s)}'
+    if ev.replayed_from is not None:
+        head += f" · re-served from job {ev.replayed_from}, no tokens spent"
+    return head + "</span>"
+
+
+def _response_html(ev: LLMResponse, run: MovementRun, o: _Opts) -> str:
+    if ev.purpose == "compaction":  # its summary is shown in the compaction block
+        return "" if (ev.content or "").strip() else '<div class="anb-dim">summary: (empty)</div>'
+    if ev.content:
+        return (f'<div class="anb-msg"><b>assistant</b>'
+                f'{_body(ev.content, o, run.seq, key=_key(o, run.seq, ev.iteration, "assistant"))}</div>')
+    return "" if ev.tool_calls else '<div class="anb-dim">assistant: (empty message)</div>'
+
+
+def _tool_use_html(use: ToolUse, run: MovementRun, o: _Opts) -> str:
+    if use.tool == "transition" and (use.result is None or not use.result.is_error):
+        return ""  # the transition box says it better
+    return _tool_html(use.call, use.result, o, run.seq)
+
+
+def _reminder_html(ev: Reminder, run: MovementRun, o: _Opts) -> str:
+    return f'<div class="anb-dim">{icon(REMINDER, "reminder")} reminder ({_e(ev.reason)}): {_e(ev.text)}</div>'
+
+
+# how each item of a call shows in its call (a kind not named here shows nothing there)
+_ITEM_HTML: dict[type, Callable[[Any, MovementRun, _Opts], str]] = {
+    LLMResponse: _response_html,
+    ContextAction: lambda ev, run, o: f"<div>{_context_badge(ev)}</div>",
+    ToolUse: _tool_use_html,
+    Reminder: _reminder_html,
+    Transition: lambda ev, run, o: _transition_html(ev, o, run.seq),
+    ErrorEvent: lambda ev, run, o: _error_html(ev, o, run.seq),
+    CommentEvent: lambda ev, run, o: _comment_html(ev, o),
+    ReplayDivergence: lambda ev, run, o: _divergence_html(ev, o, run.seq),
+    Compaction: lambda ev, run, o: _compaction_html(ev, run.compaction_number(ev.iteration), o, run.seq),
+}
+
+
+def _call_html(call: Call, run: MovementRun, o: _Opts, *, latest: bool = False) -> str:
     """One LLM call: the assistant message, context badges, each tool call with its result, reminders.
 
     ``latest`` marks the job's newest call, the target of the header's "latest call" link.  A compaction's
-    summarisation call is headed as such, its summary shown in the compaction block (numbered by
-    ``compactions``: iteration → its number in the run) rather than as an assistant message.
+    summarisation call is headed as such, its summary shown in the compaction block rather than as an
+    assistant message.
     """
-    out: list[str] = []
-    summarising = any(isinstance(e, LLMRequest | LLMResponse) and e.purpose == "compaction" for e in evs)
-    head = (f"summarisation call {iteration} <span class=\"anb-dim\">(compaction, no tools)</span>" if summarising
-            else f"call {iteration}" if iteration else "call")
-    calls: dict[str, ToolCallEvent] = {}
-    pending: list[ToolCallEvent] = []
-    for ev in evs:
-        match ev:
-            case LLMRequest():
-                head += f' <span class="anb-dim">· {ev.messages} messages</span>'
-            case LLMResponse(usage=u):
-                head += (f' <span class="anb-dim">· {_n(u.prompt_tokens)} prompt + '
-                         f'{_n(u.completion_tokens)} completion tokens')
-                if u.ratio is not None:
-                    head += f' · context {_pct(u.ratio)} of {_n(u.window or 0)} ({_e(u.source)})'
-                if ev.latency_s is not None:
-                    head += f' · {icon(LATENCY, "how long the model took to answer")} {_latency(ev.latency_s)}'
-                if ev.replayed_from is not None:
-                    head += f" · re-served from job {ev.replayed_from}, no tokens spent"
-                head += "</span>"
-                if ev.purpose == "compaction":
-                    if not (ev.content or "").strip():
-                        out.append('<div class="anb-dim">summary: (empty)</div>')
-                elif ev.content:
-                    out.append(f'<div class="anb-msg"><b>assistant</b>'
-                               f'{_body(ev.content, o, seq, key=_key(o, seq, iteration, "assistant"))}</div>')
-                elif not ev.tool_calls:
-                    out.append('<div class="anb-dim">assistant: (empty message)</div>')
-            case ContextAction():
-                out.append(f"<div>{_context_badge(ev)}</div>")
-            case ToolCallEvent():
-                calls[ev.call_id] = ev
-                pending.append(ev)
-                if ev.tool != "transition":
-                    out.append(f"\0{ev.call_id}\0")  # placeholder, filled when the result arrives
-            case ToolResult():
-                call = calls.pop(ev.call_id, None)
-                if call is not None:
-                    pending.remove(call)
-                if ev.tool == "transition" and not ev.is_error:
-                    continue  # the transition box below says it better
-                block = _tool_html(call, ev, o, seq)
-                marker = f"\0{ev.call_id}\0"
-                if call is not None and marker in out:
-                    out[out.index(marker)] = block
-                else:
-                    out.append(block)
-            case Reminder():
-                out.append(f'<div class="anb-dim">{icon(REMINDER, "reminder")} reminder ({_e(ev.reason)}): {_e(ev.text)}</div>')
-            case Transition():
-                out.append(_transition_html(ev, o, seq))
-            case ErrorEvent():
-                out.append(_error_html(ev, o, seq))
-            case CommentEvent():
-                out.append(_comment_html(ev, o))
-            case ReplayDivergence():
-                out.append(_divergence_html(ev, o, seq))
-            case Compaction():
-                out.append(_compaction_html(ev, (compactions or {}).get(ev.iteration or 0, 1), o, seq))
-    for call in pending:  # a tool still running, or a job stopped between call and result
-        marker = f"\0{call.call_id}\0"
-        if marker in out:
-            out[out.index(marker)] = _tool_html(call, None, o, seq)
+    out = [_ITEM_HTML[type(item)](item, run, o) for item in call.items if type(item) in _ITEM_HTML]
     anchor = f' id="{_e(_latest_id(o.job_id))}"' if latest else ""
-    return f'<div class="anb-call"{anchor}><div>{head}</div>{"".join(out)}</div>'
+    return f'<div class="anb-call"{anchor}><div>{_call_head(call)}</div>{"".join(out)}</div>'
 
 
 def _comment_html(ev: CommentEvent, o: _Opts) -> str:
@@ -454,7 +447,7 @@ def _divergence_html(ev: ReplayDivergence, o: _Opts, seq: int | None) -> str:
 
 
 def _error_html(ev: ErrorEvent, o: _Opts, seq: int | None) -> str:
-    if _compaction_error(ev):
+    if is_compaction_error(ev):
         return f'<div class="anb-compaction-failed">⚠ compaction failed — {_body(ev.message, o, seq, fold=False)}</div>'
     return f'<div class="anb-error">✖ error ({_e(ev.where)}): {_body(ev.message, o, seq, fold=False)}</div>'
 
@@ -469,112 +462,104 @@ def _compaction_html(ev: Compaction, number: int, o: _Opts, seq: int | None) -> 
             f"({_n(len(ev.summary))} chars)</span></summary>{_body(ev.summary, o, seq, fold=False)}</details></div>")
 
 
-def _group_calls(evs: Sequence[Event]) -> list[tuple[int | None, list[Event]]]:
-    groups: list[tuple[int | None, list[Event]]] = []
-    for ev in evs:
-        if isinstance(ev, MovementStart):
-            continue
-        it = ev.iteration
-        if groups and groups[-1][0] == it:
-            groups[-1][1].append(ev)
-        else:
-            groups.append((it, [ev]))
-    return groups
+def _run_status(job: JobRecord, run: MovementRun) -> str:
+    if run.transition is not None:
+        return "done"
+    if run.errors:
+        return "failed"
+    return "running" if job.status == "running" and run.seq == job.movement_seq else "open"
 
 
-def _movement_section(job: JobRecord, seq: int, evs: Sequence[Event], o: _Opts, *, open_: bool,
-                      compact: bool = False, latest: int | None = None) -> str:
-    """Movement run ``seq`` as a ``<details>``; ``latest`` is the iteration of the job's newest call when it is in this run."""
-    start = next((e for e in evs if isinstance(e, MovementStart)), None)
-    name = start.movement if start is not None else "?"
-    transition = next((e for e in reversed(evs) if isinstance(e, Transition)), None)
-    responses = [e for e in evs if isinstance(e, LLMResponse)]
-    tokens = sum(e.usage.total_tokens for e in responses)
-    ratios = [e.usage.ratio for e in responses if e.usage.ratio is not None]
-    actions = [e for e in evs if isinstance(e, ContextAction)]
-    # a failed compaction is a warning: the movement went on (the job's status says how it ended)
-    failed = any(isinstance(e, ErrorEvent) and not _compaction_error(e) for e in evs)
-    compacted = [e for e in evs if isinstance(e, Compaction)]
-    numbers = {int(e.iteration or 0): k for k, e in enumerate(compacted, start=1)}
-    compaction_errors = sum(isinstance(e, ErrorEvent) and _compaction_error(e) for e in evs)
-    diverged = sum(isinstance(e, ReplayDivergence) for e in evs)
-    if transition is not None:
-        status = "done"
-    elif failed:
-        status = "failed"
-    elif job.status == "running" and seq == job.movement_seq:
-        status = "running"
-    else:
-        status = "open"
-    summ = [f"<b>{seq}. {_e(name)}</b>"]
-    if start is not None and start.replayed_from is not None:
+def _run_summary(job: JobRecord, run: MovementRun) -> str:
+    """The one line of a movement run: name, status, calls, tokens, context, its badges, where it went."""
+    summ = [f"<b>{run.seq}. {_e(run.name)}</b>"]
+    if run.replayed_from is not None:
         summ.append(_badge("re-served", "anb-reserved",
-                           title=f"responses re-served from job {start.replayed_from}: no tokens spent"))
-    summarised = sum(e.purpose == "compaction" for e in responses)
-    summ.append(f'<span class="anb-dim">{status} · {plural(len(responses), "call")}'
-                + (f" ({summarised} summarisation)" if summarised else "") + f' · {_n(tokens)} tokens'
-                + (f" · context up to {_pct(max(ratios))}" if ratios else "") + "</span>")
-    if diverged:
-        summ.append(_badge(f"⚠ {plural(diverged, 'divergence')}", "anb-divergence"))
-    summ.extend(_badge(f"{_ACTION_ICON.get(a.action, '')} {a.action} {_pct(a.ratio)}", f"anb-{a.action}") for a in actions)
-    if transition is not None:
-        summ.append(f"➜ <b>{_e(transition.next_step)}</b>")
-        if transition.forced:
-            summ.append(_badge("forced", "anb-force_transition"))
-        if transition.summary:
-            short = transition.summary if len(transition.summary) <= 120 else transition.summary[:119] + "…"
-            summ.append(f'<span class="anb-dim">{_e(short)}</span>')
-    if compacted:
-        summ.append(_badge("⇊ compacted" + (f" ×{len(compacted)}" if len(compacted) > 1 else ""), "anb-compaction",
-                           title="; ".join(f"compaction {k}: {_n(e.tokens_before)} → {_n(e.tokens_after)} tokens"
-                                           for k, e in enumerate(compacted, start=1))))
-    if compaction_errors:
-        summ.append(_badge("⚠ compaction failed", "anb-prompt"))
-    for lp in (e for e in evs if isinstance(e, LoopDetected)):
+                           title=f"responses re-served from job {run.replayed_from}: no tokens spent"))
+    summ.append(f'<span class="anb-dim">{_run_status(job, run)} · {plural(run.llm_calls, "call")}'
+                + (f" ({run.summarisations} summarisation)" if run.summarisations else "")
+                + f' · {_n(run.tokens)} tokens'
+                + (f" · context up to {_pct(run.max_ratio)}" if run.max_ratio is not None else "") + "</span>")
+    if run.divergences:
+        summ.append(_badge(f"⚠ {plural(len(run.divergences), 'divergence')}", "anb-divergence"))
+    summ.extend(_badge(f"{_ACTION_ICON.get(a.action, '')} {a.action} {_pct(a.ratio)}", f"anb-{a.action}")
+                for a in run.actions)
+    summ.extend(_transition_summary(run.transition))
+    summ.extend(_run_marks(run))
+    return " ".join(summ)
+
+
+def _transition_summary(tr: Transition | None) -> list[str]:
+    if tr is None:
+        return []
+    out = [f"➜ <b>{_e(tr.next_step)}</b>"]
+    if tr.forced:
+        out.append(_badge("forced", "anb-force_transition"))
+    if tr.summary:
+        short = tr.summary if len(tr.summary) <= 120 else tr.summary[:119] + "…"
+        out.append(f'<span class="anb-dim">{_e(short)}</span>')
+    return out
+
+
+def _run_marks(run: MovementRun) -> list[str]:
+    """The badges of a run's compactions, failed compactions, loops and failure."""
+    out: list[str] = []
+    if run.compactions:
+        n = len(run.compactions)
+        out.append(_badge("⇊ compacted" + (f" ×{n}" if n > 1 else ""), "anb-compaction",
+                          title="; ".join(f"compaction {k}: {_n(e.tokens_before)} → {_n(e.tokens_after)} tokens"
+                                          for k, e in enumerate(run.compactions, start=1))))
+    if run.compaction_errors:
+        out.append(_badge("⚠ compaction failed", "anb-prompt"))
+    for lp in run.loops:
         then = lp.judge if lp.judge is not None else lp.next
-        summ.append(_badge(f"⟳ loop {' → '.join(lp.cycle)} ×{lp.count}", "anb-loop",
-                           title=f"loop monitor {lp.monitor}: {_runs_text(lp.runs)}; then {then}"))
-    if failed:
-        summ.append(_badge("error", "anb-st-failed"))
-    body: list[str] = []
+        out.append(_badge(f"⟳ loop {' → '.join(lp.cycle)} ×{lp.count}", "anb-loop",
+                          title=f"loop monitor {lp.monitor}: {_runs_text(lp.runs)}; then {then}"))
+    if run.errors:
+        out.append(_badge("error", "anb-st-failed"))
+    return out
+
+
+def _run_body(run: MovementRun, o: _Opts, *, compact: bool, latest: int | None) -> list[str]:
+    seq = run.seq
     if compact:
-        body.append(f'<div class="anb-more">details left out to keep this view small; '
-                    f"see them with <code>{_e(o.hint(seq))}</code></div>")
-        if transition is not None:
-            body.append(_transition_html(transition, o, seq))
-    else:
-        if start is not None:
-            body.append(_body(start.system, o, seq, label="system prompt", key=_key(o, seq, "system")))
-            body.append(_body(start.user, o, seq, label="user prompt", key=_key(o, seq, "user")))
-        groups = _group_calls(evs)
-        if o.max_calls is not None and len(groups) > o.max_calls:
-            head_n = max(1, o.max_calls // 4)
-            tail_n = max(1, o.max_calls - head_n)
-            hidden = groups[head_n:-tail_n]
-            shown = [*groups[:head_n], (None, []), *groups[-tail_n:]]
-        else:
-            hidden, shown = [], groups
-        for it, group in shown:
-            if not group:
-                body.append(_hidden_line(hidden, o, seq))
-            else:
-                body.append(_call_html(it, group, o, seq, latest=latest is not None and it == latest,
-                                       compactions=numbers))
+        body = [f'<div class="anb-more">details left out to keep this view small; '
+                f"see them with <code>{_e(o.hint(seq))}</code></div>"]
+        return body + ([_transition_html(run.transition, o, seq)] if run.transition is not None else [])
+    body = []
+    if run.start is not None:
+        body.append(_body(run.start.system, o, seq, label="system prompt", key=_key(o, seq, "system")))
+        body.append(_body(run.start.user, o, seq, label="user prompt", key=_key(o, seq, "user")))
+    calls: Sequence[Call | None] = run.calls
+    hidden: Sequence[Call] = ()
+    if o.max_calls is not None and len(run.calls) > o.max_calls:
+        head_n = max(1, o.max_calls // 4)
+        tail_n = max(1, o.max_calls - head_n)
+        hidden = run.calls[head_n:-tail_n]
+        calls = [*run.calls[:head_n], None, *run.calls[-tail_n:]]
+    for call in calls:
+        body.append(_hidden_line(hidden, o, seq) if call is None
+                    else _call_html(call, run, o, latest=latest is not None and call.iteration == latest))
+    return body
+
+
+def _movement_section(job: JobRecord, run: MovementRun, o: _Opts, *, open_: bool, compact: bool = False,
+                      latest: int | None = None) -> str:
+    """Movement run ``run`` as a ``<details>``; ``latest`` is the iteration of the job's newest call when it is in this run."""
     flag = " open" if open_ else ""
-    return (f'<details class="anb-mv" data-seq="{seq}"{flag}><summary data-anb-key="{_e(_key(o, seq))}">'
-            f'{" ".join(summ)}</summary>'
-            f'<div class="anb-body">{"".join(body)}</div></details>')
+    return (f'<details class="anb-mv" data-seq="{run.seq}"{flag}><summary data-anb-key="{_e(_key(o, run.seq))}">'
+            f'{_run_summary(job, run)}</summary>'
+            f'<div class="anb-body">{"".join(_run_body(run, o, compact=compact, latest=latest))}</div></details>')
 
 
-def _hidden_line(hidden: Sequence[tuple[int | None, list[Event]]], o: _Opts, seq: int | None) -> str:
-    n_calls = sum(1 for _, g in hidden if any(isinstance(e, LLMResponse) for e in g))
-    tokens = sum(e.usage.total_tokens for _, g in hidden for e in g if isinstance(e, LLMResponse))
+def _hidden_line(hidden: Sequence[Call], o: _Opts, seq: int | None) -> str:
+    n_calls = sum(c.answered for c in hidden)
+    tokens = sum(c.tokens for c in hidden)
     tools: dict[str, int] = {}
-    for _, g in hidden:
-        for e in g:
-            if isinstance(e, ToolCallEvent):
-                tools[e.tool] = tools.get(e.tool, 0) + 1
-    first, last = hidden[0][0], hidden[-1][0]
+    for c in hidden:
+        for name in c.tools:
+            tools[name] = tools.get(name, 0) + 1
+    first, last = hidden[0].iteration, hidden[-1].iteration
     used = ", ".join(f"{_e(k)}×{v}" for k, v in sorted(tools.items(), key=lambda kv: -kv[1])[:8])
     return (f'<div class="anb-call anb-more">… calls {first}–{last} not shown ({n_calls} calls, {_n(tokens)} tokens'
             + (f"; tools {used}" if used else "") + f"); all of them: <code>{_e(o.hint(seq))}</code></div>")
@@ -652,24 +637,36 @@ def header_html(ws: JobSource, job_id: int) -> str:
     """The header line of a job: piece, model, status, movements run, calls, tokens, cost, elapsed, the latest
     score of each name (no <style>)."""
     job = ws.job(job_id).snapshot()
-    events = ws.events(job_id)
-    return _inline(_header(job, _stats(job, events), _piece_max(ws, job_id), fork=fork_lines(job, events)))
+    tl = fold(ws.events(job_id), runs=False)  # the numbers and the re-served runs only
+    return _inline(_header(job, stats_from_timeline(job, tl), _piece_max(ws, job_id), fork=fork_lines(job, tl)))
 
 
-def timeline(events: Iterable[Event]) -> tuple[list[int | CommentEvent | ErrorEvent], dict[int, list[Event]]]:
-    """The job's timeline: movement runs (their ``seq``) and job-level comments and errors in the order they
-    happened, with each run's events by ``seq`` (the job view's ordering, which the exported notebook follows)."""
-    items: list[int | CommentEvent | ErrorEvent] = []
-    by_seq: dict[int, list[Event]] = {}
-    for ev in events:
-        if ev.movement_seq is not None:
-            if ev.movement_seq not in by_seq:
-                by_seq[ev.movement_seq] = []
-                items.append(ev.movement_seq)
-            by_seq[ev.movement_seq].append(ev)
-        elif isinstance(ev, (CommentEvent, ErrorEvent)):
-            items.append(ev)
-    return items, by_seq
+def _sections(job: JobRecord, tl: Timeline, o: _Opts, latest: tuple[int, int] | None, *, open_last: bool,
+              max_bytes: int | None) -> dict[int, str]:
+    """Each movement run's section; when they exceed ``max_bytes``, the oldest reduced to their summary."""
+    last_seq = max(tl.runs) if tl.runs else None
+    newest = dict([latest]) if latest is not None else {}
+    sections = {seq: _movement_section(job, run, o, open_=open_last and seq == last_seq, latest=newest.get(seq))
+                for seq, run in tl.runs.items()}
+    if max_bytes is not None:
+        total = sum(len(s) for s in sections.values())
+        for seq in sorted(tl.runs):  # oldest first; the newest run stays in detail
+            if total <= max_bytes or seq == last_seq:
+                break
+            compact = _movement_section(job, tl.runs[seq], o, open_=False, compact=True)
+            total += len(compact) - len(sections[seq])
+            sections[seq] = compact
+    return sections
+
+
+def _entry_html(entry: MovementRun | CommentEvent | ErrorEvent, sections: dict[int, str], asked: frozenset[str],
+                o: _Opts) -> str:
+    if isinstance(entry, MovementRun):
+        return sections[entry.seq]
+    if isinstance(entry, ErrorEvent):
+        return _error_html(entry, o, None)
+    # the agent's ASK is also stored as its comment: the transition box already shows that question
+    return "" if entry.author == "agent" and entry.body in asked else _comment_html(entry, o)
 
 
 def job_html(
@@ -690,45 +687,37 @@ def job_html(
     ``full=True`` lifts all bounds.  ``open_last`` opens the newest movement section.  ``style=False``
     leaves out the ``<style>`` block (for callers that emit it once themselves, see :data:`STYLE`).
     """
-    if full:
-        max_chars = max_calls = max_bytes = None
     # one consistent reading: the row first, so no event the status speaks of is missing
     job = ws.job(job_id).snapshot()
-    events = ws.events(job_id)
-    st = _stats(job, events)
+    return timeline_html(ws, job, fold(ws.events(job_id)), max_chars=max_chars, max_calls=max_calls,
+                         max_bytes=max_bytes, full=full, open_last=open_last, style=style)
+
+
+def timeline_html(
+    ws: JobSource,
+    job: JobRecord,
+    tl: Timeline,
+    *,
+    max_chars: int | None = DEFAULT_MAX_CHARS,
+    max_calls: int | None = DEFAULT_MAX_CALLS,
+    max_bytes: int | None = DEFAULT_MAX_BYTES,
+    full: bool = False,
+    open_last: bool = True,
+    style: bool = True,
+) -> str:
+    """:func:`job_html` of a job row and its folded events (a live view keeps a :class:`~.timeline.Fold` and
+    adds the events after its ``last_id``, read after the row): the same HTML."""
+    if full:
+        max_chars = max_calls = max_bytes = None
+    st = stats_from_timeline(job, tl)
     o = _Opts(job.id, max_chars, max_calls, st.question)
-    # the agent's ASK is also stored as its comment: the transition box already shows that question
-    asked = {ev.question for ev in events if isinstance(ev, Transition) and ev.question}
-    items, by_seq = timeline(events)
-    last_seq = max(by_seq) if by_seq else None
-    latest = dict([st.latest]) if st.latest is not None else {}
-    sections: dict[int, str] = {
-        seq: _movement_section(job, seq, evs, o, open_=open_last and seq == last_seq, latest=latest.get(seq))
-        for seq, evs in by_seq.items()
-    }
-    if max_bytes is not None:
-        total = sum(len(s) for s in sections.values())
-        for seq in sorted(by_seq):  # oldest first; the newest run stays in detail
-            if total <= max_bytes or seq == last_seq:
-                break
-            compact = _movement_section(job, seq, by_seq[seq], o, open_=False, compact=True)
-            total += len(compact) - len(sections[seq])
-            sections[seq] = compact
-    body: list[str] = []
-    for item in items:
-        match item:
-            case int():
-                body.append(sections[item])
-            case CommentEvent():
-                if not (item.author == "agent" and item.body in asked):
-                    body.append(_comment_html(item, o))
-            case ErrorEvent():
-                body.append(_error_html(item, o, None))
-    if not by_seq and str(job.status) == "queued":
+    sections = _sections(job, tl, o, st.latest, open_last=open_last, max_bytes=max_bytes)
+    body = [_entry_html(entry, sections, tl.asked, o) for entry in tl.entries]
+    if not tl.runs and str(job.status) == "queued":
         body.append('<div class="anb-dim">not started yet</div>')
     return (STYLE if style else "") + _inline(
         f'<div class="anb-job" data-job="{job.id}">'
-        + _header(job, st, _piece_max(ws, job_id), latest_link=True, fork=fork_lines(job, events),
+        + _header(job, st, _piece_max(ws, job.id), latest_link=True, fork=fork_lines(job, tl),
                   # said once where the fork is shown; header_html (the compare view's columns) leaves it to that view
                   note=demo_note(ws, job.forked_from[0], job.id) if job.forked_from else None)
         + "".join(body) + "</div>"
@@ -749,13 +738,20 @@ def movement_html(
 
     Raises ``NotFoundError`` (a ``LookupError``) when the job has no movement run ``seq``.
     """
-    if full:
-        max_chars = max_calls = None
     job = ws.job(job_id).snapshot()
-    evs = ws.store.events(job.id, movement_seq=seq)
-    if not evs:
+    run = fold(ws.store.events(job.id, movement_seq=seq)).run(seq)
+    if run is None:
         raise NotFoundError(f"job {job.id} has no movement run {seq}; it has run {job.movement_seq}")
     # the same markup as in job_html: the job's newest call is marked wherever its run is shown
     newest = ws.store.latest_request(job.id)
     latest = newest[1] if newest and newest[0] == seq else None
-    return _inline(_movement_section(job, seq, evs, _Opts(job.id, max_chars, max_calls), open_=open, latest=latest))
+    return run_html(job, run, latest=latest, max_chars=max_chars, max_calls=max_calls, full=full, open=open)
+
+
+def run_html(job: JobRecord, run: MovementRun, *, latest: int | None = None,
+             max_chars: int | None = DEFAULT_MAX_CHARS, max_calls: int | None = DEFAULT_MAX_CALLS,
+             full: bool = False, open: bool = True) -> str:
+    """:func:`movement_html` of a folded run; ``latest``: the iteration of the job's newest call when in it."""
+    if full:
+        max_chars = max_calls = None
+    return _inline(_movement_section(job, run, _Opts(job.id, max_chars, max_calls), open_=open, latest=latest))

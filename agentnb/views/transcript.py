@@ -41,7 +41,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -60,20 +60,20 @@ from ..events import (
     MovementStart,
     Reminder,
     ReplayDivergence,
-    ToolCallEvent,
-    ToolResult,
     Transition,
 )
 from ..store import display_url
+from ._job_stats import stats_from_timeline
 from .icons import COMMENT
-from .render import STYLE, JobStats, fork_lines, job_stats, movement_html, timeline
+from .render import STYLE, JobStats, fork_lines, run_html
 from .source import JobRecord, JobSource
+from .timeline import MovementRun, ToolUse, fold
 
 if TYPE_CHECKING:
     from .frames import Frames
 
 __all__ = ["COLLAPSED", "EXPORT_MAX_CHARS", "TRANSCRIPT_TAG", "NotebookSource", "build_notebook", "export_notebook",
-           "movement_text"]
+           "movement_text", "run_text"]
 
 # The metadata that makes a cell's output open collapsed in JupyterLab (jupyter.*) and classic Notebook
 # (collapsed).  Not source_hidden: see the module docstring.
@@ -142,23 +142,19 @@ def build_notebook(ws: NotebookSource, job_id: int, *, full: bool = False, plot:
         "agentnb": {"job": job.id, "piece": job.piece, "model": job.model, "status": str(job.status),
                     "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
     })
-    cells = [v4.new_markdown_cell(_title(ws, job, job_stats(ws, job.id), fork_lines(job, events)))]
-    if plot and any(isinstance(e, LLMResponse) for e in events):
+    tl = fold(events)
+    row = job.snapshot()
+    cells = [v4.new_markdown_cell(_title(ws, job, stats_from_timeline(row, tl), fork_lines(job, tl)))]
+    if plot and tl.totals.calls:
         cells += _usage_cells(ws, job.id)
-
-    items, by_seq = timeline(events)  # the job view's own ordering, so the transcript reads the same
-    for item in items:
-        if isinstance(item, int):
-            evs = by_seq[item]
-            # JupyterLab labels a collapsed output with the first line of its HTML: make that line a caption
-            markup = (f"{_caption(item, evs)}\n{STYLE}\n"
-                      + movement_html(ws, job.id, item, max_chars=max_chars, max_calls=None, open=True))
-            cells.append(v4.new_markdown_cell(_heading(item, evs)))
-            cells.append(_transcript_cell(ws, job.id, item, markup, movement_text(evs, max_chars=max_chars)))
-        elif isinstance(item, ErrorEvent):
-            cells.append(v4.new_markdown_cell(f"**✖ error ({_md(item.where)}):** {_md(item.message)}"))
+    latest = tl.totals.latest
+    for entry in tl.entries:  # the job view's own ordering, so the transcript reads the same
+        if isinstance(entry, MovementRun):
+            cells += _run_cells(ws, row, entry, latest[1] if latest and latest[0] == entry.seq else None, max_chars)
+        elif isinstance(entry, ErrorEvent):
+            cells.append(v4.new_markdown_cell(f"**✖ error ({_md(entry.where)}):** {_md(entry.message)}"))
         else:
-            cells.append(v4.new_markdown_cell(f"> **{COMMENT} {_md(item.author)}:** {_md(item.body)}"))
+            cells.append(v4.new_markdown_cell(f"> **{COMMENT} {_md(entry.author)}:** {_md(entry.body)}"))
     nb.cells = cells
     return nb
 
@@ -189,41 +185,44 @@ def _title(ws: NotebookSource, job: JobRecord, st: JobStats, fork: Sequence[str]
     return "\n".join(lines)
 
 
-def _run_facts(seq: int, evs: Sequence[Event]) -> tuple[str, str, Transition | None]:
-    """``("2. write → COMPLETE (forced)", "2 LLM calls · 18,720 tokens · …", transition)`` of a movement run.
+def _run_cells(ws: NotebookSource, job: JobRecord, run: MovementRun, latest: int | None,
+               max_chars: int | None) -> list[nbformat.NotebookNode]:
+    """A movement run's heading and its collapsed transcript cell."""
+    # JupyterLab labels a collapsed output with the first line of its HTML: make that line a caption
+    markup = (f"{_caption(run)}\n{STYLE}\n"
+              + run_html(job, run, latest=latest, max_chars=max_chars, max_calls=None, open=True))
+    return [v4.new_markdown_cell(_heading(run)),
+            _transcript_cell(ws, job.id, run.seq, markup, "\n".join(run_text(run, max_chars=max_chars)))]
+
+
+def _run_facts(run: MovementRun) -> tuple[str, str]:
+    """``("2. write → COMPLETE (forced)", "2 LLM calls · 18,720 tokens · …")`` of a movement run.
 
     A run with no transition is ``"1. work ✖ failed"`` when an error ended it, else ``"(not finished)"``.
     """
-    start = next((e for e in evs if isinstance(e, MovementStart)), None)
-    name = start.movement if start is not None else "?"
-    tr = next((e for e in reversed(evs) if isinstance(e, Transition)), None)
-    calls = [e for e in evs if isinstance(e, LLMResponse)]
-    tokens = sum(e.usage.total_tokens for e in calls)
-    title = f"{seq}. {name}"
-    if start is not None and start.replayed_from is not None:
-        title += " (re-served)"
+    tr = run.transition
+    title = f"{run.seq}. {run.name}" + (" (re-served)" if run.replayed_from is not None else "")
     if tr is not None:
         title += f" → {tr.next_step}" + (" (forced)" if tr.forced else "")
-    elif any(isinstance(e, ErrorEvent) and e.where != "compaction" for e in evs):  # a failed compaction is no failure
-        title += " ✖ failed"
-    else:
-        title += " (not finished)"
-    actions = [e.action for e in evs if isinstance(e, ContextAction)]
-    compactions = sum(isinstance(e, Compaction) for e in evs)
-    line = (f"{len(calls)} LLM call{'' if len(calls) == 1 else 's'} · {tokens:,} tokens"
+    else:  # a failed compaction is no failure
+        title += " ✖ failed" if run.errors else " (not finished)"
+    actions = [e.action for e in run.actions]
+    n = run.llm_calls
+    line = (f"{n} LLM call{'' if n == 1 else 's'} · {run.tokens:,} tokens"
             + (f" · context actions: {', '.join(actions)}" if actions else "")
-            + (f" · compacted {compactions}×" if compactions else ""))
-    return title, line, tr
+            + (f" · compacted {len(run.compactions)}×" if run.compactions else ""))
+    return title, line
 
 
-def _heading(seq: int, evs: Sequence[Event]) -> str:
-    title, line, tr = _run_facts(seq, evs)
+def _heading(run: MovementRun) -> str:
+    title, line = _run_facts(run)
+    tr = run.transition
     summary = f"\n\n{_md(tr.summary)}" if tr is not None and tr.summary else ""
     return f"## {_md(title)}\n\n*{line}*{summary}"
 
 
-def _caption(seq: int, evs: Sequence[Event]) -> str:
-    title, line, _ = _run_facts(seq, evs)
+def _caption(run: MovementRun) -> str:
+    title, line = _run_facts(run)
     # plain text, no tags: JupyterLab shows this line verbatim on the collapsed output
     return html.escape(f"Movement run {title} · {line}")
 
@@ -258,83 +257,116 @@ def _usage_cells(ws: NotebookSource, job_id: int) -> list[nbformat.NotebookNode]
 
 
 def movement_text(evs: Sequence[Event], *, max_chars: int | None = EXPORT_MAX_CHARS) -> str:
-    """A movement run as plain text: prompts, each call's message, tools and results, actions, transition."""
+    """A movement run as plain text: prompts, each call's message, tools and results, actions, transition
+    (``evs``: the run's events; any other events fold the same way, each run in turn)."""
     out: list[str] = []
-
-    def body(text: Any, indent: str = "    ") -> None:
-        s = "" if text is None else str(text)
-        if max_chars is not None and len(s) > max_chars:
-            s = s[:max_chars] + f"\n… [{len(s):,} chars; first {max_chars:,} shown]"
-        out.extend(indent + line for line in (s.splitlines() or [""]))
-
-    compactions = 0
-    for ev in evs:
-        match ev:
-            case MovementStart():
-                out.append(f"=== movement run {ev.seq}: {ev.movement}"
-                           + (f" (re-served from job {ev.replayed_from})" if ev.replayed_from is not None else "") + " ===")
-                out.append("[system]")
-                body(ev.system)
-                out.append("[user]")
-                body(ev.user)
-            case LLMResponse(usage=u) if ev.purpose == "compaction":
-                # a compaction's summarisation call (docs/context.md#compaction): its summary is in the compaction line below
-                out.append(f"--- summarisation call {ev.iteration} (compaction, no tools): {u.prompt_tokens:,} prompt + "
-                           f"{u.completion_tokens:,} completion tokens"
-                           + (f", re-served from job {ev.replayed_from}" if ev.replayed_from is not None else ""))
-            case Compaction():
-                compactions += 1
-                out.append(f"⇊ compaction {compactions}: {ev.removed_messages:,} message"
-                           f"{'' if ev.removed_messages == 1 else 's'} summarised, {ev.kept_messages:,} kept, "
-                           f"{ev.tokens_before:,} → {ev.tokens_after:,} tokens")
-                out.append("  summary:")
-                body(ev.summary)
-            case ErrorEvent() if ev.where == "compaction":
-                out.append(f"⚠ compaction failed — {ev.message}")
-            case LLMResponse(usage=u):
-                out.append(f"--- call {ev.iteration}: {u.prompt_tokens:,} prompt + {u.completion_tokens:,} completion "
-                           f"tokens, context {float(u.ratio or 0):.1%} of {int(u.window or 0):,} ({u.source})"
-                           + (f", re-served from job {ev.replayed_from}" if ev.replayed_from is not None else ""))
-                if ev.content:
-                    out.append("[assistant]")
-                    body(ev.content)
-            case ContextAction():
-                out.append(f"!! context {ev.action}: {float(ev.ratio):.1%} ≥ {float(ev.threshold or 0):.0%} "
-                           f"({int(ev.tokens):,} / {int(ev.window):,} tokens)")
-            case ToolCallEvent():
-                args = ev.arguments if isinstance(ev.arguments, str) else json.dumps(ev.arguments, ensure_ascii=False)
-                out.append(f"> {ev.tool} {args if max_chars is None or len(args) <= 500 else args[:500] + '…'}")
-            case ToolResult():
-                flags = [w for w, on in (("error", ev.is_error), ("truncated", ev.truncated)) if on]
-                size = f"{ev.returned_chars:,} of {ev.original_chars:,} chars" if ev.truncated else ""
-                out.append(f"< {ev.tool}" + (f" [{', '.join(flags)}]" if flags else "") + (f" {size}" if size else ""))
-                body(ev.content)
-            case Reminder():
-                out.append(f"[reminder: {ev.reason}]")
-                body(ev.text)
-            case Transition():
-                out.append(f"==> {ev.next_step}" + (f" (forced: {ev.reason})" if ev.forced else ""))
-                for key, value in (("summary", ev.summary), ("lessons", ev.lessons), ("question", ev.question),
-                                   ("feedback", ev.feedback)):
-                    if value:
-                        out.append(f"  {key}:")
-                        body(value)
-                if ev.subtasks:
-                    out.append("  subtasks:")
-                    for t in ev.subtasks:
-                        body(f"job {t.job_id}: {t.instruction}" + (f" ({t.piece})" if t.piece else ""), "    - ")
-            case ErrorEvent():
-                out.append(f"✖ error ({ev.where}): {ev.message}")
-            case LoopDetected():
-                out.append(f"⟳ loop {' → '.join(ev.cycle)} ×{ev.count} (monitor {ev.monitor}, runs "
-                           f"{', '.join(map(str, ev.runs))}): then {ev.judge if ev.judge is not None else ev.next}")
-            case ReplayDivergence():
-                out.append(f"⚠ divergence: the re-run of {ev.tool} (call {ev.call_id}) gave another result than the original's")
-                out.append("  expected:")
-                body(ev.expected)
-                out.append("  actual:")
-                body(ev.actual)
+    for entry in fold(evs).entries:
+        if isinstance(entry, MovementRun):
+            out.extend(run_text(entry, max_chars=max_chars))
+        elif isinstance(entry, ErrorEvent):
+            out.extend(_RunText(max_chars).error(entry))
     return "\n".join(out)
+
+
+def run_text(run: MovementRun, *, max_chars: int | None = EXPORT_MAX_CHARS) -> list[str]:
+    """The lines of :func:`movement_text` for a folded run."""
+    text = _RunText(max_chars)
+    out = text.start(run.start) if run.start is not None else []
+    for call in run.calls:
+        for item in call.items:
+            show = _TEXT.get(type(item))
+            if show is not None:
+                out.extend(show(text, item))
+    return out
+
+
+class _RunText:
+    """The text of each item of a run's calls (kinds not in :data:`_TEXT` have none)."""
+
+    def __init__(self, max_chars: int | None) -> None:
+        self.max_chars = max_chars
+        self.compactions = 0
+
+    def body(self, text: Any, indent: str = "    ") -> list[str]:
+        s = "" if text is None else str(text)
+        if self.max_chars is not None and len(s) > self.max_chars:
+            s = s[:self.max_chars] + f"\n… [{len(s):,} chars; first {self.max_chars:,} shown]"
+        return [indent + line for line in (s.splitlines() or [""])]
+
+    def start(self, ev: MovementStart) -> list[str]:
+        return [f"=== movement run {ev.seq}: {ev.movement}"
+                + (f" (re-served from job {ev.replayed_from})" if ev.replayed_from is not None else "") + " ===",
+                "[system]", *self.body(ev.system), "[user]", *self.body(ev.user)]
+
+    def response(self, ev: LLMResponse) -> list[str]:
+        u = ev.usage
+        served = f", re-served from job {ev.replayed_from}" if ev.replayed_from is not None else ""
+        if ev.purpose == "compaction":
+            # a compaction's summarisation call (docs/context.md#compaction): its summary is in the compaction line below
+            return [f"--- summarisation call {ev.iteration} (compaction, no tools): {u.prompt_tokens:,} prompt + "
+                    f"{u.completion_tokens:,} completion tokens" + served]
+        out = [f"--- call {ev.iteration}: {u.prompt_tokens:,} prompt + {u.completion_tokens:,} completion "
+               f"tokens, context {float(u.ratio or 0):.1%} of {int(u.window or 0):,} ({u.source})" + served]
+        return out + (["[assistant]", *self.body(ev.content)] if ev.content else [])
+
+    def compaction(self, ev: Compaction) -> list[str]:
+        self.compactions += 1
+        return [f"⇊ compaction {self.compactions}: {ev.removed_messages:,} message"
+                f"{'' if ev.removed_messages == 1 else 's'} summarised, {ev.kept_messages:,} kept, "
+                f"{ev.tokens_before:,} → {ev.tokens_after:,} tokens", "  summary:", *self.body(ev.summary)]
+
+    def error(self, ev: ErrorEvent) -> list[str]:
+        if ev.where == "compaction":
+            return [f"⚠ compaction failed — {ev.message}"]
+        return [f"✖ error ({ev.where}): {ev.message}"]
+
+    def action(self, ev: ContextAction) -> list[str]:
+        return [f"!! context {ev.action}: {float(ev.ratio):.1%} ≥ {float(ev.threshold or 0):.0%} "
+                f"({int(ev.tokens):,} / {int(ev.window):,} tokens)"]
+
+    def tool(self, use: ToolUse) -> list[str]:
+        out: list[str] = []
+        if use.call is not None:
+            args = use.call.arguments
+            args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            out.append(f"> {use.call.tool} {args if self.max_chars is None or len(args) <= 500 else args[:500] + '…'}")
+        if use.result is not None:
+            ev = use.result
+            flags = [w for w, on in (("error", ev.is_error), ("truncated", ev.truncated)) if on]
+            size = f"{ev.returned_chars:,} of {ev.original_chars:,} chars" if ev.truncated else ""
+            out.append(f"< {ev.tool}" + (f" [{', '.join(flags)}]" if flags else "") + (f" {size}" if size else ""))
+            out.extend(self.body(ev.content))
+        return out
+
+    def reminder(self, ev: Reminder) -> list[str]:
+        return [f"[reminder: {ev.reason}]", *self.body(ev.text)]
+
+    def transition(self, ev: Transition) -> list[str]:
+        out = [f"==> {ev.next_step}" + (f" (forced: {ev.reason})" if ev.forced else "")]
+        for key, value in (("summary", ev.summary), ("lessons", ev.lessons), ("question", ev.question),
+                           ("feedback", ev.feedback)):
+            if value:
+                out += [f"  {key}:", *self.body(value)]
+        if ev.subtasks:
+            out.append("  subtasks:")
+            for t in ev.subtasks:
+                out += self.body(f"job {t.job_id}: {t.instruction}" + (f" ({t.piece})" if t.piece else ""), "    - ")
+        return out
+
+    def loop(self, ev: LoopDetected) -> list[str]:
+        return [f"⟳ loop {' → '.join(ev.cycle)} ×{ev.count} (monitor {ev.monitor}, runs "
+                f"{', '.join(map(str, ev.runs))}): then {ev.judge if ev.judge is not None else ev.next}"]
+
+    def divergence(self, ev: ReplayDivergence) -> list[str]:
+        return [f"⚠ divergence: the re-run of {ev.tool} (call {ev.call_id}) gave another result than the original's",
+                "  expected:", *self.body(ev.expected), "  actual:", *self.body(ev.actual)]
+
+
+_TEXT: dict[type, Callable[[_RunText, Any], list[str]]] = {
+    LLMResponse: _RunText.response, Compaction: _RunText.compaction, ErrorEvent: _RunText.error,
+    ContextAction: _RunText.action, ToolUse: _RunText.tool, Reminder: _RunText.reminder,
+    Transition: _RunText.transition, LoopDetected: _RunText.loop, ReplayDivergence: _RunText.divergence,
+}
 
 
 # -- helpers -----------------------------------------------------------------------
