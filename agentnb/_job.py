@@ -1,5 +1,6 @@
 """A job as the facade hands it out (``ws.submit``/``ws.job``/``ws.run``, ``%agent run``): :class:`Job`, whose
-changing fields are read from its workspace's store on each access, and :class:`JobStatus`.
+changing fields are read from its workspace's store on each access, and :class:`JobStatus` (defined in
+``store/base.py``, where the store uses it too, and re-exported here).
 
 ``agentnb.workspace`` re-exports both (and ``JobRef``); a Job reads through its workspace as :class:`JobHost`,
 which the facade satisfies, so this module does not import the facade.
@@ -10,13 +11,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .engine.jobfiles import local_workdir
 from .store import StoreError
-from .store.base import TERMINAL_STATES, WAITING_STATES
+from .store.base import JobStatus
 
 if TYPE_CHECKING:
     from .engine.pieces import Piece
@@ -24,27 +24,6 @@ if TYPE_CHECKING:
     from .store.base import Store
 
 __all__ = ["Job", "JobHost", "JobRef", "JobStatus"]
-
-
-class JobStatus(str, Enum):
-    queued = "queued"
-    running = "running"
-    succeeded = "succeeded"
-    failed = "failed"
-    aborted = "aborted"
-    waiting_human = "waiting_human"
-    waiting_subtasks = "waiting_subtasks"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def terminal(self) -> bool:
-        return self.value in TERMINAL_STATES
-
-    @property
-    def waiting(self) -> bool:
-        return self.value in WAITING_STATES
 
 
 # The columns of a job that change while it runs; a Job reads them again on every access.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .engine.pieces import Piece, load_piece, parse_piece
 from .errors import UsageError
 from .events import ScoreEvent
-from .store.base import TERMINAL_STATES, WAITING_STATES, Store
+from .store.base import JOB_STATES, TERMINAL_STATES, JobStatus, Store
 from .submission import Submitter, remove_folders
 
 if TYPE_CHECKING:
@@ -32,6 +32,9 @@ __all__ = ["DEFAULT_CONCURRENCY", "RESERVED_COLUMNS", "Batch", "BatchHost", "Cas
            "record_scores", "score_jobs", "score_value"]
 
 DEFAULT_CONCURRENCY = 4
+# the statuses a batch run starts or resumes, and the order its summary counts them in
+_PENDING = (JobStatus.queued, JobStatus.running, JobStatus.waiting_subtasks)
+_COUNTED = (JobStatus.succeeded, JobStatus.failed, JobStatus.aborted, JobStatus.running, JobStatus.queued)
 Scorer = Callable[[Any], Any]
 # what a scorer may return; anything else is recorded as the score's error
 SCORE_TYPES = (bool, int, float, str)
@@ -347,8 +350,8 @@ class Batch:
 
     @staticmethod
     def _counts_text(counts: Mapping[str, int]) -> str:
-        parts = [f"{counts[s]} {s}" for s in ("succeeded", "failed", "aborted", "running", "queued") if counts[s]]
-        waiting = counts["waiting_human"] + counts["waiting_subtasks"]
+        parts = [f"{counts[s]} {s}" for s in _COUNTED if counts[s]]
+        waiting = counts[JobStatus.waiting_human] + counts[JobStatus.waiting_subtasks]
         if waiting:
             parts.append(f"{waiting} waiting")
         return ", ".join(parts) or "no jobs"
@@ -383,7 +386,7 @@ class Batch:
     def counts(self) -> dict[str, int]:
         """How many jobs the batch has (``jobs``) and how many are in each status."""
         rows = self.ws.store.jobs(batch=self.name)
-        out = {s: 0 for s in ("queued", "running", "succeeded", "failed", "aborted", *sorted(WAITING_STATES))}
+        out = {s: 0 for s in JOB_STATES}
         for r in rows:
             out[r["status"]] = out.get(r["status"], 0) + 1
         out["jobs"] = len(rows)
@@ -394,7 +397,7 @@ class Batch:
         """Ids of the jobs a run would start or resume: queued ones (new, paused, interrupted) and running
         ones whose process is gone; jobs waiting for their subtasks are included (their children run)."""
         rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: (r["batch_case"], r["batch_variant"]))
-        return [int(r["id"]) for r in rows if r["status"] in ("queued", "running", "waiting_subtasks")]
+        return [int(r["id"]) for r in rows if r["status"] in _PENDING]
 
     def run(self, *, concurrency: int = DEFAULT_CONCURRENCY, scorers: Mapping[str, Scorer] | None = None,
             progress: bool = True, resume: str | None = None) -> Batch:

@@ -29,6 +29,7 @@ from .events import payload_dict
 from .executor import GRACE, check_poll, check_slots
 from .interrupts import Terminated, sigterm_interrupts
 from .store import BACKEND_ERRORS, describe_error
+from .store.base import JobStatus
 from .views.timeline import MovementRun, fold
 
 if TYPE_CHECKING:
@@ -132,21 +133,21 @@ def _print_job(ws: Workspace, job: Job) -> None:
     print(f"  tokens: {ws.store.total_tokens(job.id):,}")
     if job.error:
         print(f"  error: {job.error}")
-    if job.status == "waiting_human":
+    if job.status == JobStatus.waiting_human:
         question = _question(ws, job)
         if question:
             print(f"  question: {question}")
         print(f"  answer with: agentnb reply {job.id} \"…\"")
-    if job.status == "waiting_subtasks":
+    if job.status == JobStatus.waiting_subtasks:
         # the parent only goes on when every child has ended: say which ones are still open and why
         for child in ws.children(job):
             print(f"  subtask job {child.id}: {child.status}  {child.instruction.splitlines()[0][:60] if child.instruction else ''}")
-            if child.status == "waiting_human":
+            if child.status == JobStatus.waiting_human:
                 asked = _question(ws, child)
                 if asked:
                     print(f"    question: {asked}")
                 print(f"    answer with: agentnb reply {child.id} \"…\" --run")
-            elif child.status == "waiting_subtasks":
+            elif child.status == JobStatus.waiting_subtasks:
                 print(f"    waits for its own subtasks: agentnb show {child.id}")
     print(f"  work directory: {job.workdir}")
 
@@ -170,13 +171,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     job = ws.run(job)
     _print_job(ws, job)
-    return 0 if job.status in ("succeeded", "waiting_human", "waiting_subtasks") else 1
+    return 0 if job.status in (JobStatus.succeeded, JobStatus.waiting_human, JobStatus.waiting_subtasks) else 1
 
 
 def _ran(ws: Workspace, job: Job) -> int:
     """Print a job that was run and give ``run``'s exit code for it."""
     _print_job(ws, job)
-    return 0 if job.status in ("succeeded", "waiting_human", "waiting_subtasks") else 1
+    return 0 if job.status in (JobStatus.succeeded, JobStatus.waiting_human, JobStatus.waiting_subtasks) else 1
 
 
 def cmd_fork(args: argparse.Namespace) -> int:
@@ -251,7 +252,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_reply(args: argparse.Namespace) -> int:
     ws = _workspace(args)
     job = ws.reply(args.job, " ".join(args.text))
-    if args.run and job.status == "queued":
+    if args.run and job.status == JobStatus.queued:
         job = _run_up(ws, job)
     _print_job(ws, job)
     return 0
@@ -263,7 +264,7 @@ def _run_up(ws: Workspace, job: Job) -> Job:
     job = ws.run(job)
     while job.parent_id is not None:
         parent = ws.job(job.parent_id)
-        if parent.status != "queued":
+        if parent.status != JobStatus.queued:
             break
         _print_job(ws, job)
         job = ws.run(parent)
@@ -279,7 +280,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
         return 0
     job = _run_up(ws, job)
     _print_job(ws, job)
-    return 0 if job.status in ("succeeded", "waiting_human", "waiting_subtasks") else 1
+    return 0 if job.status in (JobStatus.succeeded, JobStatus.waiting_human, JobStatus.waiting_subtasks) else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -417,7 +418,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
                      name=name, concurrency=args.concurrency, retries=args.retries,
                      max_backoff=args.max_backoff, run=False)
     if args.detach:  # workers (on this or other machines) run the queued jobs; the same command later scores
-        queued = [j.id for j in batch.jobs if j.status == "queued"]
+        queued = [j.id for j in batch.jobs if j.status == JobStatus.queued]
         print(f"batch {batch.name!r}: {len(batch.jobs)} job(s), {len(queued)} queued")
         print("  run them with: agentnb worker (on any machine sharing the store), then run the same command "
               "again without --detach to score and summarise them")
@@ -429,7 +430,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     _print_batch(batch)
-    waiting = [j.id for j in batch.jobs if j.status in ("waiting_human", "waiting_subtasks")]
+    waiting = [j.id for j in batch.jobs if j.status in (JobStatus.waiting_human, JobStatus.waiting_subtasks)]
     if waiting:
         print(f"job(s) {', '.join(map(str, waiting))} wait for a human: see agentnb show JOB, answer with "
               "agentnb reply JOB \"…\", then run the same command again")

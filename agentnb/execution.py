@@ -19,7 +19,6 @@ a job, only this.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import threading
 import time
@@ -42,6 +41,8 @@ from .store.base import (
     STOP_REASON,
     TERMINAL_STATES,
     UNREACHABLE_REASON,
+    JobOptions,
+    JobStatus,
     LeaseLost,
     Store,
     StoreUnreachable,
@@ -50,7 +51,7 @@ from .store.base import (
 
 __all__ = ["Execution"]
 # the statuses of a job whose run has not ended, for a stop to reach its subtasks
-_ACTIVE = ("running", "waiting_subtasks")
+_ACTIVE = (JobStatus.running, JobStatus.waiting_subtasks)
 
 
 class Execution:
@@ -83,7 +84,7 @@ class Execution:
         row = self.store.claim(job_id)
         if row is None:
             current = self.store.job(job_id)
-            if current["status"] == "running":
+            if current["status"] == JobStatus.running:
                 raise StoreError(f"job {job_id} is already running ({current['claimed_by']})")
         return row
 
@@ -100,9 +101,9 @@ class Execution:
         while True:
             row = self.claim(job_id)
             status = self.status(job_id) if row is None else self.run_claimed(row, unit="job")
-            if row is not None and status == "queued":  # stopped
+            if row is not None and status == JobStatus.queued:  # stopped
                 return status
-            if status == "waiting_subtasks" and subtasks and self._run_children(job_id):
+            if status == JobStatus.waiting_subtasks and subtasks and self._run_children(job_id):
                 continue
             return status
 
@@ -113,12 +114,12 @@ class Execution:
             if stop is not None and stop.is_set():
                 break  # the parent was stopped: start no further subtask
             # a child waiting for its own subtasks may have grandchildren that are ready to run
-            if self.status(int(child["id"])) in ("queued", "waiting_subtasks"):
+            if self.status(int(child["id"])) in (JobStatus.queued, JobStatus.waiting_subtasks):
                 try:
                     self.run(int(child["id"]))
                 except StoreError:
                     continue  # claimed by another worker meanwhile
-        return self.status(job_id) == "queued"
+        return self.status(job_id) == JobStatus.queued
 
     def step(self, job_id: int, unit: str) -> str:
         """Run one ``movement`` or one ``call`` of a queued job; its status then (unchanged when not queued)."""
@@ -191,11 +192,11 @@ class Execution:
             self._release(job_id, INTERRUPTED_REASON)
             raise
         stopped = stop.is_set()
-        if stopped and status != "waiting_subtasks":
+        if stopped and status != JobStatus.waiting_subtasks:
             stop.clear()  # a parent that just handed out subtasks keeps it: they do not start (_run_children)
-        if status == "running":
+        if status == JobStatus.running:
             with self.store.transaction() as c:
-                self.store.set_status(c, job_id, "queued", reason=STOP_REASON if stopped else f"paused after one {unit}")
+                self.store.set_status(c, job_id, JobStatus.queued, reason=STOP_REASON if stopped else f"paused after one {unit}")
         self._keep(row, runner)
         if status in TERMINAL_STATES:
             self._file_caches.pop(job_id, None)  # a retry starts from a fresh claim
@@ -208,11 +209,13 @@ class Execution:
         cached = self._runners.get(job_id)
         if cached is not None and cached[1] == mark:
             return cached[0]
-        opts = json.loads(row.get("options") or "{}")
-        settings = {**self.model_settings, **{k: opts[k] for k in ("retries", "max_backoff") if k in opts}}
+        opts = JobOptions.from_json(row.get("options"))
+        mine = {"retries": opts.retries, "max_backoff": opts.max_backoff}
+        settings = {**self.model_settings, **{k: v for k, v in mine.items() if v is not None}}
         model = resolve_model(row["model"], store=self.store, **settings)
         runner = JobRunner(self.store, dict(row), model, self.root / "jobs", files_limit=self.files_limit,
-                           file_cache=self._file_caches.setdefault(job_id, FileCache()) if self.store.keeps_files else None)
+                           file_cache=self._file_caches.setdefault(job_id, FileCache()) if self.store.keeps_files else None,
+                           options=opts)
         self._runners[job_id] = (runner, mark)
         return runner
 
@@ -259,8 +262,8 @@ class Execution:
     def _release(self, job_id: int, reason: str) -> None:
         """Give a job this process was running back to the queue, resumable from its events."""
         with self.store.transaction() as c:
-            if self.store.job(job_id)["status"] == "running":
-                self.store.set_status(c, job_id, "queued", reason=reason)
+            if self.store.job(job_id)["status"] == JobStatus.running:
+                self.store.set_status(c, job_id, JobStatus.queued, reason=reason)
 
     def _cut_off(self, job_id: int) -> None:
         """The store became unreachable while this process ran the job (a server restart, a network cut): the job
@@ -275,9 +278,9 @@ class Execution:
         """The job's model, piece or files cannot be set up: it fails, with the reason as an error event."""
         with self.store.transaction() as c:
             self.store.append([ErrorEvent(job_id=job_id, ts=time.time(), message=str(exc), where="setup")], c)
-            self.store.set_status(c, job_id, "failed", reason=str(exc), error=str(exc))
+            self.store.set_status(c, job_id, JobStatus.failed, reason=str(exc), error=str(exc))
             notify_parent(self.store, c, job_id)
-        return "failed"
+        return JobStatus.failed
 
     def give_back(self, job_id: int) -> bool:
         """An interrupted worker's job whose run did not pause in time: back to the queue (reason
@@ -285,8 +288,8 @@ class Execution:
         True when it was given back."""
         with self.store.transaction() as c:
             row = self.store.job(job_id)
-            if row["status"] == "running" and owned_by_this_process(row["claimed_by"]):
-                self.store.set_status(c, job_id, "queued", reason=INTERRUPTED_REASON)
+            if row["status"] == JobStatus.running and owned_by_this_process(row["claimed_by"]):
+                self.store.set_status(c, job_id, JobStatus.queued, reason=INTERRUPTED_REASON)
                 return True
         return False
 

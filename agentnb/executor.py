@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 from .errors import StoreError, UsageError
 from .interrupts import sigterm_interrupts
 from .progress import BatchProgress, Outcome
-from .store.base import Store, StoreUnreachable
+from .store.base import JobStatus, Store, StoreUnreachable
 from .views.timeline import fold
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
                 job = ws.run(job_id)
             except StoreError:
                 row = ws.store.job(job_id)
-                if row["status"] != "running":
+                if row["status"] != JobStatus.running:
                     raise
                 with lock:  # another process runs it: not ours to run, and not a reason to stop the rest
                     report.skipped.append(job_id)
@@ -259,10 +259,10 @@ def _pause(ws: JobRunnerHost, futures: list[Future[None]], stopping: threading.E
 def _tell(report: RunReport, name: str | None, job_ids: Sequence[int], say: Callable[[str], None],
           resume: str | None = None) -> None:
     """The one line after an interrupt: how many jobs paused, and how to resume."""
-    paused = report.count("queued") + report.count("running")
+    paused = report.count(JobStatus.queued) + report.count(JobStatus.running)
     skipped = set(report.skipped)
     left = sum(1 for j in job_ids if j not in skipped
-               and report.statuses.get(j, "queued") in ("queued", "running", "waiting_subtasks"))
+               and report.statuses.get(j, JobStatus.queued) in (JobStatus.queued, JobStatus.running, JobStatus.waiting_subtasks))
     how = resume or (f"ws.batch({name!r})" if name else "running them again")
     say(f"agentnb: interrupted: {paused} running job(s) paused, {left} not finished; resume with {how}")
 

@@ -19,6 +19,7 @@ from .engine.jobfiles import stored_inputs
 from .engine.pieces import Piece, load_piece
 from .engine.runner import stored_piece
 from .errors import PieceError, UsageError
+from .store.base import JobOptions, JobStatus
 
 if TYPE_CHECKING:
     from .store.base import Store
@@ -49,16 +50,16 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
     line naming what is wrong and what is allowed."""
     row = store.job(job_id)  # StoreError "no job …"
     status = row["status"]
-    if status == "running":
+    if status == JobStatus.running:
         raise UsageError(f"job {job_id} is running; a fork needs a job that has stopped: wait for it to end, or "
                          f"pause it (ws.stop({job_id}), the Stop button) and fork the paused job")
-    if status in ("waiting_human", "waiting_subtasks"):
-        waits = "a human's reply" if status == "waiting_human" else "its subtasks"
+    if status in (JobStatus.waiting_human, JobStatus.waiting_subtasks):
+        waits = "a human's reply" if status == JobStatus.waiting_human else "its subtasks"
         raise UsageError(f"job {job_id} is {status} (it waits for {waits}); a fork needs a job that has stopped: "
                          "reply or let its subtasks end first")
     runs = store.movements(job_id)
     last = len(runs)
-    if status == "queued" and (not runs or runs[-1]["status"] == "done"):
+    if status == JobStatus.queued and (not runs or runs[-1]["status"] == "done"):
         last += 1  # paused between runs: the run it would start next can be forked at too
     last = max(last, 1)
     if isinstance(at, bool) or not isinstance(at, int) or not 1 <= at <= last:
@@ -78,34 +79,28 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
     spec = row["model"] if model is None else model
     if not isinstance(spec, str):
         raise UsageError(f"model={spec!r}; allowed: a model spec such as 'demo', 'scripted:PATH', 'openai:NAME'")
-    options = dict(_options(row))
-    options.pop(STRICT_OPTION, None)
+    options = JobOptions.from_json(row.get("options")).without(STRICT_OPTION)
     if context is not None:  # the fork's own context settings, from its fork point on (merged over the original's)
         from .engine.context import check_context_options
 
         try:
             mine = check_context_options(context, p.thresholds)
-            merged = {**options.get("context", {}), **mine}
+            merged = {**(options.context or {}), **mine}
             if "thresholds" in mine:
-                merged["thresholds"] = {**options.get("context", {}).get("thresholds", {}), **mine["thresholds"]}
-            options["context"] = check_context_options(merged, p.thresholds)
+                merged["thresholds"] = {**options.thresholds, **mine["thresholds"]}
+            options = options.updated(context=check_context_options(merged, p.thresholds))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     if strict:
-        options[STRICT_OPTION] = True
+        options = options.updated(**{STRICT_OPTION: True})
     # where files live in the store (PostgreSQL), the original's input/ is read there: its work directory may
     # be on another machine
     inputs: dict[str, bytes | os.PathLike[str]] = (
         dict(stored_inputs(store, job_id)) if store.keeps_files else dict(_inputs(Path(row["workdir"]) / "input")))
     return ForkPlan(job_id=job_id, at=at, instruction=row["instruction"], piece=p, model=spec,
-                    inputs=inputs, options=options,
+                    inputs=inputs, options=options.to_dict(),
                     first=start if at == 1 and start != p.initial_movement else None)
 
-
-def _options(row: dict[str, Any]) -> dict[str, Any]:
-    import json
-
-    return dict(json.loads(row.get("options") or "{}"))
 
 
 def _inputs(folder: Path) -> dict[str, os.PathLike[str]]:

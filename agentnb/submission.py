@@ -20,7 +20,7 @@ from .engine.workdir import prepare_workdir
 from .errors import PathNotFoundError, UsageError
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
-from .store.base import MAX_INSTRUCTION_CHARS, Store, Transaction
+from .store.base import MAX_INSTRUCTION_CHARS, JobStatus, Store, Transaction
 from .tools.base import ToolError, resolve_path
 
 __all__ = ["Prepared", "Submitter", "input_size", "remove_folders"]
@@ -141,7 +141,7 @@ class Submitter:
         p = prepared.piece
         job_id = self.store.create_job(
             piece=p.name, piece_yaml=p.to_yaml(), piece_path=p.source, model=prepared.model,
-            instruction=prepared.instruction, status="queued", workdir="", options=prepared.options, **tags,
+            instruction=prepared.instruction, status=JobStatus.queued, workdir="", options=prepared.options, **tags,
         )
         job_folder = self.root / "jobs" / str(job_id)
         if not job_folder.exists():  # else not ours to remove if this fails

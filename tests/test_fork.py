@@ -229,6 +229,18 @@ def test_a_fork_keeps_the_originals_context_for_re_served_runs(ws: Workspace, tm
     assert [m["forced"] for m in ws.movements(fork)] == [m["forced"] for m in ws.movements(job)]
 
 
+def test_a_fork_keeps_the_options_this_version_does_not_know_in_their_place(ws: Workspace,
+                                                                           original: agentnb.Job) -> None:
+    """A key a newer version wrote into a job's options survives a fork where it was; the fork's own settings
+    follow it, and a strict fork's flag goes last, as the stored text had them before the options were typed."""
+    with ws.store.transaction() as c:
+        ws.store.update_job(c, original.id, options='{"future":{"x":1},"strict_replay":true}')
+    fork = ws.fork(original, at=2, strict=True, context={"window_tokens": 9000})
+    assert ws.store.job(fork.id)["options"] == \
+        '{"future":{"x":1},"context":{"window_tokens":9000},"strict_replay":true}'
+    assert ws.store.job(ws.fork(fork, at=2).id)["options"] == '{"future":{"x":1},"context":{"window_tokens":9000}}'
+
+
 def test_a_fork_resumes_in_another_process_in_the_middle_of_its_re_served_runs(ws: Workspace, tmp_path: Path,
                                                                                original: agentnb.Job) -> None:
     fork = ws.fork(original, at=3, run=False)

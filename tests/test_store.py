@@ -361,3 +361,15 @@ def test_rows_are_encoded_before_the_store_lock_is_taken(tmp_path: Path, monkeyp
     (back,) = store.events(job_id, kinds=["movement_start"])
     assert isinstance(back, MovementStart) and back.user == user
     assert [e.kind for e in store.events(job_id)][-3:] == ["comment", "tool_result", "movement_start"]
+
+
+@pytest.mark.parametrize("text", ["{}", '{"retries":3,"max_backoff":2.0}', '{"context":{"window_tokens":9000,"thresholds":'
+                                  '{"prompt":0.8}},"strict_replay":true,"subtask_cap":{"tools":["Read"],"permission":"read"}}',
+                                  '{"zukunft":"ä","retries":1,"nested":[1,{"a":null}]}'])
+def test_job_options_are_decoded_and_written_back_to_the_same_text(text: str) -> None:
+    from agentnb.store.base import JobOptions
+
+    options = JobOptions.from_json(text)
+    assert options.to_json() == text
+    assert JobOptions.from_json(options.updated(retries=5).to_json()).retries == 5
+    assert "zukunft" not in options.without("zukunft").to_dict()

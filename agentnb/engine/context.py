@@ -14,13 +14,16 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
 from ..events import ACTIONS, ContextActionName, UsageSource
 from ..models.messages import AssistantMessage, Message, TokenUsage, UserMessage
 from .pieces import COMPACTION_DEFAULTS, DEFAULT_THRESHOLDS, ON_PRESSURE
 from .tokens import CHARS_PER_TOKEN, TokenCounter, counter_for_model
+
+if TYPE_CHECKING:
+    from ..store.base import JobOptions
 
 __all__ = [
     "DEFAULT_MIN_TOOL_TOKENS",
@@ -292,11 +295,11 @@ class ContextManager:
         return CHARS_PER_TOKEN if self.counter.source == "chars" else 3.5
 
 
-def job_thresholds(piece_thresholds: Mapping[str, float], options: Mapping[str, Any] | None) -> dict[str, float]:
+def job_thresholds(piece_thresholds: Mapping[str, float], options: JobOptions | None) -> dict[str, float]:
     """The thresholds a job runs with: its piece's, overridden by the ``context=`` it was submitted with
     (``options`` is the job's stored options).  The runner, the frames, the plots and the panel all ask here."""
     merged = dict(piece_thresholds)
-    merged.update(((options or {}).get("context") or {}).get("thresholds") or {})
+    merged.update(options.thresholds if options is not None else {})
     return {k: float(v) for k, v in merged.items()}
 
 

@@ -22,7 +22,7 @@ from ..errors import StoreError
 from ..events import ErrorEvent, Lesson, LoopDetected, Subtask, Transition
 from ..models.base import Model, ModelError
 from ..models.replay import Recording
-from ..store.base import LeaseLost, StoreUnreachable
+from ..store.base import JobOptions, JobStatus, LeaseLost, StoreUnreachable
 from ..tools.base import ToolError, open_regular, unlinked_path
 from .context import ContextManager, job_thresholds, window_for_model
 from .jobfiles import DEFAULT_FILES_LIMIT, FileCache, FilesOverLimit, WriteBack, local_workdir, plan_write_back
@@ -31,7 +31,7 @@ from .loops import Run, find_loop, judge_instruction, last_judgements
 from .pieces import Movement, Piece, parse_piece
 from .prompts import activation_instruction, clock_block, user_prompt
 from .steps import Abort, Ask, Complete, Fail, GoTo, NextStep, WaitSubtasks, next_step
-from .subtasks import CAP_OPTION, Subtasks, capped, notify_parent
+from .subtasks import Subtasks, capped, notify_parent
 
 if TYPE_CHECKING:
     from ..store.base import Store
@@ -43,12 +43,14 @@ class JobRunner:
     """Drives one job; one instance per job per process, rebuilt from the store when needed."""
 
     def __init__(self, store: Store, job: dict[str, Any], model: Model, jobs_root: Path, *,
-                 files_limit: int = DEFAULT_FILES_LIMIT, file_cache: FileCache | None = None) -> None:
+                 files_limit: int = DEFAULT_FILES_LIMIT, file_cache: FileCache | None = None,
+                 options: JobOptions | None = None) -> None:
         self.store = store
         self.job_id = int(job["id"])
         self.model = model
         self.piece: Piece = stored_piece(job)
-        self.options: dict[str, Any] = json.loads(job.get("options") or "{}")
+        # the caller may have decoded them already (the execution, for the model's retry settings)
+        self.options = JobOptions.from_json(job.get("options")) if options is None else options
         self.model_spec = str(job["model"])
         # where files live in the store, the job works under this process's own folder (engine/jobfiles.py)
         self.workdir = local_workdir(jobs_root.parent, job, store.keeps_files)
@@ -70,7 +72,7 @@ class JobRunner:
         self.fork_seq = int(job.get("forked_from_seq") or 0)
         self.recording = (Recording(store, int(job["forked_from_job"]), before=self.fork_seq)
                           if job.get("forked_from_job") else None)
-        self.strict = bool(self.options.get("strict_replay"))
+        self.strict = bool(self.options.strict_replay)
         by_movement = store.calls_by_movement(self.job_id)
         self.counters = CallCounters(call_index=sum(by_movement.values()), by_movement=by_movement)
         open_mv = store.open_movement(self.job_id)
@@ -98,8 +100,8 @@ class JobRunner:
         piece, options, spec = self.piece, self.options, self.model.spec
         if self._replayed(seq):  # re-served: the ContextManager the run had, so budgets and actions match
             row = self._live_row(seq)
-            piece, options, spec = stored_piece(row), json.loads(row.get("options") or "{}"), str(row["model"])
-        opts = options.get("context", {})
+            piece, options, spec = stored_piece(row), JobOptions.from_json(row.get("options")), str(row["model"])
+        opts = options.context or {}
         window = opts.get("window_tokens") or piece.window_tokens or window_for_model(spec)
         thresholds = job_thresholds(piece.thresholds, options)
         # compaction (docs/context.md#compaction): the job's context= over the movement's context: over the piece's
@@ -114,7 +116,7 @@ class JobRunner:
     def _make_loop(self, movement: Movement, seq: int) -> AgentLoop:
         # A subtask runs within the rights of the movement that created it, whatever its stored piece says:
         # the check at transition time is the first line, this is the second (a row written any other way).
-        movement = capped(movement, self.options.get(CAP_OPTION))
+        movement = capped(movement, self.options.subtask_cap)
         return AgentLoop(
             recorder=self.rec, movement=movement, seq=seq, model=self.model, ctx=self._context_manager(seq, movement),
             workdir=self.workdir, logs_dir=self.logs_dir, language=self._piece_at(seq).language,
@@ -147,7 +149,7 @@ class JobRunner:
                 outcome = self.loop.call()
                 if outcome is not None:
                     status = self._finish_movement(outcome)
-                    if unit != "job" or status != "running":
+                    if unit != "job" or status != JobStatus.running:
                         return status
                 elif unit == "call":
                     return self._pause()
@@ -186,7 +188,7 @@ class JobRunner:
             self.rec.flush(c)
             if files is not None:
                 files.apply(self.store, c, self.job_id)
-        return "running"
+        return JobStatus.running
 
     def _fail(self, message: str, where: str, *, write_files: bool = True) -> str:
         loop = self.loop
@@ -212,10 +214,10 @@ class JobRunner:
             self.rec.flush(c)
             if loop is not None:
                 self.store.fail_movement(c, self.job_id, loop.seq, iterations=loop.iteration)
-            self.store.set_status(c, self.job_id, "failed", reason=message, error=message)
+            self.store.set_status(c, self.job_id, JobStatus.failed, reason=message, error=message)
             notify_parent(self.store, c, self.job_id)
         self.loop = None
-        return "failed"
+        return JobStatus.failed
 
     def _start_movement(self) -> bool:
         job = self.job()
@@ -371,29 +373,29 @@ class JobRunner:
         """Move the job to ``step`` in the store's transaction ``c``; the job's status afterwards."""
         match step:
             case Complete():
-                self.store.set_status(c, self.job_id, "succeeded", reason=why)
+                self.store.set_status(c, self.job_id, JobStatus.succeeded, reason=why)
                 notify_parent(self.store, c, self.job_id)
-                return "succeeded"
+                return JobStatus.succeeded
             case Abort(reason=reason):
-                self.store.set_status(c, self.job_id, "aborted", reason=why, error=reason)
+                self.store.set_status(c, self.job_id, JobStatus.aborted, reason=why, error=reason)
                 notify_parent(self.store, c, self.job_id)
-                return "aborted"
+                return JobStatus.aborted
             case Ask(question=question, resume=resume):
                 self.store.add_comment(c, self.job_id, "agent", question)
-                self.store.set_status(c, self.job_id, "waiting_human", reason=why, resume_movement=resume,
+                self.store.set_status(c, self.job_id, JobStatus.waiting_human, reason=why, resume_movement=resume,
                                       enriched=None)
-                return "waiting_human"
+                return JobStatus.waiting_human
             case Fail(message=message):
-                self.store.set_status(c, self.job_id, "failed", reason=why, error=message)
+                self.store.set_status(c, self.job_id, JobStatus.failed, reason=why, error=message)
                 notify_parent(self.store, c, self.job_id)
-                return "failed"
+                return JobStatus.failed
             case WaitSubtasks(resume=resume):
-                self.store.set_status(c, self.job_id, "waiting_subtasks", reason=why, resume_movement=resume,
+                self.store.set_status(c, self.job_id, JobStatus.waiting_subtasks, reason=why, resume_movement=resume,
                                       enriched=None)
-                return "waiting_subtasks"
+                return JobStatus.waiting_subtasks
             case GoTo(movement=movement):
                 self.store.update_job(c, self.job_id, current_movement=movement)
-                return "running"
+                return JobStatus.running
 
     def _reserve_reply(self, c: Any, seq: int, step: Ask) -> str:
         """A re-served run asked a human: re-serve the conversation its original had before its next run (the
@@ -411,7 +413,7 @@ class JobRunner:
                                           clock=clock_block(then.user) if then is not None else None,
                                           workdir=self.workdir)
         self.store.update_job(c, self.job_id, current_movement=step.resume, enriched=enriched)
-        return "running"
+        return JobStatus.running
 
     # -- lessons --------------------------------------------------------------
     def _write_lesson_file_back(self, seq: int, it: int) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..events import JobStatusEvent, Subtask
 from ..models.base import ModelSpecError, check_model_spec, normalise_spec
-from ..store.base import MAX_INSTRUCTION_CHARS
+from ..store.base import MAX_INSTRUCTION_CHARS, JobOptions, JobStatus
 from ..tools.base import PERMISSION_RANK
 from .jobfiles import workdir_column
 from .pieces import Movement, Piece, PieceError, available_pieces, load_piece
@@ -86,9 +86,9 @@ class Subtasks:
     def create(self, c: Any, requests: tuple[dict[str, Any], ...], creator: Movement) -> list[Subtask]:
         """Queue one child job per request, in the store's transaction ``c``, each capped to ``creator``'s rights."""
         parent = self.store.job(self.job_id)
-        options = json.loads(parent["options"] or "{}")
         # what the child may never exceed, kept with it and enforced again by its loop (see capped)
-        options[CAP_OPTION] = {"tools": list(creator.tools), "permission": creator.permission}
+        options = JobOptions.from_json(parent["options"]).updated(
+            **{CAP_OPTION: {"tools": list(creator.tools), "permission": creator.permission}})
         created = []
         for sub in requests:
             try:  # checked when the transition was made; checked again, as the piece file may have changed since
@@ -102,11 +102,11 @@ class Subtasks:
                 piece_name, piece_yaml, piece_path = parent["piece"], parent["piece_yaml"], parent["piece_path"]
             child_id = self.store.create_child_job(
                 c, self.job_id, piece=piece_name, piece_yaml=piece_yaml, piece_path=piece_path, model=model,
-                instruction=sub["instruction"], options=json.dumps(options),
+                instruction=sub["instruction"], options=json.dumps(options.to_dict()),
             )
             workdir = prepare_workdir(self.logs_dir.parents[2], child_id, None)
             self.store.update_job(c, child_id, workdir=workdir_column(self.store, child_id, workdir))
-            self.store.append([JobStatusEvent(job_id=child_id, ts=time.time(), status="queued",
+            self.store.append([JobStatusEvent(job_id=child_id, ts=time.time(), status=JobStatus.queued,
                                               reason=f"subtask of job {self.job_id}")], c)
             created.append(Subtask(instruction=sub["instruction"], piece=piece_name, model=model, job_id=child_id))
         return created
@@ -125,7 +125,7 @@ class Subtasks:
             )
             workdir = prepare_workdir(self.logs_dir.parents[2], child_id, None)
             self.store.update_job(c, child_id, workdir=workdir_column(self.store, child_id, workdir))
-            self.store.append([JobStatusEvent(job_id=child_id, ts=time.time(), status="queued",
+            self.store.append([JobStatusEvent(job_id=child_id, ts=time.time(), status=JobStatus.queued,
                                               reason=f"subtask of job {self.job_id}, re-served from job {sub.job_id}")],
                               c)
             created.append(Subtask(instruction=row["instruction"], piece=row["piece"], model=model, job_id=child_id))
@@ -225,5 +225,5 @@ def notify_parent(store: Store, c: Any, job_id: int) -> None:
         return
     waiting, resume = store.subtask_wait(c, parent_id)
     if waiting and store.open_children(c, parent_id) == 0:
-        store.set_status(c, parent_id, "queued", reason="every subtask has ended",
+        store.set_status(c, parent_id, JobStatus.queued, reason="every subtask has ended",
                          current_movement=resume, resume_movement=None)

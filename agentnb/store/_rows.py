@@ -40,7 +40,7 @@ from ..events import (
     event_from_row,
     payload_dict,
 )
-from .base import TERMINAL_STATES
+from .base import TERMINAL_STATES, JobStatus
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
 
 __all__ = ["JOB_COLUMNS", "UPDATABLE", "StoreRows", "events_query"]
@@ -175,7 +175,7 @@ class StoreRows(ABC, Generic[C]):
         now = time.time()
         if status in TERMINAL_STATES:
             values.setdefault("ended", now)
-        if status != "running":
+        if status != JobStatus.running:
             values.setdefault("claimed_by", None)
             values.setdefault("lease_until", None)
         return JobStatusEvent(job_id=job_id, ts=now, status=status, reason=reason)

@@ -43,7 +43,7 @@ from ..errors import StoreError, UsageError
 from ..events import JobStatusEvent, encode_payload, payload_dict
 from ._copy_files import FileRow, read_tree, write_tree
 from ._pg_dialect import no_nul
-from .base import Store
+from .base import JobStatus, Store
 from .sqlite import SQLiteStore
 
 __all__ = ["COPIED_TABLES", "CopyCounts", "copy_store", "summary_lines"]
@@ -448,8 +448,8 @@ def _row_fixer(table: str, cols: Sequence[str], source: _Side,
         for c in ("claimed_by", "lease_until"):
             if c in pos:
                 out[pos[c]] = None
-        if out[pos["status"]] == "running":
-            out[pos["status"]] = "queued"
+        if out[pos["status"]] == JobStatus.running:
+            out[pos["status"]] = JobStatus.queued.value
         # where the job works in DST: under DST's folder (SQLite), or the relative jobs/<id> that a PostgreSQL
         # store's jobs hold (each worker materialises it in its own folder)
         job_id = int(row[pos["id"]])
@@ -463,7 +463,7 @@ def _requeue(target: _Side, job_ids: list[int]) -> None:
     """The ``job_status`` event of each job copied as queued (it was running in SRC), after every copied event."""
     rows = []
     for job_id in job_ids:
-        ev = JobStatusEvent(job_id=job_id, ts=time.time(), status="queued", reason=COPIED_REASON)
+        ev = JobStatusEvent(job_id=job_id, ts=time.time(), status=JobStatus.queued, reason=COPIED_REASON)
         rows.append((job_id, None, None, ev.ts, ev.kind, encode_payload(payload_dict(ev))))
     target.insert("events", ("job_id", "movement_seq", "iteration", "ts", "kind", "payload"), rows)
 

@@ -72,6 +72,7 @@ from .base import (
     TERMINAL_STATES,
     FrameQuery,
     FrameRows,
+    JobStatus,
     LeaseLost,
     StoredFile,
     StoreUnreachable,
@@ -424,7 +425,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
     # -- jobs ------------------------------------------------------------------
     def create_job(self, **values: Any) -> int:
         now = time.time()
-        values.setdefault("status", "queued")
+        values.setdefault("status", JobStatus.queued)
         values.setdefault("created", now)
         values.setdefault("updated", now)
         if isinstance(values.get("options"), dict):
@@ -438,7 +439,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             assert row is not None  # INSERT … RETURNING gives its row
             job_id = int(row[0])
             self._append(conn, [JobStatusEvent(job_id=job_id, ts=now, status=values["status"], reason="submitted")])
-            if values["status"] == "queued":
+            if values["status"] == JobStatus.queued:
                 self._notify(conn)
         return job_id
 
@@ -503,7 +504,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
         event = self._status_change(job_id, status, reason, values)
         self.update_job(c, job_id, status=status, **values)
         self._append(self._tx(c), [event])
-        if status == "queued":
+        if status == JobStatus.queued:
             self._notify(self._tx(c))
 
     def claim(self, job_id: int | None = None, owner: str | None = None,
@@ -536,7 +537,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
                              (owner, now, now, seconds, job_id))
             if cur.rowcount != 1:
                 return None
-            self._append(conn, [JobStatusEvent(job_id=job_id, ts=time.time(), status="running",
+            self._append(conn, [JobStatusEvent(job_id=job_id, ts=time.time(), status=JobStatus.running,
                                                reason=f"claimed by {owner}")])
             with conn.cursor(row_factory=dict_row) as dcur:
                 dcur.execute("SELECT * FROM jobs WHERE id=%s", (job_id,))
@@ -572,7 +573,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
                 continue
             self._local.locked.add(int(jid))
             self._exec(c, "UPDATE jobs SET lease_gen=lease_gen+1 WHERE id=?", (int(jid),))
-            self.set_status(cast(Transaction, c), int(jid), "queued", reason=reason)
+            self.set_status(cast(Transaction, c), int(jid), JobStatus.queued, reason=reason)
 
     def renew_lease(self, job_id: int, gen: int, lease: float) -> bool:
         # no store-wide lock: one row, and it waits only for its own holder's write in progress
@@ -792,7 +793,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             self._tx(c),
             "INSERT INTO jobs (parent_id, piece, piece_yaml, piece_path, model, instruction, status, workdir, "
             "options, created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?) RETURNING id",
-            (parent_id, piece, piece_yaml, piece_path, model, self._clean(instruction), "queued", "",
+            (parent_id, piece, piece_yaml, piece_path, model, self._clean(instruction), JobStatus.queued, "",
              self._clean_json(options), now, now),
         ).fetchone()
         assert row is not None  # INSERT … RETURNING gives its row
@@ -806,7 +807,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
     def subtask_wait(self, c: Transaction, job_id: int) -> tuple[bool, str | None]:
         row = self._exec(self._tx(c), "SELECT status, resume_movement, current_movement FROM jobs WHERE id=?",
                          (job_id,)).fetchone()
-        if row is None or row[0] != "waiting_subtasks":
+        if row is None or row[0] != JobStatus.waiting_subtasks:
             return False, None
         return True, row[1] or row[2]
 

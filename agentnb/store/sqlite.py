@@ -44,6 +44,7 @@ from .base import (
     WAITING_STATES,
     FrameQuery,
     FrameRows,
+    JobStatus,
     StoredFile,
     Transaction,
     can_name_a_job,
@@ -356,7 +357,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
     # -- jobs ---------------------------------------------------------------
     def create_job(self, **values: Any) -> int:
         now = time.time()
-        values.setdefault("status", "queued")
+        values.setdefault("status", JobStatus.queued)
         values.setdefault("created", now)
         values.setdefault("updated", now)
         if isinstance(values.get("options"), dict):
@@ -464,7 +465,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
             )
             if cur.rowcount != 1:
                 return None
-            self._append(conn, [JobStatusEvent(job_id=job_id, ts=time.time(), status="running",
+            self._append(conn, [JobStatusEvent(job_id=job_id, ts=time.time(), status=JobStatus.running,
                                                reason=f"claimed by {owner}")])
             return self._job_dict(conn.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone())
 
@@ -487,7 +488,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
             else:
                 continue
             c.execute("UPDATE jobs SET lease_gen=lease_gen+1 WHERE id=?", (int(jid),))
-            self.set_status(c, int(jid), "queued", reason=reason)
+            self.set_status(c, int(jid), JobStatus.queued, reason=reason)
 
     def renew_lease(self, job_id: int, gen: int, lease: float) -> bool:
         with self.transaction() as c:
@@ -718,7 +719,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
         cur = self._tx(c).execute(
             "INSERT INTO jobs (parent_id, piece, piece_yaml, piece_path, model, instruction, status, workdir, "
             "options, created, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            (parent_id, piece, piece_yaml, piece_path, model, self._clean(instruction), "queued", "",
+            (parent_id, piece, piece_yaml, piece_path, model, self._clean(instruction), JobStatus.queued, "",
              self._clean_json(options), now, now),
         )
         return int(cur.lastrowid)  # type: ignore[arg-type]
@@ -733,7 +734,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
         (the one it named, else its current one)."""
         row = self._tx(c).execute("SELECT status, resume_movement, current_movement FROM jobs WHERE id=?",
                         (job_id,)).fetchone()
-        if row is None or row[0] != "waiting_subtasks":
+        if row is None or row[0] != JobStatus.waiting_subtasks:
             return False, None
         return True, row[1] or row[2]
 
