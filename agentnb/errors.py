@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "AgentnbError",
+    "CallCancelled",
     "ModelError",
     "ModelSpecError",
     "NotFoundError",
@@ -39,6 +40,20 @@ class ModelSpecError(AgentnbError, ValueError):
 
 class ModelError(AgentnbError, RuntimeError):
     """A model call that failed for good (after any retries)."""
+
+
+class CallCancelled(AgentnbError):
+    """A model call cut off mid-answer because its job was asked to stop (docs/models.md#streaming).
+
+    Not a failure: no ``llm_response`` is made from a partial answer, the job pauses, and the call is asked
+    again on resume.  ``partial_text`` and ``partial_arguments`` hold what had arrived (for a token estimate).
+    """
+
+    def __init__(self, message: str = "the call was stopped mid-answer", *, partial_text: str = "",
+                 partial_arguments: str = "") -> None:
+        super().__init__(message)
+        self.partial_text = partial_text
+        self.partial_arguments = partial_arguments
 
 
 class StoreError(AgentnbError, RuntimeError):

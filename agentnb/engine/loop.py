@@ -50,6 +50,7 @@ from ..events import (
 from ..models.base import Model, ModelError, ModelRequest, ModelResponse, ToolCall
 from ..models.messages import (
     AssistantMessage,
+    Delta,
     ImagePart,
     Message,
     SystemMessage,
@@ -387,6 +388,8 @@ class AgentLoop:
         else:
             self.rec.still_held()  # again: the flush above may have waited long for the store
             live.notice(self.rec.store, self.rec.job_id, "call_started", movement_seq=seq, iteration=it)
+            if live.listening() and live.wants(self.rec.store, (self.rec.job_id,)):
+                request.on_delta = _delta_publisher(self.rec.store, self.rec.job_id, seq, it)
             response = self.model.complete(request)
             # a replayed response keeps its original's latency, so a replay's events are its original's
             latency_s = response.latency_s if response.latency_s is not None else round(time.perf_counter() - started, 6)
@@ -797,3 +800,13 @@ def _image_message(tool: str, data_url: str) -> UserMessage:
 def _is_attachment(m: Message) -> bool:
     """A user message carrying a tool's images: it belongs with the tool results before it."""
     return isinstance(m, UserMessage) and bool(m.images)
+
+
+def _delta_publisher(store: Any, job_id: int, seq: int, iteration: int) -> Callable[[Delta], None]:
+    """Publish each streamed fragment of call ``iteration`` as a ``delta`` notice (docs/python-api.md#live-events):
+    only while someone in this process watches the job, and never stored."""
+
+    def publish(delta: Delta) -> None:
+        live.notice(store, job_id, "delta", movement_seq=seq, iteration=iteration, delta=delta)
+
+    return publish

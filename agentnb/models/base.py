@@ -10,7 +10,12 @@ the same answers.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence  # not typing's: their isinstance checks are several times slower
+import threading
+from collections.abc import (  # not typing's: their isinstance checks are several times slower
+    Callable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any, Protocol, runtime_checkable
@@ -18,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 import yaml
 
 from ..errors import ModelError, ModelSpecError, UsageError
-from .messages import Message, TokenUsage, ToolCallPart
+from .messages import Delta, Message, TokenUsage, ToolCallPart
 
 __all__ = [
     "MODEL_SPECS",
@@ -108,6 +113,10 @@ class ModelRequest:
     extra: dict[str, Any] = field(default_factory=dict)
     # None for a turn of the conversation; "compaction" for the tool-less call that summarises it (docs/context.md#compaction)
     purpose: str | None = None
+    # streaming (docs/models.md#streaming): a model that streams hands each fragment to ``on_delta`` as it
+    # arrives (None: nobody watches), and stops reading at once, raising CallCancelled, when ``cancel`` is set
+    on_delta: Callable[[Delta], None] | None = None
+    cancel: threading.Event | None = None
 
 
 @runtime_checkable

@@ -19,6 +19,7 @@ from ..events import UsageSource
 
 __all__ = [
     "AssistantMessage",
+    "Delta",
     "ImagePart",
     "Message",
     "SystemMessage",
@@ -42,6 +43,21 @@ class ToolCallPart:
     def arguments_text(self) -> str:
         """The arguments as the model is sent them back: its own text when kept, else ``arguments`` as JSON."""
         return self.raw_arguments or json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """A fragment of an answer as it streams in (docs/models.md#streaming): some text, or a piece of tool call
+    ``tool_index`` (its id and name in the fragment that opens it, then its JSON argument text in pieces).
+
+    Deltas are shown live and never stored: the answer they add up to is recorded as one ``llm_response``.
+    """
+
+    text: str = ""
+    tool_index: int | None = None
+    tool_id: str | None = None
+    tool_name: str | None = None
+    arguments: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ from ..events import (
     event_from_row,
     payload_dict,
 )
-from .base import TERMINAL_STATES, JobStatus
+from .base import TERMINAL_STATES, Dialect, FrameRows, JobStatus
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
 
 __all__ = ["JOB_COLUMNS", "UPDATABLE", "StoreRows", "events_query"]
@@ -89,6 +89,16 @@ class StoreRows(ABC, Generic[C]):
     _strict: bool  # every appended event is type-checked (events.strict_events, read once)
     _texts: dict[str, str]  # a few texts by hash (they never change)
     _texts_lock: AbstractContextManager[Any]  # guards _texts
+
+    dialect: Dialect  # the SQL this backend speaks (a class attribute of each store)
+
+    def rows(self, sql: str, params: Sequence[Any] = ()) -> FrameRows:
+        """Column names and row tuples of a read-only query written once for both backends (``?`` placeholders,
+        SQL both engines take); the derived reads of :mod:`agentnb.store.reads` are built on it."""
+        return self._tuples(sql, params)
+
+    @abstractmethod
+    def _tuples(self, sql: str, params: Sequence[Any]) -> FrameRows: ...
 
     # -- each store's own SQL ---------------------------------------------------------------------------------
     @abstractmethod

@@ -34,6 +34,7 @@ __all__ = [
     "TERMINAL_STATES",
     "UNREACHABLE_REASON",
     "WAITING_STATES",
+    "Dialect",
     "FrameQuery",
     "FrameRows",
     "JobOptions",
@@ -267,6 +268,8 @@ FRAME_QUERIES: tuple[FrameQuery, ...] = ("jobs", "movements", "messages", "tool_
                                          "compactions", "loops")
 # column names, then plain row tuples
 FrameRows = tuple[list[str], list[tuple[Any, ...]]]
+# the SQL a backend speaks: frames_sql.py renders each frame for both; store/reads.py writes SQL both take
+Dialect = Literal["sqlite", "postgres"]
 
 
 @dataclass(frozen=True)
@@ -507,6 +510,16 @@ class Store(Protocol):
         ...
 
     # -- the DataFrame views --------------------------------------------------------------------------------
+    @property
+    def dialect(self) -> Dialect:
+        """The SQL this backend speaks (``sqlite`` or ``postgres``)."""
+        ...
+
+    def rows(self, sql: str, params: Sequence[Any] = ()) -> FrameRows:
+        """Column names and row tuples of a read-only query with ``?`` placeholders in SQL both backends take:
+        what the derived reads of :mod:`agentnb.store.reads` are built on."""
+        ...
+
     def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
         """The rows of one of ``ws.frames``' views, of one job or (None) of every job."""
         ...

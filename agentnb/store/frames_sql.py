@@ -11,7 +11,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from ..events import (
     ACTIONS,
@@ -30,7 +30,7 @@ from ..events import (
     Transition,
     payload_path,
 )
-from .base import FrameQuery
+from .base import Dialect, FrameQuery
 from .texts import instruction_sql, payload_text_sql
 
 __all__ = ["FRAME_SQL", "PG_FRAME_SQL", "Dialect", "FrameSQL", "frame_sql"]
@@ -48,7 +48,6 @@ __all__ = ["FRAME_SQL", "PG_FRAME_SQL", "Dialect", "FrameSQL", "frame_sql"]
 # numbers, string aggregation, NULL-safe equality, integer truncation) the SQL is asked of the dialect, so a
 # frame's shape cannot drift between the backends; the same rows come out of both (tests/test_store_postgres.py).
 
-Dialect = Literal["sqlite", "postgres"]
 FrameSQL = dict[FrameQuery, tuple[str, tuple[str, ...]]]
 
 

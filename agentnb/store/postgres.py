@@ -70,6 +70,7 @@ from .base import (
     LEASE_EXPIRED,
     RECOVERED,
     TERMINAL_STATES,
+    Dialect,
     FrameQuery,
     FrameRows,
     JobStatus,
@@ -174,6 +175,8 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
     ``readonly=True`` refuses every write (:meth:`transaction` raises), as SQLite's read-only store does.
     ``pool_size`` is the most connections this process holds: one per thread inside a transaction.
     """
+
+    dialect: Dialect = "postgres"
 
     def __init__(self, url: str, *, readonly: bool = False, pool_size: int = 16,
                  connect_timeout: float = 10.0, lease: float = DEFAULT_LEASE) -> None:

@@ -42,6 +42,7 @@ from .base import (
     RECOVERED,
     TERMINAL_STATES,
     WAITING_STATES,
+    Dialect,
     FrameQuery,
     FrameRows,
     JobStatus,
@@ -111,6 +112,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
     ``readonly=True`` opens it for reading only and never writes a byte: a read-only folder
     or mount works, and a missing file reads as an empty store (nothing is created).
     """
+
+    dialect: Dialect = "sqlite"
 
     def __init__(self, path: str | os.PathLike[str], *, readonly: bool = False) -> None:
         self.path = Path(path)
