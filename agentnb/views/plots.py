@@ -66,6 +66,7 @@ from matplotlib.figure import Figure
 from ..engine.pieces import DEFAULT_THRESHOLDS
 from ..errors import UsageError
 from ..models.base import short_spec
+from ..store.base import JobStatus
 from .plot_labels import NEAR as _NEAR
 from .plot_labels import fit_labels as _fit_labels
 from .plot_labels import leader as _leader
@@ -109,14 +110,14 @@ class _AttachedJob(Protocol):
 _LABEL_SIZE = "small"
 # room above the highest call, so the label of an action fired there fits inside the axes
 _HEADROOM = 1.12
-_NO_CALLS = {
-    "queued": "Queued: no LLM call yet. Run or step it, then plot it again.",
-    "running": "Running: its first LLM call has not returned yet.",
-    "waiting_human": "Waiting for a human: no LLM call yet.",
-    "waiting_subtasks": "Waiting for its subtasks: no LLM call of its own.",
-    "succeeded": "Succeeded without any LLM call.",
-    "failed": "Failed before its first LLM call.",
-    "aborted": "Aborted before its first LLM call.",
+_NO_CALLS: dict[str, str] = {
+    JobStatus.queued: "Queued: no LLM call yet. Run or step it, then plot it again.",
+    JobStatus.running: "Running: its first LLM call has not returned yet.",
+    JobStatus.waiting_human: "Waiting for a human: no LLM call yet.",
+    JobStatus.waiting_subtasks: "Waiting for its subtasks: no LLM call of its own.",
+    JobStatus.succeeded: "Succeeded without any LLM call.",
+    JobStatus.failed: "Failed before its first LLM call.",
+    JobStatus.aborted: "Aborted before its first LLM call.",
 }
 # Fonts with Japanese (and other CJK) glyphs, best first.  matplotlib's default DejaVu Sans has none, so
 # a movement named 下書き would be drawn as boxes even where the system has such a font.
@@ -204,7 +205,7 @@ def plot_usage(
 
 def _draw_no_calls(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure:
     """What happened, in words: axes without a call would only show an empty 0–1 grid."""
-    failed = t.status in ("failed", "aborted")
+    failed = t.status in (JobStatus.failed, JobStatus.aborted)
     first = "This frame has no LLM calls." if t.status is None else _NO_CALLS.get(
         t.status, f"{t.status}: no LLM calls.")
     blocks: list[tuple[str, dict[str, Any]]] = [

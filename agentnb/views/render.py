@@ -59,6 +59,7 @@ from ..events import (
     Transition,
 )
 from ..models.prices import dollars, is_free, priced_name
+from ..store.base import JobStatus
 from ._fork_lines import demo_note, fork_lines, reserved_runs
 from ._fork_lines import runs_text as _runs_text
 from ._job_stats import JobStats, job_stats, stats_from_timeline
@@ -467,7 +468,7 @@ def _run_status(job: JobRecord, run: MovementRun) -> str:
         return "done"
     if run.errors:
         return "failed"
-    return "running" if job.status == "running" and run.seq == job.movement_seq else "open"
+    return "running" if job.status == JobStatus.running and run.seq == job.movement_seq else "open"
 
 
 def _run_summary(job: JobRecord, run: MovementRun) -> str:
@@ -606,7 +607,7 @@ def _header(job: JobRecord, st: JobStats, piece_max: int | None, *, latest_link:
         seq, it = st.latest
         parts.append(f' · <a href="#{_e(_latest_id(job.id))}" class="anb-latest" '
                      'onclick="return window.__anbLatest ? window.__anbLatest(this) : true">'
-                     f"↓ {'latest' if str(job.status) == 'running' else 'last'} call ({seq}.{it})</a>")
+                     f"↓ {'latest' if job.status == JobStatus.running else 'last'} call ({seq}.{it})</a>")
     if job.parent_id:
         parts.append(f' · <span class="anb-dim">subtask of job {job.parent_id}</span>')
     if fork:
@@ -713,7 +714,7 @@ def timeline_html(
     o = _Opts(job.id, max_chars, max_calls, st.question)
     sections = _sections(job, tl, o, st.latest, open_last=open_last, max_bytes=max_bytes)
     body = [_entry_html(entry, sections, tl.asked, o) for entry in tl.entries]
-    if not tl.runs and str(job.status) == "queued":
+    if not tl.runs and job.status == JobStatus.queued:
         body.append('<div class="anb-dim">not started yet</div>')
     return (STYLE if style else "") + _inline(
         f'<div class="anb-job" data-job="{job.id}">'

@@ -41,7 +41,7 @@ from ..events import (
     Transition,
 )
 from ..models.prices import call_costs
-from ..store.base import is_recovery
+from ..store.base import JobStatus, is_recovery
 
 __all__ = ["Call", "Fold", "MovementRun", "RunningClock", "Timeline", "ToolUse", "Totals", "fold",
            "is_compaction_error"]
@@ -204,7 +204,7 @@ class RunningClock:
             if self.since is not None:
                 end = min(self._last, ev.ts) if is_recovery(ev.reason) else ev.ts
                 self.total += max(0.0, end - self.since)
-            self.since = ev.ts if ev.status == "running" else None
+            self.since = ev.ts if ev.status == JobStatus.running else None
             self._last = ev.ts
         elif self.since is not None and kind is not CommentEvent and kind is not ScoreEvent:  # not the holder's own
             self._last = max(self._last, ev.ts)
