@@ -75,7 +75,7 @@ from .style import (
     OK_COLOUR,
     RESERVED_COLOUR,
 )
-from .timeline import Call, MovementRun, Timeline, ToolUse, fold, is_compaction_error
+from .timeline import Call, MovementRun, Note, Timeline, ToolUse, fold, is_compaction_error
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -406,6 +406,11 @@ def _reminder_html(ev: Reminder, run: MovementRun, o: _Opts) -> str:
     return f'<div class="anb-dim">{icon(REMINDER, "reminder")} reminder ({_e(ev.reason)}): {_e(ev.text)}</div>'
 
 
+def _note_html(item: Note, o: _Opts, seq: int | None) -> str:
+    """An event of a kind no view knows (views/timeline.py): its kind and its payload fields."""
+    return f'<div class="anb-note"><span class="anb-dim">{_e(item.label)}</span>{_body(item.text, o, seq)}</div>'
+
+
 # how each item of a call shows in its call (a kind not named here shows nothing there)
 _ITEM_HTML: dict[type, Callable[[Any, MovementRun, _Opts], str]] = {
     LLMResponse: _response_html,
@@ -417,6 +422,7 @@ _ITEM_HTML: dict[type, Callable[[Any, MovementRun, _Opts], str]] = {
     CommentEvent: lambda ev, run, o: _comment_html(ev, o),
     ReplayDivergence: lambda ev, run, o: _divergence_html(ev, o, run.seq),
     Compaction: lambda ev, run, o: _compaction_html(ev, run.compaction_number(ev.iteration), o, run.seq),
+    Note: lambda item, run, o: _note_html(item, o, run.seq),
 }
 
 
@@ -660,12 +666,14 @@ def _sections(job: JobRecord, tl: Timeline, o: _Opts, latest: tuple[int, int] | 
     return sections
 
 
-def _entry_html(entry: MovementRun | CommentEvent | ErrorEvent, sections: dict[int, str], asked: frozenset[str],
-                o: _Opts) -> str:
+def _entry_html(entry: MovementRun | CommentEvent | ErrorEvent | Note, sections: dict[int, str],
+                asked: frozenset[str], o: _Opts) -> str:
     if isinstance(entry, MovementRun):
         return sections[entry.seq]
     if isinstance(entry, ErrorEvent):
         return _error_html(entry, o, None)
+    if isinstance(entry, Note):
+        return _note_html(entry, o, None)
     # the agent's ASK is also stored as its comment: the transition box already shows that question
     return "" if entry.author == "agent" and entry.body in asked else _comment_html(entry, o)
 
