@@ -360,7 +360,53 @@ def build_jobs(ws: Workspace, tmp: Path, seed: int, walks: int) -> dict[str, Any
                      encoding="utf-8")
     extra["cli_batch"] = cli(ws, "batch", str(lines), "--piece", "single", "--model", models[0], "--model",
                              models[1], "--concurrency", "1", "--no-progress", "--name", "cli")
+    extra["magic"] = magic(ws, tmp, rng, extra)
     return extra
+
+
+def magic(ws: Workspace, tmp: Path, rng: random.Random, extra: dict[str, Any]) -> dict[str, Any]:
+    """The %agent magic in a real IPython shell on this workspace: a job run (its view once it ended: how many
+    times a live view redraws depends on timing), a reply, a step, then the views of existing jobs."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "agentnb")
+    sh.run_line_magic("config", f"AgentMagic.workspace = {str(ws.root)!r}")
+    moves, _ = walk(rng, agentnb.load_piece("ask-first"), tmp, "magic", usage=True)
+    moves["clarify"].insert(0, transition("ASK", "which length?", question="Short or long?"))
+    sh.user_ns["p_model"] = script(tmp, "magic", moves)
+    (tmp / "magic-notes.md").write_text(NOTES[:500], encoding="utf-8")
+    out: dict[str, Any] = {}
+
+    def cell(label: str, src: str, *, last_only: bool = False) -> None:
+        with capture_output() as cap:
+            result = sh.run_cell(src)
+        value = result.result
+        shown = [{k: v for k, v in o.data.items() if k in ("text/html", "text/plain")} for o in cap.outputs]
+        out[label] = {"error": None if result.success else repr(result.error_in_exec or result.error_before_exec),
+                      "outputs": shown[-1:] if last_only else shown, "stdout": cap.stdout,
+                      "value": value._repr_html_() if hasattr(value, "_repr_html_") else repr(value)}
+
+    cell("run", f'p_job = %agent run --piece ask-first --model $p_model --input {tmp / "magic-notes.md"} '
+                '"Summarise magic-notes.md"', last_only=True)
+    if str(sh.user_ns["p_job"].status) == "waiting_human":
+        cell("reply", '%agent reply --run p_job "Short, please."', last_only=True)
+    queued = ws.submit("Stepped", piece="plan-implement-verify", model=script(tmp, "magic-step", walk(
+        rng, agentnb.load_piece("plan-implement-verify"), tmp, "magic-step", usage=False)[0]))
+    cell("step-call", f"%agent step {queued.id} --call", last_only=True)
+    cell("step", f"%agent step {queued.id}", last_only=True)
+    for job in ws.jobs():
+        cell(f"show {job.id}", f"%agent show {job.id}")
+    cell("show --movement", f"%agent show {queued.id} --movement 1 --full")
+    cell("jobs", "%agent jobs")
+    cell("usage", "%agent usage p_job")
+    cell("usage --all", "%agent usage --all")
+    cell("lessons --all", "%agent lessons --all")
+    cell("batches", "%agent batches")
+    for a, b in extra["compare"]:
+        cell(f"compare {a} {b}", f"%agent compare {a} {b}")
+    return out
 
 
 # -- what a user sees ---------------------------------------------------------------------------------------------
@@ -488,7 +534,7 @@ def snapshot(ws: Workspace, tmp: Path, extra: dict[str, Any]) -> dict[str, Any]:
     out["workspace"] = {"jobs_frame": frame(ws.frames.jobs()), "cli_jobs": cli(ws, "jobs"),
                         "cli_jobs_json": cli(ws, "jobs", "--json"), "cli_batches": cli(ws, "batches"),
                         "cli_batch": extra["cli_batch"],
-                        "cli_reply_ended": extra["cli_reply_ended"], "batches": ws.batches()}
+                        "cli_reply_ended": extra["cli_reply_ended"], "magic": extra["magic"], "batches": ws.batches()}
     return out
 
 
@@ -501,6 +547,9 @@ _CLOCK = [
     (re.compile(r"claimed by \S+:\d+:[0-9a-f]{8}"), "claimed by <owner>"),
     (re.compile(r"(?<![\w.,])(?:<1|\d+(?:\.\d+)?) (?:ms|s)\b"), "<dur>"),
     (re.compile(r"(?<![\w.,])\d+ (?:min|h) <dur>"), "<dur>"),
+    (re.compile(r"\bT_[0-9a-f]{5}(?![0-9a-f])"), "T_<styler>"),  # a pandas Styler's random table id
+    # a DataFrame's text with a latency_s column (the %agent usage cell's Out): measured seconds
+    (re.compile(r"(?<=\s)\d\.\d{6}(?=\s+(?:True|False)\b)"), "<latency>"),
 ]
 
 
