@@ -25,7 +25,7 @@ The script imports whatever ``agentnb`` the interpreter finds, so one file check
     python benchmarks/parity.py diff /tmp/old.json /tmp/new.json     # each difference, grouped; rc 1 if any
 
 ``--seed`` picks another set of jobs, ``--jobs`` how many random walks (default 14; the special cases are
-always built).  The CLI runs in-process (``agentnb.cli.main``) so it is the imported version's.  Token
+always built), ``--postgres`` keeps the jobs in a throw-away PostgreSQL cluster (``tests/_postgres.py``).  The CLI runs in-process (``agentnb.cli.main``) so it is the imported version's.  Token
 counts hang on every character of a prompt (the date, the paths), so the clock is fixed, TZ is UTC and the
 jobs run in the same folder for both versions; what still changes between two runs is masked by
 ``normalise`` (clock readings, durations, the temporary folder, the claiming process).
@@ -62,6 +62,7 @@ from agentnb import Workspace
 TESTS = Path(__file__).resolve().parent.parent / "tests"  # the loopback OpenAI server, not agentnb code
 NOTES = "".join(f"note {i}: alpha beta gamma delta\n" for i in range(300))
 TERMINAL = ("COMPLETE", "ABORT")
+STORE: list[str] = []  # the PostgreSQL URL of a --postgres run (the CLI and the magic open it too)
 
 
 # -- scripts --------------------------------------------------------------------------------------------------
@@ -373,6 +374,7 @@ def magic(ws: Workspace, tmp: Path, rng: random.Random, extra: dict[str, Any]) -
     sh = InteractiveShell.instance()
     sh.run_line_magic("load_ext", "agentnb")
     sh.run_line_magic("config", f"AgentMagic.workspace = {str(ws.root)!r}")
+    sh.run_line_magic("config", f"AgentMagic.store = {STORE[0] if STORE else ''!r}")
     moves, _ = walk(rng, agentnb.load_piece("ask-first"), tmp, "magic", usage=True)
     moves["clarify"].insert(0, transition("ASK", "which length?", question="Short or long?"))
     sh.user_ns["p_model"] = script(tmp, "magic", moves)
@@ -385,7 +387,9 @@ def magic(ws: Workspace, tmp: Path, rng: random.Random, extra: dict[str, Any]) -
         value = result.result
         shown = [{k: v for k, v in o.data.items() if k in ("text/html", "text/plain")} for o in cap.outputs]
         out[label] = {"error": None if result.success else repr(result.error_in_exec or result.error_before_exec),
-                      "outputs": shown[-1:] if last_only else shown, "stdout": cap.stdout,
+                      "outputs": shown[-1:] if last_only else shown,
+                      # the Out[] echo is the value's text (measured latencies in it): the value is kept below
+                      "stdout": "" if cap.stdout.startswith("Out[") else cap.stdout,
                       "value": value._repr_html_() if hasattr(value, "_repr_html_") else repr(value)}
 
     cell("run", f'p_job = %agent run --piece ask-first --model $p_model --input {tmp / "magic-notes.md"} '
@@ -422,17 +426,24 @@ def _internal(name: str, *modules: str) -> Any:
 
 
 def stored_events(ws: Workspace, job_id: int) -> list[dict[str, Any]]:
-    """Every stored event as the store holds it (no id), long texts put back."""
-    db = sqlite3.connect(f"file:{ws.root / 'agentnb.sqlite'}?mode=ro", uri=True)
-    try:
-        texts = dict(db.execute("SELECT hash, body FROM texts").fetchall())
-        rows = db.execute("SELECT kind, movement_seq, iteration, payload FROM events WHERE job_id=? ORDER BY id",
-                          (job_id,)).fetchall()
-    finally:
-        db.close()
+    """Every stored event as the store holds it (no id), long texts put back: the stored JSON is the contract."""
+    sql = "SELECT kind, movement_seq, iteration, payload FROM events WHERE job_id={} ORDER BY id"
+    if STORE:
+        import psycopg
+
+        with psycopg.connect(STORE[0]) as conn:
+            texts = dict(conn.execute("SELECT hash, body FROM texts").fetchall())
+            rows = conn.execute(sql.format("%s"), (job_id,)).fetchall()
+    else:
+        db = sqlite3.connect(f"file:{ws.root / 'agentnb.sqlite'}?mode=ro", uri=True)
+        try:
+            texts = dict(db.execute("SELECT hash, body FROM texts").fetchall())
+            rows = db.execute(sql.format("?"), (job_id,)).fetchall()
+        finally:
+            db.close()
     out = []
     for kind, seq, iteration, payload in rows:
-        data = json.loads(payload)
+        data = json.loads(payload) if isinstance(payload, str) else payload
         for key, ref in data.pop("_texts", {}).items():
             data[key] = texts[ref]
         out.append({"kind": kind, "movement_seq": seq, "iteration": iteration, "payload": data})
@@ -457,7 +468,7 @@ def cli(ws: Workspace, *args: str) -> dict[str, Any]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _env("COLUMNS", "120"):
         try:
-            rc = main(["--workspace", str(ws.root), *args])
+            rc = main(["--workspace", str(ws.root), *(["--store", STORE[0]] if STORE else []), *args])
         except SystemExit as exc:
             rc = exc.code if isinstance(exc.code, int) else 1
     return {"rc": rc, "stdout": _readable(out.getvalue()), "stderr": err.getvalue()}
@@ -541,15 +552,13 @@ def snapshot(ws: Workspace, tmp: Path, extra: dict[str, Any]) -> dict[str, Any]:
 # -- masking and comparing ----------------------------------------------------------------------------------------
 
 VOLATILE_KEYS = {"ts", "created", "started", "updated", "ended", "latency_s", "duration", "timestamp", "elapsed_s",
-                 "seconds", "p50_seconds", "p95_seconds"}  # clock readings and measured durations, wherever they are
+                 "seconds", "p50_seconds", "p95_seconds", "ttft_s"}  # clock readings and measured durations, wherever they are
 _CLOCK = [
     (re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d(\.\d+)?)?( \(\w+, [^)]*\))?"), "<time>"),
     (re.compile(r"claimed by \S+:\d+:[0-9a-f]{8}"), "claimed by <owner>"),
     (re.compile(r"(?<![\w.,])(?:<1|\d+(?:\.\d+)?) (?:ms|s)\b"), "<dur>"),
     (re.compile(r"(?<![\w.,])\d+ (?:min|h) <dur>"), "<dur>"),
     (re.compile(r"\bT_[0-9a-f]{5}(?![0-9a-f])"), "T_<styler>"),  # a pandas Styler's random table id
-    # a DataFrame's text with a latency_s column (the %agent usage cell's Out): measured seconds
-    (re.compile(r"(?<=\s)\d\.\d{6}(?=\s+(?:True|False)\b)"), "<latency>"),
 ]
 
 
@@ -648,17 +657,29 @@ def fixed_folder(name: str) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def build(seed: int, walks: int) -> dict[str, Any]:
+def build(seed: int, walks: int, postgres: bool = False) -> dict[str, Any]:
     for info in pkgutil.walk_packages(agentnb.__path__, "agentnb."):
         with contextlib.suppress(ImportError):
             importlib.import_module(info.name)  # loaded before fixed_clock() looks for who holds datetime
-    with fixed_folder(f"seed-{seed}") as tmp, fixed_clock(), _env("AGENTNB_TOKENIZER", "chars"):
-        ws = Workspace(tmp / "ws")
+    with contextlib.ExitStack() as stack:
+        if postgres:  # a throw-away cluster (tests/_postgres.py), a fresh database in it
+            sys.path.insert(0, str(TESTS))
+            from _postgres import pg_server  # type: ignore[import-not-found]
+
+            STORE.append(stack.enter_context(pg_server()).create_database())
+        tmp = stack.enter_context(fixed_folder(f"seed-{seed}"))
+        stack.enter_context(fixed_clock())
+        stack.enter_context(_env("AGENTNB_TOKENIZER", "chars"))
+        ws = Workspace(tmp / "ws", store=STORE[0] if STORE else None)
         extra = build_jobs(ws, tmp, seed, walks)
         out = snapshot(ws, tmp, extra)
         out["agentnb"] = str(Path(agentnb.__file__).parent)
         ws.close()
-        data: dict[str, Any] = json.loads(json.dumps(normalise(out, str(tmp)), sort_keys=True, default=str))
+        masked = normalise(out, str(tmp))
+        text = json.dumps(masked, sort_keys=True, default=str)
+        if STORE:  # its random database name and port
+            text = text.replace(STORE[0], "<STORE>").replace(STORE[0].split("@", 1)[1], "<STORE>")
+        data: dict[str, Any] = json.loads(text)
         return data
 
 
@@ -684,6 +705,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("out")
     p.add_argument("--seed", type=int, default=27)
     p.add_argument("--jobs", type=int, default=14, help="random walks over the pieces (besides the special jobs)")
+    p.add_argument("--postgres", action="store_true", help="keep the jobs in a throw-away PostgreSQL cluster")
     p = sub.add_parser("diff", help="compare two dumps")
     p.add_argument("old")
     p.add_argument("new")
@@ -691,7 +713,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.command == "dump":
         started = time.monotonic()
-        data = build(args.seed, args.jobs)
+        data = build(args.seed, args.jobs, args.postgres)
         Path(args.out).write_text(json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n",
                                   encoding="utf-8")
         print(f"{len(data['jobs'])} jobs from {data['agentnb']} in {time.monotonic() - started:.0f} s → {args.out}")
