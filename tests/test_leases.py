@@ -38,7 +38,7 @@ import agentnb
 from agentnb import Workspace
 from agentnb.errors import UsageError
 from agentnb.leases import check_lease, holding
-from agentnb.store import open_store
+from agentnb.store import open_store, reads
 from agentnb.store.base import DEFAULT_LEASE, LEASE_EXPIRED, LeaseLost
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ def _counts(ws: Workspace, job_id: int) -> dict[str, Any]:
     s = ws.store
     return {"events": len(s.events(job_id)), "movements": s.movements(job_id), "comments": s.count_comments(job_id),
             "jobs": s.job_ids(), "job": {k: v for k, v in s.job(job_id).items() if k != "lease_until"},
-            "batch": s.batch("b")}
+            "batch": reads.batch(s, "b")}
 
 
 _TIME = re.compile(r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}(:\d{2}(\.\d+)?)?( ?UTC|Z|[+-]\d{2}:?\d{2})?")
