@@ -145,10 +145,12 @@ class Workspace:
         return self.store.events(self._id(job), kinds=kinds)
 
     def comments(self, job: JobRef) -> list[dict[str, Any]]:
-        return self.store.comments(self._id(job))
+        """The job's comments, oldest first, as plain dicts (docs/python-api.md#records)."""
+        return [c.to_dict() for c in reads.comments(self.store, self._id(job))]
 
     def movements(self, job: JobRef) -> list[dict[str, Any]]:
-        return self.store.movements(self._id(job))
+        """The job's movement runs in the order they ran, as plain dicts (docs/python-api.md#records)."""
+        return [m.to_dict() for m in reads.movements(self.store, self._id(job))]
 
     def piece(self, job: JobRef) -> Piece:
         return stored_piece(self.store.job(self._id(job)))
