@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import ModelSpecError
-from .base import MODEL_SPECS, Model, ScriptedModel
+from .base import MODEL_SPECS, Model, ScriptedModel, demo_pace
 from .demo import DemoModel
 from .openai import OpenAIModel
 from .replay import ReplayModel
@@ -31,8 +31,8 @@ def resolve_model(spec: str, *, store: Store | None = None, retries: int | None 
     if not isinstance(spec, str) or not spec.strip():
         raise ModelSpecError(f"empty model spec; allowed: {', '.join(MODEL_SPECS)}")
     kind, _, rest = spec.partition(":")
-    if spec == "demo":
-        return DemoModel()
+    if spec == "demo" or spec.startswith("demo?"):
+        return DemoModel(pace=demo_pace(spec), spec=spec)
     if kind == "scripted" and rest:
         return ScriptedModel(rest, spec=spec)
     if kind == "openai" and rest:

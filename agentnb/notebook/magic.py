@@ -43,6 +43,7 @@ from ..store.base import JOB_STATES, JobStatus, owned_by_this_process
 from ..store.records import BatchRecord
 from ..views.icons import question_badge
 from ..views.render import KEEPER, duration, job_html, job_stats, plural
+from ..views.streaming import StreamedCall, stream_html
 from ..views.style import ERROR_COLOUR
 from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
 from ._retire import Retirement
@@ -307,6 +308,23 @@ class AgentMagic(Magics):
                 html = view()
                 handle.update(html, transient=display_marks(job_id, event_id))
 
+        # the running call's streamed text: an output of its own just below the view, made at its first fragment,
+        # updated alone (the view is not redrawn for it) and emptied once the call is recorded (liveview.py)
+        streamed: list[Any] = []
+
+        def stream(call: StreamedCall | None) -> None:
+            marks = display_marks(job_id, live.last_event, stream=0 if call is None else call.chars,
+                                  call=None if call is None else [call.movement_seq, call.iteration])
+            if call is None:
+                if streamed:  # no data at all: nothing of the streaming is drawn or saved in the notebook
+                    streamed[0].update({}, raw=True, transient=marks)
+            elif streamed:
+                streamed[0].update(HTML(stream_html(call)), transient=marks)
+            else:
+                made = display(HTML(stream_html(call)), display_id=True, transient=marks)
+                if made is not None:
+                    streamed.append(made)
+
         def work() -> None:
             if unit is None:
                 ws.run(job_id)
@@ -315,7 +333,7 @@ class AgentMagic(Magics):
 
         def watch_then_release() -> None:
             try:
-                live.watch(redraw)
+                live.watch(redraw, stream)
             finally:
                 live.close()
                 self.retirement.leave(ws)
@@ -335,7 +353,7 @@ class AgentMagic(Magics):
         try:
             # started inside the try: a Ctrl-C while the thread starts must pause the job, not escape
             live.start(work, job_id)
-            live.watch(redraw)
+            live.watch(redraw, stream)
         except KeyboardInterrupt:
             if not live.started:  # interrupted before the job's thread existed: nothing ran
                 raise
@@ -345,6 +363,8 @@ class AgentMagic(Magics):
                 ws.stop(job_id)
             if handle is not None:
                 handle.update(view())
+            live.streaming.end()
+            live.draw_stream(stream, now=True)
             if unit is None:
                 print(f"job {job_id} paused after its current LLM call; continue with %agent run --job {job_id} "
                       "or %agent step")
