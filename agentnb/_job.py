@@ -8,7 +8,6 @@ which the facade satisfies, so this module does not import the facade.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -134,9 +133,9 @@ class Job:
         """The ``expected`` value of the job's batch case (None outside a batch or when the case has none)."""
         if self.workspace is None or self.batch is None or self.case is None:
             return None
-        row = self.workspace.store.batch(self.batch)
-        cases = json.loads(row["cases"]) if row is not None else []
-        return dict(cases[self.case]).get("expected") if 0 <= self.case < len(cases) else None
+        found = reads.batch(self.workspace.store, self.batch)
+        cases = found.cases if found is not None else ()
+        return cases[self.case].expected if 0 <= self.case < len(cases) else None
 
     @property
     def is_snapshot(self) -> bool:

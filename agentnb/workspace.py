@@ -347,8 +347,8 @@ class Workspace:
 
     def batches(self) -> list[dict[str, Any]]:
         """Every batch: name, created, jobs and a count per status (``n_<status>``)."""
-        return [{k: v for k, v in row.items() if k not in ("cases", "variants", "options", "fingerprint")}
-                for row in self.store.batches()]
+        return [{k: v for k, v in b.to_dict().items() if k not in ("cases", "variants", "options", "fingerprint")}
+                for b in reads.batches(self.store)]
 
     def score(self, batch_or_jobs: Batch | str | JobRef | Sequence[JobRef], scorers: Mapping[str, Scorer]) -> list[Job]:
         """Score ended jobs (a batch, a batch name, a job or jobs) again without running them; the jobs scored.
@@ -360,8 +360,8 @@ class Workspace:
         if not chosen:
             raise UsageError("no scorers: give scorers={'name': function(job)}")
         if isinstance(batch_or_jobs, str):
-            if self.store.batch(batch_or_jobs) is None:
-                known = ", ".join(b["name"] for b in self.store.batches()) or "none yet"
+            if reads.batch(self.store, batch_or_jobs) is None:
+                known = ", ".join(b.name for b in reads.batches(self.store)) or "none yet"
                 raise UsageError(f"no batch {batch_or_jobs!r} in {self.store.path} (batches: {known})")
             batch_or_jobs = Batch(self, batch_or_jobs)
         if isinstance(batch_or_jobs, Batch):

@@ -50,7 +50,7 @@ def _counts(ws: Workspace, job_id: int) -> dict[str, Any]:
     s = ws.store
     return {"events": len(s.events(job_id)), "movements": reads.movements(s, job_id), "comments": reads.count_comments(s, job_id),
             "jobs": s.job_ids(), "job": {k: v for k, v in s.job(job_id).items() if k != "lease_until"},
-            "batch": s.batch("b")}
+            "batch": reads.batch(s, "b")}
 
 
 _TIME = re.compile(r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}(:\d{2}(\.\d+)?)?( ?UTC|Z|[+-]\d{2}:?\d{2})?")

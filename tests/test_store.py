@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import multiprocessing as mp
 import os
@@ -265,6 +266,22 @@ def test_the_sqlite_store_implements_every_operation_of_the_interface(tmp_path: 
             want = list(inspect.signature(getattr(Store, name)).parameters)
             assert list(inspect.signature(getattr(SQLiteStore, name)).parameters)[: len(want)] == want, name
     assert agentnb.store.Store is Store  # the package's Store is the interface
+
+
+def test_batches_are_read_by_functions_of_a_store_not_by_store_methods(tmp_path: Path) -> None:
+    from agentnb.store import reads
+
+    # the Protocol keeps the batch writes; the reads are written once in store/reads.py for both backends
+    assert {"create_batch", "update_batch"} <= set(vars(Store))
+    for name in ("batch", "batches"):
+        assert name not in vars(Store), f"Store still declares {name}"
+        assert not hasattr(SQLiteStore, name), f"SQLiteStore still has {name}"
+    if importlib.util.find_spec("psycopg") is not None:
+        from agentnb.store.postgres import PostgresStore
+
+        assert not hasattr(PostgresStore, "batch") and not hasattr(PostgresStore, "batches")
+    store = open_store(tmp_path / "s.sqlite")
+    assert reads.batch(store, "none") is None and reads.batches(store) == []
 
 
 def test_a_mistyped_event_is_refused_before_it_is_stored(tmp_path: Path) -> None:

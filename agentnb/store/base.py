@@ -465,13 +465,6 @@ class Store(Protocol):
         """Change ``variants``, ``options`` or ``fingerprint`` of a batch (``updated`` is set too)."""
         ...
 
-    def batch(self, name: str) -> dict[str, Any] | None:
-        """The batch row (JSON columns as text), or None when there is none of that name."""
-        ...
-
-    def batches(self) -> list[dict[str, Any]]:
-        """Every batch row, oldest first, each with ``jobs`` and a count per job status (``n_<status>``)."""
-        ...
 
     # -- a job's files (docs/stores.md#files) ------------------------------------------------------------------------
     @property

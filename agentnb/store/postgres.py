@@ -66,7 +66,6 @@ from ._pg_dialect import no_nul, pg_path, psycopg_sql, row_factory
 from ._rows import JOB_COLUMNS, StoreRows, events_query
 from .base import (
     DEFAULT_LEASE,
-    JOB_STATES,
     LEASE_EXPIRED,
     RECOVERED,
     TERMINAL_STATES,
@@ -615,17 +614,6 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
         values["updated"] = time.time()
         sets = ", ".join(f"{k}=?" for k in values)
         self._exec(self._tx(c), f"UPDATE batches SET {sets} WHERE name=?", (*values.values(), name))
-
-    def batch(self, name: str) -> dict[str, Any] | None:
-        rows = self.query("SELECT * FROM batches WHERE name=?", (name,))
-        return rows[0] if rows else None
-
-    def batches(self) -> list[dict[str, Any]]:
-        counts = ", ".join(f"COUNT(*) FILTER (WHERE j.status='{s}') AS n_{s}" for s in JOB_STATES)
-        rows = self.query(
-            f"SELECT b.*, COUNT(j.id) AS jobs, {counts} FROM batches b LEFT JOIN jobs j ON j.batch = b.name "
-            "GROUP BY b.name ORDER BY b.created, b.name")
-        return [{k: (int(v or 0) if k.startswith("n_") or k == "jobs" else v) for k, v in r.items()} for r in rows]
 
     # -- events ----------------------------------------------------------------
     def _append(self, c: psycopg.Connection[Any], events: Iterable[Event]) -> None:

@@ -532,17 +532,6 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
         sets = ", ".join(f"{k}=?" for k in values)
         self._tx(c).execute(f"UPDATE batches SET {sets} WHERE name=?", (*values.values(), name))
 
-    def batch(self, name: str) -> dict[str, Any] | None:
-        rows = self.query("SELECT * FROM batches WHERE name=?", (name,))
-        return dict(rows[0]) if rows else None
-
-    def batches(self) -> list[dict[str, Any]]:
-        counts = ", ".join(f"SUM(j.status='{s}') AS n_{s}" for s in JOB_STATES)
-        rows = self.query(
-            f"SELECT b.*, COUNT(j.id) AS jobs, {counts} FROM batches b LEFT JOIN jobs j ON j.batch = b.name "
-            "GROUP BY b.name ORDER BY b.created, b.name")
-        return [{k: (int(v or 0) if k.startswith("n_") else v) for k, v in dict(r).items()} for r in rows]
-
     # -- events ---------------------------------------------------------------
     def _append(self, c: sqlite3.Connection, events: Iterable[Event]) -> None:
         self._insert(c, [self._event_row(c, ev) for ev in events])

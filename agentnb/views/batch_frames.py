@@ -30,7 +30,6 @@ Choices the design leaves open, made here:
 from __future__ import annotations
 
 import html
-import json
 import math
 import re
 import time
@@ -43,7 +42,9 @@ import pandas as pd
 
 from ..events import ScoreEvent
 from ..models.base import short_spec
+from ..store import reads
 from ..store.base import TERMINAL_STATES, WAITING_STATES, JobStatus, Store
+from ..store.records import BatchCase, BatchVariant
 from .timeline import fold
 
 __all__ = ["BatchSource", "JobTotals", "batch_frame", "batch_html", "batch_summary", "job_totals",
@@ -155,12 +156,21 @@ def score_columns(frame: pd.DataFrame) -> list[str]:
     return list(frame.attrs.get("scores", []))
 
 
+def _case_cells(cases: Sequence[BatchCase], index: int, extra_cols: list[str]) -> dict[str, Any]:
+    """A batch frame row's cells of case ``index``: its instruction, its own columns, its expected value (all
+    None for a case the batch does not have)."""
+    if not 0 <= index < len(cases):
+        return {"instruction": None, **dict.fromkeys(extra_cols), "expected": None}
+    case = cases[index]
+    return {"instruction": case.instruction, **{k: case.extra.get(k) for k in extra_cols}, "expected": case.expected}
+
+
 def batch_frame(batch: BatchSource) -> pd.DataFrame:
     """One row per case × variant, by case and then variant (see the module's notes for the columns)."""
     store = batch.store
-    row = store.batch(batch.name)
-    cases: list[dict[str, Any]] = json.loads(row["cases"]) if row else []
-    variants: list[dict[str, Any]] = json.loads(row["variants"]) if row else []
+    record = reads.batch(store, batch.name)
+    cases: tuple[BatchCase, ...] = record.cases if record else ()
+    variants: tuple[BatchVariant, ...] = record.variants if record else ()
     jobs = sorted(store.jobs(batch=batch.name), key=lambda r: (r["batch_case"], r["batch_variant"]))
     everything = store.jobs()
     children: dict[int, list[int]] = {}
@@ -169,23 +179,19 @@ def batch_frame(batch: BatchSource) -> pd.DataFrame:
             children.setdefault(int(r["parent_id"]), []).append(int(r["id"]))
     models = {int(r["id"]): str(r["model"]) for r in everything}
     extra_cols: list[str] = []
-    for case in cases:
-        extra_cols.extend(k for k in case.get("extra", {}) if k not in extra_cols)
-    labels = variant_labels([(str(v.get("piece")), str(v.get("model"))) for v in variants])
+    for each in cases:
+        extra_cols.extend(k for k in each.extra if k not in extra_cols)
+    labels = variant_labels([(v.piece, v.model) for v in variants])
     now = time.time()
     records: list[dict[str, Any]] = []
     scores: list[dict[str, ScoreEvent]] = []
     for job in jobs:
-        case = cases[job["batch_case"]] if 0 <= job["batch_case"] < len(cases) else {}
         known = 0 <= job["batch_variant"] < len(variants)
-        variant = variants[job["batch_variant"]] if known else {}
         label = labels[job["batch_variant"]] if known else f"{job['piece']} · {short_spec(job['model'])}"
         totals = job_totals(store, int(job["id"]), children, models, now)
-        extra = case.get("extra", {})
-        records.append({"case": job["batch_case"], "instruction": case.get("instruction"),
-                        **{k: extra.get(k) for k in extra_cols}, "expected": case.get("expected"),
+        records.append({"case": job["batch_case"], **_case_cells(cases, job["batch_case"], extra_cols),
                         "variant": job["batch_variant"], "variant_label": label,
-                        "piece": variant.get("piece", job["piece"]),
+                        "piece": variants[job["batch_variant"]].piece if known else job["piece"],
                         "model": job["model"], "job": job["id"], "status": job["status"],
                         **{k: getattr(totals, k) for k in _COUNTS}, "cost_usd": totals.cost_usd,
                         "seconds": totals.seconds})
