@@ -36,6 +36,7 @@ from .errors import StoreError
 from .events import ErrorEvent
 from .leases import holding
 from .models.factory import resolve_model
+from .store import reads
 from .store.base import (
     INTERRUPTED_REASON,
     STOP_REASON,
@@ -206,7 +207,7 @@ class Execution:
     def _runner(self, row: Mapping[str, Any]) -> JobRunner:
         """The job's runner: the one kept from its last claim here while the job is as it left it, else a new one."""
         job_id = int(row["id"])
-        mark = self.store.runner_mark(job_id)
+        mark = reads.runner_mark(self.store, job_id)
         cached = self._runners.get(job_id)
         if cached is not None and cached[1] == mark:
             return cached[0]
@@ -228,7 +229,7 @@ class Execution:
         # meanwhile, or another process) wrote after it, and a stale runner never goes in under a newer mark.
         job_id = int(row["id"])
         with self._lock:
-            mark = self.store.runner_mark(job_id)
+            mark = reads.runner_mark(self.store, job_id)
             if self.store.job(job_id).get("lease_gen") == row.get("lease_gen"):
                 self._runners[job_id] = (runner, mark)
 

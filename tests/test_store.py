@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import multiprocessing as mp
 import os
@@ -11,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _scripting import transition, write_script
@@ -18,9 +20,10 @@ from _scripting import transition, write_script
 import agentnb
 import agentnb.store
 from agentnb import Workspace
-from agentnb.events import CommentEvent, JobStatusEvent, LLMResponse, ToolResult, payload_dict, payload_path
-from agentnb.store import Store, open_store
+from agentnb.events import CommentEvent, JobStatusEvent, LLMResponse, ToolResult, Usage, payload_dict, payload_path
+from agentnb.store import Store, open_store, reads
 from agentnb.store.migrations import MIGRATIONS
+from agentnb.store.records import CommentRecord, MovementRecord
 from agentnb.store.sqlite import SQLiteStore, StoreError
 
 
@@ -373,3 +376,92 @@ def test_job_options_are_decoded_and_written_back_to_the_same_text(text: str) ->
     assert options.to_json() == text
     assert JobOptions.from_json(options.updated(retries=5).to_json()).retries == 5
     assert "zukunft" not in options.without("zukunft").to_dict()
+
+
+# -- movement runs and comments as records (store/records.py), read once for both backends (store/reads.py) --
+
+def _runs_and_comments(ws: Workspace) -> int:
+    """A job with three movement runs (done and forced, failed, open), two LLM calls of the first and one of the
+    second, and three comments: through the store's own writes, on the test's backend."""
+    s = ws.store
+    job_id = s.create_job(piece="p", piece_yaml="name: p", model="demo", instruction="task", workdir="")
+    with s.transaction() as c:
+        s.start_movement(c, job_id, 1, "plan")
+        s.finish_movement(c, job_id, 1, iterations=2, next_step="work", forced=True, summary="planned")
+        s.start_movement(c, job_id, 2, "work")
+        s.fail_movement(c, job_id, 2, iterations=1)
+        s.start_movement(c, job_id, 3, "work")
+        for author, body in [("agent", "Which file?"), ("user", "a.md"), ("user", "and b.md")]:
+            s.add_comment(c, job_id, author, body)
+    s.append([LLMResponse(job_id=job_id, movement_seq=seq, iteration=1, content="x", tool_calls=[], usage=Usage())
+              for seq in (1, 1, 2)])
+    return job_id
+
+
+def _typed(d: dict[str, Any]) -> list[tuple[str, type, Any]]:
+    # True == 1 in Python: the type is compared too, so a bool where the row has 0/1 is told apart
+    return [(k, type(v), v) for k, v in d.items()]
+
+
+def test_movement_runs_are_frozen_typed_records_read_the_same_on_both_backends(ws: Workspace) -> None:
+    job_id = _runs_and_comments(ws)
+    runs = reads.movements(ws.store, job_id)
+    assert all(isinstance(r, MovementRecord) for r in runs)
+    assert [(r.seq, r.name, r.status, r.iterations, r.next_step, r.forced, r.summary) for r in runs] == [
+        (1, "plan", "done", 2, "work", True, "planned"), (2, "work", "failed", 1, None, False, None),
+        (3, "work", "running", 0, None, False, None)]
+    first = runs[0]
+    assert (type(first.job_id), type(first.seq), type(first.iterations), type(first.forced), type(first.started),
+            type(first.ended)) == (int, int, int, bool, float, float)
+    assert runs[2].ended is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.status = "running"  # type: ignore[misc]
+    assert not hasattr(first, "__dict__")  # slots
+    assert reads.open_movement(ws.store, job_id) == runs[2]
+    assert reads.calls_by_movement(ws.store, job_id) == {"plan": 2, "work": 1}
+    assert reads.runner_mark(ws.store, job_id)[1] == 3  # the open run's seq
+    with ws.store.transaction() as c:
+        ws.store.fail_movement(c, job_id, 3, iterations=0)
+    assert reads.open_movement(ws.store, job_id) is None
+    assert reads.runner_mark(ws.store, job_id)[1] == 0
+
+
+def test_comments_are_frozen_typed_records_read_the_same_on_both_backends(ws: Workspace) -> None:
+    job_id = _runs_and_comments(ws)
+    every = reads.comments(ws.store, job_id)
+    assert all(isinstance(c, CommentRecord) for c in every)
+    assert [(c.author, c.body) for c in every] == [("agent", "Which file?"), ("user", "a.md"), ("user", "and b.md")]
+    assert [(type(c.id), type(c.job_id), type(c.ts)) for c in every] == [(int, int, float)] * 3
+    assert [c.id for c in every] == sorted(c.id for c in every)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        every[0].body = "changed"  # type: ignore[misc]
+    assert reads.comments(ws.store, job_id, last=2) == every[1:]  # the newest two, still oldest first
+    assert reads.comments(ws.store, job_id, last=5) == every
+    assert reads.count_comments(ws.store, job_id) == 3
+    other = ws.store.create_job(piece="p", piece_yaml="name: p", model="demo", instruction="other", workdir="")
+    assert reads.comments(ws.store, other) == [] and reads.count_comments(ws.store, other) == 0
+    assert reads.movements(ws.store, other) == [] and reads.calls_by_movement(ws.store, other) == {}
+
+
+def test_to_dict_is_the_row_ws_movements_and_ws_comments_give(ws: Workspace) -> None:
+    job_id = _runs_and_comments(ws)
+    for table, order, public, records in [
+            ("movements", "seq", ws.movements(job_id), reads.movements(ws.store, job_id)),
+            ("comments", "id", ws.comments(job_id), reads.comments(ws.store, job_id))]:
+        cols, rows = ws.store.rows(f"SELECT * FROM {table} WHERE job_id=? ORDER BY {order}", (job_id,))
+        stored = [dict(zip(cols, r, strict=True)) for r in rows]  # the table's row, as the store returned it
+        assert [_typed(d) for d in public] == [_typed(d) for d in stored], table  # keys, their order, types
+        assert [_typed(r.to_dict()) for r in records] == [_typed(d) for d in stored], table
+        assert all(type(d) is dict for d in public)
+    assert ws.movements(job_id)[0]["forced"] == 1 and type(ws.movements(job_id)[0]["forced"]) is int
+
+
+def test_the_store_interface_keeps_no_derived_read_of_movements_or_comments() -> None:
+    from agentnb.store.postgres import PostgresStore
+
+    moved = {"comments", "count_comments", "movements", "open_movement", "calls_by_movement", "runner_mark"}
+    for cls in (Store, SQLiteStore, PostgresStore):
+        assert not {n for n in moved if hasattr(cls, n)}, cls.__name__
+        assert {"add_comment", "start_movement", "finish_movement", "fail_movement",
+                "reopen_failed_movement"} <= set(dir(cls)), cls.__name__  # the writes stay persistence core
+    assert moved <= set(reads.__all__)
