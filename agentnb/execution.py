@@ -181,7 +181,8 @@ class Execution:
         try:
             # a movement can take many calls: Stop pauses it after the current one, as it does a run
             # and the lease is checked before every LLM call and tool call (a lost one raises LeaseLost)
-            status = runner.advance(unit, stop if unit != "call" else None, lease)
+            # and a streaming model call stops at once when it is set (docs/models.md#streaming), whatever the unit
+            status = runner.advance(unit, stop if unit != "call" else None, lease, cancel=stop)
         except (LeaseLost, StoreUnreachable):
             raise  # nothing may be written for the job any more (run_claimed, _cut_off)
         except BaseException:

@@ -50,7 +50,8 @@ class Workspace:
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_WORKSPACE, *, readonly: bool = False,
                  retries: int | None = None, max_backoff: float | None = None, store: str | None = None,
-                 lease: float | None = None, files_limit: int | str | None = None) -> None:
+                 lease: float | None = None, files_limit: int | str | None = None,
+                 stream: bool | None = None) -> None:
         """Open (or create) the workspace folder ``path``.
 
         ``store`` (else the environment's ``AGENTNB_STORE``) keeps the jobs elsewhere than ``path/agentnb.sqlite``
@@ -60,6 +61,8 @@ class Workspace:
         ``readonly=True`` only reads: nothing is created or written, so a read-only folder or mount
         works, and a folder without a store reads as an empty workspace.  ``retries`` and ``max_backoff``
         are the openai model's retry settings for jobs that set none themselves (None: the environment's).
+        ``stream=False`` turns off the streaming of ``openai:`` models' answers (None: ``AGENTNB_STREAM``, else on;
+        a spec's ``?stream=`` wins; docs/models.md#streaming).
         ``lease`` (else ``AGENTNB_LEASE``, else 30) is how many seconds a job this workspace claims stays its
         own without renewal; it renews every third of that while it runs the job (agentnb/leases.py).
 
@@ -68,6 +71,10 @@ class Workspace:
         submits a job (its ``input/`` files) and when it ends a movement of one (the whole work directory).
         """
         self.model_settings = check_retry_settings(retries, max_backoff)
+        if stream is not None:
+            if not isinstance(stream, bool):
+                raise UsageError(f"stream={stream!r}; allowed: True, False or None (the environment's AGENTNB_STREAM)")
+            self.model_settings["stream"] = stream
         self.lease = lease_setting(lease)
         self.files_limit = parse_files_limit(files_limit)
         if store is None:

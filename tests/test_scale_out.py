@@ -40,7 +40,7 @@ _TIME = re.compile(r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}(:\d{2}(\.\d+)?)?( ?UTC|Z|[
 _CALL_ID = re.compile(r"\bcall_\d+_")  # the loopback server numbers its tool calls by request
 _OWNER = re.compile(r"claimed by \S+")
 # columns that hold times, durations, owners or paths of one machine: they differ between any two runs
-_VOLATILE = {"timestamp", "ts", "created", "started", "ended", "duration", "latency_s", "first_day", "last_day",
+_VOLATILE = {"timestamp", "ts", "created", "started", "ended", "duration", "latency_s", "ttft_s", "first_day", "last_day",
              "event_id", "status_reason", "cost_usd", "seconds", "updated", "claimed_by", "workdir",
              "lease_until", "lease_gen"}
 
@@ -102,7 +102,7 @@ def _norm(value: Any, roots: tuple[str, ...]) -> Any:
             value = value.replace(root, "ROOT")
         return _OWNER.sub("claimed by OWNER", _CALL_ID.sub("call_N_", _TIME.sub("TIME", value)))
     if isinstance(value, dict):
-        return {k: _norm(v, roots) for k, v in value.items() if k != "latency_s"}
+        return {k: _norm(v, roots) for k, v in value.items() if k not in ("latency_s", "ttft_s")}
     if isinstance(value, list):
         return [_norm(v, roots) for v in value]
     return value

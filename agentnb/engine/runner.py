@@ -127,7 +127,7 @@ class JobRunner:
 
     # -- driving ---------------------------------------------------------------
     def advance(self, unit: str = "job", stop: threading.Event | None = None,
-                lease: Callable[[], None] | None = None) -> str:
+                lease: Callable[[], None] | None = None, cancel: threading.Event | None = None) -> str:
         """Run one ``call``, one ``movement`` or the whole ``job`` (until it ends or waits).
 
         The job must be claimed (``running``).  Returns the job's status afterwards;
@@ -136,10 +136,12 @@ class JobRunner:
         the :class:`LeaseLost` it raises stops the job here as a refused write does.
         """
         self.rec.lease = lease
+        self.rec.cancel = cancel
         try:
             return self._advance(unit, stop)
         finally:
             self.rec.lease = None
+            self.rec.cancel = None
 
     def _advance(self, unit: str, stop: threading.Event | None) -> str:
         try:
@@ -154,7 +156,7 @@ class JobRunner:
                         return status
                 elif unit == "call":
                     return self._pause()
-                if stop is not None and stop.is_set():
+                if (stop is not None and stop.is_set()) or self.rec.cancelled():
                     return self._pause()
         except (LeaseLost, StoreUnreachable):
             # another claimer holds the job now, or the store went away mid-write (a server restart): not a

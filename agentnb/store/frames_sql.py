@@ -197,6 +197,7 @@ def _build(d: _Dialect) -> FrameSQL:
            CASE WHEN {_IS_COMPACTION} THEN 'compaction' ELSE ca.actions END AS actions,
            tr.next_step AS transition, tr.forced,
            {d.jx('e', LLMResponse, 'latency_s')} AS latency_s,
+           {d.jx('e', LLMResponse, 'ttft_s')} AS ttft_s,
            {d.flag(d.jx('e', LLMResponse, 'replayed_from') + ' IS NOT NULL')} AS replayed
     FROM events e
     LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq

@@ -75,7 +75,7 @@ from .style import (
     OK_COLOUR,
     RESERVED_COLOUR,
 )
-from .timeline import Call, MovementRun, Note, Timeline, ToolUse, fold, is_compaction_error
+from .timeline import Call, MovementRun, Note, Timeline, ToolUse, fold, is_compaction_error, is_interruption
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -382,6 +382,8 @@ def _response_head(ev: LLMResponse) -> str:
         head += f' · context {_pct(u.ratio)} of {_n(u.window or 0)} ({_e(u.source)})'
     if ev.latency_s is not None:
         head += f' · {icon(LATENCY, "how long the model took to answer")} {_latency(ev.latency_s)}'
+        if ev.ttft_s is not None:  # a streamed answer: how long its first token took
+            head += f' <span title="time to first token">(first token {_latency(ev.ttft_s)})</span>'
     if ev.replayed_from is not None:
         head += f" · re-served from job {ev.replayed_from}, no tokens spent"
     return head + "</span>"
@@ -456,6 +458,8 @@ def _divergence_html(ev: ReplayDivergence, o: _Opts, seq: int | None) -> str:
 def _error_html(ev: ErrorEvent, o: _Opts, seq: int | None) -> str:
     if is_compaction_error(ev):
         return f'<div class="anb-compaction-failed">⚠ compaction failed — {_body(ev.message, o, seq, fold=False)}</div>'
+    if is_interruption(ev):  # a Stop cut a streaming call off: not a failure
+        return f'<div class="anb-dim">⏸ stopped mid-answer — {_body(ev.message, o, seq, fold=False)}</div>'
     return f'<div class="anb-error">✖ error ({_e(ev.where)}): {_body(ev.message, o, seq, fold=False)}</div>'
 
 
