@@ -30,6 +30,7 @@ from .executor import GRACE, check_poll, check_slots
 from .interrupts import Terminated, sigterm_interrupts
 from .store import BACKEND_ERRORS, describe_error
 from .store.base import JobStatus
+from .store.reads import total_tokens
 from .views.timeline import MovementRun, fold
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ def _print_job(ws: Workspace, job: Job) -> None:
     reserved = tl.reserved_runs() if job.forked_from else {}
     for mv in ws.movements(job):
         print(_run_line(mv, tl.run(mv["seq"]), reserved.get(mv["seq"])))
-    print(f"  tokens: {ws.store.total_tokens(job.id):,}")
+    print(f"  tokens: {total_tokens(ws.store, job.id):,}")
     if job.error:
         print(f"  error: {job.error}")
     if job.status == JobStatus.waiting_human:

@@ -294,14 +294,16 @@ def test_only_the_store_imports_sqlite3() -> None:
 
 
 def test_outside_the_store_only_its_interface_is_imported() -> None:
-    # the engine, the views, the notebook and the CLI are typed against store.base (the interface): a second
-    # backend then goes in beside store/sqlite.py without touching them; only the package's open_store picks one
+    # the engine, the views, the notebook and the CLI are typed against store.base (the interface), its records
+    # (store.records) and the reads written once on it (store.reads): a second backend then goes in beside
+    # store/sqlite.py without touching them; only the package's open_store picks one
+    interface = ("agentnb.store.base", "agentnb.store.records", "agentnb.store.reads")
     found = [
         f"{imp.where()}: {imp.importer} imports {imp.module}"
         for module in MODULES
         if not module.startswith("agentnb.store")
         for imp in imports(module)
-        if imp.module.startswith("agentnb.store.") and imp.module != "agentnb.store.base"
+        if imp.module.startswith("agentnb.store.") and imp.module not in interface
     ]
     assert not found, "a store backend imported outside agentnb/store/:\n" + "\n".join(found)
 

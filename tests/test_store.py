@@ -47,7 +47,7 @@ def test_reopen_is_idempotent_and_keeps_data(tmp_path: Path) -> None:
     store.close()
     for _ in range(3):  # re-opening must not re-run migrations (they would fail on existing tables)
         store = SQLiteStore(path)
-        assert store.job(job_id)["instruction"] == "task 0"
+        assert store.job(job_id).instruction == "task 0"
         assert store.query("PRAGMA user_version")[0][0] == len(MIGRATIONS)
         store.close()
 
@@ -78,7 +78,7 @@ def _claim_all(path: str, barrier: mp.synchronize.Barrier, out: mp.Queue[list[in
         row = store.claim()
         if row is None:
             break
-        got.append(int(row["id"]))
+        got.append(int(row.id))
     out.put(got)
     # Stay alive until every process has finished claiming: a process that has exited owns nothing, so
     # the others would rightly take its running jobs over (even while it waits, unreaped, as a zombie).
@@ -183,7 +183,7 @@ def test_every_status_change_is_a_job_status_event(ws: Workspace, tmp_path: Path
     assert statuses == ["queued", "running", "waiting_human", "queued", "running", "succeeded"]
     assert all(e.payload["reason"] for e in ws.events(job, kinds=["job_status"]))
     # the row agrees with the last event
-    assert ws.store.job(job.id)["status"] == statuses[-1]
+    assert ws.store.job(job.id).status == statuses[-1]
 
 
 def test_paused_and_failed_jobs_record_their_status_changes(ws: Workspace, tmp_path: Path) -> None:
@@ -215,7 +215,7 @@ def test_a_job_whose_owner_is_a_zombie_is_taken_over(tmp_path: Path) -> None:
     try:
         _exited_unreaped(owner)
         row = store.job(job_id)
-        assert row["status"] == "running" and f":{owner.pid}:" in row["claimed_by"]
+        assert row.status == "running" and f":{owner.pid}:" in row.claimed_by
         assert store.claim(job_id) is not None  # not "already running" for ever
         reasons = [e.payload["reason"] for e in store.events(job_id, kinds=["job_status"])]
         assert reasons[-2].startswith("recovered: the process that ran it") and reasons[-2].endswith("is gone")

@@ -8,4 +8,58 @@ is a function here of a store and its arguments, in SQL both SQLite and PostgreS
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from ..events import JobStatusEvent, LLMResponse
+from .base import Dialect, Store
+from .frames_sql import payload_field
+
+__all__: list[str] = [
+    "calls_by_movement",
+    "last_status_reason",
+    "latest_request",
+    "subtask_depth",
+    "total_tokens",
+]
+
+_DIALECTS: tuple[Dialect, ...] = ("sqlite", "postgres")
+
+# -- jobs and their events ------------------------------------------------------------------------------------
+# the only difference between the backends is how a payload field is read (json_extract, or #>> and a cast)
+_TOTAL_TOKENS = {d: f"SELECT COALESCE(SUM({payload_field(d, 'e', LLMResponse, 'usage.total_tokens')}), 0) "
+                    "FROM events e WHERE e.job_id=? AND e.kind='llm_response'" for d in _DIALECTS}
+_LAST_REASON = {d: f"SELECT {payload_field(d, 'e', JobStatusEvent, 'reason')} FROM events e "
+                   "WHERE e.kind='job_status' AND e.job_id=? ORDER BY e.id DESC LIMIT 1" for d in _DIALECTS}
+
+
+def total_tokens(store: Store, job_id: int) -> int:
+    """The sum of ``usage.total_tokens`` over the job's LLM calls (0 before the first)."""
+    return int(store.rows(_TOTAL_TOKENS[store.dialect], (job_id,))[1][0][0] or 0)
+
+
+def last_status_reason(store: Store, job_id: int) -> str | None:
+    """The reason of the job's newest ``job_status`` event (None before the first one)."""
+    rows = store.rows(_LAST_REASON[store.dialect], (job_id,))[1]
+    return None if not rows or rows[0][0] is None else str(rows[0][0])
+
+
+def latest_request(store: Store, job_id: int) -> tuple[int | None, int | None] | None:
+    """``(movement_seq, iteration)`` of the job's newest ``llm_request``, None before the first."""
+    rows = store.rows("SELECT movement_seq, iteration FROM events WHERE job_id=? AND kind='llm_request' "
+                      "ORDER BY id DESC LIMIT 1", (job_id,))[1]
+    return (rows[0][0], rows[0][1]) if rows else None
+
+
+def calls_by_movement(store: Store, job_id: int) -> dict[str, int]:
+    """How many LLM calls (``llm_response`` events) each movement name of the job has made so far."""
+    rows = store.rows(
+        "SELECT m.name, COUNT(*) FROM events e JOIN movements m ON m.job_id=e.job_id AND m.seq=e.movement_seq "
+        "WHERE e.job_id=? AND e.kind='llm_response' GROUP BY m.name", (job_id,))[1]
+    return {str(name): int(n) for name, n in rows}
+
+
+def subtask_depth(store: Store, job_id: int) -> int:
+    """How many ancestors the job has (0 for a job a user submitted, or for no such job)."""
+    rows = store.rows(
+        "WITH RECURSIVE up(id, parent_id, n) AS (SELECT id, parent_id, 0 FROM jobs WHERE id=? "
+        "UNION ALL SELECT j.id, j.parent_id, up.n + 1 FROM jobs j JOIN up ON j.id = up.parent_id "
+        "WHERE up.n < 1000) SELECT MAX(n) FROM up", (job_id,))[1]
+    return int(rows[0][0] or 0)
