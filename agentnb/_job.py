@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .engine.jobfiles import local_workdir
-from .store import StoreError
+from .store import StoreError, reads
 from .store.base import JobStatus
 
 if TYPE_CHECKING:
@@ -128,8 +128,8 @@ class Job:
         """The summary of the job's last finished movement run (its final summary once it has ended)."""
         if self.workspace is None:
             return None
-        done = [m for m in self.workspace.movements(self.id) if m.get("summary") is not None]
-        return done[-1]["summary"] if done else None
+        done = [m.summary for m in reads.movements(self.workspace.store, self.id) if m.summary is not None]
+        return done[-1] if done else None
 
     @property
     def expected(self) -> Any:
@@ -219,5 +219,4 @@ class JobHost(Protocol):
     def store(self) -> Store: ...
     def job(self, job: JobRef) -> Job: ...
     def events(self, job: JobRef, kinds: list[str] | None = None) -> list[Event]: ...
-    def movements(self, job: JobRef) -> list[dict[str, Any]]: ...
     def piece(self, job: JobRef) -> Piece: ...

@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .engine.context import context_items
 from .engine.pieces import PieceError, available_pieces
@@ -28,9 +28,10 @@ from .errors import AgentnbError, UsageError
 from .events import payload_dict
 from .executor import GRACE, check_poll, check_slots
 from .interrupts import Terminated, sigterm_interrupts
-from .store import BACKEND_ERRORS, describe_error
+from .store import BACKEND_ERRORS, describe_error, reads
 from .store.base import JobStatus
 from .store.reads import total_tokens
+from .store.records import MovementRecord
 from .views.timeline import MovementRun, fold
 
 if TYPE_CHECKING:
@@ -107,18 +108,18 @@ def _close_opened() -> None:
 
 def _question(ws: Workspace, job: Job) -> str | None:
     """The agent's latest question to the user (the ASK), if it asked one."""
-    asked = [c for c in ws.comments(job) if c["author"] == "agent"]
-    return str(asked[-1]["body"]) if asked else None
+    asked = [c.body for c in reads.comments(ws.store, job.id) if c.author == "agent"]
+    return asked[-1] if asked else None
 
 
-def _run_line(mv: dict[str, Any], run: MovementRun | None, served_from: int | None) -> str:
-    """A movement run as ``agentnb show`` lists it (``mv``: its row of ``ws.movements``)."""
+def _run_line(mv: MovementRecord, run: MovementRun | None, served_from: int | None) -> str:
+    """A movement run as ``agentnb show`` lists it."""
     n = len(run.compactions) if run is not None else 0
-    forced = (" (forced)" if mv["forced"] else "") + (f" ({n} compaction{'s' if n > 1 else ''})" if n else "") \
+    forced = (" (forced)" if mv.forced else "") + (f" ({n} compaction{'s' if n > 1 else ''})" if n else "") \
         + (" (loop detected)" if run is not None and run.loops else "")
     served = f"re-served from job {served_from}: " if served_from is not None else ""
-    return (f"  {mv['seq']:>2}. {mv['name']:<14} {served}{mv['iterations']:>3} {'call ' if mv['iterations'] == 1 else 'calls'} → {mv['next_step'] or '…'}{forced}"
-            + (f"  {mv['summary']}" if mv["summary"] else ""))
+    return (f"  {mv.seq:>2}. {mv.name:<14} {served}{mv.iterations:>3} {'call ' if mv.iterations == 1 else 'calls'} → {mv.next_step or '…'}{forced}"
+            + (f"  {mv.summary}" if mv.summary else ""))
 
 
 def _print_job(ws: Workspace, job: Job) -> None:
@@ -129,8 +130,8 @@ def _print_job(ws: Workspace, job: Job) -> None:
     # and how many times each run compacted its context, and the runs that closed a loop (docs/context.md)
     tl = fold(ws.events(job, kinds=["movement_start", "compaction", "loop_detected"]))
     reserved = tl.reserved_runs() if job.forked_from else {}
-    for mv in ws.movements(job):
-        print(_run_line(mv, tl.run(mv["seq"]), reserved.get(mv["seq"])))
+    for mv in reads.movements(ws.store, job.id):
+        print(_run_line(mv, tl.run(mv.seq), reserved.get(mv.seq)))
     print(f"  tokens: {total_tokens(ws.store, job.id):,}")
     if job.error:
         print(f"  error: {job.error}")

@@ -36,6 +36,7 @@ from .errors import StoreError
 from .events import ErrorEvent
 from .leases import holding
 from .models.factory import resolve_model
+from .store import reads
 from .store.base import (
     INTERRUPTED_REASON,
     STOP_REASON,
@@ -205,7 +206,7 @@ class Execution:
     def _runner(self, row: JobRecord) -> JobRunner:
         """The job's runner: the one kept from its last claim here while the job is as it left it, else a new one."""
         job_id = row.id
-        mark = self.store.runner_mark(job_id)
+        mark = reads.runner_mark(self.store, job_id)
         cached = self._runners.get(job_id)
         if cached is not None and cached[1] == mark:
             return cached[0]
@@ -227,7 +228,7 @@ class Execution:
         # meanwhile, or another process) wrote after it, and a stale runner never goes in under a newer mark.
         job_id = row.id
         with self._lock:
-            mark = self.store.runner_mark(job_id)
+            mark = reads.runner_mark(self.store, job_id)
             if self.store.job(job_id).lease_gen == row.lease_gen:
                 self._runners[job_id] = (runner, mark)
 

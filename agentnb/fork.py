@@ -19,6 +19,7 @@ from .engine.jobfiles import stored_inputs
 from .engine.pieces import Piece, load_piece
 from .engine.runner import stored_piece
 from .errors import PieceError, UsageError
+from .store import reads
 from .store.base import JobStatus
 
 if TYPE_CHECKING:
@@ -57,9 +58,9 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
         waits = "a human's reply" if status == JobStatus.waiting_human else "its subtasks"
         raise UsageError(f"job {job_id} is {status} (it waits for {waits}); a fork needs a job that has stopped: "
                          "reply or let its subtasks end first")
-    runs = store.movements(job_id)
+    runs = reads.movements(store, job_id)
     last = len(runs)
-    if status == JobStatus.queued and (not runs or runs[-1]["status"] == "done"):
+    if status == JobStatus.queued and (not runs or runs[-1].status == "done"):
         last += 1  # paused between runs: the run it would start next can be forked at too
     last = max(last, 1)
     if isinstance(at, bool) or not isinstance(at, int) or not 1 <= at <= last:
@@ -71,7 +72,7 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
     p = stored_piece(row) if piece is None else load_piece(piece)
     # run `at` starts the movement the original's run `at` started (or, paused before it, would start), at
     # every position: at 1 too, where another piece's own initial movement would otherwise run unnoticed
-    start = (runs[at - 1]["name"] if at <= len(runs)
+    start = (runs[at - 1].name if at <= len(runs)
              else row.current_movement or stored_piece(row).initial_movement)
     if start not in p.run_names:  # a loop monitor's judge may be forked at too (docs/context.md#loop-monitors)
         raise PieceError(f"the fork starts run {at} with movement {start!r}, as job {job_id} did, but the piece "

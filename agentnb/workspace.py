@@ -31,7 +31,7 @@ from .fork import plan_fork
 from .leases import lease_setting
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
-from .store import STORE_SCHEMES, Store, StoreError, open_store, store_scheme
+from .store import STORE_SCHEMES, Store, StoreError, open_store, reads, store_scheme
 from .store.base import MAX_INSTRUCTION_CHARS, can_name_a_job
 from .submission import Submitter
 from .worker import Worker
@@ -145,10 +145,12 @@ class Workspace:
         return self.store.events(self._id(job), kinds=kinds)
 
     def comments(self, job: JobRef) -> list[dict[str, Any]]:
-        return self.store.comments(self._id(job))
+        """The job's comments, oldest first, as plain dicts (docs/python-api.md#records)."""
+        return [c.to_dict() for c in reads.comments(self.store, self._id(job))]
 
     def movements(self, job: JobRef) -> list[dict[str, Any]]:
-        return self.store.movements(self._id(job))
+        """The job's movement runs in the order they ran, as plain dicts (docs/python-api.md#records)."""
+        return [m.to_dict() for m in reads.movements(self.store, self._id(job))]
 
     def piece(self, job: JobRef) -> Piece:
         return stored_piece(self.store.job(self._id(job)))

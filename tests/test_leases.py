@@ -48,7 +48,7 @@ needs_pg = pytest.mark.needs("postgres", "psycopg")
 
 def _counts(ws: Workspace, job_id: int) -> dict[str, Any]:
     s = ws.store
-    return {"events": len(s.events(job_id)), "movements": s.movements(job_id), "comments": s.count_comments(job_id),
+    return {"events": len(s.events(job_id)), "movements": reads.movements(s, job_id), "comments": reads.count_comments(s, job_id),
             "jobs": s.job_ids(), "job": {k: v for k, v in s.job(job_id).to_dict().items() if k != "lease_until"},
             "batch": s.batch("b")}
 
@@ -235,7 +235,7 @@ def test_a_stale_generation_writes_nothing(store_url: str, tmp_path: Path) -> No
         other.store.update_job(c, job_id, current_movement="first")
     with s.transaction() as c:
         s.add_comment(c, job_id, "user", "a user's note")
-    assert s.count_comments(job_id) == 1 and s.job(job_id).current_movement == "first"
+    assert reads.count_comments(s, job_id) == 1 and s.job(job_id).current_movement == "first"
     ws.store.close()
     other.store.close()
 
@@ -262,7 +262,7 @@ def test_an_expired_job_is_taken_back_and_resumes_to_the_same_events(store_url: 
     assert done.status == "succeeded", done.error
     assert (LEASE_EXPIRED in [r for _, r in _statuses(other, job_id)])
     assert _trace(other, job_id) == _trace(other, straight)
-    assert [m["name"] for m in other.store.movements(job_id)] == ["first", "second"]
+    assert [m.name for m in reads.movements(other.store, job_id)] == ["first", "second"]
     ws.store.close()
     other.store.close()
 
@@ -403,7 +403,7 @@ def test_a_frozen_worker_past_its_lease_writes_nothing_more(
     assert _resumed(_trace(ws, job_id)) == _trace(ws, straight)
     assert _statuses(ws, job_id) == [("queued", "submitted"), ("running", "claimed"), ("queued", LEASE_EXPIRED),
                                      ("running", "claimed"), _statuses(ws, straight)[-1]]
-    assert [m["status"] for m in ws.store.movements(job_id)] == ["done", "done"]
+    assert [m.status for m in reads.movements(ws.store, job_id)] == ["done", "done"]
     assert ws.job(job_id).status == "succeeded"
     # it went on with the next job, whole
     assert ws.job(later).status == "succeeded" and _trace(ws, later) == _trace(ws, straight)

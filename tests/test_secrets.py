@@ -28,6 +28,7 @@ from agentnb.cli import main as cli_main
 from agentnb.engine.runner import JobRunner
 from agentnb.events import CommentEvent, ErrorEvent, ToolCallEvent
 from agentnb.models.openai import OpenAIModel
+from agentnb.store import reads
 
 ROOT = Path(agentnb.__file__).resolve().parents[1]
 
@@ -163,7 +164,7 @@ def test_every_text_the_store_keeps_is_scrubbed(store_url: str, tmp_path: Path,
         assert job.instruction.startswith(f"Use keys {MASK} / ")
         assert json.loads(job.options_text) == {"note": job.error}
         assert s.job(child).instruction == job.error
-        assert [c["body"] for c in s.comments(job_id)] == [job.error]
+        assert [c.body for c in reads.comments(s, job_id)] == [job.error]
         events = s.events(job_id)
         assert [e.detail for e in events if e.kind == "error"] == [job.error]
         assert [e.arguments for e in events if e.kind == "tool_call"] == [

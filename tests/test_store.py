@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import multiprocessing as mp
 import os
@@ -10,7 +11,9 @@ import re
 import sqlite3
 import subprocess
 import sys
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _scripting import transition, write_script
@@ -18,9 +21,19 @@ from _scripting import transition, write_script
 import agentnb
 import agentnb.store
 from agentnb import Workspace
-from agentnb.events import CommentEvent, JobStatusEvent, LLMResponse, ToolResult, payload_dict, payload_path
-from agentnb.store import Store, open_store
+from agentnb.events import (
+    CommentEvent,
+    JobStatusEvent,
+    LLMRequest,
+    LLMResponse,
+    ToolResult,
+    Usage,
+    payload_dict,
+    payload_path,
+)
+from agentnb.store import Store, open_store, reads
 from agentnb.store.migrations import MIGRATIONS
+from agentnb.store.records import JOB_COLUMNS, CommentRecord, JobOptions, JobRecord, JobStatus, MovementRecord
 from agentnb.store.sqlite import SQLiteStore, StoreError
 
 
@@ -373,3 +386,189 @@ def test_job_options_are_decoded_and_written_back_to_the_same_text(text: str) ->
     assert options.to_json() == text
     assert JobOptions.from_json(options.updated(retries=5).to_json()).retries == 5
     assert "zukunft" not in options.without("zukunft").to_dict()
+
+
+# -- movement runs and comments as records (store/records.py), read once for both backends (store/reads.py) --
+
+def _runs_and_comments(ws: Workspace) -> int:
+    """A job with three movement runs (done and forced, failed, open), two LLM calls of the first and one of the
+    second, and three comments: through the store's own writes, on the test's backend."""
+    s = ws.store
+    job_id = s.create_job(piece="p", piece_yaml="name: p", model="demo", instruction="task", workdir="")
+    with s.transaction() as c:
+        s.start_movement(c, job_id, 1, "plan")
+        s.finish_movement(c, job_id, 1, iterations=2, next_step="work", forced=True, summary="planned")
+        s.start_movement(c, job_id, 2, "work")
+        s.fail_movement(c, job_id, 2, iterations=1)
+        s.start_movement(c, job_id, 3, "work")
+        for author, body in [("agent", "Which file?"), ("user", "a.md"), ("user", "and b.md")]:
+            s.add_comment(c, job_id, author, body)
+    s.append([LLMResponse(job_id=job_id, movement_seq=seq, iteration=1, content="x", tool_calls=[], usage=Usage())
+              for seq in (1, 1, 2)])
+    return job_id
+
+
+def _typed(d: dict[str, Any]) -> list[tuple[str, type, Any]]:
+    # True == 1 in Python: the type is compared too, so a bool where the row has 0/1 is told apart
+    return [(k, type(v), v) for k, v in d.items()]
+
+
+def test_movement_runs_are_frozen_typed_records_read_the_same_on_both_backends(ws: Workspace) -> None:
+    job_id = _runs_and_comments(ws)
+    runs = reads.movements(ws.store, job_id)
+    assert all(isinstance(r, MovementRecord) for r in runs)
+    assert [(r.seq, r.name, r.status, r.iterations, r.next_step, r.forced, r.summary) for r in runs] == [
+        (1, "plan", "done", 2, "work", True, "planned"), (2, "work", "failed", 1, None, False, None),
+        (3, "work", "running", 0, None, False, None)]
+    first = runs[0]
+    assert (type(first.job_id), type(first.seq), type(first.iterations), type(first.forced), type(first.started),
+            type(first.ended)) == (int, int, int, bool, float, float)
+    assert runs[2].ended is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.status = "running"  # type: ignore[misc]
+    assert not hasattr(first, "__dict__")  # slots
+    assert reads.open_movement(ws.store, job_id) == runs[2]
+    assert reads.calls_by_movement(ws.store, job_id) == {"plan": 2, "work": 1}
+    assert reads.runner_mark(ws.store, job_id)[1] == 3  # the open run's seq
+    with ws.store.transaction() as c:
+        ws.store.fail_movement(c, job_id, 3, iterations=0)
+    assert reads.open_movement(ws.store, job_id) is None
+    assert reads.runner_mark(ws.store, job_id)[1] == 0
+
+
+def test_comments_are_frozen_typed_records_read_the_same_on_both_backends(ws: Workspace) -> None:
+    job_id = _runs_and_comments(ws)
+    every = reads.comments(ws.store, job_id)
+    assert all(isinstance(c, CommentRecord) for c in every)
+    assert [(c.author, c.body) for c in every] == [("agent", "Which file?"), ("user", "a.md"), ("user", "and b.md")]
+    assert [(type(c.id), type(c.job_id), type(c.ts)) for c in every] == [(int, int, float)] * 3
+    assert [c.id for c in every] == sorted(c.id for c in every)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        every[0].body = "changed"  # type: ignore[misc]
+    assert reads.comments(ws.store, job_id, last=2) == every[1:]  # the newest two, still oldest first
+    assert reads.comments(ws.store, job_id, last=5) == every
+    assert reads.count_comments(ws.store, job_id) == 3
+    other = ws.store.create_job(piece="p", piece_yaml="name: p", model="demo", instruction="other", workdir="")
+    assert reads.comments(ws.store, other) == [] and reads.count_comments(ws.store, other) == 0
+    assert reads.movements(ws.store, other) == [] and reads.calls_by_movement(ws.store, other) == {}
+
+
+def test_to_dict_is_the_row_ws_movements_and_ws_comments_give(ws: Workspace) -> None:
+    job_id = _runs_and_comments(ws)
+    for table, order, public, records in [
+            ("movements", "seq", ws.movements(job_id), reads.movements(ws.store, job_id)),
+            ("comments", "id", ws.comments(job_id), reads.comments(ws.store, job_id))]:
+        cols, rows = ws.store.rows(f"SELECT * FROM {table} WHERE job_id=? ORDER BY {order}", (job_id,))
+        stored = [dict(zip(cols, r, strict=True)) for r in rows]  # the table's row, as the store returned it
+        assert [_typed(d) for d in public] == [_typed(d) for d in stored], table  # keys, their order, types
+        assert [_typed(r.to_dict()) for r in records] == [_typed(d) for d in stored], table
+        assert all(type(d) is dict for d in public)
+    assert ws.movements(job_id)[0]["forced"] == 1 and type(ws.movements(job_id)[0]["forced"]) is int
+
+
+def test_the_store_interface_keeps_no_derived_read_of_movements_or_comments() -> None:
+    from agentnb.store.postgres import PostgresStore
+
+    moved = {"comments", "count_comments", "movements", "open_movement", "calls_by_movement", "runner_mark"}
+    for cls in (Store, SQLiteStore, PostgresStore):
+        assert not {n for n in moved if hasattr(cls, n)}, cls.__name__
+        assert {"add_comment", "start_movement", "finish_movement", "fail_movement",
+                "reopen_failed_movement"} <= set(dir(cls)), cls.__name__  # the writes stay persistence core
+    assert moved <= set(reads.__all__)
+
+
+# -- the job row as a record (store/records.py) and the reads derived from a job's events (store/reads.py) -------
+
+# long enough to be stored once in `texts` (the row then holds TEXT_REF): the record holds the text itself
+_LONG = "Summarise every file under input/. " * 200
+_OPTIONS_TEXT = '{"future":{"x":1},"retries":3,"context":{"window_tokens":9000}}'
+
+
+def _job_with_refs(ws: Workspace) -> int:
+    """A job whose instruction and enriched instruction are stored by reference, with options this version does
+    not all know, claimed once (lease_gen 1, a lease and an owner set) and started a movement."""
+    s = ws.store
+    job_id = s.create_job(piece="p", piece_yaml="name: p", model="demo", instruction=_LONG, workdir="w",
+                          options=_OPTIONS_TEXT)
+    assert s.claim(job_id, owner="host:1:abcd", lease=60) is not None
+    with s.transaction() as c:
+        s.update_job(c, job_id, enriched=f"Now: 09:00\n\n{_LONG}", current_movement="plan", movement_seq=1)
+    return job_id
+
+
+def test_a_job_is_a_frozen_typed_record_the_same_on_both_backends(ws: Workspace) -> None:
+    job_id = _job_with_refs(ws)
+    job = ws.store.job(job_id)
+    assert isinstance(job, JobRecord)
+    assert type(job.status) is JobStatus and job.status is JobStatus.running
+    assert type(job.options) is JobOptions and job.options.retries == 3
+    assert job.options.context == {"window_tokens": 9000} and job.options.extra == {"future": {"x": 1}}
+    assert job.options_text == _OPTIONS_TEXT  # the stored text itself, not re-encoded
+    assert job.instruction == _LONG and job.enriched == f"Now: 09:00\n\n{_LONG}"  # references expanded
+    assert [type(v) for v in (job.id, job.movement_seq, job.lease_gen, job.created, job.lease_until)] == [
+        int, int, int, float, float]
+    assert (job.parent_id, job.batch_case, job.forked_from_job, job.forked_from, job.ended) == (None,) * 5
+    assert (job.lease_gen, job.claimed_by, job.current_movement) == (1, "host:1:abcd", "plan")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.status = JobStatus.queued  # type: ignore[misc]
+    assert not hasattr(job, "__dict__")  # slots
+    assert ws.store.jobs() == [job] and ws.store.jobs(status="running") == [job]
+    assert ws.store.jobs(status="queued") == [] and ws.store.jobs(parent_id=job_id) == []
+    with ws.store.transaction() as c:
+        kid = ws.store.create_child_job(c, job_id, piece="p", piece_yaml="name: p", piece_path=None, model="demo",
+                                        instruction="part", options="{}")
+    child = ws.store.jobs(parent_id=job_id)
+    assert [(r.id, r.parent_id, r.status, r.options) for r in child] == [(kid, job_id, "queued", JobOptions())]
+    claimed = ws.store.claim(kid)
+    assert isinstance(claimed, JobRecord) and (claimed.status, claimed.lease_gen) == (JobStatus.running, 1)
+
+
+def test_a_job_records_to_dict_is_the_stored_row_as_the_store_returned_it(ws: Workspace) -> None:
+    job_id = _job_with_refs(ws)
+    cols, rows = ws.store.rows("SELECT * FROM jobs WHERE id=?", (job_id,))
+    stored = dict(zip(cols, rows[0], strict=True))
+    # what Store.job returned before it returned records: the row without its text references, texts put back
+    assert stored.pop("instruction_ref") and stored.pop("enriched_ref") and stored["instruction"] != _LONG
+    expected = {**stored, "instruction": _LONG, "enriched": f"Now: 09:00\n\n{_LONG}"}
+    assert list(expected) == list(JOB_COLUMNS)  # the table's columns, in its order
+    assert [_typed(r.to_dict()) for r in (ws.store.job(job_id), *ws.store.jobs())] == [_typed(expected)] * 2
+    assert type(ws.store.job(job_id).to_dict()["status"]) is str  # the stored text, not the enum member
+    assert JobRecord.from_row(list(expected), list(expected.values())) == ws.store.job(job_id)
+
+
+def test_the_reads_of_a_jobs_events_give_the_same_on_both_backends(ws: Workspace) -> None:
+    s = ws.store
+    job_id = s.create_job(piece="p", piece_yaml="name: p", model="demo", instruction="task", workdir="")
+    assert (reads.total_tokens(s, job_id), reads.latest_request(s, job_id)) == (0, None)
+    assert reads.last_status_reason(s, job_id) == "submitted" and reads.subtask_depth(s, job_id) == 0
+    s.append([LLMRequest(job_id=job_id, movement_seq=1, iteration=1, messages=2, tools=[]),
+              LLMResponse(job_id=job_id, movement_seq=1, iteration=1, content="a", tool_calls=[],
+                          usage=Usage(prompt_tokens=100, completion_tokens=20, total_tokens=120)),
+              LLMRequest(job_id=job_id, movement_seq=2, iteration=3, messages=4, tools=["Read"]),
+              LLMResponse(job_id=job_id, movement_seq=2, iteration=3, content="b", tool_calls=[],
+                          usage=Usage(prompt_tokens=300, completion_tokens=7, total_tokens=307))])
+    with s.transaction() as c:
+        s.set_status(c, job_id, JobStatus.queued, reason="paused after one call")
+        kid = s.create_child_job(c, job_id, piece="p", piece_yaml="name: p", piece_path=None, model="demo",
+                                 instruction="part", options="{}")
+        grandchild = s.create_child_job(c, kid, piece="p", piece_yaml="name: p", piece_path=None, model="demo",
+                                        instruction="part of it", options="{}")
+    total = reads.total_tokens(s, job_id)
+    assert total == 427 and type(total) is int
+    assert reads.latest_request(s, job_id) == (2, 3)
+    assert reads.last_status_reason(s, job_id) == "paused after one call"
+    assert [reads.subtask_depth(s, j) for j in (job_id, kid, grandchild)] == [0, 1, 2]
+    assert (reads.total_tokens(s, kid), reads.latest_request(s, kid), reads.last_status_reason(s, kid)) == (0, None, None)
+
+
+def test_the_store_interface_keeps_no_derived_read_of_a_jobs_events() -> None:
+    from agentnb.store.postgres import PostgresStore
+
+    moved = {"total_tokens", "last_status_reason", "latest_request", "subtask_depth"}
+    for cls in (Store, SQLiteStore, PostgresStore):
+        assert not {n for n in moved if hasattr(cls, n)}, cls.__name__
+        assert {"job", "jobs", "claim", "job_columns", "set_status"} <= set(dir(cls)), cls.__name__
+    assert moved <= set(reads.__all__)
+    # the interface is typed with the record: what a backend returns is what the package reads
+    for name in ("job", "jobs", "claim"):
+        assert "JobRecord" in str(typing.get_type_hints(getattr(Store, name))["return"]), name

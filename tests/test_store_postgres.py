@@ -112,7 +112,7 @@ def _record(ws: Workspace) -> dict[str, Any]:
     jobs = [{k: _norm(v) for k, v in ws.store.job(j).to_dict().items()
              if k not in _VOLATILE | {"updated", "claimed_by", "workdir"}} for j in ws.store.job_ids()]
     return {"events": events, "frames": frames, "jobs": jobs,
-            "movements": [[{k: v for k, v in m.items() if k not in _VOLATILE} for m in ws.store.movements(j)]
+            "movements": [[{k: v for k, v in m.items() if k not in _VOLATILE} for m in ws.movements(j)]
                           for j in ws.store.job_ids()]}
 
 

@@ -15,9 +15,11 @@ import os
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..events import Lesson, Subtask, Transition
+from ..store import reads
+from ..store.records import CommentRecord
 from ..tools.base import ToolError, open_regular, unlinked_path
 from .git_context import git_excerpt
 from .pieces import Movement, Piece
@@ -117,7 +119,7 @@ def text(language: str, key: str, **values: object) -> str:
 def build_enriched_instruction(
     *,
     instruction: str,
-    comments: Sequence[dict[str, Any]],
+    comments: Sequence[CommentRecord],
     total_comments: int,
     workdir: Path,
     language: str = "en",
@@ -146,8 +148,8 @@ def activation_instruction(store: Store, job: JobRecord, *, language: str, clock
     ``clock`` is given, the current date and time."""
     job_id = job.id
     return build_enriched_instruction(
-        instruction=job.instruction, comments=store.comments(job_id, last=MAX_COMMENTS),
-        total_comments=store.count_comments(job_id), workdir=workdir or Path(job.workdir), language=language,
+        instruction=job.instruction, comments=reads.comments(store, job_id, last=MAX_COMMENTS),
+        total_comments=reads.count_comments(store, job_id), workdir=workdir or Path(job.workdir), language=language,
         clock=clock,
     )
 
@@ -166,14 +168,14 @@ def clock_block(user_prompt: str) -> str | None:
     return None
 
 
-def _comment_block(comments: Sequence[dict[str, Any]], total: int, language: str) -> str:
+def _comment_block(comments: Sequence[CommentRecord], total: int, language: str) -> str:
     lines = [text(language, "comments", shown=len(comments), total=total)]
     for c in comments:
-        body = c["body"]
+        body = c.body
         if len(body) > MAX_COMMENT_CHARS:
             body = body[:MAX_COMMENT_CHARS] + " " + text(language, "cut", shown=MAX_COMMENT_CHARS, total=len(body))
-        when = datetime.fromtimestamp(c["ts"], tz=timezone.utc).astimezone().strftime("%Y-%m-%d %H:%M")
-        lines.append(f"- [{c['author']}, {when}] {body}")
+        when = datetime.fromtimestamp(c.ts, tz=timezone.utc).astimezone().strftime("%Y-%m-%d %H:%M")
+        lines.append(f"- [{c.author}, {when}] {body}")
     return "\n".join(lines)
 
 

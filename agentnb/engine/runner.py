@@ -22,8 +22,8 @@ from ..errors import StoreError
 from ..events import ErrorEvent, Lesson, LoopDetected, Subtask, Transition
 from ..models.base import Model, ModelError
 from ..models.replay import Recording
+from ..store import reads
 from ..store.base import JobOptions, JobStatus, LeaseLost, StoreUnreachable
-from ..store.reads import calls_by_movement
 from ..store.records import JobRecord
 from ..tools.base import ToolError, open_regular, unlinked_path
 from .context import ContextManager, job_thresholds, window_for_model
@@ -75,13 +75,13 @@ class JobRunner:
         self.recording = (Recording(store, job.forked_from_job, before=self.fork_seq)
                           if job.forked_from_job else None)
         self.strict = bool(self.options.strict_replay)
-        by_movement = calls_by_movement(store, self.job_id)
+        by_movement = reads.calls_by_movement(store, self.job_id)
         self.counters = CallCounters(call_index=sum(by_movement.values()), by_movement=by_movement)
-        open_mv = store.open_movement(self.job_id)
+        open_mv = reads.open_movement(store, self.job_id)
         if open_mv is not None:
-            seq = int(open_mv["seq"])
-            self.loop = self._make_loop(self._movement(self._piece_at(seq), open_mv["name"]), seq)
-            self.loop.resume(store.events(self.job_id, movement_seq=int(open_mv["seq"])))
+            seq = open_mv.seq
+            self.loop = self._make_loop(self._movement(self._piece_at(seq), open_mv.name), seq)
+            self.loop.resume(store.events(self.job_id, movement_seq=seq))
 
     # -- state ------------------------------------------------------------
     def job(self) -> JobRecord:
@@ -316,8 +316,8 @@ class JobRunner:
         piece = self._piece_at(seq)  # a re-served run detects what its original detected
         if not piece.loop_monitors:
             return None, step, why
-        runs = [Run(int(r["seq"]), str(r["name"]), str(r["summary"] or "")) for r in self.store.movements(self.job_id)
-                if int(r["seq"]) < seq and r["next_step"] is not None]
+        runs = [Run(r.seq, r.name, r.summary or "") for r in reads.movements(self.store, self.job_id)
+                if r.seq < seq and r.next_step is not None]
         runs.append(Run(seq, name, summary))
         judged = last_judgements(self.store.events(self.job_id, kinds=["loop_detected"]))
         found = find_loop(piece.loop_monitors, runs, judged, step.movement)
@@ -406,9 +406,9 @@ class JobRunner:
         # the job that asked and was answered live: a fork's own re-served question was answered in its original
         rec = Recording(self.store, self.recording.live_job(seq), before=seq + 2)
         begun, then = rec.starts[seq].ts, rec.starts.get(seq + 1)
-        for cm in self.store.comments(rec.job_id):
-            if cm["ts"] >= begun and (then is None or cm["ts"] < then.ts):
-                self.store.add_comment(c, self.job_id, cm["author"], cm["body"], ts=cm["ts"])
+        for cm in reads.comments(self.store, rec.job_id):
+            if cm.ts >= begun and (then is None or cm.ts < then.ts):
+                self.store.add_comment(c, self.job_id, cm.author, cm.body, ts=cm.ts)
         # the answer starts a new activation: its enriched instruction, with the original's clock
         job = self.store.job(self.job_id)
         enriched = activation_instruction(self.store, job, language=self.piece.language,

@@ -286,11 +286,6 @@ class Store(Protocol):
         ``job_id``'s lease generation is still ``gen``, and raises :class:`LeaseLost` (writing nothing) when not."""
         ...
 
-    def runner_mark(self, job_id: int) -> tuple[int, int, str | None]:
-        """What a cached runner of the job must match: its last movement event id, its open movement's
-        seq (0 when none) and its options text."""
-        ...
-
     # -- events -------------------------------------------------------------------------------------------
     def append(self, events: Sequence[Event], c: Transaction | None = None) -> None:
         """Record ``events`` (in ``c``, else in a transaction of their own)."""
@@ -312,20 +307,13 @@ class Store(Protocol):
         ...
 
     # -- comments -----------------------------------------------------------------------------------------
+    # (the writes; a job's comments and movement runs are read by store/reads.py as store/records.py's records)
     def add_comment(self, c: Transaction, job_id: int, author: str, body: str, *, ts: float | None = None) -> None:
         """Add a comment (and its ``comment`` event, stamped now); ``ts``: when it was written, if not now
         (a fork re-serving its original's conversation keeps the original's times, which prompts show)."""
         ...
 
-    def comments(self, job_id: int, last: int | None = None) -> list[dict[str, Any]]: ...
-
-    def count_comments(self, job_id: int) -> int: ...
-
     # -- movements ----------------------------------------------------------------------------------------
-    def movements(self, job_id: int) -> list[dict[str, Any]]: ...
-
-    def open_movement(self, job_id: int) -> dict[str, Any] | None: ...
-
     def reopen_failed_movement(self, c: Transaction, job_id: int) -> None:
         """Reopen the job's last movement run when it failed (a retry resumes it from its events)."""
         ...

@@ -582,13 +582,6 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
                                    "AND status='running'", (float(lease), job_id, gen))
             return cur.rowcount == 1
 
-    def runner_mark(self, job_id: int) -> tuple[int, int, str | None]:
-        rows = self._tuples(
-            "SELECT (SELECT MAX(id) FROM events WHERE job_id=? AND movement_seq IS NOT NULL), "
-            "(SELECT MAX(seq) FROM movements WHERE job_id=? AND status='running'), "
-            "(SELECT options FROM jobs WHERE id=?)", (job_id, job_id, job_id))[1]
-        return int(rows[0][0] or 0), int(rows[0][1] or 0), rows[0][2]
-
     # -- batches ---------------------------------------------------------------
     def create_batch(self, c: Transaction, name: str, *, fingerprint: str, cases: str, variants: str,
                      options: str) -> None:
@@ -717,28 +710,10 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
         self._exec(conn, "INSERT INTO comments (job_id, author, body, ts) VALUES (?,?,?,?)", row)
         self._append(conn, [event])
 
-    def comments(self, job_id: int, last: int | None = None) -> list[dict[str, Any]]:
-        if last is None:
-            return self.query("SELECT * FROM comments WHERE job_id=? ORDER BY id", (job_id,))
-        return self.query("SELECT * FROM (SELECT * FROM comments WHERE job_id=? ORDER BY id DESC LIMIT ?) AS c "
-                          "ORDER BY id", (job_id, last))
-
-    def count_comments(self, job_id: int) -> int:
-        return int(self._tuples("SELECT COUNT(*) FROM comments WHERE job_id=?", (job_id,))[1][0][0])
-
     def reopen_failed_movement(self, c: Transaction, job_id: int) -> None:
         self._exec(self._tx(c), "UPDATE movements SET status='running', ended=NULL WHERE job_id=? AND "
                                 "status='failed' AND seq=(SELECT MAX(seq) FROM movements WHERE job_id=?)",
                    (job_id, job_id))
-
-    # -- movements -------------------------------------------------------------
-    def movements(self, job_id: int) -> list[dict[str, Any]]:
-        return self.query("SELECT * FROM movements WHERE job_id=? ORDER BY seq", (job_id,))
-
-    def open_movement(self, job_id: int) -> dict[str, Any] | None:
-        rows = self.query("SELECT * FROM movements WHERE job_id=? AND status='running' ORDER BY seq DESC LIMIT 1",
-                          (job_id,))
-        return rows[0] if rows else None
 
     # -- operations the engine asks for ----------------------------------------
     def start_movement(self, c: Transaction, job_id: int, seq: int, name: str) -> None:

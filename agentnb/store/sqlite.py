@@ -495,14 +495,6 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
                                       (time.time() + lease, job_id, gen))
             return cur.rowcount == 1
 
-    def runner_mark(self, job_id: int) -> tuple[int, int, str | None]:
-        rows = self.query(
-            "SELECT (SELECT MAX(id) FROM events WHERE job_id=? AND movement_seq IS NOT NULL), "
-            "(SELECT MAX(seq) FROM movements WHERE job_id=? AND status='running'), "
-            "(SELECT options FROM jobs WHERE id=?)", (job_id, job_id, job_id),
-        )
-        return int(rows[0][0] or 0), int(rows[0][1] or 0), rows[0][2]
-
     # -- batches ---------------------------------------------------------------
     def create_batch(self, c: Transaction, name: str, *, fingerprint: str, cases: str, variants: str,
                      options: str) -> None:
@@ -625,33 +617,10 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
         conn.execute("INSERT INTO comments (job_id, author, body, ts) VALUES (?,?,?,?)", row)
         self._append(conn, [event])
 
-    def comments(self, job_id: int, last: int | None = None) -> list[dict[str, Any]]:
-        if last is None:
-            rows = self.query("SELECT * FROM comments WHERE job_id=? ORDER BY id", (job_id,))
-        else:
-            rows = self.query(
-                "SELECT * FROM (SELECT * FROM comments WHERE job_id=? ORDER BY id DESC LIMIT ?) ORDER BY id",
-                (job_id, last),
-            )
-        return [dict(r) for r in rows]
-
-    def count_comments(self, job_id: int) -> int:
-        return int(self.query("SELECT COUNT(*) FROM comments WHERE job_id=?", (job_id,))[0][0])
-
     def reopen_failed_movement(self, c: Transaction, job_id: int) -> None:
         # the movement the failure stopped (none when the job failed between movements or at setup)
         self._tx(c).execute("UPDATE movements SET status='running', ended=NULL WHERE job_id=? AND status='failed' "
                             "AND seq=(SELECT MAX(seq) FROM movements WHERE job_id=?)", (job_id, job_id))
-
-    # -- movements -------------------------------------------------------------
-    def movements(self, job_id: int) -> list[dict[str, Any]]:
-        return [dict(r) for r in self.query("SELECT * FROM movements WHERE job_id=? ORDER BY seq", (job_id,))]
-
-    def open_movement(self, job_id: int) -> dict[str, Any] | None:
-        rows = self.query(
-            "SELECT * FROM movements WHERE job_id=? AND status='running' ORDER BY seq DESC LIMIT 1", (job_id,)
-        )
-        return dict(rows[0]) if rows else None
 
     # -- operations the engine asks for ----------------------------------------
     # Each takes the transaction ``c`` when the engine needs it to be atomic with other writes.
