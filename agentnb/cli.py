@@ -450,7 +450,7 @@ def cmd_batches(args: argparse.Namespace) -> int:
         return 0
     import datetime as dt
 
-    short = {"waiting_human": "wait_human", "waiting_subtasks": "wait_sub"}
+    short: dict[str, str] = {JobStatus.waiting_human: "wait_human", JobStatus.waiting_subtasks: "wait_sub"}
     heads = [short.get(s, s) for s in JOB_STATES]
     width = max(12, *(len(str(r["name"])) for r in rows))
     print(f"{'name':<{width}}  {'created (UTC)':<19}  {'jobs':>5}  " + "  ".join(f"{h:>{max(len(h), 5)}}" for h in heads))

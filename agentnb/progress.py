@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from .models.prices import dollars
+from .store.base import WAITING_STATES, JobStatus
 from .views.style import OK_COLOUR, STATUS_COLOURS
 
 __all__ = ["BatchProgress", "Outcome", "final_html", "final_line", "live_postfix"]
@@ -49,9 +50,10 @@ class Outcome:
         (another process runs them), not started; ``done`` is those that came to a rest (ok to waiting)."""
         values = list(self.statuses.values())
         out = {
-            "ok": values.count("succeeded"), "failed": values.count("failed"), "aborted": values.count("aborted"),
-            "waiting": sum(1 for s in values if s.startswith("waiting")),
-            "paused": sum(1 for s in values if s in ("queued", "running")),
+            "ok": values.count(JobStatus.succeeded), "failed": values.count(JobStatus.failed),
+            "aborted": values.count(JobStatus.aborted),
+            "waiting": sum(1 for s in values if s in WAITING_STATES),
+            "paused": sum(1 for s in values if s in (JobStatus.queued, JobStatus.running)),
             "skipped": self.skipped,
         }
         out["not started"] = max(0, self.total - len(values) - self.skipped)
@@ -59,7 +61,7 @@ class Outcome:
         return out
 
     def waiting_ids(self) -> list[int]:
-        return sorted(j for j, s in self.statuses.items() if s == "waiting_human")
+        return sorted(j for j, s in self.statuses.items() if s == JobStatus.waiting_human)
 
     def state(self) -> str:
         """The colour state of the whole run: the worst outcome of any job (or of the run itself)."""
@@ -74,10 +76,12 @@ class Outcome:
 
 
 # the segments of the final line's bar, in order, and the colour of each (as the job view's status badges)
-_SEGMENTS = (("ok", OK_COLOUR), ("failed", STATUS_COLOURS["failed"]), ("aborted", STATUS_COLOURS["aborted"]),
-             ("waiting", STATUS_COLOURS["waiting_human"]), ("paused", STATUS_COLOURS["paused"]),
-             ("skipped", STATUS_COLOURS["queued"]), ("not started", "rgba(127,127,127,.35)"))
-_STATE_COLOURS = {"ok": OK_COLOUR, "failed": STATUS_COLOURS["failed"], "waiting": STATUS_COLOURS["waiting_human"],
+_SEGMENTS = (("ok", OK_COLOUR), ("failed", STATUS_COLOURS[JobStatus.failed]),
+             ("aborted", STATUS_COLOURS[JobStatus.aborted]), ("waiting", STATUS_COLOURS[JobStatus.waiting_human]),
+             ("paused", STATUS_COLOURS["paused"]), ("skipped", STATUS_COLOURS[JobStatus.queued]),
+             ("not started", "rgba(127,127,127,.35)"))
+_STATE_COLOURS = {"ok": OK_COLOUR, "failed": STATUS_COLOURS[JobStatus.failed],
+                  "waiting": STATUS_COLOURS[JobStatus.waiting_human],
                   "paused": STATUS_COLOURS["paused"]}
 
 
@@ -140,9 +144,9 @@ def final_html(title: str, outcome: Outcome, resume: str = "") -> str:
 def live_postfix(statuses: Mapping[int, str], tokens: int, cost: float | None) -> str:
     """The live bar's right-hand text: ``3 ok, 0 failed, 2 waiting · 1,234 tokens · $0.0012``."""
     values = list(statuses.values())
-    failed = sum(1 for s in values if s in ("failed", "aborted"))
-    waiting = sum(1 for s in values if s.startswith("waiting"))
-    text = f"{values.count('succeeded')} ok, {failed} failed"
+    failed = sum(1 for s in values if s in (JobStatus.failed, JobStatus.aborted))
+    waiting = sum(1 for s in values if s in WAITING_STATES)
+    text = f"{values.count(JobStatus.succeeded)} ok, {failed} failed"
     if waiting:
         text += f", {waiting} waiting"
     return f"{text} · {tokens:,} tokens · {_money(cost)}"

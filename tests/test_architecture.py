@@ -3,7 +3,8 @@
 
 Every import counts: at the top, inside functions, and under ``if TYPE_CHECKING:``, since a type
 checker follows those too and a later refactoring turns them into runtime imports.  The layers:
-cli and notebook → workspace → views, engine → models, tools, store → events, errors.
+cli and notebook → workspace → views, engine → models, tools, store → events, errors.  The last test runs the
+fold and the views on an event kind made in the test: what a new kind needs besides ``events.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import ast
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 PACKAGE = Path(__file__).resolve().parent.parent / "agentnb"
 
@@ -371,3 +373,40 @@ def f():
     assert _resolve("agentnb.tools", 1, "base") == "agentnb.tools.base"  # in a package's __init__
     assert _cycles({"a": {"b": []}, "b": {"a": []}, "c": {"a": []}}) == [["a", "b"]]
     assert "agentnb.notebook.magic" in _edges()["agentnb"]  # agentnb/__init__.py imports it inside a function
+
+
+def test_a_new_event_kind_shows_in_the_views_without_teaching_them(tmp_path: Path) -> None:
+    # an event kind none of agentnb's modules knows, made here: the fold hands it to the views as a Note, in its
+    # call (or between the runs when it has none), so a kind added to events.py alone shows in the job view,
+    # the transcript and, through the job view, the comparison's columns
+    from agentnb import Workspace
+    from agentnb.events import EventBase
+    from agentnb.views.render import timeline_html
+    from agentnb.views.timeline import Note, fold
+    from agentnb.views.transcript import movement_text
+
+    @dataclass(frozen=True, kw_only=True, slots=True)
+    class Checkpoint(EventBase):
+        kind: ClassVar[str] = "check_point"  # type: ignore[misc]
+        label: str
+        files: list[str]
+
+    with Workspace(tmp_path / "ws") as ws:
+        job = ws.run(ws.submit("Summarise input/notes.md", piece="plan-implement-verify", model="demo",
+                               inputs={"notes.md": "alpha\n"}))
+        events = ws.events(job)
+        assert not any(isinstance(i, Note) for run in fold(events).runs.values() for c in run.calls for i in c.items)
+        first = next(i for i, ev in enumerate(events) if ev.movement_seq == 1 and ev.iteration == 1)
+        mid = Checkpoint(job_id=job.id, movement_seq=1, iteration=1, label="<half> way", files=["a.md"])
+        late = Checkpoint(job_id=job.id, label="after all", files=[])
+        events = [*events[:first + 1], mid, *events[first + 1:], late]
+        tl = fold(events)
+        call = tl.runs[1].calls[0]
+        assert [i for i in call.items if isinstance(i, Note)] == [Note(mid, "check point", 'label: <half> way\nfiles: ["a.md"]')]
+        assert tl.entries[-1] == Note(late, "check point", "label: after all\nfiles: []")
+        html = timeline_html(ws, job.snapshot(), tl)
+        assert html.count("check point") == 2 and "label: &lt;half&gt; way" in html and "<half>" not in html
+        assert html.index("label: &lt;half&gt; way") < html.index('data-seq="2"') < html.index("label: after all")
+        text = movement_text(events)
+        assert "[check point]\n    label: <half> way\n    files: [\"a.md\"]" in text
+        assert text.rstrip().endswith("[check point]\n    label: after all\n    files: []")

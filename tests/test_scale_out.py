@@ -306,7 +306,7 @@ def test_bad_stores_through_the_cli_are_one_line_and_leave_the_server_as_it_was(
     assert sorted(p.name for p in cwd.iterdir()) == []  # no workspace folder made for a store that failed
 
     # store copy into a non-empty store (the server's own), from a SQLite workspace with a job
-    src = Workspace(tmp_path / "src")
+    src = Workspace(tmp_path / "src", store=f"sqlite:///{tmp_path / 'src' / 'agentnb.sqlite'}")  # whatever the pass
     src.submit("copied?", piece="single", model="demo")
     src.close()
     line = _refused(_cli(cwd, "store", "copy", str(tmp_path / "src"), pg_url), pg.password)

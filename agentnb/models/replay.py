@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ModelError
-from ..events import ErrorEvent, LLMResponse, MovementStart, ToolResult, Transition
+from ..events import ErrorEvent, Event, LLMResponse, MovementStart, ToolResult, Transition
 from .base import ModelRequest, ModelResponse, ToolCall
 from .messages import TokenUsage
 
@@ -56,6 +56,16 @@ class Recording:
         # (run, call) → why the summarisation call made there failed: it left no response to re-serve, and a
         # re-served run must fail it the same way, not as a call the original never made (docs/context.md)
         self.failed_compactions: dict[tuple[int, int], str] = {}
+        responses, results = self._sort(events)
+        # one Recording per job re-served from, made when its first call is met, reaching the last run re-served
+        sources: dict[int, Recording] = {}
+        reach = _reach(responses)
+        self.calls: list[RecordedCall] = [self._recorded(ev, results, sources, reach) for ev in responses]
+        self._by_key = {(c.seq, c.iteration): c for c in self.calls}
+
+    def _sort(self, events: Sequence[Event]) -> tuple[list[LLMResponse], dict[tuple[int, int], list[ToolResult]]]:
+        """Take each run's start, transition and failed compactions; give back the responses, in order, and
+        the tool results by (run, call)."""
         results: dict[tuple[int, int], list[ToolResult]] = {}
         responses: list[LLMResponse] = []
         for ev in events:
@@ -72,38 +82,34 @@ class Recording:
                 results.setdefault((ev.movement_seq or 0, ev.iteration or 0), []).append(ev)
             elif isinstance(ev, ErrorEvent) and ev.where == "compaction":
                 self.failed_compactions[(ev.movement_seq or 0, ev.iteration or 0)] = _failure_cause(ev)
-        # one Recording per job re-served from, reaching its last run this job re-served (not only the first:
-        # a Recording built for run 1 holds no calls of run 2)
-        reach: dict[int, int] = {}
-        for ev in responses:
-            if ev.replayed_from is not None:
-                reach[ev.replayed_from] = max(reach.get(ev.replayed_from, 0), (ev.movement_seq or 0) + 1)
-        sources: dict[int, Recording] = {}
-        self.calls: list[RecordedCall] = []
-        for ev in responses:
-            seq, it = ev.movement_seq or 0, ev.iteration or 0
-            usage = TokenUsage(ev.usage.prompt_tokens, ev.usage.completion_tokens, ev.usage.source)
-            latency = ev.latency_s
-            if ev.replayed_from is not None:  # a fork's re-served call: the counts are its live original's
-                source = sources.get(ev.replayed_from)
-                if source is None:
-                    source = sources[ev.replayed_from] = Recording(store, ev.replayed_from,
-                                                                  before=reach[ev.replayed_from])
-                live = source.call(seq, it)
-                if live is not None:
-                    usage = live.response.usage or usage
-                    latency = live.latency_s
-            calls = tuple(
-                ToolCall(id=c.id or f"call_{seq}_{it}_{i}", name=c.name, arguments=c.arguments,
-                         raw_arguments=c.raw_arguments or "")
-                for i, c in enumerate(ev.tool_calls)
-            )
-            self.calls.append(RecordedCall(
-                seq=seq, iteration=it,
-                response=ModelResponse(content=ev.content, tool_calls=calls, usage=usage, latency_s=latency),
-                results=tuple(results.get((seq, it), ())), latency_s=latency, purpose=ev.purpose,
-            ))
-        self._by_key = {(c.seq, c.iteration): c for c in self.calls}
+        return responses, results
+
+    def _recorded(self, ev: LLMResponse, results: dict[tuple[int, int], list[ToolResult]],
+                  sources: dict[int, Recording], reach: dict[int, int]) -> RecordedCall:
+        """Response ``ev`` as a call to re-serve, with the tool results that followed it (``sources``: the
+        Recordings of the jobs re-served from, made so far; ``reach``: the runs each must reach)."""
+        seq, it = ev.movement_seq or 0, ev.iteration or 0
+        usage = TokenUsage(ev.usage.prompt_tokens, ev.usage.completion_tokens, ev.usage.source)
+        latency = ev.latency_s
+        if ev.replayed_from is not None:  # a fork's re-served call: the counts are its live original's
+            source = sources.get(ev.replayed_from)
+            if source is None:
+                source = sources[ev.replayed_from] = Recording(self.store, ev.replayed_from,
+                                                               before=reach[ev.replayed_from])
+            live = source.call(seq, it)
+            if live is not None:
+                usage = live.response.usage or usage
+                latency = live.latency_s
+        calls = tuple(
+            ToolCall(id=c.id or f"call_{seq}_{it}_{i}", name=c.name, arguments=c.arguments,
+                     raw_arguments=c.raw_arguments or "")
+            for i, c in enumerate(ev.tool_calls)
+        )
+        return RecordedCall(
+            seq=seq, iteration=it,
+            response=ModelResponse(content=ev.content, tool_calls=calls, usage=usage, latency_s=latency),
+            results=tuple(results.get((seq, it), ())), latency_s=latency, purpose=ev.purpose,
+        )
 
     def call(self, seq: int, iteration: int) -> RecordedCall | None:
         """The call made in run ``seq`` at ``iteration``, or None when none was recorded."""
@@ -133,6 +139,16 @@ class Recording:
     def replayed_runs(self) -> Sequence[int]:
         """The runs this job itself re-served from another job's record."""
         return sorted(self._replayed_runs)
+
+
+def _reach(responses: Sequence[LLMResponse]) -> dict[int, int]:
+    """Each job re-served from → the run its Recording must reach: past the last run this job re-served from
+    it, not only the first (a Recording built for run 1 holds no calls of run 2)."""
+    reach: dict[int, int] = {}
+    for ev in responses:
+        if ev.replayed_from is not None:
+            reach[ev.replayed_from] = max(reach.get(ev.replayed_from, 0), (ev.movement_seq or 0) + 1)
+    return reach
 
 
 def _failure_cause(ev: ErrorEvent) -> str:

@@ -38,7 +38,7 @@ from ..compare import Comparison
 from ..engine.context import context_items
 from ..engine.pieces import Piece, available_pieces, load_piece
 from ..errors import AgentnbError, PieceError, StoreError
-from ..store.base import JOB_STATES, owned_by_this_process
+from ..store.base import JOB_STATES, JobStatus, owned_by_this_process
 from ..views.icons import question_badge
 from ..views.render import KEEPER, duration, job_html, job_stats, plural
 from ..views.style import ERROR_COLOUR
@@ -425,8 +425,8 @@ class AgentMagic(Magics):
             raise UsageError(f"%agent run --job: the job already has its instruction, piece and model; "
                              f"remove {', '.join(given)}")
         job = self.job(args.job)
-        if job.status not in ("queued", "waiting_subtasks"):
-            hint = ' — answer it with %agent reply' if job.status == "waiting_human" else ""
+        if job.status not in (JobStatus.queued, JobStatus.waiting_subtasks):
+            hint = ' — answer it with %agent reply' if job.status == JobStatus.waiting_human else ""
             raise UsageError(f"%agent run --job: job {job.id} is {job.status}; only a queued job (or one waiting "
                              f"for its subtasks) can be run{hint}")
         return self.run_live(job, background=args.background)
@@ -437,8 +437,8 @@ class AgentMagic(Magics):
     def cmd_step(self, args: Any, cell: str | None) -> Job:
         """Run the next movement of a job (or its next LLM call), showing it live as it runs."""
         job = self.job(args.job)
-        if job.status not in ("queued",):
-            hint = ' — answer with %agent reply' if job.status == "waiting_human" else ""
+        if job.status != JobStatus.queued:
+            hint = ' — answer with %agent reply' if job.status == JobStatus.waiting_human else ""
             raise UsageError(f"%agent step: job {job.id} is {job.status}; only a queued job can be stepped{hint}")
         return self.run_live(job, unit="call" if args.call else "movement")
 
@@ -452,7 +452,7 @@ class AgentMagic(Magics):
         if not text.strip():
             raise UsageError('%agent reply: the text is missing; e.g. %agent reply 3 "Use the short format."')
         job = self.ws.reply(self.job(args.job), text.strip())
-        if args.run and job.status == "queued":
+        if args.run and job.status == JobStatus.queued:
             return self.run_live(job)
         return job
 
@@ -464,7 +464,7 @@ class AgentMagic(Magics):
         The job goes back to queued, resumable with %agent run --job JOB or %agent step JOB.
         """
         job = self.job(args.job)
-        if job.status != "running":
+        if job.status != JobStatus.running:
             raise UsageError(f"%agent stop: job {job.id} is {job.status}; only a running job can be stopped")
         owner = self.ws.store.job(job.id).claimed_by or ""
         if not owned_by_this_process(owner):

@@ -51,6 +51,7 @@ from .._secrets import scrub
 from ..engine.pieces import DEFAULT_THRESHOLDS, Piece, available_pieces
 from ..errors import AgentnbError, UsageError
 from ..models.prices import dollars
+from ..store.base import JobStatus
 from ..views.icons import FORK
 from ..views.render import header_html, job_html, job_stats
 from ..views.status import PAUSED, display_status, last_status_reason
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NotebookSession", "Panel", "context_bar_html"]
 
-_RUNNABLE = ("queued", PAUSED)  # shown statuses that Step and Run continue
+_RUNNABLE = (JobStatus.queued, PAUSED)  # shown statuses that Step and Run continue
 # {name}, $name, or the {{ and }} escapes, in the model box (e.g. scripted:{SCRIPT})
 _VAR_REF = re.compile(r"\{\{|\}\}|\{(\w+)\}|\$(\w+)")
 _WHOLE_VAR = re.compile(r"\{(\w+)\}|\$(\w+)")
@@ -276,7 +277,7 @@ class Panel(w.VBox):
                 if list(self.piece.options) != names:
                     self.piece.options = names
             frame = self.ws.frames.jobs()
-            self._any_running = bool((frame["status"] == "running").any()) if len(frame) else False
+            self._any_running = bool((frame["status"] == JobStatus.running).any()) if len(frame) else False
             target = self._target
             rows = frame[["job", "display_status", "piece", "total_tokens", "cost_usd", "forked_from_job",
                           "forked_from_seq"]].to_dict("records")
@@ -362,8 +363,8 @@ class Panel(w.VBox):
         _set(self.step_button, not busy and status in _RUNNABLE)
         _set(self.step_call_button, not busy and status in _RUNNABLE)
         _set(self.stop_button, busy, "warning")
-        _set(self.reply_button, not busy and status == "waiting_human")
-        self.reply_text.disabled = busy or status != "waiting_human"
+        _set(self.reply_button, not busy and status == JobStatus.waiting_human)
+        self.reply_text.disabled = busy or status != JobStatus.waiting_human
 
     def _say(self, text: str, error: bool = False) -> None:
         colour = ERROR_COLOUR if error else "#555"
@@ -517,7 +518,7 @@ class Panel(w.VBox):
         target = self._target
         if target is None:
             return []
-        if str(self.ws.job(target).status) not in ("running", "waiting_subtasks"):
+        if self.ws.job(target).status not in (JobStatus.running, JobStatus.waiting_subtasks):
             return [target]
         return self.ws.stop(target)
 
@@ -559,7 +560,7 @@ class Panel(w.VBox):
             self.ws.run(job.id)
             return
         selected = None if job_id is None else self.ws.job(job_id)
-        if selected is None or str(selected.status) not in ("queued", "waiting_subtasks"):
+        if selected is None or selected.status not in (JobStatus.queued, JobStatus.waiting_subtasks):
             raise UsageError("write an instruction to start a new job (or select a queued or paused job to "
                              "continue it)")
         self._runs(selected.id)
@@ -569,7 +570,7 @@ class Panel(w.VBox):
         if job_id is None:
             raise UsageError("select a job first")
         job = self.ws.job(job_id)
-        if str(job.status) != "queued":
+        if job.status != JobStatus.queued:
             raise UsageError(f"job {job_id} is {job.status}; only a queued or paused job can be stepped")
         self._runs(job_id)
         self.ws.step(job_id, unit=unit)
@@ -582,7 +583,7 @@ class Panel(w.VBox):
             raise UsageError("write your answer in the Reply box first")
         job = self.ws.reply(job_id, text)
         self.reply_text.value = ""
-        if str(job.status) == "queued":
+        if job.status == JobStatus.queued:
             self._runs(job_id)
             self.ws.run(job_id)
 

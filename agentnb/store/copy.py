@@ -232,7 +232,8 @@ def copy_store(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, runn
         expected = {t: source.count(t) for t in COPIED_TABLES}
         if not any(expected.values()):
             raise StoreError(f"SRC {s.shown} is empty (no jobs, batches or texts): nothing to copy")
-        running_ids = [int(r[0]) for r in source.execute("SELECT id FROM jobs WHERE status='running' ORDER BY id")]
+        running_ids = [int(r[0]) for r in source.execute("SELECT id FROM jobs WHERE status=? ORDER BY id",
+                                                          (JobStatus.running.value,))]
         if running_ids and running == "refuse":
             shown = ", ".join(map(str, running_ids[:10])) + (" …" if len(running_ids) > 10 else "")
             raise StoreError(f"SRC {s.shown} has running jobs ({shown}): their runners may still write there; "

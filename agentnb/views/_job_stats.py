@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..events import Event, ScoreEvent
+from ..store.base import JobStatus
 from .source import JobRecord, JobSource
 from .status import display_status
 from .timeline import RunningClock, Timeline, fold, is_compaction_error
@@ -57,15 +58,15 @@ def stats_from_timeline(job: JobRecord, tl: Timeline, now: float | None = None) 
     """The numbers of a job row and its folded events (``now``: the time running intervals still open end at)."""
     t = tl.totals
     now = time.time() if now is None else now
-    running = t.running_seconds(now if job.status == "running" else None)
+    running = t.running_seconds(now if job.status == JobStatus.running else None)
     if not t.status_events and job.started:  # a store written without job_status events
-        running = max(0.0, (job.ended or (now if job.status == "running" else job.updated)) - job.started)
+        running = max(0.0, (job.ended or (now if job.status == JobStatus.running else job.updated)) - job.started)
     return JobStats(
         movements=t.movements, calls=t.calls, tool_calls=t.tool_calls, prompt_tokens=t.prompt_tokens,
         completion_tokens=t.completion_tokens, total_tokens=t.total_tokens, running_s=running,
         wall_s=max(0.0, (job.ended or now) - job.created), last_seq=t.last_seq, last_ratio=t.last_ratio,
         last_tokens=t.last_tokens, window=t.window, actions=list(t.actions),
-        question=t.question if job.status == "waiting_human" else None, errors=list(t.errors),
+        question=t.question if job.status == JobStatus.waiting_human else None, errors=list(t.errors),
         status=display_status(job.status, t.status_reason), latest=t.latest, cost_usd=t.cost_usd(job.model),
         scores=dict(t.scores))
 

@@ -43,7 +43,7 @@ import pandas as pd
 
 from ..events import ScoreEvent
 from ..models.base import short_spec
-from ..store.base import TERMINAL_STATES, WAITING_STATES, Store
+from ..store.base import TERMINAL_STATES, WAITING_STATES, JobStatus, Store
 from .timeline import fold
 
 __all__ = ["BatchSource", "JobTotals", "batch_frame", "batch_html", "batch_summary", "job_totals",
@@ -258,10 +258,10 @@ def batch_summary(batch: BatchSource | None, frame: pd.DataFrame | None = None) 
         ended = group[status.isin(TERMINAL_STATES)]
         rows.append({
             "variant": variant, "variant_label": label,
-            "n": len(group), "succeeded": int((status == "succeeded").sum()),
-            "failed": int((status == "failed").sum()), "aborted": int((status == "aborted").sum()),
+            "n": len(group), "succeeded": int((status == JobStatus.succeeded).sum()),
+            "failed": int((status == JobStatus.failed).sum()), "aborted": int((status == JobStatus.aborted).sum()),
             "waiting": int(status.isin(WAITING_STATES).sum()),
-            "unfinished": int(status.isin(("queued", "running")).sum()),
+            "unfinished": int(status.isin((JobStatus.queued, JobStatus.running)).sum()),
             **{f"mean_{n}": _mean_score(group[n]) for n in numeric},
             "mean_tokens": float(group["total_tokens"].mean()),
             "median_tokens": float(group["total_tokens"].median()),
@@ -302,7 +302,8 @@ def batch_html(batch: BatchSource) -> str:
     df = batch_frame(batch)
     status = df["status"].astype(str)
     n, ended = len(df), int(status.isin(TERMINAL_STATES).sum())
-    counts = [f"{int((status == s).sum())} {s}" for s in ("succeeded", "failed", "aborted", "running", "queued")
+    counts = [f"{int((status == s).sum())} {s}" for s in (JobStatus.succeeded, JobStatus.failed, JobStatus.aborted,
+                                                                  JobStatus.running, JobStatus.queued)
               if (status == s).any()]
     waiting = int(status.isin(WAITING_STATES).sum())
     if waiting:
@@ -313,7 +314,7 @@ def batch_html(batch: BatchSource) -> str:
             f"{tokens:,} tokens · {_money(cost)}")
     parts = [f"<div class='agentnb-batch'><p><b>{html.escape(line)}</b></p>",
              summary_table(batch_summary(batch, df))]
-    bad = df[status.isin(("failed", "aborted"))]
+    bad = df[status.isin((JobStatus.failed, JobStatus.aborted))]
     if len(bad):
         ids = [int(j) for j in bad["job"]]
         # as the waiting jobs below: why each stopped, and the commands that go on from there
@@ -326,7 +327,7 @@ def batch_html(batch: BatchSource) -> str:
                     + (f": {error[:_ERROR_CHARS]}{'…' if len(error) > _ERROR_CHARS else ''}" if error else ""))
             parts.append(f"<li><code>%agent show {int(r['job'])}</code> — {html.escape(what)}</li>")
         parts.append("</ul>")
-    asking = df[status == "waiting_human"]
+    asking = df[status == JobStatus.waiting_human]
     if len(asking):
         # what each asks, and the two commands that go on: a waiting job is not lost, but nothing else says so
         parts.append(f"<p>jobs waiting for your reply: reply to each, then <code>%agent batch "

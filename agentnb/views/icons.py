@@ -17,6 +17,7 @@ from __future__ import annotations
 import html
 from typing import Final
 
+from ..store.base import JobStatus
 from .style import STATUS_COLOURS
 
 __all__ = ["COMMENT", "FORK", "LATENCY", "REMINDER", "STOP", "TOOL", "icon", "question_badge"]
@@ -30,7 +31,7 @@ STOP: Final = "\u2298"  # ⊘ the context forced a transition, or the window is 
 
 # "?" on the waiting status's colour, styled inline (a saved view keeps style attributes, not <style>)
 _ASK_STYLE: Final = ("display:inline-block;min-width:1.1em;padding:0 4px;margin:0 2px;border-radius:8px;"
-                     f"font-size:11px;font-weight:700;text-align:center;color:#fff;background:{STATUS_COLOURS['waiting_human']}")
+                     f"font-size:11px;font-weight:700;text-align:center;color:#fff;background:{STATUS_COLOURS[JobStatus.waiting_human]}")
 
 
 def icon(symbol: str, label: str) -> str:

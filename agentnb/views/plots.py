@@ -54,7 +54,7 @@ import re
 import struct
 import textwrap
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -66,6 +66,7 @@ from matplotlib.figure import Figure
 from ..engine.pieces import DEFAULT_THRESHOLDS
 from ..errors import UsageError
 from ..models.base import short_spec
+from ..store.base import JobStatus
 from .plot_labels import NEAR as _NEAR
 from .plot_labels import fit_labels as _fit_labels
 from .plot_labels import leader as _leader
@@ -109,14 +110,14 @@ class _AttachedJob(Protocol):
 _LABEL_SIZE = "small"
 # room above the highest call, so the label of an action fired there fits inside the axes
 _HEADROOM = 1.12
-_NO_CALLS = {
-    "queued": "Queued: no LLM call yet. Run or step it, then plot it again.",
-    "running": "Running: its first LLM call has not returned yet.",
-    "waiting_human": "Waiting for a human: no LLM call yet.",
-    "waiting_subtasks": "Waiting for its subtasks: no LLM call of its own.",
-    "succeeded": "Succeeded without any LLM call.",
-    "failed": "Failed before its first LLM call.",
-    "aborted": "Aborted before its first LLM call.",
+_NO_CALLS: dict[str, str] = {
+    JobStatus.queued: "Queued: no LLM call yet. Run or step it, then plot it again.",
+    JobStatus.running: "Running: its first LLM call has not returned yet.",
+    JobStatus.waiting_human: "Waiting for a human: no LLM call yet.",
+    JobStatus.waiting_subtasks: "Waiting for its subtasks: no LLM call of its own.",
+    JobStatus.succeeded: "Succeeded without any LLM call.",
+    JobStatus.failed: "Failed before its first LLM call.",
+    JobStatus.aborted: "Aborted before its first LLM call.",
 }
 # Fonts with Japanese (and other CJK) glyphs, best first.  matplotlib's default DejaVu Sans has none, so
 # a movement named 下書き would be drawn as boxes even where the system has such a font.
@@ -204,7 +205,7 @@ def plot_usage(
 
 def _draw_no_calls(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure:
     """What happened, in words: axes without a call would only show an empty 0–1 grid."""
-    failed = t.status in ("failed", "aborted")
+    failed = t.status in (JobStatus.failed, JobStatus.aborted)
     first = "This frame has no LLM calls." if t.status is None else _NO_CALLS.get(
         t.status, f"{t.status}: no LLM calls.")
     blocks: list[tuple[str, dict[str, Any]]] = [
@@ -227,32 +228,9 @@ def _draw_no_calls(t: _Target, heading: str, figsize: tuple[float, float]) -> Us
 
 
 def _draw(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure:
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import MaxNLocator, MultipleLocator
-
-    df, th = t.frame, t.thresholds
-    fig = UsageFigure(figsize=figsize, layout="constrained")
-    ax, ax_cum = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    fig.suptitle(heading)
-    if t.error:
-        what = f"{t.status} after LLM call {int(df['call'].max())}" if t.status else "error"
-        ax.set_title(_wrap(f"{what}: {t.error}", lines=3), loc="left", fontsize="medium", color=ERROR_COLOUR, gid="status")
-    ax.set_ylabel("context ratio (prompt / window)")
-    ax_cum.set_ylabel("cumulative tokens")
-    ax_cum.set_xlabel("LLM call")
-    ax.grid(alpha=0.3)
-    ax_cum.grid(alpha=0.3)
-
-    legend: list[tuple[Any, str]] = []
-    for name in ACTIONS:
-        if name in th:
-            line = ax.axhline(th[name], color=ACTION_COLOURS[name], linestyle="--", linewidth=1,
-                              gid=f"threshold:{name}")
-            legend.append((line, f"{name} {th[name]:.0%}"))
-
-    if t.what_if is not None:
-        legend += _what_if_thresholds(ax, t.what_if["thresholds"], th)
-
+    df = t.frame
+    fig, ax, ax_cum = _usage_axes(t, heading, figsize)
+    legend = _threshold_legend(ax, t)
     colours = _movement_colours(df["movement"])
     jobs = list(dict.fromkeys(df["job"].tolist()))
     several = len(jobs) > 1
@@ -264,10 +242,59 @@ def _draw(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure
             _draw_loops(ax, df, t.loops, drawn)
         if t.what_if is not None:
             _draw_what_if(ax, df[df["job"] == job_id], job_id, drawn, n if several else None)
+    legend += _marker_legend(t, drawn)
+    _scale_axes(ax, ax_cum, t)
+    # outside the axes: inside, the legend would hide the top thresholds and the late calls
+    ax.legend([h for h, _ in legend], [s for _, s in legend], loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              fontsize="small", borderaxespad=0)
+    ax_cum.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0)
+
+    runs_axis = _name_runs(ax, drawn.runs, colours) if not several else None
+    points = df[["call", "ratio"]].dropna().to_numpy(dtype=float)
+    if t.what_if is not None:  # the labels keep clear of the simulated markers too
+        points = np.vstack([points, df[["call", "ratio_what_if"]].dropna().to_numpy(dtype=float)])
+    _fit_labels(fig, ax, drawn.labels, runs_axis, points)
+    return fig
+
+
+def _usage_axes(t: _Target, heading: str, figsize: tuple[float, float]) -> tuple[UsageFigure, Any, Any]:
+    """The figure with its two axes (context ratio above, cumulative tokens below), titled and labelled."""
+    fig = UsageFigure(figsize=figsize, layout="constrained")
+    ax, ax_cum = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    fig.suptitle(heading)
+    if t.error:
+        what = f"{t.status} after LLM call {int(t.frame['call'].max())}" if t.status else "error"
+        ax.set_title(_wrap(f"{what}: {t.error}", lines=3), loc="left", fontsize="medium", color=ERROR_COLOUR, gid="status")
+    ax.set_ylabel("context ratio (prompt / window)")
+    ax_cum.set_ylabel("cumulative tokens")
+    ax_cum.set_xlabel("LLM call")
+    ax.grid(alpha=0.3)
+    ax_cum.grid(alpha=0.3)
+    return fig, ax, ax_cum
+
+
+def _threshold_legend(ax: Any, t: _Target) -> list[tuple[Any, str]]:
+    """The thresholds' dashed lines (and the what-if's), with their legend entries."""
+    th = t.thresholds
+    legend: list[tuple[Any, str]] = []
+    for name in ACTIONS:
+        if name in th:
+            line = ax.axhline(th[name], color=ACTION_COLOURS[name], linestyle="--", linewidth=1,
+                              gid=f"threshold:{name}")
+            legend.append((line, f"{name} {th[name]:.0%}"))
+    if t.what_if is not None:
+        legend += _what_if_thresholds(ax, t.what_if["thresholds"], th)
+    return legend
+
+
+def _marker_legend(t: _Target, drawn: _Drawn) -> list[tuple[Any, str]]:
+    """The legend entries of the marks drawn (only those some job has), then one per movement."""
+    from matplotlib.lines import Line2D
 
     def proxy(**kw: Any) -> Line2D:
         return Line2D([], [], linestyle="none", markersize=8, **kw)
 
+    legend: list[tuple[Any, str]] = []
     if drawn.transitions:
         legend.append((proxy(marker="D", markerfacecolor="none", markeredgecolor="black", markeredgewidth=1.5),
                        "transition (→ next step)"))
@@ -284,23 +311,37 @@ def _draw(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure
     if drawn.loops:
         legend.append((Line2D([], [], color=LOOP_COLOUR, linestyle=":", linewidth=1.5), "loop detected"))
     if t.what_if is not None:
-        window = t.what_if.get("window")
-        legend.append((drawn.what_if_line or Line2D([], [], color=_WHAT_IF, linestyle="--"),
-                       f"what-if (window {window})" if window is not None else "what-if (recorded windows)"))
-        for action in ACTIONS:
-            if action in drawn.what_if_actions:
-                legend.append((proxy(marker=_ACTION_MARKER[action], markerfacecolor="none",
-                                     markeredgecolor=ACTION_COLOURS[action], markeredgewidth=1.5),
-                               f"{action} would fire (what-if)"))
-        if drawn.what_if_forced:
-            legend.append((Line2D([], [], color=_FORCED, linestyle=":", linewidth=1.5),
-                           "what-if: first forced transition"))
+        legend += _what_if_legend(t.what_if, drawn, proxy)
     if drawn.boundaries:
         legend.append((Line2D([], [], color="grey", alpha=0.5, linewidth=1.5), "movement boundary"))
     if drawn.forced_boundaries:
         legend.append((Line2D([], [], color=_FORCED, alpha=0.5, linewidth=1.5), "forced boundary"))
-    legend += drawn.movements
+    return legend + drawn.movements
 
+
+def _what_if_legend(what_if: Mapping[str, Any], drawn: _Drawn, proxy: Callable[..., Any]) -> list[tuple[Any, str]]:
+    """The what-if's legend entries: its ratio line, the actions it would fire, its first forced transition."""
+    from matplotlib.lines import Line2D
+
+    window = what_if.get("window")
+    legend: list[tuple[Any, str]] = [(drawn.what_if_line or Line2D([], [], color=_WHAT_IF, linestyle="--"),
+                                      f"what-if (window {window})" if window is not None else "what-if (recorded windows)")]
+    for action in ACTIONS:
+        if action in drawn.what_if_actions:
+            legend.append((proxy(marker=_ACTION_MARKER[action], markerfacecolor="none",
+                                 markeredgecolor=ACTION_COLOURS[action], markeredgewidth=1.5),
+                           f"{action} would fire (what-if)"))
+    if drawn.what_if_forced:
+        legend.append((Line2D([], [], color=_FORCED, linestyle=":", linewidth=1.5), "what-if: first forced transition"))
+    return legend
+
+
+def _scale_axes(ax: Any, ax_cum: Any, t: _Target) -> None:
+    """The ratio axis from a little below 0 % to above the highest call (simulated ones too), in percent; the
+    calls axis one call past either end, in whole calls; the tokens axis in thousands."""
+    from matplotlib.ticker import MaxNLocator, MultipleLocator
+
+    df = t.frame
     highest = float(df["ratio"].max())
     if t.what_if is not None:
         simulated = float(pd.to_numeric(df["ratio_what_if"]).max())  # NaN when no call has a window
@@ -315,17 +356,6 @@ def _draw(t: _Target, heading: str, figsize: tuple[float, float]) -> UsageFigure
     # min_n_ticks=1: a job with one call would otherwise get ticks like 0.96, 0.98, 1.00
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax_cum.yaxis.set_major_formatter(_thousands())
-    # outside the axes: inside, the legend would hide the top thresholds and the late calls
-    ax.legend([h for h, _ in legend], [s for _, s in legend], loc="upper left", bbox_to_anchor=(1.01, 1.0),
-              fontsize="small", borderaxespad=0)
-    ax_cum.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0)
-
-    runs_axis = _name_runs(ax, drawn.runs, colours) if not several else None
-    points = df[["call", "ratio"]].dropna().to_numpy(dtype=float)
-    if t.what_if is not None:  # the labels keep clear of the simulated markers too
-        points = np.vstack([points, df[["call", "ratio_what_if"]].dropna().to_numpy(dtype=float)])
-    _fit_labels(fig, ax, drawn.labels, runs_axis, points)
-    return fig
 
 
 @dataclass

@@ -59,6 +59,7 @@ from ..events import (
     Transition,
 )
 from ..models.prices import dollars, is_free, priced_name
+from ..store.base import JobStatus
 from ..store.reads import latest_request
 from ._fork_lines import demo_note, fork_lines, reserved_runs
 from ._fork_lines import runs_text as _runs_text
@@ -75,7 +76,7 @@ from .style import (
     OK_COLOUR,
     RESERVED_COLOUR,
 )
-from .timeline import Call, MovementRun, Timeline, ToolUse, fold, is_compaction_error
+from .timeline import Call, MovementRun, Note, Timeline, ToolUse, fold, is_compaction_error
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -406,6 +407,11 @@ def _reminder_html(ev: Reminder, run: MovementRun, o: _Opts) -> str:
     return f'<div class="anb-dim">{icon(REMINDER, "reminder")} reminder ({_e(ev.reason)}): {_e(ev.text)}</div>'
 
 
+def _note_html(item: Note, o: _Opts, seq: int | None) -> str:
+    """An event of a kind no view knows (views/timeline.py): its kind and its payload fields."""
+    return f'<div class="anb-note"><span class="anb-dim">{_e(item.label)}</span>{_body(item.text, o, seq)}</div>'
+
+
 # how each item of a call shows in its call (a kind not named here shows nothing there)
 _ITEM_HTML: dict[type, Callable[[Any, MovementRun, _Opts], str]] = {
     LLMResponse: _response_html,
@@ -417,6 +423,7 @@ _ITEM_HTML: dict[type, Callable[[Any, MovementRun, _Opts], str]] = {
     CommentEvent: lambda ev, run, o: _comment_html(ev, o),
     ReplayDivergence: lambda ev, run, o: _divergence_html(ev, o, run.seq),
     Compaction: lambda ev, run, o: _compaction_html(ev, run.compaction_number(ev.iteration), o, run.seq),
+    Note: lambda item, run, o: _note_html(item, o, run.seq),
 }
 
 
@@ -468,7 +475,7 @@ def _run_status(job: JobRecord, run: MovementRun) -> str:
         return "done"
     if run.errors:
         return "failed"
-    return "running" if job.status == "running" and run.seq == job.movement_seq else "open"
+    return "running" if job.status == JobStatus.running and run.seq == job.movement_seq else "open"
 
 
 def _run_summary(job: JobRecord, run: MovementRun) -> str:
@@ -607,7 +614,7 @@ def _header(job: JobRecord, st: JobStats, piece_max: int | None, *, latest_link:
         seq, it = st.latest
         parts.append(f' · <a href="#{_e(_latest_id(job.id))}" class="anb-latest" '
                      'onclick="return window.__anbLatest ? window.__anbLatest(this) : true">'
-                     f"↓ {'latest' if str(job.status) == 'running' else 'last'} call ({seq}.{it})</a>")
+                     f"↓ {'latest' if job.status == JobStatus.running else 'last'} call ({seq}.{it})</a>")
     if job.parent_id:
         parts.append(f' · <span class="anb-dim">subtask of job {job.parent_id}</span>')
     if fork:
@@ -660,12 +667,14 @@ def _sections(job: JobRecord, tl: Timeline, o: _Opts, latest: tuple[int, int] | 
     return sections
 
 
-def _entry_html(entry: MovementRun | CommentEvent | ErrorEvent, sections: dict[int, str], asked: frozenset[str],
-                o: _Opts) -> str:
+def _entry_html(entry: MovementRun | CommentEvent | ErrorEvent | Note, sections: dict[int, str],
+                asked: frozenset[str], o: _Opts) -> str:
     if isinstance(entry, MovementRun):
         return sections[entry.seq]
     if isinstance(entry, ErrorEvent):
         return _error_html(entry, o, None)
+    if isinstance(entry, Note):
+        return _note_html(entry, o, None)
     # the agent's ASK is also stored as its comment: the transition box already shows that question
     return "" if entry.author == "agent" and entry.body in asked else _comment_html(entry, o)
 
@@ -714,7 +723,7 @@ def timeline_html(
     o = _Opts(job.id, max_chars, max_calls, st.question)
     sections = _sections(job, tl, o, st.latest, open_last=open_last, max_bytes=max_bytes)
     body = [_entry_html(entry, sections, tl.asked, o) for entry in tl.entries]
-    if not tl.runs and str(job.status) == "queued":
+    if not tl.runs and job.status == JobStatus.queued:
         body.append('<div class="anb-dim">not started yet</div>')
     return (STYLE if style else "") + _inline(
         f'<div class="anb-job" data-job="{job.id}">'

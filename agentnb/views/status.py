@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..store import reads
-from ..store.base import INTERRUPTED_REASON, STOP_REASON
+from ..store.base import INTERRUPTED_REASON, JOB_STATES, STOP_REASON, JobStatus
 
 if TYPE_CHECKING:
     from ..store.base import Store
@@ -26,13 +26,13 @@ PAUSED = "paused"
 # (a reply, the end of its subtasks, a recovered worker crash) mean "ready to go on": queued.
 _PAUSE_PREFIXES = ("paused", INTERRUPTED_REASON)
 
-DISPLAY_STATES = ("queued", "running", "succeeded", "failed", "aborted", "waiting_human", "waiting_subtasks", PAUSED)
+DISPLAY_STATES = (*JOB_STATES, PAUSED)
 
 
 def display_status(status: Any, reason: Any) -> str:
     """``paused`` for a queued job whose last ``job_status`` reason says it was paused; else ``status``."""
     text = str(status)
-    if text == "queued" and isinstance(reason, str) and reason.startswith(_PAUSE_PREFIXES):
+    if text == JobStatus.queued and isinstance(reason, str) and reason.startswith(_PAUSE_PREFIXES):
         return PAUSED
     return text
 

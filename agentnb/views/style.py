@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Final
 
 from ..events import ACTIONS
+from ..store.base import JobStatus
 
 __all__ = ["ACTIONS", "ACTION_COLOURS", "COMPACTION", "COMPACTION_COLOUR", "DIVERGENCE_COLOUR", "ERROR_COLOUR",
            "LOOP_COLOUR", "OK_COLOUR", "RESERVED_COLOUR", "STATUS_COLOURS", "USAGE_ACTIONS"]
@@ -19,8 +20,9 @@ OK_COLOUR: Final = "#2e8b57"
 ERROR_COLOUR: Final = "#b00020"
 # a job's status as the job view's badges draw it (views/render.py), and the batch's progress line its outcomes
 STATUS_COLOURS: Final[dict[str, str]] = {
-    "succeeded": OK_COLOUR, "failed": "#c0392b", "aborted": "#c0392b", "queued": "#2f6fb0", "running": "#2f6fb0",
-    "waiting_human": "#8e44ad", "waiting_subtasks": "#8e44ad", "paused": "#b7791f",
+    JobStatus.succeeded: OK_COLOUR, JobStatus.failed: "#c0392b", JobStatus.aborted: "#c0392b",
+    JobStatus.queued: "#2f6fb0", JobStatus.running: "#2f6fb0",
+    JobStatus.waiting_human: "#8e44ad", JobStatus.waiting_subtasks: "#8e44ad", "paused": "#b7791f",  # shown, never stored (views/status.py)
 }
 # a fork's movement run re-served from the original's record (no tokens spent): a calm blue-grey, apart from
 # the status and action colours, so it reads as "not live" rather than as a state or a warning

@@ -7,8 +7,13 @@ transition gathered on the run, the job-level comments and errors placed between
 happened, and the job's numbers (:class:`Totals`: calls, tokens, the newest context ratio, the open question,
 scores, the running time from its status intervals).  The HTML view (``render.py``), the text and notebook
 transcript (``transcript.py``), the numbers of the header, panel and magic (``_job_stats.py``), the comparison
-(``compare.py``), the batch totals and the CLI read this, never the events themselves: a new event kind is
-taught to ``events.py``, to the fold here (where it attaches) and to the view(s) that show it.
+(``compare.py``), the batch totals and the CLI read this, never the events themselves.
+
+A new event kind needs ``events.py`` only to show: the fold hands any kind not in :data:`VIEWED_KINDS` to
+every view as a :class:`Note` (its kind in words and its payload as text), in its call (or between the runs
+when it belongs to no run), which the HTML view and the transcript show and the comparison leaves out of the
+conversation.  A kind that needs a view of its own is named in :data:`VIEWED_KINDS` (and, when it adds to a
+run or the job's numbers, in ``_RUN_FACTS``/``_JOB_FACTS``) and taught to that one view: three modules.
 
 The fold is incremental: :class:`Fold` takes events as they come (``fold.add(store.events(job,
 after_id=fold.last_id))``) and hands out frozen snapshots, re-building only the runs and calls that changed,
@@ -20,8 +25,9 @@ A call is what the job view has always shown as one: consecutive events of a run
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..events import (
     CommentEvent,
@@ -29,11 +35,14 @@ from ..events import (
     ContextAction,
     ErrorEvent,
     Event,
+    EventBase,
     JobStatusEvent,
+    Lesson,
     LLMRequest,
     LLMResponse,
     LoopDetected,
     MovementStart,
+    Reminder,
     ReplayDivergence,
     ScoreEvent,
     ToolCallEvent,
@@ -41,10 +50,19 @@ from ..events import (
     Transition,
 )
 from ..models.prices import call_costs
-from ..store.base import is_recovery
+from ..store.base import JobStatus, is_recovery
 
-__all__ = ["Call", "Fold", "MovementRun", "RunningClock", "Timeline", "ToolUse", "Totals", "fold",
-           "is_compaction_error"]
+__all__ = ["VIEWED_KINDS", "Call", "Fold", "MovementRun", "Note", "RunningClock", "Timeline", "ToolUse", "Totals",
+           "fold", "is_compaction_error", "note"]
+
+# The kinds the views know, each shown in its own way or on purpose not at all (a request is its response's
+# call, a lesson is its transition's, a job_status is the header's); the fold turns any other kind into a Note.
+# Named here, not read from events.Event: a kind added there is then a Note until a view learns it.
+VIEWED_KINDS: frozenset[type] = frozenset({
+    JobStatusEvent, MovementStart, LLMRequest, LLMResponse, ToolCallEvent, ToolResult, ContextAction, Reminder,
+    Transition, Lesson, CommentEvent, ErrorEvent, ScoreEvent, ReplayDivergence, LoopDetected, Compaction,
+})
+_BASE_FIELDS = frozenset(f.name for f in fields(EventBase))
 
 
 def is_compaction_error(ev: ErrorEvent) -> bool:
@@ -76,8 +94,31 @@ class ToolUse:
         return self.call.iteration if self.call is not None else self.result.iteration  # type: ignore[union-attr]
 
 
-# what a call holds, in order: its events, tool calls and results paired
-CallItem = Event | ToolUse
+@dataclass(frozen=True, slots=True)
+class Note:
+    """An event of a kind no view knows (not in :data:`VIEWED_KINDS`), as every view shows it: ``label`` its
+    kind in words, ``text`` its payload fields as ``name: value`` lines (strings as they are, other values as
+    JSON); ``event`` the event itself."""
+
+    event: EventBase
+    label: str
+    text: str
+
+
+def note(ev: EventBase) -> Note:
+    """The :class:`Note` of event ``ev`` (of any kind: read from its dataclass fields, so a kind defined
+    outside ``events.py`` shows too)."""
+    lines = []
+    for f in fields(ev):
+        if f.name not in _BASE_FIELDS:
+            value = getattr(ev, f.name)
+            shown = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+            lines.append(f"{f.name}: {shown}")
+    return Note(ev, ev.kind.replace("_", " "), "\n".join(lines))
+
+
+# what a call holds, in order: its events, tool calls and results paired, the notes of kinds no view knows
+CallItem = Event | ToolUse | Note
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +210,7 @@ class Totals:
 class Timeline:
     """A job's events as the views read them (see the module docstring)."""
 
-    entries: tuple[MovementRun | CommentEvent | ErrorEvent, ...]  # runs and job-level comments/errors, in order
+    entries: tuple[MovementRun | CommentEvent | ErrorEvent | Note, ...]  # runs and job-level events, in order
     runs: Mapping[int, MovementRun]  # by seq, in the order they first appeared
     asked: frozenset[str]  # the questions the agent asked in transitions (also stored as its comments)
     totals: Totals
@@ -204,7 +245,7 @@ class RunningClock:
             if self.since is not None:
                 end = min(self._last, ev.ts) if is_recovery(ev.reason) else ev.ts
                 self.total += max(0.0, end - self.since)
-            self.since = ev.ts if ev.status == "running" else None
+            self.since = ev.ts if ev.status == JobStatus.running else None
             self._last = ev.ts
         elif self.since is not None and kind is not CommentEvent and kind is not ScoreEvent:  # not the holder's own
             self._last = max(self._last, ev.ts)
@@ -249,7 +290,7 @@ class _CallParts:
             self.tokens += ev.usage.total_tokens  # type: ignore[union-attr]
         if (kind is LLMResponse or kind is LLMRequest) and ev.purpose == "compaction":  # type: ignore[union-attr]
             self.summarising = True
-        self.items.append(ev)
+        self.items.append(ev if kind in VIEWED_KINDS else note(ev))
 
     def _answer(self, at: int, result: ToolResult) -> None:
         use = self.items[at]
@@ -452,7 +493,7 @@ class Fold:
 
     def __init__(self, *, runs: bool = True) -> None:
         self._with_runs = runs  # False: only the job's totals (the numbers of a header), the runs left empty
-        self._entries: list[int | CommentEvent | ErrorEvent] = []
+        self._entries: list[int | CommentEvent | ErrorEvent | Note] = []
         self._runs: dict[int, _RunParts] = {}
         self._asked: set[str] = set()
         self._numbers = _JobNumbers()
@@ -475,6 +516,8 @@ class Fold:
             if seq is None:
                 if kind is CommentEvent or kind is ErrorEvent:
                     entries.append(ev)  # type: ignore[arg-type]
+                elif kind not in VIEWED_KINDS:
+                    entries.append(note(ev))
                 continue
             if last is None or last.seq != seq:
                 last = runs.get(seq)

@@ -67,7 +67,7 @@ from ._job_stats import stats_from_timeline
 from .icons import COMMENT
 from .render import STYLE, JobStats, fork_lines, run_html
 from .source import JobRecord, JobSource
-from .timeline import MovementRun, ToolUse, fold
+from .timeline import MovementRun, Note, ToolUse, fold
 
 if TYPE_CHECKING:
     from .frames import Frames
@@ -153,6 +153,8 @@ def build_notebook(ws: NotebookSource, job_id: int, *, full: bool = False, plot:
             cells += _run_cells(ws, row, entry, latest[1] if latest and latest[0] == entry.seq else None, max_chars)
         elif isinstance(entry, ErrorEvent):
             cells.append(v4.new_markdown_cell(f"**✖ error ({_md(entry.where)}):** {_md(entry.message)}"))
+        elif isinstance(entry, Note):
+            cells.append(v4.new_markdown_cell(f"**{_md(entry.label)}:**  \n" + _md(entry.text).replace("\n", "  \n")))
         else:
             cells.append(v4.new_markdown_cell(f"> **{COMMENT} {_md(entry.author)}:** {_md(entry.body)}"))
     nb.cells = cells
@@ -265,6 +267,8 @@ def movement_text(evs: Sequence[Event], *, max_chars: int | None = EXPORT_MAX_CH
             out.extend(run_text(entry, max_chars=max_chars))
         elif isinstance(entry, ErrorEvent):
             out.extend(_RunText(max_chars).error(entry))
+        elif isinstance(entry, Note):
+            out.extend(_RunText(max_chars).note(entry))
     return "\n".join(out)
 
 
@@ -357,6 +361,10 @@ class _RunText:
         return [f"⟳ loop {' → '.join(ev.cycle)} ×{ev.count} (monitor {ev.monitor}, runs "
                 f"{', '.join(map(str, ev.runs))}): then {ev.judge if ev.judge is not None else ev.next}"]
 
+    def note(self, item: Note) -> list[str]:
+        # an event of a kind no view knows (views/timeline.py): its kind, then its payload fields
+        return [f"[{item.label}]", *self.body(item.text)]
+
     def divergence(self, ev: ReplayDivergence) -> list[str]:
         return [f"⚠ divergence: the re-run of {ev.tool} (call {ev.call_id}) gave another result than the original's",
                 "  expected:", *self.body(ev.expected), "  actual:", *self.body(ev.actual)]
@@ -366,6 +374,7 @@ _TEXT: dict[type, Callable[[_RunText, Any], list[str]]] = {
     LLMResponse: _RunText.response, Compaction: _RunText.compaction, ErrorEvent: _RunText.error,
     ContextAction: _RunText.action, ToolUse: _RunText.tool, Reminder: _RunText.reminder,
     Transition: _RunText.transition, LoopDetected: _RunText.loop, ReplayDivergence: _RunText.divergence,
+    Note: _RunText.note,
 }
 
 
