@@ -30,6 +30,7 @@ from .executor import GRACE, check_poll, check_slots
 from .interrupts import Terminated, sigterm_interrupts
 from .store import BACKEND_ERRORS, describe_error, reads
 from .store.base import JobStatus
+from .store.reads import total_tokens
 from .store.records import MovementRecord
 from .views.timeline import MovementRun, fold
 
@@ -131,7 +132,7 @@ def _print_job(ws: Workspace, job: Job) -> None:
     reserved = tl.reserved_runs() if job.forked_from else {}
     for mv in reads.movements(ws.store, job.id):
         print(_run_line(mv, tl.run(mv.seq), reserved.get(mv.seq)))
-    print(f"  tokens: {ws.store.total_tokens(job.id):,}")
+    print(f"  tokens: {total_tokens(ws.store, job.id):,}")
     if job.error:
         print(f"  error: {job.error}")
     if job.status == JobStatus.waiting_human:

@@ -746,7 +746,7 @@ def test_processes_creating_the_same_batch_at_once_make_one_batch(tmp_path: Path
         assert [b.name for b in reads.batches(ws.store)] == ["exp"]
         jobs = ws.store.jobs(batch="exp")
         assert len(jobs) == 12
-        assert sorted(Counter((j["batch_case"], j["piece"]) for j in jobs).values()) == [1] * 12
-        assert {j["piece"] for j in jobs} == {"single", "plan-implement-verify"}
+        assert sorted(Counter((j.batch_case, j.piece) for j in jobs).values()) == [1] * 12
+        assert {j.piece for j in jobs} == {"single", "plan-implement-verify"}
     finally:
         ws.store.close()

@@ -162,7 +162,7 @@ from ..events import (
     payload_path,
 )
 from ..models.prices import cost_array, summed_costs
-from ..store.base import JOB_STATES, FrameQuery, JobOptions, Store
+from ..store.base import JOB_STATES, FrameQuery, Store
 from ..tools.base import ToolError, unlinked_path
 from .status import DISPLAY_STATES, display_status
 from .style import USAGE_ACTIONS
@@ -477,7 +477,7 @@ class Frames:
     def thresholds(self, job: JobArg) -> dict[str, float]:
         """The ContextManager thresholds a job runs with: its piece's, overridden by ``context=`` at submit."""
         job_id = self._job_id(job)
-        return job_thresholds(self._piece_thresholds(job_id), JobOptions.from_json(self.store.job(job_id).get("options")))
+        return job_thresholds(self._piece_thresholds(job_id), self.store.job(job_id).options)
 
 
 def _parse_iso(values: pd.Series) -> pd.Series:
