@@ -1159,3 +1159,84 @@ def test_views_draw_their_symbols_without_an_emoji_font(lab: Lab, tmp_path: Path
     assert icons == {tuple(i) for i in default["icons"]}  # type: ignore[attr-defined]
     assert len(bare["buttons"]) >= 6 and all(w > 4 for w in bare["buttons"]), bare["buttons"]  # type: ignore[arg-type]
     assert len(list(ARTIFACTS.glob("icons-no-emoji-*.png"))) == 3 == len(list(ARTIFACTS.glob("icons-default-*.png")))
+
+
+# Streaming (docs/notebook.md#streaming): a paced demo call's text grows in its own element below the job's
+# view while it streams, the view itself is left alone, and once the run is over nothing of the stream is left.
+STREAM_CELLS = [
+    '%load_ext agentnb\n%config AgentMagic.workspace = "stream-data"',
+    'job = %agent run --model demo?pace=0.05 "Summarise the inputs"',
+]
+
+
+def test_streamed_text_grows_during_a_paced_demo_call_and_leaves_no_trace(lab: Lab) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    name = "stream-view.ipynb"
+    path = _notebook(lab, name, STREAM_CELLS, "stream-view")
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        shot = "stream-view-failed.png"
+        try:
+            kernel = _open(page, lab, name)
+            expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
+            _start_all_cells(page, lab, name, kernel)
+            cell = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
+            stream = cell.locator(".anb-stream")
+            # the report being written: the Write call's name at once, its arguments growing
+            args = cell.locator(".anb-stream .anb-tool:has(b:text-is('Write')) .anb-stream-args")
+            expect(args).to_have_count(1, timeout=120_000)
+            # mark the job's view: streamed text must not redraw it (the sections the user opened stay so)
+            cell.locator(".anb-job:not(.anb-stream)").first.evaluate("v => { v.__anbKept = true; }")
+            grown = ("([n]) => { const a = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][1]"
+                     ".querySelector('.anb-stream .anb-stream-args'); return a && a.textContent.length > n; }")
+            page.wait_for_function(grown, arg=[0], timeout=10_000)
+            first = len(args.inner_text())
+            page.wait_for_function(grown, arg=[first + 200], timeout=10_000)
+            second = len(args.inner_text())
+            assert second > first > 0, (first, second)
+            # read at one moment (the streamed element is replaced at each draw): the view kept, the streamed
+            # element right below it in the same cell, as wide as the cell at most, saying it streams
+            seen = page.evaluate(
+                """() => {
+                    const cell = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][1];
+                    const view = cell.querySelector('.anb-job:not(.anb-stream)');
+                    const stream = cell.querySelector('.anb-stream');
+                    if (!stream) return null;
+                    stream.scrollIntoView({block: 'center'});
+                    const v = view.getBoundingClientRect(), s = stream.getBoundingClientRect();
+                    return {kept: view.__anbKept === true, below: s.top >= v.bottom - 1,
+                            fits: s.width <= cell.getBoundingClientRect().width, text: stream.innerText};
+                }""")
+            assert seen is not None, "the call ended before it could be read"
+            assert seen["kept"], "the job's view was redrawn for streamed text"
+            assert seen["below"] and seen["fits"] and "streaming…" in seen["text"], seen
+            page.screenshot(path=str(ARTIFACTS / "stream-view-during.png"))
+
+            # after the run: the recorded calls in the view, and no streamed element, visible or not
+            page.wait_for_function(
+                "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][1].textContent)",
+                timeout=RUN_ALL_TIMEOUT_MS)
+            _assert_no_cell_raised(page)
+            expect(stream).to_have_count(0)
+            view = cell.locator(".anb-job").last
+            expect(view.locator(".anb-head")).to_contain_text("succeeded")
+            expect(view).to_contain_text("Writing the report.")
+            # the emptied output draws nothing: the cell's outputs are as tall as the view alone
+            heights = cell.locator(".jp-OutputArea-child").evaluate_all(
+                "cs => cs.map(c => c.getBoundingClientRect().height)")
+            assert sum(h for h in heights if h > 0) <= view.bounding_box()["height"] + 30, heights  # type: ignore[index]
+            view.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "stream-view-after.png"))
+            shot = "stream-view-end.png"
+            # saved: no trace of the stream in the file
+            page.keyboard.press("Control+s")
+            page.wait_for_timeout(1500)
+            saved = path.read_text()
+            assert "Writing the report." in saved and "anb-stream" not in saved and "streaming…" not in saved
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
+        finally:
+            page.screenshot(path=str(ARTIFACTS / shot))
+            browser.close()

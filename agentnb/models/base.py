@@ -9,10 +9,14 @@ the same answers.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import threading
+import time
 from collections.abc import (  # not typing's: their isinstance checks are several times slower
     Callable,
+    Iterator,
     Mapping,
     Sequence,
 )
@@ -22,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import yaml
 
-from ..errors import ModelError, ModelSpecError, UsageError
+from ..errors import CallCancelled, ModelError, ModelSpecError, UsageError
 from .messages import Delta, Message, TokenUsage, ToolCallPart
 
 __all__ = [
@@ -38,8 +42,10 @@ __all__ = [
     "ToolCallPart",
     "check_model_spec",
     "check_retry_settings",
+    "demo_pace",
     "normalise_spec",
     "short_spec",
+    "stream_response",
 ]
 
 MODEL_SPECS = ("demo", "scripted:<file.yaml>", "openai:<model>", "replay:<job_id>")
@@ -97,6 +103,8 @@ class ModelResponse:
     usage: TokenUsage | None = None
     # the latency a recording had (replay:), recorded instead of the time re-serving it took
     latency_s: float | None = None
+    # time to first token of a streamed answer (docs/models.md#streaming), or a recording's; None when not streamed
+    ttft_s: float | None = None
 
 
 @dataclass
@@ -140,12 +148,17 @@ def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
     return " ".join(f"{where}: not valid YAML: {what}".split())
 
 
-def _parse_response(item: Any, where: str) -> ModelResponse:
+_RESPONSE_KEYS = ("content", "tool_calls", "usage", "stream", "chunk")
+
+
+def _parse_response(item: Any, where: str) -> tuple[ModelResponse, int | None]:
+    """A scripted response, and how it streams: None (it does not), 0 (in word-ish pieces, ``stream: true``) or
+    ``chunk`` characters a piece."""
     if not isinstance(item, Mapping):
         raise ModelSpecError(f"{where}: each response must be a mapping with content and/or tool_calls")
-    unknown = set(item) - {"content", "tool_calls", "usage"}
+    unknown = set(item) - set(_RESPONSE_KEYS)
     if unknown:
-        raise ModelSpecError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: content, tool_calls, usage")
+        raise ModelSpecError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {', '.join(_RESPONSE_KEYS)}")
     calls = []
     for i, call in enumerate(item.get("tool_calls") or []):
         if not isinstance(call, Mapping) or "name" not in call:
@@ -163,13 +176,24 @@ def _parse_response(item: Any, where: str) -> ModelResponse:
         for key, value in usage.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ModelSpecError(f"{where}.usage.{key}: {value!r}; allowed: a whole number ≥ 0")
+    stream, chunk = item.get("stream", False), item.get("chunk")
+    if not isinstance(stream, bool):
+        raise ModelSpecError(f"{where}.stream: {stream!r}; allowed: true or false")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ModelSpecError(f"{where}.chunk: {chunk!r}; allowed: a whole number ≥ 1 (characters per streamed piece)")
     content = item.get("content")
-    return ModelResponse(content=None if content is None else str(content), tool_calls=tuple(calls),
-                         usage=None if usage is None else TokenUsage(usage["prompt_tokens"], usage.get("completion_tokens")))
+    response = ModelResponse(content=None if content is None else str(content), tool_calls=tuple(calls),
+                             usage=None if usage is None else TokenUsage(usage["prompt_tokens"],
+                                                                         usage.get("completion_tokens")))
+    return response, chunk if chunk is not None else (0 if stream else None)
 
 
 class ScriptedModel:
-    """Plays responses from a YAML script (docs/models.md): one list for the whole job, or one per movement."""
+    """Plays responses from a YAML script (docs/models.md): one list for the whole job, or one per movement.
+
+    A response with ``stream: true`` (word-ish pieces) or ``chunk: N`` (N characters a piece) streams itself
+    through the request's ``on_delta`` (docs/models.md#streaming); the others answer at once.
+    """
 
     def __init__(self, script: Mapping[str, Any] | str | os.PathLike[str], *, spec: str | None = None) -> None:
         source = "<script>"
@@ -188,6 +212,9 @@ class ScriptedModel:
         self.source = source
         self.responses: list[ModelResponse] | None = None
         self.by_movement: dict[str, list[ModelResponse]] | None = None
+        # how each response streams (_parse_response), beside it: the responses stay what they always were
+        self._chunks: list[int | None] = []
+        self._chunks_by_movement: dict[str, list[int | None]] = {}
         if not isinstance(script.get("responses") or [], list):
             raise ModelSpecError(f"{source}: responses must be a list of responses")
         if not isinstance(script.get("movements") or {}, Mapping) or not all(
@@ -195,12 +222,15 @@ class ScriptedModel:
         ):
             raise ModelSpecError(f"{source}: movements must map each movement name to a list of responses")
         if "responses" in script:
-            self.responses = [_parse_response(r, f"{source}: responses[{i}]") for i, r in enumerate(script["responses"] or [])]
+            parsed = [_parse_response(r, f"{source}: responses[{i}]") for i, r in enumerate(script["responses"] or [])]
+            self.responses = [r for r, _ in parsed]
+            self._chunks = [c for _, c in parsed]
         if "movements" in script:
-            self.by_movement = {
-                str(name): [_parse_response(r, f"{source}: movements.{name}[{i}]") for i, r in enumerate(items or [])]
-                for name, items in (script["movements"] or {}).items()
-            }
+            self.by_movement = {}
+            for name, items in (script["movements"] or {}).items():
+                parsed = [_parse_response(r, f"{source}: movements.{name}[{i}]") for i, r in enumerate(items or [])]
+                self.by_movement[str(name)] = [r for r, _ in parsed]
+                self._chunks_by_movement[str(name)] = [c for _, c in parsed]
 
     def complete(self, request: ModelRequest) -> ModelResponse:
         if self.by_movement is not None and request.movement in self.by_movement:
@@ -211,7 +241,7 @@ class ScriptedModel:
                     f"scripted model ran out of responses for movement {request.movement!r}: "
                     f"{self.source} has {len(items)}, call {i + 1} was asked for"
                 )
-            return _with_ids(items[i], request)
+            return self._answer(items[i], self._chunks_by_movement[request.movement][i], request)
         if self.responses is not None:
             i = request.call_index
             if i >= len(self.responses):
@@ -219,8 +249,15 @@ class ScriptedModel:
                     f"scripted model ran out of responses: {self.source} has {len(self.responses)}, "
                     f"call {i + 1} was asked for"
                 )
-            return _with_ids(self.responses[i], request)
+            return self._answer(self.responses[i], self._chunks[i], request)
         raise ModelError(f"scripted model has no responses for movement {request.movement!r} in {self.source}")
+
+    @staticmethod
+    def _answer(resp: ModelResponse, chunk: int | None, request: ModelRequest) -> ModelResponse:
+        response = _with_ids(resp, request)
+        if chunk is not None:
+            stream_response(response, request, chunk=chunk or None)
+        return response
 
 
 def _with_ids(resp: ModelResponse, request: ModelRequest) -> ModelResponse:
@@ -231,6 +268,89 @@ def _with_ids(resp: ModelResponse, request: ModelRequest) -> ModelResponse:
         for i, c in enumerate(resp.tool_calls)
     )
     return ModelResponse(content=resp.content, tool_calls=calls, usage=resp.usage)
+
+
+# ---------------------------------------------------------------------------
+# Streaming the offline models' answers (docs/models.md#streaming)
+
+_WORDISH = re.compile(r"\S*\s*")
+# a tool call's arguments stream in pieces of at least this many characters, and in at most _ARG_PIECES pieces
+# (the demo's report is ~14,000 characters: paced, it must still take a second, not minutes)
+_ARG_MIN = 16
+_ARG_PIECES = 40
+
+
+def _pieces(text: str, chunk: int | None, *, arguments: bool = False) -> Iterator[str]:
+    """``text`` in the pieces it streams in: ``chunk`` characters each, else word-ish (text) or a few dozen
+    pieces (arguments).  They join to ``text``."""
+    if chunk is None and not arguments:
+        yield from (p for p in _WORDISH.findall(text) if p)
+        return
+    size = chunk or max(_ARG_MIN, math.ceil(len(text) / _ARG_PIECES))
+    for start in range(0, len(text), size):
+        yield text[start:start + size]
+
+
+def stream_response(response: ModelResponse, request: ModelRequest, *, chunk: int | None = None,
+                    pace: float = 0.0) -> None:
+    """Stream ``response`` through ``request.on_delta`` as a streaming endpoint would: its text in pieces, then
+    each tool call (id and name at once, then its JSON arguments in pieces), ``pace`` seconds before each piece.
+
+    ``chunk``: characters per piece (None: word-ish text, arguments in a few dozen pieces).  Between pieces a set
+    ``request.cancel`` raises :class:`CallCancelled` with what was sent.  Nobody watching and no pace: nothing
+    is done at all (the non-streamed path, unchanged).
+    """
+    emit, cancel = request.on_delta, request.cancel
+    if emit is None and not pace:
+        return
+    sent_text: list[str] = []
+    sent_args: list[str] = []
+
+    def send(delta: Delta) -> None:
+        if cancel is not None and cancel.is_set():
+            raise CallCancelled(partial_text="".join(sent_text), partial_arguments="".join(sent_args))
+        if pace:
+            if cancel is not None:
+                if cancel.wait(pace):  # a stop during the wait cuts the call off at once
+                    raise CallCancelled(partial_text="".join(sent_text), partial_arguments="".join(sent_args))
+            else:
+                time.sleep(pace)
+        if emit is not None:
+            emit(delta)
+        sent_text.append(delta.text)
+        sent_args.append(delta.arguments)
+
+    for piece in _pieces(response.content or "", chunk):
+        send(Delta(text=piece))
+    for index, call in enumerate(response.tool_calls):
+        send(Delta(tool_index=index, tool_id=call.id, tool_name=call.name))
+        for piece in _pieces(call.arguments_text(), chunk, arguments=True):
+            send(Delta(tool_index=index, arguments=piece))
+    # a stop asked after the last piece leaves the whole answer: it is returned, as a streamed endpoint's is
+
+
+_DEMO_OPTIONS = ("pace",)
+
+
+def demo_pace(spec: str) -> float:
+    """The seconds per streamed piece a ``demo`` spec asks for: ``demo`` → 0, ``demo?pace=0.02`` → 0.02.
+
+    :class:`ModelSpecError` (one line) for a bad pace or an option ``demo`` does not have."""
+    _, _, query = spec.partition("?")
+    pace = 0.0
+    for option in query.split("&") if query else ():
+        key, eq, value = option.partition("=")
+        if key not in _DEMO_OPTIONS or not eq:
+            raise ModelSpecError(f"{spec}: unknown option {option!r}; allowed: demo?pace=SECONDS "
+                                 "(seconds before each streamed piece, e.g. demo?pace=0.02)")
+        try:
+            pace = float(value)
+        except ValueError:
+            pace = -1.0
+        if not 0 <= pace <= 10:  # also refuses nan and inf
+            raise ModelSpecError(f"{spec}: pace={value!r}; allowed: a number of seconds from 0 to 10 "
+                                 "before each streamed piece (e.g. demo?pace=0.02)")
+    return pace
 
 
 # ---------------------------------------------------------------------------
@@ -263,6 +383,9 @@ def check_retry_settings(retries: Any = None, max_backoff: Any = None) -> dict[s
 def check_model_spec(spec: str) -> None:
     """Validate a spec's shape without building the model (no files read, no client made)."""
     kind, _, rest = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if isinstance(spec, str) and spec.startswith("demo?"):
+        demo_pace(spec)
+        return
     if spec == "demo" or (kind in ("scripted", "openai", "replay") and rest.strip()):
         if kind == "scripted" and not Path(rest).is_file():
             raise ModelSpecError(f"scripted model file not found: {rest}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .base import ModelRequest, ModelResponse, ToolCall
+from .base import ModelRequest, ModelResponse, ToolCall, stream_response
 from .messages import AssistantMessage, ToolMessage, UserMessage
 
 __all__ = ["DemoModel"]
@@ -32,9 +32,19 @@ def _say(said: str, name: str, **arguments: Any) -> ModelResponse:
 
 
 class DemoModel:
-    spec = "demo"
+    """The demo model.  It streams each answer (docs/models.md#streaming) when someone watches, in word-ish
+    pieces of text and then each tool call, ``pace`` seconds before each piece (``demo?pace=0.02``)."""
+
+    def __init__(self, *, pace: float = 0.0, spec: str = "demo") -> None:
+        self.pace = pace
+        self.spec = spec
 
     def complete(self, request: ModelRequest) -> ModelResponse:
+        response = self._answer(request)
+        stream_response(response, request, pace=self.pace)
+        return response
+
+    def _answer(self, request: ModelRequest) -> ModelResponse:
         if request.purpose == "compaction":  # docs/context.md#compaction: a summary, from what the conversation holds
             return ModelResponse(content=self._summary(request))
         step = sum(1 for m in request.messages if isinstance(m, AssistantMessage))

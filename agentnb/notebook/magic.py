@@ -38,9 +38,12 @@ from ..compare import Comparison
 from ..engine.context import context_items
 from ..engine.pieces import Piece, available_pieces, load_piece
 from ..errors import AgentnbError, PieceError, StoreError
+from ..store import reads
 from ..store.base import JOB_STATES, JobStatus, owned_by_this_process
+from ..store.records import BatchRecord
 from ..views.icons import question_badge
 from ..views.render import KEEPER, duration, job_html, job_stats, plural
+from ..views.streaming import StreamedCall, stream_html
 from ..views.style import ERROR_COLOUR
 from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
 from ._retire import Retirement
@@ -305,6 +308,23 @@ class AgentMagic(Magics):
                 html = view()
                 handle.update(html, transient=display_marks(job_id, event_id))
 
+        # the running call's streamed text: an output of its own just below the view, made at its first fragment,
+        # updated alone (the view is not redrawn for it) and emptied once the call is recorded (liveview.py)
+        streamed: list[Any] = []
+
+        def stream(call: StreamedCall | None) -> None:
+            marks = display_marks(job_id, live.last_event, stream=0 if call is None else call.chars,
+                                  call=None if call is None else [call.movement_seq, call.iteration])
+            if call is None:
+                if streamed:  # no data at all: nothing of the streaming is drawn or saved in the notebook
+                    streamed[0].update({}, raw=True, transient=marks)
+            elif streamed:
+                streamed[0].update(HTML(stream_html(call)), transient=marks)
+            else:
+                made = display(HTML(stream_html(call)), display_id=True, transient=marks)
+                if made is not None:
+                    streamed.append(made)
+
         def work() -> None:
             if unit is None:
                 ws.run(job_id)
@@ -313,7 +333,7 @@ class AgentMagic(Magics):
 
         def watch_then_release() -> None:
             try:
-                live.watch(redraw)
+                live.watch(redraw, stream)
             finally:
                 live.close()
                 self.retirement.leave(ws)
@@ -333,7 +353,7 @@ class AgentMagic(Magics):
         try:
             # started inside the try: a Ctrl-C while the thread starts must pause the job, not escape
             live.start(work, job_id)
-            live.watch(redraw)
+            live.watch(redraw, stream)
         except KeyboardInterrupt:
             if not live.started:  # interrupted before the job's thread existed: nothing ran
                 raise
@@ -343,6 +363,8 @@ class AgentMagic(Magics):
                 ws.stop(job_id)
             if handle is not None:
                 handle.update(view())
+            live.streaming.end()
+            live.draw_stream(stream, now=True)
             if unit is None:
                 print(f"job {job_id} paused after its current LLM call; continue with %agent run --job {job_id} "
                       "or %agent step")
@@ -466,7 +488,7 @@ class AgentMagic(Magics):
         job = self.job(args.job)
         if job.status != JobStatus.running:
             raise UsageError(f"%agent stop: job {job.id} is {job.status}; only a running job can be stopped")
-        owner = str(self.ws.store.job(job.id).get("claimed_by") or "")
+        owner = self.ws.store.job(job.id).claimed_by or ""
         if not owned_by_this_process(owner):
             raise UsageError(f"%agent stop: job {job.id} runs in another process ({owner or 'unknown'}); "
                              "stop it there (Ctrl-C, or the Stop button of the panel that runs it)")
@@ -684,8 +706,8 @@ class AgentMagic(Magics):
             if pieces is not None or models is not None:
                 raise UsageError(f"{name!r} names no variable of the notebook, so it is read as a batch to resume, "
                                  "which keeps its pieces and models; to add variants give the cases variable too")
-            if self.ws.store.batch(name) is None:
-                known = ", ".join(b["name"] for b in self.ws.batches()) or "none yet"
+            if reads.batch(self.ws.store, name) is None:
+                known = ", ".join(b.name for b in reads.batches(self.ws.store)) or "none yet"
                 raise UsageError(f"CASES {name!r} is neither a variable of the notebook nor a batch of the workspace "
                                  f"(batches: {known}); give a variable holding a list of dicts or a DataFrame")
             batch = self.ws.batch(name, scorers=scorers, concurrency=args.concurrency, run=False)
@@ -703,7 +725,7 @@ class AgentMagic(Magics):
     @magic_arguments(name="agent batches")
     def cmd_batches(self, args: Any, cell: str | None) -> Any:
         """Every batch of the workspace as a DataFrame: name, created, jobs and how many are in each status."""
-        return _batches_frame(self.ws.batches())
+        return _batches_frame(reads.batches(self.ws.store))
 
     # -- comparing runs (docs/fork-compare.md) ------------------------------------------------------------------
     @magic_arguments(name="agent compare")
@@ -715,14 +737,14 @@ class AgentMagic(Magics):
         return self.ws.compare(self.job(args.a), self.job(args.b))
 
 
-def _batches_frame(rows: list[dict[str, Any]]) -> Any:
+def _batches_frame(rows: list[BatchRecord]) -> Any:
     """``ws.batches()`` as a DataFrame: name, created, updated (UTC, as ``ws.frames.jobs``, to the second: the
     nanoseconds only widened the table), jobs, one count per job status."""
     import pandas as pd
 
     columns = ["name", "created", "updated", "jobs", *JOB_STATES]
-    df = pd.DataFrame([{**{k: r.get(k) for k in ("name", "created", "updated", "jobs")},
-                        **{s: int(r.get(f"n_{s}") or 0) for s in JOB_STATES}} for r in rows], columns=columns)
+    df = pd.DataFrame([{"name": r.name, "created": r.created, "updated": r.updated, "jobs": r.jobs,
+                        **{s: (r.counts or {}).get(s, 0) for s in JOB_STATES}} for r in rows], columns=columns)
     for col in ("created", "updated"):
         df[col] = pd.to_datetime(pd.to_numeric(df[col]), unit="s").astype("datetime64[ns]").dt.floor("s")
     return df.astype({"jobs": "int64", **{s: "int64" for s in JOB_STATES}})

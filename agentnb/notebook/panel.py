@@ -55,6 +55,7 @@ from ..store.base import JobStatus
 from ..views.icons import FORK
 from ..views.render import header_html, job_html, job_stats
 from ..views.status import PAUSED, display_status, last_status_reason
+from ..views.streaming import StreamedCall, stream_html
 from ..views.style import ACTION_COLOURS, ACTIONS, ERROR_COLOUR, OK_COLOUR
 from .liveview import LiveView
 
@@ -197,6 +198,9 @@ class Panel(w.VBox):
         self.context = w.HTML()
         self.message = w.HTML()
         self.view = w.HTML()
+        # the running call's streamed text, below the view and apart from it: drawn alone, up to ten times a second,
+        # without redrawing the view (docs/notebook.md#streaming); hidden when nothing streams
+        self.stream = w.HTML(layout=w.Layout(display="none"))
         # A live panel hides its saved snapshot (see _ipython_display_); a dead one leaves it visible.
         self._live_style = w.HTML(f"<style>.anb-fb-{self._token}{{display:none}}</style>",
                                   layout=w.Layout(display="none"))
@@ -219,6 +223,7 @@ class Panel(w.VBox):
             self.context,
             self.message,
             self.view,
+            self.stream,
             self._live_style,
         ], layout=w.Layout(width="100%", min_width="0"))
         self.add_class("anb-panel")
@@ -508,10 +513,21 @@ class Panel(w.VBox):
                 if self._live.next_change(self.jobs.value, interval=self.poll if busy else self.idle_poll,
                                           mark=self.ws.store.change_mark) and not self._closed.is_set():
                     self.refresh()
+                self._live.draw_stream(self._show_stream)
                 if self._stop_requested.is_set():
                     self._enforce_stop()
             except Exception:
                 pass
+
+    def _show_stream(self, call: StreamedCall | None) -> None:
+        """Draw what the running call streamed so far below the view, when the view shows its job; else hide it."""
+        if call is None or call.job_id != self.jobs.value:
+            if self.stream.layout.display != "none":
+                self.stream.layout.display = "none"
+                self.stream.value = ""
+            return
+        self.stream.value = stream_html(call)
+        self.stream.layout.display = None
 
     def _enforce_stop(self) -> list[int]:
         """Ask the panel's job (and its subtasks) to pause; again on every tick, until its run has taken it."""
