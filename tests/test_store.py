@@ -267,7 +267,7 @@ def test_only_the_store_imports_sqlite3() -> None:
 
 def test_the_sqlite_store_implements_every_operation_of_the_interface(tmp_path: Path) -> None:
     members = {n for n, v in vars(Store).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
-    assert {"path", "transaction", "append", "events", "claim", "set_status", "frame_rows"} <= members
+    assert {"path", "transaction", "append", "events", "claim", "set_status", "rows"} <= members
     store = open_store(tmp_path / "s.sqlite")
     assert isinstance(store, SQLiteStore)
     for name in sorted(members):

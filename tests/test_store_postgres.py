@@ -21,7 +21,7 @@ from _usage_jobs import demo_job, usage_job
 
 from agentnb import Workspace
 from agentnb.errors import StoreError
-from agentnb.store import display_url, open_store
+from agentnb.store import display_url, open_store, reads
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_pg = pytest.mark.needs("postgres", "psycopg")
@@ -381,7 +381,7 @@ def test_a_nul_in_an_event_is_kept_as_a_mark_and_the_frames_still_read(pg_url: s
     store.append([ToolResult(job_id=job, ts=time.time(), tool="Bash", call_id="c1", content="a\x00b \\u0000 c")])
     (event,) = store.events(job, kinds=["tool_result"])
     assert event.payload["content"] == "a\ufffdb \\u0000 c"  # the NUL marked, a literal backslash-u kept
-    assert store.frame_rows("messages", job)[1][0][-2] == "a\ufffdb \\u0000 c"
+    assert reads.frame_rows(store, "messages", job)[1][0][-2] == "a\ufffdb \\u0000 c"
     store.close()
 
 

@@ -388,7 +388,3 @@ class Store(Protocol):
         """Column names and row tuples of a read-only query with ``?`` placeholders in SQL both backends take:
         what the derived reads of :mod:`agentnb.store.reads` are built on."""
         ...
-
-    def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
-        """The rows of one of ``ws.frames``' views, of one job or (None) of every job."""
-        ...

@@ -1,4 +1,4 @@
-"""The SQL behind ``ws.frames``: one query per DataFrame view, run by :meth:`SQLiteStore.frame_rows`.
+"""The SQL behind ``ws.frames``: one query per DataFrame view, run by :func:`agentnb.store.reads.frame_rows`.
 
 Every payload field a query reads is named through :func:`payload_path`, which checks it against the
 event dataclasses in :mod:`agentnb.events` when this module is imported: a field renamed there fails the

@@ -39,7 +39,6 @@ psycopg 3 and a :class:`psycopg_pool.ConnectionPool` (extra ``agentnb[postgres]`
 from __future__ import annotations
 
 import hashlib
-import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -68,7 +67,6 @@ from .base import (
     RECOVERED,
     TERMINAL_STATES,
     Dialect,
-    FrameQuery,
     FrameRows,
     JobStatus,
     LeaseLost,
@@ -80,7 +78,6 @@ from .base import (
     owner_id,
     owner_is_gone,
 )
-from .frames_sql import PG_FRAME_SQL
 from .pg_migrations import PG_MIGRATIONS, PG_SCHEMA_VERSION
 from .pg_notify import NOTIFY_SQL, PgJobWaiter
 from .pg_outage import connected, is_outage, watch_outages
@@ -106,7 +103,6 @@ _TREE_LOCK = int.from_bytes(b"agnt", "big")
 # Leases are set and checked on the server's clock, so the workers' clocks do not matter.  clock_timestamp(), not
 # now(): now() is the transaction's start, and a claim may have waited for locks since.
 _NOW = "extract(epoch from clock_timestamp())"
-_SLOT = re.compile(r"\{((?:job|where)_\w)\}")  # frames_sql's per-job slots
 
 
 
@@ -681,17 +677,6 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
                      " ON CONFLICT (job_id, path) DO UPDATE SET mode=EXCLUDED.mode, size=EXCLUDED.size, "
                      "sha256=EXCLUDED.sha256, data=EXCLUDED.data, updated=EXCLUDED.updated")
 
-    def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
-        sql, aliases = PG_FRAME_SQL[frame]
-        fills: dict[str, str] = {}
-        for a in aliases:
-            fills[f"job_{a}"] = "" if job_id is None else f" AND {a}.job_id = ?"
-            fills[f"where_{a}"] = "" if job_id is None else f"WHERE {a}.{'id' if a == 'j' else 'job_id'} = ?"
-        params = [] if job_id is None else [job_id] * len(_SLOT.findall(sql))
-        # only the slots are filled: the SQL holds JSON paths in braces ('{usage,total_tokens}'), so no str.format
-        return self._tuples(_SLOT.sub(lambda m: fills[m.group(1)], sql), params)
-
-    # -- comments --------------------------------------------------------------
     def add_comment(self, c: Transaction, job_id: int, author: str, body: str, *, ts: float | None = None) -> None:
         row, event = self._comment_row(job_id, author, body, ts)
         conn = self._tx(c)

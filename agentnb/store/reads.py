@@ -8,9 +8,11 @@ is a function here of a store and its arguments, in SQL both SQLite and PostgreS
 
 from __future__ import annotations
 
+import re
+
 from ..events import JobStatusEvent, LLMResponse
-from .base import JOB_STATES, Dialect, Store
-from .frames_sql import payload_field
+from .base import JOB_STATES, Dialect, FrameQuery, FrameRows, Store
+from .frames_sql import frame_sql, payload_field
 from .records import BatchRecord, CommentRecord, MovementRecord
 
 __all__: list[str] = [
@@ -19,6 +21,7 @@ __all__: list[str] = [
     "calls_by_movement",
     "comments",
     "count_comments",
+    "frame_rows",
     "last_status_reason",
     "latest_request",
     "movements",
@@ -137,3 +140,23 @@ def subtask_depth(store: Store, job_id: int) -> int:
         "UNION ALL SELECT j.id, j.parent_id, up.n + 1 FROM jobs j JOIN up ON j.id = up.parent_id "
         "WHERE up.n < 1000) SELECT MAX(n) FROM up", (job_id,))[1]
     return int(rows[0][0] or 0)
+
+
+# -- the DataFrame views (docs/python-api.md#wsframes) --------------------------------------------------------
+
+_FRAME_SQL = {d: frame_sql(d) for d in _DIALECTS}
+_SLOT = re.compile(r"\{((?:job|where)_\w)\}")  # frames_sql's per-job slots
+
+
+def frame_rows(store: Store, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
+    """The rows of one of ``ws.frames``' views (store/frames_sql.py, in the store's dialect), of one job or (None)
+    of every job."""
+    sql, aliases = _FRAME_SQL[store.dialect][frame]
+    fills: dict[str, str] = {}
+    for a in aliases:
+        fills[f"job_{a}"] = "" if job_id is None else f" AND {a}.job_id = ?"
+        fills[f"where_{a}"] = "" if job_id is None else f"WHERE {a}.{'id' if a == 'j' else 'job_id'} = ?"
+    # one parameter per slot occurrence, in textual order; only the slots are filled (PostgreSQL's SQL holds JSON
+    # paths in braces, '{usage,total_tokens}', so no str.format)
+    params = [] if job_id is None else [job_id] * len(_SLOT.findall(sql))
+    return store.rows(_SLOT.sub(lambda m: fills[m.group(1)], sql), params)

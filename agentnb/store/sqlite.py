@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import sqlite3
 import threading
 import time
@@ -41,7 +40,6 @@ from .base import (
     TERMINAL_STATES,
     WAITING_STATES,
     Dialect,
-    FrameQuery,
     FrameRows,
     JobStatus,
     StoredFile,
@@ -53,7 +51,6 @@ from .base import (
     owner_is_gone,
 )
 from .files import SALVAGE, describe_error, header_problem, special_problem, wal_holds_pages, writable
-from .frames_sql import FRAME_SQL
 from .migrations import MIGRATIONS
 from .records import JobRecord
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS, instruction_sql, payload_text_sql
@@ -79,7 +76,6 @@ SCHEMA_VERSION = len(MIGRATIONS)
 
 
 
-_SLOT = re.compile(r"\{(?:job|where)_\w\}")  # frames_sql's per-job slots
 
 # what errors of this backend look like, for callers that word them (describe_error) instead of a traceback
 BACKEND_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error,)
@@ -576,16 +572,6 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
 
     def write_files(self, c: Transaction, job_id: int, files: Sequence[StoredFile], removed: Sequence[str]) -> None:
         raise self._no_files()
-
-    def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
-        sql, aliases = FRAME_SQL[frame]
-        fills: dict[str, str] = {}
-        for a in aliases:
-            fills[f"job_{a}"] = "" if job_id is None else f" AND {a}.job_id = ?"
-            fills[f"where_{a}"] = "" if job_id is None else f"WHERE {a}.{'id' if a == 'j' else 'job_id'} = ?"
-        # one parameter per slot occurrence, in textual order
-        params = [] if job_id is None else [job_id] * len(_SLOT.findall(sql))
-        return self._tuples(sql.format(**fills), params)
 
     def _tuples(self, sql: str, params: Sequence[Any]) -> FrameRows:
         """Column names and plain row tuples of a query (no ``sqlite3.Row`` per row: the frames read 100,000s)."""
