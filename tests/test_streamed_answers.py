@@ -362,3 +362,46 @@ def test_the_panel_shows_the_running_calls_stream_below_its_view_and_hides_it_af
     assert len(same_call) >= 3
     assert not [t for t in views for begun, ended in same_call if begun < t < ended]
     assert panel.stream.value == "" and panel.stream.layout.display == "none"
+
+
+def test_in_a_kernel_step_call_shows_the_call_as_it_streams_then_the_recorded_call(tmp_path: Path) -> None:
+    from nbclient import NotebookClient
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    received: list[tuple[float, int, dict[str, Any]]] = []
+
+    class Client(NotebookClient):  # type: ignore[misc]
+        def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
+            received.append((time.time(), cell_index, msg))
+            return super().process_message(msg, cell, cell_index)
+
+    cells = [
+        KERNEL_SETUP,
+        'job = %agent run --queue --model demo?pace=0.02 "Summarise the inputs"',
+        "%agent step --call",  # the plan's two calls
+        "%agent step --call",
+        "%agent step --call",  # the implement movement's first call: the long report, written as it streams
+        "print(json.dumps({'status': str(_ws.job(job.id).status),"
+        " 'calls': len(_ws.events(job.id, kinds=['llm_response']))}))",
+    ]
+    nb = new_notebook(cells=[new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    Client(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    data = json.loads(nb.cells[5].outputs[0]["text"])
+    assert data == {"status": "queued", "calls": 3}  # stepped three calls, paused after each
+    draws = [m["content"] for _, i, m in received if i == 4
+             and m["msg_type"] in ("display_data", "update_display_data")
+             and "stream" in m["content"].get("transient", {}).get("agentnb", {})]
+    shown = [c for c in draws if c["data"]]
+    assert len(shown) >= 3, draws
+    assert all('class="anb-job anb-stream"' in c["data"]["text/html"] and "<b>Write</b>" in c["data"]["text/html"]
+               for c in shown)
+    sizes = [c["transient"]["agentnb"]["stream"] for c in shown]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1], sizes  # the arguments grew in the view
+    assert {tuple(c["transient"]["agentnb"]["call"]) for c in shown} == {(2, 1)}
+    # after the step: the view shows the recorded call, the streamed element is emptied (nothing saved of it)
+    outputs = nb.cells[4].outputs
+    assert [o["output_type"] for o in outputs] == ["display_data", "display_data", "execute_result"]
+    view, emptied, value = outputs  # the view (shrunk to a line: the Job, the cell's value, is shown in full)
+    assert emptied["data"] == {}
+    assert "anb-stream" not in value["data"]["text/html"] and "Write" in value["data"]["text/html"]
