@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .engine.pieces import Piece, load_piece, parse_piece
 from .errors import UsageError
 from .events import ScoreEvent
+from .store import reads
 from .store.base import JOB_STATES, TERMINAL_STATES, JobStatus, Store
+from .store.records import BatchRecord
 from .submission import Submitter, remove_folders
 
 if TYPE_CHECKING:
@@ -282,13 +284,13 @@ def fingerprint(stored_cases: Sequence[Mapping[str, Any]]) -> str:
 
 
 def batch_names(store: Store) -> list[str]:
-    return [str(b["name"]) for b in store.batches()]
+    return [b.name for b in reads.batches(store)]
 
 
 def batch_of_cases(store: Store, cases: Any) -> str | None:
     """The latest batch made of exactly these cases (checked as :func:`check_cases` does), or None."""
     print_ = fingerprint([c.stored() for c in check_cases(cases)])
-    found = [str(b["name"]) for b in store.batches() if b["fingerprint"] == print_]
+    found = [b.name for b in reads.batches(store) if b.fingerprint == print_]
     return found[-1] if found else None
 
 
@@ -361,34 +363,36 @@ class Batch:
     def store(self) -> Store:
         return self.ws.store
 
-    def _row(self) -> dict[str, Any]:
-        row = self.ws.store.batch(self.name)
-        if row is None:
+    def _record(self) -> BatchRecord:
+        """The batch as stored now (its cases and variants typed); a UsageError when the store has none of
+        this name."""
+        found = reads.batch(self.ws.store, self.name)
+        if found is None:
             raise UsageError(f"no batch {self.name!r} in {self.ws.store.path}")
-        return row
+        return found
 
     @property
     def cases(self) -> list[dict[str, Any]]:
         """The stored cases: instruction, inputs (name → bytes and sha256), expected, extra columns."""
-        return list(json.loads(self._row()["cases"]))
+        return [c.to_dict() for c in self._record().cases]
 
     @property
     def variants(self) -> list[dict[str, Any]]:
         """The variants, in order: piece (its label), piece_yaml, piece_source, model."""
-        return list(json.loads(self._row()["variants"]))
+        return [v.to_dict() for v in self._record().variants]
 
     @property
     def jobs(self) -> list[Any]:
         """The batch's jobs, by case and then variant."""
-        rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: (r["batch_case"], r["batch_variant"]))
-        return [self.ws.job(int(r["id"])) for r in rows]
+        rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: (r.batch_case or 0, r.batch_variant or 0))
+        return [self.ws.job(r.id) for r in rows]
 
     def counts(self) -> dict[str, int]:
         """How many jobs the batch has (``jobs``) and how many are in each status."""
         rows = self.ws.store.jobs(batch=self.name)
         out = {s: 0 for s in JOB_STATES}
         for r in rows:
-            out[r["status"]] = out.get(r["status"], 0) + 1
+            out[r.status.value] = out.get(r.status.value, 0) + 1
         out["jobs"] = len(rows)
         return out
 
@@ -396,8 +400,8 @@ class Batch:
     def pending(self) -> list[int]:
         """Ids of the jobs a run would start or resume: queued ones (new, paused, interrupted) and running
         ones whose process is gone; jobs waiting for their subtasks are included (their children run)."""
-        rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: (r["batch_case"], r["batch_variant"]))
-        return [int(r["id"]) for r in rows if r["status"] in _PENDING]
+        rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: (r.batch_case or 0, r.batch_variant or 0))
+        return [r.id for r in rows if r.status in _PENDING]
 
     def run(self, *, concurrency: int = DEFAULT_CONCURRENCY, scorers: Mapping[str, Scorer] | None = None,
             progress: bool = True, resume: str | None = None) -> Batch:
@@ -478,7 +482,7 @@ def _now() -> float:
     return time.time()
 
 
-def _call_variants(existing: Mapping[str, Any] | None, piece: Any, model: Any,
+def _call_variants(existing: BatchRecord | None, piece: Any, model: Any,
                    check_model: Callable[[str], str]) -> list[Variant]:
     """The variants a call names.  A new batch defaults to ``plan-implement-verify`` on ``demo``; for an
     existing batch, an omitted ``piece=`` or ``model=`` means the batch's own (so repeating the call without
@@ -488,14 +492,13 @@ def _call_variants(existing: Mapping[str, Any] | None, piece: Any, model: Any,
                               "demo" if model is None else model, check_model)
     if piece is None and model is None:
         return []
-    old = json.loads(existing["variants"])
     if piece is None:
         seen: dict[str, Piece] = {}
-        for v in old:
-            seen.setdefault(v["piece_yaml"], parse_piece(v["piece_yaml"], source=v.get("piece_source") or "<piece>"))
+        for v in existing.variants:
+            seen.setdefault(v.piece_yaml, parse_piece(v.piece_yaml, source=v.piece_source or "<piece>"))
         piece = list(seen.values())
     if model is None:
-        model = list(dict.fromkeys(v["model"] for v in old))
+        model = list(dict.fromkeys(v.model for v in existing.variants))
     return check_variants(piece, model, check_model)
 
 
@@ -531,58 +534,100 @@ def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str 
     chosen = check_scorers(scorers)
     if isinstance(cases, str) and name is None:  # ws.batch("exp-1"): resume by name
         name, cases = cases, None
-    if name is not None and (not isinstance(name, str) or not name.strip() or name != name.strip()):
-        raise UsageError(f"batch name {name!r} must be non-empty text without surrounding spaces")
-    if cases is None and name is None:
-        known = ", ".join(batch_names(ws.store)) or "none yet"
-        raise UsageError(f"ws.batch needs cases (a list of dicts or a DataFrame) or the name of a batch to resume "
-                         f"(batches: {known})")
-    existing = ws.store.batch(name) if name is not None else None
+    _check_name(ws.store, name, given_cases=cases is not None)
+    existing = reads.batch(ws.store, name) if name is not None else None
     if cases is None:
-        if existing is not None and (piece is not None or model is not None):
-            # its input files are kept by digest only: new variants' jobs need the cases themselves
-            given = " and ".join(k for k, v in (("piece=", piece), ("model=", model)) if v is not None)
-            raise UsageError(f"ws.batch({name!r}) resumes the batch as it is, without {given}; to add pieces or "
-                             f"models, give its cases again: ws.batch(cases, piece=…, model=…, name={name!r})")
-        if existing is None:
-            known = ", ".join(batch_names(ws.store)) or "none yet"
-            raise UsageError(f"no batch {name!r} in {ws.store.path} (batches: {known}); "
-                             "give cases to create it")
-        check_score_names(chosen, json.loads(existing["cases"]))
-        return Batch(ws, str(name), chosen)
+        return _resumed(ws, str(name), existing, chosen, piece=piece, model=model)
     checked = check_cases(cases)
     variants = _call_variants(existing, piece, model, check_model)
     stored_cases = [c.stored() for c in checked]
     check_score_names(chosen, stored_cases)
     print_ = fingerprint(stored_cases)
     if name is None:
-        taken = set(batch_names(ws.store))
-        n = len(taken) + 1
-        while f"batch-{n}" in taken:
-            n += 1
-        name = f"batch-{n}"
-    new_variants = variants
+        name = _free_name(ws.store)
     if existing is not None:
-        if existing["fingerprint"] != print_ and not _same_cases(json.loads(existing["cases"]), stored_cases):
-            raise UsageError(_differs(name, json.loads(existing["cases"]), stored_cases))
-        old = json.loads(existing["variants"])
-        have = {(v["piece_yaml"], v["model"]) for v in old}
-        new_variants = [v for v in variants if (v.piece.to_yaml(), v.model) not in have]
-        if not new_variants:
+        _check_same_cases(name, existing, stored_cases, print_)
+        variants = _added_variants(existing, variants)
+        if not variants:
             return Batch(ws, name, chosen)
-        labels = {v["piece"] for v in old}
-        renumbered = []
-        for k, v in enumerate(new_variants):
-            label, n = v.label, 2
-            while label in labels and not any(o["piece"] == label and o["piece_yaml"] == v.piece.to_yaml() for o in old):
-                label, n = f"{v.piece.name}#{n}", n + 1
-            labels.add(label)
-            renumbered.append(Variant(index=len(old) + k, label=label, piece=v.piece, model=v.model))
-        new_variants = renumbered
-    # every job is checked before anything is stored
+    prepared = _prepared_jobs(ws, checked, variants, context=context, retries=retries, max_backoff=max_backoff)
+    _write_batch(ws, name, existing, prepared, fingerprint=print_, stored_cases=stored_cases, variants=variants,
+                 context=context)
+    return Batch(ws, name, chosen)
+
+
+def _check_name(store: Store, name: Any, *, given_cases: bool) -> None:
+    """Refuse a malformed batch name, and a call with neither cases nor a name."""
+    if name is not None and (not isinstance(name, str) or not name.strip() or name != name.strip()):
+        raise UsageError(f"batch name {name!r} must be non-empty text without surrounding spaces")
+    if not given_cases and name is None:
+        known = ", ".join(batch_names(store)) or "none yet"
+        raise UsageError(f"ws.batch needs cases (a list of dicts or a DataFrame) or the name of a batch to resume "
+                         f"(batches: {known})")
+
+
+def _resumed(ws: BatchHost, name: str, existing: BatchRecord | None, chosen: dict[str, Scorer], *, piece: Any,
+             model: Any) -> Batch:
+    """The batch ``name`` resumed as it is (a call without cases)."""
+    if existing is not None and (piece is not None or model is not None):
+        # its input files are kept by digest only: new variants' jobs need the cases themselves
+        given = " and ".join(k for k, v in (("piece=", piece), ("model=", model)) if v is not None)
+        raise UsageError(f"ws.batch({name!r}) resumes the batch as it is, without {given}; to add pieces or "
+                         f"models, give its cases again: ws.batch(cases, piece=…, model=…, name={name!r})")
+    if existing is None:
+        known = ", ".join(batch_names(ws.store)) or "none yet"
+        raise UsageError(f"no batch {name!r} in {ws.store.path} (batches: {known}); "
+                         "give cases to create it")
+    check_score_names(chosen, [c.to_dict() for c in existing.cases])
+    return Batch(ws, name, chosen)
+
+
+def _free_name(store: Store) -> str:
+    """The first ``batch-<n>`` no batch has, from the number of batches on."""
+    taken = set(batch_names(store))
+    n = len(taken) + 1
+    while f"batch-{n}" in taken:
+        n += 1
+    return f"batch-{n}"
+
+
+def _check_same_cases(name: str, existing: BatchRecord, stored_cases: list[dict[str, Any]], print_: str) -> None:
+    """Refuse to add to the batch ``name`` cases other than its own."""
+    if existing.fingerprint == print_:
+        return
+    old = [c.to_dict() for c in existing.cases]
+    if not _same_cases(old, stored_cases):
+        raise UsageError(_differs(name, old, stored_cases))
+
+
+def _added_variants(existing: BatchRecord, variants: list[Variant]) -> list[Variant]:
+    """The ``variants`` the batch has not got yet, numbered after its own and labelled apart from them (a piece
+    of the same name but other YAML gets ``name#2``)."""
+    have = {(v.piece_yaml, v.model) for v in existing.variants}
+    labels = {v.piece for v in existing.variants}
+    added: list[Variant] = []
+    for v in variants:
+        if (v.piece.to_yaml(), v.model) in have:
+            continue
+        label, n = v.label, 2
+        while label in labels and not _labels_piece(existing, label, v.piece.to_yaml()):
+            label, n = f"{v.piece.name}#{n}", n + 1
+        labels.add(label)
+        added.append(Variant(index=len(existing.variants) + len(added), label=label, piece=v.piece, model=v.model))
+    return added
+
+
+def _labels_piece(existing: BatchRecord, label: str, piece_yaml: str) -> bool:
+    """Whether ``label`` is the batch's label of this very piece (then a new model of it shares the label)."""
+    return any(o.piece == label and o.piece_yaml == piece_yaml for o in existing.variants)
+
+
+def _prepared_jobs(ws: BatchHost, cases: list[Case], variants: list[Variant], *, context: Mapping[str, Any] | None,
+                   retries: int | None, max_backoff: float | None) -> list[tuple[Case, Variant, Any]]:
+    """Every job of cases × variants checked and prepared, before anything is stored."""
     prepared = []
-    for case in checked:
-        for variant in new_variants:
+    for case in cases:
+        for variant in variants:
             try:
                 prep = ws.submitter.prepare(case.instruction, piece=variant.piece, model=variant.model, inputs=case.inputs,
                                              workdir=None, context=context, retries=retries,
@@ -590,25 +635,33 @@ def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str 
             except UsageError as exc:  # say which case (the same check fails for every variant of it)
                 raise UsageError(f"case {case.index}: {exc}") from exc
             prepared.append((case, variant, prep))
+    return prepared
+
+
+def _write_batch(ws: BatchHost, name: str, existing: BatchRecord | None, prepared: list[tuple[Case, Variant, Any]],
+                 *, fingerprint: str, stored_cases: list[dict[str, Any]], variants: list[Variant],
+                 context: Mapping[str, Any] | None) -> None:
+    """Create the batch (or add ``variants`` to it) and its ``prepared`` jobs in one transaction; :class:`_Raced`
+    when the batch is no longer as it was read."""
     folders: list[Path] = []
     try:
         with ws.store.transaction() as c:
-            if ws.store.batch(name) != existing:  # another process created or extended it since it was read
+            if reads.batch(ws.store, name) != existing:  # another process created or extended it since it was read
                 raise _Raced(name)
             if existing is None:
-                ws.store.create_batch(c, name, fingerprint=print_, cases=json.dumps(stored_cases, ensure_ascii=False),
-                                      variants=json.dumps([v.stored() for v in new_variants], ensure_ascii=False),
+                ws.store.create_batch(c, name, fingerprint=fingerprint,
+                                      cases=json.dumps(stored_cases, ensure_ascii=False),
+                                      variants=json.dumps([v.stored() for v in variants], ensure_ascii=False),
                                       options=json.dumps({"context": dict(context or {})}, ensure_ascii=False))
             else:
-                old = json.loads(existing["variants"])
-                ws.store.update_batch(c, name, variants=json.dumps(old + [v.stored() for v in new_variants],
+                old = [v.to_dict() for v in existing.variants]
+                ws.store.update_batch(c, name, variants=json.dumps(old + [v.stored() for v in variants],
                                                                    ensure_ascii=False))
             for case, variant, prep in prepared:
                 ws.submitter.create(c, prep, folders, batch=name, batch_case=case.index, batch_variant=variant.index)
     except BaseException:
         remove_folders(folders)
         raise
-    return Batch(ws, name, chosen)
 
 
 def _without_gaps(case: Mapping[str, Any]) -> Any:

@@ -30,6 +30,7 @@ from .executor import GRACE, check_poll, check_slots
 from .interrupts import Terminated, sigterm_interrupts
 from .store import BACKEND_ERRORS, describe_error, reads
 from .store.base import JobStatus
+from .store.reads import total_tokens
 from .store.records import MovementRecord
 from .views.timeline import MovementRun, fold
 
@@ -131,7 +132,7 @@ def _print_job(ws: Workspace, job: Job) -> None:
     reserved = tl.reserved_runs() if job.forked_from else {}
     for mv in reads.movements(ws.store, job.id):
         print(_run_line(mv, tl.run(mv.seq), reserved.get(mv.seq)))
-    print(f"  tokens: {ws.store.total_tokens(job.id):,}")
+    print(f"  tokens: {total_tokens(ws.store, job.id):,}")
     if job.error:
         print(f"  error: {job.error}")
     if job.status == JobStatus.waiting_human:
@@ -460,10 +461,11 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_batches(args: argparse.Namespace) -> int:
+    from .store import reads
     from .store.base import JOB_STATES
 
     ws = _workspace(args, readonly=True)
-    rows = ws.batches()
+    rows = reads.batches(ws.store)
     if not rows:
         print("no batches")
         return 0
@@ -471,12 +473,13 @@ def cmd_batches(args: argparse.Namespace) -> int:
 
     short: dict[str, str] = {JobStatus.waiting_human: "wait_human", JobStatus.waiting_subtasks: "wait_sub"}
     heads = [short.get(s, s) for s in JOB_STATES]
-    width = max(12, *(len(str(r["name"])) for r in rows))
+    width = max(12, *(len(r.name) for r in rows))
     print(f"{'name':<{width}}  {'created (UTC)':<19}  {'jobs':>5}  " + "  ".join(f"{h:>{max(len(h), 5)}}" for h in heads))
     for r in rows:
-        created = dt.datetime.fromtimestamp(float(r["created"]), dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-        print(f"{r['name']:<{width}}  {created:<19}  {r['jobs']:>5}  "
-              + "  ".join(f"{r.get('n_' + s, 0):>{max(len(h), 5)}}" for s, h in zip(JOB_STATES, heads, strict=True)))
+        created = dt.datetime.fromtimestamp(r.created, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        counts = r.counts or {}
+        print(f"{r.name:<{width}}  {created:<19}  {r.jobs:>5}  "
+              + "  ".join(f"{counts.get(s, 0):>{max(len(h), 5)}}" for s, h in zip(JOB_STATES, heads, strict=True)))
     return 0
 
 

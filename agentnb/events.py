@@ -65,12 +65,13 @@ EventKind = Literal[
     "context_action", "reminder", "transition", "lesson", "comment", "error", "score", "replay_divergence",
     "loop_detected", "compaction",
 ]
-UsageSource = Literal["usage", "tiktoken", "chars"]
+# "estimate": tokens counted locally for a call that never finished (a stream stopped mid-answer, docs/models.md#streaming)
+UsageSource = Literal["usage", "tiktoken", "chars", "estimate"]
 # the ContextManager's actions, in threshold order (a context_action's `action`, frames' `action` categories)
 ContextActionName = Literal["warn", "prompt", "force_transition", "exhausted"]
 ACTIONS: tuple[ContextActionName, ...] = typing.get_args(ContextActionName)
 # how exact each source is: a sum is only as exact as its least exact part
-_EXACTNESS: dict[str, int] = {"usage": 2, "tiktoken": 1, "chars": 0}
+_EXACTNESS: dict[str, int] = {"usage": 2, "tiktoken": 1, "chars": 0, "estimate": 0}
 
 
 # -- value types ---------------------------------------------------------------------------------------
@@ -179,6 +180,9 @@ class LLMResponse(EventBase):
     tool_calls: list[RecordedToolCall]
     usage: Usage
     latency_s: float | None = None  # wall time of the model call (retries included); None in older stores
+    # time to first token of a streamed call (from the call's start, retries included); None when not streamed.
+    # Not stored when None, so a scripted or demo run's events stay what they were
+    ttft_s: float | None = None
     # A fork's call re-served from this job's record (docs/fork-compare.md#fork): no model was asked, so ``usage`` spends
     # nothing (its tokens are 0; ``ratio``/``window`` keep the context as it was).  Not stored when None.
     replayed_from: int | None = None
@@ -270,6 +274,9 @@ class ErrorEvent(EventBase):
     message: str
     where: str = ""
     detail: str | None = None
+    # a call stopped mid-answer (``where: "interrupted"``, docs/models.md#streaming): the tokens it had spent, counted
+    # locally (``source: "estimate"``); None (and absent from the payload) otherwise
+    usage: Usage | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -365,6 +372,7 @@ for _cls in _CLASSES:
 # nested value types, rebuilt from their dicts on read
 _NESTED: dict[str, dict[str, type]] = {
     "llm_response": {"usage": Usage},
+    "error": {"usage": Usage},
 }
 _NESTED_LISTS: dict[str, dict[str, type]] = {
     "llm_response": {"tool_calls": RecordedToolCall},
@@ -454,8 +462,8 @@ def _payload_fields(cls: type[EventBase]) -> dict[str, str]:
 # does not use them stays what it was (and a replay's events stay equal to its original's).
 _OMIT_NONE: dict[EventKind, tuple[str, ...]] = {"movement_start": ("replayed_from",),
                                                 "llm_request": ("purpose",),
-                                                "llm_response": ("replayed_from", "purpose"),
-                                                "error": ("detail",)}
+                                                "llm_response": ("ttft_s", "replayed_from", "purpose"),
+                                                "error": ("detail", "usage")}
 _ROW_IN_PAYLOAD: dict[str, frozenset[str]] = {"context_action": frozenset({"iteration"}),
                                               "replay_divergence": frozenset({"iteration"}),
                                               "compaction": frozenset({"iteration"})}

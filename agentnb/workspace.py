@@ -32,7 +32,7 @@ from .leases import lease_setting
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
 from .store import STORE_SCHEMES, Store, StoreError, open_store, reads, store_scheme
-from .store.base import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, JobOptions, can_name_a_job
+from .store.base import MAX_INSTRUCTION_CHARS, can_name_a_job
 from .submission import Submitter
 from .worker import Worker
 
@@ -50,7 +50,8 @@ class Workspace:
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_WORKSPACE, *, readonly: bool = False,
                  retries: int | None = None, max_backoff: float | None = None, store: str | None = None,
-                 lease: float | None = None, files_limit: int | str | None = None) -> None:
+                 lease: float | None = None, files_limit: int | str | None = None,
+                 stream: bool | None = None) -> None:
         """Open (or create) the workspace folder ``path``.
 
         ``store`` (else the environment's ``AGENTNB_STORE``) keeps the jobs elsewhere than ``path/agentnb.sqlite``
@@ -60,6 +61,8 @@ class Workspace:
         ``readonly=True`` only reads: nothing is created or written, so a read-only folder or mount
         works, and a folder without a store reads as an empty workspace.  ``retries`` and ``max_backoff``
         are the openai model's retry settings for jobs that set none themselves (None: the environment's).
+        ``stream=False`` turns off the streaming of ``openai:`` models' answers (None: ``AGENTNB_STREAM``, else on;
+        a spec's ``?stream=`` wins; docs/models.md#streaming).
         ``lease`` (else ``AGENTNB_LEASE``, else 30) is how many seconds a job this workspace claims stays its
         own without renewal; it renews every third of that while it runs the job (agentnb/leases.py).
 
@@ -68,6 +71,10 @@ class Workspace:
         submits a job (its ``input/`` files) and when it ends a movement of one (the whole work directory).
         """
         self.model_settings = check_retry_settings(retries, max_backoff)
+        if stream is not None:
+            if not isinstance(stream, bool):
+                raise UsageError(f"stream={stream!r}; allowed: True, False or None (the environment's AGENTNB_STREAM)")
+            self.model_settings["stream"] = stream
         self.lease = lease_setting(lease)
         self.files_limit = parse_files_limit(files_limit)
         if store is None:
@@ -217,16 +224,16 @@ class Workspace:
         job_id = self._id(job)
         with self.store.transaction() as c:
             row = self.store.job(job_id)  # StoreError "no job …" when there is none
-            if row["status"] in TERMINAL_STATES:
-                then = ("submit a new job" if row["status"] == JobStatus.succeeded
+            if row.status.terminal:
+                then = ("submit a new job" if row.status == JobStatus.succeeded
                         else "retry it or submit a new job")
-                raise StoreError(f"job {job_id} has ended ({row['status']}), so a reply would never be read; "
+                raise StoreError(f"job {job_id} has ended ({row.status}), so a reply would never be read; "
                                  f"to go on, {then}")
             self.store.add_comment(c, job_id, "user", text)
-            if row["status"] == JobStatus.waiting_human:
+            if row.status == JobStatus.waiting_human:
                 self.store.set_status(
                     c, job_id, JobStatus.queued, reason="the user replied",
-                    current_movement=row["resume_movement"] or row["current_movement"], resume_movement=None,
+                    current_movement=row.resume_movement or row.current_movement, resume_movement=None,
                     enriched=None,
                 )
         return self.job(job_id)
@@ -245,15 +252,14 @@ class Workspace:
         settings = check_retry_settings(retries, max_backoff)
         with self.store.transaction() as c:
             row = self.store.job(job_id)  # StoreError "no job …" when there is none
-            status = row["status"]
+            status = row.status
             if status not in (JobStatus.failed, JobStatus.aborted):
                 raise StoreError(f"job {job_id} is {status}; only a failed or aborted job can be retried")
             if status == JobStatus.failed:
                 self.store.reopen_failed_movement(c, job_id)
             values: dict[str, Any] = {"error": None, "ended": None, "enriched": None}
             if settings:
-                values["options"] = json.dumps(JobOptions.from_json(row["options"]).updated(**settings).to_dict(),
-                                               ensure_ascii=False)
+                values["options"] = json.dumps(row.options.updated(**settings).to_dict(), ensure_ascii=False)
             self.store.set_status(c, job_id, JobStatus.queued, reason="retried", **values)
         self.execution.forget(job_id)
         return self.job(job_id)
@@ -347,8 +353,8 @@ class Workspace:
 
     def batches(self) -> list[dict[str, Any]]:
         """Every batch: name, created, jobs and a count per status (``n_<status>``)."""
-        return [{k: v for k, v in row.items() if k not in ("cases", "variants", "options", "fingerprint")}
-                for row in self.store.batches()]
+        return [{k: v for k, v in b.to_dict().items() if k not in ("cases", "variants", "options", "fingerprint")}
+                for b in reads.batches(self.store)]
 
     def score(self, batch_or_jobs: Batch | str | JobRef | Sequence[JobRef], scorers: Mapping[str, Scorer]) -> list[Job]:
         """Score ended jobs (a batch, a batch name, a job or jobs) again without running them; the jobs scored.
@@ -360,8 +366,8 @@ class Workspace:
         if not chosen:
             raise UsageError("no scorers: give scorers={'name': function(job)}")
         if isinstance(batch_or_jobs, str):
-            if self.store.batch(batch_or_jobs) is None:
-                known = ", ".join(b["name"] for b in self.store.batches()) or "none yet"
+            if reads.batch(self.store, batch_or_jobs) is None:
+                known = ", ".join(b.name for b in reads.batches(self.store)) or "none yet"
                 raise UsageError(f"no batch {batch_or_jobs!r} in {self.store.path} (batches: {known})")
             batch_or_jobs = Batch(self, batch_or_jobs)
         if isinstance(batch_or_jobs, Batch):

@@ -17,6 +17,11 @@ the py-spy line below samples only threads holding the GIL.)
 * pydantic-ai — ``Agent(OpenAIChatModel(...), tools=[echo])``, ``asyncio.gather`` of ``agent.run``
   bounded by ``asyncio.Semaphore(N)``, no persistence.
 * floor — the same requests over raw asyncio sockets: what the endpoint and the machine allow.
+* agentnb, streamed (``--stream``) — the same batch with streamed answers (``openai:bench``; the row above asks
+  plainly, ``openai:bench?stream=0``): the endpoint answers a ``stream: true`` request with about
+  ``STREAM_CHUNKS`` server-sent ``chat.completion.chunk`` events (HTTP chunked), the first after half the
+  latency and the others spread over the second half, so an answer still takes the latency.  (The peers are
+  not run streamed.)
 
 A framework that is not installed prints one line and the others go on.
 
@@ -31,6 +36,7 @@ the "bound" column is the best ratio that wave structure allows (ceil(jobs / N) 
     python benchmarks/batch_throughput.py --markdown --json run.json
     py-spy record --gil -f raw -o spy.txt -- python benchmarks/batch_throughput.py --levels 32 --only agentnb
     python benchmarks/batch_throughput.py --serve --port 8050   # only the endpoint (prints PORT n)
+    python benchmarks/batch_throughput.py --stream --levels 8,32 --only agentnb   # streamed beside plain
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ CALLS_PER_RUN = 5  # 4 echo tool calls + the end of the run
 TOOL_CALLS = CALLS_PER_RUN - 1
 NOT_INSTALLED = "not installed (pip install -e '.[bench]')"
 MODEL = "bench"
+STREAM_CHUNKS = 20  # server-sent events per streamed answer
 
 
 # ---------------------------------------------------------------------------
@@ -89,6 +96,33 @@ def _answer(request: dict[str, Any], n: int) -> dict[str, Any]:
     }
 
 
+def _events(answer: dict[str, Any]) -> list[bytes]:
+    """``answer`` as about :data:`STREAM_CHUNKS` server-sent ``chat.completion.chunk`` events, as HTTP chunks."""
+    message = answer["choices"][0]["message"]
+    head = {k: answer[k] for k in ("id", "created", "model")}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**head, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta,
+                                                                        "finish_reason": finish}]}
+
+    pieces = STREAM_CHUNKS - 3  # the role, the finish reason and the usage take one event each
+    out = [chunk({"role": "assistant", "content": message["content"] and ""})]
+    for call in message.get("tool_calls") or []:
+        args = call["function"]["arguments"]
+        size = max(1, math.ceil(len(args) / pieces))
+        parts = [args[i:i + size] for i in range(0, len(args), size)]
+        out.append(chunk({"tool_calls": [{"index": 0, "id": call["id"], "type": "function",
+                                          "function": {"name": call["function"]["name"], "arguments": parts[0]}}]}))
+        out += [chunk({"tool_calls": [{"index": 0, "function": {"arguments": p}}]}) for p in parts[1:]]
+    if message["content"]:
+        size = max(1, math.ceil(len(message["content"]) / pieces))
+        out += [chunk({"content": message["content"][i:i + size]}) for i in range(0, len(message["content"]), size)]
+    out.append(chunk({}, answer["choices"][0]["finish_reason"]))
+    out.append({**head, "object": "chat.completion.chunk", "choices": [], "usage": answer["usage"]})
+    data = [b"data: " + json.dumps(e).encode() + b"\n\n" for e in out] + [b"data: [DONE]\n\n"]
+    return [b"%x\r\n%s\r\n" % (len(d), d) for d in data] + [b"0\r\n\r\n"]
+
+
 async def _serve(port: int, latency: float, ready: Callable[[int], None]) -> None:
     count = 0
 
@@ -106,8 +140,22 @@ async def _serve(port: int, latency: float, ready: Callable[[int], None]) -> Non
                         length = int(line[15:])
                 body = await reader.readexactly(length) if length else b""
                 count += 1
+                request = json.loads(body or b"{}") if method == "POST" else {}
+                if method == "POST" and path.rstrip("/").endswith("/chat/completions") and request.get("stream"):
+                    events = _events(_answer(request, count))
+                    await asyncio.sleep(max(0.0, latency / 2 - (time.monotonic() - arrived)))
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"transfer-encoding: chunked\r\nconnection: keep-alive\r\n\r\n" + events[0])
+                    gap = latency / 2 / len(events)
+                    for k, event in enumerate(events[1:], start=1):
+                        await writer.drain()
+                        # to a deadline from the arrival: a late wake-up does not delay the ones after it
+                        await asyncio.sleep(max(0.0, arrived + latency / 2 + k * gap - time.monotonic()))
+                        writer.write(event)
+                    await writer.drain()
+                    continue
                 if method == "POST" and path.rstrip("/").endswith("/chat/completions"):
-                    status, payload = "200 OK", _answer(json.loads(body or b"{}"), count)
+                    status, payload = "200 OK", _answer(request, count)
                 elif path.rstrip("/").endswith("/count"):
                     status, payload = "200 OK", {"requests": count}
                 else:
@@ -218,10 +266,14 @@ PIECE = (
 
 
 def agentnb_run(base_url: str, jobs: int, concurrency: int) -> Outcome:
-    return _agentnb(base_url, jobs, concurrency)
+    return _agentnb(base_url, jobs, concurrency, f"openai:{MODEL}?stream=0")
 
 
-def _agentnb(base_url: str, jobs: int, concurrency: int) -> Outcome:
+def agentnb_stream_run(base_url: str, jobs: int, concurrency: int) -> Outcome:
+    return _agentnb(base_url, jobs, concurrency, f"openai:{MODEL}")
+
+
+def _agentnb(base_url: str, jobs: int, concurrency: int, model: str) -> Outcome:
     import agentnb
     from agentnb import Workspace
 
@@ -234,7 +286,7 @@ def _agentnb(base_url: str, jobs: int, concurrency: int) -> Outcome:
     cases = [{"instruction": f"Echo greeting number {i}."} for i in range(jobs)]
     piece = agentnb.parse_piece(PIECE)
     # creating the batch (400 job rows and folders) is outside the timed region: the run is what is measured
-    b = ws.batch(cases, piece=piece, model=f"openai:{MODEL}", name=f"c{concurrency}", run=False, progress=False)
+    b = ws.batch(cases, piece=piece, model=model, name=f"c{concurrency}", run=False, progress=False)
     c0, t0 = time.process_time(), time.perf_counter()
     b.run(concurrency=concurrency, progress=False)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -364,6 +416,7 @@ class Framework:
 FRAMEWORKS = [
     Framework("floor", "floor: raw asyncio sockets, no HTTP library", floor_run),
     Framework("agentnb", "agentnb ws.batch (SQLite, every event)", agentnb_run),
+    Framework("agentnb-stream", "agentnb ws.batch, streamed answers (--stream)", agentnb_stream_run),
     Framework("langgraph", "LangGraph create_react_agent + ChatOpenAI (gather of ainvoke)", langgraph_run),
     Framework("pydantic-ai", "pydantic-ai Agent + OpenAIChatModel (gather of run)", pydantic_ai_run),
 ]
@@ -497,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also save the results as JSON")
     p.add_argument("--serve", action="store_true", help="only run the endpoint (prints PORT n)")
     p.add_argument("--port", type=int, default=0, help="with --serve: the port (default: any free one)")
+    p.add_argument("--stream", action="store_true",
+                   help=f"also run agentnb with streamed answers (about {STREAM_CHUNKS} chunks each)")
     args = p.parse_args(argv)
     if args.serve:
         serve(args.port, args.latency)
@@ -507,7 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = only - {f.key for f in FRAMEWORKS}
     if unknown:
         p.error(f"--only: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(f.key for f in FRAMEWORKS)}")
-    chosen = [f for f in FRAMEWORKS if not only or f.key in only]
+    chosen = [f for f in FRAMEWORKS if (not only or f.key in only or (args.stream and f.key == "agentnb-stream"
+                                                                       and "agentnb" in only))
+              and (f.key != "agentnb-stream" or args.stream or f.key in only)]
     results = []
     with Endpoint(args.latency) as endpoint:
         for fw in chosen:

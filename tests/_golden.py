@@ -502,7 +502,7 @@ def workspace_views(ws: Workspace) -> dict[str, Any]:
 # -- masking ---------------------------------------------------------------------------------------------
 
 # keys whose values are clock readings or measured durations, wherever they appear (events, rows, frames)
-VOLATILE_KEYS = {"ts", "created", "started", "updated", "ended", "latency_s", "duration", "timestamp"}
+VOLATILE_KEYS = {"ts", "created", "started", "updated", "ended", "latency_s", "ttft_s", "duration", "timestamp"}
 _CLOCK = [
     # dates the CLI process (real clock) and files written outside the fixed clock show
     (re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d(\.\d+)?)?( \(\w+, [^)]*\))?"), "<time>"),

@@ -39,7 +39,7 @@ def comparable(ws: Workspace, job: Any) -> list[tuple[Any, ...]]:
     for e in ws.events(job):
         if e.kind == "job_status":
             continue
-        payload = {k: v for k, v in e.payload.items() if k not in ("latency_s", "ts", "owner")}
+        payload = {k: v for k, v in e.payload.items() if k not in ("latency_s", "ttft_s", "ts", "owner")}
         out.append((e.kind, e.movement_seq, e.iteration, NOW.sub("<now>", json.dumps(payload, sort_keys=True,
                                                                                     default=str))))
     return out

@@ -13,11 +13,25 @@ action when the list is empty (say, from the job's instruction), ``max_concurren
 ``retry-after`` to a request that arrives while that many are already being answered, and the server
 counts the requests in flight (``in_flight``, ``max_in_flight``) and logs each one's status and the
 number in flight when it arrived (``log``); ``gather=N`` holds the first requests until N are in flight together.
+
+Streaming, as real endpoints do it: a request with ``stream: true`` gets its answer as server-sent
+``chat.completion.chunk`` events (``text/event-stream``): the role, the text in pieces, each tool call opened with its id
+and name and its argument text in pieces (several calls interleaved by index), the finish reason, the usage in a
+last chunk (when ``stream_options.include_usage`` asks for it and the reply has usage), then ``[DONE]``.  The
+pieces are ``chunk_chars`` characters long (cutting inside JSON strings and escaped characters), or a size that
+gives about ``chunks`` chunks per answer; ``write_size`` writes the bytes in slices that cut UTF-8 characters.
+:func:`midway` plays a fault after some chunks: a connection reset, a stall, a malformed chunk, an error chunk, or
+a hold until :meth:`OpenAIServer.release` (or the client hanging up, which :attr:`OpenAIServer.disconnected` tells).
+``streams=False`` answers a streamed request with plain JSON; ``refuses_stream=True`` with HTTP 400 naming it.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import select
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +39,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["ECHO_KEY", "AsObject", "OpenAIServer", "error", "hold", "openai_env", "raw", "reply", "stall"]
+__all__ = ["ECHO_KEY", "AsObject", "OpenAIServer", "error", "hold", "midway", "openai_env", "raw", "reply", "stall"]
 
 ECHO_KEY = "{api_key}"  # in an error's message or a raw body: replaced by the key the request was sent with
 
@@ -68,6 +82,17 @@ def raw(body: str | bytes | Any, content_type: str = "application/json", status:
     return [{"kind": "raw", "body": data, "content_type": content_type, "status": status} for _ in range(times)]
 
 
+def midway(fault: str, after: int = 3, *, seconds: float = 0.0,
+           then: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Stream ``then`` (a long text reply by default) to a streamed request, and after ``after`` chunks play
+    ``fault``: ``"reset"`` (the connection reset), ``"stall"`` (``seconds`` without a byte, then the rest),
+    ``"malformed"`` (a chunk that is not JSON), ``"error"`` (an error object in the stream, as a server failing
+    mid-answer sends) or ``"hold"`` (nothing more until :meth:`OpenAIServer.release` or the client hangs up)."""
+    assert fault in ("reset", "stall", "malformed", "error", "hold"), fault
+    answer = then if then is not None else reply("A long answer that streams in many small pieces, " * 4)
+    return {"kind": "midway", "fault": fault, "after": after, "seconds": seconds, "then": answer}
+
+
 @dataclass
 class Received:
     path: str
@@ -100,6 +125,13 @@ class OpenAIServer:
     # concurrency sees them together however slowly a loaded machine starts the client's threads
     gather: int = 0
     gather_timeout: float = 60.0
+    # streaming: pieces of this many characters (None: a size giving about ``chunks`` chunks per answer), bytes
+    # written in slices of ``write_size`` (None: each event at once), and how the server treats ``stream: true``
+    chunks: int = 20
+    chunk_chars: int | None = None
+    write_size: int | None = None
+    streams: bool = True
+    refuses_stream: bool = False
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -110,6 +142,9 @@ class OpenAIServer:
         self._count = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.streamed = 0  # answers sent as a stream
+        self.disconnected = threading.Event()  # a client hung up in the middle of a streamed answer
+        self.disconnects: list[float] = []  # when (time.monotonic()) each such hang-up was seen
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -154,6 +189,12 @@ class OpenAIServer:
                 key = server.key(body) if server.key is not None else None
                 with server._lock:
                     server.received.append(Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                if body.get("stream") and server.refuses_stream:  # refused before the script is read: no action used
+                    with server._lock:
+                        server.log.append(Arrival(n, arrived, 400, key))
+                    return self._send(400, {"error": {"message": "Unsupported parameter: 'stream' is not supported "
+                                                                 "by this model", "type": "invalid_request_error",
+                                                      "param": "stream"}})
                 if server.max_concurrent is not None and arrived > server.max_concurrent:
                     with server._lock:
                         server.log.append(Arrival(n, arrived, 429, key))
@@ -189,7 +230,66 @@ class OpenAIServer:
                 if action["kind"] == "stall":
                     server._closing.wait(action["seconds"])
                     action = reply("late answer")
+                wants_stream = bool(body.get("stream"))
+                fault = action if action["kind"] == "midway" else None
+                if fault is not None:
+                    action = fault["then"]
+                if wants_stream and server.streams:
+                    return self._stream(body, server._completion(body, action, n), fault)
                 self._send(200, server._completion(body, action, n))
+
+            def _stream(self, body: dict[str, Any], completion: dict[str, Any],
+                        fault: dict[str, Any] | None) -> None:
+                self._leave()
+                with server._lock:
+                    server.streamed += 1
+                events = server._chunks(body, completion)
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                try:
+                    self.send_response(200)
+                    self.send_header("content-type", "text/event-stream; charset=utf-8")
+                    self.send_header("cache-control", "no-cache")
+                    self.end_headers()
+                    for i, event in enumerate(events):
+                        if fault is not None and i == fault["after"] and not self._fault(fault):
+                            return
+                        self._write(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
+                    self._write(b"data: [DONE]\n\n")
+                except (BrokenPipeError, ConnectionResetError):
+                    server._hung_up()
+
+            def _write(self, data: bytes) -> None:
+                size = server.write_size
+                if not size:
+                    self.wfile.write(data)
+                    return
+                for at in range(0, len(data), size):
+                    self.wfile.write(data[at:at + size])
+                    time.sleep(0.0005)  # each slice its own segment: the client reads characters cut in two
+
+            def _fault(self, fault: dict[str, Any]) -> bool:
+                """Play a fault mid-stream; True when the rest of the answer follows."""
+                kind = fault["fault"]
+                if kind == "stall":
+                    server._closing.wait(fault["seconds"])
+                    return True
+                if kind == "hold":
+                    server.holding.set()
+                    while not (server._released.is_set() or server._closing.is_set()):
+                        readable, _, _ = select.select([self.connection], [], [], 0.01)
+                        if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                            server._hung_up()
+                            return False
+                    return True
+                if kind == "malformed":
+                    self._write(b'data: {"id": "chatcmpl-x", "choices": [{"delta": {"content": "broken\n\n')
+                elif kind == "error":
+                    self._write(b'data: {"error": {"message": "the server failed mid-answer", "type": "server_error"}}'
+                                b"\n\n")
+                else:  # reset: an RST, not a clean close
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.connection.close()
+                return False
 
             def _send(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
                 self._send_bytes(status, json.dumps(payload).encode(), "application/json", headers)
@@ -211,6 +311,46 @@ class OpenAIServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def _hung_up(self) -> None:
+        with self._lock:
+            self.disconnects.append(time.monotonic())
+        self.disconnected.set()
+
+    def _pieces(self, text: str, size: int) -> list[str]:
+        return [text[i:i + size] for i in range(0, len(text), size)] or [""]
+
+    def _chunks(self, request: dict[str, Any], completion: dict[str, Any]) -> list[dict[str, Any]]:
+        """The ``chat.completion.chunk`` objects of ``completion`` streamed."""
+        choice = completion["choices"][0]
+        message = choice["message"]
+        content, calls = message["content"], message.get("tool_calls") or []
+        texts = [content or ""] + [c["function"]["arguments"] for c in calls if isinstance(c["function"]["arguments"], str)]
+        size = self.chunk_chars or max(1, math.ceil(sum(map(len, texts)) / max(1, self.chunks - 3)))
+        head = {k: completion[k] for k in ("id", "created", "model")}
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {**head, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+        out = [chunk({"role": "assistant", "content": "" if content is not None else None})]
+        if content:
+            out += [chunk({"content": piece}) for piece in self._pieces(content, size)]
+        queues = []
+        for i, c in enumerate(calls):
+            args = c["function"]["arguments"]
+            pieces = self._pieces(args, size) if isinstance(args, str) else [args]
+            first = {"index": i, "id": c["id"], "type": "function",
+                     "function": {"name": c["function"]["name"], "arguments": pieces[0]}}
+            queues.append([first] + [{"index": i, "function": {"arguments": p}} for p in pieces[1:]])
+        while any(queues):  # several calls interleaved, as parallel tool calls stream
+            for q in queues:
+                if q:
+                    out.append(chunk({"tool_calls": [q.pop(0)]}))
+        out.append(chunk({}, choice["finish_reason"]))
+        if "usage" in completion and (request.get("stream_options") or {}).get("include_usage"):
+            out.append({**head, "object": "chat.completion.chunk", "choices": [], "usage": completion["usage"]})
+        return out
 
     @staticmethod
     def _completion(request: dict[str, Any], action: dict[str, Any], n: int) -> dict[str, Any]:

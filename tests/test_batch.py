@@ -3,6 +3,8 @@ and their results (``batch.frame``, ``summary()``, the HTML view, ``plot_batch``
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import html
 import itertools
 import json
@@ -24,8 +26,12 @@ from openai_server import OpenAIServer, reply
 import agentnb
 from agentnb import AgentnbError, Workspace
 from agentnb.batch import Batch
+from agentnb.engine.pieces import parse_piece
 from agentnb.events import JobStatusEvent
 from agentnb.models.prices import UnknownPriceWarning, call_cost
+from agentnb.store import reads
+from agentnb.store.base import JOB_STATES
+from agentnb.store.records import BatchCase, BatchRecord, BatchVariant
 
 
 def _cases(n: int = 3) -> list[dict[str, Any]]:
@@ -96,6 +102,67 @@ def test_dataframe_cases_with_inputs_as_text_bytes_and_a_folder(ws: Workspace, t
     assert [one.expected, two.expected, three.expected] == [1, None, 3]
     assert list(b.frame["expected"]) == [1, None, 3]
     assert b.cases[0]["inputs"]["raw.bin"]["bytes"] == 2
+
+
+# -- the batch record (docs/python-api.md#records) ------------------------------------------------------------------
+
+def test_a_stored_batch_reads_back_as_a_frozen_record_with_typed_cases_and_variants(ws: Workspace) -> None:
+    cases = [{"instruction": "Answer ä", "inputs": {"a.txt": "hello"}, "expected": {"n": [1, 2]}, "topic": "t0"},
+             {"instruction": "Answer b", "topic": "t1"}]
+    b = ws.batch(cases, piece="single", model="demo", name="rec", run=False, progress=False)
+    rec = reads.batch(ws.store, "rec")
+    assert isinstance(rec, BatchRecord) and rec.name == "rec" and isinstance(rec.created, float)
+    digest = {"bytes": 5, "sha256": hashlib.sha256(b"hello").hexdigest()}
+    assert rec.cases == (BatchCase(instruction="Answer ä", inputs={"a.txt": digest}, expected={"n": [1, 2]},
+                                   extra={"topic": "t0"}),
+                         BatchCase(instruction="Answer b", inputs={}, expected=None, extra={"topic": "t1"}))
+    [variant] = rec.variants
+    assert isinstance(variant, BatchVariant) and (variant.piece, variant.model) == ("single", "demo")
+    assert parse_piece(variant.piece_yaml).name == "single"
+    assert rec.jobs is None and rec.counts is None  # counted only in a listing
+    # frozen, with slots: neither the record nor a case can be changed or given a new attribute
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rec.name = "other"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rec.cases[0].instruction = "other"  # type: ignore[misc]
+    assert not hasattr(rec, "__dict__") and not hasattr(rec.cases[0], "__dict__")
+    # to_dict() is the row as the store gave it before records (SELECT *: JSON columns as text)
+    columns, rows = ws.store.rows("SELECT * FROM batches WHERE name = ?", ("rec",))
+    old = dict(zip(columns, rows[0], strict=True))
+    assert rec.to_dict() == old and list(rec.to_dict()) == list(old)
+    # the typed cases and variants are what the columns hold, and what Batch.cases/.variants give users
+    assert [c.to_dict() for c in rec.cases] == json.loads(old["cases"]) == b.cases
+    assert [v.to_dict() for v in rec.variants] == json.loads(old["variants"]) == b.variants
+    # a case's dict is a copy: changing it changes neither the record nor the store
+    mine = rec.cases[0].to_dict()
+    mine["expected"]["n"].append(3)
+    mine["extra"]["topic"] = "changed"
+    assert rec.cases[0].expected == {"n": [1, 2]} and rec.cases[0].extra == {"topic": "t0"}
+    assert reads.batch(ws.store, "rec") == rec and reads.batch(ws.store, "nothing") is None
+
+
+def test_listed_batches_carry_their_job_counts_and_give_the_old_rows(ws: Workspace, tmp_path: Path) -> None:
+    model = answering_model(tmp_path, "m", "40")
+    ws.batch(_cases(2), piece="single", model=model, name="waits", run=False, progress=False)
+    ws.batch(_cases(1), piece="single", model=[model, "demo"], name="ran", progress=False)
+    listed = reads.batches(ws.store)
+    assert [r.name for r in listed] == ["waits", "ran"]  # oldest first
+    assert listed[0].jobs == 2 and listed[0].counts == {**dict.fromkeys(JOB_STATES, 0), "queued": 2}
+    assert listed[1].jobs == 2 and listed[1].counts is not None and listed[1].counts["queued"] == 0
+    assert sum(listed[1].counts.values()) == 2
+    for r in listed:
+        # the old listing row: the batch's columns, then jobs and n_<status> for every status
+        columns, rows = ws.store.rows("SELECT * FROM batches WHERE name = ?", (r.name,))
+        jobs = ws.store.jobs(batch=r.name)
+        old = {**dict(zip(columns, rows[0], strict=True)), "jobs": len(jobs),
+               **{f"n_{s}": sum(j["status"] == s for j in jobs) for s in JOB_STATES}}
+        assert r.to_dict() == old and list(r.to_dict()) == list(old)
+        # the same record as read by name, apart from the counts
+        assert dataclasses.replace(r, jobs=None, counts=None) == reads.batch(ws.store, r.name)
+    # what users get from ws.batches() keeps its shape: plain dicts without the JSON columns and fingerprint
+    assert ws.batches() == [{k: v for k, v in r.to_dict().items()
+                             if k not in ("cases", "variants", "options", "fingerprint")} for r in listed]
+    assert all(type(row) is dict for row in ws.batches())
 
 
 # -- resuming ----------------------------------------------------------------------------------------------------------
@@ -676,10 +743,10 @@ def test_processes_creating_the_same_batch_at_once_make_one_batch(tmp_path: Path
     assert [p.returncode for p in procs] == [0, 0, 0], outs
     ws = Workspace(tmp_path / "reader", store=store)
     try:
-        assert [b["name"] for b in ws.store.batches()] == ["exp"]
+        assert [b.name for b in reads.batches(ws.store)] == ["exp"]
         jobs = ws.store.jobs(batch="exp")
         assert len(jobs) == 12
-        assert sorted(Counter((j["batch_case"], j["piece"]) for j in jobs).values()) == [1] * 12
-        assert {j["piece"] for j in jobs} == {"single", "plan-implement-verify"}
+        assert sorted(Counter((j.batch_case, j.piece) for j in jobs).values()) == [1] * 12
+        assert {j.piece for j in jobs} == {"single", "plan-implement-verify"}
     finally:
         ws.store.close()

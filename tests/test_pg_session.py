@@ -22,6 +22,7 @@ from _freeze import process_state, reap
 from _scripting import QUICK, write_piece
 
 from agentnb import Workspace
+from agentnb.store import reads
 
 pytestmark = pytest.mark.needs("postgres", "psycopg")
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,7 +123,7 @@ def test_a_writer_frozen_inside_its_transaction_stalls_nobody_past_the_lease(
     assert "the server ended this process's transaction" in said and "nothing of it was written" in said
     assert "s3cret" not in said + err and "Traceback" not in err
     # neither of its writes is in the store, before the freeze or after
-    assert ws.store.batch("frozen") is None and ws.job(later.id).status == "queued"
+    assert reads.batch(ws.store, "frozen") is None and ws.job(later.id).status == "queued"
     ws.close()
     other.close()
 

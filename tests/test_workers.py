@@ -322,7 +322,7 @@ def test_sigterm_gives_every_running_job_back_to_the_queue(tmp_path: Path, held_
         assert _reported(out) == []  # none of them ran to an end here
         for job_id in job_ids:
             assert ws.job(job_id).status.value == "queued"
-            assert ws.store.job(job_id)["claimed_by"] is None
+            assert ws.store.job(job_id).claimed_by is None
             assert ws.events(job_id, kinds=["job_status"])[-1].payload == {"status": "queued", "reason": "interrupted"}
         # resumable: the interrupted calls are asked again, here answered at once
         held_server.responder = lambda body: reply(tool_calls=[("transition", {"next_step": "COMPLETE",
@@ -352,7 +352,7 @@ def test_sigterm_lets_running_jobs_pause_after_their_current_call(tmp_path: Path
         assert sorted(_reported(out)) == sorted(job_ids)  # each run returned, paused
         for job_id in job_ids:
             job = ws.job(job_id)
-            assert job.status.value == "queued" and ws.store.job(job_id)["claimed_by"] is None
+            assert job.status.value == "queued" and ws.store.job(job_id).claimed_by is None
             assert ws.events(job_id, kinds=["job_status"])[-1].payload == {"status": "queued", "reason": STOP_REASON}
             assert len(ws.events(job_id, kinds=["llm_response"])) == 1  # the answer was kept
         assert len(held_server.received) == 3  # and no further call was made

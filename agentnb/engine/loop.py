@@ -23,6 +23,7 @@ followed by a compaction step: one tool-less summarisation call (its ``llm_reque
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import live
+from ..errors import CallCancelled
 from ..events import (
     Compaction,
     ContextAction,
@@ -87,7 +89,7 @@ class Recorder:
     Each event is stamped (``ts``) by whoever builds it, when it happens, not when it is written.
     """
 
-    __slots__ = ("job_id", "lease", "pending", "store", "strict", "write_back")
+    __slots__ = ("cancel", "job_id", "lease", "pending", "store", "strict", "write_back")
 
     def __init__(self, store: Store, job_id: int) -> None:
         self.store = store
@@ -99,6 +101,9 @@ class Recorder:
         # while a process runs the job under its lease (JobRunner.advance): raises LeaseLost once that lease is
         # lost (leases.Held.check), so that nothing more is done for the job here, not only nothing written
         self.lease: Callable[[], None] | None = None
+        # while a process runs the job: the job's Stop, handed to each model call as ``ModelRequest.cancel`` so a
+        # streaming answer is cut off at once (docs/models.md#streaming)
+        self.cancel: threading.Event | None = None
         # the test suite checks every field's type where the event is made, so a failure names the writer
         self.strict = strict_events()
 
@@ -106,6 +111,10 @@ class Recorder:
         if self.strict:
             check_event(event)
         self.pending.append(event)
+
+    def cancelled(self) -> bool:
+        """Whether the job was asked to stop during this run (a call may have been cut off)."""
+        return self.cancel is not None and self.cancel.is_set()
 
     def still_held(self) -> None:
         """Before an outside effect (an LLM call, a tool call): :class:`LeaseLost` when the lease is lost."""
@@ -368,6 +377,8 @@ class AgentLoop:
         if self._compaction is not None:
             return self._compaction_step()
         self.rec.still_held()  # a holder that lost its lease asks the model nothing more
+        if self.rec.cancelled():
+            return None  # stopped before this call was asked: nothing is asked or recorded; the runner pauses
         mv = self.movement
         self.iteration += 1
         it = self.iteration
@@ -390,7 +401,12 @@ class AgentLoop:
             live.notice(self.rec.store, self.rec.job_id, "call_started", movement_seq=seq, iteration=it)
             if live.listening() and live.wants(self.rec.store, (self.rec.job_id,)):
                 request.on_delta = _delta_publisher(self.rec.store, self.rec.job_id, seq, it)
-            response = self.model.complete(request)
+            request.cancel = self.rec.cancel
+            try:
+                response = self.model.complete(request)
+            except CallCancelled as cut:
+                self._interrupted(it, cut)
+                return None
             # a replayed response keeps its original's latency, so a replay's events are its original's
             latency_s = response.latency_s if response.latency_s is not None else round(time.perf_counter() - started, 6)
         self.counters.call_index += 1
@@ -405,7 +421,7 @@ class AgentLoop:
         usage = self._usage(decision, spent)
         self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
                                  content=response.content, tool_calls=[_call_record(c) for c in response.tool_calls],
-                                 usage=usage, latency_s=latency_s,
+                                 usage=usage, latency_s=latency_s, ttft_s=response.ttft_s if spent else None,
                                  replayed_from=None if spent else self.reserve.job_id))  # type: ignore[union-attr]
         force_reason = ""
         for action, limit in decision.fired:
@@ -423,6 +439,22 @@ class AgentLoop:
         outcome = self._run_calls(response.tool_calls, it)
         self._response_pending = False
         return self._after_calls(it, outcome, force_reason, decision.ratio, decision.prompt_tokens)
+
+    def _interrupted(self, it: int, cut: CallCancelled) -> None:
+        """A call cut off mid-answer by the job's Stop (docs/models.md#streaming): no response is made from the
+        partial answer; the tokens it spent are recorded as an estimate on an ``error`` event (``where:
+        "interrupted"``), and the same call is asked again when the job resumes (here or from the store)."""
+        self.iteration = it - 1
+        counter = self.ctx.counter
+        done = counter.count(cut.partial_text) + counter.count(cut.partial_arguments)
+        prompt = self.ctx.current
+        self.rec.add(ErrorEvent(
+            job_id=self.rec.job_id, movement_seq=self.seq, iteration=it, ts=time.time(), where="interrupted",
+            message=f"call {it} of run {self.seq} ({self.movement.name}) was stopped mid-answer after ~{done} "
+                    "completion tokens (estimated); it is asked again when the job resumes",
+            usage=Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done, source="estimate",
+                        encoding=counter.encoding),
+        ))
 
     def _run_calls(self, calls: Sequence[ToolCall], it: int, *, started: int = 0, first: int = 0,
                    images: list[UserMessage] | None = None, outcome: Outcome | None = None) -> Outcome | None:

@@ -103,6 +103,8 @@ class ModelResponse:
     usage: TokenUsage | None = None
     # the latency a recording had (replay:), recorded instead of the time re-serving it took
     latency_s: float | None = None
+    # time to first token of a streamed answer (docs/models.md#streaming), or a recording's; None when not streamed
+    ttft_s: float | None = None
 
 
 @dataclass

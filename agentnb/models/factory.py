@@ -22,11 +22,12 @@ __all__ = ["resolve_model"]
 
 
 def resolve_model(spec: str, *, store: Store | None = None, retries: int | None = None,
-                  max_backoff: float | None = None) -> Model:
+                  max_backoff: float | None = None, stream: bool | None = None) -> Model:
     """Build the model for a spec; :class:`ModelSpecError` names what is allowed.
 
     ``retries`` and ``max_backoff`` configure an ``openai:`` model (``None``: its environment
-    variables, then its defaults); other models have nothing to retry and ignore them.
+    variables, then its defaults); other models have nothing to retry and ignore them.  ``stream`` (a workspace's
+    setting; None: ``AGENTNB_STREAM``, else on) is whether an ``openai:`` model streams (docs/models.md#streaming).
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ModelSpecError(f"empty model spec; allowed: {', '.join(MODEL_SPECS)}")
@@ -36,7 +37,7 @@ def resolve_model(spec: str, *, store: Store | None = None, retries: int | None 
     if kind == "scripted" and rest:
         return ScriptedModel(rest, spec=spec)
     if kind == "openai" and rest:
-        return OpenAIModel(rest, max_retries=retries, max_backoff=max_backoff)
+        return OpenAIModel(rest, max_retries=retries, max_backoff=max_backoff, stream=stream)
     if kind == "replay" and rest:
         if store is None:
             raise ModelSpecError("replay:<job_id> needs a workspace")

@@ -6,14 +6,17 @@ import hashlib
 import json
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from .._secrets import register_secret, scrub
+from ..errors import CallCancelled, ModelSpecError
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
+from .openai_stream import WATCHDOG, Assembly
 from .ratelimit import gate_for
 
 __all__ = ["OpenAIModel", "shared_client", "wire_message", "wire_messages"]
@@ -31,6 +34,40 @@ RETRIES_ENV = "AGENTNB_OPENAI_RETRIES"
 MAX_BACKOFF_ENV = "AGENTNB_OPENAI_MAX_BACKOFF"
 DEFAULT_RETRIES = 4
 DEFAULT_MAX_BACKOFF = 60.0
+# streaming (docs/models.md#streaming): on unless the spec (openai:NAME?stream=0), the workspace or this says 0
+STREAM_ENV = "AGENTNB_STREAM"
+# the longest wait for a streamed answer's next chunk before it counts as a timeout (default: the call's timeout)
+READ_TIMEOUT_ENV = "AGENTNB_OPENAI_READ_TIMEOUT"
+SPEC_OPTIONS = ("stream", "read_timeout")
+
+# (base URL, model) of endpoints that refused a streamed call in this process: asked plainly from then on
+_plain_only: set[tuple[str | None, str]] = set()
+_plain_lock = threading.Lock()
+
+
+def _flag(value: str) -> bool | None:
+    v = value.strip().lower()
+    return True if v in ("1", "true", "yes", "on") else False if v in ("0", "false", "no", "off") else None
+
+
+def _spec_options(name: str, query: str) -> dict[str, Any]:
+    """The options after ``?`` in ``openai:NAME?stream=0&read_timeout=30``; one line naming what is allowed."""
+    out: dict[str, Any] = {}
+    for part in filter(None, query.split("&")):
+        key, _, value = part.partition("=")
+        if key == "stream" and _flag(value) is not None:
+            out["stream"] = _flag(value)
+        elif key == "read_timeout":
+            try:
+                out["read_timeout"] = float(value)
+            except ValueError:
+                out["read_timeout"] = -1.0
+            if not 0 < out["read_timeout"] < float("inf"):
+                raise ModelSpecError(f"openai:{name}?{query}: read_timeout={value!r}; allowed: seconds > 0")
+        else:
+            raise ModelSpecError(f"openai:{name}?{query}: unknown option {part!r}; allowed: stream=0|1, "
+                                 "read_timeout=SECONDS")
+    return out
 
 
 # Idle connections kept per client: a batch at concurrency N reuses up to N of them between calls.
@@ -86,6 +123,14 @@ class MalformedAnswer(Exception):
     """An HTTP 200 whose body is not a chat completion; retried like a 5xx."""
 
 
+class StreamBroken(Exception):
+    """A stream that ended before its answer did (the connection closed, an error chunk); retried like a 5xx."""
+
+
+class StreamStalled(Exception):
+    """A stream that sent nothing for its read timeout; retried like a timeout."""
+
+
 class OpenAIModel:
     """Calls ``client.chat.completions.create`` with retries and backoff on 429, 5xx, timeouts and malformed answers.
 
@@ -105,8 +150,12 @@ class OpenAIModel:
         backoff: float | None = None,
         timeout: float | None = None,
         max_backoff: float | None = None,
+        stream: bool | None = None,
+        read_timeout: float | None = None,
     ) -> None:
-        self.model = model
+        name, _, query = model.partition("?")
+        options = _spec_options(name, query)
+        self.model = name
         self.spec = f"openai:{model}"
         self.base_url = base_url or os.environ.get("OPENAI_BASE_URL") or None
         self._api_key = api_key or os.environ.get("OPENAI_API_KEY")
@@ -118,6 +167,12 @@ class OpenAIModel:
         self.timeout = timeout if timeout is not None else _env_float("AGENTNB_OPENAI_TIMEOUT", 120.0)
         self.max_backoff = float(max_backoff if max_backoff is not None
                                  else _env_float(MAX_BACKOFF_ENV, DEFAULT_MAX_BACKOFF))
+        # the spec's word first, then the workspace's, then the environment's
+        env_stream = _flag(os.environ.get(STREAM_ENV, ""))
+        self.stream: bool = options.get("stream", stream if stream is not None
+                                        else env_stream if env_stream is not None else True)
+        self.read_timeout = float(options.get("read_timeout") or read_timeout
+                                  or _env_float(READ_TIMEOUT_ENV, 0.0) or self.timeout)
         self._client: Any = None
         # the last conversation sent and its wire form: the next call re-sends it with a few messages more
         self._sent: tuple[list[Message], list[dict[str, object]]] = ([], [])
@@ -142,12 +197,21 @@ class OpenAIModel:
         if request.tools:
             kwargs["tools"] = request.tools
             kwargs["tool_choice"] = "auto"
+        streaming = self.stream and (self.base_url, self.model) not in _plain_only
+        if streaming:
+            kwargs["stream"] = True
+            kwargs["stream_options"] = {"include_usage": True}
+        started = time.perf_counter()
+        cancel = request.cancel
         attempts = self.max_retries + 1
         last: Exception | None = None
         # shared by every job of the process that calls this endpoint and model: a 429 slows them all
         gate = gate_for(self.base_url, self.model)
         waited_until: float | None = None
-        for attempt in range(attempts):
+        attempt = 0
+        while attempt < attempts:
+            if cancel is not None and cancel.is_set():
+                raise CallCancelled()
             ticket = gate.acquire(max_wait=self.max_backoff, waited_until=waited_until)
             answered, delay = False, 0.0
             try:
@@ -155,33 +219,104 @@ class OpenAIModel:
                 # an HTML page, broken JSON or the wrong shape would only fail later, far from the cause.  A
                 # plain post of the body (same auth, headers and error classes as chat.completions.create)
                 # also skips the SDK's per-call rewrite of every message, ~1 ms of CPU per call.
-                http = client.post("/chat/completions", body=kwargs, cast_to=_response_class())
+                http = client.post("/chat/completions", body=kwargs, cast_to=_response_class(), stream=streaming)
                 answered = True
+                if not streaming:
+                    return _parse_completion(http, request)
+                ctype = (http.headers.get("content-type") or "").split(";")[0].strip().lower()
+                if ctype == "text/event-stream":
+                    return self._read_stream(http, client, request, started)
+                try:  # not a stream: the endpoint ignores `stream`; its answer is read as a whole one
+                    http.read()
+                finally:
+                    http.close()
+                streaming = self._refused(kwargs, f"it answered {ctype or 'no content type'}, not text/event-stream")
                 return _parse_completion(http, request)
             except (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError,
-                    openai.APIConnectionError, MalformedAnswer) as exc:
+                    openai.APIConnectionError, MalformedAnswer, StreamBroken, StreamStalled) as exc:
                 last = exc
                 delay = min(self._retry_after(exc) or self.backoff * (2 ** attempt) * (0.5 + random.random() / 2),
                             self.max_backoff)
                 if isinstance(exc, openai.RateLimitError):
                     gate.throttle(delay, ticket)  # every other call to the endpoint waits it out too
             except openai.APIStatusError as exc:
+                if streaming and exc.status_code == 400 and "stream" in _message(exc).lower():
+                    streaming = self._refused(kwargs, f"HTTP 400: {_message(exc)}")
+                    continue  # the same try again, plainly (the gate's slot is given back below)
                 raise ModelError(f"{self.spec}: HTTP {exc.status_code}: {_message(exc)}") from None
             except openai.OpenAIError as exc:
                 raise ModelError(f"{self.spec}: {type(exc).__name__}: {exc}") from None
             finally:
                 gate.release(ok=answered)  # before the wait: a call backing off holds no slot
-            if attempt + 1 < attempts:
+            attempt += 1
+            if attempt < attempts:
                 waited_until = time.monotonic() + delay
-                time.sleep(delay)
+                time.sleep(delay)  # a Stop meanwhile is seen at the top of the next try
         status = getattr(last, "status_code", None)
         if isinstance(last, MalformedAnswer):
             what = f"malformed answer: {last}"
+        elif isinstance(last, (StreamBroken, StreamStalled)):
+            what = str(last)
         elif status:
             what = f"HTTP {status}: {_message(last)}"
         else:
             what = f"{type(last).__name__}: {last}"
         raise ModelError(f"{self.spec}: gave up after {attempts} tries; last error {what}")
+
+    def _refused(self, kwargs: dict[str, Any], why: str) -> bool:
+        """The endpoint does not stream: its calls go plainly from now on in this process, said once; False."""
+        kwargs.pop("stream", None)
+        kwargs.pop("stream_options", None)
+        key = (self.base_url, self.model)
+        with _plain_lock:
+            first = key not in _plain_only
+            _plain_only.add(key)
+        if first:
+            print(f"agentnb: warning: {self.spec} at {self.base_url or 'api.openai.com'} does not stream "
+                  f"({scrub(why)[:200]}); its calls are not streamed from now on in this process",
+                  file=sys.stderr, flush=True)
+        return False
+
+    def _read_stream(self, http: Any, client: Any, request: ModelRequest, started: float) -> ModelResponse:
+        """Read a ``text/event-stream`` answer to its end through the SDK's SSE decoding, handing each fragment to
+        ``request.on_delta``; the same response a whole answer gives.  The stream is closed however it ends: at
+        its end, on a fault, on the job's Stop (:class:`CallCancelled`) and on Ctrl-C."""
+        import openai
+
+        acc = Assembly(self.spec, request.on_delta, started)
+        cancel = request.cancel
+        watch = WATCHDOG.watch(http, cancel, self.read_timeout)
+        ended = False
+        try:
+            for chunk in openai.Stream(cast_to=object, response=http, client=client):
+                watch.touch()
+                acc.add(chunk)
+                if cancel is not None and cancel.is_set():
+                    break
+            else:
+                ended = True
+        except openai.APIStatusError:
+            raise
+        except (openai.APIConnectionError, openai.APIError) as exc:
+            if watch.why is None and not isinstance(exc, openai.APIConnectionError):
+                # an error object in the stream (the server failed mid-answer): retried like a 5xx
+                raise StreamBroken(f"an error in the middle of the stream: {_snippet(_message(exc), 120)}") from None
+            if watch.why is None:
+                raise
+        except ValueError as exc:  # a chunk whose data is not JSON
+            if watch.why is None:
+                raise ModelError(f"{self.spec}: malformed stream chunk: {exc}") from None
+        finally:
+            WATCHDOG.done(watch)
+            http.close()
+        if watch.why == "cancelled" or (cancel is not None and cancel.is_set()):
+            text, arguments = acc.partial()
+            raise CallCancelled(partial_text=text, partial_arguments=arguments)
+        if watch.why == "stalled":
+            raise StreamStalled(f"stream stalled: no chunk for {self.read_timeout:g} s")
+        if not ended or acc.finish_reason is None:
+            raise StreamBroken("the stream ended before the answer did (no finish_reason)")
+        return _response(acc.message(), acc.usage, request, ttft_s=acc.ttft())
 
     def _wire(self, messages: Sequence[Message]) -> list[dict[str, object]]:
         """``wire_messages(messages)``, each message converted once: the part that is the previous request's
@@ -290,6 +425,11 @@ def _parse_completion(http: Any, request: ModelRequest) -> ModelResponse:
     if not isinstance(msg, dict):
         raise MalformedAnswer("choices[0] has no message" if msg is None
                               else f"choices[0].message is {_kind(msg)}, not an object")
+    return _response(msg, data.get("usage"), request)
+
+
+def _response(msg: dict[str, Any], u: Any, request: ModelRequest, ttft_s: float | None = None) -> ModelResponse:
+    """A chat completion's message and usage, whole or assembled from a stream, as a :class:`ModelResponse`."""
     content = msg.get("content")
     if isinstance(content, list):  # content parts, as some compatible servers send
         content = "".join(p.get("text") or "" for p in content if isinstance(p, dict)) or None
@@ -304,10 +444,9 @@ def _parse_completion(http: Any, request: ModelRequest) -> ModelResponse:
             raise MalformedAnswer(f"choices[0].message.tool_calls[{i}] is {_kind(tc)}, not an object")
         calls.append(_tool_call(tc, i, request))
     usage = None
-    u = data.get("usage")
     if isinstance(u, dict) and _count(u.get("prompt_tokens")) is not None:
         usage = TokenUsage(_count(u["prompt_tokens"]) or 0, _count(u.get("completion_tokens")) or 0)
-    return ModelResponse(content=content, tool_calls=tuple(calls), usage=usage)
+    return ModelResponse(content=content, tool_calls=tuple(calls), usage=usage, ttft_s=ttft_s)
 
 
 def _count(value: Any) -> int | None:

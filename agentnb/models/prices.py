@@ -55,6 +55,7 @@ def priced_name(spec: str) -> str | None:
     if is_free(spec):
         return None
     _, _, name = spec.partition(":")
+    name = name.partition("?")[0]  # a spec's options (openai:gpt-4o?stream=0) are no part of the name
     return name or spec
 
 

@@ -90,7 +90,7 @@ class Recording:
         Recordings of the jobs re-served from, made so far; ``reach``: the runs each must reach)."""
         seq, it = ev.movement_seq or 0, ev.iteration or 0
         usage = TokenUsage(ev.usage.prompt_tokens, ev.usage.completion_tokens, ev.usage.source)
-        latency = ev.latency_s
+        latency, ttft = ev.latency_s, ev.ttft_s
         if ev.replayed_from is not None:  # a fork's re-served call: the counts are its live original's
             source = sources.get(ev.replayed_from)
             if source is None:
@@ -100,6 +100,7 @@ class Recording:
             if live is not None:
                 usage = live.response.usage or usage
                 latency = live.latency_s
+                ttft = live.response.ttft_s
         calls = tuple(
             ToolCall(id=c.id or f"call_{seq}_{it}_{i}", name=c.name, arguments=c.arguments,
                      raw_arguments=c.raw_arguments or "")
@@ -107,7 +108,8 @@ class Recording:
         )
         return RecordedCall(
             seq=seq, iteration=it,
-            response=ModelResponse(content=ev.content, tool_calls=calls, usage=usage, latency_s=latency),
+            response=ModelResponse(content=ev.content, tool_calls=calls, usage=usage, latency_s=latency,
+                                   ttft_s=ttft),
             results=tuple(results.get((seq, it), ())), latency_s=latency, purpose=ev.purpose,
         )
 

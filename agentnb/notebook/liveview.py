@@ -248,7 +248,9 @@ class LiveView:
         if not self.streaming.shown:
             # a call that streams for less than STREAM_INTERVAL (the demo unpaced, a short answer) is shown once
             # recorded, as if it had not streamed: no element flashes, and the notebook gets no output for it
-            return max(0.0, STREAM_INTERVAL - self.streaming.since_first())
+            # (and never sooner than STREAM_INTERVAL after the last draw: the previous call's emptying, say)
+            return max(0.0, STREAM_INTERVAL - self.streaming.since_first(),
+                       self._streamed_at + STREAM_INTERVAL - time.monotonic())
         return max(0.0, self._streamed_at + STREAM_INTERVAL - time.monotonic())
 
     def draw_stream(self, draw: Callable[[StreamedCall | None], None], *, now: bool = False) -> None:

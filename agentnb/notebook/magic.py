@@ -38,7 +38,9 @@ from ..compare import Comparison
 from ..engine.context import context_items
 from ..engine.pieces import Piece, available_pieces, load_piece
 from ..errors import AgentnbError, PieceError, StoreError
+from ..store import reads
 from ..store.base import JOB_STATES, JobStatus, owned_by_this_process
+from ..store.records import BatchRecord
 from ..views.icons import question_badge
 from ..views.render import KEEPER, duration, job_html, job_stats, plural
 from ..views.streaming import StreamedCall, stream_html
@@ -486,7 +488,7 @@ class AgentMagic(Magics):
         job = self.job(args.job)
         if job.status != JobStatus.running:
             raise UsageError(f"%agent stop: job {job.id} is {job.status}; only a running job can be stopped")
-        owner = str(self.ws.store.job(job.id).get("claimed_by") or "")
+        owner = self.ws.store.job(job.id).claimed_by or ""
         if not owned_by_this_process(owner):
             raise UsageError(f"%agent stop: job {job.id} runs in another process ({owner or 'unknown'}); "
                              "stop it there (Ctrl-C, or the Stop button of the panel that runs it)")
@@ -704,8 +706,8 @@ class AgentMagic(Magics):
             if pieces is not None or models is not None:
                 raise UsageError(f"{name!r} names no variable of the notebook, so it is read as a batch to resume, "
                                  "which keeps its pieces and models; to add variants give the cases variable too")
-            if self.ws.store.batch(name) is None:
-                known = ", ".join(b["name"] for b in self.ws.batches()) or "none yet"
+            if reads.batch(self.ws.store, name) is None:
+                known = ", ".join(b.name for b in reads.batches(self.ws.store)) or "none yet"
                 raise UsageError(f"CASES {name!r} is neither a variable of the notebook nor a batch of the workspace "
                                  f"(batches: {known}); give a variable holding a list of dicts or a DataFrame")
             batch = self.ws.batch(name, scorers=scorers, concurrency=args.concurrency, run=False)
@@ -723,7 +725,7 @@ class AgentMagic(Magics):
     @magic_arguments(name="agent batches")
     def cmd_batches(self, args: Any, cell: str | None) -> Any:
         """Every batch of the workspace as a DataFrame: name, created, jobs and how many are in each status."""
-        return _batches_frame(self.ws.batches())
+        return _batches_frame(reads.batches(self.ws.store))
 
     # -- comparing runs (docs/fork-compare.md) ------------------------------------------------------------------
     @magic_arguments(name="agent compare")
@@ -735,14 +737,14 @@ class AgentMagic(Magics):
         return self.ws.compare(self.job(args.a), self.job(args.b))
 
 
-def _batches_frame(rows: list[dict[str, Any]]) -> Any:
+def _batches_frame(rows: list[BatchRecord]) -> Any:
     """``ws.batches()`` as a DataFrame: name, created, updated (UTC, as ``ws.frames.jobs``, to the second: the
     nanoseconds only widened the table), jobs, one count per job status."""
     import pandas as pd
 
     columns = ["name", "created", "updated", "jobs", *JOB_STATES]
-    df = pd.DataFrame([{**{k: r.get(k) for k in ("name", "created", "updated", "jobs")},
-                        **{s: int(r.get(f"n_{s}") or 0) for s in JOB_STATES}} for r in rows], columns=columns)
+    df = pd.DataFrame([{"name": r.name, "created": r.created, "updated": r.updated, "jobs": r.jobs,
+                        **{s: (r.counts or {}).get(s, 0) for s in JOB_STATES}} for r in rows], columns=columns)
     for col in ("created", "updated"):
         df[col] = pd.to_datetime(pd.to_numeric(df[col]), unit="s").astype("datetime64[ns]").dt.floor("s")
     return df.astype({"jobs": "int64", **{s: "int64" for s in JOB_STATES}})

@@ -33,7 +33,7 @@ from ..events import (
 from .base import Dialect, FrameQuery
 from .texts import instruction_sql, payload_text_sql
 
-__all__ = ["FRAME_SQL", "PG_FRAME_SQL", "Dialect", "FrameSQL", "frame_sql"]
+__all__ = ["FRAME_SQL", "PG_FRAME_SQL", "Dialect", "FrameSQL", "frame_sql", "payload_field"]
 
 
 
@@ -152,6 +152,12 @@ class _Dialect:
         return f"CAST(FLOOR({ts} / 86400) AS bigint) * 86400"
 
 
+def payload_field(dialect: Dialect, alias: str, cls: type, path: str) -> str:
+    """SQL of ``dialect`` reading scalar payload field ``path`` (dotted, checked against event class ``cls``) of
+    the event row ``alias``: what store/reads.py writes its SQL once with."""
+    return _Dialect(dialect).jx(alias, cls, path)
+
+
 def _action_rank(expr: str) -> str:
     """SQL ranking an action name 1..4 in threshold order, so MAX picks the highest action."""
     return f"CASE {expr} " + " ".join(f"WHEN '{a}' THEN {i}" for i, a in enumerate(ACTIONS, start=1)) + " END"
@@ -197,6 +203,7 @@ def _build(d: _Dialect) -> FrameSQL:
            CASE WHEN {_IS_COMPACTION} THEN 'compaction' ELSE ca.actions END AS actions,
            tr.next_step AS transition, tr.forced,
            {d.jx('e', LLMResponse, 'latency_s')} AS latency_s,
+           {d.jx('e', LLMResponse, 'ttft_s')} AS ttft_s,
            {d.flag(d.jx('e', LLMResponse, 'replayed_from') + ' IS NOT NULL')} AS replayed
     FROM events e
     LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq

@@ -55,18 +55,15 @@ from ..errors import StoreError
 from ..events import (
     Event,
     JobStatusEvent,
-    LLMResponse,
     encode_payload,
     event_from_row,
-    payload_path,
     strict_events,
 )
 from ._pg_dialect import Row as Row  # defined here before; importable from here still
-from ._pg_dialect import no_nul, pg_path, psycopg_sql, row_factory
+from ._pg_dialect import no_nul, psycopg_sql, row_factory
 from ._rows import JOB_COLUMNS, StoreRows, events_query
 from .base import (
     DEFAULT_LEASE,
-    JOB_STATES,
     LEASE_EXPIRED,
     RECOVERED,
     TERMINAL_STATES,
@@ -88,6 +85,7 @@ from .pg_migrations import PG_MIGRATIONS, PG_SCHEMA_VERSION
 from .pg_notify import NOTIFY_SQL, PgJobWaiter
 from .pg_outage import connected, is_outage, watch_outages
 from .pg_session import session_limits
+from .records import JobRecord
 from .texts import REF_FIELDS
 
 __all__ = ["BACKEND_ERRORS", "PG_SCHEMA_VERSION", "PostgresStore", "describe_pg_error", "display_url"]
@@ -111,8 +109,6 @@ _NOW = "extract(epoch from clock_timestamp())"
 _SLOT = re.compile(r"\{((?:job|where)_\w)\}")  # frames_sql's per-job slots
 
 
-_TOTAL_TOKENS = pg_path(payload_path(LLMResponse, "usage", "total_tokens"))
-_STATUS_REASON = pg_path(payload_path(JobStatusEvent, "reason"))
 
 
 def display_url(url: str) -> str:
@@ -446,14 +442,14 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
                 self._notify(conn)
         return job_id
 
-    def job(self, job_id: int) -> dict[str, Any]:
+    def job(self, job_id: int) -> JobRecord:
         rows = self.query("SELECT * FROM jobs WHERE id=?", (job_id,)) if can_name_a_job(job_id) else []
         if not rows:
             raise StoreError(f"no job {job_id} in {self.path}")
-        return self._job_dict(rows[0])
+        return self._job_record(rows[0])
 
     def jobs(self, status: str | None = None, parent_id: int | None = None,
-             batch: str | None = None) -> list[dict[str, Any]]:
+             batch: str | None = None) -> list[JobRecord]:
         sql, params = "SELECT * FROM jobs", list[Any]()
         where = []
         for column, value in (("status", status), ("parent_id", parent_id), ("batch", batch)):
@@ -462,7 +458,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
                 params.append(value)
         if where:
             sql += " WHERE " + " AND ".join(where)
-        return [self._job_dict(r) for r in self.query(sql + " ORDER BY id", params)]
+        return [self._job_record(r) for r in self.query(sql + " ORDER BY id", params)]
 
     def job_ids(self) -> list[int]:
         return [int(r["id"]) for r in self.query("SELECT id FROM jobs ORDER BY id")]
@@ -511,7 +507,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             self._notify(self._tx(c))
 
     def claim(self, job_id: int | None = None, owner: str | None = None,
-              lease: float | None = None) -> dict[str, Any] | None:
+              lease: float | None = None) -> JobRecord | None:
         """Atomically move a queued job (the given one, or the oldest) to ``running``, leased for ``lease``
         seconds on the server's clock; its row, or None.
 
@@ -545,7 +541,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             with conn.cursor(row_factory=dict_row) as dcur:
                 dcur.execute("SELECT * FROM jobs WHERE id=%s", (job_id,))
                 claimed = dcur.fetchone()
-            return self._job_dict(claimed) if claimed else None
+            return self._job_record(claimed) if claimed else None
 
     def _recover_orphans(self, c: psycopg.Connection[Any], job_id: int | None) -> None:
         """Queue again the running jobs whose lease has run out on the server's clock (their holder died, froze
@@ -585,18 +581,6 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
                                    "AND status='running'", (float(lease), job_id, gen))
             return cur.rowcount == 1
 
-    def total_tokens(self, job_id: int) -> int:
-        rows = self._tuples(
-            f"SELECT COALESCE(SUM((payload #>> '{_TOTAL_TOKENS}')::bigint), 0)::bigint FROM events "
-            "WHERE job_id=? AND kind='llm_response'", (job_id,))[1]
-        return int(rows[0][0])
-
-    def last_status_reason(self, job_id: int) -> str | None:
-        rows = self._tuples(
-            f"SELECT payload #>> '{_STATUS_REASON}' FROM events WHERE kind = 'job_status' "
-            "AND job_id = ? ORDER BY id DESC LIMIT 1", (job_id,))[1]
-        return None if not rows or rows[0][0] is None else str(rows[0][0])
-
     # -- batches ---------------------------------------------------------------
     def create_batch(self, c: Transaction, name: str, *, fingerprint: str, cases: str, variants: str,
                      options: str) -> None:
@@ -615,17 +599,6 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
         values["updated"] = time.time()
         sets = ", ".join(f"{k}=?" for k in values)
         self._exec(self._tx(c), f"UPDATE batches SET {sets} WHERE name=?", (*values.values(), name))
-
-    def batch(self, name: str) -> dict[str, Any] | None:
-        rows = self.query("SELECT * FROM batches WHERE name=?", (name,))
-        return rows[0] if rows else None
-
-    def batches(self) -> list[dict[str, Any]]:
-        counts = ", ".join(f"COUNT(*) FILTER (WHERE j.status='{s}') AS n_{s}" for s in JOB_STATES)
-        rows = self.query(
-            f"SELECT b.*, COUNT(j.id) AS jobs, {counts} FROM batches b LEFT JOIN jobs j ON j.batch = b.name "
-            "GROUP BY b.name ORDER BY b.created, b.name")
-        return [{k: (int(v or 0) if k.startswith("n_") or k == "jobs" else v) for k, v in r.items()} for r in rows]
 
     # -- events ----------------------------------------------------------------
     def _append(self, c: psycopg.Connection[Any], events: Iterable[Event]) -> None:
@@ -680,11 +653,6 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
 
     def last_event_id(self, job_id: int) -> int:
         return int(self._tuples("SELECT MAX(id) FROM events WHERE job_id=?", (job_id,))[1][0][0] or 0)
-
-    def latest_request(self, job_id: int) -> tuple[int | None, int | None] | None:
-        rows = self._tuples("SELECT movement_seq, iteration FROM events WHERE job_id=? AND kind='llm_request' "
-                            "ORDER BY id DESC LIMIT 1", (job_id,))[1]
-        return (rows[0][0], rows[0][1]) if rows else None
 
     def change_mark(self) -> tuple[int | None, int | None]:
         row = self._tuples("SELECT (SELECT MAX(id) FROM events), (SELECT MAX(id) FROM jobs)", ())[1][0]
@@ -749,13 +717,6 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
     def fail_movement(self, c: Transaction, job_id: int, seq: int, *, iterations: int) -> None:
         self._exec(self._tx(c), "UPDATE movements SET status='failed', ended=?, iterations=? WHERE job_id=? AND seq=?",
                    (time.time(), iterations, job_id, seq))
-
-    def subtask_depth(self, job_id: int) -> int:
-        rows = self._tuples(
-            "WITH RECURSIVE up(id, parent_id, n) AS (SELECT id, parent_id, 0 FROM jobs WHERE id=? "
-            "UNION ALL SELECT j.id, j.parent_id, up.n + 1 FROM jobs j JOIN up ON j.id = up.parent_id "
-            "WHERE up.n < 1000) SELECT MAX(n) FROM up", (job_id,))[1]
-        return int(rows[0][0] or 0)
 
     def create_child_job(self, c: Transaction, parent_id: int, *, piece: str, piece_yaml: str,
                          piece_path: str | None, model: str, instruction: str, options: str) -> int:

@@ -30,7 +30,6 @@ Choices the design leaves open, made here:
 from __future__ import annotations
 
 import html
-import json
 import math
 import re
 import time
@@ -43,7 +42,9 @@ import pandas as pd
 
 from ..events import ScoreEvent
 from ..models.base import short_spec
+from ..store import reads
 from ..store.base import TERMINAL_STATES, WAITING_STATES, JobStatus, Store
+from ..store.records import BatchCase, BatchVariant
 from .timeline import fold
 
 __all__ = ["BatchSource", "JobTotals", "batch_frame", "batch_html", "batch_summary", "job_totals",
@@ -155,41 +156,48 @@ def score_columns(frame: pd.DataFrame) -> list[str]:
     return list(frame.attrs.get("scores", []))
 
 
+def _case_cells(cases: Sequence[BatchCase], index: int, extra_cols: list[str]) -> dict[str, Any]:
+    """A batch frame row's cells of case ``index``: its instruction, its own columns, its expected value (all
+    None for a case the batch does not have)."""
+    if not 0 <= index < len(cases):
+        return {"instruction": None, **dict.fromkeys(extra_cols), "expected": None}
+    case = cases[index]
+    return {"instruction": case.instruction, **{k: case.extra.get(k) for k in extra_cols}, "expected": case.expected}
+
+
 def batch_frame(batch: BatchSource) -> pd.DataFrame:
     """One row per case × variant, by case and then variant (see the module's notes for the columns)."""
     store = batch.store
-    row = store.batch(batch.name)
-    cases: list[dict[str, Any]] = json.loads(row["cases"]) if row else []
-    variants: list[dict[str, Any]] = json.loads(row["variants"]) if row else []
-    jobs = sorted(store.jobs(batch=batch.name), key=lambda r: (r["batch_case"], r["batch_variant"]))
+    record = reads.batch(store, batch.name)
+    cases: tuple[BatchCase, ...] = record.cases if record else ()
+    variants: tuple[BatchVariant, ...] = record.variants if record else ()
+    jobs = sorted(store.jobs(batch=batch.name), key=lambda r: (r.batch_case or 0, r.batch_variant or 0))
     everything = store.jobs()
     children: dict[int, list[int]] = {}
     for r in everything:
-        if r["parent_id"] is not None:
-            children.setdefault(int(r["parent_id"]), []).append(int(r["id"]))
-    models = {int(r["id"]): str(r["model"]) for r in everything}
+        if r.parent_id is not None:
+            children.setdefault(r.parent_id, []).append(r.id)
+    models = {r.id: r.model for r in everything}
     extra_cols: list[str] = []
-    for case in cases:
-        extra_cols.extend(k for k in case.get("extra", {}) if k not in extra_cols)
-    labels = variant_labels([(str(v.get("piece")), str(v.get("model"))) for v in variants])
+    for each in cases:
+        extra_cols.extend(k for k in each.extra if k not in extra_cols)
+    labels = variant_labels([(v.piece, v.model) for v in variants])
     now = time.time()
     records: list[dict[str, Any]] = []
     scores: list[dict[str, ScoreEvent]] = []
     for job in jobs:
-        case = cases[job["batch_case"]] if 0 <= job["batch_case"] < len(cases) else {}
-        known = 0 <= job["batch_variant"] < len(variants)
-        variant = variants[job["batch_variant"]] if known else {}
-        label = labels[job["batch_variant"]] if known else f"{job['piece']} · {short_spec(job['model'])}"
-        totals = job_totals(store, int(job["id"]), children, models, now)
-        extra = case.get("extra", {})
-        records.append({"case": job["batch_case"], "instruction": case.get("instruction"),
-                        **{k: extra.get(k) for k in extra_cols}, "expected": case.get("expected"),
-                        "variant": job["batch_variant"], "variant_label": label,
-                        "piece": variant.get("piece", job["piece"]),
-                        "model": job["model"], "job": job["id"], "status": job["status"],
+        # a batch's job has both (the batch's own rows)
+        ci, vi = job.batch_case or 0, job.batch_variant or 0
+        known = 0 <= vi < len(variants)
+        label = labels[vi] if known else f"{job.piece} · {short_spec(job.model)}"
+        totals = job_totals(store, job.id, children, models, now)
+        records.append({"case": job.batch_case, **_case_cells(cases, ci, extra_cols),
+                        "variant": job.batch_variant, "variant_label": label,
+                        "piece": variants[vi].piece if known else job.piece,
+                        "model": job.model, "job": job.id, "status": job.status.value,
                         **{k: getattr(totals, k) for k in _COUNTS}, "cost_usd": totals.cost_usd,
                         "seconds": totals.seconds})
-        scores.append(_latest_scores(store, int(job["id"])))
+        scores.append(_latest_scores(store, job.id))
     names = list(batch.scorers)
     for found in scores:
         names.extend(n for n in found if n not in names)
@@ -320,7 +328,7 @@ def batch_html(batch: BatchSource) -> str:
                      "<code>%agent retry JOB</code> queues one again from its last complete call, then <code>"
                      f"%agent batch {html.escape(batch.name)}</code> resumes the batch</p><ul>")
         for _, r in bad.iterrows():
-            error = " ".join(str(batch.store.job(int(r["job"]))["error"] or "").split())
+            error = " ".join(str(batch.store.job(int(r["job"])).error or "").split())
             what = (f"case {r['case']}, {r['variant_label']}: {r['status']}"
                     + (f": {error[:_ERROR_CHARS]}{'…' if len(error) > _ERROR_CHARS else ''}" if error else ""))
             parts.append(f"<li><code>%agent show {int(r['job'])}</code> — {html.escape(what)}</li>")

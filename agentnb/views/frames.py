@@ -33,7 +33,7 @@ frame               columns
                     is_error, truncated, original_chars, returned_chars, duration, result
 ``usage(job)``      job, call, seq, movement, iteration, timestamp, prompt_tokens,
                     completion_tokens, total_tokens, cumulative_tokens, cost_usd, source, window,
-                    ratio, action, actions, transition, forced, latency_s, replayed
+                    ratio, action, actions, transition, forced, latency_s, ttft_s, replayed
 ``lessons(job)``    job, movement, seq, lessons, summary, timestamp
 ``context_actions`` job, event_id, seq, movement, iteration, timestamp, action, ratio, tokens,
                     window, threshold
@@ -102,7 +102,8 @@ Details:
   ``transition`` is the ``next_step`` of the transition that ended the movement at
   this call (missing otherwise) and ``forced`` whether it was forced (missing when no transition).
   ``latency_s`` is how long the model took to answer, in seconds (retries and their backoff
-  included; NaN for calls recorded before agentnb kept it).
+  included; NaN for calls recorded before agentnb kept it); ``ttft_s`` how long its first token took, for a
+  streamed answer (docs/models.md#streaming; NaN when the call was not streamed).
 * ``messages()`` holds the chat messages the model saw, in order: ``system`` and ``user``
   prompts (``kind`` movement_start), ``assistant`` replies (``tool`` lists the tools it
   called), ``tool`` results and the ``user`` reminders the loop injected.
@@ -161,7 +162,7 @@ from ..events import (
     payload_path,
 )
 from ..models.prices import cost_array, summed_costs
-from ..store.base import JOB_STATES, FrameQuery, JobOptions, Store
+from ..store.base import JOB_STATES, FrameQuery, Store
 from ..tools.base import ToolError, unlinked_path
 from .status import DISPLAY_STATES, display_status
 from .style import USAGE_ACTIONS
@@ -233,7 +234,8 @@ _USAGE: _Spec = {
     **_fields(Usage, prompt_tokens="int", completion_tokens="int", total_tokens="int"), "cumulative_tokens": "int",
     "cost_usd": "float",
     **_fields(Usage, source=_SOURCE, window="int", ratio="float"), "action": ACTION_DTYPE, "actions": "str",
-    "transition": "str", "forced": "boolean", **_fields(LLMResponse, latency_s="float"), "replayed": "bool",
+    "transition": "str", "forced": "boolean", **_fields(LLMResponse, latency_s="float", ttft_s="float"),
+    "replayed": "bool",
 }
 _LESSONS: _Spec = {
     "job": "int", "movement": "str", "seq": "Int", "lessons": "str", "summary": "str", "timestamp": "iso",
@@ -475,7 +477,7 @@ class Frames:
     def thresholds(self, job: JobArg) -> dict[str, float]:
         """The ContextManager thresholds a job runs with: its piece's, overridden by ``context=`` at submit."""
         job_id = self._job_id(job)
-        return job_thresholds(self._piece_thresholds(job_id), JobOptions.from_json(self.store.job(job_id).get("options")))
+        return job_thresholds(self._piece_thresholds(job_id), self.store.job(job_id).options)
 
 
 def _parse_iso(values: pd.Series) -> pd.Series:

@@ -60,6 +60,7 @@ from ..events import (
 )
 from ..models.prices import dollars, is_free, priced_name
 from ..store.base import JobStatus
+from ..store.reads import latest_request
 from ._fork_lines import demo_note, fork_lines, reserved_runs
 from ._fork_lines import runs_text as _runs_text
 from ._job_stats import JobStats, job_stats, stats_from_timeline
@@ -75,7 +76,7 @@ from .style import (
     OK_COLOUR,
     RESERVED_COLOUR,
 )
-from .timeline import Call, MovementRun, Note, Timeline, ToolUse, fold, is_compaction_error
+from .timeline import Call, MovementRun, Note, Timeline, ToolUse, fold, is_compaction_error, is_interruption
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -382,6 +383,8 @@ def _response_head(ev: LLMResponse) -> str:
         head += f' · context {_pct(u.ratio)} of {_n(u.window or 0)} ({_e(u.source)})'
     if ev.latency_s is not None:
         head += f' · {icon(LATENCY, "how long the model took to answer")} {_latency(ev.latency_s)}'
+        if ev.ttft_s is not None:  # a streamed answer: how long its first token took
+            head += f' <span title="time to first token">(first token {_latency(ev.ttft_s)})</span>'
     if ev.replayed_from is not None:
         head += f" · re-served from job {ev.replayed_from}, no tokens spent"
     return head + "</span>"
@@ -456,6 +459,8 @@ def _divergence_html(ev: ReplayDivergence, o: _Opts, seq: int | None) -> str:
 def _error_html(ev: ErrorEvent, o: _Opts, seq: int | None) -> str:
     if is_compaction_error(ev):
         return f'<div class="anb-compaction-failed">⚠ compaction failed — {_body(ev.message, o, seq, fold=False)}</div>'
+    if is_interruption(ev):  # a Stop cut a streaming call off: not a failure
+        return f'<div class="anb-dim">⏸ stopped mid-answer — {_body(ev.message, o, seq, fold=False)}</div>'
     return f'<div class="anb-error">✖ error ({_e(ev.where)}): {_body(ev.message, o, seq, fold=False)}</div>'
 
 
@@ -752,7 +757,7 @@ def movement_html(
     if run is None:
         raise NotFoundError(f"job {job.id} has no movement run {seq}; it has run {job.movement_seq}")
     # the same markup as in job_html: the job's newest call is marked wherever its run is shown
-    newest = ws.store.latest_request(job.id)
+    newest = latest_request(ws.store, job.id)
     latest = newest[1] if newest and newest[0] == seq else None
     return run_html(job, run, latest=latest, max_chars=max_chars, max_calls=max_calls, full=full, open=open)
 

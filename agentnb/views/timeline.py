@@ -53,7 +53,7 @@ from ..models.prices import call_costs
 from ..store.base import JobStatus, is_recovery
 
 __all__ = ["VIEWED_KINDS", "Call", "Fold", "MovementRun", "Note", "RunningClock", "Timeline", "ToolUse", "Totals",
-           "fold", "is_compaction_error", "note"]
+           "fold", "is_compaction_error", "is_interruption", "note"]
 
 # The kinds the views know, each shown in its own way or on purpose not at all (a request is its response's
 # call, a lesson is its transition's, a job_status is the header's); the fold turns any other kind into a Note.
@@ -355,7 +355,14 @@ def _run_response(run: _RunParts, ev: LLMResponse) -> None:
         run.max_ratio = ev.usage.ratio if run.max_ratio is None else max(run.max_ratio, ev.usage.ratio)
 
 
+def is_interruption(ev: ErrorEvent) -> bool:
+    """A call stopped mid-answer by the job's Stop (docs/models.md#streaming): asked again on resume; no failure."""
+    return ev.where == "interrupted"
+
+
 def _run_error(run: _RunParts, ev: ErrorEvent) -> None:
+    if is_interruption(ev):
+        return  # shown in its call only
     # a failed compaction is a warning: the movement went on (the job's status says how it ended)
     (run.compaction_errors if is_compaction_error(ev) else run.lists[ErrorEvent]).append(ev)
 
@@ -471,7 +478,7 @@ def _job_transition(n: _JobNumbers, ev: Transition) -> None:
 
 
 def _job_error(n: _JobNumbers, ev: ErrorEvent) -> None:
-    if not is_compaction_error(ev):  # a failed compaction is a warning, not an error
+    if not (is_compaction_error(ev) or is_interruption(ev)):  # a failed compaction is a warning, not an error
         n.errors.append(ev.message)
 
 

@@ -1,0 +1,260 @@
+"""``openai:`` models stream their answers (docs/models.md#streaming): through tests/openai_server.py speaking real
+server-sent ``chat.completion.chunk`` events on loopback, the stored events equal a plain call's, faults midway are
+retried or refused as a plain call's are, an endpoint that does not stream is asked plainly, and a Stop cuts a
+streaming call off at once and asks it again on resume."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _scripting import write_piece
+from openai_server import OpenAIServer, midway, reply
+
+from agentnb import Workspace
+from agentnb.errors import CallCancelled, ModelSpecError
+from agentnb.events import payload_dict
+from agentnb.models.base import ModelRequest
+from agentnb.models.messages import Delta, UserMessage
+from agentnb.models.openai import OpenAIModel
+from agentnb.store.base import STOP_REASON
+
+PIECE = """
+name: streamed
+max_movements: 4
+movements:
+  - name: work
+    persona: You are the worker.
+    instruction: Work.
+    tools: [Read, Write, Glob]
+    permission: edit
+    max_iterations: 10
+    rules:
+      - {condition: done, next: COMPLETE}
+"""
+
+# text and arguments whose pieces cut inside JSON strings, \\uXXXX escapes, surrogate pairs and UTF-8 bytes
+ANSWERS = [
+    lambda: reply("Je lis « notes » — d'abord 😀.", [("Read", {"path": "input/notes.md"})], usage=(321, 12)),
+    lambda: reply(None, [("Write", {"path": "output/é.md", "content": "ligne \"citée\" ✓ 😀\n"}),
+                         ("Glob", {"pattern": "output/*"}), ("Read", {"path": "output/é.md"})], usage=(400, 40)),
+    lambda: reply("Nothing left to call.", usage=None),  # no usage: counted by tiktoken, streamed or not
+    lambda: reply(None, [("transition", {"next_step": "COMPLETE", "summary": "copié ✓"})], usage=(500, 9)),
+]
+TIMING = {"ts", "latency_s", "ttft_s"}
+
+
+@pytest.fixture
+def piece(tmp_path: Path) -> Path:
+    return write_piece(tmp_path, "streamed", PIECE)
+
+
+def _stored(ws: Workspace, job: Any) -> list[tuple[str, int | None, int | None, dict[str, Any]]]:
+    """The job's events as stored, apart from timing fields (and the claimer's name and the clock in the prompt)."""
+    out = []
+    for e in ws.events(job):
+        if e.kind == "job_status":
+            continue
+        data = {k: v for k, v in payload_dict(e).items()
+                if k not in TIMING and not (e.kind == "movement_start" and k == "user")}
+        out.append((e.kind, e.movement_seq, e.iteration, data))
+    return out
+
+
+def _run(ws: Workspace, piece: Path, model: str) -> Any:
+    job = ws.run(ws.submit("Copy the notes", piece=piece, model=model, inputs={"notes.md": "alpha ✓\n"}))
+    assert job.status == "succeeded", job.error
+    return job
+
+
+@pytest.mark.parametrize("cut", [{"chunk_chars": 1, "write_size": 3}, {"chunk_chars": 4, "write_size": 7}, {}])
+def test_a_streamed_run_stores_the_events_a_plain_run_stores(tmp_path: Path, piece: Path, cut: dict[str, Any],
+                                                             loopback: Callable[..., OpenAIServer]) -> None:
+    streamed_srv = loopback(**cut)
+    streamed_srv.play(*(a() for a in ANSWERS))
+    ws1 = Workspace(tmp_path / "streamed")
+    streamed = _run(ws1, piece, "openai:m")
+    assert streamed_srv.streamed == len(ANSWERS)
+    assert all(r.body["stream"] is True and r.body["stream_options"] == {"include_usage": True}
+               for r in streamed_srv.received)
+
+    plain_srv = loopback()  # a fresh server: the same request numbers, so the same tool-call ids
+    plain_srv.play(*(a() for a in ANSWERS))
+    ws2 = Workspace(tmp_path / "plain")
+    plain = _run(ws2, piece, "openai:m?stream=0")
+    assert plain_srv.streamed == 0 and not any("stream" in r.body for r in plain_srv.received)
+
+    assert _stored(ws1, streamed) == _stored(ws2, plain)
+    responses = ws1.events(streamed, kinds=["llm_response"])
+    assert [r.usage.source for r in responses] == ["usage", "usage", "tiktoken", "usage"]
+    assert all(r.ttft_s is not None and 0 < r.ttft_s <= r.latency_s for r in responses)
+    assert all(r.ttft_s is None for r in ws2.events(plain, kinds=["llm_response"]))
+    # time to first token next to the latency, in frames.usage and in the job's view
+    usage = ws1.frames.usage(streamed)
+    assert usage["ttft_s"].notna().all() and (usage["ttft_s"] <= usage["latency_s"]).all()
+    assert ws2.frames.usage(plain)["ttft_s"].isna().all()
+    assert "first token" in ws1.job(streamed.id)._repr_html_()
+    assert "first token" not in ws2.job(plain.id)._repr_html_()
+
+
+def test_the_fragments_add_up_to_the_answer(loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback(chunk_chars=2)
+    srv.play(reply("héllo 😀", [("Read", {"path": "é"}), ("Glob", {"pattern": "*.md"})]))
+    deltas: list[Delta] = []
+    response = OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[],
+                                                      on_delta=deltas.append))
+    assert "".join(d.text for d in deltas) == response.content == "héllo 😀"
+    for i, call in enumerate(response.tool_calls):
+        mine = [d for d in deltas if d.tool_index == i]
+        assert (mine[0].tool_id, mine[0].tool_name) == (call.id, call.name)  # id and name at once
+        assert all(d.tool_id is None and d.tool_name is None for d in mine[1:])
+        assert "".join(d.arguments for d in mine) == call.raw_arguments
+    # the two calls' fragments interleaved, as parallel calls stream
+    order = [d.tool_index for d in deltas if d.tool_index is not None]
+    assert order[:4] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("fault", ["reset", "error"])
+def test_a_reset_or_a_server_error_midway_is_retried(ws: Workspace, piece: Path, fault: str,
+                                                     loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback(retries="2")
+    srv.play(midway(fault, after=4), *(a() for a in ANSWERS))
+    job = _run(ws, piece, "openai:m")
+    assert len(srv.received) == len(ANSWERS) + 1  # the first call asked twice
+    assert srv.received[0].body["messages"] == srv.received[1].body["messages"]
+    assert len(ws.events(job, kinds=["llm_response"])) == len(ANSWERS)
+    assert not ws.events(job, kinds=["error"])
+
+
+def test_a_stall_between_chunks_is_retried_like_a_timeout(ws: Workspace, piece: Path,
+                                                          loopback: Callable[..., OpenAIServer],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTNB_OPENAI_READ_TIMEOUT", "0.4")
+    srv = loopback(retries="2")
+    srv.play(midway("stall", after=3, seconds=30), *(a() for a in ANSWERS))
+    started = time.monotonic()
+    job = _run(ws, piece, "openai:m")
+    assert time.monotonic() - started < 20  # the stalled stream was given up after its read timeout
+    assert len(srv.received) == len(ANSWERS) + 1
+    assert not ws.events(job, kinds=["error"])
+
+
+def test_a_stall_on_every_try_fails_the_job_with_one_line(ws: Workspace, piece: Path,
+                                                          loopback: Callable[..., OpenAIServer],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTNB_OPENAI_READ_TIMEOUT", "0.3")
+    srv = loopback(retries="1")
+    srv.play(midway("stall", after=2, seconds=30), midway("stall", after=2, seconds=30))
+    job = ws.run(ws.submit("x", piece=piece, model="openai:m"))
+    assert job.status == "failed"
+    assert job.error == "openai:m: gave up after 2 tries; last error stream stalled: no chunk for 0.3 s"
+
+
+def test_a_malformed_chunk_is_a_model_error_in_one_line(ws: Workspace, piece: Path,
+                                                        loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback()
+    srv.play(midway("malformed", after=3))
+    job = ws.run(ws.submit("x", piece=piece, model="openai:m"))
+    assert job.status == "failed"
+    assert job.error.startswith("openai:m: malformed stream chunk: ") and "\n" not in job.error
+    assert len(srv.received) == 1  # not retried
+
+
+@pytest.mark.parametrize("how", ["400", "json"])
+def test_an_endpoint_that_does_not_stream_is_asked_plainly_with_one_warning(
+        tmp_path: Path, piece: Path, how: str, loopback: Callable[..., OpenAIServer],
+        capfd: pytest.CaptureFixture[str]) -> None:
+    srv = loopback(**({"refuses_stream": True} if how == "400" else {"streams": False}))
+    srv.play(*(a() for a in ANSWERS), *(a() for a in ANSWERS))
+    ws = Workspace(tmp_path / "ws")
+    first, second = _run(ws, piece, "openai:m"), _run(ws, piece, "openai:m")
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "does not stream" in line]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"agentnb: warning: openai:m at {srv.base_url} does not stream (")
+    asked_to_stream = [bool(r.body.get("stream")) for r in srv.received]
+    # once, then remembered for the process: the refused request is the only one asked to stream
+    assert asked_to_stream == [True] + [False] * (len(srv.received) - 1)
+    assert len(srv.received) == 2 * len(ANSWERS) + (how == "400")
+    for job in (first, second):
+        assert all(r.ttft_s is None for r in ws.events(job, kinds=["llm_response"]))
+
+
+@pytest.mark.parametrize("switch", ["env", "workspace", "spec"])
+def test_streaming_can_be_turned_off(tmp_path: Path, piece: Path, switch: str, loopback: Callable[..., OpenAIServer],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    srv = loopback()
+    srv.play(*(a() for a in ANSWERS))
+    if switch == "env":
+        monkeypatch.setenv("AGENTNB_STREAM", "0")
+    ws = Workspace(tmp_path / "ws", stream=False if switch == "workspace" else None)
+    _run(ws, piece, "openai:m?stream=0" if switch == "spec" else "openai:m")
+    assert srv.streamed == 0 and not any("stream" in r.body for r in srv.received)
+
+
+def test_a_spec_option_it_does_not_know_is_refused_in_one_line(ws: Workspace, piece: Path,
+                                                               loopback: Callable[..., OpenAIServer]) -> None:
+    loopback()
+    with pytest.raises(ModelSpecError) as caught:
+        ws.submit("x", piece=piece, model="openai:m?streem=0")
+    assert str(caught.value) == "openai:m?streem=0: unknown option 'streem=0'; allowed: stream=0|1, read_timeout=SECONDS"
+    assert not ws.jobs()
+
+
+def test_stop_mid_stream_closes_it_at_once_and_the_resume_asks_again(ws: Workspace, piece: Path,
+                                                                      loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback()
+    srv.play(midway("hold", after=6), *(a() for a in ANSWERS))
+    job = ws.submit("Copy the notes", piece=piece, model="openai:m", inputs={"notes.md": "alpha ✓\n"})
+    runner = threading.Thread(target=ws.run, args=(job,))
+    runner.start()
+    assert srv.holding.wait(30)
+    time.sleep(0.3)  # the client reads the chunks sent before the hold
+    asked = time.monotonic()
+    ws.stop(job)
+    assert srv.disconnected.wait(5)
+    assert srv.disconnects[0] - asked < 0.5  # the server saw the stream closed
+    runner.join(30)
+    assert not runner.is_alive()
+    assert str(ws.job(job.id).status) == "queued"
+    assert ws.store.last_status_reason(job.id) == STOP_REASON
+    assert not ws.events(job, kinds=["llm_response"])  # nothing made from the partial answer
+    (cut,) = ws.events(job, kinds=["error"])
+    assert cut.where == "interrupted" and "stopped mid-answer" in cut.message and "\n" not in cut.message
+    assert cut.usage is not None and cut.usage.source == "estimate" and cut.usage.completion_tokens > 0
+    assert "stopped mid-answer" in ws.job(job.id)._repr_html_()
+
+    done = ws.run(job)  # resumed: the same call asked again
+    assert done.status == "succeeded", done.error
+    assert srv.received[1].body["messages"] == srv.received[0].body["messages"]
+    assert len(ws.events(job, kinds=["llm_response"])) == len(ANSWERS)
+
+
+def test_ctrl_c_mid_stream_closes_it(loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback(chunk_chars=2)
+    srv.play(midway("hold", after=8))
+    seen: list[Delta] = []
+
+    def on_delta(d: Delta) -> None:
+        seen.append(d)
+        if len(seen) == 3:
+            raise KeyboardInterrupt  # as Ctrl-C arrives in the thread reading the stream
+
+    with pytest.raises(KeyboardInterrupt):
+        OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[], on_delta=on_delta))
+    assert srv.disconnected.wait(2)
+
+
+def test_a_stop_set_while_streaming_raises_call_cancelled_with_the_partial_answer(
+        loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback(chunk_chars=3)
+    srv.play(midway("hold", after=5))
+    cancel = threading.Event()
+    threading.Thread(target=lambda: srv.holding.wait(30) and (time.sleep(0.3), cancel.set())).start()
+    with pytest.raises(CallCancelled) as caught:
+        OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[], cancel=cancel))
+    assert caught.value.partial_text and "A long answer".startswith(caught.value.partial_text)
+    assert srv.disconnected.wait(2)
