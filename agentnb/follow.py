@@ -22,7 +22,6 @@ in place of what is still held back, so the printed text is the recorded one.
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time

@@ -326,7 +326,8 @@ def test_run_follow_prints_a_paced_demo_as_it_streams_then_the_jobs_lines(tmp_pa
         "── 1. plan ──", "── 2. implement ──", "── 3. verify ──"]
     assert "  ← Write: Wrote " in out and "  ← Read: # Report … (" in out  # each result in one short line
     # the job's lines as without --follow, after a blank line
-    head, classic = out.split("\n\njob 1: succeeded  piece=plan-implement-verify model=demo?pace=0.01\n")
+    followed, classic = out.split("\n\njob 1: succeeded  piece=plan-implement-verify model=demo?pace=0.01\n")
+    assert followed.startswith("── 1. plan ──\n") and followed.endswith("  ← transition: Transition to COMPLETE recorded.")
     assert "   3. verify" in classic and "work directory:" in classic
     # as it streams: the first text well before the run ends, and the long Write call's arguments over many reads
     assert _when(reads, 1) < ended - 1.0
@@ -345,8 +346,8 @@ def test_run_follow_prints_a_scripted_stream_as_recorded_with_no_secret(tmp_path
             "path": "out.md", "content": f"line one\n{secret}\nkey\n{key}\n"}}], "chunk": chunk},
         {**transition("COMPLETE", "wrote out.md"), "stream": True},
     ])
-    reads, out, _, code = _read_live(tmp_path, "--workspace", "ws", "run", "--follow", "--piece", "single",
-                                     "--model", model, "task", env={"FOLLOW_API_KEY": secret})
+    _, out, _, code = _read_live(tmp_path, "--workspace", "ws", "run", "--follow", "--piece", "single",
+                                 "--model", model, "task", env={"FOLLOW_API_KEY": secret})
     assert code == 0
     assert secret not in out and key not in out and "a1a1a1a1" not in out
     calls = _recorded_calls(tmp_path / "ws")
