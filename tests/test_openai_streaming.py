@@ -21,6 +21,7 @@ from agentnb.events import payload_dict
 from agentnb.models.base import ModelRequest
 from agentnb.models.messages import Delta, UserMessage
 from agentnb.models.openai import OpenAIModel
+from agentnb.store import reads
 from agentnb.store.base import STOP_REASON
 
 PIECE = """
@@ -220,7 +221,7 @@ def test_stop_mid_stream_closes_it_at_once_and_the_resume_asks_again(ws: Workspa
     runner.join(30)
     assert not runner.is_alive()
     assert str(ws.job(job.id).status) == "queued"
-    assert ws.store.last_status_reason(job.id) == STOP_REASON
+    assert reads.last_status_reason(ws.store, job.id) == STOP_REASON
     assert not ws.events(job, kinds=["llm_response"])  # nothing made from the partial answer
     (cut,) = ws.events(job, kinds=["error"])
     assert cut.where == "interrupted" and "stopped mid-answer" in cut.message and "\n" not in cut.message
