@@ -58,6 +58,11 @@ SERVER = textwrap.dedent('''
         return "woke"
 
     @server.tool()
+    def die() -> str:
+        """The server exits in the middle of the call."""
+        os._exit(1)
+
+    @server.tool()
     def whoami() -> str:
         """The server's pid, its folder and its MCP_GREETING."""
         return f"{os.getpid()} {os.getcwd()} {os.environ.get('MCP_GREETING', '-')}"
@@ -91,6 +96,16 @@ def _ctx(tmp_path: Path) -> ToolContext:
     return ToolContext(workdir=work, logs_dir=tmp_path / "logs", budget_tokens=10_000)
 
 
+def _servers_of(server_file: Path) -> list[int]:
+    """The live processes (not zombies) whose command line names ``server_file``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            if proc.name.isdigit() and str(server_file) in (proc / "cmdline").read_text() and _alive(int(proc.name)):
+                found.append(int(proc.name))
+    return found
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` is in the process table as a live process (not gone, not a zombie)."""
     try:
@@ -109,7 +124,7 @@ def test_a_server_lists_its_tools_with_their_schemas_and_its_calls_give_text_str
     ctx = _ctx(tmp_path)
     try:
         tools = {t.name: t for t in session.tools_for(["notes.*"], taken=["Read"])}
-        assert set(tools) == {"echo", "stats", "only_structured", "fail", "slow", "whoami", "write_note"}
+        assert set(tools) == {"echo", "stats", "only_structured", "fail", "slow", "die", "whoami", "write_note"}
         assert tools["echo"].parameters["properties"]["text"]["type"] == "string"
         assert tools["echo"].parameters["required"] == ["text"]
         assert tools["echo"].server == "notes" and tools["echo"].permission == "full"
@@ -132,6 +147,22 @@ def test_a_server_lists_its_tools_with_their_schemas_and_its_calls_give_text_str
         assert tools["echo"].invoke(ctx, {"text": "again"}).content == "echo: again"
     finally:
         session.close()
+
+
+def test_a_server_that_dies_during_a_call_is_a_tool_error_and_is_started_again_for_the_next(
+        tmp_path: Path, server_file: Path) -> None:
+    session = McpSession({"notes": _spec(server_file, timeout=10)}, tmp_path, tmp_path / "logs")
+    ctx = _ctx(tmp_path)
+    try:
+        tools = {t.name: t for t in session.tools_for(["notes.die", "notes.whoami"], taken=[])}
+        first = int(tools["whoami"].invoke(ctx, {}).content.split()[0])
+        out = tools["die"].invoke(ctx, {})
+        assert out.is_error and "MCP server 'notes'" in out.content and "\n" not in out.content
+        second = int(tools["whoami"].invoke(ctx, {}).content.split()[0])
+        assert second != first and not _alive(first)
+    finally:
+        session.close()
+    assert not _alive(second)
 
 
 def test_a_name_that_clashes_is_prefixed_with_the_server_and_the_allow_list_limits_the_tools(
@@ -394,11 +425,15 @@ def test_a_worker_killed_during_a_call_with_effects_never_runs_it_again(
         if first.poll() is None:
             first.kill()
             first.wait()
-        # the killed worker's server: not yet stopped for a SIGKILLed worker (docs/tools.md#mcp-tools, "Not yet")
-        for proc in Path("/proc").iterdir():
-            with contextlib.suppress(OSError, ValueError):
-                if str(server_file) in (proc / "cmdline").read_text():
-                    os.kill(int(proc.name), signal.SIGKILL)
+    # the killed worker's server went down with it (its guard got the kernel's parent-death signal)
+    deadline = time.monotonic() + 10
+    while _servers_of(server_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _servers_of(server_file)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"MCP server processes {left} outlived their SIGKILLed worker"
     second = subprocess.run([sys.executable, "-c", code, str(ws.root), str(job.id)], capture_output=True,
                             text=True, timeout=120)
     assert second.stdout.strip() == "succeeded", second.stderr[-3000:]

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -172,10 +173,13 @@ class McpSession:
         from mcp.client.stdio import stdio_client
 
         stop = holder["stop"] = asyncio.Event()
-        params = StdioServerParameters(command=server.command, args=list(server.args), env=env, cwd=cwd)
+        # through the guard (_mcp_guard.py), which takes the server's process group down when this worker dies
+        guard = [str(Path(__file__).with_name("_mcp_guard.py")), server.command, *server.args]
+        params = StdioServerParameters(command=sys.executable, args=["-I", "-S", *guard], cwd=cwd,
+                                       env={**env, "AGENTNB_MCP_PARENT": str(os.getpid())})
         try:
             with open(self._stderr_path(server.name), "a", encoding="utf-8") as errlog:
-                # the SDK starts the server in its own session (process group) and kills the group at the exit
+                # the SDK starts it in its own session (process group) and kills the group when the session ends
                 transport: Any = stdio_client(params, errlog=errlog)
                 async with Client(transport, read_timeout_seconds=server.timeout) as client:
                     ready.set_result(client)
@@ -185,6 +189,15 @@ class McpSession:
                 ready.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
             if not isinstance(exc, Exception):
                 raise
+
+    def _drop(self, name: str) -> None:
+        """Stop server ``name`` (whatever state it is in); the next use starts it again."""
+        with self._lock:
+            running = self._running.pop(name, None)
+        if running is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(running.stop.set)
+            with contextlib.suppress(Exception):
+                running.done.result(timeout=10)
 
     def close(self) -> None:
         """Stop every running server and wait for its process group to be gone."""
@@ -266,7 +279,9 @@ class McpSession:
         except Exception as exc:
             if "timed out" in str(exc).lower() or isinstance(exc, TimeoutError):
                 return _timed_out(server, tool, spec.timeout)
-            return ToolOutput(f"Error: MCP server {server!r} failed on {tool}: {_describe(exc)}", is_error=True)
+            self._drop(server)  # the connection may be gone (the server died): the next call starts it again
+            return ToolOutput(f"Error: MCP server {server!r} failed on {tool}: {_describe(exc)}"
+                              f"{self._stderr_tail(server, 2)}", is_error=True)
         return _output(result, ctx)
 
 
