@@ -299,7 +299,9 @@ def _held_workers_jobs(tmp_path: Path, submitter: Any, store: str | None, server
     ws = submitter(store)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OPENAI_API_KEY", "test-key")  # refused at submit without a key
-        job_ids = [ws.submit(f"job {k}", piece="single", model="openai:test-model").id for k in range(n)]
+        # plain calls: a SIGTERM cuts a streamed call off at once, asked again on resume (test_openai_streaming.py);
+        # the grace is for the calls that cannot be cut
+        job_ids = [ws.submit(f"job {k}", piece="single", model="openai:test-model?stream=0").id for k in range(n)]
     proc = _worker(tmp_path / "scratch", ws.store_url or f"sqlite:///{ws.root}", "--concurrency", str(n), *args,
                    OPENAI_BASE_URL=server.base_url, OPENAI_API_KEY="test-key", AGENTNB_OPENAI_TIMEOUT="300")
     _until(lambda: len(server.received) == n, proc)
