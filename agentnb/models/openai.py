@@ -306,9 +306,10 @@ class OpenAIModel:
         http_errors = _http_module()
         done = False
         try:
-            # the raw body unless it is compressed: iter_bytes adds a decoder and a re-chunker to every read
+            # the transport's own byte stream unless the body is compressed: iter_bytes and iter_raw add a
+            # re-chunker and two generators to every read
             encoded = http.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
-            for data in sse_data(_touching(http.iter_bytes() if encoded else http.iter_raw(), watch)):
+            for data in sse_data(_touching(http.iter_bytes() if encoded else http.stream, watch)):
                 if done:
                     continue  # after [DONE]: read on to the body's end only, so the connection can be kept
                 if data[:6] == b"[DONE]":
