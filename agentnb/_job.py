@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .engine.pieces import Piece
     from .events import Event
     from .store.base import Store
+    from .store.records import JobRecord
 
 __all__ = ["Job", "JobHost", "JobRef", "JobStatus"]
 
@@ -62,14 +63,15 @@ class Job:
     _shown_live: bool = field(default=False, repr=False)
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any], ws: JobHost | None = None) -> Job:
-        workdir = Path(row["workdir"]) if ws is None else local_workdir(ws.root, row, ws.store.keeps_files)
-        return cls(id=int(row["id"]), parent_id=row["parent_id"], piece=row["piece"], model=row["model"],
-                   instruction=row["instruction"], workdir=workdir, created=row["created"], workspace=ws,
-                   batch=row.get("batch"), case=row.get("batch_case"), variant=row.get("batch_variant"),
-                   forked_from=((int(row["forked_from_job"]), int(row["forked_from_seq"]))
-                                if row.get("forked_from_job") is not None else None),
-                   _row={k: row[k] for k in _CHANGING})
+    def from_row(cls, row: JobRecord, ws: JobHost | None = None) -> Job:
+        """The Job of a job's record (``Store.job``)."""
+        workdir = Path(row.workdir) if ws is None else local_workdir(ws.root, row, ws.store.keeps_files)
+        return cls(id=row.id, parent_id=row.parent_id, piece=row.piece, model=row.model,
+                   instruction=row.instruction, workdir=workdir, created=row.created, workspace=ws,
+                   batch=row.batch, case=row.batch_case, variant=row.batch_variant, forked_from=row.forked_from,
+                   _row={"status": row.status.value, "current_movement": row.current_movement,
+                         "resume_movement": row.resume_movement, "movement_seq": row.movement_seq,
+                         "error": row.error, "updated": row.updated, "started": row.started, "ended": row.ended})
 
     def _get(self, name: str) -> Any:
         if self._live and self.workspace is not None:

@@ -384,15 +384,15 @@ class Batch:
     @property
     def jobs(self) -> list[Any]:
         """The batch's jobs, by case and then variant."""
-        rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: (r["batch_case"], r["batch_variant"]))
-        return [self.ws.job(int(r["id"])) for r in rows]
+        rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: (r.batch_case or 0, r.batch_variant or 0))
+        return [self.ws.job(r.id) for r in rows]
 
     def counts(self) -> dict[str, int]:
         """How many jobs the batch has (``jobs``) and how many are in each status."""
         rows = self.ws.store.jobs(batch=self.name)
         out = {s: 0 for s in JOB_STATES}
         for r in rows:
-            out[r["status"]] = out.get(r["status"], 0) + 1
+            out[r.status.value] = out.get(r.status.value, 0) + 1
         out["jobs"] = len(rows)
         return out
 
@@ -400,8 +400,8 @@ class Batch:
     def pending(self) -> list[int]:
         """Ids of the jobs a run would start or resume: queued ones (new, paused, interrupted) and running
         ones whose process is gone; jobs waiting for their subtasks are included (their children run)."""
-        rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: (r["batch_case"], r["batch_variant"]))
-        return [int(r["id"]) for r in rows if r["status"] in _PENDING]
+        rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: (r.batch_case or 0, r.batch_variant or 0))
+        return [r.id for r in rows if r.status in _PENDING]
 
     def run(self, *, concurrency: int = DEFAULT_CONCURRENCY, scorers: Mapping[str, Scorer] | None = None,
             progress: bool = True, resume: str | None = None) -> Batch:

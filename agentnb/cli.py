@@ -30,6 +30,7 @@ from .executor import GRACE, check_poll, check_slots
 from .interrupts import Terminated, sigterm_interrupts
 from .store import BACKEND_ERRORS, describe_error, reads
 from .store.base import JobStatus
+from .store.reads import total_tokens
 from .store.records import MovementRecord
 from .views.timeline import MovementRun, fold
 
@@ -131,7 +132,7 @@ def _print_job(ws: Workspace, job: Job) -> None:
     reserved = tl.reserved_runs() if job.forked_from else {}
     for mv in reads.movements(ws.store, job.id):
         print(_run_line(mv, tl.run(mv.seq), reserved.get(mv.seq)))
-    print(f"  tokens: {ws.store.total_tokens(job.id):,}")
+    print(f"  tokens: {total_tokens(ws.store, job.id):,}")
     if job.error:
         print(f"  error: {job.error}")
     if job.status == JobStatus.waiting_human:
@@ -153,6 +154,19 @@ def _print_job(ws: Workspace, job: Job) -> None:
     print(f"  work directory: {job.workdir}")
 
 
+def _following(args: argparse.Namespace, ws: Workspace, job: Job) -> contextlib.AbstractContextManager[object]:
+    """What the run prints as it goes (docs/cli.md#following-a-run): with ``--follow``, or by default when stdout
+    is a terminal (a person watches it; a pipe or a file gets only the job's lines, as a script expects)."""
+    follow = getattr(args, "follow", None)
+    tty = sys.stdout.isatty()
+    if not (tty if follow is None else follow):
+        return contextlib.nullcontext()
+    from .follow import Follower
+
+    style = tty and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+    return Follower(ws.execution, sys.stdout, job_id=job.id, style=style)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     context = context_items(args.context) if args.context else None  # refused before the store is opened
     ws = _workspace(args)
@@ -170,7 +184,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.detach:
         print(job.id)
         return 0
-    job = ws.run(job)
+    with _following(args, ws, job):
+        job = ws.run(job)
     _print_job(ws, job)
     return 0 if job.status in (JobStatus.succeeded, JobStatus.waiting_human, JobStatus.waiting_subtasks) else 1
 
@@ -190,13 +205,17 @@ def cmd_fork(args: argparse.Namespace) -> int:
         _print_job(ws, job)
         print(f"  run it with: agentnb worker (or %agent run --job {job.id} in a notebook)")
         return 0
-    return _ran(ws, ws.run(job))
+    with _following(args, ws, job):
+        job = ws.run(job)
+    return _ran(ws, job)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
     ws = _workspace(args)
     job = ws.replay(args.job, piece=args.piece, run=False)
-    return _ran(ws, ws.run(job))
+    with _following(args, ws, job):
+        job = ws.run(job)
+    return _ran(ws, job)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -254,21 +273,23 @@ def cmd_reply(args: argparse.Namespace) -> int:
     ws = _workspace(args)
     job = ws.reply(args.job, " ".join(args.text))
     if args.run and job.status == JobStatus.queued:
-        job = _run_up(ws, job)
+        job = _run_up(args, ws, job)
     _print_job(ws, job)
     return 0
 
 
-def _run_up(ws: Workspace, job: Job) -> Job:
+def _run_up(args: argparse.Namespace, ws: Workspace, job: Job) -> Job:
     """Run ``job``; when it was a subtask whose parent it was the last one to wait for, go on with the
     parent (and so on up).  Returns the last job run."""
-    job = ws.run(job)
+    with _following(args, ws, job):
+        job = ws.run(job)
     while job.parent_id is not None:
         parent = ws.job(job.parent_id)
         if parent.status != JobStatus.queued:
             break
         _print_job(ws, job)
-        job = ws.run(parent)
+        with _following(args, ws, parent):
+            job = ws.run(parent)
     return job
 
 
@@ -279,7 +300,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
         _print_job(ws, job)
         print(f"  run it with: agentnb retry {job.id} --run (or let a worker take it: agentnb worker)")
         return 0
-    job = _run_up(ws, job)
+    job = _run_up(args, ws, job)
     _print_job(ws, job)
     return 0 if job.status in (JobStatus.succeeded, JobStatus.waiting_human, JobStatus.waiting_subtasks) else 1
 
@@ -470,6 +491,12 @@ def _retry_options(p: argparse.ArgumentParser) -> None:
                    help="openai: the longest wait between two tries (default: $AGENTNB_OPENAI_MAX_BACKOFF, else 60)")
 
 
+def _follow_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--follow", action=argparse.BooleanOptionalAction, default=None,
+                   help="print each movement run's streamed text, tool calls and results as they come "
+                        "(default: on when stdout is a terminal)")
+
+
 def _context_option(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--context", action="append", metavar="KEY=VALUE",
                    help=f"{what} (repeatable), as submit's context=: on_pressure=compact, "
@@ -498,6 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", action="append", metavar="FILE", help="copy FILE into the job's input/ (repeatable)")
     p.add_argument("--workdir", help="use an existing directory as the work directory")
     p.add_argument("--detach", action="store_true", help="only queue the job (a worker runs it); print its id")
+    _follow_option(p)
     _context_option(p, "a context setting of the job")
     _retry_options(p)
     p.add_argument("instruction", nargs="*", help="the task")
@@ -531,10 +559,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text", nargs="+")
     p.add_argument("--run", action="store_true",
                    help="run the job again right away (and its parent, when it was the last subtask it waited for)")
+    _follow_option(p)
 
     p = add("retry", cmd_retry, "queue a failed or aborted job again; it goes on from its last complete call")
     p.add_argument("job", type=int)
     p.add_argument("--run", action="store_true", help="run it right away (and its parent, when it waits for it)")
+    _follow_option(p)
     _retry_options(p)
 
     p = add("fork", cmd_fork, "a new job: runs 1…SEQ-1 of JOB re-served from its record (no tokens), SEQ on run live")
@@ -545,11 +575,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model spec from SEQ on (default: the job's)")
     p.add_argument("--strict", action="store_true", help="a re-run tool whose result differs fails the fork")
     p.add_argument("--no-run", action="store_true", help="only create the fork, queued (a worker runs it)")
+    _follow_option(p)
     _context_option(p, "a context setting from SEQ on, merged over the job's")
 
     p = add("replay", cmd_replay, "a new job on replay:JOB: every response re-served, every tool run again")
     p.add_argument("job", type=int, help="the job to replay (it must have stopped)")
     p.add_argument("--piece", help="piece name or YAML path (default: the job's)")
+    _follow_option(p)
 
     p = add("export", cmd_export, "export a job as a notebook")
     p.add_argument("job", type=int)

@@ -235,7 +235,7 @@ class Comparison:
     def _output_tree(self, job_id: int) -> dict[str, _Entry]:
         store = self._source.store
         if not store.keeps_files:
-            return _tree(Path(store.job(job_id)["workdir"]))
+            return _tree(Path(store.job(job_id).workdir))
         # where files live in the store (docs/stores.md#files) the job may have run on another machine: its output/ as the
         # store holds it, copied aside (_tree keeps what it compares in memory)
         import tempfile
@@ -249,9 +249,9 @@ class Comparison:
         """How the two jobs are related, when one was made from the other: a fork (at which run) or a replay."""
         for child, parent in ((self.b, self.a), (self.a, self.b)):
             row = self._source.store.job(child)
-            if row.get("forked_from_job") is not None and int(row["forked_from_job"]) == parent:
-                return ForkNote(child=child, parent=parent, at=int(row["forked_from_seq"]))
-            if str(row.get("model")) == f"replay:{parent}":
+            if row.forked_from is not None and row.forked_from[0] == parent:
+                return ForkNote(child=child, parent=parent, at=row.forked_from[1])
+            if row.model == f"replay:{parent}":
                 return ForkNote(child=child, parent=parent, at=None)
         return None
 

@@ -43,13 +43,13 @@ from .store.base import (
     STOP_REASON,
     TERMINAL_STATES,
     UNREACHABLE_REASON,
-    JobOptions,
     JobStatus,
     LeaseLost,
     Store,
     StoreUnreachable,
     owned_by_this_process,
 )
+from .store.records import JobRecord
 
 __all__ = ["Execution"]
 # the statuses of a job whose run has not ended, for a stop to reach its subtasks
@@ -80,17 +80,17 @@ class Execution:
         self._stops: dict[int, threading.Event] = {}
 
     # -- claims --------------------------------------------------------------------------------------------
-    def claim(self, job_id: int) -> dict[str, Any] | None:
+    def claim(self, job_id: int) -> JobRecord | None:
         """Claim job ``job_id``: its row, or None when it is not queued; a :class:`StoreError` when another
         process (or thread) runs it, or when there is no such job."""
         row = self.store.claim(job_id)
         if row is None:
             current = self.store.job(job_id)
-            if current["status"] == JobStatus.running:
-                raise StoreError(f"job {job_id} is already running ({current['claimed_by']})")
+            if current.status == JobStatus.running:
+                raise StoreError(f"job {job_id} is already running ({current.claimed_by})")
         return row
 
-    def claim_next(self) -> dict[str, Any] | None:
+    def claim_next(self) -> JobRecord | None:
         """Claim the oldest queued job (recovering expired leases first): its row, or None when none is queued."""
         return self.store.claim()
 
@@ -116,9 +116,9 @@ class Execution:
             if stop is not None and stop.is_set():
                 break  # the parent was stopped: start no further subtask
             # a child waiting for its own subtasks may have grandchildren that are ready to run
-            if self.status(int(child["id"])) in (JobStatus.queued, JobStatus.waiting_subtasks):
+            if self.status(child.id) in (JobStatus.queued, JobStatus.waiting_subtasks):
                 try:
-                    self.run(int(child["id"]))
+                    self.run(child.id)
                 except StoreError:
                     continue  # claimed by another worker meanwhile
         return self.status(job_id) == JobStatus.queued
@@ -137,7 +137,7 @@ class Execution:
         return str(row["status"])
 
     # -- one claimed run -----------------------------------------------------------------------------------
-    def run_claimed(self, row: dict[str, Any], unit: str) -> str:
+    def run_claimed(self, row: JobRecord, unit: str) -> str:
         """Run the job this process just claimed (``row``, from a claim) by ``unit``, holding its lease
         meanwhile; its status then.
 
@@ -146,7 +146,7 @@ class Execution:
         LLM or tool call, whichever comes first: nothing more is run or written for it, it is not marked failed,
         and the caller goes on.
         """
-        job_id = int(row["id"])
+        job_id = row.id
         try:
             with holding(self.store, row, self.lease) as held:
                 try:
@@ -159,8 +159,8 @@ class Execution:
             print(f"job {job_id}: lease lost to another worker; stopping", file=sys.stderr, flush=True)
             return self.status(job_id)
 
-    def _run_leased(self, row: dict[str, Any], unit: str, lease: Callable[[], None]) -> str:
-        job_id = int(row["id"])
+    def _run_leased(self, row: JobRecord, unit: str, lease: Callable[[], None]) -> str:
+        job_id = row.id
         if self.store.keeps_files:  # it may have run elsewhere: its files as of its last movement end
             try:
                 prepare_workdir(self.root, job_id, None)
@@ -207,53 +207,53 @@ class Execution:
             self._file_caches.pop(job_id, None)  # a retry starts from a fresh claim
         return self.status(job_id)
 
-    def _runner(self, row: Mapping[str, Any]) -> JobRunner:
+    def _runner(self, row: JobRecord) -> JobRunner:
         """The job's runner: the one kept from its last claim here while the job is as it left it, else a new one."""
-        job_id = int(row["id"])
+        job_id = row.id
         mark = reads.runner_mark(self.store, job_id)
         cached = self._runners.get(job_id)
         if cached is not None and cached[1] == mark:
             return cached[0]
-        opts = JobOptions.from_json(row.get("options"))
+        opts = row.options
         mine = {"retries": opts.retries, "max_backoff": opts.max_backoff}
         settings = {**self.model_settings, **{k: v for k, v in mine.items() if v is not None}}
-        model = resolve_model(row["model"], store=self.store, **settings)
-        runner = JobRunner(self.store, dict(row), model, self.root / "jobs", files_limit=self.files_limit,
+        model = resolve_model(row.model, store=self.store, **settings)
+        runner = JobRunner(self.store, row, model, self.root / "jobs", files_limit=self.files_limit,
                            file_cache=self._file_caches.setdefault(job_id, FileCache()) if self.store.keeps_files else None,
                            options=opts)
         self._runners[job_id] = (runner, mark)
         return runner
 
-    def _keep(self, row: Mapping[str, Any], runner: JobRunner) -> None:
+    def _keep(self, row: JobRecord, runner: JobRunner) -> None:
         # Kept for the next claim in this process only while the job is still as this runner left it: the mark
         # (the last movement event, the open movement — a retry reopens a failed one without writing a movement
         # event — and the options, which a retry may change) is read before the claim generation, so an unchanged
         # generation means no other claimer (a slot here, which re-claimed a parent whose subtasks ended
         # meanwhile, or another process) wrote after it, and a stale runner never goes in under a newer mark.
-        job_id = int(row["id"])
+        job_id = row.id
         with self._lock:
             mark = reads.runner_mark(self.store, job_id)
-            if self.store.job(job_id).get("lease_gen") == row.get("lease_gen"):
+            if self.store.job(job_id).lease_gen == row.lease_gen:
                 self._runners[job_id] = (runner, mark)
 
-    def _activate(self, row: dict[str, Any], runner: JobRunner) -> None:
+    def _activate(self, row: JobRecord, runner: JobRunner) -> None:
         """Build the enriched instruction once per activation (first start, or after a wait)."""
-        if row.get("enriched"):
+        if row.enriched:
             return
         enriched = activation_instruction(self.store, row, language=runner.piece.language,
                                           clock=self._recorded_clock(row), workdir=runner.workdir)
         with self.store.transaction() as c:
-            self.store.update_job(c, int(row["id"]), enriched=enriched)
+            self.store.update_job(c, row.id, enriched=enriched)
 
-    def _recorded_clock(self, row: Mapping[str, Any]) -> str | None:
+    def _recorded_clock(self, row: JobRecord) -> str | None:
         """The date and time a replay, or a fork up to its fork point, puts in its prompts: its original's
         for the movement run about to start, so that those prompts are the original's (docs/fork-compare.md)."""
-        seq = int(row.get("movement_seq") or 0) + 1
+        seq = row.movement_seq + 1
         source: int | None = None
-        if row.get("forked_from_job") and seq <= int(row.get("forked_from_seq") or 0):
-            source = int(row["forked_from_job"])
-        elif str(row.get("model") or "").startswith("replay:") and str(row["model"])[7:].isdigit():
-            source = int(str(row["model"])[7:])
+        if row.forked_from_job and seq <= (row.forked_from_seq or 0):
+            source = row.forked_from_job
+        elif row.model.startswith("replay:") and row.model[7:].isdigit():
+            source = int(row.model[7:])
         if source is None:
             return None
         try:
@@ -267,7 +267,7 @@ class Execution:
     def _release(self, job_id: int, reason: str) -> None:
         """Give a job this process was running back to the queue, resumable from its events."""
         with self.store.transaction() as c:
-            if self.store.job(job_id)["status"] == JobStatus.running:
+            if self.store.job(job_id).status == JobStatus.running:
                 self.store.set_status(c, job_id, JobStatus.queued, reason=reason)
 
     def _cut_off(self, job_id: int) -> None:
@@ -293,7 +293,7 @@ class Execution:
         True when it was given back."""
         with self.store.transaction() as c:
             row = self.store.job(job_id)
-            if row["status"] == JobStatus.running and owned_by_this_process(row["claimed_by"]):
+            if row.status == JobStatus.running and owned_by_this_process(row.claimed_by):
                 self.store.set_status(c, job_id, JobStatus.queued, reason=INTERRUPTED_REASON)
                 return True
         return False
@@ -309,7 +309,7 @@ class Execution:
             asked.append(current)
             with self._lock:
                 self._stops.setdefault(current, threading.Event()).set()
-            pending.extend(int(r["id"]) for r in self.store.jobs(parent_id=current) if r["status"] in _ACTIVE)
+            pending.extend(r.id for r in self.store.jobs(parent_id=current) if r.status in _ACTIVE)
         return asked
 
     def forget(self, job_id: int) -> None:

@@ -35,6 +35,7 @@ from .errors import StoreError, UsageError
 from .interrupts import sigterm_interrupts
 from .progress import BatchProgress, Outcome
 from .store.base import JobStatus, Store, StoreUnreachable
+from .store.records import JobRecord
 from .views.timeline import fold
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class _Tally:
     def usage(self, job_id: int) -> tuple[int, float | None]:
         row = self.store.job(job_id)
         totals = fold(self.store.events(job_id, kinds=["llm_response"]), runs=False).totals
-        cost = totals.cost_usd(str(row["model"]))
+        cost = totals.cost_usd(row.model)
         return totals.total_tokens, None if cost is None else float(cost)
 
     def ended(self, job_id: int) -> None:
@@ -138,7 +139,7 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
                 job = ws.run(job_id)
             except StoreError:
                 row = ws.store.job(job_id)
-                if row["status"] != JobStatus.running:
+                if row.status != JobStatus.running:
                     raise
                 with lock:  # another process runs it: not ours to run, and not a reason to stop the rest
                     report.skipped.append(job_id)
@@ -409,7 +410,7 @@ def run_queue(execution: Execution, *, concurrency: int, forever: bool = False, 
     outage = Backoff(wait_s)
     all_done = threading.Event()
 
-    def take() -> dict[str, Any] | None:
+    def take() -> JobRecord | None:
         """The next job for this slot (claimed, under ``cond``), or None when the slot should end."""
         with cond:
             while True:
@@ -427,7 +428,7 @@ def run_queue(execution: Execution, *, concurrency: int, forever: bool = False, 
                     outage.over()
                     if row is not None:
                         state["started"] += 1
-                        active.add(int(row["id"]))
+                        active.add(row.id)
                         return row
                     state["empty_gen"] = seen
                 if not forever and not active:
@@ -451,7 +452,7 @@ def run_queue(execution: Execution, *, concurrency: int, forever: bool = False, 
                     return
                 if row is None:
                     return
-                job_id = int(row["id"])
+                job_id = row.id
                 try:
                     status = execution.run_claimed(row, unit="job")
                     with cond:

@@ -20,7 +20,7 @@ from .engine.pieces import Piece, load_piece
 from .engine.runner import stored_piece
 from .errors import PieceError, UsageError
 from .store import reads
-from .store.base import JobOptions, JobStatus
+from .store.base import JobStatus
 
 if TYPE_CHECKING:
     from .store.base import Store
@@ -50,7 +50,7 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
     """Check a fork of job ``job_id`` at movement run ``at``; a :class:`UsageError` (or ``PieceError``) in one
     line naming what is wrong and what is allowed."""
     row = store.job(job_id)  # StoreError "no job …"
-    status = row["status"]
+    status = row.status
     if status == JobStatus.running:
         raise UsageError(f"job {job_id} is running; a fork needs a job that has stopped: wait for it to end, or "
                          f"pause it (ws.stop({job_id}), the Stop button) and fork the paused job")
@@ -73,14 +73,14 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
     # run `at` starts the movement the original's run `at` started (or, paused before it, would start), at
     # every position: at 1 too, where another piece's own initial movement would otherwise run unnoticed
     start = (runs[at - 1].name if at <= len(runs)
-             else row["current_movement"] or stored_piece(row).initial_movement)
+             else row.current_movement or stored_piece(row).initial_movement)
     if start not in p.run_names:  # a loop monitor's judge may be forked at too (docs/context.md#loop-monitors)
         raise PieceError(f"the fork starts run {at} with movement {start!r}, as job {job_id} did, but the piece "
                          f"has no such movement; movements: {', '.join(p.run_names)}", file=p.source, field="movements")
-    spec = row["model"] if model is None else model
+    spec = row.model if model is None else model
     if not isinstance(spec, str):
         raise UsageError(f"model={spec!r}; allowed: a model spec such as 'demo', 'scripted:PATH', 'openai:NAME'")
-    options = JobOptions.from_json(row.get("options")).without(STRICT_OPTION)
+    options = row.options.without(STRICT_OPTION)
     if context is not None:  # the fork's own context settings, from its fork point on (merged over the original's)
         from .engine.context import check_context_options
 
@@ -97,8 +97,8 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
     # where files live in the store (PostgreSQL), the original's input/ is read there: its work directory may
     # be on another machine
     inputs: dict[str, bytes | os.PathLike[str]] = (
-        dict(stored_inputs(store, job_id)) if store.keeps_files else dict(_inputs(Path(row["workdir"]) / "input")))
-    return ForkPlan(job_id=job_id, at=at, instruction=row["instruction"], piece=p, model=spec,
+        dict(stored_inputs(store, job_id)) if store.keeps_files else dict(_inputs(Path(row.workdir) / "input")))
+    return ForkPlan(job_id=job_id, at=at, instruction=row.instruction, piece=p, model=spec,
                     inputs=inputs, options=options.to_dict(),
                     first=start if at == 1 and start != p.initial_movement else None)
 

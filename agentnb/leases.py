@@ -29,13 +29,14 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import StoreError, UsageError
 from .store.base import DEFAULT_LEASE, LeaseLost, Store
+from .store.records import JobRecord
 
 __all__ = ["DEFAULT_LEASE", "Held", "check_lease", "holding", "lease_setting"]
 
@@ -239,15 +240,10 @@ def _add(held: Held) -> _Renewer:
 
 
 @contextmanager
-def holding(store: Store, row: Mapping[str, Any], seconds: float | None = None) -> Iterator[Held]:
-    """Hold the lease of the claimed job ``row`` while inside: renewed in the background, and every write
-    transaction of this thread fenced by its generation."""
-    job_id = int(row["id"])
-    gen = row.get("lease_gen")
-    if gen is None:  # a row from before the claim: the generation the claim gave it
-        cols = store.job_columns(job_id, ["lease_gen"])
-        gen = cols["lease_gen"] if cols else 0
-    held = Held(store=store, job_id=job_id, gen=int(gen or 0),
+def holding(store: Store, row: JobRecord, seconds: float | None = None) -> Iterator[Held]:
+    """Hold the lease of the claimed job ``row`` (the record its claim returned) while inside: renewed in the
+    background, and every write transaction of this thread fenced by its generation."""
+    held = Held(store=store, job_id=row.id, gen=row.lease_gen,
                 seconds=float(store.lease if seconds is None else seconds))
     renewer = _add(held)
     try:

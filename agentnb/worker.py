@@ -57,10 +57,10 @@ class Worker(Generic[JobT]):
                 return None
             try:
                 self.ws.execution.run_claimed(row, unit="job")
-                return self.ws.job(int(row["id"]))
+                return self.ws.job(row.id)
             finally:
                 # listed even when a SIGTERM lands between the job's last commit and here (as run_queue does)
-                self.ran.append(int(row["id"]))
+                self.ran.append(row.id)
 
     def run(self, *, forever: bool = False, poll: float | None = None, max_jobs: int | None = None,
             concurrency: int = 1, grace: float = GRACE) -> int:

@@ -32,7 +32,7 @@ from .leases import lease_setting
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
 from .store import STORE_SCHEMES, Store, StoreError, open_store, reads, store_scheme
-from .store.base import MAX_INSTRUCTION_CHARS, TERMINAL_STATES, JobOptions, can_name_a_job
+from .store.base import MAX_INSTRUCTION_CHARS, can_name_a_job
 from .submission import Submitter
 from .worker import Worker
 
@@ -224,16 +224,16 @@ class Workspace:
         job_id = self._id(job)
         with self.store.transaction() as c:
             row = self.store.job(job_id)  # StoreError "no job …" when there is none
-            if row["status"] in TERMINAL_STATES:
-                then = ("submit a new job" if row["status"] == JobStatus.succeeded
+            if row.status.terminal:
+                then = ("submit a new job" if row.status == JobStatus.succeeded
                         else "retry it or submit a new job")
-                raise StoreError(f"job {job_id} has ended ({row['status']}), so a reply would never be read; "
+                raise StoreError(f"job {job_id} has ended ({row.status}), so a reply would never be read; "
                                  f"to go on, {then}")
             self.store.add_comment(c, job_id, "user", text)
-            if row["status"] == JobStatus.waiting_human:
+            if row.status == JobStatus.waiting_human:
                 self.store.set_status(
                     c, job_id, JobStatus.queued, reason="the user replied",
-                    current_movement=row["resume_movement"] or row["current_movement"], resume_movement=None,
+                    current_movement=row.resume_movement or row.current_movement, resume_movement=None,
                     enriched=None,
                 )
         return self.job(job_id)
@@ -252,15 +252,14 @@ class Workspace:
         settings = check_retry_settings(retries, max_backoff)
         with self.store.transaction() as c:
             row = self.store.job(job_id)  # StoreError "no job …" when there is none
-            status = row["status"]
+            status = row.status
             if status not in (JobStatus.failed, JobStatus.aborted):
                 raise StoreError(f"job {job_id} is {status}; only a failed or aborted job can be retried")
             if status == JobStatus.failed:
                 self.store.reopen_failed_movement(c, job_id)
             values: dict[str, Any] = {"error": None, "ended": None, "enriched": None}
             if settings:
-                values["options"] = json.dumps(JobOptions.from_json(row["options"]).updated(**settings).to_dict(),
-                                               ensure_ascii=False)
+                values["options"] = json.dumps(row.options.updated(**settings).to_dict(), ensure_ascii=False)
             self.store.set_status(c, job_id, JobStatus.queued, reason="retried", **values)
         self.execution.forget(job_id)
         return self.job(job_id)

@@ -149,7 +149,7 @@ def _run(store: str, folder: Path, server: OpenAIServer, *, workers: int, concur
     server_cores = None if server_before is None or server_after is None else (server_after - server_before) / wall
     waiters, rows_waiting, active = sampler.stop() if sampler is not None else (None, None, None)
     rows = [ws.store.job(j) for j in ids]
-    statuses = Counter(r["status"] for r in rows)
+    statuses = Counter(r.status.value for r in rows)
     if statuses != {"succeeded": jobs}:
         raise SystemExit(f"not every job succeeded: {dict(statuses)}")
     claims = Counter(ev.job_id for j in ids for ev in ws.events(j, kinds=["job_status"])
@@ -157,7 +157,7 @@ def _run(store: str, folder: Path, server: OpenAIServer, *, workers: int, concur
     if set(claims.values()) != {1}:
         raise SystemExit("a job was claimed more than once")
     calls = sum(len(ws.events(j, kinds=["llm_response"])) for j in ids)
-    span = max(float(r["ended"]) for r in rows) - min(float(r["started"]) for r in rows)
+    span = max(float(r.ended) for r in rows) - min(float(r.started) for r in rows)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime) - workers * startup
     ws.store.close()
     return Run(backend, workers, concurrency, server.latency, jobs, calls, span, wall, cpu, waiters, active,

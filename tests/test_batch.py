@@ -155,7 +155,7 @@ def test_listed_batches_carry_their_job_counts_and_give_the_old_rows(ws: Workspa
         columns, rows = ws.store.rows("SELECT * FROM batches WHERE name = ?", (r.name,))
         jobs = ws.store.jobs(batch=r.name)
         old = {**dict(zip(columns, rows[0], strict=True)), "jobs": len(jobs),
-               **{f"n_{s}": sum(j["status"] == s for j in jobs) for s in JOB_STATES}}
+               **{f"n_{s}": sum(j.status == s for j in jobs) for s in JOB_STATES}}
         assert r.to_dict() == old and list(r.to_dict()) == list(old)
         # the same record as read by name, apart from the counts
         assert dataclasses.replace(r, jobs=None, counts=None) == reads.batch(ws.store, r.name)
@@ -746,7 +746,7 @@ def test_processes_creating_the_same_batch_at_once_make_one_batch(tmp_path: Path
         assert [b.name for b in reads.batches(ws.store)] == ["exp"]
         jobs = ws.store.jobs(batch="exp")
         assert len(jobs) == 12
-        assert sorted(Counter((j["batch_case"], j["piece"]) for j in jobs).values()) == [1] * 12
-        assert {j["piece"] for j in jobs} == {"single", "plan-implement-verify"}
+        assert sorted(Counter((j.batch_case, j.piece) for j in jobs).values()) == [1] * 12
+        assert {j.piece for j in jobs} == {"single", "plan-implement-verify"}
     finally:
         ws.store.close()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import sqlite3
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _scripting import transition, write_piece, write_script
@@ -243,3 +246,185 @@ def test_run_on_openai_without_a_key_is_refused_at_submit(tmp_path: Path) -> Non
     assert not (tmp_path / "ws" / "jobs" / "1").exists()
     if (tmp_path / "ws" / "agentnb.sqlite").exists():
         assert _db(tmp_path / "ws").execute("SELECT COUNT(*) FROM jobs").fetchone() == (0,)
+
+
+# -- following a run (docs/cli.md#following-a-run) ----------------------------------------------------------------
+
+def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
+    return {**env, **(extra or {})}
+
+
+def _read_live(cwd: Path, *args: str, tty: bool = False,
+               env: dict[str, str] | None = None) -> tuple[list[tuple[float, int]], str, float, int]:
+    """Run ``agentnb`` with stdout a pipe (or a terminal: a pty) and read it as it comes: the time of each read
+    with the characters read so far, the whole output, the exit time and the exit code."""
+    import pty
+
+    if tty:
+        reader, writer = pty.openpty()
+    else:
+        reader, writer = os.pipe()
+    proc = subprocess.Popen([AGENTNB, *args], cwd=cwd, env=_clean_env(env), stdout=writer, stderr=subprocess.PIPE)
+    os.close(writer)
+    reads: list[tuple[float, int]] = []
+    data = b""
+    while True:
+        try:
+            chunk = os.read(reader, 65536)
+        except OSError:  # a pty whose other end closed
+            break
+        if not chunk:
+            break
+        data += chunk
+        reads.append((time.monotonic(), len(data.decode("utf-8", "replace"))))
+    os.close(reader)
+    code = proc.wait(timeout=120)
+    ended = time.monotonic()
+    assert proc.stderr is not None
+    assert code in (0, 1), proc.stderr.read().decode()
+    text = data.decode("utf-8")
+    return reads, text.replace("\r\n", "\n") if tty else text, ended, code
+
+
+def _when(reads: list[tuple[float, int]], upto: int) -> float:
+    """When the first ``upto`` characters of the output had been read."""
+    return next(t for t, n in reads if n >= upto)
+
+
+def _recorded_calls(ws: Path) -> list[dict[str, Any]]:
+    rows = _db(ws).execute("SELECT payload FROM events WHERE kind='llm_response' ORDER BY id").fetchall()
+    return [json.loads(p) for (p,) in rows]
+
+
+def _printed_in_order(out: str, calls: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """Where each recorded call's text and each of its tool calls (``→ NAME ARGUMENTS``, whose JSON parses to the
+    recorded arguments) are in ``out``, found in order: (start, end) of each."""
+    spans, at = [], 0
+    for c in calls:
+        if c["content"]:
+            start = out.index(c["content"], at)
+            at = start + len(c["content"])
+            spans.append((start, at))
+        for tc in c["tool_calls"]:
+            start = out.index(f"→ {tc['name']} ", at)
+            line_end = out.index("\n", start)
+            assert json.loads(out[start + len(tc["name"]) + 3:line_end]) == tc["arguments"]
+            spans.append((start, line_end))
+            at = line_end
+    return spans
+
+
+def test_run_follow_prints_a_paced_demo_as_it_streams_then_the_jobs_lines(tmp_path: Path) -> None:
+    reads, out, ended, code = _read_live(tmp_path, "--workspace", "ws", "run", "--follow", "--model", "demo?pace=0.01",
+                                         "--piece", "plan-implement-verify", "Summarise the files in input/")
+    assert code == 0
+    calls = _recorded_calls(tmp_path / "ws")
+    spans = _printed_in_order(out, calls)  # every call's text as recorded, every tool call with its arguments
+    assert "\x1b" not in out  # a pipe gets plain text: no colours, no cursor movement
+    assert [line for line in out.splitlines() if line.startswith("──")] == [
+        "── 1. plan ──", "── 2. implement ──", "── 3. verify ──"]
+    assert "  ← Write: Wrote " in out and "  ← Read: # Report … (" in out  # each result in one short line
+    # the job's lines as without --follow, after a blank line
+    followed, classic = out.split("\n\njob 1: succeeded  piece=plan-implement-verify model=demo?pace=0.01\n")
+    assert followed.startswith("── 1. plan ──\n") and followed.endswith("  ← transition: Transition to COMPLETE recorded.")
+    assert "   3. verify" in classic and "work directory:" in classic
+    # as it streams: the first text well before the run ends, and the long Write call's arguments over many reads
+    assert _when(reads, 1) < ended - 1.0
+    (write,) = [(s, e) for s, e in spans if out.startswith("→ Write ", s)]
+    began, done = _when(reads, write[0] + 20), _when(reads, write[1])
+    assert done - began >= 0.1 and len([t for t, _ in reads if began <= t <= done]) >= 3, (began, done)
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_run_follow_prints_a_scripted_stream_as_recorded_with_no_secret(tmp_path: Path, chunk: int) -> None:
+    secret = "s3cr3t-value-7734"
+    key = "sk-" + "a1" * 12
+    text = f"The token is {secret}, the key {key}; Ünïcode — done."
+    model = write_script(tmp_path, "script", responses=[
+        {"content": text, "tool_calls": [{"name": "Write", "arguments": {
+            "path": "out.md", "content": f"line one\n{secret}\nkey\n{key}\n"}}], "chunk": chunk},
+        {**transition("COMPLETE", "wrote out.md"), "stream": True},
+    ])
+    _, out, _, code = _read_live(tmp_path, "--workspace", "ws", "run", "--follow", "--piece", "single",
+                                 "--model", model, "task", env={"FOLLOW_API_KEY": secret})
+    assert code == 0
+    assert secret not in out and key not in out and "a1a1a1a1" not in out
+    calls = _recorded_calls(tmp_path / "ws")
+    assert calls[0]["content"] == "The token is ***, the key ***; Ünïcode — done."  # as the store masked it
+    _printed_in_order(out, calls)
+    assert "── 1. work ──\nThe token is ***, the key ***; Ünïcode — done.\n→ Write {" in out
+    assert "  ← Write: Wrote " in out and "  ← transition: " in out
+
+
+def test_run_follows_by_default_on_a_terminal_and_a_worker_stays_quiet(tmp_path: Path) -> None:
+    model = write_script(tmp_path, "script", responses=[
+        {"content": "Looking.", "tool_calls": [{"name": "Glob", "arguments": {"pattern": "*"}}], "chunk": 3},
+        {**transition("COMPLETE", "done"), "stream": True},
+    ])
+    _, out, _, _ = _read_live(tmp_path, "--workspace", "ws", "run", "--piece", "single", "--model", model, "task",
+                              tty=True, env={"NO_COLOR": "1"})
+    assert out.startswith('── 1. work ──\nLooking.\n→ Glob {"pattern": "*"}\n  ← Glob: ')
+    assert "\n\njob 1: succeeded" in out and "\x1b" not in out  # NO_COLOR: no colours either
+    _, out, _, _ = _read_live(tmp_path, "--workspace", "ws", "run", "--piece", "single", "--model", model, "task",
+                              tty=True)
+    assert out.startswith("\x1b[1m── 1. work ──\x1b[0m\n")
+    _, out, _, _ = _read_live(tmp_path, "--workspace", "ws", "run", "--no-follow", "--piece", "single", "--model",
+                              model, "task", tty=True)
+    assert out.startswith("job 3: succeeded")
+    # a worker prints only its own line, on a terminal too
+    for tty in (True, False):
+        queued = agentnb(tmp_path, "--workspace", "ws", "run", "--detach", "--piece", "single", "--model", model, "t")
+        assert queued.returncode == 0, queued.stderr
+        _, out, _, _ = _read_live(tmp_path, "--workspace", "ws", "worker", tty=tty)
+        assert out == "ran 1 job(s)\n"
+    statuses = [s for (s,) in _db(tmp_path / "ws").execute("SELECT status FROM jobs ORDER BY id")]
+    assert statuses == ["succeeded"] * 5
+
+
+class _Writes(io.StringIO):
+    """An output that keeps each write apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.writes.append(s)
+        return super().write(s)
+
+
+def test_a_secret_split_across_streamed_pieces_is_never_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentnb import Workspace, live
+    from agentnb.follow import Follower
+
+    secret, quoted = "s3cr3t-value-7734", 'q"uoted-secret-42'  # JSON writes the second one otherwise: q\"uoted…
+    monkeypatch.setenv("FOLLOW_API_KEY", secret)
+    monkeypatch.setenv("FOLLOW_TOKEN", quoted)
+    key = "sk-" + "a1" * 12
+    text = f"The token is {secret}, the key {key} and Bearer abcdefgh12345678xyz; done."
+    model = write_script(tmp_path, "script", responses=[
+        {"content": text, "tool_calls": [{"name": "Write", "arguments": {
+            "path": "out.md", "content": f"{quoted}\n{key}"}}], "chunk": 1},  # a key after a JSON escape: \nsk-…
+        transition("COMPLETE", "done"),
+    ])
+    ws = Workspace(tmp_path / "ws")
+    job = ws.submit("task", piece="single", model=model)
+    out = _Writes()
+    # a watcher that takes its time on each piece (it runs in the job's thread): the stream is drawn in many writes
+    slow = live.subscribe(ws.store, job.id, lambda item: time.sleep(0.006) if isinstance(item, live.Notice) else None)
+    try:
+        with Follower(ws.execution, out, job_id=job.id):
+            ws.run(job)
+    finally:
+        slow.close()
+        ws.close()
+    printed = out.getvalue()
+    assert secret[:6] not in printed and "uoted-" not in printed and key[:8] not in printed
+    assert "abcdefgh" not in printed
+    assert "The token is ***, the key *** and Bearer ***; done.\n" in printed
+    assert '→ Write {"path": "out.md", "content": "***\\n***"}\n' in printed
+    # it was printed as it streamed, in many writes
+    first = next(i for i, w in enumerate(out.writes) if "The " in w)
+    last = next(i for i, w in enumerate(out.writes) if "done." in w)
+    assert last - first >= 3, out.writes

@@ -184,7 +184,7 @@ def test_magic_run_context(shell: Any, tmp_path: Path) -> None:
         "agent", f'run --piece {piece} --model {script} --context on_pressure=compact -c compact_keep_last={{t_keep}} "Do it"')
     assert job.status == "succeeded", job.error
     ws = Workspace(tmp_path / "ws")
-    assert json.loads(ws.store.job(job.id)["options"])["context"] == {"on_pressure": "compact", "compact_keep_last": 2}
+    assert ws.store.job(job.id).options.context == {"on_pressure": "compact", "compact_keep_last": 2}
     (compaction,) = ws.events(job, kinds=["compaction"])
     assert compaction.payload["kept_messages"] == 2
     assert not ws.events(job, kinds=["reminder"])

@@ -31,6 +31,7 @@ from agentnb.executor import run_jobs
 from agentnb.models.openai import OpenAIModel
 from agentnb.models.ratelimit import Gate
 from agentnb.progress import Outcome, final_html, final_line
+from agentnb.store import reads
 from agentnb.store.base import STOP_CUT_REASON
 from agentnb.views.status import STOP_REASON
 from agentnb.views.style import OK_COLOUR
@@ -119,7 +120,7 @@ def test_jobs_overlap_up_to_the_concurrency_and_every_event_is_kept(tmp_path: Pa
         responses = _check_events(ws, job.id)
         assert len(responses) == CALLS == answered[f"case-{job.case}"]
         assert sorted(p.name for p in job.output.iterdir()) == [f"{k}.txt" for k in range(CALLS - 1)]
-    assert sum(ws.store.total_tokens(j.id) for j in b.jobs) == 110 * sum(answered.values())
+    assert sum(reads.total_tokens(ws.store, j.id) for j in b.jobs) == 110 * sum(answered.values())
     assert b.last_run.count("succeeded") == 24 and not b.last_run.skipped
 
 
@@ -245,7 +246,7 @@ def test_the_progress_bar_counts_jobs_tokens_and_dollars_on_stderr(tmp_path: Pat
     captured = capsys.readouterr()
     assert captured.out == ""
     drawn = captured.err.replace("\r", "\n").strip().splitlines()
-    tokens = sum(ws.store.total_tokens(j.id) for j in ws.jobs())
+    tokens = sum(reads.total_tokens(ws.store, j.id) for j in ws.jobs())
     # the live bar: jobs, the counts so far, tokens and dollars (the demo model costs nothing)
     assert any("batch shown: 100%" in line and f"0 ok, 0 failed, 3 waiting · {tokens:,} tokens · $0" in line
                for line in drawn), drawn
@@ -450,7 +451,7 @@ def test_ctrl_c_pauses_every_running_job_and_the_batch_resumes(tmp_path: Path, h
         started_and_paused = [j for j in ws.jobs() if str(j.status) == "queued" and ws.events(j.id, kinds=["llm_response"])]
         assert started_and_paused
         # the reason says whether the Stop cut the job's call off or came between its calls
-        assert all(ws.store.last_status_reason(j.id) == (STOP_CUT_REASON if _interrupted(ws, j.id) else STOP_REASON)
+        assert all(reads.last_status_reason(ws.store, j.id) == (STOP_CUT_REASON if _interrupted(ws, j.id) else STOP_REASON)
                    for j in started_and_paused)
         # a streamed call is cut off at once (docs/models.md#streaming): every answer the server began is either
         # recorded or recorded as interrupted, and an interrupted one is asked again on resume

@@ -95,7 +95,7 @@ def test_a_worker_in_its_own_folder_reads_the_inputs_and_its_output_reaches_the_
     job = submitter.submit("Report on the notes", piece="single", model=spec,
                            inputs={"notes.md": "hello from the laptop", "data/blob.bin": blob})
     # the inputs are in the store with the job, and the job names no path of the submitter's machine
-    assert submitter.store.job(job.id)["workdir"] == f"jobs/{job.id}"
+    assert submitter.store.job(job.id).workdir == f"jobs/{job.id}"
     assert _sql(pg_url, "SELECT path, size, sha256 FROM files WHERE job_id=%s ORDER BY path", (job.id,)) == [
         ("input/data/blob.bin", len(blob), _sha(blob)), ("input/notes.md", 21, _sha("hello from the laptop"))]
 
@@ -193,7 +193,7 @@ def test_a_fork_on_postgres_starts_from_the_originals_inputs_in_the_store(pg_url
     b = Workspace(tmp_path / "b", store=pg_url)  # another machine: the original's folder is not here
     fork = b.fork(job, at=1)
     assert fork.status == "succeeded"
-    assert b.store.job(fork.id)["workdir"] == f"jobs/{fork.id}"
+    assert b.store.job(fork.id).workdir == f"jobs/{fork.id}"
     assert "the original input" in _results(b, fork)[0]
     assert list(b.files(fork, under="input")["sha256"]) == list(b.files(job, under="input")["sha256"]) == [
         _sha("the original input")]
@@ -326,7 +326,7 @@ def test_subtasks_on_postgres_keep_their_files_in_the_store(pg_url: str, tmp_pat
     assert parent.status == "succeeded"
     b = Workspace(tmp_path / "b", store=pg_url)  # reads them from elsewhere
     for n, child in enumerate(b.children(parent), start=1):
-        assert b.store.job(child.id)["workdir"] == f"jobs/{child.id}"
+        assert b.store.job(child.id).workdir == f"jobs/{child.id}"
         assert child.workdir == b.root / "jobs" / str(child.id)
         assert b.files(child, under="output")["sha256"].tolist() == [_sha(f"part {n}")]
     assert b.files(parent, under="output")["path"].tolist() == ["output/result.md"]

@@ -236,9 +236,9 @@ def test_a_fork_keeps_the_options_this_version_does_not_know_in_their_place(ws: 
     with ws.store.transaction() as c:
         ws.store.update_job(c, original.id, options='{"future":{"x":1},"strict_replay":true}')
     fork = ws.fork(original, at=2, strict=True, context={"window_tokens": 9000})
-    assert ws.store.job(fork.id)["options"] == \
+    assert ws.store.job(fork.id).options_text == \
         '{"future":{"x":1},"context":{"window_tokens":9000},"strict_replay":true}'
-    assert ws.store.job(ws.fork(fork, at=2).id)["options"] == '{"future":{"x":1},"context":{"window_tokens":9000}}'
+    assert ws.store.job(ws.fork(fork, at=2).id).options_text == '{"future":{"x":1},"context":{"window_tokens":9000}}'
 
 
 def test_a_fork_resumes_in_another_process_in_the_middle_of_its_re_served_runs(ws: Workspace, tmp_path: Path,

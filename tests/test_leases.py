@@ -49,7 +49,7 @@ needs_pg = pytest.mark.needs("postgres", "psycopg")
 def _counts(ws: Workspace, job_id: int) -> dict[str, Any]:
     s = ws.store
     return {"events": len(s.events(job_id)), "movements": reads.movements(s, job_id), "comments": reads.count_comments(s, job_id),
-            "jobs": s.job_ids(), "job": {k: v for k, v in s.job(job_id).items() if k != "lease_until"},
+            "jobs": s.job_ids(), "job": {k: v for k, v in s.job(job_id).to_dict().items() if k != "lease_until"},
             "batch": reads.batch(s, "b")}
 
 
@@ -62,7 +62,7 @@ def _norm(value: Any) -> Any:
     if isinstance(value, str):
         return _CALL_ID.sub("call_N_", _JOB_PATH.sub("jobs/N", _TIME.sub("TIME", value)))
     if isinstance(value, dict):
-        return {k: _norm(v) for k, v in value.items() if k != "latency_s"}
+        return {k: _norm(v) for k, v in value.items() if k not in ("latency_s", "ttft_s")}
     if isinstance(value, list):
         return [_norm(v) for v in value]
     return value
@@ -137,20 +137,20 @@ def _job(ws: Workspace, tmp_path: Path) -> int:
 def test_a_claim_leases_the_job_and_renewal_extends_it(store_url: str, tmp_path: Path) -> None:
     ws = Workspace(tmp_path / "ws", store=store_url, lease=5)
     job_id = _job(ws, tmp_path)
-    assert ws.store.job(job_id)["lease_gen"] == 0 and ws.store.job(job_id)["lease_until"] is None
+    assert ws.store.job(job_id).lease_gen == 0 and ws.store.job(job_id).lease_until is None
     before = time.time()
     row = ws.store.claim()
-    assert row is not None and row["id"] == job_id and row["lease_gen"] == 1
-    assert before + 5 - 1 <= row["lease_until"] <= time.time() + 5 + 1  # PostgreSQL: the server's (same) clock
+    assert row is not None and row.id == job_id and row.lease_gen == 1
+    assert before + 5 - 1 <= row.lease_until <= time.time() + 5 + 1  # PostgreSQL: the server's (same) clock
     assert ws.store.renew_lease(job_id, 1, 100)
-    assert ws.store.job(job_id)["lease_until"] >= before + 99
+    assert ws.store.job(job_id).lease_until >= before + 99
     assert not ws.store.renew_lease(job_id, 0, 100)  # another generation's renewal finds nothing
     # a release (the holder pauses it) ends the lease; the next claim is the next generation
     with ws.store.transaction() as c:
         ws.store.set_status(c, job_id, "queued", reason="paused")
-    assert ws.store.job(job_id)["lease_until"] is None
+    assert ws.store.job(job_id).lease_until is None
     assert not ws.store.renew_lease(job_id, 1, 100)  # not running: nothing to renew
-    assert ws.store.claim(job_id)["lease_gen"] == 2  # type: ignore[index]
+    assert ws.store.claim(job_id).lease_gen == 2  # type: ignore[union-attr]
     # a claim of a given job takes a lease too (ws.run, ws.step, a batch)
     ws.store.close()
 
@@ -160,16 +160,16 @@ def test_the_holder_renews_its_lease_while_it_runs(store_url: str, tmp_path: Pat
     job_id = _job(ws, tmp_path)
     row = ws.store.claim()
     assert row is not None
-    first = float(row["lease_until"])
+    first = float(row.lease_until)
     # another store, opened first: on a loaded machine opening one can take longer than the 0.6 s lease
     other = open_store(store_url)
     with holding(ws.store, row) as held:
         # a renewal made more than a lease after the claim (lease_until > claim + 0.6 + 0.7): unrenewed, the
         # lease would have run out by now
         deadline = time.time() + 30
-        while ws.store.job(job_id)["lease_until"] <= first + 0.7 and time.time() < deadline:
+        while ws.store.job(job_id).lease_until <= first + 0.7 and time.time() < deadline:
             time.sleep(0.05)
-        renewed = ws.store.job(job_id)["lease_until"]
+        renewed = ws.store.job(job_id).lease_until
         # and nobody can take it back while the holder renews it (asked while it still does: after the block
         # nothing renews, and a claim a lease later would rightly take the job back)
         assert other.claim(job_id) is None
@@ -188,8 +188,8 @@ def test_on_postgresql_leases_follow_the_server_s_clock_not_the_worker_s(pg_url:
     with mock.patch("time.time", return_value=ahead):
         assert other.store.claim(job_id) is None
         assert other.store.renew_lease(job_id, 1, 30)
-    assert ws.store.job(job_id)["lease_until"] < ahead
-    assert ws.store.job(job_id)["status"] == "running"
+    assert ws.store.job(job_id).lease_until < ahead
+    assert ws.store.job(job_id).status == "running"
     ws.store.close()
     other.store.close()
 
@@ -200,13 +200,13 @@ def test_a_stale_generation_writes_nothing(store_url: str, tmp_path: Path) -> No
     with ws.store.transaction() as c:
         ws.store.create_batch(c, "b", fingerprint="f", cases="[]", variants="[]", options="{}")
     row = ws.store.claim(lease=0.05)
-    assert row is not None and row["lease_gen"] == 1
+    assert row is not None and row.lease_gen == 1
     time.sleep(0.1)
     # another process (a second store) takes the job back once the lease ran out, and claims it again
     other = Workspace(tmp_path / "other", store=store_url, lease=5)
     taken = other.store.claim()
-    assert taken is not None and taken["id"] == job_id and taken["lease_gen"] == 3  # recovery + claim
-    assert ws.store.last_status_reason(job_id) is not None
+    assert taken is not None and taken.id == job_id and taken.lease_gen == 3  # recovery + claim
+    assert reads.last_status_reason(ws.store, job_id) is not None
     assert [s for s in _statuses(ws, job_id)][-2:] == [("queued", LEASE_EXPIRED), ("running", "claimed")]
 
     s = ws.store
@@ -235,7 +235,7 @@ def test_a_stale_generation_writes_nothing(store_url: str, tmp_path: Path) -> No
         other.store.update_job(c, job_id, current_movement="first")
     with s.transaction() as c:
         s.add_comment(c, job_id, "user", "a user's note")
-    assert reads.count_comments(s, job_id) == 1 and s.job(job_id)["current_movement"] == "first"
+    assert reads.count_comments(s, job_id) == 1 and s.job(job_id).current_movement == "first"
     ws.store.close()
     other.store.close()
 
@@ -253,7 +253,7 @@ def test_an_expired_job_is_taken_back_and_resumes_to_the_same_events(store_url: 
     assert ws.run(straight).status == "succeeded"
     job_id = _job(ws, tmp_path)
     assert ws.step(job_id, unit="call").status == "queued"  # one call done: mid-movement
-    assert ws.store.job(job_id)["lease_gen"] == 1  # ws.step's claim took a lease too
+    assert ws.store.job(job_id).lease_gen == 1  # ws.step's claim took a lease too
     # this holder claims it again and then stops renewing (a crash on another host, say)
     assert ws.store.claim(job_id) is not None
     time.sleep(1.1)
@@ -320,7 +320,7 @@ def test_a_killed_worker_s_job_is_finished_by_another_after_the_lease(
         finish(first)
     server.release()
     assert ws.job(job_id).status == "running"
-    assert ws.store.job(job_id)["claimed_by"].startswith("elsewhere-1:")
+    assert ws.store.job(job_id).claimed_by.startswith("elsewhere-1:")
     second = _worker(store_url, tmp_path / "w2", server, "--forever", "--poll", "0.1", "--max-jobs", "1")
     _, err = finish(second)
     assert second.returncode == 0, err
@@ -329,7 +329,7 @@ def test_a_killed_worker_s_job_is_finished_by_another_after_the_lease(
     assert _statuses(ws, job_id) == [("queued", "submitted"), ("running", "claimed"), ("queued", LEASE_EXPIRED),
                                      ("running", "claimed"), _statuses(ws, straight)[-1]]
     assert _resumed(_trace(ws, job_id)) == _trace(ws, straight)
-    assert ws.store.job(job_id)["lease_gen"] == 3 and ws.store.job(job_id)["lease_until"] is None
+    assert ws.store.job(job_id).lease_gen == 3 and ws.store.job(job_id).lease_until is None
     ws.store.close()
 
 
@@ -537,7 +537,7 @@ def test_a_job_cut_off_from_its_store_while_a_tool_runs_makes_no_further_llm_cal
         assert started.wait(60)
         cut_store.cut()
         # the lease has run out in the store: another host could claim the job from now on
-        _until("the lease to run out", lambda: float(reader.job(job_id)["lease_until"]) < time.time() - 0.05)
+        _until("the lease to run out", lambda: float(reader.job(job_id).lease_until) < time.time() - 0.05)
         opened.set()
 
         def stopped() -> bool:

@@ -22,6 +22,7 @@ from agentnb.models.base import ModelRequest
 from agentnb.models.messages import Delta, UserMessage
 from agentnb.models.openai import OpenAIModel
 from agentnb.models.openai_stream import sse_data
+from agentnb.store import reads
 from agentnb.store.base import STOP_CUT_REASON
 from agentnb.views.status import display_status
 
@@ -222,7 +223,7 @@ def test_stop_mid_stream_closes_it_at_once_and_the_resume_asks_again(ws: Workspa
     runner.join(30)
     assert not runner.is_alive()
     assert str(ws.job(job.id).status) == "queued"
-    assert ws.store.last_status_reason(job.id) == STOP_CUT_REASON  # not "after its current LLM call"
+    assert reads.last_status_reason(ws.store, job.id) == STOP_CUT_REASON  # not "after its current LLM call"
     assert not ws.events(job, kinds=["llm_response"])  # nothing made from the partial answer
     (cut,) = ws.events(job, kinds=["error"])
     assert cut.where == "interrupted" and "stopped mid-answer" in cut.message and "\n" not in cut.message
@@ -278,9 +279,9 @@ def _stop_and_resume(ws: Workspace, piece: Path, srv: OpenAIServer, stopping: Ca
     ended = time.monotonic() - asked
     assert not runner.is_alive()
     assert ended < 0.5, f"the run took {ended:.2f} s to end after the Stop"
-    assert display_status(ws.job(job.id).status, ws.store.last_status_reason(job.id)) == "paused"
+    assert display_status(ws.job(job.id).status, reads.last_status_reason(ws.store, job.id)) == "paused"
     assert not ws.events(job, kinds=["llm_response"])
-    assert ws.store.last_status_reason(job.id) == STOP_CUT_REASON
+    assert reads.last_status_reason(ws.store, job.id) == STOP_CUT_REASON
     (cut,) = ws.events(job, kinds=["error"])
     assert cut.where == "interrupted" and "\n" not in cut.message
     assert cut.message == "call 1 of run 1 (work) was stopped before its answer began; it is asked again when the job resumes"

@@ -178,14 +178,14 @@ def test_a_batch_on_workers_killed_and_frozen_matches_the_same_batch_on_sqlite(
         w1 = _worker(pg_url, tmp_path / "w1", server, "--concurrency", "1", AGENTNB_HOST="elsewhere-1")
         procs.append(w1)
         wait_for("w1's held call", server.holding.is_set, [w1])
-        assert pg.store.job(killed)["claimed_by"].startswith("elsewhere-1:")
+        assert pg.store.job(killed).claimed_by.startswith("elsewhere-1:")
         # w2 starts while w1 still renews its lease, so it takes the next job (not w1's, had its lease run out
         # during a slow start); w1 is killed once w2's call is held too
         server.holding.clear()
         w2 = _worker(pg_url, tmp_path / "w2", server, "--concurrency", "1")
         procs.append(w2)
         wait_for("w2's held call", server.holding.is_set, [w2])
-        assert pg.store.job(frozen)["claimed_by"].split(":")[1] == str(w2.pid)
+        assert pg.store.job(frozen).claimed_by.split(":")[1] == str(w2.pid)
         w1.send_signal(signal.SIGKILL)
         w1.wait()
         freeze(w2, pg_url, frozen)
@@ -219,10 +219,10 @@ def test_a_batch_on_workers_killed_and_frozen_matches_the_same_batch_on_sqlite(
     for j in every:
         assert pg.job(j).status == sq.job(j).status == "succeeded", (j, pg.job(j).error)
         row = pg.store.job(j)
-        assert row["lease_until"] is None
+        assert row.lease_until is None
         recovered = j in (killed, frozen)
         # one claim (gen 1, ended: 2) for a job run once; a take-back and a second claim for a recovered one
-        assert row["lease_gen"] == (3 if recovered else 1), row
+        assert row.lease_gen == (3 if recovered else 1), row
         expected = [("queued", "submitted"), ("running", "claimed")]
         if recovered:
             expected += [("queued", LEASE_EXPIRED), ("running", "claimed")]
@@ -523,7 +523,7 @@ def test_a_job_cut_off_mid_write_by_a_restart_goes_on_instead_of_failing(tmp_pat
             _, err = proc.communicate(timeout=60)
         finally:
             reap([proc])
-    assert final["status"] == "succeeded", (final["error"], statuses, err)
+    assert final.status == "succeeded", (final.error, statuses, err)
     assert "failed" not in [s for s, _ in statuses], statuses
     assert ("queued", UNREACHABLE_REASON) in statuses, statuses
     assert "Traceback" not in err and "error" not in err, err

@@ -160,17 +160,17 @@ def test_every_text_the_store_keeps_is_scrubbed(store_url: str, tmp_path: Path,
                                 arguments={"command": said, "more": [said, {"nested": said}]}),
                   CommentEvent(job_id=job_id, ts=1.0, author="agent", body="line one\n" + said)])
         job = s.job(job_id)
-        assert job["error"] == f"keys {MASK} / {MASK} / {MASK} / Bearer {MASK}"
-        assert job["instruction"].startswith(f"Use keys {MASK} / ")
-        assert json.loads(job["options"]) == {"note": job["error"]}
-        assert s.job(child)["instruction"] == job["error"]
-        assert [c.body for c in reads.comments(s, job_id)] == [job["error"]]
+        assert job.error == f"keys {MASK} / {MASK} / {MASK} / Bearer {MASK}"
+        assert job.instruction.startswith(f"Use keys {MASK} / ")
+        assert json.loads(job.options_text) == {"note": job.error}
+        assert s.job(child).instruction == job.error
+        assert [c.body for c in reads.comments(s, job_id)] == [job.error]
         events = s.events(job_id)
-        assert [e.detail for e in events if e.kind == "error"] == [job["error"]]
+        assert [e.detail for e in events if e.kind == "error"] == [job.error]
         assert [e.arguments for e in events if e.kind == "tool_call"] == [
-            {"command": job["error"], "more": [job["error"], {"nested": job["error"]}]}]
-        assert [e.body for e in events if e.kind == "comment"] == [job["error"], "line one\n" + job["error"]]
-        assert [e.reason for e in events if e.kind == "job_status"][-1] == job["error"]
+            {"command": job.error, "more": [job.error, {"nested": job.error}]}]
+        assert [e.body for e in events if e.kind == "comment"] == [job.error, "line one\n" + job.error]
+        assert [e.reason for e in events if e.kind == "job_status"][-1] == job.error
     stored = _stored_text(store_url)
     for secret in (SHAPED_KEY, ENV_KEY, CODE_KEY, "Ab9" * 8):
         assert secret not in stored, secret

@@ -12,6 +12,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,19 @@ from _scripting import transition, write_script
 import agentnb
 import agentnb.store
 from agentnb import Workspace
-from agentnb.events import CommentEvent, JobStatusEvent, LLMResponse, ToolResult, Usage, payload_dict, payload_path
+from agentnb.events import (
+    CommentEvent,
+    JobStatusEvent,
+    LLMRequest,
+    LLMResponse,
+    ToolResult,
+    Usage,
+    payload_dict,
+    payload_path,
+)
 from agentnb.store import Store, open_store, reads
 from agentnb.store.migrations import MIGRATIONS
-from agentnb.store.records import CommentRecord, MovementRecord
+from agentnb.store.records import JOB_COLUMNS, CommentRecord, JobOptions, JobRecord, JobStatus, MovementRecord
 from agentnb.store.sqlite import SQLiteStore, StoreError
 
 
@@ -51,7 +61,7 @@ def test_reopen_is_idempotent_and_keeps_data(tmp_path: Path) -> None:
     store.close()
     for _ in range(3):  # re-opening must not re-run migrations (they would fail on existing tables)
         store = SQLiteStore(path)
-        assert store.job(job_id)["instruction"] == "task 0"
+        assert store.job(job_id).instruction == "task 0"
         assert store.query("PRAGMA user_version")[0][0] == len(MIGRATIONS)
         store.close()
 
@@ -82,7 +92,7 @@ def _claim_all(path: str, barrier: mp.synchronize.Barrier, out: mp.Queue[list[in
         row = store.claim()
         if row is None:
             break
-        got.append(int(row["id"]))
+        got.append(int(row.id))
     out.put(got)
     # Stay alive until every process has finished claiming: a process that has exited owns nothing, so
     # the others would rightly take its running jobs over (even while it waits, unreaped, as a zombie).
@@ -187,7 +197,7 @@ def test_every_status_change_is_a_job_status_event(ws: Workspace, tmp_path: Path
     assert statuses == ["queued", "running", "waiting_human", "queued", "running", "succeeded"]
     assert all(e.payload["reason"] for e in ws.events(job, kinds=["job_status"]))
     # the row agrees with the last event
-    assert ws.store.job(job.id)["status"] == statuses[-1]
+    assert ws.store.job(job.id).status == statuses[-1]
 
 
 def test_paused_and_failed_jobs_record_their_status_changes(ws: Workspace, tmp_path: Path) -> None:
@@ -219,7 +229,7 @@ def test_a_job_whose_owner_is_a_zombie_is_taken_over(tmp_path: Path) -> None:
     try:
         _exited_unreaped(owner)
         row = store.job(job_id)
-        assert row["status"] == "running" and f":{owner.pid}:" in row["claimed_by"]
+        assert row.status == "running" and f":{owner.pid}:" in row.claimed_by
         assert store.claim(job_id) is not None  # not "already running" for ever
         reasons = [e.payload["reason"] for e in store.events(job_id, kinds=["job_status"])]
         assert reasons[-2].startswith("recovered: the process that ran it") and reasons[-2].endswith("is gone")
@@ -257,7 +267,7 @@ def test_only_the_store_imports_sqlite3() -> None:
 
 def test_the_sqlite_store_implements_every_operation_of_the_interface(tmp_path: Path) -> None:
     members = {n for n, v in vars(Store).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
-    assert {"path", "transaction", "append", "events", "claim", "set_status", "frame_rows"} <= members
+    assert {"path", "transaction", "append", "events", "claim", "set_status", "rows"} <= members
     store = open_store(tmp_path / "s.sqlite")
     assert isinstance(store, SQLiteStore)
     for name in sorted(members):
@@ -482,3 +492,100 @@ def test_the_store_interface_keeps_no_derived_read_of_movements_or_comments() ->
         assert {"add_comment", "start_movement", "finish_movement", "fail_movement",
                 "reopen_failed_movement"} <= set(dir(cls)), cls.__name__  # the writes stay persistence core
     assert moved <= set(reads.__all__)
+
+
+# -- the job row as a record (store/records.py) and the reads derived from a job's events (store/reads.py) -------
+
+# long enough to be stored once in `texts` (the row then holds TEXT_REF): the record holds the text itself
+_LONG = "Summarise every file under input/. " * 200
+_OPTIONS_TEXT = '{"future":{"x":1},"retries":3,"context":{"window_tokens":9000}}'
+
+
+def _job_with_refs(ws: Workspace) -> int:
+    """A job whose instruction and enriched instruction are stored by reference, with options this version does
+    not all know, claimed once (lease_gen 1, a lease and an owner set) and started a movement."""
+    s = ws.store
+    job_id = s.create_job(piece="p", piece_yaml="name: p", model="demo", instruction=_LONG, workdir="w",
+                          options=_OPTIONS_TEXT)
+    assert s.claim(job_id, owner="host:1:abcd", lease=60) is not None
+    with s.transaction() as c:
+        s.update_job(c, job_id, enriched=f"Now: 09:00\n\n{_LONG}", current_movement="plan", movement_seq=1)
+    return job_id
+
+
+def test_a_job_is_a_frozen_typed_record_the_same_on_both_backends(ws: Workspace) -> None:
+    job_id = _job_with_refs(ws)
+    job = ws.store.job(job_id)
+    assert isinstance(job, JobRecord)
+    assert type(job.status) is JobStatus and job.status is JobStatus.running
+    assert type(job.options) is JobOptions and job.options.retries == 3
+    assert job.options.context == {"window_tokens": 9000} and job.options.extra == {"future": {"x": 1}}
+    assert job.options_text == _OPTIONS_TEXT  # the stored text itself, not re-encoded
+    assert job.instruction == _LONG and job.enriched == f"Now: 09:00\n\n{_LONG}"  # references expanded
+    assert [type(v) for v in (job.id, job.movement_seq, job.lease_gen, job.created, job.lease_until)] == [
+        int, int, int, float, float]
+    assert (job.parent_id, job.batch_case, job.forked_from_job, job.forked_from, job.ended) == (None,) * 5
+    assert (job.lease_gen, job.claimed_by, job.current_movement) == (1, "host:1:abcd", "plan")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.status = JobStatus.queued  # type: ignore[misc]
+    assert not hasattr(job, "__dict__")  # slots
+    assert ws.store.jobs() == [job] and ws.store.jobs(status="running") == [job]
+    assert ws.store.jobs(status="queued") == [] and ws.store.jobs(parent_id=job_id) == []
+    with ws.store.transaction() as c:
+        kid = ws.store.create_child_job(c, job_id, piece="p", piece_yaml="name: p", piece_path=None, model="demo",
+                                        instruction="part", options="{}")
+    child = ws.store.jobs(parent_id=job_id)
+    assert [(r.id, r.parent_id, r.status, r.options) for r in child] == [(kid, job_id, "queued", JobOptions())]
+    claimed = ws.store.claim(kid)
+    assert isinstance(claimed, JobRecord) and (claimed.status, claimed.lease_gen) == (JobStatus.running, 1)
+
+
+def test_a_job_records_to_dict_is_the_stored_row_as_the_store_returned_it(ws: Workspace) -> None:
+    job_id = _job_with_refs(ws)
+    cols, rows = ws.store.rows("SELECT * FROM jobs WHERE id=?", (job_id,))
+    stored = dict(zip(cols, rows[0], strict=True))
+    # what Store.job returned before it returned records: the row without its text references, texts put back
+    assert stored.pop("instruction_ref") and stored.pop("enriched_ref") and stored["instruction"] != _LONG
+    expected = {**stored, "instruction": _LONG, "enriched": f"Now: 09:00\n\n{_LONG}"}
+    assert list(expected) == list(JOB_COLUMNS)  # the table's columns, in its order
+    assert [_typed(r.to_dict()) for r in (ws.store.job(job_id), *ws.store.jobs())] == [_typed(expected)] * 2
+    assert type(ws.store.job(job_id).to_dict()["status"]) is str  # the stored text, not the enum member
+    assert JobRecord.from_row(list(expected), list(expected.values())) == ws.store.job(job_id)
+
+
+def test_the_reads_of_a_jobs_events_give_the_same_on_both_backends(ws: Workspace) -> None:
+    s = ws.store
+    job_id = s.create_job(piece="p", piece_yaml="name: p", model="demo", instruction="task", workdir="")
+    assert (reads.total_tokens(s, job_id), reads.latest_request(s, job_id)) == (0, None)
+    assert reads.last_status_reason(s, job_id) == "submitted" and reads.subtask_depth(s, job_id) == 0
+    s.append([LLMRequest(job_id=job_id, movement_seq=1, iteration=1, messages=2, tools=[]),
+              LLMResponse(job_id=job_id, movement_seq=1, iteration=1, content="a", tool_calls=[],
+                          usage=Usage(prompt_tokens=100, completion_tokens=20, total_tokens=120)),
+              LLMRequest(job_id=job_id, movement_seq=2, iteration=3, messages=4, tools=["Read"]),
+              LLMResponse(job_id=job_id, movement_seq=2, iteration=3, content="b", tool_calls=[],
+                          usage=Usage(prompt_tokens=300, completion_tokens=7, total_tokens=307))])
+    with s.transaction() as c:
+        s.set_status(c, job_id, JobStatus.queued, reason="paused after one call")
+        kid = s.create_child_job(c, job_id, piece="p", piece_yaml="name: p", piece_path=None, model="demo",
+                                 instruction="part", options="{}")
+        grandchild = s.create_child_job(c, kid, piece="p", piece_yaml="name: p", piece_path=None, model="demo",
+                                        instruction="part of it", options="{}")
+    total = reads.total_tokens(s, job_id)
+    assert total == 427 and type(total) is int
+    assert reads.latest_request(s, job_id) == (2, 3)
+    assert reads.last_status_reason(s, job_id) == "paused after one call"
+    assert [reads.subtask_depth(s, j) for j in (job_id, kid, grandchild)] == [0, 1, 2]
+    assert (reads.total_tokens(s, kid), reads.latest_request(s, kid), reads.last_status_reason(s, kid)) == (0, None, None)
+
+
+def test_the_store_interface_keeps_no_derived_read_of_a_jobs_events() -> None:
+    from agentnb.store.postgres import PostgresStore
+
+    moved = {"total_tokens", "last_status_reason", "latest_request", "subtask_depth"}
+    for cls in (Store, SQLiteStore, PostgresStore):
+        assert not {n for n in moved if hasattr(cls, n)}, cls.__name__
+        assert {"job", "jobs", "claim", "job_columns", "set_status"} <= set(dir(cls)), cls.__name__
+    assert moved <= set(reads.__all__)
+    # the interface is typed with the record: what a backend returns is what the package reads
+    for name in ("job", "jobs", "claim"):
+        assert "JobRecord" in str(typing.get_type_hints(getattr(Store, name))["return"]), name

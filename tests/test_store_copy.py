@@ -18,7 +18,7 @@ from _usage_jobs import demo_job, usage_job
 
 from agentnb import Workspace
 from agentnb.errors import AgentnbError, StoreError, UsageError
-from agentnb.store import copy_store, open_store
+from agentnb.store import copy_store, open_store, reads
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_pg = pytest.mark.needs("postgres", "psycopg")
@@ -231,7 +231,7 @@ def test_a_running_job_is_refused_or_copied_as_queued_without_its_claim(tmp_path
     src = _lite(tmp_path / "src")
     job = src.submit("one", piece="single", model="demo")
     claimed = src.store.claim(job.id, owner="otherhost:1:abcd")
-    assert claimed and claimed["status"] == "running"
+    assert claimed and claimed.status == "running"
     n_events = len(src.events(job))
     src.store.close()
     with pytest.raises(StoreError, match=rf"has running jobs \({job.id}\).*--running queue"):
@@ -242,8 +242,8 @@ def test_a_running_job_is_refused_or_copied_as_queued_without_its_claim(tmp_path
     assert counts["events"] == n_events + 1
     dst = _lite(tmp_path / "dst")
     row = dst.store.job(job.id)
-    assert (row["status"], row["claimed_by"]) == ("queued", None)
-    assert dst.store.last_status_reason(job.id) == "copied: was running in SRC"
+    assert (row.status, row.claimed_by) == ("queued", None)
+    assert reads.last_status_reason(dst.store, job.id) == "copied: was running in SRC"
     # a claim in DST takes it at once, and it runs (the demo model asks its human about so short a task)
     assert dst.run(job.id).status == "waiting_human" and dst.events(job.id, kinds=["llm_response"])
     assert _lite(tmp_path / "src").job(job.id).status == "running"  # SRC untouched

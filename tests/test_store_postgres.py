@@ -21,7 +21,7 @@ from _usage_jobs import demo_job, usage_job
 
 from agentnb import Workspace
 from agentnb.errors import StoreError
-from agentnb.store import display_url, open_store
+from agentnb.store import display_url, open_store, reads
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_pg = pytest.mark.needs("postgres", "psycopg")
@@ -109,7 +109,7 @@ def _record(ws: Workspace) -> dict[str, Any]:
         df: pd.DataFrame = getattr(ws.frames, name)()
         frames[name] = df.drop(columns=[c for c in df.columns if c in _VOLATILE]).map(_norm)
     # workdir differs by design: SQLite's absolute path, PostgreSQL's jobs/<id> under each worker's own folder
-    jobs = [{k: _norm(v) for k, v in ws.store.job(j).items()
+    jobs = [{k: _norm(v) for k, v in ws.store.job(j).to_dict().items()
              if k not in _VOLATILE | {"updated", "claimed_by", "workdir"}} for j in ws.store.job_ids()]
     return {"events": events, "frames": frames, "jobs": jobs,
             "movements": [[{k: v for k, v in m.items() if k not in _VOLATILE} for m in ws.movements(j)]
@@ -181,13 +181,13 @@ def test_two_processes_claiming_never_take_the_same_job(pg_url: str) -> None:
         time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
         got = []
         while (row := store.claim()) is not None:
-            got.append(row["id"])
+            got.append(row.id)
             if len(got) == 1:  # hold the first claim until the other process has one too (a late start under load)
                 until = time.time() + 60
                 while store.query("SELECT COUNT(*) FROM jobs WHERE status='running'")[0][0] < 2 and time.time() < until:
                     time.sleep(0.01)
             with store.transaction() as c:
-                store.set_status(c, row["id"], "succeeded", reason="done")
+                store.set_status(c, row.id, "succeeded", reason="done")
         store.close()
         print(json.dumps(got))
     """
@@ -210,11 +210,11 @@ def test_claim_of_a_given_job_and_of_none_left(pg_url: str) -> None:
     first = store.create_job(piece="single", piece_yaml="", model="demo", instruction="a", workdir="")
     second = store.create_job(piece="single", piece_yaml="", model="demo", instruction="b", workdir="")
     row = store.claim(second)
-    assert row is not None and row["id"] == second and row["status"] == "running"
+    assert row is not None and row.id == second and row.status == "running"
     assert store.claim(second) is None  # already running
     assert store.claim(2**70) is None
     row = store.claim()
-    assert row is not None and row["id"] == first
+    assert row is not None and row.id == first
     assert store.claim() is None
     store.close()
 
@@ -320,7 +320,7 @@ def test_sqlite_urls_and_folders_open_the_sqlite_store(tmp_path: Path) -> None:
     assert (tmp_path / "shared" / "agentnb.sqlite").is_file()
     assert not (tmp_path / "scratch" / "agentnb.sqlite").exists()
     store = open_store(tmp_path / "shared")  # a folder: its agentnb.sqlite
-    assert [j["id"] for j in store.jobs()] == [job.id]
+    assert [j.id for j in store.jobs()] == [job.id]
     store.close()
     store = open_store(f"SQLITE://{tmp_path}/shared")  # schemes are case-insensitive; a folder again
     assert store.job_ids() == [job.id]
@@ -364,7 +364,7 @@ def test_a_connection_lost_is_one_line_mid_transaction_and_replaced_when_idle(pg
         _sql(pg.url(), "SELECT pg_terminate_backend(%s)", (c.info.backend_pid,))  # type: ignore[attr-defined]
         store.update_job(c, job, error="never written")
     assert pg.password not in _one_line(exc)
-    assert store.job(job)["error"] is None
+    assert store.job(job).error is None
     # and to the connections idle in the pool: each is checked when handed out, and replaced
     _sql(pg.url(), "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> "
                    "pg_backend_pid()", (db,))
@@ -381,7 +381,7 @@ def test_a_nul_in_an_event_is_kept_as_a_mark_and_the_frames_still_read(pg_url: s
     store.append([ToolResult(job_id=job, ts=time.time(), tool="Bash", call_id="c1", content="a\x00b \\u0000 c")])
     (event,) = store.events(job, kinds=["tool_result"])
     assert event.payload["content"] == "a\ufffdb \\u0000 c"  # the NUL marked, a literal backslash-u kept
-    assert store.frame_rows("messages", job)[1][0][-2] == "a\ufffdb \\u0000 c"
+    assert reads.frame_rows(store, "messages", job)[1][0][-2] == "a\ufffdb \\u0000 c"
     store.close()
 
 
@@ -395,7 +395,7 @@ def _children_of_a_waiting_parent(store: Any, n: int) -> tuple[int, list[tuple[i
                                        instruction=f"part {k}", options="{}") for k in range(n)]
         store.set_status(c, parent, "waiting_subtasks", reason="split", resume_movement="merge")
     claimed = [store.claim(kid, lease=60) for kid in kids]
-    return parent, [(int(r["id"]), int(r["lease_gen"])) for r in claimed if r is not None]
+    return parent, [(int(r.id), int(r.lease_gen)) for r in claimed if r is not None]
 
 
 @needs_pg
@@ -439,7 +439,7 @@ def test_subtasks_ending_at_once_in_threads_queue_their_parent_exactly_once(pg_u
                           if ev.payload["reason"] == "every subtask has ended"]
                 assert len(queued) == 1, f"parent {p} queued {len(queued)} times"
                 row = store.job(p)
-                assert (row["status"], row["current_movement"]) == ("queued", "merge")
+                assert (row.status, row.current_movement) == ("queued", "merge")
             # it was queued after every child had ended: the event follows each child's end
             ends = [ev.id for k, _ in kids for ev in store.events(k, kinds=["job_status"])
                     if ev.payload["status"] == "succeeded"]
@@ -469,7 +469,7 @@ def test_lease_holders_of_different_trees_write_at_once_and_others_wait_for_all(
         with store.transaction() as c:
             a_kid = store.create_child_job(c, a, piece="single", piece_yaml="", piece_path=None, model="demo",
                                            instruction="a's part", options="{}")
-        rows = {r["id"]: int(r["lease_gen"]) for r in (store.claim(j, lease=60) for j in (a, b, a_kid)) if r}
+        rows = {r.id: int(r.lease_gen) for r in (store.claim(j, lease=60) for j in (a, b, a_kid)) if r}
         order: list[str] = []
         inside = {k: threading.Event() for k in ("a", "b")}
         release = threading.Event()
@@ -519,6 +519,6 @@ def test_lease_holders_of_different_trees_write_at_once_and_others_wait_for_all(
         assert sorted(order) == ["a ends", "b ends", "same tree", "submit"]
         assert order.index("same tree") > order.index("a ends")
         assert order.index("submit") > max(order.index("a ends"), order.index("b ends"))
-        assert store.job(a_kid)["current_movement"] == "kid"
+        assert store.job(a_kid).current_movement == "kid"
     finally:
         store.close()

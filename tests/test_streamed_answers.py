@@ -362,3 +362,94 @@ def test_the_panel_shows_the_running_calls_stream_below_its_view_and_hides_it_af
     assert len(same_call) >= 3
     assert not [t for t in views for begun, ended in same_call if begun < t < ended]
     assert panel.stream.value == "" and panel.stream.layout.display == "none"
+
+
+def test_in_a_kernel_step_call_shows_the_call_as_it_streams_then_the_recorded_call(tmp_path: Path) -> None:
+    from nbclient import NotebookClient
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    received: list[tuple[float, int, dict[str, Any]]] = []
+
+    class Client(NotebookClient):  # type: ignore[misc]
+        def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
+            received.append((time.time(), cell_index, msg))
+            return super().process_message(msg, cell, cell_index)
+
+    cells = [
+        KERNEL_SETUP,
+        'job = %agent run --queue --model demo?pace=0.02 "Summarise the inputs"',
+        "%agent step --call",  # the plan's two calls
+        "%agent step --call",
+        "%agent step --call",  # the implement movement's first call: the long report, written as it streams
+        "print(json.dumps({'status': str(_ws.job(job.id).status),"
+        " 'calls': len(_ws.events(job.id, kinds=['llm_response']))}))",
+    ]
+    nb = new_notebook(cells=[new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    Client(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    data = json.loads(nb.cells[5].outputs[0]["text"])
+    assert data == {"status": "queued", "calls": 3}  # stepped three calls, paused after each
+    draws = [m["content"] for _, i, m in received if i == 4
+             and m["msg_type"] in ("display_data", "update_display_data")
+             and "stream" in m["content"].get("transient", {}).get("agentnb", {})]
+    shown = [c for c in draws if c["data"]]
+    assert len(shown) >= 3, draws
+    assert all('class="anb-job anb-stream"' in c["data"]["text/html"] and "<b>Write</b>" in c["data"]["text/html"]
+               for c in shown)
+    sizes = [c["transient"]["agentnb"]["stream"] for c in shown]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1], sizes  # the arguments grew in the view
+    assert {tuple(c["transient"]["agentnb"]["call"]) for c in shown} == {(2, 1)}
+    # after the step: the view shows the recorded call, the streamed element is emptied (nothing saved of it)
+    outputs = nb.cells[4].outputs
+    assert [o["output_type"] for o in outputs] == ["display_data", "display_data", "execute_result"]
+    view, emptied, value = outputs  # the view (shrunk to a line: the Job, the cell's value, is shown in full)
+    assert emptied["data"] == {} and "anb-stream" not in view["data"]["text/html"]
+    assert "anb-stream" not in value["data"]["text/html"] and "Write" in value["data"]["text/html"]
+
+
+def test_in_a_kernel_the_panels_stop_cuts_a_streaming_call_off_and_a_resume_asks_it_again(tmp_path: Path) -> None:
+    from nbclient import NotebookClient
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    cells = [
+        KERNEL_SETUP,
+        "from agentnb.notebook.panel import Panel\n"
+        "panel = Panel(_ws, magic=get_ipython().magics_manager.registry['AgentMagic'])\n"
+        "panel.piece.value, panel.model.value = 'plan-implement-verify', 'demo?pace=0.05'\n"
+        "panel.instruction.value = 'Summarise the inputs'\n"
+        "panel.run_button.click()\n"
+        # the implement movement's report (call 1 of run 2), seconds long at this pace: Stop once it has begun
+        "while not [c for c in chunks if tuple(c[1:3]) == (2, 1) and c[3] > 40]:\n"
+        "    time.sleep(0.005)\n"
+        "stopped_at = time.time()\n"
+        "panel.stop_button.click()\n"
+        "panel.wait(60)\n"
+        "job = panel.job\n"
+        "cut = [c for c in chunks if tuple(c[1:3]) == (2, 1)]\n"
+        "print(json.dumps({'stop_to_last_piece': cut[-1][0] - stopped_at, 'status': str(_ws.job(job.id).status),\n"
+        "  'errors': [(e.where, e.movement_seq, e.iteration) for e in _ws.events(job.id, kinds=['error'])],\n"
+        "  'responses': [(e.movement_seq, e.iteration) for e in _ws.events(job.id, kinds=['llm_response'])]}))",
+        "panel.jobs.value = job.id\npanel.run_button.click()\npanel.wait(120)\n"
+        "print(json.dumps({'status': str(_ws.job(job.id).status),\n"
+        "  'requests': [(e.movement_seq, e.iteration) for e in _ws.events(job.id, kinds=['llm_request'])],\n"
+        "  'responses': [(e.movement_seq, e.iteration) for e in _ws.events(job.id, kinds=['llm_response'])],\n"
+        "  'again': len([c for c in chunks if tuple(c[1:3]) == (2, 1)])}))\n"
+        "panel.close()",
+    ]
+    nb = new_notebook(cells=[new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+    def printed(cell: int) -> dict[str, Any]:
+        return json.loads("".join(o["text"] for o in nb.cells[cell].outputs if o["output_type"] == "stream"))
+
+    stopped = printed(1)
+    print(f"Stop → last streamed piece: {stopped['stop_to_last_piece'] * 1000:.0f} ms")
+    assert stopped["stop_to_last_piece"] < 0.5  # the stream ends at once, not after the call
+    assert stopped["status"] == "queued"  # paused
+    assert stopped["errors"] == [["interrupted", 2, 1]]  # recorded as interrupted, no response from a partial one
+    assert [2, 1] not in stopped["responses"]
+    resumed = printed(2)
+    assert resumed["status"] == "succeeded"
+    assert resumed["requests"].count([2, 1]) == 2 and resumed["responses"].count([2, 1]) == 1  # asked again, once
+    assert resumed["again"] > 5  # the call streamed again, from its start

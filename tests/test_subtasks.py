@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -468,8 +467,7 @@ def test_fan_out_hands_out_single_within_its_rights_and_the_children_keep_the_ca
     assert [k.status.value for k in kids] == ["succeeded", "succeeded"]
     for kid in kids:
         assert (Path(kid.workdir) / "output" / "part.md").is_file()  # Write ran in the child
-        options = json.loads(ws.store.job(kid.id)["options"])
-        assert options["subtask_cap"] == {"tools": ["Read", "Glob", "Grep", "Write", "Edit", "Checklist"],
+        assert ws.store.job(kid.id).options.subtask_cap == {"tools": ["Read", "Glob", "Grep", "Write", "Edit", "Checklist"],
                                           "permission": "edit"}
 
 

@@ -31,7 +31,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -42,6 +42,7 @@ from ._filecache import FileCache, hash_file, read_regular
 
 if TYPE_CHECKING:
     from ..store.base import Store, Transaction
+    from ..store.records import JobRecord
 
 __all__ = [
     "DEFAULT_FILES_LIMIT",
@@ -128,12 +129,12 @@ def workdir_column(store: Store, job_id: int, workdir: Path) -> str:
     return f"jobs/{job_id}" if store.keeps_files else str(workdir)
 
 
-def local_workdir(root: Path, row: Mapping[str, Any], keeps_files: bool) -> Path:
-    """The work directory of job ``row`` on this machine: ``root/jobs/<id>`` in a store that keeps files
+def local_workdir(root: Path, job: JobRecord, keeps_files: bool) -> Path:
+    """The work directory of ``job`` on this machine: ``root/jobs/<id>`` in a store that keeps files
     (whatever the column says: a copied SQLite row may hold another machine's path), else the column's path."""
     if keeps_files:
-        return root / "jobs" / str(int(row["id"]))
-    return Path(row["workdir"])
+        return root / "jobs" / str(job.id)
+    return Path(job.workdir)
 
 
 # -- reading a work directory --------------------------------------------------------------------------------

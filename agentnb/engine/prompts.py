@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..events import Lesson, Subtask, Transition
 from ..store import reads
@@ -26,6 +26,7 @@ from .pieces import Movement, Piece
 
 if TYPE_CHECKING:
     from ..store.base import Store
+    from ..store.records import JobRecord
 
 __all__ = [
     "MAX_COMMENTS",
@@ -140,15 +141,15 @@ def build_enriched_instruction(
     return "\n\n".join(blocks)
 
 
-def activation_instruction(store: Store, job: Mapping[str, Any], *, language: str, clock: str | None = None,
+def activation_instruction(store: Store, job: JobRecord, *, language: str, clock: str | None = None,
                            workdir: Path | None = None) -> str:
     """The enriched instruction of job ``job`` (its row) for an activation starting now: its last comments,
     its work directory's listing (``workdir``: where it is on this machine, else the row's) and, unless
     ``clock`` is given, the current date and time."""
-    job_id = int(job["id"])
+    job_id = job.id
     return build_enriched_instruction(
-        instruction=job["instruction"], comments=reads.comments(store, job_id, last=MAX_COMMENTS),
-        total_comments=reads.count_comments(store, job_id), workdir=workdir or Path(job["workdir"]), language=language,
+        instruction=job.instruction, comments=reads.comments(store, job_id, last=MAX_COMMENTS),
+        total_comments=reads.count_comments(store, job_id), workdir=workdir or Path(job.workdir), language=language,
         clock=clock,
     )
 
@@ -210,13 +211,13 @@ def _listing(folder: Path, label: str, language: str) -> list[str]:
 
 # -- a movement's user prompt ---------------------------------------------------------------------------
 
-def user_prompt(store: Store, job: dict[str, Any], piece: Piece, movement: Movement, *, logs_dir: Path,
+def user_prompt(store: Store, job: JobRecord, piece: Piece, movement: Movement, *, logs_dir: Path,
                 workdir: Path) -> str:
     """The first user message of ``movement``: the enriched instruction, what earlier movements of job
     ``job`` carried over, then the step's instruction and how to finish it."""
-    job_id = int(job["id"])
+    job_id = job.id
     lang = piece.language
-    parts = [job["enriched"] or ""]
+    parts = [job.enriched or ""]
     lessons = _lessons_block(store.events(job_id, kinds=["lesson"]))
     if lessons:
         parts.append(f"{text(lang, 'lessons')}\n{lessons}")
@@ -308,11 +309,11 @@ def _subtasks_block(store: Store, subtasks: Sequence[Subtask], language: str) ->
             if isinstance(ev, Transition):
                 summary = ev.summary
                 break
-        lines.append(text(language, "subtask_line", id=sub.job_id, status=child["status"],
+        lines.append(text(language, "subtask_line", id=sub.job_id, status=child.status.value,
                           instruction=sub.instruction, summary=summary or "-"))
         # an abort's reason is usually its summary; a failure's message never is
-        if child["error"] and child["error"] != summary:
-            lines.append(text(language, "subtask_error", error=child["error"]))
+        if child.error and child.error != summary:
+            lines.append(text(language, "subtask_error", error=child.error))
     return "\n".join(lines)
 
 

@@ -24,6 +24,7 @@ from ..models.base import Model, ModelError
 from ..models.replay import Recording
 from ..store import reads
 from ..store.base import JobOptions, JobStatus, LeaseLost, StoreUnreachable
+from ..store.records import JobRecord
 from ..tools.base import ToolError, open_regular, unlinked_path
 from .context import ContextManager, job_thresholds, window_for_model
 from .jobfiles import DEFAULT_FILES_LIMIT, FileCache, FilesOverLimit, WriteBack, local_workdir, plan_write_back
@@ -43,16 +44,16 @@ __all__ = ["JobRunner", "stored_piece"]
 class JobRunner:
     """Drives one job; one instance per job per process, rebuilt from the store when needed."""
 
-    def __init__(self, store: Store, job: dict[str, Any], model: Model, jobs_root: Path, *,
+    def __init__(self, store: Store, job: JobRecord, model: Model, jobs_root: Path, *,
                  files_limit: int = DEFAULT_FILES_LIMIT, file_cache: FileCache | None = None,
                  options: JobOptions | None = None) -> None:
         self.store = store
-        self.job_id = int(job["id"])
+        self.job_id = job.id
         self.model = model
         self.piece: Piece = stored_piece(job)
         # the caller may have decoded them already (the execution, for the model's retry settings)
-        self.options = JobOptions.from_json(job.get("options")) if options is None else options
-        self.model_spec = str(job["model"])
+        self.options = job.options if options is None else options
+        self.model_spec = job.model
         # where files live in the store, the job works under this process's own folder (engine/jobfiles.py)
         self.workdir = local_workdir(jobs_root.parent, job, store.keeps_files)
         self.files_limit = files_limit
@@ -70,9 +71,9 @@ class JobRunner:
         self.loop: AgentLoop | None = None
         # A fork (docs/fork-compare.md#fork) re-serves runs 1 … fork_seq-1 of job forked_from_job, each under the piece,
         # context settings and tokenizer of the job that ran it live, and runs live from fork_seq on.
-        self.fork_seq = int(job.get("forked_from_seq") or 0)
-        self.recording = (Recording(store, int(job["forked_from_job"]), before=self.fork_seq)
-                          if job.get("forked_from_job") else None)
+        self.fork_seq = job.forked_from_seq or 0
+        self.recording = (Recording(store, job.forked_from_job, before=self.fork_seq)
+                          if job.forked_from_job else None)
         self.strict = bool(self.options.strict_replay)
         by_movement = reads.calls_by_movement(store, self.job_id)
         self.counters = CallCounters(call_index=sum(by_movement.values()), by_movement=by_movement)
@@ -83,13 +84,13 @@ class JobRunner:
             self.loop.resume(store.events(self.job_id, movement_seq=seq))
 
     # -- state ------------------------------------------------------------
-    def job(self) -> dict[str, Any]:
+    def job(self) -> JobRecord:
         return self.store.job(self.job_id)
 
     def _replayed(self, seq: int) -> bool:
         return self.recording is not None and seq < self.fork_seq
 
-    def _live_row(self, seq: int) -> dict[str, Any]:
+    def _live_row(self, seq: int) -> JobRecord:
         """The row of the job that ran re-served run ``seq`` live (the original, or its own original …)."""
         assert self.recording is not None
         return self.store.job(self.recording.live_job(seq))
@@ -101,7 +102,7 @@ class JobRunner:
         piece, options, spec = self.piece, self.options, self.model.spec
         if self._replayed(seq):  # re-served: the ContextManager the run had, so budgets and actions match
             row = self._live_row(seq)
-            piece, options, spec = stored_piece(row), JobOptions.from_json(row.get("options")), str(row["model"])
+            piece, options, spec = stored_piece(row), row.options, row.model
         opts = options.context or {}
         window = opts.get("window_tokens") or piece.window_tokens or window_for_model(spec)
         thresholds = job_thresholds(piece.thresholds, options)
@@ -147,7 +148,7 @@ class JobRunner:
         try:
             while True:
                 if self.loop is None and not self._start_movement():
-                    return self.job()["status"]
+                    return self.job().status
                 assert self.loop is not None
                 outcome = self.loop.call()
                 if outcome is not None:
@@ -224,9 +225,9 @@ class JobRunner:
 
     def _start_movement(self) -> bool:
         job = self.job()
-        seq = int(job["movement_seq"]) + 1
+        seq = job.movement_seq + 1
         piece = self._piece_at(seq)
-        name = job["current_movement"] or piece.initial_movement
+        name = job.current_movement or piece.initial_movement
         if self.recording is not None and self._replayed(seq) and self.recording.movements.get(seq) != name:
             self._fail(f"the fork's run {seq} would be {name!r} but job {self.recording.job_id} ran "
                        f"{self.recording.movements.get(seq)!r}: the re-served runs took another path", where="replay")
@@ -444,11 +445,11 @@ class JobRunner:
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def stored_piece(job: dict[str, Any]) -> Piece:
+def stored_piece(job: JobRecord) -> Piece:
     """The piece a job was submitted with (its YAML is kept in the store, files inlined)."""
     from ..tools.base import registered_tool_names
 
-    return _parsed_piece(job["piece_yaml"], job.get("piece_path") or job["piece"], tuple(registered_tool_names()))
+    return _parsed_piece(job.piece_yaml, job.piece_path or job.piece, tuple(registered_tool_names()))
 
 
 @functools.lru_cache(maxsize=64)

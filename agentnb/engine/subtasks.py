@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..events import JobStatusEvent, Subtask
 from ..models.base import ModelSpecError, check_model_spec, normalise_spec
-from ..store.base import MAX_INSTRUCTION_CHARS, JobOptions, JobStatus
+from ..store.base import MAX_INSTRUCTION_CHARS, JobStatus
+from ..store.reads import subtask_depth
 from ..tools.base import PERMISSION_RANK
 from .jobfiles import workdir_column
 from .pieces import Movement, Piece, PieceError, available_pieces, load_piece
@@ -63,7 +64,7 @@ class Subtasks:
         if len(subtasks) > MAX_SUBTASKS_PER_CALL:
             return (f"{len(subtasks)} subtasks given; at most {MAX_SUBTASKS_PER_CALL} per transition "
                     "(group the work into fewer subtasks)")
-        depth = self.store.subtask_depth(self.job_id)
+        depth = subtask_depth(self.store, self.job_id)
         if depth >= MAX_SUBTASK_DEPTH:
             return (f"this job is already a subtask {depth} levels deep; subtasks may nest at most "
                     f"{MAX_SUBTASK_DEPTH} levels: do this work here instead of handing it out")
@@ -87,7 +88,7 @@ class Subtasks:
         """Queue one child job per request, in the store's transaction ``c``, each capped to ``creator``'s rights."""
         parent = self.store.job(self.job_id)
         # what the child may never exceed, kept with it and enforced again by its loop (see capped)
-        options = JobOptions.from_json(parent["options"]).updated(
+        options = parent.options.updated(
             **{CAP_OPTION: {"tools": list(creator.tools), "permission": creator.permission}})
         created = []
         for sub in requests:
@@ -96,10 +97,11 @@ class Subtasks:
                 model = self._model(sub)
             except Refused as exc:
                 raise RuntimeError(f"subtask refused when created: {exc.field}: {exc}") from None
+            piece_path: str | None
             if sub.get("piece") is not None:
                 piece_name, piece_yaml, piece_path = piece.name, piece.to_yaml(), piece.source
             else:
-                piece_name, piece_yaml, piece_path = parent["piece"], parent["piece_yaml"], parent["piece_path"]
+                piece_name, piece_yaml, piece_path = parent.piece, parent.piece_yaml, parent.piece_path
             child_id = self.store.create_child_job(
                 c, self.job_id, piece=piece_name, piece_yaml=piece_yaml, piece_path=piece_path, model=model,
                 instruction=sub["instruction"], options=json.dumps(options.to_dict()),
@@ -120,15 +122,15 @@ class Subtasks:
             row = self.store.job(sub.job_id)
             model = f"replay:{sub.job_id}"
             child_id = self.store.create_child_job(
-                c, self.job_id, piece=row["piece"], piece_yaml=row["piece_yaml"], piece_path=row["piece_path"],
-                model=model, instruction=row["instruction"], options=row["options"] or "{}",
+                c, self.job_id, piece=row.piece, piece_yaml=row.piece_yaml, piece_path=row.piece_path,
+                model=model, instruction=row.instruction, options=row.options_text or "{}",
             )
             workdir = prepare_workdir(self.logs_dir.parents[2], child_id, None)
             self.store.update_job(c, child_id, workdir=workdir_column(self.store, child_id, workdir))
             self.store.append([JobStatusEvent(job_id=child_id, ts=time.time(), status=JobStatus.queued,
                                               reason=f"subtask of job {self.job_id}, re-served from job {sub.job_id}")],
                               c)
-            created.append(Subtask(instruction=row["instruction"], piece=row["piece"], model=model, job_id=child_id))
+            created.append(Subtask(instruction=row.instruction, piece=row.piece, model=model, job_id=child_id))
         return created
 
     def _piece(self, sub: dict[str, Any], creator: Movement) -> Piece:

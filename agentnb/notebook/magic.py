@@ -488,7 +488,7 @@ class AgentMagic(Magics):
         job = self.job(args.job)
         if job.status != JobStatus.running:
             raise UsageError(f"%agent stop: job {job.id} is {job.status}; only a running job can be stopped")
-        owner = str(self.ws.store.job(job.id).get("claimed_by") or "")
+        owner = self.ws.store.job(job.id).claimed_by or ""
         if not owned_by_this_process(owner):
             raise UsageError(f"%agent stop: job {job.id} runs in another process ({owner or 'unknown'}); "
                              "stop it there (Ctrl-C, or the Stop button of the panel that runs it)")

@@ -41,16 +41,11 @@ from ..events import (
     payload_dict,
 )
 from .base import TERMINAL_STATES, Dialect, FrameRows, JobStatus
+from .records import JOB_COLUMNS, JobRecord
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS
 
 __all__ = ["JOB_COLUMNS", "UPDATABLE", "StoreRows", "events_query"]
 
-JOB_COLUMNS = (
-    "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
-    "current_movement", "resume_movement", "movement_seq", "workdir", "options", "enriched",
-    "error", "claimed_by", "created", "updated", "started", "ended", "batch", "batch_case", "batch_variant",
-    "forked_from_job", "forked_from_seq", "lease_until", "lease_gen",
-)
 # lease_gen moves only by claims and recoveries (a fence compares against it)
 UPDATABLE = frozenset(JOB_COLUMNS) - {"id", "created", "lease_gen"}
 # the job columns that hold free text (an endpoint's error, what a user or a model wrote), scrubbed of secrets;
@@ -329,7 +324,7 @@ class StoreRows(ABC, Generic[C]):
                 self._texts.pop(next(iter(self._texts)))
             self._texts[ref] = body
 
-    def _job_dict(self, row: Any) -> dict[str, Any]:
+    def _job_record(self, row: Any) -> JobRecord:
         """A ``jobs`` row (a mapping of column → value) as the job it stores: its texts put back."""
         job = dict(row)
         ref, enriched_ref = job.pop("instruction_ref", None), job.pop("enriched_ref", None)
@@ -337,4 +332,4 @@ class StoreRows(ABC, Generic[C]):
             job["instruction"] = self._text(ref)
         if enriched_ref is not None and job.get("enriched"):
             job["enriched"] = job["enriched"].replace(TEXT_REF, self._text(enriched_ref))
-        return job
+        return JobRecord.from_mapping(job)

@@ -8,19 +8,18 @@ frames' queries are asked for by frame name.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from ..errors import StoreError
-from ..events import Event, encode_payload
+from ..events import Event
+from .records import JOB_STATES, TERMINAL_STATES, WAITING_STATES, JobOptions, JobRecord, JobStatus
 
 __all__ = [
     "DEFAULT_LEASE",
@@ -57,100 +56,8 @@ __all__ = [
 ]
 
 # -- rules every backend keeps ------------------------------------------------------------------------
-
-
-class JobStatus(str, Enum):
-    """A job's status (docs/job-states.md).  A ``str`` enum: a member is equal to, hashes as and is stored as its
-    value, so the store's columns, events and SQL hold the same text as before the enum was used; rows read back
-    from the store carry the plain text, which compares equal to the member."""
-
-    queued = "queued"
-    running = "running"
-    succeeded = "succeeded"
-    failed = "failed"
-    aborted = "aborted"
-    waiting_human = "waiting_human"
-    waiting_subtasks = "waiting_subtasks"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def terminal(self) -> bool:
-        return self.value in TERMINAL_STATES
-
-    @property
-    def waiting(self) -> bool:
-        return self.value in WAITING_STATES
-
-
-# plain text, not members: SQL is built from them and frames' categories are made of them
-JOB_STATES: tuple[str, ...] = tuple(s.value for s in JobStatus)
-TERMINAL_STATES = frozenset({JobStatus.succeeded.value, JobStatus.failed.value, JobStatus.aborted.value})
-WAITING_STATES = frozenset({JobStatus.waiting_human.value, JobStatus.waiting_subtasks.value})
-
-# -- a job's options ----------------------------------------------------------------------------------------------
-
-_OPTION_KEYS = ("retries", "max_backoff", "context", "strict_replay", "subtask_cap")
-
-
-@dataclass(frozen=True)
-class JobOptions:
-    """A job's ``options`` column, decoded once (docs/python-api.md#job-options).
-
-    ``retries``/``max_backoff``: the openai retry settings it was submitted or retried with; ``context``: its
-    checked ``context=`` settings; ``strict_replay``: a strict fork; ``subtask_cap``: the tools and permission of
-    the movement that created a subtask.  ``None`` is "not set".  Keys this version does not know stay in
-    ``extra`` and ``order`` keeps the keys as stored, so that writing the options back (a retry, a fork, a
-    subtask's copy) gives the text it gave before they were typed, and a newer version's keys survive.
-    """
-
-    retries: int | None = None
-    max_backoff: float | None = None
-    context: Mapping[str, Any] | None = None
-    strict_replay: bool | None = None
-    subtask_cap: Mapping[str, Any] | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    order: tuple[str, ...] = ()
-
-    @classmethod
-    def from_json(cls, text: str | None) -> JobOptions:
-        """The options of a job row's ``options`` text (empty or NULL: none set)."""
-        return cls.from_dict(json.loads(text or "{}"))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> JobOptions:
-        known = {k: data[k] for k in _OPTION_KEYS if k in data}
-        return cls(**known, extra={k: v for k, v in data.items() if k not in _OPTION_KEYS}, order=tuple(data))
-
-    def updated(self, **changes: Any) -> JobOptions:
-        """These options with ``changes`` set: a key already set keeps its place, a new one goes last (as a
-        dict's update does)."""
-        extra = {k: v for k, v in changes.items() if k not in _OPTION_KEYS}
-        known = {k: v for k, v in changes.items() if k in _OPTION_KEYS}
-        return replace(self, **known, extra={**self.extra, **extra},
-                       order=self.order + tuple(k for k in changes if k not in self.order))
-
-    def without(self, *keys: str) -> JobOptions:
-        """These options with ``keys`` unset."""
-        return replace(self, **{k: None for k in keys if k in _OPTION_KEYS},
-                       extra={k: v for k, v in self.extra.items() if k not in keys},
-                       order=tuple(k for k in self.order if k not in keys))
-
-    def to_dict(self) -> dict[str, Any]:
-        """The options as the JSON object stored, in the stored order (a key set here but not stored goes last)."""
-        keys = self.order + tuple(k for k in _OPTION_KEYS if k not in self.order and getattr(self, k) is not None)
-        return {k: self.extra[k] if k in self.extra else getattr(self, k) for k in keys}
-
-    def to_json(self) -> str:
-        """The stored text: compact and UTF-8, as the store encodes a job's options."""
-        return encode_payload(self.to_dict())
-
-    @property
-    def thresholds(self) -> Mapping[str, float]:
-        """The context thresholds the job was submitted with (over its piece's); empty when none."""
-        return (self.context or {}).get("thresholds") or {}
-
+# JobStatus, the state sets and JobOptions live in records.py (the records are built of them, and this Protocol
+# returns the records: records.py imports nothing of this module); imported here, where they were defined before
 
 # The longest instruction a job may have: far more than any model's window holds (long material belongs
 # in input files, which the tools read in budgeted pieces).  Subtasks are held to it too.
@@ -339,13 +246,14 @@ class Store(Protocol):
         """Insert a job row (its ``job_status`` event too) and return its id."""
         ...
 
-    def job(self, job_id: int) -> dict[str, Any]:
-        """The job's row, long texts expanded; :class:`StoreError` when there is no such job."""
+    def job(self, job_id: int) -> JobRecord:
+        """The job's row as a record (docs/python-api.md#records), long texts expanded; :class:`StoreError` when
+        there is no such job."""
         ...
 
     def jobs(self, status: str | None = None, parent_id: int | None = None,
-             batch: str | None = None) -> list[dict[str, Any]]:
-        """Job rows in id order, optionally only those with ``status``, of ``parent_id`` or of ``batch``."""
+             batch: str | None = None) -> list[JobRecord]:
+        """Job records in id order, optionally only those with ``status``, of ``parent_id`` or of ``batch``."""
         ...
 
     def job_ids(self) -> list[int]: ...
@@ -361,8 +269,8 @@ class Store(Protocol):
         ...
 
     def claim(self, job_id: int | None = None, owner: str | None = None,
-              lease: float | None = None) -> dict[str, Any] | None:
-        """Atomically move a queued job (the given one, or the oldest) to ``running``; its row, or None.
+              lease: float | None = None) -> JobRecord | None:
+        """Atomically move a queued job (the given one, or the oldest) to ``running``; its record, or None.
 
         First every running job whose lease has run out goes back to the queue (``LEASE_EXPIRED``; its
         generation moves on, so its old holder's next write is refused), as does one whose owner process on
@@ -381,14 +289,6 @@ class Store(Protocol):
         ``job_id``'s lease generation is still ``gen``, and raises :class:`LeaseLost` (writing nothing) when not."""
         ...
 
-    def total_tokens(self, job_id: int) -> int:
-        """The sum of ``usage.total_tokens`` over the job's LLM calls."""
-        ...
-
-    def last_status_reason(self, job_id: int) -> str | None:
-        """The reason of the job's newest ``job_status`` event (None before the first one)."""
-        ...
-
     # -- events -------------------------------------------------------------------------------------------
     def append(self, events: Sequence[Event], c: Transaction | None = None) -> None:
         """Record ``events`` (in ``c``, else in a transaction of their own)."""
@@ -404,10 +304,6 @@ class Store(Protocol):
     ) -> list[Event]: ...
 
     def last_event_id(self, job_id: int) -> int: ...
-
-    def latest_request(self, job_id: int) -> tuple[int | None, int | None] | None:
-        """``(movement_seq, iteration)`` of the job's newest ``llm_request``, None before the first."""
-        ...
 
     def change_mark(self) -> tuple[int | None, int | None]:
         """The newest event id and job id of the whole store: different whenever anything was recorded."""
@@ -437,10 +333,6 @@ class Store(Protocol):
 
     def fail_movement(self, c: Transaction, job_id: int, seq: int, *, iterations: int) -> None:
         """Close movement run ``seq`` as failed (its job fails in the same transaction)."""
-        ...
-
-    def subtask_depth(self, job_id: int) -> int:
-        """How many ancestors the job has (0 for a job a user submitted)."""
         ...
 
     def create_child_job(self, c: Transaction, parent_id: int, *, piece: str, piece_yaml: str,
@@ -498,8 +390,4 @@ class Store(Protocol):
     def rows(self, sql: str, params: Sequence[Any] = ()) -> FrameRows:
         """Column names and row tuples of a read-only query with ``?`` placeholders in SQL both backends take:
         what the derived reads of :mod:`agentnb.store.reads` are built on."""
-        ...
-
-    def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
-        """The rows of one of ``ws.frames``' views, of one job or (None) of every job."""
         ...

@@ -1,4 +1,4 @@
-"""The SQL behind ``ws.frames``: one query per DataFrame view, run by :meth:`SQLiteStore.frame_rows`.
+"""The SQL behind ``ws.frames``: one query per DataFrame view, run by :func:`agentnb.store.reads.frame_rows`.
 
 Every payload field a query reads is named through :func:`payload_path`, which checks it against the
 event dataclasses in :mod:`agentnb.events` when this module is imported: a field renamed there fails the
@@ -33,7 +33,7 @@ from ..events import (
 from .base import Dialect, FrameQuery
 from .texts import instruction_sql, payload_text_sql
 
-__all__ = ["FRAME_SQL", "PG_FRAME_SQL", "Dialect", "FrameSQL", "frame_sql"]
+__all__ = ["FRAME_SQL", "PG_FRAME_SQL", "Dialect", "FrameSQL", "frame_sql", "payload_field"]
 
 
 
@@ -150,6 +150,12 @@ class _Dialect:
         if self.name == "sqlite":
             return f"CAST({ts} / 86400 AS INTEGER) * 86400"
         return f"CAST(FLOOR({ts} / 86400) AS bigint) * 86400"
+
+
+def payload_field(dialect: Dialect, alias: str, cls: type, path: str) -> str:
+    """SQL of ``dialect`` reading scalar payload field ``path`` (dotted, checked against event class ``cls``) of
+    the event row ``alias``: what store/reads.py writes its SQL once with."""
+    return _Dialect(dialect).jx(alias, cls, path)
 
 
 def _action_rank(expr: str) -> str:

@@ -39,7 +39,6 @@ psycopg 3 and a :class:`psycopg_pool.ConnectionPool` (extra ``agentnb[postgres]`
 from __future__ import annotations
 
 import hashlib
-import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -55,14 +54,12 @@ from ..errors import StoreError
 from ..events import (
     Event,
     JobStatusEvent,
-    LLMResponse,
     encode_payload,
     event_from_row,
-    payload_path,
     strict_events,
 )
 from ._pg_dialect import Row as Row  # defined here before; importable from here still
-from ._pg_dialect import no_nul, pg_path, psycopg_sql, row_factory
+from ._pg_dialect import no_nul, psycopg_sql, row_factory
 from ._rows import JOB_COLUMNS, StoreRows, events_query
 from .base import (
     DEFAULT_LEASE,
@@ -70,7 +67,6 @@ from .base import (
     RECOVERED,
     TERMINAL_STATES,
     Dialect,
-    FrameQuery,
     FrameRows,
     JobStatus,
     LeaseLost,
@@ -82,11 +78,11 @@ from .base import (
     owner_id,
     owner_is_gone,
 )
-from .frames_sql import PG_FRAME_SQL
 from .pg_migrations import PG_MIGRATIONS, PG_SCHEMA_VERSION
 from .pg_notify import NOTIFY_SQL, PgJobWaiter
 from .pg_outage import connected, is_outage, watch_outages
 from .pg_session import session_limits
+from .records import JobRecord
 from .texts import REF_FIELDS
 
 __all__ = ["BACKEND_ERRORS", "PG_SCHEMA_VERSION", "PostgresStore", "describe_pg_error", "display_url"]
@@ -107,11 +103,8 @@ _TREE_LOCK = int.from_bytes(b"agnt", "big")
 # Leases are set and checked on the server's clock, so the workers' clocks do not matter.  clock_timestamp(), not
 # now(): now() is the transaction's start, and a claim may have waited for locks since.
 _NOW = "extract(epoch from clock_timestamp())"
-_SLOT = re.compile(r"\{((?:job|where)_\w)\}")  # frames_sql's per-job slots
 
 
-_TOTAL_TOKENS = pg_path(payload_path(LLMResponse, "usage", "total_tokens"))
-_STATUS_REASON = pg_path(payload_path(JobStatusEvent, "reason"))
 
 
 def display_url(url: str) -> str:
@@ -445,14 +438,14 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
                 self._notify(conn)
         return job_id
 
-    def job(self, job_id: int) -> dict[str, Any]:
+    def job(self, job_id: int) -> JobRecord:
         rows = self.query("SELECT * FROM jobs WHERE id=?", (job_id,)) if can_name_a_job(job_id) else []
         if not rows:
             raise StoreError(f"no job {job_id} in {self.path}")
-        return self._job_dict(rows[0])
+        return self._job_record(rows[0])
 
     def jobs(self, status: str | None = None, parent_id: int | None = None,
-             batch: str | None = None) -> list[dict[str, Any]]:
+             batch: str | None = None) -> list[JobRecord]:
         sql, params = "SELECT * FROM jobs", list[Any]()
         where = []
         for column, value in (("status", status), ("parent_id", parent_id), ("batch", batch)):
@@ -461,7 +454,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
                 params.append(value)
         if where:
             sql += " WHERE " + " AND ".join(where)
-        return [self._job_dict(r) for r in self.query(sql + " ORDER BY id", params)]
+        return [self._job_record(r) for r in self.query(sql + " ORDER BY id", params)]
 
     def job_ids(self) -> list[int]:
         return [int(r["id"]) for r in self.query("SELECT id FROM jobs ORDER BY id")]
@@ -510,7 +503,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             self._notify(self._tx(c))
 
     def claim(self, job_id: int | None = None, owner: str | None = None,
-              lease: float | None = None) -> dict[str, Any] | None:
+              lease: float | None = None) -> JobRecord | None:
         """Atomically move a queued job (the given one, or the oldest) to ``running``, leased for ``lease``
         seconds on the server's clock; its row, or None.
 
@@ -544,7 +537,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             with conn.cursor(row_factory=dict_row) as dcur:
                 dcur.execute("SELECT * FROM jobs WHERE id=%s", (job_id,))
                 claimed = dcur.fetchone()
-            return self._job_dict(claimed) if claimed else None
+            return self._job_record(claimed) if claimed else None
 
     def _recover_orphans(self, c: psycopg.Connection[Any], job_id: int | None) -> None:
         """Queue again the running jobs whose lease has run out on the server's clock (their holder died, froze
@@ -583,18 +576,6 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
             cur = self._exec(conn, f"UPDATE jobs SET lease_until={_NOW}+? WHERE id=? AND lease_gen=? "
                                    "AND status='running'", (float(lease), job_id, gen))
             return cur.rowcount == 1
-
-    def total_tokens(self, job_id: int) -> int:
-        rows = self._tuples(
-            f"SELECT COALESCE(SUM((payload #>> '{_TOTAL_TOKENS}')::bigint), 0)::bigint FROM events "
-            "WHERE job_id=? AND kind='llm_response'", (job_id,))[1]
-        return int(rows[0][0])
-
-    def last_status_reason(self, job_id: int) -> str | None:
-        rows = self._tuples(
-            f"SELECT payload #>> '{_STATUS_REASON}' FROM events WHERE kind = 'job_status' "
-            "AND job_id = ? ORDER BY id DESC LIMIT 1", (job_id,))[1]
-        return None if not rows or rows[0][0] is None else str(rows[0][0])
 
     # -- batches ---------------------------------------------------------------
     def create_batch(self, c: Transaction, name: str, *, fingerprint: str, cases: str, variants: str,
@@ -669,11 +650,6 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
     def last_event_id(self, job_id: int) -> int:
         return int(self._tuples("SELECT MAX(id) FROM events WHERE job_id=?", (job_id,))[1][0][0] or 0)
 
-    def latest_request(self, job_id: int) -> tuple[int | None, int | None] | None:
-        rows = self._tuples("SELECT movement_seq, iteration FROM events WHERE job_id=? AND kind='llm_request' "
-                            "ORDER BY id DESC LIMIT 1", (job_id,))[1]
-        return (rows[0][0], rows[0][1]) if rows else None
-
     def change_mark(self) -> tuple[int | None, int | None]:
         row = self._tuples("SELECT (SELECT MAX(id) FROM events), (SELECT MAX(id) FROM jobs)", ())[1][0]
         return row[0], row[1]
@@ -701,17 +677,6 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
                      " ON CONFLICT (job_id, path) DO UPDATE SET mode=EXCLUDED.mode, size=EXCLUDED.size, "
                      "sha256=EXCLUDED.sha256, data=EXCLUDED.data, updated=EXCLUDED.updated")
 
-    def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
-        sql, aliases = PG_FRAME_SQL[frame]
-        fills: dict[str, str] = {}
-        for a in aliases:
-            fills[f"job_{a}"] = "" if job_id is None else f" AND {a}.job_id = ?"
-            fills[f"where_{a}"] = "" if job_id is None else f"WHERE {a}.{'id' if a == 'j' else 'job_id'} = ?"
-        params = [] if job_id is None else [job_id] * len(_SLOT.findall(sql))
-        # only the slots are filled: the SQL holds JSON paths in braces ('{usage,total_tokens}'), so no str.format
-        return self._tuples(_SLOT.sub(lambda m: fills[m.group(1)], sql), params)
-
-    # -- comments --------------------------------------------------------------
     def add_comment(self, c: Transaction, job_id: int, author: str, body: str, *, ts: float | None = None) -> None:
         row, event = self._comment_row(job_id, author, body, ts)
         conn = self._tx(c)
@@ -737,13 +702,6 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
     def fail_movement(self, c: Transaction, job_id: int, seq: int, *, iterations: int) -> None:
         self._exec(self._tx(c), "UPDATE movements SET status='failed', ended=?, iterations=? WHERE job_id=? AND seq=?",
                    (time.time(), iterations, job_id, seq))
-
-    def subtask_depth(self, job_id: int) -> int:
-        rows = self._tuples(
-            "WITH RECURSIVE up(id, parent_id, n) AS (SELECT id, parent_id, 0 FROM jobs WHERE id=? "
-            "UNION ALL SELECT j.id, j.parent_id, up.n + 1 FROM jobs j JOIN up ON j.id = up.parent_id "
-            "WHERE up.n < 1000) SELECT MAX(n) FROM up", (job_id,))[1]
-        return int(rows[0][0] or 0)
 
     def create_child_job(self, c: Transaction, parent_id: int, *, piece: str, piece_yaml: str,
                          piece_path: str | None, model: str, instruction: str, options: str) -> int:

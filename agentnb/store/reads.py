@@ -8,7 +8,11 @@ is a function here of a store and its arguments, in SQL both SQLite and PostgreS
 
 from __future__ import annotations
 
-from .base import JOB_STATES, Store
+import re
+
+from ..events import JobStatusEvent, LLMResponse
+from .base import JOB_STATES, Dialect, FrameQuery, FrameRows, Store
+from .frames_sql import frame_sql, payload_field
 from .records import BatchRecord, CommentRecord, MovementRecord
 
 __all__: list[str] = [
@@ -17,9 +21,14 @@ __all__: list[str] = [
     "calls_by_movement",
     "comments",
     "count_comments",
+    "frame_rows",
+    "last_status_reason",
+    "latest_request",
     "movements",
     "open_movement",
     "runner_mark",
+    "subtask_depth",
+    "total_tokens",
 ]
 
 # -- comments and movement runs -----------------------------------------------------------------------------------
@@ -95,3 +104,59 @@ def batches(store: Store) -> list[BatchRecord]:
         f"SELECT {_BATCH_COLUMNS}, COUNT(j.id) AS jobs, {_STATUS_COUNTS} FROM batches b "
         "LEFT JOIN jobs j ON j.batch = b.name GROUP BY b.name ORDER BY b.created, b.name")
     return [BatchRecord.from_row(columns, r) for r in rows]
+# -- jobs and their events ------------------------------------------------------------------------------------
+
+_DIALECTS: tuple[Dialect, ...] = ("sqlite", "postgres")
+
+# the only difference between the backends is how a payload field is read (json_extract, or #>> and a cast)
+_TOTAL_TOKENS = {d: f"SELECT COALESCE(SUM({payload_field(d, 'e', LLMResponse, 'usage.total_tokens')}), 0) "
+                    "FROM events e WHERE e.job_id=? AND e.kind='llm_response'" for d in _DIALECTS}
+_LAST_REASON = {d: f"SELECT {payload_field(d, 'e', JobStatusEvent, 'reason')} FROM events e "
+                   "WHERE e.kind='job_status' AND e.job_id=? ORDER BY e.id DESC LIMIT 1" for d in _DIALECTS}
+
+
+def total_tokens(store: Store, job_id: int) -> int:
+    """The sum of ``usage.total_tokens`` over the job's LLM calls (0 before the first)."""
+    return int(store.rows(_TOTAL_TOKENS[store.dialect], (job_id,))[1][0][0] or 0)
+
+
+def last_status_reason(store: Store, job_id: int) -> str | None:
+    """The reason of the job's newest ``job_status`` event (None before the first one)."""
+    rows = store.rows(_LAST_REASON[store.dialect], (job_id,))[1]
+    return None if not rows or rows[0][0] is None else str(rows[0][0])
+
+
+def latest_request(store: Store, job_id: int) -> tuple[int | None, int | None] | None:
+    """``(movement_seq, iteration)`` of the job's newest ``llm_request``, None before the first."""
+    rows = store.rows("SELECT movement_seq, iteration FROM events WHERE job_id=? AND kind='llm_request' "
+                      "ORDER BY id DESC LIMIT 1", (job_id,))[1]
+    return (rows[0][0], rows[0][1]) if rows else None
+
+
+def subtask_depth(store: Store, job_id: int) -> int:
+    """How many ancestors the job has (0 for a job a user submitted, or for no such job)."""
+    rows = store.rows(
+        "WITH RECURSIVE up(id, parent_id, n) AS (SELECT id, parent_id, 0 FROM jobs WHERE id=? "
+        "UNION ALL SELECT j.id, j.parent_id, up.n + 1 FROM jobs j JOIN up ON j.id = up.parent_id "
+        "WHERE up.n < 1000) SELECT MAX(n) FROM up", (job_id,))[1]
+    return int(rows[0][0] or 0)
+
+
+# -- the DataFrame views (docs/python-api.md#wsframes) --------------------------------------------------------
+
+_FRAME_SQL = {d: frame_sql(d) for d in _DIALECTS}
+_SLOT = re.compile(r"\{((?:job|where)_\w)\}")  # frames_sql's per-job slots
+
+
+def frame_rows(store: Store, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
+    """The rows of one of ``ws.frames``' views (store/frames_sql.py, in the store's dialect), of one job or (None)
+    of every job."""
+    sql, aliases = _FRAME_SQL[store.dialect][frame]
+    fills: dict[str, str] = {}
+    for a in aliases:
+        fills[f"job_{a}"] = "" if job_id is None else f" AND {a}.job_id = ?"
+        fills[f"where_{a}"] = "" if job_id is None else f"WHERE {a}.{'id' if a == 'j' else 'job_id'} = ?"
+    # one parameter per slot occurrence, in textual order; only the slots are filled (PostgreSQL's SQL holds JSON
+    # paths in braces, '{usage,total_tokens}', so no str.format)
+    params = [] if job_id is None else [job_id] * len(_SLOT.findall(sql))
+    return store.rows(_SLOT.sub(lambda m: fills[m.group(1)], sql), params)

@@ -10,16 +10,24 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any, Literal
 
-from .base import JOB_STATES
+from ..events import encode_payload
 
 __all__: list[str] = [
+    "JOB_COLUMNS",
+    "JOB_STATES",
+    "TERMINAL_STATES",
+    "WAITING_STATES",
     "BatchCase",
     "BatchRecord",
     "BatchVariant",
     "CommentRecord",
+    "JobOptions",
+    "JobRecord",
+    "JobStatus",
     "MovementRecord",
     "MovementStatus",
 ]
@@ -175,3 +183,203 @@ class BatchRecord:
             out["jobs"] = self.jobs
             out.update({f"n_{s}": n for s, n in self.counts.items()})
         return out
+# -- a job's status and options (JobStatus and JobOptions, imported by store/base.py too) ------------------------
+
+
+class JobStatus(str, Enum):
+    """A job's status (docs/job-states.md).  A ``str`` enum: a member is equal to, hashes as and is stored as its
+    value, so the store's columns, events and SQL hold the same text as before the enum was used; rows read back
+    from the store carry the plain text, which compares equal to the member."""
+
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    aborted = "aborted"
+    waiting_human = "waiting_human"
+    waiting_subtasks = "waiting_subtasks"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def terminal(self) -> bool:
+        return self.value in TERMINAL_STATES
+
+    @property
+    def waiting(self) -> bool:
+        return self.value in WAITING_STATES
+
+
+# plain text, not members: SQL is built from them and frames' categories are made of them
+JOB_STATES: tuple[str, ...] = tuple(s.value for s in JobStatus)
+TERMINAL_STATES = frozenset({JobStatus.succeeded.value, JobStatus.failed.value, JobStatus.aborted.value})
+WAITING_STATES = frozenset({JobStatus.waiting_human.value, JobStatus.waiting_subtasks.value})
+
+# -- a job's options ----------------------------------------------------------------------------------------------
+
+_OPTION_KEYS = ("retries", "max_backoff", "context", "strict_replay", "subtask_cap")
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """A job's ``options`` column, decoded once (docs/python-api.md#job-options).
+
+    ``retries``/``max_backoff``: the openai retry settings it was submitted or retried with; ``context``: its
+    checked ``context=`` settings; ``strict_replay``: a strict fork; ``subtask_cap``: the tools and permission of
+    the movement that created a subtask.  ``None`` is "not set".  Keys this version does not know stay in
+    ``extra`` and ``order`` keeps the keys as stored, so that writing the options back (a retry, a fork, a
+    subtask's copy) gives the text it gave before they were typed, and a newer version's keys survive.
+    """
+
+    retries: int | None = None
+    max_backoff: float | None = None
+    context: Mapping[str, Any] | None = None
+    strict_replay: bool | None = None
+    subtask_cap: Mapping[str, Any] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    order: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, text: str | None) -> JobOptions:
+        """The options of a job row's ``options`` text (empty or NULL: none set)."""
+        return cls.from_dict(json.loads(text or "{}"))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobOptions:
+        known = {k: data[k] for k in _OPTION_KEYS if k in data}
+        return cls(**known, extra={k: v for k, v in data.items() if k not in _OPTION_KEYS}, order=tuple(data))
+
+    def updated(self, **changes: Any) -> JobOptions:
+        """These options with ``changes`` set: a key already set keeps its place, a new one goes last (as a
+        dict's update does)."""
+        extra = {k: v for k, v in changes.items() if k not in _OPTION_KEYS}
+        known = {k: v for k, v in changes.items() if k in _OPTION_KEYS}
+        return replace(self, **known, extra={**self.extra, **extra},
+                       order=self.order + tuple(k for k in changes if k not in self.order))
+
+    def without(self, *keys: str) -> JobOptions:
+        """These options with ``keys`` unset."""
+        return replace(self, **{k: None for k in keys if k in _OPTION_KEYS},
+                       extra={k: v for k, v in self.extra.items() if k not in keys},
+                       order=tuple(k for k in self.order if k not in keys))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as the JSON object stored, in the stored order (a key set here but not stored goes last)."""
+        keys = self.order + tuple(k for k in _OPTION_KEYS if k not in self.order and getattr(self, k) is not None)
+        return {k: self.extra[k] if k in self.extra else getattr(self, k) for k in keys}
+
+    def to_json(self) -> str:
+        """The stored text: compact and UTF-8, as the store encodes a job's options."""
+        return encode_payload(self.to_dict())
+
+    @property
+    def thresholds(self) -> Mapping[str, float]:
+        """The context thresholds the job was submitted with (over its piece's); empty when none."""
+        return (self.context or {}).get("thresholds") or {}
+
+
+
+# a job's columns as a record and its to_dict() give them: the jobs table's, in its order, without the text
+# references (instruction_ref, enriched_ref), which the store expands into the texts
+JOB_COLUMNS = (
+    "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
+    "current_movement", "resume_movement", "movement_seq", "workdir", "options", "enriched",
+    "error", "claimed_by", "created", "updated", "started", "ended", "batch", "batch_case", "batch_variant",
+    "forked_from_job", "forked_from_seq", "lease_until", "lease_gen",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """One row of the ``jobs`` table, as :meth:`Store.job`, :meth:`Store.jobs` and :meth:`Store.claim` give it
+    (docs/python-api.md#records): long texts expanded, ``status`` a :class:`JobStatus`, ``options`` decoded once
+    into :class:`JobOptions` (``options_text``: the stored JSON text, which :meth:`to_dict` gives back)."""
+
+    id: int
+    parent_id: int | None
+    piece: str
+    piece_yaml: str
+    piece_path: str | None
+    model: str
+    instruction: str
+    status: JobStatus
+    current_movement: str | None
+    resume_movement: str | None
+    movement_seq: int
+    workdir: str
+    options: JobOptions
+    options_text: str
+    enriched: str | None
+    error: str | None
+    claimed_by: str | None
+    created: float
+    updated: float
+    started: float | None
+    ended: float | None
+    batch: str | None
+    batch_case: int | None
+    batch_variant: int | None
+    forked_from_job: int | None
+    forked_from_seq: int | None
+    lease_until: float | None
+    lease_gen: int
+
+    @classmethod
+    def from_row(cls, columns: Sequence[str], row: Sequence[Any]) -> JobRecord:
+        """The record of a ``jobs`` row: its column names and values (columns it does not hold, as the text
+        references, are left out; their texts must have been expanded into the row already)."""
+        return cls.from_mapping(dict(zip(columns, row, strict=True)))
+
+    @classmethod
+    def from_mapping(cls, v: Mapping[str, Any]) -> JobRecord:
+        """The record of a ``jobs`` row given as a mapping of column → value."""
+        options = v["options"]
+        return cls(
+            v["id"], v["parent_id"], v["piece"], v["piece_yaml"], v["piece_path"], v["model"], v["instruction"],
+            _STATUSES.get(v["status"]) or JobStatus(v["status"]), v["current_movement"], v["resume_movement"],
+            v["movement_seq"], v["workdir"], _options(options), options, v["enriched"], v["error"], v["claimed_by"], v["created"], v["updated"],
+            v["started"], v["ended"], v["batch"], v["batch_case"], v["batch_variant"], v["forked_from_job"],
+            v["forked_from_seq"], v["lease_until"], v["lease_gen"],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row as a plain dict, column → stored value in the table's order: ``status`` its text, ``options``
+        its JSON text (what ``Store.job`` returned before it returned records)."""
+        return {
+            "id": self.id, "parent_id": self.parent_id, "piece": self.piece, "piece_yaml": self.piece_yaml,
+            "piece_path": self.piece_path, "model": self.model, "instruction": self.instruction,
+            "status": self.status.value, "current_movement": self.current_movement,
+            "resume_movement": self.resume_movement, "movement_seq": self.movement_seq, "workdir": self.workdir,
+            "options": self.options_text, "enriched": self.enriched, "error": self.error,
+            "claimed_by": self.claimed_by, "created": self.created, "updated": self.updated,
+            "started": self.started, "ended": self.ended, "batch": self.batch, "batch_case": self.batch_case,
+            "batch_variant": self.batch_variant, "forked_from_job": self.forked_from_job,
+            "forked_from_seq": self.forked_from_seq, "lease_until": self.lease_until, "lease_gen": self.lease_gen,
+        }
+
+    @property
+    def forked_from(self) -> tuple[int, int] | None:
+        """(the original job, the movement run it runs live from) of a fork; None for any other job."""
+        if self.forked_from_job is None:
+            return None
+        return int(self.forked_from_job), int(self.forked_from_seq or 0)
+
+
+
+# Building a record is on the hot path (a job's row is read several times per step), so its two decodings are
+# looked up: the status by its text, and the options by their text, decoded once per distinct text (a store
+# holds few: most jobs have "{}").  The options are frozen and never changed in place, so records share them.
+_STATUSES: dict[str, JobStatus] = {s.value: s for s in JobStatus}
+_OPTIONS: dict[str, JobOptions] = {}
+_MAX_OPTIONS = 256
+
+
+def _options(text: str | None) -> JobOptions:
+    found = _OPTIONS.get(text or "{}")
+    if found is None:
+        found = JobOptions.from_json(text)
+        if len(_OPTIONS) >= _MAX_OPTIONS:
+            _OPTIONS.clear()  # simpler than an LRU under threads, and rare: 256 different options texts
+        _OPTIONS[text or "{}"] = found
+    return found

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import sqlite3
 import threading
 import time
@@ -27,10 +26,8 @@ from ..errors import StoreError
 from ..events import (
     Event,
     JobStatusEvent,
-    LLMResponse,
     encode_payload,
     event_from_row,
-    payload_path,
     strict_events,
 )
 from ._rows import JOB_COLUMNS, StoreRows, events_query
@@ -43,7 +40,6 @@ from .base import (
     TERMINAL_STATES,
     WAITING_STATES,
     Dialect,
-    FrameQuery,
     FrameRows,
     JobStatus,
     StoredFile,
@@ -55,8 +51,8 @@ from .base import (
     owner_is_gone,
 )
 from .files import SALVAGE, describe_error, header_problem, special_problem, wal_holds_pages, writable
-from .frames_sql import FRAME_SQL
 from .migrations import MIGRATIONS
+from .records import JobRecord
 from .texts import REF_FIELDS, TEXT_REF, TEXT_REF_MIN_CHARS, instruction_sql, payload_text_sql
 
 __all__ = [
@@ -80,10 +76,6 @@ SCHEMA_VERSION = len(MIGRATIONS)
 
 
 
-# payload fields the store's own queries read, named through the event dataclasses like the frames' SQL
-_TOTAL_TOKENS = payload_path(LLMResponse, "usage", "total_tokens")
-_STATUS_REASON = payload_path(JobStatusEvent, "reason")
-_SLOT = re.compile(r"\{(?:job|where)_\w\}")  # frames_sql's per-job slots
 
 # what errors of this backend look like, for callers that word them (describe_error) instead of a traceback
 BACKEND_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error,)
@@ -375,14 +367,14 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
             self._append(conn, [JobStatusEvent(job_id=job_id, ts=now, status=values["status"], reason="submitted")])
         return job_id
 
-    def job(self, job_id: int) -> dict[str, Any]:
+    def job(self, job_id: int) -> JobRecord:
         rows = self.query("SELECT * FROM jobs WHERE id=?", (job_id,)) if can_name_a_job(job_id) else []
         if not rows:
             raise StoreError(f"no job {job_id} in {self.path}")
-        return self._job_dict(rows[0])
+        return self._job_record(rows[0])
 
     def jobs(self, status: str | None = None, parent_id: int | None = None,
-             batch: str | None = None) -> list[dict[str, Any]]:
+             batch: str | None = None) -> list[JobRecord]:
         sql, params = "SELECT * FROM jobs", list[Any]()
         where = []
         if status is not None:
@@ -396,7 +388,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
             params.append(batch)
         if where:
             sql += " WHERE " + " AND ".join(where)
-        return [self._job_dict(r) for r in self.query(sql + " ORDER BY id", params)]
+        return [self._job_record(r) for r in self.query(sql + " ORDER BY id", params)]
 
     def job_ids(self) -> list[int]:
         return [int(r[0]) for r in self.query("SELECT id FROM jobs ORDER BY id")]
@@ -444,7 +436,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
         self._append(self._tx(c), [event])
 
     def claim(self, job_id: int | None = None, owner: str | None = None,
-              lease: float | None = None) -> dict[str, Any] | None:
+              lease: float | None = None) -> JobRecord | None:
         """Atomically move a queued job (the given one, or the oldest) to ``running``, leased for ``lease``
         seconds (this host's clock: hosts sharing the file must keep their clocks in step).
 
@@ -470,7 +462,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
                 return None
             self._append(conn, [JobStatusEvent(job_id=job_id, ts=time.time(), status=JobStatus.running,
                                                reason=f"claimed by {owner}")])
-            return self._job_dict(conn.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone())
+            return self._job_record(conn.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone())
 
     def _recover_orphans(self, c: sqlite3.Connection, job_id: int | None) -> None:
         """Queue again the running jobs whose lease has run out (their holder died, froze or lost the network,
@@ -498,19 +490,6 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
             cur = self._tx(c).execute("UPDATE jobs SET lease_until=? WHERE id=? AND lease_gen=? AND status='running'",
                                       (time.time() + lease, job_id, gen))
             return cur.rowcount == 1
-
-    def total_tokens(self, job_id: int) -> int:
-        rows = self.query(
-            f"SELECT COALESCE(SUM(json_extract(payload,'{_TOTAL_TOKENS}')),0) FROM events "
-            "WHERE job_id=? AND kind='llm_response'", (job_id,),
-        )
-        return int(rows[0][0])
-
-    def last_status_reason(self, job_id: int) -> str | None:
-        rows = self.query(
-            f"SELECT json_extract(payload, '{_STATUS_REASON}') FROM events WHERE kind = 'job_status' "
-            "AND job_id = ? ORDER BY id DESC LIMIT 1", (job_id,))
-        return None if not rows or rows[0][0] is None else str(rows[0][0])
 
     # -- batches ---------------------------------------------------------------
     def create_batch(self, c: Transaction, name: str, *, fingerprint: str, cases: str, variants: str,
@@ -573,11 +552,6 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
         rows = self.query("SELECT MAX(id) FROM events WHERE job_id=?", (job_id,))
         return int(rows[0][0] or 0)
 
-    def latest_request(self, job_id: int) -> tuple[int | None, int | None] | None:
-        rows = self.query("SELECT movement_seq, iteration FROM events WHERE job_id=? AND kind='llm_request' "
-                          "ORDER BY id DESC LIMIT 1", (job_id,))
-        return (rows[0][0], rows[0][1]) if rows else None
-
     def change_mark(self) -> tuple[int | None, int | None]:
         row = self.query("SELECT (SELECT MAX(id) FROM events), (SELECT MAX(id) FROM jobs)")[0]
         return row[0], row[1]
@@ -598,16 +572,6 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
 
     def write_files(self, c: Transaction, job_id: int, files: Sequence[StoredFile], removed: Sequence[str]) -> None:
         raise self._no_files()
-
-    def frame_rows(self, frame: FrameQuery, job_id: int | None = None) -> FrameRows:
-        sql, aliases = FRAME_SQL[frame]
-        fills: dict[str, str] = {}
-        for a in aliases:
-            fills[f"job_{a}"] = "" if job_id is None else f" AND {a}.job_id = ?"
-            fills[f"where_{a}"] = "" if job_id is None else f"WHERE {a}.{'id' if a == 'j' else 'job_id'} = ?"
-        # one parameter per slot occurrence, in textual order
-        params = [] if job_id is None else [job_id] * len(_SLOT.findall(sql))
-        return self._tuples(sql.format(**fills), params)
 
     def _tuples(self, sql: str, params: Sequence[Any]) -> FrameRows:
         """Column names and plain row tuples of a query (no ``sqlite3.Row`` per row: the frames read 100,000s)."""
@@ -651,15 +615,6 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
         """Close movement run ``seq`` as failed (its job fails in the same transaction)."""
         self._tx(c).execute("UPDATE movements SET status='failed', ended=?, iterations=? WHERE job_id=? AND seq=?",
                   (time.time(), iterations, job_id, seq))
-
-    def subtask_depth(self, job_id: int) -> int:
-        """How many ancestors job ``job_id`` has (0 for a job a user submitted)."""
-        rows = self.query(
-            "WITH RECURSIVE up(id, parent_id, n) AS (SELECT id, parent_id, 0 FROM jobs WHERE id=? "
-            "UNION ALL SELECT j.id, j.parent_id, up.n + 1 FROM jobs j JOIN up ON j.id = up.parent_id "
-            "WHERE up.n < 1000) SELECT MAX(n) FROM up", (job_id,),
-        )
-        return int(rows[0][0] or 0)
 
     def create_child_job(self, c: Transaction, parent_id: int, *, piece: str, piece_yaml: str,
                          piece_path: str | None, model: str, instruction: str, options: str) -> int:

@@ -171,13 +171,13 @@ def batch_frame(batch: BatchSource) -> pd.DataFrame:
     record = reads.batch(store, batch.name)
     cases: tuple[BatchCase, ...] = record.cases if record else ()
     variants: tuple[BatchVariant, ...] = record.variants if record else ()
-    jobs = sorted(store.jobs(batch=batch.name), key=lambda r: (r["batch_case"], r["batch_variant"]))
+    jobs = sorted(store.jobs(batch=batch.name), key=lambda r: (r.batch_case or 0, r.batch_variant or 0))
     everything = store.jobs()
     children: dict[int, list[int]] = {}
     for r in everything:
-        if r["parent_id"] is not None:
-            children.setdefault(int(r["parent_id"]), []).append(int(r["id"]))
-    models = {int(r["id"]): str(r["model"]) for r in everything}
+        if r.parent_id is not None:
+            children.setdefault(r.parent_id, []).append(r.id)
+    models = {r.id: r.model for r in everything}
     extra_cols: list[str] = []
     for each in cases:
         extra_cols.extend(k for k in each.extra if k not in extra_cols)
@@ -186,16 +186,18 @@ def batch_frame(batch: BatchSource) -> pd.DataFrame:
     records: list[dict[str, Any]] = []
     scores: list[dict[str, ScoreEvent]] = []
     for job in jobs:
-        known = 0 <= job["batch_variant"] < len(variants)
-        label = labels[job["batch_variant"]] if known else f"{job['piece']} · {short_spec(job['model'])}"
-        totals = job_totals(store, int(job["id"]), children, models, now)
-        records.append({"case": job["batch_case"], **_case_cells(cases, job["batch_case"], extra_cols),
-                        "variant": job["batch_variant"], "variant_label": label,
-                        "piece": variants[job["batch_variant"]].piece if known else job["piece"],
-                        "model": job["model"], "job": job["id"], "status": job["status"],
+        # a batch's job has both (the batch's own rows)
+        ci, vi = job.batch_case or 0, job.batch_variant or 0
+        known = 0 <= vi < len(variants)
+        label = labels[vi] if known else f"{job.piece} · {short_spec(job.model)}"
+        totals = job_totals(store, job.id, children, models, now)
+        records.append({"case": job.batch_case, **_case_cells(cases, ci, extra_cols),
+                        "variant": job.batch_variant, "variant_label": label,
+                        "piece": variants[vi].piece if known else job.piece,
+                        "model": job.model, "job": job.id, "status": job.status.value,
                         **{k: getattr(totals, k) for k in _COUNTS}, "cost_usd": totals.cost_usd,
                         "seconds": totals.seconds})
-        scores.append(_latest_scores(store, int(job["id"])))
+        scores.append(_latest_scores(store, job.id))
     names = list(batch.scorers)
     for found in scores:
         names.extend(n for n in found if n not in names)
@@ -326,7 +328,7 @@ def batch_html(batch: BatchSource) -> str:
                      "<code>%agent retry JOB</code> queues one again from its last complete call, then <code>"
                      f"%agent batch {html.escape(batch.name)}</code> resumes the batch</p><ul>")
         for _, r in bad.iterrows():
-            error = " ".join(str(batch.store.job(int(r["job"]))["error"] or "").split())
+            error = " ".join(str(batch.store.job(int(r["job"])).error or "").split())
             what = (f"case {r['case']}, {r['variant_label']}: {r['status']}"
                     + (f": {error[:_ERROR_CHARS]}{'…' if len(error) > _ERROR_CHARS else ''}" if error else ""))
             parts.append(f"<li><code>%agent show {int(r['job'])}</code> — {html.escape(what)}</li>")

@@ -1,6 +1,6 @@
 """pandas views of the event log: ``ws.frames.usage(job)``, ``ws.frames.jobs()`` and friends.
 
-Every frame is built by **one** query the store runs (:meth:`Store.frame_rows`; for SQLite the SQL is in
+Every frame is built by **one** query the store runs (:func:`agentnb.store.reads.frame_rows`; for SQLite the SQL is in
 ``store/frames_sql.py``: payload fields are read with ``json_extract`` and aggregated in SQL), then given
 fixed dtypes here; the only work left to pandas is vectorised (``usage``'s call numbers and running sums).
 Column names are a stable interface; new columns may be added at the end.
@@ -162,7 +162,8 @@ from ..events import (
     payload_path,
 )
 from ..models.prices import cost_array, summed_costs
-from ..store.base import JOB_STATES, FrameQuery, JobOptions, Store
+from ..store import reads
+from ..store.base import JOB_STATES, FrameQuery, Store
 from ..tools.base import ToolError, unlinked_path
 from .status import DISPLAY_STATES, display_status
 from .style import USAGE_ACTIONS
@@ -303,7 +304,7 @@ class Frames:
         return job_id
 
     def _raw(self, frame: FrameQuery, job_id: int | None) -> pd.DataFrame:
-        names, rows = self.store.frame_rows(frame, job_id)
+        names, rows = reads.frame_rows(self.store, frame, job_id)
         return pd.DataFrame.from_records(rows, columns=names)
 
     def _query(self, frame: FrameQuery, job_id: int | None, spec: _Spec) -> pd.DataFrame:
@@ -311,7 +312,7 @@ class Frames:
 
     def _models(self, job_id: int | None) -> dict[int, str]:
         """Job id → model spec (of one job, or of every job)."""
-        return {int(job): str(model) for job, model in self.store.frame_rows("job_models", job_id)[1]}
+        return {int(job): str(model) for job, model in reads.frame_rows(self.store, "job_models", job_id)[1]}
 
     def _job_costs(self, raw: pd.DataFrame) -> np.ndarray:
         """Each job's cost in US dollars from the jobs query's rows: its calls' sum, NaN when any is unpriced.
@@ -477,7 +478,7 @@ class Frames:
     def thresholds(self, job: JobArg) -> dict[str, float]:
         """The ContextManager thresholds a job runs with: its piece's, overridden by ``context=`` at submit."""
         job_id = self._job_id(job)
-        return job_thresholds(self._piece_thresholds(job_id), JobOptions.from_json(self.store.job(job_id).get("options")))
+        return job_thresholds(self._piece_thresholds(job_id), self.store.job(job_id).options)
 
 
 def _parse_iso(values: pd.Series) -> pd.Series:

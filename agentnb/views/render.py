@@ -60,6 +60,7 @@ from ..events import (
 )
 from ..models.prices import dollars, is_free, priced_name
 from ..store.base import JobStatus
+from ..store.reads import latest_request
 from ._fork_lines import demo_note, fork_lines, reserved_runs
 from ._fork_lines import runs_text as _runs_text
 from ._job_stats import JobStats, job_stats, stats_from_timeline
@@ -756,7 +757,7 @@ def movement_html(
     if run is None:
         raise NotFoundError(f"job {job.id} has no movement run {seq}; it has run {job.movement_seq}")
     # the same markup as in job_html: the job's newest call is marked wherever its run is shown
-    newest = ws.store.latest_request(job.id)
+    newest = latest_request(ws.store, job.id)
     latest = newest[1] if newest and newest[0] == seq else None
     return run_html(job, run, latest=latest, max_chars=max_chars, max_calls=max_calls, full=full, open=open)
 

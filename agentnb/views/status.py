@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..store import reads
 from ..store.base import INTERRUPTED_REASON, JOB_STATES, STOP_REASON, JobStatus
 
 if TYPE_CHECKING:
@@ -38,4 +39,4 @@ def display_status(status: Any, reason: Any) -> str:
 
 def last_status_reason(store: Store, job_id: int) -> str | None:
     """The reason of the job's newest ``job_status`` event (``None`` before the first one)."""
-    return store.last_status_reason(job_id)
+    return reads.last_status_reason(store, job_id)
