@@ -312,9 +312,11 @@ def _held_workers_jobs(tmp_path: Path, submitter: Any, store: str | None, server
 def test_sigterm_gives_every_running_job_back_to_the_queue(tmp_path: Path, held_server: OpenAIServer,
                                                             backend: str, request: pytest.FixtureRequest,
                                                             submitter: Any) -> None:
-    """Their calls never answer: after the grace the worker puts them back itself, as a one-job worker does."""
+    """Their calls never answer: after the grace the worker puts them back itself, as a one-job worker does.
+    Plain calls: a streamed one is cut off at once, even before its headers (the test below)."""
     store = request.getfixturevalue("pg_url") if backend == "postgres" else None
-    ws, job_ids, proc = _held_workers_jobs(tmp_path, submitter, store, held_server, 3, "--grace", "0.2")
+    ws, job_ids, proc = _held_workers_jobs(tmp_path, submitter, store, held_server, 3, "--grace", "0.2",
+                                           AGENTNB_STREAM="0")
     try:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
