@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .engine.context import context_items
 from .engine.pieces import PieceError, available_pieces
@@ -48,6 +48,24 @@ class _Usage(UsageError):
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, any_order: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # a sub-command takes its options anywhere (`reply 1 yes --run please`), as shells' commands do;
+        # argparse alone ends a positional list at the first option and then refuses what follows it
+        self._any_order = any_order
+        self._mixing = False
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        # the subparsers action calls this on the sub-command's parser; parse_known_intermixed_args calls it
+        # back twice itself (options first, then positionals), which must parse as argparse does
+        if not self._any_order or self._mixing:
+            return super().parse_known_args(args, namespace)
+        self._mixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._mixing = False
+
     def error(self, message: str) -> None:  # type: ignore[override]
         # main() prefixes "agentnb: error:"; a sub-command adds its own name
         sub = self.prog.split(" ", 1)[1] if " " in self.prog else ""
@@ -513,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, any_order=True)
         p.add_argument("--workspace", default=argparse.SUPPRESS, help="workspace folder")
         p.add_argument("--store", default=argparse.SUPPRESS, help="store URL (postgresql://… or sqlite:///…)")
         p.set_defaults(fn=fn)
@@ -608,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("store", help="move a workspace between stores (store copy SRC DST)")
     store_sub = p.add_subparsers(dest="store_command", parser_class=_Parser, required=True)
-    p = store_sub.add_parser("copy", help="copy a whole workspace (jobs, events, files) into an empty store; "
+    p = store_sub.add_parser("copy", any_order=True, help="copy a whole workspace (jobs, events, files) into an empty store; "
                              "prints the rows copied per table")
     p.add_argument("src", metavar="SRC", help="a workspace folder or store file, sqlite:///ABS/PATH or postgresql://…")
     p.add_argument("dst", metavar="DST", help="an empty store: a folder (its agentnb.sqlite; made when missing), "

@@ -39,6 +39,7 @@ from .models.factory import resolve_model
 from .store import reads
 from .store.base import (
     INTERRUPTED_REASON,
+    STOP_CUT_REASON,
     STOP_REASON,
     TERMINAL_STATES,
     UNREACHABLE_REASON,
@@ -196,9 +197,11 @@ class Execution:
         stopped = stop.is_set()
         if stopped and status != JobStatus.waiting_subtasks:
             stop.clear()  # a parent that just handed out subtasks keeps it: they do not start (_run_children)
+        cut, runner.rec.cut = runner.rec.cut, False
         if status == JobStatus.running:
+            reason = (STOP_CUT_REASON if cut else STOP_REASON) if stopped else f"paused after one {unit}"
             with self.store.transaction() as c:
-                self.store.set_status(c, job_id, JobStatus.queued, reason=STOP_REASON if stopped else f"paused after one {unit}")
+                self.store.set_status(c, job_id, JobStatus.queued, reason=reason)
         self._keep(row, runner)
         if status in TERMINAL_STATES:
             self._file_caches.pop(job_id, None)  # a retry starts from a fresh claim

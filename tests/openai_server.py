@@ -143,7 +143,7 @@ class OpenAIServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.streamed = 0  # answers sent as a stream
-        self.disconnected = threading.Event()  # a client hung up in the middle of a streamed answer
+        self.disconnected = threading.Event()  # a client hung up in a held call or in the middle of a streamed answer
         self.disconnects: list[float] = []  # when (time.monotonic()) each such hang-up was seen
         server = self
 
@@ -217,7 +217,12 @@ class OpenAIServer:
                 if action["kind"] == "hold":
                     server.holding.set()
                     while not (server._released.is_set() or server._closing.is_set()):
-                        server._released.wait(0.05)
+                        readable, _, _ = select.select([self.connection], [], [], 0.01)
+                        if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                            self._leave()
+                            self.close_connection = True
+                            server._hung_up()  # the client gave up waiting for the headers: nothing to answer
+                            return None
                     action = action["then"]
                 sent_key = self.headers.get("authorization", "").removeprefix("Bearer ")
                 if action["kind"] == "error":

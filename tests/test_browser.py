@@ -13,6 +13,7 @@ on a developer machine, but fails when ``CI`` is set: CI must never pass by skip
 
 from __future__ import annotations
 
+import contextlib
 import http.cookies
 import json
 import os
@@ -27,6 +28,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -189,8 +191,34 @@ def _open(page, lab: Lab, path: str, reset: bool = True) -> str:  # type: ignore
     return str(session["kernel"]["id"])
 
 
-def _launch(pw):  # type: ignore[no-untyped-def]
-    return pw.chromium.launch(executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS)
+@dataclass
+class Shot:
+    """The screenshot a test leaves in ARTIFACTS when it ends, passed or failed (none when ``name`` is None).  A test
+    renames it as it gets further (``shot.name = "x-done.png"``), so that a failure's picture says where it stopped."""
+    name: str | None
+    full_page: bool = False
+
+
+@contextlib.contextmanager
+def _lab_page(lab: Lab, shot: str | None, full_page: bool = False,
+              env: dict[str, str] | None = None) -> Iterator[tuple[Any, Shot]]:
+    """A 1400×1000 page of a headless Chromium (launched with ``env``, else this process's), and the Shot taken
+    of it at the end; an error inside is raised again with the tail of the lab's log."""
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    end = Shot(shot, full_page)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS, env=env)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            yield page, end
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
+        finally:
+            if end.name is not None:
+                page.screenshot(path=str(ARTIFACTS / end.name), full_page=end.full_page)
+            browser.close()
 
 
 def _run_all_cells(page, lab: Lab, path: str, kernel: str) -> None:  # type: ignore[no-untyped-def]
@@ -268,62 +296,54 @@ def _assert_no_cell_raised(page) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_quickstart_runs_in_jupyterlab(lab: Lab) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     ARTIFACTS.mkdir(exist_ok=True)
     for old in ARTIFACTS.glob("quickstart-*.png"):
         old.unlink()
-    with sync_playwright() as pw:
-        browser = _launch(pw)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            kernel = _open(page, lab, NOTEBOOK, reset=False)
-            _run_all_cells(page, lab, NOTEBOOK, kernel)
-            _assert_no_cell_raised(page)
+    with _lab_page(lab, "quickstart-panel.png") as (page, _):
+        kernel = _open(page, lab, NOTEBOOK, reset=False)
+        _run_all_cells(page, lab, NOTEBOOK, kernel)
+        _assert_no_cell_raised(page)
 
-            # the finished demo job renders one collapsible section per movement run
-            view = page.locator(".jp-OutputArea-output .anb-job").filter(has=page.locator("details.anb-mv")).first
-            sections = view.locator("details.anb-mv[data-seq]")
-            expect(sections).to_have_count(3)
-            for seq, name in ((1, "plan"), (2, "implement"), (3, "verify")):
-                expect(view.locator(f"details.anb-mv[data-seq='{seq}'] > summary")).to_contain_text(name)
+        # the finished demo job renders one collapsible section per movement run
+        view = page.locator(".jp-OutputArea-output .anb-job").filter(has=page.locator("details.anb-mv")).first
+        sections = view.locator("details.anb-mv[data-seq]")
+        expect(sections).to_have_count(3)
+        for seq, name in ((1, "plan"), (2, "implement"), (3, "verify")):
+            expect(view.locator(f"details.anb-mv[data-seq='{seq}'] > summary")).to_contain_text(name)
 
-            # a closed section opens on a click on its title and shows what happened inside
-            seq = view.locator("details.anb-mv:not([open])").first.get_attribute("data-seq")
-            assert seq is not None, "every movement section is already open; none to expand"
-            closed = view.locator(f"details.anb-mv[data-seq='{seq}']")
-            body = closed.locator(":scope > .anb-body")
-            expect(body).to_be_hidden()
-            closed.locator(":scope > summary").click()
-            expect(closed).to_have_attribute("open", "")
-            expect(body).to_be_visible()
-            expect(body).to_contain_text("assistant")
-            expect(body.locator(".anb-tool").first).to_be_visible()
-            closed.scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "quickstart-movements.png"))
+        # a closed section opens on a click on its title and shows what happened inside
+        seq = view.locator("details.anb-mv:not([open])").first.get_attribute("data-seq")
+        assert seq is not None, "every movement section is already open; none to expand"
+        closed = view.locator(f"details.anb-mv[data-seq='{seq}']")
+        body = closed.locator(":scope > .anb-body")
+        expect(body).to_be_hidden()
+        closed.locator(":scope > summary").click()
+        expect(closed).to_have_attribute("open", "")
+        expect(body).to_be_visible()
+        expect(body).to_contain_text("assistant")
+        expect(body.locator(".anb-tool").first).to_be_visible()
+        closed.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "quickstart-movements.png"))
 
-            # the panel opened on the queued job; Step runs its first movement, live in the panel
-            # (an ipywidgets button's accessible name includes its icon glyph, so match its text)
-            panel_step = page.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Step\s*$"))
-            expect(panel_step).to_have_count(1)
-            expect(panel_step).to_be_enabled()
-            panel = page.locator(".widget-vbox").filter(has=panel_step).last
-            expect(panel.locator("div.widget-label", has_text="of 12 movements")).to_contain_text("0 of 12 movements")
-            panel_step.click()
-            expect(panel.locator("div.widget-label", has_text="of 12 movements")).to_contain_text(
-                "1 of 12 movements", timeout=60_000)
-            stepped = panel.locator("details.anb-mv[data-seq='1'] > summary")
-            expect(stepped).to_contain_text("plan")
-            # stepped part-way, the job is paused (stored as queued), in the list as in the view
-            expect(panel.locator("select option", has_text="paused · plan-implement-verify")).to_be_attached()
-            expect(panel.locator(".anb-job .anb-st-paused").first).to_have_text("paused")
-            panel_step.scroll_into_view_if_needed()
-            page.mouse.wheel(0, 300)
-        except Exception as exc:
-            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
-        finally:
-            page.screenshot(path=str(ARTIFACTS / "quickstart-panel.png"))
-            browser.close()
+        # the panel opened on the queued job; Step runs its first movement, live in the panel
+        # (an ipywidgets button's accessible name includes its icon glyph, so match its text)
+        panel_step = page.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Step\s*$"))
+        expect(panel_step).to_have_count(1)
+        expect(panel_step).to_be_enabled()
+        panel = page.locator(".widget-vbox").filter(has=panel_step).last
+        expect(panel.locator("div.widget-label", has_text="of 12 movements")).to_contain_text("0 of 12 movements")
+        panel_step.click()
+        expect(panel.locator("div.widget-label", has_text="of 12 movements")).to_contain_text(
+            "1 of 12 movements", timeout=60_000)
+        stepped = panel.locator("details.anb-mv[data-seq='1'] > summary")
+        expect(stepped).to_contain_text("plan")
+        # stepped part-way, the job is paused (stored as queued), in the list as in the view
+        expect(panel.locator("select option", has_text="paused · plan-implement-verify")).to_be_attached()
+        expect(panel.locator(".anb-job .anb-st-paused").first).to_have_text("paused")
+        panel_step.scroll_into_view_if_needed()
+        page.mouse.wheel(0, 300)
     shots = sorted(ARTIFACTS.glob("quickstart-*.png"))
     assert len(shots) == 2 and all(p.stat().st_size > 10_000 for p in shots), "a screenshot is missing or empty"
 
@@ -332,30 +352,21 @@ def test_quickstart_runs_in_jupyterlab(lab: Lab) -> None:
 def test_design_lab_runs_in_jupyterlab(lab: Lab) -> None:
     """Notebook 05 as a new user runs it, fresh: every cell runs, and the batch, its summary table, the
     plot and the worst job's view are drawn."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as pw:
-        browser = _launch(pw)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            # ?reset: only this notebook open (the lab is shared with the other tests)
-            kernel = _open(page, lab, DESIGN_LAB)
-            _run_all_cells(page, lab, DESIGN_LAB, kernel)
-            _assert_no_cell_raised(page)
-            outputs = page.locator(".jp-OutputArea-output")
-            expect(outputs.filter(has_text="<Batch 'review-or-not': 16/16 ended · 16 succeeded>")).to_have_count(1)
-            expect(outputs.filter(has_text="the review adds 0.38 coverage")).to_have_count(1)
-            expect(outputs.locator("table").filter(has_text="release-notes-reviewed").first).to_be_visible()
-            expect(outputs.locator("img").first).to_be_visible()  # plot_batch's figure
-            worst = outputs.locator(".anb-job").filter(has=page.locator("details.anb-mv")).first
-            expect(worst.locator("details.anb-mv[data-seq]")).to_have_count(4)  # draft, review, draft, review
-            worst.scroll_into_view_if_needed()
-        except Exception as exc:
-            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
-        finally:
-            page.screenshot(path=str(ARTIFACTS / "design-lab.png"))
-            browser.close()
+    with _lab_page(lab, "design-lab.png") as (page, _):
+        # ?reset: only this notebook open (the lab is shared with the other tests)
+        kernel = _open(page, lab, DESIGN_LAB)
+        _run_all_cells(page, lab, DESIGN_LAB, kernel)
+        _assert_no_cell_raised(page)
+        outputs = page.locator(".jp-OutputArea-output")
+        expect(outputs.filter(has_text="<Batch 'review-or-not': 16/16 ended · 16 succeeded>")).to_have_count(1)
+        expect(outputs.filter(has_text="the review adds 0.38 coverage")).to_have_count(1)
+        expect(outputs.locator("table").filter(has_text="release-notes-reviewed").first).to_be_visible()
+        expect(outputs.locator("img").first).to_be_visible()  # plot_batch's figure
+        worst = outputs.locator(".anb-job").filter(has=page.locator("details.anb-mv")).first
+        expect(worst.locator("details.anb-mv[data-seq]")).to_have_count(4)  # draft, review, draft, review
+        worst.scroll_into_view_if_needed()
 
 
 
@@ -365,40 +376,31 @@ def test_fork_compare_and_compaction_notebooks_run_in_jupyterlab(lab: Lab, noteb
     inside its output (the what-if plot's labels themselves are checked on the Agg canvas in
     test_what_if.py), and the fork, comparison and compaction views show.  Each figure is kept as an
     artifact of its own, to look at."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    ARTIFACTS.mkdir(exist_ok=True)
     stem = Path(notebook).stem
-    with sync_playwright() as pw:
-        browser = _launch(pw)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            kernel = _open(page, lab, notebook)
-            _run_all_cells(page, lab, notebook, kernel)
-            _assert_no_cell_raised(page)
-            outputs = page.locator(".jp-OutputArea-output")
-            images = outputs.locator("img")
-            expect(images.first).to_be_visible()
-            sizes = images.evaluate_all(
-                "els => els.map(e => [e.naturalWidth, e.getBoundingClientRect().width,"
-                " e.closest('.jp-OutputArea-output').getBoundingClientRect().width])")
-            # each figure decoded, and shown no wider than its output (a figure wider than the output is cut)
-            assert sizes and all(natural > 0 and 0 < shown <= area + 1 for natural, shown, area in sizes), sizes
-            for i in range(len(sizes)):
-                images.nth(i).scroll_into_view_if_needed()
-                images.nth(i).screenshot(path=str(ARTIFACTS / f"{stem}-figure-{i + 1}.png"))
-            expect(outputs.locator(".anb-job").first).to_be_visible()
-            if stem.startswith("06"):
-                # the comparison of the fork with its original, side by side and within the output
-                table = outputs.locator("table.anb-cmp").first
-                expect(table).to_be_visible()
-                assert table.evaluate("el => el.scrollWidth <= el.closest('.jp-OutputArea-output').clientWidth + 1")
-            assert _overflow(page, ".anb-job") == [], _overflow(page, ".anb-job")
-        except Exception as exc:
-            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
-        finally:
-            page.screenshot(path=str(ARTIFACTS / f"{stem}.png"), full_page=True)
-            browser.close()
+    with _lab_page(lab, f"{stem}.png", full_page=True) as (page, _):
+        kernel = _open(page, lab, notebook)
+        _run_all_cells(page, lab, notebook, kernel)
+        _assert_no_cell_raised(page)
+        outputs = page.locator(".jp-OutputArea-output")
+        images = outputs.locator("img")
+        expect(images.first).to_be_visible()
+        sizes = images.evaluate_all(
+            "els => els.map(e => [e.naturalWidth, e.getBoundingClientRect().width,"
+            " e.closest('.jp-OutputArea-output').getBoundingClientRect().width])")
+        # each figure decoded, and shown no wider than its output (a figure wider than the output is cut)
+        assert sizes and all(natural > 0 and 0 < shown <= area + 1 for natural, shown, area in sizes), sizes
+        for i in range(len(sizes)):
+            images.nth(i).scroll_into_view_if_needed()
+            images.nth(i).screenshot(path=str(ARTIFACTS / f"{stem}-figure-{i + 1}.png"))
+        expect(outputs.locator(".anb-job").first).to_be_visible()
+        if stem.startswith("06"):
+            # the comparison of the fork with its original, side by side and within the output
+            table = outputs.locator("table.anb-cmp").first
+            expect(table).to_be_visible()
+            assert table.evaluate("el => el.scrollWidth <= el.closest('.jp-OutputArea-output').clientWidth + 1")
+        assert _overflow(page, ".anb-job") == [], _overflow(page, ".anb-job")
 
 
 # A notebook as a new user would write it: run a piece that asks, open the panel, show the job.
@@ -433,66 +435,58 @@ def _saved_outputs(path: Path, index: int) -> str:
 
 def test_reply_to_an_ask_from_the_panel_then_reopen_the_saved_notebook(lab: Lab) -> None:
     import nbformat
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     name = "ask-from-the-panel.ipynb"
     path = _notebook(lab, name, ASK_CELLS, "panel-reply")
-    with sync_playwright() as pw:
-        browser = _launch(pw)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            # ?reset: a clean JupyterLab layout, without the tabs an earlier test left open (the
-            # helpers look for cells in the whole page)
-            kernel = _open(page, lab, name)
-            expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
-            _run_all_cells(page, lab, name, kernel)
-            _assert_no_cell_raised(page)
+    with _lab_page(lab, "panel-reply-reopened.png") as (page, _):
+        # ?reset: a clean JupyterLab layout, without the tabs an earlier test left open (the
+        # helpers look for cells in the whole page)
+        kernel = _open(page, lab, name)
+        expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
+        _run_all_cells(page, lab, name, kernel)
+        _assert_no_cell_raised(page)
 
-            # the panel opened on the asking job: its question is in the view and Reply is enabled
-            reply = page.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Reply\s*$"))
-            expect(reply).to_have_count(1)
-            panel = page.locator(".widget-vbox").filter(has=reply).last
-            expect(panel.locator("select option", has_text="waiting_human · ask-first")).to_be_attached()
-            expect(panel.locator(".anb-job")).to_contain_text("waiting for you")
-            expect(reply).to_be_enabled()
-            box = panel.locator("input[placeholder=\"Your answer to the job's question\"]")
-            box.fill(ANSWER)
-            reply.click()
-            # the answer resumes the job, which runs to its end live in the panel
-            expect(panel.locator("select option", has_text="succeeded · ask-first")).to_be_attached(timeout=120_000)
-            expect(panel.locator("div.widget-label", has_text="of 6 movements")).to_contain_text(
-                "3 of 6 movements", timeout=60_000)
-            expect(panel.locator(".anb-comment", has_text=ANSWER)).to_have_count(1)
-            expect(reply).to_be_disabled()
-            expect(box).to_have_value("")
-            panel.scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "panel-reply-answered.png"))
+        # the panel opened on the asking job: its question is in the view and Reply is enabled
+        reply = page.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Reply\s*$"))
+        expect(reply).to_have_count(1)
+        panel = page.locator(".widget-vbox").filter(has=reply).last
+        expect(panel.locator("select option", has_text="waiting_human · ask-first")).to_be_attached()
+        expect(panel.locator(".anb-job")).to_contain_text("waiting for you")
+        expect(reply).to_be_enabled()
+        box = panel.locator("input[placeholder=\"Your answer to the job's question\"]")
+        box.fill(ANSWER)
+        reply.click()
+        # the answer resumes the job, which runs to its end live in the panel
+        expect(panel.locator("select option", has_text="succeeded · ask-first")).to_be_attached(timeout=120_000)
+        expect(panel.locator("div.widget-label", has_text="of 6 movements")).to_contain_text(
+            "3 of 6 movements", timeout=60_000)
+        expect(panel.locator(".anb-comment", has_text=ANSWER)).to_have_count(1)
+        expect(reply).to_be_disabled()
+        expect(box).to_have_value("")
+        panel.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "panel-reply-answered.png"))
 
-            # show the finished job in the notebook, save, and find the views in the saved file
-            _run_cell(page, 3)
-            page.keyboard.press("Control+s")
-            deadline = time.monotonic() + 60
-            while ANSWER not in _saved_outputs(path, 3) and time.monotonic() < deadline:
-                time.sleep(0.25)
-            shown = _saved_outputs(path, 3)
-            assert ANSWER in shown and shown.count('<details class="anb-mv"') == 3, "the saved view lacks the run"
-            assert "waiting for you" in _saved_outputs(path, 1), "the saved run cell lost the job's question"
-            saved = nbformat.read(path, as_version=4)
-            panel_out = saved.cells[2].outputs[0]["data"]["text/plain"]
-            assert panel_out.startswith("agentnb panel of workspace"), panel_out
+        # show the finished job in the notebook, save, and find the views in the saved file
+        _run_cell(page, 3)
+        page.keyboard.press("Control+s")
+        deadline = time.monotonic() + 60
+        while ANSWER not in _saved_outputs(path, 3) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        shown = _saved_outputs(path, 3)
+        assert ANSWER in shown and shown.count('<details class="anb-mv"') == 3, "the saved view lacks the run"
+        assert "waiting for you" in _saved_outputs(path, 1), "the saved run cell lost the job's question"
+        saved = nbformat.read(path, as_version=4)
+        panel_out = saved.cells[2].outputs[0]["data"]["text/plain"]
+        assert panel_out.startswith("agentnb panel of workspace"), panel_out
 
-            # reopen: the saved static HTML shows the run before anything is run again
-            page.reload()
-            page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
-            view = page.locator(".jp-Notebook .jp-CodeCell").nth(3).locator(".anb-job")
-            expect(view.locator("details.anb-mv")).to_have_count(3, timeout=60_000)
-            expect(view.locator(".anb-comment", has_text=ANSWER)).to_have_count(1)
-            view.locator("details.anb-mv[data-seq='3'] > summary").scroll_into_view_if_needed()
-        except Exception as exc:
-            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
-        finally:
-            page.screenshot(path=str(ARTIFACTS / "panel-reply-reopened.png"))
-            browser.close()
+        # reopen: the saved static HTML shows the run before anything is run again
+        page.reload()
+        page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
+        view = page.locator(".jp-Notebook .jp-CodeCell").nth(3).locator(".anb-job")
+        expect(view.locator("details.anb-mv")).to_have_count(3, timeout=60_000)
+        expect(view.locator(".anb-comment", has_text=ANSWER)).to_have_count(1)
+        view.locator("details.anb-mv[data-seq='3'] > summary").scroll_into_view_if_needed()
 
 
 # A new user's panel session: a quick job, then a slow one written in the notebook (a piece file and
@@ -544,98 +538,89 @@ def _overflow(page, selector: str) -> list[str]:  # type: ignore[no-untyped-def]
 
 
 def test_panel_stop_narrow_layout_and_restart(lab: Lab) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     name = "panel-session.ipynb"
     _notebook(lab, name, SLOW_CELLS, "panel-session")
-    with sync_playwright() as pw:
-        browser = _launch(pw)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        shot = "panel-session-failed.png"
-        try:
-            kernel = _open(page, lab, name)
-            expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
-            _run_all_cells(page, lab, name, kernel)
-            _assert_no_cell_raised(page)
+    with _lab_page(lab, "panel-session-failed.png") as (page, shot):
+        kernel = _open(page, lab, name)
+        expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
+        _run_all_cells(page, lab, name, kernel)
+        _assert_no_cell_raised(page)
 
-            panel = page.locator(".anb-panel")
-            expect(panel).to_have_count(1)
-            # the saved snapshot is in the page, hidden while the live panel is there
-            expect(page.locator(".anb-panel-fallback")).to_have_count(1)
-            expect(page.locator(".anb-panel-fallback")).to_be_hidden()
-            stop = panel.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Stop\s*$"))
-            run = panel.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Run\s*$"))
-            # a disabled Stop is grey, not the orange of a button that can be pressed
-            expect(stop).to_be_disabled()
-            expect(stop).not_to_have_class(re.compile(r"mod-warning"))
+        panel = page.locator(".anb-panel")
+        expect(panel).to_have_count(1)
+        # the saved snapshot is in the page, hidden while the live panel is there
+        expect(page.locator(".anb-panel-fallback")).to_have_count(1)
+        expect(page.locator(".anb-panel-fallback")).to_be_hidden()
+        stop = panel.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Stop\s*$"))
+        run = panel.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Run\s*$"))
+        # a disabled Stop is grey, not the orange of a button that can be pressed
+        expect(stop).to_be_disabled()
+        expect(stop).not_to_have_class(re.compile(r"mod-warning"))
 
-            # the slow piece by its notebook variable, the model with {SCRIPT} filled in
-            piece_box, model_box = panel.locator("input[list]").all()
-            piece_box.fill("PIECE")
-            model_box.fill("scripted:{SCRIPT}")
-            panel.locator("textarea").fill("A slow job")
-            run.click()
-            jobs = panel.locator("select")
-            expect(jobs.locator("option", has_text="▶ #2 · running · slow")).to_be_attached(timeout=60_000)
-            expect(stop).to_be_enabled()
-            expect(stop).to_have_class(re.compile(r"mod-warning"))
-            # the user looks at the first job, then presses Stop: it acts on the running job 2
-            jobs.select_option(index=0)
-            expect(panel.locator(".anb-job[data-job='1']")).to_be_visible()
-            stop.click()
-            expect(panel).to_contain_text(
-                "Stop: job 2, run from this panel (not the selected job 1), will pause after its current LLM call")
-            page.screenshot(path=str(ARTIFACTS / "panel-session-stop.png"))
-            expect(panel).to_contain_text("job 2 is paused (Stop); Run or Step continues it", timeout=60_000)
-            expect(panel).not_to_contain_text("will pause")
-            expect(jobs.locator("option", has_text="#2 · paused · slow")).to_be_attached()
-            expect(jobs.locator("option", has_text="running")).to_have_count(0)
-            jobs.select_option(index=1)
-            expect(panel.locator(".anb-job[data-job='2'] .anb-st-paused")).to_have_text("paused")
-            panel.scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "panel-session-paused.png"))
+        # the slow piece by its notebook variable, the model with {SCRIPT} filled in
+        piece_box, model_box = panel.locator("input[list]").all()
+        piece_box.fill("PIECE")
+        model_box.fill("scripted:{SCRIPT}")
+        panel.locator("textarea").fill("A slow job")
+        run.click()
+        jobs = panel.locator("select")
+        expect(jobs.locator("option", has_text="▶ #2 · running · slow")).to_be_attached(timeout=60_000)
+        expect(stop).to_be_enabled()
+        expect(stop).to_have_class(re.compile(r"mod-warning"))
+        # the user looks at the first job, then presses Stop: it acts on the running job 2
+        jobs.select_option(index=0)
+        expect(panel.locator(".anb-job[data-job='1']")).to_be_visible()
+        stop.click()
+        expect(panel).to_contain_text(
+            "Stop: job 2, run from this panel (not the selected job 1), will pause after its current LLM call")
+        page.screenshot(path=str(ARTIFACTS / "panel-session-stop.png"))
+        expect(panel).to_contain_text("job 2 is paused (Stop); Run or Step continues it", timeout=60_000)
+        expect(panel).not_to_contain_text("will pause")
+        expect(jobs.locator("option", has_text="#2 · paused · slow")).to_be_attached()
+        expect(jobs.locator("option", has_text="running")).to_have_count(0)
+        jobs.select_option(index=1)
+        expect(panel.locator(".anb-job[data-job='2'] .anb-st-paused")).to_have_text("paused")
+        panel.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "panel-session-paused.png"))
 
-            # narrow: rows wrap and nothing sticks out of the panel
-            page.set_viewport_size({"width": 620, "height": 1000})
-            page.wait_for_timeout(500)
-            panel.locator("textarea").scroll_into_view_if_needed()
-            assert _overflow(page, ".anb-panel") == [], _overflow(page, ".anb-panel")
-            page.screenshot(path=str(ARTIFACTS / "panel-session-narrow.png"))
-            page.set_viewport_size({"width": 1400, "height": 1000})
+        # narrow: rows wrap and nothing sticks out of the panel
+        page.set_viewport_size({"width": 620, "height": 1000})
+        page.wait_for_timeout(500)
+        panel.locator("textarea").scroll_into_view_if_needed()
+        assert _overflow(page, ".anb-panel") == [], _overflow(page, ".anb-panel")
+        page.screenshot(path=str(ARTIFACTS / "panel-session-narrow.png"))
+        page.set_viewport_size({"width": 1400, "height": 1000})
 
-            # save, restart the kernel and reload: the snapshot shows where the widget cannot be drawn
-            page.keyboard.press("Control+s")
-            page.wait_for_timeout(1000)
-            page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
-            page.get_by_role("menuitem", name=re.compile(r"^Restart Kernel…")).first.click()
-            page.locator(".jp-Dialog button", has_text="Restart").click()
-            page.wait_for_function(
-                """() => {
-                    const el = document.querySelector('.jp-Notebook-ExecutionIndicator');
-                    return el && el.getAttribute('data-status') === 'idle';
-                }""",
-                timeout=90_000,
-            )
-            page.reload()
-            page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
-            # the widget renderer has given up on the dead panel ("model not found"): hidden, the snapshot shown
-            dead = page.locator(".jp-OutputArea-output.jupyter-widgets")
-            expect(dead).to_have_count(1, timeout=60_000)
-            expect(dead).to_contain_text("model not found")
-            expect(dead).to_be_hidden()
-            snapshot = page.locator(".anb-panel-fallback")
-            expect(snapshot).to_be_visible(timeout=60_000)
-            expect(snapshot).to_contain_text("a saved snapshot; run the cell in a live kernel to use the panel")
-            expect(snapshot).to_contain_text("#2 · paused · slow")
-            expect(snapshot).to_contain_text("#1 · succeeded · plan-implement-verify")
-            expect(snapshot.locator(".anb-st-paused")).to_have_text("paused")  # the header of the selected job 2
-            snapshot.scroll_into_view_if_needed()
-            shot = "panel-session-restarted.png"
-        except Exception as exc:
-            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
-        finally:
-            page.screenshot(path=str(ARTIFACTS / shot))
-            browser.close()
+        # save, restart the kernel and reload: the snapshot shows where the widget cannot be drawn
+        page.keyboard.press("Control+s")
+        page.wait_for_timeout(1000)
+        page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
+        page.get_by_role("menuitem", name=re.compile(r"^Restart Kernel…")).first.click()
+        page.locator(".jp-Dialog button", has_text="Restart").click()
+        page.wait_for_function(
+            """() => {
+                const el = document.querySelector('.jp-Notebook-ExecutionIndicator');
+                return el && el.getAttribute('data-status') === 'idle';
+            }""",
+            timeout=90_000,
+        )
+        page.reload()
+        page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
+        # the widget renderer has given up on the dead panel ("model not found"): hidden, the snapshot shown
+        dead = page.locator(".jp-OutputArea-output.jupyter-widgets")
+        expect(dead).to_have_count(1, timeout=60_000)
+        expect(dead).to_contain_text("model not found")
+        expect(dead).to_be_hidden()
+        snapshot = page.locator(".anb-panel-fallback")
+        expect(snapshot).to_be_visible(timeout=60_000)
+        expect(snapshot).to_contain_text("a saved snapshot; run the cell in a live kernel to use the panel")
+        expect(snapshot).to_contain_text("#2 · paused · slow")
+        expect(snapshot).to_contain_text("#1 · succeeded · plan-implement-verify")
+        expect(snapshot.locator(".anb-st-paused")).to_have_text("paused")  # the header of the selected job 2
+        snapshot.scroll_into_view_if_needed()
+        shot.name = "panel-session-restarted.png"
 
 
 # A job slow enough to read while it runs: each call of its tool takes a moment.
@@ -682,107 +667,99 @@ Path("slow-script.yaml").write_text(yaml.safe_dump(
 
 def test_sections_opened_during_a_live_run_stay_open(lab: Lab) -> None:
     """The live view is redrawn at every event; what the user opened or closed stays so."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     name = "live-view.ipynb"
     _notebook(lab, name, LIVE_CELLS, "live-view")
-    with sync_playwright() as pw:
-        browser = _launch(pw)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            kernel = _open(page, lab, name)
-            expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
-            # run everything without waiting: the user reads the slow job's view along while it goes on
-            _start_all_cells(page, lab, name, kernel)
-            view = page.locator(".jp-Notebook .jp-CodeCell").nth(3).locator(".anb-job")
-            calls = view.locator(".anb-call")
-            expect(calls).to_have_count(2, timeout=120_000)
+    with _lab_page(lab, "live-view-end.png") as (page, _):
+        kernel = _open(page, lab, name)
+        expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
+        # run everything without waiting: the user reads the slow job's view along while it goes on
+        _start_all_cells(page, lab, name, kernel)
+        view = page.locator(".jp-Notebook .jp-CodeCell").nth(3).locator(".anb-job")
+        calls = view.locator(".anb-call")
+        expect(calls).to_have_count(2, timeout=120_000)
 
-            def section(key: str):  # type: ignore[no-untyped-def]
-                return view.locator(f"summary[data-anb-key='{key}']")
+        def section(key: str):  # type: ignore[no-untyped-def]
+            return view.locator(f"summary[data-anb-key='{key}']")
 
-            def is_open(key: str) -> bool:
-                return bool(section(key).evaluate("s => s.parentElement.open"))
+        def is_open(key: str) -> bool:
+            return bool(section(key).evaluate("s => s.parentElement.open"))
 
-            job = view.get_attribute("data-job")
-            result_key = f"{job}:1:1:call_1_1_0:result"
-            # open the user prompt and the first tool result; close nothing yet
-            section(f"{job}:1:user").click()
-            section(result_key).click()
-            assert is_open(f"{job}:1:user") and is_open(result_key)
-            seen = calls.count()
-            # more events arrive (each one redraws the view) ...
-            page.wait_for_function(
-                f"() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][3]"
-                f".querySelectorAll('.anb-job .anb-call').length >= {seen + 2}", timeout=60_000)
-            # ... and what the user opened is still open, scrolled to where they read
-            assert is_open(f"{job}:1:user"), "the user prompt the user opened closed again"
-            assert is_open(result_key), "the tool result the user opened closed again"
-            section(result_key).scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "live-view-opened.png"))
+        job = view.get_attribute("data-job")
+        result_key = f"{job}:1:1:call_1_1_0:result"
+        # open the user prompt and the first tool result; close nothing yet
+        section(f"{job}:1:user").click()
+        section(result_key).click()
+        assert is_open(f"{job}:1:user") and is_open(result_key)
+        seen = calls.count()
+        # more events arrive (each one redraws the view) ...
+        page.wait_for_function(
+            f"() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][3]"
+            f".querySelectorAll('.anb-job .anb-call').length >= {seen + 2}", timeout=60_000)
+        # ... and what the user opened is still open, scrolled to where they read
+        assert is_open(f"{job}:1:user"), "the user prompt the user opened closed again"
+        assert is_open(result_key), "the tool result the user opened closed again"
+        section(result_key).scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "live-view-opened.png"))
 
-            # the newest movement run is open by default; a user who closes it keeps it closed
-            section(f"{job}:1").click()
-            assert not is_open(f"{job}:1")
-            seen = calls.count()
-            page.wait_for_function(
-                f"() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][3]"
-                f".querySelectorAll('.anb-job .anb-call').length >= {seen + 2}", timeout=60_000)
-            assert not is_open(f"{job}:1"), "the movement the user closed opened again"
-            section(f"{job}:1").click()  # and opened again, the parts inside are as they were left
-            assert is_open(f"{job}:1") and is_open(result_key)
+        # the newest movement run is open by default; a user who closes it keeps it closed
+        section(f"{job}:1").click()
+        assert not is_open(f"{job}:1")
+        seen = calls.count()
+        page.wait_for_function(
+            f"() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][3]"
+            f".querySelectorAll('.anb-job .anb-call').length >= {seen + 2}", timeout=60_000)
+        assert not is_open(f"{job}:1"), "the movement the user closed opened again"
+        section(f"{job}:1").click()  # and opened again, the parts inside are as they were left
+        assert is_open(f"{job}:1") and is_open(result_key)
 
-            # the next movement run opens by itself (the user never touched it); the first stays as left
-            expect(section(f"{job}:2")).to_be_attached(timeout=120_000)
-            page.wait_for_function(
-                f"() => {{ const s = document.querySelector(\"summary[data-anb-key='{job}:2']\");"
-                " return s && s.parentElement.open; }", timeout=60_000)
-            assert is_open(f"{job}:1") and is_open(result_key)
+        # the next movement run opens by itself (the user never touched it); the first stays as left
+        expect(section(f"{job}:2")).to_be_attached(timeout=120_000)
+        page.wait_for_function(
+            f"() => {{ const s = document.querySelector(\"summary[data-anb-key='{job}:2']\");"
+            " return s && s.parentElement.open; }", timeout=60_000)
+        assert is_open(f"{job}:1") and is_open(result_key)
 
-            # the header's link leads to the newest call
-            link = view.locator("a.anb-latest")
-            expect(link).to_contain_text("latest call")
-            # the cell above shows the same job (its first call, stepped), with an anchor of the same name:
-            # JupyterLab's own handling of the click went there after the link's scroll
-            page.mouse.wheel(0, -5000)
-            link.click()
-            latest = view.locator(f"#anb-latest-{job}")
-            expect(latest).to_be_in_viewport()
-            # the newest call (it moves on as calls arrive) is where the user looks, not just a sliver of it
-            page.wait_for_timeout(300)
-            page.wait_for_function(
-                f"""() => {{
-                    const views = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][3].querySelectorAll('.anb-job');
-                    const call = views[views.length - 1].querySelector('#anb-latest-{job}');
-                    if (!call) return false;
-                    const r = call.getBoundingClientRect();
-                    return r.top >= 0 && r.top < window.innerHeight - 60;
-                }}""", timeout=2_000)
-            page.screenshot(path=str(ARTIFACTS / "live-view-latest.png"))
+        # the header's link leads to the newest call
+        link = view.locator("a.anb-latest")
+        expect(link).to_contain_text("latest call")
+        # the cell above shows the same job (its first call, stepped), with an anchor of the same name:
+        # JupyterLab's own handling of the click went there after the link's scroll
+        page.mouse.wheel(0, -5000)
+        link.click()
+        latest = view.locator(f"#anb-latest-{job}")
+        expect(latest).to_be_in_viewport()
+        # the newest call (it moves on as calls arrive) is where the user looks, not just a sliver of it
+        page.wait_for_timeout(300)
+        page.wait_for_function(
+            f"""() => {{
+                const views = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][3].querySelectorAll('.anb-job');
+                const call = views[views.length - 1].querySelector('#anb-latest-{job}');
+                if (!call) return false;
+                const r = call.getBoundingClientRect();
+                return r.top >= 0 && r.top < window.innerHeight - 60;
+            }}""", timeout=2_000)
+        page.screenshot(path=str(ARTIFACTS / "live-view-latest.png"))
 
-            # the run ends: `slowjob = %agent run …` keeps the whole view, and the user's choices in it
-            page.wait_for_function(
-                "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][3].textContent)",
-                timeout=RUN_ALL_TIMEOUT_MS)
-            expect(view.locator("details.anb-mv")).to_have_count(2)
-            expect(view.locator(".anb-head")).to_contain_text("succeeded")
-            assert is_open(f"{job}:1") and is_open(result_key)
-            expect(view.locator(".anb-call").first).to_contain_text("◷")
+        # the run ends: `slowjob = %agent run …` keeps the whole view, and the user's choices in it
+        page.wait_for_function(
+            "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][3].textContent)",
+            timeout=RUN_ALL_TIMEOUT_MS)
+        expect(view.locator("details.anb-mv")).to_have_count(2)
+        expect(view.locator(".anb-head")).to_contain_text("succeeded")
+        assert is_open(f"{job}:1") and is_open(result_key)
+        expect(view.locator(".anb-call").first).to_contain_text("◷")
 
-            page.wait_for_function(
-                "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][4].textContent)",
-                timeout=RUN_ALL_TIMEOUT_MS)
-            _assert_no_cell_raised(page)
-            table = page.locator(".jp-Notebook .jp-CodeCell").nth(4).locator("table")
-            expect(table.locator("th.col_heading")).to_have_count(7)
-            expect(table).to_contain_text("1. first")
-            table.scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "live-view-usage.png"))
-        except Exception as exc:
-            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
-        finally:
-            page.screenshot(path=str(ARTIFACTS / "live-view-end.png"))
-            browser.close()
+        page.wait_for_function(
+            "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][4].textContent)",
+            timeout=RUN_ALL_TIMEOUT_MS)
+        _assert_no_cell_raised(page)
+        table = page.locator(".jp-Notebook .jp-CodeCell").nth(4).locator("table")
+        expect(table.locator("th.col_heading")).to_have_count(7)
+        expect(table).to_contain_text("1. first")
+        table.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "live-view-usage.png"))
 
 
 # The batch progress bar after a kernel restart: each batch's final line, never "Error displaying widget".
@@ -797,81 +774,72 @@ BATCH_BAR_CELLS = [
 
 def test_batch_bars_leave_their_final_lines_across_a_kernel_restart(lab: Lab) -> None:
     import nbformat
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     name = "batch-bar.ipynb"
     path = _notebook(lab, name, BATCH_BAR_CELLS, "batch-bar")
-    with sync_playwright() as pw:
-        browser = _launch(pw)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        shot = "batch-bar-failed.png"
-        try:
-            kernel = _open(page, lab, name)
-            expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
-            _run_all_cells(page, lab, name, kernel)
-            _assert_no_cell_raised(page)
+    with _lab_page(lab, "batch-bar-failed.png") as (page, shot):
+        kernel = _open(page, lab, name)
+        expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
+        _run_all_cells(page, lab, name, kernel)
+        _assert_no_cell_raised(page)
 
-            def check_lines() -> None:
-                done = page.locator(".anb-batch-end[data-state='ok']")
-                waiting = page.locator(".anb-batch-end[data-state='waiting']")
-                expect(done).to_have_count(1, timeout=60_000)
-                expect(done).to_be_visible()
-                expect(done.locator(".anb-batch-line")).to_have_text(
-                    re.compile(r"^batch exp-1 · 4/4 · 4 ok · [\d,]+ tokens · \$0 · \d+\.\d s$"))
-                expect(waiting).to_be_visible()
-                expect(waiting.locator(".anb-batch-line")).to_have_text(
-                    re.compile(r"^batch asks · 2/2 · 0 ok · 2 waiting · [\d,]+ tokens · \$0 · \d+\.\d s$"))
-                expect(waiting.locator(".anb-batch-hint")).to_contain_text(
-                    "job(s) 5, 6 wait for a reply", use_inner_text=True)
-                # the waiting batch is not green: its bar is the waiting purple, the other one's all green
-                colours = waiting.locator("[data-outcome]").evaluate_all(
-                    "els => els.map(e => [e.dataset.outcome, getComputedStyle(e).backgroundColor, e.offsetWidth])")
-                assert [(o, c) for o, c, _ in colours] == [("waiting", "rgb(142, 68, 173)")], colours
-                assert colours[0][2] > 100, colours  # drawn, not a sliver
-                ok = done.locator("[data-outcome]").evaluate_all(
-                    "els => els.map(e => [e.dataset.outcome, getComputedStyle(e).backgroundColor])")
-                assert ok == [["ok", "rgb(46, 139, 87)"]], ok
-                assert _overflow(page, ".anb-batch-end") == [], _overflow(page, ".anb-batch-end")
-                # no progress widget left anywhere, live or dead
-                expect(page.locator(".jp-OutputArea-output .widget-progress")).to_have_count(0)
-                expect(page.get_by_text("Error displaying widget")).to_have_count(0)
-                expect(page.get_by_text("model not found")).to_have_count(0)
+        def check_lines() -> None:
+            done = page.locator(".anb-batch-end[data-state='ok']")
+            waiting = page.locator(".anb-batch-end[data-state='waiting']")
+            expect(done).to_have_count(1, timeout=60_000)
+            expect(done).to_be_visible()
+            expect(done.locator(".anb-batch-line")).to_have_text(
+                re.compile(r"^batch exp-1 · 4/4 · 4 ok · [\d,]+ tokens · \$0 · \d+\.\d s$"))
+            expect(waiting).to_be_visible()
+            expect(waiting.locator(".anb-batch-line")).to_have_text(
+                re.compile(r"^batch asks · 2/2 · 0 ok · 2 waiting · [\d,]+ tokens · \$0 · \d+\.\d s$"))
+            expect(waiting.locator(".anb-batch-hint")).to_contain_text(
+                "job(s) 5, 6 wait for a reply", use_inner_text=True)
+            # the waiting batch is not green: its bar is the waiting purple, the other one's all green
+            colours = waiting.locator("[data-outcome]").evaluate_all(
+                "els => els.map(e => [e.dataset.outcome, getComputedStyle(e).backgroundColor, e.offsetWidth])")
+            assert [(o, c) for o, c, _ in colours] == [("waiting", "rgb(142, 68, 173)")], colours
+            assert colours[0][2] > 100, colours  # drawn, not a sliver
+            ok = done.locator("[data-outcome]").evaluate_all(
+                "els => els.map(e => [e.dataset.outcome, getComputedStyle(e).backgroundColor])")
+            assert ok == [["ok", "rgb(46, 139, 87)"]], ok
+            assert _overflow(page, ".anb-batch-end") == [], _overflow(page, ".anb-batch-end")
+            # no progress widget left anywhere, live or dead
+            expect(page.locator(".jp-OutputArea-output .widget-progress")).to_have_count(0)
+            expect(page.get_by_text("Error displaying widget")).to_have_count(0)
+            expect(page.get_by_text("model not found")).to_have_count(0)
 
-            check_lines()
-            page.locator(".anb-batch-end[data-state='waiting']").scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "batch-bar-live.png"))
+        check_lines()
+        page.locator(".anb-batch-end[data-state='waiting']").scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "batch-bar-live.png"))
 
-            # save, restart the kernel and reload: what a reopened notebook shows
-            page.keyboard.press("Control+s")
-            deadline = time.monotonic() + 60
-            while "anb-batch-end" not in _saved_outputs(path, 2) and time.monotonic() < deadline:
-                time.sleep(0.25)
-            saved = nbformat.read(path, as_version=4)
-            outputs = [o for cell in saved.cells for o in cell.get("outputs", [])]
-            assert not [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
-            lines = [str(o["data"]["text/plain"]) for o in outputs if "anb-batch-end" in str(o.get("data", {}))]
-            assert [line.splitlines()[0].split(" · ")[:4] for line in lines] == [
-                ["batch exp-1", "4/4", "4 ok", lines[0].split(" · ")[3]], ["batch asks", "2/2", "0 ok", "2 waiting"]]
-            page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
-            page.get_by_role("menuitem", name=re.compile(r"^Restart Kernel…")).first.click()
-            page.locator(".jp-Dialog button", has_text="Restart").click()
-            page.wait_for_function(
-                """() => {
-                    const el = document.querySelector('.jp-Notebook-ExecutionIndicator');
-                    return el && el.getAttribute('data-status') === 'idle';
-                }""",
-                timeout=90_000,
-            )
-            page.reload()
-            page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
-            check_lines()
-            page.locator(".anb-batch-end[data-state='ok']").scroll_into_view_if_needed()
-            shot = "batch-bar-restarted.png"
-        except Exception as exc:
-            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
-        finally:
-            page.screenshot(path=str(ARTIFACTS / shot))
-            browser.close()
+        # save, restart the kernel and reload: what a reopened notebook shows
+        page.keyboard.press("Control+s")
+        deadline = time.monotonic() + 60
+        while "anb-batch-end" not in _saved_outputs(path, 2) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        saved = nbformat.read(path, as_version=4)
+        outputs = [o for cell in saved.cells for o in cell.get("outputs", [])]
+        assert not [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+        lines = [str(o["data"]["text/plain"]) for o in outputs if "anb-batch-end" in str(o.get("data", {}))]
+        assert [line.splitlines()[0].split(" · ")[:4] for line in lines] == [
+            ["batch exp-1", "4/4", "4 ok", lines[0].split(" · ")[3]], ["batch asks", "2/2", "0 ok", "2 waiting"]]
+        page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
+        page.get_by_role("menuitem", name=re.compile(r"^Restart Kernel…")).first.click()
+        page.locator(".jp-Dialog button", has_text="Restart").click()
+        page.wait_for_function(
+            """() => {
+                const el = document.querySelector('.jp-Notebook-ExecutionIndicator');
+                return el && el.getAttribute('data-status') === 'idle';
+            }""",
+            timeout=90_000,
+        )
+        page.reload()
+        page.locator(".jp-Notebook").first.wait_for(timeout=60_000)
+        check_lines()
+        page.locator(".anb-batch-end[data-state='ok']").scroll_into_view_if_needed()
+        shot.name = "batch-bar-restarted.png"
 
 
 # The panel's Piece and Model boxes follow the job selected in its list, and Run from
@@ -887,52 +855,43 @@ FOLLOW_CELLS = [
 
 
 def test_panel_boxes_follow_the_selected_job(lab: Lab) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     name = "panel-follow.ipynb"
     _notebook(lab, name, FOLLOW_CELLS, "panel-follow")
     spec = f"scripted:{(lab.root / 'follow-script.yaml').resolve()}"
-    with sync_playwright() as pw:
-        browser = _launch(pw)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        shot = "panel-follow-failed.png"
-        try:
-            kernel = _open(page, lab, name)
-            expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
-            _run_all_cells(page, lab, name, kernel)
-            _assert_no_cell_raised(page)
-            panel = page.locator(".anb-panel")
-            expect(panel).to_have_count(1)
-            piece_box, model_box = panel.locator("input[list]").all()
-            jobs = panel.locator("select")
-            # the panel opens on the session's last job, the second: its piece and model
-            expect(piece_box).to_have_value("single")
-            expect(model_box).to_have_value(spec)
-            for index, piece, model in ((0, "plan-implement-verify", "demo"), (1, "single", spec)):
-                jobs.select_option(index=index)
-                expect(panel.locator(f".anb-job[data-job='{index + 1}']")).to_be_visible()
-                expect(piece_box).to_have_value(piece)
-                expect(model_box).to_have_value(model)
-            # the piece's name is in view whole (the model's path is as long as the lab's temporary folder makes
-            # it), and nothing sticks out of the panel
-            assert piece_box.evaluate("el => el.scrollWidth <= el.clientWidth")
-            assert _overflow(page, ".anb-panel") == [], _overflow(page, ".anb-panel")
-            panel.scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "panel-follow-selected.png"))
-            # Run from the selected job: a new job #3 with its piece and model; job 2 stays queued
-            panel.locator("textarea").fill("A third job")
-            panel.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Run\s*$")).click()
-            expect(jobs.locator("option", has_text="#3 · succeeded · single")).to_be_attached(timeout=60_000)
-            expect(jobs.locator("option", has_text="#2 · queued · single")).to_be_attached()
-            expect(panel).to_contain_text(f"new job #3 with single on {spec}; job #2 is left as it was")
-            expect(piece_box).to_have_value("single")
-            expect(model_box).to_have_value(spec)
-            shot = "panel-follow-run.png"
-        except Exception as exc:
-            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
-        finally:
-            page.screenshot(path=str(ARTIFACTS / shot))
-            browser.close()
+    with _lab_page(lab, "panel-follow-failed.png") as (page, shot):
+        kernel = _open(page, lab, name)
+        expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
+        _run_all_cells(page, lab, name, kernel)
+        _assert_no_cell_raised(page)
+        panel = page.locator(".anb-panel")
+        expect(panel).to_have_count(1)
+        piece_box, model_box = panel.locator("input[list]").all()
+        jobs = panel.locator("select")
+        # the panel opens on the session's last job, the second: its piece and model
+        expect(piece_box).to_have_value("single")
+        expect(model_box).to_have_value(spec)
+        for index, piece, model in ((0, "plan-implement-verify", "demo"), (1, "single", spec)):
+            jobs.select_option(index=index)
+            expect(panel.locator(f".anb-job[data-job='{index + 1}']")).to_be_visible()
+            expect(piece_box).to_have_value(piece)
+            expect(model_box).to_have_value(model)
+        # the piece's name is in view whole (the model's path is as long as the lab's temporary folder makes
+        # it), and nothing sticks out of the panel
+        assert piece_box.evaluate("el => el.scrollWidth <= el.clientWidth")
+        assert _overflow(page, ".anb-panel") == [], _overflow(page, ".anb-panel")
+        panel.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "panel-follow-selected.png"))
+        # Run from the selected job: a new job #3 with its piece and model; job 2 stays queued
+        panel.locator("textarea").fill("A third job")
+        panel.locator("button.widget-button").filter(has_text=re.compile(r"^\s*Run\s*$")).click()
+        expect(jobs.locator("option", has_text="#3 · succeeded · single")).to_be_attached(timeout=60_000)
+        expect(jobs.locator("option", has_text="#2 · queued · single")).to_be_attached()
+        expect(panel).to_contain_text(f"new job #3 with single on {spec}; job #2 is left as it was")
+        expect(piece_box).to_have_value("single")
+        expect(model_box).to_have_value(spec)
+        shot.name = "panel-follow-run.png"
 
 
 # Batch tables and plots of 2 and 8 variants on long scripted: paths: narrow summaries, short labels, scores in view.
@@ -965,55 +924,48 @@ BATCH_LABEL_CELLS = [
 
 
 def test_batch_summaries_and_plots_of_2_and_8_variants_fit_the_output(lab: Lab) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     name = "batch-labels.ipynb"
     _notebook(lab, name, BATCH_LABEL_CELLS, "batch-labels")
-    with sync_playwright() as pw:
-        browser = _launch(pw)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            kernel = _open(page, lab, name)
-            _run_all_cells(page, lab, name, kernel)
-            _assert_no_cell_raised(page)
-            tables = page.locator(".jp-OutputArea-output table.agentnb-batch-summary")
-            expect(tables).to_have_count(2)
-            for i, n in ((0, 2), (1, 8)):
-                table = tables.nth(i)
-                table.scroll_into_view_if_needed()
-                page.screenshot(path=str(ARTIFACTS / f"batch-labels-summary-{n}.png"))
-                seen = table.evaluate("""t => {
-                    const out = t.closest('.jp-OutputArea-output').getBoundingClientRect();
-                    const heads = [...t.querySelectorAll('th')].map(h => [h.textContent, h.getBoundingClientRect()]);
-                    const spans = [...t.querySelectorAll('td:first-child span')];
-                    return {width: t.getBoundingClientRect().width, outRight: out.right,
-                            heads: heads.map(([text, r]) => [text, r.right]), rows: t.querySelectorAll('tbody tr').length,
-                            text: t.innerText, wrapped: spans.filter(s => s.getClientRects().length > 1).map(s => s.textContent),
-                            titles: [...t.querySelectorAll('td[title]')].map(td => td.title)};
-                }""")
-                assert seen["rows"] == n
-                assert seen["width"] <= 1000, f"the summary of {n} variants is {seen['width']:.0f} px wide"
-                for text, right in seen["heads"]:  # every column, the scores too, within the output area
-                    assert right <= seen["outRight"] + 1, f"column {text!r} is off-screen ({right} > {seen['outRight']})"
-                assert [h for h, _ in seen["heads"]] == [
-                    "variant", "n", "succeeded", "has_answer", "right_answer", "answer_length", "mentions_plugins",
-                    "tokens/job", "cost", "p50s", "p95s"]
-                assert not seen["wrapped"], f"a name wraps inside itself: {seen['wrapped']}"
-                assert "acme-corporation" not in seen["text"]  # the path only in the tooltips
-                assert any("acme-corporation" in t for t in seen["titles"])
-                assert "release-notes-reviewed" in seen["text"] and "scripted:summary-script-" in seen["text"]
-            images = page.locator(".jp-OutputArea-output img")
-            expect(images).to_have_count(2)
-            for i, n in ((0, 2), (1, 8)):
-                image = images.nth(i)
-                image.scroll_into_view_if_needed()
-                box = image.bounding_box()
-                assert box is not None and box["width"] >= 600, box
-                image.screenshot(path=str(ARTIFACTS / f"batch-labels-plot-{n}.png"))
-        except Exception as exc:
-            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
-        finally:
-            browser.close()
+    with _lab_page(lab, None) as (page, _):
+        kernel = _open(page, lab, name)
+        _run_all_cells(page, lab, name, kernel)
+        _assert_no_cell_raised(page)
+        tables = page.locator(".jp-OutputArea-output table.agentnb-batch-summary")
+        expect(tables).to_have_count(2)
+        for i, n in ((0, 2), (1, 8)):
+            table = tables.nth(i)
+            table.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / f"batch-labels-summary-{n}.png"))
+            seen = table.evaluate("""t => {
+                const out = t.closest('.jp-OutputArea-output').getBoundingClientRect();
+                const heads = [...t.querySelectorAll('th')].map(h => [h.textContent, h.getBoundingClientRect()]);
+                const spans = [...t.querySelectorAll('td:first-child span')];
+                return {width: t.getBoundingClientRect().width, outRight: out.right,
+                        heads: heads.map(([text, r]) => [text, r.right]), rows: t.querySelectorAll('tbody tr').length,
+                        text: t.innerText, wrapped: spans.filter(s => s.getClientRects().length > 1).map(s => s.textContent),
+                        titles: [...t.querySelectorAll('td[title]')].map(td => td.title)};
+            }""")
+            assert seen["rows"] == n
+            assert seen["width"] <= 1000, f"the summary of {n} variants is {seen['width']:.0f} px wide"
+            for text, right in seen["heads"]:  # every column, the scores too, within the output area
+                assert right <= seen["outRight"] + 1, f"column {text!r} is off-screen ({right} > {seen['outRight']})"
+            assert [h for h, _ in seen["heads"]] == [
+                "variant", "n", "succeeded", "has_answer", "right_answer", "answer_length", "mentions_plugins",
+                "tokens/job", "cost", "p50s", "p95s"]
+            assert not seen["wrapped"], f"a name wraps inside itself: {seen['wrapped']}"
+            assert "acme-corporation" not in seen["text"]  # the path only in the tooltips
+            assert any("acme-corporation" in t for t in seen["titles"])
+            assert "release-notes-reviewed" in seen["text"] and "scripted:summary-script-" in seen["text"]
+        images = page.locator(".jp-OutputArea-output img")
+        expect(images).to_have_count(2)
+        for i, n in ((0, 2), (1, 8)):
+            image = images.nth(i)
+            image.scroll_into_view_if_needed()
+            box = image.bounding_box()
+            assert box is not None and box["width"] >= 600, box
+            image.screenshot(path=str(ARTIFACTS / f"batch-labels-plot-{n}.png"))
     shots = sorted(ARTIFACTS.glob("batch-labels-*.png"))
     assert len(shots) == 4 and all(p.stat().st_size > 10_000 for p in shots), "a screenshot is missing or empty"
 # The views' symbols in a Chromium without an emoji font, against the same views with the default fonts (🔧, ⏱, ❓
@@ -1102,16 +1054,13 @@ _NO_EMOJI_FONTCONFIG = """<?xml version="1.0"?>
 """
 
 
-def _icons_in(lab: Lab, pw, mode: str, env: dict[str, str] | None) -> dict[str, object]:  # type: ignore[no-untyped-def]
+def _icons_in(lab: Lab, mode: str, env: dict[str, str] | None) -> dict[str, object]:
     """Run the icon notebook in a Chromium launched with ``env``; screenshot its views; measure its glyphs."""
     from playwright.sync_api import expect
 
     name = f"icons-{mode}.ipynb"
     _notebook(lab, name, _icon_cells(f"icons-{mode}-data"), f"icons-{mode}")
-    browser = pw.chromium.launch(executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS, env=env)
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    shot = f"icons-{mode}-failed.png"
-    try:
+    with _lab_page(lab, f"icons-{mode}-failed.png", env=env) as (page, shot):
         kernel = _open(page, lab, name)
         expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
         _run_all_cells(page, lab, name, kernel)
@@ -1129,23 +1078,15 @@ def _icons_in(lab: Lab, pw, mode: str, env: dict[str, str] | None) -> dict[str, 
         cells.nth(3).locator(".anb-ask").first.scroll_into_view_if_needed()
         page.screenshot(path=str(ARTIFACTS / f"icons-{mode}-question.png"))
         page.locator(".anb-panel").scroll_into_view_if_needed()
-        shot = f"icons-{mode}-panel.png"
-        return page.evaluate(_GLYPHS_JS)  # type: ignore[no-any-return]
-    except Exception as exc:
-        raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
-    finally:
-        page.screenshot(path=str(ARTIFACTS / shot))
-        browser.close()
+        shot.name = f"icons-{mode}-panel.png"
+        return page.evaluate(_GLYPHS_JS)
 
 
 def test_views_draw_their_symbols_without_an_emoji_font(lab: Lab, tmp_path: Path) -> None:
-    from playwright.sync_api import sync_playwright
-
     fonts = tmp_path / "fonts.conf"
     fonts.write_text(_NO_EMOJI_FONTCONFIG)
-    with sync_playwright() as pw:
-        bare = _icons_in(lab, pw, "no-emoji", dict(os.environ, FONTCONFIG_FILE=str(fonts)))
-        default = _icons_in(lab, pw, "default", None)
+    bare = _icons_in(lab, "no-emoji", dict(os.environ, FONTCONFIG_FILE=str(fonts)))
+    default = _icons_in(lab, "default", None)
     # the bare browser really has no emoji font: an emoji is a box there (else this test proves nothing)
     assert bare["emoji"] is False, "the emoji font was not rejected: the no-emoji run is not one"
     # no character of any output is a box, with or without the emoji font
@@ -1170,73 +1111,64 @@ STREAM_CELLS = [
 
 
 def test_streamed_text_grows_during_a_paced_demo_call_and_leaves_no_trace(lab: Lab) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     name = "stream-view.ipynb"
     path = _notebook(lab, name, STREAM_CELLS, "stream-view")
-    with sync_playwright() as pw:
-        browser = _launch(pw)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        shot = "stream-view-failed.png"
-        try:
-            kernel = _open(page, lab, name)
-            expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
-            _start_all_cells(page, lab, name, kernel)
-            cell = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
-            stream = cell.locator(".anb-stream")
-            # the report being written: the Write call's name at once, its arguments growing
-            args = cell.locator(".anb-stream .anb-tool:has(b:text-is('Write')) .anb-stream-args")
-            expect(args).to_have_count(1, timeout=120_000)
-            # mark the job's view: streamed text must not redraw it (the sections the user opened stay so)
-            cell.locator(".anb-job:not(.anb-stream)").first.evaluate("v => { v.__anbKept = true; }")
-            grown = ("([n]) => { const a = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][1]"
-                     ".querySelector('.anb-stream .anb-stream-args'); return a && a.textContent.length > n; }")
-            page.wait_for_function(grown, arg=[0], timeout=10_000)
-            first = len(args.inner_text())
-            page.wait_for_function(grown, arg=[first + 200], timeout=10_000)
-            second = len(args.inner_text())
-            assert second > first > 0, (first, second)
-            # read at one moment (the streamed element is replaced at each draw): the view kept, the streamed
-            # element right below it in the same cell, as wide as the cell at most, saying it streams
-            seen = page.evaluate(
-                """() => {
-                    const cell = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][1];
-                    const view = cell.querySelector('.anb-job:not(.anb-stream)');
-                    const stream = cell.querySelector('.anb-stream');
-                    if (!stream) return null;
-                    stream.scrollIntoView({block: 'center'});
-                    const v = view.getBoundingClientRect(), s = stream.getBoundingClientRect();
-                    return {kept: view.__anbKept === true, below: s.top >= v.bottom - 1,
-                            fits: s.width <= cell.getBoundingClientRect().width, text: stream.innerText};
-                }""")
-            assert seen is not None, "the call ended before it could be read"
-            assert seen["kept"], "the job's view was redrawn for streamed text"
-            assert seen["below"] and seen["fits"] and "streaming…" in seen["text"], seen
-            page.screenshot(path=str(ARTIFACTS / "stream-view-during.png"))
+    with _lab_page(lab, "stream-view-failed.png") as (page, shot):
+        kernel = _open(page, lab, name)
+        expect(page.locator(".jp-Notebook")).to_have_count(1, timeout=60_000)
+        _start_all_cells(page, lab, name, kernel)
+        cell = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
+        stream = cell.locator(".anb-stream")
+        # the report being written: the Write call's name at once, its arguments growing
+        args = cell.locator(".anb-stream .anb-tool:has(b:text-is('Write')) .anb-stream-args")
+        expect(args).to_have_count(1, timeout=120_000)
+        # mark the job's view: streamed text must not redraw it (the sections the user opened stay so)
+        cell.locator(".anb-job:not(.anb-stream)").first.evaluate("v => { v.__anbKept = true; }")
+        grown = ("([n]) => { const a = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][1]"
+                 ".querySelector('.anb-stream .anb-stream-args'); return a && a.textContent.length > n; }")
+        page.wait_for_function(grown, arg=[0], timeout=10_000)
+        first = len(args.inner_text())
+        page.wait_for_function(grown, arg=[first + 200], timeout=10_000)
+        second = len(args.inner_text())
+        assert second > first > 0, (first, second)
+        # read at one moment (the streamed element is replaced at each draw): the view kept, the streamed
+        # element right below it in the same cell, as wide as the cell at most, saying it streams
+        seen = page.evaluate(
+            """() => {
+                const cell = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')][1];
+                const view = cell.querySelector('.anb-job:not(.anb-stream)');
+                const stream = cell.querySelector('.anb-stream');
+                if (!stream) return null;
+                stream.scrollIntoView({block: 'center'});
+                const v = view.getBoundingClientRect(), s = stream.getBoundingClientRect();
+                return {kept: view.__anbKept === true, below: s.top >= v.bottom - 1,
+                        fits: s.width <= cell.getBoundingClientRect().width, text: stream.innerText};
+            }""")
+        assert seen is not None, "the call ended before it could be read"
+        assert seen["kept"], "the job's view was redrawn for streamed text"
+        assert seen["below"] and seen["fits"] and "streaming…" in seen["text"], seen
+        page.screenshot(path=str(ARTIFACTS / "stream-view-during.png"))
 
-            # after the run: the recorded calls in the view, and no streamed element, visible or not
-            page.wait_for_function(
-                "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][1].textContent)",
-                timeout=RUN_ALL_TIMEOUT_MS)
-            _assert_no_cell_raised(page)
-            expect(stream).to_have_count(0)
-            view = cell.locator(".anb-job").last
-            expect(view.locator(".anb-head")).to_contain_text("succeeded")
-            expect(view).to_contain_text("Writing the report.")
-            # the emptied output draws nothing: the cell's outputs are as tall as the view alone
-            heights = cell.locator(".jp-OutputArea-child").evaluate_all(
-                "cs => cs.map(c => c.getBoundingClientRect().height)")
-            assert sum(h for h in heights if h > 0) <= view.bounding_box()["height"] + 30, heights  # type: ignore[index]
-            view.scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "stream-view-after.png"))
-            shot = "stream-view-end.png"
-            # saved: no trace of the stream in the file
-            page.keyboard.press("Control+s")
-            page.wait_for_timeout(1500)
-            saved = path.read_text()
-            assert "Writing the report." in saved and "anb-stream" not in saved and "streaming…" not in saved
-        except Exception as exc:
-            raise AssertionError(f"{exc}\n--- jupyter lab log (tail) ---\n{lab.log_tail()}") from exc
-        finally:
-            page.screenshot(path=str(ARTIFACTS / shot))
-            browser.close()
+        # after the run: the recorded calls in the view, and no streamed element, visible or not
+        page.wait_for_function(
+            "() => /\\[\\d+\\]/.test([...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')][1].textContent)",
+            timeout=RUN_ALL_TIMEOUT_MS)
+        _assert_no_cell_raised(page)
+        expect(stream).to_have_count(0)
+        view = cell.locator(".anb-job").last
+        expect(view.locator(".anb-head")).to_contain_text("succeeded")
+        expect(view).to_contain_text("Writing the report.")
+        # the emptied output draws nothing: the cell's outputs are as tall as the view alone
+        heights = cell.locator(".jp-OutputArea-child").evaluate_all(
+            "cs => cs.map(c => c.getBoundingClientRect().height)")
+        assert sum(h for h in heights if h > 0) <= view.bounding_box()["height"] + 30, heights  # type: ignore[index]
+        view.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "stream-view-after.png"))
+        shot.name = "stream-view-end.png"
+        # saved: no trace of the stream in the file
+        page.keyboard.press("Control+s")
+        page.wait_for_timeout(1500)
+        saved = path.read_text()
+        assert "Writing the report." in saved and "anb-stream" not in saved and "streaming…" not in saved

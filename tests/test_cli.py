@@ -81,6 +81,20 @@ def test_run_waiting_for_a_human_exits_0_and_reply_resumes(tmp_path: Path) -> No
     assert bodies[-1] == "A bullet list."
 
 
+def test_options_go_anywhere_among_a_sub_commands_words(tmp_path: Path) -> None:
+    """`reply 1 A --run bullet list.`: an option between the words of the text, as shells' commands take it
+    (argparse alone ends the text at the first option and refuses the words after it)."""
+    out = agentnb(tmp_path, "--workspace", "ws", "run", "Make", "--piece", "ask-first", "a", "list", "--model", "demo")
+    assert out.returncode == 0, out.stderr
+    assert "job 1: waiting_human" in out.stdout
+    out = agentnb(tmp_path, "--workspace", "ws", "reply", "1", "A", "--run", "bullet", "list.")
+    assert out.returncode == 0, out.stderr
+    assert "job 1: succeeded" in out.stdout
+    db = _db(tmp_path / "ws")
+    assert db.execute("SELECT instruction FROM jobs WHERE id=1").fetchone() == ("Make a list",)
+    assert db.execute("SELECT body FROM comments WHERE job_id=1 ORDER BY id DESC").fetchone() == ("A bullet list.",)
+
+
 def test_run_exits_1_when_the_job_fails_or_aborts(tmp_path: Path) -> None:
     failing = write_script(tmp_path, "empty", responses=[])
     out = agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "single", "--model", failing, "task")

@@ -32,6 +32,7 @@ from agentnb.models.openai import OpenAIModel
 from agentnb.models.ratelimit import Gate
 from agentnb.progress import Outcome, final_html, final_line
 from agentnb.store import reads
+from agentnb.store.base import STOP_CUT_REASON
 from agentnb.views.status import STOP_REASON
 from agentnb.views.style import OK_COLOUR
 
@@ -449,7 +450,9 @@ def test_ctrl_c_pauses_every_running_job_and_the_batch_resumes(tmp_path: Path, h
         assert statuses["running"] == 0 and statuses["queued"] > 0
         started_and_paused = [j for j in ws.jobs() if str(j.status) == "queued" and ws.events(j.id, kinds=["llm_response"])]
         assert started_and_paused
-        assert all(reads.last_status_reason(ws.store, j.id) == STOP_REASON for j in started_and_paused)
+        # the reason says whether the Stop cut the job's call off or came between its calls
+        assert all(reads.last_status_reason(ws.store, j.id) == (STOP_CUT_REASON if _interrupted(ws, j.id) else STOP_REASON)
+                   for j in started_and_paused)
         # a streamed call is cut off at once (docs/models.md#streaming): every answer the server began is either
         # recorded or recorded as interrupted, and an interrupted one is asked again on resume
         before = _answered(srv)

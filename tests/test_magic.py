@@ -164,6 +164,23 @@ def test_reply_from_the_magic_resumes_an_asking_job(shell: InteractiveShell) -> 
     assert re.search(r"✎</span> <b>user</b>: <pre[^>]*>Use bullets\.</pre>", job._repr_html_())
 
 
+def test_options_go_anywhere_among_a_sub_commands_words(shell: InteractiveShell) -> None:
+    """`%agent reply JOB --run "text"` as well as `reply JOB "text" --run`: options anywhere, as shells take them."""
+    with capture_output():
+        job = shell.run_line_magic("agent", 'run "Summarise" --piece ask-first "the inputs"')
+        assert job.status == "waiting_human" and job.instruction == "Summarise the inputs"
+        job = shell.run_line_magic("agent", f'reply {job.id} --run "Use bullets."')
+    assert job.status == "succeeded", job.error
+    assert [c["body"] for c in job.workspace.comments(job) if c["author"] == "user"] == ["Use bullets."]
+    with capture_output():
+        queued = shell.run_line_magic("agent", 'run --queue "Summarise"')
+        stepped = shell.run_line_magic("agent", f"step --call {queued.id}")
+    assert stepped.id == queued.id and stepped.status == "queued"
+    assert len(stepped.workspace.events(stepped, kinds=["llm_response"])) == 1
+    with pytest.raises(UsageError, match=r"^%agent fork: the following arguments are required: --at$"):
+        shell.run_line_magic("agent", f"fork --strict {job.id}")  # still checked, wherever the options are
+
+
 def test_error_inside_a_job_is_in_its_view_not_raised(shell: InteractiveShell, tmp_path: Path) -> None:
     script = write_script(tmp_path, "short", {"work": [call("Glob", pattern="*")]})
     piece = _work_piece(tmp_path, ["Glob"])

@@ -372,7 +372,8 @@ def test_the_wait_a_server_asks_for_is_honoured(ws: Workspace, tmp_path: Path, s
     import agentnb.models.openai as oa
 
     waits: list[float] = []
-    monkeypatch.setattr(oa.time, "sleep", waits.append)  # record the waits instead of waiting
+    # record the waits instead of waiting
+    monkeypatch.setattr(oa, "pause", lambda delay, cancel: waits.append(delay) or False)
     monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "1000")  # the fallback would show as ≥ 500 s
     monkeypatch.setenv("AGENTNB_OPENAI_RETRIES", "3")
     server.play(

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from _scripting import write_piece
-from openai_server import OpenAIServer, midway, reply
+from openai_server import OpenAIServer, error, hold, midway, reply
 
 from agentnb import Workspace
 from agentnb.errors import CallCancelled, ModelSpecError
@@ -21,8 +21,10 @@ from agentnb.events import payload_dict
 from agentnb.models.base import ModelRequest
 from agentnb.models.messages import Delta, UserMessage
 from agentnb.models.openai import OpenAIModel
+from agentnb.models.openai_stream import sse_data
 from agentnb.store import reads
-from agentnb.store.base import STOP_REASON
+from agentnb.store.base import STOP_CUT_REASON
+from agentnb.views.status import display_status
 
 PIECE = """
 name: streamed
@@ -221,7 +223,7 @@ def test_stop_mid_stream_closes_it_at_once_and_the_resume_asks_again(ws: Workspa
     runner.join(30)
     assert not runner.is_alive()
     assert str(ws.job(job.id).status) == "queued"
-    assert reads.last_status_reason(ws.store, job.id) == STOP_REASON
+    assert reads.last_status_reason(ws.store, job.id) == STOP_CUT_REASON  # not "after its current LLM call"
     assert not ws.events(job, kinds=["llm_response"])  # nothing made from the partial answer
     (cut,) = ws.events(job, kinds=["error"])
     assert cut.where == "interrupted" and "stopped mid-answer" in cut.message and "\n" not in cut.message
@@ -259,3 +261,63 @@ def test_a_stop_set_while_streaming_raises_call_cancelled_with_the_partial_answe
         OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[], cancel=cancel))
     assert caught.value.partial_text and "A long answer".startswith(caught.value.partial_text)
     assert srv.disconnected.wait(2)
+
+
+def _stop_and_resume(ws: Workspace, piece: Path, srv: OpenAIServer, stopping: Callable[[], bool]) -> float:
+    """Run a job, Stop it once ``stopping()`` says its call is where the test wants it, and check that the run
+    ended at once, the job paused with its call recorded as stopped, and the resume asked the same call again."""
+    job = ws.submit("Copy the notes", piece=piece, model="openai:m", inputs={"notes.md": "alpha ✓\n"})
+    runner = threading.Thread(target=ws.run, args=(job,))
+    runner.start()
+    deadline = time.monotonic() + 30
+    while not stopping() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # well inside the wait
+    asked = time.monotonic()
+    ws.stop(job)
+    runner.join(30)
+    ended = time.monotonic() - asked
+    assert not runner.is_alive()
+    assert ended < 0.5, f"the run took {ended:.2f} s to end after the Stop"
+    assert display_status(ws.job(job.id).status, reads.last_status_reason(ws.store, job.id)) == "paused"
+    assert not ws.events(job, kinds=["llm_response"])
+    assert reads.last_status_reason(ws.store, job.id) == STOP_CUT_REASON
+    (cut,) = ws.events(job, kinds=["error"])
+    assert cut.where == "interrupted" and "\n" not in cut.message
+    assert cut.message == "call 1 of run 1 (work) was stopped before its answer began; it is asked again when the job resumes"
+    view = ws.job(job.id)._repr_html_()
+    assert "⏸ stopped — " in view and "stopped before its answer began" in view
+    done = ws.run(job)  # resumed: the same call asked again
+    assert done.status == "succeeded", done.error
+    assert srv.received[-len(ANSWERS)].body["messages"] == srv.received[0].body["messages"]
+    assert len(ws.events(job, kinds=["llm_response"])) == len(ANSWERS)
+    return asked
+
+
+def test_stop_while_waiting_for_the_headers_cuts_the_call_off_at_once(ws: Workspace, piece: Path,
+                                                                      loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback()
+    srv.play(hold(), *(a() for a in ANSWERS))  # no headers until released: the model is "thinking"
+    asked = _stop_and_resume(ws, piece, srv, srv.holding.is_set)
+    assert srv.disconnected.is_set() and srv.disconnects[0] - asked < 0.5  # the server saw the connection closed
+    assert len(srv.received) == 1 + len(ANSWERS)
+
+
+def test_stop_during_the_wait_before_a_retry_ends_it_at_once(ws: Workspace, piece: Path,
+                                                              loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback()
+    srv.play(*error(503, "busy", headers={"Retry-After": "30"}), *(a() for a in ANSWERS))  # a 30 s wait
+    _stop_and_resume(ws, piece, srv, lambda: len(srv.received) == 1)
+    assert len(srv.received) == 1 + len(ANSWERS)
+
+
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"])
+def test_server_sent_events_are_read_however_the_bytes_are_cut(end: bytes) -> None:
+    stream = end.join([b": a comment", b"event: message", b'data: {"a": "\xc3\xa9"}', b"", b"data:first", b"data",
+                       b"data:  two spaces", b"id: 7", b"", b"event: no data", b"", b"data: [DONE]", b"", b""])
+    want = [b'{"a": "\xc3\xa9"}', b"first\n\n two spaces", b"[DONE]"]
+    assert list(sse_data([stream])) == want
+    for cut in range(1, len(stream)):  # one cut anywhere: inside a line, a UTF-8 character or a CRLF
+        assert list(sse_data([stream[:cut], stream[cut:]])) == want, cut
+    assert list(sse_data([bytes([b]) for b in stream])) == want  # a byte at a time
+    assert list(sse_data([stream[:-len(end) * 2] + end])) == want[:2]  # an event the stream did not end is dropped

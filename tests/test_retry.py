@@ -108,7 +108,7 @@ def test_max_backoff_caps_every_wait(tmp_path: Path, server: OpenAIServer, monke
     import agentnb.models.openai as oa
 
     waits: list[float] = []
-    monkeypatch.setattr(oa.time, "sleep", waits.append)
+    monkeypatch.setattr(oa, "pause", lambda delay, cancel: waits.append(delay) or False)  # recorded, not waited
     monkeypatch.setenv("AGENTNB_OPENAI_BACKOFF", "1000")  # uncapped, the waits would be ≥ 500 s
     piece = write_piece(tmp_path, "piece", PIECE)
     ws = Workspace(tmp_path / "ws", max_backoff=2.5)

@@ -24,6 +24,7 @@ from openai_server import OpenAIServer, hold, reply
 
 from agentnb import Workspace
 from agentnb.errors import UsageError
+from agentnb.store.base import STOP_CUT_REASON
 from agentnb.views.status import STOP_REASON
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -295,13 +296,13 @@ def held_server() -> Iterator[OpenAIServer]:
 
 
 def _held_workers_jobs(tmp_path: Path, submitter: Any, store: str | None, server: OpenAIServer, n: int,
-                       *args: str) -> tuple[Workspace, list[int], subprocess.Popen[str]]:
+                       *args: str, **env: str) -> tuple[Workspace, list[int], subprocess.Popen[str]]:
     ws = submitter(store)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OPENAI_API_KEY", "test-key")  # refused at submit without a key
         job_ids = [ws.submit(f"job {k}", piece="single", model="openai:test-model").id for k in range(n)]
     proc = _worker(tmp_path / "scratch", ws.store_url or f"sqlite:///{ws.root}", "--concurrency", str(n), *args,
-                   OPENAI_BASE_URL=server.base_url, OPENAI_API_KEY="test-key", AGENTNB_OPENAI_TIMEOUT="300")
+                   OPENAI_BASE_URL=server.base_url, OPENAI_API_KEY="test-key", AGENTNB_OPENAI_TIMEOUT="300", **env)
     _until(lambda: len(server.received) == n, proc)
     assert [ws.job(j).status.value for j in job_ids] == ["running"] * n
     return ws, job_ids, proc
@@ -311,9 +312,11 @@ def _held_workers_jobs(tmp_path: Path, submitter: Any, store: str | None, server
 def test_sigterm_gives_every_running_job_back_to_the_queue(tmp_path: Path, held_server: OpenAIServer,
                                                             backend: str, request: pytest.FixtureRequest,
                                                             submitter: Any) -> None:
-    """Their calls never answer: after the grace the worker puts them back itself, as a one-job worker does."""
+    """Their calls never answer: after the grace the worker puts them back itself, as a one-job worker does.
+    Plain calls: a streamed one is cut off at once, even before its headers (the test below)."""
     store = request.getfixturevalue("pg_url") if backend == "postgres" else None
-    ws, job_ids, proc = _held_workers_jobs(tmp_path, submitter, store, held_server, 3, "--grace", "0.2")
+    ws, job_ids, proc = _held_workers_jobs(tmp_path, submitter, store, held_server, 3, "--grace", "0.2",
+                                           AGENTNB_STREAM="0")
     try:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
@@ -339,10 +342,14 @@ def test_sigterm_gives_every_running_job_back_to_the_queue(tmp_path: Path, held_
 
 
 @PG
+@pytest.mark.parametrize("stream", ["0", "1"])
 def test_sigterm_lets_running_jobs_pause_after_their_current_call(tmp_path: Path, held_server: OpenAIServer,
-                                                                  pg_url: str, submitter: Any) -> None:
-    """Calls that answer within the grace: each job records its answer and pauses there, as ws.stop pauses."""
-    ws, job_ids, proc = _held_workers_jobs(tmp_path, submitter, pg_url, held_server, 3, "--grace", "120")
+                                                                  pg_url: str, submitter: Any, stream: str) -> None:
+    """Calls that answer within the grace: each job pauses there, as ws.stop pauses.  A plain call's answer is
+    kept; a streamed call is cut off at once instead (docs/models.md#streaming): nothing is made of its partial
+    answer, it is recorded as interrupted and asked again on resume."""
+    ws, job_ids, proc = _held_workers_jobs(tmp_path, submitter, pg_url, held_server, 3, "--grace", "120",
+                                           AGENTNB_STREAM=stream)
     try:
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)  # let the signal land before the answers do (either order ends the same way)
@@ -353,8 +360,15 @@ def test_sigterm_lets_running_jobs_pause_after_their_current_call(tmp_path: Path
         for job_id in job_ids:
             job = ws.job(job_id)
             assert job.status.value == "queued" and ws.store.job(job_id).claimed_by is None
-            assert ws.events(job_id, kinds=["job_status"])[-1].payload == {"status": "queued", "reason": STOP_REASON}
-            assert len(ws.events(job_id, kinds=["llm_response"])) == 1  # the answer was kept
+            # the reason says whether the call was cut off (docs/models.md#streaming)
+            reason = STOP_REASON if stream == "0" else STOP_CUT_REASON
+            assert ws.events(job_id, kinds=["job_status"])[-1].payload["reason"] == reason
+            answers = ws.events(job_id, kinds=["llm_response"])
+            cut = [e for e in ws.events(job_id, kinds=["error"]) if e.payload["where"] == "interrupted"]
+            if stream == "0":
+                assert (len(answers), cut) == (1, [])  # the answer was kept
+            else:
+                assert (answers, len(cut)) == ([], 1)  # cut off at once, recorded as interrupted
         assert len(held_server.received) == 3  # and no further call was made
     finally:
         if proc.poll() is None:

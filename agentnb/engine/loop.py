@@ -90,7 +90,7 @@ class Recorder:
     Each event is stamped (``ts``) by whoever builds it, when it happens, not when it is written.
     """
 
-    __slots__ = ("cancel", "job_id", "lease", "pending", "store", "strict", "write_back")
+    __slots__ = ("cancel", "cut", "job_id", "lease", "pending", "store", "strict", "write_back")
 
     def __init__(self, store: Store, job_id: int) -> None:
         self.store = store
@@ -105,6 +105,7 @@ class Recorder:
         # while a process runs the job: the job's Stop, handed to each model call as ``ModelRequest.cancel`` so a
         # streaming answer is cut off at once (docs/models.md#streaming)
         self.cancel: threading.Event | None = None
+        self.cut = False  # a Stop cut a model call off (its pause reason says so: execution.STOP_CUT_REASON)
         # the test suite checks every field's type where the event is made, so a failure names the writer
         self.strict = strict_events()
 
@@ -424,13 +425,15 @@ class AgentLoop:
         partial answer; the tokens it spent are recorded as an estimate on an ``error`` event (``where:
         "interrupted"``), and the same call is asked again when the job resumes (here or from the store)."""
         self.iteration = it - 1
+        self.rec.cut = True
         counter = self.ctx.counter
         done = counter.count(cut.partial_text) + counter.count(cut.partial_arguments)
         prompt = self.ctx.current
+        how = f"mid-answer after ~{done} completion tokens (estimated)" if done else "before its answer began"
         self.rec.add(ErrorEvent(
             job_id=self.rec.job_id, movement_seq=self.seq, iteration=it, ts=time.time(), where="interrupted",
-            message=f"call {it} of run {self.seq} ({self.movement.name}) was stopped mid-answer after ~{done} "
-                    "completion tokens (estimated); it is asked again when the job resumes",
+            message=f"call {it} of run {self.seq} ({self.movement.name}) was stopped {how}; it is asked again when "
+                    "the job resumes",
             usage=Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done, source="estimate",
                         encoding=counter.encoding),
         ))

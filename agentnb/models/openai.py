@@ -9,17 +9,17 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .._secrets import register_secret, scrub
 from ..errors import CallCancelled, ModelSpecError
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
-from .openai_stream import WATCHDOG, Assembly
+from .openai_stream import WATCHDOG, Assembly, Watch, sse_data, track_sockets
 from .ratelimit import gate_for
 
-__all__ = ["OpenAIModel", "shared_client", "wire_message", "wire_messages"]
+__all__ = ["OpenAIModel", "pause", "shared_client", "wire_message", "wire_messages"]
 
 
 def _env_float(name: str, default: float) -> float:
@@ -39,6 +39,8 @@ STREAM_ENV = "AGENTNB_STREAM"
 # the longest wait for a streamed answer's next chunk before it counts as a timeout (default: the call's timeout)
 READ_TIMEOUT_ENV = "AGENTNB_OPENAI_READ_TIMEOUT"
 SPEC_OPTIONS = ("stream", "read_timeout")
+# after [DONE], the longest wait for the body's end (which gives the connection back to the pool)
+DRAIN_S = 1.0
 
 # (base URL, model) of endpoints that refused a streamed call in this process: asked plainly from then on
 _plain_only: set[tuple[str | None, str]] = set()
@@ -91,10 +93,13 @@ def shared_client(base_url: str | None, api_key: str, timeout: float) -> Any:
         if client is None:
             import openai
 
-            limits = _http_module().Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS)
+            http = _http_module()
+            limits = http.Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS)
+            transport = http.HTTPTransport(limits=limits)
+            track_sockets(transport)  # a Stop cuts off a streamed call waiting for its headers too
             client = _clients[key] = openai.OpenAI(
                 api_key=api_key, base_url=base_url, max_retries=0, timeout=timeout,
-                http_client=openai.DefaultHttpxClient(limits=limits, timeout=timeout))
+                http_client=openai.DefaultHttpxClient(transport=transport, timeout=timeout))
         return client
 
 
@@ -214,6 +219,8 @@ class OpenAIModel:
                 raise CallCancelled()
             ticket = gate.acquire(max_wait=self.max_backoff, waited_until=waited_until)
             answered, delay = False, 0.0
+            # a streamed call is watched from before its request: a Stop cuts off the wait for its headers too
+            watch = WATCHDOG.watch(cancel) if streaming else None
             try:
                 # The raw body, read here: the SDK builds its objects without checking them, so a 200 that is
                 # an HTML page, broken JSON or the wrong shape would only fail later, far from the cause.  A
@@ -224,8 +231,8 @@ class OpenAIModel:
                 if not streaming:
                     return _parse_completion(http, request)
                 ctype = (http.headers.get("content-type") or "").split(";")[0].strip().lower()
-                if ctype == "text/event-stream":
-                    return self._read_stream(http, client, request, started)
+                if ctype == "text/event-stream" and watch is not None:
+                    return self._read_stream(http, request, started, watch)
                 try:  # not a stream: the endpoint ignores `stream`; its answer is read as a whole one
                     http.read()
                 finally:
@@ -234,6 +241,8 @@ class OpenAIModel:
                 return _parse_completion(http, request)
             except (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError,
                     openai.APIConnectionError, MalformedAnswer, StreamBroken, StreamStalled) as exc:
+                if cancel is not None and cancel.is_set():
+                    raise CallCancelled() from None  # the watchdog cut the wait for the headers off
                 last = exc
                 delay = min(self._retry_after(exc) or self.backoff * (2 ** attempt) * (0.5 + random.random() / 2),
                             self.max_backoff)
@@ -247,11 +256,14 @@ class OpenAIModel:
             except openai.OpenAIError as exc:
                 raise ModelError(f"{self.spec}: {type(exc).__name__}: {exc}") from None
             finally:
+                if watch is not None:
+                    WATCHDOG.done(watch)
                 gate.release(ok=answered)  # before the wait: a call backing off holds no slot
             attempt += 1
             if attempt < attempts:
                 waited_until = time.monotonic() + delay
-                time.sleep(delay)  # a Stop meanwhile is seen at the top of the next try
+                if pause(delay, cancel):
+                    raise CallCancelled()
         status = getattr(last, "status_code", None)
         if isinstance(last, MalformedAnswer):
             what = f"malformed answer: {last}"
@@ -277,44 +289,58 @@ class OpenAIModel:
                   file=sys.stderr, flush=True)
         return False
 
-    def _read_stream(self, http: Any, client: Any, request: ModelRequest, started: float) -> ModelResponse:
-        """Read a ``text/event-stream`` answer to its end through the SDK's SSE decoding, handing each fragment to
-        ``request.on_delta``; the same response a whole answer gives.  The stream is closed however it ends: at
-        its end, on a fault, on the job's Stop (:class:`CallCancelled`) and on Ctrl-C."""
+    def _read_stream(self, http: Any, request: ModelRequest, started: float, watch: Watch) -> ModelResponse:
+        """Read a ``text/event-stream`` answer to its end, handing each fragment to ``request.on_delta``; the same
+        response a whole answer gives.  The stream is closed however it ends: at its end, on a fault, on the
+        job's Stop (:class:`CallCancelled`) and on Ctrl-C.
+
+        The events are split and decoded here (``sse_data``, ``json.loads`` into plain dicts), not by the SDK's
+        ``Stream``: that costs a regex, a str and an object per line, and it closes the response at ``[DONE]``
+        before the chunked body's end is read, so every streamed call lost its keep-alive connection and the next
+        one opened a new one.  Reading to the body's end gives the connection back to the pool."""
         import openai
 
         acc = Assembly(self.spec, request.on_delta, started)
         cancel = request.cancel
-        watch = WATCHDOG.watch(http, cancel, self.read_timeout)
-        ended = False
+        watch.attach(http, self.read_timeout)
+        http_errors = _http_module()
+        done = False
         try:
-            for chunk in openai.Stream(cast_to=object, response=http, client=client):
-                watch.touch()
+            # the transport's own byte stream unless the body is compressed: iter_bytes and iter_raw add a
+            # re-chunker and two generators to every read
+            encoded = http.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
+            for data in sse_data(_touching(http.iter_bytes() if encoded else http.stream, watch)):
+                if done:
+                    continue  # after [DONE]: read on to the body's end only, so the connection can be kept
+                if data[:6] == b"[DONE]":
+                    done = True
+                    watch.timeout = min(watch.timeout, DRAIN_S)  # a server that leaves the body open is not waited on
+                    continue
+                try:
+                    chunk = json.loads(data)
+                except ValueError as exc:
+                    raise ModelError(f"{self.spec}: malformed stream chunk: {exc}") from None
+                if isinstance(chunk, dict) and chunk.get("error"):
+                    # an error object in the stream (the server failed mid-answer): retried like a 5xx
+                    raise StreamBroken(f"an error in the middle of the stream: {_snippet(_error_text(chunk), 120)}")
                 acc.add(chunk)
                 if cancel is not None and cancel.is_set():
                     break
-            else:
-                ended = True
-        except openai.APIStatusError:
-            raise
-        except (openai.APIConnectionError, openai.APIError) as exc:
-            if watch.why is None and not isinstance(exc, openai.APIConnectionError):
-                # an error object in the stream (the server failed mid-answer): retried like a 5xx
-                raise StreamBroken(f"an error in the middle of the stream: {_snippet(_message(exc), 120)}") from None
-            if watch.why is None:
-                raise
-        except ValueError as exc:  # a chunk whose data is not JSON
-            if watch.why is None:
-                raise ModelError(f"{self.spec}: malformed stream chunk: {exc}") from None
+        except http_errors.TimeoutException:
+            if watch.why is None and not done:
+                raise openai.APITimeoutError(request=http.request) from None
+        except http_errors.TransportError:
+            if watch.why is None and not done:
+                raise openai.APIConnectionError(request=http.request) from None
         finally:
             WATCHDOG.done(watch)
             http.close()
         if watch.why == "cancelled" or (cancel is not None and cancel.is_set()):
             text, arguments = acc.partial()
             raise CallCancelled(partial_text=text, partial_arguments=arguments)
-        if watch.why == "stalled":
+        if watch.why == "stalled" and not done:
             raise StreamStalled(f"stream stalled: no chunk for {self.read_timeout:g} s")
-        if not ended or acc.finish_reason is None:
+        if acc.finish_reason is None:
             raise StreamBroken("the stream ended before the answer did (no finish_reason)")
         return _response(acc.message(), acc.usage, request, ttft_s=acc.ttft())
 
@@ -355,6 +381,14 @@ class OpenAIModel:
             return max(0.0, parsedate_to_datetime(header).timestamp() - time.time())
         except (TypeError, ValueError, IndexError):
             return None
+
+
+def pause(delay: float, cancel: threading.Event | None) -> bool:
+    """Wait ``delay`` seconds before the next try; True, at once, when the job's Stop comes meanwhile."""
+    if cancel is None:
+        time.sleep(delay)
+        return False
+    return cancel.wait(delay)
 
 
 def wire_message(m: Message) -> dict[str, object]:
@@ -483,6 +517,19 @@ def _tool_call(tc: dict[str, Any], i: int, request: ModelRequest) -> ToolCall:
             if isinstance(inner, dict):
                 args = inner
     return ToolCall(id=call_id, name=name, arguments=args, raw_arguments=raw)
+
+
+def _touching(chunks: Iterator[bytes], watch: Watch) -> Iterator[bytes]:
+    """``chunks``, telling the watchdog that the stream is alive at each one."""
+    for chunk in chunks:
+        watch.touch()
+        yield chunk
+
+
+def _error_text(chunk: dict[str, Any]) -> str:
+    err = chunk.get("error")
+    message = err.get("message") if isinstance(err, dict) else None
+    return message if isinstance(message, str) and message else "An error occurred during streaming"
 
 
 def _message(exc: Any) -> str:

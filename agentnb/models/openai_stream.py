@@ -6,10 +6,15 @@ first, then argument fragments, several calls interleaved; usage in the last chu
 non-streamed answer holds, so ``models/openai.py`` builds the response from it with the code that reads a whole
 answer, and the stored ``llm_response`` is the same either way.
 
+:func:`sse_data` splits the event stream's bytes into each event's data, more cheaply than the SDK's decoder.
+
 The model's thread reads the stream; while it is blocked in a read, only another thread can end that read at
-once.  :data:`WATCHDOG`, one thread for the process, wakes every few hundredths of a second while streams are
-open, and shuts down the socket of one whose job's Stop is set or that sent nothing for its read timeout: the
-blocked read returns, and the model raises ``CallCancelled`` or retries it as a timeout.
+once.  :data:`WATCHDOG`, one thread for the process, wakes every few hundredths of a second while streamed calls
+are open, and shuts down the socket of one whose job's Stop is set or that sent nothing for its read timeout: the
+blocked read returns, and the model raises ``CallCancelled`` or retries it as a timeout.  It watches a call from
+before its request is sent: while the endpoint has not answered with headers yet there is no response to take
+the socket from, so the connections of the shared clients note which thread wrote a request on them
+(:func:`track_sockets`).
 """
 
 from __future__ import annotations
@@ -18,13 +23,13 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .base import ModelError
 from .messages import Delta
 
-__all__ = ["WATCHDOG", "Assembly", "Watch", "Watchdog"]
+__all__ = ["WATCHDOG", "Assembly", "Watch", "Watchdog", "sse_data", "track_sockets"]
 
 # how often the watchdog looks at the open streams: a Stop cuts a stream off within about this
 POLL_S = 0.05
@@ -165,6 +170,44 @@ class Assembly:
         return round((self.first_token or time.perf_counter()) - self.started, 6)
 
 
+def sse_data(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """The data of each server-sent event in ``chunks`` (bytes as they arrive, cut anywhere), as the HTML standard
+    reads an event stream: lines end at CR, LF or CRLF, a blank line ends an event, an event's ``data:`` lines are
+    joined with LF, and an event with no data, comments and the other fields are skipped.
+
+    Written here rather than the SDK's decoder: it splits a whole network read at once (several events when a
+    busy process reads late) with ``bytes.splitlines``, where the SDK's decoder costs a regex match, a str decode
+    and an object per line; this is most of what streaming costs per chunk."""
+    data: list[bytes] = []
+    held: list[bytes] = []  # the start of a line whose end has not come yet
+    for chunk in chunks:
+        if not chunk:
+            continue
+        if held:
+            if b"\n" not in chunk and b"\r" not in chunk:
+                held.append(chunk)
+                continue
+            chunk = b"".join(held) + chunk
+            held.clear()
+        lines = chunk.splitlines(True)
+        if lines[-1][-1:] != b"\n":  # no line end yet, or a CR whose LF may be in the next read
+            held.append(lines.pop())
+        for line in lines:
+            line = line.rstrip(b"\r\n")
+            if not line:
+                if data:
+                    yield data[0] if len(data) == 1 else b"\n".join(data)
+                    data = []
+            elif line[:5] == b"data:":
+                data.append(line[6:] if line[5:6] == b" " else line[5:])
+            elif line == b"data":
+                data.append(b"")
+    # the end: a last line ended by a lone CR that was held for its LF is a whole line
+    if held and data and b"".join(held).splitlines(True)[-1] == b"\r":
+        yield data[0] if len(data) == 1 else b"\n".join(data)
+    # (data left over: an unfinished event, dropped as the standard says)
+
+
 def _kind(value: Any) -> str:
     if value is None:
         return "null"
@@ -173,40 +216,56 @@ def _kind(value: Any) -> str:
 
 
 class Watch:
-    """One open stream as the watchdog sees it: :meth:`touch` at each chunk; ``why`` says why it was cut off."""
+    """One streamed call as the watchdog sees it, from its request's first byte: :meth:`attach` when the answer's
+    headers came, :meth:`touch` at each chunk; ``why`` says why it was cut off."""
 
-    __slots__ = ("cancel", "last", "sock", "timeout", "why")
+    __slots__ = ("cancel", "last", "sock", "thread", "timeout", "why")
 
-    def __init__(self, sock: socket.socket | None, cancel: threading.Event | None, timeout: float) -> None:
-        self.sock = sock
+    def __init__(self, cancel: threading.Event | None, timeout: float = float("inf")) -> None:
+        self.sock: socket.socket | None = None
         self.cancel = cancel
-        self.timeout = timeout
+        self.timeout = timeout  # no stall limit while waiting for the headers: the call's own timeout holds
         self.last = time.monotonic()
+        self.thread = threading.get_ident()
         self.why: str | None = None  # "cancelled" or "stalled", once cut off
+        _sending.pop(self.thread, None)  # a socket this thread wrote to before belongs to an earlier call
+
+    def attach(self, response: Any, timeout: float) -> None:
+        """The answer's headers came: from now on its socket is the one to cut, and a stall counts."""
+        self.sock = _socket_of(response) or _sending.get(self.thread)
+        self.timeout = timeout
+        self.touch()
 
     def touch(self) -> None:
         self.last = time.monotonic()
 
-    def cut(self, why: str) -> None:
+    def cut(self, why: str) -> bool:
+        """Shut the call's socket down; False when it is not known yet (the request is not written yet)."""
+        sock = self.sock or _sending.get(self.thread)
+        if sock is None:
+            return False
         self.why = why
-        if self.sock is not None:
-            # shutdown, not close: it wakes a read blocked in another thread (close does not), and the server sees
-            # the connection end at once; an OSError: it is closed already
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
+        # shutdown, not close: it wakes a read blocked in another thread (close does not), and the server sees
+        # the connection end at once; an OSError: it is closed already
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        return True
 
 
 class Watchdog:
-    """One thread for the process that cuts off streams whose job was stopped or that stalled."""
+    """One thread for the process that cuts off streamed calls whose job was stopped or that stalled."""
 
     def __init__(self) -> None:
         self._watches: set[Watch] = set()
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._tick = threading.Event()  # never set: its wait is the pause between looks
         self._thread: threading.Thread | None = None
 
-    def watch(self, response: Any, cancel: threading.Event | None, timeout: float) -> Watch:
-        w = Watch(_socket_of(response), cancel, timeout)
+    def watch(self, cancel: threading.Event | None) -> Watch:
+        """Watch the call this thread is about to send (before its request: the wait for the answer's headers
+        is cut off by a Stop too)."""
+        w = Watch(cancel)
         with self._lock:
             self._watches.add(w)
             if self._thread is None or not self._thread.is_alive():
@@ -218,6 +277,7 @@ class Watchdog:
     def done(self, w: Watch) -> None:
         with self._lock:
             self._watches.discard(w)
+        _sending.pop(w.thread, None)
 
     def _run(self) -> None:
         while True:
@@ -232,10 +292,74 @@ class Watchdog:
                 if w.why is not None:
                     continue
                 if w.cancel is not None and w.cancel.is_set():
-                    w.cut("cancelled")
+                    w.cut("cancelled")  # not sent yet: cut at the next look, once it is
                 elif now - w.last > w.timeout:
                     w.cut("stalled")
-            time.sleep(POLL_S)
+            self._tick.wait(POLL_S)
+
+
+# the socket each thread last wrote a request to: a call blocked waiting for its answer's headers has no response
+# (so no socket) to cut yet; this is how the watchdog finds it.  Filled by the connections of shared clients
+# (track_sockets); a thread's entry is dropped when its next call's watch starts.
+_sending: dict[int, socket.socket] = {}
+
+
+class _TrackedStream:
+    """An httpcore network stream that notes, at each write, that this thread's request went out on its socket."""
+
+    __slots__ = ("_sock", "_stream")
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        sock = stream.get_extra_info("socket")
+        self._sock = sock if isinstance(sock, socket.socket) else None
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if self._sock is not None:
+            _sending[threading.get_ident()] = self._sock
+        self._stream.write(buffer, timeout)
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, timeout)
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(self, *args: Any, **kwargs: Any) -> _TrackedStream:
+        return _TrackedStream(self._stream.start_tls(*args, **kwargs))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _TrackingBackend:
+    """An httpcore network backend whose streams are :class:`_TrackedStream`; everything else as the wrapped one."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def connect_tcp(self, *args: Any, **kwargs: Any) -> _TrackedStream:
+        return _TrackedStream(self._backend.connect_tcp(*args, **kwargs))
+
+    def connect_unix_socket(self, *args: Any, **kwargs: Any) -> _TrackedStream:
+        return _TrackedStream(self._backend.connect_unix_socket(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def track_sockets(transport: Any) -> bool:
+    """Make the connections of an httpx ``HTTPTransport`` note which thread writes on them, so a Stop can cut off
+    a call still waiting for its answer's headers.  httpx has no public hook for its network backend: this reaches
+    the pool's, and says False (a Stop is then seen when the headers come) where an httpx version lays it out
+    otherwise."""
+    pool = getattr(transport, "_pool", None)
+    backend = getattr(pool, "_network_backend", None)
+    if backend is None or not hasattr(backend, "connect_tcp"):
+        return False
+    if not isinstance(backend, _TrackingBackend):
+        pool._network_backend = _TrackingBackend(backend)  # type: ignore[union-attr]
+    return True
 
 
 def _socket_of(response: Any) -> socket.socket | None:

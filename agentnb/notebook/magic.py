@@ -198,7 +198,8 @@ class AgentMagic(Magics):
             print(_help(fn.parser))
             return None
         try:
-            args = fn.parser.parse_args(rest)
+            # options anywhere, as a shell command takes them: `reply JOB --run "text"` as well as `reply JOB "text" --run`
+            args = fn.parser.parse_intermixed_args(rest)
         except UsageError as exc:
             raise UsageError(prefix + _one_line(exc)) from None
         self._used_job = None

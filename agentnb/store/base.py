@@ -29,6 +29,7 @@ __all__ = [
     "LEASE_EXPIRED",
     "MAX_INSTRUCTION_CHARS",
     "RECOVERED",
+    "STOP_CUT_REASON",
     "STOP_REASON",
     "TERMINAL_STATES",
     "UNREACHABLE_REASON",
@@ -82,6 +83,8 @@ LEASE_EXPIRED = RECOVERED + "lease expired"
 UNREACHABLE_REASON = "the store became unreachable while it ran"
 # ... of a job paused by a Stop (panel, %agent stop, Ctrl-C in a live run) after its current LLM call
 STOP_REASON = "paused on request after its current LLM call"
+# ... of one whose Stop cut its LLM call off (mid-answer, waiting for the answer, or waiting to retry)
+STOP_CUT_REASON = "paused on request; its LLM call was stopped and is asked again on resume"
 # ... of a job given back because the process running it was interrupted (Ctrl-C, SIGTERM) mid-call
 INTERRUPTED_REASON = "interrupted"
 

@@ -459,8 +459,8 @@ def _divergence_html(ev: ReplayDivergence, o: _Opts, seq: int | None) -> str:
 def _error_html(ev: ErrorEvent, o: _Opts, seq: int | None) -> str:
     if is_compaction_error(ev):
         return f'<div class="anb-compaction-failed">⚠ compaction failed — {_body(ev.message, o, seq, fold=False)}</div>'
-    if is_interruption(ev):  # a Stop cut a streaming call off: not a failure
-        return f'<div class="anb-dim">⏸ stopped mid-answer — {_body(ev.message, o, seq, fold=False)}</div>'
+    if is_interruption(ev):  # a Stop cut a call off (its message says when): not a failure
+        return f'<div class="anb-dim">⏸ stopped — {_body(ev.message, o, seq, fold=False)}</div>'
     return f'<div class="anb-error">✖ error ({_e(ev.where)}): {_body(ev.message, o, seq, fold=False)}</div>'
 
 
