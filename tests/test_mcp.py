@@ -317,6 +317,10 @@ def test_a_job_calls_mcp_tools_as_ordinary_tool_calls_and_leaves_no_server_behin
     pid, cwd, _ = by_tool["whoami"].content.split()
     assert (Path(cwd) / "note.txt").read_text() == "from mcp"
     assert not _alive(int(pid)), f"the MCP server {pid} outlived its job run"
+    # and the session's event loop thread ended with it
+    import threading
+
+    assert not [t for t in threading.enumerate() if t.name == "agentnb-mcp"]
 
 
 def test_a_tool_with_effects_is_committed_before_it_runs(ws: Workspace, tmp_path: Path, server_file: Path) -> None:

@@ -211,6 +211,13 @@ class McpSession:
         for r in running:
             with contextlib.suppress(Exception):  # a server that failed has nothing left to stop
                 r.done.result(timeout=10)
+        # the thread ends too (a cached runner keeps no idle thread); the next use makes a new one
+        with self._lock:
+            thread, self._loop, self._thread = self._thread, None, None
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join(timeout=10)
+        loop.close()
 
     # -- tools ------------------------------------------------------------------------
     def tools_for(self, names: Sequence[str], taken: Iterable[str]) -> list[Tool]:
