@@ -63,6 +63,13 @@ SERVER = textwrap.dedent('''
         os._exit(1)
 
     @server.tool()
+    def count(path: str) -> str:
+        """Appends a line to a file anywhere: an effect outside the work directory."""
+        with open(path, "a") as fh:
+            fh.write("called\\n")
+        return "counted"
+
+    @server.tool()
     def whoami() -> str:
         """The server's pid, its folder and its MCP_GREETING."""
         return f"{os.getpid()} {os.getcwd()} {os.environ.get('MCP_GREETING', '-')}"
@@ -124,7 +131,7 @@ def test_a_server_lists_its_tools_with_their_schemas_and_its_calls_give_text_str
     ctx = _ctx(tmp_path)
     try:
         tools = {t.name: t for t in session.tools_for(["notes.*"], taken=["Read"])}
-        assert set(tools) == {"echo", "stats", "only_structured", "fail", "slow", "die", "whoami", "write_note"}
+        assert set(tools) == {"echo", "stats", "only_structured", "fail", "slow", "die", "count", "whoami", "write_note"}
         assert tools["echo"].parameters["properties"]["text"]["type"] == "string"
         assert tools["echo"].parameters["required"] == ["text"]
         assert tools["echo"].server == "notes" and tools["echo"].permission == "full"
@@ -364,6 +371,31 @@ def test_a_movement_whose_server_cannot_start_fails_with_one_line_naming_it(ws: 
     assert job.status == "failed"
     errors = ws.events(job, kinds=["error"])
     assert errors[-1].where == "mcp" and "MCP server 'ghost' could not be started" in errors[-1].message
+
+
+def test_a_fork_re_serves_mcp_results_from_the_record_and_never_calls_the_server_again(
+        ws: Workspace, tmp_path: Path, server_file: Path) -> None:
+    outside = tmp_path / "outside.log"
+    piece = write_piece(tmp_path, "two-runs", {
+        "mcp_servers": {"notes": {"command": sys.executable, "args": [str(server_file)], "permission": "edit"}},
+        "movements": [
+            {"name": "first", "instruction": "Count.", "tools": ["notes.count"], "permission": "edit",
+             "rules": [{"next": "second"}]},
+            {"name": "second", "instruction": "Finish.", "rules": [{"next": "COMPLETE"}]},
+        ],
+    })
+    spec = write_script(tmp_path, "two-runs-script", {
+        "first": [call("count", path=str(outside)), transition("second")],
+        "second": [transition("COMPLETE"), transition("COMPLETE")],
+    })
+    job = ws.run(ws.submit("Count", piece=str(piece), model=spec))
+    assert job.status == "succeeded", job.error
+    fork = ws.fork(job, at=2)
+    assert ws.job(fork).status == "succeeded", ws.job(fork).error
+    assert outside.read_text() == "called\n"  # once: the fork's re-served run 1 did not call the server
+    (kept,) = [e for e in ws.events(fork, kinds=["tool_result"]) if e.tool == "count"]
+    assert (kept.content, kept.server, kept.is_error) == ("counted", "notes", False)
+    assert not ws.events(fork, kinds=["replay_divergence"])
 
 
 # -- a server from the registry, as a user runs it ---------------------------------------------------------------

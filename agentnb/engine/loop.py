@@ -63,6 +63,7 @@ from ..models.messages import (
 )
 from ..models.replay import RecordedCall, Recording
 from ..tools.base import PERMISSION_RANK, Tool, ToolContext, ToolOutput, get_tool
+from ..tools.mcp import recorded_output
 from .context import ContextDecision, ContextManager
 from .pieces import SPECIAL_NEXT, Movement
 from .prompts import text, transition_schema
@@ -457,6 +458,9 @@ class AgentLoop:
                 out, outcome = self._transition(call.arguments)
             elif resumed and not self._rerunnable(call.name):
                 out = ToolOutput(INTERRUPTED.format(tool=call.name or "a tool"), is_error=True)
+            elif self.reserve is not None and call.name in self._mcp_tools and self._recorded is not None \
+                    and first + i < len(self._recorded.results):
+                out = recorded_output(self._recorded.results[first + i])  # docs/tools.md#mcp-tools: never re-run
             else:
                 out = self._run_tool(call.name, call.arguments, budget)
             self.rec.add(ToolResult(

@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AgentnbError, UsageError
+from ..events import ToolResult
 from .base import Tool
 from .context import ToolContext, ToolOutput
 from .truncate import cut_text
 
-__all__ = ["ENV_REF", "INSTALL_HINT", "McpServer", "McpSession", "McpStartError", "check_installed"]
+__all__ = ["ENV_REF", "INSTALL_HINT", "McpServer", "McpSession", "McpStartError", "check_installed", "recorded_output"]
 
 # an ``env:`` value that is exactly ``${NAME}`` passes the worker's variable NAME through; any other is literal
 ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
@@ -91,6 +92,14 @@ class McpServer:
                 raise McpStartError(f"MCP server {self.name!r}: env.{key} names the worker's variable "
                                     f"{ref.group(1)!r}, which is not set")
         return out
+
+
+def recorded_output(result: ToolResult) -> ToolOutput:
+    """An MCP tool's recorded result, as a fork's re-served run or a replay gives it again: an MCP tool's effects
+    may lie outside the work directory, so a re-served call never reaches the server (docs/tools.md#mcp-tools)."""
+    return ToolOutput(result.content, is_error=result.is_error, truncated=result.truncated,
+                      original_chars=result.original_chars, returned_chars=result.returned_chars,
+                      continuation=result.continuation, image=result.image)
 
 
 def check_installed(servers: Mapping[str, McpServer]) -> None:
