@@ -509,7 +509,7 @@ _CLOCK = [
     # the claiming process: host:pid:random
     (re.compile(r"claimed by \S+:\d+:[0-9a-f]{8}"), "claimed by <owner>"),
     # measured times in views ("412 ms", "<1 ms", "0.6 s", "2 min 5 s"); the clock itself is fixed
-    (re.compile(r"(?<![\w.,])(?:<1|\d+(?:\.\d+)?) (?:ms|s)\b"), "<dur>"),
+    (re.compile(r"(?<![\w.,])(?:&lt;1|<1|\d+(?:\.\d+)?) (?:ms|s)\b"), "<dur>"),
     (re.compile(r"(?<![\w.,])\d+ (?:min|h) <dur>"), "<dur>"),
 ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import time
@@ -11,7 +12,8 @@ import pytest
 from _scripting import call, transition, write_piece, write_script
 
 from agentnb import Workspace
-from agentnb.views.render import STYLE, header_html, job_html, job_stats, movement_html
+from agentnb.views.render import STYLE, header_html, job_html, job_stats, movement_html, timeline_html
+from agentnb.views.timeline import fold
 
 XSS = "<script>alert('x')</script>"
 
@@ -204,6 +206,16 @@ def test_each_call_shows_its_latency_and_the_header_links_the_latest_call(ws: Wo
     assert f"↓ last call ({last.movement_seq}.{last.iteration})" in html
     newest = re.search(rf'<div class="anb-call" id="anb-latest-{job.id}"[^>]*><div>call (\d+)', html)
     assert newest and int(newest.group(1)) == last.iteration
+
+
+def test_a_call_under_a_millisecond_shows_its_latency_as_escaped_text(ws: Workspace) -> None:
+    job = ws.run(ws.submit("Summarise the inputs", piece="plan-implement-verify", model="demo"))
+    quick = [dataclasses.replace(e, latency_s=0.0001, ttft_s=0.0002)
+             if e.kind == "llm_response" else e for e in ws.events(job)]
+    html = timeline_html(ws, ws.store.job(job.id), fold(quick))
+    calls = len(ws.events(job, kinds=["llm_response"]))
+    # a bare "<1" would open a tag that is not one: the browser drops or mangles the text after it
+    assert "<1 ms" not in html and html.count("&lt;1 ms") == 2 * calls
 
 
 def test_collapsible_parts_keep_their_names_as_the_job_grows(ws: Workspace) -> None:

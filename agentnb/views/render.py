@@ -236,8 +236,9 @@ def _pct(ratio: float | None) -> str:
 
 
 def _latency(s: float) -> str:
+    """A measured time as HTML text."""
     if s < 0.0005:
-        return "<1 ms"
+        return "&lt;1 ms"
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.1f} s"
 
 
