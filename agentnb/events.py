@@ -196,6 +196,7 @@ class ToolCallEvent(EventBase):
     tool: str
     arguments: Any
     call_id: str
+    server: str | None = None  # the MCP server whose tool this is (docs/tools.md#mcp-tools); None: not one
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -212,6 +213,7 @@ class ToolResult(EventBase):
     continuation: dict[str, Any] | None = None
     image: str | None = None  # a data URL the model was shown
     budget_tokens: int | None = None  # the token budget the tool's output was cut to
+    server: str | None = None  # the MCP server whose tool this is (docs/tools.md#mcp-tools); None: not one
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -463,7 +465,8 @@ def _payload_fields(cls: type[EventBase]) -> dict[str, str]:
 _OMIT_NONE: dict[EventKind, tuple[str, ...]] = {"movement_start": ("replayed_from",),
                                                 "llm_request": ("purpose",),
                                                 "llm_response": ("ttft_s", "replayed_from", "purpose"),
-                                                "error": ("detail", "usage")}
+                                                "error": ("detail", "usage"),
+                                                "tool_call": ("server",), "tool_result": ("server",)}
 _ROW_IN_PAYLOAD: dict[str, frozenset[str]] = {"context_action": frozenset({"iteration"}),
                                               "replay_divergence": frozenset({"iteration"}),
                                               "compaction": frozenset({"iteration"})}

@@ -96,6 +96,10 @@ class Submitter:
             )
         settings = check_retry_settings(retries, max_backoff)
         p = load_piece(piece)
+        if p.mcp_servers:  # a worker without the extra could not start them (docs/pieces.md#mcp-servers)
+            from .tools.mcp import check_installed
+
+            check_installed(p.mcp_servers)
         model = normalise_spec(model)
         check_model_spec(model)
         # Build it once: a malformed script or an unknown replay job is refused now, not when a worker

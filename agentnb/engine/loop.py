@@ -62,13 +62,15 @@ from ..models.messages import (
     UserMessage,
 )
 from ..models.replay import RecordedCall, Recording
-from ..tools.base import PERMISSION_RANK, ToolContext, ToolOutput, get_tool
+from ..tools.base import PERMISSION_RANK, Tool, ToolContext, ToolOutput, get_tool
+from ..tools.mcp import recorded_output
 from .context import ContextDecision, ContextManager
 from .pieces import SPECIAL_NEXT, Movement
-from .prompts import text
+from .prompts import text, transition_schema
 
 if TYPE_CHECKING:
     from ..store.base import Store
+    from ..tools.mcp import McpSession
 
 __all__ = ["INTERRUPTED", "AgentLoop", "CallCounters", "Outcome", "Recorder", "ReplayDiverged", "transition_schema"]
 
@@ -154,44 +156,6 @@ class Outcome:
     resume: str | None = None
 
 
-def transition_schema(movement: Movement) -> dict[str, Any]:
-    steps = list(movement.next_steps)
-    return {
-        "type": "function",
-        "function": {
-            "name": "transition",
-            "description": (
-                "End this step and choose what happens next. Always give a short summary of what was done; "
-                "lessons are notes worth passing on to later steps."
-            ),
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    # the same list, in the same order, as the prompt's "how to finish" block and the reminder
-                    "next_step": {"type": "string", "enum": steps,
-                                  "description": f"One of: {', '.join(steps)} (ABORT: the task cannot be done at all)."},
-                    "summary": {"type": "string", "description": "What this step did."},
-                    "lessons": {"type": "string", "description": "What later steps should know."},
-                    "question": {"type": "string", "description": "With ASK: the question for the user."},
-                    "feedback": {"type": "string", "description": "When verifying: what must be fixed, for the step that did the work."},
-                    "subtasks": {
-                        "type": "array",
-                        "description": "With WAIT_SUBTASKS: the subtasks to run as child jobs.",
-                        "items": {
-                            "type": "object",
-                            "properties": {"instruction": {"type": "string"}, "piece": {"type": "string"},
-                                           "model": {"type": "string"}},
-                            "required": ["instruction"],
-                        },
-                    },
-                    "resume": {"type": "string", "description": "With WAIT_SUBTASKS: the movement to resume at when the subtasks end."},
-                },
-                "required": ["next_step"],
-            },
-        },
-    }
-
-
 @dataclass
 class _Unfinished:
     """A recorded response whose tool calls were not all completed when the process stopped."""
@@ -239,6 +203,7 @@ class AgentLoop:
         check_subtasks: Callable[[list[Any]], str | None] | None = None,
         reserve: Recording | None = None,
         strict: bool = False,
+        mcp: McpSession | None = None,
     ) -> None:
         self.rec = recorder
         self.movement = movement
@@ -260,6 +225,9 @@ class AgentLoop:
         self.tools = [t for t in (get_tool(n) for n in movement.tools) if t is not None]
         self.schemas = [t.schema() for t in self.tools] + [transition_schema(movement)]
         self.tool_names = [t.name for t in self.tools] + ["transition"]
+        # MCP tools (docs/tools.md#mcp-tools), listed from their servers at this run's first call in this process
+        self.mcp, self._mcp_tools = mcp, dict[str, Tool]()
+        self._mcp_due = mcp is not None and any("." in n for n in movement.tools)
         self._allowed = set(movement.next_steps)
         self._prompt_due = False
         self._unfinished: _Unfinished | None = None
@@ -373,6 +341,8 @@ class AgentLoop:
 
         After a restart in the middle of a response, this completes that response instead.
         """
+        if self._mcp_due:
+            self._load_mcp()
         if self._unfinished is not None:
             return self._complete_unfinished()
         if self._compaction is not None:
@@ -441,6 +411,16 @@ class AgentLoop:
         self._response_pending = False
         return self._after_calls(it, outcome, force_reason, decision.ratio, decision.prompt_tokens)
 
+    def _load_mcp(self) -> None:
+        """Add the movement's MCP tools (starting their servers: McpStartError when one cannot start)."""
+        assert self.mcp is not None
+        self._mcp_tools = {t.name: t for t in self.mcp.tools_for(self.movement.tools, self.tool_names)}
+        self._mcp_due = False
+        self.tools += self._mcp_tools.values()
+        self.schemas = [t.schema() for t in self.tools] + [transition_schema(self.movement)]
+        self.tool_names = [t.name for t in self.tools] + ["transition"]
+        self.ctx.set_tools(self.schemas)
+
     def _interrupted(self, it: int, cut: CallCancelled) -> None:
         """A call cut off mid-answer by the job's Stop (docs/models.md#streaming): no response is made from the
         partial answer; the tokens it spent are recorded as an estimate on an ``error`` event (``where:
@@ -470,13 +450,17 @@ class AgentLoop:
             budget = self.ctx.tool_budget()  # the tool is cut to it and its result records it
             if not resumed:
                 self.rec.add(ToolCallEvent(job_id=self.rec.job_id, movement_seq=seq, iteration=it, ts=time.time(),
-                                           tool=call.name, arguments=call.arguments, call_id=call.id))
+                                           tool=call.name, arguments=call.arguments, call_id=call.id,
+                                           server=getattr(self._mcp_tools.get(call.name), "server", None)))
             if outcome is not None:
                 out = ToolOutput("Skipped: the movement already ended with transition.", is_error=True)
             elif call.name == "transition":
                 out, outcome = self._transition(call.arguments)
             elif resumed and not self._rerunnable(call.name):
                 out = ToolOutput(INTERRUPTED.format(tool=call.name or "a tool"), is_error=True)
+            elif self.reserve is not None and call.name in self._mcp_tools and self._recorded is not None \
+                    and first + i < len(self._recorded.results):
+                out = recorded_output(self._recorded.results[first + i])  # docs/tools.md#mcp-tools: never re-run
             else:
                 out = self._run_tool(call.name, call.arguments, budget)
             self.rec.add(ToolResult(
@@ -485,6 +469,7 @@ class AgentLoop:
                 # never None: ToolOutput fills both in from its content
                 original_chars=out.original_chars or 0, returned_chars=out.returned_chars or 0,
                 continuation=out.continuation, image=out.image, budget_tokens=budget,
+                server=getattr(self._mcp_tools.get(call.name), "server", None),
             ))
             if self.reserve is not None:
                 self._check_replayed(it, first + i, call, out)
@@ -705,8 +690,10 @@ class AgentLoop:
     def _rerunnable(self, name: str) -> bool:
         """Whether a started call of ``name`` may simply run again: a read-only tool, or a name this step
         cannot run at all (it only gets its error again)."""
-        if name not in self.movement.tools:
-            return True
+        if name in self._mcp_tools:
+            return self._mcp_tools[name].read_only
+        if name not in self.movement.tools:  # with MCP servers: maybe a tool its server no longer offers
+            return not any("." in n for n in self.movement.tools)
         t = get_tool(name)
         return t is not None and t.read_only  # a tool missing from this process may have had effects
 
@@ -735,7 +722,7 @@ class AgentLoop:
         if name not in self.tool_names:
             allowed = ", ".join(self.tool_names)
             return ToolOutput(f"Error: tool {name!r} is not available in this step; available: {allowed}", is_error=True)
-        t = get_tool(name)
+        t = self._mcp_tools.get(name) or get_tool(name)
         if t is None:
             return ToolOutput(f"Error: tool {name!r} is not registered in this Python process", is_error=True)
         if PERMISSION_RANK[t.permission] > PERMISSION_RANK[self.movement.permission]:

@@ -18,6 +18,8 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from ..errors import PieceError
+from ..tools.mcp import McpServer
+from .piece_mcp import check_mcp_tool, mcp_servers
 
 __all__ = [
     "COMPACTION_DEFAULTS",
@@ -124,6 +126,7 @@ class Piece:
     on_pressure: str = "transition"
     compact_keep_last: int = 4
     max_compactions: int = 2
+    mcp_servers: dict[str, McpServer] = field(default_factory=dict)  # docs/pieces.md#mcp-servers
 
     def movement(self, name: str) -> Movement:
         """Movement ``name``, or the judge of the loop monitor of that name (a judge's run is a movement run)."""
@@ -187,6 +190,8 @@ class Piece:
             out["movements"].append(d)
         if self.loop_monitors:  # only when present: the stored YAML of a piece without monitors is unchanged
             out["loop_monitors"] = [_monitor_dict(lm) for lm in self.loop_monitors]
+        if self.mcp_servers:  # likewise
+            out["mcp_servers"] = {name: s.to_dict() for name, s in self.mcp_servers.items()}
         return out
 
     def to_yaml(self) -> str:
@@ -222,6 +227,15 @@ class Piece:
         text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
         return parse_piece(text, source=f"{self.source} (movement {name} replaced)")
 
+    def with_mcp_server(self, name: str, /, **settings: Any) -> Piece:
+        """A copy with MCP server ``name`` declared (or replaced), checked like a piece file: ``settings`` are the
+        keys of ``mcp_servers.<name>`` (docs/pieces.md#mcp-servers); a movement then names its tools
+        (``replace_movement(m, tools=[..., f"{name}.*"])``)."""
+        data = self.to_dict()
+        data.setdefault("mcp_servers", {})[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
+        text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+        return parse_piece(text, source=f"{self.source} (MCP server {name} declared)")
+
 
 def _monitor_dict(lm: LoopMonitor) -> dict[str, Any]:
     d: dict[str, Any] = {"name": lm.name, "cycle": list(lm.cycle), "threshold": lm.threshold}
@@ -238,7 +252,7 @@ def _monitor_dict(lm: LoopMonitor) -> dict[str, Any]:
 # Validation over YAML nodes, so every error knows its line.
 
 _TOP_KEYS = ("name", "description", "initial_movement", "max_movements", "language", "context", "movements",
-             "loop_monitors")
+             "loop_monitors", "mcp_servers")
 _MONITOR_KEYS = ("name", "cycle", "threshold", "judge", "next")
 _JUDGE_KEYS = ("persona", "instruction", "rules")
 _JUDGE_PERSONA = "You judge whether a loop of movements in an agent workflow is making progress."
@@ -498,7 +512,8 @@ def parse_piece(
     if not mnodes:
         raise ck.fail(top["movements"][1], "movements", "found an empty list, expected at least one movement")
     seen: dict[str, int] = {}  # movement name → the line it is defined on
-    parsed = [_movement(ck, i, mnode, known, seen) for i, mnode in enumerate(mnodes)]
+    servers = mcp_servers(ck, top["mcp_servers"][1]) if "mcp_servers" in top else {}
+    parsed = [_movement(ck, i, mnode, known, seen, servers) for i, mnode in enumerate(mnodes)]
     names = tuple(m.name for m, _, _ in parsed)
     for movement, keys, fld in parsed:
         _check_next_steps(ck, movement, keys, fld, names)
@@ -514,7 +529,7 @@ def parse_piece(
     return Piece(
         name=name, movements=tuple(m for m, _, _ in parsed), description=description, initial_movement=initial,
         max_movements=max_movements, language=language, window_tokens=window, thresholds=thresholds,
-        min_tool_tokens=min_tool, source=source, loop_monitors=monitors, **compaction,
+        min_tool_tokens=min_tool, source=source, loop_monitors=monitors, mcp_servers=servers, **compaction,
     )
 
 
@@ -655,7 +670,7 @@ def _thresholds(ck: _Checker, node: Node) -> dict[str, float]:
 
 
 def _movement(
-    ck: _Checker, i: int, mnode: Node, known: tuple[str, ...], seen: dict[str, int]
+    ck: _Checker, i: int, mnode: Node, known: tuple[str, ...], seen: dict[str, int], servers: dict[str, McpServer]
 ) -> tuple[Movement, _Keys, str]:
     """Movement ``i``, with its keys and its field name for later errors; ``seen`` collects the names."""
     fld = f"movements[{i}]"
@@ -673,11 +688,11 @@ def _movement(
     fld = f"movements[{i}] ({mname})"
     persona = ck.text_or_file(keys, fld, "persona", required=False, owner=mnode)
     instruction = ck.text_or_file(keys, fld, "instruction", required=True, owner=mnode)
-    tools = _tools(ck, keys["tools"][1], f"{fld}.tools", known) if "tools" in keys else ()
+    permission = ck.optional(keys, "permission", "readonly",
+                             lambda n, f: ck.string(n, f"{fld}.{f}", choices=PERMISSIONS))
+    tools = _tools(ck, keys["tools"][1], f"{fld}.tools", known, servers, permission) if "tools" in keys else ()
     movement = Movement(
-        name=mname, persona=persona, instruction=instruction, tools=tools,
-        permission=ck.optional(keys, "permission", "readonly",
-                               lambda n, f: ck.string(n, f"{fld}.{f}", choices=PERMISSIONS)),
+        name=mname, persona=persona, instruction=instruction, tools=tools, permission=permission,
         max_iterations=ck.optional(keys, "max_iterations", 20, lambda n, f: ck.integer(n, f"{fld}.{f}")),
         rules=_rules(ck, keys["rules"][1], f"{fld}.rules") if "rules" in keys else (),
         default_next=ck.optional(keys, "default_next", None, lambda n, f: ck.string(n, f"{fld}.{f}")),
@@ -696,15 +711,19 @@ def _movement_context(ck: _Checker, keys: _Keys, fld: str) -> dict[str, Any]:
     return _compaction(ck, ctx, f"{fld}.context")
 
 
-def _tools(ck: _Checker, node: Node, fld: str, known: tuple[str, ...]) -> tuple[str, ...]:
-    """A movement's ``tools:``: known names, each once; ``transition`` is always allowed and not listed."""
+def _tools(ck: _Checker, node: Node, fld: str, known: tuple[str, ...], servers: dict[str, McpServer],
+           permission: str) -> tuple[str, ...]:
+    """A movement's ``tools:``: known names or ``server.tool`` of a declared MCP server, each once;
+    ``transition`` is always allowed and not listed."""
     tools: list[str] = []
     tool_lines: dict[str, int] = {}
     for j, tnode in enumerate(ck.sequence(node, fld)):
         tname = ck.string(tnode, f"{fld}[{j}]")
         if tname == "transition":
             continue  # always allowed
-        if tname not in known:
+        if "." in tname:  # no registered tool has a dot in its name
+            check_mcp_tool(ck, tnode, f"{fld}[{j}]", tname, servers, permission)
+        elif tname not in known:
             raise ck.fail(tnode, f"{fld}[{j}]", f"unknown tool {tname!r}; allowed: {', '.join(known)}")
         if tname in tool_lines:
             # the model would be sent two functions of one name, which endpoints refuse

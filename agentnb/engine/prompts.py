@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..events import Lesson, Subtask, Transition
 from ..store import reads
@@ -39,6 +39,7 @@ __all__ = [
     "clock_block",
     "finish_block",
     "text",
+    "transition_schema",
     "user_prompt",
 ]
 
@@ -326,3 +327,41 @@ def finish_block(movement: Movement, language: str) -> str:
         lines.append(text(language, "finish_abort"))
     lines.append(text(language, "finish_notes"))
     return "\n".join(lines)
+
+
+def transition_schema(movement: Movement) -> dict[str, Any]:
+    steps = list(movement.next_steps)
+    return {
+        "type": "function",
+        "function": {
+            "name": "transition",
+            "description": (
+                "End this step and choose what happens next. Always give a short summary of what was done; "
+                "lessons are notes worth passing on to later steps."
+            ),
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    # the same list, in the same order, as the prompt's "how to finish" block and the reminder
+                    "next_step": {"type": "string", "enum": steps,
+                                  "description": f"One of: {', '.join(steps)} (ABORT: the task cannot be done at all)."},
+                    "summary": {"type": "string", "description": "What this step did."},
+                    "lessons": {"type": "string", "description": "What later steps should know."},
+                    "question": {"type": "string", "description": "With ASK: the question for the user."},
+                    "feedback": {"type": "string", "description": "When verifying: what must be fixed, for the step that did the work."},
+                    "subtasks": {
+                        "type": "array",
+                        "description": "With WAIT_SUBTASKS: the subtasks to run as child jobs.",
+                        "items": {
+                            "type": "object",
+                            "properties": {"instruction": {"type": "string"}, "piece": {"type": "string"},
+                                           "model": {"type": "string"}},
+                            "required": ["instruction"],
+                        },
+                    },
+                    "resume": {"type": "string", "description": "With WAIT_SUBTASKS: the movement to resume at when the subtasks end."},
+                },
+                "required": ["next_step"],
+            },
+        },
+    }

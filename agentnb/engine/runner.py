@@ -26,6 +26,7 @@ from ..store import reads
 from ..store.base import JobOptions, JobStatus, LeaseLost, StoreUnreachable
 from ..store.records import JobRecord
 from ..tools.base import ToolError, open_regular, unlinked_path
+from ..tools.mcp import McpSession, McpStartError
 from .context import ContextManager, job_thresholds, window_for_model
 from .jobfiles import DEFAULT_FILES_LIMIT, FileCache, FilesOverLimit, WriteBack, local_workdir, plan_write_back
 from .loop import AgentLoop, CallCounters, Outcome, Recorder, ReplayDiverged
@@ -69,6 +70,9 @@ class JobRunner:
         self.subtasks = Subtasks(store, job_id=self.job_id, piece=self.piece, model_spec=self.model_spec,
                                  workdir=self.workdir, logs_dir=self.logs_dir)
         self.loop: AgentLoop | None = None
+        # the piece's MCP servers (docs/tools.md#mcp-tools): started when a run first needs them, stopped when
+        # each advance() ends (the run ended, paused or failed)
+        self.mcp = McpSession(self.piece.mcp_servers, self.workdir, self.logs_dir) if self.piece.mcp_servers else None
         # A fork (docs/fork-compare.md#fork) re-serves runs 1 … fork_seq-1 of job forked_from_job, each under the piece,
         # context settings and tokenizer of the job that ran it live, and runs live from fork_seq on.
         self.fork_seq = job.forked_from_seq or 0
@@ -123,7 +127,7 @@ class JobRunner:
             recorder=self.rec, movement=movement, seq=seq, model=self.model, ctx=self._context_manager(seq, movement),
             workdir=self.workdir, logs_dir=self.logs_dir, language=self._piece_at(seq).language,
             counters=self.counters, check_subtasks=lambda subtasks: self.subtasks.check(subtasks, movement),
-            reserve=self.recording if self._replayed(seq) else None, strict=self.strict,
+            reserve=self.recording if self._replayed(seq) else None, strict=self.strict, mcp=self.mcp,
         )
 
     # -- driving ---------------------------------------------------------------
@@ -143,6 +147,8 @@ class JobRunner:
         finally:
             self.rec.lease = None
             self.rec.cancel = None
+            if self.mcp is not None:
+                self.mcp.close()
 
     def _advance(self, unit: str, stop: threading.Event | None) -> str:
         try:
@@ -169,6 +175,8 @@ class JobRunner:
             return self._fail(str(exc), where="replay")
         except ModelError as exc:
             return self._fail(str(exc), where="model")
+        except McpStartError as exc:
+            return self._fail(str(exc), where="mcp")
         except FilesOverLimit as exc:  # a tool grew the work directory past the limit (Recorder.flush)
             return self._fail(str(exc), where="files", write_files=False)
         except Exception as exc:  # an engine bug must not lose the events or leave the job running

@@ -59,6 +59,7 @@ class Tool:
     # Safe to run again after a crash: it changes no file and runs no command.  A tool that is not
     # read-only has its call committed before it runs, and a restart never runs a started call again.
     read_only: bool = False
+    server: str | None = None  # the MCP server that offers it (tools/mcp.py); None: built-in or Python
     _positional: tuple[str, ...] = field(default=(), repr=False)
 
     def schema(self) -> dict[str, Any]:

@@ -1,0 +1,349 @@
+"""MCP servers as tool sources (docs/tools.md#mcp-tools): a piece's ``mcp_servers:`` and the session that runs them.
+
+A :class:`McpServer` is one declared server, as validated from the piece.  A :class:`McpSession` belongs to one
+job runner: it starts a server the first time a movement run needs its tools, lists them once, calls them, and
+stops every server at :meth:`McpSession.close` (the runner closes it when a run ends, pauses or fails).  The
+``mcp`` package (the extra ``agentnb[mcp]``) is async; the session runs it on a private event loop in its own
+thread, so the agent loop keeps calling tools synchronously.  Nothing here is imported or started for a piece
+that declares no server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import AgentnbError, UsageError
+from ..events import ToolResult
+from .base import Tool
+from .context import ToolContext, ToolOutput
+from .truncate import cut_text
+
+__all__ = ["ENV_REF", "INSTALL_HINT", "McpServer", "McpSession", "McpStartError", "check_installed", "recorded_output"]
+
+# an ``env:`` value that is exactly ``${NAME}`` passes the worker's variable NAME through; any other is literal
+ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+INSTALL_HINT = "pip install 'agentnb[mcp]'"
+START_TIMEOUT = 30.0  # seconds for a server to start and answer the handshake and the listing
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what model endpoints take as a function name
+
+
+class McpStartError(AgentnbError, RuntimeError):
+    """A server could not be started or listed: the movement run fails with this line (``where: "mcp"``)."""
+
+
+@dataclass(frozen=True)
+class McpServer:
+    """One entry of a piece's ``mcp_servers:`` (docs/pieces.md#mcp-servers)."""
+
+    name: str
+    command: str
+    args: tuple[str, ...] = ()
+    # (variable, value) for the server's environment; a value ``${NAME}`` is the worker's NAME (ENV_REF)
+    env: tuple[tuple[str, str], ...] = ()
+    cwd: str = "."  # relative to the job's work directory
+    permission: str = "full"
+    read_only_tools: tuple[str, ...] = ()
+    trust_annotations: bool = False
+    timeout: float = 60.0
+    tools: tuple[str, ...] | None = None  # the allow-list; None: every tool the server offers
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML mapping the piece parser reads back to an equal server (defaults left out)."""
+        out: dict[str, Any] = {"command": self.command}
+        if self.args:
+            out["args"] = list(self.args)
+        if self.env:
+            out["env"] = dict(self.env)
+        if self.cwd != ".":
+            out["cwd"] = self.cwd
+        out["permission"] = self.permission
+        if self.read_only_tools:
+            out["read_only_tools"] = list(self.read_only_tools)
+        if self.trust_annotations:
+            out["trust_annotations"] = True
+        if self.timeout != 60.0:
+            out["timeout"] = self.timeout
+        if self.tools is not None:
+            out["tools"] = list(self.tools)
+        return out
+
+    def environment(self) -> dict[str, str]:
+        """The variables ``env:`` gives the server; a ``${NAME}`` the worker lacks is a start error."""
+        out: dict[str, str] = {}
+        for key, value in self.env:
+            ref = ENV_REF.match(value)
+            if ref is None:
+                out[key] = value
+            elif ref.group(1) in os.environ:
+                out[key] = os.environ[ref.group(1)]
+            else:
+                raise McpStartError(f"MCP server {self.name!r}: env.{key} names the worker's variable "
+                                    f"{ref.group(1)!r}, which is not set")
+        return out
+
+
+def recorded_output(result: ToolResult) -> ToolOutput:
+    """An MCP tool's recorded result, as a fork's re-served run or a replay gives it again: an MCP tool's effects
+    may lie outside the work directory, so a re-served call never reaches the server (docs/tools.md#mcp-tools)."""
+    return ToolOutput(result.content, is_error=result.is_error, truncated=result.truncated,
+                      original_chars=result.original_chars, returned_chars=result.returned_chars,
+                      continuation=result.continuation, image=result.image)
+
+
+def check_installed(servers: Mapping[str, McpServer]) -> None:
+    """At submit: a piece that declares servers needs the ``mcp`` package."""
+    if servers and importlib.util.find_spec("mcp") is None:
+        raise UsageError(f"the piece declares MCP servers ({', '.join(servers)}) but the 'mcp' package is not "
+                         f"installed; install the extra: {INSTALL_HINT}")
+
+
+class _Running:
+    """A started server: its client, and the event that ends the task holding its connection."""
+
+    def __init__(self, client: Any, stop: asyncio.Event, done: concurrent.futures.Future[None]) -> None:
+        self.client, self.stop, self.done = client, stop, done
+
+
+class McpSession:
+    """The MCP servers of one job runner: started on first use, stopped by :meth:`close` (and used again later
+    starts them again)."""
+
+    def __init__(self, servers: Mapping[str, McpServer], workdir: Path, logs_dir: Path) -> None:
+        self.servers = dict(servers)
+        self.workdir, self.logs_dir = workdir, logs_dir
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._running: dict[str, _Running] = {}
+        self._lock = threading.Lock()
+
+    # -- the private event loop -------------------------------------------------
+    def _submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="agentnb-mcp", daemon=True)
+            thread.start()
+            self._loop, self._thread = loop, thread
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _stderr_path(self, name: str) -> Path:
+        return self.logs_dir / f"mcp-{name}.stderr.log"
+
+    def _stderr_tail(self, name: str, lines: int = 5) -> str:
+        try:
+            text = self._stderr_path(name).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        tail = [ln for ln in text.splitlines() if ln.strip()][-lines:]
+        return "; its stderr ends: " + " | ".join(tail) if tail else ""
+
+    # -- starting and stopping ----------------------------------------------------
+    def _client(self, name: str) -> Any:
+        """The running client of server ``name``, started now when it is not running."""
+        with self._lock:
+            running = self._running.get(name)
+            if running is not None and not running.done.done():
+                return running.client
+            server = self.servers[name]
+            env = server.environment()
+            cwd = (self.workdir / server.cwd).resolve()
+            self.logs_dir.mkdir(parents=True, exist_ok=True)
+            ready: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            holder: dict[str, asyncio.Event] = {}
+            done = self._submit(self._hold(server, env, cwd, ready, holder))
+            try:
+                client = ready.result(timeout=START_TIMEOUT)
+            except concurrent.futures.TimeoutError:
+                done.cancel()
+                raise McpStartError(f"MCP server {name!r} did not start within {START_TIMEOUT:g} s"
+                                    f"{self._stderr_tail(name)}") from None
+            except Exception as exc:
+                raise McpStartError(f"MCP server {name!r} could not be started ({server.command}): "
+                                    f"{_describe(exc)}{self._stderr_tail(name)}") from None
+            self._running[name] = _Running(client, holder["stop"], done)
+            return client
+
+    async def _hold(self, server: McpServer, env: dict[str, str], cwd: Path,
+                    ready: concurrent.futures.Future[Any], holder: dict[str, asyncio.Event]) -> None:
+        """The task that holds one server's connection open until its stop event (anyio's scopes must be left
+        by the task that entered them)."""
+        from mcp import Client, StdioServerParameters
+        from mcp.client.stdio import stdio_client
+
+        stop = holder["stop"] = asyncio.Event()
+        # through the guard (_mcp_guard.py), which takes the server's process group down when this worker dies
+        guard = [str(Path(__file__).with_name("_mcp_guard.py")), server.command, *server.args]
+        params = StdioServerParameters(command=sys.executable, args=["-I", "-S", *guard], cwd=cwd,
+                                       env={**env, "AGENTNB_MCP_PARENT": str(os.getpid())})
+        try:
+            with open(self._stderr_path(server.name), "a", encoding="utf-8") as errlog:
+                # the SDK starts it in its own session (process group) and kills the group when the session ends
+                transport: Any = stdio_client(params, errlog=errlog)
+                async with Client(transport, read_timeout_seconds=server.timeout) as client:
+                    ready.set_result(client)
+                    await stop.wait()
+        except BaseException as exc:
+            if not ready.done():
+                ready.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+            if not isinstance(exc, Exception):
+                raise
+
+    def _drop(self, name: str) -> None:
+        """Stop server ``name`` (whatever state it is in); the next use starts it again."""
+        with self._lock:
+            running = self._running.pop(name, None)
+        if running is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(running.stop.set)
+            with contextlib.suppress(Exception):
+                running.done.result(timeout=10)
+
+    def close(self) -> None:
+        """Stop every running server and wait for its process group to be gone."""
+        with self._lock:
+            running, self._running = list(self._running.values()), {}
+        loop = self._loop
+        if loop is None:
+            return
+        for r in running:
+            loop.call_soon_threadsafe(r.stop.set)
+        for r in running:
+            with contextlib.suppress(Exception):  # a server that failed has nothing left to stop
+                r.done.result(timeout=10)
+        # the thread ends too (a cached runner keeps no idle thread); the next use makes a new one
+        with self._lock:
+            thread, self._loop, self._thread = self._thread, None, None
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join(timeout=10)
+        loop.close()
+
+    # -- tools ------------------------------------------------------------------------
+    def tools_for(self, names: Sequence[str], taken: Iterable[str]) -> list[Tool]:
+        """The tools a movement's ``server.tool`` / ``server.*`` names give, each server listed once now.
+
+        The model sees each under the server's own name for it, or ``server_tool`` when that clashes with
+        another tool of the movement or is not a valid function name."""
+        wanted: dict[str, set[str] | None] = {}  # server → tool names (None: all)
+        for n in names:
+            if "." not in n:
+                continue
+            server, tool = n.split(".", 1)
+            if tool == "*":
+                wanted[server] = None
+            elif wanted.get(server, set()) is not None:
+                wanted.setdefault(server, set()).add(tool)  # type: ignore[union-attr]
+        used = set(taken)
+        out: list[Tool] = []
+        for server, only in wanted.items():
+            spec = self.servers[server]
+            for listed in self._list(server):
+                if (only is not None and listed.name not in only) or (
+                        spec.tools is not None and listed.name not in spec.tools):
+                    continue
+                name = listed.name
+                if name in used or not _FUNCTION_NAME.match(name):
+                    name = re.sub(r"[^A-Za-z0-9_-]", "_", f"{server}_{listed.name}")[:64]
+                used.add(name)
+                out.append(self._tool(spec, listed, name))
+        return out
+
+    def _list(self, name: str) -> list[Any]:
+        client = self._client(name)
+        try:
+            return list(self._submit(_list_all(client)).result(timeout=START_TIMEOUT))
+        except Exception as exc:
+            raise McpStartError(f"MCP server {name!r} could not list its tools: {_describe(exc)}"
+                                f"{self._stderr_tail(name)}") from None
+
+    def _tool(self, spec: McpServer, listed: Any, name: str) -> Tool:
+        hint = listed.annotations.read_only_hint if listed.annotations is not None else None
+        read_only = listed.name in spec.read_only_tools or (spec.trust_annotations and hint is True)
+        remote = listed.name
+
+        def call(ctx: ToolContext, **arguments: Any) -> ToolOutput:
+            return self.call(spec.name, remote, arguments, ctx)
+
+        schema = dict(listed.input_schema or {"type": "object"})
+        schema.setdefault("properties", {})
+        return Tool(name=name, description=listed.description or listed.title or remote, parameters=schema, fn=call,
+                    permission=spec.permission, takes_context=True, read_only=read_only, server=spec.name)
+
+    def call(self, server: str, tool: str, arguments: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+        """One ``tools/call``; a timeout cancels the request, every failure is a tool error the model reads."""
+        spec = self.servers[server]
+        try:
+            client = self._client(server)
+        except McpStartError as exc:
+            return ToolOutput(f"Error: {exc}", is_error=True)
+        future = self._submit(client.call_tool(tool, dict(arguments), read_timeout_seconds=spec.timeout))
+        try:
+            result = future.result(timeout=spec.timeout + 1)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # the task's cancellation cancels the request on the server too
+            return _timed_out(server, tool, spec.timeout)
+        except Exception as exc:
+            if "timed out" in str(exc).lower() or isinstance(exc, TimeoutError):
+                return _timed_out(server, tool, spec.timeout)
+            self._drop(server)  # the connection may be gone (the server died): the next call starts it again
+            return ToolOutput(f"Error: MCP server {server!r} failed on {tool}: {_describe(exc)}"
+                              f"{self._stderr_tail(server, 2)}", is_error=True)
+        return _output(result, ctx)
+
+
+async def _list_all(client: Any) -> list[Any]:
+    tools: list[Any] = []
+    cursor: str | None = None
+    while True:
+        page = await client.list_tools(cursor=cursor)
+        tools += page.tools
+        cursor = page.next_cursor
+        if not cursor:
+            return tools
+
+
+def _timed_out(server: str, tool: str, timeout: float) -> ToolOutput:
+    return ToolOutput(f"Error: {tool} (MCP server {server!r}) gave no result within its timeout of {timeout:g} s; "
+                      "the request was cancelled", is_error=True)
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for an exception, the first of a group's (anyio wraps a task's failure in one)."""
+    while isinstance(getattr(exc, "exceptions", None), tuple) and exc.exceptions:  # type: ignore[attr-defined]
+        exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _output(result: Any, ctx: ToolContext) -> ToolOutput:
+    """A ``CallToolResult`` as the text the model reads: its text blocks, or the structured content as JSON when
+    it has none; other blocks as a note.  ``is_error`` is a tool error."""
+    parts: list[str] = []
+    for block in result.content:
+        kind = getattr(block, "type", "")
+        if kind == "text":
+            parts.append(block.text)
+        elif kind == "resource" and getattr(block.resource, "text", None) is not None:
+            parts.append(block.resource.text)
+        elif kind == "resource_link":
+            parts.append(f"(resource link: {block.uri})")
+        else:
+            parts.append(f"({kind or 'unknown'} content, not shown)")
+    if result.structured_content is not None and not parts:
+        # a server that also sends text sends the same content as text (the spec's SHOULD): read it once
+        parts.append(json.dumps(result.structured_content, ensure_ascii=False))
+    text = "\n".join(parts) or "(no output)"
+    if result.is_error:
+        return ToolOutput(f"Error: {text}", is_error=True)
+    return cut_text(text, ctx, hint="generic")
+

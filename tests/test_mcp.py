@@ -1,0 +1,480 @@
+"""MCP servers as tool sources (docs/tools.md#mcp-tools, docs/pieces.md#mcp-servers): a stdio server written
+here with the ``mcp`` package's own server class and run as a real subprocess, and ``mcp-server-time`` from
+the registry as a user runs it.  Never a mock of the protocol."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _scripting import call, transition, write_piece, write_script
+
+from agentnb import Workspace
+from agentnb.engine.pieces import parse_piece
+from agentnb.errors import PieceError
+from agentnb.tools.context import ToolContext
+from agentnb.tools.mcp import McpServer, McpSession, McpStartError
+
+pytest.importorskip("mcp", reason="the mcp package is not installed: pip install -e '.[test]' (or agentnb[mcp])")
+
+SERVER = textwrap.dedent('''
+    import os, sys, time
+    from mcp.server.mcpserver import MCPServer
+    from mcp.types import CallToolResult, TextContent, ToolAnnotations
+
+    server = MCPServer("notes")
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True))
+    def echo(text: str) -> str:
+        """Say the text back."""
+        return "echo: " + text
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True))
+    def stats(values: list[int]) -> dict[str, int]:
+        """Sum and count of the values."""
+        return {"sum": sum(values), "count": len(values)}
+
+    @server.tool()
+    def only_structured(n: int) -> CallToolResult:
+        """A result with structured content and no text."""
+        return CallToolResult(content=[], structured_content={"n": n, "square": n * n})
+
+    @server.tool()
+    def fail(reason: str) -> CallToolResult:
+        """Always fails."""
+        return CallToolResult(content=[TextContent(type="text", text="refused: " + reason)], is_error=True)
+
+    @server.tool()
+    def slow(seconds: float) -> str:
+        """Sleeps."""
+        time.sleep(seconds)
+        return "woke"
+
+    @server.tool()
+    def die() -> str:
+        """The server exits in the middle of the call."""
+        os._exit(1)
+
+    @server.tool()
+    def count(path: str) -> str:
+        """Appends a line to a file anywhere: an effect outside the work directory."""
+        with open(path, "a") as fh:
+            fh.write("called\\n")
+        return "counted"
+
+    @server.tool()
+    def whoami() -> str:
+        """The server's pid, its folder and its MCP_GREETING."""
+        return f"{os.getpid()} {os.getcwd()} {os.environ.get('MCP_GREETING', '-')}"
+
+    @server.tool()
+    def write_note(name: str, text: str) -> str:
+        """Writes a file in the server's folder."""
+        with open(name, "w") as fh:
+            fh.write(text)
+        return "written"
+
+    print("notes server starting", file=sys.stderr)
+    server.run("stdio")
+''')
+
+
+@pytest.fixture
+def server_file(tmp_path: Path) -> Path:
+    path = tmp_path / "notes_server.py"
+    path.write_text(SERVER, encoding="utf-8")
+    return path
+
+
+def _spec(server_file: Path, **extra: Any) -> McpServer:
+    return McpServer(name="notes", command=sys.executable, args=(str(server_file),), **extra)
+
+
+def _ctx(tmp_path: Path) -> ToolContext:
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    return ToolContext(workdir=work, logs_dir=tmp_path / "logs", budget_tokens=10_000)
+
+
+def _servers_of(server_file: Path) -> list[int]:
+    """The live processes (not zombies) whose command line names ``server_file``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            if proc.name.isdigit() and str(server_file) in (proc / "cmdline").read_text() and _alive(int(proc.name)):
+                found.append(int(proc.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is in the process table as a live process (not gone, not a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# -- the session: listing and calls --------------------------------------------------------------------------------
+
+def test_a_server_lists_its_tools_with_their_schemas_and_its_calls_give_text_structured_and_errors(
+        tmp_path: Path, server_file: Path) -> None:
+    session = McpSession({"notes": _spec(server_file, timeout=2, trust_annotations=True)}, tmp_path / "work",
+                         tmp_path / "logs")
+    ctx = _ctx(tmp_path)
+    try:
+        tools = {t.name: t for t in session.tools_for(["notes.*"], taken=["Read"])}
+        assert set(tools) == {"echo", "stats", "only_structured", "fail", "slow", "die", "count", "whoami", "write_note"}
+        assert tools["echo"].parameters["properties"]["text"]["type"] == "string"
+        assert tools["echo"].parameters["required"] == ["text"]
+        assert tools["echo"].server == "notes" and tools["echo"].permission == "full"
+        # trust_annotations: readOnlyHint makes echo read-only; write_note says nothing, so it is not
+        assert tools["echo"].read_only and not tools["write_note"].read_only
+
+        out = tools["echo"].invoke(ctx, {"text": "hi"})
+        assert (out.content, out.is_error) == ("echo: hi", False)
+        out = tools["stats"].invoke(ctx, {"values": [1, 2, 3]})
+        assert not out.is_error and '"sum": 6' in out.content and '"count": 3' in out.content
+        out = tools["only_structured"].invoke(ctx, {"n": 3})
+        assert (out.content, out.is_error) == ('{"n": 3, "square": 9}', False)
+        out = tools["fail"].invoke(ctx, {"reason": "no"})
+        assert out.is_error and "refused: no" in out.content
+        started = time.monotonic()
+        out = tools["slow"].invoke(ctx, {"seconds": 30})
+        assert out.is_error and "timeout of 2 s" in out.content and "cancelled" in out.content
+        assert time.monotonic() - started < 10
+        # the server is still usable after a cancelled call
+        assert tools["echo"].invoke(ctx, {"text": "again"}).content == "echo: again"
+    finally:
+        session.close()
+
+
+def test_a_server_that_dies_during_a_call_is_a_tool_error_and_is_started_again_for_the_next(
+        tmp_path: Path, server_file: Path) -> None:
+    session = McpSession({"notes": _spec(server_file, timeout=10)}, tmp_path, tmp_path / "logs")
+    ctx = _ctx(tmp_path)
+    try:
+        tools = {t.name: t for t in session.tools_for(["notes.die", "notes.whoami"], taken=[])}
+        first = int(tools["whoami"].invoke(ctx, {}).content.split()[0])
+        out = tools["die"].invoke(ctx, {})
+        assert out.is_error and "MCP server 'notes'" in out.content and "\n" not in out.content
+        second = int(tools["whoami"].invoke(ctx, {}).content.split()[0])
+        assert second != first and not _alive(first)
+    finally:
+        session.close()
+    assert not _alive(second)
+
+
+def test_a_name_that_clashes_is_prefixed_with_the_server_and_the_allow_list_limits_the_tools(
+        tmp_path: Path, server_file: Path) -> None:
+    session = McpSession({"notes": _spec(server_file, tools=("echo", "whoami"))}, tmp_path, tmp_path / "logs")
+    try:
+        tools = session.tools_for(["notes.*"], taken=["echo"])
+        assert sorted(t.name for t in tools) == ["notes_echo", "whoami"]
+    finally:
+        session.close()
+
+
+def test_env_passes_the_workers_variable_or_a_literal_and_the_folder_is_the_work_directory(
+        tmp_path: Path, server_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NOTES_GREETING_SOURCE", "hello-from-worker")
+    ctx = _ctx(tmp_path)
+    for env, expected in ((("MCP_GREETING", "${NOTES_GREETING_SOURCE}"),), "hello-from-worker"), \
+                         ((("MCP_GREETING", "literal"),), "literal"):
+        session = McpSession({"notes": _spec(server_file, env=env)}, ctx.workdir, tmp_path / "logs")
+        try:
+            whoami = next(t for t in session.tools_for(["notes.whoami"], taken=[]))
+            pid, cwd, greeting = whoami.invoke(ctx, {}).content.split()
+            assert (Path(cwd), greeting) == (ctx.workdir.resolve(), expected)
+        finally:
+            session.close()
+        assert not _alive(int(pid))
+
+
+def test_a_server_that_cannot_start_is_one_line_naming_it_and_its_stderr(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys\nprint('cannot find the config', file=sys.stderr)\nsys.exit(3)\n")
+    for spec in (McpServer(name="ghost", command="no-such-mcp-server-here"),
+                 McpServer(name="ghost", command=sys.executable, args=(str(bad),))):
+        session = McpSession({"ghost": spec}, tmp_path, tmp_path / "logs")
+        with pytest.raises(McpStartError) as err:
+            session.tools_for(["ghost.*"], taken=[])
+        session.close()
+        assert "MCP server 'ghost'" in str(err.value) and "\n" not in str(err.value)
+    assert "cannot find the config" in str(err.value)
+
+
+# -- the piece ---------------------------------------------------------------------------------------------------
+
+PIECE = """\
+name: with-notes
+mcp_servers:
+  notes:
+    command: python
+    args: [server.py]
+    env: {TOKEN: "${NOTES_TOKEN}", MODE: plain}
+    permission: edit
+    read_only_tools: [echo]
+    timeout: 5
+movements:
+  - name: work
+    instruction: Use the notes.
+    tools: [Read, notes.echo, notes.*]
+    permission: edit
+    rules: [{next: COMPLETE}]
+"""
+
+
+def test_a_piece_declares_servers_and_its_movements_name_their_tools() -> None:
+    piece = parse_piece(PIECE.replace("notes.echo, notes.*", "notes.echo, notes.write_note"), source="p.yaml")
+    notes = piece.mcp_servers["notes"]
+    assert (notes.command, notes.args, notes.permission, notes.timeout) == ("python", ("server.py",), "edit", 5.0)
+    assert notes.env == (("TOKEN", "${NOTES_TOKEN}"), ("MODE", "plain"))
+    assert piece.movements[0].tools == ("Read", "notes.echo", "notes.write_note")
+    assert parse_piece(piece.to_yaml(), source="p.yaml") == piece
+    # in Python: declared on a Piece, checked like a file
+    plain = parse_piece("name: plain\nmovements:\n  - {name: work, instruction: Go., permission: edit, "
+                        "rules: [{next: COMPLETE}]}\n")
+    built = plain.with_mcp_server("notes", command="python", args=["server.py"], permission="edit")
+    built = built.replace_movement("work", tools=["notes.*"])
+    assert built.mcp_servers["notes"].permission == "edit" and built.movements[0].tools == ("notes.*",)
+    with pytest.raises(PieceError, match=r"movements\[0\] \(work\)\.tools\[0\].*needs permission 'full'"):
+        plain.with_mcp_server("notes", command="python").replace_movement("work", tools=["notes.*"])
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (("notes.echo, notes.*", "notes.echo, nope.*"),
+     r"p\.yaml:13: movements\[0\] \(work\)\.tools\[2\]: unknown MCP server 'nope'.*declared in mcp_servers: notes"),
+    (("    timeout: 5\n", "    timeout: 5\n    colour: red\n"),
+     r"p\.yaml:10: mcp_servers\.notes\.colour: unknown key 'colour'; allowed keys: command, args"),
+    (("    permission: edit\n    read", "    permission: full\n    read"),
+     r"p\.yaml:13: movements\[0\] \(work\)\.tools\[1\]: MCP server 'notes' needs permission 'full'; this "
+     r"movement has 'edit'"),
+    (("    command: python\n", "    url: http://localhost:1/mcp\n"),
+     r"p\.yaml:4: mcp_servers\.notes\.url: 'url' is not supported yet"),
+    (("${NOTES_TOKEN}", "x${NOTES_TOKEN}"), r"p\.yaml:6: mcp_servers\.notes\.env\.TOKEN: found 'x\$\{NOTES_TOKEN\}'"),
+])
+def test_piece_validation_names_file_line_and_field(change: tuple[str, str], expected: str) -> None:
+    with pytest.raises(PieceError, match=expected) as err:
+        parse_piece(PIECE.replace(*change), source="p.yaml")
+    assert "\n" not in str(err.value)
+
+
+def test_a_piece_with_servers_is_refused_at_submit_without_the_mcp_package(tmp_path: Path) -> None:
+    piece = write_piece(tmp_path, "with-notes", PIECE)
+    # a real interpreter in which `mcp` cannot be found (None in sys.modules), as on a machine without the extra
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["mcp"] = None
+        from agentnb import Workspace
+        try:
+            Workspace({str(tmp_path / 'ws')!r}).submit("go", piece={str(piece)!r}, model="demo")
+        except Exception as exc:
+            print(type(exc).__name__, exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == ("UsageError the piece declares MCP servers (notes) but the 'mcp' package is not "
+                                  "installed; install the extra: pip install 'agentnb[mcp]'"), out.stderr
+    assert not (tmp_path / "ws" / "jobs" / "1").exists()
+
+
+# -- a job ---------------------------------------------------------------------------------------------------------
+
+def _job_piece(tmp_path: Path, server_file: Path, permission: str = "edit") -> Path:
+    return write_piece(tmp_path, "notes-job", {
+        "mcp_servers": {"notes": {"command": sys.executable, "args": [str(server_file)], "permission": "edit",
+                                  "read_only_tools": ["echo", "whoami"], "timeout": 2}},
+        "movements": [{"name": "work", "instruction": "Use the notes.", "tools": ["Read", "notes.*"],
+                       "permission": permission, "rules": [{"next": "COMPLETE"}]}],
+    })
+
+
+def test_a_job_calls_mcp_tools_as_ordinary_tool_calls_and_leaves_no_server_behind(
+        ws: Workspace, tmp_path: Path, server_file: Path) -> None:
+    spec = write_script(tmp_path, "notes-script", responses=[
+        call("whoami"),
+        call("echo", text="hello"),
+        call("write_note", name="note.txt", text="from mcp"),
+        call("fail", reason="because"),
+        call("missing_tool"),
+        transition("COMPLETE", summary="used the notes"),
+    ])
+    job = ws.run(ws.submit("Use the notes", piece=str(_job_piece(tmp_path, server_file)), model=spec))
+    assert job.status == "succeeded", job.error
+    calls = ws.events(job, kinds=["tool_call"])
+    results = {e.call_id: e for e in ws.events(job, kinds=["tool_result"])}
+    by_tool = {c.tool: results[c.call_id] for c in calls}
+    assert [c.server for c in calls] == ["notes", "notes", "notes", "notes", None, None]
+    assert by_tool["echo"].content == "echo: hello" and by_tool["echo"].server == "notes"
+    assert by_tool["write_note"].content == "written"
+    assert by_tool["fail"].is_error and "refused: because" in by_tool["fail"].content
+    assert by_tool["missing_tool"].is_error and "not available in this step" in by_tool["missing_tool"].content
+    assert "server" not in by_tool["transition"].payload  # other tools' events are as before
+    # the model was shown the server's tools with their schemas
+    request_tools = ws.events(job, kinds=["llm_request"])[0].tools
+    assert {"Read", "echo", "write_note", "whoami", "transition"} <= set(request_tools)
+    # the server ran in the job's work directory, and is gone now the run has ended
+    pid, cwd, _ = by_tool["whoami"].content.split()
+    assert (Path(cwd) / "note.txt").read_text() == "from mcp"
+    assert not _alive(int(pid)), f"the MCP server {pid} outlived its job run"
+    # and the session's event loop thread ended with it
+    import threading
+
+    assert not [t for t in threading.enumerate() if t.name == "agentnb-mcp"]
+
+
+def test_a_tool_with_effects_is_committed_before_it_runs(ws: Workspace, tmp_path: Path, server_file: Path) -> None:
+    # one response: echo (read-only), then slow, which is not; the store holds slow's tool_call while the server
+    # still runs it, seen from another connection (a fresh Workspace on the same files)
+    import threading
+
+    spec = write_script(tmp_path, "slow-script", responses=[
+        {"tool_calls": [{"name": "echo", "arguments": {"text": "first"}},
+                        {"name": "slow", "arguments": {"seconds": 1.5}}]},
+        transition("COMPLETE", summary="slept")])
+    job = ws.submit("Sleep", piece=str(_job_piece(tmp_path, server_file)), model=spec)
+    seen: list[list[str]] = []
+
+    def watch() -> None:
+        other = Workspace(ws.root)
+        for _ in range(200):
+            stored = [(e.kind, getattr(e, "tool", "")) for e in other.events(job)]
+            if ("tool_call", "slow") in stored:
+                seen.append([kind for kind, tool in stored if tool == "slow"])
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    done = ws.run(job)
+    watcher.join()
+    assert done.status == "succeeded", done.error
+    assert seen == [["tool_call"]]
+    slow = ws.events(job, kinds=["tool_result"])[1]
+    assert (slow.tool, slow.content, slow.server) == ("slow", "woke", "notes")
+
+
+def test_a_movement_whose_server_cannot_start_fails_with_one_line_naming_it(ws: Workspace, tmp_path: Path) -> None:
+    piece = write_piece(tmp_path, "ghost", {
+        "mcp_servers": {"ghost": {"command": "no-such-mcp-server-here", "permission": "readonly"}},
+        "movements": [{"name": "work", "instruction": "Go.", "tools": ["ghost.*"], "rules": [{"next": "COMPLETE"}]}],
+    })
+    spec = write_script(tmp_path, "ghost-script", responses=[transition("COMPLETE")])
+    job = ws.run(ws.submit("Go", piece=str(piece), model=spec))
+    assert job.status == "failed"
+    errors = ws.events(job, kinds=["error"])
+    assert errors[-1].where == "mcp" and "MCP server 'ghost' could not be started" in errors[-1].message
+
+
+def test_a_fork_re_serves_mcp_results_from_the_record_and_never_calls_the_server_again(
+        ws: Workspace, tmp_path: Path, server_file: Path) -> None:
+    outside = tmp_path / "outside.log"
+    piece = write_piece(tmp_path, "two-runs", {
+        "mcp_servers": {"notes": {"command": sys.executable, "args": [str(server_file)], "permission": "edit"}},
+        "movements": [
+            {"name": "first", "instruction": "Count.", "tools": ["notes.count"], "permission": "edit",
+             "rules": [{"next": "second"}]},
+            {"name": "second", "instruction": "Finish.", "rules": [{"next": "COMPLETE"}]},
+        ],
+    })
+    spec = write_script(tmp_path, "two-runs-script", {
+        "first": [call("count", path=str(outside)), transition("second")],
+        "second": [transition("COMPLETE"), transition("COMPLETE")],
+    })
+    job = ws.run(ws.submit("Count", piece=str(piece), model=spec))
+    assert job.status == "succeeded", job.error
+    fork = ws.fork(job, at=2)
+    assert ws.job(fork).status == "succeeded", ws.job(fork).error
+    assert outside.read_text() == "called\n"  # once: the fork's re-served run 1 did not call the server
+    (kept,) = [e for e in ws.events(fork, kinds=["tool_result"]) if e.tool == "count"]
+    assert (kept.content, kept.server, kept.is_error) == ("counted", "notes", False)
+    assert not ws.events(fork, kinds=["replay_divergence"])
+
+
+# -- a server from the registry, as a user runs it ---------------------------------------------------------------
+
+def _time_server() -> str | None:
+    import shutil
+
+    found = shutil.which("mcp-server-time") or str(Path(sys.executable).parent / "mcp-server-time")
+    return found if os.access(found, os.X_OK) else None
+
+
+def test_mcp_server_time_from_the_registry(ws: Workspace, tmp_path: Path) -> None:
+    command = _time_server()
+    if command is None:
+        message = "mcp-server-time is not installed: pip install -e '.[test]'"
+        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+    piece = write_piece(tmp_path, "clock", {
+        "mcp_servers": {"time": {"command": command, "args": ["--local-timezone", "UTC"], "permission": "readonly",
+                                 "trust_annotations": True}},
+        "movements": [{"name": "ask", "instruction": "What time is it in Tokyo?", "tools": ["time.*"],
+                       "rules": [{"next": "COMPLETE"}]}],
+    })
+    spec = write_script(tmp_path, "clock-script", responses=[
+        call("get_current_time", timezone="Asia/Tokyo"), transition("COMPLETE", summary="asked")])
+    job = ws.run(ws.submit("Time?", piece=str(piece), model=spec))
+    assert job.status == "succeeded", job.error
+    result = ws.events(job, kinds=["tool_result"])[0]
+    assert result.server == "time" and not result.is_error and "Asia/Tokyo" in result.content
+
+
+def test_a_worker_killed_during_a_call_with_effects_never_runs_it_again(
+        ws: Workspace, tmp_path: Path, server_file: Path) -> None:
+    # one response: echo (read-only), then slow (not read-only), then echo again; the worker is SIGKILLed while
+    # slow runs.  The next worker completes the response: slow's result is the "effect unknown" tool error, the
+    # read-only echo simply runs
+    import signal
+
+    spec = write_script(tmp_path, "crash-script", responses=[
+        {"tool_calls": [{"name": "echo", "arguments": {"text": "one"}},
+                        {"name": "slow", "arguments": {"seconds": 60}},
+                        {"name": "echo", "arguments": {"text": "two"}}]},
+        transition("COMPLETE", summary="done")])
+    piece = write_piece(tmp_path, "crash", {
+        "mcp_servers": {"notes": {"command": sys.executable, "args": [str(server_file)], "permission": "edit",
+                                  "read_only_tools": ["echo"], "timeout": 120}},
+        "movements": [{"name": "work", "instruction": "Go.", "tools": ["notes.*"], "permission": "edit",
+                       "rules": [{"next": "COMPLETE"}]}],
+    })
+    job = ws.submit("Go", piece=str(piece), model=spec)
+    code = "import sys; from agentnb import Workspace; print(Workspace(sys.argv[1]).run(int(sys.argv[2])).status)"
+    first = subprocess.Popen([sys.executable, "-c", code, str(ws.root), str(job.id)], start_new_session=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(e.tool == "slow" for e in ws.events(job, kinds=["tool_call"])):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-2000:]
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    # the killed worker's server went down with it (its guard got the kernel's parent-death signal)
+    deadline = time.monotonic() + 10
+    while _servers_of(server_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _servers_of(server_file)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"MCP server processes {left} outlived their SIGKILLed worker"
+    second = subprocess.run([sys.executable, "-c", code, str(ws.root), str(job.id)], capture_output=True,
+                            text=True, timeout=120)
+    assert second.stdout.strip() == "succeeded", second.stderr[-3000:]
+    results = [(e.tool, e.is_error, e.content[:60]) for e in ws.events(job, kinds=["tool_result"])]
+    assert results[:3] == [("echo", False, "echo: one"),
+                           ("slow", True, "Error: this call of slow was interrupted by a restart (agent"),
+                           ("echo", False, "echo: two")]
+    assert [e.tool for e in ws.events(job, kinds=["tool_call"])] == ["echo", "slow", "echo", "transition"]
