@@ -263,14 +263,14 @@ def test_transcript_opens_collapsed_in_jupyterlab_and_expands_with_one_click(ws:
                                                                               lab_over) -> None:  # type: ignore[no-untyped-def]
     """What a user sees: one caption per movement run, no transcript shown; a click on a caption opens that run."""
     from playwright.sync_api import expect, sync_playwright
-    from test_browser import ARTIFACTS, _launch
+    from test_browser import ARTIFACTS, CHROMIUM_ARGS, _chromium
 
     url, root = lab_over
     job = usage_job(ws, tmp_path / "scripts", instruction="報告を書く: input/notes.md")
     ws.export_notebook(job, root / "transcript.ipynb")
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as pw:
-        browser = _launch(pw)
+        browser = pw.chromium.launch(executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1300, "height": 1000})
         try:
             page.goto(f"{url}/lab/tree/transcript.ipynb")
