@@ -1106,7 +1106,8 @@ def test_views_draw_their_symbols_without_an_emoji_font(lab: Lab, tmp_path: Path
 # view while it streams, the view itself is left alone, and once the run is over nothing of the stream is left.
 STREAM_CELLS = [
     '%load_ext agentnb\n%config AgentMagic.workspace = "stream-data"',
-    'job = %agent run --model demo?pace=0.05 "Summarise the inputs"',
+    # paced so that the report's Write call streams for about 4 s: time to read it twice on a slow machine
+    'job = %agent run --model demo?pace=0.1 "Summarise the inputs"',
 ]
 
 
@@ -1130,7 +1131,7 @@ def test_streamed_text_grows_during_a_paced_demo_call_and_leaves_no_trace(lab: L
                  ".querySelector('.anb-stream .anb-stream-args'); return a && a.textContent.length > n; }")
         page.wait_for_function(grown, arg=[0], timeout=10_000)
         first = len(args.inner_text())
-        page.wait_for_function(grown, arg=[first + 200], timeout=10_000)
+        page.wait_for_function(grown, arg=[first], timeout=10_000)  # the next draw: a piece is ~400 characters
         second = len(args.inner_text())
         assert second > first > 0, (first, second)
         # read at one moment (the streamed element is replaced at each draw): the view kept, the streamed
