@@ -258,10 +258,10 @@ live.subscribe(_ws.store, None, _chunk)
 '''
 
 
-def test_in_a_kernel_the_view_shows_the_text_as_it_streams_then_the_recorded_call(tmp_path: Path) -> None:
-    import nbformat
+def _run_noting_messages(nb: Any, tmp_path: Path) -> list[tuple[float, int, dict[str, Any]]]:
+    """Execute ``nb`` in a real kernel in ``tmp_path``, noting each message the kernel sends as it arrives:
+    (time, cell index, message)."""
     from nbclient import NotebookClient
-    from nbformat.v4 import new_code_cell, new_notebook
 
     received: list[tuple[float, int, dict[str, Any]]] = []
 
@@ -269,6 +269,15 @@ def test_in_a_kernel_the_view_shows_the_text_as_it_streams_then_the_recorded_cal
         def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
             received.append((time.time(), cell_index, msg))
             return super().process_message(msg, cell, cell_index)
+
+    Client(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    return received
+
+
+def test_in_a_kernel_the_view_shows_the_text_as_it_streams_then_the_recorded_call(tmp_path: Path) -> None:
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
 
     cells = [
         KERNEL_SETUP,
@@ -280,7 +289,7 @@ def test_in_a_kernel_the_view_shows_the_text_as_it_streams_then_the_recorded_cal
     ]
     nb = new_notebook(cells=[new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    Client(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    received = _run_noting_messages(nb, tmp_path)
     data = json.loads(nb.cells[4].outputs[0]["text"])
     assert data["status"] == ["succeeded", "succeeded"]
 
@@ -365,15 +374,8 @@ def test_the_panel_shows_the_running_calls_stream_below_its_view_and_hides_it_af
 
 
 def test_in_a_kernel_step_call_shows_the_call_as_it_streams_then_the_recorded_call(tmp_path: Path) -> None:
-    from nbclient import NotebookClient
     from nbformat.v4 import new_code_cell, new_notebook
 
-    received: list[tuple[float, int, dict[str, Any]]] = []
-
-    class Client(NotebookClient):  # type: ignore[misc]
-        def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
-            received.append((time.time(), cell_index, msg))
-            return super().process_message(msg, cell, cell_index)
 
     cells = [
         KERNEL_SETUP,
@@ -386,7 +388,7 @@ def test_in_a_kernel_step_call_shows_the_call_as_it_streams_then_the_recorded_ca
     ]
     nb = new_notebook(cells=[new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    Client(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    received = _run_noting_messages(nb, tmp_path)
     data = json.loads(nb.cells[5].outputs[0]["text"])
     assert data == {"status": "queued", "calls": 3}  # stepped three calls, paused after each
     draws = [m["content"] for _, i, m in received if i == 4
