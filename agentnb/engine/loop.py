@@ -23,7 +23,6 @@ followed by a compaction step: one tool-less summarisation call (its ``llm_reque
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,8 +45,6 @@ from ..events import (
     ToolCallEvent,
     ToolResult,
     Usage,
-    check_event,
-    strict_events,
 )
 from ..models.base import Model, ModelError, ModelRequest, ModelResponse, ToolCall
 from ..models.messages import (
@@ -67,9 +64,9 @@ from ..tools.mcp import recorded_output
 from .context import ContextDecision, ContextManager
 from .pieces import SPECIAL_NEXT, Movement
 from .prompts import text, transition_schema
+from .recorder import Recorder
 
 if TYPE_CHECKING:
-    from ..store.base import Store
     from ..tools.mcp import McpSession
 
 __all__ = ["INTERRUPTED", "AgentLoop", "CallCounters", "Outcome", "Recorder", "ReplayDiverged", "transition_schema"]
@@ -83,62 +80,6 @@ INTERRUPTED = (
 
 class ReplayDiverged(ModelError):
     """A fork run with ``strict=True`` re-ran a tool whose result differs from its original's (docs/fork-compare.md#fork)."""
-
-
-class Recorder:
-    """Collects a job's typed events and hands them to the store in one transaction per LLM call.
-
-    Each event is stamped (``ts``) by whoever builds it, when it happens, not when it is written.
-    """
-
-    __slots__ = ("cancel", "cut", "job_id", "lease", "pending", "store", "strict", "write_back")
-
-    def __init__(self, store: Store, job_id: int) -> None:
-        self.store = store
-        self.job_id = job_id
-        self.pending: list[Event] = []
-        # where the store keeps a job's files: what the work directory changed since the store last had it
-        # (engine/jobfiles.WriteBack), written with the tool results that changed it
-        self.write_back: Callable[[], Any] | None = None
-        # while a process runs the job under its lease (JobRunner.advance): raises LeaseLost once that lease is
-        # lost (leases.Held.check), so that nothing more is done for the job here, not only nothing written
-        self.lease: Callable[[], None] | None = None
-        # while a process runs the job: the job's Stop, handed to each model call as ``ModelRequest.cancel`` so a
-        # streaming answer is cut off at once (docs/models.md#streaming)
-        self.cancel: threading.Event | None = None
-        self.cut = False  # a Stop cut a model call off (its pause reason says so: execution.STOP_CUT_REASON)
-        # the test suite checks every field's type where the event is made, so a failure names the writer
-        self.strict = strict_events()
-
-    def add(self, event: Event) -> None:
-        if self.strict:
-            check_event(event)
-        self.pending.append(event)
-
-    def cancelled(self) -> bool:
-        """Whether the job was asked to stop during this run (a call may have been cut off)."""
-        return self.cancel is not None and self.cancel.is_set()
-
-    def still_held(self) -> None:
-        """Before an outside effect (an LLM call, a tool call): :class:`LeaseLost` when the lease is lost."""
-        if self.lease is not None:
-            self.lease()
-
-    def flush(self, c: Any = None) -> None:
-        if not self.pending:
-            return
-        if c is None and self.write_back is not None and any(isinstance(e, ToolResult) for e in self.pending):
-            # planned before the events leave ``pending``: a work directory over the files limit raises
-            # here (FilesOverLimit) with nothing lost
-            files = self.write_back()
-            if files is not None and not files.empty:
-                with self.store.transaction() as tx:
-                    rows, self.pending = self.pending, []
-                    self.store.append(rows, tx)
-                    files.apply(self.store, tx, self.job_id)
-                return
-        rows, self.pending = self.pending, []
-        self.store.append(rows, c)
 
 
 @dataclass

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
-from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from yaml.nodes import Node, ScalarNode
 
 from ..errors import PieceError
 from ..tools.mcp import McpServer
+from ._piece_check import TOP, Checker, FastLoader, Keys, keys_found, yaml_error, yaml_field
 from .piece_mcp import check_mcp_tool, mcp_servers
 
 __all__ = [
@@ -52,10 +52,6 @@ DEFAULT_THRESHOLDS: dict[str, float] = {"warn": 0.70, "prompt": 0.85, "force_tra
 ON_PRESSURE = ("transition", "compact")
 COMPACTION_DEFAULTS: dict[str, Any] = {"on_pressure": "transition", "compact_keep_last": 4, "max_compactions": 2}
 PACKAGE_PIECES = Path(__file__).resolve().parents[1] / "pieces"
-# libyaml (when PyYAML has it) composes ~10x faster; a job's runner parses its stored piece on every
-# (re)start, so the pure-Python parser was most of a short run's fixed cost.  Errors are still worded by
-# the pure-Python parser (see parse_piece), so messages do not depend on which one is installed.
-_FastLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 @dataclass(frozen=True)
@@ -265,216 +261,6 @@ _MOVEMENT_KEYS = (
     "permission", "max_iterations", "rules", "default_next", "verify", "context",
 )
 _RULE_KEYS = ("condition", "next")
-# a mapping's keys, each with its key node and value node (for the lines errors name)
-_Keys = dict[str, tuple[Node, Node]]
-_T = TypeVar("_T")
-_D = TypeVar("_D")
-_TOP = "(top level)"
-# scalars whose text a text field takes as written (a name like `2024` or `yes`); null is "empty"
-_TEXTLIKE_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "timestamp"))
-
-
-def _keys_found(keys: dict[str, Any]) -> str:
-    return ", ".join(keys) or "none"
-
-
-_KEY_LINE = re.compile(r"^( *)(- +)?([A-Za-z_][\w-]*) *:")
-
-
-def _yaml_field(text: str, line: int) -> str:
-    """The key path around a (1-based) line, read from indentation, for errors the YAML parser can't place."""
-    lines = [ln.replace("\t", " ") for ln in text.splitlines()]
-    if not lines:
-        return _TOP
-    parts: list[str] = []
-    limit: int | None = None  # the column of the innermost node found so far; parents sit left of it
-    for i in range(min(max(line - 1, 0), len(lines) - 1), -1, -1):
-        m = _KEY_LINE.match(lines[i])
-        if not m:
-            continue
-        dash = len(m.group(1))
-        column = dash + len(m.group(2) or "")
-        if limit is None or column < limit:
-            parts.insert(0, m.group(3))
-            limit = column
-        if m.group(2) and column <= limit:  # a list item that holds what we have: which item is it?
-            parts.insert(0, f"[{_item_index(lines, i, dash)}]")
-            limit = dash
-        if limit == 0:
-            break
-    return _join_field(parts)
-
-
-def _item_index(lines: list[str], i: int, dash: int) -> int:
-    """Which item of its list the item starting on line ``i`` (its dash at column ``dash``) is, from 0."""
-    n = 0
-    for j in range(i - 1, -1, -1):
-        stripped = lines[j].lstrip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        indent = len(lines[j]) - len(stripped)
-        if indent < dash:
-            break
-        if indent == dash and stripped.startswith("-"):
-            n += 1
-    return n
-
-
-def _join_field(parts: list[str]) -> str:
-    """``movements[1].rules[0].next`` from its parts (keys and ``[i]`` indexes)."""
-    out = ""
-    for part in parts:
-        out += part if part.startswith("[") or not out else "." + part
-    return out or _TOP
-
-
-def _yaml_error(exc: yaml.YAMLError, text: str, source: str) -> PieceError:
-    lines = text.splitlines()
-    mark = getattr(exc, "problem_mark", None)
-    context = getattr(exc, "context_mark", None)
-    blank = mark is None or mark.line >= len(lines) or not lines[mark.line].strip()
-    if blank and context is not None:  # e.g. the end of the file: where the unclosed thing began says more
-        mark = context
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    if blank and getattr(exc, "context", None):
-        problem = f"{problem} {exc.context}"  # type: ignore[attr-defined]
-    line = mark.line + 1 if mark is not None else None
-    found = lines[line - 1].strip() if line and 0 < line <= len(lines) else ""
-    if "\t" in found or "'\\t'" in problem:
-        problem += " (indent with spaces, not tabs)"
-    return PieceError(
-        f"not valid YAML: {problem}; found {_short(found)}, expected YAML text (a mapping of name, movements, …)",
-        file=source, line=line, field=_yaml_field(text, line or 1),
-    )
-
-
-def _short(value: str, limit: int = 80) -> str:
-    """``value`` quoted for an error line, cut: a file that is not a piece (a host file named by mistake)
-    must not be echoed whole into one line of error output."""
-    return repr(value if len(value) <= limit else value[:limit] + "…")
-
-
-class _Checker:
-    def __init__(self, file: str, base: Path | None) -> None:
-        self.file, self.base = file, base
-
-    def fail(self, node: Node | None, fld: str, message: str) -> PieceError:
-        line = node.start_mark.line + 1 if node is not None else None
-        return PieceError(message, file=self.file, line=line, field=fld)
-
-    @staticmethod
-    def _describe(node: Node) -> str:
-        if isinstance(node, MappingNode):
-            return "a mapping"
-        if isinstance(node, SequenceNode):
-            return "a list"
-        value = node.value
-        return _short(value) if value != "" else "an empty value"
-
-    def mapping(self, node: Node, fld: str, allowed: Iterable[str]) -> _Keys:
-        if not isinstance(node, MappingNode):
-            raise self.fail(node, fld, f"found {self._describe(node)}, expected a mapping")
-        allowed = tuple(allowed)
-        out: dict[str, tuple[Node, Node]] = {}
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, ScalarNode) else None
-            sub = f"{fld}.{key}" if fld and fld != _TOP else str(key)
-            if key not in allowed:
-                raise self.fail(key_node, sub, f"unknown key {key!r}; allowed keys: {', '.join(allowed)}")
-            if key in out:
-                raise self.fail(key_node, sub, f"key {key!r} appears twice")
-            out[key] = (key_node, value_node)
-        return out
-
-    def string(self, node: Node, fld: str, *, choices: Iterable[str] | None = None, nonempty: bool = True) -> str:
-        if not isinstance(node, ScalarNode) or node.tag not in ("tag:yaml.org,2002:str",):
-            if isinstance(node, ScalarNode) and node.tag not in _TEXTLIKE_TAGS:
-                # an explicit tag (!!python/object:…, !!binary, !custom) is never what a piece means
-                raise self.fail(node, fld, f"found a value tagged {node.tag.replace('tag:yaml.org,2002:', '!!')!r}, "
-                                           "expected plain text")
-            if isinstance(node, ScalarNode) and node.tag != "tag:yaml.org,2002:null":
-                # numbers and booleans written where text is expected: accept their text
-                value = node.value
-            else:
-                raise self.fail(node, fld, f"found {self._describe(node)}, expected text")
-        else:
-            value = node.value
-        if nonempty and not value.strip():
-            raise self.fail(node, fld, "found an empty value, expected text")
-        if choices is not None:
-            choices = tuple(choices)
-            if value not in choices:
-                raise self.fail(node, fld, f"found {value!r}, allowed: {', '.join(choices)}")
-        return value
-
-    def integer(self, node: Node, fld: str, *, minimum: int = 1) -> int:
-        if not isinstance(node, ScalarNode) or node.tag != "tag:yaml.org,2002:int":
-            raise self.fail(node, fld, f"found {self._describe(node)}, expected a whole number ≥ {minimum}")
-        value = int(yaml.load(node.value, Loader=_FastLoader))
-        if value < minimum:
-            raise self.fail(node, fld, f"found {value}, expected a whole number ≥ {minimum}")
-        return value
-
-    def ratio(self, node: Node, fld: str) -> float:
-        if not isinstance(node, ScalarNode) or node.tag not in ("tag:yaml.org,2002:float", "tag:yaml.org,2002:int"):
-            raise self.fail(node, fld, f"found {self._describe(node)}, expected a number between 0 and 1")
-        value = float(yaml.load(node.value, Loader=_FastLoader))
-        if not 0 < value <= 1:
-            raise self.fail(node, fld, f"found {value}, expected a number between 0 (excluded) and 1")
-        return value
-
-    def optional(self, keys: _Keys, key: str, default: _D, read: Callable[[Node, str], _T]) -> _T | _D:
-        """``read(value node, key)`` when ``key`` is given, else ``default``."""
-        return read(keys[key][1], key) if key in keys else default
-
-    def one_of(self, node: Node, fld: str, value: str, allowed: tuple[str, ...]) -> None:
-        """A name that must be one of ``allowed`` (movement names, or special next steps too)."""
-        if value not in allowed:
-            raise self.fail(node, fld, f"unknown movement {value!r}; allowed: {', '.join(allowed) or 'none'}")
-
-    def sequence(self, node: Node, fld: str) -> list[Node]:
-        if not isinstance(node, SequenceNode):
-            raise self.fail(node, fld, f"found {self._describe(node)}, expected a list")
-        return list(node.value)
-
-    def inside(self, node: Node, fld: str, rel: str) -> Path:
-        """``rel`` resolved inside the piece's folder (the current folder for YAML text): a shared piece must
-        not send a host file to the model, by an absolute path, a ``..`` or a link leading out."""
-        base = (self.base or Path.cwd()).resolve()
-        where = ("the current folder" if self.base is None else "the piece's folder") + f" ({str(base)!r})"
-        if os.path.isabs(rel):
-            raise self.fail(node, fld, f"found {_short(rel)}, an absolute path; allowed: a path relative to {where}")
-        try:
-            path = (base / rel).resolve()
-        except (OSError, RuntimeError) as exc:  # a link loop (RuntimeError before Python 3.13)
-            raise self.fail(node, fld, f"cannot read {_short(rel)}: {exc}") from None
-        if path != base and base not in path.parents:
-            how = "a '..' that leads" if Path(os.path.normpath(rel)).parts[:1] == ("..",) else "a link that leads"
-            raise self.fail(node, fld, f"found {_short(rel)}, {how} out of {where}; allowed: a file inside it")
-        return path
-
-    def text_or_file(self, keys: _Keys, fld: str, name: str, *, required: bool, owner: Node) -> str:
-        file_key = f"{name}_file"
-        if name in keys and file_key in keys:
-            raise self.fail(keys[file_key][0], f"{fld}.{file_key}", f"give either {name} or {file_key}, not both")
-        if name in keys:
-            return self.string(keys[name][1], f"{fld}.{name}", nonempty=required)
-        if file_key in keys:
-            node = keys[file_key][1]
-            path = self.inside(node, f"{fld}.{file_key}", self.string(node, f"{fld}.{file_key}"))
-            try:
-                return path.read_text(encoding="utf-8")
-            except OSError as exc:
-                raise self.fail(node, f"{fld}.{file_key}", f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
-            except UnicodeDecodeError as exc:
-                raise self.fail(node, f"{fld}.{file_key}", f"found {str(path)!r}, which is not UTF-8 text "
-                                f"(byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); allowed: a UTF-8 file") from None
-        if required:
-            raise self.fail(owner, f"{fld}.{name}", f"missing required key {name!r} (or {file_key!r}); "
-                            f"found keys: {_keys_found(keys)}")
-        return ""
-
-
 def parse_piece(
     text: str,
     *,
@@ -490,12 +276,12 @@ def parse_piece(
     Checked in reading order (the top keys, ``context``, each movement, then the names that movements
     refer to), so the first mistake in the file is the one reported.
     """
-    ck = _Checker(source, Path(base_dir) if base_dir else None)
+    ck = Checker(source, Path(base_dir) if base_dir else None)
     root = _compose(text, source)
-    top = ck.mapping(root, _TOP, _TOP_KEYS)
+    top = ck.mapping(root, TOP, _TOP_KEYS)
     for required in ("name", "movements"):
         if required not in top:
-            raise ck.fail(root, required, f"missing required key {required!r}; found keys: {_keys_found(top)}")
+            raise ck.fail(root, required, f"missing required key {required!r}; found keys: {keys_found(top)}")
     if known_tools is None:
         from ..tools.base import registered_tool_names
 
@@ -533,7 +319,7 @@ def parse_piece(
     )
 
 
-def _loop_monitors(ck: _Checker, node: Node, names: tuple[str, ...]) -> tuple[LoopMonitor, ...]:
+def _loop_monitors(ck: Checker, node: Node, names: tuple[str, ...]) -> tuple[LoopMonitor, ...]:
     """``loop_monitors:`` (docs/context.md#loop-monitors): each a cycle of existing movements, a threshold ≥ 1 and exactly one of
     ``judge`` (a tool-less movement run named after the monitor) and ``next``."""
     if isinstance(node, ScalarNode) and node.value == "":
@@ -547,7 +333,7 @@ def _loop_monitors(ck: _Checker, node: Node, names: tuple[str, ...]) -> tuple[Lo
         for required in ("cycle", "threshold"):
             if required not in keys:
                 raise ck.fail(mnode, f"{fld}.{required}",
-                              f"missing required key {required!r}; found keys: {_keys_found(keys)}")
+                              f"missing required key {required!r}; found keys: {keys_found(keys)}")
         cnodes = ck.sequence(keys["cycle"][1], f"{fld}.cycle")
         if not cnodes:
             raise ck.fail(keys["cycle"][1], f"{fld}.cycle", "found an empty list, expected at least one movement")
@@ -562,7 +348,7 @@ def _loop_monitors(ck: _Checker, node: Node, names: tuple[str, ...]) -> tuple[Lo
         threshold = ck.integer(keys["threshold"][1], f"{fld}.threshold")
         if ("judge" in keys) == ("next" in keys):
             raise ck.fail(mnode, f"{fld}.judge", "give exactly one of 'judge' and 'next'; found "
-                          + ("both" if "judge" in keys else f"neither (keys: {_keys_found(keys)})"))
+                          + ("both" if "judge" in keys else f"neither (keys: {keys_found(keys)})"))
         mname = "judge:" + "/".join(cycle)
         if "name" in keys:
             mname = ck.string(keys["name"][1], f"{fld}.name")
@@ -585,7 +371,7 @@ def _loop_monitors(ck: _Checker, node: Node, names: tuple[str, ...]) -> tuple[Lo
     return tuple(monitors)
 
 
-def _loop_target(ck: _Checker, node: Node, fld: str, value: str, targets: tuple[str, ...]) -> None:
+def _loop_target(ck: Checker, node: Node, fld: str, value: str, targets: tuple[str, ...]) -> None:
     """Where a monitor or its judge may send the job: a movement, COMPLETE or ABORT (see ``LOOP_NEXT``)."""
     if value in SPECIAL_NEXT and value not in LOOP_NEXT:
         raise ck.fail(node, fld, f"found {value!r}, which a loop monitor cannot go to (it has no question to ask "
@@ -593,11 +379,11 @@ def _loop_target(ck: _Checker, node: Node, fld: str, value: str, targets: tuple[
     ck.one_of(node, fld, value, targets)
 
 
-def _judge(ck: _Checker, node: Node, fld: str, name: str, targets: tuple[str, ...]) -> Movement:
+def _judge(ck: Checker, node: Node, fld: str, name: str, targets: tuple[str, ...]) -> Movement:
     """A monitor's ``judge:`` as the movement its run is: tool-less, read-only, named after the monitor."""
     jkeys = ck.mapping(node, fld, _JUDGE_KEYS)
     if "rules" not in jkeys:
-        raise ck.fail(node, f"{fld}.rules", f"missing required key 'rules'; found keys: {_keys_found(jkeys)}")
+        raise ck.fail(node, f"{fld}.rules", f"missing required key 'rules'; found keys: {keys_found(jkeys)}")
     rules = _rules(ck, jkeys["rules"][1], f"{fld}.rules")
     if not rules:
         raise ck.fail(jkeys["rules"][1], f"{fld}.rules", "found an empty list, expected at least one rule")
@@ -615,19 +401,19 @@ def _judge(ck: _Checker, node: Node, fld: str, name: str, targets: tuple[str, ..
 def _compose(text: str, source: str) -> Node:
     """The YAML node tree of ``text``; a parse error or an empty file is a :class:`PieceError` with its line."""
     try:
-        root = yaml.compose(text, Loader=_FastLoader)
+        root = yaml.compose(text, Loader=FastLoader)
     except yaml.YAMLError:
         try:
             root = yaml.compose(text)  # the pure-Python parser words some errors better
         except yaml.YAMLError as exc:
-            raise _yaml_error(exc, text, source) from None
+            raise yaml_error(exc, text, source) from None
     if root is None:
         raise PieceError("found an empty file, expected a mapping with at least name and movements",
-                         file=source, line=1, field=_TOP)
+                         file=source, line=1, field=TOP)
     return root
 
 
-def _context(ck: _Checker, top: _Keys) -> tuple[int | None, int | None, dict[str, float], dict[str, Any]]:
+def _context(ck: Checker, top: Keys) -> tuple[int | None, int | None, dict[str, float], dict[str, Any]]:
     """The piece's ``context:`` settings: window tokens, minimum tool tokens, the thresholds and the
     compaction settings (only those given)."""
     thresholds = dict(DEFAULT_THRESHOLDS)
@@ -641,7 +427,7 @@ def _context(ck: _Checker, top: _Keys) -> tuple[int | None, int | None, dict[str
     return window, min_tool, thresholds, _compaction(ck, ctx, "context")
 
 
-def _compaction(ck: _Checker, ctx: _Keys, fld: str) -> dict[str, Any]:
+def _compaction(ck: Checker, ctx: Keys, fld: str) -> dict[str, Any]:
     """``on_pressure``, ``compact_keep_last`` (≥ 0) and ``max_compactions`` (≥ 0) of a ``context:``, those given."""
     out: dict[str, Any] = {}
     if "on_pressure" in ctx:
@@ -652,7 +438,7 @@ def _compaction(ck: _Checker, ctx: _Keys, fld: str) -> dict[str, Any]:
     return out
 
 
-def _thresholds(ck: _Checker, node: Node) -> dict[str, float]:
+def _thresholds(ck: Checker, node: Node) -> dict[str, float]:
     """``context.thresholds``: ratios over the defaults, which must rise from warn to exhausted."""
     th = ck.mapping(node, "context.thresholds", DEFAULT_THRESHOLDS)
     thresholds = dict(DEFAULT_THRESHOLDS)
@@ -670,13 +456,13 @@ def _thresholds(ck: _Checker, node: Node) -> dict[str, float]:
 
 
 def _movement(
-    ck: _Checker, i: int, mnode: Node, known: tuple[str, ...], seen: dict[str, int], servers: dict[str, McpServer]
-) -> tuple[Movement, _Keys, str]:
+    ck: Checker, i: int, mnode: Node, known: tuple[str, ...], seen: dict[str, int], servers: dict[str, McpServer]
+) -> tuple[Movement, Keys, str]:
     """Movement ``i``, with its keys and its field name for later errors; ``seen`` collects the names."""
     fld = f"movements[{i}]"
     keys = ck.mapping(mnode, fld, _MOVEMENT_KEYS)
     if "name" not in keys:
-        raise ck.fail(mnode, f"{fld}.name", f"missing required key 'name'; found keys: {_keys_found(keys)}")
+        raise ck.fail(mnode, f"{fld}.name", f"missing required key 'name'; found keys: {keys_found(keys)}")
     name_node = keys["name"][1]
     mname = ck.string(name_node, f"{fld}.name")
     if mname in SPECIAL_NEXT:
@@ -703,7 +489,7 @@ def _movement(
     return movement, keys, fld
 
 
-def _movement_context(ck: _Checker, keys: _Keys, fld: str) -> dict[str, Any]:
+def _movement_context(ck: Checker, keys: Keys, fld: str) -> dict[str, Any]:
     """A movement's own ``context:`` — only the compaction settings; the window and thresholds are the piece's."""
     if "context" not in keys or (isinstance(keys["context"][1], ScalarNode) and keys["context"][1].value == ""):
         return {}
@@ -711,7 +497,7 @@ def _movement_context(ck: _Checker, keys: _Keys, fld: str) -> dict[str, Any]:
     return _compaction(ck, ctx, f"{fld}.context")
 
 
-def _tools(ck: _Checker, node: Node, fld: str, known: tuple[str, ...], servers: dict[str, McpServer],
+def _tools(ck: Checker, node: Node, fld: str, known: tuple[str, ...], servers: dict[str, McpServer],
            permission: str) -> tuple[str, ...]:
     """A movement's ``tools:``: known names or ``server.tool`` of a declared MCP server, each once;
     ``transition`` is always allowed and not listed."""
@@ -735,19 +521,19 @@ def _tools(ck: _Checker, node: Node, fld: str, known: tuple[str, ...], servers: 
     return tuple(tools)
 
 
-def _rules(ck: _Checker, node: Node, fld: str) -> tuple[Rule, ...]:
+def _rules(ck: Checker, node: Node, fld: str) -> tuple[Rule, ...]:
     """A movement's ``rules:``, each a ``next`` with an optional ``condition`` (targets are checked later)."""
     rules: list[Rule] = []
     for j, rnode in enumerate(ck.sequence(node, fld)):
         rkeys = ck.mapping(rnode, f"{fld}[{j}]", _RULE_KEYS)
         if "next" not in rkeys:
-            raise ck.fail(rnode, f"{fld}[{j}].next", f"missing required key 'next'; found keys: {_keys_found(rkeys)}")
+            raise ck.fail(rnode, f"{fld}[{j}].next", f"missing required key 'next'; found keys: {keys_found(rkeys)}")
         cond = ck.string(rkeys["condition"][1], f"{fld}[{j}].condition") if "condition" in rkeys else ""
         rules.append(Rule(condition=cond, next=ck.string(rkeys["next"][1], f"{fld}[{j}].next")))
     return tuple(rules)
 
 
-def _check_next_steps(ck: _Checker, movement: Movement, keys: _Keys, fld: str, names: tuple[str, ...]) -> None:
+def _check_next_steps(ck: Checker, movement: Movement, keys: Keys, fld: str, names: tuple[str, ...]) -> None:
     """The movements a movement's rules, ``default_next`` and ``verify`` name exist (verify: another one)."""
     targets = names + SPECIAL_NEXT
     rule_nodes = ck.sequence(keys["rules"][1], "") if "rules" in keys else []
@@ -813,7 +599,7 @@ def load_piece(ref: str | os.PathLike[str] | Piece, *, known_tools: Iterable[str
         head = raw[: exc.start].decode("utf-8", errors="replace")
         raise PieceError(
             f"found byte 0x{raw[exc.start]:02x}, which is not UTF-8; allowed: UTF-8 text (save the file as UTF-8)",
-            file=str(path), line=line, field=_yaml_field(head + "\n", line) if line > 1 or head.strip() else _TOP,
+            file=str(path), line=line, field=yaml_field(head + "\n", line) if line > 1 or head.strip() else TOP,
         ) from None
     return parse_piece(text, source=str(path), base_dir=path.parent, known_tools=known_tools)
 
