@@ -1,7 +1,8 @@
 """``openai:`` models stream their answers (docs/models.md#streaming): through tests/openai_server.py speaking real
 server-sent ``chat.completion.chunk`` events on loopback, the stored events equal a plain call's, faults midway are
 retried or refused as a plain call's are, an endpoint that does not stream is asked plainly, and a Stop cuts a
-streaming call off at once and asks it again on resume."""
+call off at once, streamed or plain, or while it waits for its headers, a retry or the rate-limit gate, and asks it
+again on resume."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from _scripting import write_piece
 from openai_server import OpenAIServer, error, hold, midway, reply
 
 from agentnb import Workspace
-from agentnb.errors import CallCancelled, ModelSpecError
+from agentnb.errors import CallCancelled, ModelError, ModelSpecError
 from agentnb.events import payload_dict
 from agentnb.models.base import ModelRequest
 from agentnb.models.messages import Delta, UserMessage
 from agentnb.models.openai import OpenAIModel
 from agentnb.models.openai_stream import sse_data
+from agentnb.models.ratelimit import gate_for
 from agentnb.store import reads
 from agentnb.store.base import STOP_CUT_REASON
 from agentnb.views.status import display_status
@@ -263,10 +265,12 @@ def test_a_stop_set_while_streaming_raises_call_cancelled_with_the_partial_answe
     assert srv.disconnected.wait(2)
 
 
-def _stop_and_resume(ws: Workspace, piece: Path, srv: OpenAIServer, stopping: Callable[[], bool]) -> float:
+def _stop_and_resume(ws: Workspace, piece: Path, srv: OpenAIServer, stopping: Callable[[], bool],
+                     model: str = "openai:m") -> float:
     """Run a job, Stop it once ``stopping()`` says its call is where the test wants it, and check that the run
     ended at once, the job paused with its call recorded as stopped, and the resume asked the same call again."""
-    job = ws.submit("Copy the notes", piece=piece, model="openai:m", inputs={"notes.md": "alpha ✓\n"})
+    before = len(srv.received)  # requests other calls made
+    job = ws.submit("Copy the notes", piece=piece, model=model, inputs={"notes.md": "alpha ✓\n"})
     runner = threading.Thread(target=ws.run, args=(job,))
     runner.start()
     deadline = time.monotonic() + 30
@@ -289,7 +293,7 @@ def _stop_and_resume(ws: Workspace, piece: Path, srv: OpenAIServer, stopping: Ca
     assert "⏸ stopped — " in view and "stopped before its answer began" in view
     done = ws.run(job)  # resumed: the same call asked again
     assert done.status == "succeeded", done.error
-    assert srv.received[-len(ANSWERS)].body["messages"] == srv.received[0].body["messages"]
+    assert srv.received[-len(ANSWERS)].body["messages"] == srv.received[before].body["messages"]
     assert len(ws.events(job, kinds=["llm_response"])) == len(ANSWERS)
     return asked
 
@@ -301,6 +305,37 @@ def test_stop_while_waiting_for_the_headers_cuts_the_call_off_at_once(ws: Worksp
     asked = _stop_and_resume(ws, piece, srv, srv.holding.is_set)
     assert srv.disconnected.is_set() and srv.disconnects[0] - asked < 0.5  # the server saw the connection closed
     assert len(srv.received) == 1 + len(ANSWERS)
+
+
+def test_stop_cuts_a_plain_call_off_at_once_too(ws: Workspace, piece: Path,
+                                                 loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback()
+    srv.play(hold(), *(a() for a in ANSWERS))  # a slow answer, not streamed: nothing until released
+    asked = _stop_and_resume(ws, piece, srv, srv.holding.is_set, model="openai:m?stream=0")
+    assert srv.disconnected.is_set() and srv.disconnects[0] - asked < 0.5  # the server saw the connection closed
+    assert len(srv.received) == 1 + len(ANSWERS) and srv.streamed == 0
+
+
+def test_a_plain_call_whose_answer_came_is_kept_though_a_stop_follows(loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback()
+    srv.play(reply("whole"), reply("again"))
+    cancel = threading.Event()
+    model = OpenAIModel("m?stream=0")
+    assert model.complete(ModelRequest(messages=[UserMessage("hi")], tools=[], cancel=cancel)).content == "whole"
+    cancel.set()  # a Stop after the answer: the call is not cut, and its connection is the next call's again
+    time.sleep(0.2)  # longer than the watchdog's look
+    assert model.complete(ModelRequest(messages=[UserMessage("hi")], tools=[])).content == "again"
+
+
+def test_stop_while_another_calls_429_holds_the_gate_ends_the_wait_at_once(
+        ws: Workspace, piece: Path, loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback()
+    srv.play(*error(429, "slow down", headers={"retry-after": "3"}), *(a() for a in ANSWERS))
+    with pytest.raises(ModelError, match="HTTP 429"):  # another job's call: its 429 closes the gate for 3 s
+        OpenAIModel("m", max_retries=0).complete(ModelRequest(messages=[UserMessage("hi")], tools=[]))
+    gate = gate_for(srv.base_url, "m")
+    _stop_and_resume(ws, piece, srv, lambda: gate.waiting > 0)  # this job's first call waits in the gate
+    assert len(srv.received) == 1 + len(ANSWERS)  # the stopped call was never sent; the resume sent it
 
 
 def test_stop_during_the_wait_before_a_retry_ends_it_at_once(ws: Workspace, piece: Path,

@@ -217,10 +217,13 @@ class OpenAIModel:
         while attempt < attempts:
             if cancel is not None and cancel.is_set():
                 raise CallCancelled()
-            ticket = gate.acquire(max_wait=self.max_backoff, waited_until=waited_until)
+            ticket = gate.acquire(max_wait=self.max_backoff, waited_until=waited_until, cancel=cancel)
+            if ticket is None:
+                raise CallCancelled()  # stopped while the gate held it back (another call's 429): nothing sent
             answered, delay = False, 0.0
-            # a streamed call is watched from before its request: a Stop cuts off the wait for its headers too
-            watch = WATCHDOG.watch(cancel) if streaming else None
+            # watched from before its request: a Stop cuts off the wait for the headers, and a plain call's wait
+            # for its whole answer, too (a streamed call is watched without a Stop as well: for its stalls)
+            watch = WATCHDOG.watch(cancel) if streaming or cancel is not None else None
             try:
                 # The raw body, read here: the SDK builds its objects without checking them, so a 200 that is
                 # an HTML page, broken JSON or the wrong shape would only fail later, far from the cause.  A
@@ -228,7 +231,7 @@ class OpenAIModel:
                 # also skips the SDK's per-call rewrite of every message, ~1 ms of CPU per call.
                 http = client.post("/chat/completions", body=kwargs, cast_to=_response_class(), stream=streaming)
                 answered = True
-                if not streaming:
+                if not streaming:  # whole: a Stop that comes now pauses the job after this call, as between calls
                     return _parse_completion(http, request)
                 ctype = (http.headers.get("content-type") or "").split(";")[0].strip().lower()
                 if ctype == "text/event-stream" and watch is not None:
@@ -242,7 +245,7 @@ class OpenAIModel:
             except (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError,
                     openai.APIConnectionError, MalformedAnswer, StreamBroken, StreamStalled) as exc:
                 if cancel is not None and cancel.is_set():
-                    raise CallCancelled() from None  # the watchdog cut the wait for the headers off
+                    raise CallCancelled() from None  # the watchdog cut the wait for the answer off
                 last = exc
                 delay = min(self._retry_after(exc) or self.backoff * (2 ** attempt) * (0.5 + random.random() / 2),
                             self.max_backoff)

@@ -232,7 +232,7 @@ class Watch:
 
     def attach(self, response: Any, timeout: float) -> None:
         """The answer's headers came: from now on its socket is the one to cut, and a stall counts."""
-        self.sock = _socket_of(response) or _sending.get(self.thread)
+        self.sock = _socket_of(response) or _sent_on(self.thread)
         self.timeout = timeout
         self.touch()
 
@@ -241,7 +241,7 @@ class Watch:
 
     def cut(self, why: str) -> bool:
         """Shut the call's socket down; False when it is not known yet (the request is not written yet)."""
-        sock = self.sock or _sending.get(self.thread)
+        sock = self.sock or _sent_on(self.thread)
         if sock is None:
             return False
         self.why = why
@@ -298,25 +298,34 @@ class Watchdog:
             self._tick.wait(POLL_S)
 
 
-# the socket each thread last wrote a request to: a call blocked waiting for its answer's headers has no response
-# (so no socket) to cut yet; this is how the watchdog finds it.  Filled by the connections of shared clients
-# (track_sockets); a thread's entry is dropped when its next call's watch starts.
-_sending: dict[int, socket.socket] = {}
+# the connection each thread last wrote a request to: a call blocked waiting for its answer's headers (or a plain
+# call's whole answer) has no response, so no socket, to cut yet; this is how the watchdog finds it.  Filled by the
+# connections of shared clients (track_sockets); a thread's entry is dropped when its next call's watch starts.
+_sending: dict[int, _TrackedStream] = {}
+
+
+def _sent_on(thread: int) -> socket.socket | None:
+    """The socket ``thread`` wrote its request to, while no other thread has written on it since: a connection
+    given back to the pool and taken by another call belongs to that call, and must not be cut for this one."""
+    stream = _sending.get(thread)
+    return stream._sock if stream is not None and stream.writer == thread else None
 
 
 class _TrackedStream:
     """An httpcore network stream that notes, at each write, that this thread's request went out on its socket."""
 
-    __slots__ = ("_sock", "_stream")
+    __slots__ = ("_sock", "_stream", "writer")
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
         sock = stream.get_extra_info("socket")
         self._sock = sock if isinstance(sock, socket.socket) else None
+        self.writer = 0  # the thread that wrote the last request on it
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         if self._sock is not None:
-            _sending[threading.get_ident()] = self._sock
+            self.writer = me = threading.get_ident()
+            _sending[me] = self
         self._stream.write(buffer, timeout)
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
