@@ -76,7 +76,9 @@ def _run(ws: Workspace, piece: Path, model: str) -> Any:
     return job
 
 
-@pytest.mark.parametrize("cut", [{"chunk_chars": 1, "write_size": 3}, {"chunk_chars": 4, "write_size": 7}, {}])
+@pytest.mark.parametrize("cut", [{"chunk_chars": 1, "write_size": 3}, {"chunk_chars": 4, "write_size": 7}, {},
+                                 {"chunk_chars": 1, "write_size": 3, "chunked": True},
+                                 {"chunk_chars": 3, "write_size": 5, "chunked": True}, {"chunked": True}])
 def test_a_streamed_run_stores_the_events_a_plain_run_stores(tmp_path: Path, piece: Path, cut: dict[str, Any],
                                                              loopback: Callable[..., OpenAIServer]) -> None:
     streamed_srv = loopback(**cut)
@@ -123,10 +125,11 @@ def test_the_fragments_add_up_to_the_answer(loopback: Callable[..., OpenAIServer
     assert order[:4] == [0, 1, 0, 1]
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("fault", ["reset", "error"])
-def test_a_reset_or_a_server_error_midway_is_retried(ws: Workspace, piece: Path, fault: str,
+def test_a_reset_or_a_server_error_midway_is_retried(ws: Workspace, piece: Path, fault: str, chunked: bool,
                                                      loopback: Callable[..., OpenAIServer]) -> None:
-    srv = loopback(retries="2")
+    srv = loopback(retries="2", chunked=chunked)
     srv.play(midway(fault, after=4), *(a() for a in ANSWERS))
     job = _run(ws, piece, "openai:m")
     assert len(srv.received) == len(ANSWERS) + 1  # the first call asked twice
@@ -135,11 +138,12 @@ def test_a_reset_or_a_server_error_midway_is_retried(ws: Workspace, piece: Path,
     assert not ws.events(job, kinds=["error"])
 
 
-def test_a_stall_between_chunks_is_retried_like_a_timeout(ws: Workspace, piece: Path,
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_stall_between_chunks_is_retried_like_a_timeout(ws: Workspace, piece: Path, chunked: bool,
                                                           loopback: Callable[..., OpenAIServer],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTNB_OPENAI_READ_TIMEOUT", "0.4")
-    srv = loopback(retries="2")
+    srv = loopback(retries="2", chunked=chunked)
     srv.play(midway("stall", after=3, seconds=30), *(a() for a in ANSWERS))
     started = time.monotonic()
     job = _run(ws, piece, "openai:m")
@@ -159,9 +163,10 @@ def test_a_stall_on_every_try_fails_the_job_with_one_line(ws: Workspace, piece: 
     assert job.error == "openai:m: gave up after 2 tries; last error stream stalled: no chunk for 0.3 s"
 
 
-def test_a_malformed_chunk_is_a_model_error_in_one_line(ws: Workspace, piece: Path,
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_malformed_chunk_is_a_model_error_in_one_line(ws: Workspace, piece: Path, chunked: bool,
                                                         loopback: Callable[..., OpenAIServer]) -> None:
-    srv = loopback()
+    srv = loopback(chunked=chunked)
     srv.play(midway("malformed", after=3))
     job = ws.run(ws.submit("x", piece=piece, model="openai:m"))
     assert job.status == "failed"
@@ -209,9 +214,10 @@ def test_a_spec_option_it_does_not_know_is_refused_in_one_line(ws: Workspace, pi
     assert not ws.jobs()
 
 
-def test_stop_mid_stream_closes_it_at_once_and_the_resume_asks_again(ws: Workspace, piece: Path,
+@pytest.mark.parametrize("chunked", [False, True])
+def test_stop_mid_stream_closes_it_at_once_and_the_resume_asks_again(ws: Workspace, piece: Path, chunked: bool,
                                                                       loopback: Callable[..., OpenAIServer]) -> None:
-    srv = loopback()
+    srv = loopback(chunked=chunked)
     srv.play(midway("hold", after=6), *(a() for a in ANSWERS))
     job = ws.submit("Copy the notes", piece=piece, model="openai:m", inputs={"notes.md": "alpha ✓\n"})
     runner = threading.Thread(target=ws.run, args=(job,))
@@ -238,8 +244,9 @@ def test_stop_mid_stream_closes_it_at_once_and_the_resume_asks_again(ws: Workspa
     assert len(ws.events(job, kinds=["llm_response"])) == len(ANSWERS)
 
 
-def test_ctrl_c_mid_stream_closes_it(loopback: Callable[..., OpenAIServer]) -> None:
-    srv = loopback(chunk_chars=2)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_ctrl_c_mid_stream_closes_it(loopback: Callable[..., OpenAIServer], chunked: bool) -> None:
+    srv = loopback(chunk_chars=2, chunked=chunked)
     srv.play(midway("hold", after=8))
     seen: list[Delta] = []
 
@@ -296,6 +303,19 @@ def _stop_and_resume(ws: Workspace, piece: Path, srv: OpenAIServer, stopping: Ca
     assert srv.received[-len(ANSWERS)].body["messages"] == srv.received[before].body["messages"]
     assert len(ws.events(job, kinds=["llm_response"])) == len(ANSWERS)
     return asked
+
+
+@pytest.mark.parametrize("write_size", [None, 2])
+def test_a_chunked_stream_keeps_its_connection_for_the_next_call(loopback: Callable[..., OpenAIServer],
+                                                                write_size: int | None) -> None:
+    srv = loopback(chunked=True, chunk_chars=3, write_size=write_size)
+    srv.play(*(a() for a in ANSWERS))
+    model = OpenAIModel("m")
+    got = [model.complete(ModelRequest(messages=[UserMessage("hi")], tools=[])) for _ in ANSWERS]
+    assert srv.streamed == len(ANSWERS)
+    assert srv.connections == 1  # each stream read to its end: the next call went on the same connection
+    assert got[0].content == "Je lis « notes » — d'abord 😀."
+    assert got[1].tool_calls[0].arguments == {"path": "output/é.md", "content": "ligne \"citée\" ✓ 😀\n"}
 
 
 def test_stop_while_waiting_for_the_headers_cuts_the_call_off_at_once(ws: Workspace, piece: Path,

@@ -16,7 +16,8 @@ from .._secrets import register_secret, scrub
 from ..errors import CallCancelled, ModelSpecError
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
-from .openai_stream import WATCHDOG, Assembly, Watch, sse_data, track_sockets
+from .openai_stream import (WATCHDOG, Assembly, BodyBroken, BodyTimeout, Watch, chunked_body, sse_data,
+                            track_sockets)
 from .ratelimit import gate_for
 
 __all__ = ["OpenAIModel", "pause", "shared_client", "wire_message", "wire_messages"]
@@ -309,10 +310,14 @@ class OpenAIModel:
         http_errors = _http_module()
         done = False
         try:
-            # the transport's own byte stream unless the body is compressed: iter_bytes and iter_raw add a
-            # re-chunker and two generators to every read
+            # a chunked body read straight from the connection (chunked_body says why); else the transport's own
+            # byte stream unless the body is compressed: iter_bytes and iter_raw add a re-chunker and two
+            # generators to every read
             encoded = http.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
-            for data in sse_data(_touching(http.iter_bytes() if encoded else http.stream, watch)):
+            body = None if encoded else chunked_body(http, watch.touch)
+            if body is None:
+                body = _touching(http.iter_bytes() if encoded else http.stream, watch)
+            for data in sse_data(body):
                 if done:
                     continue  # after [DONE]: read on to the body's end only, so the connection can be kept
                 if data[:6] == b"[DONE]":
@@ -329,10 +334,10 @@ class OpenAIModel:
                 acc.add(chunk)
                 if cancel is not None and cancel.is_set():
                     break
-        except http_errors.TimeoutException:
+        except (http_errors.TimeoutException, BodyTimeout):
             if watch.why is None and not done:
                 raise openai.APITimeoutError(request=http.request) from None
-        except http_errors.TransportError:
+        except (http_errors.TransportError, BodyBroken):
             if watch.why is None and not done:
                 raise openai.APIConnectionError(request=http.request) from None
         finally:

@@ -29,7 +29,8 @@ from typing import Any
 from .base import ModelError
 from .messages import Delta
 
-__all__ = ["WATCHDOG", "Assembly", "Watch", "Watchdog", "sse_data", "track_sockets"]
+__all__ = ["WATCHDOG", "Assembly", "BodyBroken", "BodyTimeout", "Watch", "Watchdog", "chunked_body", "sse_data",
+           "track_sockets"]
 
 # how often the watchdog looks at the open streams: a Stop cuts a stream off within about this
 POLL_S = 0.05
@@ -206,6 +207,142 @@ def sse_data(chunks: Iterable[bytes]) -> Iterator[bytes]:
     if held and data and b"".join(held).splitlines(True)[-1] == b"\r":
         yield data[0] if len(data) == 1 else b"\n".join(data)
     # (data left over: an unfinished event, dropped as the standard says)
+
+
+class BodyTimeout(Exception):
+    """:func:`chunked_body`: no byte came for the read timeout."""
+
+
+class BodyBroken(Exception):
+    """:func:`chunked_body`: the connection failed or closed, or the chunked framing is broken, before the body's end."""
+
+
+# the largest chunk-size line (with its extensions) read before the framing is called broken
+_MAX_CHUNK_LINE = 4096
+
+
+def chunked_body(response: Any, on_read: Callable[[], None]) -> Iterator[bytes] | None:
+    """The body of a streamed HTTP/1.1 ``transfer-encoding: chunked`` response, read straight from its connection
+    (``on_read`` called at each read); None when the response is not one this can read (HTTP/2, another length,
+    an httpx or httpcore laid out otherwise): then it is read through httpx.
+
+    Why (benchmarks/README.md, "Streamed answers"): an SSE answer comes as one HTTP chunk per event, and through
+    httpx each costs h11's parse of the chunk into an event object, then four generators and an exception-mapping
+    context in httpcore and httpx; here one read of the socket (several chunks when they came together) is
+    unframed with ``bytes.find`` and handed on as one piece.  h11 is left as it expects: this takes over only
+    where its chunked reader needs more bytes at a chunk's boundary, and at the end it is given the last chunk
+    (``0``, no trailers), so its connection goes back to the pool as after any read to the end.  Bytes after the
+    last chunk (never sent by a server that waits for the next request) are not given to h11: its connection is
+    closed rather than reused."""
+    # httpx's byte stream wraps httpcore's (a timer, exception mapping, the pool's), which reads from one connection
+    stream, conn = getattr(response, "stream", None), None
+    for _ in range(8):
+        conn = getattr(stream, "_connection", None)
+        if conn is not None or stream is None:
+            break
+        stream = getattr(stream, "_httpcore_stream", None) or getattr(stream, "_stream", None)
+    h11c = getattr(conn, "_h11_state", None)
+    net = getattr(conn, "_network_stream", None)
+    reader = getattr(h11c, "_reader", None)
+    if (type(reader).__name__ != "ChunkedReader" or not hasattr(reader, "_bytes_in_chunk")
+            or not hasattr(net, "read") or not hasattr(h11c, "receive_data")):
+        return None
+    import h11
+
+    timeouts = getattr(response, "request", None)
+    timeouts = getattr(timeouts, "extensions", {}).get("timeout", {})
+    read_timeout = timeouts.get("read") if isinstance(timeouts, dict) else None
+    return _unchunk(h11, h11c, reader, net, read_timeout, on_read)
+
+
+def _unchunk(h11: Any, h11c: Any, reader: Any, net: Any, timeout: float | None,
+             on_read: Callable[[], None]) -> Iterator[bytes]:
+    def read() -> bytes:
+        try:
+            data: bytes = net.read(65536, timeout)
+        except Exception as exc:  # httpcore's ReadTimeout/ReadError (httpcore or httpcore2: matched by name)
+            if "Timeout" in type(exc).__name__:
+                raise BodyTimeout(str(exc)) from None
+            raise BodyBroken(f"{type(exc).__name__}: {exc}") from None
+        if not data:
+            raise BodyBroken("the connection closed before the body's end")
+        on_read()
+        return data
+
+    buf = b""
+    held = getattr(h11c, "_receive_buffer", None)
+    if (type(held).__name__ == "ReceiveBuffer"
+            and not (reader._bytes_in_chunk or reader._bytes_to_discard or reader._reading_trailer)):
+        # at the body's start: the bytes that came with the headers are taken from h11, which then holds none
+        buf = bytes(held)
+        h11c._receive_buffer = type(held)()
+    else:  # h11 has read into the body: it goes on until it waits at a chunk's boundary
+        while True:
+            try:
+                event = h11c.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise BodyBroken(f"malformed chunked body: {exc}") from None
+            if event is h11.NEED_DATA:
+                if not (reader._bytes_in_chunk or reader._bytes_to_discard or reader._reading_trailer):
+                    break
+                h11c.receive_data(read())
+            elif isinstance(event, h11.Data):
+                yield bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                return
+            else:
+                raise BodyBroken(f"unexpected {type(event).__name__} in the body")
+    left = 0  # data bytes of the current chunk still to come
+    crlf = 0  # bytes of the CRLF after a chunk's data still to come
+    trailer = False  # after the last chunk (size 0): trailer lines until an empty one
+    while True:
+        if not buf:
+            buf = read()
+        pos, end, out = 0, len(buf), []
+        while pos < end:
+            if left:
+                n = min(left, end - pos)
+                out.append(buf[pos:pos + n] if n != end else buf)
+                pos += n
+                left -= n
+                crlf = 0 if left else 2
+                continue
+            if crlf:
+                n = min(crlf, end - pos)
+                if buf[pos:pos + n] != b"\r\n"[2 - crlf:2 - crlf + n]:
+                    raise BodyBroken(f"malformed chunked body: no CRLF after a chunk: {buf[pos:pos + 8]!r}")
+                pos += n
+                crlf -= n
+                continue
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                if end - pos > _MAX_CHUNK_LINE:
+                    raise BodyBroken("malformed chunked body: a chunk-size line too long")
+                break
+            line = buf[pos:eol]
+            pos = eol + 2
+            if trailer:
+                if line:
+                    continue  # a trailer field: dropped, as httpx drops them
+                if out:
+                    yield out[0] if len(out) == 1 else b"".join(out)
+                if pos == end:  # h11 is given the end of the body, so the connection can be reused
+                    with contextlib.suppress(Exception):  # else it is closed, not reused
+                        h11c.receive_data(b"0\r\n\r\n")
+                        h11c.next_event()
+                return
+            try:
+                size = int(line.split(b";", 1)[0], 16)
+            except ValueError:
+                size = -1
+            if size < 0:
+                raise BodyBroken(f"malformed chunked body: a chunk-size line {line[:40]!r}")
+            trailer = size == 0
+            left = size
+        rest = buf[pos:] if pos < end else b""
+        if out:
+            yield out[0] if len(out) == 1 else b"".join(out)
+        buf = rest + read() if rest else b""
 
 
 def _kind(value: Any) -> str:
