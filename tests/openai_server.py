@@ -90,8 +90,9 @@ def midway(fault: str, after: int = 3, *, seconds: float = 0.0,
     """Stream ``then`` (a long text reply by default) to a streamed request, and after ``after`` chunks play
     ``fault``: ``"reset"`` (the connection reset), ``"stall"`` (``seconds`` without a byte, then the rest),
     ``"malformed"`` (a chunk that is not JSON), ``"error"`` (an error object in the stream, as a server failing
-    mid-answer sends) or ``"hold"`` (nothing more until :meth:`OpenAIServer.release` or the client hangs up)."""
-    assert fault in ("reset", "stall", "malformed", "error", "hold"), fault
+    mid-answer sends), ``"hold"`` (nothing more until :meth:`OpenAIServer.release` or the client hangs up) or, with
+    ``chunked``, ``"framing"`` (a chunk-size line that is not hex, then the connection closed)."""
+    assert fault in ("reset", "stall", "malformed", "error", "hold", "framing"), fault
     answer = then if then is not None else reply("A long answer that streams in many small pieces, " * 4)
     return {"kind": "midway", "fault": fault, "after": after, "seconds": seconds, "then": answer}
 
@@ -308,6 +309,8 @@ class OpenAIServer:
                     return True
                 if kind == "malformed":
                     self._event(b'data: {"id": "chatcmpl-x", "choices": [{"delta": {"content": "broken\n\n')
+                elif kind == "framing":
+                    self._write(b"zz\r\ndata: {}\r\n")
                 elif kind == "error":
                     self._event(b'data: {"error": {"message": "the server failed mid-answer", "type": "server_error"}}'
                                 b"\n\n")

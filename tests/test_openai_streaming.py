@@ -125,8 +125,8 @@ def test_the_fragments_add_up_to_the_answer(loopback: Callable[..., OpenAIServer
     assert order[:4] == [0, 1, 0, 1]
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-@pytest.mark.parametrize("fault", ["reset", "error"])
+@pytest.mark.parametrize(("fault", "chunked"), [("reset", False), ("reset", True), ("error", False), ("error", True),
+                                              ("framing", True)])
 def test_a_reset_or_a_server_error_midway_is_retried(ws: Workspace, piece: Path, fault: str, chunked: bool,
                                                      loopback: Callable[..., OpenAIServer]) -> None:
     srv = loopback(retries="2", chunked=chunked)

@@ -16,8 +16,7 @@ from .._secrets import register_secret, scrub
 from ..errors import CallCancelled, ModelSpecError
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
-from .openai_stream import (WATCHDOG, Assembly, BodyBroken, BodyTimeout, Watch, chunked_body, sse_data,
-                            track_sockets)
+from .openai_stream import WATCHDOG, Assembly, BodyBroken, BodyTimeout, Watch, chunked_body, sse_data, track_sockets
 from .ratelimit import gate_for
 
 __all__ = ["OpenAIModel", "pause", "shared_client", "wire_message", "wire_messages"]
@@ -314,7 +313,7 @@ class OpenAIModel:
             # byte stream unless the body is compressed: iter_bytes and iter_raw add a re-chunker and two
             # generators to every read
             encoded = http.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
-            body = None if encoded else chunked_body(http, watch.touch)
+            body = None if encoded else chunked_body(http, watch)
             if body is None:
                 body = _touching(http.iter_bytes() if encoded else http.stream, watch)
             for data in sse_data(body):

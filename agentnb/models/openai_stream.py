@@ -6,11 +6,13 @@ first, then argument fragments, several calls interleaved; usage in the last chu
 non-streamed answer holds, so ``models/openai.py`` builds the response from it with the code that reads a whole
 answer, and the stored ``llm_response`` is the same either way.
 
-:func:`sse_data` splits the event stream's bytes into each event's data, more cheaply than the SDK's decoder.
+:func:`sse_data` splits the event stream's bytes into each event's data, more cheaply than the SDK's decoder;
+:func:`chunked_body` reads a chunked HTTP/1.1 body straight from its connection, below httpx's per-chunk machinery.
 
 The model's thread reads the stream; while it is blocked in a read, only another thread can end that read at
-once.  :data:`WATCHDOG`, one thread for the process, wakes every few hundredths of a second while streamed calls
-are open, and shuts down the socket of one whose job's Stop is set or that sent nothing for its read timeout: the
+once.  :data:`WATCHDOG`, one thread for the process, wakes every few hundredths of a second while calls are open
+(streamed ones, and plain ones that a Stop may cut), and shuts down the socket of one whose job's Stop is set or
+that sent nothing for its read timeout (a streamed one): the
 blocked read returns, and the model raises ``CallCancelled`` or retries it as a timeout.  It watches a call from
 before its request is sent: while the endpoint has not answered with headers yet there is no response to take
 the socket from, so the connections of the shared clients note which thread wrote a request on them
@@ -221,9 +223,9 @@ class BodyBroken(Exception):
 _MAX_CHUNK_LINE = 4096
 
 
-def chunked_body(response: Any, on_read: Callable[[], None]) -> Iterator[bytes] | None:
+def chunked_body(response: Any, watch: Watch) -> Iterator[bytes] | None:
     """The body of a streamed HTTP/1.1 ``transfer-encoding: chunked`` response, read straight from its connection
-    (``on_read`` called at each read); None when the response is not one this can read (HTTP/2, another length,
+    (``watch`` touched at each read); None when the response is not one this can read (HTTP/2, another length,
     an httpx or httpcore laid out otherwise): then it is read through httpx.
 
     Why (benchmarks/README.md, "Streamed answers"): an SSE answer comes as one HTTP chunk per event, and through
@@ -252,11 +254,10 @@ def chunked_body(response: Any, on_read: Callable[[], None]) -> Iterator[bytes] 
     timeouts = getattr(response, "request", None)
     timeouts = getattr(timeouts, "extensions", {}).get("timeout", {})
     read_timeout = timeouts.get("read") if isinstance(timeouts, dict) else None
-    return _unchunk(h11, h11c, reader, net, read_timeout, on_read)
+    return _unchunk(h11, h11c, reader, net, read_timeout, watch)
 
 
-def _unchunk(h11: Any, h11c: Any, reader: Any, net: Any, timeout: float | None,
-             on_read: Callable[[], None]) -> Iterator[bytes]:
+def _unchunk(h11: Any, h11c: Any, reader: Any, net: Any, timeout: float | None, watch: Watch) -> Iterator[bytes]:
     def read() -> bytes:
         try:
             data: bytes = net.read(65536, timeout)
@@ -266,11 +267,11 @@ def _unchunk(h11: Any, h11c: Any, reader: Any, net: Any, timeout: float | None,
             raise BodyBroken(f"{type(exc).__name__}: {exc}") from None
         if not data:
             raise BodyBroken("the connection closed before the body's end")
-        on_read()
+        watch.touch()
         return data
 
     buf = b""
-    held = getattr(h11c, "_receive_buffer", None)
+    held: Any = getattr(h11c, "_receive_buffer", None)
     if (type(held).__name__ == "ReceiveBuffer"
             and not (reader._bytes_in_chunk or reader._bytes_to_discard or reader._reading_trailer)):
         # at the body's start: the bytes that came with the headers are taken from h11, which then holds none
