@@ -91,7 +91,8 @@ async def http_transport(url: str, headers: dict[str, str], call_timeout: float,
     from mcp.client.streamable_http import streamable_http_client
 
     async def seen(response: Any) -> None:
-        if response.status_code >= 400:
+        # a message's POST only: a server without the optional GET stream answers that one 405, which is no fault
+        if response.status_code >= 400 and response.request.method == "POST":
             on_refusal(f"HTTP {response.status_code} {response.reason_phrase}".strip())
 
     timeout = httpx2.Timeout(CONNECT_SECONDS, read=max(_STREAM_SECONDS, call_timeout + 30))

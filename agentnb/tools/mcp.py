@@ -323,13 +323,15 @@ class McpSession:
         return Tool(name=name, description=listed.description or listed.title or remote, parameters=schema, fn=call,
                     permission=spec.permission, takes_context=True, read_only=read_only, server=spec.name)
 
-    def call(self, server: str, tool: str, arguments: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+    def call(self, server: str, tool: str, arguments: Mapping[str, Any], ctx: ToolContext, *,
+             again: bool = True) -> ToolOutput:
         """One ``tools/call``; a timeout cancels the request, every failure is a tool error the model reads."""
         spec = self.servers[server]
         try:
             client = self._client(server)
         except McpStartError as exc:
             return ToolOutput(f"Error: {exc}", is_error=True)
+        self._refused.pop(server, None)
         future = self._submit(client.call_tool(tool, dict(arguments), read_timeout_seconds=spec.timeout))
         try:
             result = future.result(timeout=spec.timeout + 1)
@@ -340,6 +342,10 @@ class McpSession:
             if "timed out" in str(exc).lower() or isinstance(exc, TimeoutError):
                 return _timed_out(server, tool, spec.timeout)
             self._drop(server)  # the connection may be gone (the server died): the next call starts it again
+            if again and spec.url is not None and self._refused.get(server, "").startswith("HTTP 404"):
+                # the server no longer knows this MCP session (it restarted, or ended the session while idle): it
+                # refused the call before running it, so the call goes once more on a new session (the spec's rule)
+                return self.call(server, tool, arguments, ctx, again=False)
             return ToolOutput(f"Error: MCP server {server!r} failed on {tool}: {_describe(exc)}"
                               f"{self._refusal(server)}{self._stderr_tail(server, 2)}", is_error=True)
         return _output(result, ctx)
