@@ -334,6 +334,7 @@ def test_a_server_that_cannot_be_reached_or_is_not_mcp_is_one_line_naming_it(
     threading.Thread(target=web.serve_forever, daemon=True).start()
     hanging, hanging_port = _listening_port()
     monkeypatch.setenv("TRACKER_WRONG", "Bearer not-the-token-at-all")
+    monkeypatch.setenv("TRACKER_BROKEN", "Bearer half-a-token\r\nX-Injected: yes")
     monkeypatch.delenv("TRACKER_UNSET", raising=False)
     monkeypatch.setattr(mcp_module, "START_TIMEOUT", 2.0)  # the hanging server: a start timeout of 2 s, not 30
     cases = [
@@ -344,6 +345,8 @@ def test_a_server_that_cannot_be_reached_or_is_not_mcp_is_one_line_naming_it(
          "HTTP 404"),
         (McpServer(name="tracker", url=server.url, headers=(("Authorization", "Bearer ${TRACKER_UNSET}"),)),
          "headers.Authorization names the worker's variable 'TRACKER_UNSET', which is not set"),
+        (McpServer(name="tracker", url=server.url, headers=(("Authorization", "TRACKER_BROKEN"),)),
+         "headers.Authorization names the worker's variable 'TRACKER_BROKEN', whose value has a line break"),
         (McpServer(name="tracker", url=f"http://127.0.0.1:{hanging_port}/mcp"), "did not "),
     ]
     try:
@@ -355,7 +358,7 @@ def test_a_server_that_cannot_be_reached_or_is_not_mcp_is_one_line_naming_it(
             session.close()
             assert "MCP server 'tracker'" in str(err.value) and expected in str(err.value), str(err.value)
             assert "\n" not in str(err.value) and time.monotonic() - started < 15
-            assert "not-the-token" not in str(err.value)
+            assert "not-the-token" not in str(err.value) and "half-a-token" not in str(err.value)
     finally:
         web.shutdown()
         hanging.close()

@@ -21,6 +21,7 @@ __all__ = ["HEADER_REF", "RESERVED_HEADERS", "check_header_name", "check_header_
 # a ``${NAME}`` inside a header's value: the worker's variable NAME
 HEADER_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _BARE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_UNSENDABLE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # what a header's value cannot hold (a tab it can)
 _TOKEN = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,100}$")  # an HTTP header name (RFC 9110's token)
 # headers the transport sets itself: one from the piece would break the protocol, not configure the server
 RESERVED_HEADERS = ("accept", "connection", "content-length", "content-type", "host", "last-event-id",
@@ -67,14 +68,18 @@ def check_header_value(value: str) -> str | None:
 
 
 def header_values(headers: Iterable[tuple[str, str]], environ: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
-    """The headers to send, read from ``environ`` now; or the first header whose variable is not set, with it
-    (``"Authorization names the worker's variable 'API_TOKEN'"``)."""
+    """The headers to send, read from ``environ`` now; or why not, naming the header and the variable, never the
+    value (``"headers.Authorization names the worker's variable 'API_TOKEN', which is not set"``)."""
     out: dict[str, str] = {}
     for name, value in headers:
         refs = [value] if _BARE_NAME.match(value) else HEADER_REF.findall(value)
-        missing = [ref for ref in refs if ref not in environ]
-        if missing:
-            return {}, f"headers.{name} names the worker's variable {missing[0]!r}"
+        for ref in refs:
+            if ref not in environ:
+                return {}, f"headers.{name} names the worker's variable {ref!r}, which is not set"
+            if _UNSENDABLE.search(environ[ref]):
+                # the HTTP client would refuse it with an error that quotes the value
+                return {}, f"headers.{name} names the worker's variable {ref!r}, whose value has a line break or " \
+                           "another control character, which a header cannot hold"
         out[name] = environ[value] if _BARE_NAME.match(value) else HEADER_REF.sub(lambda m: environ[m.group(1)], value)
     return out, None
 

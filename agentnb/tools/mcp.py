@@ -109,9 +109,9 @@ class McpServer:
     def header_values(self) -> dict[str, str]:
         """The headers sent to a Streamable HTTP server, read from the worker's environment now (never stored:
         each value is masked like a secret from now on); a variable the worker lacks is a start error."""
-        out, missing = header_values(self.headers, os.environ)
-        if missing is not None:
-            raise McpStartError(f"MCP server {self.name!r}: {missing}, which is not set")
+        out, why = header_values(self.headers, os.environ)
+        if why is not None:
+            raise McpStartError(f"MCP server {self.name!r}: {why}")
         for value in out.values():
             register_secret(value)
             register_secret(value.split(" ", 1)[1] if " " in value else None)  # the token of "Bearer <token>"
