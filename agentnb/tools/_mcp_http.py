@@ -26,7 +26,7 @@ _TOKEN = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,100}$")  # an HTTP header na
 # headers the transport sets itself: one from the piece would break the protocol, not configure the server
 RESERVED_HEADERS = ("accept", "connection", "content-length", "content-type", "host", "last-event-id",
                     "mcp-protocol-version", "mcp-session-id", "transfer-encoding")
-CONNECT_SECONDS = 30.0  # to open a connection (a server that is not there is refused long before)
+_CONNECT_SECONDS = 30.0  # to open a connection (a server that is not there is refused long before)
 _STREAM_SECONDS = 300.0  # the SDK's read timeout for a response stream; a longer call timeout raises it
 
 
@@ -100,7 +100,7 @@ async def http_transport(url: str, headers: dict[str, str], call_timeout: float,
         if response.status_code >= 400 and response.request.method == "POST":
             on_refusal(f"HTTP {response.status_code} {response.reason_phrase}".strip())
 
-    timeout = httpx2.Timeout(CONNECT_SECONDS, read=max(_STREAM_SECONDS, call_timeout + 30))
+    timeout = httpx2.Timeout(_CONNECT_SECONDS, read=max(_STREAM_SECONDS, call_timeout + 30))
     async with httpx2.AsyncClient(headers=headers, timeout=timeout, event_hooks={"response": [seen]}) as http, \
             streamable_http_client(url, http_client=http) as streams:
         yield streams
