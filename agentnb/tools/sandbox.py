@@ -28,8 +28,8 @@ import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .._secrets import is_secret_name
@@ -204,12 +204,11 @@ def _interpreter(program: str) -> str | None:
 
 
 def _venv_home(venv: str) -> str | None:
-    with contextlib.suppress(OSError):
-        with open(os.path.join(venv, "pyvenv.cfg"), encoding="utf-8") as fh:
-            for line in fh:
-                key, _, value = line.partition("=")
-                if key.strip() == "home" and os.path.isabs(value.strip()):
-                    return os.path.realpath(value.strip())
+    with contextlib.suppress(OSError), open(os.path.join(venv, "pyvenv.cfg"), encoding="utf-8") as fh:
+        for line in fh:
+            key, _, value = line.partition("=")
+            if key.strip() == "home" and os.path.isabs(value.strip()):
+                return os.path.realpath(value.strip())
     return None
 
 
