@@ -538,6 +538,25 @@ def test_a_stdio_server_runs_in_bashs_jail_with_bashs_environment_allow_list(
     assert [e.content for e in env[3:]] == ["-", "-", "-", "-"]
 
 
+def test_without_bubblewrap_a_server_is_refused_in_one_line_unless_the_sandbox_is_off(
+        tmp_path: Path, server_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no bwrap on it; the server's python is named in full
+    session = McpSession({"notes": _spec(server_file)}, server_file.parent, tmp_path / "logs")
+    with pytest.raises(McpStartError) as err:
+        session.tools_for(["notes.echo"], taken=[])
+    session.close()
+    assert "MCP server 'notes' could not be started" in str(err.value) and "\n" not in str(err.value)
+    assert "bubblewrap" in str(err.value) and "AGENTNB_BASH_SANDBOX=off" in str(err.value)
+    assert not _servers_of(server_file)
+    monkeypatch.setenv("AGENTNB_BASH_SANDBOX", "off")
+    session = McpSession({"notes": _spec(server_file)}, server_file.parent, tmp_path / "logs")
+    try:
+        (echo,) = session.tools_for(["notes.echo"], taken=[])
+        assert echo.invoke(_ctx(tmp_path), {"text": "unconfined"}).content == "echo: unconfined"
+    finally:
+        session.close()
+
+
 def test_network_is_true_or_false_and_kept_with_the_piece() -> None:
     piece = parse_piece(PIECE.replace("    timeout: 5\n", "    timeout: 5\n    network: true\n"), source="p.yaml")
     assert piece.mcp_servers["notes"].network is True

@@ -1,4 +1,5 @@
-"""The jail around ``Bash``: the command sees the work directory read-write, the system read-only, nothing else.
+"""The jail around ``Bash`` (and stdio MCP servers, :func:`jailed_server`): the command sees the work directory
+read-write, the system read-only, nothing else.
 
 Built on bubblewrap (``bwrap``), which needs no root.  Other jobs' folders, the
 store, the home directory and the rest of the file system are not mounted, so a
@@ -105,7 +106,7 @@ _GUARD = 'trap "kill -KILL 0" TERM; bash -c "$1" bash & wait "$!"'
 
 
 def sandbox_argv(workdir: str, *, cwd: str | None = None, network: bool | None = None,
-                 readonly: Sequence[str] = (), who: str = "Bash") -> list[str]:
+                 readonly: Sequence[str] = (), who: str = "Bash runs commands") -> list[str]:
     """The argv prefix that runs a command jailed in ``workdir`` (empty when the sandbox is switched off).
 
     ``cwd``: the folder it starts in (default ``workdir``); ``network``: whether it has the network (default:
@@ -119,9 +120,9 @@ def sandbox_argv(workdir: str, *, cwd: str | None = None, network: bool | None =
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise ToolError(
-            f"{who} runs only inside a bubblewrap sandbox so that commands stay in the work directory, and `bwrap` "
+            f"{who} only inside a bubblewrap sandbox so that they stay in the work directory, and `bwrap` "
             "is not installed (Debian/Ubuntu: apt-get install bubblewrap). The user can set "
-            f"{SANDBOX_ENV}=off to run commands unconfined."
+            f"{SANDBOX_ENV}=off to run them unconfined."
         )
     argv = [bwrap]
     for path in _SYSTEM:
@@ -157,7 +158,7 @@ def jailed_server(command: str, args: Sequence[str], *, workdir: str, cwd: str, 
     ``--die-with-parent`` and PID namespace take the server's own children down with it."""
     workdir = os.path.realpath(workdir)
     jail = sandbox_argv(workdir, cwd=os.path.realpath(cwd), network=network,
-                        readonly=program_paths(command, env.get("PATH"), workdir), who="An MCP server")
+                        readonly=program_paths(command, env.get("PATH"), workdir), who="agentnb runs stdio MCP servers")
     return [*jail, command, *args]
 
 
