@@ -538,6 +538,36 @@ def test_a_stdio_server_runs_in_bashs_jail_with_bashs_environment_allow_list(
     assert [e.content for e in env[3:]] == ["-", "-", "-", "-"]
 
 
+@JAILED
+def test_a_server_installed_in_a_virtual_environment_of_its_own_runs_in_the_jail(
+        tmp_path: Path, server_file: Path) -> None:
+    # a program on PATH outside the system folders and the running Python, as `pipx` or `uv tool` install one: a
+    # virtual environment's bin/ script whose #! names that environment's python.  The jail shows the environment
+    # (read-only) and nothing else of where it lies
+    import site
+    import venv
+
+    tools = tmp_path / "tools"
+    venv.create(tools, with_pip=False)
+    (tools / "secret.txt").write_text("NEXT-TO-THE-PROGRAM")
+    program = tools / "bin" / "notes-server"
+    program.write_text(f"#!{tools}/bin/python\nimport sys\nsys.path[:0] = {site.getsitepackages()!r}\n"
+                       + SERVER, encoding="utf-8")
+    program.chmod(0o755)
+    spec = McpServer(name="notes", command="notes-server", env=(("PATH", f"{tools / 'bin'}:/usr/bin:/bin"),))
+    session = McpSession({"notes": spec}, server_file.parent, tmp_path / "logs")
+    try:
+        tools_ = {t.name: t for t in session.tools_for(["notes.*"], taken=[])}
+        ctx = _ctx(tmp_path)
+        assert tools_["echo"].invoke(ctx, {"text": "installed"}).content == "echo: installed"
+        assert tools_["read_path"].invoke(ctx, {"path": str(tools / "secret.txt")}).content == "NEXT-TO-THE-PROGRAM"
+        out = tools_["write_note"].invoke(ctx, {"name": str(tools / "bin" / "changed"), "text": "x"})
+        assert out.is_error and not (tools / "bin" / "changed").exists()  # read-only
+        assert tools_["read_path"].invoke(ctx, {"path": str(tmp_path / "logs" / "mcp-notes.stderr.log")}).is_error
+    finally:
+        session.close()
+
+
 def test_without_bubblewrap_a_server_is_refused_in_one_line_unless_the_sandbox_is_off(
         tmp_path: Path, server_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no bwrap on it; the server's python is named in full

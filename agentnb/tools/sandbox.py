@@ -156,18 +156,18 @@ def jailed_server(command: str, args: Sequence[str], *, workdir: str, cwd: str, 
     ``[command, *args]`` as it is when the sandbox is off.  ``env`` is the server's environment (its PATH finds
     the program).  The caller runs it in a process group of its own that dies with the worker: bwrap's
     ``--die-with-parent`` and PID namespace take the server's own children down with it."""
-    workdir = os.path.realpath(workdir)
-    jail = sandbox_argv(workdir, cwd=os.path.realpath(cwd), network=network,
-                        readonly=program_paths(command, env.get("PATH"), workdir), who="agentnb runs stdio MCP servers")
+    workdir, cwd = os.path.realpath(workdir), os.path.realpath(cwd)
+    program = program_paths(command, env.get("PATH"), workdir, cwd)
+    jail = sandbox_argv(workdir, cwd=cwd, network=network, readonly=program, who="agentnb runs stdio MCP servers")
     return [*jail, command, *args]
 
 
-def program_paths(command: str, path_env: str | None, workdir: str) -> list[str]:
+def program_paths(command: str, path_env: str | None, workdir: str, cwd: str) -> list[str]:
     """What a jailed program needs to see read-only beyond the system folders, the running Python and the work
-    directory (docs/tools.md#mcp-tools): the program found on ``path_env`` (its link and the file it leads to), the
-    virtual environment it or its ``#!`` interpreter lives in, and that environment's Python installation.  Never
-    a file its arguments name: a piece shared with you must not hand the jail your files."""
-    found = shutil.which(command, path=path_env) if os.sep not in command else os.path.abspath(command)
+    directory (docs/tools.md#mcp-tools): the program found on ``path_env`` or in ``cwd`` (its link and the file it
+    leads to), the virtual environment it or its ``#!`` interpreter lives in, and that environment's Python
+    installation.  Never a file its arguments name: a piece shared with you must not hand the jail your files."""
+    found = shutil.which(command, path=path_env) if os.sep not in command else os.path.join(cwd, command)
     if found is None or not (os.path.isfile(found) and os.access(found, os.X_OK)):
         return []  # not found: the jail says so, and the start error shows it
     programs = [found, os.path.realpath(found)]
