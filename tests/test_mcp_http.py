@@ -413,6 +413,8 @@ def test_a_piece_declares_an_http_server_by_url_and_headers_that_name_variables(
      r"\(url\) takes headers"),
     (("    permission: edit\n", "    permission: edit\n    env: {A: b}\n"), r"mcp_servers\.tracker\.env: 'env' is for"),
     (("    permission: edit\n", "    permission: edit\n    cwd: input\n"), r"mcp_servers\.tracker\.cwd: 'cwd' is for"),
+    (("    permission: edit\n", "    permission: edit\n    network: true\n"),
+     r"mcp_servers\.tracker\.network: 'network' is for a stdio server"),
     (("    url: http://127.0.0.1:8931/mcp\n", "    command: python\n"),
      r"p\.yaml:5: mcp_servers\.tracker\.headers: 'headers' is for a Streamable HTTP server \(url\); a stdio "
      r"server \(command\) takes env"),

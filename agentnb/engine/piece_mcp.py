@@ -21,9 +21,8 @@ from ..tools.mcp import ENV_REF, McpServer
 __all__ = ["SERVER_KEYS", "check_mcp_tool", "mcp_servers"]
 
 SERVER_KEYS = ("command", "args", "env", "cwd", "url", "headers", "permission", "read_only_tools",
-               "trust_annotations", "timeout", "tools")
-_LATER = ("network",)  # issue 29's next step: said so in one line rather than "unknown key"
-_STDIO_ONLY = ("args", "env", "cwd")  # a process's settings: a server at a URL has none
+               "trust_annotations", "timeout", "tools", "network")
+_STDIO_ONLY = ("args", "env", "cwd", "network")  # a process's settings: a server at a URL has none
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
 _VAR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -42,11 +41,6 @@ def mcp_servers(ck: Any, node: Node) -> dict[str, McpServer]:
             raise ck.fail(knode, fld, f"found server name {name!r}; allowed: 1–40 letters, digits, '_' or '-'")
         if name in out:
             raise ck.fail(knode, fld, f"server {name!r} appears twice")
-        if isinstance(vnode, MappingNode):
-            later = [k.value for k, _ in vnode.value if isinstance(k, ScalarNode) and k.value in _LATER]
-            if later:
-                raise ck.fail(vnode, f"{fld}.{later[0]}", f"{later[0]!r} is not supported yet (the jail's network "
-                              "comes later)")
         keys = ck.mapping(vnode, fld, SERVER_KEYS)
         _check_kind(ck, vnode, fld, keys)
         out[name] = McpServer(
@@ -63,6 +57,7 @@ def mcp_servers(ck: Any, node: Node) -> dict[str, McpServer]:
             if "trust_annotations" in keys else False,
             timeout=_seconds(ck, keys["timeout"][1], f"{fld}.timeout") if "timeout" in keys else 60.0,
             tools=_strings(ck, keys, "tools", fld),
+            network=_bool(ck, keys["network"][1], f"{fld}.network") if "network" in keys else False,
         )
     return out
 
