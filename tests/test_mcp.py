@@ -422,6 +422,7 @@ def test_a_fork_re_serves_mcp_results_from_the_record_and_never_calls_the_server
     fork = ws.fork(job, at=2)
     assert ws.job(fork).status == "succeeded", ws.job(fork).error
     assert outside.read_text() == "called\n"  # once: the fork's re-served run 1 did not call the server
+    assert not (ws.job(fork).workdir / "logs" / "mcp-notes.stderr.log").exists()  # nor even start it
     (kept,) = [e for e in ws.events(fork, kinds=["tool_result"]) if e.tool == "count"]
     assert (kept.content, kept.server, kept.is_error) == ("counted", "notes", False)
     assert not ws.events(fork, kinds=["replay_divergence"])

@@ -21,7 +21,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -195,9 +195,7 @@ class McpSession:
             try:
                 client = ready.result(timeout=limit)
             except concurrent.futures.TimeoutError:
-                done.cancel()
-                with contextlib.suppress(Exception):  # its process is stopped before the line that names its stderr
-                    done.result(timeout=10)
+                done.cancel()  # the transport's shielded shutdown then stops the server's process group
                 raise McpStartError(f"MCP server {name!r} did not answer the MCP handshake within {limit:g} s "
                                     f"(${START_TIMEOUT_ENV} sets the limit)"
                                     f"{self._stderr_tail(name)}") from None
@@ -349,7 +347,7 @@ async def _list_all(client: Any) -> list[Any]:
             return tools
 
 
-def _junk_handler(errlog: IO[str]) -> Callable[[Any], Awaitable[None]]:
+def _junk_handler(errlog: IO[str]) -> Any:  # the mcp package's MessageHandlerFnT
     """The client's message handler: a line on the server's stdout that is not an MCP message reaches it as an
     exception (the client skips the line and goes on); it is kept in the server's stderr log, whole, instead of
     a traceback on the worker's stderr (docs/tools.md#mcp-tools)."""
