@@ -663,11 +663,11 @@ class AgentLoop:
                        question=question)
 
     def _run_tool(self, name: str, arguments: Any, budget: int) -> ToolOutput:
+        if self._mcp_due and name not in self.tool_names:
+            self._load_mcp()  # a re-served run's call the record does not hold runs live: its servers start now
         if not isinstance(name, str) or not name.strip():
             return ToolOutput(f"Error: this tool call names no tool (its function name is missing or empty); "
                               f"available: {', '.join(self.tool_names)}", is_error=True)
-        if self._mcp_due and name not in self.tool_names:
-            self._load_mcp()  # a re-served run's call the record does not hold runs live: its servers start now
         if name in self.movement.tools and name not in self.tool_names:
             # e.g. a notebook's @agentnb.tool, and the job was resumed by another process
             return ToolOutput(f"Error: tool {name!r} is named by this step but not defined in this Python process; "
