@@ -20,8 +20,8 @@ from ..tools.mcp import ENV_REF, McpServer
 __all__ = ["SERVER_KEYS", "check_mcp_tool", "mcp_servers"]
 
 SERVER_KEYS = ("command", "args", "env", "cwd", "permission", "read_only_tools", "trust_annotations", "timeout",
-               "tools")
-_LATER = ("url", "headers", "network")  # issue 29's next steps: said so in one line rather than "unknown key"
+               "tools", "network")
+_LATER = ("url", "headers")  # issue 29's next steps: said so in one line rather than "unknown key"
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
 _VAR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -60,6 +60,7 @@ def mcp_servers(ck: Any, node: Node) -> dict[str, McpServer]:
             if "trust_annotations" in keys else False,
             timeout=_seconds(ck, keys["timeout"][1], f"{fld}.timeout") if "timeout" in keys else 60.0,
             tools=_strings(ck, keys, "tools", fld),
+            network=_bool(ck, keys["network"][1], f"{fld}.network") if "network" in keys else False,
         )
     return out
 

@@ -30,6 +30,7 @@ from ..errors import AgentnbError, UsageError
 from ..events import ToolResult
 from .base import Tool
 from .context import IMAGE_TYPES, MAX_IMAGE_BYTES, ToolContext, ToolOutput
+from .sandbox import bash_env, jailed_server
 from .truncate import cut_text
 
 __all__ = ["ENV_REF", "INSTALL_HINT", "START_TIMEOUT", "START_TIMEOUT_ENV", "McpServer", "McpSession", "McpStartError",
@@ -62,6 +63,7 @@ class McpServer:
     trust_annotations: bool = False
     timeout: float = 60.0
     tools: tuple[str, ...] | None = None  # the allow-list; None: every tool the server offers
+    network: bool = False  # jailed (the Bash sandbox on): whether the server has the network
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML mapping the piece parser reads back to an equal server (defaults left out)."""
@@ -81,6 +83,8 @@ class McpServer:
             out["timeout"] = self.timeout
         if self.tools is not None:
             out["tools"] = list(self.tools)
+        if self.network:
+            out["network"] = True
         return out
 
     def environment(self) -> dict[str, str]:
@@ -213,11 +217,8 @@ class McpSession:
         from mcp.client.stdio import stdio_client
 
         stop = holder["stop"] = asyncio.Event()
-        # through the guard (_mcp_guard.py), which takes the server's process group down when this worker dies
-        guard = [str(Path(__file__).with_name("_mcp_guard.py")), server.command, *server.args]
-        params = StdioServerParameters(command=sys.executable, args=["-I", "-S", *guard], cwd=cwd,
-                                       env={**env, "AGENTNB_MCP_PARENT": str(os.getpid())})
         try:
+            params = StdioServerParameters(**_stdio(server, env, cwd, self.workdir))
             with open(self._stderr_path(server.name), "a", encoding="utf-8") as errlog:
                 # the SDK starts it in its own session (process group) and kills the group when the session ends
                 transport: Any = stdio_client(params, errlog=errlog)
@@ -334,6 +335,17 @@ class McpSession:
             return ToolOutput(f"Error: MCP server {server!r} failed on {tool}: {_describe(exc)}"
                               f"{self._stderr_tail(server, 2)}", is_error=True)
         return _output(result, ctx)
+
+
+def _stdio(server: McpServer, env: Mapping[str, str], cwd: Path, workdir: Path) -> dict[str, Any]:
+    """How a stdio server starts: through the guard (_mcp_guard.py), which takes its process group down when this
+    worker dies, and in Bash's jail when the sandbox is on, with Bash's allow-listed environment plus ``env:``
+    (docs/tools.md#mcp-tools)."""
+    env = {**bash_env(), **env}
+    argv = jailed_server(server.command, server.args, workdir=str(workdir), cwd=str(cwd), env=env,
+                         network=server.network)
+    return {"command": sys.executable, "args": ["-I", "-S", str(Path(__file__).with_name("_mcp_guard.py")), *argv],
+            "cwd": cwd, "env": {**env, "AGENTNB_MCP_PARENT": str(os.getpid()), "AGENTNB_MCP_ENV": ",".join(env)}}
 
 
 async def _list_all(client: Any) -> list[Any]:
