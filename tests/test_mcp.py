@@ -722,10 +722,14 @@ def test_content_blocks_keep_their_order_the_first_image_is_attached_and_binary_
     ctx = _ctx(tmp_path)
     session = McpSession({"notes": _spec(server_file)}, ctx.workdir, tmp_path / "logs")
     try:
-        (picture,) = session.tools_for(["notes.picture"], taken=[])
+        picture, fail = sorted(session.tools_for(["notes.picture", "notes.fail"], taken=[]), key=lambda t: t.name,
+                               reverse=True)
         out = picture.invoke(ctx, {})
+        long_error = fail.invoke(ctx, {"reason": "no " * 100_000})  # an error is cut to the budget too
     finally:
         session.close()
+    assert long_error.is_error and long_error.truncated and long_error.content.startswith("Error: refused: no no")
+    assert long_error.original_chars == len("Error: refused: ") + 300_000 > 5 * long_error.returned_chars
     assert not out.is_error and out.image == f"data:image/png;base64,{PNG}"
     assert out.content.splitlines() == [
         "before",

@@ -409,7 +409,7 @@ def _output(result: Any, ctx: ToolContext) -> ToolOutput:
     is, a resource's text, a note for what has no text (a binary resource, audio, a link), and the structured
     content as JSON when there is no block.  The first image is attached as ReadImage attaches one (the loop sends
     ``ToolOutput.image`` after the tool results); a later one, or one ReadImage could not attach, is a note.
-    ``is_error`` is a tool error."""
+    ``is_error`` is a tool error (its text and image as for a result)."""
     parts: list[str] = []
     image: str | None = None
     for block in result.content:
@@ -435,10 +435,9 @@ def _output(result: Any, ctx: ToolContext) -> ToolOutput:
         # a server that also sends text sends the same content as text (the spec's SHOULD): read it once
         parts.append(json.dumps(result.structured_content, ensure_ascii=False))
     text = "\n".join(parts) or "(no output)"
-    if result.is_error:
-        return ToolOutput(f"Error: {text}", is_error=True)
-    out = cut_text(text, ctx, hint="generic")
-    out.image = image
+    # an error's text is cut to the budget too: a server's error may be as long as any result
+    out = cut_text(f"Error: {text}" if result.is_error else text, ctx, hint="generic")
+    out.is_error, out.image = bool(result.is_error), image
     return out
 
 
