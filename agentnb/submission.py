@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine.jobfiles import check_total, read_rows, workdir_column
-from .engine.pieces import Piece, load_piece
+from .engine.pieces import Piece, load_piece, parse_piece
 from .engine.workdir import prepare_workdir
 from .errors import PathNotFoundError, UsageError
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
@@ -96,6 +96,10 @@ class Submitter:
             )
         settings = check_retry_settings(retries, max_backoff)
         p = load_piece(piece)
+        if isinstance(piece, Piece):
+            # a Piece built or changed in Python (dataclasses.replace) is checked now as its stored YAML will be
+            # when a worker runs it: refused at submit with file, line and field, never a job that fails later
+            parse_piece(p.to_yaml(), source=p.source)
         if p.mcp_servers:  # a worker without the extra could not start them (docs/pieces.md#mcp-servers)
             from .tools.mcp import check_installed
 

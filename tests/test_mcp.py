@@ -340,7 +340,7 @@ def test_a_piece_declares_servers_and_its_movements_name_their_tools() -> None:
      r"p\.yaml:13: movements\[0\] \(work\)\.tools\[1\]: MCP server 'notes' needs permission 'full'; this "
      r"movement has 'edit'"),
     (("    command: python\n", "    url: http://localhost:1/mcp\n"),
-     r"p\.yaml:4: mcp_servers\.notes\.url: 'url' is not supported yet"),
+     r"p\.yaml:5: mcp_servers\.notes\.args: 'args' is for a stdio server \(command\); a Streamable HTTP server"),
     (("${NOTES_TOKEN}", "x${NOTES_TOKEN}"), r"p\.yaml:6: mcp_servers\.notes\.env\.TOKEN: found 'x\$\{NOTES_TOKEN\}'"),
 ])
 def test_piece_validation_names_file_line_and_field(change: tuple[str, str], expected: str) -> None:

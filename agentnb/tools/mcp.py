@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from .._secrets import register_secret
 from ..errors import AgentnbError, UsageError
 from ..events import ToolResult
+from ._mcp_http import header_values, http_transport
 from .base import Tool
 from .context import IMAGE_TYPES, MAX_IMAGE_BYTES, ToolContext, ToolOutput
 from .sandbox import bash_env, jailed_server
@@ -50,10 +52,11 @@ class McpStartError(AgentnbError, RuntimeError):
 
 @dataclass(frozen=True)
 class McpServer:
-    """One entry of a piece's ``mcp_servers:`` (docs/pieces.md#mcp-servers)."""
+    """One entry of a piece's ``mcp_servers:`` (docs/pieces.md#mcp-servers): a stdio server (``command``) or a
+    Streamable HTTP server (``url``), never both."""
 
     name: str
-    command: str
+    command: str = ""
     args: tuple[str, ...] = ()
     # (variable, value) for the server's environment; a value ``${NAME}`` is the worker's NAME (ENV_REF)
     env: tuple[tuple[str, str], ...] = ()
@@ -64,10 +67,20 @@ class McpServer:
     timeout: float = 60.0
     tools: tuple[str, ...] | None = None  # the allow-list; None: every tool the server offers
     network: bool = False  # jailed (the Bash sandbox on): whether the server has the network
+    url: str | None = None  # a Streamable HTTP server's address (then command is "")
+    # (header, value) sent with every request to ``url``; a value names the worker's variables (_mcp_http.py)
+    headers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def target(self) -> str:
+        """What the server is, for a message: its URL or its program."""
+        return self.url if self.url is not None else self.command
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML mapping the piece parser reads back to an equal server (defaults left out)."""
-        out: dict[str, Any] = {"command": self.command}
+        out: dict[str, Any] = {"command": self.command} if self.url is None else {"url": self.url}
+        if self.headers:
+            out["headers"] = dict(self.headers)
         if self.args:
             out["args"] = list(self.args)
         if self.env:
@@ -99,6 +112,17 @@ class McpServer:
             else:
                 raise McpStartError(f"MCP server {self.name!r}: env.{key} names the worker's variable "
                                     f"{ref.group(1)!r}, which is not set")
+        return out
+
+    def header_values(self) -> dict[str, str]:
+        """The headers sent to a Streamable HTTP server, read from the worker's environment now (never stored:
+        each value is masked like a secret from now on); a variable the worker lacks is a start error."""
+        out, why = header_values(self.headers, os.environ)
+        if why is not None:
+            raise McpStartError(f"MCP server {self.name!r}: {why}")
+        for value in out.values():
+            register_secret(value)
+            register_secret(value.split(" ", 1)[1] if " " in value else None)  # the token of "Bearer <token>"
         return out
 
 
@@ -160,6 +184,7 @@ class McpSession:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._running: dict[str, _Running] = {}
+        self._refused: dict[str, str] = {}  # an HTTP server's last error status (_mcp_http.py), for the message
         self._lock = threading.Lock()
 
     # -- the private event loop -------------------------------------------------
@@ -182,6 +207,11 @@ class McpSession:
         tail = [ln for ln in text.splitlines() if ln.strip()][-lines:]
         return "; its stderr ends: " + " | ".join(tail) if tail else ""
 
+    def _refusal(self, name: str) -> str:
+        """An HTTP server's error status, when it answered with one (the SDK's own message does not say it)."""
+        status = self._refused.get(name)
+        return f" (the server answered {status})" if status else ""
+
     # -- starting and stopping ----------------------------------------------------
     def _client(self, name: str) -> Any:
         """The running client of server ``name``, started now when it is not running."""
@@ -190,7 +220,8 @@ class McpSession:
             if running is not None and not running.done.done():
                 return running.client
             server = self.servers[name]
-            env, limit = server.environment(), start_timeout()
+            env = server.environment() if server.url is None else server.header_values()  # HTTP: its headers
+            limit = start_timeout()
             cwd = (self.workdir / server.cwd).resolve()
             self.logs_dir.mkdir(parents=True, exist_ok=True)
             ready: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -204,26 +235,26 @@ class McpSession:
                                     f"(${START_TIMEOUT_ENV} sets the limit)"
                                     f"{self._stderr_tail(name)}") from None
             except Exception as exc:
-                raise McpStartError(f"MCP server {name!r} could not be started ({server.command}): "
-                                    f"{_describe(exc)}{self._stderr_tail(name)}") from None
+                raise McpStartError(f"MCP server {name!r} could not be started ({server.target}): "
+                                    f"{_describe(exc)}{self._refusal(name)}{self._stderr_tail(name)}") from None
             self._running[name] = _Running(client, holder["stop"], done)
             return client
 
     async def _hold(self, server: McpServer, env: dict[str, str], cwd: Path,
                     ready: concurrent.futures.Future[Any], holder: dict[str, asyncio.Event]) -> None:
         """The task that holds one server's connection open until its stop event (anyio's scopes must be left
-        by the task that entered them)."""
-        from mcp import Client, StdioServerParameters
-        from mcp.client.stdio import stdio_client
+        by the task that entered them).  ``env``: a stdio server's environment, or an HTTP server's headers."""
+        from mcp import Client
 
         stop = holder["stop"] = asyncio.Event()
         try:
-            params = StdioServerParameters(**_stdio(server, env, cwd, self.workdir))
-            with open(self._stderr_path(server.name), "a", encoding="utf-8") as errlog:
-                # the SDK starts it in its own session (process group) and kills the group when the session ends
-                transport: Any = stdio_client(params, errlog=errlog)
-                async with Client(transport, read_timeout_seconds=server.timeout,
-                                  message_handler=_junk_handler(errlog)) as client:
+            with contextlib.ExitStack() as files:
+                # only a process started here has a stderr to log (an HTTP server's output is its own)
+                errlog = None if server.url is not None else \
+                    files.enter_context(open(self._stderr_path(server.name), "a", encoding="utf-8"))
+                async with Client(self._transport(server, env, cwd, errlog),
+                                  read_timeout_seconds=server.timeout,
+                                  message_handler=None if errlog is None else _junk_handler(errlog)) as client:
                     ready.set_result(client)
                     await stop.wait()
         except BaseException as exc:
@@ -231,6 +262,20 @@ class McpSession:
                 ready.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
             if not isinstance(exc, Exception):
                 raise
+
+    def _transport(self, server: McpServer, env: dict[str, str], cwd: Path, errlog: Any) -> Any:
+        """How the client reaches the server: its URL (Streamable HTTP, ``env`` its headers), or a process it
+        starts (stdio)."""
+        if server.url is not None:
+            self._refused.pop(server.name, None)
+            return http_transport(server.url, env, server.timeout,
+                                  lambda status: self._refused.update({server.name: status}))
+        from mcp import StdioServerParameters
+        from mcp.client.stdio import stdio_client
+
+        params = StdioServerParameters(**_stdio(server, env, cwd, self.workdir))
+        # the SDK starts it in its own session (process group) and kills the group when the session ends
+        return stdio_client(params, errlog=errlog)
 
     def _drop(self, name: str) -> None:
         """Stop server ``name`` (whatever state it is in); the next use starts it again."""
@@ -297,7 +342,7 @@ class McpSession:
             return list(self._submit(_list_all(client)).result(timeout=start_timeout()))
         except Exception as exc:
             raise McpStartError(f"MCP server {name!r} could not list its tools: {_describe(exc)}"
-                                f"{self._stderr_tail(name)}") from None
+                                f"{self._refusal(name)}{self._stderr_tail(name)}") from None
 
     def _tool(self, spec: McpServer, listed: Any, name: str) -> Tool:
         hint = listed.annotations.read_only_hint if listed.annotations is not None else None
@@ -312,13 +357,15 @@ class McpSession:
         return Tool(name=name, description=listed.description or listed.title or remote, parameters=schema, fn=call,
                     permission=spec.permission, takes_context=True, read_only=read_only, server=spec.name)
 
-    def call(self, server: str, tool: str, arguments: Mapping[str, Any], ctx: ToolContext) -> ToolOutput:
+    def call(self, server: str, tool: str, arguments: Mapping[str, Any], ctx: ToolContext, *,
+             again: bool = True) -> ToolOutput:
         """One ``tools/call``; a timeout cancels the request, every failure is a tool error the model reads."""
         spec = self.servers[server]
         try:
             client = self._client(server)
         except McpStartError as exc:
             return ToolOutput(f"Error: {exc}", is_error=True)
+        self._refused.pop(server, None)
         future = self._submit(client.call_tool(tool, dict(arguments), read_timeout_seconds=spec.timeout))
         try:
             result = future.result(timeout=spec.timeout + 1)
@@ -328,12 +375,18 @@ class McpSession:
         except Exception as exc:
             if "timed out" in str(exc).lower() or isinstance(exc, TimeoutError):
                 return _timed_out(server, tool, spec.timeout)
-            refusal = _refusal(exc)
-            if refusal is not None:  # the server answered (a tool it does not offer, bad arguments): it stays up
+            refusal = _rpc_refusal(exc)
+            if refusal is not None and server not in self._refused:
+                # the server answered with a JSON-RPC error (a tool it does not offer, bad arguments): it stays up.
+                # An HTTP error status the SDK spells as one (404: the session is gone) is a failure, below
                 return ToolOutput(f"Error: MCP server {server!r} refused {tool}: {refusal}", is_error=True)
             self._drop(server)  # the connection may be gone (the server died): the next call starts it again
+            if again and spec.url is not None and self._refused.get(server, "").startswith("HTTP 404"):
+                # the server no longer knows this MCP session (it restarted, or ended the session while idle): it
+                # refused the call before running it, so the call goes once more on a new session (the spec's rule)
+                return self.call(server, tool, arguments, ctx, again=False)
             return ToolOutput(f"Error: MCP server {server!r} failed on {tool}: {_describe(exc)}"
-                              f"{self._stderr_tail(server, 2)}", is_error=True)
+                              f"{self._refusal(server)}{self._stderr_tail(server, 2)}", is_error=True)
         return _output(result, ctx)
 
 
@@ -380,7 +433,7 @@ def _not_a_parse_error(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Failed to parse JSONRPC message")
 
 
-def _refusal(exc: BaseException) -> str | None:
+def _rpc_refusal(exc: BaseException) -> str | None:
     """The message of the JSON-RPC error a server answered a call with (it is alive and answering); None for a
     failure of the connection."""
     from mcp.shared.exceptions import MCPError
