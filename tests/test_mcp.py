@@ -25,13 +25,41 @@ from agentnb.tools.mcp import McpServer, McpSession, McpStartError
 
 pytest.importorskip("mcp", reason="the mcp package is not installed: pip install -e '.[test]' (or agentnb[mcp])")
 
+# a 1×1 PNG, as a server sends an image (base64); the blob and the audio are bytes nobody should read as text
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+BLOB = "QUJD" * 1000  # 3,000 bytes
+
 SERVER = textwrap.dedent('''
     import os, sys, time
     from mcp.server.mcpserver import MCPServer
-    from mcp.types import CallToolResult, TextContent, ToolAnnotations
+    from mcp.types import (AudioContent, BlobResourceContents, CallToolResult, EmbeddedResource, ImageContent,
+                           ResourceLink, TextContent, TextResourceContents, ToolAnnotations)
 
     server = MCPServer("notes")
     START = f"{os.getpid()}-{os.urandom(4).hex()}"
+    PNG, BLOB = %r, %r
+
+    @server.tool()
+    def picture() -> CallToolResult:
+        """Text, images, resources, audio and a link, in this order."""
+        return CallToolResult(content=[
+            TextContent(type="text", text="before"),
+            ImageContent(type="image", data=PNG, mime_type="image/png"),
+            EmbeddedResource(type="resource", resource=TextResourceContents(
+                uri="file:///notes/a.txt", mime_type="text/plain", text="the resource's text")),
+            EmbeddedResource(type="resource", resource=BlobResourceContents(
+                uri="file:///notes/b.bin", mime_type="application/octet-stream", blob=BLOB)),
+            AudioContent(type="audio", data=BLOB, mime_type="audio/wav"),
+            ImageContent(type="image", data=PNG, mime_type="image/png"),
+            ImageContent(type="image", data=BLOB, mime_type="image/tiff"),
+            ResourceLink(type="resource_link", name="c", uri="file:///notes/c.txt", mime_type="text/plain", size=12),
+            TextContent(type="text", text="after"),
+        ])
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True))
+    def huge(lines: int) -> str:
+        """A long text."""
+        return "".join(f"line {i:07d} of the huge result\\n" for i in range(lines))
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=True))
     def echo(text: str) -> str:
@@ -113,7 +141,7 @@ SERVER = textwrap.dedent('''
 
     print("notes server starting", file=sys.stderr)
     server.run("stdio")
-''')
+''') % (PNG, BLOB)
 
 
 @pytest.fixture
@@ -180,7 +208,7 @@ def test_a_server_lists_its_tools_with_their_schemas_and_its_calls_give_text_str
     try:
         tools = {t.name: t for t in session.tools_for(["notes.*"], taken=["Read"])}
         assert set(tools) == {"echo", "stats", "only_structured", "fail", "slow", "die", "count", "whoami", "write_note",
-                              "read_path", "connect", "getenv"}
+                              "picture", "huge", "read_path", "connect", "getenv"}
         assert tools["echo"].parameters["properties"]["text"]["type"] == "string"
         assert tools["echo"].parameters["required"] == ["text"]
         assert tools["echo"].server == "notes" and tools["echo"].permission == "full"
@@ -453,6 +481,7 @@ def test_a_fork_re_serves_mcp_results_from_the_record_and_never_calls_the_server
     fork = ws.fork(job, at=2)
     assert ws.job(fork).status == "succeeded", ws.job(fork).error
     assert outside.read_text() == "called\n"  # once: the fork's re-served run 1 did not call the server
+    assert not (ws.job(fork).workdir / "logs" / "mcp-notes.stderr.log").exists()  # nor even start it
     (kept,) = [e for e in ws.events(fork, kinds=["tool_result"]) if e.tool == "count"]
     assert (kept.content, kept.server, kept.is_error) == ("counted", "notes", False)
     assert not ws.events(fork, kinds=["replay_divergence"])
@@ -683,3 +712,225 @@ def test_a_worker_killed_during_a_call_with_effects_never_runs_it_again(
                            ("slow", True, "Error: this call of slow was interrupted by a restart (agent"),
                            ("echo", False, "echo: two")]
     assert [e.tool for e in ws.events(job, kinds=["tool_call"])] == ["echo", "slow", "echo", "transition"]
+
+
+# -- content -------------------------------------------------------------------------------------------------------
+
+@JAILED
+def test_content_blocks_keep_their_order_the_first_image_is_attached_and_binary_content_is_a_note(
+        tmp_path: Path, server_file: Path) -> None:
+    ctx = _ctx(tmp_path)
+    session = McpSession({"notes": _spec(server_file)}, ctx.workdir, tmp_path / "logs")
+    try:
+        picture, fail = sorted(session.tools_for(["notes.picture", "notes.fail"], taken=[]), key=lambda t: t.name,
+                               reverse=True)
+        out = picture.invoke(ctx, {})
+        long_error = fail.invoke(ctx, {"reason": "no " * 100_000})  # an error is cut to the budget too
+    finally:
+        session.close()
+    assert long_error.is_error and long_error.truncated and long_error.content.startswith("Error: refused: no no")
+    assert long_error.original_chars == len("Error: refused: ") + 300_000 > 5 * long_error.returned_chars
+    assert not out.is_error and out.image == f"data:image/png;base64,{PNG}"
+    assert out.content.splitlines() == [
+        "before",
+        "(image: image/png, 70 bytes; attached below)",
+        "the resource's text",
+        "(resource: application/octet-stream, 3,000 bytes, file:///notes/b.bin; not shown)",
+        "(audio: audio/wav, 3,000 bytes; not shown)",
+        "(image: image/png, 70 bytes; not attached: one image per tool result, the first is)",
+        "(image: image/tiff, 3,000 bytes; not attached: images are attached as .png, .jpg, .jpeg, .gif, .webp)",
+        "(resource link: text/plain, 12 bytes, file:///notes/c.txt; not shown)",
+        "after",
+    ]
+    assert BLOB[:40] not in out.content  # a blob is never dumped as text
+
+
+@JAILED
+def test_an_mcp_image_reaches_the_model_after_the_tool_results_as_ReadImage_s_does(
+        ws: Workspace, tmp_path: Path, server_file: Path, loopback: Any) -> None:
+    from openai_server import reply
+
+    srv = loopback()
+    srv.play(reply(None, [("picture", {}), ("echo", {"text": "x"})]),
+             reply(None, [("transition", {"next_step": "COMPLETE", "summary": "looked"})]))
+    job = ws.run(ws.submit("Look", piece=str(_job_piece(tmp_path, server_file)), model="openai:m",
+                           inputs=_inputs(server_file)))
+    assert job.status == "succeeded", job.error
+    picture = ws.events(job, kinds=["tool_result"])[0]
+    assert (picture.tool, picture.server, picture.image) == ("picture", "notes", f"data:image/png;base64,{PNG}")
+    sent = srv.received[1].body["messages"]
+    # the tool messages right after the assistant's calls, then the image, as ReadImage's (tests/test_crash.py)
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "tool", "tool", "user"]
+    assert sent[3]["content"].startswith("before\n(image: image/png") and sent[4]["content"] == "echo: x"
+    assert sent[5]["content"][0] == {"type": "text", "text": "(image attached by picture)"}
+    assert sent[5]["content"][1]["image_url"]["url"] == f"data:image/png;base64,{PNG}"
+
+
+@JAILED
+def test_a_huge_result_is_cut_by_the_tool_result_budget_with_a_note(
+        ws: Workspace, tmp_path: Path, server_file: Path) -> None:
+    spec = write_script(tmp_path, "huge-script", responses=[
+        call("huge", lines=60_000), transition("COMPLETE", summary="read it")])
+    job = ws.run(ws.submit("Read a lot", piece=str(_job_piece(tmp_path, server_file)), model=spec,
+                           inputs=_inputs(server_file)))
+    assert job.status == "succeeded", job.error
+    (huge,) = [e for e in ws.events(job, kinds=["tool_result"]) if e.tool == "huge"]
+    assert huge.server == "notes" and huge.truncated and not huge.is_error
+    assert huge.original_chars == 60_000 * 32 > 1_900_000  # about 2 MB came back from the server
+    assert huge.returned_chars < huge.budget_tokens * 8 < huge.original_chars
+    assert huge.content.startswith("line 0000000 of the huge result\n")
+    assert "[agentnb: output truncated automatically: returned the first" in huge.content
+    assert "of 1,920,000 characters" in huge.content
+
+
+@JAILED
+def test_a_secret_a_tool_returns_is_scrubbed_before_it_is_stored(
+        ws: Workspace, tmp_path: Path, server_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "tok-4f9a-0b7c-secret-value-2c1d"
+    monkeypatch.setenv("NOTES_API_TOKEN", secret)
+    piece = write_piece(tmp_path, "secret", {
+        "mcp_servers": {"notes": {"command": sys.executable, "args": _args(server_file), "permission": "readonly",
+                                  "env": {"MCP_GREETING": "${NOTES_API_TOKEN}"}, "read_only_tools": ["whoami"]}},
+        "movements": [{"name": "work", "instruction": "Go.", "tools": ["notes.whoami"],
+                       "rules": [{"next": "COMPLETE"}]}],
+    })
+    spec = write_script(tmp_path, "secret-script", responses=[call("whoami"), transition("COMPLETE")])
+    job = ws.run(ws.submit("Who?", piece=str(piece), model=spec, inputs=_inputs(server_file)))
+    assert job.status == "succeeded", job.error
+    whoami = ws.events(job, kinds=["tool_result"])[0]
+    assert whoami.content.endswith(" ***") and secret not in whoami.content
+    ws.close()
+    leaked = [p for p in Path(ws.root).rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not leaked, f"the secret reached {leaked}"
+
+
+# -- faults --------------------------------------------------------------------------------------------------------
+
+@JAILED
+def test_junk_on_a_servers_stdout_is_skipped_and_kept_in_its_stderr_log(
+        tmp_path: Path, server_file: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # the mcp server class keeps stdout for the protocol, so the junk is put in front of every line it writes, as a
+    # server in another language that prints to stdout would (the handshake's answer too)
+    relay = server_file.parent / "relay.py"
+    relay.write_text("import sys\nn = 0\nfor line in iter(sys.stdin.readline, ''):\n    n += 1\n"
+                     "    sys.stdout.write(f'junk {n}: not JSON-RPC\\n' + line)\n    sys.stdout.flush()\n")
+    junk = f"{sys.executable} {server_file.name} | {sys.executable} relay.py"
+    session = McpSession({"notes": McpServer(name="notes", command="sh", args=("-c", junk), timeout=5)},
+                         server_file.parent, tmp_path / "logs")
+    try:
+        tools = {t.name: t for t in session.tools_for(["notes.echo", "notes.stats"], taken=[])}
+        assert tools["echo"].invoke(_ctx(tmp_path), {"text": "through"}).content == "echo: through"
+        assert '"sum": 3' in tools["stats"].invoke(_ctx(tmp_path), {"values": [1, 2]}).content
+    finally:
+        session.close()
+    log = (tmp_path / "logs" / "mcp-notes.stderr.log").read_text()
+    skipped = "[agentnb] the server wrote a line to stdout that is not an MCP message; skipped: junk "
+    assert f"{skipped}1: not JSON-RPC\n" in log and log.count(skipped) >= 4  # handshake, listing, two calls
+    assert "Failed to parse" not in capfd.readouterr().err  # no traceback on the worker's stderr
+
+
+@JAILED
+def test_a_server_that_hangs_at_initialise_fails_the_movement_after_the_start_timeout(
+        ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stuck = tmp_path / f"stuck_{uuid.uuid4().hex[:8]}.py"
+    stuck.write_text("import sys, time\nprint('loading a large index', file=sys.stderr, flush=True)\ntime.sleep(600)\n")
+    piece = write_piece(tmp_path, "stuck", {
+        "mcp_servers": {"stuck": {"command": sys.executable, "args": [f"input/{stuck.name}"],
+                                  "permission": "readonly"}},
+        "movements": [{"name": "work", "instruction": "Go.", "tools": ["stuck.*"], "rules": [{"next": "COMPLETE"}]}],
+    })
+    spec = write_script(tmp_path, "stuck-script", responses=[transition("COMPLETE")])
+    monkeypatch.setenv("AGENTNB_MCP_START_TIMEOUT", "2")
+    started = time.monotonic()
+    job = ws.run(ws.submit("Go", piece=str(piece), model=spec, inputs={stuck.name: stuck}))
+    assert time.monotonic() - started < 20
+    assert job.status == "failed"
+    error = ws.events(job, kinds=["error"])[-1]
+    assert error.where == "mcp" and "\n" not in error.message
+    assert error.message.startswith("MCP server 'stuck' did not answer the MCP handshake within 2 s "
+                                    "($AGENTNB_MCP_START_TIMEOUT sets the limit)")
+    assert error.message.endswith("its stderr ends: loading a large index")
+    deadline = time.monotonic() + 10
+    while _servers_of(stuck) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _servers_of(stuck), "the server that hung outlived its failed run"
+    # a bad value of the variable is one line naming it and what is allowed
+    monkeypatch.setenv("AGENTNB_MCP_START_TIMEOUT", "soon")
+    session = McpSession({"stuck": McpServer(name="stuck", command=sys.executable, args=(str(stuck),))}, tmp_path,
+                         tmp_path / "logs")
+    with pytest.raises(McpStartError, match=r"^\$AGENTNB_MCP_START_TIMEOUT must be a number of seconds above 0 "
+                                            r"and at most 3600; found 'soon'$"):
+        session.tools_for(["stuck.*"], taken=[])
+    session.close()
+
+
+@JAILED
+def test_a_tool_the_server_does_not_offer_is_a_tool_error_and_the_server_stays_up(
+        tmp_path: Path, server_file: Path) -> None:
+    refusing = server_file.parent / "refusing_server.py"
+    # a server that answers an unknown tool with a JSON-RPC error rather than an isError result, as some do
+    refusing.write_text(textwrap.dedent('''
+        import os
+        from mcp.server.mcpserver import MCPServer
+        from mcp.shared.exceptions import MCPError
+        server = MCPServer("refusing")
+
+        @server.tool()
+        def pid() -> str:
+            """The server's pid."""
+            return str(os.getpid())
+
+        @server.tool()
+        def gone() -> str:
+            """Answers as a server does for a tool it does not have."""
+            raise MCPError(code=-32602, message="Unknown tool: gone")
+        server.run("stdio")
+    '''))
+    session = McpSession({"notes": _spec(server_file),
+                          "refusing": McpServer(name="refusing", command=sys.executable, args=(str(refusing),))},
+                         server_file.parent, tmp_path / "logs")
+    ctx = _ctx(tmp_path)
+    try:
+        out = session.call("notes", "no_such_tool", {}, ctx)  # the model named a tool the listing did not have
+        assert out.is_error and "no_such_tool" in out.content and "\n" not in out.content
+        (pid,) = session.tools_for(["refusing.pid"], taken=[])
+        before = pid.invoke(ctx, {}).content
+        out = session.call("refusing", "gone", {}, ctx)
+        assert (out.content, out.is_error) == ("Error: MCP server 'refusing' refused gone: Unknown tool: gone", True)
+        assert pid.invoke(ctx, {}).content == before  # answered, not crashed: the same process goes on
+    finally:
+        session.close()
+
+
+# -- replays -------------------------------------------------------------------------------------------------------
+
+def test_a_replay_re_serves_mcp_results_from_the_record_and_never_starts_the_server(
+        ws: Workspace, tmp_path: Path, server_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTNB_BASH_SANDBOX", "off")  # an effect outside the work directory: unjailed only
+    outside = tmp_path / "outside.log"
+    spec = write_script(tmp_path, "replay-script", responses=[
+        {"tool_calls": [{"name": "count", "arguments": {"path": str(outside)}},
+                        {"name": "Read", "arguments": {"path": "input/a.txt"}},
+                        {"name": "echo", "arguments": {"text": "hi"}}]},
+        call("picture"),
+        transition("COMPLETE", summary="counted"),
+    ])
+    job = ws.run(ws.submit("Count", piece=str(_job_piece(tmp_path, server_file)), model=spec,
+                           inputs={"a.txt": "read again\n", **_inputs(server_file)}))
+    assert job.status == "succeeded", job.error
+    assert outside.read_text() == "called\n"
+    replay = ws.replay(job)
+    assert replay.status == "succeeded", replay.error
+    assert outside.read_text() == "called\n"  # the server's tool was not called a second time
+    assert (job.workdir / "logs" / "mcp-notes.stderr.log").exists()
+    assert not (replay.workdir / "logs" / "mcp-notes.stderr.log").exists()  # nor was the server started
+
+    def comparable(j: Any) -> list[tuple[Any, ...]]:
+        return [(e.kind, e.movement_seq, e.iteration, e.payload) for e in ws.events(j)
+                if e.kind in ("llm_request", "tool_call", "tool_result")]
+
+    assert comparable(replay) == comparable(job)  # the same tools offered, the same results, images and servers
+    results = ws.events(replay, kinds=["tool_result"])
+    assert [(e.tool, e.server) for e in results] == [("count", "notes"), ("Read", None), ("echo", "notes"),
+                                                     ("picture", "notes"), ("transition", None)]
+    assert results[3].image == f"data:image/png;base64,{PNG}"
