@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 
 import _golden
+import _snapshots
 import pytest
 
 
@@ -25,11 +26,11 @@ import pytest
 def test_case_matches_its_golden_file(case: str) -> None:
     stored = json.loads((_golden.GOLDEN / f"{case}.json").read_text(encoding="utf-8"))
     built = json.loads(_golden.dump(_golden.build(case)))
-    diffs = list(_golden.differences(stored, built))
+    diffs = list(_snapshots.differences(stored, built))
     if diffs:
         path, old, new = diffs[0]
         pytest.fail(f"golden case {case!r}: {len(diffs)} difference(s); first at {path}\n"
-                    f"  golden: {_golden.excerpt(old, new)[0]}\n  now:    {_golden.excerpt(old, new)[1]}",
+                    f"  golden: {_snapshots.excerpt(old, new)[0]}\n  now:    {_snapshots.excerpt(old, new)[1]}",
                     pytrace=False)
 
 
