@@ -7,6 +7,7 @@ Never a mock of the protocol."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
 import re
 import subprocess
@@ -78,10 +79,16 @@ def _script(tmp_path: Path) -> str:
 
 def test_a_job_reviews_a_repository_with_mcp_server_git_and_every_view_names_the_server(
         ws: Workspace, tmp_path: Path) -> None:
+    from agentnb.follow import Follower
+
     make_repo(tmp_path / "src")
-    job = ws.run(ws.submit("Review the repository in input/repo", piece=str(PIECE), model=_script(tmp_path),
-                           inputs=repo_inputs(tmp_path / "src")))
+    job = ws.submit("Review the repository in input/repo", piece=str(PIECE), model=_script(tmp_path),
+                    inputs=repo_inputs(tmp_path / "src"))
+    followed = io.StringIO()  # what `agentnb run --follow` prints
+    with Follower(ws.execution, followed, job_id=job.id):
+        job = ws.run(job)
     assert job.status == "succeeded", job.error
+    assert "← git_log · git: Commit history:" in followed.getvalue() and "← Write: Wrote" in followed.getvalue()
     # the server's tools were listed and shown to the model, within the piece's allow-list
     shown = set(ws.events(job, kinds=["llm_request"])[0].tools)
     assert {"git_status", "git_log", "git_diff_unstaged", "git_show", "Write", "transition"} <= shown
