@@ -9,6 +9,8 @@ queued again).  ``batch``: 0 when every job ended (succeeded, failed or aborted)
 LLM call; the same command again resumes).  ``jobs``, ``show``, ``export`` and
 ``batches`` open the store read-only.  ``store copy SRC DST``: 0 when every row and file was copied and
 counted again in DST (one line per table on stdout), 2 when it was refused or failed (one line; DST as it was).
+``tools PIECE``: 0 when every MCP server of the piece answered, 1 when one could not (its line on stderr; the
+other tools still listed), 2 on a bad piece.
 """
 
 from __future__ import annotations
