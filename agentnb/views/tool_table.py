@@ -9,6 +9,7 @@ import textwrap
 from typing import Any
 
 from ..engine.tool_list import ListedTool, ToolListing
+from .style import ERROR_COLOUR
 
 __all__ = ["ToolTable"]
 
@@ -78,7 +79,7 @@ class ToolTable:
         e = html.escape
         parts = ['<div class="anb-tools" style="font-size:12px">']
         for line in self.listing.failures:
-            parts.append(f'<div style="color:#b00020">{e(line)}</div>')
+            parts.append(f'<div style="color:{ERROR_COLOUR}">{e(line)}</div>')
         th = "text-align:left;padding:2px 8px;white-space:nowrap"
         td = "text-align:left;padding:2px 8px;vertical-align:top"
         for m in self.listing.movements:
