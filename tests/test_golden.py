@@ -8,7 +8,9 @@ see (or a volatile value the harness should have masked).  Loop monitors re-reco
 ``frames.movements()``'s ``judge`` column (False for every run of these pieces, which have no loop monitors):
 stripped of it, every file equals the one before.  The views' symbols re-recorded them once more (each
 emoji replaced by a character DejaVu Sans has, with an aria-label and title in HTML): with those replacements
-undone, every file equals the one before.
+undone, every file equals the one before.  MCP servers as tool sources re-recorded them for one addition,
+``frames.tool_calls()``'s ``server`` column (null for every call of these jobs, which use no MCP server): stripped
+of it, every file equals the one before.
 """
 
 from __future__ import annotations
