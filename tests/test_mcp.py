@@ -784,21 +784,28 @@ def test_a_huge_result_is_cut_by_the_tool_result_budget_with_a_note(
 
 
 @JAILED
+@pytest.mark.parametrize(("variable", "env", "asks"), [
+    # the worker's variable looks like a secret
+    ("NOTES_API_TOKEN", {"MCP_GREETING": "${NOTES_API_TOKEN}"}, call("whoami")),
+    # it does not, but the name env: gives it does
+    ("UPSTREAM_VALUE", {"SERVICE_TOKEN": "${UPSTREAM_VALUE}"}, call("getenv", name="SERVICE_TOKEN")),
+], ids=["secret-variable", "secret-key"])
 def test_a_secret_a_tool_returns_is_scrubbed_before_it_is_stored(
-        ws: Workspace, tmp_path: Path, server_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        ws: Workspace, tmp_path: Path, server_file: Path, monkeypatch: pytest.MonkeyPatch,
+        variable: str, env: dict[str, str], asks: dict[str, Any]) -> None:
     secret = "tok-4f9a-0b7c-secret-value-2c1d"
-    monkeypatch.setenv("NOTES_API_TOKEN", secret)
+    monkeypatch.setenv(variable, secret)
     piece = write_piece(tmp_path, "secret", {
         "mcp_servers": {"notes": {"command": sys.executable, "args": _args(server_file), "permission": "readonly",
-                                  "env": {"MCP_GREETING": "${NOTES_API_TOKEN}"}, "read_only_tools": ["whoami"]}},
-        "movements": [{"name": "work", "instruction": "Go.", "tools": ["notes.whoami"],
+                                  "env": env, "read_only_tools": ["whoami", "getenv"]}},
+        "movements": [{"name": "work", "instruction": "Go.", "tools": ["notes.whoami", "notes.getenv"],
                        "rules": [{"next": "COMPLETE"}]}],
     })
-    spec = write_script(tmp_path, "secret-script", responses=[call("whoami"), transition("COMPLETE")])
+    spec = write_script(tmp_path, "secret-script", responses=[asks, transition("COMPLETE")])
     job = ws.run(ws.submit("Who?", piece=str(piece), model=spec, inputs=_inputs(server_file)))
     assert job.status == "succeeded", job.error
-    whoami = ws.events(job, kinds=["tool_result"])[0]
-    assert whoami.content.endswith(" ***") and secret not in whoami.content
+    result = ws.events(job, kinds=["tool_result"])[0]
+    assert not result.is_error and result.content.endswith("***") and secret not in result.content
     ws.close()
     leaked = [p for p in Path(ws.root).rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert not leaked, f"the secret reached {leaked}"

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .._secrets import register_secret
+from .._secrets import is_secret_name, register_secret
 from ..errors import AgentnbError, UsageError
 from ..events import ToolResult
 from ._mcp_http import header_values, http_transport
@@ -101,7 +101,11 @@ class McpServer:
         return out
 
     def environment(self) -> dict[str, str]:
-        """The variables ``env:`` gives the server; a ``${NAME}`` the worker lacks is a start error."""
+        """The variables ``env:`` gives the server; a ``${NAME}`` the worker lacks is a start error.
+
+        A value given under a secret-looking name (``GITHUB_TOKEN: ${GH}``, ``API_KEY: …``, or ``${NAME}`` with
+        ``NAME`` one) is masked like the environment's secrets from now on, so a server that repeats it in a
+        result never puts it in the store (docs/tools.md#secrets)."""
         out: dict[str, str] = {}
         for key, value in self.env:
             ref = ENV_REF.match(value)
@@ -112,6 +116,8 @@ class McpServer:
             else:
                 raise McpStartError(f"MCP server {self.name!r}: env.{key} names the worker's variable "
                                     f"{ref.group(1)!r}, which is not set")
+            if is_secret_name(key) or (ref is not None and is_secret_name(ref.group(1))):
+                register_secret(out[key])
         return out
 
     def header_values(self) -> dict[str, str]:
