@@ -9,6 +9,8 @@ queued again).  ``batch``: 0 when every job ended (succeeded, failed or aborted)
 LLM call; the same command again resumes).  ``jobs``, ``show``, ``export`` and
 ``batches`` open the store read-only.  ``store copy SRC DST``: 0 when every row and file was copied and
 counted again in DST (one line per table on stdout), 2 when it was refused or failed (one line; DST as it was).
+``tools PIECE``: 0 when every MCP server of the piece answered, 1 when one could not (its line on stderr; the
+other tools still listed), 2 on a bad piece.
 """
 
 from __future__ import annotations
@@ -351,6 +353,19 @@ def cmd_pieces(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tools(args: argparse.Namespace) -> int:
+    """Each movement's tools, a table each; 1 when an MCP server could not be asked (its line on stderr)."""
+    from .engine.pieces import load_piece
+    from .engine.tool_list import list_tools
+    from .views.tool_table import ToolTable
+
+    listing = list_tools(load_piece(args.piece), args.workdir)
+    for line in listing.failures:
+        print(f"agentnb: error: {line}", file=sys.stderr)
+    print(ToolTable(listing).text(failures=False))
+    return 1 if listing.failures else 0
+
+
 # `agentnb batch`: some jobs wait for a human (or for subtasks that do), so the batch has not ended
 EXIT_WAITING = 3
 
@@ -606,6 +621,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
 
     add("pieces", cmd_pieces, "list the available pieces")
+
+    p = add("tools", cmd_tools, "list each movement's tools with their source (built-in, Python or an MCP server) "
+            "and parameters; starts the piece's MCP servers to ask them")
+    p.add_argument("piece", metavar="PIECE", help="piece name or YAML path")
+    p.add_argument("--workdir", help="the folder the MCP servers start in, as in a job's work directory "
+                   "(default: an empty one with input/ and output/)")
 
     p = add("batch", cmd_batch, "run every case of a .csv/.jsonl file under every piece × model; print the summary")
     p.add_argument("cases", metavar="CASES", help="a .csv (a header with 'instruction', optional 'inputs' (a folder), "

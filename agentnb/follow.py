@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from . import live
 from ._secrets import MASK, mask_key_shaped, redact, secret_values
 from .live import Notice
+from .views.timeline import tool_label
 
 if TYPE_CHECKING:
     from .execution import Execution
@@ -299,7 +300,7 @@ class Follower:
             more = " …" if rest or len(first) > _RESULT_CHARS else ""
             lines = f" ({len(rest) + 1} lines)" if rest else ""
             error = " (error)" if ev.is_error else ""
-            self._emit(out, f"{self._dim}  ← {ev.tool}{error}: {first[:_RESULT_CHARS]}{more}{lines}{self._plain}\n")
+            self._emit(out, f"{self._dim}  ← {tool_label(ev.tool, ev.server)}{error}: {first[:_RESULT_CHARS]}{more}{lines}{self._plain}\n")
         elif kind == "error":
             self._cut_off(out)
             self._newline(out)

@@ -35,22 +35,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import fcntl
 import importlib
 import io
 import json
-import os
 import pkgutil
 import random
 import re
-import shutil
 import sqlite3
 import sys
-import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +53,21 @@ import yaml
 import agentnb
 from agentnb import Workspace
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"  # the loopback OpenAI server, not agentnb code
+TESTS = Path(__file__).resolve().parent.parent / "tests"  # the loopback OpenAI server and the masks, not agentnb code
+sys.path.insert(0, str(TESTS))
+from _snapshots import (  # type: ignore[import-not-found]  # noqa: E402
+    STYLER_MASK,
+    VOLATILE_KEYS,
+    differences,
+    env,
+    excerpt,
+    fixed_clock,
+    locked_folder,
+    normalise,
+)
+
+# besides the golden tests' keys: the batch's and the comparison's measured seconds
+VOLATILE = VOLATILE_KEYS | {"elapsed_s", "seconds", "p50_seconds", "p95_seconds"}
 NOTES = "".join(f"note {i}: alpha beta gamma delta\n" for i in range(300))
 TERMINAL = ("COMPLETE", "ABORT")
 STORE: list[str] = []  # the PostgreSQL URL of a --postgres run (the CLI and the magic open it too)
@@ -310,16 +318,15 @@ def build_jobs(ws: Workspace, tmp: Path, seed: int, walks: int) -> dict[str, Any
     aborted = ws.run(ws.retry(ws.run(ws.submit("Abort then retry", piece=str(toolbox), model=model))))
 
     # an openai: job on a loopback server: a 500 and a 429 retried by the client
-    sys.path.insert(0, str(TESTS))
     from openai_server import OpenAIServer, error, reply  # type: ignore[import-not-found]
 
     actions = [reply("Looking.", [("Read", {"path": "input/notes.md", "limit": 3})], usage=(1200, 30)),
                *error(500, times=1), *error(429, times=1),
                reply(None, [("Write", {"path": "output/a.md", "content": "x"})], usage=(1500, 20)),
                reply(None, [("transition", {"next_step": "COMPLETE", "summary": "done"})], usage=(1800, 15))]
-    with OpenAIServer(actions=actions) as srv, _env("OPENAI_BASE_URL", srv.base_url), \
-            _env("OPENAI_API_KEY", "sk-parity-test-key-0000"), _env("AGENTNB_OPENAI_BACKOFF", "0.01"), \
-            _env("AGENTNB_OPENAI_TIMEOUT", "5"), _env("AGENTNB_OPENAI_RETRIES", "3"):
+    with OpenAIServer(actions=actions) as srv, env("OPENAI_BASE_URL", srv.base_url), \
+            env("OPENAI_API_KEY", "sk-parity-test-key-0000"), env("AGENTNB_OPENAI_BACKOFF", "0.01"), \
+            env("AGENTNB_OPENAI_TIMEOUT", "5"), env("AGENTNB_OPENAI_RETRIES", "3"):
         ws.run(ws.submit("Copy a line", piece="single", model="openai:gpt-4o-mini", inputs={"notes.md": NOTES},
                          retries=3))
 
@@ -466,7 +473,7 @@ def cli(ws: Workspace, *args: str) -> dict[str, Any]:
     from agentnb.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _env("COLUMNS", "120"):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), env("COLUMNS", "120"):
         try:
             rc = main(["--workspace", str(ws.root), *(["--store", STORE[0]] if STORE else []), *args])
         except SystemExit as exc:
@@ -549,113 +556,7 @@ def snapshot(ws: Workspace, tmp: Path, extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# -- masking and comparing ----------------------------------------------------------------------------------------
-
-VOLATILE_KEYS = {"ts", "created", "started", "updated", "ended", "latency_s", "duration", "timestamp", "elapsed_s",
-                 "seconds", "p50_seconds", "p95_seconds", "ttft_s"}  # clock readings and measured durations, wherever they are
-_CLOCK = [
-    (re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d(\.\d+)?)?( \(\w+, [^)]*\))?"), "<time>"),
-    (re.compile(r"claimed by \S+:\d+:[0-9a-f]{8}"), "claimed by <owner>"),
-    (re.compile(r"(?<![\w.,])(?:<1|\d+(?:\.\d+)?) (?:ms|s)\b"), "<dur>"),
-    (re.compile(r"(?<![\w.,])\d+ (?:min|h) <dur>"), "<dur>"),
-    (re.compile(r"\bT_[0-9a-f]{5}(?![0-9a-f])"), "T_<styler>"),  # a pandas Styler's random table id
-]
-
-
-def normalise(value: Any, tmp: str) -> Any:
-    if isinstance(value, dict):
-        return {str(k): "<masked>" if k in VOLATILE_KEYS and v is not None else normalise(v, tmp)
-                for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [normalise(v, tmp) for v in value]
-    if isinstance(value, str):
-        value = value.replace(tmp, "<TMP>")
-        for pattern, mask in _CLOCK:
-            value = pattern.sub(mask, value)
-        return value
-    return value
-
-
-def differences(old: Any, new: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(old.keys() | new.keys()):
-            yield from differences(old.get(key, "<absent>"), new.get(key, "<absent>"), f"{path}/{key}")
-    elif isinstance(old, list) and isinstance(new, list):
-        for i, (a, b) in enumerate(zip(old, new, strict=False)):
-            yield from differences(a, b, f"{path}[{i}]")
-        if len(old) != len(new):
-            yield f"{path} (length)", len(old), len(new)
-    elif old != new or type(old) is not type(new):
-        yield path, old, new
-
-
-def excerpt(old: Any, new: Any, width: int = 200) -> tuple[str, str]:
-    a, b = (v if isinstance(v, str) else json.dumps(v, sort_keys=True, ensure_ascii=False) for v in (old, new))
-    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    start = max(0, i - width // 2)
-    return (repr(a[start:start + width]), repr(b[start:start + width]))
-
-
-# -- a fixed clock and folder ---------------------------------------------------------------------------------------
-
-CLOCK_START = 1_736_150_400.0  # 2025-01-06 08:00:00 UTC
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
-@contextlib.contextmanager
-def fixed_clock() -> Iterator[None]:
-    real_time, started = time.time, time.monotonic()
-
-    def fake_time() -> float:
-        return CLOCK_START + (time.monotonic() - started)
-
-    class FixedDatetime(datetime.datetime):
-        @classmethod
-        def now(cls, tz: datetime.tzinfo | None = None) -> Any:
-            return datetime.datetime.fromtimestamp(fake_time(), tz)
-
-    patched = [m for n, m in list(sys.modules.items())
-               if n.split(".")[0] == "agentnb" and getattr(m, "datetime", None) is datetime.datetime]
-    with _env("TZ", "UTC"):
-        time.tzset()
-        time.time = fake_time
-        for m in patched:
-            m.datetime = FixedDatetime  # type: ignore[attr-defined]
-        try:
-            yield
-        finally:
-            time.time = real_time
-            for m in patched:
-                m.datetime = datetime.datetime  # type: ignore[attr-defined]
-    time.tzset()
-
-
-@contextlib.contextmanager
-def fixed_folder(name: str) -> Iterator[Path]:
-    base = Path(tempfile.gettempdir()) / "agentnb-parity"
-    base.mkdir(exist_ok=True)
-    with open(base / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        tmp = base / name
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            yield tmp.resolve()
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
+# -- building and comparing (the fixed clock and folder, the masks: tests/_snapshots.py) ------------------------
 
 def build(seed: int, walks: int, postgres: bool = False) -> dict[str, Any]:
     for info in pkgutil.walk_packages(agentnb.__path__, "agentnb."):
@@ -663,19 +564,18 @@ def build(seed: int, walks: int, postgres: bool = False) -> dict[str, Any]:
             importlib.import_module(info.name)  # loaded before fixed_clock() looks for who holds datetime
     with contextlib.ExitStack() as stack:
         if postgres:  # a throw-away cluster (tests/_postgres.py), a fresh database in it
-            sys.path.insert(0, str(TESTS))
             from _postgres import pg_server  # type: ignore[import-not-found]
 
             STORE.append(stack.enter_context(pg_server()).create_database())
-        tmp = stack.enter_context(fixed_folder(f"seed-{seed}"))
+        tmp = stack.enter_context(locked_folder("agentnb-parity", f"seed-{seed}"))
         stack.enter_context(fixed_clock())
-        stack.enter_context(_env("AGENTNB_TOKENIZER", "chars"))
+        stack.enter_context(env("AGENTNB_TOKENIZER", "chars"))
         ws = Workspace(tmp / "ws", store=STORE[0] if STORE else None)
         extra = build_jobs(ws, tmp, seed, walks)
         out = snapshot(ws, tmp, extra)
         out["agentnb"] = str(Path(agentnb.__file__).parent)
         ws.close()
-        masked = normalise(out, str(tmp))
+        masked = normalise(out, str(tmp), volatile=VOLATILE, masks=[STYLER_MASK])
         text = json.dumps(masked, sort_keys=True, default=str)
         if STORE:  # its random database name and port
             text = text.replace(STORE[0], "<STORE>").replace(STORE[0].split("@", 1)[1], "<STORE>")

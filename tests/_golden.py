@@ -10,24 +10,20 @@ narrowly as possible, by ``normalise``.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import fcntl
 import importlib
 import json
 import os
 import pkgutil
-import re
 import shutil
 import sqlite3
 import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from _scripting import write_piece, write_script
+from _snapshots import env, fixed_clock, locked_folder, normalise
 
 import agentnb
 from agentnb import Workspace
@@ -161,7 +157,7 @@ def case_chars(ws: Workspace, tmp: Path, snap: Snap) -> None:
     """Token counts from characters (no tokenizer) and from tiktoken, on the same script."""
     model = write_script(tmp, "chars", responses=[
         call("Read", path="input/a.txt"), transition("COMPLETE", "read it", lessons="a is short")])
-    with _env("AGENTNB_TOKENIZER", "chars"):
+    with env("AGENTNB_TOKENIZER", "chars"):
         job = ws.run(ws.submit("Read input/a.txt", piece="single", model=model, inputs={"a.txt": "a\n"}))
     snap("chars", job)
     job = ws.run(ws.submit("Read input/a.txt", piece="single", model=model, inputs={"a.txt": "a\n"}))
@@ -282,9 +278,9 @@ def case_openai(ws: Workspace, tmp: Path, snap: Snap) -> None:
         reply("Nothing to call.", usage=(1600, 5)),
         reply(None, [("transition", {"next_step": "COMPLETE", "summary": "done"})], usage=(1800, 15)),
     ]
-    with OpenAIServer(actions=actions) as srv, _env("OPENAI_BASE_URL", srv.base_url), \
-            _env("OPENAI_API_KEY", "sk-golden-test-key-0000"), _env("AGENTNB_OPENAI_BACKOFF", "0.01"), \
-            _env("AGENTNB_OPENAI_TIMEOUT", "5"), _env("AGENTNB_OPENAI_RETRIES", "3"):
+    with OpenAIServer(actions=actions) as srv, env("OPENAI_BASE_URL", srv.base_url), \
+            env("OPENAI_API_KEY", "sk-golden-test-key-0000"), env("AGENTNB_OPENAI_BACKOFF", "0.01"), \
+            env("AGENTNB_OPENAI_TIMEOUT", "5"), env("AGENTNB_OPENAI_RETRIES", "3"):
         job = ws.run(ws.submit("Copy a line of input/notes.md to output/a.md", piece="single",
                                model="openai:gpt-4o-mini", inputs={"notes.md": NOTES}))
     snap("openai", job)
@@ -380,19 +376,6 @@ def case_crash_retry(ws: Workspace, tmp: Path, snap: Snap) -> None:
 
 CASES: dict[str, Callable[[Workspace, Path, Snap], None]] = {
     name[len("case_"):].replace("_", "-"): fn for name, fn in globals().items() if name.startswith("case_")}
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 # -- what a user sees of one job ---------------------------------------------------------------------------
@@ -499,113 +482,12 @@ def workspace_views(ws: Workspace) -> dict[str, Any]:
             "cli_jobs_json": _json_lines(_cli(ws, "jobs", "--json"))}
 
 
-# -- masking ---------------------------------------------------------------------------------------------
-
-# keys whose values are clock readings or measured durations, wherever they appear (events, rows, frames)
-VOLATILE_KEYS = {"ts", "created", "started", "updated", "ended", "latency_s", "ttft_s", "duration", "timestamp"}
-_CLOCK = [
-    # dates the CLI process (real clock) and files written outside the fixed clock show
-    (re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d(\.\d+)?)?( \(\w+, [^)]*\))?"), "<time>"),
-    # the claiming process: host:pid:random
-    (re.compile(r"claimed by \S+:\d+:[0-9a-f]{8}"), "claimed by <owner>"),
-    # measured times in views ("412 ms", "<1 ms", "0.6 s", "2 min 5 s"); the clock itself is fixed
-    (re.compile(r"(?<![\w.,])(?:&lt;1|<1|\d+(?:\.\d+)?) (?:ms|s)\b"), "<dur>"),
-    (re.compile(r"(?<![\w.,])\d+ (?:min|h) <dur>"), "<dur>"),
-]
-
-
-def normalise(value: Any, tmp: str) -> Any:
-    if isinstance(value, dict):
-        return {k: "<masked>" if k in VOLATILE_KEYS and v is not None else normalise(v, tmp)
-                for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [normalise(v, tmp) for v in value]
-    if isinstance(value, str):
-        value = value.replace(tmp, "<TMP>")
-        for pattern, mask in _CLOCK:
-            value = pattern.sub(mask, value)
-        return value
-    return value
-
-
-def differences(old: Any, new: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:
-    """Each place where ``new`` differs from ``old``: (path, old value, new value), in document order."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(old.keys() | new.keys()):
-            yield from differences(old.get(key, "<absent>"), new.get(key, "<absent>"), f"{path}/{key}")
-    elif isinstance(old, list) and isinstance(new, list):
-        for i, (a, b) in enumerate(zip(old, new, strict=False)):
-            yield from differences(a, b, f"{path}[{i}]")
-        if len(old) != len(new):
-            yield f"{path} (length)", len(old), len(new)
-    elif old != new or type(old) is not type(new):
-        yield path, old, new
-
-
-# Token counts (tiktoken or chars) depend on every character of a prompt, and prompts hold the date, the
-# comments' times and the paths of scripts: so the clock is fixed, TZ is UTC and each case runs in the same
-# folder (a lock keeps two builds on this machine apart).  Masking those would not make the counts equal.
-CLOCK_START = 1_736_150_400.0  # 2025-01-06 08:00:00 UTC, a Monday; each case takes far less than a minute
-
-
-@contextlib.contextmanager
-def fixed_clock() -> Iterator[None]:
-    real_time, started = time.time, time.monotonic()
-
-    def fake_time() -> float:
-        return CLOCK_START + (time.monotonic() - started)
-
-    class FixedDatetime(datetime.datetime):
-        @classmethod
-        def now(cls, tz: datetime.tzinfo | None = None) -> Any:
-            return datetime.datetime.fromtimestamp(fake_time(), tz)
-
-    patched = [m for n, m in list(sys.modules.items())
-               if n.split(".")[0] == "agentnb" and getattr(m, "datetime", None) is datetime.datetime]
-    with _env("TZ", "UTC"):
-        time.tzset()
-        time.time = fake_time  # type: ignore[assignment]
-        for m in patched:
-            m.datetime = FixedDatetime  # type: ignore[attr-defined]
-        try:
-            yield
-        finally:
-            time.time = real_time  # type: ignore[assignment]
-            for m in patched:
-                m.datetime = datetime.datetime  # type: ignore[attr-defined]
-    time.tzset()
-
-
-@contextlib.contextmanager
-def case_folder(name: str) -> Iterator[Path]:
-    base = Path(tempfile.gettempdir()) / "agentnb-golden"
-    base.mkdir(exist_ok=True)
-    with open(base / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        tmp = base / name
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            yield tmp.resolve()
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def excerpt(old: Any, new: Any, width: int = 160) -> tuple[str, str]:
-    """Both values around where they first differ, short enough to read in a test failure."""
-    a, b = (v if isinstance(v, str) else json.dumps(v, sort_keys=True, ensure_ascii=False) for v in (old, new))
-    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    start = max(0, i - width // 2)
-    return tuple(("…" if start else "") + repr(v[start:start + width])[1:-1] + ("…" if len(v) > start + width else "")
-                 for v in (a, b))  # type: ignore[return-value]
-
-
 def build(name: str) -> dict[str, Any]:
     """Run one case in a fresh workspace and return its normalised snapshots."""
     for info in pkgutil.walk_packages(agentnb.__path__, "agentnb."):
         with contextlib.suppress(ImportError):
             importlib.import_module(info.name)  # all loaded before fixed_clock() looks for who holds datetime
-    with case_folder(name) as tmp, fixed_clock():
+    with locked_folder("agentnb-golden", name) as tmp, fixed_clock():
         ws = Workspace(tmp / "ws")
         steps: dict[str, Any] = {}
 

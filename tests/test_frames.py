@@ -66,7 +66,7 @@ EXPECTED = {
                   "judge": pt.is_bool_dtype},
     "messages": {"job": _int, "event_id": _int, "seq": _nint, "iteration": _nint, "timestamp": _time,
                  "role": _cat, "kind": _cat, "content": _text, "chars": _int},
-    "tool_calls": {"event_id": _int, "timestamp": _time, "tool": _cat, "arguments": _text,
+    "tool_calls": {"event_id": _int, "timestamp": _time, "tool": _cat, "server": _cat, "arguments": _text,
                    "is_error": lambda s: s.dtype == "boolean", "truncated": lambda s: s.dtype == "boolean",
                    "original_chars": _nint, "returned_chars": _nint, "duration": pt.is_timedelta64_dtype},
     "usage": {"job": _int, "call": _int, "seq": _int, "movement": _text, "iteration": _int, "timestamp": _time,

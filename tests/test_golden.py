@@ -8,7 +8,9 @@ see (or a volatile value the harness should have masked).  Loop monitors re-reco
 ``frames.movements()``'s ``judge`` column (False for every run of these pieces, which have no loop monitors):
 stripped of it, every file equals the one before.  The views' symbols re-recorded them once more (each
 emoji replaced by a character DejaVu Sans has, with an aria-label and title in HTML): with those replacements
-undone, every file equals the one before.
+undone, every file equals the one before.  MCP servers as tool sources re-recorded them for one addition,
+``frames.tool_calls()``'s ``server`` column (null for every call of these jobs, which use no MCP server): stripped
+of it, every file equals the one before.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 
 import _golden
+import _snapshots
 import pytest
 
 
@@ -23,11 +26,11 @@ import pytest
 def test_case_matches_its_golden_file(case: str) -> None:
     stored = json.loads((_golden.GOLDEN / f"{case}.json").read_text(encoding="utf-8"))
     built = json.loads(_golden.dump(_golden.build(case)))
-    diffs = list(_golden.differences(stored, built))
+    diffs = list(_snapshots.differences(stored, built))
     if diffs:
         path, old, new = diffs[0]
         pytest.fail(f"golden case {case!r}: {len(diffs)} difference(s); first at {path}\n"
-                    f"  golden: {_golden.excerpt(old, new)[0]}\n  now:    {_golden.excerpt(old, new)[1]}",
+                    f"  golden: {_snapshots.excerpt(old, new)[0]}\n  now:    {_snapshots.excerpt(old, new)[1]}",
                     pytrace=False)
 
 

@@ -86,7 +86,7 @@ def test_help_prints_usage(shell: InteractiveShell, capsys: pytest.CaptureFixtur
 
 @pytest.mark.parametrize("line, message", [
     ("frobnicate", "%agent: unknown sub-command 'frobnicate'; allowed: run, step, reply, stop, show, jobs, usage, "
-                   "lessons, panel, pieces, export, plot, retry"),
+                   "lessons, panel, pieces, tools, export, plot, retry"),
     # every refusal names the sub-command first, like IPython's own magics (these once lacked it)
     ("step 999", "%agent step: no job 999 in workspace "),
     ("show t_nothing", "%agent show: JOB 't_nothing' is neither a job id nor a variable of the notebook"),
@@ -114,7 +114,7 @@ def test_usage_error_shows_one_line_without_traceback(shell: InteractiveShell) -
     assert isinstance(result.error_in_exec, UsageError)
     lines = [ln for ln in (cap.stdout + cap.stderr).splitlines() if ln.strip()]
     assert lines == ["UsageError: %agent: unknown sub-command 'frobnicate'; allowed: run, step, reply, stop, show, "
-                     "jobs, usage, lessons, panel, pieces, export, plot, retry, fork, batch, batches, compare"]
+                     "jobs, usage, lessons, panel, pieces, tools, export, plot, retry, fork, batch, batches, compare"]
     # a bad model spec is refused before anything is stored
     with pytest.raises(UsageError):
         shell.run_line_magic("agent", 'run --model "scripted:/no/such/file.yaml" "x"')

@@ -14,6 +14,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import tomllib
+import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -23,10 +24,10 @@ BINDER = REPO / "binder"
 CHECK = "NBVAL_CHECK_OUTPUT"
 
 
-def test_the_seven_notebooks_exist() -> None:
+def test_the_eight_notebooks_exist() -> None:
     assert [p.name for p in NOTEBOOKS] == [
         "01-quickstart.ipynb", "02-stepping.ipynb", "03-token-usage.ipynb", "04-piece-design.ipynb",
-        "05-design-lab.ipynb", "06-fork-compare.ipynb", "07-compaction-loops.ipynb"]
+        "05-design-lab.ipynb", "06-fork-compare.ipynb", "07-compaction-loops.ipynb", "08-mcp-tools.ipynb"]
 
 
 def test_the_design_lab_runs_on_scripted_models_kept_in_the_repository() -> None:
@@ -77,6 +78,25 @@ def test_the_compaction_notebook_runs_on_files_kept_in_the_repository() -> None:
     for name in ("research-script.yaml", "review-loop-script.yaml"):
         assert name in text
         resolve_model(f"scripted:{lab / name}")
+
+
+def test_the_mcp_notebook_runs_the_shipped_git_review_piece_on_a_script_kept_in_the_repository() -> None:
+    """Notebook 08 runs pieces/git-review.yaml (mcp-server-git) on notebooks/mcp-tools/review-script.yaml, whose
+    calls must be tools the piece's movement is shown."""
+    from agentnb import load_piece
+    from agentnb.models.factory import resolve_model
+
+    nb = nbformat.read(REPO / "notebooks" / "08-mcp-tools.ipynb", as_version=4)
+    text = "\n".join(c.source for c in nb.cells)
+    assert 'piece="git-review"' in text and "review-script.yaml" in text and "%agent tools git-review" in text
+    review = load_piece(REPO / "pieces" / "git-review.yaml")
+    git = review.mcp_servers["git"]
+    assert (git.command, git.args) == ("python", ("-m", "mcp_server_git", "--repository", "input/repo"))
+    resolve_model(f"scripted:{REPO / 'notebooks' / 'mcp-tools' / 'review-script.yaml'}")
+    script = yaml.safe_load((REPO / "notebooks" / "mcp-tools" / "review-script.yaml").read_text(encoding="utf-8"))
+    called = {c["name"] for r in script["responses"] for c in r.get("tool_calls", [])}
+    assert called == {"git_status", "git_log", "git_diff_unstaged", "Write", "transition"}
+    assert called - {"Write", "transition"} <= set(git.tools or ())
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -58,9 +58,9 @@ from ..models.messages import (
     ToolMessage,
     UserMessage,
 )
-from ..models.replay import RecordedCall, Recording
+from ..models.replay import RecordedCall, Recording, ReplayModel
 from ..tools.base import PERMISSION_RANK, Tool, ToolContext, ToolOutput, get_tool
-from ..tools.mcp import recorded_output
+from ..tools.mcp import kept_result, recorded_output
 from .context import ContextDecision, ContextManager
 from .pieces import SPECIAL_NEXT, Movement
 from .prompts import text, transition_schema
@@ -282,8 +282,8 @@ class AgentLoop:
 
         After a restart in the middle of a response, this completes that response instead.
         """
-        if self._mcp_due:
-            self._load_mcp()
+        if self._mcp_due and self.reserve is None and not isinstance(self.model, ReplayModel):
+            self._load_mcp()  # a re-served run starts no server until a call the record does not hold (_run_tool)
         if self._unfinished is not None:
             return self._complete_unfinished()
         if self._compaction is not None:
@@ -295,8 +295,10 @@ class AgentLoop:
         self.iteration += 1
         it = self.iteration
         seq = self.seq
+        source = self._source(it, self.counters.call_index)
         self.rec.add(LLMRequest(job_id=self.rec.job_id, movement_seq=seq, iteration=it, ts=time.time(),
-                                messages=len(self.messages), tools=self.tool_names))
+                                messages=len(self.messages), tools=self.tool_names if source is None or not
+                                self._mcp_due or source.tools is None else list(source.tools)))
         self.rec.flush()  # durable before the (slow, fallible) model call
         name = mv.name
         request = ModelRequest(
@@ -321,6 +323,7 @@ class AgentLoop:
                 return None
             # a replayed response keeps its original's latency, so a replay's events are its original's
             latency_s = response.latency_s if response.latency_s is not None else round(time.perf_counter() - started, 6)
+        self._recorded = source
         self.counters.call_index += 1
         self.counters.by_movement[name] = self.counters.by_movement.get(name, 0) + 1
 
@@ -389,19 +392,21 @@ class AgentLoop:
         for i, call in enumerate(calls):
             resumed = i < started
             budget = self.ctx.tool_budget()  # the tool is cut to it and its result records it
+            # a re-served response's MCP call: its recorded result, never the server again (docs/tools.md#mcp-tools)
+            kept = kept_result(self._recorded.results if self._recorded else (), first + i, call.name,
+                               self.movement.tools)
+            server = kept.server if kept is not None else getattr(self._mcp_tools.get(call.name), "server", None)
             if not resumed:
                 self.rec.add(ToolCallEvent(job_id=self.rec.job_id, movement_seq=seq, iteration=it, ts=time.time(),
-                                           tool=call.name, arguments=call.arguments, call_id=call.id,
-                                           server=getattr(self._mcp_tools.get(call.name), "server", None)))
+                                           tool=call.name, arguments=call.arguments, call_id=call.id, server=server))
             if outcome is not None:
                 out = ToolOutput("Skipped: the movement already ended with transition.", is_error=True)
             elif call.name == "transition":
                 out, outcome = self._transition(call.arguments)
+            elif kept is not None:
+                out = recorded_output(kept)
             elif resumed and not self._rerunnable(call.name):
                 out = ToolOutput(INTERRUPTED.format(tool=call.name or "a tool"), is_error=True)
-            elif self.reserve is not None and call.name in self._mcp_tools and self._recorded is not None \
-                    and first + i < len(self._recorded.results):
-                out = recorded_output(self._recorded.results[first + i])  # docs/tools.md#mcp-tools: never re-run
             else:
                 out = self._run_tool(call.name, call.arguments, budget)
             self.rec.add(ToolResult(
@@ -409,10 +414,9 @@ class AgentLoop:
                 call_id=call.id, content=out.content, is_error=out.is_error, truncated=out.truncated,
                 # never None: ToolOutput fills both in from its content
                 original_chars=out.original_chars or 0, returned_chars=out.returned_chars or 0,
-                continuation=out.continuation, image=out.image, budget_tokens=budget,
-                server=getattr(self._mcp_tools.get(call.name), "server", None),
+                continuation=out.continuation, image=out.image, budget_tokens=budget, server=server,
             ))
-            if self.reserve is not None:
+            if self.reserve is not None and kept is None:  # a divergence check only where a tool ran again
                 self._check_replayed(it, first + i, call, out)
             self._append(ToolMessage(call.id, out.content))
             if out.image:
@@ -579,8 +583,7 @@ class AgentLoop:
         if u.transition_ok:  # cannot normally be left behind (a transition commits with its movement's end)
             call = next(c for c in u.calls[: u.done] if c.name == "transition")
             outcome = self._transition(call.arguments)[1]
-        if self.reserve is not None:
-            self._recorded = self.reserve.call(self.seq, u.iteration)
+        self._recorded = self._source(u.iteration, self.counters.call_index - 1)
         outcome = self._run_calls(u.calls[u.done:], u.iteration, started=u.started - u.done, first=u.done,
                                   images=u.images, outcome=outcome)
         self._prompt_due = u.prompt is not None
@@ -608,6 +611,13 @@ class AgentLoop:
             )
         self._recorded = recorded
         return recorded.response
+
+    def _source(self, it: int, index: int) -> RecordedCall | None:
+        """The recorded call that response ``it`` (the job's call ``index``) re-serves: a fork's re-served run's or
+        a replay's; None for a live one."""
+        if self.reserve is not None:
+            return self.reserve.call(self.seq, it)
+        return self.model.recorded(index) if isinstance(self.model, ReplayModel) else None
 
     def _check_replayed(self, it: int, index: int, call: ToolCall, out: ToolOutput) -> None:
         """Record a ``replay_divergence`` when a re-run tool's result is not what the original's was."""
@@ -653,6 +663,8 @@ class AgentLoop:
                        question=question)
 
     def _run_tool(self, name: str, arguments: Any, budget: int) -> ToolOutput:
+        if self._mcp_due and name not in self.tool_names:
+            self._load_mcp()  # a re-served run's call the record does not hold runs live: its servers start now
         if not isinstance(name, str) or not name.strip():
             return ToolOutput(f"Error: this tool call names no tool (its function name is missing or empty); "
                               f"available: {', '.join(self.tool_names)}", is_error=True)

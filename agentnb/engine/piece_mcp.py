@@ -14,20 +14,21 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode
 
+from ..tools._mcp_http import check_header_name, check_header_value, check_url
 from ..tools.base import PERMISSION_RANK
 from ..tools.mcp import ENV_REF, McpServer
 
 __all__ = ["SERVER_KEYS", "check_mcp_tool", "mcp_servers"]
 
-SERVER_KEYS = ("command", "args", "env", "cwd", "permission", "read_only_tools", "trust_annotations", "timeout",
-               "tools")
-_LATER = ("url", "headers", "network")  # issue 29's next steps: said so in one line rather than "unknown key"
+SERVER_KEYS = ("command", "args", "env", "cwd", "url", "headers", "permission", "read_only_tools",
+               "trust_annotations", "timeout", "tools", "network")
+_STDIO_ONLY = ("args", "env", "cwd", "network")  # a process's settings: a server at a URL has none
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
 _VAR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def mcp_servers(ck: Any, node: Node) -> dict[str, McpServer]:
-    """``mcp_servers:``: server name → a stdio server's settings."""
+    """``mcp_servers:``: server name → a stdio or Streamable HTTP server's settings."""
     if isinstance(node, ScalarNode) and node.value == "":
         return {}
     if not isinstance(node, MappingNode):
@@ -40,16 +41,12 @@ def mcp_servers(ck: Any, node: Node) -> dict[str, McpServer]:
             raise ck.fail(knode, fld, f"found server name {name!r}; allowed: 1–40 letters, digits, '_' or '-'")
         if name in out:
             raise ck.fail(knode, fld, f"server {name!r} appears twice")
-        if isinstance(vnode, MappingNode):
-            later = [k.value for k, _ in vnode.value if isinstance(k, ScalarNode) and k.value in _LATER]
-            if later:
-                raise ck.fail(vnode, f"{fld}.{later[0]}", f"{later[0]!r} is not supported yet (Streamable HTTP servers "
-                              "and the jail's network come later); give command (a stdio server)")
         keys = ck.mapping(vnode, fld, SERVER_KEYS)
-        if "command" not in keys:
-            raise ck.fail(vnode, f"{fld}.command", "missing required key 'command' (a stdio server's program)")
+        _check_kind(ck, vnode, fld, keys)
         out[name] = McpServer(
-            name=name, command=ck.string(keys["command"][1], f"{fld}.command"),
+            name=name, command=ck.string(keys["command"][1], f"{fld}.command") if "command" in keys else "",
+            url=_url(ck, keys["url"][1], f"{fld}.url") if "url" in keys else None,
+            headers=_headers(ck, keys["headers"][1], f"{fld}.headers") if "headers" in keys else (),
             args=_strings(ck, keys, "args", fld) or (),
             env=_env(ck, keys["env"][1], f"{fld}.env") if "env" in keys else (),
             cwd=_cwd(ck, keys["cwd"][1], f"{fld}.cwd") if "cwd" in keys else ".",
@@ -60,6 +57,7 @@ def mcp_servers(ck: Any, node: Node) -> dict[str, McpServer]:
             if "trust_annotations" in keys else False,
             timeout=_seconds(ck, keys["timeout"][1], f"{fld}.timeout") if "timeout" in keys else 60.0,
             tools=_strings(ck, keys, "tools", fld),
+            network=_bool(ck, keys["network"][1], f"{fld}.network") if "network" in keys else False,
         )
     return out
 
@@ -81,6 +79,51 @@ def check_mcp_tool(ck: Any, node: Node, fld: str, tname: str, servers: Mapping[s
     if PERMISSION_RANK[permission] < PERMISSION_RANK[spec.permission]:
         raise ck.fail(node, fld, f"MCP server {server!r} needs permission {spec.permission!r}; this movement has "
                       f"{permission!r} (raise the movement's permission or lower the server's)")
+
+
+def _check_kind(ck: Any, node: Node, fld: str, keys: Mapping[str, tuple[Node, Node]]) -> None:
+    """A server is a program (``command``) or an address (``url``), exactly one, with the keys of its kind."""
+    if "command" in keys and "url" in keys:
+        raise ck.fail(keys["url"][0], f"{fld}.url", "give either command (a stdio server) or url (a Streamable HTTP "
+                      "server), not both")
+    if "command" not in keys and "url" not in keys:
+        raise ck.fail(node, f"{fld}.command", "missing required key: command (a stdio server's program) or url (a "
+                      "Streamable HTTP server's address)")
+    if "url" in keys:
+        for key in (k for k in _STDIO_ONLY if k in keys):
+            raise ck.fail(keys[key][0], f"{fld}.{key}", f"{key!r} is for a stdio server (command); a Streamable "
+                          "HTTP server (url) takes headers")
+    elif "headers" in keys:
+        raise ck.fail(keys["headers"][0], f"{fld}.headers", "'headers' is for a Streamable HTTP server (url); a "
+                      "stdio server (command) takes env")
+
+
+def _url(ck: Any, node: Node, fld: str) -> str:
+    value: str = ck.string(node, fld)
+    why = check_url(value)
+    if why is not None:
+        raise ck.fail(node, fld, why)
+    return value
+
+
+def _headers(ck: Any, node: Node, fld: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(node, MappingNode):
+        raise ck.fail(node, fld, "found a value that is not a mapping, expected Header-Name: VARIABLE or "
+                      "Header-Name: text with ${VARIABLE}")
+    out: list[tuple[str, str]] = []
+    for knode, vnode in node.value:
+        key = ck.string(knode, fld)
+        why = check_header_name(key)
+        if why is None and any(k.lower() == key.lower() for k, _ in out):
+            why = f"header {key!r} appears twice"
+        if why is not None:
+            raise ck.fail(knode, f"{fld}.{key}", why)
+        value: str = ck.string(vnode, f"{fld}.{key}")
+        why = check_header_value(value)
+        if why is not None:
+            raise ck.fail(vnode, f"{fld}.{key}", why)
+        out.append((key, value))
+    return tuple(out)
 
 
 def _strings(ck: Any, keys: Mapping[str, tuple[Node, Node]], key: str, fld: str) -> tuple[str, ...] | None:

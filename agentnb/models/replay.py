@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ModelError
-from ..events import ErrorEvent, Event, LLMResponse, MovementStart, ToolResult, Transition
+from ..events import ErrorEvent, Event, LLMRequest, LLMResponse, MovementStart, ToolResult, Transition
 from .base import ModelRequest, ModelResponse, ToolCall
 from .messages import TokenUsage
 
@@ -36,6 +36,9 @@ class RecordedCall:
     results: tuple[ToolResult, ...]
     latency_s: float | None
     purpose: str | None = None  # "compaction": a summarisation call (docs/context.md#compaction), not a turn of the conversation
+    # the tool names its llm_request offered (None: not recorded): a re-served run that starts no MCP server
+    # offers the same (docs/tools.md#mcp-tools)
+    tools: tuple[str, ...] | None = None
 
 
 class Recording:
@@ -46,7 +49,7 @@ class Recording:
         self.job_id = job_id
         self.before = before
         store.job(job_id)  # a StoreError naming the job when there is none
-        kinds = ["movement_start", "llm_response", "tool_result", "transition", "error"]
+        kinds = ["movement_start", "llm_request", "llm_response", "tool_result", "transition", "error"]
         events = [ev for ev in store.events(job_id, kinds=kinds)
                   if ev.movement_seq is not None and (before is None or ev.movement_seq < before)]
         self.movements: dict[int, str] = {}  # run → movement name
@@ -56,6 +59,7 @@ class Recording:
         # (run, call) → why the summarisation call made there failed: it left no response to re-serve, and a
         # re-served run must fail it the same way, not as a call the original never made (docs/context.md)
         self.failed_compactions: dict[tuple[int, int], str] = {}
+        self._offered: dict[tuple[int, int], tuple[str, ...]] = {}  # (run, call) → the tool names its request sent
         responses, results = self._sort(events)
         # one Recording per job re-served from, made when its first call is met, reaching the last run re-served
         sources: dict[int, Recording] = {}
@@ -76,6 +80,8 @@ class Recording:
                     self._replayed_runs[ev.seq] = ev.replayed_from
             elif isinstance(ev, LLMResponse):
                 responses.append(ev)
+            elif isinstance(ev, LLMRequest):
+                self._offered[(ev.movement_seq or 0, ev.iteration or 0)] = tuple(ev.tools)
             elif isinstance(ev, Transition):
                 self.transitions[ev.movement_seq or 0] = ev
             elif isinstance(ev, ToolResult):
@@ -111,6 +117,7 @@ class Recording:
             response=ModelResponse(content=ev.content, tool_calls=calls, usage=usage, latency_s=latency,
                                    ttft_s=ttft),
             results=tuple(results.get((seq, it), ())), latency_s=latency, purpose=ev.purpose,
+            tools=self._offered.get((seq, it)),
         )
 
     def call(self, seq: int, iteration: int) -> RecordedCall | None:
@@ -174,6 +181,12 @@ class ReplayModel:
         self.job_id = job_id
         self.recording = Recording(store, job_id)
         self.responses: list[ModelResponse] = [c.response for c in self.recording.calls]
+
+    def recorded(self, call_index: int) -> RecordedCall | None:
+        """The recorded call the job's call ``call_index`` re-serves (its tool results: an MCP call's is given
+        again, not asked of the server, docs/tools.md#mcp-tools); None past the last."""
+        calls = self.recording.calls
+        return calls[call_index] if 0 <= call_index < len(calls) else None
 
     def complete(self, request: ModelRequest) -> ModelResponse:
         if request.purpose == "compaction":

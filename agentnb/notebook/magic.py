@@ -53,8 +53,8 @@ from .vars import VarError, expand, expand_value, split_line
 
 __all__ = ["SUBCOMMANDS", "AgentMagic", "expand_braces", "load_ipython_extension"]
 
-SUBCOMMANDS = ("run", "step", "reply", "stop", "show", "jobs", "usage", "lessons", "panel", "pieces", "export",
-               "plot", "retry", "fork", "batch", "batches", "compare")
+SUBCOMMANDS = ("run", "step", "reply", "stop", "show", "jobs", "usage", "lessons", "panel", "pieces", "tools",
+               "export", "plot", "retry", "fork", "batch", "batches", "compare")
 
 _OVERVIEW = """\
 %agent SUBCOMMAND [options]      (%agent SUBCOMMAND --help for its options)
@@ -74,6 +74,7 @@ _OVERVIEW = """\
   lessons [JOB] [--all]        the lessons the movements wrote, as a DataFrame
   panel                        the interactive panel (ipywidgets)
   pieces                       the available pieces, as a DataFrame
+  tools [PIECE] [--workdir DIR]  each movement's tools: source (built-in, Python or MCP server), parameters
   export JOB PATH              the job as a notebook (.ipynb)
   plot [JOB]                   the usage plot: context ratio per LLM call, cumulative tokens
   batch CASES --piece a,b --model m[,m2] [--concurrency N] [--name NAME] [--scorer VAR]...
@@ -98,7 +99,7 @@ Store:    %config AgentMagic.store = 'postgresql://user@host:5432/db' keeps the 
 _JOB_ARGS = frozenset({"job", "a", "b"})
 # the arguments that name notebook objects (cases, scorers, pieces, models): filled by AgentMagic.value,
 # which keeps a variable's list, DataFrame, function or Piece whole
-_VALUE_ARGS = frozenset({"cases", "scorer", "piece_list", "model_list", "fork_piece"})
+_VALUE_ARGS = frozenset({"cases", "scorer", "piece_list", "model_list", "fork_piece", "tools_piece"})
 
 
 def _one_line(exc: BaseException | str) -> str:
@@ -527,12 +528,7 @@ class AgentMagic(Magics):
         at = args.at.strip()  # text until here, so that --at {n} and --at $n are filled like any argument
         if not at.isdigit():
             raise UsageError(f"--at {args.at!r} is not a movement run number; allowed: 1, 2, … (1 is the first run)")
-        piece: Any = None
-        if args.fork_piece is not None:
-            found, piece = self.value(args.fork_piece, "--piece")
-            if found and not isinstance(piece, (str, PathLike, Piece)):
-                raise UsageError(f"--piece {args.fork_piece}: the variable holds a {type(piece).__name__}; allowed: "
-                                 "a Piece, a piece name or a YAML path")
+        piece = None if args.fork_piece is None else self.piece_value(args.fork_piece, "--piece")
         context = context_items(args.context) if args.context else None
         job = self.ws.fork(original, at=int(at), piece=piece, model=args.model, strict=args.strict, context=context,
                            run=False)
@@ -605,6 +601,20 @@ class AgentMagic(Magics):
                              "description": f"INVALID: {_one_line(exc)}", "path": str(path)})
         return pd.DataFrame(rows, columns=["piece", "movements", "max_movements", "description", "path"])
 
+    @magic_arguments(name="agent tools")
+    @argument("tools_piece", nargs="?", metavar="PIECE", help="piece name, YAML path or Piece variable "
+              "(default: AgentMagic.piece)")
+    @argument("--workdir", help="the folder the piece's MCP servers start in, as in a job's work directory "
+              "(default: an empty one with input/ and output/)")
+    def cmd_tools(self, args: Any, cell: str | None) -> Any:
+        """Each movement's tools with their source (built-in, Python or the MCP server's name) and parameters,
+        a table per movement; the piece's MCP servers are started to ask them, and stopped after."""
+        from ..engine.tool_list import list_tools
+        from ..views.tool_table import ToolTable
+
+        piece = self.piece_value(args.tools_piece, "PIECE") if args.tools_piece else self.piece
+        return ToolTable(list_tools(load_piece(piece), args.workdir))
+
     @magic_arguments(name="agent export")
     @argument("job", help="job id or Job variable")
     @argument("path", help="the .ipynb file to write")
@@ -634,6 +644,14 @@ class AgentMagic(Magics):
         if text.isidentifier() and text in ns:
             return True, ns[text]
         return False, text
+
+    def piece_value(self, text: str, what: str) -> Any:
+        """A piece argument: a variable's Piece, name or path kept whole, or the text itself."""
+        found, piece = self.value(text, what)
+        if found and not isinstance(piece, (str, PathLike, Piece)):
+            raise UsageError(f"{what} {text}: the variable holds a {type(piece).__name__}; allowed: "
+                             "a Piece, a piece name or a YAML path")
+        return piece
 
     def _listed(self, text: str | None, what: str) -> Any:
         """A --piece/--model argument: a variable's object (a list, a Piece, a Path) kept whole, or text split

@@ -314,7 +314,8 @@ def _build(d: _Dialect) -> FrameSQL:
     """
 
     _TOOL_CALLS_SQL = f"""
-    SELECT {_EVENT_HEAD}, {d.jx('e', ToolCallEvent, 'tool')} AS tool, {d.jx('e', ToolCallEvent, 'call_id')} AS call_id,
+    SELECT {_EVENT_HEAD}, {d.jx('e', ToolCallEvent, 'tool')} AS tool, {d.jx('e', ToolCallEvent, 'server')} AS server,
+           {d.jx('e', ToolCallEvent, 'call_id')} AS call_id,
            {d.text_or_json('e', ToolCallEvent, 'arguments')} AS arguments,
            {d.jx('r', ToolResult, 'is_error')} AS is_error, {d.jx('r', ToolResult, 'truncated')} AS truncated,
            {d.jx('r', ToolResult, 'original_chars')} AS original_chars, {d.jx('r', ToolResult, 'returned_chars')} AS returned_chars,

@@ -22,14 +22,12 @@ from ..errors import ToolError
 from ._grep import GrepTimeout, Matcher, PatternError, SearchFailed, matcher
 from ._grepscan import Record
 from .base import builtin_tool
-from .context import ToolContext, ToolOutput
+from .context import IMAGE_TYPES, MAX_IMAGE_BYTES, ToolContext, ToolOutput
 from .office import OFFICE_SUFFIXES, extract_text
 from .paths import normalise_rel, open_regular, resolve_path, unlinked_path
 from .sandbox import bash_argv, bash_env, run_bounded
 from .truncate import cut_text, read_document_text, read_file
 
-_IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp"}
-_MAX_IMAGE_BYTES = 5 * 1024 * 1024
 GREP_TIMEOUT_ENV = "AGENTNB_GREP_TIMEOUT"
 _GREP_TIMEOUT = 5.0  # seconds per Grep call (of matching with RE2; of the search process, wall clock)
 
@@ -301,16 +299,16 @@ def ReadImage(ctx: ToolContext, path: str) -> ToolOutput:
     with _os_errors(path):
         fd = open_regular(p, path)
         try:
-            mime = _IMAGE_TYPES.get(p.suffix.lower())
+            mime = IMAGE_TYPES.get(p.suffix.lower())
             if mime is None:
-                raise ToolError(f"{path!r} is not an image ReadImage can attach; allowed: {', '.join(_IMAGE_TYPES)}")
+                raise ToolError(f"{path!r} is not an image ReadImage can attach; allowed: {', '.join(IMAGE_TYPES)}")
             size = os.fstat(fd).st_size
-            if size > _MAX_IMAGE_BYTES:
-                raise ToolError(f"{path!r} is {size:,} bytes; images up to {_MAX_IMAGE_BYTES:,} bytes can be attached")
+            if size > MAX_IMAGE_BYTES:
+                raise ToolError(f"{path!r} is {size:,} bytes; images up to {MAX_IMAGE_BYTES:,} bytes can be attached")
         except BaseException:
             os.close(fd)
             raise
-        data = base64.b64encode(_read_fd(fd, _MAX_IMAGE_BYTES)).decode("ascii")
+        data = base64.b64encode(_read_fd(fd, MAX_IMAGE_BYTES)).decode("ascii")
     return ToolOutput(f"Image {path} ({size:,} bytes, {mime}) is attached below.",
                       image=f"data:{mime};base64,{data}")
 

@@ -14,7 +14,11 @@ from typing import Any
 
 from .paths import resolve_path
 
-__all__ = ["Counter", "ToolContext", "ToolOutput", "fit_prefix"]
+__all__ = ["IMAGE_TYPES", "MAX_IMAGE_BYTES", "Counter", "ToolContext", "ToolOutput", "fit_prefix"]
+
+# the images a tool can attach for the model (ReadImage's files, an MCP server's image content): suffix → MIME type
+IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif", ".webp": "image/webp"}
+MAX_IMAGE_BYTES = 5 * 1024 * 1024
 
 Counter = Callable[[str], int]
 

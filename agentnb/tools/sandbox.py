@@ -1,4 +1,5 @@
-"""The jail around ``Bash``: the command sees the work directory read-write, the system read-only, nothing else.
+"""The jail around ``Bash`` (and stdio MCP servers, :func:`jailed_server`): the command sees the work directory
+read-write, the system read-only, nothing else.
 
 Built on bubblewrap (``bwrap``), which needs no root.  Other jobs' folders, the
 store, the home directory and the rest of the file system are not mounted, so a
@@ -28,6 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,8 @@ __all__ = [
     "Captured",
     "bash_argv",
     "bash_env",
+    "jailed_server",
+    "program_paths",
     "run_bounded",
     "sandbox_argv",
 ]
@@ -101,8 +105,13 @@ def bash_argv(workdir: str, command: str) -> tuple[list[str], int]:
 _GUARD = 'trap "kill -KILL 0" TERM; bash -c "$1" bash & wait "$!"'
 
 
-def sandbox_argv(workdir: str) -> list[str]:
-    """The argv prefix that runs a command jailed in ``workdir`` (empty when the sandbox is switched off)."""
+def sandbox_argv(workdir: str, *, cwd: str | None = None, network: bool | None = None,
+                 readonly: Sequence[str] = (), who: str = "Bash runs commands") -> list[str]:
+    """The argv prefix that runs a command jailed in ``workdir`` (empty when the sandbox is switched off).
+
+    ``cwd``: the folder it starts in (default ``workdir``); ``network``: whether it has the network (default:
+    ``AGENTNB_BASH_NETWORK=1``); ``readonly``: further paths it sees read-only (an MCP server's program,
+    :func:`program_paths`); ``who`` names what refuses to run without bubblewrap."""
     mode = os.environ.get(SANDBOX_ENV, "auto").strip().lower()
     if mode in ("off", "0", "no", "false"):
         return []
@@ -111,9 +120,9 @@ def sandbox_argv(workdir: str) -> list[str]:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise ToolError(
-            "Bash runs only inside a bubblewrap sandbox so that commands stay in the work directory, and `bwrap` "
+            f"{who} only inside a bubblewrap sandbox so that they stay in the work directory, and `bwrap` "
             "is not installed (Debian/Ubuntu: apt-get install bubblewrap). The user can set "
-            f"{SANDBOX_ENV}=off to run commands unconfined."
+            f"{SANDBOX_ENV}=off to run them unconfined."
         )
     argv = [bwrap]
     for path in _SYSTEM:
@@ -128,13 +137,80 @@ def sandbox_argv(workdir: str) -> list[str]:
     for prefix in sorted({sys.base_prefix, sys.prefix}):
         if os.path.isdir(prefix) and not prefix.startswith(("/usr", "/opt")):
             argv += ["--ro-bind", prefix, prefix]
-    argv += ["--bind", workdir, workdir, "--chdir", workdir, "--setenv", "HOME", workdir]
+    for path in readonly:
+        argv += ["--ro-bind", path, path]
+    # the work directory last: read-write even where a read-only path above holds it
+    argv += ["--bind", workdir, workdir, "--chdir", cwd or workdir, "--setenv", "HOME", workdir]
     # no capabilities: when agentnb runs as root, root in the jail must not override file permissions,
     # mount, or make device nodes
     argv += ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
-    if os.environ.get("AGENTNB_BASH_NETWORK") == "1":
+    if os.environ.get("AGENTNB_BASH_NETWORK") == "1" if network is None else network:
         argv.append("--share-net")
     return argv
+
+
+def jailed_server(command: str, args: Sequence[str], *, workdir: str, cwd: str, env: Mapping[str, str],
+                  network: bool) -> list[str]:
+    """The argv of a stdio MCP server in the jail Bash's commands run in (docs/tools.md#mcp-tools): the work
+    directory read-write, the system and the server's program read-only, the network only when ``network``;
+    ``[command, *args]`` as it is when the sandbox is off.  ``env`` is the server's environment (its PATH finds
+    the program).  The caller runs it in a process group of its own that dies with the worker: bwrap's
+    ``--die-with-parent`` and PID namespace take the server's own children down with it."""
+    workdir, cwd = os.path.realpath(workdir), os.path.realpath(cwd)
+    program = program_paths(command, env.get("PATH"), workdir, cwd)
+    jail = sandbox_argv(workdir, cwd=cwd, network=network, readonly=program, who="agentnb runs stdio MCP servers")
+    return [*jail, command, *args]
+
+
+def program_paths(command: str, path_env: str | None, workdir: str, cwd: str) -> list[str]:
+    """What a jailed program needs to see read-only beyond the system folders, the running Python and the work
+    directory (docs/tools.md#mcp-tools): the program found on ``path_env`` or in ``cwd`` (its link and the file it
+    leads to), the virtual environment it or its ``#!`` interpreter lives in, and that environment's Python
+    installation.  Never a file its arguments name: a piece shared with you must not hand the jail your files."""
+    found = shutil.which(command, path=path_env) if os.sep not in command else os.path.join(cwd, command)
+    if found is None or not (os.path.isfile(found) and os.access(found, os.X_OK)):
+        return []  # not found: the jail says so, and the start error shows it
+    programs = [found, os.path.realpath(found)]
+    interpreter = _interpreter(found)
+    if interpreter is not None:
+        programs += [interpreter, os.path.realpath(interpreter)]
+    wanted = [_venv_of(p) or p for p in programs]
+    for venv in [w for w in wanted if os.path.isfile(os.path.join(w, "pyvenv.cfg"))]:
+        home = _venv_home(venv)  # the installation the environment's python links to
+        if home is not None:
+            wanted.append(os.path.dirname(home) if os.path.basename(home) == "bin" else home)
+    seen = [p.rstrip("/") for p in (*_SYSTEM, sys.prefix, sys.base_prefix, workdir)]
+    out: list[str] = []
+    for w in sorted(set(wanted), key=len):  # a folder before what lies in it: one bind for both
+        if os.path.exists(w) and not any(w == s or w.startswith(s + "/") for s in (*seen, *out)):
+            out.append(w)
+    return out
+
+
+def _venv_of(program: str) -> str | None:
+    """The virtual environment ``program`` is in (its ``bin/`` folder's parent holds ``pyvenv.cfg``), or None."""
+    root = os.path.dirname(os.path.dirname(program))
+    return root if os.path.isfile(os.path.join(root, "pyvenv.cfg")) else None
+
+
+def _interpreter(program: str) -> str | None:
+    """The interpreter a script's ``#!`` line names by absolute path, or None."""
+    try:
+        with open(program, "rb") as fh:
+            first = fh.readline(512)
+    except OSError:
+        return None
+    words = first[2:].decode("utf-8", "replace").split() if first.startswith(b"#!") else []
+    return words[0] if words and os.path.isabs(words[0]) else None
+
+
+def _venv_home(venv: str) -> str | None:
+    with contextlib.suppress(OSError), open(os.path.join(venv, "pyvenv.cfg"), encoding="utf-8") as fh:
+        for line in fh:
+            key, _, value = line.partition("=")
+            if key.strip() == "home" and os.path.isabs(value.strip()):
+                return os.path.realpath(value.strip())
+    return None
 
 
 def _etc_argv() -> list[str]:

@@ -29,8 +29,8 @@ frame               columns
                     next_step, forced, summary, replayed, judge, name, tokens
 ``messages(job)``   job, event_id, seq, movement, iteration, timestamp, role, kind, tool, call_id,
                     content, chars
-``tool_calls(job)`` job, event_id, seq, movement, iteration, timestamp, tool, call_id, arguments,
-                    is_error, truncated, original_chars, returned_chars, duration, result
+``tool_calls(job)`` job, event_id, seq, movement, iteration, timestamp, tool, server, call_id,
+                    arguments, is_error, truncated, original_chars, returned_chars, duration, result
 ``usage(job)``      job, call, seq, movement, iteration, timestamp, prompt_tokens,
                     completion_tokens, total_tokens, cumulative_tokens, cost_usd, source, window,
                     ratio, action, actions, transition, forced, latency_s, ttft_s, replayed
@@ -108,7 +108,8 @@ Details:
   prompts (``kind`` movement_start), ``assistant`` replies (``tool`` lists the tools it
   called), ``tool`` results and the ``user`` reminders the loop injected.
 * ``tool_calls()`` pairs each ``tool_call`` with its ``tool_result``: ``arguments`` is the JSON
-  text of the arguments, ``duration`` the time the tool took, ``result`` what the model saw.
+  text of the arguments, ``duration`` the time the tool took, ``result`` what the model saw; ``server`` the
+  MCP server whose tool it is (docs/tools.md#mcp-tools), NA for a built-in or Python tool.
   Result columns are missing when a result was never recorded (e.g. a crash).
 * Forks (docs/fork-compare.md#fork): ``jobs().forked_from_job`` / ``forked_from_seq`` (nullable ``Int64``, NA for a job that
   is no fork) name the job a fork was made of and the movement run it runs live from.  ``movements().replayed``
@@ -226,7 +227,7 @@ _MESSAGES: _Spec = {
 }
 _TOOL_CALLS: _Spec = {
     "job": "int", "event_id": "int", "seq": "Int", "movement": "str", "iteration": "Int", "timestamp": "time",
-    **_fields(ToolCallEvent, tool="cat", call_id="str", arguments="str"),
+    **_fields(ToolCallEvent, tool="cat", server="cat", call_id="str", arguments="str"),
     **_fields(ToolResult, is_error="boolean", truncated="boolean", original_chars="Int", returned_chars="Int"),
     "duration": "delta", "result": "str",
 }

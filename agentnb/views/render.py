@@ -322,7 +322,7 @@ def _tool_html(call: ToolCallEvent | None, result: ToolResult | None, o: _Opts, 
     ev = call if call is not None else result
     assert ev is not None, "a tool is shown from its call, its result or both"
     name, key = ev.tool, _key(o, seq, ev.iteration, ev.call_id)
-    parts = [f'<div class="anb-tool">{icon(TOOL, "tool call")} <b>{_e(name)}</b>']
+    parts = [f'<div class="anb-tool">{icon(TOOL, "tool call")} <b>{_e(name)}</b>{_server_html(ev.server)}']
     if call is not None:
         parts.append(_body(_json(call.arguments), o, seq, label="arguments", key=key + ":arguments"))
     if result is None:
@@ -344,6 +344,13 @@ def _tool_html(call: ToolCallEvent | None, result: ToolResult | None, o: _Opts, 
             parts.append('<div class="anb-dim">(an image was returned to the model)</div>')
     parts.append("</div>")
     return "".join(parts)
+
+
+def _server_html(server: str | None) -> str:
+    """`` · git`` after an MCP tool's name: the server that offers it (docs/tools.md#mcp-tools)."""
+    if not server:
+        return ""
+    return f' <span class="anb-dim anb-server" title="MCP server {_e(server)}">· {_e(server)}</span>'
 
 
 def _transition_html(ev: Transition, o: _Opts, seq: int | None) -> str:

@@ -53,7 +53,7 @@ from ..models.prices import call_costs
 from ..store.base import JobStatus, is_recovery
 
 __all__ = ["VIEWED_KINDS", "Call", "Fold", "MovementRun", "Note", "RunningClock", "Timeline", "ToolUse", "Totals",
-           "fold", "is_compaction_error", "is_interruption", "note"]
+           "fold", "is_compaction_error", "is_interruption", "note", "tool_label"]
 
 # The kinds the views know, each shown in its own way or on purpose not at all (a request is its response's
 # call, a lesson is its transition's, a job_status is the header's); the fold turns any other kind into a Note.
@@ -73,6 +73,12 @@ def is_compaction_error(ev: ErrorEvent) -> bool:
 # -- the frozen model ------------------------------------------------------------------------------------
 
 
+def tool_label(tool: str, server: str | None) -> str:
+    """``git_log · git``: a tool's name with the MCP server that offers it (docs/tools.md#mcp-tools); a built-in
+    or Python tool's name alone."""
+    return f"{tool} · {server}" if server else tool
+
+
 @dataclass(frozen=True, slots=True)
 class ToolUse:
     """A tool call and its result (either None: a call still running or stopped before its result; a result
@@ -84,6 +90,16 @@ class ToolUse:
     @property
     def tool(self) -> str:
         return self.call.tool if self.call is not None else self.result.tool  # type: ignore[union-attr]
+
+    @property
+    def label(self) -> str:
+        """The tool's name as the text views show it: with its MCP server beside it (:func:`tool_label`)."""
+        return tool_label(self.tool, self.server)
+
+    @property
+    def server(self) -> str | None:
+        """The MCP server whose tool this is (docs/tools.md#mcp-tools); None for a built-in or Python tool."""
+        return self.call.server if self.call is not None else self.result.server  # type: ignore[union-attr]
 
     @property
     def call_id(self) -> str:

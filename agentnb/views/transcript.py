@@ -333,12 +333,12 @@ class _RunText:
         if use.call is not None:
             args = use.call.arguments
             args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            out.append(f"> {use.call.tool} {args if self.max_chars is None or len(args) <= 500 else args[:500] + '…'}")
+            out.append(f"> {use.label} {args if self.max_chars is None or len(args) <= 500 else args[:500] + '…'}")
         if use.result is not None:
             ev = use.result
             flags = [w for w, on in (("error", ev.is_error), ("truncated", ev.truncated)) if on]
             size = f"{ev.returned_chars:,} of {ev.original_chars:,} chars" if ev.truncated else ""
-            out.append(f"< {ev.tool}" + (f" [{', '.join(flags)}]" if flags else "") + (f" {size}" if size else ""))
+            out.append(f"< {use.label}" + (f" [{', '.join(flags)}]" if flags else "") + (f" {size}" if size else ""))
             out.extend(self.body(ev.content))
         return out
 
