@@ -225,18 +225,20 @@ _MAX_CHUNK_LINE = 4096
 
 def chunked_body(response: Any, watch: Watch) -> Iterator[bytes] | None:
     """The body of a streamed HTTP/1.1 ``transfer-encoding: chunked`` response, read straight from its connection
-    (``watch`` touched at each read); None when the response is not one this can read (HTTP/2, another length,
+    (``watch`` touched at each read); None when the response is not one this can read (HTTP/2, another framing,
     an httpx or httpcore laid out otherwise): then it is read through httpx.
 
     Why (benchmarks/README.md, "Streamed answers"): an SSE answer comes as one HTTP chunk per event, and through
     httpx each costs h11's parse of the chunk into an event object, then four generators and an exception-mapping
     context in httpcore and httpx; here one read of the socket (several chunks when they came together) is
-    unframed with ``bytes.find`` and handed on as one piece.  h11 is left as it expects: this takes over only
-    where its chunked reader needs more bytes at a chunk's boundary, and at the end it is given the last chunk
-    (``0``, no trailers), so its connection goes back to the pool as after any read to the end.  Bytes after the
-    last chunk (never sent by a server that waits for the next request) are not given to h11: its connection is
-    closed rather than reused."""
-    # httpx's byte stream wraps httpcore's (a timer, exception mapping, the pool's), which reads from one connection
+    unframed with ``bytes.find`` and handed on as one piece.  h11 is left as it expects, through its public API
+    only: it parses what it holds until it waits, with nothing held, at a chunk's end; from there the bytes are
+    read here, and at the body's end h11 is given the CRLF it still waited for and the last chunk (``0``), so its
+    connection goes back to the pool as after any read to the end.  Bytes after the last chunk (never sent by a
+    server that waits for the next request) are not given to h11: its connection is closed rather than reused."""
+    if "chunked" not in str(response.headers.get("transfer-encoding", "")).lower():
+        return None
+    # httpx's byte stream wraps httpcore's (a timer, exception mapping, the pool's), which reads one connection
     stream, conn = getattr(response, "stream", None), None
     for _ in range(8):
         conn = getattr(stream, "_connection", None)
@@ -244,24 +246,21 @@ def chunked_body(response: Any, watch: Watch) -> Iterator[bytes] | None:
             break
         stream = getattr(stream, "_httpcore_stream", None) or getattr(stream, "_stream", None)
     h11c = getattr(conn, "_h11_state", None)
-    net = getattr(conn, "_network_stream", None)
-    reader = getattr(h11c, "_reader", None)
-    if (type(reader).__name__ != "ChunkedReader" or not hasattr(reader, "_bytes_in_chunk")
-            or not hasattr(net, "read") or not hasattr(h11c, "receive_data")):
-        return None
+    net = getattr(response, "extensions", {}).get("network_stream")
     import h11
 
-    timeouts = getattr(response, "request", None)
-    timeouts = getattr(timeouts, "extensions", {}).get("timeout", {})
+    if not isinstance(h11c, h11.Connection) or h11c.their_state is not h11.SEND_BODY or not hasattr(net, "read"):
+        return None
+    timeouts = getattr(getattr(response, "request", None), "extensions", {}).get("timeout", {})
     read_timeout = timeouts.get("read") if isinstance(timeouts, dict) else None
-    return _unchunk(h11, h11c, reader, net, read_timeout, watch)
+    return _unchunk(h11, h11c, net, read_timeout, watch)
 
 
-def _unchunk(h11: Any, h11c: Any, reader: Any, net: Any, timeout: float | None, watch: Watch) -> Iterator[bytes]:
+def _unchunk(h11: Any, h11c: Any, net: Any, timeout: float | None, watch: Watch) -> Iterator[bytes]:
     def read() -> bytes:
         try:
             data: bytes = net.read(65536, timeout)
-        except Exception as exc:  # httpcore's ReadTimeout/ReadError (httpcore or httpcore2: matched by name)
+        except Exception as exc:  # httpcore's ReadTimeout/ReadError (httpcore or httpcore2: told by name)
             if "Timeout" in type(exc).__name__:
                 raise BodyTimeout(str(exc)) from None
             raise BodyBroken(f"{type(exc).__name__}: {exc}") from None
@@ -270,31 +269,34 @@ def _unchunk(h11: Any, h11c: Any, reader: Any, net: Any, timeout: float | None, 
         watch.touch()
         return data
 
+    # h11 parses what it holds (what came with the headers) until it is sure to wait for the next chunk-size line:
+    # it needs data at a chunk's end (or the body's start) and held at most the CRLF after that chunk before, so
+    # it has taken no part of the next line; the part of that CRLF it has not taken yet is owed to it
+    ended: bool | None = None  # the last chunk h11 gave ended (None: no chunk yet)
+    while True:
+        held = h11c.trailing_data[0] if ended is not False else None
+        try:
+            event = h11c.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise BodyBroken(f"malformed chunked body: {exc}") from None
+        if event is h11.NEED_DATA:
+            if ended is None and held == b"":
+                owed = 0
+                break
+            if ended and held in (b"", b"\r", b"\r\n"):
+                owed = 2 - len(held)
+                break
+            h11c.receive_data(read())
+        elif isinstance(event, h11.Data):
+            ended = bool(event.chunk_end)
+            yield bytes(event.data)
+        elif isinstance(event, h11.EndOfMessage):
+            return
+        else:
+            raise BodyBroken(f"unexpected {type(event).__name__} in the body")
     buf = b""
-    held: Any = getattr(h11c, "_receive_buffer", None)
-    if (type(held).__name__ == "ReceiveBuffer"
-            and not (reader._bytes_in_chunk or reader._bytes_to_discard or reader._reading_trailer)):
-        # at the body's start: the bytes that came with the headers are taken from h11, which then holds none
-        buf = bytes(held)
-        h11c._receive_buffer = type(held)()
-    else:  # h11 has read into the body: it goes on until it waits at a chunk's boundary
-        while True:
-            try:
-                event = h11c.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise BodyBroken(f"malformed chunked body: {exc}") from None
-            if event is h11.NEED_DATA:
-                if not (reader._bytes_in_chunk or reader._bytes_to_discard or reader._reading_trailer):
-                    break
-                h11c.receive_data(read())
-            elif isinstance(event, h11.Data):
-                yield bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                return
-            else:
-                raise BodyBroken(f"unexpected {type(event).__name__} in the body")
     left = 0  # data bytes of the current chunk still to come
-    crlf = 0  # bytes of the CRLF after a chunk's data still to come
+    crlf = owed  # bytes of the CRLF after a chunk's data still to come
     trailer = False  # after the last chunk (size 0): trailer lines until an empty one
     while True:
         if not buf:
@@ -329,7 +331,7 @@ def _unchunk(h11: Any, h11c: Any, reader: Any, net: Any, timeout: float | None, 
                     yield out[0] if len(out) == 1 else b"".join(out)
                 if pos == end:  # h11 is given the end of the body, so the connection can be reused
                     with contextlib.suppress(Exception):  # else it is closed, not reused
-                        h11c.receive_data(b"0\r\n\r\n")
+                        h11c.receive_data(b"\r\n"[2 - owed:] + b"0\r\n\r\n")
                         h11c.next_event()
                 return
             try:
