@@ -102,8 +102,8 @@ def sdk_spans(trace: TraceRecord) -> list[ReadableSpan]:
             status = Status(StatusCode.ERROR, s.error_message or s.error)
         out.append(ReadableSpan(
             name=s.name, context=SpanContext(trace.trace_id, s.span_id, is_remote=False, trace_flags=flags),
-            parent=parent, resource=resource, attributes=attributes,  # type: ignore[arg-type]
-            events=[Event(e.name, dict(e.attributes), _ns(e.ts)) for e in s.events],  # type: ignore[arg-type]
+            parent=parent, resource=resource, attributes=attributes,
+            events=[Event(e.name, dict(e.attributes), _ns(e.ts)) for e in s.events],
             kind=SpanKind.CLIENT if s.kind == "client" else SpanKind.INTERNAL, status=status,
             start_time=_ns(s.start), end_time=_ns(s.end), instrumentation_scope=scope))
     return out
