@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -402,3 +403,32 @@ def test_without_the_extra_the_export_says_what_to_install(tmp_path: Path) -> No
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 2
     assert done.stderr == "agentnb: error: OpenTelemetry export needs the otel extra: pip install 'agentnb[otel]'\n"
+
+
+def test_a_fork_and_an_mcp_tool(ws: Workspace, tmp_path: Path) -> None:
+    # a fork's resource names its origin, its re-served run and calls say so; an MCP server's tool is `mcp`
+    time_server = shutil.which("mcp-server-time") or str(Path(sys.executable).parent / "mcp-server-time")
+    piece = write_piece(tmp_path, "clock", {
+        "mcp_servers": {"time": {"command": time_server, "args": ["--local-timezone", "UTC"],
+                                 "permission": "readonly", "trust_annotations": True}},
+        "movements": [
+            {"name": "ask", "instruction": "What time is it in Tokyo?", "tools": ["time.*"], "rules": [{"next": "tell"}]},
+            {"name": "tell", "instruction": "Tell it.", "rules": [{"next": "COMPLETE"}]}],
+    })
+    spec = write_script(tmp_path, "clock-script", {
+        "ask": [call("get_current_time", timezone="Asia/Tokyo"), transition("tell", summary="asked")],
+        "tell": [transition("COMPLETE", summary="told")]})
+    job = ws.run(ws.submit("Time?", piece=str(piece), model=spec))
+    assert job.status == "succeeded", job.error
+    fork = ws.fork(job, at=2)
+    assert fork.status == "succeeded", fork.error
+    (data,) = read_traces(ws.export_otel(fork, tmp_path / "fork.jsonl"))
+    assert attrs(data.resource_spans[0].resource.attributes) == {
+        "service.name": "agentnb", "agentnb.forked_from": job.id, "agentnb.forked_at": 2}
+    spans = {s.name: attrs(s.attributes) for s in spans_of(data)}
+    tool = spans["execute_tool get_current_time"]
+    assert (tool["gen_ai.tool.type"], tool["agentnb.mcp.server"]) == ("mcp", "time")
+    assert spans["invoke_agent ask"]["agentnb.replayed_from"] == job.id
+    assert "agentnb.replayed_from" not in spans["invoke_agent tell"]
+    (original,) = read_traces(ws.export_otel(job, tmp_path / "job.jsonl"))
+    assert spans_of(original)[0].trace_id != spans_of(data)[0].trace_id
