@@ -321,7 +321,8 @@ class _JobMapper:
         first = request if request is not None else response
         assert first is not None
         end = response.ts if response is not None else first.ts
-        start = request.ts if request is not None else end - (response.latency_s or 0.0 if response else 0.0)
+        # a response stored without its request (an older store): the call began its latency before the answer
+        start = request.ts if request is not None else end - ((response.latency_s or 0.0) if response else 0.0)
         span = SpanRecord(name=f"chat {self.model}", kind="client", span_id=self.span_id("call", first.id),
                           parent_id=run_span.span_id, start=start, end=max(start, end))
         a = span.attributes

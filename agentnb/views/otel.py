@@ -19,7 +19,7 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,29 +118,29 @@ def traces_data(trace: TraceRecord) -> TracesData:
     return TracesData(resource_spans=request.resource_spans)
 
 
-def _hex_ids(value: Any) -> None:
-    # protobuf's JSON gives bytes as base64; OTLP's JSON wants the ids as hex
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if key in _ID_FIELDS and isinstance(item, str):
-                value[key] = base64.b64decode(item).hex()
-            else:
-                _hex_ids(item)
-    elif isinstance(value, list):
-        for item in value:
-            _hex_ids(item)
+def _spans_json(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The spans of a ``TracesData`` in protobuf's JSON (dicts), and their links: the objects holding ids."""
+    for resource_spans in data.get("resourceSpans", ()):
+        for scope_spans in resource_spans.get("scopeSpans", ()):
+            for span in scope_spans.get("spans", ()):
+                yield span
+                yield from span.get("links", ())
 
 
-def _base64_ids(value: Any) -> None:
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if key in _ID_FIELDS and isinstance(item, str):
-                value[key] = base64.b64encode(bytes.fromhex(item)).decode("ascii")
-            else:
-                _base64_ids(item)
-    elif isinstance(value, list):
-        for item in value:
-            _base64_ids(item)
+def _recode_ids(data: dict[str, Any], recode: Callable[[str], str]) -> None:
+    # protobuf's JSON gives bytes as base64; OTLP's JSON wants the ids as hex (and reading back, the reverse)
+    for holder in _spans_json(data):
+        for key in _ID_FIELDS:
+            if key in holder:
+                holder[key] = recode(holder[key])
+
+
+def _to_hex(text: str) -> str:
+    return base64.b64decode(text).hex()
+
+
+def _to_base64(text: str) -> str:
+    return base64.b64encode(bytes.fromhex(text)).decode("ascii")
 
 
 def traces_json(trace: TraceRecord) -> str:
@@ -148,7 +148,7 @@ def traces_json(trace: TraceRecord) -> str:
     from google.protobuf import json_format
 
     data = json_format.MessageToDict(traces_data(trace), use_integers_for_enums=True)
-    _hex_ids(data)
+    _recode_ids(data, _to_hex)
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -162,7 +162,7 @@ def read_traces(path: str | os.PathLike[str]) -> list[TracesData]:
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         if line.strip():
             data = json.loads(line)
-            _base64_ids(data)
+            _recode_ids(data, _to_base64)
             out.append(json_format.ParseDict(data, TracesData()))
     return out
 
