@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -19,12 +19,14 @@ import pytest
 from _batching import answering_model
 from _scripting import call, transition, write_piece, write_script
 from google.protobuf import json_format
+from openai_server import OpenAIServer, reply
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, TracesData
 
 from agentnb import Workspace
 from agentnb.cli import main
 from agentnb.events import LLMRequest, LLMResponse, ToolCallEvent, ToolResult
+from agentnb.models.prices import call_cost
 from agentnb.views.otel import read_traces
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "otel.md"
@@ -432,3 +434,22 @@ def test_a_fork_and_an_mcp_tool(ws: Workspace, tmp_path: Path) -> None:
     assert "agentnb.replayed_from" not in spans["invoke_agent tell"]
     (original,) = read_traces(ws.export_otel(job, tmp_path / "job.jsonl"))
     assert spans_of(original)[0].trace_id != spans_of(data)[0].trace_id
+
+
+def test_an_openai_call_has_its_provider_model_cost_latency_and_time_to_first_chunk(
+        ws: Workspace, tmp_path: Path, loopback: Callable[..., OpenAIServer]) -> None:
+    server = loopback("sk-otel-test-key-0000", timeout="5", retries="0")
+    server.actions = [reply("Looking.", [("Glob", {"pattern": "*"})], usage=(1_200, 30)),
+                      reply(None, [("transition", {"next_step": "COMPLETE", "summary": "done"})], usage=(1_500, 20))]
+    job = ws.run(ws.submit("look around", piece="single", model="openai:gpt-4o-mini"))
+    assert job.status == "succeeded", job.error
+    (data,) = read_traces(ws.export_otel(job, tmp_path / "t.jsonl"))
+    chats = [(s.name, attrs(s.attributes)) for s in spans_of(data) if s.name.startswith("chat")]
+    responses = ws.events(job, kinds=["llm_response"])
+    assert [name for name, _ in chats] == ["chat gpt-4o-mini"] * 2
+    for (_, a), resp in zip(chats, responses, strict=True):
+        assert isinstance(resp, LLMResponse) and resp.ttft_s is not None  # streamed
+        assert (a["gen_ai.provider.name"], a["gen_ai.request.model"]) == ("openai", "gpt-4o-mini")
+        assert a["agentnb.cost_usd"] == call_cost(job.model, resp.usage.prompt_tokens, resp.usage.completion_tokens,
+                                                  resp.ts) > 0
+        assert (a["agentnb.latency_s"], a["gen_ai.response.time_to_first_chunk"]) == (resp.latency_s, resp.ttft_s)
