@@ -332,6 +332,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _otel_jobs(ws: Workspace, args: argparse.Namespace) -> list[Any]:
+    jobs: list[Any] = list(args.job)
+    if args.batch:
+        if reads.batch(ws.store, args.batch) is None:
+            known = ", ".join(b.name for b in reads.batches(ws.store)) or "none yet"
+            raise _Usage(f"otel {args.otel_command}: no batch {args.batch!r} (batches: {known})")
+        jobs += [r.id for r in ws.store.jobs(batch=args.batch)]
+    if not jobs:
+        raise _Usage(f"otel {args.otel_command}: name jobs (JOB …) or a batch (--batch NAME)")
+    return jobs
+
+
+def cmd_otel_export(args: argparse.Namespace) -> int:
+    ws = _workspace(args, readonly=True)
+    print(ws.export_otel([ws.job(j) for j in _otel_jobs(ws, args)], args.out, content=args.content, max_chars=args.max_chars))
+    return 0
+
+
+def cmd_otel_send(args: argparse.Namespace) -> int:
+    from .views.otel import DEFAULT_MAX_CHARS, send_otel
+
+    ws = _workspace(args, readonly=True)
+    ids = [ws.job(j).id for j in _otel_jobs(ws, args)]
+    sent = send_otel(ws.store, ids, args.endpoint, content=args.content,
+                     max_chars=DEFAULT_MAX_CHARS if args.max_chars is None else args.max_chars)
+    print(f"{sent} spans sent")
+    return 0
+
+
 def cmd_store_copy(args: argparse.Namespace) -> int:
     from .store import copy_store, summary_lines
 
@@ -644,6 +673,25 @@ def build_parser() -> argparse.ArgumentParser:
     _retry_options(p)
 
     add("batches", cmd_batches, "list the batches: name, created, jobs and how many are in each status")
+
+    p = sub.add_parser("otel", help="jobs as OpenTelemetry GenAI traces (otel export … --out FILE, otel send …)")
+    otel_sub = p.add_subparsers(dest="otel_command", parser_class=_Parser, required=True)
+    for name, fn, help_ in (("export", cmd_otel_export, "write OTLP JSON Lines, one trace per root job"),
+                            ("send", cmd_otel_send, "post OTLP/HTTP (protobuf) to a collector's /v1/traces")):
+        p = otel_sub.add_parser(name, any_order=True, help=help_)
+        p.add_argument("--workspace", default=argparse.SUPPRESS, help="workspace folder")
+        p.add_argument("--store", default=argparse.SUPPRESS, help="store URL (postgresql://… or sqlite:///…)")
+        p.add_argument("job", type=int, nargs="*", metavar="JOB", help="a job (a subtask exports its root's trace)")
+        p.add_argument("--batch", metavar="NAME", help="every job of batch NAME")
+        p.add_argument("--content", action="store_true", help="add messages, tool arguments and results "
+                       "(scrubbed of secrets, cut to --max-chars per attribute)")
+        p.add_argument("--max-chars", type=int, default=None, metavar="N", help="the longest content attribute")
+        if name == "export":
+            p.add_argument("--out", required=True, metavar="FILE", help="the .jsonl file to write")
+        else:
+            p.add_argument("--endpoint", metavar="URL", help="the collector's base URL, e.g. http://127.0.0.1:4318 "
+                           "(default: $OTEL_EXPORTER_OTLP_ENDPOINT); headers from $OTEL_EXPORTER_OTLP_HEADERS")
+        p.set_defaults(fn=fn)
 
     p = sub.add_parser("store", help="move a workspace between stores (store copy SRC DST)")
     store_sub = p.add_subparsers(dest="store_command", parser_class=_Parser, required=True)

@@ -365,22 +365,26 @@ class Workspace:
         chosen = check_scorers(scorers)
         if not chosen:
             raise UsageError("no scorers: give scorers={'name': function(job)}")
+        jobs, batch = self._jobs_of(batch_or_jobs, "ws.score")
+        if batch is not None:
+            check_score_names(chosen, batch.cases)
+        return score_jobs(self.store, jobs, chosen)
+
+    def _jobs_of(self, batch_or_jobs: Batch | str | JobRef | Sequence[JobRef], what: str) -> tuple[list[Job], Batch | None]:
+        """The jobs of a batch, a batch name, a job or jobs (and the batch, when one was given)."""
         if isinstance(batch_or_jobs, str):
             if reads.batch(self.store, batch_or_jobs) is None:
                 known = ", ".join(b.name for b in reads.batches(self.store)) or "none yet"
                 raise UsageError(f"no batch {batch_or_jobs!r} in {self.store.path} (batches: {known})")
             batch_or_jobs = Batch(self, batch_or_jobs)
         if isinstance(batch_or_jobs, Batch):
-            check_score_names(chosen, batch_or_jobs.cases)
-            jobs = batch_or_jobs.jobs
-        elif isinstance(batch_or_jobs, (bytes, Mapping)):
-            raise UsageError(f"ws.score takes a Batch, a batch name, a job or a list of jobs, "
+            return batch_or_jobs.jobs, batch_or_jobs
+        if isinstance(batch_or_jobs, (bytes, Mapping)):
+            raise UsageError(f"{what} takes a Batch, a batch name, a job or a list of jobs, "
                              f"not {type(batch_or_jobs).__name__}")
-        elif not isinstance(batch_or_jobs, Iterable):  # one job
-            jobs = [self.job(batch_or_jobs)]
-        else:
-            jobs = [self.job(j) for j in batch_or_jobs]
-        return score_jobs(self.store, jobs, chosen)
+        if not isinstance(batch_or_jobs, Iterable):  # one job
+            return [self.job(batch_or_jobs)], None
+        return [self.job(j) for j in batch_or_jobs], None
 
     def _checked_spec(self, spec: str) -> str:
         if not isinstance(spec, str):
@@ -435,6 +439,17 @@ class Workspace:
 
         return Frames(self.store, self.root, job_id=self._id, piece_thresholds=lambda job_id: self.piece(job_id).thresholds,
                       name=repr(self))
+
+    def export_otel(self, jobs: Batch | str | JobRef | Sequence[JobRef], path: str | os.PathLike[str], *,
+                    content: bool = False, max_chars: int | None = None) -> Path:
+        """Write the OpenTelemetry GenAI traces of a batch (or its name), a job or jobs to ``path`` as OTLP JSON
+        Lines, one ``TracesData`` per root job, subtasks nested (docs/otel.md).  ``content=True`` adds the
+        messages and tool arguments and results, scrubbed and cut to ``max_chars`` per attribute."""
+        from .views.otel import DEFAULT_MAX_CHARS, export_otel
+
+        chosen, _ = self._jobs_of(jobs, "ws.export_otel")
+        return export_otel(self.store, [j.id for j in chosen], path, content=content,
+                           max_chars=DEFAULT_MAX_CHARS if max_chars is None else max_chars)
 
     def export_notebook(self, job: JobRef, path: str | os.PathLike[str]) -> Path:
         from .views.transcript import export_notebook

@@ -455,6 +455,11 @@ def test_ctrl_c_pauses_every_running_job_and_the_batch_resumes(tmp_path: Path, h
                    for j in started_and_paused)
         # a streamed call is cut off at once (docs/models.md#streaming): every answer the server began is either
         # recorded or recorded as interrupted, and an interrupted one is asked again on resume
+        # the server notes an answer after its latency: one the batch cut off while it waited is noted once the
+        # wait is over, which may be after the batch process has gone
+        deadline = time.monotonic() + 10
+        while srv.in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
         before = _answered(srv)
         cut = {f"case-{j.id - 1}": len(_interrupted(ws, j.id)) for j in ws.jobs()}
         for j in ws.jobs():

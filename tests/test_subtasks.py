@@ -13,6 +13,7 @@ from _scripting import call, transition, user_prompts, write_piece, write_script
 from openai_server import OpenAIServer, reply
 
 from agentnb import Workspace
+from agentnb.engine.pieces import available_pieces
 from agentnb.worker import Worker
 
 
@@ -358,7 +359,7 @@ def test_a_piece_written_by_the_job_and_named_by_path_is_refused_and_nothing_run
     assert ws.children(job) == []
     refused = [e.payload["content"] for e in ws.events(job, kinds=["tool_result"]) if e.payload["is_error"]]
     assert refused == [f"Error: subtasks[0].piece: {ref!r} is a path; a subtask's piece is a name that "
-                       "`agentnb pieces` lists: ask-first, fan-out, long-research, plan-implement-verify, review-loop, single"]
+                       f"`agentnb pieces` lists: {', '.join(sorted(available_pieces()))}"]
     assert SECRET not in _store_text(ws)
     assert len(ws.jobs()) == 1
 

@@ -1,0 +1,226 @@
+"""Jobs as OpenTelemetry GenAI traces: a file of OTLP JSON Lines, or OTLP/HTTP to a collector (docs/otel.md).
+
+The mapping (which span, event and attribute each part of a job becomes) is :mod:`agentnb.views._otel_spans`;
+this module turns its records into the SDK's ``ReadableSpan`` objects with their derived ids and recorded
+times, and lets the OpenTelemetry packages do the protocol: the exporter package's ``encode_spans`` makes the
+``ExportTraceServiceRequest``, whose spans are written as a ``TracesData`` per line (the file exporter's
+format), or its ``OTLPSpanExporter`` posts them.  The packages are the ``agentnb[otel]`` extra; without it an
+export stops with one line saying what to install.
+
+OTLP's JSON differs from protobuf's own JSON mapping in two ways (the OTLP specification, "JSON Protobuf
+Encoding"): trace and span ids are hex strings, not base64, and enums are integers.  :func:`traces_json`
+writes it so and :func:`read_traces` reads it back into ``TracesData``.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import AgentnbError, UsageError
+from ..store.base import Store
+from ..store.records import JobRecord
+from ._otel_spans import DEFAULT_MAX_CHARS, TraceRecord, store_identity, trace_of
+
+if TYPE_CHECKING:
+    from opentelemetry.proto.trace.v1.trace_pb2 import TracesData
+    from opentelemetry.sdk.trace import ReadableSpan
+
+__all__ = ["DEFAULT_MAX_CHARS", "INSTALL_HINT", "CollectorError", "export_otel", "read_traces", "root_jobs", "send_otel", "traces",
+           "traces_json"]
+
+INSTALL_HINT = "OpenTelemetry export needs the otel extra: pip install 'agentnb[otel]'"
+_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+
+class CollectorError(AgentnbError, RuntimeError):
+    """A collector did not take the spans sent to it (unreachable, or it answered with an error)."""
+
+
+def _require() -> None:
+    for module in ("opentelemetry.sdk.trace", "opentelemetry.proto.trace.v1.trace_pb2",
+                   "opentelemetry.exporter.otlp.proto.common.trace_encoder"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # a parent package missing
+            found = False
+        if not found:
+            raise UsageError(INSTALL_HINT)
+
+
+def root_jobs(store: Store, jobs: Iterable[int]) -> list[JobRecord]:
+    """The root jobs of ``jobs`` (a subtask's trace is its root's), each once, in the order first named."""
+    roots: dict[int, JobRecord] = {}
+    for job_id in jobs:
+        record = store.job(job_id)
+        seen = {record.id}
+        while record.parent_id is not None and record.parent_id not in seen:
+            record = store.job(record.parent_id)
+            seen.add(record.id)
+        roots.setdefault(record.id, record)
+    return list(roots.values())
+
+
+def traces(store: Store, jobs: Iterable[int], *, content: bool = False,
+           max_chars: int = DEFAULT_MAX_CHARS) -> Iterator[TraceRecord]:
+    """The trace of each root job of ``jobs`` (docs/otel.md#mapping)."""
+    if max_chars < 1:
+        raise UsageError(f"max_chars must be a positive number of characters, not {max_chars}")
+    identity = store_identity(store)
+    for root in root_jobs(store, jobs):
+        yield trace_of(store, root, content=content, max_chars=max_chars, identity=identity)
+
+
+def _ns(seconds: float) -> int:
+    return round(seconds * 1_000_000_000)
+
+
+def sdk_spans(trace: TraceRecord) -> list[ReadableSpan]:
+    """The trace's spans as the SDK's ``ReadableSpan``s: ids, parents, times and statuses as recorded."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+    resource = Resource(dict(trace.resource))
+    scope = InstrumentationScope("agentnb")
+    flags = TraceFlags(TraceFlags.SAMPLED)
+    out: list[ReadableSpan] = []
+    for s in trace.spans:
+        parent = (SpanContext(trace.trace_id, s.parent_id, is_remote=False, trace_flags=flags)
+                  if s.parent_id is not None else None)
+        attributes = dict(s.attributes)
+        status = Status(StatusCode.UNSET)
+        if s.error is not None:
+            attributes["error.type"] = s.error
+            status = Status(StatusCode.ERROR, s.error_message or s.error)
+        out.append(ReadableSpan(
+            name=s.name, context=SpanContext(trace.trace_id, s.span_id, is_remote=False, trace_flags=flags),
+            parent=parent, resource=resource, attributes=attributes,
+            events=[Event(e.name, dict(e.attributes), _ns(e.ts)) for e in s.events],
+            kind=SpanKind.CLIENT if s.kind == "client" else SpanKind.INTERNAL, status=status,
+            start_time=_ns(s.start), end_time=_ns(s.end), instrumentation_scope=scope))
+    return out
+
+
+def traces_data(trace: TraceRecord) -> TracesData:
+    """One trace as an OTLP ``TracesData`` message (encoded by the exporter package)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.trace.v1.trace_pb2 import TracesData
+
+    request = encode_spans(sdk_spans(trace))
+    return TracesData(resource_spans=request.resource_spans)
+
+
+def _spans_json(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The spans of a ``TracesData`` in protobuf's JSON (dicts), and their links: the objects holding ids."""
+    for resource_spans in data.get("resourceSpans", ()):
+        for scope_spans in resource_spans.get("scopeSpans", ()):
+            for span in scope_spans.get("spans", ()):
+                yield span
+                yield from span.get("links", ())
+
+
+def _recode_ids(data: dict[str, Any], recode: Callable[[str], str]) -> None:
+    # protobuf's JSON gives bytes as base64; OTLP's JSON wants the ids as hex (and reading back, the reverse)
+    for holder in _spans_json(data):
+        for key in _ID_FIELDS:
+            if key in holder:
+                holder[key] = recode(holder[key])
+
+
+def _to_hex(text: str) -> str:
+    return base64.b64decode(text).hex()
+
+
+def _to_base64(text: str) -> str:
+    return base64.b64encode(bytes.fromhex(text)).decode("ascii")
+
+
+def traces_json(trace: TraceRecord) -> str:
+    """One line of OTLP JSON: the trace's ``TracesData``, ids in hex and enums as integers."""
+    from google.protobuf import json_format
+
+    data = json_format.MessageToDict(traces_data(trace), use_integers_for_enums=True)
+    _recode_ids(data, _to_hex)
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def read_traces(path: str | os.PathLike[str]) -> list[TracesData]:
+    """The ``TracesData`` of each line of an OTLP JSON Lines file (hex ids read as OTLP's JSON says)."""
+    _require()
+    from google.protobuf import json_format
+    from opentelemetry.proto.trace.v1.trace_pb2 import TracesData
+
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            data = json.loads(line)
+            _recode_ids(data, _to_base64)
+            out.append(json_format.ParseDict(data, TracesData()))
+    return out
+
+
+def export_otel(store: Store, jobs: Sequence[int], path: str | os.PathLike[str], *, content: bool = False,
+                max_chars: int = DEFAULT_MAX_CHARS) -> Path:
+    """Write the traces of ``jobs`` (their root jobs', subtasks nested) to ``path`` as OTLP JSON Lines, one
+    ``TracesData`` per root job; return the file.  Written whole or not at all."""
+    _require()
+    if not jobs:
+        raise UsageError("nothing to export: name at least one job (or a batch with jobs)")
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UsageError(f"{path}: is a folder; give the file to write, e.g. {Path(path) / 'traces.jsonl'}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            for trace in traces(store, jobs, content=content, max_chars=max_chars):
+                f.write(traces_json(trace))
+                f.write("\n")
+        os.replace(tmp, target)  # a reader never sees half a file
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target.resolve()
+
+
+def send_otel(store: Store, jobs: Sequence[int], endpoint: str | None = None, *, content: bool = False,
+              max_chars: int = DEFAULT_MAX_CHARS, timeout: float = 10.0) -> int:
+    """Post the traces of ``jobs`` as OTLP/HTTP protobuf to ``endpoint``/v1/traces (None: the standard
+    ``OTEL_EXPORTER_OTLP_ENDPOINT``), headers from ``OTEL_EXPORTER_OTLP_HEADERS``; return the spans sent."""
+    _require()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    if not jobs:
+        raise UsageError("nothing to send: name at least one job (or a batch with jobs)")
+    base = endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not base:
+        raise UsageError("no collector to send to: give --endpoint URL (e.g. http://127.0.0.1:4318) or set "
+                         "OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not base.startswith(("http://", "https://")):
+        raise UsageError(f"endpoint {base!r} must be an http:// or https:// URL, e.g. http://127.0.0.1:4318")
+    url = base.rstrip("/") + "/v1/traces"
+    exporter = OTLPSpanExporter(endpoint=url, timeout=timeout)
+    sent = 0
+    # the exporter logs each retry; the failure is said once, below, as one line
+    quiet = logging.getLogger("opentelemetry.exporter.otlp")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        for trace in traces(store, jobs, content=content, max_chars=max_chars):
+            spans = sdk_spans(trace)
+            if exporter.export(spans) is not SpanExportResult.SUCCESS:
+                raise CollectorError(f"the collector at {url} did not take the spans (unreachable, or it refused "
+                                 f"them); {sent} spans were sent before")
+            sent += len(spans)
+    finally:
+        exporter.shutdown()
+        quiet.setLevel(level)
+    return sent
