@@ -188,6 +188,13 @@ class LLMResponse(EventBase):
     replayed_from: int | None = None
     # the request's purpose, repeated here so a response is known for what it is without its request
     purpose: str | None = None
+    # what the endpoint said of its answer (an openai: model's; a replay repeats its original's): the model that
+    # answered, the completion's id, why it stopped (``stop``, ``tool_calls``, ``length``…), and the prompt tokens
+    # it read from its cache.  Not stored when None (scripted and demo calls)
+    response_model: str | None = None
+    response_id: str | None = None
+    finish_reason: str | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -464,7 +471,8 @@ def _payload_fields(cls: type[EventBase]) -> dict[str, str]:
 # does not use them stays what it was (and a replay's events stay equal to its original's).
 _OMIT_NONE: dict[EventKind, tuple[str, ...]] = {"movement_start": ("replayed_from",),
                                                 "llm_request": ("purpose",),
-                                                "llm_response": ("ttft_s", "replayed_from", "purpose"),
+                                                "llm_response": ("ttft_s", "replayed_from", "purpose", "response_model",
+                                                                 "response_id", "finish_reason", "cached_tokens"),
                                                 "error": ("detail", "usage"),
                                                 "tool_call": ("server",), "tool_result": ("server",)}
 _ROW_IN_PAYLOAD: dict[str, frozenset[str]] = {"context_action": frozenset({"iteration"}),

@@ -33,13 +33,14 @@ def timeless(value: Any) -> Any:
 
 
 def comparable(ws: Workspace, job: Any) -> list[tuple[Any, ...]]:
-    """Events minus what differs between two runs of the same steps (times, latency, claim owners, the
-    job_status events stepping adds), the prompts' clock masked."""
+    """Events minus what differs between two runs of the same steps (times, latency, claim owners, the endpoint's
+    id for each answer, which counts its requests, the job_status events stepping adds), the prompts' clock
+    masked."""
     out = []
     for e in ws.events(job):
         if e.kind == "job_status":
             continue
-        payload = {k: v for k, v in e.payload.items() if k not in ("latency_s", "ttft_s", "ts", "owner")}
+        payload = {k: v for k, v in e.payload.items() if k not in ("latency_s", "ttft_s", "ts", "owner", "response_id")}
         out.append((e.kind, e.movement_seq, e.iteration, NOW.sub("<now>", json.dumps(payload, sort_keys=True,
                                                                                     default=str))))
     return out

@@ -613,13 +613,14 @@ def test_a_fork_with_context_compacts_where_the_original_wrapped_up(tmp_path: Pa
 
 
 def _comparable(ws: Workspace, job: Any, statuses: bool = True) -> list[tuple[Any, ...]]:
-    """A job's events without what differs between two runs of the same steps (times, latency, claim owners;
-    with ``statuses=False`` the job_status events, which stepping and recovering add)."""
+    """A job's events without what differs between two runs of the same steps (times, latency, claim owners, the
+    endpoint's id for each answer, which counts its requests; with ``statuses=False`` the job_status events,
+    which stepping and recovering add)."""
     out = []
     for e in ws.events(job):
         if e.kind == "job_status" and not statuses:
             continue
-        payload = {k: v for k, v in e.payload.items() if k not in ("latency_s", "ttft_s", "ts", "owner")}
+        payload = {k: v for k, v in e.payload.items() if k not in ("latency_s", "ttft_s", "ts", "owner", "response_id")}
         if e.kind == "job_status" and str(payload.get("reason")).startswith("claimed by "):
             payload["reason"] = "claimed by <owner>"
         out.append((e.kind, e.movement_seq, e.iteration, json.dumps(payload, sort_keys=True, default=str)))

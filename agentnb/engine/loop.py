@@ -337,7 +337,8 @@ class AgentLoop:
         self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
                                  content=response.content, tool_calls=[_call_record(c) for c in response.tool_calls],
                                  usage=usage, latency_s=latency_s, ttft_s=response.ttft_s if spent else None,
-                                 replayed_from=None if spent else self.reserve.job_id))  # type: ignore[union-attr]
+                                 replayed_from=None if spent else self.reserve.job_id,  # type: ignore[union-attr]
+                                 **(_answer_details(response) if spent else {})))
         force_reason = ""
         for action, limit in decision.fired:
             self.rec.add(ContextAction(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(), action=action,
@@ -538,7 +539,8 @@ class AgentLoop:
         self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
                                  content=response.content, tool_calls=[_call_record(c) for c in response.tool_calls],
                                  usage=usage, latency_s=latency_s, purpose="compaction",
-                                 replayed_from=None if spent else self.reserve.job_id))  # type: ignore[union-attr]
+                                 replayed_from=None if spent else self.reserve.job_id,  # type: ignore[union-attr]
+                                 **(_answer_details(response) if spent else {})))
         if not summary:
             self._compaction_failed(it, "the summarisation call returned no text", detail="it returned no text")
             return False
@@ -737,6 +739,12 @@ class AgentLoop:
             resume=resume,
         )
         return ToolOutput(f"Transition to {step} recorded."), outcome
+
+
+def _answer_details(response: ModelResponse) -> dict[str, Any]:
+    """What the endpoint said of its answer, for the ``llm_response`` event."""
+    return {"response_model": response.response_model, "response_id": response.response_id,
+            "finish_reason": response.finish_reason, "cached_tokens": response.cached_tokens}
 
 
 def _force_reason(ratio: float, window: int, limit: float) -> str:

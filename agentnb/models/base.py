@@ -105,6 +105,12 @@ class ModelResponse:
     latency_s: float | None = None
     # time to first token of a streamed answer (docs/models.md#streaming), or a recording's; None when not streamed
     ttft_s: float | None = None
+    # what the endpoint said of its answer, where it says it (docs/events.md#llm_response): the model that answered,
+    # the completion's id, why it stopped, and the prompt tokens it read from its cache; None when not said
+    response_model: str | None = None
+    response_id: str | None = None
+    finish_reason: str | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass

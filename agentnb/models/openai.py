@@ -349,7 +349,8 @@ class OpenAIModel:
             raise StreamStalled(f"stream stalled: no chunk for {self.read_timeout:g} s")
         if acc.finish_reason is None:
             raise StreamBroken("the stream ended before the answer did (no finish_reason)")
-        return _response(acc.message(), acc.usage, request, ttft_s=acc.ttft())
+        return _response(acc.message(), acc.usage, request, ttft_s=acc.ttft(), head=acc.head,
+                         finish_reason=acc.finish_reason)
 
     def _wire(self, messages: Sequence[Message]) -> list[dict[str, object]]:
         """``wire_messages(messages)``, each message converted once: the part that is the previous request's
@@ -466,11 +467,13 @@ def _parse_completion(http: Any, request: ModelRequest) -> ModelResponse:
     if not isinstance(msg, dict):
         raise MalformedAnswer("choices[0] has no message" if msg is None
                               else f"choices[0].message is {_kind(msg)}, not an object")
-    return _response(msg, data.get("usage"), request)
+    return _response(msg, data.get("usage"), request, head=data, finish_reason=choice.get("finish_reason"))
 
 
-def _response(msg: dict[str, Any], u: Any, request: ModelRequest, ttft_s: float | None = None) -> ModelResponse:
-    """A chat completion's message and usage, whole or assembled from a stream, as a :class:`ModelResponse`."""
+def _response(msg: dict[str, Any], u: Any, request: ModelRequest, ttft_s: float | None = None,
+              head: dict[str, Any] | None = None, finish_reason: Any = None) -> ModelResponse:
+    """A chat completion's message and usage, whole or assembled from a stream, as a :class:`ModelResponse`;
+    ``head``: the body's (or the first chunk's) ``id`` and ``model``."""
     content = msg.get("content")
     if isinstance(content, list):  # content parts, as some compatible servers send
         content = "".join(p.get("text") or "" for p in content if isinstance(p, dict)) or None
@@ -487,7 +490,17 @@ def _response(msg: dict[str, Any], u: Any, request: ModelRequest, ttft_s: float 
     usage = None
     if isinstance(u, dict) and _count(u.get("prompt_tokens")) is not None:
         usage = TokenUsage(_count(u["prompt_tokens"]) or 0, _count(u.get("completion_tokens")) or 0)
-    return ModelResponse(content=content, tool_calls=tuple(calls), usage=usage, ttft_s=ttft_s)
+    details = u.get("prompt_tokens_details") if isinstance(u, dict) else None
+    head = head or {}
+    return ModelResponse(content=content, tool_calls=tuple(calls), usage=usage, ttft_s=ttft_s,
+                         response_model=_text_or_none(head.get("model")), response_id=_text_or_none(head.get("id")),
+                         finish_reason=_text_or_none(finish_reason),
+                         cached_tokens=_count(details.get("cached_tokens")) if isinstance(details, dict) else None)
+
+
+def _text_or_none(value: Any) -> str | None:
+    """A short label the endpoint sent (a model name, an id), or None when it sent none or not text."""
+    return value[:200] if isinstance(value, str) and value else None
 
 
 def _count(value: Any) -> int | None:

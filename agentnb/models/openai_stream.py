@@ -41,8 +41,8 @@ POLL_S = 0.05
 class Assembly:
     """The chunks of one streamed answer so far; :meth:`message` is the answer as a non-streamed call has it."""
 
-    __slots__ = ("_by_id", "calls", "content", "finish_reason", "first_token", "on_delta", "saw_content", "spec",
-                 "started", "usage")
+    __slots__ = ("_by_id", "calls", "content", "finish_reason", "first_token", "head", "on_delta", "saw_content",
+                 "spec", "started", "usage")
 
     def __init__(self, spec: str, on_delta: Callable[[Delta], None] | None, started: float) -> None:
         self.spec = spec
@@ -55,6 +55,7 @@ class Assembly:
         self.usage: Any = None
         self.finish_reason: str | None = None
         self.first_token: float | None = None  # perf_counter of the first text or tool-call fragment
+        self.head: dict[str, Any] = {}  # the first chunk's "id" and "model", as a whole answer's body has them
 
     def _bad(self, what: str) -> ModelError:
         return ModelError(f"{self.spec}: malformed stream chunk: {what}")
@@ -63,6 +64,8 @@ class Assembly:
         """Add one decoded chunk; a :class:`ModelError` (one line) when it is not a ``chat.completion.chunk``."""
         if not isinstance(chunk, dict):
             raise self._bad(f"a chunk is {_kind(chunk)}, not a JSON object")
+        if not self.head:
+            self.head = {k: chunk[k] for k in ("id", "model") if k in chunk}
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = usage

@@ -115,7 +115,8 @@ class Recording:
         return RecordedCall(
             seq=seq, iteration=it,
             response=ModelResponse(content=ev.content, tool_calls=calls, usage=usage, latency_s=latency,
-                                   ttft_s=ttft),
+                                   ttft_s=ttft, response_model=ev.response_model, response_id=ev.response_id,
+                                   finish_reason=ev.finish_reason, cached_tokens=ev.cached_tokens),
             results=tuple(results.get((seq, it), ())), latency_s=latency, purpose=ev.purpose,
             tools=self._offered.get((seq, it)),
         )
