@@ -32,7 +32,19 @@ _NEEDS = {
     "psycopg": (lambda: importlib.util.find_spec("psycopg") is not None
                 and importlib.util.find_spec("psycopg_pool") is not None,
                 "psycopg 3 is not installed: pip install -e '.[postgres]'"),
+    # Arize Phoenix lives in a venv of its own (it is large, and its pins are not agentnb's): the test runs that
+    # venv's python as the server and as Phoenix's client (tests/test_otel_phoenix.py)
+    "phoenix": (lambda: _phoenix_python() is not None,
+                "Arize Phoenix is not installed: set AGENTNB_TEST_PHOENIX to the python of a venv made with "
+                "pip install -c tests/phoenix-constraints.txt arize-phoenix"),
 }
+
+
+def _phoenix_python() -> str | None:
+    """The python of the venv holding Arize Phoenix, as ``AGENTNB_TEST_PHOENIX`` names it (None: not set, or
+    not a file)."""
+    path = os.environ.get("AGENTNB_TEST_PHOENIX", "").strip()
+    return path if path and Path(path).is_file() else None
 
 
 def _pg_ctl() -> str | None:
@@ -79,7 +91,7 @@ def _needs_of(item: pytest.Item) -> set[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "needs(what): the test needs bwrap, chromium, postgres or psycopg on the machine")
+    config.addinivalue_line("markers", "needs(what): the test needs bwrap, chromium, postgres, psycopg or phoenix on the machine")
     config.addinivalue_line("markers", "sqlite_only(reason): the test is about the SQLite file itself; "
                             "skipped when AGENTNB_TEST_BACKEND=postgres")
 
