@@ -112,7 +112,8 @@ class LiveExport:
         self._thread: threading.Thread | None = None
         self._closed = False
         logging.getLogger(_EXPORTER_LOGGER).addFilter(_QUIET)
-        self._subscription = live.subscribe(store, None, self._note)
+        # only these kinds: the stores then decode and publish only the commits that hold one (live.py)
+        self._subscription = live.subscribe(store, None, self._note, kinds=("transition", "job_status"))
 
     # -- in the job's thread: note, never wait -------------------------------------------------------------
     def _note(self, item: live.Item) -> None:
