@@ -21,14 +21,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from .. import live
 from ..errors import UsageError
 from ..events import JobStatusEvent, Transition
 from ..store.base import TERMINAL_STATES, Store
-from ._otel_spans import SpanRecord, TraceRecord, job_trace, store_identity
+from ._otel_spans import TraceRecord, job_trace, store_identity
 from .otel import INSTALL_HINT, sdk_spans
 
 __all__ = ["LiveExport", "dropped_spans", "live_endpoint"]
@@ -156,9 +155,13 @@ class LiveExport:
 
         per_job: list[tuple[int, int]] = []
         spans: list[Any] = []
+        # a job is read and mapped once per request, however many of its runs (and its end) the notes name
+        by_job: dict[int, list[tuple[str, int | None]]] = {}
         for what, job_id, seq in notes:
+            by_job.setdefault(job_id, []).append((what, seq))
+        for job_id, ended in by_job.items():
             try:
-                trace = self._spans_of(what, job_id, seq)
+                trace = self._spans_of(job_id, ended)
             except Exception:  # a job deleted meanwhile, a store that went away: never the job's problem
                 _log.debug("agentnb: could not map job %s for live export", job_id, exc_info=True)
                 continue
@@ -182,20 +185,20 @@ class LiveExport:
             self._drop_all(per_job, f"the collector at {self.url} did not take them (unreachable, too slow or "
                                     "it refused them)")
 
-    def _spans_of(self, what: str, job_id: int, seq: int | None) -> TraceRecord:
+    def _spans_of(self, job_id: int, ended: list[tuple[str, int | None]]) -> TraceRecord:
+        """The spans of job ``job_id`` that the notes ``ended`` name: each ended run's (``("run", seq)``) with its
+        calls and tools; at the job's end (``("job", None)``) its own span and the runs that ended without a
+        transition (none of their notes came), with theirs."""
         trace = job_trace(self.store, self.store.job(job_id), identity=self._identity)
         runs = {s.span_id: s for s in trace.spans if s.attributes.get("gen_ai.operation.name") == "invoke_agent"}
-        if what == "run":
-            wanted: Callable[[SpanRecord], bool] = lambda s: (  # noqa: E731
-                s.attributes.get("agentnb.movement_seq") == seq if s.span_id in runs
-                else s.parent_id in runs and runs[s.parent_id].attributes.get("agentnb.movement_seq") == seq)
-        else:
-            # the job's span, and the runs that ended without a transition (sent now: their run never noted)
-            open_runs = {i for i, s in runs.items() if "agentnb.next_step" not in s.attributes}
-            job_span = trace.spans[0].span_id
-            wanted = lambda s: (s.span_id == job_span or s.span_id in open_runs  # noqa: E731
-                                or (s.parent_id in open_runs and s.span_id not in runs))
-        return TraceRecord(trace.trace_id, trace.resource, tuple(s for s in trace.spans if wanted(s)))
+        seqs = {seq for what, seq in ended if what == "run"}
+        chosen = {i for i, s in runs.items() if s.attributes.get("agentnb.movement_seq") in seqs}
+        keep: set[int] = set()
+        if any(what == "job" for what, _ in ended):
+            keep.add(trace.spans[0].span_id)
+            chosen |= {i for i, s in runs.items() if "agentnb.next_step" not in s.attributes}
+        return TraceRecord(trace.trace_id, trace.resource, tuple(
+            s for s in trace.spans if s.span_id in keep or s.span_id in chosen or s.parent_id in chosen))
 
     def _drop_all(self, per_job: list[tuple[int, int]], why: str | None) -> None:
         for job_id, n in per_job:
