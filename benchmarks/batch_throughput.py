@@ -218,6 +218,15 @@ class Endpoint:
                 data += s.recv(4096)
         return int(json.loads(data.split(b"\r\n\r\n", 1)[1])["requests"])
 
+    def cpu(self) -> float | None:
+        """The endpoint process's CPU seconds so far (None where /proc does not tell): on the same machine, a
+        streamed answer costs the endpoint more too, and that CPU is not the client's."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid if self.proc else 0}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
     def __exit__(self, *exc: Any) -> None:
         if self.proc is not None:
             self.proc.terminate()
@@ -465,8 +474,9 @@ def measure(fw: Framework, base_url: str, plan: list[tuple[int, int]], repeat: i
         level = Level(concurrency, jobs)
         for _ in range(repeat):
             load = os.getloadavg()[0]
-            before = endpoint.requests()
+            before, served_cpu = endpoint.requests(), endpoint.cpu()
             out = fw.run(base_url, jobs, concurrency)
+            after_cpu = endpoint.cpu()
             elapsed, cpu, calls = out.seconds, out.cpu, out.calls
             served = endpoint.requests() - before - 1  # minus the count request itself
             _cleanup()
@@ -479,7 +489,9 @@ def measure(fw: Framework, base_url: str, plan: list[tuple[int, int]], repeat: i
             ideal = concurrency / latency
             print(f"  {fw.key:12} c={concurrency:<3} jobs={jobs:<4} {elapsed:7.2f} s  "
                   f"{jobs * CALLS_PER_RUN / elapsed:7.1f} calls/s  ratio {jobs * CALLS_PER_RUN / elapsed / ideal:.2f}  "
-                  f"CPU {cpu:6.2f} s ({cpu / elapsed:.0%} of wall)  load {load:.1f}", file=sys.stderr, flush=True)
+                  f"CPU {cpu:6.2f} s ({cpu / elapsed:.0%} of wall)  load {load:.1f}"
+                  + (f"  endpoint CPU {after_cpu - served_cpu:.2f} s" if served_cpu is not None and after_cpu is not None
+                     else ""), file=sys.stderr, flush=True)
         res.levels.append(level)
     return res
 

@@ -23,6 +23,9 @@ gives about ``chunks`` chunks per answer; ``write_size`` writes the bytes in sli
 :func:`midway` plays a fault after some chunks: a connection reset, a stall, a malformed chunk, an error chunk, or
 a hold until :meth:`OpenAIServer.release` (or the client hanging up, which :attr:`OpenAIServer.disconnected` tells).
 ``streams=False`` answers a streamed request with plain JSON; ``refuses_stream=True`` with HTTP 400 naming it.
+``chunked=True`` speaks HTTP/1.1 with keep-alive, as real endpoints do, and sends a stream with
+``transfer-encoding: chunked``, one HTTP chunk per event (``write_size`` cuts the chunks' framing too); by default a
+stream is HTTP/1.0, its end the connection's close.
 """
 
 from __future__ import annotations
@@ -87,8 +90,9 @@ def midway(fault: str, after: int = 3, *, seconds: float = 0.0,
     """Stream ``then`` (a long text reply by default) to a streamed request, and after ``after`` chunks play
     ``fault``: ``"reset"`` (the connection reset), ``"stall"`` (``seconds`` without a byte, then the rest),
     ``"malformed"`` (a chunk that is not JSON), ``"error"`` (an error object in the stream, as a server failing
-    mid-answer sends) or ``"hold"`` (nothing more until :meth:`OpenAIServer.release` or the client hangs up)."""
-    assert fault in ("reset", "stall", "malformed", "error", "hold"), fault
+    mid-answer sends), ``"hold"`` (nothing more until :meth:`OpenAIServer.release` or the client hangs up) or, with
+    ``chunked``, ``"framing"`` (a chunk-size line that is not hex, then the connection closed)."""
+    assert fault in ("reset", "stall", "malformed", "error", "hold", "framing"), fault
     answer = then if then is not None else reply("A long answer that streams in many small pieces, " * 4)
     return {"kind": "midway", "fault": fault, "after": after, "seconds": seconds, "then": answer}
 
@@ -132,6 +136,7 @@ class OpenAIServer:
     write_size: int | None = None
     streams: bool = True
     refuses_stream: bool = False
+    chunked: bool = False
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -143,13 +148,21 @@ class OpenAIServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.streamed = 0  # answers sent as a stream
+        self.connections = 0  # connections accepted (with ``chunked``, a client that keeps them alive reuses them)
         self.disconnected = threading.Event()  # a client hung up in a held call or in the middle of a streamed answer
         self.disconnects: list[float] = []  # when (time.monotonic()) each such hang-up was seen
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1" if self.chunked else "HTTP/1.0"
+
             def log_message(self, *args: Any) -> None:  # keep test output clean
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                with server._lock:
+                    server.connections += 1
 
             def do_POST(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
@@ -254,14 +267,22 @@ class OpenAIServer:
                     self.send_response(200)
                     self.send_header("content-type", "text/event-stream; charset=utf-8")
                     self.send_header("cache-control", "no-cache")
+                    if server.chunked:
+                        self.send_header("transfer-encoding", "chunked")
                     self.end_headers()
                     for i, event in enumerate(events):
                         if fault is not None and i == fault["after"] and not self._fault(fault):
+                            self.close_connection = True  # the body is not ended: the connection is
                             return
-                        self._write(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
-                    self._write(b"data: [DONE]\n\n")
+                        self._event(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
+                    self._event(b"data: [DONE]\n\n")
+                    if server.chunked:
+                        self._write(b"0\r\n\r\n")
                 except (BrokenPipeError, ConnectionResetError):
                     server._hung_up()
+
+            def _event(self, data: bytes) -> None:
+                self._write(b"%x\r\n%s\r\n" % (len(data), data) if server.chunked else data)
 
             def _write(self, data: bytes) -> None:
                 size = server.write_size
@@ -287,9 +308,11 @@ class OpenAIServer:
                             return False
                     return True
                 if kind == "malformed":
-                    self._write(b'data: {"id": "chatcmpl-x", "choices": [{"delta": {"content": "broken\n\n')
+                    self._event(b'data: {"id": "chatcmpl-x", "choices": [{"delta": {"content": "broken\n\n')
+                elif kind == "framing":
+                    self._write(b"zz\r\ndata: {}\r\n")
                 elif kind == "error":
-                    self._write(b'data: {"error": {"message": "the server failed mid-answer", "type": "server_error"}}'
+                    self._event(b'data: {"error": {"message": "the server failed mid-answer", "type": "server_error"}}'
                                 b"\n\n")
                 else:  # reset: an RST, not a clean close
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

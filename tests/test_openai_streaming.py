@@ -1,7 +1,8 @@
 """``openai:`` models stream their answers (docs/models.md#streaming): through tests/openai_server.py speaking real
 server-sent ``chat.completion.chunk`` events on loopback, the stored events equal a plain call's, faults midway are
 retried or refused as a plain call's are, an endpoint that does not stream is asked plainly, and a Stop cuts a
-streaming call off at once and asks it again on resume."""
+call off at once, streamed or plain, or while it waits for its headers, a retry or the rate-limit gate, and asks it
+again on resume."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from _scripting import write_piece
 from openai_server import OpenAIServer, error, hold, midway, reply
 
 from agentnb import Workspace
-from agentnb.errors import CallCancelled, ModelSpecError
+from agentnb.errors import CallCancelled, ModelError, ModelSpecError
 from agentnb.events import payload_dict
 from agentnb.models.base import ModelRequest
 from agentnb.models.messages import Delta, UserMessage
 from agentnb.models.openai import OpenAIModel
 from agentnb.models.openai_stream import sse_data
+from agentnb.models.ratelimit import gate_for
 from agentnb.store import reads
 from agentnb.store.base import STOP_CUT_REASON
 from agentnb.views.status import display_status
@@ -74,7 +76,9 @@ def _run(ws: Workspace, piece: Path, model: str) -> Any:
     return job
 
 
-@pytest.mark.parametrize("cut", [{"chunk_chars": 1, "write_size": 3}, {"chunk_chars": 4, "write_size": 7}, {}])
+@pytest.mark.parametrize("cut", [{"chunk_chars": 1, "write_size": 3}, {"chunk_chars": 4, "write_size": 7}, {},
+                                 {"chunk_chars": 1, "write_size": 3, "chunked": True},
+                                 {"chunk_chars": 3, "write_size": 5, "chunked": True}, {"chunked": True}])
 def test_a_streamed_run_stores_the_events_a_plain_run_stores(tmp_path: Path, piece: Path, cut: dict[str, Any],
                                                              loopback: Callable[..., OpenAIServer]) -> None:
     streamed_srv = loopback(**cut)
@@ -121,10 +125,11 @@ def test_the_fragments_add_up_to_the_answer(loopback: Callable[..., OpenAIServer
     assert order[:4] == [0, 1, 0, 1]
 
 
-@pytest.mark.parametrize("fault", ["reset", "error"])
-def test_a_reset_or_a_server_error_midway_is_retried(ws: Workspace, piece: Path, fault: str,
+@pytest.mark.parametrize(("fault", "chunked"), [("reset", False), ("reset", True), ("error", False), ("error", True),
+                                              ("framing", True)])
+def test_a_reset_or_a_server_error_midway_is_retried(ws: Workspace, piece: Path, fault: str, chunked: bool,
                                                      loopback: Callable[..., OpenAIServer]) -> None:
-    srv = loopback(retries="2")
+    srv = loopback(retries="2", chunked=chunked)
     srv.play(midway(fault, after=4), *(a() for a in ANSWERS))
     job = _run(ws, piece, "openai:m")
     assert len(srv.received) == len(ANSWERS) + 1  # the first call asked twice
@@ -133,11 +138,12 @@ def test_a_reset_or_a_server_error_midway_is_retried(ws: Workspace, piece: Path,
     assert not ws.events(job, kinds=["error"])
 
 
-def test_a_stall_between_chunks_is_retried_like_a_timeout(ws: Workspace, piece: Path,
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_stall_between_chunks_is_retried_like_a_timeout(ws: Workspace, piece: Path, chunked: bool,
                                                           loopback: Callable[..., OpenAIServer],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTNB_OPENAI_READ_TIMEOUT", "0.4")
-    srv = loopback(retries="2")
+    srv = loopback(retries="2", chunked=chunked)
     srv.play(midway("stall", after=3, seconds=30), *(a() for a in ANSWERS))
     started = time.monotonic()
     job = _run(ws, piece, "openai:m")
@@ -157,9 +163,10 @@ def test_a_stall_on_every_try_fails_the_job_with_one_line(ws: Workspace, piece: 
     assert job.error == "openai:m: gave up after 2 tries; last error stream stalled: no chunk for 0.3 s"
 
 
-def test_a_malformed_chunk_is_a_model_error_in_one_line(ws: Workspace, piece: Path,
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_malformed_chunk_is_a_model_error_in_one_line(ws: Workspace, piece: Path, chunked: bool,
                                                         loopback: Callable[..., OpenAIServer]) -> None:
-    srv = loopback()
+    srv = loopback(chunked=chunked)
     srv.play(midway("malformed", after=3))
     job = ws.run(ws.submit("x", piece=piece, model="openai:m"))
     assert job.status == "failed"
@@ -207,9 +214,10 @@ def test_a_spec_option_it_does_not_know_is_refused_in_one_line(ws: Workspace, pi
     assert not ws.jobs()
 
 
-def test_stop_mid_stream_closes_it_at_once_and_the_resume_asks_again(ws: Workspace, piece: Path,
+@pytest.mark.parametrize("chunked", [False, True])
+def test_stop_mid_stream_closes_it_at_once_and_the_resume_asks_again(ws: Workspace, piece: Path, chunked: bool,
                                                                       loopback: Callable[..., OpenAIServer]) -> None:
-    srv = loopback()
+    srv = loopback(chunked=chunked)
     srv.play(midway("hold", after=6), *(a() for a in ANSWERS))
     job = ws.submit("Copy the notes", piece=piece, model="openai:m", inputs={"notes.md": "alpha ✓\n"})
     runner = threading.Thread(target=ws.run, args=(job,))
@@ -236,8 +244,9 @@ def test_stop_mid_stream_closes_it_at_once_and_the_resume_asks_again(ws: Workspa
     assert len(ws.events(job, kinds=["llm_response"])) == len(ANSWERS)
 
 
-def test_ctrl_c_mid_stream_closes_it(loopback: Callable[..., OpenAIServer]) -> None:
-    srv = loopback(chunk_chars=2)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_ctrl_c_mid_stream_closes_it(loopback: Callable[..., OpenAIServer], chunked: bool) -> None:
+    srv = loopback(chunk_chars=2, chunked=chunked)
     srv.play(midway("hold", after=8))
     seen: list[Delta] = []
 
@@ -263,10 +272,12 @@ def test_a_stop_set_while_streaming_raises_call_cancelled_with_the_partial_answe
     assert srv.disconnected.wait(2)
 
 
-def _stop_and_resume(ws: Workspace, piece: Path, srv: OpenAIServer, stopping: Callable[[], bool]) -> float:
+def _stop_and_resume(ws: Workspace, piece: Path, srv: OpenAIServer, stopping: Callable[[], bool],
+                     model: str = "openai:m") -> float:
     """Run a job, Stop it once ``stopping()`` says its call is where the test wants it, and check that the run
     ended at once, the job paused with its call recorded as stopped, and the resume asked the same call again."""
-    job = ws.submit("Copy the notes", piece=piece, model="openai:m", inputs={"notes.md": "alpha ✓\n"})
+    before = len(srv.received)  # requests other calls made
+    job = ws.submit("Copy the notes", piece=piece, model=model, inputs={"notes.md": "alpha ✓\n"})
     runner = threading.Thread(target=ws.run, args=(job,))
     runner.start()
     deadline = time.monotonic() + 30
@@ -289,9 +300,22 @@ def _stop_and_resume(ws: Workspace, piece: Path, srv: OpenAIServer, stopping: Ca
     assert "⏸ stopped — " in view and "stopped before its answer began" in view
     done = ws.run(job)  # resumed: the same call asked again
     assert done.status == "succeeded", done.error
-    assert srv.received[-len(ANSWERS)].body["messages"] == srv.received[0].body["messages"]
+    assert srv.received[-len(ANSWERS)].body["messages"] == srv.received[before].body["messages"]
     assert len(ws.events(job, kinds=["llm_response"])) == len(ANSWERS)
     return asked
+
+
+@pytest.mark.parametrize("write_size", [None, 2])
+def test_a_chunked_stream_keeps_its_connection_for_the_next_call(loopback: Callable[..., OpenAIServer],
+                                                                write_size: int | None) -> None:
+    srv = loopback(chunked=True, chunk_chars=3, write_size=write_size)
+    srv.play(*(a() for a in ANSWERS))
+    model = OpenAIModel("m")
+    got = [model.complete(ModelRequest(messages=[UserMessage("hi")], tools=[])) for _ in ANSWERS]
+    assert srv.streamed == len(ANSWERS)
+    assert srv.connections == 1  # each stream read to its end: the next call went on the same connection
+    assert got[0].content == "Je lis « notes » — d'abord 😀."
+    assert got[1].tool_calls[0].arguments == {"path": "output/é.md", "content": "ligne \"citée\" ✓ 😀\n"}
 
 
 def test_stop_while_waiting_for_the_headers_cuts_the_call_off_at_once(ws: Workspace, piece: Path,
@@ -301,6 +325,37 @@ def test_stop_while_waiting_for_the_headers_cuts_the_call_off_at_once(ws: Worksp
     asked = _stop_and_resume(ws, piece, srv, srv.holding.is_set)
     assert srv.disconnected.is_set() and srv.disconnects[0] - asked < 0.5  # the server saw the connection closed
     assert len(srv.received) == 1 + len(ANSWERS)
+
+
+def test_stop_cuts_a_plain_call_off_at_once_too(ws: Workspace, piece: Path,
+                                                 loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback()
+    srv.play(hold(), *(a() for a in ANSWERS))  # a slow answer, not streamed: nothing until released
+    asked = _stop_and_resume(ws, piece, srv, srv.holding.is_set, model="openai:m?stream=0")
+    assert srv.disconnected.is_set() and srv.disconnects[0] - asked < 0.5  # the server saw the connection closed
+    assert len(srv.received) == 1 + len(ANSWERS) and srv.streamed == 0
+
+
+def test_a_plain_call_whose_answer_came_is_kept_though_a_stop_follows(loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback()
+    srv.play(reply("whole"), reply("again"))
+    cancel = threading.Event()
+    model = OpenAIModel("m?stream=0")
+    assert model.complete(ModelRequest(messages=[UserMessage("hi")], tools=[], cancel=cancel)).content == "whole"
+    cancel.set()  # a Stop after the answer: the call is not cut, and its connection is the next call's again
+    time.sleep(0.2)  # longer than the watchdog's look
+    assert model.complete(ModelRequest(messages=[UserMessage("hi")], tools=[])).content == "again"
+
+
+def test_stop_while_another_calls_429_holds_the_gate_ends_the_wait_at_once(
+        ws: Workspace, piece: Path, loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback()
+    srv.play(*error(429, "slow down", headers={"retry-after": "3"}), *(a() for a in ANSWERS))
+    with pytest.raises(ModelError, match="HTTP 429"):  # another job's call: its 429 closes the gate for 3 s
+        OpenAIModel("m", max_retries=0).complete(ModelRequest(messages=[UserMessage("hi")], tools=[]))
+    gate = gate_for(srv.base_url, "m")
+    _stop_and_resume(ws, piece, srv, lambda: gate.waiting > 0)  # this job's first call waits in the gate
+    assert len(srv.received) == 1 + len(ANSWERS)  # the stopped call was never sent; the resume sent it
 
 
 def test_stop_during_the_wait_before_a_retry_ends_it_at_once(ws: Workspace, piece: Path,

@@ -16,7 +16,7 @@ from .._secrets import register_secret, scrub
 from ..errors import CallCancelled, ModelSpecError
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
-from .openai_stream import WATCHDOG, Assembly, Watch, sse_data, track_sockets
+from .openai_stream import WATCHDOG, Assembly, BodyBroken, BodyTimeout, Watch, chunked_body, sse_data, track_sockets
 from .ratelimit import gate_for
 
 __all__ = ["OpenAIModel", "pause", "shared_client", "wire_message", "wire_messages"]
@@ -217,10 +217,13 @@ class OpenAIModel:
         while attempt < attempts:
             if cancel is not None and cancel.is_set():
                 raise CallCancelled()
-            ticket = gate.acquire(max_wait=self.max_backoff, waited_until=waited_until)
+            ticket = gate.acquire(max_wait=self.max_backoff, waited_until=waited_until, cancel=cancel)
+            if ticket is None:
+                raise CallCancelled()  # stopped while the gate held it back (another call's 429): nothing sent
             answered, delay = False, 0.0
-            # a streamed call is watched from before its request: a Stop cuts off the wait for its headers too
-            watch = WATCHDOG.watch(cancel) if streaming else None
+            # watched from before its request: a Stop cuts off the wait for the headers, and a plain call's wait
+            # for its whole answer, too (a streamed call is watched without a Stop as well: for its stalls)
+            watch = WATCHDOG.watch(cancel) if streaming or cancel is not None else None
             try:
                 # The raw body, read here: the SDK builds its objects without checking them, so a 200 that is
                 # an HTML page, broken JSON or the wrong shape would only fail later, far from the cause.  A
@@ -228,7 +231,7 @@ class OpenAIModel:
                 # also skips the SDK's per-call rewrite of every message, ~1 ms of CPU per call.
                 http = client.post("/chat/completions", body=kwargs, cast_to=_response_class(), stream=streaming)
                 answered = True
-                if not streaming:
+                if not streaming:  # whole: a Stop that comes now pauses the job after this call, as between calls
                     return _parse_completion(http, request)
                 ctype = (http.headers.get("content-type") or "").split(";")[0].strip().lower()
                 if ctype == "text/event-stream" and watch is not None:
@@ -242,7 +245,7 @@ class OpenAIModel:
             except (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError,
                     openai.APIConnectionError, MalformedAnswer, StreamBroken, StreamStalled) as exc:
                 if cancel is not None and cancel.is_set():
-                    raise CallCancelled() from None  # the watchdog cut the wait for the headers off
+                    raise CallCancelled() from None  # the watchdog cut the wait for the answer off
                 last = exc
                 delay = min(self._retry_after(exc) or self.backoff * (2 ** attempt) * (0.5 + random.random() / 2),
                             self.max_backoff)
@@ -306,10 +309,14 @@ class OpenAIModel:
         http_errors = _http_module()
         done = False
         try:
-            # the transport's own byte stream unless the body is compressed: iter_bytes and iter_raw add a
-            # re-chunker and two generators to every read
+            # a chunked body read straight from the connection (chunked_body says why); else the transport's own
+            # byte stream unless the body is compressed: iter_bytes and iter_raw add a re-chunker and two
+            # generators to every read
             encoded = http.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
-            for data in sse_data(_touching(http.iter_bytes() if encoded else http.stream, watch)):
+            body = None if encoded else chunked_body(http, watch)
+            if body is None:
+                body = _touching(http.iter_bytes() if encoded else http.stream, watch)
+            for data in sse_data(body):
                 if done:
                     continue  # after [DONE]: read on to the body's end only, so the connection can be kept
                 if data[:6] == b"[DONE]":
@@ -326,10 +333,10 @@ class OpenAIModel:
                 acc.add(chunk)
                 if cancel is not None and cancel.is_set():
                     break
-        except http_errors.TimeoutException:
+        except (http_errors.TimeoutException, BodyTimeout):
             if watch.why is None and not done:
                 raise openai.APITimeoutError(request=http.request) from None
-        except http_errors.TransportError:
+        except (http_errors.TransportError, BodyBroken):
             if watch.why is None and not done:
                 raise openai.APIConnectionError(request=http.request) from None
         finally:

@@ -6,11 +6,13 @@ first, then argument fragments, several calls interleaved; usage in the last chu
 non-streamed answer holds, so ``models/openai.py`` builds the response from it with the code that reads a whole
 answer, and the stored ``llm_response`` is the same either way.
 
-:func:`sse_data` splits the event stream's bytes into each event's data, more cheaply than the SDK's decoder.
+:func:`sse_data` splits the event stream's bytes into each event's data, more cheaply than the SDK's decoder;
+:func:`chunked_body` reads a chunked HTTP/1.1 body straight from its connection, below httpx's per-chunk machinery.
 
 The model's thread reads the stream; while it is blocked in a read, only another thread can end that read at
-once.  :data:`WATCHDOG`, one thread for the process, wakes every few hundredths of a second while streamed calls
-are open, and shuts down the socket of one whose job's Stop is set or that sent nothing for its read timeout: the
+once.  :data:`WATCHDOG`, one thread for the process, wakes every few hundredths of a second while calls are open
+(streamed ones, and plain ones that a Stop may cut), and shuts down the socket of one whose job's Stop is set or
+that sent nothing for its read timeout (a streamed one): the
 blocked read returns, and the model raises ``CallCancelled`` or retries it as a timeout.  It watches a call from
 before its request is sent: while the endpoint has not answered with headers yet there is no response to take
 the socket from, so the connections of the shared clients note which thread wrote a request on them
@@ -29,7 +31,8 @@ from typing import Any
 from .base import ModelError
 from .messages import Delta
 
-__all__ = ["WATCHDOG", "Assembly", "Watch", "Watchdog", "sse_data", "track_sockets"]
+__all__ = ["WATCHDOG", "Assembly", "BodyBroken", "BodyTimeout", "Watch", "Watchdog", "chunked_body", "sse_data",
+           "track_sockets"]
 
 # how often the watchdog looks at the open streams: a Stop cuts a stream off within about this
 POLL_S = 0.05
@@ -208,6 +211,143 @@ def sse_data(chunks: Iterable[bytes]) -> Iterator[bytes]:
     # (data left over: an unfinished event, dropped as the standard says)
 
 
+class BodyTimeout(Exception):
+    """:func:`chunked_body`: no byte came for the read timeout."""
+
+
+class BodyBroken(Exception):
+    """:func:`chunked_body`: the connection failed or closed, or the chunked framing is broken, before the body's end."""
+
+
+# the largest chunk-size line (with its extensions) read before the framing is called broken
+_MAX_CHUNK_LINE = 4096
+
+
+def chunked_body(response: Any, watch: Watch) -> Iterator[bytes] | None:
+    """The body of a streamed HTTP/1.1 ``transfer-encoding: chunked`` response, read straight from its connection
+    (``watch`` touched at each read); None when the response is not one this can read (HTTP/2, another framing,
+    an httpx or httpcore laid out otherwise): then it is read through httpx.
+
+    Why (benchmarks/README.md, "Streamed answers"): an SSE answer comes as one HTTP chunk per event, and through
+    httpx each costs h11's parse of the chunk into an event object, then four generators and an exception-mapping
+    context in httpcore and httpx; here one read of the socket (several chunks when they came together) is
+    unframed with ``bytes.find`` and handed on as one piece.  h11 is left as it expects, through its public API
+    only: it parses what it holds until it waits, with nothing held, at a chunk's end; from there the bytes are
+    read here, and at the body's end h11 is given the CRLF it still waited for and the last chunk (``0``), so its
+    connection goes back to the pool as after any read to the end.  Bytes after the last chunk (never sent by a
+    server that waits for the next request) are not given to h11: its connection is closed rather than reused."""
+    if "chunked" not in str(response.headers.get("transfer-encoding", "")).lower():
+        return None
+    # httpx's byte stream wraps httpcore's (a timer, exception mapping, the pool's), which reads one connection
+    stream, conn = getattr(response, "stream", None), None
+    for _ in range(8):
+        conn = getattr(stream, "_connection", None)
+        if conn is not None or stream is None:
+            break
+        stream = getattr(stream, "_httpcore_stream", None) or getattr(stream, "_stream", None)
+    h11c = getattr(conn, "_h11_state", None)
+    net = getattr(response, "extensions", {}).get("network_stream")
+    import h11
+
+    if not isinstance(h11c, h11.Connection) or h11c.their_state is not h11.SEND_BODY or not hasattr(net, "read"):
+        return None
+    timeouts = getattr(getattr(response, "request", None), "extensions", {}).get("timeout", {})
+    read_timeout = timeouts.get("read") if isinstance(timeouts, dict) else None
+    return _unchunk(h11, h11c, net, read_timeout, watch)
+
+
+def _unchunk(h11: Any, h11c: Any, net: Any, timeout: float | None, watch: Watch) -> Iterator[bytes]:
+    def read() -> bytes:
+        try:
+            data: bytes = net.read(65536, timeout)
+        except Exception as exc:  # httpcore's ReadTimeout/ReadError (httpcore or httpcore2: told by name)
+            if "Timeout" in type(exc).__name__:
+                raise BodyTimeout(str(exc)) from None
+            raise BodyBroken(f"{type(exc).__name__}: {exc}") from None
+        if not data:
+            raise BodyBroken("the connection closed before the body's end")
+        watch.touch()
+        return data
+
+    # h11 parses what it holds (what came with the headers) until it is sure to wait for the next chunk-size line:
+    # it needs data at a chunk's end (or the body's start) and held at most the CRLF after that chunk before, so
+    # it has taken no part of the next line; the part of that CRLF it has not taken yet is owed to it
+    ended: bool | None = None  # the last chunk h11 gave ended (None: no chunk yet)
+    while True:
+        held = h11c.trailing_data[0] if ended is not False else None
+        try:
+            event = h11c.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise BodyBroken(f"malformed chunked body: {exc}") from None
+        if event is h11.NEED_DATA:
+            if ended is None and held == b"":
+                owed = 0
+                break
+            if ended and held in (b"", b"\r", b"\r\n"):
+                owed = 2 - len(held)
+                break
+            h11c.receive_data(read())
+        elif isinstance(event, h11.Data):
+            ended = bool(event.chunk_end)
+            yield bytes(event.data)
+        elif isinstance(event, h11.EndOfMessage):
+            return
+        else:
+            raise BodyBroken(f"unexpected {type(event).__name__} in the body")
+    buf = b""
+    left = 0  # data bytes of the current chunk still to come
+    crlf = owed  # bytes of the CRLF after a chunk's data still to come
+    trailer = False  # after the last chunk (size 0): trailer lines until an empty one
+    while True:
+        if not buf:
+            buf = read()
+        pos, end, out = 0, len(buf), []
+        while pos < end:
+            if left:
+                n = min(left, end - pos)
+                out.append(buf[pos:pos + n] if n != end else buf)
+                pos += n
+                left -= n
+                crlf = 0 if left else 2
+                continue
+            if crlf:
+                n = min(crlf, end - pos)
+                if buf[pos:pos + n] != b"\r\n"[2 - crlf:2 - crlf + n]:
+                    raise BodyBroken(f"malformed chunked body: no CRLF after a chunk: {buf[pos:pos + 8]!r}")
+                pos += n
+                crlf -= n
+                continue
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                if end - pos > _MAX_CHUNK_LINE:
+                    raise BodyBroken("malformed chunked body: a chunk-size line too long")
+                break
+            line = buf[pos:eol]
+            pos = eol + 2
+            if trailer:
+                if line:
+                    continue  # a trailer field: dropped, as httpx drops them
+                if out:
+                    yield out[0] if len(out) == 1 else b"".join(out)
+                if pos == end:  # h11 is given the end of the body, so the connection can be reused
+                    with contextlib.suppress(Exception):  # else it is closed, not reused
+                        h11c.receive_data(b"\r\n"[2 - owed:] + b"0\r\n\r\n")
+                        h11c.next_event()
+                return
+            try:
+                size = int(line.split(b";", 1)[0], 16)
+            except ValueError:
+                size = -1
+            if size < 0:
+                raise BodyBroken(f"malformed chunked body: a chunk-size line {line[:40]!r}")
+            trailer = size == 0
+            left = size
+        rest = buf[pos:] if pos < end else b""
+        if out:
+            yield out[0] if len(out) == 1 else b"".join(out)
+        buf = rest + read() if rest else b""
+
+
 def _kind(value: Any) -> str:
     if value is None:
         return "null"
@@ -232,7 +372,7 @@ class Watch:
 
     def attach(self, response: Any, timeout: float) -> None:
         """The answer's headers came: from now on its socket is the one to cut, and a stall counts."""
-        self.sock = _socket_of(response) or _sending.get(self.thread)
+        self.sock = _socket_of(response) or _sent_on(self.thread)
         self.timeout = timeout
         self.touch()
 
@@ -241,7 +381,7 @@ class Watch:
 
     def cut(self, why: str) -> bool:
         """Shut the call's socket down; False when it is not known yet (the request is not written yet)."""
-        sock = self.sock or _sending.get(self.thread)
+        sock = self.sock or _sent_on(self.thread)
         if sock is None:
             return False
         self.why = why
@@ -298,25 +438,34 @@ class Watchdog:
             self._tick.wait(POLL_S)
 
 
-# the socket each thread last wrote a request to: a call blocked waiting for its answer's headers has no response
-# (so no socket) to cut yet; this is how the watchdog finds it.  Filled by the connections of shared clients
-# (track_sockets); a thread's entry is dropped when its next call's watch starts.
-_sending: dict[int, socket.socket] = {}
+# the connection each thread last wrote a request to: a call blocked waiting for its answer's headers (or a plain
+# call's whole answer) has no response, so no socket, to cut yet; this is how the watchdog finds it.  Filled by the
+# connections of shared clients (track_sockets); a thread's entry is dropped when its next call's watch starts.
+_sending: dict[int, _TrackedStream] = {}
+
+
+def _sent_on(thread: int) -> socket.socket | None:
+    """The socket ``thread`` wrote its request to, while no other thread has written on it since: a connection
+    given back to the pool and taken by another call belongs to that call, and must not be cut for this one."""
+    stream = _sending.get(thread)
+    return stream._sock if stream is not None and stream.writer == thread else None
 
 
 class _TrackedStream:
     """An httpcore network stream that notes, at each write, that this thread's request went out on its socket."""
 
-    __slots__ = ("_sock", "_stream")
+    __slots__ = ("_sock", "_stream", "writer")
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
         sock = stream.get_extra_info("socket")
         self._sock = sock if isinstance(sock, socket.socket) else None
+        self.writer = 0  # the thread that wrote the last request on it
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         if self._sock is not None:
-            _sending[threading.get_ident()] = self._sock
+            self.writer = me = threading.get_ident()
+            _sending[me] = self
         self._stream.write(buffer, timeout)
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:

@@ -17,6 +17,9 @@ its retries run out.  So every call passes through the :class:`Gate` of its (bas
   flight, the gate is open again (no cap).  So a batch settles just under the endpoint's limit instead
   of hammering it.
 
+A job's Stop (the call's ``cancel``) ends a wait in the gate at once: :meth:`Gate.acquire` returns None, and the
+call is cut off as one stopped while its answer was awaited (docs/models.md#streaming).
+
 Jobs do not fail because of this while their retries remain: a 429 is retried as before (``retries``
 and ``max_backoff`` per job, workspace or environment), the gate only decides *when*.  5xx answers,
 timeouts and malformed answers are retried by their own call only; they do not close the gate.
@@ -28,6 +31,9 @@ import threading
 import time
 
 __all__ = ["Gate", "gate_for"]
+
+# how often a call waiting for a slot under the cap looks at its job's Stop (a released slot wakes it at once)
+STOP_POLL_S = 0.05
 
 
 class Gate:
@@ -41,38 +47,54 @@ class Gate:
         self.limit: float | None = None  # None: no cap (no 429 yet, or recovered); its whole part counts
         self.paused_until = 0.0
         self.throttled = 0  # 429s seen, for the curious
+        self.waiting = 0  # calls waiting in acquire (out a pause or for a slot under the cap), for the curious
         self._last_cut = float("-inf")
 
     def __repr__(self) -> str:
         return f"<Gate in_flight={self.in_flight} limit={self.limit} peak={self.peak} throttled={self.throttled}>"
 
-    def acquire(self, max_wait: float | None = None, waited_until: float | None = None) -> float:
+    def acquire(self, max_wait: float | None = None, waited_until: float | None = None,
+                cancel: threading.Event | None = None) -> float | None:
         """Wait out the pause (at most ``max_wait`` seconds of it), then for a free slot under the cap.
 
         ``waited_until``: until when this caller has already slept (backing off after its own error);
-        only a pause that lasts longer is waited for.  Returns the ticket to give :meth:`throttle`.
+        only a pause that lasts longer is waited for.  Returns the ticket to give :meth:`throttle`, or None, at
+        once and holding no slot, when ``cancel`` is set before or during the wait (the job was stopped).
         """
         slept_for: set[float] = set()
         started = self._clock()
-        while True:
-            with self._cond:
-                end = self.paused_until
-                now = self._clock()
-            if waited_until is not None and end <= waited_until:
-                end = now
-            if max_wait is not None:
-                end = min(end, started + max_wait)
-            # one sleep per pause end seen: a pause made longer meanwhile is slept again
-            if end <= now or end in slept_for:
-                break
-            slept_for.add(end)
-            time.sleep(end - now)  # not under the lock: a 429 elsewhere may extend the pause meanwhile
         with self._cond:
-            while self.limit is not None and self.in_flight >= int(self.limit):
-                self._cond.wait(0.5)  # a released call notifies; the timeout only guards a missed wake-up
-            self.in_flight += 1
-            self.peak = max(self.peak, self.in_flight)
-            return self._clock()
+            self.waiting += 1
+        try:
+            while True:
+                with self._cond:
+                    end = self.paused_until
+                    now = self._clock()
+                if waited_until is not None and end <= waited_until:
+                    end = now
+                if max_wait is not None:
+                    end = min(end, started + max_wait)
+                # one sleep per pause end seen: a pause made longer meanwhile is slept again
+                if end <= now or end in slept_for:
+                    break
+                slept_for.add(end)
+                # not under the lock: a 429 elsewhere may extend the pause meanwhile
+                if _wait(cancel, end - now):
+                    return None
+            with self._cond:
+                while self.limit is not None and self.in_flight >= int(self.limit):
+                    if cancel is not None and cancel.is_set():
+                        return None
+                    # a released call notifies; the timeout guards a missed wake-up and, short, looks at the Stop
+                    self._cond.wait(0.5 if cancel is None else STOP_POLL_S)
+                if cancel is not None and cancel.is_set():
+                    return None
+                self.in_flight += 1
+                self.peak = max(self.peak, self.in_flight)
+                return self._clock()
+        finally:
+            with self._cond:
+                self.waiting -= 1
 
     def release(self, *, ok: bool) -> None:
         """A call ended; ``ok``: it was answered, which lets the cap grow (by 1/cap)."""
@@ -102,6 +124,14 @@ class Gate:
             else:
                 self.paused_until = max(self.paused_until, end)
             self._cond.notify_all()
+
+
+def _wait(cancel: threading.Event | None, seconds: float) -> bool:
+    """Sleep ``seconds``; True, at once, when ``cancel`` is set meanwhile."""
+    if cancel is None:
+        time.sleep(seconds)
+        return False
+    return cancel.wait(seconds)
 
 
 _gates: dict[tuple[str, str], Gate] = {}
