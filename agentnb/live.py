@@ -14,7 +14,9 @@ act on it (``notebook/liveview.py`` does so).  A subscriber that raises is logge
 Only jobs run in this process are published here; a job another process runs is seen through the store.
 
 Without a subscriber every hook is one dictionary test, so a run nobody watches pays nothing measurable
-(``benchmarks/overhead.py``).
+(``benchmarks/overhead.py``).  A subscriber to some ``kinds`` of every job's events (live OpenTelemetry export
+wants only transitions and statuses) gets no notices and makes the stores decode and publish only the
+transactions holding such an event, so a run pays for it only at those commits.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from typing import Any, Protocol
 
 from .events import Event
 
-__all__ = ["Item", "Notice", "Subscription", "channel", "listening", "notice", "publish", "subscribe", "wants"]
+__all__ = ["Item", "Notice", "Subscription", "channel", "listening", "notice", "publish", "subscribe", "wants",
+           "wants_rows"]
 
 _log = logging.getLogger("agentnb.live")
 
@@ -66,9 +69,10 @@ def channel(store: _Located) -> str:
 class Subscription:
     """One subscriber on one channel and job (None: every job); :meth:`close` (or leaving ``with``) ends it."""
 
-    def __init__(self, key: tuple[str, int | None], fn: Subscriber) -> None:
+    def __init__(self, key: tuple[str, int | None], fn: Subscriber, kinds: frozenset[str] | None = None) -> None:
         self.key = key
         self.fn = fn
+        self.kinds = kinds  # None: every event and notice; else only events of these kinds
         self.failed = False  # logged once already
 
     def close(self) -> None:
@@ -93,13 +97,26 @@ class Subscription:
 # (channel, job id or None) → its subscriptions.  Replaced whole under _LOCK, never changed in place, so that
 # publishers read it without a lock; empty when nobody listens (the publishers' one test).
 _SUBSCRIBERS: dict[tuple[str, int | None], tuple[Subscription, ...]] = {}
+# channel → the subscriptions to some kinds of every job's events there (the same discipline)
+_PICKY: dict[str, tuple[Subscription, ...]] = {}
 _LOCK = threading.Lock()
 
 
-def subscribe(store: _Located, job_id: int | None, fn: Subscriber) -> Subscription:
+def subscribe(store: _Located, job_id: int | None, fn: Subscriber, *,
+              kinds: Iterable[str] | None = None) -> Subscription:
     """Call ``fn(item)`` for each event of job ``job_id`` (None: of every job) that ``store``'s channel commits from
-    now on, and for each notice of it, until the subscription is closed."""
-    global _SUBSCRIBERS
+    now on, and for each notice of it, until the subscription is closed.  With ``kinds`` (and ``job_id`` None):
+    only the events of those kinds, and no notices."""
+    global _SUBSCRIBERS, _PICKY
+    if kinds is not None:
+        if job_id is not None:
+            raise ValueError("kinds= is for a subscription to every job (job_id None)")
+        sub = Subscription((channel(store), None), fn, frozenset(kinds))
+        with _LOCK:
+            picky = dict(_PICKY)
+            picky[sub.key[0]] = (*picky.get(sub.key[0], ()), sub)
+            _PICKY = picky
+        return sub
     sub = Subscription((channel(store), job_id), fn)
     with _LOCK:
         subs = dict(_SUBSCRIBERS)
@@ -109,7 +126,17 @@ def subscribe(store: _Located, job_id: int | None, fn: Subscriber) -> Subscripti
 
 
 def _unsubscribe(sub: Subscription) -> None:
-    global _SUBSCRIBERS
+    global _SUBSCRIBERS, _PICKY
+    if sub.kinds is not None:
+        with _LOCK:
+            picky = dict(_PICKY)
+            rest = tuple(s for s in picky.get(sub.key[0], ()) if s is not sub)
+            if rest:
+                picky[sub.key[0]] = rest
+            else:
+                picky.pop(sub.key[0], None)
+            _PICKY = picky
+        return
     with _LOCK:
         subs = dict(_SUBSCRIBERS)
         rest = tuple(s for s in subs.get(sub.key, ()) if s is not sub)
@@ -122,7 +149,7 @@ def _unsubscribe(sub: Subscription) -> None:
 
 def listening() -> bool:
     """Whether anyone listens at all (the publishers' first, cheapest test)."""
-    return bool(_SUBSCRIBERS)
+    return bool(_SUBSCRIBERS) or bool(_PICKY)
 
 
 def wants(store: _Located, job_ids: Iterable[int]) -> bool:
@@ -134,16 +161,32 @@ def wants(store: _Located, job_ids: Iterable[int]) -> bool:
     return (where, None) in subs or any((where, j) in subs for j in job_ids)
 
 
+def wants_rows(store: _Located, job_ids: Iterable[int], kinds: Iterable[str]) -> bool:
+    """Whether anyone listens to events of ``job_ids`` (of these ``kinds``) on ``store``'s channel: a store asks it
+    of a transaction's event rows."""
+    picky = _PICKY.get(channel(store), ()) if _PICKY else ()
+    if picky:
+        wanted = set(kinds)
+        if any(sub.kinds is not None and not sub.kinds.isdisjoint(wanted) for sub in picky):
+            return True
+    return wants(store, job_ids)
+
+
 def publish(store: _Located, items: Iterable[Item]) -> None:
     """Hand ``items`` (committed events in commit order, or notices) to their subscribers, one by one."""
-    subs = _SUBSCRIBERS
-    if not subs:
+    subs, picky_all = _SUBSCRIBERS, _PICKY
+    if not subs and not picky_all:
         return
     where = channel(store)
     every = subs.get((where, None), ())
+    picky = picky_all.get(where, ()) if picky_all else ()
     for item in items:
         for sub in (*subs.get((where, item.job_id), ()), *every):
             sub.deliver(item)
+        if picky and not isinstance(item, Notice):
+            for sub in picky:
+                if sub.kinds is not None and item.kind in sub.kinds:
+                    sub.deliver(item)
 
 
 def notice(store: _Located, job_id: int, what: str, *, movement_seq: int | None = None,

@@ -39,6 +39,7 @@ from .worker import Worker
 if TYPE_CHECKING:
     from .compare import Comparison
     from .views.frames import Frames
+    from .views.otel_live import LiveExport
 
 __all__ = ["DEFAULT_WORKSPACE", "MAX_INSTRUCTION_CHARS", "Job", "JobRef", "JobStatus", "Workspace", "prepare_workdir"]
 
@@ -51,7 +52,7 @@ class Workspace:
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_WORKSPACE, *, readonly: bool = False,
                  retries: int | None = None, max_backoff: float | None = None, store: str | None = None,
                  lease: float | None = None, files_limit: int | str | None = None,
-                 stream: bool | None = None) -> None:
+                 stream: bool | None = None, otel: str | bool | None = None) -> None:
         """Open (or create) the workspace folder ``path``.
 
         ``store`` (else the environment's ``AGENTNB_STORE``) keeps the jobs elsewhere than ``path/agentnb.sqlite``
@@ -69,6 +70,10 @@ class Workspace:
         ``files_limit``: the most bytes of files a job may hold where files live in the store (PostgreSQL): bytes,
         or text such as ``"100MB"``; None: ``$AGENTNB_FILES_LIMIT``, else 100 MB.  Checked when this workspace
         submits a job (its ``input/`` files) and when it ends a movement of one (the whole work directory).
+
+        ``otel`` exports the spans of the jobs this workspace runs to an OpenTelemetry collector as each movement
+        run ends (docs/otel.md#live): its base URL (``http://127.0.0.1:4318``), True for the standard
+        ``OTEL_EXPORTER_OTLP_ENDPOINT``, False for none; None reads ``AGENTNB_OTEL`` (a URL, or 1).
         """
         self.model_settings = check_retry_settings(retries, max_backoff)
         if stream is not None:
@@ -76,6 +81,11 @@ class Workspace:
                 raise UsageError(f"stream={stream!r}; allowed: True, False or None (the environment's AGENTNB_STREAM)")
             self.model_settings["stream"] = stream
         self.lease = lease_setting(lease)
+        otel_url = None
+        if not readonly and (otel or (otel is None and os.environ.get("AGENTNB_OTEL"))):
+            from .views.otel_live import live_endpoint
+
+            otel_url = live_endpoint(otel, os.environ)  # a bad value: one line, before anything is opened
         self.files_limit = parse_files_limit(files_limit)
         if store is None:
             store = os.environ.get("AGENTNB_STORE") or None
@@ -109,13 +119,26 @@ class Workspace:
         self.submitter = Submitter(self.store, self.root, self.files_limit)
         self.execution = Execution(self.store, self.root, lease=self.lease, files_limit=self.files_limit,
                                    model_settings=self.model_settings)
+        self.otel: LiveExport | None = None  # the live export (docs/otel.md#live), when one is set
+        if otel_url is not None:
+            from .views.otel_live import LiveExport
+
+            self.otel = LiveExport(self.store, otel_url)
+
+    @property
+    def otel_dropped(self) -> int:
+        """Spans the live export did not send (collector unreachable, slow or refusing; docs/otel.md#live)."""
+        return self.otel.dropped if self.otel is not None else 0
 
     def close(self) -> None:
         """Close the store (a PostgreSQL store's connection pool and its threads); the workspace is unusable after.
 
         A workspace left open is closed when it is garbage-collected, but a PostgreSQL pool collected from one of
-        its own threads cannot stop itself cleanly, so scripts and the CLI close theirs.
+        its own threads cannot stop itself cleanly, so scripts and the CLI close theirs.  A live export sends what
+        it still holds first, waiting a few seconds at most.
         """
+        if self.otel is not None:
+            self.otel.close()
         self.store.close()
 
     def __enter__(self) -> Workspace:

@@ -282,6 +282,9 @@ def agentnb_stream_run(base_url: str, jobs: int, concurrency: int) -> Outcome:
     return _agentnb(base_url, jobs, concurrency, f"openai:{MODEL}")
 
 
+OTEL_URL: str | None = None  # --otel: agentnb's jobs export their spans live to this loopback receiver
+
+
 def _agentnb(base_url: str, jobs: int, concurrency: int, model: str) -> Outcome:
     import agentnb
     from agentnb import Workspace
@@ -291,7 +294,7 @@ def _agentnb(base_url: str, jobs: int, concurrency: int, model: str) -> Outcome:
     os.environ.setdefault("OPENAI_API_KEY", "not-needed")
     tmp = tempfile.TemporaryDirectory(prefix="agentnb-throughput-")
     _TMP.append(tmp)
-    ws = Workspace(Path(tmp.name) / "ws")
+    ws = Workspace(Path(tmp.name) / "ws", otel=OTEL_URL or False)
     cases = [{"instruction": f"Echo greeting number {i}."} for i in range(jobs)]
     piece = agentnb.parse_piece(PIECE)
     # creating the batch (400 job rows and folders) is outside the timed region: the run is what is measured
@@ -306,7 +309,7 @@ def _agentnb(base_url: str, jobs: int, concurrency: int, model: str) -> Outcome:
         raise RuntimeError(f"agentnb: not every job succeeded: {counts}{why}")
     # what the store holds, not what we hoped: one llm_response row per call
     calls = int(ws.store.query("SELECT COUNT(*) FROM events WHERE kind='llm_response'")[0][0])
-    ws.store.close()
+    ws.close()  # a live export (--otel) sends what it still holds first
     return Outcome(elapsed, cpu, calls)
 
 
@@ -564,7 +567,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="with --serve: the port (default: any free one)")
     p.add_argument("--stream", action="store_true",
                    help=f"also run agentnb with streamed answers (about {STREAM_CHUNKS} chunks each)")
+    p.add_argument("--otel", action="store_true",
+                   help="agentnb exports its spans live to a loopback OTLP/HTTP receiver (docs/otel.md#live)")
     args = p.parse_args(argv)
+    if args.otel:
+        global OTEL_URL
+        sys.path.insert(0, str(Path(__file__).parent))
+        from overhead import otlp_receiver
+
+        OTEL_URL, received = otlp_receiver()
     if args.serve:
         serve(args.port, args.latency)
         return 0
@@ -593,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
           f"whole runs allow (ceil(jobs ÷ concurrency) waves)"
           + (f"; concurrency 1 ran {args.jobs_c1} jobs, not {args.jobs}" if c1 else ""))
     print("versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + "\n")
+    if args.otel:
+        print(f"agentnb exported its spans live to {OTEL_URL}: {len(received)} requests, {sum(received):,} bytes\n")
     _print(rows(results, args.latency), args.markdown)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=1),

@@ -23,6 +23,8 @@ smallest to the largest size (1.0 = flat, linear total cost) and agentnb ÷ peer
     python benchmarks/overhead.py                        # 200 and 1,000 calls, 3 runs each
     python benchmarks/overhead.py --calls 200 --repeat 5 --only agentnb,langgraph
     python benchmarks/overhead.py --profile 1000         # cProfile of one agentnb run
+    python benchmarks/overhead.py --only agentnb --otel  # with live OpenTelemetry export to a loopback receiver
+    python benchmarks/overhead.py --otel-file 1000       # ws.export_otel of a 1,000-call job, per span
     python benchmarks/overhead.py --markdown --json run.json   # also as Markdown, and saved
     python benchmarks/overhead.py --from-json run.json --markdown   # re-print a saved run
 
@@ -55,6 +57,30 @@ Run = Callable[[], Callable[[], int]]
 Factory = Callable[[int], Run]
 
 NOT_INSTALLED = "not installed (pip install -e '.[bench]')"
+OTEL_URL: str | None = None  # --otel: agentnb's jobs export their spans live to this loopback receiver
+
+
+def otlp_receiver() -> tuple[str, list[int]]:
+    """A loopback OTLP/HTTP receiver that takes every request (200) and counts the bytes: its URL and the counts."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    got: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            got.append(len(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", got
 PROMPT = "Echo the numbered greetings, one tool call at a time."
 
 
@@ -139,7 +165,7 @@ def agentnb_run(n: int) -> Run:
         f"    max_iterations: {n + 5}\n"
         "    rules: [{next: COMPLETE}]\n"
     )
-    ws = Workspace(root / "ws")
+    ws = Workspace(root / "ws", otel=OTEL_URL or False)
     job = ws.submit(PROMPT, piece=piece, model=f"scripted:{script}")
 
     def run() -> Callable[[], int]:
@@ -151,7 +177,7 @@ def agentnb_run(n: int) -> Run:
                     raise RuntimeError(f"agentnb job ended {done.status}: {done.error}")
                 return len(ws.events(job, kinds=["llm_response"]))  # what the store holds, not what we hoped
             finally:
-                ws.store.close()  # before _cleanup removes the folder
+                ws.close()  # before _cleanup removes the folder; a live export sends what it holds first
 
         return count
 
@@ -473,6 +499,27 @@ def profile(n: int, sort: str = "cumulative") -> None:
     pstats.Stats(prof).sort_stats(sort).print_stats(40)
 
 
+def otel_file(n: int, repeat: int) -> None:
+    """Print the best of ``repeat`` file exports (docs/otel.md) of one agentnb job of ``n`` calls, per span."""
+    from agentnb.views.otel import read_traces
+
+    run = agentnb_run(n)
+    count = run()
+    cells = dict(zip(run.__code__.co_freevars, (c.cell_contents for c in run.__closure__ or ()), strict=True))
+    ws, job = cells["ws"], cells["job"]  # the prepared run's workspace and job
+    path = Path(_TMP[-1].name) / "traces.jsonl"
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        ws.export_otel(job, path)
+        times.append(time.perf_counter() - t0)
+    spans = sum(len(ss.spans) for d in read_traces(path) for rs in d.resource_spans for ss in rs.scope_spans)
+    best = min(times[1:]) if repeat else times[0]
+    print(f"# {machine()}")
+    print(f"file export of a {n}-call job: {spans} spans in {best * 1000:.0f} ms, {best / spans * 1000:.3f} ms per span")
+    count()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", default="200,1000", help="comma-separated run lengths (default: 200,1000)")
@@ -482,7 +529,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=int, metavar="N", help="cProfile one agentnb run of N calls instead")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown too")
     ap.add_argument("--from-json", metavar="PATH", help="print the table of a run saved with --json instead")
+    ap.add_argument("--otel-file", type=int, metavar="N",
+                    help="instead: time ws.export_otel of one agentnb job of N calls (ms per span)")
+    ap.add_argument("--otel", action="store_true",
+                    help="agentnb exports its spans live to a loopback OTLP/HTTP receiver (docs/otel.md#live)")
     args = ap.parse_args(argv)
+    if args.otel:
+        global OTEL_URL
+        OTEL_URL, received = otlp_receiver()
+    if args.otel_file:
+        otel_file(args.otel_file, args.repeat)
+        return 0
     if args.profile:
         profile(args.profile)
         return 0
@@ -506,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# {machine()}")
     print(f"# one run of N sequential LLM calls (N-1 echo tool calls), median of {args.repeat} after a warm-up")
+    if args.otel:
+        print(f"# agentnb exports its spans live to {OTEL_URL}")
     results = []
     for fw in chosen:
         t0 = time.perf_counter()
@@ -516,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"#   {fw.label}: {status}  [{time.perf_counter() - t0:.0f} s]", flush=True)
         asyncio.set_event_loop(asyncio.new_event_loop())  # peers may close the loop they used
+    if args.otel:
+        print(f"# the receiver took {len(received)} requests, {sum(received):,} bytes")
     print()
     print(table(results, sizes))
     if args.markdown:

@@ -261,3 +261,17 @@ def test_the_live_view_redraws_what_its_run_committed_before_it_began_to_watch(t
     finally:
         gate.set()
         unregister("TestLiveGate")
+
+
+def test_a_subscription_to_some_kinds_gets_only_those_events_and_no_notices(tmp_path: Path) -> None:
+    with Workspace(tmp_path / "ws") as ws:
+        picky, every = Received(), Received()
+        job = ws.submit("go", piece=str(_piece(tmp_path)), model=_script(tmp_path))
+        with live.subscribe(ws.store, None, picky, kinds=("transition", "job_status")), \
+                ws.execution.subscribe(job.id, every):
+            assert ws.run(job).status == "succeeded"
+        assert [e.kind for e in picky.items] == [e.kind for e in every.events if e.kind in ("transition", "job_status")]
+        assert {e.kind for e in picky.items} == {"transition", "job_status"}
+        assert any(isinstance(i, Notice) for i in every.items)  # the engine's call_started: not for kinds=
+        with pytest.raises(ValueError, match="every job"):
+            live.subscribe(ws.store, job.id, picky, kinds=("transition",))

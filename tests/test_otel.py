@@ -8,10 +8,8 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +18,8 @@ from _batching import answering_model
 from _scripting import call, transition, write_piece, write_script
 from google.protobuf import json_format
 from openai_server import OpenAIServer, reply
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, TracesData
+from otlp_receiver import Receiver
 
 from agentnb import Workspace
 from agentnb.cli import main
@@ -317,41 +315,6 @@ def test_a_100_job_batch_is_one_file_of_valid_otlp_json(ws: Workspace, tmp_path:
 
 
 # -- the command, and sending --------------------------------------------------------------------------------------
-@dataclass
-class Receiver:
-    """A loopback OTLP/HTTP receiver: each POST's path, headers and decoded ExportTraceServiceRequest."""
-
-    status: int = 200
-    got: list[tuple[str, dict[str, str], ExportTraceServiceRequest]] | None = None
-
-    def __post_init__(self) -> None:
-        self.got = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                request = ExportTraceServiceRequest()
-                request.ParseFromString(body)
-                assert receiver.got is not None
-                receiver.got.append((self.path, {k.lower(): v for k, v in self.headers.items()}, request))
-                self.send_response(receiver.status)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     r = Receiver()

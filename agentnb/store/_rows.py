@@ -253,7 +253,8 @@ class StoreRows(ABC, Generic[C]):
 
     def _live_wants(self, rows: Sequence[tuple[Any, ...]]) -> bool:
         """Whether a subscriber listens to the job of any of these event rows (one test when nobody listens)."""
-        return live.listening() and live.wants(self, [r[0] for r in rows])  # type: ignore[arg-type]
+        # a row is (job_id, movement_seq, iteration, ts, kind, payload)
+        return live.listening() and live.wants_rows(self, [r[0] for r in rows], [r[4] for r in rows])  # type: ignore[arg-type]
 
     def _live_rows(self, rows: Sequence[tuple[Any, ...]], ids: Iterable[int]) -> None:
         """Keep the event rows just inserted, with their ids, to publish when the transaction commits."""

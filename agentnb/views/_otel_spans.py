@@ -42,7 +42,7 @@ from ..store.base import Store
 from ..store.records import JobRecord
 from .timeline import Call, MovementRun, Note, ToolUse, fold, is_compaction_error, is_interruption
 
-__all__ = ["DEFAULT_MAX_CHARS", "AttrValue", "SpanEvent", "SpanRecord", "TraceRecord", "store_identity",
+__all__ = ["DEFAULT_MAX_CHARS", "AttrValue", "SpanEvent", "SpanRecord", "TraceRecord", "job_trace", "store_identity",
            "trace_of"]
 
 AttrValue = str | bool | int | float | Sequence[str]
@@ -437,6 +437,10 @@ def trace_of(store: Store, root: JobRecord, *, content: bool = False, max_chars:
         spans += mapper.map()
         for child in store.jobs(parent_id=job.id):
             pending.append((child, mapper.subtask_parents.get(child.id, mapper.job_span.span_id)))
+    return TraceRecord(trace_id=_hash_id(128, identity, "trace", root.id), resource=_resource(root), spans=tuple(spans))
+
+
+def _resource(root: JobRecord) -> dict[str, AttrValue]:
     resource: dict[str, AttrValue] = {"service.name": "agentnb"}
     if root.batch is not None:
         resource["agentnb.batch"] = root.batch
@@ -448,4 +452,26 @@ def trace_of(store: Store, root: JobRecord, *, content: bool = False, max_chars:
         resource["agentnb.forked_from"] = root.forked_from_job
         if root.forked_from_seq is not None:
             resource["agentnb.forked_at"] = root.forked_from_seq
-    return TraceRecord(trace_id=_hash_id(128, identity, "trace", root.id), resource=resource, spans=tuple(spans))
+    return resource
+
+
+def job_trace(store: Store, job: JobRecord, *, content: bool = False, max_chars: int = DEFAULT_MAX_CHARS,
+              identity: str | None = None) -> TraceRecord:
+    """The spans of job ``job`` alone (not its subtasks'), with the ids, parent and resource that
+    :func:`trace_of` of its root job gives them: what live export sends as the job runs (docs/otel.md#live)."""
+    identity = identity if identity is not None else store_identity(store)
+    parent_span: int | None = None
+    root = job
+    if job.parent_id is not None:
+        # under the parent's run whose transition asked for it (the mapper's subtask_parents), else its job span
+        parent_span = _hash_id(64, identity, job.parent_id, "job")
+        for ev in store.events(job.parent_id, kinds=["transition"]):
+            if isinstance(ev, Transition) and any(s.job_id == job.id for s in ev.subtasks or ()):
+                parent_span = _hash_id(64, identity, job.parent_id, "run", ev.movement_seq)
+        seen = {root.id}
+        while root.parent_id is not None and root.parent_id not in seen:
+            root = store.job(root.parent_id)
+            seen.add(root.id)
+    mapper = _JobMapper(store, identity, job, parent_span, _Content(max_chars) if content else None)
+    spans = mapper.map()
+    return TraceRecord(trace_id=_hash_id(128, identity, "trace", root.id), resource=_resource(root), spans=tuple(spans))

@@ -65,6 +65,7 @@ from ._fork_lines import demo_note, fork_lines, reserved_runs
 from ._fork_lines import runs_text as _runs_text
 from ._job_stats import JobStats, job_stats, stats_from_timeline
 from .icons import COMMENT, LATENCY, REMINDER, STOP, TOOL, icon, question_badge
+from .otel_live import dropped_spans
 from .source import JobRecord, JobSource
 from .style import (
     ACTION_COLOURS,
@@ -742,8 +743,17 @@ def timeline_html(
         + _header(job, st, _piece_max(ws, job.id), latest_link=True, fork=fork_lines(job, tl),
                   # said once where the fork is shown; header_html (the compare view's columns) leaves it to that view
                   note=demo_note(ws, job.forked_from[0], job.id) if job.forked_from else None)
-        + "".join(body) + "</div>"
+        + "".join(body) + _footer(ws, job) + "</div>"
     )
+
+
+def _footer(ws: JobSource, job: JobRecord) -> str:
+    """The job's footer: what this process could not do for it (live OpenTelemetry spans dropped)."""
+    dropped = dropped_spans(ws.store, job.id)
+    if not dropped:
+        return ""
+    return (f'<div class="anb-dim anb-foot">OpenTelemetry: {plural(dropped, "span")} of this job not exported '
+            "(the collector was unreachable, too slow or refused them; docs/otel.md#live)</div>")
 
 
 def movement_html(

@@ -1,0 +1,231 @@
+"""Live export: a job's spans sent to a collector as it runs, from a background thread (docs/otel.md#live).
+
+:class:`LiveExport` subscribes to the store's channel in this process (:mod:`agentnb.live`, the door the views
+use): in the job's thread it only notes what ended — a movement run (its ``transition`` event) or the job (a
+terminal ``job_status``) — in a bounded queue.  Its own daemon thread reads the job back from the store, maps it
+(:func:`agentnb.views._otel_spans.job_trace`: the ids a file export gives) and posts the spans with the OTLP/HTTP
+exporter, several notes per request.  A run's spans are its ``invoke_agent`` span with its ``chat`` and
+``execute_tool`` spans; the job's ``invoke_workflow`` span goes when the job ends, with any run that ended
+without a transition (a failed one).  A child span may reach the collector before its parent: OTLP allows it.
+
+A collector that cannot be reached, is slow or refuses the spans never holds a job up: the queue is bounded, each
+request has a short timeout, and after a failure the spans of the next seconds are dropped without trying.  Spans
+not sent are counted (:attr:`LiveExport.dropped`, per job :func:`dropped_spans`, shown in the job view) and the
+first failure is one warning on the ``agentnb.otel`` logger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from .. import live
+from ..errors import UsageError
+from ..events import JobStatusEvent, Transition
+from ..store.base import TERMINAL_STATES, Store
+from ._otel_spans import TraceRecord, job_trace, store_identity
+from .otel import INSTALL_HINT, sdk_spans
+
+__all__ = ["LiveExport", "dropped_spans", "live_endpoint"]
+
+_log = logging.getLogger("agentnb.otel")
+_EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+QUEUE_SIZE = 10_000   # notes (a run or a job ended), not spans: a few bytes each
+BATCH = 64            # notes read from the queue per request at most
+PAUSE_AFTER_FAILURE = 10.0  # seconds the spans are dropped untried after a failed request
+
+# (channel, job id) → spans of that job not exported, for the job view of any workspace on that store
+_DROPPED: dict[tuple[str, int], int] = {}
+_DROPPED_LOCK = threading.Lock()
+
+
+def dropped_spans(store: Store, job_id: int) -> int:
+    """How many spans of job ``job_id`` live export dropped in this process (0 without live export)."""
+    return _DROPPED.get((live.channel(store), job_id), 0) if _DROPPED else 0
+
+
+_OFF = ("", "0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
+def live_endpoint(value: str | bool | None, environ: Any) -> str | None:
+    """The collector a workspace exports to live, or None (docs/otel.md#live): ``value`` is ``Workspace(otel=)``
+    (a URL; True: the standard ``OTEL_EXPORTER_OTLP_ENDPOINT``; False: off), None reads ``AGENTNB_OTEL`` (a URL,
+    or 1 for the standard variable; unset, empty or 0: off)."""
+    where = "otel"
+    if value is None:
+        value, where = environ.get("AGENTNB_OTEL", ""), "AGENTNB_OTEL"
+    if isinstance(value, str) and value.strip().lower() in _OFF + _ON:
+        value = value.strip().lower() in _ON
+    if value is False:
+        return None
+    allowed = ("an http:// or https:// collector URL (e.g. http://127.0.0.1:4318), 1/True for "
+               "OTEL_EXPORTER_OTLP_ENDPOINT, or 0/False")
+    if value is True:
+        value = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+        if not value:
+            raise UsageError(f"{where} asks for the standard OTEL_EXPORTER_OTLP_ENDPOINT, which is not set: set it "
+                             "(e.g. http://127.0.0.1:4318) or give the collector's URL")
+        where = "OTEL_EXPORTER_OTLP_ENDPOINT"
+    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+        raise UsageError(f"{where}={value!r}: allowed: {allowed}")
+    return value
+
+
+class _Quiet(logging.Filter):
+    """Silence the exporter's own per-request warnings in the exporter threads: one warning of ours says it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not threading.current_thread().name.startswith("agentnb-otel")
+
+
+_QUIET = _Quiet()
+
+
+class LiveExport:
+    """Sends the spans of the jobs this process runs on ``store`` to ``url`` (a collector's base URL; the spans
+    go to ``url/v1/traces``, headers from ``OTEL_EXPORTER_OTLP_HEADERS``) as their movement runs end."""
+
+    def __init__(self, store: Store, url: str, *, timeout: float = 2.0, queue_size: int = QUEUE_SIZE) -> None:
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            raise UsageError(INSTALL_HINT) from None
+        self.store = store
+        self.url = url
+        self.timeout = timeout
+        self.sent = 0
+        self.dropped = 0
+        self.failures = 0
+        self._exporter = OTLPSpanExporter(endpoint=url.rstrip("/") + "/v1/traces", timeout=timeout)
+        self._queue: queue.Queue[tuple[str, int, int | None] | None] = queue.Queue(queue_size)
+        self._identity = store_identity(store)
+        self._channel = live.channel(store)
+        self._paused_until = 0.0
+        self._warned = False
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        logging.getLogger(_EXPORTER_LOGGER).addFilter(_QUIET)
+        # only these kinds: the stores then decode and publish only the commits that hold one (live.py)
+        self._subscription = live.subscribe(store, None, self._note, kinds=("transition", "job_status"))
+
+    # -- in the job's thread: note, never wait -------------------------------------------------------------
+    def _note(self, item: live.Item) -> None:
+        if isinstance(item, Transition) and item.movement_seq is not None:
+            self._put(("run", item.job_id, item.movement_seq))
+        elif isinstance(item, JobStatusEvent) and item.status in TERMINAL_STATES:
+            self._put(("job", item.job_id, None))
+
+    def _put(self, note: tuple[str, int, int | None]) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None and not self._closed:
+                    # a daemon: a collector that hangs never keeps the process alive (close() waits, boundedly)
+                    self._thread = threading.Thread(target=self._work, name=f"agentnb-otel-{id(self):x}", daemon=True)
+                    self._thread.start()
+        try:
+            self._queue.put_nowait(note)
+        except queue.Full:  # the exporter cannot keep up: the run's spans are lost, counted as one
+            self._drop(note[1], 1, "the export queue was full")
+
+    # -- the exporter thread -------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            first = self._queue.get()
+            notes = [first]
+            while first is not None and len(notes) < BATCH:
+                try:
+                    notes.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+                if notes[-1] is None:
+                    break
+            stop = notes[-1] is None
+            self._export([n for n in notes if n is not None])
+            if stop:
+                return
+
+    def _export(self, notes: list[tuple[str, int, int | None]]) -> None:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        per_job: list[tuple[int, int]] = []
+        spans: list[Any] = []
+        # a job is read and mapped once per request, however many of its runs (and its end) the notes name
+        by_job: dict[int, list[tuple[str, int | None]]] = {}
+        for what, job_id, seq in notes:
+            by_job.setdefault(job_id, []).append((what, seq))
+        for job_id, ended in by_job.items():
+            try:
+                trace = self._spans_of(job_id, ended)
+            except Exception:  # a job deleted meanwhile, a store that went away: never the job's problem
+                _log.debug("agentnb: could not map job %s for live export", job_id, exc_info=True)
+                continue
+            if trace.spans:
+                spans += sdk_spans(trace)
+                per_job.append((job_id, len(trace.spans)))
+        if not spans:
+            return
+        if time.monotonic() < self._paused_until:
+            self._drop_all(per_job, None)
+            return
+        try:
+            ok = self._exporter.export(spans) is SpanExportResult.SUCCESS
+        except Exception:  # the exporter returns FAILURE for what it knows; anything else is a failure too
+            ok = False
+        if ok:
+            self.sent += len(spans)
+        else:
+            self.failures += 1
+            self._paused_until = time.monotonic() + PAUSE_AFTER_FAILURE
+            self._drop_all(per_job, f"the collector at {self.url} did not take them (unreachable, too slow or "
+                                    "it refused them)")
+
+    def _spans_of(self, job_id: int, ended: list[tuple[str, int | None]]) -> TraceRecord:
+        """The spans of job ``job_id`` that the notes ``ended`` name: each ended run's (``("run", seq)``) with its
+        calls and tools; at the job's end (``("job", None)``) its own span and the runs that ended without a
+        transition (none of their notes came), with theirs."""
+        trace = job_trace(self.store, self.store.job(job_id), identity=self._identity)
+        runs = {s.span_id: s for s in trace.spans if s.attributes.get("gen_ai.operation.name") == "invoke_agent"}
+        seqs = {seq for what, seq in ended if what == "run"}
+        chosen = {i for i, s in runs.items() if s.attributes.get("agentnb.movement_seq") in seqs}
+        keep: set[int] = set()
+        if any(what == "job" for what, _ in ended):
+            keep.add(trace.spans[0].span_id)
+            chosen |= {i for i, s in runs.items() if "agentnb.next_step" not in s.attributes}
+        return TraceRecord(trace.trace_id, trace.resource, tuple(
+            s for s in trace.spans if s.span_id in keep or s.span_id in chosen or s.parent_id in chosen))
+
+    def _drop_all(self, per_job: list[tuple[int, int]], why: str | None) -> None:
+        for job_id, n in per_job:
+            self._drop(job_id, n, why)
+
+    def _drop(self, job_id: int, n: int, why: str | None) -> None:
+        with _DROPPED_LOCK:
+            self.dropped += n
+            key = (self._channel, job_id)
+            _DROPPED[key] = _DROPPED.get(key, 0) + n
+        if why is not None and not self._warned:
+            self._warned = True
+            _log.warning("agentnb: live OpenTelemetry export: spans dropped, %s; jobs go on, the spans not sent are "
+                         "counted (ws.otel_dropped, the job view)", why)
+
+    # -- the end -------------------------------------------------------------------------------------------
+    def close(self, wait: float | None = None) -> None:
+        """Stop noting, send what is queued within ``wait`` seconds (default: the request timeout and a second),
+        then stop the thread; what is still queued then is not sent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._subscription.close()
+        thread = self._thread
+        if thread is not None:
+            deadline = time.monotonic() + (self.timeout + 1.0 if wait is None else wait)
+            with contextlib.suppress(queue.Full):
+                self._queue.put(None, timeout=max(0.0, deadline - time.monotonic()))
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._exporter.shutdown()

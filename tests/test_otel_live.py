@@ -1,0 +1,209 @@
+"""Live OpenTelemetry export (docs/otel.md#live): a workspace with ``otel=`` sends each movement run's spans to a
+collector as the run ends, from a background thread; a dead, slow or refusing collector never holds a job up."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _scripting import call, transition, write_piece, write_script
+from otlp_receiver import Receiver
+from test_otel import rich_job, spans_of
+
+from agentnb import Workspace
+from agentnb.errors import UsageError
+from agentnb.views.otel import read_traces
+from agentnb.views.render import job_html
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def _key(span: Any) -> tuple[bytes, bytes, bytes, str, int, int]:
+    return (span.trace_id, span.span_id, span.parent_span_id, span.name, span.start_time_unix_nano,
+            span.end_time_unix_nano)
+
+
+def file_spans(ws: Workspace, job: Any, tmp: Path) -> set[tuple[bytes, bytes, bytes, str, int, int]]:
+    path = ws.export_otel(job, tmp / f"job{job.id}.jsonl")
+    return {_key(s) for data in read_traces(path) for s in spans_of(data)}
+
+
+def two_movements(tmp: Path) -> tuple[str, str]:
+    spec = write_script(tmp, "two", {"plan": [call("Glob", pattern="*"), transition("work")],
+                                     "work": [call("Glob", pattern="*"), transition("COMPLETE")]})
+    piece = write_piece(tmp, "two-piece", {"movements": [
+        {"name": "plan", "instruction": "Plan.", "tools": ["Glob"], "default_next": "work",
+         "rules": [{"next": "work"}]},
+        {"name": "work", "instruction": "Work.", "tools": ["Glob"], "default_next": "COMPLETE",
+         "rules": [{"next": "COMPLETE"}]}]})
+    return str(piece), spec
+
+
+def _wait(until: Any, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not until():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_each_run_s_spans_reach_the_collector_as_it_ends_with_the_ids_of_a_file_export(
+        tmp_path: Path, receiver: Receiver) -> None:
+    piece, spec = two_movements(tmp_path)
+    with Workspace(tmp_path / "ws", otel=receiver.url) as ws:
+        job = ws.step(ws.submit("Do it", piece=piece, model=spec), "movement")
+        assert job.status == "queued"
+        # the first run's spans arrive while the job is still paused after it: its run, its calls, its tool
+        _wait(lambda: any(s.name == "invoke_agent plan" for s in receiver.spans()))
+        names = sorted(s.name for s in receiver.spans())
+        assert names == ["chat scripted", "chat scripted", "execute_tool Glob", "execute_tool transition",
+                         "invoke_agent plan"]
+        job = ws.run(job)
+        assert job.status == "succeeded"
+    assert {p for p, _, _ in receiver.got} == {"/v1/traces"}
+    got = [_key(s) for s in receiver.spans()]
+    assert len(got) == len(set(got)), "a span sent twice"
+    # the same trace, span ids, parents, names and recorded times as a file export of the finished job
+    with Workspace(tmp_path / "ws") as ws:
+        assert set(got) == file_spans(ws, job, tmp_path)
+        assert ws.otel_dropped == 0
+
+
+def test_a_paused_and_resumed_job_with_subtasks_joins_one_trace(tmp_path: Path, receiver: Receiver) -> None:
+    with Workspace(tmp_path / "ws", otel=receiver.url) as ws:
+        job = rich_job(ws, tmp_path)  # waits for a human, is answered, runs on; a subtask in between
+    with Workspace(tmp_path / "ws") as ws:
+        expected = file_spans(ws, job, tmp_path)
+    got = {_key(s) for s in receiver.spans()}
+    assert len({k[0] for k in got}) == 1
+    # rich_job scores the job after it ended: the job span of a later file export ends at that score, the rest
+    # is the same
+    root = next(k for k in got if k[3] == "invoke_workflow rich")
+    later = next(k for k in expected if k[3] == "invoke_workflow rich")
+    assert root[:5] == later[:5] and root[5] <= later[5]
+    assert got - {root} == expected - {later}
+    assert len(got) > 10
+
+
+def _closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _timed_run(ws: Workspace, piece: str, spec: str) -> tuple[Any, float]:
+    start = time.monotonic()
+    job = ws.run(ws.submit("Do it", piece=piece, model=spec))
+    return job, time.monotonic() - start
+
+
+@pytest.mark.parametrize("collector", ["dead", "slow", "error 500", "refusing 400"])
+def test_a_dead_slow_or_refusing_collector_never_holds_the_job_up(
+        tmp_path: Path, collector: str, caplog: pytest.LogCaptureFixture) -> None:
+    piece, spec = two_movements(tmp_path)
+    receiver = None
+    if collector == "dead":
+        url = _closed_port()
+    else:
+        receiver = Receiver(status=int(collector.split()[-1]) if collector != "slow" else 200,
+                            delay=4.0 if collector == "slow" else 0.0)
+        url = receiver.url
+    try:
+        with Workspace(tmp_path / "plain") as ws:
+            _timed_run(ws, piece, spec)  # warm up imports and caches
+            _, plain = _timed_run(ws, piece, spec)
+        caplog.set_level(logging.WARNING, logger="agentnb.otel")
+        with Workspace(tmp_path / "ws", otel=url) as ws:
+            jobs = []
+            for _ in range(3):
+                job, took = _timed_run(ws, piece, spec)
+                assert job.status == "succeeded"
+                assert took < plain + 0.5, (took, plain)
+                jobs.append(job)
+            closing = time.monotonic()
+        assert time.monotonic() - closing < 4.0  # close() waits a bounded time for a hung collector
+        dropped = ws.otel_dropped
+        warnings = [r for r in caplog.records if r.name == "agentnb.otel" and r.levelno >= logging.WARNING]
+        with Workspace(tmp_path / "ws") as ws:  # another workspace on the store: the same job view
+            expected = {job.id: len(file_spans(ws, job, tmp_path)) for job in jobs}
+            html = job_html(ws, jobs[0].id)
+        assert dropped == sum(expected.values())
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        assert "spans dropped" in warnings[0].getMessage()
+        assert f"OpenTelemetry: {expected[jobs[0].id]} spans of this job not exported" in html
+    finally:
+        if receiver is not None:
+            receiver.close()
+
+
+def test_without_a_dropped_span_the_job_view_has_no_otel_footer(tmp_path: Path, receiver: Receiver) -> None:
+    piece, spec = two_movements(tmp_path)
+    with Workspace(tmp_path / "ws", otel=receiver.url) as ws:
+        job = ws.run(ws.submit("Do it", piece=piece, model=spec))
+        assert "OpenTelemetry" not in job_html(ws, job.id)
+
+
+def test_a_worker_with_agentnb_otel_exports_its_jobs(tmp_path: Path, receiver: Receiver) -> None:
+    piece, spec = two_movements(tmp_path)
+    with Workspace(tmp_path / "ws") as ws:
+        jobs = [ws.submit("Do it", piece=piece, model=spec) for _ in range(2)]
+    env = {**os.environ, "AGENTNB_OTEL": receiver.url}
+    out = subprocess.run([sys.executable, "-m", "agentnb.cli", "worker", "--workspace", str(tmp_path / "ws")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ran 2 job(s)" in out.stdout
+    with Workspace(tmp_path / "ws") as ws:
+        expected = set().union(*(file_spans(ws, ws.job(j.id), tmp_path) for j in jobs))
+    assert {_key(s) for s in receiver.spans()} == expected
+
+
+def test_a_batch_in_threads_exports_every_job(tmp_path: Path, receiver: Receiver) -> None:
+    piece, spec = two_movements(tmp_path)
+    with Workspace(tmp_path / "ws", otel=receiver.url) as ws:
+        batch = ws.batch([{"instruction": f"Do {i}"} for i in range(6)], piece=piece, model=spec, concurrency=3,
+                         progress=False)
+        jobs = batch.jobs
+        assert len(jobs) == 6
+    with Workspace(tmp_path / "ws") as ws:
+        expected = set().union(*(file_spans(ws, j, tmp_path) for j in jobs))
+    assert {_key(s) for s in receiver.spans()} == expected
+
+
+def test_the_settings_and_their_precedence(tmp_path: Path, receiver: Receiver,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.setenv("AGENTNB_OTEL", receiver.url)
+    with Workspace(tmp_path / "ws") as ws:
+        assert ws.otel is not None and ws.otel.url == receiver.url
+    with Workspace(tmp_path / "ws", otel=False) as ws:  # the argument wins over the environment
+        assert ws.otel is None
+    monkeypatch.setenv("AGENTNB_OTEL", "1")
+    with pytest.raises(UsageError, match="OTEL_EXPORTER_OTLP_ENDPOINT, which is not set"):
+        Workspace(tmp_path / "ws")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
+    with Workspace(tmp_path / "ws") as ws:
+        assert ws.otel is not None and ws.otel.url == receiver.url
+    monkeypatch.setenv("AGENTNB_OTEL", "0")
+    with Workspace(tmp_path / "ws") as ws:
+        assert ws.otel is None
+    with Workspace(tmp_path / "ws", otel=True) as ws:
+        assert ws.otel is not None and ws.otel.url == receiver.url
+    monkeypatch.setenv("AGENTNB_OTEL", "localhost:4318")
+    with pytest.raises(UsageError, match=r"^AGENTNB_OTEL='localhost:4318': allowed: an http:// or https://"):
+        Workspace(tmp_path / "ws")
+    with pytest.raises(UsageError, match=r"^otel=4318: allowed"):
+        Workspace(tmp_path / "ws", otel=4318)  # type: ignore[arg-type]
+    with Workspace(tmp_path / "ws", readonly=True) as ws:  # nothing runs there: nothing to export
+        assert ws.otel is None
