@@ -52,12 +52,13 @@ class AsObject(dict):
 
 
 def reply(content: str | None = None, tool_calls: list[tuple[str, dict[str, Any] | str]] | None = None,
-          usage: tuple[int, int] | None = (100, 10)) -> dict[str, Any]:
-    """A chat completion answer: text and/or ``(name, arguments)`` tool calls, with usage.
+          usage: tuple[int, int] | None = (100, 10), cached: int | None = None) -> dict[str, Any]:
+    """A chat completion answer: text and/or ``(name, arguments)`` tool calls, with usage (and ``cached``: the
+    prompt tokens read from the endpoint's cache, as ``usage.prompt_tokens_details.cached_tokens``).
 
     Arguments given as a string are sent as they are (to play a model that writes broken JSON).
     """
-    return {"kind": "reply", "content": content, "tool_calls": tool_calls or [], "usage": usage}
+    return {"kind": "reply", "content": content, "tool_calls": tool_calls or [], "usage": usage, "cached": cached}
 
 
 def error(status: int, message: str = "scripted failure", times: int = 1,
@@ -398,6 +399,8 @@ class OpenAIServer:
         if action["usage"] is not None:
             p, c = action["usage"]
             out["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+            if action.get("cached") is not None:
+                out["usage"]["prompt_tokens_details"] = {"cached_tokens": action["cached"]}
         return out
 
     # -- lifecycle ------------------------------------------------------------

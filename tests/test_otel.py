@@ -402,7 +402,7 @@ def test_a_fork_and_an_mcp_tool(ws: Workspace, tmp_path: Path) -> None:
 def test_an_openai_call_has_its_provider_model_cost_latency_and_time_to_first_chunk(
         ws: Workspace, tmp_path: Path, loopback: Callable[..., OpenAIServer]) -> None:
     server = loopback("sk-otel-test-key-0000", timeout="5", retries="0")
-    server.actions = [reply("Looking.", [("Glob", {"pattern": "*"})], usage=(1_200, 30)),
+    server.actions = [reply("Looking.", [("Glob", {"pattern": "*"})], usage=(1_200, 30), cached=1_024),
                       reply(None, [("transition", {"next_step": "COMPLETE", "summary": "done"})], usage=(1_500, 20))]
     job = ws.run(ws.submit("look around", piece="single", model="openai:gpt-4o-mini"))
     assert job.status == "succeeded", job.error
@@ -416,3 +416,8 @@ def test_an_openai_call_has_its_provider_model_cost_latency_and_time_to_first_ch
         assert a["agentnb.cost_usd"] == call_cost(job.model, resp.usage.prompt_tokens, resp.usage.completion_tokens,
                                                   resp.ts) > 0
         assert (a["agentnb.latency_s"], a["gen_ai.response.time_to_first_chunk"]) == (resp.latency_s, resp.ttft_s)
+        # what the endpoint said of its answer, recorded on the llm_response
+        assert (a["gen_ai.response.model"], a["gen_ai.response.finish_reasons"]) == ("gpt-4o-mini", ["tool_call"])
+        assert a["gen_ai.response.id"] == resp.response_id and resp.response_id.startswith("chatcmpl-")
+    assert [a.get("gen_ai.usage.cache_read.input_tokens") for _, a in chats] == [1_024, None]
+    assert [r.cached_tokens for r in responses] == [1_024, None]

@@ -157,9 +157,15 @@ def _assistant(ev: LLMResponse) -> dict[str, Any]:
 
 
 def _finish_reason(ev: LLMResponse) -> str:
-    # agentnb records the answer, not the endpoint's word for why it ended: a call that asked for tools ended for
-    # them, any other ended its answer (the conventions' values)
+    # the endpoint's word for why it ended, in the conventions' values (OpenAI's "tool_calls" is "tool_call");
+    # where none was recorded (scripted, demo, a re-served call): a call that asked for tools ended for them, any
+    # other ended its answer
+    if ev.finish_reason:
+        return _FINISH_REASONS.get(ev.finish_reason, ev.finish_reason)
     return "tool_call" if ev.tool_calls else "stop"
+
+
+_FINISH_REASONS = {"tool_calls": "tool_call", "function_call": "tool_call"}
 
 
 class _JobMapper:
@@ -346,6 +352,12 @@ class _JobMapper:
                 a["agentnb.latency_s"] = response.latency_s
             if response.ttft_s is not None:
                 a["gen_ai.response.time_to_first_chunk"] = response.ttft_s
+            if response.response_model is not None:
+                a["gen_ai.response.model"] = response.response_model
+            if response.response_id is not None:
+                a["gen_ai.response.id"] = response.response_id
+            if response.cached_tokens is not None:
+                a["gen_ai.usage.cache_read.input_tokens"] = response.cached_tokens
             if u.ratio is not None:
                 a["agentnb.context.ratio"] = u.ratio
             if response.replayed_from is not None:
