@@ -345,23 +345,12 @@ class _JobMapper:
             a.update({"gen_ai.response.finish_reasons": [_finish_reason(response)],
                       "gen_ai.usage.input_tokens": u.prompt_tokens, "gen_ai.usage.output_tokens": u.completion_tokens,
                       "agentnb.usage.source": u.source})
-            cost = self.costs.get(id(response))
-            if cost is not None:
-                a["agentnb.cost_usd"] = cost
-            if response.latency_s is not None:
-                a["agentnb.latency_s"] = response.latency_s
-            if response.ttft_s is not None:
-                a["gen_ai.response.time_to_first_chunk"] = response.ttft_s
-            if response.response_model is not None:
-                a["gen_ai.response.model"] = response.response_model
-            if response.response_id is not None:
-                a["gen_ai.response.id"] = response.response_id
-            if response.cached_tokens is not None:
-                a["gen_ai.usage.cache_read.input_tokens"] = response.cached_tokens
-            if u.ratio is not None:
-                a["agentnb.context.ratio"] = u.ratio
-            if response.replayed_from is not None:
-                a["agentnb.replayed_from"] = response.replayed_from
+            known = {"agentnb.cost_usd": self.costs.get(id(response)), "agentnb.latency_s": response.latency_s,
+                     "gen_ai.response.time_to_first_chunk": response.ttft_s,
+                     "gen_ai.response.model": response.response_model, "gen_ai.response.id": response.response_id,
+                     "gen_ai.usage.cache_read.input_tokens": response.cached_tokens,
+                     "agentnb.context.ratio": u.ratio, "agentnb.replayed_from": response.replayed_from}
+            a.update({k: v for k, v in known.items() if v is not None})  # "when known" (docs/otel.md#mapping)
         c = self.content
         if c is not None:
             if conversation.system:
@@ -453,18 +442,10 @@ def trace_of(store: Store, root: JobRecord, *, content: bool = False, max_chars:
 
 
 def _resource(root: JobRecord) -> dict[str, AttrValue]:
-    resource: dict[str, AttrValue] = {"service.name": "agentnb"}
-    if root.batch is not None:
-        resource["agentnb.batch"] = root.batch
-    if root.batch_case is not None:
-        resource["agentnb.case"] = root.batch_case
-    if root.batch_variant is not None:
-        resource["agentnb.variant"] = root.batch_variant
-    if root.forked_from_job is not None:
-        resource["agentnb.forked_from"] = root.forked_from_job
-        if root.forked_from_seq is not None:
-            resource["agentnb.forked_at"] = root.forked_from_seq
-    return resource
+    forked = root.forked_from_job is not None
+    known = {"agentnb.batch": root.batch, "agentnb.case": root.batch_case, "agentnb.variant": root.batch_variant,
+             "agentnb.forked_from": root.forked_from_job, "agentnb.forked_at": root.forked_from_seq if forked else None}
+    return {"service.name": "agentnb", **{k: v for k, v in known.items() if v is not None}}
 
 
 def job_trace(store: Store, job: JobRecord, *, content: bool = False, max_chars: int = DEFAULT_MAX_CHARS,
