@@ -62,7 +62,7 @@ def _norm(value: Any) -> Any:
     if isinstance(value, str):
         return _CALL_ID.sub("call_N_", _JOB_PATH.sub("jobs/N", _TIME.sub("TIME", value)))
     if isinstance(value, dict):
-        return {k: _norm(v) for k, v in value.items() if k not in ("latency_s", "ttft_s")}
+        return {k: _norm(v) for k, v in value.items() if k not in ("latency_s", "ttft_s", "response_id")}
     if isinstance(value, list):
         return [_norm(v) for v in value]
     return value

@@ -102,7 +102,7 @@ def _norm(value: Any, roots: tuple[str, ...]) -> Any:
             value = value.replace(root, "ROOT")
         return _OWNER.sub("claimed by OWNER", _CALL_ID.sub("call_N_", _TIME.sub("TIME", value)))
     if isinstance(value, dict):
-        return {k: _norm(v, roots) for k, v in value.items() if k not in ("latency_s", "ttft_s")}
+        return {k: _norm(v, roots) for k, v in value.items() if k not in ("latency_s", "ttft_s", "response_id")}
     if isinstance(value, list):
         return [_norm(v, roots) for v in value]
     return value

@@ -221,9 +221,10 @@ class OpenAIModel:
             if ticket is None:
                 raise CallCancelled()  # stopped while the gate held it back (another call's 429): nothing sent
             answered, delay = False, 0.0
-            # watched from before its request: a Stop cuts off the wait for the headers, and a plain call's wait
-            # for its whole answer, too (a streamed call is watched without a Stop as well: for its stalls)
-            watch = WATCHDOG.watch(cancel) if streaming or cancel is not None else None
+            # a streamed call is watched from before its request: a Stop cuts off the wait for its headers and its
+            # answer at once, and a stall between chunks is seen.  A plain call is not cut: its whole answer is
+            # kept and the job pauses after it (a worker's --grace waits for it; docs/models.md#streaming)
+            watch = WATCHDOG.watch(cancel) if streaming else None
             try:
                 # The raw body, read here: the SDK builds its objects without checking them, so a 200 that is
                 # an HTML page, broken JSON or the wrong shape would only fail later, far from the cause.  A
