@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from .engine.jobfiles import check_total, read_rows, workdir_column
-from .engine.pieces import Piece, load_piece, parse_piece
+from .engine.pieces import Piece, load_piece
+from .engine.runner import parse_stored_piece
 from .engine.workdir import prepare_workdir
 from .errors import PathNotFoundError, UsageError
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
 from .store.base import MAX_INSTRUCTION_CHARS, JobStatus, Store, Transaction
-from .tools.base import ToolError, registered_tool_names, resolve_path
+from .tools.base import ToolError, resolve_path
 
 __all__ = ["Prepared", "Submitter", "input_size", "remove_folders"]
 
@@ -99,9 +100,7 @@ class Submitter:
         if isinstance(piece, Piece):
             # a Piece built or changed in Python (dataclasses.replace) is checked now as its stored YAML will be
             # when a worker runs it: refused at submit with file, line and field, never a job that fails later
-            # (tool names: as the runner takes them, engine/runner.stored_piece; the loop reports a missing one)
-            parse_piece(p.to_yaml(), source=p.source,
-                        known_tools=[*registered_tool_names(), *(t for m in p.movements for t in m.tools)])
+            parse_stored_piece(p.to_yaml(), p.source)
         if p.mcp_servers:  # a worker without the extra could not start them (docs/pieces.md#mcp-servers)
             from .tools.mcp import check_installed
 

@@ -39,7 +39,7 @@ from .subtasks import Subtasks, capped, notify_parent
 if TYPE_CHECKING:
     from ..store.base import Store
 
-__all__ = ["JobRunner", "stored_piece"]
+__all__ = ["JobRunner", "parse_stored_piece", "stored_piece"]
 
 
 class JobRunner:
@@ -455,9 +455,14 @@ class JobRunner:
 
 def stored_piece(job: JobRecord) -> Piece:
     """The piece a job was submitted with (its YAML is kept in the store, files inlined)."""
+    return parse_stored_piece(job.piece_yaml, job.piece_path or job.piece)
+
+
+def parse_stored_piece(piece_yaml: str, source: str) -> Piece:
+    """A piece's stored YAML parsed and checked as the runner does it (``submit`` checks a Python-made piece so)."""
     from ..tools.base import registered_tool_names
 
-    return _parsed_piece(job.piece_yaml, job.piece_path or job.piece, tuple(registered_tool_names()))
+    return _parsed_piece(piece_yaml, source, tuple(registered_tool_names()))
 
 
 @functools.lru_cache(maxsize=64)
