@@ -25,6 +25,9 @@ from agentnb.engine.tool_list import list_tools
 from agentnb.tools.base import unregister
 from agentnb.views.tool_table import ToolTable
 
+# mcp-server-git runs in bubblewrap's jail (docs/tools.md#mcp-tools)
+pytestmark = pytest.mark.needs("bwrap")
+
 REPO = Path(__file__).resolve().parent.parent
 PIECE = REPO / "pieces" / "git-review.yaml"
 

@@ -370,6 +370,7 @@ def test_without_the_extra_the_export_says_what_to_install(tmp_path: Path) -> No
     assert done.stderr == "agentnb: error: OpenTelemetry export needs the otel extra: pip install 'agentnb[otel]'\n"
 
 
+@pytest.mark.needs("bwrap")  # the MCP server runs in the jail
 def test_a_fork_and_an_mcp_tool(ws: Workspace, tmp_path: Path) -> None:
     # a fork's resource names its origin, its re-served run and calls say so; an MCP server's tool is `mcp`
     time_server = shutil.which("mcp-server-time") or str(Path(sys.executable).parent / "mcp-server-time")
