@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Literal, Union
 __all__ = [
     "ACTIONS",
     "EVENT_KINDS",
+    "BudgetExceeded",
     "CommentEvent",
     "Compaction",
     "ContextAction",
@@ -63,7 +64,7 @@ __all__ = [
 EventKind = Literal[
     "job_status", "movement_start", "llm_request", "llm_response", "tool_call", "tool_result",
     "context_action", "reminder", "transition", "lesson", "comment", "error", "score", "replay_divergence",
-    "loop_detected", "compaction",
+    "loop_detected", "compaction", "budget",
 ]
 # "estimate": tokens counted locally for a call that never finished (a stream stopped mid-answer, docs/models.md#streaming)
 UsageSource = Literal["usage", "tiktoken", "chars", "estimate"]
@@ -353,6 +354,22 @@ class Compaction(EventBase):
     summary: str
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BudgetExceeded(EventBase):
+    """A job reached a cost or token limit (docs/design-lab.md#budgets) after its call ``iteration``; it is aborted.
+
+    ``measure`` is ``cost_usd`` or ``tokens``; ``spent`` what the job and its subtasks had spent (None: a call's
+    price is unknown, which never counts as 0); ``limit`` the limit of job ``limit_job`` (this job, or the
+    ancestor whose limit covers it); ``reason`` the job's status reason (``budget: $0.52 of $0.50``)."""
+
+    kind: ClassVar[Literal["budget"]] = "budget"
+    measure: str
+    spent: float | None
+    limit: float
+    limit_job: int
+    reason: str
+
+
 Event = (
     JobStatusEvent
     | MovementStart
@@ -370,6 +387,7 @@ Event = (
     | ReplayDivergence
     | LoopDetected
     | Compaction
+    | BudgetExceeded
 )
 
 _CLASSES: tuple[type[EventBase], ...] = typing.get_args(Event)

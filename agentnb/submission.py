@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .engine.budget import check_limits, check_priced
 from .engine.jobfiles import check_total, read_rows, workdir_column
 from .engine.pieces import Piece, load_piece
 from .engine.runner import parse_stored_piece
@@ -86,6 +87,8 @@ class Submitter:
         context: Mapping[str, Any] | None,
         retries: int | None,
         max_backoff: float | None,
+        cost_limit: float | None = None,
+        token_limit: int | None = None,
     ) -> Prepared:
         """Every check of a submit, before anything is stored or written (a batch checks all its jobs first)."""
         if not isinstance(instruction, str) or not instruction.strip():
@@ -96,6 +99,7 @@ class Submitter:
                 "(MAX_INSTRUCTION_CHARS): put long material in a file and pass it with inputs= (--input FILE)"
             )
         settings = check_retry_settings(retries, max_backoff)
+        limits = check_limits(cost_limit=cost_limit, token_limit=token_limit)  # docs/design-lab.md#budgets
         p = load_piece(piece)
         if isinstance(piece, Piece):
             # a Piece built or changed in Python (dataclasses.replace) is checked now as its stored YAML will be
@@ -110,7 +114,9 @@ class Submitter:
         # Build it once: a malformed script or an unknown replay job is refused now, not when a worker
         # claims the job (building an openai model makes no client and reads no key yet).
         resolve_model(model, store=self.store)
-        opts: dict[str, Any] = dict(settings)
+        check_priced(model, limits.get("cost_limit", p.cost_limit), what="cost_limit" if "cost_limit" in limits
+                     else f"the piece's cost_limit ({p.source})")
+        opts: dict[str, Any] = {**settings, **limits}
         if context:
             from .engine.context import check_context_options
 

@@ -196,14 +196,19 @@ class Workspace:
         context: Mapping[str, Any] | None = None,
         retries: int | None = None,
         max_backoff: float | None = None,
+        cost_limit: float | None = None,
+        token_limit: int | None = None,
     ) -> Job:
         """Queue a job.  Bad pieces, model specs and inputs are refused before anything is stored.
 
         ``retries`` and ``max_backoff`` (seconds) set how an ``openai:`` model retries 429s, 5xx, timeouts
         and malformed answers for this job; unset, the workspace's settings and then the environment apply.
+        ``cost_limit`` (US dollars) and ``token_limit`` abort the job once it and its subtasks have spent that
+        much, after the call that reached it (docs/design-lab.md#budgets); they override the piece's.
         """
         prepared = self.submitter.prepare(instruction, piece=piece, model=model, inputs=inputs, workdir=workdir,
-                                 context=context, retries=retries, max_backoff=max_backoff)
+                                 context=context, retries=retries, max_backoff=max_backoff, cost_limit=cost_limit,
+                                 token_limit=token_limit)
         return self.job(self.submitter.store_one(prepared))
 
     # -- running (agentnb/execution.py) ---------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from yaml.nodes import Node, ScalarNode
+from yaml.nodes import Node, ScalarNode, SequenceNode
 
 from ..errors import PieceError
 from ..tools.mcp import McpServer
@@ -123,6 +123,8 @@ class Piece:
     compact_keep_last: int = 4
     max_compactions: int = 2
     mcp_servers: dict[str, McpServer] = field(default_factory=dict)  # docs/pieces.md#mcp-servers
+    cost_limit: float | None = None  # US dollars per job with its subtasks (docs/design-lab.md#budgets)
+    token_limit: int | None = None
 
     def movement(self, name: str) -> Movement:
         """Movement ``name``, or the judge of the loop monitor of that name (a judge's run is a movement run)."""
@@ -188,6 +190,7 @@ class Piece:
             out["loop_monitors"] = [_monitor_dict(lm) for lm in self.loop_monitors]
         if self.mcp_servers:  # likewise
             out["mcp_servers"] = {name: s.to_dict() for name, s in self.mcp_servers.items()}
+        out.update({k: getattr(self, k) for k in ("cost_limit", "token_limit") if getattr(self, k) is not None})
         return out
 
     def to_yaml(self) -> str:
@@ -248,7 +251,7 @@ def _monitor_dict(lm: LoopMonitor) -> dict[str, Any]:
 # Validation over YAML nodes, so every error knows its line.
 
 _TOP_KEYS = ("name", "description", "initial_movement", "max_movements", "language", "context", "movements",
-             "loop_monitors", "mcp_servers")
+             "loop_monitors", "mcp_servers", "cost_limit", "token_limit")
 _MONITOR_KEYS = ("name", "cycle", "threshold", "judge", "next")
 _JUDGE_KEYS = ("persona", "instruction", "rules")
 _JUDGE_PERSONA = "You judge whether a loop of movements in an agent workflow is making progress."
@@ -293,6 +296,7 @@ def parse_piece(
     max_movements = ck.optional(top, "max_movements", 12, ck.integer)
     language = ck.optional(top, "language", "en", lambda n, f: ck.string(n, f, choices=LANGUAGES))
     window, min_tool, thresholds, compaction = _context(ck, top)
+    limits = {k: _limit(ck, top[k][1], k) for k in ("cost_limit", "token_limit") if k in top}
 
     mnodes = ck.sequence(top["movements"][1], "movements")
     if not mnodes:
@@ -315,8 +319,21 @@ def parse_piece(
     return Piece(
         name=name, movements=tuple(m for m, _, _ in parsed), description=description, initial_movement=initial,
         max_movements=max_movements, language=language, window_tokens=window, thresholds=thresholds,
-        min_tool_tokens=min_tool, source=source, loop_monitors=monitors, mcp_servers=servers, **compaction,
+        min_tool_tokens=min_tool, source=source, loop_monitors=monitors, mcp_servers=servers, **compaction, **limits,
     )
+
+
+def _limit(ck: Checker, node: Node, fld: str) -> float | int:
+    """``cost_limit`` (US dollars > 0) or ``token_limit`` (a whole number ≥ 1): docs/design-lab.md#budgets."""
+    if fld == "token_limit":
+        return ck.integer(node, fld)
+    tags = ("tag:yaml.org,2002:float", "tag:yaml.org,2002:int")
+    value = yaml.load(node.value, Loader=FastLoader) if isinstance(node, ScalarNode) and node.tag in tags else None
+    if value is None or not 0 < value < float("inf"):
+        found = (repr(value) if value is not None else repr(node.value) if isinstance(node, ScalarNode)
+                 else "a list" if isinstance(node, SequenceNode) else "a mapping")
+        raise ck.fail(node, fld, f"found {found}, expected a number of US dollars > 0")
+    return float(value)
 
 
 def _loop_monitors(ck: Checker, node: Node, names: tuple[str, ...]) -> tuple[LoopMonitor, ...]:

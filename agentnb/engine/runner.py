@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreError
-from ..events import ErrorEvent, Lesson, LoopDetected, Subtask, Transition
+from ..events import BudgetExceeded, ErrorEvent, Lesson, LoopDetected, Subtask, Transition
 from ..models.base import Model, ModelError
 from ..models.replay import Recording
 from ..store import reads
@@ -27,6 +27,7 @@ from ..store.base import JobOptions, JobStatus, LeaseLost, StoreUnreachable
 from ..store.records import JobRecord
 from ..tools.base import ToolError, open_regular, unlinked_path
 from ..tools.mcp import McpSession, McpStartError
+from .budget import JobBudget
 from .context import ContextManager, job_thresholds, window_for_model
 from .jobfiles import DEFAULT_FILES_LIMIT, FileCache, FilesOverLimit, WriteBack, local_workdir, plan_write_back
 from .loop import AgentLoop, CallCounters, Outcome, Recorder, ReplayDiverged
@@ -79,6 +80,9 @@ class JobRunner:
         self.recording = (Recording(store, job.forked_from_job, before=self.fork_seq)
                           if job.forked_from_job else None)
         self.strict = bool(self.options.strict_replay)
+        # the cost and token limits that hold the job (docs/design-lab.md#budgets): None when none does
+        self.budget = JobBudget.of(store, job, lambda row: _piece_limits(self.piece if row.id == job.id else
+                                                                           stored_piece(row)))
         by_movement = reads.calls_by_movement(store, self.job_id)
         self.counters = CallCounters(call_index=sum(by_movement.values()), by_movement=by_movement)
         open_mv = reads.open_movement(store, self.job_id)
@@ -152,6 +156,9 @@ class JobRunner:
 
     def _advance(self, unit: str, stop: threading.Event | None) -> str:
         try:
+            # a job at its limit makes no further call: checked before this run's first and after each (its tools done)
+            if (over := self._over_budget()) is not None:
+                return over
             while True:
                 if self.loop is None and not self._start_movement():
                     return self.job().status
@@ -159,8 +166,12 @@ class JobRunner:
                 outcome = self.loop.call()
                 if outcome is not None:
                     status = self._finish_movement(outcome)
+                    if status == JobStatus.running and (over := self._over_budget()) is not None:
+                        return over
                     if unit != "job" or status != JobStatus.running:
                         return status
+                elif (over := self._over_budget()) is not None:
+                    return over
                 elif unit == "call":
                     return self._pause()
                 if (stop is not None and stop.is_set()) or self.rec.cancelled():
@@ -230,6 +241,37 @@ class JobRunner:
             notify_parent(self.store, c, self.job_id)
         self.loop = None
         return JobStatus.failed
+
+    def _over_budget(self) -> str | None:
+        """Abort the job when it has reached a limit (docs/design-lab.md#budgets): its open movement ends with a
+        forced ABORT, a ``budget`` event says which limit, and the status reason is ``budget: …``; None otherwise."""
+        over = self.budget.exceeded() if self.budget is not None else None
+        if over is None:
+            return None
+        loop, now = self.loop, time.time()
+        try:
+            files = self._files()
+        except FilesOverLimit as exc:
+            return self._fail(str(exc), where="files", write_files=False)
+        with self.store.transaction() as c:
+            if files is not None:
+                files.apply(self.store, c, self.job_id)
+            if loop is not None:
+                self.rec.add(Transition(job_id=self.job_id, movement_seq=loop.seq, iteration=loop.iteration, ts=now,
+                                        movement=loop.movement.name, next_step="ABORT", summary=f"Stopped: {over.reason}.",
+                                        forced=True, reason=over.reason))
+            self.rec.add(BudgetExceeded(job_id=self.job_id, movement_seq=loop.seq if loop else None,
+                                        iteration=loop.iteration if loop else None, ts=now, measure=over.measure,
+                                        spent=over.spent, limit=over.limit, limit_job=over.limit_job,
+                                        reason=over.reason))
+            self.rec.flush(c)
+            if loop is not None:
+                self.store.finish_movement(c, self.job_id, loop.seq, iterations=loop.iteration, next_step="ABORT",
+                                           forced=True, summary=f"Stopped: {over.reason}.")
+            self.store.set_status(c, self.job_id, JobStatus.aborted, reason=over.reason, error=over.reason)
+            notify_parent(self.store, c, self.job_id)
+        self.loop = None
+        return JobStatus.aborted
 
     def _start_movement(self) -> bool:
         job = self.job()
@@ -456,6 +498,10 @@ class JobRunner:
 def stored_piece(job: JobRecord) -> Piece:
     """The piece a job was submitted with (its YAML is kept in the store, files inlined)."""
     return parse_stored_piece(job.piece_yaml, job.piece_path or job.piece)
+
+
+def _piece_limits(piece: Piece) -> dict[str, Any]:
+    return {"cost_limit": piece.cost_limit, "token_limit": piece.token_limit}
 
 
 def parse_stored_piece(piece_yaml: str, source: str) -> Piece:

@@ -31,7 +31,7 @@ import numpy.typing as npt
 from .._secrets import scrub
 
 __all__ = ["FREE_PREFIXES", "UnknownPriceWarning", "call_cost", "call_costs", "cost_array", "dollars",
-           "is_free", "priced_name", "summed_costs"]
+           "has_price", "is_free", "priced_name", "summed_costs"]
 
 # specs that never reach a paid endpoint
 FREE_PREFIXES = ("demo", "scripted:", "replay:")
@@ -57,6 +57,12 @@ def priced_name(spec: str) -> str | None:
     _, _, name = spec.partition(":")
     name = name.partition("?")[0]  # a spec's options (openai:gpt-4o?stream=0) are no part of the name
     return name or spec
+
+
+def has_price(spec: str) -> bool:
+    """Whether a spec's calls have a known price: an offline model (0) or a model genai-prices knows (no warning)."""
+    name = priced_name(spec)
+    return name is None or _model(name) is not None
 
 
 @functools.lru_cache(maxsize=1)
