@@ -60,6 +60,9 @@ class BatchHost(Protocol):
     @property
     def submitter(self) -> Submitter: ...
 
+    @property
+    def execution(self) -> Any: ...
+
 
 @dataclass(frozen=True)
 class Case:
@@ -348,7 +351,16 @@ class Batch:
     def __repr__(self) -> str:
         counts = self.counts()
         done = sum(counts[s] for s in TERMINAL_STATES)
-        return f"<Batch {self.name!r}: {done}/{counts['jobs']} ended · {self._counts_text(counts)}>"
+        note = self.limit_note(counts['jobs'] - done)
+        return f"<Batch {self.name!r}: {done}/{counts['jobs']} ended · {self._counts_text(counts)}{note and ' · ' + note}>"
+
+    def limit_note(self, unfinished: int | None = None) -> str:
+        """What the batch's cost limit has come to (docs/design-lab.md#budgets); "" without one."""
+        from .budgets import limit_note
+
+        rows = self.ws.store.jobs(batch=self.name)
+        left = sum(r.status not in TERMINAL_STATES for r in rows) if unfinished is None else unfinished
+        return limit_note(self.ws.store, self.name, [r.id for r in rows], self._record().options, left)
 
     @staticmethod
     def _counts_text(counts: Mapping[str, int]) -> str:
@@ -404,7 +416,7 @@ class Batch:
         return [r.id for r in rows if r.status in _PENDING]
 
     def run(self, *, concurrency: int = DEFAULT_CONCURRENCY, scorers: Mapping[str, Scorer] | None = None,
-            progress: bool = True, resume: str | None = None) -> Batch:
+            progress: bool = True, resume: str | None = None, cost_limit: float | None = None) -> Batch:
         """Run every unfinished job, ``concurrency`` at once, and score each as it ends (see :meth:`score`).
 
         Ctrl-C (or the notebook's stop button) pauses the running jobs after their current call and
@@ -416,9 +428,17 @@ class Batch:
         concurrency = check_concurrency(concurrency)
         if scorers is not None:
             self.scorers = check_scorers(scorers)
-        # what the run did (the jobs it skipped because another process runs them, say), for the curious
-        self.last_run = run_jobs(self.ws, self.pending(), concurrency=concurrency, progress=progress, batch=self,
-                                 on_end=self._scored_once, resume=resume)
+        from .budgets import BatchBudget, batch_limit
+
+        limit = batch_limit(self.ws.store, self.name, cost_limit)  # docs/design-lab.md#budgets: kept with the batch
+        budget = None if limit is None else BatchBudget(self.ws.store, self.name, limit, [
+            r.id for r in self.ws.store.jobs(batch=self.name)], self.ws.execution.pause_soon)
+        try:  # what the run did (the jobs it skipped because another process runs them, say), for the curious
+            self.last_run = run_jobs(self.ws, self.pending(), concurrency=concurrency, progress=progress, batch=self,
+                                     on_end=self._scored_once, resume=resume, budget=budget)
+        finally:
+            if budget is not None:
+                budget.close()
         self._score_unscored()
         return self
 
@@ -471,9 +491,12 @@ class Batch:
         return batch_summary(self)
 
     def _repr_html_(self) -> str:
+        from html import escape
+
         from .views.batch_frames import batch_html
 
-        return batch_html(self)
+        note = self.limit_note()
+        return batch_html(self) + (f'<div class="anb-batch-budget">{escape(note)}</div>' if note else "")
 
 
 def _now() -> float:
@@ -512,7 +535,7 @@ _RACE_TRIES = 5
 
 def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
                context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
-               check_model: Callable[[str], str]) -> Batch:
+               check_model: Callable[[str], str], job_limits: Mapping[str, Any] | None = None) -> Batch:
     """Create the batch ``name`` (every job of it, in one transaction), or extend/resume the one of that name.
 
     What the call decides from (the batch as it was read, a free name) is checked again inside the write
@@ -521,7 +544,8 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
     for _ in range(_RACE_TRIES):
         try:
             return _open_batch(ws, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
-                               retries=retries, max_backoff=max_backoff, check_model=check_model)
+                               retries=retries, max_backoff=max_backoff, check_model=check_model,
+                               job_limits=job_limits or {})
         except _Raced:
             continue
     raise UsageError(f"batch {name!r} was changed by other processes {_RACE_TRIES} times while this call "
@@ -530,7 +554,7 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
 
 def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
                 context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
-                check_model: Callable[[str], str]) -> Batch:
+                check_model: Callable[[str], str], job_limits: Mapping[str, Any]) -> Batch:
     chosen = check_scorers(scorers)
     if isinstance(cases, str) and name is None:  # ws.batch("exp-1"): resume by name
         name, cases = cases, None
@@ -550,7 +574,8 @@ def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str 
         variants = _added_variants(existing, variants)
         if not variants:
             return Batch(ws, name, chosen)
-    prepared = _prepared_jobs(ws, checked, variants, context=context, retries=retries, max_backoff=max_backoff)
+    prepared = _prepared_jobs(ws, checked, variants, context=context, retries=retries, max_backoff=max_backoff,
+                              job_limits=job_limits)
     _write_batch(ws, name, existing, prepared, fingerprint=print_, stored_cases=stored_cases, variants=variants,
                  context=context)
     return Batch(ws, name, chosen)
@@ -623,7 +648,8 @@ def _labels_piece(existing: BatchRecord, label: str, piece_yaml: str) -> bool:
 
 
 def _prepared_jobs(ws: BatchHost, cases: list[Case], variants: list[Variant], *, context: Mapping[str, Any] | None,
-                   retries: int | None, max_backoff: float | None) -> list[tuple[Case, Variant, Any]]:
+                   retries: int | None, max_backoff: float | None,
+                   job_limits: Mapping[str, Any]) -> list[tuple[Case, Variant, Any]]:
     """Every job of cases × variants checked and prepared, before anything is stored."""
     prepared = []
     for case in cases:
@@ -631,7 +657,8 @@ def _prepared_jobs(ws: BatchHost, cases: list[Case], variants: list[Variant], *,
             try:
                 prep = ws.submitter.prepare(case.instruction, piece=variant.piece, model=variant.model, inputs=case.inputs,
                                              workdir=None, context=context, retries=retries,
-                                             max_backoff=max_backoff)
+                                             max_backoff=max_backoff, cost_limit=job_limits.get("job_cost_limit"),
+                                             token_limit=job_limits.get("job_token_limit"))
             except UsageError as exc:  # say which case (the same check fails for every variant of it)
                 raise UsageError(f"case {case.index}: {exc}") from exc
             prepared.append((case, variant, prep))

@@ -312,6 +312,11 @@ class Execution:
             pending.extend(r.id for r in self.store.jobs(parent_id=current) if r.status in _ACTIVE)
         return asked
 
+    def pause_soon(self, job_id: int) -> None:
+        """Ask job ``job_id`` to pause after its current LLM call as :meth:`stop` does, but from any thread with no
+        lock or store read (a live subscriber calls it under the store's lock); its subtasks are not reached."""
+        self._stops.setdefault(job_id, threading.Event()).set()
+
     def forget(self, job_id: int) -> None:
         """Drop the job's runner kept in memory (a retry, an interrupt, a lost lease): the next claim builds
         one from the store."""

@@ -112,11 +112,12 @@ class _Tally:
 
 def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, progress: bool = False,
              batch: Any = None, on_end: Callable[[Any], None] | None = None,
-             file: TextIO | None = None, resume: str | None = None) -> RunReport:
+             file: TextIO | None = None, resume: str | None = None, budget: Any = None) -> RunReport:
     """Run ``job_ids`` with up to ``concurrency`` at once; ``on_end(job)`` after each, in its thread.
 
     ``batch`` (with a ``name``) names the bar and the resume hint (``resume``: the hint's own words, e.g.
-    the command that resumes it in a terminal).  Raises what interrupted it
+    the command that resumes it in a terminal).  ``budget``: a batch's cost limit (``budgets.BatchBudget``): once
+    reached, no job starts and the running ones pause after their current call.  Raises what interrupted it
     (KeyboardInterrupt, :class:`~agentnb.worker.Terminated`) once every running job has paused.
     """
     name = getattr(batch, "name", None)
@@ -130,7 +131,7 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
 
     def one(job_id: int) -> None:
         with lock:
-            if stopping.is_set():
+            if stopping.is_set() or (budget is not None and budget.reached.is_set()):
                 report.not_started.append(job_id)
                 return
             active.add(job_id)
@@ -179,6 +180,7 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
     pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(job_ids) or 1)),
                               thread_name_prefix="agentnb-job")
     futures: list[Future[None]] = []
+    stopped_by = ""  # a batch's cost limit reached (budgets.py)
     try:
         with sigterm_interrupts():
             try:
@@ -188,6 +190,8 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
                 while pending:
                     _done, pending = wait(pending, timeout=_TICK, return_when=FIRST_COMPLETED)
                     refresh()
+                    if budget is not None and _over(ws, budget, stopping, active, lock):
+                        stopped_by = budget.reason()
             except BaseException:
                 report.interrupted = True
                 _pause(ws, futures, stopping, active, lock, _sayer(bar, out))
@@ -200,7 +204,7 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
                     refresh(final=True)
                 finally:
                     tokens, cost = tally.totals()
-                    stopped = "paused" if report.interrupted else "error" if errors else ""
+                    stopped = "paused" if report.interrupted else "error" if errors else stopped_by
                     # the line that stays (a widget does not outlive its kernel), then the resume hint below it
                     bar.finish(Outcome(len(job_ids), dict(report.statuses), skipped=len(report.skipped),
                                        tokens=tokens, cost=cost, seconds=time.monotonic() - started,
@@ -208,6 +212,9 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
         finally:
             if report.interrupted:
                 _tell(report, name, job_ids, _sayer(None, out), resume)
+            elif stopped_by:  # the one line a cost limit leaves: what it paused and how to go on
+                _tell(report, name, job_ids, _sayer(None, out), f"{resume} and a higher cost limit" if resume
+                      else f"ws.batch({name!r}, cost_limit=HIGHER)", what=f"batch {name}: {stopped_by}")
     if errors:
         raise errors[0]
     return report
@@ -257,15 +264,29 @@ def _pause(ws: JobRunnerHost, futures: list[Future[None]], stopping: threading.E
                 say(f"agentnb: still pausing {n} running job(s); each stops after its current LLM call")
 
 
+def _over(ws: JobRunnerHost, budget: Any, stopping: threading.Event, active: set[int], lock: threading.Lock) -> bool:
+    """A batch's cost limit reached: start no further job and ask the running ones (and their subtasks) to pause
+    after their current call; asked on every tick, as a job whose run had not yet begun would forget it."""
+    budget.tick()
+    if not budget.reached.is_set():
+        return False
+    with lock:
+        stopping.set()
+        running = sorted(active)
+    for job_id in running:
+        ws.stop(job_id)
+    return True
+
+
 def _tell(report: RunReport, name: str | None, job_ids: Sequence[int], say: Callable[[str], None],
-          resume: str | None = None) -> None:
+          resume: str | None = None, what: str = "interrupted") -> None:
     """The one line after an interrupt: how many jobs paused, and how to resume."""
     paused = report.count(JobStatus.queued) + report.count(JobStatus.running)
     skipped = set(report.skipped)
     left = sum(1 for j in job_ids if j not in skipped
                and report.statuses.get(j, JobStatus.queued) in (JobStatus.queued, JobStatus.running, JobStatus.waiting_subtasks))
     how = resume or (f"ws.batch({name!r})" if name else "running them again")
-    say(f"agentnb: interrupted: {paused} running job(s) paused, {left} not finished; resume with {how}")
+    say(f"agentnb: {what}: {paused} running job(s) paused, {left} not finished; resume with {how}")
 
 
 # -- a queue worker's slots (agentnb worker --concurrency N) -----------------------------------------------

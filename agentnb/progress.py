@@ -34,8 +34,8 @@ _IDS_SHOWN = 12
 class Outcome:
     """What a run of ``total`` jobs came to: each returned job's status, the skipped ones, usage and time.
 
-    ``stopped`` is how the run ended: ``""`` (every job's run returned), ``"paused"`` (an interrupt) or
-    ``"error"`` (an exception, a store that failed, say)."""
+    ``stopped`` is how the run ended: ``""`` (every job's run returned), ``"paused"`` (an interrupt),
+    ``"error"`` (an exception, a store that failed, say) or why it paused (``cost limit reached: $1.03 of $1.00``)."""
 
     total: int
     statuses: Mapping[int, str]
@@ -100,7 +100,9 @@ def _money(cost: float | None) -> str:
 def _parts(outcome: Outcome) -> list[tuple[str, str]]:
     """The line's parts after its title, each with the outcome it counts ("" for the others)."""
     n = outcome.counts()
-    parts = [("", {"paused": "paused", "error": "stopped by an error"}[outcome.stopped])] if outcome.stopped else []
+    # any other text: why the run stopped in its own words (a batch's cost limit reached, agentnb/budgets.py)
+    parts = [("", {"paused": "paused", "error": "stopped by an error"}.get(outcome.stopped, outcome.stopped))] \
+        if outcome.stopped else []
     parts.append(("", f"{n['done']}/{outcome.total}"))
     parts += [(key, f"{n[key]} {key}") for key, _ in _SEGMENTS if n[key] or key == "ok"]
     parts += [("", f"{outcome.tokens:,} tokens"), ("", _money(outcome.cost)), ("", _seconds(outcome.seconds))]

@@ -360,6 +360,9 @@ class Workspace:
         max_backoff: float | None = None,
         run: bool = True,
         progress: bool = True,
+        cost_limit: float | None = None,
+        job_cost_limit: float | None = None,
+        job_token_limit: int | None = None,
     ) -> Batch:
         """Run cases × variants as jobs, ``concurrency`` at once, scored and priced; a :class:`Batch`.
 
@@ -370,13 +373,19 @@ class Workspace:
         ``demo``.  ``ws.batch("exp-1")``, or the same call again with ``name="exp-1"``, resumes the batch:
         finished jobs are kept, unfinished ones run.  Given the same cases, pieces or models it does not have
         yet are added as new variants (an omitted ``piece=``/``model=`` then means the batch's own).
-        ``run=False`` only creates (or looks up) the batch.
+        ``run=False`` only creates (or looks up) the batch.  ``cost_limit`` (US dollars, kept with the batch)
+        pauses the whole batch when reached; ``job_cost_limit``/``job_token_limit`` abort each job at its own
+        (docs/design-lab.md#budgets).
         """
+        from .budgets import batch_models, check_batch_limits
+
         check_concurrency(concurrency)
+        limits = check_batch_limits(cost_limit, job_cost_limit, job_token_limit,
+                                    batch_models(self.store, cases if isinstance(cases, str) else name, model))
         b = open_batch(self, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
-                       retries=retries, max_backoff=max_backoff, check_model=self._checked_spec)
+                       retries=retries, max_backoff=max_backoff, check_model=self._checked_spec, job_limits=limits)
         if run:
-            b.run(concurrency=concurrency, progress=progress)
+            b.run(concurrency=concurrency, progress=progress, cost_limit=limits.get("cost_limit"))
         return b
 
     def batches(self) -> list[dict[str, Any]]:
