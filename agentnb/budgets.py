@@ -36,7 +36,7 @@ def check_batch_limits(cost_limit: Any, job_cost_limit: Any, job_token_limit: An
     limits = check_limits(cost_limit=cost_limit, job_cost_limit=job_cost_limit, job_token_limit=job_token_limit)
     for model in models:
         for key in ("cost_limit", "job_cost_limit"):
-            check_priced(model, limits.get(key), what=key)  # type: ignore[arg-type]
+            check_priced(model, limits.get(key), what=key)
     return limits
 
 

@@ -103,9 +103,9 @@ def test_a_cost_limit_on_an_unpriced_model_is_refused_at_submit(ws: Workspace, t
                               "token_limit= instead")
     with pytest.raises(AgentnbError, match=r"the piece's cost_limit .* no price"):
         ws.submit("x", piece=write_piece(tmp_path, "c", {**WORK, "cost_limit": 0.5}), model="openai:no-such-model")
-    with pytest.raises(AgentnbError, match="job_cost_limit=.* no price"):
+    with pytest.raises(AgentnbError, match=r"job_cost_limit=.* no price"):
         ws.batch([{"instruction": "x"}], piece=piece, model="openai:no-such-model", job_cost_limit=1.0, name="u")
-    with pytest.raises(AgentnbError, match="^cost_limit=.* no price"):
+    with pytest.raises(AgentnbError, match=r"^cost_limit=.* no price"):
         ws.batch([{"instruction": "x"}], piece=piece, model="openai:no-such-model", cost_limit=1.0, name="u")
     # a token limit is fine, and so is a cost limit on the free offline models
     ws.submit("x", piece=piece, model="openai:no-such-model-priced", token_limit=100)
@@ -131,7 +131,7 @@ def test_a_bad_limit_is_one_line_and_creates_nothing(ws: Workspace, tmp_path: Pa
     with pytest.raises(AgentnbError, match=f"^job_{message.split('=')[0]}="):
         ws.batch([{"instruction": "x"}], piece="single", model="demo", name="b", **batch_kwargs)
     if "cost_limit" in kwargs:
-        with pytest.raises(AgentnbError, match="^cost_limit="):
+        with pytest.raises(AgentnbError, match=r"^cost_limit="):
             ws.batch([{"instruction": "x"}], piece="single", model="demo", name="b", **kwargs)
     assert ws.jobs() == [] and ws.batches() == []
 
@@ -148,7 +148,7 @@ def test_a_bad_cost_limit_in_a_piece_names_its_file_and_line(ws: Workspace, tmp_
         ws.submit("x", piece=path, model="demo")
     assert str(err.value) == f"{path}:2: cost_limit: {found}"
     bad_tokens = write_piece(tmp_path, "q", text.replace("cost_limit: " + value, "token_limit: 0.5"))
-    with pytest.raises(AgentnbError, match="token_limit.*expected a whole number ≥ 1"):
+    with pytest.raises(AgentnbError, match=r"token_limit.*expected a whole number ≥ 1"):
         ws.submit("x", piece=bad_tokens, model="demo")
     assert ws.jobs() == []
 

@@ -296,7 +296,8 @@ def parse_piece(
     max_movements = ck.optional(top, "max_movements", 12, ck.integer)
     language = ck.optional(top, "language", "en", lambda n, f: ck.string(n, f, choices=LANGUAGES))
     window, min_tool, thresholds, compaction = _context(ck, top)
-    limits = {k: _limit(ck, top[k][1], k) for k in ("cost_limit", "token_limit") if k in top}
+    cost_limit = ck.optional(top, "cost_limit", None, lambda n, f: _limit(ck, n, f))
+    token_limit = ck.optional(top, "token_limit", None, ck.integer)
 
     mnodes = ck.sequence(top["movements"][1], "movements")
     if not mnodes:
@@ -319,14 +320,13 @@ def parse_piece(
     return Piece(
         name=name, movements=tuple(m for m, _, _ in parsed), description=description, initial_movement=initial,
         max_movements=max_movements, language=language, window_tokens=window, thresholds=thresholds,
-        min_tool_tokens=min_tool, source=source, loop_monitors=monitors, mcp_servers=servers, **compaction, **limits,
+        min_tool_tokens=min_tool, source=source, loop_monitors=monitors, mcp_servers=servers, **compaction,
+        cost_limit=cost_limit, token_limit=token_limit,
     )
 
 
-def _limit(ck: Checker, node: Node, fld: str) -> float | int:
-    """``cost_limit`` (US dollars > 0) or ``token_limit`` (a whole number ≥ 1): docs/design-lab.md#budgets."""
-    if fld == "token_limit":
-        return ck.integer(node, fld)
+def _limit(ck: Checker, node: Node, fld: str) -> float:
+    """``cost_limit``: US dollars > 0 (docs/design-lab.md#budgets)."""
     tags = ("tag:yaml.org,2002:float", "tag:yaml.org,2002:int")
     value = yaml.load(node.value, Loader=FastLoader) if isinstance(node, ScalarNode) and node.tag in tags else None
     if value is None or not 0 < value < float("inf"):
