@@ -358,9 +358,10 @@ class Batch:
         """What the batch's cost limit has come to (docs/design-lab.md#budgets); "" without one."""
         from .budgets import limit_note
 
-        rows = self.ws.store.jobs(batch=self.name)
-        left = sum(r.status not in TERMINAL_STATES for r in rows) if unfinished is None else unfinished
-        return limit_note(self.ws.store, self.name, [r.id for r in rows], self._record().options, left)
+        if unfinished is None:
+            counts = self.counts()
+            unfinished = counts["jobs"] - sum(counts[s] for s in TERMINAL_STATES)
+        return limit_note(self.ws.store, self.name, self._record().options, unfinished)
 
     @staticmethod
     def _counts_text(counts: Mapping[str, int]) -> str:

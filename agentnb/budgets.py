@@ -70,22 +70,22 @@ def batch_limit(store: Store, name: str, given: float | None) -> float | None:
     return given
 
 
-def spent(store: Store, job_ids: Iterable[int]) -> float | None:
-    """What the jobs and their subtasks have spent in US dollars (None: some call's price is unknown)."""
-    calls = [c for j in job_ids for c in reads.tree_calls(store, j)]
+def spent(store: Store, batch: str) -> float | None:
+    """What the batch's jobs and their subtasks have spent in US dollars (None: some call's price is unknown)."""
+    calls = reads.tree_calls(store, batch=batch)
     if not calls:
         return 0.0
     costs = cost_array([c[0] for c in calls], [c[1] for c in calls], [c[2] for c in calls], [c[4] for c in calls])
     return None if bool(math.isnan(costs.sum())) else float(costs.sum())
 
 
-def limit_note(store: Store, name: str, job_ids: Iterable[int], options_json: str, unfinished: int) -> str:
+def limit_note(store: Store, name: str, options_json: str, unfinished: int) -> str:
     """What a batch's repr and view say of its cost limit: ``cost limit $1.00: $0.52 spent``, and, when it is
     reached with jobs left, that they are paused and how to resume."""
     limit = stored_limit(options_json)
     if limit is None:
         return ""
-    total = spent(store, job_ids)
+    total = spent(store, name)
     shown = "cost unknown" if total is None else f"{money(total)} spent"
     if (total is None or total >= limit) and unfinished:
         return (f"cost limit {money(limit)} reached ({shown}): {unfinished} job(s) paused or not started; resume "
@@ -103,7 +103,7 @@ class BatchBudget:
         self.limit = limit
         self.pause = pause  # asks one job to pause after its current call, without reading the store
         self.roots = {j: store.job(j).model for j in job_ids}  # the batch's jobs (all of them) and their models
-        total = spent(store, self.roots)
+        total = spent(store, name)
         self.total: float | None = total
         self.reached = threading.Event()
         self.unknown: set[int] = set()  # calls of jobs not yet known (subtasks): priced by :meth:`tick`
@@ -149,7 +149,7 @@ class BatchBudget:
                 self._recount()
 
     def _recount(self) -> None:
-        total = spent(self.store, self.roots)
+        total = spent(self.store, self.name)
         with self._lock:
             self.total = total
             if total is None or total >= self.limit:

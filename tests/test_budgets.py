@@ -202,3 +202,31 @@ def test_a_batch_cost_limit_pauses_the_batch_and_a_higher_one_resumes_it(
     assert done.frame["status"].tolist() == ["succeeded"] * 4
     assert done.frame["llm_calls"].tolist() == [2, 2, 2, 2]
     assert repr(done).endswith(f"cost limit $0.20: {money(8 * one)} spent>")
+
+
+def test_subtasks_spend_toward_their_parents_limit(ws: Workspace, tmp_path: Path) -> None:
+    """The parent's token_limit counts its children's calls: child 1 ends (800 tokens in all), child 2 is stopped
+    after the call that brings the tree to 1,050, child 3 never calls, and the parent is aborted when it resumes."""
+    def child(name: str) -> str:
+        return write_script(tmp_path, name, {"work": [
+            {**call("Write", path="output/part.md", content=name), "usage": {"prompt_tokens": 200, "completion_tokens": 50}},
+            {**transition("COMPLETE", summary=f"{name} done"), "usage": {"prompt_tokens": 200, "completion_tokens": 50}},
+        ]})
+
+    subtasks = [{"instruction": f"part {n}", "piece": "single", "model": child(f"child-{n}")} for n in (1, 2, 3)]
+    parent_model = write_script(tmp_path, "parent", {
+        "split": [{**transition("WAIT_SUBTASKS", summary="split", subtasks=subtasks),
+                   "usage": {"prompt_tokens": 250, "completion_tokens": 50}}],
+        "merge": [transition("COMPLETE", summary="merged")],
+    })
+    parent = ws.run(ws.submit("three parts", piece="fan-out", model=parent_model, token_limit=1000))
+    one, two, three = ws.children(parent)
+    whose = f" (the limit of job {parent.id}, with its subtasks)"
+    assert [c.status.value for c in (one, two, three)] == ["succeeded", "aborted", "aborted"]
+    assert (two.error, three.error) == (f"budget: 1,050 of 1,000 tokens{whose}",) * 2
+    assert [len(ws.events(c, kinds=["llm_response"])) for c in (one, two, three)] == [2, 1, 0]
+    assert (two.workdir / "output" / "part.md").read_text() == "child-2"  # the call's tool ran
+    assert [ev.payload["limit_job"] for c in (two, three) for ev in ws.events(c, kinds=["budget"])] == [parent.id] * 2
+    assert parent.status == "aborted" and parent.error == "budget: 1,050 of 1,000 tokens"
+    assert [e.payload["movement"] for e in ws.events(parent, kinds=["movement_start"])] == ["split"]
+    assert ws.events(parent, kinds=["budget"])[0].payload["spent"] == 1050.0

@@ -121,21 +121,23 @@ def total_tokens(store: Store, job_id: int) -> int:
     return int(store.rows(_TOTAL_TOKENS[store.dialect], (job_id,))[1][0][0] or 0)
 
 
-# a job and its subtasks (every generation): each LLM call's model spec (its job's), tokens and time
-_TREE_CALLS = {d: "WITH RECURSIVE tree(id, n) AS (SELECT id, 0 FROM jobs WHERE id=? UNION ALL "
-                  "SELECT j.id, t.n + 1 FROM jobs j JOIN tree t ON j.parent_id = t.id WHERE t.n < 1000) "
-                  f"SELECT j.model, {payload_field(d, 'e', LLMResponse, 'usage.prompt_tokens')}, "
-                  f"{payload_field(d, 'e', LLMResponse, 'usage.completion_tokens')}, "
-                  f"{payload_field(d, 'e', LLMResponse, 'usage.total_tokens')}, e.ts "
-                  "FROM tree JOIN jobs j ON j.id = tree.id JOIN events e ON e.job_id = tree.id "
-                  "WHERE e.kind='llm_response'" for d in _DIALECTS}
+# a job (or a batch's jobs) and its subtasks, every generation: each LLM call's model spec (its job's), tokens and time
+_TREE_CALLS = {(d, root): "WITH RECURSIVE tree(id, n) AS (SELECT id, 0 FROM jobs WHERE " + root + "=?"
+                          + (" AND parent_id IS NULL" if root == "batch" else "") + " UNION ALL "
+                          "SELECT j.id, t.n + 1 FROM jobs j JOIN tree t ON j.parent_id = t.id WHERE t.n < 1000) "
+                          f"SELECT j.model, {payload_field(d, 'e', LLMResponse, 'usage.prompt_tokens')}, "
+                          f"{payload_field(d, 'e', LLMResponse, 'usage.completion_tokens')}, "
+                          f"{payload_field(d, 'e', LLMResponse, 'usage.total_tokens')}, e.ts "
+                          "FROM tree JOIN jobs j ON j.id = tree.id JOIN events e ON e.job_id = tree.id "
+                          "WHERE e.kind='llm_response'" for d in _DIALECTS for root in ("id", "batch")}
 
 
-def tree_calls(store: Store, job_id: int) -> list[tuple[str, int, int, int, float]]:
-    """``(model, prompt_tokens, completion_tokens, total_tokens, ts)`` of every LLM call of the job and of its
-    subtasks, every generation (docs/design-lab.md#budgets: what a job's limit counts)."""
+def tree_calls(store: Store, job_id: int | None = None, *, batch: str | None = None) -> list[tuple[str, int, int, int, float]]:
+    """``(model, prompt_tokens, completion_tokens, total_tokens, ts)`` of every LLM call of the job (or of every job
+    of ``batch``) and of its subtasks, every generation (docs/design-lab.md#budgets: what a limit counts)."""
+    root, key = ("id", job_id) if batch is None else ("batch", batch)
     return [(str(m), int(p or 0), int(c or 0), int(t or 0), float(ts))
-            for m, p, c, t, ts in store.rows(_TREE_CALLS[store.dialect], (job_id,))[1]]
+            for m, p, c, t, ts in store.rows(_TREE_CALLS[store.dialect, root], (key,))[1]]
 
 
 def last_status_reason(store: Store, job_id: int) -> str | None:
