@@ -200,7 +200,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not instruction:
         raise _Usage("run: the instruction is missing")
     job = ws.submit(instruction, piece=args.piece, model=args.model, inputs=inputs, workdir=args.workdir,
-                    context=context, retries=args.retries, max_backoff=args.max_backoff)
+                    context=context, retries=args.retries, max_backoff=args.max_backoff,
+                    cost_limit=args.cost_limit, token_limit=args.token_limit)
     if args.detach:
         print(job.id)
         return 0
@@ -499,8 +500,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
     # without --name, the same command again resumes the batch it made (the one of these very cases)
     name = args.name if args.name is not None else batch_of_cases(ws.store, cases)
     batch = ws.batch(cases, piece=args.piece or ["plan-implement-verify"], model=args.model or ["demo"],
-                     name=name, concurrency=args.concurrency, retries=args.retries,
-                     max_backoff=args.max_backoff, run=False)
+                     name=name, concurrency=args.concurrency, retries=args.retries, max_backoff=args.max_backoff,
+                     cost_limit=args.cost_limit, job_cost_limit=args.job_cost_limit,
+                     job_token_limit=args.job_token_limit, run=False)
     if args.detach:  # workers (on this or other machines) run the queued jobs; the same command later scores
         queued = [j.id for j in batch.jobs if j.status == JobStatus.queued]
         print(f"batch {batch.name!r}: {len(batch.jobs)} job(s), {len(queued)} queued")
@@ -553,6 +555,12 @@ def _retry_options(p: argparse.ArgumentParser) -> None:
                    help="openai: the longest wait between two tries (default: $AGENTNB_OPENAI_MAX_BACKOFF, else 60)")
 
 
+def _limit_options(p: argparse.ArgumentParser, prefix: str) -> None:
+    for unit, kind in (("cost", float), ("token", int)):  # docs/design-lab.md#budgets
+        p.add_argument(f"--{prefix}{unit}-limit", type=kind, metavar="USD" if kind is float else "N",
+                       help=f"abort {'each' if prefix else 'the'} job once it and its subtasks have spent this many {'US dollars' if kind is float else 'tokens'}")
+
+
 def _follow_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--follow", action=argparse.BooleanOptionalAction, default=None,
                    help="print each movement run's streamed text, tool calls and results as they come "
@@ -590,6 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     _follow_option(p)
     _context_option(p, "a context setting of the job")
     _retry_options(p)
+    _limit_options(p, "")
     p.add_argument("instruction", nargs="*", help="the task")
 
     p = add("worker", cmd_worker, "run queued jobs (until none is left, or --forever)")
@@ -671,6 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true",
                    help="only create the batch and queue its jobs (workers run them); print its name")
     _retry_options(p)
+    _limit_options(p, "job-")
+    p.add_argument("--cost-limit", type=float, metavar="USD", help="pause the whole batch once it has spent this much")
 
     add("batches", cmd_batches, "list the batches: name, created, jobs and how many are in each status")
 

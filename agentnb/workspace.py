@@ -377,15 +377,20 @@ class Workspace:
         pauses the whole batch when reached; ``job_cost_limit``/``job_token_limit`` abort each job at its own
         (docs/design-lab.md#budgets).
         """
-        from .budgets import batch_models, check_batch_limits
+        from .budgets import batch_limit, batch_models, check_batch_limits
 
         check_concurrency(concurrency)
+        if isinstance(cases, str) and name is None and (job_cost_limit is not None or job_token_limit is not None):
+            raise UsageError(f"job_cost_limit/job_token_limit are given to the jobs a call creates, and ws.batch({cases!r})"
+                             " creates none; give the cases again with new pieces or models, or submit with cost_limit=")
         limits = check_batch_limits(cost_limit, job_cost_limit, job_token_limit,
                                     batch_models(self.store, cases if isinstance(cases, str) else name, model))
         b = open_batch(self, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
                        retries=retries, max_backoff=max_backoff, check_model=self._checked_spec, job_limits=limits)
+        if "cost_limit" in limits:  # kept with the batch, so a later run (or a run=False batch's) keeps it
+            batch_limit(self.store, b.name, float(limits["cost_limit"]))
         if run:
-            b.run(concurrency=concurrency, progress=progress, cost_limit=limits.get("cost_limit"))
+            b.run(concurrency=concurrency, progress=progress)
         return b
 
     def batches(self) -> list[dict[str, Any]]:

@@ -230,3 +230,41 @@ def test_subtasks_spend_toward_their_parents_limit(ws: Workspace, tmp_path: Path
     assert parent.status == "aborted" and parent.error == "budget: 1,050 of 1,000 tokens"
     assert [e.payload["movement"] for e in ws.events(parent, kinds=["movement_start"])] == ["split"]
     assert ws.events(parent, kinds=["budget"])[0].payload["spent"] == 1050.0
+
+
+def test_the_command_and_the_magic_take_the_limits(tmp_path: Path, shell: Any) -> None:
+    import os
+    import shutil
+    import subprocess
+
+    exe = shutil.which("agentnb")
+    assert exe is not None
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
+
+    def agentnb(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([exe, "--workspace", "cli-ws", *args], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env=env)
+
+    piece, model = str(write_piece(tmp_path, "w", WORK)), _runaway(tmp_path, 3)
+    out = agentnb("run", "--piece", piece, "--model", model, "--token-limit", "3000", "--no-follow", "write")
+    assert out.returncode == 1 and "budget: 3,200 of 3,000 tokens" in out.stdout, out.stderr
+    bad = agentnb("run", "--piece", piece, "--model", model, "--cost-limit", "-1", "write")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
+        "cost_limit=-1.0; allowed: a number of US dollars > 0 (the job's and its subtasks' calls)")
+    (tmp_path / "cases.jsonl").write_text('{"instruction": "a"}\n{"instruction": "b"}\n', encoding="utf-8")
+    ran = agentnb("batch", "cases.jsonl", "--piece", piece, "--model", model, "--job-token-limit", "2500",
+                  "--name", "cli", "--no-progress")
+    assert ran.returncode == 0, ran.stderr
+    cli_ws = Workspace(tmp_path / "cli-ws")
+    assert [j.error for j in cli_ws.batch("cli", progress=False).jobs] == ["budget: 3,200 of 2,500 tokens"] * 2
+    shell.user_ns["t_cases"] = [{"instruction": "a"}]
+    b = shell.run_line_magic("agent", f"batch t_cases --piece {piece} --model {model} --job-token-limit 1000 "
+                                      "--name magic")
+    assert [j.error for j in b.jobs] == ["budget: 1,100 of 1,000 tokens"]
+
+
+def test_job_limits_on_a_batch_resumed_by_name_are_refused(ws: Workspace, tmp_path: Path) -> None:
+    ws.batch([{"instruction": "a"}], piece="single", model="demo", name="r", run=False)
+    with pytest.raises(AgentnbError, match=r"^job_cost_limit/job_token_limit are given to the jobs a call creates"):
+        ws.batch("r", job_token_limit=10)
+    assert [json.loads(r.options_text) for r in ws.store.jobs(batch="r")] == [{}]

@@ -77,7 +77,7 @@ _OVERVIEW = """\
   tools [PIECE] [--workdir DIR]  each movement's tools: source (built-in, Python or MCP server), parameters
   export JOB PATH              the job as a notebook (.ipynb)
   plot [JOB]                   the usage plot: context ratio per LLM call, cumulative tokens
-  batch CASES --piece a,b --model m[,m2] [--concurrency N] [--name NAME] [--scorer VAR]...
+  batch CASES --piece a,b --model m[,m2] [--concurrency N] [--name NAME] [--scorer VAR]... [--cost-limit USD]
                                run every case (a list of dicts or a DataFrame variable) under every
                                piece × model, scored; the Batch.  batch NAME resumes a batch
   batches                      every batch of the workspace, as a DataFrame
@@ -707,6 +707,9 @@ class AgentMagic(Magics):
               help="a variable holding a function(job) (scored under the variable's name) or a dict of name → "
                    "function (repeatable)")
     @argument("--no-run", action="store_true", help="only create the batch (or look it up); run it later")
+    @argument("--cost-limit", type=float, metavar="USD", help="pause the whole batch once it has spent this much")
+    @argument("--job-cost-limit", type=float, metavar="USD", help="abort each job (with its subtasks) at this cost")
+    @argument("--job-token-limit", type=int, metavar="N", help="abort each job (with its subtasks) at this many tokens")
     def cmd_batch(self, args: Any, cell: str | None) -> Batch:
         """Run cases × variants (pieces × models) as jobs, N at once, score them; the Batch (its summary shows).
 
@@ -716,6 +719,7 @@ class AgentMagic(Magics):
         found, cases = self.value(args.cases, "CASES")
         pieces, models = self._listed(args.piece_list, "--piece"), self._listed(args.model_list, "--model")
         scorers = self._scorers(args.scorer)
+        limits = {k: getattr(args, k) for k in ("cost_limit", "job_cost_limit", "job_token_limit")}
         if isinstance(cases, Batch):
             found, cases = False, cases.name
         if not found:  # a batch name: resume it
@@ -729,11 +733,11 @@ class AgentMagic(Magics):
                 known = ", ".join(b.name for b in reads.batches(self.ws.store)) or "none yet"
                 raise UsageError(f"CASES {name!r} is neither a variable of the notebook nor a batch of the workspace "
                                  f"(batches: {known}); give a variable holding a list of dicts or a DataFrame")
-            batch = self.ws.batch(name, scorers=scorers, concurrency=args.concurrency, run=False)
+            batch = self.ws.batch(name, scorers=scorers, concurrency=args.concurrency, run=False, **limits)
         else:
             batch = self.ws.batch(cases, piece=self.piece if pieces is None else pieces,
                                   model=self.model if models is None else models, name=args.name,
-                                  scorers=scorers, concurrency=args.concurrency, run=False)
+                                  scorers=scorers, concurrency=args.concurrency, run=False, **limits)
         if args.no_run:
             return batch
         # after Ctrl-C, the executor's one line says what paused and to resume with this magic
