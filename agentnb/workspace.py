@@ -266,23 +266,29 @@ class Workspace:
                 )
         return self.job(job_id)
 
-    def retry(self, job: JobRef, *, retries: int | None = None, max_backoff: float | None = None) -> Job:
+    def retry(self, job: JobRef, *, retries: int | None = None, max_backoff: float | None = None,
+              cost_limit: float | None = None, token_limit: int | None = None) -> Job:
         """Queue a failed or aborted job again (``job_status`` reason ``retried``); run it with :meth:`run`.
 
         A failed job goes on from its last complete LLM call: its failed movement is reopened and
         resumed from its events (the call that failed is asked again; a tool call cut short is
         completed as after a crash).  An aborted job starts a new run of the movement that aborted,
         with a fresh prompt (its movement count goes on, within ``max_movements``).  ``retries`` and
-        ``max_backoff`` replace the job's retry settings for the ``openai:`` model.  Any other
-        status is refused with a :class:`StoreError` naming it.
+        ``max_backoff`` replace the job's retry settings for the ``openai:`` model, ``cost_limit`` and
+        ``token_limit`` its limits (a job aborted at its limit goes on under a higher one,
+        docs/design-lab.md#budgets).  Any other status is refused with a :class:`StoreError` naming it.
         """
+        from .engine.budget import check_limits, check_priced
+
         job_id = self._id(job)
-        settings = check_retry_settings(retries, max_backoff)
+        settings = {**check_retry_settings(retries, max_backoff),
+                    **check_limits(cost_limit=cost_limit, token_limit=token_limit)}
         with self.store.transaction() as c:
             row = self.store.job(job_id)  # StoreError "no job …" when there is none
             status = row.status
             if status not in (JobStatus.failed, JobStatus.aborted):
                 raise StoreError(f"job {job_id} is {status}; only a failed or aborted job can be retried")
+            check_priced(row.model, settings.get("cost_limit"))
             if status == JobStatus.failed:
                 self.store.reopen_failed_movement(c, job_id)
             values: dict[str, Any] = {"error": None, "ended": None, "enriched": None}

@@ -268,3 +268,17 @@ def test_job_limits_on_a_batch_resumed_by_name_are_refused(ws: Workspace, tmp_pa
     with pytest.raises(AgentnbError, match=r"^job_cost_limit/job_token_limit are given to the jobs a call creates"):
         ws.batch("r", job_token_limit=10)
     assert [json.loads(r.options_text) for r in ws.store.jobs(batch="r")] == [{}]
+
+
+def test_a_job_aborted_at_its_limit_goes_on_when_retried_with_a_higher_one(ws: Workspace, tmp_path: Path) -> None:
+    job = ws.run(ws.submit("write", piece=write_piece(tmp_path, "w", WORK), model=_runaway(tmp_path, 3),
+                           token_limit=1000))
+    assert job.error == "budget: 1,100 of 1,000 tokens"
+    again = ws.run(ws.retry(job))  # the same limit: aborted before any call
+    assert again.status == "aborted" and len(ws.events(job, kinds=["llm_request"])) == 1
+    with pytest.raises(AgentnbError, match=r"^token_limit=0; allowed"):
+        ws.retry(job, token_limit=0)
+    done = ws.run(ws.retry(job, token_limit=100_000))
+    assert done.status == "succeeded", done.error
+    assert json.loads(ws.store.job(job.id).options_text) == {"token_limit": 100_000}
+    assert [e.payload["reason"] for e in ws.events(job, kinds=["budget"])] == ["budget: 1,100 of 1,000 tokens"] * 2
