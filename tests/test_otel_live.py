@@ -86,8 +86,12 @@ def test_a_paused_and_resumed_job_with_subtasks_joins_one_trace(tmp_path: Path, 
         job = rich_job(ws, tmp_path)  # waits for a human, is answered, runs on; a subtask in between
     with Workspace(tmp_path / "ws") as ws:
         expected = file_spans(ws, job, tmp_path)
+        whole = file_export(ws, job, tmp_path)
+    assert_one_trace_each_span_once(receiver.spans())
+    # each span but the job's is sent whole and final (the job's own gains the score added after it ended)
+    assert {s.span_id: s for s in receiver.spans() if s.parent_span_id} == {
+        i: s for i, s in whole.items() if s.parent_span_id}
     got = {_key(s) for s in receiver.spans()}
-    assert len({k[0] for k in got}) == 1
     # rich_job scores the job after it ended: the job span of a later file export ends at that score, the rest
     # is the same
     root = next(k for k in got if k[3] == "invoke_workflow rich")
@@ -302,6 +306,35 @@ def test_a_batch_in_threads_exports_every_job(tmp_path: Path, receiver: Receiver
     with Workspace(tmp_path / "ws") as ws:
         expected = set().union(*(file_spans(ws, j, tmp_path) for j in jobs))
     assert {_key(s) for s in receiver.spans()} == expected
+
+
+def test_live_export_reads_the_signal_specific_variables_first(
+        tmp_path: Path, receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    piece, spec = two_movements(tmp_path)
+    general = Receiver()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", general.url)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-general=1")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.url + "/ingest/otlp")  # used as it is
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-team-key=traces-only")
+        monkeypatch.setenv("AGENTNB_OTEL", "1")
+        with Workspace(tmp_path / "ws") as ws:
+            assert ws.run(ws.submit("Do it", piece=piece, model=spec)).status == "succeeded"
+        assert receiver.got and general.got == []
+        for path, headers, _ in receiver.got:
+            assert path == "/ingest/otlp" and headers["x-team-key"] == "traces-only" and "x-general" not in headers
+        # a URL given is a base URL, and wins over the variables (the headers still come from them)
+        monkeypatch.delenv("AGENTNB_OTEL")
+        with Workspace(tmp_path / "ws", otel=general.url) as ws:
+            assert ws.run(ws.submit("Do it", piece=piece, model=spec)).status == "succeeded"
+        assert general.got and {p for p, _, _ in general.got} == {"/v1/traces"}
+        assert all(h["x-team-key"] == "traces-only" for _, h, _ in general.got)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "localhost:4318")
+        with pytest.raises(UsageError, match=r"^OTEL_EXPORTER_OTLP_TRACES_ENDPOINT 'localhost:4318' must be an "
+                                             r"http:// or https:// URL"):
+            Workspace(tmp_path / "ws", otel=True)
+    finally:
+        general.close()
 
 
 def test_the_settings_and_their_precedence(tmp_path: Path, receiver: Receiver,
