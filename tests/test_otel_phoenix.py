@@ -320,3 +320,14 @@ def test_phoenix_shows_a_job_that_waited_for_a_human_once_it_ends_and_keeps_a_sp
     assert sorted((_view(s) for s in again if key(s) in by_id), key=key) == sorted(map(_view, spans), key=key)
     (kept,) = [s for s in again if s["context"]["span_id"] == root["context"]["span_id"]]
     assert not any(e["name"] == "gen_ai.evaluation.result" for e in kept["events"])
+    # the way to replace it there: delete the trace in Phoenix, and send the job again
+    trace_id = root["context"]["trace_id"]
+    request = urllib.request.Request(f"{phoenix.url}/v1/traces/{trace_id}", method="DELETE")
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        assert answer.status == 204
+    assert main(["otel", "send", str(job.id), "--endpoint", phoenix.url, "--workspace", str(tmp_path / "ws")]) == 0
+    deadline = time.monotonic() + INGEST_S
+    while not any(e["name"] == "gen_ai.evaluation.result" for s in phoenix.spans() if s["parent_id"] is None
+                  and s["context"]["trace_id"] == trace_id for e in s["events"]):
+        assert time.monotonic() < deadline, "the job span sent after the trace was deleted is not shown"
+        time.sleep(0.5)

@@ -7,6 +7,10 @@ terminal ``job_status``) — in a bounded queue.  Its own daemon thread reads th
 exporter, several notes per request.  A run's spans are its ``invoke_agent`` span with its ``chat`` and
 ``execute_tool`` spans; the job's ``invoke_workflow`` span goes when the job ends, with any run that ended
 without a transition (a failed one).  A child span may reach the collector before its parent: OTLP allows it.
+A job that waits (for a human, for its subtasks) sends its own span only when it ends, never at the wait: each
+span goes once, whole, since a viewer may keep the first copy of a span id for good (Phoenix does;
+docs/otel.md#a-job-that-waits).  With ``content`` the spans carry the messages, scrubbed and cut by the same
+mapping as a file export's.
 
 A collector that cannot be reached, is slow or refuses the spans never holds a job up: the queue is bounded, each
 request has a short timeout, and after a failure the spans of the next seconds are dropped without trying.  Spans
