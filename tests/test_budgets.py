@@ -239,7 +239,7 @@ def test_the_command_and_the_magic_take_the_limits(tmp_path: Path, shell: Any) -
 
     exe = shutil.which("agentnb")
     assert exe is not None
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}  # AGENTNB_STORE: the test's store
 
     def agentnb(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([exe, "--workspace", "cli-ws", *args], cwd=tmp_path, capture_output=True, text=True,
