@@ -423,7 +423,8 @@ class Batch:
         Ctrl-C (or the notebook's stop button) pauses the running jobs after their current call and
         re-raises; ``ws.batch(name)`` resumes.  A job another process is running is skipped
         (``last_run.skipped``).  ``progress``: a tqdm bar on stderr (see ``agentnb.executor``).  ``resume``: how
-        the line after an interrupt says to resume (default ``ws.batch(name)``)."""
+        the line after an interrupt says to resume (default ``ws.batch(name)``).  ``cost_limit``: the batch's
+        (kept with it; None: the one it has) — once reached, the batch pauses (docs/design-lab.md#budgets)."""
         from .executor import run_jobs
 
         concurrency = check_concurrency(concurrency)
@@ -432,8 +433,8 @@ class Batch:
         from .budgets import BatchBudget, batch_limit
 
         limit = batch_limit(self.ws.store, self.name, cost_limit)  # docs/design-lab.md#budgets: kept with the batch
-        budget = None if limit is None else BatchBudget(self.ws.store, self.name, limit, [
-            r.id for r in self.ws.store.jobs(batch=self.name)], self.ws.execution.pause_soon)
+        budget = None if limit is None else BatchBudget(self.ws.store, self.name, limit, {
+            r.id: r.model for r in self.ws.store.jobs(batch=self.name)}, self.ws.execution.pause_soon)
         try:  # what the run did (the jobs it skipped because another process runs them, say), for the curious
             self.last_run = run_jobs(self.ws, self.pending(), concurrency=concurrency, progress=progress, batch=self,
                                      on_end=self._scored_once, resume=resume, budget=budget)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from . import live
@@ -96,13 +96,13 @@ def limit_note(store: Store, name: str, options_json: str, unfinished: int) -> s
 class BatchBudget:
     """The running total of a batch's spending against its cost limit, kept up to date as calls commit."""
 
-    def __init__(self, store: Store, name: str, limit: float, job_ids: Iterable[int],
+    def __init__(self, store: Store, name: str, limit: float, jobs: Mapping[int, str],
                  pause: Callable[[int], None]) -> None:
         self.store = store
         self.name = name
         self.limit = limit
         self.pause = pause  # asks one job to pause after its current call, without reading the store
-        self.roots = {j: store.job(j).model for j in job_ids}  # the batch's jobs (all of them) and their models
+        self.roots = dict(jobs)  # the batch's jobs (all of them) and their models
         total = spent(store, name)
         self.total: float | None = total
         self.reached = threading.Event()

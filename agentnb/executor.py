@@ -9,6 +9,7 @@ is asked to pause after its current LLM call (it goes back to ``queued``, as ``w
 the executor waits for them, prints one line saying how to resume, and re-raises.  A second Ctrl-C while
 it waits is ignored (said once): leaving then would leave jobs ``running`` under a live process with no
 thread of ours driving them to a pause.  A job another process is running is skipped and counted.
+A batch's cost limit (``budget``, agentnb/budgets.py) pauses the run the same way once reached, without raising.
 The ``openai:`` calls of all the jobs share one rate-limit gate per endpoint (``models/ratelimit.py``).
 
 A queue worker (``agentnb worker --concurrency N``, :func:`run_queue`) runs the same way without a list:
@@ -196,6 +197,9 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
                 report.interrupted = True
                 _pause(ws, futures, stopping, active, lock, _sayer(bar, out))
                 raise
+            if stopped_by and not report.not_started and not any(
+                    s in (JobStatus.queued, JobStatus.running) for s in report.statuses.values()):
+                stopped_by = ""  # the limit was reached by the last calls: nothing was left to pause
     finally:
         pool.shutdown(wait=True)
         try:

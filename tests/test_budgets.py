@@ -282,3 +282,24 @@ def test_a_job_aborted_at_its_limit_goes_on_when_retried_with_a_higher_one(ws: W
     assert done.status == "succeeded", done.error
     assert json.loads(ws.store.job(job.id).options_text) == {"token_limit": 100_000}
     assert [e.payload["reason"] for e in ws.events(job, kinds=["budget"])] == ["budget: 1,100 of 1,000 tokens"] * 2
+
+
+def test_a_batch_cost_limit_with_jobs_running_at_once(ws: Workspace, tmp_path: Path,
+                                                      loopback: Callable[..., OpenAIServer]) -> None:
+    """Three jobs at a time: once the limit is reached no job starts and the running ones pause after their
+    current call; what was spent overshoots by at most the calls in flight, and a higher limit finishes it."""
+    loopback("sk-test-batch-parallel", responder=_writes_then_completes, latency=0.05)
+    one = call_cost(MODEL, PROMPT, COMPLETION)
+    assert one is not None
+    cases = [{"instruction": f"case {i}"} for i in range(9)]
+    b = ws.batch(cases, piece=write_piece(tmp_path, "w", WORK), model=MODEL, concurrency=3, cost_limit=0.1,
+                 name="parallel", progress=False)
+    frame = b.frame
+    spent = float(frame["cost_usd"].sum())
+    assert 0.1 <= spent <= 0.1 + 3 * one + 1e-9  # reached, and no more than one call per running job past it
+    assert set(frame["status"]) <= {"succeeded", "queued"} and (frame["status"] == "queued").any()
+    idle = {int(j) for j in frame.loc[frame["llm_calls"] == 0, "job"]}  # never started, or paused before a call
+    assert b.last_run.not_started and set(b.last_run.not_started) <= idle
+    done = ws.batch("parallel", cost_limit=1.0, concurrency=3, progress=False)
+    assert done.frame["status"].tolist() == ["succeeded"] * 9
+    assert done.frame["cost_usd"].sum() == pytest.approx(18 * one)  # no call made twice
