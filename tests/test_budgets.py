@@ -303,3 +303,12 @@ def test_a_batch_cost_limit_with_jobs_running_at_once(ws: Workspace, tmp_path: P
     done = ws.batch("parallel", cost_limit=1.0, concurrency=3, progress=False)
     assert done.frame["status"].tolist() == ["succeeded"] * 9
     assert done.frame["cost_usd"].sum() == pytest.approx(18 * one)  # no call made twice
+
+
+def test_a_call_without_tool_calls_is_counted_at_once(ws: Workspace, tmp_path: Path) -> None:
+    """A reply with no tool call (the model is reminded) is not yet committed when the limit is checked: it counts."""
+    chatty = write_script(tmp_path, "chatty", responses=[
+        {"content": f"thinking {k}", "usage": {"prompt_tokens": 1000 * k, "completion_tokens": 100}} for k in (1, 2, 3)])
+    job = ws.run(ws.submit("talk", piece=write_piece(tmp_path, "w", WORK), model=chatty, token_limit=1500))
+    assert job.error == "budget: 3,200 of 1,500 tokens"
+    assert len(ws.events(job, kinds=["llm_response"])) == 2

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import UsageError
+from ..events import LLMResponse
 from ..models.prices import cost_array, has_price, priced_name
 from ..store import reads
 
@@ -111,9 +112,10 @@ def job_limit(row: JobRecord, piece_limits: Mapping[str, Any]) -> Limit | None:
 class JobBudget:
     """The limits that hold a job (its own and its ancestors'), and the check of what their trees have spent."""
 
-    def __init__(self, store: Store, job_id: int, limits: list[Limit]) -> None:
+    def __init__(self, store: Store, job_id: int, model: str, limits: list[Limit]) -> None:
         self.store = store
         self.job_id = job_id
+        self.model = model
         self.limits = limits
 
     @classmethod
@@ -129,12 +131,15 @@ class JobBudget:
             if found is not None:
                 limits.append(found)
             current = store.job(current.parent_id) if current.parent_id else None
-        return cls(store, row.id, limits) if limits else None
+        return cls(store, row.id, row.model, limits) if limits else None
 
-    def exceeded(self) -> Overrun | None:
-        """The first limit that the calls so far have reached, or None."""
+    def exceeded(self, pending: Iterable[Any] = ()) -> Overrun | None:
+        """The first limit that the calls so far have reached, or None; ``pending``: this job's events not yet
+        committed (a reply without tool calls is committed only with the next call's request)."""
+        mine = [(self.model, e.usage.prompt_tokens, e.usage.completion_tokens, e.usage.total_tokens, e.ts)
+                for e in pending if isinstance(e, LLMResponse)]
         for limit in self.limits:
-            calls = reads.tree_calls(self.store, limit.job_id)
+            calls = reads.tree_calls(self.store, limit.job_id) + mine
             whose = "" if limit.job_id == self.job_id else f" (the limit of job {limit.job_id}, with its subtasks)"
             if limit.tokens is not None:
                 spent = sum(c[3] for c in calls)

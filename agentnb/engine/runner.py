@@ -245,7 +245,7 @@ class JobRunner:
     def _over_budget(self) -> str | None:
         """Abort the job when it has reached a limit (docs/design-lab.md#budgets): its open movement ends with a
         forced ABORT, a ``budget`` event says which limit, and the status reason is ``budget: …``; None otherwise."""
-        over = self.budget.exceeded() if self.budget is not None else None
+        over = self.budget.exceeded(self.rec.pending) if self.budget is not None else None
         if over is None:
             return None
         loop, now = self.loop, time.time()
