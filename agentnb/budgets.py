@@ -6,7 +6,8 @@ commits (a ``live`` subscription to ``llm_response`` events, so no store read pe
 limit, the job whose call reached it is asked to pause after that call (its tools run), no further job starts, and
 the executor asks every running job to pause after its current call (``ws.stop``) and says so.  Nothing is aborted:
 ``ws.batch(name, cost_limit=HIGHER)`` resumes the paused and unstarted jobs.  The limit is kept with the batch
-(its ``options``), so ``ws.batch(name)`` alone resumes under the same limit, which stops it again at once.
+(its ``options``), so ``ws.batch(name)`` alone resumes under the same limit, which stops it again at once.  A reply
+without tool calls is committed with its job's next request, so it is counted (and the job paused) one call later.
 
 Per-job limits (``job_cost_limit=``, ``job_token_limit=``) are :mod:`agentnb.engine.budget`'s: each job keeps its own
 in its ``options`` and is aborted when it reaches it.
