@@ -138,7 +138,9 @@ def plot_batch(batch: Any, *, score: str | None = None, title: str | None = None
             if xerr is not None or yerr is not None:
                 bars = left.errorbar([xi], [yi], xerr=xerr, yerr=yerr, fmt="none", ecolor=colour, alpha=0.6,
                                      elinewidth=1.2, capsize=3, zorder=2)
-                bars.set_gid(f"ci:{i}")
+                bars.set_label(f"ci:{i}")  # a container has a label, not a gid
+                for part in bars.get_children():
+                    part.set_gid(f"ci:{i}")
         if boolean:
             left.set_ylim(-0.05, 1.1)
         left.margins(x=0.15, y=0.15)

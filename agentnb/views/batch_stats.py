@@ -36,7 +36,7 @@ import pandas as pd
 from ..errors import UsageError
 
 __all__ = ["BOOTSTRAP", "CASE_COLUMNS", "COMPARISON_COLUMNS", "OUTCOMES", "TEST", "Interval", "Measure", "Settings",
-           "cluster_interval", "difference_interval", "interval_columns", "min_cases", "paired_p_value", "paired_tables",
+           "cluster_interval", "cluster_intervals", "difference_interval", "interval_columns", "min_cases", "paired_p_value", "paired_tables",
            "plus_minus", "settings", "summary_intervals"]
 
 BOOTSTRAP: Final = "percentile bootstrap over cases"
@@ -101,28 +101,39 @@ def _rng(s: Settings) -> np.random.Generator:
 
 
 def cluster_interval(sums: Any, counts: Any, s: Settings) -> Interval:
-    """The mean ``sum(sums) / sum(counts)`` over cases (one sum and one count of values per case) and its
-    cluster bootstrap interval: cases are drawn with replacement, each bringing all its values."""
-    from scipy import stats
-
+    """The mean ``sum(sums) / sum(counts)`` over cases (one sum and one count of values per case; a case
+    with no value is left out) and its cluster bootstrap interval: cases are drawn with replacement, each
+    bringing all its values."""
     sums, counts = np.asarray(sums, dtype=float), np.asarray(counts, dtype=float)
     keep = counts > 0
     sums, counts = sums[keep], counts[keep]
     if len(sums) == 0:
         return _NA
-    mean = float(sums.sum() / counts.sum())
     if len(sums) < 2:
-        return Interval(mean, math.nan, math.nan, math.nan)
-    if np.allclose(sums / counts, mean, rtol=0, atol=1e-12 * max(1.0, abs(mean))) and np.ptp(counts) == 0:
-        return Interval(mean, 0.0, mean, mean)  # every case the same: nothing to resample (scipy would warn)
+        return Interval(float(sums.sum() / counts.sum()), math.nan, math.nan, math.nan)
+    mean, se, low, high = cluster_intervals(sums, counts, s)
+    return Interval(float(mean), float(se), float(low), float(high))
+
+
+def cluster_intervals(sums: Any, counts: Any, s: Settings) -> tuple[np.ndarray, ...]:
+    """:func:`cluster_interval` over the last axis of ``sums`` and ``counts`` (many simulated batches at
+    once; every case with at least one value, at least 2 cases): ``(mean, se, low, high)`` arrays."""
+    from scipy import stats
+
+    sums, counts = np.asarray(sums, dtype=float), np.asarray(counts, dtype=float)
+    mean = sums.sum(axis=-1) / counts.sum(axis=-1)
+    # every case the same: nothing to resample (the interval is the value, the standard error 0)
+    flat = np.all(np.isclose(sums / counts, mean[..., None], rtol=0, atol=1e-12), axis=-1)
+    if np.all(flat):
+        return mean, np.zeros_like(mean), mean.copy(), mean.copy()
 
     def ratio(x: np.ndarray, n: np.ndarray, axis: int = -1) -> np.ndarray:
         return np.sum(x, axis=axis) / np.sum(n, axis=axis)
 
-    res = stats.bootstrap((sums, counts), ratio, paired=True, vectorized=True, n_resamples=s.n_resamples,
+    res = stats.bootstrap((sums, counts), ratio, paired=True, vectorized=True, axis=-1, n_resamples=s.n_resamples,
                           confidence_level=s.confidence, method="percentile", rng=_rng(s))
-    return Interval(mean, float(res.standard_error), float(res.confidence_interval.low),
-                    float(res.confidence_interval.high))
+    ci = res.confidence_interval
+    return (mean, np.where(flat, 0.0, res.standard_error), np.where(flat, mean, ci.low), np.where(flat, mean, ci.high))
 
 
 def difference_interval(diffs: Any, s: Settings) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -240,7 +251,7 @@ def paired_tables(frame: pd.DataFrame, baseline: int, labels: dict[int, str], me
         other = frame[frame["variant"] == variant]
         for m in measures:
             a, b = _per_case(base_rows, m.name), _per_case(other, m.name)
-            both = a.join(b, how="inner", lsuffix="_base")
+            both = a.add_suffix("_base").join(b, how="inner")
             d = (both["value"] - both["value_base"]).to_numpy(dtype=float)
             tied = np.isclose(both["value"].to_numpy(dtype=float), both["value_base"].to_numpy(dtype=float),
                               rtol=1e-9, atol=1e-12)
