@@ -71,18 +71,18 @@ def check_baseline(baseline: str, store: Any, name: str | None, pieces: Any, mod
     variants are not yet numbered or labelled as the batch will, so what this lets through
     :meth:`BatchComparison`'s own check may still refuse (after the run)."""
     from .engine.pieces import load_piece
-    from .models.base import short_spec
     from .store import reads
+    from .views.batch_frames import variant_labels
 
     record = reads.batch(store, name) if name else None
     have = [(v.piece, v.model) for v in record.variants] if record else []
     pieces, models = _listed(pieces), [str(m) for m in _listed(models)]
     names = [load_piece(p).name for p in pieces]
-    planned = have + [(p, m) for p in names for m in models]
-    known = {str(i) for i in range(len(planned))} | {p for p, _m in planned} | {m for _p, m in planned}
-    known |= {f"{p} · {short_spec(m, k)}" for p, m in planned for k in range(1, 8)} | set(models)
+    planned = have + [(p, m) for p in names for m in models if (p, m) not in have]
+    labels = variant_labels(planned)
+    known = {str(i) for i in range(len(planned))} | {x for pair in planned for x in pair} | set(labels) | set(models)
     if baseline not in known:
-        listed = ", ".join(f"{i} = {p} · {short_spec(m)}" for i, (p, m) in enumerate(planned))
+        listed = ", ".join(f"{i} = {label}" for i, label in enumerate(labels))
         raise UsageError(f"--baseline {baseline!r} is not a variant of the batch; allowed: a variant's number or "
                          f"label, or a piece or model only one variant has: {listed or 'none'}")
 

@@ -21,8 +21,8 @@ import agentnb
 from agentnb import AgentnbError, BatchComparison, Workspace
 from agentnb.batch_compare import compare_batch
 from agentnb.views.batch_frames import batch_summary
-from agentnb.views.batch_stats import (Settings, cluster_interval, cluster_intervals, difference_interval, min_cases,
-                                       paired_p_value)
+from agentnb.views.batch_stats import Settings, cluster_interval, cluster_intervals, difference_interval, min_cases
+from agentnb.views.batch_stats import paired_p_value as p_value
 
 # -- frames built by hand ----------------------------------------------------------------------------------------
 
@@ -171,8 +171,8 @@ def test_too_few_cases_for_the_test_is_said_and_the_threshold_is_where_p_can_rea
     assert min_cases(0.05) == 6 and min_cases(0.01) == 8
     # every case better: the smallest p the test can give with n cases is 2/2^n
     s = Settings()
-    assert float(paired_p_value(np.ones(5), s)) == pytest.approx(2 / 2 ** 5)  # 0.0625: never below 0.05
-    assert float(paired_p_value(np.ones(6), s)) == pytest.approx(2 / 2 ** 6)  # 0.031
+    assert float(p_value(np.ones(5), s)) == pytest.approx(2 / 2 ** 5)  # 0.0625: never below 0.05
+    assert float(p_value(np.ones(6), s)) == pytest.approx(2 / 2 ** 6)  # 0.031
     for cases, verdict in ((5, "too few cases"), (6, "better")):
         frame = _frame(cases=cases, epochs=None, effect=0.0)
         frame.loc[frame["variant"] == 1, "grade"] = frame.loc[frame["variant"] == 0, "grade"].to_numpy() + 1.0
@@ -199,9 +199,9 @@ def test_coverage_of_the_intervals_and_the_tests_level_on_500_simulated_batches(
     coverage = float(np.mean((low <= effect) & (effect <= high)))
     assert 0.90 <= coverage <= 0.98, coverage
     null = d - effect  # the same noise, no effect
-    rejected = float(np.mean(paired_p_value(null, s) < 0.05))
+    rejected = float(np.mean(p_value(null, s) < 0.05))
     assert 0.02 <= rejected <= 0.08, rejected
-    assert float(np.mean(paired_p_value(d, s) < 0.05)) > 0.7  # and the effect is found most of the time
+    assert float(np.mean(p_value(d, s) < 0.05)) > 0.7  # and the effect is found most of the time
     # the summary's clustered interval of a mean: cases of unequal sizes (a value missing here and there)
     truth = 0.6
     values = rng.normal(0, 1, (batches, cases, 1)) + truth + rng.normal(0, 0.5, (batches, cases, epochs))

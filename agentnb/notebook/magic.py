@@ -722,9 +722,9 @@ class AgentMagic(Magics):
         scorers = self._scorers(args.scorer)
         if isinstance(cases, Batch):
             found, cases = False, cases.name
-        if args.baseline is not None:  # refused before anything is created
-            check_baseline(args.baseline, self.ws.store, args.name if found else str(cases),
-                           self.piece if pieces is None else pieces, self.model if models is None else models)
+        if args.baseline is not None:  # refused before anything is created (a resumed batch: its own variants)
+            new = (self.piece if pieces is None else pieces, self.model if models is None else models) if found else ()
+            check_baseline(args.baseline, self.ws.store, args.name if found else str(cases), *(new or (None, None)))
         if not found:  # a batch name: resume it
             name = str(cases)
             if args.name is not None and args.name != name:
