@@ -440,13 +440,14 @@ def _pm_cell(r: pd.Series, mean: str, kind: str, extra: str = "") -> str:
     text = _number(value, kind)
     tip = [extra] if extra else []
     if not _na(value) and not _na(low):
-        half = (float(high) - float(low)) / 2
-        text += f" ± {_number(half, kind)}"
+        half = _number((float(high) - float(low)) / 2, kind).lstrip("$")  # the mean's cell says it is dollars
+        # the ± part smaller, and a line of its own where the table would not fit the output's width
+        text = f"<span style='{_NOWRAP}'>{text}</span> <span style='{_NOWRAP};font-size:85%;color:#666'>± {half}</span>"
         tip.append(f"CI {_number(low, kind)} to {_number(high, kind)} · SE {_number(se, kind)}")
     elif not _na(value):
         tip.append("no interval: fewer than 2 cases")
     title = f" title='{html.escape(' · '.join(tip), quote=True)}'" if tip else ""
-    return f"<td style='{_CELL};{_NOWRAP}'{title}>{text}</td>"
+    return f"<td style='{_CELL}'{title}>{text}</td>"
 
 
 def _score_tip(name: str) -> str:
