@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import html
 import math
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from .batch_stats import BOOTSTRAP, min_cases
+from .batch_stats import BOOTSTRAP, Settings, min_cases
 from .style import ERROR_COLOUR, OK_COLOUR
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ..batch_compare import BatchComparison
+__all__ = ["CASES_SHOWN", "ComparisonSource", "comparison_table_html"]
 
-__all__ = ["CASES_SHOWN", "comparison_table_html"]
+
+class ComparisonSource(Protocol):
+    """What the HTML reads of a comparison (a :class:`agentnb.batch_compare.BatchComparison`)."""
+
+    batch: str
+    baseline: int
+    baseline_label: str
+    frame: pd.DataFrame
+    cases: pd.DataFrame
+    settings: Settings
 
 # per variant, how many worse (and how many better) cases the view lists; .cases has them all
 CASES_SHOWN: Final = 8
@@ -56,7 +65,7 @@ def _p(value: Any) -> str:
     return "<0.001" if float(value) < 0.001 else f"{float(value):.3f}"
 
 
-def comparison_table_html(c: BatchComparison) -> str:
+def comparison_table_html(c: ComparisonSource) -> str:
     e = html.escape
     s = c.settings
     level = f"{s.confidence:.0%}"
@@ -101,7 +110,7 @@ def comparison_table_html(c: BatchComparison) -> str:
     return "".join(parts)
 
 
-def _case_lists(cases: pd.DataFrame, c: BatchComparison) -> str:
+def _case_lists(cases: pd.DataFrame, c: ComparisonSource) -> str:
     """The worse and the better cases of one variant, each with the commands that open the two jobs."""
     e = html.escape
     out = []
