@@ -17,6 +17,7 @@ Like a :class:`~agentnb.batch.Batch`, it reads the store when made; pandas and s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
@@ -87,6 +88,7 @@ def check_baseline(baseline: str, store: Any, name: str | None, pieces: Any, mod
                          f"label, or a piece or model only one variant has: {listed or 'none'}")
 
 
+@dataclass(eq=False, repr=False)
 class BatchComparison:
     """Every other variant of batch ``batch`` against ``baseline``, paired by case.
 
@@ -98,14 +100,12 @@ class BatchComparison:
     measure, the regressions first.  ``settings``: the confidence, resamples and seed used.
     """
 
-    def __init__(self, batch: str, baseline: int, baseline_label: str, frame: pd.DataFrame, cases: pd.DataFrame,
-                 settings: Settings) -> None:
-        self.batch = batch
-        self.baseline = baseline
-        self.baseline_label = baseline_label
-        self.frame = frame
-        self.cases = cases
-        self.settings = settings
+    batch: str
+    baseline: int
+    baseline_label: str
+    frame: pd.DataFrame
+    cases: pd.DataFrame
+    settings: Settings
 
     def __repr__(self) -> str:
         return f"<BatchComparison of batch {self.batch!r} against {self.baseline_label!r}: {len(self.frame)} rows>"
