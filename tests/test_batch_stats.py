@@ -183,6 +183,20 @@ def test_too_few_cases_for_the_test_is_said_and_the_threshold_is_where_p_can_rea
                 "permutation test can give is 0.0625" in html.unescape(page)) is (cases == 5)
 
 
+def test_a_measure_with_no_value_on_one_side_says_no_shared_cases() -> None:
+    frame = _frame(cases=8, epochs=2)
+    frame.loc[frame["variant"] == 1, "cost_usd"] = pd.NA  # an unknown price
+    c = compare_batch(SimpleNamespace(frame=frame, name="nocost"), baseline=0)
+    cost = c.frame.set_index("measure").loc["cost_usd"]
+    assert cost["verdict"] == "no shared cases" and cost["n"] == 0
+    assert cost[["diff", "ci_low", "ci_high", "p_value"]].isna().all()
+    assert not (c.cases["measure"] == "cost_usd").any()
+    assert "data-measure='cost_usd' data-verdict='no shared cases'" in c._repr_html_()
+    summary = batch_summary(None, frame)
+    assert summary.loc[1, ["mean_cost_usd", "mean_cost_usd_se", "mean_cost_usd_ci_low"]].isna().all()
+    assert summary.loc[0, "mean_cost_usd_ci_low"] == 0.0
+
+
 # -- coverage on simulated batches ----------------------------------------------------------------------------------
 
 def test_coverage_of_the_intervals_and_the_tests_level_on_500_simulated_batches() -> None:

@@ -68,7 +68,7 @@ def _p(value: Any) -> str:
 def comparison_table_html(c: ComparisonSource) -> str:
     e = html.escape
     s = c.settings
-    level = f"{s.confidence:.0%}"
+    level = s.level
     parts = [f"<div class='agentnb-batch-compare'><p><b>{e(f'batch {c.batch}: each variant against the baseline')}"
              f" {e(c.baseline_label)} (variant {c.baseline}), paired by case</b><br><span style='font-size:11px;"
              f"color:#777'>diff = variant − baseline, case by case (a case's epochs averaged first); {e(level)} CI: "

@@ -60,10 +60,15 @@ class Settings:
     def alpha(self) -> float:
         return 1.0 - self.confidence
 
+    @property
+    def level(self) -> str:
+        """The confidence as a percentage: ``95%``, ``97.5%``."""
+        return f"{self.confidence * 100:.4g}%"
+
     def text(self) -> str:
         """The settings in words, for the HTML and the docs' promise that each view says what ± is."""
         seed = "fresh draws" if self.seed is None else f"seed {self.seed}"
-        return f"{self.confidence:.0%} CI, {BOOTSTRAP}, {self.n_resamples:,} resamples, {seed}"
+        return f"{self.level} CI, {BOOTSTRAP}, {self.n_resamples:,} resamples, {seed}"
 
 
 def settings(confidence: Any = 0.95, n_resamples: Any = _RESAMPLES, seed: Any = 0) -> Settings:
