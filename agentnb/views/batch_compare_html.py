@@ -84,7 +84,7 @@ def comparison_table_html(c: ComparisonSource) -> str:
                 f"paired permutation test can give is {2 / 2 ** n:.3g}, not below {s.alpha:.2g} whatever the data; "
                 f"it needs {need} or more cases (epochs do not add cases), and so few cases make too narrow intervals.")
         parts.append(f"<p class='agentnb-too-few' style='color:{ERROR_COLOUR}'>{e(text)}</p>")
-    heads = ["variant", "measure", "better", "n", "baseline", "variant", "diff", f"{level} CI", "p", "better / worse"
+    heads = ["variant", "measure", "better", "n", "baseline mean", "mean", "diff", f"{level} CI", "p", "better / worse"
              " / tied", "verdict"]
     parts.append("<table class='agentnb-batch-comparison' style='width:auto;max-width:100%'><thead><tr>"
                  + "".join(f"<th style='{_HEAD}{';text-align:left' if i < 3 else ''}'>{e(h)}</th>"
