@@ -217,12 +217,21 @@ class Execution:
         opts = row.options
         mine = {"retries": opts.retries, "max_backoff": opts.max_backoff}
         settings = {**self.model_settings, **{k: v for k, v in mine.items() if v is not None}}
-        model = resolve_model(row.model, store=self.store, **settings)
+        model = resolve_model(row.model, store=self.store, epoch=self._epoch(row), **settings)
         runner = JobRunner(self.store, row, model, self.root / "jobs", files_limit=self.files_limit,
                            file_cache=self._file_caches.setdefault(job_id, FileCache()) if self.store.keeps_files else None,
                            options=opts)
         self._runners[job_id] = (runner, mark)
         return runner
+
+    def _epoch(self, row: JobRecord) -> int | None:
+        """The batch epoch a job's model answers for (docs/design-lab.md#epochs): a subtask's is its batch job's."""
+        found: dict[str, Any] | None = {"parent_id": row.parent_id, "batch": row.batch, "batch_epoch": row.batch_epoch}
+        while found is not None and found["batch"] is None and found["parent_id"] is not None:
+            found = self.store.job_columns(int(found["parent_id"]), ("parent_id", "batch", "batch_epoch"))
+        if found is None or found["batch"] is None:
+            return None
+        return int(found["batch_epoch"] or 1)
 
     def _keep(self, row: JobRecord, runner: JobRunner) -> None:
         # Kept for the next claim in this process only while the job is still as this runner left it: the mark
