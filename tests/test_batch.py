@@ -360,7 +360,7 @@ def test_frame_totals_equal_the_sums_over_the_events(ws: Workspace, tmp_path: Pa
     frame = b.frame
     assert frame.dtypes.to_dict() == {
         "case": "Int64", "instruction": "string", "topic": "string", "weight": "Float64", "expected": object,
-        "variant": "Int64", "variant_label": "string", "piece": "string", "model": "string", "job": "Int64",
+        "variant": "Int64", "variant_label": "string", "epoch": "Int64", "piece": "string", "model": "string", "job": "Int64",
         "status": "string", "subtasks": "Int64", "movements": "Int64", "llm_calls": "Int64", "prompt_tokens": "Int64",
         "completion_tokens": "Int64", "total_tokens": "Int64", "cost_usd": "Float64", "seconds": "Float64"}
     for _, row in frame.iterrows():
