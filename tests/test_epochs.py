@@ -18,6 +18,7 @@ from _batching import llm_events, tree_totals
 from _scripting import call, transition, write_script
 from IPython.core.error import UsageError as MagicUsageError
 
+import agentnb
 from agentnb import ModelRequest, ModelSpecError, ScriptedModel, UsageError, Workspace
 
 CASES = [{"instruction": "Answer question one", "expected": "x"},
@@ -87,6 +88,9 @@ def test_every_case_and_variant_runs_k_times_each_epoch_answered_tagged_scored_a
     assert summary.set_index("variant").loc[1, "mean_right"] == pytest.approx(3 / 6)
     text = b._repr_html_()
     assert "12 of 12 ended · 3 epochs · 12 succeeded" in text
+    fig = agentnb.plot_batch(b)
+    assert fig.get_suptitle().startswith("batch ep: 2 variants × 2 cases × 3 epochs")
+    assert fig.axes[1].get_xlabel() == "total tokens per case and epoch"
 
 
 def test_a_failed_job_is_named_by_its_case_and_epoch_in_the_batch_view(ws: Workspace, tmp_path: Path) -> None:
