@@ -225,13 +225,14 @@ class Execution:
         return runner
 
     def _epoch(self, row: JobRecord) -> int | None:
-        """The batch epoch a job's model answers for (docs/design-lab.md#epochs): a subtask's is its batch job's."""
-        found: dict[str, Any] | None = {"parent_id": row.parent_id, "batch": row.batch, "batch_epoch": row.batch_epoch}
-        while found is not None and found["batch"] is None and found["parent_id"] is not None:
-            found = self.store.job_columns(int(found["parent_id"]), ("parent_id", "batch", "batch_epoch"))
-        if found is None or found["batch"] is None:
-            return None
-        return int(found["batch_epoch"] or 1)
+        """The batch epoch a job's model answers for (docs/design-lab.md#epochs): a subtask's is its batch job's,
+        a fork's its original's (a what-if asks what that very run would have done)."""
+        cols = ("parent_id", "forked_from_job", "batch", "batch_epoch")
+        found: dict[str, Any] | None = {c: getattr(row, c) for c in cols}
+        while found is not None and found["batch"] is None:
+            above = found["parent_id"] if found["parent_id"] is not None else found["forked_from_job"]
+            found = None if above is None else self.store.job_columns(int(above), cols)
+        return None if found is None else int(found["batch_epoch"] or 1)
 
     def _keep(self, row: JobRecord, runner: JobRunner) -> None:
         # Kept for the next claim in this process only while the job is still as this runner left it: the mark

@@ -121,6 +121,15 @@ def test_a_subtask_answers_for_the_epoch_of_its_batch_job(ws: Workspace, tmp_pat
         assert row["subtasks"] == 1 and row["prompt_tokens"] == tree_totals(ws, int(row["job"]))["prompt_tokens"]
 
 
+def test_a_fork_of_a_batch_job_answers_for_its_epoch(ws: Workspace, tmp_path: Path) -> None:
+    spec = _varying(tmp_path, "a", ["x", "y"], [100, 200])
+    b = ws.batch(CASES[:1], piece="single", model=spec, epochs=2, name="f", progress=False)
+    for job in b.jobs:  # a what-if of each run, live from its first movement: the same answer as the run it forks
+        fork = ws.fork(job, at=1)
+        assert fork.status == "succeeded" and fork.batch is None, fork.error
+        assert (fork.output / "answer.txt").read_text() == (job.output / "answer.txt").read_text() == "xy"[job.epoch - 1]
+
+
 # -- resuming and growing ----------------------------------------------------------------------------------------------
 
 def test_resume_runs_only_the_jobs_missing_in_each_epoch(ws: Workspace, tmp_path: Path) -> None:
