@@ -217,22 +217,12 @@ class Execution:
         opts = row.options
         mine = {"retries": opts.retries, "max_backoff": opts.max_backoff}
         settings = {**self.model_settings, **{k: v for k, v in mine.items() if v is not None}}
-        model = resolve_model(row.model, store=self.store, epoch=self._epoch(row), **settings)
+        model = resolve_model(row.model, store=self.store, epoch=reads.epoch_of(self.store, row), **settings)
         runner = JobRunner(self.store, row, model, self.root / "jobs", files_limit=self.files_limit,
                            file_cache=self._file_caches.setdefault(job_id, FileCache()) if self.store.keeps_files else None,
                            options=opts)
         self._runners[job_id] = (runner, mark)
         return runner
-
-    def _epoch(self, row: JobRecord) -> int | None:
-        """The batch epoch a job's model answers for (docs/design-lab.md#epochs): a subtask's is its batch job's,
-        a fork's its original's (a what-if asks what that very run would have done)."""
-        cols = ("parent_id", "forked_from_job", "batch", "batch_epoch")
-        found: dict[str, Any] | None = {c: getattr(row, c) for c in cols}
-        while found is not None and found["batch"] is None:
-            above = found["parent_id"] if found["parent_id"] is not None else found["forked_from_job"]
-            found = None if above is None else self.store.job_columns(int(above), cols)
-        return None if found is None else int(found["batch_epoch"] or 1)
 
     def _keep(self, row: JobRecord, runner: JobRunner) -> None:
         # Kept for the next claim in this process only while the job is still as this runner left it: the mark
