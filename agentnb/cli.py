@@ -505,7 +505,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         check_baseline(args.baseline, ws.store, name, args.piece or ["plan-implement-verify"], args.model or ["demo"])
     batch = ws.batch(cases, piece=args.piece or ["plan-implement-verify"], model=args.model or ["demo"],
                      name=name, concurrency=args.concurrency, retries=args.retries,
-                     max_backoff=args.max_backoff, run=False)
+                     max_backoff=args.max_backoff, run=False, epochs=args.epochs)
     if args.detach:  # workers (on this or other machines) run the queued jobs; the same command later scores
         queued = [j.id for j in batch.jobs if j.status == JobStatus.queued]
         print(f"batch {batch.name!r}: {len(batch.jobs)} job(s), {len(queued)} queued")
@@ -672,6 +672,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", metavar="MODEL",
                    help="model spec (repeatable: crossed with every piece; default demo)")
     p.add_argument("--concurrency", type=int, default=4, metavar="N", help="jobs run at once (default 4)")
+    p.add_argument("--epochs", type=int, metavar="K", help="run every case × variant K times (default 1, or the "
+                   "batch's own; more adds the missing epochs)")
     p.add_argument("--name", help="the batch's name: the same command again resumes it (default: the batch of the same cases, "
                    "or a new batch-N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -78,7 +78,7 @@ _OVERVIEW = """\
   tools [PIECE] [--workdir DIR]  each movement's tools: source (built-in, Python or MCP server), parameters
   export JOB PATH              the job as a notebook (.ipynb)
   plot [JOB]                   the usage plot: context ratio per LLM call, cumulative tokens
-  batch CASES --piece a,b --model m[,m2] [--concurrency N] [--name NAME] [--scorer VAR]... [--baseline V]
+  batch CASES --piece a,b --model m[,m2] [--concurrency N] [--name NAME] [--epochs K] [--scorer VAR]... [--baseline V]
                                run every case (a list of dicts or a DataFrame variable) under every
                                piece × model, scored; the Batch (--baseline: its BatchComparison).
                                batch NAME resumes a batch
@@ -705,6 +705,8 @@ class AgentMagic(Magics):
     @argument("--concurrency", "-c", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
               help=f"jobs run at once (default {DEFAULT_CONCURRENCY})")
     @argument("--name", "-n", help="the batch's name; the same name again resumes it (default: batch-N)")
+    @argument("--epochs", "-e", type=int, metavar="K", help="run every case × variant K times (default 1, or the "
+              "batch's own; more adds the missing epochs)")
     @argument("--scorer", "-s", action="append", metavar="VAR",
               help="a variable holding a function(job) (scored under the variable's name) or a dict of name → "
                    "function (repeatable)")
@@ -736,11 +738,11 @@ class AgentMagic(Magics):
                 known = ", ".join(b.name for b in reads.batches(self.ws.store)) or "none yet"
                 raise UsageError(f"CASES {name!r} is neither a variable of the notebook nor a batch of the workspace "
                                  f"(batches: {known}); give a variable holding a list of dicts or a DataFrame")
-            batch = self.ws.batch(name, scorers=scorers, concurrency=args.concurrency, run=False)
+            batch = self.ws.batch(name, scorers=scorers, concurrency=args.concurrency, run=False, epochs=args.epochs)
         else:
             batch = self.ws.batch(cases, piece=self.piece if pieces is None else pieces,
                                   model=self.model if models is None else models, name=args.name,
-                                  scorers=scorers, concurrency=args.concurrency, run=False)
+                                  scorers=scorers, concurrency=args.concurrency, run=False, epochs=args.epochs)
         if args.no_run:
             return batch
         # after Ctrl-C, the executor's one line says what paused and to resume with this magic
