@@ -43,6 +43,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from agentnb.models.openai import forget_refusals
+from agentnb.models.ratelimit import forget_gates
 
 __all__ = ["ECHO_KEY", "AsObject", "OpenAIServer", "error", "hold", "midway", "openai_env", "raw", "reply", "stall"]
 
@@ -422,8 +423,10 @@ class OpenAIServer:
 
     def __enter__(self) -> OpenAIServer:
         # A port is often one an earlier server of this process had (the kernel hands freed ports out again): what
-        # the process remembers of that one (that it refused to stream) is not true of this one, so it is forgotten
+        # the process remembers of that one (that it refused to stream, its 429 gate) is not true of this one, so it
+        # is forgotten
         forget_refusals(self.base_url)
+        forget_gates(self.base_url)
         self.thread.start()
         return self
 

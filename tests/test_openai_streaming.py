@@ -209,6 +209,22 @@ def test_a_server_started_where_one_refused_to_stream_is_asked_to_stream(
         assert again.streamed == 1
 
 
+def test_a_server_started_where_one_sent_a_429_has_an_open_gate(loopback: Callable[..., OpenAIServer]) -> None:
+    # the 429 gate is remembered per URL too: an earlier server's "retry after 30 s" must not hold a later one's calls
+    slow = loopback()
+    slow.play(*error(429, "slow down", headers={"retry-after": "30"}))
+    with pytest.raises(ModelError, match="HTTP 429"):
+        OpenAIModel("m", max_retries=0).complete(ModelRequest(messages=[UserMessage("hi")], tools=[]))
+    closed = gate_for(slow.base_url, "m")
+    slow.__exit__(None, None, None)
+    with OpenAIServer(port=int(slow.base_url.rsplit(":", 1)[1].split("/")[0])) as again:
+        assert gate_for(again.base_url, "m") is not closed
+        again.play(reply("at once"))
+        started = time.monotonic()
+        assert OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[])).content == "at once"
+        assert time.monotonic() - started < 10
+
+
 def test_forget_refusals_asks_a_refusing_endpoint_to_stream_again(loopback: Callable[..., OpenAIServer]) -> None:
     srv = loopback(refuses_stream=True)
     srv.play(reply("one"), reply("two"), reply("three"))
