@@ -15,6 +15,7 @@ from .batch import (
     Batch,
     Scorer,
     check_concurrency,
+    check_epochs,
     check_score_names,
     check_scorers,
     open_batch,
@@ -373,6 +374,7 @@ class Workspace:
         max_backoff: float | None = None,
         run: bool = True,
         progress: bool = True,
+        epochs: int | None = None,
         cost_limit: float | None = None,
         job_cost_limit: float | None = None,
         job_token_limit: int | None = None,
@@ -386,20 +388,23 @@ class Workspace:
         ``demo``.  ``ws.batch("exp-1")``, or the same call again with ``name="exp-1"``, resumes the batch:
         finished jobs are kept, unfinished ones run.  Given the same cases, pieces or models it does not have
         yet are added as new variants (an omitted ``piece=``/``model=`` then means the batch's own).
-        ``run=False`` only creates (or looks up) the batch.  ``cost_limit`` (US dollars, kept with the batch)
-        pauses the whole batch when reached; ``job_cost_limit``/``job_token_limit`` abort each job at its own
-        (docs/design-lab.md#budgets).
+        ``run=False`` only creates (or looks up) the batch.  ``epochs=k`` runs every case × variant k times
+        (docs/design-lab.md#epochs; default 1, or the batch's own); more than the batch has adds the missing epochs.
+        ``cost_limit`` (US dollars, kept with the batch) pauses the whole batch when reached;
+        ``job_cost_limit``/``job_token_limit`` abort each job at its own (docs/design-lab.md#budgets).
         """
         from .budgets import batch_limit, batch_models, check_batch_limits
 
         check_concurrency(concurrency)
+        check_epochs(epochs)
         if isinstance(cases, str) and name is None and (job_cost_limit is not None or job_token_limit is not None):
             raise UsageError(f"job_cost_limit/job_token_limit are given to the jobs a call creates, and ws.batch({cases!r})"
                              " creates none; give the cases again with new pieces or models, or submit with cost_limit=")
         limits = check_batch_limits(cost_limit, job_cost_limit, job_token_limit,
                                     batch_models(self.store, cases if isinstance(cases, str) else name, model))
         b = open_batch(self, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
-                       retries=retries, max_backoff=max_backoff, check_model=self._checked_spec, job_limits=limits)
+                       retries=retries, max_backoff=max_backoff, check_model=self._checked_spec, epochs=epochs,
+                       job_limits=limits)
         if "cost_limit" in limits:  # kept with the batch, so a later run (or a run=False batch's) keeps it
             batch_limit(self.store, b.name, float(limits["cost_limit"]))
         if run:
