@@ -14,7 +14,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -512,7 +512,7 @@ _RACE_TRIES = 5
 
 def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
                context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
-               check_model: Callable[[str], str]) -> Batch:
+               check_model: Callable[[str], str], options: Mapping[str, Any] | None = None) -> Batch:
     """Create the batch ``name`` (every job of it, in one transaction), or extend/resume the one of that name.
 
     What the call decides from (the batch as it was read, a free name) is checked again inside the write
@@ -521,7 +521,7 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
     for _ in range(_RACE_TRIES):
         try:
             return _open_batch(ws, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
-                               retries=retries, max_backoff=max_backoff, check_model=check_model)
+                               retries=retries, max_backoff=max_backoff, check_model=check_model, options=options)
         except _Raced:
             continue
     raise UsageError(f"batch {name!r} was changed by other processes {_RACE_TRIES} times while this call "
@@ -530,7 +530,7 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
 
 def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
                 context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
-                check_model: Callable[[str], str]) -> Batch:
+                check_model: Callable[[str], str], options: Mapping[str, Any] | None = None) -> Batch:
     chosen = check_scorers(scorers)
     if isinstance(cases, str) and name is None:  # ws.batch("exp-1"): resume by name
         name, cases = cases, None
@@ -550,7 +550,8 @@ def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str 
         variants = _added_variants(existing, variants)
         if not variants:
             return Batch(ws, name, chosen)
-    prepared = _prepared_jobs(ws, checked, variants, context=context, retries=retries, max_backoff=max_backoff)
+    prepared = _prepared_jobs(ws, checked, variants, context=context, retries=retries, max_backoff=max_backoff,
+                              options=options)
     _write_batch(ws, name, existing, prepared, fingerprint=print_, stored_cases=stored_cases, variants=variants,
                  context=context)
     return Batch(ws, name, chosen)
@@ -623,8 +624,10 @@ def _labels_piece(existing: BatchRecord, label: str, piece_yaml: str) -> bool:
 
 
 def _prepared_jobs(ws: BatchHost, cases: list[Case], variants: list[Variant], *, context: Mapping[str, Any] | None,
-                   retries: int | None, max_backoff: float | None) -> list[tuple[Case, Variant, Any]]:
-    """Every job of cases × variants checked and prepared, before anything is stored."""
+                   retries: int | None, max_backoff: float | None,
+                   options: Mapping[str, Any] | None = None) -> list[tuple[Case, Variant, Any]]:
+    """Every job of cases × variants checked and prepared, before anything is stored; ``options``: more job
+    options for each (the call cache's mode)."""
     prepared = []
     for case in cases:
         for variant in variants:
@@ -634,6 +637,8 @@ def _prepared_jobs(ws: BatchHost, cases: list[Case], variants: list[Variant], *,
                                              max_backoff=max_backoff)
             except UsageError as exc:  # say which case (the same check fails for every variant of it)
                 raise UsageError(f"case {case.index}: {exc}") from exc
+            if options:
+                prep = replace(prep, options={**prep.options, **options})
             prepared.append((case, variant, prep))
     return prepared
 
