@@ -11,7 +11,8 @@ of a PostgreSQL store shares it.
   the same enriched instruction (the date-and-time block left out), model and epoch recorded — as a fork reuses
   its original's — and from there its prompts, and so its keys, are the first run's.
 * A hit is recorded as an ``llm_response`` with ``cached: true`` and 0 tokens (so it costs 0 and counts in no
-  total); the original call's counts stay in the cache's row, which ``agentnb cache stats`` sums as tokens saved.
+  total); the original call's counts (as reported, else counted offline) stay in the cache's row, which
+  ``agentnb cache stats`` sums as tokens saved.
 * Only jobs submitted with ``cache=`` look up and record; a ``replay:`` model and a fork's re-served runs are never
   cached (they ask no model).
 """
@@ -30,8 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
 from ..models.base import Model, ModelRequest, ModelResponse, ToolCall
-from ..models.messages import TokenUsage
+from ..models.messages import AssistantMessage, TokenUsage
+from .context import message_text
 from .prompts import clock_block
+from .tokens import counter_for_model
 
 if TYPE_CHECKING:
     from ..store.base import Store
@@ -193,11 +196,23 @@ class CachedModel:
             self.store.cache_hit(key)
             return hit
         response = self.inner.complete(request)
-        usage = response.usage
-        self.store.cache_put(key, kind="call", model=self.spec, body=_response_json(response),
-                             prompt_tokens=usage.prompt_tokens if usage else None,
-                             completion_tokens=usage.completion_tokens if usage else None, job_id=request.job_id)
+        prompt, completion = self._counts(request, response)
+        self.store.cache_put(key, kind="call", model=self.spec, body=_response_json(response), prompt_tokens=prompt,
+                             completion_tokens=completion, job_id=request.job_id)
         return response
+
+    def _counts(self, request: ModelRequest, response: ModelResponse) -> tuple[int, int]:
+        """The call's tokens as the endpoint reported them, else counted offline as the ContextManager does: what a
+        hit on it saves (``agentnb cache stats``)."""
+        usage = response.usage
+        counter = counter_for_model(self.spec)
+        if usage is not None and usage.completion_tokens is not None:
+            return usage.prompt_tokens, usage.completion_tokens
+        completion = counter.count(message_text(AssistantMessage(response.content, response.tool_calls)))
+        if usage is not None:
+            return usage.prompt_tokens, completion
+        prompt = sum(4 + counter.count(message_text(m)) for m in request.messages)
+        return prompt + (counter.count(json.dumps(request.tools, ensure_ascii=False)) if request.tools else 0), completion
 
 
 def with_cache(model: Model, store: Store, row: JobRecord) -> Model:
