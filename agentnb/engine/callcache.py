@@ -208,7 +208,7 @@ class CachedModel:
         counter = counter_for_model(self.spec)
         if usage is not None and usage.completion_tokens is not None:
             return usage.prompt_tokens, usage.completion_tokens
-        completion = counter.count(message_text(AssistantMessage(response.content, response.tool_calls)))
+        completion = 4 + counter.count(message_text(AssistantMessage(response.content, response.tool_calls)))
         if usage is not None:
             return usage.prompt_tokens, completion
         prompt = sum(4 + counter.count(message_text(m)) for m in request.messages)
