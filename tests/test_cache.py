@@ -104,6 +104,16 @@ def test_without_cache_nothing_is_looked_up_or_recorded(ws: Workspace, tmp_path:
     assert all(r.cached is None and r.usage.total_tokens > 0 for r in _responses(ws, e.id))
 
 
+def test_a_fork_of_a_cached_job_asks_its_model_anew(ws: Workspace, tmp_path: Path) -> None:
+    model = answering_model(tmp_path, "m", "41")
+    ws.run(ws.submit("Answer question 1", piece="single", model=model, cache=True))
+    b = ws.run(ws.submit("Answer question 1", piece="single", model=model, cache=True))
+    assert all(r.cached for r in _responses(ws, b.id))
+    fork = ws.fork(b, at=1)
+    assert fork.status == "succeeded" and "cache" not in ws.store.job(fork.id).options.extra
+    assert all(r.cached is None and r.usage.total_tokens > 0 for r in _responses(ws, fork.id))
+
+
 # -- only what changed spends tokens -------------------------------------------------------------------------------------
 
 def _draft_review_answers(body: dict[str, Any]) -> dict[str, Any]:

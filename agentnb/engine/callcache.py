@@ -14,7 +14,7 @@ of a PostgreSQL store shares it.
   total); the original call's counts (as reported, else counted offline) stay in the cache's row, which
   ``agentnb cache stats`` sums as tokens saved.
 * Only jobs submitted with ``cache=`` look up and record; a ``replay:`` model and a fork's re-served runs are never
-  cached (they ask no model).
+  cached (they ask no model), and a fork does not take its original's mode (fork.py).
 """
 
 from __future__ import annotations
