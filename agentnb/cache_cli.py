@@ -1,5 +1,5 @@
 """``agentnb cache stats`` / ``agentnb cache clear [--older-than 7d]`` and the ``--cache [MODE]`` option of ``run`` and
-``batch`` (docs/cli.md#cache, docs/design-lab.md#call-cache); apart from ``cli.py``, which only wires them in."""
+``batch`` (docs/cli.md#agentnb-cache-stats, docs/design-lab.md#call-cache); apart from ``cli.py``, which only wires them in."""
 
 from __future__ import annotations
 

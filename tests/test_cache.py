@@ -213,7 +213,7 @@ def test_cache_stats_and_clear_through_the_cli(tmp_path: Path, capsys: pytest.Ca
     assert saved == int(ws.frames.jobs().set_index("job").loc[1, "total_tokens"]) != 0
     assert main(["--workspace", folder, "cache", "stats"]) == 0
     out = capsys.readouterr().out
-    assert f"{responses} responses, 1 clocks" in out and f"hits: {responses};" in out
+    assert f"{responses} responses, 1 clock\n" in out and f"hits: {responses};" in out
     assert f"tokens saved: {saved:,}" in out and "models: demo" in out
     # nothing is a week old yet
     assert main(["--workspace", folder, "cache", "clear", "--older-than", "7d"]) == 0
@@ -241,9 +241,9 @@ def test_an_unknown_cache_mode_is_refused_in_one_line_and_nothing_is_created(
         Workspace(tmp_path / "never", cache="sometimes")
     assert not (tmp_path / "never").exists()
     ws = Workspace(tmp_path / "ws")
-    with pytest.raises(AgentnbError, match="^cache='epochs' is not a cache mode"):
+    with pytest.raises(AgentnbError, match=r"^cache='epochs' is not a cache mode"):
         ws.submit("x", piece="single", model="demo", cache="epochs")
-    with pytest.raises(AgentnbError, match="^cache=1 is not a cache mode"):
+    with pytest.raises(AgentnbError, match=r"^cache=1 is not a cache mode"):
         ws.batch(_cases(), piece="single", model="demo", cache=1, name="b", progress=False)
     assert ws.jobs() == [] and ws.batches() == [] and not (tmp_path / "ws" / "jobs").exists()
     assert main(["--workspace", str(tmp_path / "ws"), "run", "--cache=bogus", "x"]) == 2

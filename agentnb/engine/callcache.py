@@ -262,12 +262,16 @@ class CacheStats:
             return [f"call cache of {where}: empty"]
         saved = self.prompt_tokens_saved + self.completion_tokens_saved
         return [
-            f"call cache of {where}: {self.responses:,} responses, {self.clocks:,} clocks",
+            f"call cache of {where}: {_count(self.responses, 'response')}, {_count(self.clocks, 'clock')}",
             f"hits: {self.hits:,}; tokens saved: {saved:,} (prompt {self.prompt_tokens_saved:,}, "
             f"completion {self.completion_tokens_saved:,})",
             f"models: {', '.join(self.models) or '-'}",
             f"recorded: {_when(self.oldest)} … {_when(self.newest)}",
         ]
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def _when(ts: float | None) -> str:
