@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from _batching import DRAFT_REVIEW, answering_model, draft_review
-from _scripting import write_piece
+from _scripting import write_piece, write_script
 from openai_server import OpenAIServer, reply
 
 from agentnb import AgentnbError, Workspace
@@ -112,6 +112,20 @@ def test_a_fork_of_a_cached_job_asks_its_model_anew(ws: Workspace, tmp_path: Pat
     fork = ws.fork(b, at=1)
     assert fork.status == "succeeded" and "cache" not in ws.store.job(fork.id).options.extra
     assert all(r.cached is None and r.usage.total_tokens > 0 for r in _responses(ws, fork.id))
+
+
+def test_a_recorded_response_keeps_no_secret(ws: Workspace, tmp_path: Path) -> None:
+    """A response repeating a key-shaped secret is recorded scrubbed, as its llm_response is, and re-served so."""
+    key = "sk-test0123456789abcdefghijKLMN"
+    model = write_script(tmp_path, "leaky", {"work": [
+        {"content": f"the key is {key}", "tool_calls": [{"name": "transition",
+                                                          "arguments": {"next_step": "COMPLETE", "summary": "ok"}}]}]})
+    ws.run(ws.submit("Say the key", piece="single", model=model, cache=True))
+    b = ws.run(ws.submit("Say the key", piece="single", model=model, cache=True))
+    bodies = [str(r[0]) for r in ws.store.rows("SELECT body FROM call_cache WHERE kind='call'")[1]]
+    assert len(bodies) == 1 and key not in bodies[0] and "the key is" in bodies[0]
+    (hit,) = _responses(ws, b.id)
+    assert hit.cached is True and key not in (hit.content or "") and (hit.content or "").startswith("the key is ")
 
 
 # -- only what changed spends tokens -------------------------------------------------------------------------------------
