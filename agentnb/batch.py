@@ -14,7 +14,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -575,7 +575,7 @@ _RACE_TRIES = 5
 def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
                context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
                check_model: Callable[[str], str], epochs: int | None = None,
-               job_limits: Mapping[str, Any] | None = None) -> Batch:
+               options: Mapping[str, Any] | None = None, job_limits: Mapping[str, Any] | None = None) -> Batch:
     """Create the batch ``name`` (every job of it, in one transaction), or extend/resume the one of that name.
 
     What the call decides from (the batch as it was read, a free name) is checked again inside the write
@@ -585,7 +585,7 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
         try:
             return _open_batch(ws, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
                                retries=retries, max_backoff=max_backoff, check_model=check_model, epochs=epochs,
-                               job_limits=job_limits or {})
+                               options=options, job_limits=job_limits or {})
         except _Raced:
             continue
     raise UsageError(f"batch {name!r} was changed by other processes {_RACE_TRIES} times while this call "
@@ -594,7 +594,8 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
 
 def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
                 context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
-                check_model: Callable[[str], str], epochs: int | None, job_limits: Mapping[str, Any]) -> Batch:
+                check_model: Callable[[str], str], epochs: int | None,
+                options: Mapping[str, Any] | None = None, job_limits: Mapping[str, Any] | None = None) -> Batch:
     chosen = check_scorers(scorers)
     epochs = check_epochs(epochs)
     if isinstance(cases, str) and name is None:  # ws.batch("exp-1"): resume by name
@@ -622,7 +623,7 @@ def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str 
         if not runs:
             return Batch(ws, name, chosen)
     prepared = _prepared_jobs(ws, checked, runs, context=context, retries=retries, max_backoff=max_backoff,
-                              job_limits=job_limits)
+                              options=options, job_limits=job_limits or {})
     _write_batch(ws, name, existing, prepared, fingerprint=print_, stored_cases=stored_cases, variants=variants,
                  context=context, epochs=total)
     return Batch(ws, name, chosen)
@@ -710,21 +711,25 @@ _Prepared = tuple[int, Case, Variant, Any]
 
 def _prepared_jobs(ws: BatchHost, cases: list[Case], runs: list[tuple[int, Variant]], *,
                    context: Mapping[str, Any] | None, retries: int | None,
-                   max_backoff: float | None, job_limits: Mapping[str, Any]) -> list[_Prepared]:
+                   max_backoff: float | None, options: Mapping[str, Any] | None = None,
+                   job_limits: Mapping[str, Any] | None = None) -> list[_Prepared]:
     """Every job of cases × ``runs`` (epoch, variant) checked and prepared, before anything is stored: epoch by
-    epoch (a worker takes the oldest queued job first), each case × variant prepared once for all its epochs."""
+    epoch (a worker takes the oldest queued job first), each case × variant prepared once for all its epochs;
+    ``options``: more job options for each (the call cache's mode)."""
     once: dict[tuple[int, int], Any] = {}
     for case in cases:
         for _epoch, variant in runs:
             if (case.index, variant.index) in once:
                 continue
             try:
-                once[case.index, variant.index] = ws.submitter.prepare(
-                    case.instruction, piece=variant.piece, model=variant.model, inputs=case.inputs, workdir=None,
-                    context=context, retries=retries, max_backoff=max_backoff,
-                    cost_limit=job_limits.get("job_cost_limit"), token_limit=job_limits.get("job_token_limit"))
+                limits = job_limits or {}
+                prep = ws.submitter.prepare(case.instruction, piece=variant.piece, model=variant.model,
+                                            inputs=case.inputs, workdir=None, context=context, retries=retries,
+                                            max_backoff=max_backoff, cost_limit=limits.get("job_cost_limit"),
+                                            token_limit=limits.get("job_token_limit"))
             except UsageError as exc:  # say which case (the same check fails for every variant of it)
                 raise UsageError(f"case {case.index}: {exc}") from exc
+            once[case.index, variant.index] = replace(prep, options={**prep.options, **options}) if options else prep
     ordered = sorted(((e, c, v) for c in cases for e, v in runs), key=lambda t: (t[0], t[1].index, t[2].index))
     return [(e, c, v, once[c.index, v.index]) for e, c, v in ordered]
 

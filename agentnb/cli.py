@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .cache_cli import add_cache_commands, add_cache_option
 from .engine.context import context_items
 from .engine.pieces import PieceError, available_pieces
 from .errors import AgentnbError, UsageError
@@ -200,7 +201,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not instruction:
         raise _Usage("run: the instruction is missing")
     job = ws.submit(instruction, piece=args.piece, model=args.model, inputs=inputs, workdir=args.workdir,
-                    context=context, retries=args.retries, max_backoff=args.max_backoff,
+                    context=context, retries=args.retries, max_backoff=args.max_backoff, cache=args.cache,
                     cost_limit=args.cost_limit, token_limit=args.token_limit)
     if args.detach:
         print(job.id)
@@ -507,7 +508,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     batch = ws.batch(cases, piece=args.piece or ["plan-implement-verify"], model=args.model or ["demo"],
                      name=name, concurrency=args.concurrency, retries=args.retries, max_backoff=args.max_backoff,
                      cost_limit=args.cost_limit, job_cost_limit=args.job_cost_limit,
-                     job_token_limit=args.job_token_limit, run=False, epochs=args.epochs)
+                     job_token_limit=args.job_token_limit, run=False, epochs=args.epochs, cache=args.cache)
     if args.detach:  # workers (on this or other machines) run the queued jobs; the same command later scores
         queued = [j.id for j in batch.jobs if j.status == JobStatus.queued]
         print(f"batch {batch.name!r}: {len(batch.jobs)} job(s), {len(queued)} queued")
@@ -605,6 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     _follow_option(p)
     _context_option(p, "a context setting of the job")
     _retry_options(p)
+    add_cache_option(p)
     _limit_options(p, "")
     p.add_argument("instruction", nargs="*", help="the task")
 
@@ -690,10 +692,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true",
                    help="only create the batch and queue its jobs (workers run them); print its name")
     _retry_options(p)
+    add_cache_option(p)
     _limit_options(p, "job-")
     p.add_argument("--cost-limit", type=float, metavar="USD", help="pause the whole batch once it has spent this much")
 
     add("batches", cmd_batches, "list the batches: name, created, jobs and how many are in each status")
+    add_cache_commands(sub, _workspace, _Parser)
 
     p = sub.add_parser("otel", help="jobs as OpenTelemetry GenAI traces (otel export … --out FILE, otel send …)")
     otel_sub = p.add_subparsers(dest="otel_command", parser_class=_Parser, required=True)

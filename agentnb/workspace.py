@@ -21,6 +21,7 @@ from .batch import (
     open_batch,
     score_jobs,
 )
+from .engine.callcache import cache_option, check_cache_mode
 from .engine.jobfiles import file_listing, local_workdir, parse_files_limit, pull_files
 from .engine.pieces import Piece
 from .engine.runner import stored_piece
@@ -54,7 +55,7 @@ class Workspace:
                  retries: int | None = None, max_backoff: float | None = None, store: str | None = None,
                  lease: float | None = None, files_limit: int | str | None = None,
                  stream: bool | None = None, otel: str | bool | None = None,
-                 otel_content: bool | None = None) -> None:
+                 otel_content: bool | None = None, cache: bool | str | None = None) -> None:
         """Open (or create) the workspace folder ``path``.
 
         ``store`` (else the environment's ``AGENTNB_STORE``) keeps the jobs elsewhere than ``path/agentnb.sqlite``
@@ -78,7 +79,11 @@ class Workspace:
         ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``, False for none; None reads
         ``AGENTNB_OTEL`` (a URL, or 1).  ``otel_content=True`` (None: ``AGENTNB_OTEL_CONTENT``) adds the messages,
         tool arguments and results to those spans, scrubbed of secrets and cut (docs/otel.md#live-content).
+
+        ``cache``: the call cache's mode for the jobs this workspace submits and batches that set none themselves
+        (True, ``"across-epochs"``, False; docs/design-lab.md#call-cache).
         """
+        self.cache = check_cache_mode(cache)  # a bad mode: one line, before anything is opened
         self.model_settings = check_retry_settings(retries, max_backoff)
         if stream is not None:
             if not isinstance(stream, bool):
@@ -204,6 +209,7 @@ class Workspace:
         context: Mapping[str, Any] | None = None,
         retries: int | None = None,
         max_backoff: float | None = None,
+        cache: bool | str | None = None,
         cost_limit: float | None = None,
         token_limit: int | None = None,
     ) -> Job:
@@ -211,12 +217,16 @@ class Workspace:
 
         ``retries`` and ``max_backoff`` (seconds) set how an ``openai:`` model retries 429s, 5xx, timeouts
         and malformed answers for this job; unset, the workspace's settings and then the environment apply.
+        ``cache=True`` answers its LLM calls from the call cache when an identical request was made before
+        (``"across-epochs"``: from any epoch; None: the workspace's ``cache``; docs/design-lab.md#call-cache).
         ``cost_limit`` (US dollars) and ``token_limit`` abort the job once it and its subtasks have spent that
         much, after the call that reached it (docs/design-lab.md#budgets); they override the piece's.
         """
+        cached = cache_option(cache, self.cache)
         prepared = self.submitter.prepare(instruction, piece=piece, model=model, inputs=inputs, workdir=workdir,
                                  context=context, retries=retries, max_backoff=max_backoff, cost_limit=cost_limit,
                                  token_limit=token_limit)
+        prepared = replace(prepared, options={**prepared.options, **cached})
         return self.job(self.submitter.store_one(prepared))
 
     # -- running (agentnb/execution.py) ---------------------------------------------------------------------
@@ -375,6 +385,7 @@ class Workspace:
         run: bool = True,
         progress: bool = True,
         epochs: int | None = None,
+        cache: bool | str | None = None,
         cost_limit: float | None = None,
         job_cost_limit: float | None = None,
         job_token_limit: int | None = None,
@@ -390,6 +401,8 @@ class Workspace:
         yet are added as new variants (an omitted ``piece=``/``model=`` then means the batch's own).
         ``run=False`` only creates (or looks up) the batch.  ``epochs=k`` runs every case × variant k times
         (docs/design-lab.md#epochs; default 1, or the batch's own); more than the batch has adds the missing epochs.
+        ``cache=True`` (None: the workspace's ``cache``) puts the jobs it creates behind the call cache
+        (docs/design-lab.md#call-cache).
         ``cost_limit`` (US dollars, kept with the batch) pauses the whole batch when reached;
         ``job_cost_limit``/``job_token_limit`` abort each job at its own (docs/design-lab.md#budgets).
         """
@@ -397,6 +410,7 @@ class Workspace:
 
         check_concurrency(concurrency)
         check_epochs(epochs)
+        cached = cache_option(cache, self.cache)
         if isinstance(cases, str) and name is None and (job_cost_limit is not None or job_token_limit is not None):
             raise UsageError(f"job_cost_limit/job_token_limit are given to the jobs a call creates, and ws.batch({cases!r})"
                              " creates none; give the cases again with new pieces or models, or submit with cost_limit=")
@@ -404,7 +418,7 @@ class Workspace:
                                     batch_models(self.store, cases if isinstance(cases, str) else name, model))
         b = open_batch(self, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
                        retries=retries, max_backoff=max_backoff, check_model=self._checked_spec, epochs=epochs,
-                       job_limits=limits)
+                       options=cached, job_limits=limits)
         if "cost_limit" in limits:  # kept with the batch, so a later run (or a run=False batch's) keeps it
             batch_limit(self.store, b.name, float(limits["cost_limit"]))
         if run:

@@ -111,6 +111,8 @@ class ModelResponse:
     response_id: str | None = None
     finish_reason: str | None = None
     cached_tokens: int | None = None
+    # answered from the call cache (engine/callcache.py, docs/design-lab.md#call-cache): no model was asked
+    cached: bool = False
 
 
 @dataclass

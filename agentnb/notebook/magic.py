@@ -415,6 +415,7 @@ class AgentMagic(Magics):
     @argument("--context", "-c", action="append", metavar="KEY=VALUE",
               help="a context setting of the job (repeatable), as submit's context=: on_pressure=compact, "
                    "compact_keep_last=N, max_compactions=N, window_tokens=N, thresholds.prompt=0.8, min_tool_tokens=N")
+    @argument("--cache", nargs="?", const="on", metavar="MODE", help="answer calls from the call cache (on, across-epochs)")
     def cmd_run(self, args: Any, cell: str | None) -> Job:
         """Submit a job and run it until it ends or waits, showing its view as it runs."""
         # a line's words were filled one by one in agent(); a cell body is filled here, once
@@ -434,7 +435,7 @@ class AgentMagic(Magics):
             inputs[p.name] = p
         try:
             job = self.ws.submit(text.strip(), piece=args.piece or self.piece, model=args.model or self.model,
-                                 inputs=inputs, workdir=args.workdir, context=context)
+                                 inputs=inputs, workdir=args.workdir, context=context, cache=args.cache)
         except ValueError as exc:  # context= merged with the piece's thresholds (the rest are AgentnbErrors)
             raise UsageError(_one_line(exc)) from None
         self.last_job = job.id
@@ -716,6 +717,7 @@ class AgentMagic(Magics):
     @argument("--job-token-limit", type=int, metavar="N", help="abort each job (with its subtasks) at this many tokens")
     @argument("--baseline", metavar="VARIANT", help="after the run, the BatchComparison of every other variant "
               "against this one (a variant's number or label, or a piece or model only it has)")
+    @argument("--cache", nargs="?", const="on", metavar="MODE", help="answer calls from the call cache (on, across-epochs)")
     def cmd_batch(self, args: Any, cell: str | None) -> Batch | BatchComparison:
         """Run cases × variants (pieces × models) as jobs, N at once, score them; the Batch (its summary shows).
 
@@ -746,7 +748,8 @@ class AgentMagic(Magics):
         else:
             batch = self.ws.batch(cases, piece=self.piece if pieces is None else pieces,
                                   model=self.model if models is None else models, name=args.name,
-                                  scorers=scorers, concurrency=args.concurrency, run=False, **settings)
+                                  scorers=scorers, concurrency=args.concurrency, run=False, cache=args.cache,
+                                  **settings)
         if args.no_run:
             return batch
         # after Ctrl-C, the executor's one line says what paused and to resume with this magic

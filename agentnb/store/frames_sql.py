@@ -204,7 +204,8 @@ def _build(d: _Dialect) -> FrameSQL:
            tr.next_step AS transition, tr.forced,
            {d.jx('e', LLMResponse, 'latency_s')} AS latency_s,
            {d.jx('e', LLMResponse, 'ttft_s')} AS ttft_s,
-           {d.flag(d.jx('e', LLMResponse, 'replayed_from') + ' IS NOT NULL')} AS replayed
+           {d.flag(d.jx('e', LLMResponse, 'replayed_from') + ' IS NOT NULL')} AS replayed,
+           {d.flag(d.jx('e', LLMResponse, 'cached') + ' IS NOT NULL')} AS cached
     FROM events e
     LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq
     LEFT JOIN ca ON ca.job_id = e.job_id AND ca.movement_seq = e.movement_seq AND ca.iteration = e.iteration

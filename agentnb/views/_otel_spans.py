@@ -349,7 +349,8 @@ class _JobMapper:
                      "gen_ai.response.time_to_first_chunk": response.ttft_s,
                      "gen_ai.response.model": response.response_model, "gen_ai.response.id": response.response_id,
                      "gen_ai.usage.cache_read.input_tokens": response.cached_tokens,
-                     "agentnb.context.ratio": u.ratio, "agentnb.replayed_from": response.replayed_from}
+                     "agentnb.context.ratio": u.ratio, "agentnb.replayed_from": response.replayed_from,
+                     "agentnb.cached": response.cached}
             a.update({k: v for k, v in known.items() if v is not None})  # "when known" (docs/otel.md#mapping)
         c = self.content
         if c is not None:
