@@ -3,8 +3,9 @@
 The limit counts every LLM call of the batch's jobs and of their subtasks, from the batch's first run on (a resumed
 batch starts from what it had spent).  While the batch runs, :class:`BatchBudget` adds the price of each call as it
 commits (a ``live`` subscription to ``llm_response`` events, so no store read per call): once the total reaches the
-limit, the job whose call reached it is asked to pause after that call (its tools run), no further job starts, and
-the executor asks every running job to pause after its current call (``ws.stop``) and says so.  Nothing is aborted:
+limit, every running job of the batch is asked at once to pause after its current call (the one whose call reached it:
+after that call, its tools run), no further job starts, and the executor asks the running jobs and their subtasks again on
+each tick (``ws.stop``) and says so.  Nothing is aborted:
 ``ws.batch(name, cost_limit=HIGHER)`` resumes the paused and unstarted jobs.  The limit is kept with the batch
 (its ``options``), so ``ws.batch(name)`` alone resumes under the same limit, which stops it again at once.  A reply
 without tool calls is committed with its job's next request, so it is counted (and the job paused) one call later.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from . import live
@@ -110,6 +111,7 @@ class BatchBudget:
         self.unknown: set[int] = set()  # calls of jobs not yet known (subtasks): priced by :meth:`tick`
         self._lock = threading.Lock()
         self._specs: dict[int, str | None] = dict(self.roots)  # job → its model, None: not of this batch
+        self.running: Collection[int] = ()  # the batch's jobs running now (the executor's own set)
         if total is None or total >= limit:
             self.reached.set()
         self._sub = live.subscribe(store, None, self._on_event, kinds=("llm_response",))
@@ -133,8 +135,9 @@ class BatchBudget:
             crossed = not self.reached.is_set() and (self.total is None or self.total >= self.limit)
             if crossed:
                 self.reached.set()
-        if crossed:
-            self.pause(job_id)  # the job whose call reached the limit: paused right after it (its tools run)
+        if crossed:  # at once, not at the executor's next tick: a job's next call may be a few ms away
+            for running in {job_id, *list(self.running)}:  # the one whose call reached it pauses after it (its
+                self.pause(running)                          # tools run), the others after their current call
 
     def tick(self) -> None:
         """From the executor's thread: price the calls of subtasks first seen since the last tick (a store read)."""

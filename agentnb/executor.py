@@ -129,6 +129,8 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
     active: set[int] = set()
     errors: list[BaseException] = []
     tally = _Tally(ws.store) if progress else None
+    if budget is not None:
+        budget.running = active  # read (copied) by its live callback to pause every running job at once
 
     def one(job_id: int) -> None:
         with lock:
