@@ -1,15 +1,15 @@
 """Jobs as OpenTelemetry GenAI traces: a file of OTLP JSON Lines, or OTLP/HTTP to a collector (docs/otel.md).
 
 The mapping (which span, event and attribute each part of a job becomes) is :mod:`agentnb.views._otel_spans`;
-this module turns its records into the SDK's ``ReadableSpan`` objects with their derived ids and recorded
-times, and lets the OpenTelemetry packages do the protocol: the exporter package's ``encode_spans`` makes the
-``ExportTraceServiceRequest``, whose spans are written as a ``TracesData`` per line (the file exporter's
-format), or its ``OTLPSpanExporter`` posts them.  The packages are the ``agentnb[otel]`` extra; without it an
-export stops with one line saying what to install.
+:mod:`agentnb.views._otel_encode` builds the OTLP messages from its records with the OpenTelemetry packages'
+message classes: ``opentelemetry-proto``'s protobuf messages, which the OTLP/HTTP exporter's client posts, and
+``opentelemetry-proto-json``'s, whose encoding is OTLP's JSON (one ``TracesData`` per line: the file exporter's
+format).  The packages are the ``agentnb[otel]`` extra; without it an export stops with one line saying what to
+install.
 
 OTLP's JSON differs from protobuf's own JSON mapping in two ways (the OTLP specification, "JSON Protobuf
 Encoding"): trace and span ids are hex strings, not base64, and enums are integers.  :func:`traces_json`
-writes it so and :func:`read_traces` reads it back into ``TracesData``.
+writes it so and :func:`read_traces` reads it back into protobuf ``TracesData`` with ``json_format``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import AgentnbError, UsageError
 from ..store.base import Store
 from ..store.records import JobRecord
+from ._otel_encode import json_family, post, proto_family, resource_spans
 from ._otel_spans import DEFAULT_MAX_CHARS, TraceRecord, store_identity, trace_of
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class CollectorError(AgentnbError, RuntimeError):
 
 def _require() -> None:
     for module in ("opentelemetry.sdk.trace", "opentelemetry.proto.trace.v1.trace_pb2",
-                   "opentelemetry.exporter.otlp.proto.common.trace_encoder"):
+                   "opentelemetry.proto_json.trace.v1.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter"):
         try:
             found = importlib.util.find_spec(module) is not None
         except ImportError:  # a parent package missing
@@ -82,7 +83,9 @@ def _ns(seconds: float) -> int:
 
 
 def sdk_spans(trace: TraceRecord) -> list[ReadableSpan]:
-    """The trace's spans as the SDK's ``ReadableSpan``s: ids, parents, times and statuses as recorded."""
+    """The trace's spans as the SDK's ``ReadableSpan``s: ids, parents, times and statuses as recorded.  (The
+    exports build OTLP's messages directly, :mod:`agentnb.views._otel_encode`; this is for code that wants the
+    SDK's spans, e.g. to hand them to another exporter.)"""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import Event, ReadableSpan
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -110,18 +113,16 @@ def sdk_spans(trace: TraceRecord) -> list[ReadableSpan]:
 
 
 def traces_data(trace: TraceRecord) -> TracesData:
-    """One trace as an OTLP ``TracesData`` message (encoded by the exporter package)."""
-    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    """One trace as an OTLP ``TracesData`` protobuf message (the one the exporter's ``encode_spans`` gives)."""
     from opentelemetry.proto.trace.v1.trace_pb2 import TracesData
 
-    request = encode_spans(sdk_spans(trace))
-    return TracesData(resource_spans=request.resource_spans)
+    return TracesData(resource_spans=resource_spans(proto_family(), [trace]))
 
 
 def _spans_json(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """The spans of a ``TracesData`` in protobuf's JSON (dicts), and their links: the objects holding ids."""
-    for resource_spans in data.get("resourceSpans", ()):
-        for scope_spans in resource_spans.get("scopeSpans", ()):
+    for rs in data.get("resourceSpans", ()):
+        for scope_spans in rs.get("scopeSpans", ()):
             for span in scope_spans.get("spans", ()):
                 yield span
                 yield from span.get("links", ())
@@ -135,20 +136,17 @@ def _recode_ids(data: dict[str, Any], recode: Callable[[str], str]) -> None:
                 holder[key] = recode(holder[key])
 
 
-def _to_hex(text: str) -> str:
-    return base64.b64decode(text).hex()
-
-
 def _to_base64(text: str) -> str:
     return base64.b64encode(bytes.fromhex(text)).decode("ascii")
 
 
 def traces_json(trace: TraceRecord) -> str:
-    """One line of OTLP JSON: the trace's ``TracesData``, ids in hex and enums as integers."""
-    from google.protobuf import json_format
+    """One line of OTLP JSON: the trace's ``TracesData``, ids in hex and enums as integers (by
+    ``opentelemetry-proto-json``, whose messages encode OTLP's JSON; protobuf's ``json_format`` was 3× slower)."""
+    from opentelemetry.proto_json.trace.v1.trace import TracesData
 
-    data = json_format.MessageToDict(traces_data(trace), use_integers_for_enums=True)
-    _recode_ids(data, _to_hex)
+    # its classes are dataclasses through a functools.partial, which mypy does not see
+    data = TracesData(resource_spans=resource_spans(json_family(), [trace])).to_dict()  # type: ignore[call-arg]
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -196,7 +194,6 @@ def send_otel(store: Store, jobs: Sequence[int], endpoint: str | None = None, *,
     ``OTEL_EXPORTER_OTLP_ENDPOINT``), headers from ``OTEL_EXPORTER_OTLP_HEADERS``; return the spans sent."""
     _require()
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.trace.export import SpanExportResult
 
     if not jobs:
         raise UsageError("nothing to send: name at least one job (or a batch with jobs)")
@@ -215,11 +212,10 @@ def send_otel(store: Store, jobs: Sequence[int], endpoint: str | None = None, *,
     quiet.setLevel(logging.CRITICAL)
     try:
         for trace in traces(store, jobs, content=content, max_chars=max_chars):
-            spans = sdk_spans(trace)
-            if exporter.export(spans) is not SpanExportResult.SUCCESS:
+            if not post(exporter, [trace]):
                 raise CollectorError(f"the collector at {url} did not take the spans (unreachable, or it refused "
-                                 f"them); {sent} spans were sent before")
-            sent += len(spans)
+                                     f"them); {sent} spans were sent before")
+            sent += len(trace.spans)
     finally:
         exporter.shutdown()
         quiet.setLevel(level)

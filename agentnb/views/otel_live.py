@@ -27,8 +27,9 @@ from .. import live
 from ..errors import UsageError
 from ..events import JobStatusEvent, Transition
 from ..store.base import TERMINAL_STATES, Store
+from ._otel_encode import post
 from ._otel_spans import TraceRecord, job_trace, store_identity
-from .otel import INSTALL_HINT, sdk_spans
+from .otel import INSTALL_HINT
 
 __all__ = ["LiveExport", "dropped_spans", "live_endpoint"]
 
@@ -151,10 +152,8 @@ class LiveExport:
                 return
 
     def _export(self, notes: list[tuple[str, int, int | None]]) -> None:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
         per_job: list[tuple[int, int]] = []
-        spans: list[Any] = []
+        traces: list[TraceRecord] = []
         # a job is read and mapped once per request, however many of its runs (and its end) the notes name
         by_job: dict[int, list[tuple[str, int | None]]] = {}
         for what, job_id, seq in notes:
@@ -166,19 +165,19 @@ class LiveExport:
                 _log.debug("agentnb: could not map job %s for live export", job_id, exc_info=True)
                 continue
             if trace.spans:
-                spans += sdk_spans(trace)
+                traces.append(trace)
                 per_job.append((job_id, len(trace.spans)))
-        if not spans:
+        if not traces:
             return
         if time.monotonic() < self._paused_until:
             self._drop_all(per_job, None)
             return
         try:
-            ok = self._exporter.export(spans) is SpanExportResult.SUCCESS
-        except Exception:  # the exporter returns FAILURE for what it knows; anything else is a failure too
+            ok = post(self._exporter, traces)
+        except Exception:  # the exporter's client says what it knows; anything else is a failure too
             ok = False
         if ok:
-            self.sent += len(spans)
+            self.sent += sum(n for _, n in per_job)
         else:
             self.failures += 1
             self._paused_until = time.monotonic() + PAUSE_AFTER_FAILURE
