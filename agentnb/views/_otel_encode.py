@@ -1,30 +1,27 @@
 """Span records as OTLP messages, built directly (docs/otel.md): no SDK spans in between.
 
 :mod:`agentnb.views._otel_spans` maps a job to plain :class:`SpanRecord`s; this module turns them into the
-messages of the OTLP trace protocol with the OpenTelemetry packages' own message classes, in one of two
-families that share OTLP's field names:
+messages of the OTLP trace protocol with the OpenTelemetry packages' own message classes:
 
-- ``opentelemetry-proto``'s protobuf messages (:data:`PROTO`): serialised to bytes for OTLP/HTTP, or to JSON by
-  protobuf's ``json_format`` (tests read files back that way);
-- ``opentelemetry-proto-json``'s generated classes (:data:`JSON`), whose ``to_dict`` is OTLP's JSON encoding
-  itself (hex ids, enums as integers, 64-bit integers as strings): the file export's lines.
+- :func:`request`: ``opentelemetry-proto``'s protobuf ``ExportTraceServiceRequest``, serialised for OTLP/HTTP
+  (:func:`post`, with the OTLP exporter's HTTP client) or read as a ``TracesData``;
+- :func:`traces_data_json`: ``opentelemetry-proto-json``'s ``TracesData``, whose ``to_dict`` is OTLP's JSON
+  encoding itself (hex ids, enums as integers, 64-bit integers as strings): the file export's lines.
 
-Both are filled exactly as the exporter package's ``encode_spans`` fills them from the SDK's spans (the same
-flags, statuses and attribute values), so a file, a ``send`` and a live export carry the same spans; building
-them directly skips two conversions per span (record → ``ReadableSpan`` → message), which were most of an
-export's time (benchmarks/README.md).
+Both are filled as the exporter package's ``encode_spans`` fills them from the SDK's ``ReadableSpan``s (the same
+flags, statuses and attribute values; tests/test_otel.py compares them), so a file, a ``send`` and a live export
+carry the same spans.  Building them directly skips two conversions per span (record → ``ReadableSpan`` →
+message) and protobuf's pure-Python JSON printer, which were most of an export's time (benchmarks/README.md).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ._otel_spans import AttrValue, SpanRecord, TraceRecord
 
-__all__ = ["Family", "json_family", "post", "proto_family", "resource_spans"]
+__all__ = ["post", "request", "traces_data_json"]
 
 SCOPE = "agentnb"
 # SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK: the parent is known not to be remote (the exporter's encoder sets the
@@ -34,61 +31,92 @@ _INTERNAL, _CLIENT = 1, 3  # Span.SpanKind
 _ERROR = 2  # Status.StatusCode
 
 
-@dataclass(frozen=True, slots=True)
-class Family:
-    """The message classes of one family (protobuf or proto-json): same names, same fields."""
-
-    AnyValue: Any
-    ArrayValue: Any
-    KeyValue: Any
-    Resource: Any
-    InstrumentationScope: Any
-    ResourceSpans: Any
-    ScopeSpans: Any
-    Span: Any
-    Status: Any
+def _kind(s: SpanRecord) -> int:
+    return _CLIENT if s.kind == "client" else _INTERNAL
 
 
-@functools.cache
-def proto_family() -> Family:
-    from opentelemetry.proto.common.v1 import common_pb2 as c
-    from opentelemetry.proto.resource.v1 import resource_pb2 as r
-    from opentelemetry.proto.trace.v1 import trace_pb2 as t
-
-    return Family(c.AnyValue, c.ArrayValue, c.KeyValue, r.Resource, c.InstrumentationScope, t.ResourceSpans,
-                  t.ScopeSpans, t.Span, t.Status)
+def _ns(seconds: float) -> int:
+    return round(seconds * 1_000_000_000)
 
 
-@functools.cache
-def json_family() -> Family:
-    from opentelemetry.proto_json.common.v1 import common as c
-    from opentelemetry.proto_json.resource.v1 import resource as r
-    from opentelemetry.proto_json.trace.v1 import trace as t
-
-    return Family(c.AnyValue, c.ArrayValue, c.KeyValue, r.Resource, c.InstrumentationScope, t.ResourceSpans,
-                  t.ScopeSpans, t.Span, t.Status)
+def _with_error(s: SpanRecord) -> Mapping[str, AttrValue]:
+    return s.attributes if s.error is None else {**s.attributes, "error.type": s.error}
 
 
-class _Builder:
-    def __init__(self, f: Family) -> None:
-        self.f = f
+# -- protobuf: filled in place (a message passed to a constructor is copied: 3x slower) -------------------------
+
+def _set_value(target: Any, v: AttrValue) -> None:
+    # the order of the exporter's _encode_value: a bool is an int, a str is a sequence
+    if isinstance(v, bool):
+        target.bool_value = v
+    elif isinstance(v, str):
+        target.string_value = v
+    elif isinstance(v, int):
+        target.int_value = v
+    elif isinstance(v, float):
+        target.double_value = v
+    else:
+        values = target.array_value.values
+        for x in v:
+            _set_value(values.add(), x)
+
+
+def _set_attributes(target: Any, attributes: Mapping[str, AttrValue]) -> None:
+    for k, v in attributes.items():
+        _set_value(target.add(key=k).value, v)
+
+
+def request(traces: Iterable[TraceRecord]) -> Any:
+    """An ``ExportTraceServiceRequest`` (opentelemetry-proto) of ``traces``: one ``ResourceSpans`` each."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    out = ExportTraceServiceRequest()
+    for trace in traces:
+        rs = out.resource_spans.add()
+        _set_attributes(rs.resource.attributes, trace.resource)
+        ss = rs.scope_spans.add()
+        ss.scope.name = SCOPE
+        spans = ss.spans
+        trace_id = trace.trace_id.to_bytes(16, "big")
+        for s in trace.spans:
+            span = spans.add(trace_id=trace_id, span_id=s.span_id.to_bytes(8, "big"), flags=_FLAGS, name=s.name,
+                             kind=_kind(s), start_time_unix_nano=_ns(s.start), end_time_unix_nano=_ns(s.end))
+            if s.parent_id is not None:
+                span.parent_span_id = s.parent_id.to_bytes(8, "big")
+            _set_attributes(span.attributes, _with_error(s))
+            for e in s.events:
+                _set_attributes(span.events.add(name=e.name, time_unix_nano=_ns(e.ts)).attributes, e.attributes)
+            span.status.SetInParent()  # the exporter's encoder always sets it: UNSET is an empty status
+            if s.error is not None:
+                span.status.code = _ERROR
+                span.status.message = s.error_message or s.error
+    return out
+
+
+# -- proto-json: its generated dataclasses, whose to_dict is OTLP's JSON -------------------------------------------
+
+class _JsonBuilder:
+    def __init__(self) -> None:
+        from opentelemetry.proto_json.common.v1 import common
+        from opentelemetry.proto_json.trace.v1 import trace
+
+        self.AnyValue, self.ArrayValue, self.KeyValue = common.AnyValue, common.ArrayValue, common.KeyValue
+        self.Span, self.Event, self.Status = trace.Span, trace.Span.Event, trace.Status
         # the (key, value) pairs that recur on every span of a kind (operation, model, job, tool names) are built
-        # once per export; a message shared between spans is only read, never changed
+        # once per trace; a message shared between spans is only read, never changed
         self.pairs: dict[tuple[str, type, Any], Any] = {}
-        self.unset = f.Status()
+        self.unset = self.Status()
 
     def value(self, v: AttrValue) -> Any:
-        f = self.f
-        # the order of the exporter's _encode_value: bool is an int, a str is a sequence
         if isinstance(v, bool):
-            return f.AnyValue(bool_value=v)
+            return self.AnyValue(bool_value=v)
         if isinstance(v, str):
-            return f.AnyValue(string_value=v)
+            return self.AnyValue(string_value=v)
         if isinstance(v, int):
-            return f.AnyValue(int_value=v)
+            return self.AnyValue(int_value=v)
         if isinstance(v, float):
-            return f.AnyValue(double_value=v)
-        return f.AnyValue(array_value=f.ArrayValue(values=[self.value(x) for x in v]))
+            return self.AnyValue(double_value=v)
+        return self.AnyValue(array_value=self.ArrayValue(values=[self.value(x) for x in v]))
 
     def attributes(self, attributes: Mapping[str, AttrValue]) -> list[Any]:
         out = []
@@ -97,44 +125,36 @@ class _Builder:
             key = (k, type(v), v if isinstance(v, (str, int, float)) else tuple(v))
             kv = pairs.get(key)
             if kv is None:
-                kv = pairs[key] = self.f.KeyValue(key=k, value=self.value(v))
+                kv = pairs[key] = self.KeyValue(key=k, value=self.value(v))
             out.append(kv)
         return out
 
     def span(self, trace_id: bytes, s: SpanRecord) -> Any:
-        f = self.f
-        attributes = s.attributes
         status = self.unset
         if s.error is not None:
-            attributes = {**attributes, "error.type": s.error}
-            status = f.Status(code=_ERROR, message=s.error_message or s.error)
-        return f.Span(
+            status = self.Status(code=_ERROR, message=s.error_message or s.error)
+        return self.Span(
             trace_id=trace_id, span_id=s.span_id.to_bytes(8, "big"),
             parent_span_id=s.parent_id.to_bytes(8, "big") if s.parent_id is not None else None,
-            flags=_FLAGS, name=s.name, kind=_CLIENT if s.kind == "client" else _INTERNAL,
-            start_time_unix_nano=_ns(s.start), end_time_unix_nano=_ns(s.end),
-            attributes=self.attributes(attributes),
-            events=[f.Span.Event(name=e.name, time_unix_nano=_ns(e.ts), attributes=self.attributes(e.attributes))
+            flags=_FLAGS, name=s.name, kind=_kind(s), start_time_unix_nano=_ns(s.start),
+            end_time_unix_nano=_ns(s.end), attributes=self.attributes(_with_error(s)),
+            events=[self.Event(name=e.name, time_unix_nano=_ns(e.ts), attributes=self.attributes(e.attributes))
                     for e in s.events] or None,
             status=status)
 
 
-def _ns(seconds: float) -> int:
-    return round(seconds * 1_000_000_000)
+def traces_data_json(trace: TraceRecord) -> Any:
+    """The trace as an opentelemetry-proto-json ``TracesData``: its ``to_dict()`` is a line of OTLP JSON."""
+    from opentelemetry.proto_json.common.v1.common import InstrumentationScope
+    from opentelemetry.proto_json.resource.v1.resource import Resource
+    from opentelemetry.proto_json.trace.v1.trace import ResourceSpans, ScopeSpans, TracesData
 
-
-def resource_spans(family: Family, traces: Iterable[TraceRecord]) -> list[Any]:
-    """One ``ResourceSpans`` per trace (its resource, the ``agentnb`` scope, its spans), in ``family``'s classes."""
-    b = _Builder(family)
-    f = family
-    out = []
-    for trace in traces:
-        trace_id = trace.trace_id.to_bytes(16, "big")
-        out.append(f.ResourceSpans(
-            resource=f.Resource(attributes=b.attributes(trace.resource)),
-            scope_spans=[f.ScopeSpans(scope=f.InstrumentationScope(name=SCOPE),
-                                      spans=[b.span(trace_id, s) for s in trace.spans])]))
-    return out
+    b = _JsonBuilder()
+    trace_id = trace.trace_id.to_bytes(16, "big")
+    return TracesData(resource_spans=[ResourceSpans(
+        resource=Resource(attributes=b.attributes(trace.resource)),
+        scope_spans=[ScopeSpans(scope=InstrumentationScope(name=SCOPE),
+                                spans=[b.span(trace_id, s) for s in trace.spans])])])
 
 
 def post(exporter: Any, traces: Sequence[TraceRecord]) -> bool:
@@ -145,7 +165,4 @@ def post(exporter: Any, traces: Sequence[TraceRecord]) -> bool:
     ``OTEL_EXPORTER_OTLP_*`` headers, compression and TLS it was configured with, its retries) posts the
     ``ExportTraceServiceRequest`` built here.  That client is the exporter's ``_client`` attribute
     (opentelemetry-exporter-otlp-proto-http 1.45, the version the extra asks for)."""
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    data = ExportTraceServiceRequest(resource_spans=resource_spans(proto_family(), traces)).SerializeToString()
-    return bool(exporter._client.export(data).success)
+    return bool(exporter._client.export(request(traces).SerializeToString()).success)

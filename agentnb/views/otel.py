@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import AgentnbError, UsageError
 from ..store.base import Store
 from ..store.records import JobRecord
-from ._otel_encode import json_family, post, proto_family, resource_spans
+from ._otel_encode import post, request, traces_data_json
 from ._otel_spans import DEFAULT_MAX_CHARS, TraceRecord, store_identity, trace_of
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def traces_data(trace: TraceRecord) -> TracesData:
     """One trace as an OTLP ``TracesData`` protobuf message (the one the exporter's ``encode_spans`` gives)."""
     from opentelemetry.proto.trace.v1.trace_pb2 import TracesData
 
-    return TracesData(resource_spans=resource_spans(proto_family(), [trace]))
+    return TracesData(resource_spans=request([trace]).resource_spans)
 
 
 def _spans_json(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -143,11 +143,7 @@ def _to_base64(text: str) -> str:
 def traces_json(trace: TraceRecord) -> str:
     """One line of OTLP JSON: the trace's ``TracesData``, ids in hex and enums as integers (by
     ``opentelemetry-proto-json``, whose messages encode OTLP's JSON; protobuf's ``json_format`` was 3× slower)."""
-    from opentelemetry.proto_json.trace.v1.trace import TracesData
-
-    # its classes are dataclasses through a functools.partial, which mypy does not see
-    data = TracesData(resource_spans=resource_spans(json_family(), [trace])).to_dict()  # type: ignore[call-arg]
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(traces_data_json(trace).to_dict(), ensure_ascii=False, separators=(",", ":"))
 
 
 def read_traces(path: str | os.PathLike[str]) -> list[TracesData]:

@@ -37,6 +37,7 @@ _log = logging.getLogger("agentnb.otel")
 _EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
 QUEUE_SIZE = 10_000   # notes (a run or a job ended), not spans: a few bytes each
 BATCH = 64            # notes read from the queue per request at most
+LINGER = 0.5          # seconds the exporter gathers notes after the first before it maps and sends them
 PAUSE_AFTER_FAILURE = 10.0  # seconds the spans are dropped untried after a failed request
 
 # (channel, job id) → spans of that job not exported, for the job view of any workspace on that store
@@ -139,9 +140,13 @@ class LiveExport:
         while True:
             first = self._queue.get()
             notes = [first]
+            # linger a moment: a run's note and its job's end note come moments apart, and the runs of a batch end
+            # together, so each job is read and mapped once and several go in one request; the job's own thread
+            # has usually finished by then, so the mapping does not take the GIL from it (benchmarks/README.md)
+            deadline = time.monotonic() + LINGER
             while first is not None and len(notes) < BATCH:
                 try:
-                    notes.append(self._queue.get_nowait())
+                    notes.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
                     break
                 if notes[-1] is None:
