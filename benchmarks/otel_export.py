@@ -34,8 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import batch_throughput  # noqa: E402
-import overhead  # noqa: E402
+import batch_throughput
+import overhead
 
 __all__ = ["main"]
 
