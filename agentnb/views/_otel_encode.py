@@ -46,8 +46,17 @@ def _with_error(s: SpanRecord) -> Mapping[str, AttrValue]:
 # -- protobuf: filled in place (a message passed to a constructor is copied: 3x slower) -------------------------
 
 def _set_value(target: Any, v: AttrValue) -> None:
-    # the order of the exporter's _encode_value: a bool is an int, a str is a sequence
-    if isinstance(v, bool):
+    # the exporter's _encode_value, by exact type first (the common case, and cheaper than isinstance chains)
+    kind = type(v)
+    if kind is str:
+        target.string_value = v
+    elif kind is int:
+        target.int_value = v
+    elif kind is bool:
+        target.bool_value = v
+    elif kind is float:
+        target.double_value = v
+    elif isinstance(v, bool):  # subclasses, in the exporter's order: a bool is an int, a str is a sequence
         target.bool_value = v
     elif isinstance(v, str):
         target.string_value = v
@@ -62,8 +71,9 @@ def _set_value(target: Any, v: AttrValue) -> None:
 
 
 def _set_attributes(target: Any, attributes: Mapping[str, AttrValue]) -> None:
+    add = target.add
     for k, v in attributes.items():
-        _set_value(target.add(key=k).value, v)
+        _set_value(add(key=k).value, v)
 
 
 def request(traces: Iterable[TraceRecord]) -> Any:
