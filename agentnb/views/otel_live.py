@@ -193,9 +193,12 @@ class LiveExport:
         """The spans of job ``job_id`` that the notes ``ended`` name: each ended run's (``("run", seq)``) with its
         calls and tools; at the job's end (``("job", None)``) its own span and the runs that ended without a
         transition (none of their notes came), with theirs."""
+        seqs = {seq for what, seq in ended if what == "run"}
+        if all(what == "run" for what, _ in ended):  # only runs ended: their own events are all it takes
+            return job_trace(self.store, self.store.job(job_id), identity=self._identity,
+                             runs={s for s in seqs if s is not None})
         trace = job_trace(self.store, self.store.job(job_id), identity=self._identity)
         runs = {s.span_id: s for s in trace.spans if s.attributes.get("gen_ai.operation.name") == "invoke_agent"}
-        seqs = {seq for what, seq in ended if what == "run"}
         chosen = {i for i, s in runs.items() if s.attributes.get("agentnb.movement_seq") in seqs}
         keep: set[int] = set()
         if any(what == "job" for what, _ in ended):
