@@ -17,11 +17,14 @@ message) and protobuf's pure-Python JSON printer, which were most of an export's
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._otel_spans import AttrValue, SpanRecord, TraceRecord
 
-__all__ = ["post", "request", "traces_data_json"]
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan
+
+__all__ = ["post", "request", "sdk_spans", "traces_data_json"]
 
 SCOPE = "agentnb"
 # SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK: the parent is known not to be remote (the exporter's encoder sets the
@@ -172,7 +175,40 @@ def post(exporter: Any, traces: Sequence[TraceRecord]) -> bool:
     the collector took them.
 
     The exporter's ``export`` takes only SDK spans, which it encodes again; its HTTP client (the endpoint, the
-    ``OTEL_EXPORTER_OTLP_*`` headers, compression and TLS it was configured with, its retries) posts the
-    ``ExportTraceServiceRequest`` built here.  That client is the exporter's ``_client`` attribute
-    (opentelemetry-exporter-otlp-proto-http 1.45, the version the extra asks for)."""
-    return bool(exporter._client.export(request(traces).SerializeToString()).success)
+    ``OTEL_EXPORTER_OTLP_*`` headers, compression and TLS it was configured with, its retries) posts the request
+    built here.  That client is the exporter's ``_client`` (opentelemetry-exporter-otlp-proto-http 1.45); an
+    exporter without one is given the SDK's spans, the same request encoded its own way."""
+    client = getattr(exporter, "_client", None)
+    if client is None or not callable(getattr(client, "export", None)):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        return bool(exporter.export([s for t in traces for s in sdk_spans(t)]) is SpanExportResult.SUCCESS)
+    return bool(client.export(request(traces).SerializeToString()).success)
+
+
+def sdk_spans(trace: TraceRecord) -> list[ReadableSpan]:
+    """The trace's spans as the SDK's ``ReadableSpan``s: ids, parents, times and statuses as recorded (for an
+    exporter without the client :func:`post` uses, for code that hands them to another exporter, and for the test
+    that compares :func:`request` with the exporter's own ``encode_spans`` of them)."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+    resource = Resource(dict(trace.resource))
+    scope = InstrumentationScope(SCOPE)
+    flags = TraceFlags(TraceFlags.SAMPLED)
+    out: list[ReadableSpan] = []
+    for s in trace.spans:
+        parent = (SpanContext(trace.trace_id, s.parent_id, is_remote=False, trace_flags=flags)
+                  if s.parent_id is not None else None)
+        status = Status(StatusCode.UNSET)
+        if s.error is not None:
+            status = Status(StatusCode.ERROR, s.error_message or s.error)
+        out.append(ReadableSpan(
+            name=s.name, context=SpanContext(trace.trace_id, s.span_id, is_remote=False, trace_flags=flags),
+            parent=parent, resource=resource, attributes=dict(_with_error(s)),
+            events=[Event(e.name, dict(e.attributes), _ns(e.ts)) for e in s.events],
+            kind=SpanKind.CLIENT if s.kind == "client" else SpanKind.INTERNAL, status=status,
+            start_time=_ns(s.start), end_time=_ns(s.end), instrumentation_scope=scope))
+    return out

@@ -26,15 +26,14 @@ from typing import TYPE_CHECKING, Any
 from ..errors import AgentnbError, UsageError
 from ..store.base import Store
 from ..store.records import JobRecord
-from ._otel_encode import post, request, traces_data_json
+from ._otel_encode import post, request, sdk_spans, traces_data_json
 from ._otel_spans import DEFAULT_MAX_CHARS, TraceRecord, store_identity, trace_of
 
 if TYPE_CHECKING:
     from opentelemetry.proto.trace.v1.trace_pb2 import TracesData
-    from opentelemetry.sdk.trace import ReadableSpan
 
-__all__ = ["DEFAULT_MAX_CHARS", "INSTALL_HINT", "CollectorError", "export_otel", "read_traces", "root_jobs", "send_otel", "traces",
-           "traces_json"]
+__all__ = ["DEFAULT_MAX_CHARS", "INSTALL_HINT", "CollectorError", "export_otel", "read_traces", "root_jobs", "sdk_spans",
+           "send_otel", "traces", "traces_data", "traces_json"]
 
 INSTALL_HINT = "OpenTelemetry export needs the otel extra: pip install 'agentnb[otel]'"
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
@@ -76,40 +75,6 @@ def traces(store: Store, jobs: Iterable[int], *, content: bool = False,
     identity = store_identity(store)
     for root in root_jobs(store, jobs):
         yield trace_of(store, root, content=content, max_chars=max_chars, identity=identity)
-
-
-def _ns(seconds: float) -> int:
-    return round(seconds * 1_000_000_000)
-
-
-def sdk_spans(trace: TraceRecord) -> list[ReadableSpan]:
-    """The trace's spans as the SDK's ``ReadableSpan``s: ids, parents, times and statuses as recorded.  (The
-    exports build OTLP's messages directly, :mod:`agentnb.views._otel_encode`; this is for code that wants the
-    SDK's spans, e.g. to hand them to another exporter.)"""
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import Event, ReadableSpan
-    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-    from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
-
-    resource = Resource(dict(trace.resource))
-    scope = InstrumentationScope("agentnb")
-    flags = TraceFlags(TraceFlags.SAMPLED)
-    out: list[ReadableSpan] = []
-    for s in trace.spans:
-        parent = (SpanContext(trace.trace_id, s.parent_id, is_remote=False, trace_flags=flags)
-                  if s.parent_id is not None else None)
-        attributes = dict(s.attributes)
-        status = Status(StatusCode.UNSET)
-        if s.error is not None:
-            attributes["error.type"] = s.error
-            status = Status(StatusCode.ERROR, s.error_message or s.error)
-        out.append(ReadableSpan(
-            name=s.name, context=SpanContext(trace.trace_id, s.span_id, is_remote=False, trace_flags=flags),
-            parent=parent, resource=resource, attributes=attributes,
-            events=[Event(e.name, dict(e.attributes), _ns(e.ts)) for e in s.events],
-            kind=SpanKind.CLIENT if s.kind == "client" else SpanKind.INTERNAL, status=status,
-            start_time=_ns(s.start), end_time=_ns(s.end), instrumentation_scope=scope))
-    return out
 
 
 def traces_data(trace: TraceRecord) -> TracesData:
