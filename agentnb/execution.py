@@ -217,7 +217,7 @@ class Execution:
         opts = row.options
         mine = {"retries": opts.retries, "max_backoff": opts.max_backoff}
         settings = {**self.model_settings, **{k: v for k, v in mine.items() if v is not None}}
-        model = resolve_model(row.model, store=self.store, **settings)
+        model = resolve_model(row.model, store=self.store, epoch=reads.epoch_of(self.store, row), **settings)
         runner = JobRunner(self.store, row, model, self.root / "jobs", files_limit=self.files_limit,
                            file_cache=self._file_caches.setdefault(job_id, FileCache()) if self.store.keeps_files else None,
                            options=opts)

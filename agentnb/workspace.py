@@ -15,6 +15,7 @@ from .batch import (
     Batch,
     Scorer,
     check_concurrency,
+    check_epochs,
     check_score_names,
     check_scorers,
     open_batch,
@@ -362,6 +363,7 @@ class Workspace:
         max_backoff: float | None = None,
         run: bool = True,
         progress: bool = True,
+        epochs: int | None = None,
     ) -> Batch:
         """Run cases × variants as jobs, ``concurrency`` at once, scored and priced; a :class:`Batch`.
 
@@ -372,11 +374,13 @@ class Workspace:
         ``demo``.  ``ws.batch("exp-1")``, or the same call again with ``name="exp-1"``, resumes the batch:
         finished jobs are kept, unfinished ones run.  Given the same cases, pieces or models it does not have
         yet are added as new variants (an omitted ``piece=``/``model=`` then means the batch's own).
-        ``run=False`` only creates (or looks up) the batch.
+        ``run=False`` only creates (or looks up) the batch.  ``epochs=k`` runs every case × variant k times
+        (docs/design-lab.md#epochs; default 1, or the batch's own); more than the batch has adds the missing epochs.
         """
         check_concurrency(concurrency)
+        check_epochs(epochs)
         b = open_batch(self, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
-                       retries=retries, max_backoff=max_backoff, check_model=self._checked_spec)
+                       retries=retries, max_backoff=max_backoff, check_model=self._checked_spec, epochs=epochs)
         if run:
             b.run(concurrency=concurrency, progress=progress)
         return b

@@ -322,6 +322,7 @@ def test_a_100_job_batch_is_one_file_of_valid_otlp_json(ws: Workspace, tmp_path:
         assert isinstance(span["kind"], int)
         resource = attrs(data.resource_spans[0].resource.attributes)
         assert resource["agentnb.batch"] == "hundred" and resource["agentnb.variant"] == 0
+        assert resource["agentnb.epoch"] == 1
         seen_cases.add(resource["agentnb.case"])
         assert [s.name for s in spans_of(data)][:2] == ["invoke_workflow single", "invoke_agent work"]
     assert seen_cases == set(range(100))

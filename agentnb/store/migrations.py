@@ -114,4 +114,12 @@ MIGRATIONS: list[str] = [
     ALTER TABLE jobs ADD COLUMN lease_until REAL;
     ALTER TABLE jobs ADD COLUMN lease_gen INTEGER NOT NULL DEFAULT 0
     """,
+    # 6: epochs (issue 31, docs/design-lab.md#epochs).  A batch runs every case × variant k times; batch_epoch is
+    # which run of its case × variant a batch job is, from 1.  NULL: a job outside a batch, or a batch job made
+    # before epochs (read as epoch 1).  The batch index ends with it: a batch's jobs are read in that order.
+    """
+    ALTER TABLE jobs ADD COLUMN batch_epoch INTEGER;
+    DROP INDEX jobs_batch;
+    CREATE INDEX jobs_batch ON jobs(batch, batch_case, batch_variant, batch_epoch)
+    """,
 ]

@@ -118,6 +118,12 @@ PG_MIGRATIONS: list[str] = [
         PRIMARY KEY (job_id, path)
     )
     """,
+    # 3: epochs (SQLite's migration 6: see there)
+    """
+    ALTER TABLE jobs ADD COLUMN batch_epoch BIGINT;
+    DROP INDEX jobs_batch;
+    CREATE INDEX jobs_batch ON jobs(batch, batch_case, batch_variant, batch_epoch)
+    """,
 ]
 
 PG_SCHEMA_VERSION = len(PG_MIGRATIONS)

@@ -451,6 +451,7 @@ def trace_of(store: Store, root: JobRecord, *, content: bool = False, max_chars:
 def _resource(root: JobRecord) -> dict[str, AttrValue]:
     forked = root.forked_from_job is not None
     known = {"agentnb.batch": root.batch, "agentnb.case": root.batch_case, "agentnb.variant": root.batch_variant,
+             "agentnb.epoch": root.batch_epoch,
              "agentnb.forked_from": root.forked_from_job, "agentnb.forked_at": root.forked_from_seq if forked else None}
     return {"service.name": "agentnb", **{k: v for k, v in known.items() if v is not None}}
 
