@@ -106,7 +106,7 @@ Details:
   streamed answer (docs/models.md#streaming; NaN when the call was not streamed).
   ``purpose`` is the call's ``purpose`` (``compaction``, ``judge``; NA for a turn of the conversation).  An LLM
   judge's call (docs/design-lab.md#llm-judge: it scored the ended job) is a row with ``seq``, ``movement`` and
-  ``iteration`` missing, priced by the judge's own model; it adds nothing to ``cumulative_tokens``, and
+  ``iteration`` missing (``seq`` and ``iteration`` are then nullable ``Int64``), priced by the judge's own model; it adds nothing to ``cumulative_tokens``, and
   ``jobs()``, ``movements()`` and ``messages()`` leave it out (the job's own spending and conversation).
 * ``messages()`` holds the chat messages the model saw, in order: ``system`` and ``user``
   prompts (``kind`` movement_start), ``assistant`` replies (``tool`` lists the tools it
@@ -236,8 +236,9 @@ _TOOL_CALLS: _Spec = {
     "duration": "delta", "result": "str",
 }
 _USAGE: _Spec = {
-    # seq and iteration are missing on an LLM judge's call (docs/design-lab.md#llm-judge), made outside any movement run
-    "job": "int", "call": "int", "seq": "Int", "movement": "str", "iteration": "Int", "timestamp": "time",
+    # seq and iteration are missing on an LLM judge's call (docs/design-lab.md#llm-judge), made outside any movement
+    # run: "int" is then nullable Int64, as for any missing value
+    "job": "int", "call": "int", "seq": "int", "movement": "str", "iteration": "int", "timestamp": "time",
     **_fields(Usage, prompt_tokens="int", completion_tokens="int", total_tokens="int"), "cumulative_tokens": "int",
     "cost_usd": "float",
     **_fields(Usage, source=_SOURCE, window="int", ratio="float"), "action": ACTION_DTYPE, "actions": "str",
