@@ -690,7 +690,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", required=True, metavar="FILE", help="the .jsonl file to write")
         else:
             p.add_argument("--endpoint", metavar="URL", help="the collector's base URL, e.g. http://127.0.0.1:4318 "
-                           "(default: $OTEL_EXPORTER_OTLP_ENDPOINT); headers from $OTEL_EXPORTER_OTLP_HEADERS")
+                           "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as it is, else $OTEL_EXPORTER_OTLP_ENDPOINT); "
+                           "headers from $OTEL_EXPORTER_OTLP_TRACES_HEADERS, else $OTEL_EXPORTER_OTLP_HEADERS")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("store", help="move a workspace between stores (store copy SRC DST)")

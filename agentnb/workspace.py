@@ -52,7 +52,8 @@ class Workspace:
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_WORKSPACE, *, readonly: bool = False,
                  retries: int | None = None, max_backoff: float | None = None, store: str | None = None,
                  lease: float | None = None, files_limit: int | str | None = None,
-                 stream: bool | None = None, otel: str | bool | None = None) -> None:
+                 stream: bool | None = None, otel: str | bool | None = None,
+                 otel_content: bool | None = None) -> None:
         """Open (or create) the workspace folder ``path``.
 
         ``store`` (else the environment's ``AGENTNB_STORE``) keeps the jobs elsewhere than ``path/agentnb.sqlite``
@@ -73,7 +74,9 @@ class Workspace:
 
         ``otel`` exports the spans of the jobs this workspace runs to an OpenTelemetry collector as each movement
         run ends (docs/otel.md#live): its base URL (``http://127.0.0.1:4318``), True for the standard
-        ``OTEL_EXPORTER_OTLP_ENDPOINT``, False for none; None reads ``AGENTNB_OTEL`` (a URL, or 1).
+        ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``, False for none; None reads
+        ``AGENTNB_OTEL`` (a URL, or 1).  ``otel_content=True`` (None: ``AGENTNB_OTEL_CONTENT``) adds the messages,
+        tool arguments and results to those spans, scrubbed of secrets and cut (docs/otel.md#live-content).
         """
         self.model_settings = check_retry_settings(retries, max_backoff)
         if stream is not None:
@@ -81,11 +84,15 @@ class Workspace:
                 raise UsageError(f"stream={stream!r}; allowed: True, False or None (the environment's AGENTNB_STREAM)")
             self.model_settings["stream"] = stream
         self.lease = lease_setting(lease)
-        otel_url = None
-        if not readonly and (otel or (otel is None and os.environ.get("AGENTNB_OTEL"))):
-            from .views.otel_live import live_endpoint
+        otel_url, send_content = None, False
+        if not readonly and (otel or otel_content or (otel is None and os.environ.get("AGENTNB_OTEL"))):
+            from .views.otel_live import live_content, live_endpoint
 
-            otel_url = live_endpoint(otel, os.environ)  # a bad value: one line, before anything is opened
+            # a bad value: one line, before anything is opened
+            otel_url, send_content = live_endpoint(otel, os.environ), live_content(otel_content, os.environ)
+            if otel_url is None and otel_content:
+                raise UsageError("otel_content=True sends content with the live export, and there is none: give "
+                                 "otel=URL (or True), or set AGENTNB_OTEL")
         self.files_limit = parse_files_limit(files_limit)
         if store is None:
             store = os.environ.get("AGENTNB_STORE") or None
@@ -123,7 +130,7 @@ class Workspace:
         if otel_url is not None:
             from .views.otel_live import LiveExport
 
-            self.otel = LiveExport(self.store, otel_url)
+            self.otel = LiveExport(self.store, otel_url, content=send_content)
 
     @property
     def otel_dropped(self) -> int:

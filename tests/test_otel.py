@@ -358,6 +358,42 @@ def test_otel_export_and_send_commands(ws: Workspace, tmp_path: Path, receiver: 
     assert "give --endpoint URL" in capsys.readouterr().err
 
 
+def test_otel_send_reads_the_signal_specific_variables_first(
+        ws: Workspace, tmp_path: Path, receiver: Receiver, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    job = ws.run(ws.submit("Go", piece="single", model=answering_model(tmp_path, "m", "x")))
+    folder = ["--workspace", str(ws.root)]
+    general = Receiver()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", general.url)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-general=1")
+        # the traces URL is used as it is, no /v1/traces added (the OTLP exporter specification)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.url + "/ingest/otlp")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-team-key=traces-only")
+        assert main(["otel", "send", str(job.id), *folder]) == 0
+        assert capsys.readouterr().out.endswith(" spans sent\n")
+        ((path, headers, _),) = receiver.got
+        assert path == "/ingest/otlp" and headers["x-team-key"] == "traces-only" and "x-general" not in headers
+        # --endpoint is a base URL and wins over both
+        assert main(["otel", "send", str(job.id), "--endpoint", receiver.url, *folder]) == 0
+        assert [p for p, _, _ in receiver.got] == ["/ingest/otlp", "/v1/traces"]
+        assert general.got == []
+        # without the traces variables, the general ones: the endpoint as a base, its headers
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS")
+        assert main(["otel", "send", str(job.id), *folder]) == 0
+        ((path, headers, _),) = general.got
+        assert path == "/v1/traces" and headers["x-general"] == "1"
+        capsys.readouterr()
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "127.0.0.1:4318/v1/traces")
+        assert main(["otel", "send", str(job.id), *folder]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT '127.0.0.1:4318/v1/traces' must be an http:// or https://" in err
+    finally:
+        general.close()
+
+
 def test_without_the_extra_the_export_says_what_to_install(tmp_path: Path) -> None:
     # a Python where the opentelemetry packages cannot be imported (as without the extra)
     code = ("import sys; sys.modules['opentelemetry'] = None\n"

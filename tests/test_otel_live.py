@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from _scripting import call, transition, write_piece, write_script
 from otlp_receiver import Receiver
-from test_otel import rich_job, spans_of
+from test_otel import CONTENT_ATTRS, SECRET, attrs, rich_job, spans_of
 
 from agentnb import Workspace
 from agentnb.errors import UsageError
@@ -86,8 +86,12 @@ def test_a_paused_and_resumed_job_with_subtasks_joins_one_trace(tmp_path: Path, 
         job = rich_job(ws, tmp_path)  # waits for a human, is answered, runs on; a subtask in between
     with Workspace(tmp_path / "ws") as ws:
         expected = file_spans(ws, job, tmp_path)
+        whole = file_export(ws, job, tmp_path)
+    assert_one_trace_each_span_once(receiver.spans())
+    # each span but the job's is sent whole and final (the job's own gains the score added after it ended)
+    assert {s.span_id: s for s in receiver.spans() if s.parent_span_id} == {
+        i: s for i, s in whole.items() if s.parent_span_id}
     got = {_key(s) for s in receiver.spans()}
-    assert len({k[0] for k in got}) == 1
     # rich_job scores the job after it ended: the job span of a later file export ends at that score, the rest
     # is the same
     root = next(k for k in got if k[3] == "invoke_workflow rich")
@@ -95,6 +99,129 @@ def test_a_paused_and_resumed_job_with_subtasks_joins_one_trace(tmp_path: Path, 
     assert root[:5] == later[:5] and root[5] <= later[5]
     assert got - {root} == expected - {later}
     assert len(got) > 10
+
+
+def file_export(ws: Workspace, job: Any, tmp: Path, *, content: bool = False) -> dict[bytes, Any]:
+    """The spans of a file export of ``job``'s trace, whole (attributes, events, status), by span id."""
+    path = ws.export_otel(job, tmp / f"whole{job.id}-{content}.jsonl", content=content)
+    return {s.span_id: s for data in read_traces(path) for s in spans_of(data)}
+
+
+def assert_one_trace_each_span_once(got: list[Any]) -> None:
+    """One trace, no span id twice (a viewer such as Phoenix keeps the first copy it gets), one root, and every
+    parent among the spans sent."""
+    assert len({s.trace_id for s in got}) == 1
+    ids = [s.span_id for s in got]
+    assert len(ids) == len(set(ids)), "a span sent twice"
+    assert len([s for s in got if not s.parent_span_id]) == 1
+    assert {s.parent_span_id for s in got if s.parent_span_id} <= set(ids)
+
+
+def asking(tmp: Path) -> tuple[str, str]:
+    spec = write_script(tmp, "asking", {"work": [call("Glob", pattern="*"),
+                                                 transition("ASK", summary="unclear", question="Which format?"),
+                                                 transition("COMPLETE", summary="done")]})
+    piece = write_piece(tmp, "asking-piece", {"movements": [
+        {"name": "work", "instruction": "Work.", "tools": ["Glob"], "default_next": "COMPLETE",
+         "rules": [{"next": "COMPLETE"}, {"next": "ASK"}]}]})
+    return str(piece), spec
+
+
+def test_a_job_waiting_for_a_human_has_its_runs_sent_and_its_own_span_once_when_it_ends(
+        tmp_path: Path, receiver: Receiver) -> None:
+    piece, spec = asking(tmp_path)
+    with Workspace(tmp_path / "ws", otel=receiver.url) as ws:
+        job = ws.run(ws.submit("Do it", piece=piece, model=spec))
+        assert job.status == "waiting_human"
+    # the job waits, its process gone: the run that asked is there, under the job span it will have; the job's
+    # own span is not sent yet (sent now it would be the one a viewer keeps, ended at the wait, forever)
+    waiting = receiver.spans()
+    assert sorted(s.name for s in waiting) == ["chat scripted", "chat scripted", "execute_tool Glob",
+                                               "execute_tool transition", "invoke_agent work"]
+    with Workspace(tmp_path / "ws") as ws:
+        whole = file_export(ws, job, tmp_path)
+    (root,) = [s for s in whole.values() if not s.parent_span_id]
+    assert root.name == "invoke_workflow asking-piece"
+    assert [s.parent_span_id for s in waiting if s.name == "invoke_agent work"] == [root.span_id]
+    # another process answers and runs it to the end
+    with Workspace(tmp_path / "ws", otel=receiver.url) as ws:
+        job = ws.run(ws.reply(job, "Markdown, please."))
+        assert job.status == "succeeded"
+    got = receiver.spans()
+    assert got[:len(waiting)] == waiting
+    assert_one_trace_each_span_once(got)
+    assert [s.name for s in got if not s.parent_span_id] == ["invoke_workflow asking-piece"]
+    assert [s.name for s in got].count("invoke_agent work") == 2
+    # each span is sent once, so the copy sent is the whole final span: as a file export of the ended job has it
+    with Workspace(tmp_path / "ws") as ws:
+        assert {s.span_id: s for s in got} == file_export(ws, job, tmp_path)
+    assert attrs(next(s for s in got if not s.parent_span_id).attributes)["agentnb.status"] == "succeeded"
+
+
+def test_a_job_paused_mid_run_and_resumed_by_a_worker_is_one_trace(tmp_path: Path, receiver: Receiver) -> None:
+    piece, spec = two_movements(tmp_path)
+    with Workspace(tmp_path / "ws", otel=receiver.url) as ws:
+        job = ws.step(ws.submit("Do it", piece=piece, model=spec), "movement")   # plan: ended, sent
+        job = ws.step(job, "call")                                               # work: paused after one call
+        assert job.status == "queued"
+    before = receiver.spans()
+    assert "invoke_agent plan" in {s.name for s in before} and "invoke_agent work" not in {s.name for s in before}
+    env = {**os.environ, "AGENTNB_OTEL": receiver.url}
+    out = subprocess.run([sys.executable, "-m", "agentnb.cli", "worker", "--workspace", str(tmp_path / "ws")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = receiver.spans()
+    assert_one_trace_each_span_once(got)
+    with Workspace(tmp_path / "ws") as ws:
+        job = ws.job(job.id)
+        assert job.status == "succeeded"
+        assert {s.span_id: s for s in got} == file_export(ws, job, tmp_path)
+    by_id = {s.span_id: s for s in got}
+    (root,) = [s for s in got if not s.parent_span_id]
+    for s in got:  # calls and tools under their run, runs under the job
+        parent = by_id.get(s.parent_span_id)
+        if s.name.startswith("invoke_agent"):
+            assert parent is root
+        elif s is not root:
+            assert parent is not None and parent.name.startswith("invoke_agent")
+
+
+def test_content_goes_live_only_when_asked_scrubbed_and_cut_as_in_a_file_export(
+        tmp_path: Path, receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTNB_OTEL_CONTENT", raising=False)
+    monkeypatch.delenv("NOTES_PASSWORD", raising=False)
+    spec = write_script(tmp_path, "reader", {"work": [call("Read", path="input/notes.md"),
+                                                      transition("COMPLETE", summary="read")]})
+    notes = f"the password is {SECRET}\n" + "line of notes\n" * 1_500
+    with Workspace(tmp_path / "ws") as ws:  # each job reads the notes, and is paused before its next call
+        jobs = [ws.step(ws.submit("Read the notes", piece="single", model=spec, inputs={"notes.md": notes}), "call")
+                for _ in range(2)]
+    # the secret became one after the store kept the notes as text: the export masks it all the same
+    monkeypatch.setenv("NOTES_PASSWORD", SECRET)
+    with Workspace(tmp_path / "ws", otel=receiver.url) as ws:
+        plain = ws.run(jobs[0].id)
+        assert plain.status == "succeeded"
+    with Workspace(tmp_path / "ws", otel=receiver.url, otel_content=True) as ws:
+        full = ws.run(jobs[1].id)
+        assert full.status == "succeeded"
+    bodies = b"".join(r.SerializeToString() for _, _, r in receiver.got)
+    assert SECRET.encode() not in bodies
+    with Workspace(tmp_path / "ws") as ws:
+        plain_ids = file_export(ws, ws.job(plain.id), tmp_path)
+        full_spans = file_export(ws, ws.job(full.id), tmp_path, content=True)
+    sent_plain = [s for s in receiver.spans() if s.span_id in plain_ids]
+    sent_full = [s for s in receiver.spans() if s.span_id in full_spans]
+    assert len(sent_plain) == len(plain_ids) and len(sent_full) == len(full_spans)
+    # off by default: no content attribute, no text of the notes
+    assert not any(k in attrs(s.attributes) for s in sent_plain for k in CONTENT_ATTRS)
+    assert b"line of notes" not in b"".join(s.SerializeToString() for s in sent_plain)
+    # on: what a file export with content=True has, span by span (the same mapping, scrub and cut)
+    assert {s.span_id: s for s in sent_full} == full_spans
+    (read,) = [attrs(s.attributes) for s in sent_full if s.name == "execute_tool Read"]
+    assert read["gen_ai.tool.call.result"].startswith("the password is ***")
+    assert read["gen_ai.tool.call.result"].endswith("characters cut]")
+    chats = [attrs(s.attributes) for s in sent_full if s.name.startswith("chat")]
+    assert len(chats) == 2 and all("gen_ai.input.messages" in a and "gen_ai.output.messages" in a for a in chats)
 
 
 def _closed_port() -> str:
@@ -181,25 +308,75 @@ def test_a_batch_in_threads_exports_every_job(tmp_path: Path, receiver: Receiver
     assert {_key(s) for s in receiver.spans()} == expected
 
 
+def test_live_export_reads_the_signal_specific_variables_first(
+        tmp_path: Path, receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    piece, spec = two_movements(tmp_path)
+    general = Receiver()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", general.url)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-general=1")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.url + "/ingest/otlp")  # used as it is
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-team-key=traces-only")
+        monkeypatch.setenv("AGENTNB_OTEL", "1")
+        with Workspace(tmp_path / "ws") as ws:
+            assert ws.run(ws.submit("Do it", piece=piece, model=spec)).status == "succeeded"
+        assert receiver.got and general.got == []
+        for path, headers, _ in receiver.got:
+            assert path == "/ingest/otlp" and headers["x-team-key"] == "traces-only" and "x-general" not in headers
+        # a URL given is a base URL, and wins over the variables (the headers still come from them)
+        monkeypatch.delenv("AGENTNB_OTEL")
+        with Workspace(tmp_path / "ws", otel=general.url) as ws:
+            assert ws.run(ws.submit("Do it", piece=piece, model=spec)).status == "succeeded"
+        assert general.got and {p for p, _, _ in general.got} == {"/v1/traces"}
+        assert all(h["x-team-key"] == "traces-only" for _, h, _ in general.got)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "localhost:4318")
+        with pytest.raises(UsageError, match=r"^OTEL_EXPORTER_OTLP_TRACES_ENDPOINT 'localhost:4318' must be an "
+                                             r"http:// or https:// URL"):
+            Workspace(tmp_path / "ws", otel=True)
+    finally:
+        general.close()
+
+
 def test_the_settings_and_their_precedence(tmp_path: Path, receiver: Receiver,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "AGENTNB_OTEL_CONTENT"):
+        monkeypatch.delenv(name, raising=False)
+    traces = receiver.url + "/v1/traces"
     monkeypatch.setenv("AGENTNB_OTEL", receiver.url)
     with Workspace(tmp_path / "ws") as ws:
-        assert ws.otel is not None and ws.otel.url == receiver.url
+        assert ws.otel is not None and ws.otel.url == traces and not ws.otel.content
     with Workspace(tmp_path / "ws", otel=False) as ws:  # the argument wins over the environment
         assert ws.otel is None
     monkeypatch.setenv("AGENTNB_OTEL", "1")
-    with pytest.raises(UsageError, match="OTEL_EXPORTER_OTLP_ENDPOINT, which is not set"):
+    with pytest.raises(UsageError, match="OTEL_EXPORTER_OTLP_ENDPOINT, and neither is set"):
         Workspace(tmp_path / "ws")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
     with Workspace(tmp_path / "ws") as ws:
-        assert ws.otel is not None and ws.otel.url == receiver.url
+        assert ws.otel is not None and ws.otel.url == traces
     monkeypatch.setenv("AGENTNB_OTEL", "0")
     with Workspace(tmp_path / "ws") as ws:
         assert ws.otel is None
     with Workspace(tmp_path / "ws", otel=True) as ws:
-        assert ws.otel is not None and ws.otel.url == receiver.url
+        assert ws.otel is not None and ws.otel.url == traces
+    # content: the argument, else AGENTNB_OTEL_CONTENT; only with a live export
+    with Workspace(tmp_path / "ws", otel=True, otel_content=True) as ws:
+        assert ws.otel is not None and ws.otel.content
+    monkeypatch.setenv("AGENTNB_OTEL_CONTENT", "1")
+    with Workspace(tmp_path / "ws", otel=True) as ws:
+        assert ws.otel is not None and ws.otel.content
+    with Workspace(tmp_path / "ws", otel=True, otel_content=False) as ws:
+        assert ws.otel is not None and not ws.otel.content
+    with Workspace(tmp_path / "ws") as ws:  # AGENTNB_OTEL=0: no live export, so no content to send either
+        assert ws.otel is None
+    with pytest.raises(UsageError, match=r"^otel_content=True sends content with the live export, and there is "
+                                         r"none: give otel=URL"):
+        Workspace(tmp_path / "ws", otel_content=True)
+    monkeypatch.setenv("AGENTNB_OTEL_CONTENT", "all")
+    with pytest.raises(UsageError, match=r"^AGENTNB_OTEL_CONTENT='all': allowed: 1 .* or 0"):
+        Workspace(tmp_path / "ws", otel=True)
+    with pytest.raises(UsageError, match=r"^otel_content='yes': allowed: True, False or None"):
+        Workspace(tmp_path / "ws", otel=True, otel_content="yes")  # type: ignore[arg-type]
+    monkeypatch.delenv("AGENTNB_OTEL_CONTENT")
     monkeypatch.setenv("AGENTNB_OTEL", "localhost:4318")
     with pytest.raises(UsageError, match=r"^AGENTNB_OTEL='localhost:4318': allowed: an http:// or https://"):
         Workspace(tmp_path / "ws")

@@ -1,7 +1,8 @@
 """OpenTelemetry export read in a real viewer (docs/otel.md#proven-in-a-real-viewer): Arize Phoenix started as a
 local server on loopback, sent a fork of a three-movement job with a subtask, tool errors and a compaction, and
 read back through Phoenix's own client; its spans are compared with the job's events.  The file export, posted
-line by line to a second Phoenix, gives the same spans.
+line by line to a second Phoenix, gives the same spans.  A job that waits for a human, exported live, is shown
+whole once it ends, and a span id Phoenix already has is not taken again (docs/otel.md#a-job-that-waits).
 
 Phoenix is large and pins its own packages, so it lives in a venv of its own: ``AGENTNB_TEST_PHOENIX`` names that
 venv's python (``pip install -c tests/phoenix-constraints.txt arize-phoenix``; .ci/run makes it).  Without it the
@@ -26,6 +27,7 @@ import pytest
 from _scripting import call, transition, write_script
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from test_otel import rich_job, spans_of
+from test_otel_live import asking, two_movements
 
 from agentnb import Workspace
 from agentnb.cli import main
@@ -261,3 +263,71 @@ def test_phoenix_shows_a_forked_job_as_its_events_say(ws: Workspace, tmp_path: P
     key = lambda s: s["context"]["span_id"]  # noqa: E731
     assert sorted(map(_view, from_file), key=key) == sorted(map(_view, spans), key=key)
 
+
+
+@pytest.fixture
+def phoenix(tmp_path: Path) -> Iterator[Phoenix]:
+    server = Phoenix(os.environ["AGENTNB_TEST_PHOENIX"], tmp_path / "phoenix")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_phoenix_shows_a_job_that_waited_for_a_human_once_it_ends_and_keeps_a_span_s_first_copy(
+        tmp_path: Path, phoenix: Phoenix, capsys: pytest.CaptureFixture[str]) -> None:
+    piece, spec = asking(tmp_path)
+    two = two_movements(tmp_path)
+    phoenix.wait_ready()
+    with Workspace(tmp_path / "ws", otel=phoenix.url) as ws:  # live export, straight to Phoenix
+        job = ws.run(ws.submit("Do it", piece=piece, model=spec))
+        assert job.status == "waiting_human"
+    waiting = phoenix.spans_once_in(5)
+    # while the job waits: the run that asked, with its calls and tools, under the job span Phoenix has not got
+    (run,) = [s for s in waiting if s["name"] == "invoke_agent work"]
+    assert len(waiting) == 5 and run["parent_id"] is not None
+    assert run["parent_id"] not in {s["context"]["span_id"] for s in waiting}
+    with Workspace(tmp_path / "ws", otel=phoenix.url) as ws:  # answered, and run on by another workspace
+        job = ws.run(ws.reply(job, "Markdown, please."))
+        assert job.status == "succeeded"
+        events = ws.events(job)
+        whole = spans_of(read_traces(ws.export_otel(job, tmp_path / "job.jsonl"))[0])
+    spans = phoenix.spans_once_in(len(whole))
+    assert len(spans) == len(whole) == 9
+    by_id = {s["context"]["span_id"]: s for s in spans}
+    (root,) = [s for s in spans if s["parent_id"] is None]
+    assert root["context"]["span_id"] == run["parent_id"] and root["name"] == "invoke_workflow asking-piece"
+    assert root["attributes"]["agentnb.status"] == "succeeded" and root["status_code"] == "UNSET"
+    assert _same_time(root["start_time"], events[0].ts) and _same_time(root["end_time"], events[-1].ts)
+    assert all(s["parent_id"] in by_id for s in spans if s is not root)
+    assert {(s["context"]["span_id"], s["parent_id"], s["name"]) for s in spans} == {
+        (s.span_id.hex(), s.parent_span_id.hex() or None, s.name) for s in whole}
+
+    # a span id Phoenix has is not taken again: the job scored afterwards and sent again keeps the job span it had
+    # (sent after it, another job's spans show when Phoenix has taken both requests in)
+    with Workspace(tmp_path / "ws") as ws:
+        ws.score(job.id, {"done": lambda j: True})
+        other = ws.run(ws.submit("Do it", piece=two[0], model=two[1]))
+        assert other.status == "succeeded"
+        rescored = spans_of(read_traces(ws.export_otel(job.id, tmp_path / "rescored.jsonl"))[0])
+        assert main(["otel", "send", str(job.id), str(other.id), "--endpoint", phoenix.url,
+                     "--workspace", str(ws.root)]) == 0
+    sent = int(capsys.readouterr().out.split()[0])
+    assert any(e.name == "gen_ai.evaluation.result" for e in rescored[0].events)
+    again = phoenix.spans_once_in(len(spans) + sent - 9)
+    assert len(again) == len(spans) + sent - 9
+    key = lambda s: s["context"]["span_id"]  # noqa: E731
+    assert sorted((_view(s) for s in again if key(s) in by_id), key=key) == sorted(map(_view, spans), key=key)
+    (kept,) = [s for s in again if s["context"]["span_id"] == root["context"]["span_id"]]
+    assert not any(e["name"] == "gen_ai.evaluation.result" for e in kept["events"])
+    # the way to replace it there: delete the trace in Phoenix, and send the job again
+    trace_id = root["context"]["trace_id"]
+    request = urllib.request.Request(f"{phoenix.url}/v1/traces/{trace_id}", method="DELETE")
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        assert answer.status == 204
+    assert main(["otel", "send", str(job.id), "--endpoint", phoenix.url, "--workspace", str(tmp_path / "ws")]) == 0
+    deadline = time.monotonic() + INGEST_S
+    while not any(e["name"] == "gen_ai.evaluation.result" for s in phoenix.spans() if s["parent_id"] is None
+                  and s["context"]["trace_id"] == trace_id for e in s["events"]):
+        assert time.monotonic() < deadline, "the job span sent after the trace was deleted is not shown"
+        time.sleep(0.5)

@@ -19,7 +19,7 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
 
 __all__ = ["DEFAULT_MAX_CHARS", "INSTALL_HINT", "CollectorError", "export_otel", "read_traces", "root_jobs", "send_otel", "traces",
-           "traces_json"]
+           "traces_json", "traces_url"]
 
 INSTALL_HINT = "OpenTelemetry export needs the otel extra: pip install 'agentnb[otel]'"
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
@@ -190,24 +190,39 @@ def export_otel(store: Store, jobs: Sequence[int], path: str | os.PathLike[str],
     return target.resolve()
 
 
+def traces_url(base: str | None, environ: Mapping[str, str]) -> str | None:
+    """Where spans are posted (docs/otel.md#exporting): ``base/v1/traces`` for a collector's base URL given; else
+    the standard ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` as it is (the OTLP exporter specification: a
+    signal-specific URL is used as-is), else ``OTEL_EXPORTER_OTLP_ENDPOINT``/v1/traces; None when none is set."""
+    where = "endpoint"
+    if not base:
+        for where in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+            base = environ.get(where, "").strip()
+            if base:
+                break
+        else:
+            return None
+    if not base.startswith(("http://", "https://")):
+        raise UsageError(f"{where} {base!r} must be an http:// or https:// URL, e.g. http://127.0.0.1:4318")
+    return base if where == "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" else base.rstrip("/") + "/v1/traces"
+
+
 def send_otel(store: Store, jobs: Sequence[int], endpoint: str | None = None, *, content: bool = False,
               max_chars: int = DEFAULT_MAX_CHARS, timeout: float = 10.0) -> int:
     """Post the traces of ``jobs`` as OTLP/HTTP protobuf to ``endpoint``/v1/traces (None: the standard
-    ``OTEL_EXPORTER_OTLP_ENDPOINT``), headers from ``OTEL_EXPORTER_OTLP_HEADERS``; return the spans sent."""
+    variables, :func:`traces_url`), headers from ``OTEL_EXPORTER_OTLP_TRACES_HEADERS``, else
+    ``OTEL_EXPORTER_OTLP_HEADERS``; return the spans sent."""
     _require()
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace.export import SpanExportResult
 
     if not jobs:
         raise UsageError("nothing to send: name at least one job (or a batch with jobs)")
-    base = endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if not base:
+    url = traces_url(endpoint, os.environ)
+    if url is None:
         raise UsageError("no collector to send to: give --endpoint URL (e.g. http://127.0.0.1:4318) or set "
-                         "OTEL_EXPORTER_OTLP_ENDPOINT")
-    if not base.startswith(("http://", "https://")):
-        raise UsageError(f"endpoint {base!r} must be an http:// or https:// URL, e.g. http://127.0.0.1:4318")
-    url = base.rstrip("/") + "/v1/traces"
-    exporter = OTLPSpanExporter(endpoint=url, timeout=timeout)
+                         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT")
+    exporter = OTLPSpanExporter(endpoint=url, timeout=timeout)  # headers: the exporter reads the standard variables
     sent = 0
     # the exporter logs each retry; the failure is said once, below, as one line
     quiet = logging.getLogger("opentelemetry.exporter.otlp")

@@ -7,6 +7,10 @@ terminal ``job_status``) — in a bounded queue.  Its own daemon thread reads th
 exporter, several notes per request.  A run's spans are its ``invoke_agent`` span with its ``chat`` and
 ``execute_tool`` spans; the job's ``invoke_workflow`` span goes when the job ends, with any run that ended
 without a transition (a failed one).  A child span may reach the collector before its parent: OTLP allows it.
+A job that waits (for a human, for its subtasks) sends its own span only when it ends, never at the wait: each
+span goes once, whole, since a viewer may keep the first copy of a span id for good (Phoenix does;
+docs/otel.md#a-job-that-waits).  With ``content`` the spans carry the messages, scrubbed and cut by the same
+mapping as a file export's.
 
 A collector that cannot be reached, is slow or refuses the spans never holds a job up: the queue is bounded, each
 request has a short timeout, and after a failure the spans of the next seconds are dropped without trying.  Spans
@@ -21,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from .. import live
@@ -28,9 +33,9 @@ from ..errors import UsageError
 from ..events import JobStatusEvent, Transition
 from ..store.base import TERMINAL_STATES, Store
 from ._otel_spans import TraceRecord, job_trace, store_identity
-from .otel import INSTALL_HINT, sdk_spans
+from .otel import INSTALL_HINT, sdk_spans, traces_url
 
-__all__ = ["LiveExport", "dropped_spans", "live_endpoint"]
+__all__ = ["LiveExport", "dropped_spans", "live_content", "live_endpoint"]
 
 _log = logging.getLogger("agentnb.otel")
 _EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
@@ -52,10 +57,10 @@ _OFF = ("", "0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 
 
-def live_endpoint(value: str | bool | None, environ: Any) -> str | None:
-    """The collector a workspace exports to live, or None (docs/otel.md#live): ``value`` is ``Workspace(otel=)``
-    (a URL; True: the standard ``OTEL_EXPORTER_OTLP_ENDPOINT``; False: off), None reads ``AGENTNB_OTEL`` (a URL,
-    or 1 for the standard variable; unset, empty or 0: off)."""
+def live_endpoint(value: str | bool | None, environ: Mapping[str, str]) -> str | None:
+    """The URL a workspace posts its spans to live, or None (docs/otel.md#live): ``value`` is ``Workspace(otel=)``
+    (a collector's base URL: its ``/v1/traces``; True: the standard variables, :func:`traces_url`; False: off),
+    None reads ``AGENTNB_OTEL`` (a URL, or 1 for the standard variables; unset, empty or 0: off)."""
     where = "otel"
     if value is None:
         value, where = environ.get("AGENTNB_OTEL", ""), "AGENTNB_OTEL"
@@ -63,16 +68,32 @@ def live_endpoint(value: str | bool | None, environ: Any) -> str | None:
         value = value.strip().lower() in _ON
     if value is False:
         return None
-    allowed = ("an http:// or https:// collector URL (e.g. http://127.0.0.1:4318), 1/True for "
-               "OTEL_EXPORTER_OTLP_ENDPOINT, or 0/False")
     if value is True:
-        value = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
-        if not value:
-            raise UsageError(f"{where} asks for the standard OTEL_EXPORTER_OTLP_ENDPOINT, which is not set: set it "
-                             "(e.g. http://127.0.0.1:4318) or give the collector's URL")
-        where = "OTEL_EXPORTER_OTLP_ENDPOINT"
+        url = traces_url(None, environ)
+        if url is None:
+            raise UsageError(f"{where} asks for the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+                             "OTEL_EXPORTER_OTLP_ENDPOINT, and neither is set: set one (e.g. "
+                             "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318) or give the collector's URL")
+        return url
     if not isinstance(value, str) or not value.startswith(("http://", "https://")):
-        raise UsageError(f"{where}={value!r}: allowed: {allowed}")
+        raise UsageError(f"{where}={value!r}: allowed: an http:// or https:// collector URL (e.g. "
+                         "http://127.0.0.1:4318), 1/True for the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+                         "OTEL_EXPORTER_OTLP_ENDPOINT, or 0/False")
+    return traces_url(value, environ)
+
+
+def live_content(value: bool | None, environ: Mapping[str, str]) -> bool:
+    """Whether live export sends content (docs/otel.md#live-content): ``Workspace(otel_content=)``, None reads
+    ``AGENTNB_OTEL_CONTENT`` (1 or 0; unset or empty: off)."""
+    if value is None:
+        text = environ.get("AGENTNB_OTEL_CONTENT", "").strip().lower()
+        if text not in _OFF + _ON:
+            raise UsageError(f"AGENTNB_OTEL_CONTENT={text!r}: allowed: 1 (send messages, tool arguments and results, "
+                             "scrubbed) or 0 (the default)")
+        return text in _ON
+    if not isinstance(value, bool):
+        raise UsageError(f"otel_content={value!r}: allowed: True, False or None (the environment's "
+                         "AGENTNB_OTEL_CONTENT)")
     return value
 
 
@@ -87,21 +108,25 @@ _QUIET = _Quiet()
 
 
 class LiveExport:
-    """Sends the spans of the jobs this process runs on ``store`` to ``url`` (a collector's base URL; the spans
-    go to ``url/v1/traces``, headers from ``OTEL_EXPORTER_OTLP_HEADERS``) as their movement runs end."""
+    """Sends the spans of the jobs this process runs on ``store`` to ``url`` (the collector's traces URL, e.g.
+    ``http://127.0.0.1:4318/v1/traces``; headers from ``OTEL_EXPORTER_OTLP_TRACES_HEADERS``, else
+    ``OTEL_EXPORTER_OTLP_HEADERS``) as their movement runs end; with ``content`` their messages, tool arguments
+    and results, scrubbed and cut as a file export's (docs/otel.md#content)."""
 
-    def __init__(self, store: Store, url: str, *, timeout: float = 2.0, queue_size: int = QUEUE_SIZE) -> None:
+    def __init__(self, store: Store, url: str, *, content: bool = False, timeout: float = 2.0,
+                 queue_size: int = QUEUE_SIZE) -> None:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
             raise UsageError(INSTALL_HINT) from None
         self.store = store
         self.url = url
+        self.content = content
         self.timeout = timeout
         self.sent = 0
         self.dropped = 0
         self.failures = 0
-        self._exporter = OTLPSpanExporter(endpoint=url.rstrip("/") + "/v1/traces", timeout=timeout)
+        self._exporter = OTLPSpanExporter(endpoint=url, timeout=timeout)
         self._queue: queue.Queue[tuple[str, int, int | None] | None] = queue.Queue(queue_size)
         self._identity = store_identity(store)
         self._channel = live.channel(store)
@@ -189,7 +214,7 @@ class LiveExport:
         """The spans of job ``job_id`` that the notes ``ended`` name: each ended run's (``("run", seq)``) with its
         calls and tools; at the job's end (``("job", None)``) its own span and the runs that ended without a
         transition (none of their notes came), with theirs."""
-        trace = job_trace(self.store, self.store.job(job_id), identity=self._identity)
+        trace = job_trace(self.store, self.store.job(job_id), content=self.content, identity=self._identity)
         runs = {s.span_id: s for s in trace.spans if s.attributes.get("gen_ai.operation.name") == "invoke_agent"}
         seqs = {seq for what, seq in ended if what == "run"}
         chosen = {i for i, s in runs.items() if s.attributes.get("agentnb.movement_seq") in seqs}
