@@ -31,6 +31,7 @@ from agentnb.scorers import (
     regex,
 )
 from agentnb.views.render import job_html
+from agentnb.views.usage_table import usage_table
 
 
 def _verdict(score: Any, reason: str = "fine", usage: tuple[int, int] | None = (300, 25)) -> dict[str, Any]:
@@ -203,6 +204,10 @@ def test_a_scripted_judge_is_recorded_on_the_job_apart_from_its_own_numbers(ws: 
     assert len(judged) == 1 and judged["seq"].isna().all() and judged["movement"].isna().all()
     assert judged["total_tokens"].tolist() == [325] and judged["cumulative_tokens"].tolist() == [227]
     assert usage["cumulative_tokens"].iloc[-1] == 227
+    # the context views leave it out: the what-if simulation and the usage plot see the job's own two calls
+    assert len(ws.frames.what_if(job)) == 2 and len(usage) == 3
+    table = usage_table(usage)
+    assert "(judge)" in (table if isinstance(table, str) else table.to_html())
     # and the job's messages are its own conversation
     assert "close enough" not in " ".join(ws.frames.messages(job)["content"].dropna())
 
