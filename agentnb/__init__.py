@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 from . import scorers
+from .batch_compare import BatchComparison
 from .compare import Comparison
 from .engine.pieces import Movement, Piece, PieceError, Rule, available_pieces, load_piece, parse_piece
 from .errors import AgentnbError, StoreError, UsageError
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "EVENT_KINDS",
     "AgentnbError",
+    "BatchComparison",
     "Comparison",
     "Event",
     "Job",

@@ -29,6 +29,8 @@ from .submission import Submitter, remove_folders
 if TYPE_CHECKING:
     import pandas as pd
 
+    from .batch_compare import BatchComparison
+
 __all__ = ["DEFAULT_CONCURRENCY", "RESERVED_COLUMNS", "Batch", "BatchHost", "Case", "Scorer", "Variant", "batch_names",
            "batch_of_cases", "check_cases", "check_concurrency", "check_score_names", "check_scorers", "check_variants", "open_batch",
            "record_scores", "score_jobs", "score_value"]
@@ -462,13 +464,24 @@ class Batch:
 
         return batch_frame(self)
 
-    def summary(self) -> pd.DataFrame:
+    def summary(self, *, confidence: float = 0.95, n_resamples: int = 9999, seed: int | None = 0) -> pd.DataFrame:
         """One row per variant (docs/design-lab.md): ``variant``, ``variant_label``, counts by status,
-        ``mean_<score>`` of each boolean or numeric score, mean/median tokens, total and mean cost, p50/p95
-        running seconds of the ended jobs, then the full ``piece`` and ``model``."""
+        ``mean_<score>`` of each boolean or numeric score, mean/median tokens, total and mean cost, mean/p50/p95
+        running seconds of the ended jobs, then the full ``piece`` and ``model``; each mean followed by its
+        ``_se``, ``_ci_low``, ``_ci_high`` (docs/design-lab.md#confidence-intervals: a bootstrap over cases,
+        ``n_resamples`` draws from ``seed``; None: fresh draws)."""
         from .views.batch_frames import batch_summary
+        from .views.batch_stats import settings
 
-        return batch_summary(self)
+        return batch_summary(self, stats=settings(confidence, n_resamples, seed))
+
+    def compare(self, baseline: Any, *, confidence: float = 0.95, n_resamples: int = 9999,
+                seed: int | None = 0) -> BatchComparison:
+        """Every other variant against ``baseline`` (a variant's number or label, or a piece or model only it
+        has), paired by case: a :class:`~agentnb.batch_compare.BatchComparison` (docs/design-lab.md#paired-comparison)."""
+        from .batch_compare import compare_batch
+
+        return compare_batch(self, baseline, confidence=confidence, n_resamples=n_resamples, seed=seed)
 
     def _repr_html_(self) -> str:
         from .views.batch_frames import batch_html

@@ -482,22 +482,27 @@ def read_cases(path: Path) -> list[dict[str, object]]:
 def _print_batch(batch: object) -> None:
     import pandas as pd
 
+    from .views.batch_stats import plus_minus
+
     summary = batch.summary()  # type: ignore[attr-defined]
     print(repr(batch))
     with pd.option_context("display.width", 200, "display.max_columns", None, "display.max_colwidth", 60):
         # each variant by its short label; the full piece and model spec once each, below the table
-        print(summary.drop(columns=["piece", "model"]).to_string(index=False))
+        print(plus_minus(summary.drop(columns=["piece", "model"])).to_string(index=False))  # ± : half the 95 % CI
     for _, row in summary.iterrows():
         print(f"variant {row['variant']}: {row['piece']} × {row['model']}")
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
     from .batch import batch_of_cases
+    from .batch_compare import check_baseline
 
     cases = read_cases(Path(args.cases).expanduser())
     ws = _workspace(args)
     # without --name, the same command again resumes the batch it made (the one of these very cases)
     name = args.name if args.name is not None else batch_of_cases(ws.store, cases)
+    if args.baseline is not None:  # refused before anything is created
+        check_baseline(args.baseline, ws.store, name, args.piece or ["plan-implement-verify"], args.model or ["demo"])
     batch = ws.batch(cases, piece=args.piece or ["plan-implement-verify"], model=args.model or ["demo"],
                      name=name, concurrency=args.concurrency, retries=args.retries,
                      max_backoff=args.max_backoff, run=False)
@@ -514,6 +519,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     _print_batch(batch)
+    if args.baseline is not None:
+        print(batch.compare(baseline=args.baseline).to_text())
     waiting = [j.id for j in batch.jobs if j.status in (JobStatus.waiting_human, JobStatus.waiting_subtasks)]
     if waiting:
         print(f"job(s) {', '.join(map(str, waiting))} wait for a human: see agentnb show JOB, answer with "
@@ -668,6 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="the batch's name: the same command again resumes it (default: the batch of the same cases, "
                    "or a new batch-N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--baseline", metavar="VARIANT", help="also print every other variant against this one, paired by case")
     p.add_argument("--detach", action="store_true",
                    help="only create the batch and queue its jobs (workers run them); print its name")
     _retry_options(p)

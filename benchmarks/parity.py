@@ -67,7 +67,8 @@ from _snapshots import (  # type: ignore[import-not-found]  # noqa: E402
 )
 
 # besides the golden tests' keys: the batch's and the comparison's measured seconds
-VOLATILE = VOLATILE_KEYS | {"elapsed_s", "seconds", "p50_seconds", "p95_seconds"}
+VOLATILE = VOLATILE_KEYS | {"elapsed_s", "seconds", "p50_seconds", "p95_seconds", "mean_seconds", "mean_seconds_se",
+                            "mean_seconds_ci_low", "mean_seconds_ci_high"}
 NOTES = "".join(f"note {i}: alpha beta gamma delta\n" for i in range(300))
 TERMINAL = ("COMPLETE", "ABORT")
 STORE: list[str] = []  # the PostgreSQL URL of a --postgres run (the CLI and the magic open it too)
@@ -483,7 +484,8 @@ def cli(ws: Workspace, *args: str) -> dict[str, Any]:
 
 def _readable(text: str) -> Any:
     """JSON lines parsed (so that their clocks and latencies are masked by key); a batch table's measured
-    seconds (its last two columns, p50_seconds and p95_seconds) masked; anything else as it is."""
+    seconds (its last three columns, mean_seconds ± half its interval, p50_seconds and p95_seconds) masked;
+    anything else as it is."""
     lines = text.splitlines()
     with contextlib.suppress(ValueError):
         if lines and all(line.startswith(("{", "[")) for line in lines):
@@ -493,7 +495,7 @@ def _readable(text: str) -> Any:
         if line.rstrip().endswith("p50_seconds  p95_seconds"):
             timed = True
         elif timed and re.search(r"\d\s+[\d.]+\s+[\d.]+$", line):
-            lines[i] = re.sub(r"\s+[\d.]+\s+[\d.]+$", " <seconds>", line)
+            lines[i] = re.sub(r"\s+(?:NA|[\d.e-]+(?: ± [\d.e-]+)?)\s+[\d.]+\s+[\d.]+$", " <seconds>", line)
         else:
             timed = False
     return "\n".join(lines)
@@ -532,8 +534,9 @@ def job_view(ws: Workspace, job: Any, tmp: Path) -> dict[str, Any]:
     }
 
 
-# the batch summary's last two cells of a row: the jobs' measured running seconds (p50, p95)
-_BATCH_SECONDS = re.compile(r"(<tr data-variant=.*?<td[^>]*>)[^<]*(</td><td[^>]*>)[^<]*</td></tr>")
+# the batch summary's last two cells of a row: the jobs' measured running seconds (the mean ± half its interval,
+# with the p50 and the interval in its tooltip; the p95)
+_BATCH_SECONDS = re.compile(r"<td[^>]*>(?:(?!</td>).)*</td><td[^>]*>[^<]*</td></tr>")
 
 
 def snapshot(ws: Workspace, tmp: Path, extra: dict[str, Any]) -> dict[str, Any]:
@@ -547,7 +550,7 @@ def snapshot(ws: Workspace, tmp: Path, extra: dict[str, Any]) -> dict[str, Any]:
                                "first_divergence": comparison.first_divergence, "html": comparison._repr_html_()})
     batch = extra["batch"]
     out["batch"] = {"frame": frame(batch.frame), "summary": frame(batch.summary()),
-                    "html": _BATCH_SECONDS.sub(r"\1<seconds>\2<seconds></td></tr>", batch._repr_html_()),
+                    "html": _BATCH_SECONDS.sub("<td><seconds></td><td><seconds></td></tr>", batch._repr_html_()),
                     "counts": batch.counts()}
     out["workspace"] = {"jobs_frame": frame(ws.frames.jobs()), "cli_jobs": cli(ws, "jobs"),
                         "cli_jobs_json": cli(ws, "jobs", "--json"), "cli_batches": cli(ws, "batches"),

@@ -438,10 +438,12 @@ def test_summary_arithmetic(ws: Workspace, tmp_path: Path) -> None:
                  model=[answering_model(tmp_path, "m1", "41"), answering_model(tmp_path, "m2", "42", 90, 7), broken],
                  name="sum", progress=False, scorers={"ok": _answer_ok, "length": lambda j: len(j.summary or "")})
     frame, summary = b.frame, b.summary()
+    ci = ("_se", "_ci_low", "_ci_high")  # each mean's interval (tests/test_batch_stats.py checks them)
     assert list(summary.columns) == [
-        "variant", "variant_label", "n", "succeeded", "failed", "aborted", "waiting", "unfinished", "mean_ok",
-        "mean_length", "mean_tokens", "median_tokens", "cost_usd", "mean_cost_usd", "judge_cost_usd", "p50_seconds",
-        "p95_seconds", "piece", "model"]
+        "variant", "variant_label", "n", "succeeded", "failed", "aborted", "waiting", "unfinished",
+        *[f"{m}{s}" for m in ("mean_ok", "mean_length", "mean_tokens") for s in ("", *ci)], "median_tokens",
+        "cost_usd", *[f"mean_cost_usd{s}" for s in ("", *ci)], "judge_cost_usd",
+        *[f"mean_seconds{s}" for s in ("", *ci)], "p50_seconds", "p95_seconds", "piece", "model"]
     assert summary["n"].dtype == "Int64" and summary["mean_tokens"].dtype == "Float64"
     assert list(summary["failed"]) == [0, 0, 4] and list(summary["succeeded"]) == [4, 4, 0]
     for v, row in summary.iterrows():
@@ -452,6 +454,7 @@ def test_summary_arithmetic(ws: Workspace, tmp_path: Path) -> None:
         assert row["mean_tokens"] == pytest.approx(tokens.mean())
         assert row["median_tokens"] == pytest.approx(np.median(tokens))
         assert row["cost_usd"] == 0.0 and row["mean_cost_usd"] == 0.0 and row["judge_cost_usd"] == 0.0
+        assert row["mean_seconds"] == pytest.approx(seconds.mean())
         assert row["p50_seconds"] == pytest.approx(np.percentile(seconds, 50))
         assert row["p95_seconds"] == pytest.approx(np.percentile(seconds, 95))
         oks = [bool(x) for x in rows["ok"]]
@@ -552,14 +555,16 @@ def test_variants_are_named_by_short_unique_labels_and_the_full_spec_is_kept(ws:
     # the variant, n, the outcome counts, each score, tokens, cost, time: what a reader scans, left to right
     # (no job failed, aborted or waits: those counts are left out)
     assert heads == ["variant", "n", "succeeded", "ok", "grade", "has_answer", "long_name_score", "tokens/job",
-                     "cost", "p50s", "p95s"]
+                     "cost/job", "s/job", "p95s"]
     assert [r[0][0] for r in rows] == want
     assert [r[0][1] for r in rows] == [f"variant {i}: {p} × {m}" for i, (p, m) in
                                        enumerate(itertools.product(["single", "draft-review"], [m1, m2, twin]))]
     assert all(str(deep) not in text for r in rows for text, _ in r)  # the path only in the tooltip
-    assert [r[3][0] for r in rows] == [f"{v:.2f}" for v in summary["mean_ok"]]
-    assert [r[7][0] for r in rows] == [f"{v:,.0f}" for v in summary["mean_tokens"]]
-    assert [r[7][1] for r in rows] == [f"median {v:,.0f}" for v in summary["median_tokens"]]
+    # each mean ± half its interval's width (2 cases: every job of a variant takes the same tokens)
+    assert [r[3][0].split(" ± ")[0] for r in rows] == [f"{v:.2f}" for v in summary["mean_ok"]]
+    assert [r[7][0] for r in rows] == [f"{v:,.0f} ± 0" for v in summary["mean_tokens"]]
+    assert [r[7][1] for r in rows] == [f"median {v:,.0f} · CI {v:,.0f} to {v:,.0f} · SE 0"
+                                       for v in summary["median_tokens"]]
     # a label breaks only between the piece and the model, never inside a name such as "release-/notes"
     assert "<span style='white-space:nowrap'>draft-review</span> · <span style='white-space:nowrap'>" \
            "scripted:summary.yaml</span>" in b._repr_html_()
@@ -585,7 +590,7 @@ def test_plot_batch_points_per_variant_and_tokens_per_case(ws: Workspace, tmp_pa
                  name="plot", progress=False, scorers={"ok": _answer_ok, "grade": lambda j: 0.5 + j.case})
     fig = agentnb.plot_batch(b)
     scatter, boxes = fig.axes
-    points = {a.get_gid(): a.get_offsets()[0] for a in scatter.collections if a.get_gid()}
+    points = {a.get_gid(): a.get_offsets()[0] for a in scatter.collections if str(a.get_gid()).startswith("variant:")}
     summary = b.summary()
     assert set(points) == {"variant:0", "variant:1"}
     for v in (0, 1):
@@ -671,11 +676,12 @@ def test_plot_batch_plots_the_score_that_varies_and_says_which(ws: Workspace) ->
     frame = _lab_frame(2)
     fig = agentnb.plot_batch(frame)  # has_notes is 1.0 for every variant: coverage is what tells them apart
     scatter = fig.axes[0]
-    assert scatter.get_ylabel() == "mean coverage" and scatter.get_title() == "coverage against tokens"
+    assert scatter.get_ylabel() == "mean coverage" and scatter.get_title() == "coverage against tokens · bars: 95% CI"
     assert fig.get_suptitle() == ("batch review-or-not: 2 variants × 8 cases\n"
                                   "score plotted: coverage · others: has_notes (choose with score=)")
     means = frame.groupby("variant")["coverage"].mean()
-    assert [c.get_offsets()[0][1] for c in scatter.collections if c.get_gid()] == pytest.approx(list(means))
+    assert [c.get_offsets()[0][1] for c in scatter.collections
+            if str(c.get_gid()).startswith("variant:")] == pytest.approx(list(means))
     chosen = agentnb.plot_batch(frame, score="has_notes")
     assert chosen.axes[0].get_ylabel() == "share of has_notes true"
     assert "score plotted: has_notes · others: coverage" in chosen.get_suptitle()

@@ -22,7 +22,7 @@ from conftest import store_of
 from IPython.core.error import UsageError
 from openai_server import OpenAIServer, reply, stall
 
-from agentnb import Workspace
+from agentnb import BatchComparison, Workspace
 from agentnb.batch import Batch
 from agentnb.store import StoreError
 
@@ -150,6 +150,8 @@ def test_magic_batches_lists_each_batch_with_counts_by_status(shell: Any, tmp_pa
     ("batch t_notcases", "cases must be a list of dicts or a DataFrame, not int"),
     ("batch t_noinstr", "case 1 needs an 'instruction'"),
     ("batch", "the following arguments are required: cases"),
+    ("batch t_cases --piece single --model demo --baseline nope", "--baseline 'nope' is not a variant of the batch; "
+     "allowed: a variant's number or label, or a piece or model only one variant has: 0 = single · demo"),
 ])
 def test_magic_batch_refuses_bad_input_in_one_line_and_creates_nothing(shell: Any, line: str, needle: str) -> None:
     shell.user_ns.update(t_cases=CASES, t_bad={"x": 3}, t_notcases=7,
@@ -161,6 +163,25 @@ def test_magic_batch_refuses_bad_input_in_one_line_and_creates_nothing(shell: An
     assert needle in text
     assert shell.run_line_magic("agent", "batches").empty
     assert shell.run_line_magic("agent", "jobs").empty
+
+
+def test_magic_batch_with_a_baseline_returns_the_comparison(shell: Any, tmp_path: Path) -> None:
+    shell.user_ns["t_cases"] = CASES
+    shell.user_ns["t_two"] = [_succeeding(tmp_path), _succeeding(tmp_path / "b", "another answer")]
+    shell.user_ns["t_right"] = lambda job: (job.output / "answer.txt").read_text() == job.expected
+    c = shell.run_line_magic("agent", "batch t_cases --piece single --model t_two --scorer t_right --name ab "
+                                      "--baseline 1")
+    assert isinstance(c, BatchComparison) and (c.batch, c.baseline) == ("ab", 1)
+    # "the answer" is right for cases 0 and 2, "another answer" for case 1
+    row = c.frame.set_index("measure").loc["t_right"]
+    assert (row["variant"], row["better_cases"], row["worse_cases"], row["verdict"]) == (0, 2, 1, "too few cases")
+    assert "Too few cases for the test to mean anything: with n = 3 paired cases" in c._repr_html_()
+    # resuming by name with a baseline: the batch's own variants
+    again = shell.run_line_magic("agent", "batch ab --baseline 0")
+    assert again.frame.equals(shell.run_line_magic("agent", "batch ab --baseline 0").frame)
+    with pytest.raises(UsageError, match=r"^%agent batch: --baseline 'x' is not a variant of the batch; .*"
+                                         r"0 = single · scripted:[^,]+/ok\.yaml, 1 = single · scripted:b/ok\.yaml$"):
+        shell.run_line_magic("agent", "batch ab --baseline x")
 
 
 def test_magic_batch_name_of_a_batch_with_other_cases_is_refused(shell: Any, tmp_path: Path) -> None:
@@ -244,6 +265,26 @@ def test_cli_batch_from_csv_with_an_inputs_folder_prints_the_summary_and_exits_0
     assert first.expected == "the answer"
     second = next(j for j in ws.jobs() if j.case == 1 and j.variant == 0)
     assert second.instruction == 'Say "hello, world"' and not any((second.workdir / "input").iterdir())
+
+
+@needs_cli
+def test_cli_batch_with_a_baseline_prints_the_paired_comparison(tmp_path: Path) -> None:
+    ok = _succeeding(tmp_path)
+    other = write_script(tmp_path, "other", {"work": [transition("COMPLETE", summary="nothing written")]})
+    (tmp_path / "c.csv").write_text("instruction\none\ntwo\n", encoding="utf-8")
+    out = agentnb(tmp_path, "--workspace", "ws", "batch", "c.csv", "--piece", "single", "--model", ok, "--model",
+                  other, "--baseline", "0", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("against baseline 0"))
+    assert lines[at] == ("against baseline 0 (single · scripted:ok.yaml): diff = variant − baseline, paired by case; "
+                         "95% CI, percentile bootstrap over cases, 9,999 resamples, seed 0; p: paired permutation "
+                         "(sign-flip)")
+    assert lines[at + 1].split()[:4] == ["variant", "measure", "better", "n"]
+    assert [ln.split()[:4] for ln in lines[at + 2:at + 4]] == [["1", "cost_usd", "lower", "2"],
+                                                               ["1", "total_tokens", "lower", "2"]]
+    # the summary's means printed with ± half their interval
+    assert " ± " in lines[2]
 
 
 @needs_cli
@@ -367,6 +408,7 @@ def test_cli_batch_bad_file_is_one_error_line_exit_2_and_nothing_stored(tmp_path
     (["--piece", "nope"], "unknown piece 'nope'"),
     (["--concurrency", "0"], "concurrency=0; allowed: a whole number ≥ 1"),
     (["--model", "scripted:nofile.yaml"], "nofile.yaml"),
+    (["--piece", "single", "--model", "demo", "--baseline", "2"], "--baseline '2' is not a variant of the batch"),
 ])
 def test_cli_batch_bad_options_are_one_error_line_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
     (tmp_path / "c.csv").write_text("instruction\nx\n")

@@ -953,7 +953,7 @@ def test_batch_summaries_and_plots_of_2_and_8_variants_fit_the_output(lab: Lab) 
                 assert right <= seen["outRight"] + 1, f"column {text!r} is off-screen ({right} > {seen['outRight']})"
             assert [h for h, _ in seen["heads"]] == [
                 "variant", "n", "succeeded", "has_answer", "right_answer", "answer_length", "mentions_plugins",
-                "tokens/job", "cost", "p50s", "p95s"]
+                "tokens/job", "cost/job", "s/job", "p95s"]
             assert not seen["wrapped"], f"a name wraps inside itself: {seen['wrapped']}"
             assert "acme-corporation" not in seen["text"]  # the path only in the tooltips
             assert any("acme-corporation" in t for t in seen["titles"])

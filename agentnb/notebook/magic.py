@@ -34,6 +34,7 @@ from IPython.display import HTML, display
 from traitlets import Unicode, observe
 
 from ..batch import DEFAULT_CONCURRENCY, Batch
+from ..batch_compare import BatchComparison, check_baseline
 from ..compare import Comparison
 from ..engine.context import context_items
 from ..engine.pieces import Piece, available_pieces, load_piece
@@ -77,9 +78,10 @@ _OVERVIEW = """\
   tools [PIECE] [--workdir DIR]  each movement's tools: source (built-in, Python or MCP server), parameters
   export JOB PATH              the job as a notebook (.ipynb)
   plot [JOB]                   the usage plot: context ratio per LLM call, cumulative tokens
-  batch CASES --piece a,b --model m[,m2] [--concurrency N] [--name NAME] [--scorer VAR]...
+  batch CASES --piece a,b --model m[,m2] [--concurrency N] [--name NAME] [--scorer VAR]... [--baseline V]
                                run every case (a list of dicts or a DataFrame variable) under every
-                               piece × model, scored; the Batch.  batch NAME resumes a batch
+                               piece × model, scored; the Batch (--baseline: its BatchComparison).
+                               batch NAME resumes a batch
   batches                      every batch of the workspace, as a DataFrame
   compare A B                  two jobs side by side, aligned by movement run, the first divergence marked
 
@@ -707,7 +709,9 @@ class AgentMagic(Magics):
               help="a variable holding a function(job) (scored under the variable's name) or a dict of name → "
                    "function (repeatable)")
     @argument("--no-run", action="store_true", help="only create the batch (or look it up); run it later")
-    def cmd_batch(self, args: Any, cell: str | None) -> Batch:
+    @argument("--baseline", metavar="VARIANT", help="after the run, the BatchComparison of every other variant "
+              "against this one (a variant's number or label, or a piece or model only it has)")
+    def cmd_batch(self, args: Any, cell: str | None) -> Batch | BatchComparison:
         """Run cases × variants (pieces × models) as jobs, N at once, score them; the Batch (its summary shows).
 
         Ctrl-C (the stop button) pauses every running job after its current LLM call; the same line
@@ -718,6 +722,9 @@ class AgentMagic(Magics):
         scorers = self._scorers(args.scorer)
         if isinstance(cases, Batch):
             found, cases = False, cases.name
+        if args.baseline is not None:  # refused before anything is created (a resumed batch: its own variants)
+            new = (self.piece if pieces is None else pieces, self.model if models is None else models) if found else ()
+            check_baseline(args.baseline, self.ws.store, args.name if found else str(cases), *(new or (None, None)))
         if not found:  # a batch name: resume it
             name = str(cases)
             if args.name is not None and args.name != name:
@@ -739,7 +746,7 @@ class AgentMagic(Magics):
         # after Ctrl-C, the executor's one line says what paused and to resume with this magic
         with contextlib.suppress(KeyboardInterrupt):
             batch.run(concurrency=args.concurrency, resume=f"%agent batch {batch.name}")
-        return batch
+        return batch if args.baseline is None else batch.compare(baseline=args.baseline)
 
     @magic_arguments(name="agent batches")
     def cmd_batches(self, args: Any, cell: str | None) -> Any:

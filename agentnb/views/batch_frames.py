@@ -48,6 +48,7 @@ from ..models.base import short_spec
 from ..store import reads
 from ..store.base import TERMINAL_STATES, WAITING_STATES, JobStatus, Store
 from ..store.records import BatchCase, BatchVariant
+from .batch_stats import Settings, interval_columns, summary_intervals
 from .timeline import fold
 
 __all__ = ["BatchSource", "JobTotals", "batch_frame", "batch_html", "batch_summary", "job_totals",
@@ -244,7 +245,8 @@ def _total(values: pd.Series) -> Any:
     return pd.NA if values.isna().any() else float(values.sum())
 
 
-def batch_summary(batch: BatchSource | None, frame: pd.DataFrame | None = None) -> pd.DataFrame:
+def batch_summary(batch: BatchSource | None, frame: pd.DataFrame | None = None, *,
+                  stats: Settings | None = None) -> pd.DataFrame:
     """One row per variant, in variant order, its columns in the order they are read: the variant and its
     ``variant_label``, ``n`` jobs, how many ``succeeded``/``failed``/``aborted``/``waiting`` (for a human or
     for subtasks) and ``unfinished`` (queued or running); ``mean_<score>`` for each score whose column is
@@ -252,8 +254,9 @@ def batch_summary(batch: BatchSource | None, frame: pd.DataFrame | None = None) 
     of ``total_tokens``; ``cost_usd`` (total)/``mean_cost_usd`` over every job of the variant (what it spent
     so far; NA when a price is unknown); ``judge_cost_usd``, what its LLM judges cost (total, apart from the jobs'
     own); ``p50_seconds``/``p95_seconds`` over the jobs that ended (pandas'
-    linear quantiles; NA before any ended); last the full ``piece`` and ``model``.  ``frame`` (a
-    ``batch_frame``) is summarised instead of reading the batch again.
+    linear quantiles; NA before any ended) and their ``mean_seconds``; last the full ``piece`` and ``model``.
+    Each mean is followed by its ``_se``, ``_ci_low`` and ``_ci_high`` (``batch_stats``: a bootstrap over cases
+    with the ``stats`` settings).  ``frame`` (a ``batch_frame``) is summarised instead of reading the batch again.
     """
     if frame is None:
         if batch is None:
@@ -283,17 +286,33 @@ def batch_summary(batch: BatchSource | None, frame: pd.DataFrame | None = None) 
             "mean_cost_usd": pd.NA if group["cost_usd"].isna().any() else float(group["cost_usd"].mean()),
             # the LLM judges' calls, apart from what the jobs spent (a frame of the user's making may lack it)
             "judge_cost_usd": _total(group["judge_cost_usd"]) if "judge_cost_usd" in group else 0.0,
+            "mean_seconds": float(ended["seconds"].mean()) if len(ended) else pd.NA,
             "p50_seconds": float(ended["seconds"].quantile(0.5)) if len(ended) else pd.NA,
             "p95_seconds": float(ended["seconds"].quantile(0.95)) if len(ended) else pd.NA,
             "piece": group["piece"].iloc[0], "model": group["model"].iloc[0],
         })
-    measures = [*[f"mean_{n}" for n in numeric], "mean_tokens", "median_tokens", "cost_usd", "mean_cost_usd",
-                "judge_cost_usd", "p50_seconds", "p95_seconds"]
+    ended_rows = df["status"].astype(str).isin(TERMINAL_STATES)
+    means = [*[(f"mean_{n}", n, None) for n in numeric], ("mean_tokens", "total_tokens", None),
+             ("mean_cost_usd", "cost_usd", None), ("mean_seconds", "seconds", ended_rows)]
+    intervals = summary_intervals(df, means, stats or Settings())
+    for row in rows:
+        for name, _column, _rows in means:
+            found = intervals[name].get(row["variant"])
+            row.update(zip(interval_columns(name), (found.se, found.low, found.high) if found else (pd.NA,) * 3,
+                           strict=True))
+    measures = [*[c for n in numeric for c in (f"mean_{n}", *interval_columns(f"mean_{n}"))], "mean_tokens",
+                *interval_columns("mean_tokens"), "median_tokens", "cost_usd", "mean_cost_usd",
+                *interval_columns("mean_cost_usd"), "judge_cost_usd", "mean_seconds", *interval_columns("mean_seconds"),
+                "p50_seconds", "p95_seconds"]
     columns = ["variant", "variant_label", *_OUTCOMES, *measures, "piece", "model"]
     out = pd.DataFrame.from_records(rows, columns=columns)
     types = {"variant": "Int64", "variant_label": "string", "piece": "string", "model": "string",
              **dict.fromkeys(_OUTCOMES, "Int64"), **dict.fromkeys(measures, "Float64")}
-    return out.astype(types)
+    out = out.astype(types)
+    for col in measures:  # an interval that cannot be had (one case, an unknown price) is NA, not NaN
+        out[col] = out[col].mask(out[col].isna(), pd.NA)
+    out.attrs["stats"] = (stats or Settings()).text()
+    return out
 
 
 # n and the outcome counts of a summary row
@@ -380,9 +399,11 @@ def _number(value: Any, kind: str) -> str:
 def summary_table(summary: pd.DataFrame) -> str:
     """A ``batch_summary`` as a table narrow enough to scan in a notebook's output (about 1,000 px with four
     scores): the variant's short label (its full piece and model in the tooltip), n, the outcome counts (a
-    count that is 0 for every variant is left out), each score, the mean tokens, the total cost and the
-    p50/p95 running seconds; the median tokens and mean cost in the tooltips.  The DataFrame has it all."""
-    scores = [c for c in summary.columns if c.startswith("mean_") and c not in ("mean_tokens", "mean_cost_usd")]
+    count that is 0 for every variant is left out), each score, the mean tokens, cost and running seconds per
+    job, each as "mean ± half its confidence interval's width" (the interval and standard error in the
+    tooltip), and the p95 running seconds; the median tokens, total cost and p50 seconds in the tooltips, and
+    below the table what ± is.  The DataFrame has it all."""
+    scores = [c for c in summary.columns if c.startswith("mean_") and c not in _MEANS and not c.endswith(_CI)]
     outcomes = ["n", "succeeded", *[c for c in ("failed", "aborted", "waiting", "unfinished") if summary[c].any()]]
     e = html.escape
     # a header breaks only at an underscore or where a <br> says: "mentions_<wbr>plugins", never "releas-/e"
@@ -391,8 +412,8 @@ def summary_table(summary: pd.DataFrame) -> str:
              *[f"<th style='{_HEAD}' title='{e(_score_tip(c[5:]), quote=True)}'>"
                f"{'_<wbr>'.join(e(p) for p in c[5:].split('_'))}</th>" for c in scores],
              f"<th style='{_HEAD}' title='mean total tokens per job'>tokens<br>/job</th>",
-             f"<th style='{_HEAD}' title='total cost in US$ (NA: a price is unknown)'>cost</th>",
-             f"<th style='{_HEAD}' title='running seconds of the jobs that ended, median'>p50<br>s</th>",
+             f"<th style='{_HEAD}' title='mean cost per job in US$ (NA: a price is unknown)'>cost<br>/job</th>",
+             f"<th style='{_HEAD}' title='mean running seconds of the jobs that ended'>s<br>/job</th>",
              f"<th style='{_HEAD}' title='running seconds of the jobs that ended, 95th percentile'>p95<br>s</th>"]
     rows = []
     for _, r in summary.iterrows():
@@ -404,23 +425,45 @@ def summary_table(summary: pd.DataFrame) -> str:
         label = f"<span style='{_NOWRAP}'>{e(piece)}</span>" + (f" · {'<wbr>'.join(folders)}" if _sep else "")
         cells = [f"<td style='{_CELL};text-align:left' title='{e(full, quote=True)}'>{label}</td>",
                  *[f"<td style='{_CELL}'>{_number(r[c], 'count')}</td>" for c in outcomes],
-                 *[f"<td style='{_CELL}'>{_number(r[c], 'score')}</td>" for c in scores],
-                 f"<td style='{_CELL}' title='median {e(_number(r['median_tokens'], 'count'))}'>"
-                 f"{_number(r['mean_tokens'], 'count')}</td>",
-                 f"<td style='{_CELL}' title='mean per job {e(_number(r['mean_cost_usd'], 'money'))}"
-                 f"{_judged(r)}'>"
-                 f"{_number(r['cost_usd'], 'money')}</td>",
-                 f"<td style='{_CELL}'>{_number(r['p50_seconds'], 'score')}</td>",
+                 *[_pm_cell(r, c, "score") for c in scores],
+                 _pm_cell(r, "mean_tokens", "count", f"median {_number(r['median_tokens'], 'count')}"),
+                 _pm_cell(r, "mean_cost_usd", "money", f"total {_number(r['cost_usd'], 'money')}{_judged(r)}"),
+                 _pm_cell(r, "mean_seconds", "score", f"p50 {_number(r['p50_seconds'], 'score')}"),
                  f"<td style='{_CELL}'>{_number(r['p95_seconds'], 'score')}</td>"]
         rows.append(f"<tr data-variant='{int(r['variant'])}'>{''.join(cells)}</tr>")
+    note = (f"<p class='agentnb-batch-ci' style='font-size:11px;color:#777;margin:2px 0'>± is half the width of "
+            f"the {e(str(summary.attrs.get('stats', Settings().text())))} (clustered by case when cases ran several "
+            "epochs); hover a cell for the interval and the standard error</p>")
     return (f"<table class='agentnb-batch-summary' style='width:auto;max-width:100%'><thead><tr>{''.join(heads)}"
-            f"</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+            f"</tr></thead><tbody>{''.join(rows)}</tbody></table>{note}")
+
+
+# the summary's means that have a column of their own in the table (the others are scores), and the suffixes
+# of the interval columns that follow each mean
+_MEANS = ("mean_tokens", "mean_cost_usd", "mean_seconds")
+_CI = ("_se", "_ci_low", "_ci_high")
+
+
+def _pm_cell(r: pd.Series, mean: str, kind: str, extra: str = "") -> str:
+    """A table cell ``mean ± half-width``, its interval and standard error in the tooltip (with ``extra``)."""
+    value, low, high, se = r[mean], r[f"{mean}_ci_low"], r[f"{mean}_ci_high"], r[f"{mean}_se"]
+    text = _number(value, kind)
+    tip = [extra] if extra else []
+    if not _na(value) and not _na(low):
+        half = _number((float(high) - float(low)) / 2, kind).lstrip("$")  # the mean's cell says it is dollars
+        # the ± part smaller, and a line of its own where the table would not fit the output's width
+        text = f"<span style='{_NOWRAP}'>{text}</span> <span style='{_NOWRAP};font-size:85%;color:#666'>± {half}</span>"
+        tip.append(f"CI {_number(low, kind)} to {_number(high, kind)} · SE {_number(se, kind)}")
+    elif not _na(value):
+        tip.append("no interval: fewer than 2 cases")
+    title = f" title='{html.escape(' · '.join(tip), quote=True)}'" if tip else ""
+    return f"<td style='{_CELL}'{title}>{text}</td>"
 
 
 def _judged(row: pd.Series) -> str:
     """The cost cell's tooltip on what the LLM judges cost, apart (docs/design-lab.md#llm-judge); empty without any."""
     judged = row.get("judge_cost_usd", 0.0)
-    return "" if not _na(judged) and not judged else html.escape(f"; LLM judges {_number(judged, 'money')}", quote=True)
+    return "" if not _na(judged) and not judged else f" · LLM judges {_number(judged, 'money')}"
 
 
 def _score_tip(name: str) -> str:

@@ -5,7 +5,9 @@ by ``score=``; by default the first boolean or numeric score whose mean differs 
 score equal for all, such as "wrote a file" when every job did, says nothing about the choice), else the
 first one.  The figure's title names the score plotted and the others ``score=`` can choose.  A boolean's
 mean is the share true.  When every cost is 0 or unknown (offline models, unpriced endpoints) the x axis
-is the mean total tokens per job instead, and its label says so.  Right: the total tokens of each case,
+is the mean total tokens per job instead, and its label says so.  Each marker has error bars both ways: the
+95 % confidence intervals of its two means (``batch_summary``'s ``_ci_low``/``_ci_high``, a bootstrap over
+cases; docs/design-lab.md#confidence-intervals), as the left panel's title says.  Right: the total tokens of each case,
 one row per variant (a box with every case drawn over it).
 
 Variants are named by their short ``variant_label`` (``batch_frames.variant_labels``), once, as the right
@@ -90,7 +92,9 @@ def plot_batch(batch: Any, *, score: str | None = None, title: str | None = None
     n = len(summary)
     costs = summary["mean_cost_usd"]
     by_cost = bool(costs.notna().all() and (costs > 0).any())
-    x = (costs if by_cost else summary["mean_tokens"]).astype(float).to_numpy()
+    mean_x = "mean_cost_usd" if by_cost else "mean_tokens"
+    x = summary[mean_x].astype(float).to_numpy()
+    x_ci = [summary[f"{mean_x}_ci_{end}"].astype(float).to_numpy() for end in ("low", "high")]
     # a row of the right panel per variant: about a third of an inch each, on top of the titles and axes
     fig = BatchFigure(figsize=figsize or (10.0, max(4.0, 2.2 + 0.3 * n)), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=(1.0, 1.0))
@@ -109,13 +113,15 @@ def plot_batch(batch: Any, *, score: str | None = None, title: str | None = None
         fig.suptitle(heading, fontsize="large")
     else:
         y = summary[f"mean_{chosen}"].astype(float).to_numpy()
+        y_ci = [summary[f"mean_{chosen}_ci_{end}"].astype(float).to_numpy() for end in ("low", "high")]
         boolean = str(frame[chosen].dtype) == "boolean"
         left.set_ylabel(f"share of {chosen} true" if boolean else f"mean {chosen}")
         others = [s for s in _numeric_scores(frame) if s != chosen]
         note = f"score plotted: {chosen}" + (f" · others: {', '.join(others)} (choose with score=)" if others else "")
         # in the figure's title, which has the figure's whole width (an axes' title may be clipped)
         fig.suptitle(f"{heading}\n{note}", fontsize="large", gid="score-note")
-        left.set_title(f"{chosen} against {'cost' if by_cost else 'tokens'}", fontsize="medium")
+        left.set_title(f"{chosen} against {'cost' if by_cost else 'tokens'} · bars: {_level(summary)} CI",
+                       fontsize="medium")
         unscored = [label for label, yi in zip(labels, y, strict=True) if np.isnan(yi)]
         if unscored:  # no job of these variants has this score yet (none ended, or the scorer always raised)
             left.text(0.01, 0.01, f"no {chosen} yet: {len(unscored)} variant(s)", transform=left.transAxes,
@@ -126,6 +132,15 @@ def plot_batch(batch: Any, *, score: str | None = None, title: str | None = None
             colour, marker, _ = _style(i)
             left.scatter([xi], [yi], s=70, color=colour, marker=marker, alpha=0.85, edgecolors="white",
                          linewidths=0.8, zorder=3, gid=f"variant:{i}")
+            # the mean's confidence interval each way (none where it cannot be had: one case, an unknown price)
+            xerr = [[xi - x_ci[0][i]], [x_ci[1][i] - xi]] if not np.isnan(x_ci[0][i]) else None
+            yerr = [[yi - y_ci[0][i]], [y_ci[1][i] - yi]] if not np.isnan(y_ci[0][i]) else None
+            if xerr is not None or yerr is not None:
+                bars = left.errorbar([xi], [yi], xerr=xerr, yerr=yerr, fmt="none", ecolor=colour, alpha=0.6,
+                                     elinewidth=1.2, capsize=3, zorder=2)
+                bars.set_label(f"ci:{i}")  # a container has a label, not a gid
+                for part in bars.get_children():
+                    part.set_gid(f"ci:{i}")
         if boolean:
             left.set_ylim(-0.05, 1.1)
         left.margins(x=0.15, y=0.15)
@@ -153,6 +168,11 @@ def plot_batch(batch: Any, *, score: str | None = None, title: str | None = None
     right.set_title("tokens per case, by variant", fontsize="medium")
     right.grid(axis="x", alpha=0.3)
     return fig
+
+
+def _level(summary: pd.DataFrame) -> str:
+    """The confidence of the summary's intervals, as its settings' text starts ("95% CI, …")."""
+    return str(summary.attrs.get("stats", "95%")).split(" ", 1)[0]
 
 
 def _two_lines(label: str) -> str:
