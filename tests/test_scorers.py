@@ -336,6 +336,7 @@ def test_an_openai_judge_on_a_real_endpoint_is_priced_apart(ws: Workspace, tmp_p
     row = b.frame.iloc[0]
     assert row["cost_usd"] == 0.0 and row["judge_cost_usd"] == pytest.approx(price, rel=1e-12)
     assert b.summary()["judge_cost_usd"].tolist() == pytest.approx([price], rel=1e-12)
+    assert "LLM judges $" in b._repr_html_()  # the summary's cost cell says it, apart from the jobs' own
     usage = ws.frames.usage(job)
     judged = usage[usage["purpose"] == "judge"]
     assert judged["cost_usd"].tolist() == pytest.approx([price], rel=1e-12)
