@@ -50,10 +50,11 @@ class Job:
     workdir: Path
     created: float
     workspace: JobHost | None = field(default=None, repr=False)
-    # a batch's job (docs/design-lab.md): the batch name, the case index and the variant index
+    # a batch's job (docs/design-lab.md): the batch name, the case index, the variant index and the epoch (from 1)
     batch: str | None = None
     case: int | None = None
     variant: int | None = field(default=None, repr=False)
+    epoch: int | None = field(default=None, repr=False)
     # a fork (docs/fork-compare.md#fork): (the original job's id, the movement run it runs live from)
     forked_from: tuple[int, int] | None = None
     # the changing columns as last read; a snapshot (or a Job without a workspace) only ever shows these
@@ -68,7 +69,8 @@ class Job:
         workdir = Path(row.workdir) if ws is None else local_workdir(ws.root, row, ws.store.keeps_files)
         return cls(id=row.id, parent_id=row.parent_id, piece=row.piece, model=row.model,
                    instruction=row.instruction, workdir=workdir, created=row.created, workspace=ws,
-                   batch=row.batch, case=row.batch_case, variant=row.batch_variant, forked_from=row.forked_from,
+                   batch=row.batch, case=row.batch_case, variant=row.batch_variant, epoch=row.epoch,
+                   forked_from=row.forked_from,
                    _row={"status": row.status.value, "current_movement": row.current_movement,
                          "resume_movement": row.resume_movement, "movement_seq": row.movement_seq,
                          "error": row.error, "updated": row.updated, "started": row.started, "ended": row.ended})

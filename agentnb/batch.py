@@ -14,7 +14,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from .batch_compare import BatchComparison
 
 __all__ = ["DEFAULT_CONCURRENCY", "RESERVED_COLUMNS", "Batch", "BatchHost", "Case", "Scorer", "Variant", "batch_names",
-           "batch_of_cases", "check_cases", "check_concurrency", "check_score_names", "check_scorers", "check_variants", "open_batch",
+           "batch_of_cases", "check_cases", "check_concurrency", "check_epochs", "check_score_names", "check_scorers",
+           "check_variants", "open_batch",
            "record_scores", "score_jobs", "score_value"]
 
 DEFAULT_CONCURRENCY = 4
@@ -198,9 +199,9 @@ def check_cases(cases: Any) -> list[Case]:
 
 
 # the columns of Batch.frame that a case's own columns may not take
-RESERVED_COLUMNS = ("case", "instruction", "expected", "variant", "variant_label", "piece", "model", "job", "status",
-                    "subtasks", "movements", "llm_calls", "prompt_tokens", "completion_tokens", "total_tokens", "cost_usd",
-                    "judge_cost_usd", "seconds")
+RESERVED_COLUMNS = ("case", "instruction", "expected", "variant", "variant_label", "epoch", "piece", "model", "job",
+                    "status", "subtasks", "movements", "llm_calls", "prompt_tokens", "completion_tokens", "total_tokens",
+                    "cost_usd", "judge_cost_usd", "seconds")
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -266,6 +267,17 @@ def check_concurrency(concurrency: Any) -> int:
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise UsageError(f"concurrency={concurrency!r}; allowed: a whole number ≥ 1 (jobs run at once)")
     return concurrency
+
+
+def check_epochs(epochs: Any) -> int | None:
+    """``epochs=`` as given (None: the batch's own, 1 for a new batch), or a UsageError (docs/design-lab.md#epochs)."""
+    if epochs is None:
+        return None
+    if type(epochs).__module__ == "numpy" and callable(getattr(epochs, "item", None)):
+        epochs = epochs.item()  # a whole number read from a DataFrame or numpy
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise UsageError(f"epochs={epochs!r}; allowed: a whole number ≥ 1 (how many times each case × variant runs)")
+    return epochs
 
 
 def _canonical(value: Any) -> Any:
@@ -384,9 +396,14 @@ class Batch:
         return [v.to_dict() for v in self._record().variants]
 
     @property
+    def epochs(self) -> int:
+        """How many times each case × variant runs (docs/design-lab.md#epochs)."""
+        return self._record().epochs
+
+    @property
     def jobs(self) -> list[Any]:
-        """The batch's jobs, by case and then variant."""
-        rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: (r.batch_case or 0, r.batch_variant or 0))
+        """The batch's jobs, by case, then variant, then epoch."""
+        rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: r.batch_position)
         return [self.ws.job(r.id) for r in rows]
 
     def counts(self) -> dict[str, int]:
@@ -401,8 +418,9 @@ class Batch:
     # -- running ----------------------------------------------------------------------------------------------
     def pending(self) -> list[int]:
         """Ids of the jobs a run would start or resume: queued ones (new, paused, interrupted) and running
-        ones whose process is gone; jobs waiting for their subtasks are included (their children run)."""
-        rows = sorted(self.ws.store.jobs(batch=self.name), key=lambda r: (r.batch_case or 0, r.batch_variant or 0))
+        ones whose process is gone; jobs waiting for their subtasks are included (their children run).  Epoch by
+        epoch: every case × variant of epoch 1 first, so that a run cut short has whole epochs to compare."""
+        rows = sorted(self.ws.store.jobs(batch=self.name), key=_epoch_first)
         return [r.id for r in rows if r.status in _PENDING]
 
     def run(self, *, concurrency: int = DEFAULT_CONCURRENCY, scorers: Mapping[str, Scorer] | None = None,
@@ -454,8 +472,9 @@ class Batch:
     # -- results (views of the store) -----------------------------------------------------------------------------
     @property
     def frame(self) -> pd.DataFrame:
-        """One row per case × variant (docs/design-lab.md): ``case``, ``instruction``, the case's own columns,
-        ``expected``, ``variant``, ``variant_label`` (short: the piece and the model's short spec), ``piece``,
+        """One row per case × variant × epoch (docs/design-lab.md): ``case``, ``instruction``, the case's own columns,
+        ``expected``, ``variant``, ``variant_label`` (short: the piece and the model's short spec), ``epoch`` (from
+        1; docs/design-lab.md#epochs), ``piece``,
         ``model`` (the full spec), ``job``, ``status``, then the totals of the job and
         its subtasks (``subtasks``, ``movements``, ``llm_calls``, the tokens, ``cost_usd``, ``seconds`` of
         running time), then one column per scorer (its latest score; NA when it raised) and ``<name>_error``.
@@ -487,6 +506,11 @@ class Batch:
         from .views.batch_frames import batch_html
 
         return batch_html(self)
+
+
+def _epoch_first(row: Any) -> tuple[int, int, int]:
+    case, variant, epoch = row.batch_position
+    return epoch, case, variant
 
 
 def _now() -> float:
@@ -525,7 +549,8 @@ _RACE_TRIES = 5
 
 def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
                context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
-               check_model: Callable[[str], str]) -> Batch:
+               check_model: Callable[[str], str], epochs: int | None = None,
+               options: Mapping[str, Any] | None = None) -> Batch:
     """Create the batch ``name`` (every job of it, in one transaction), or extend/resume the one of that name.
 
     What the call decides from (the batch as it was read, a free name) is checked again inside the write
@@ -534,7 +559,8 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
     for _ in range(_RACE_TRIES):
         try:
             return _open_batch(ws, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
-                               retries=retries, max_backoff=max_backoff, check_model=check_model)
+                               retries=retries, max_backoff=max_backoff, check_model=check_model, epochs=epochs,
+                               options=options)
         except _Raced:
             continue
     raise UsageError(f"batch {name!r} was changed by other processes {_RACE_TRIES} times while this call "
@@ -543,14 +569,16 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
 
 def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
                 context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
-                check_model: Callable[[str], str]) -> Batch:
+                check_model: Callable[[str], str], epochs: int | None,
+                options: Mapping[str, Any] | None = None) -> Batch:
     chosen = check_scorers(scorers)
+    epochs = check_epochs(epochs)
     if isinstance(cases, str) and name is None:  # ws.batch("exp-1"): resume by name
         name, cases = cases, None
     _check_name(ws.store, name, given_cases=cases is not None)
     existing = reads.batch(ws.store, name) if name is not None else None
     if cases is None:
-        return _resumed(ws, str(name), existing, chosen, piece=piece, model=model)
+        return _resumed(ws, str(name), existing, chosen, piece=piece, model=model, epochs=epochs)
     checked = check_cases(cases)
     variants = _call_variants(existing, piece, model, check_model)
     stored_cases = [c.stored() for c in checked]
@@ -558,14 +586,21 @@ def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str 
     print_ = fingerprint(stored_cases)
     if name is None:
         name = _free_name(ws.store)
+    total = epochs or 1
+    runs = [(e, v) for e in range(1, total + 1) for v in variants]
     if existing is not None:
         _check_same_cases(name, existing, stored_cases, print_)
         variants = _added_variants(existing, variants)
-        if not variants:
+        # more epochs than the batch has add the missing ones to every variant; fewer remove none (as variants)
+        total = max(existing.epochs, epochs or 0)
+        runs = [(e, v) for e in range(existing.epochs + 1, total + 1) for v in _stored_variants(existing)]
+        runs += [(e, v) for e in range(1, total + 1) for v in variants]
+        if not runs:
             return Batch(ws, name, chosen)
-    prepared = _prepared_jobs(ws, checked, variants, context=context, retries=retries, max_backoff=max_backoff)
+    prepared = _prepared_jobs(ws, checked, runs, context=context, retries=retries, max_backoff=max_backoff,
+                              options=options)
     _write_batch(ws, name, existing, prepared, fingerprint=print_, stored_cases=stored_cases, variants=variants,
-                 context=context)
+                 context=context, epochs=total)
     return Batch(ws, name, chosen)
 
 
@@ -580,13 +615,17 @@ def _check_name(store: Store, name: Any, *, given_cases: bool) -> None:
 
 
 def _resumed(ws: BatchHost, name: str, existing: BatchRecord | None, chosen: dict[str, Scorer], *, piece: Any,
-             model: Any) -> Batch:
+             model: Any, epochs: int | None) -> Batch:
     """The batch ``name`` resumed as it is (a call without cases)."""
     if existing is not None and (piece is not None or model is not None):
         # its input files are kept by digest only: new variants' jobs need the cases themselves
         given = " and ".join(k for k, v in (("piece=", piece), ("model=", model)) if v is not None)
         raise UsageError(f"ws.batch({name!r}) resumes the batch as it is, without {given}; to add pieces or "
                          f"models, give its cases again: ws.batch(cases, piece=…, model=…, name={name!r})")
+    if existing is not None and epochs is not None and epochs > existing.epochs:
+        # in words for every front end (ws.batch, the magic's and the command's --epochs)
+        raise UsageError(f"batch {name!r} has {existing.epochs} epoch(s); adding epochs needs its cases again (its "
+                         f"input files are kept by digest only): give the cases, the batch's name and epochs {epochs}")
     if existing is None:
         known = ", ".join(batch_names(ws.store)) or "none yet"
         raise UsageError(f"no batch {name!r} in {ws.store.path} (batches: {known}); "
@@ -635,27 +674,43 @@ def _labels_piece(existing: BatchRecord, label: str, piece_yaml: str) -> bool:
     return any(o.piece == label and o.piece_yaml == piece_yaml for o in existing.variants)
 
 
-def _prepared_jobs(ws: BatchHost, cases: list[Case], variants: list[Variant], *, context: Mapping[str, Any] | None,
-                   retries: int | None, max_backoff: float | None) -> list[tuple[Case, Variant, Any]]:
-    """Every job of cases × variants checked and prepared, before anything is stored."""
-    prepared = []
+def _stored_variants(existing: BatchRecord) -> list[Variant]:
+    """The batch's own variants, their pieces parsed again (to add epochs to them)."""
+    return [Variant(index=i, label=v.piece, piece=parse_piece(v.piece_yaml, source=v.piece_source or "<piece>"),
+                    model=v.model) for i, v in enumerate(existing.variants)]
+
+
+# one job to create: its epoch, case and variant, and the job as prepared
+_Prepared = tuple[int, Case, Variant, Any]
+
+
+def _prepared_jobs(ws: BatchHost, cases: list[Case], runs: list[tuple[int, Variant]], *,
+                   context: Mapping[str, Any] | None, retries: int | None,
+                   max_backoff: float | None, options: Mapping[str, Any] | None = None) -> list[_Prepared]:
+    """Every job of cases × ``runs`` (epoch, variant) checked and prepared, before anything is stored: epoch by
+    epoch (a worker takes the oldest queued job first), each case × variant prepared once for all its epochs;
+    ``options``: more job options for each (the call cache's mode)."""
+    once: dict[tuple[int, int], Any] = {}
     for case in cases:
-        for variant in variants:
+        for _epoch, variant in runs:
+            if (case.index, variant.index) in once:
+                continue
             try:
-                prep = ws.submitter.prepare(case.instruction, piece=variant.piece, model=variant.model, inputs=case.inputs,
-                                             workdir=None, context=context, retries=retries,
-                                             max_backoff=max_backoff)
+                prep = ws.submitter.prepare(case.instruction, piece=variant.piece, model=variant.model,
+                                            inputs=case.inputs, workdir=None, context=context, retries=retries,
+                                            max_backoff=max_backoff)
             except UsageError as exc:  # say which case (the same check fails for every variant of it)
                 raise UsageError(f"case {case.index}: {exc}") from exc
-            prepared.append((case, variant, prep))
-    return prepared
+            once[case.index, variant.index] = replace(prep, options={**prep.options, **options}) if options else prep
+    ordered = sorted(((e, c, v) for c in cases for e, v in runs), key=lambda t: (t[0], t[1].index, t[2].index))
+    return [(e, c, v, once[c.index, v.index]) for e, c, v in ordered]
 
 
-def _write_batch(ws: BatchHost, name: str, existing: BatchRecord | None, prepared: list[tuple[Case, Variant, Any]],
+def _write_batch(ws: BatchHost, name: str, existing: BatchRecord | None, prepared: list[_Prepared],
                  *, fingerprint: str, stored_cases: list[dict[str, Any]], variants: list[Variant],
-                 context: Mapping[str, Any] | None) -> None:
-    """Create the batch (or add ``variants`` to it) and its ``prepared`` jobs in one transaction; :class:`_Raced`
-    when the batch is no longer as it was read."""
+                 context: Mapping[str, Any] | None, epochs: int) -> None:
+    """Create the batch (or add ``variants`` and epochs up to ``epochs`` to it) and its ``prepared`` jobs in one
+    transaction; :class:`_Raced` when the batch is no longer as it was read."""
     folders: list[Path] = []
     try:
         with ws.store.transaction() as c:
@@ -665,13 +720,19 @@ def _write_batch(ws: BatchHost, name: str, existing: BatchRecord | None, prepare
                 ws.store.create_batch(c, name, fingerprint=fingerprint,
                                       cases=json.dumps(stored_cases, ensure_ascii=False),
                                       variants=json.dumps([v.stored() for v in variants], ensure_ascii=False),
-                                      options=json.dumps({"context": dict(context or {})}, ensure_ascii=False))
+                                      options=json.dumps({"context": dict(context or {}), "epochs": epochs},
+                                                         ensure_ascii=False))
             else:
                 old = [v.to_dict() for v in existing.variants]
+                # the epochs go into the row even when only they grew: a process adding the same epochs meanwhile
+                # then finds the batch changed (_Raced above) instead of adding them twice
+                options = {**json.loads(existing.options or "{}"), "epochs": epochs}
                 ws.store.update_batch(c, name, variants=json.dumps(old + [v.stored() for v in variants],
-                                                                   ensure_ascii=False))
-            for case, variant, prep in prepared:
-                ws.submitter.create(c, prep, folders, batch=name, batch_case=case.index, batch_variant=variant.index)
+                                                                   ensure_ascii=False),
+                                      options=json.dumps(options, ensure_ascii=False))
+            for epoch, case, variant, prep in prepared:
+                ws.submitter.create(c, prep, folders, batch=name, batch_case=case.index, batch_variant=variant.index,
+                                    batch_epoch=epoch)
     except BaseException:
         remove_folders(folders)
         raise

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .cache_cli import add_cache_commands, add_cache_option
 from .engine.context import context_items
 from .engine.pieces import PieceError, available_pieces
 from .errors import AgentnbError, UsageError
@@ -200,7 +201,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not instruction:
         raise _Usage("run: the instruction is missing")
     job = ws.submit(instruction, piece=args.piece, model=args.model, inputs=inputs, workdir=args.workdir,
-                    context=context, retries=args.retries, max_backoff=args.max_backoff)
+                    context=context, retries=args.retries, max_backoff=args.max_backoff, cache=args.cache)
     if args.detach:
         print(job.id)
         return 0
@@ -505,7 +506,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         check_baseline(args.baseline, ws.store, name, args.piece or ["plan-implement-verify"], args.model or ["demo"])
     batch = ws.batch(cases, piece=args.piece or ["plan-implement-verify"], model=args.model or ["demo"],
                      name=name, concurrency=args.concurrency, retries=args.retries,
-                     max_backoff=args.max_backoff, run=False)
+                     max_backoff=args.max_backoff, run=False, epochs=args.epochs, cache=args.cache)
     if args.detach:  # workers (on this or other machines) run the queued jobs; the same command later scores
         queued = [j.id for j in batch.jobs if j.status == JobStatus.queued]
         print(f"batch {batch.name!r}: {len(batch.jobs)} job(s), {len(queued)} queued")
@@ -597,6 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     _follow_option(p)
     _context_option(p, "a context setting of the job")
     _retry_options(p)
+    add_cache_option(p)
     p.add_argument("instruction", nargs="*", help="the task")
 
     p = add("worker", cmd_worker, "run queued jobs (until none is left, or --forever)")
@@ -672,6 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", metavar="MODEL",
                    help="model spec (repeatable: crossed with every piece; default demo)")
     p.add_argument("--concurrency", type=int, default=4, metavar="N", help="jobs run at once (default 4)")
+    p.add_argument("--epochs", type=int, metavar="K", help="run every case × variant K times (default 1, or the "
+                   "batch's own; more adds the missing epochs)")
     p.add_argument("--name", help="the batch's name: the same command again resumes it (default: the batch of the same cases, "
                    "or a new batch-N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -679,8 +683,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true",
                    help="only create the batch and queue its jobs (workers run them); print its name")
     _retry_options(p)
+    add_cache_option(p)
 
     add("batches", cmd_batches, "list the batches: name, created, jobs and how many are in each status")
+    add_cache_commands(sub, _workspace, _Parser)
 
     p = sub.add_parser("otel", help="jobs as OpenTelemetry GenAI traces (otel export … --out FILE, otel send …)")
     otel_sub = p.add_subparsers(dest="otel_command", parser_class=_Parser, required=True)

@@ -196,6 +196,9 @@ class LLMResponse(EventBase):
     response_id: str | None = None
     finish_reason: str | None = None
     cached_tokens: int | None = None
+    # answered from the call cache (docs/design-lab.md#call-cache): no model was asked, so ``usage`` spends nothing
+    # (0 tokens; ``ratio``/``window`` keep the context as it was).  Not stored unless true
+    cached: bool | None = None
     # the model spec that answered when it is not the job's own: an LLM judge's (purpose "judge",
     # docs/design-lab.md#llm-judge), which prices the call.  Not stored when None
     model: str | None = None
@@ -476,7 +479,8 @@ def _payload_fields(cls: type[EventBase]) -> dict[str, str]:
 _OMIT_NONE: dict[EventKind, tuple[str, ...]] = {"movement_start": ("replayed_from",),
                                                 "llm_request": ("purpose",),
                                                 "llm_response": ("ttft_s", "replayed_from", "purpose", "response_model",
-                                                                 "response_id", "finish_reason", "cached_tokens", "model"),
+                                                                 "response_id", "finish_reason", "cached_tokens", "cached",
+                                                                 "model"),
                                                 "error": ("detail", "usage"),
                                                 "tool_call": ("server",), "tool_result": ("server",)}
 _ROW_IN_PAYLOAD: dict[str, frozenset[str]] = {"context_action": frozenset({"iteration"}),

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import live
+from .engine.callcache import reuse_clock, with_cache
 from .engine.jobfiles import FileCache, local_workdir, materialise
 from .engine.prompts import activation_instruction, clock_block
 from .engine.runner import JobRunner
@@ -217,7 +218,8 @@ class Execution:
         opts = row.options
         mine = {"retries": opts.retries, "max_backoff": opts.max_backoff}
         settings = {**self.model_settings, **{k: v for k, v in mine.items() if v is not None}}
-        model = resolve_model(row.model, store=self.store, **settings)
+        model = with_cache(resolve_model(row.model, store=self.store, epoch=reads.epoch_of(self.store, row), **settings),
+                           self.store, row)
         runner = JobRunner(self.store, row, model, self.root / "jobs", files_limit=self.files_limit,
                            file_cache=self._file_caches.setdefault(job_id, FileCache()) if self.store.keeps_files else None,
                            options=opts)
@@ -240,8 +242,11 @@ class Execution:
         """Build the enriched instruction once per activation (first start, or after a wait)."""
         if row.enriched:
             return
-        enriched = activation_instruction(self.store, row, language=runner.piece.language,
-                                          clock=self._recorded_clock(row), workdir=runner.workdir)
+        clock = self._recorded_clock(row)
+        enriched = activation_instruction(self.store, row, language=runner.piece.language, clock=clock,
+                                          workdir=runner.workdir)
+        if clock is None:  # a cached job's first activation of its kind records its clock, the others reuse it
+            enriched = reuse_clock(self.store, row, enriched)
         with self.store.transaction() as c:
             self.store.update_job(c, row.id, enriched=enriched)
 

@@ -80,7 +80,9 @@ def plan_fork(store: Store, job_id: int, *, at: Any, piece: Any = None, model: A
     spec = row.model if model is None else model
     if not isinstance(spec, str):
         raise UsageError(f"model={spec!r}; allowed: a model spec such as 'demo', 'scripted:PATH', 'openai:NAME'")
-    options = row.options.without(STRICT_OPTION)
+    # a fork asks its model anew from its fork point: the original's call cache (docs/design-lab.md#call-cache) would
+    # answer it with the original's very responses
+    options = row.options.without(STRICT_OPTION, "cache")
     if context is not None:  # the fork's own context settings, from its fork point on (merged over the original's)
         from .engine.context import check_context_options
 

@@ -15,11 +15,13 @@ from .batch import (
     Batch,
     Scorer,
     check_concurrency,
+    check_epochs,
     check_score_names,
     check_scorers,
     open_batch,
     score_jobs,
 )
+from .engine.callcache import cache_option, check_cache_mode
 from .engine.jobfiles import file_listing, local_workdir, parse_files_limit, pull_files
 from .engine.pieces import Piece
 from .engine.runner import stored_piece
@@ -53,7 +55,7 @@ class Workspace:
                  retries: int | None = None, max_backoff: float | None = None, store: str | None = None,
                  lease: float | None = None, files_limit: int | str | None = None,
                  stream: bool | None = None, otel: str | bool | None = None,
-                 otel_content: bool | None = None) -> None:
+                 otel_content: bool | None = None, cache: bool | str | None = None) -> None:
         """Open (or create) the workspace folder ``path``.
 
         ``store`` (else the environment's ``AGENTNB_STORE``) keeps the jobs elsewhere than ``path/agentnb.sqlite``
@@ -77,7 +79,11 @@ class Workspace:
         ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``, False for none; None reads
         ``AGENTNB_OTEL`` (a URL, or 1).  ``otel_content=True`` (None: ``AGENTNB_OTEL_CONTENT``) adds the messages,
         tool arguments and results to those spans, scrubbed of secrets and cut (docs/otel.md#live-content).
+
+        ``cache``: the call cache's mode for the jobs this workspace submits and batches that set none themselves
+        (True, ``"across-epochs"``, False; docs/design-lab.md#call-cache).
         """
+        self.cache = check_cache_mode(cache)  # a bad mode: one line, before anything is opened
         self.model_settings = check_retry_settings(retries, max_backoff)
         if stream is not None:
             if not isinstance(stream, bool):
@@ -203,14 +209,19 @@ class Workspace:
         context: Mapping[str, Any] | None = None,
         retries: int | None = None,
         max_backoff: float | None = None,
+        cache: bool | str | None = None,
     ) -> Job:
         """Queue a job.  Bad pieces, model specs and inputs are refused before anything is stored.
 
         ``retries`` and ``max_backoff`` (seconds) set how an ``openai:`` model retries 429s, 5xx, timeouts
         and malformed answers for this job; unset, the workspace's settings and then the environment apply.
+        ``cache=True`` answers its LLM calls from the call cache when an identical request was made before
+        (``"across-epochs"``: from any epoch; None: the workspace's ``cache``; docs/design-lab.md#call-cache).
         """
+        cached = cache_option(cache, self.cache)
         prepared = self.submitter.prepare(instruction, piece=piece, model=model, inputs=inputs, workdir=workdir,
                                  context=context, retries=retries, max_backoff=max_backoff)
+        prepared = replace(prepared, options={**prepared.options, **cached})
         return self.job(self.submitter.store_one(prepared))
 
     # -- running (agentnb/execution.py) ---------------------------------------------------------------------
@@ -362,6 +373,8 @@ class Workspace:
         max_backoff: float | None = None,
         run: bool = True,
         progress: bool = True,
+        epochs: int | None = None,
+        cache: bool | str | None = None,
     ) -> Batch:
         """Run cases × variants as jobs, ``concurrency`` at once, scored and priced; a :class:`Batch`.
 
@@ -372,11 +385,17 @@ class Workspace:
         ``demo``.  ``ws.batch("exp-1")``, or the same call again with ``name="exp-1"``, resumes the batch:
         finished jobs are kept, unfinished ones run.  Given the same cases, pieces or models it does not have
         yet are added as new variants (an omitted ``piece=``/``model=`` then means the batch's own).
-        ``run=False`` only creates (or looks up) the batch.
+        ``run=False`` only creates (or looks up) the batch.  ``epochs=k`` runs every case × variant k times
+        (docs/design-lab.md#epochs; default 1, or the batch's own); more than the batch has adds the missing epochs.
+        ``cache=True`` (None: the workspace's ``cache``) puts the jobs it creates behind the call cache
+        (docs/design-lab.md#call-cache).
         """
         check_concurrency(concurrency)
+        check_epochs(epochs)
+        cached = cache_option(cache, self.cache)
         b = open_batch(self, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
-                       retries=retries, max_backoff=max_backoff, check_model=self._checked_spec)
+                       retries=retries, max_backoff=max_backoff, check_model=self._checked_spec, epochs=epochs,
+                       options=cached)
         if run:
             b.run(concurrency=concurrency, progress=progress)
         return b

@@ -20,8 +20,12 @@ the py-spy line below samples only threads holding the GIL.)
 * agentnb, streamed (``--stream``) — the same batch with streamed answers (``openai:bench``; the row above asks
   plainly, ``openai:bench?stream=0``): the endpoint answers a ``stream: true`` request with about
   ``STREAM_CHUNKS`` server-sent ``chat.completion.chunk`` events (HTTP chunked), the first after half the
-  latency and the others spread over the second half, so an answer still takes the latency.  (The peers are
-  not run streamed.)
+  latency and the others spread over the second half, so an answer still takes the latency.  Printed after the
+  table: at each level, streamed ÷ plain calls/s and CPU a call, both of the same run.  (The peers can stream,
+  pydantic-ai with ``agent.run_stream`` and LangGraph with ``stream_mode="messages"``, but are run plainly here.)
+
+"CPU ms a call" is this process's CPU (every thread, ``time.process_time``) over the runs ÷ the LLM calls made:
+on a shared machine the calls/s of a CPU-bound level move with the other jobs' load, the CPU a call much less.
 
 A framework that is not installed prints one line and the others go on.
 
@@ -60,7 +64,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FRAMEWORKS", "Level", "main", "serve"]
+__all__ = ["FRAMEWORKS", "Level", "main", "serve", "stream_vs_plain"]
 
 CALLS_PER_RUN = 5  # 4 echo tool calls + the end of the run
 TOOL_CALLS = CALLS_PER_RUN - 1
@@ -448,6 +452,10 @@ class Level:
     def calls_per_s(self) -> float:
         return self.jobs * CALLS_PER_RUN / statistics.median(self.seconds)
 
+    def cpu_ms_per_call(self) -> float:
+        """This process's CPU (every thread; time.process_time) per LLM call, in ms: the median over the repeats."""
+        return statistics.median(self.cpu) * 1000 / (self.jobs * CALLS_PER_RUN)
+
 
 @dataclass
 class Result:
@@ -489,7 +497,7 @@ def measure(fw: Framework, base_url: str, plan: list[tuple[int, int]], repeat: i
             ideal = concurrency / latency
             print(f"  {fw.key:12} c={concurrency:<3} jobs={jobs:<4} {elapsed:7.2f} s  "
                   f"{jobs * CALLS_PER_RUN / elapsed:7.1f} calls/s  ratio {jobs * CALLS_PER_RUN / elapsed / ideal:.2f}  "
-                  f"CPU {cpu:6.2f} s ({cpu / elapsed:.0%} of wall)  load {load:.1f}"
+                  f"CPU {cpu:6.2f} s ({cpu / elapsed:.0%} of wall, {cpu * 1000 / calls:.2f} ms a call)  load {load:.1f}"
                   + (f"  endpoint CPU {after_cpu - served_cpu:.2f} s" if served_cpu is not None and after_cpu is not None
                      else ""), file=sys.stderr, flush=True)
         res.levels.append(level)
@@ -509,7 +517,7 @@ def _bound(jobs: int, concurrency: int) -> float:
 
 def rows(results: list[Result], latency: float) -> list[list[str]]:
     head = ["framework", "concurrency", "jobs", "seconds (median)", "calls/s", "ideal calls/s", "ratio",
-            "bound", "CPU ÷ wall", "load avg"]
+            "bound", "CPU ÷ wall", "CPU ms a call", "load avg"]
     out = [head]
     for r in results:
         if r.error:
@@ -522,7 +530,21 @@ def rows(results: list[Result], latency: float) -> list[list[str]]:
             cpu = statistics.median(c / s for c, s in zip(lv.cpu, lv.seconds, strict=True))
             out.append([r.label, str(lv.concurrency), str(lv.jobs), f"{sec:.2f}", f"{cps:.1f}", f"{ideal:.0f}",
                         f"{cps / ideal:.2f}", f"{_bound(lv.jobs, lv.concurrency):.2f}", f"{cpu:.0%}",
-                        "/".join(f"{x:.1f}" for x in lv.load)])
+                        f"{lv.cpu_ms_per_call():.2f}", "/".join(f"{x:.1f}" for x in lv.load)])
+    return out
+
+
+def stream_vs_plain(results: list[Result]) -> list[str]:
+    """With ``--stream``: at each level, streamed ÷ plain calls/s and CPU a call, both rows of the same run."""
+    by_key = {r.key: r for r in results if not r.error}
+    plain, streamed = by_key.get("agentnb"), by_key.get("agentnb-stream")
+    if plain is None or streamed is None:
+        return []
+    out = ["", "streamed ÷ plain, same run (issue 28's target: at most 10% fewer calls/s at 8 and 32):"]
+    for p, s in zip(plain.levels, streamed.levels, strict=False):
+        out.append(f"  concurrency {p.concurrency}: calls/s {s.calls_per_s():.1f} ÷ {p.calls_per_s():.1f} = "
+                   f"{s.calls_per_s() / p.calls_per_s() - 1:+.0%}; CPU a call {s.cpu_ms_per_call():.2f} ms ÷ "
+                   f"{p.cpu_ms_per_call():.2f} ms = {s.cpu_ms_per_call() / p.cpu_ms_per_call() - 1:+.0%}")
     return out
 
 
@@ -607,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.otel:
         print(f"agentnb exported its spans live to {OTEL_URL}: {len(received)} requests, {sum(received):,} bytes\n")
     _print(rows(results, args.latency), args.markdown)
+    for line in stream_vs_plain(results):
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=1),
                                    encoding="utf-8")

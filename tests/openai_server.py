@@ -42,6 +42,9 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from agentnb.models.openai import forget_refusals
+from agentnb.models.ratelimit import forget_gates
+
 __all__ = ["ECHO_KEY", "AsObject", "OpenAIServer", "error", "hold", "midway", "openai_env", "raw", "reply", "stall"]
 
 ECHO_KEY = "{api_key}"  # in an error's message or a raw body: replaced by the key the request was sent with
@@ -138,6 +141,7 @@ class OpenAIServer:
     streams: bool = True
     refuses_stream: bool = False
     chunked: bool = False
+    port: int = 0  # 0: any free one
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -337,7 +341,7 @@ class OpenAIServer:
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (a stall): nothing to answer
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
@@ -418,6 +422,11 @@ class OpenAIServer:
         self._released.set()
 
     def __enter__(self) -> OpenAIServer:
+        # A port is often one an earlier server of this process had (the kernel hands freed ports out again): what
+        # the process remembers of that one (that it refused to stream, its 429 gate) is not true of this one, so it
+        # is forgotten
+        forget_refusals(self.base_url)
+        forget_gates(self.base_url)
         self.thread.start()
         return self
 

@@ -171,6 +171,9 @@ ALLOWED_PRIVATE_ACCESS: dict[tuple[str, str], str] = {
                                                      "path",
     ("agentnb.models.openai_stream", "_h11_state"): "that connection's h11.Connection, told the body's end so the "
                                                     "connection is kept: httpcore gives it no public name",
+    ("agentnb.views._otel_encode", "_client"): "OTLPSpanExporter's HTTP client, to post a request built without SDK "
+                                               "spans (its export() takes only those); guarded: the SDK's spans to "
+                                               "export() where absent",
 }
 
 _ATTRIBUTE_FUNCTIONS = {"getattr", "setattr", "hasattr", "delattr", "__setattr__", "__getattribute__", "__delattr__"}

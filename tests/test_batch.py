@@ -250,6 +250,8 @@ def _nothing_stored(ws: Workspace) -> None:
     (lambda c, t: {"piece": ["single", "no-such-piece"]}, r"no-such-piece"),
     (lambda c, t: {"model": ["demo", "bogus:thing"]}, r"bogus"),
     (lambda c, t: {"concurrency": 0}, r"concurrency=0; allowed: a whole number ≥ 1"),
+    (lambda c, t: {"epochs": 0}, r"^epochs=0; allowed: a whole number ≥ 1"),
+    (lambda c, t: {"cases": [*c, {"instruction": "x", "epoch": 2}]}, r"case 3 has column\(s\) 'epoch'"),
     (lambda c, t: {"scorers": {"ok": "yes"}}, r"scorer 'ok' is a str, which is not callable"),
     (lambda c, t: {"cases": [*c, {"instruction": "x", "expected": object()}]},
      r"case 3 expected is a object; allowed: JSON values"),
@@ -358,7 +360,7 @@ def test_frame_totals_equal_the_sums_over_the_events(ws: Workspace, tmp_path: Pa
     frame = b.frame
     assert frame.dtypes.to_dict() == {
         "case": "Int64", "instruction": "string", "topic": "string", "weight": "Float64", "expected": object,
-        "variant": "Int64", "variant_label": "string", "piece": "string", "model": "string", "job": "Int64",
+        "variant": "Int64", "variant_label": "string", "epoch": "Int64", "piece": "string", "model": "string", "job": "Int64",
         "status": "string", "subtasks": "Int64", "movements": "Int64", "llm_calls": "Int64", "prompt_tokens": "Int64",
         "completion_tokens": "Int64", "total_tokens": "Int64", "cost_usd": "Float64", "judge_cost_usd": "Float64",
         "seconds": "Float64"}
@@ -719,9 +721,10 @@ def test_whole_floats_from_a_dataframe_are_the_same_cases_as_ints(tmp_path: Path
                                      "sqlite"])
 def test_processes_creating_the_same_batch_at_once_make_one_batch(tmp_path: Path, backend: str,
                                                                   request: pytest.FixtureRequest) -> None:
-    """Three processes call ws.batch on the same name at the same instant: two with the same variant, one with
-    another piece.  The first to write creates the batch; the others, finding it created under them, add only
-    what it lacks: one batch, both variants, every case once per variant, and no process fails."""
+    """Four processes call ws.batch on the same name at the same instant: two with the same variant, one with
+    another piece, one with the first variant in two epochs.  The first to write creates the batch; the others,
+    finding it created under them, add only what it lacks: one batch, both variants, both epochs, every case once
+    per variant and epoch, and no process fails."""
     import os
     import subprocess
     import sys
@@ -735,7 +738,7 @@ def test_processes_creating_the_same_batch_at_once_make_one_batch(tmp_path: Path
         ws = Workspace(sys.argv[1], store=sys.argv[2])
         cases = [{"instruction": f"case {n}"} for n in range(6)]
         time.sleep(max(0.0, float(sys.argv[4]) - time.time()))
-        b = ws.batch(cases, name="exp", piece=sys.argv[3], model="demo", run=False)
+        b = ws.batch(cases, name="exp", piece=sys.argv[3], model="demo", run=False, epochs=int(sys.argv[5]) or None)
         print(len(b.jobs))
         ws.store.close()
     """)
@@ -743,17 +746,19 @@ def test_processes_creating_the_same_batch_at_once_make_one_batch(tmp_path: Path
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTNB_STORE")}
     env["PYTHONPATH"] = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     start = str(time.time() + 2.0)
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / f"p{k}"), store, piece, start], env=env,
-                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for k, piece in enumerate(["single", "single", "plan-implement-verify"])]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / f"p{k}"), store, piece, start, epochs],
+                              env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for k, (piece, epochs) in enumerate([("single", "0"), ("single", "0"), ("plan-implement-verify", "0"),
+                                                  ("single", "2")])]
     outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], outs
     ws = Workspace(tmp_path / "reader", store=store)
     try:
         assert [b.name for b in reads.batches(ws.store)] == ["exp"]
         jobs = ws.store.jobs(batch="exp")
-        assert len(jobs) == 12
-        assert sorted(Counter((j.batch_case, j.piece) for j in jobs).values()) == [1] * 12
+        assert len(jobs) == 24
+        assert sorted(Counter((j.batch_case, j.piece, j.epoch) for j in jobs).values()) == [1] * 24
+        assert reads.batch(ws.store, "exp").epochs == 2
         assert {j.piece for j in jobs} == {"single", "plan-implement-verify"}
     finally:
         ws.store.close()

@@ -144,6 +144,7 @@ def test_magic_batches_lists_each_batch_with_counts_by_status(shell: Any, tmp_pa
     ("batch t_cases --piece single,,single", "--piece 'single,,single' has an empty item"),
     ("batch t_cases --concurrency 0", "concurrency=0; allowed: a whole number ≥ 1"),
     ("batch t_cases --concurrency many", "argument --concurrency/-c: invalid int value: 'many'"),
+    ("batch t_cases --epochs 0", "epochs=0; allowed: a whole number ≥ 1"),
     ("batch t_cases --scorer t_nothing", "--scorer 't_nothing' is not a variable"),
     ("batch t_cases --scorer t_cases", "--scorer t_cases: the variable holds a list"),
     ("batch t_cases --scorer t_bad", "scorer 'x' is a int, which is not callable"),
@@ -407,6 +408,7 @@ def test_cli_batch_bad_file_is_one_error_line_exit_2_and_nothing_stored(tmp_path
 @pytest.mark.parametrize(("args", "needle"), [
     (["--piece", "nope"], "unknown piece 'nope'"),
     (["--concurrency", "0"], "concurrency=0; allowed: a whole number ≥ 1"),
+    (["--epochs", "-1"], "epochs=-1; allowed: a whole number ≥ 1"),
     (["--model", "scripted:nofile.yaml"], "nofile.yaml"),
     (["--piece", "single", "--model", "demo", "--baseline", "2"], "--baseline '2' is not a variant of the batch"),
 ])

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from _batching import answering_model
+from _scripting import call, transition, write_script
 
 import agentnb
 from agentnb import AgentnbError, BatchComparison, Workspace
@@ -349,3 +350,35 @@ def test_bad_baselines_settings_and_batches_without_shared_cases_are_one_line(ws
         alone.compare(baseline=0)
     assert (len(ws.batches()), len(ws.jobs())) == (before[0] + 2, before[1] + 5)  # only the two made above
     assert not math.isnan(float(b.summary().loc[0, "mean_grade"]))
+
+
+def test_a_batch_run_with_epochs_is_resampled_by_case_and_compared_on_each_case_s_epoch_mean(
+        ws: Workspace, tmp_path: Path) -> None:
+    """Through ``ws.batch(..., epochs=3)``: a case's epochs stay together in the summary's bootstrap, and the
+    comparison pairs each case's mean over its epochs."""
+    def varying(name: str, prompts: list[int]) -> str:
+        writes = [{**call("Write", path="output/answer.txt", content="x"),
+                   "usage": {"prompt_tokens": p, "completion_tokens": 5}} for p in prompts]
+        done = {**transition("COMPLETE", summary="answered"), "usage": {"prompt_tokens": 10, "completion_tokens": 1}}
+        return write_script(tmp_path, name, {"work": [{"by_epoch": writes}, done]})
+
+    base, more = varying("base", [100, 200, 600]), varying("more", [150, 250, 650])
+    cases = [{"instruction": f"Answer question {i}"} for i in range(7)]
+    b = ws.batch(cases, piece="single", model=[base, more], epochs=3, name="ep", progress=False)
+    frame = b.frame
+    assert sorted(frame["epoch"].unique()) == [1, 2, 3] and len(frame) == 7 * 2 * 3
+    summary = b.summary(n_resamples=20000, seed=1)
+    for v, row in summary.iterrows():
+        per_case = frame[frame["variant"] == v].groupby("case")["total_tokens"]
+        low, high, se = _percentile_bootstrap(per_case.sum().to_numpy(dtype=float),
+                                              per_case.count().to_numpy(dtype=float), 20000, seed=99)
+        # every case has the same three epochs, so the case totals are equal: nothing varies between cases
+        assert (low, high, se) == (pytest.approx(row["mean_tokens"]),) * 2 + (pytest.approx(0.0, abs=1e-9),)
+        assert row["mean_tokens_ci_low"] == pytest.approx(low) and row["mean_tokens_ci_high"] == pytest.approx(high)
+        assert row["mean_tokens_se"] == pytest.approx(0.0, abs=1e-9)
+    # a job-level resampling would have given an interval as wide as the epochs' spread; by case it is a point
+    assert summary.loc[0, "mean_tokens_ci_high"] - summary.loc[0, "mean_tokens_ci_low"] < 1e-6
+    c = b.compare(baseline=0)
+    tokens = c.frame.set_index("measure").loc["total_tokens"]
+    assert tokens["diff"] == pytest.approx(50) and tokens["worse_cases"] == 7 and tokens["verdict"] == "worse"
+    assert set(c.cases.loc[c.cases["measure"] == "total_tokens", "case"]) == set(range(7))

@@ -10,9 +10,10 @@ stripped of it, every file equals the one before.  The views' symbols re-recorde
 emoji replaced by a character DejaVu Sans has, with an aria-label and title in HTML): with those replacements
 undone, every file equals the one before.  MCP servers as tool sources re-recorded them for one addition,
 ``frames.tool_calls()``'s ``server`` column (null for every call of these jobs, which use no MCP server): stripped
-of it, every file equals the one before.  LLM judges re-recorded them for one addition, ``frames.usage()``'s ``purpose``
-column (null for every call of these jobs, none of them a judge's or a compaction's): stripped of it, every file equals
-the one before.
+of it, every file equals the one before.  The call cache re-recorded them for one addition, ``frames.usage()``'s
+``cached`` column (False for every call of these jobs, which use no cache): stripped of it, every file equals the
+one before.  LLM judges re-recorded them for one addition, ``frames.usage()``'s ``purpose`` column (null for every
+call of these jobs, none of them a judge's or a compaction's): stripped of it, every file equals the one before.
 """
 
 from __future__ import annotations

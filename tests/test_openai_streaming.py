@@ -21,7 +21,7 @@ from agentnb.errors import CallCancelled, ModelError, ModelSpecError
 from agentnb.events import payload_dict
 from agentnb.models.base import ModelRequest
 from agentnb.models.messages import Delta, UserMessage
-from agentnb.models.openai import OpenAIModel
+from agentnb.models.openai import OpenAIModel, forget_refusals
 from agentnb.models.openai_stream import sse_data
 from agentnb.models.ratelimit import gate_for
 from agentnb.store import reads
@@ -191,6 +191,48 @@ def test_an_endpoint_that_does_not_stream_is_asked_plainly_with_one_warning(
     assert len(srv.received) == 2 * len(ANSWERS) + (how == "400")
     for job in (first, second):
         assert all(r.ttft_s is None for r in ws.events(job, kinds=["llm_response"]))
+
+
+def test_a_server_started_where_one_refused_to_stream_is_asked_to_stream(
+        loopback: Callable[..., OpenAIServer]) -> None:
+    # the kernel hands a freed port out again: a server of this process on it is a new endpoint, not the one that
+    # refused (remembered by URL, this once turned a later test's streamed call plain, so a Stop did not cut it)
+    refusing = loopback(refuses_stream=True)
+    refusing.play(reply("plain"))
+    OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[]))
+    assert [bool(r.body.get("stream")) for r in refusing.received] == [True, False]
+    refusing.__exit__(None, None, None)
+    with OpenAIServer(port=int(refusing.base_url.rsplit(":", 1)[1].split("/")[0])) as again:
+        assert again.base_url == refusing.base_url
+        again.play(reply("streamed"))
+        assert OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[])).content == "streamed"
+        assert again.streamed == 1
+
+
+def test_a_server_started_where_one_sent_a_429_has_an_open_gate(loopback: Callable[..., OpenAIServer]) -> None:
+    # the 429 gate is remembered per URL too: an earlier server's "retry after 30 s" must not hold a later one's calls
+    slow = loopback()
+    slow.play(*error(429, "slow down", headers={"retry-after": "30"}))
+    with pytest.raises(ModelError, match="HTTP 429"):
+        OpenAIModel("m", max_retries=0).complete(ModelRequest(messages=[UserMessage("hi")], tools=[]))
+    closed = gate_for(slow.base_url, "m")
+    slow.__exit__(None, None, None)
+    with OpenAIServer(port=int(slow.base_url.rsplit(":", 1)[1].split("/")[0])) as again:
+        assert gate_for(again.base_url, "m") is not closed
+        again.play(reply("at once"))
+        started = time.monotonic()
+        assert OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[])).content == "at once"
+        assert time.monotonic() - started < 10
+
+
+def test_forget_refusals_asks_a_refusing_endpoint_to_stream_again(loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback(refuses_stream=True)
+    srv.play(reply("one"), reply("two"), reply("three"))
+    for _ in range(2):
+        OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[]))
+    forget_refusals(srv.base_url)
+    OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[]))
+    assert [bool(r.body.get("stream")) for r in srv.received] == [True, False, False, True, False]
 
 
 @pytest.mark.parametrize("switch", ["env", "workspace", "spec"])

@@ -25,7 +25,7 @@ from agentnb import Workspace
 from agentnb.cli import main
 from agentnb.events import LLMRequest, LLMResponse, ToolCallEvent, ToolResult
 from agentnb.models.prices import call_cost
-from agentnb.views.otel import read_traces
+from agentnb.views.otel import read_traces, sdk_spans, traces, traces_data
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "otel.md"
 WINDOW = 4_000
@@ -246,6 +246,22 @@ def test_exporting_twice_gives_the_same_ids(ws: Workspace, tmp_path: Path) -> No
         with_content[0])[0].trace_id
 
 
+def test_the_file_and_the_requests_hold_what_the_sdk_s_own_encoder_makes_of_the_spans(
+        ws: Workspace, tmp_path: Path) -> None:
+    # the export builds OTLP's messages directly (protobuf for OTLP/HTTP, proto-json for the file): they must be
+    # the ones the exporter package's encode_spans makes of the same spans as the SDK's ReadableSpans
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    job = rich_job(ws, tmp_path)  # errors, span events, subtasks, arrays, floats, bools, a resource
+    path = ws.export_otel(job, tmp_path / "t.jsonl", content=True)
+    (trace,) = traces(ws.store, [job.id], content=True)
+    expected = TracesData(resource_spans=encode_spans(sdk_spans(trace)).resource_spans)
+    assert len(spans_of(expected)) > 10 and any(s.status.code == 2 for s in spans_of(expected))
+    assert any(s.events for s in spans_of(expected))
+    assert traces_data(trace) == expected
+    assert read_traces(path) == [expected]
+
+
 CONTENT_ATTRS = ("gen_ai.system_instructions", "gen_ai.input.messages", "gen_ai.output.messages",
                  "gen_ai.tool.definitions", "gen_ai.tool.call.arguments", "gen_ai.tool.call.result")
 
@@ -306,6 +322,7 @@ def test_a_100_job_batch_is_one_file_of_valid_otlp_json(ws: Workspace, tmp_path:
         assert isinstance(span["kind"], int)
         resource = attrs(data.resource_spans[0].resource.attributes)
         assert resource["agentnb.batch"] == "hundred" and resource["agentnb.variant"] == 0
+        assert resource["agentnb.epoch"] == 1
         seen_cases.add(resource["agentnb.case"])
         assert [s.name for s in spans_of(data)][:2] == ["invoke_workflow single", "invoke_agent work"]
     assert seen_cases == set(range(100))

@@ -44,7 +44,7 @@ def _stored(ws: Workspace) -> bytes:
     """Everything the store holds: the SQLite file's bytes, or every row of every table on PostgreSQL."""
     if ws.store_url is None:
         return (ws.root / "agentnb.sqlite").read_bytes()
-    tables = ("jobs", "events", "texts", "comments", "movements", "batches", "files")
+    tables = ("jobs", "events", "texts", "comments", "movements", "batches", "files", "call_cache")
     return repr([[dict(r) for r in ws.store.query(f"SELECT * FROM {t}")] for t in tables]).encode()
 
 

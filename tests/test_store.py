@@ -75,6 +75,7 @@ def test_a_reset_file_is_migrated_again(tmp_path: Path) -> None:
     raw.execute("DROP TABLE movements")
     raw.execute("DROP TABLE comments")
     raw.execute("DROP TABLE jobs")
+    raw.execute("DROP TABLE call_cache")
     raw.execute("DROP TABLE texts")
     raw.execute("DROP TABLE batches")
     raw.commit()

@@ -41,8 +41,8 @@ def _sql(url: str, sql: str) -> list[tuple[Any, ...]]:
 
 
 def _build(ws: Workspace, tmp: Path) -> dict[str, int]:
-    """Jobs covering several pieces, a long instruction (in texts), a fork, a batch, a comment, input files
-    (text and binary, one executable)."""
+    """Jobs covering several pieces, a long instruction (in texts), a fork, a batch of two epochs, a comment, input
+    files (text and binary, one executable)."""
     usage = usage_job(ws, tmp / "scripts", instruction="Report on input/notes.md. " + "Every detail. " * 400)
     demo = demo_job(ws)
     fork = ws.fork(demo, at=2)
@@ -54,7 +54,7 @@ def _build(ws: Workspace, tmp: Path) -> dict[str, int]:
     (queued.workdir / "input" / "out.txt").symlink_to(tmp / "scripts")  # leads out: never stored
     ws.reply(queued, "a comment on the queued job")
     ws.batch([{"instruction": "case one"}, {"instruction": "case two"}], piece="single", model="demo", name="b1",
-             concurrency=1, progress=False)
+             concurrency=1, progress=False, epochs=2)
     return {"usage": usage.id, "demo": demo.id, "fork": fork.id, "queued": queued.id}
 
 
@@ -120,9 +120,11 @@ def test_sqlite_to_postgres_and_back_keeps_every_row_event_and_file(pg_url: str,
     on_pg = Workspace(tmp_path / "pg-scratch", store=pg_url)
     assert _rows(on_pg.store) == rows
     _same_frames(_frames(on_pg), frames)
+    # each batch job keeps its epoch (docs/design-lab.md#epochs)
+    assert sorted(r.batch_position for r in on_pg.store.jobs(batch="b1")) == [(0, 0, 1), (0, 0, 2), (1, 0, 1), (1, 0, 2)]
     # new rows take ids after the copied ones (the sequences were set)
     new = on_pg.submit("after the copy", piece="single", model="demo")
-    assert new.id == max(ids.values()) + 3  # the batch's two jobs came last
+    assert new.id == max(ids.values()) + 5  # the batch's four jobs (two cases × two epochs) came last
     on_pg.store.close()
     _sql(pg_url, f"DELETE FROM events WHERE job_id={new.id}")
     _sql(pg_url, f"DELETE FROM jobs WHERE id={new.id}")
@@ -131,6 +133,7 @@ def test_sqlite_to_postgres_and_back_keeps_every_row_event_and_file(pg_url: str,
     assert counts_back == counts
     back = _lite(tmp_path / "back")
     assert _rows(back.store) == rows
+    assert list(back.batch("b1", run=False).frame["epoch"]) == [1, 2, 1, 2]
     _same_frames(_frames(back), frames)
     pd.testing.assert_frame_equal(back.frames.lessons(), lessons)  # read from the files written back
     assert _disk_files(back.root) == files

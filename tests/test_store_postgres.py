@@ -54,7 +54,8 @@ def test_open_creates_the_schema_and_reopening_changes_nothing(pg_url: str) -> N
     store = open_store(pg_url)
     assert isinstance(store, PostgresStore)
     store.close()
-    assert set(_tables(pg_url)) == {"agentnb_schema", "batches", "comments", "events", "files", "jobs", "movements", "texts"}
+    assert set(_tables(pg_url)) == {"agentnb_schema", "batches", "call_cache", "comments", "events", "files", "jobs",
+                                    "movements", "texts"}
     assert _sql(pg_url, "SELECT version FROM agentnb_schema") == [(PG_SCHEMA_VERSION,)]
     open_store(pg_url.replace("postgresql://", "postgres://")).close()  # the short scheme too; no second row
     assert _sql(pg_url, "SELECT version FROM agentnb_schema") == [(PG_SCHEMA_VERSION,)]

@@ -333,7 +333,7 @@ class AgentLoop:
         job_id = self.rec.job_id
         # a re-served call spends nothing: its tokens are 0, its ratio and window the context as it was
         spent = self.reserve is None
-        usage = self._usage(decision, spent)
+        usage = self._usage(decision, spent and not response.cached)  # nor does a cached one (engine/callcache.py)
         self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
                                  content=response.content, tool_calls=[_call_record(c) for c in response.tool_calls],
                                  usage=usage, latency_s=latency_s, ttft_s=response.ttft_s if spent else None,
@@ -534,7 +534,7 @@ class AgentLoop:
         reply = AssistantMessage(response.content)
         size = self.ctx.side_call(ask, reply, response.usage)
         spent = self.reserve is None
-        usage = self._usage(size, spent)
+        usage = self._usage(size, spent and not response.cached)
         # the summary is the content; tool calls a model made anyway are kept in the record, never run
         self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
                                  content=response.content, tool_calls=[_call_record(c) for c in response.tool_calls],
@@ -744,7 +744,8 @@ class AgentLoop:
 def _answer_details(response: ModelResponse) -> dict[str, Any]:
     """What the endpoint said of its answer, for the ``llm_response`` event."""
     return {"response_model": response.response_model, "response_id": response.response_id,
-            "finish_reason": response.finish_reason, "cached_tokens": response.cached_tokens}
+            "finish_reason": response.finish_reason, "cached_tokens": response.cached_tokens,
+            "cached": response.cached or None}
 
 
 def _force_reason(ratio: float, window: int, limit: float) -> str:

@@ -111,6 +111,8 @@ class ModelResponse:
     response_id: str | None = None
     finish_reason: str | None = None
     cached_tokens: int | None = None
+    # answered from the call cache (engine/callcache.py, docs/design-lab.md#call-cache): no model was asked
+    cached: bool = False
 
 
 @dataclass
@@ -159,6 +161,19 @@ def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
 _RESPONSE_KEYS = ("content", "tool_calls", "usage", "stream", "chunk")
 
 
+def _parse_item(item: Any, where: str, epoch: int) -> tuple[ModelResponse, int | None]:
+    """A script's item: a response, or ``by_epoch`` (a list of responses, one per batch epoch, taken in turn:
+    docs/models.md#epochs), whose every response is checked and the one of ``epoch`` (from 1) taken."""
+    if isinstance(item, Mapping) and "by_epoch" in item:
+        choices = item["by_epoch"]
+        if set(item) != {"by_epoch"} or not isinstance(choices, list) or not choices:
+            raise ModelSpecError(f"{where}: by_epoch must be the response's only key, with a non-empty list of "
+                                 "responses (one per epoch, taken in turn)")
+        parsed = [_parse_response(r, f"{where}.by_epoch[{i}]") for i, r in enumerate(choices)]
+        return parsed[(epoch - 1) % len(parsed)]
+    return _parse_response(item, where)
+
+
 def _parse_response(item: Any, where: str) -> tuple[ModelResponse, int | None]:
     """A scripted response, and how it streams: None (it does not), 0 (in word-ish pieces, ``stream: true``) or
     ``chunk`` characters a piece."""
@@ -200,10 +215,12 @@ class ScriptedModel:
     """Plays responses from a YAML script (docs/models.md): one list for the whole job, or one per movement.
 
     A response with ``stream: true`` (word-ish pieces) or ``chunk: N`` (N characters a piece) streams itself
-    through the request's ``on_delta`` (docs/models.md#streaming); the others answer at once.
+    through the request's ``on_delta`` (docs/models.md#streaming); the others answer at once.  ``epoch``: the
+    batch epoch of the job it answers (None outside a batch: 1), which picks each ``by_epoch`` item's response.
     """
 
-    def __init__(self, script: Mapping[str, Any] | str | os.PathLike[str], *, spec: str | None = None) -> None:
+    def __init__(self, script: Mapping[str, Any] | str | os.PathLike[str], *, spec: str | None = None,
+                 epoch: int | None = None) -> None:
         source = "<script>"
         if not isinstance(script, Mapping):
             path = Path(script)
@@ -230,13 +247,15 @@ class ScriptedModel:
         ):
             raise ModelSpecError(f"{source}: movements must map each movement name to a list of responses")
         if "responses" in script:
-            parsed = [_parse_response(r, f"{source}: responses[{i}]") for i, r in enumerate(script["responses"] or [])]
+            parsed = [_parse_item(r, f"{source}: responses[{i}]", epoch or 1)
+                      for i, r in enumerate(script["responses"] or [])]
             self.responses = [r for r, _ in parsed]
             self._chunks = [c for _, c in parsed]
         if "movements" in script:
             self.by_movement = {}
             for name, items in (script["movements"] or {}).items():
-                parsed = [_parse_response(r, f"{source}: movements.{name}[{i}]") for i, r in enumerate(items or [])]
+                parsed = [_parse_item(r, f"{source}: movements.{name}[{i}]", epoch or 1)
+                          for i, r in enumerate(items or [])]
                 self.by_movement[str(name)] = [r for r, _ in parsed]
                 self._chunks_by_movement[str(name)] = [c for _, c in parsed]
 

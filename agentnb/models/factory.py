@@ -22,12 +22,14 @@ __all__ = ["resolve_model"]
 
 
 def resolve_model(spec: str, *, store: Store | None = None, retries: int | None = None,
-                  max_backoff: float | None = None, stream: bool | None = None) -> Model:
+                  max_backoff: float | None = None, stream: bool | None = None, epoch: int | None = None) -> Model:
     """Build the model for a spec; :class:`ModelSpecError` names what is allowed.
 
     ``retries`` and ``max_backoff`` configure an ``openai:`` model (``None``: its environment
     variables, then its defaults); other models have nothing to retry and ignore them.  ``stream`` (a workspace's
     setting; None: ``AGENTNB_STREAM``, else on) is whether an ``openai:`` model streams (docs/models.md#streaming).
+    ``epoch``: the batch epoch of the job the model answers (docs/models.md#epochs), which a ``scripted:`` model's
+    ``by_epoch`` responses choose by; the other models answer every epoch alike.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ModelSpecError(f"empty model spec; allowed: {', '.join(MODEL_SPECS)}")
@@ -35,7 +37,7 @@ def resolve_model(spec: str, *, store: Store | None = None, retries: int | None 
     if spec == "demo" or spec.startswith("demo?"):
         return DemoModel(pace=demo_pace(spec), spec=spec)
     if kind == "scripted" and rest:
-        return ScriptedModel(rest, spec=spec)
+        return ScriptedModel(rest, spec=spec, epoch=epoch)
     if kind == "openai" and rest:
         return OpenAIModel(rest, max_retries=retries, max_backoff=max_backoff, stream=stream)
     if kind == "replay" and rest:

@@ -19,7 +19,7 @@ from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, Tool
 from .openai_stream import WATCHDOG, Assembly, BodyBroken, BodyTimeout, Watch, chunked_body, sse_data, track_sockets
 from .ratelimit import gate_for
 
-__all__ = ["OpenAIModel", "pause", "shared_client", "wire_message", "wire_messages"]
+__all__ = ["OpenAIModel", "forget_refusals", "pause", "shared_client", "wire_message", "wire_messages"]
 
 
 def _env_float(name: str, default: float) -> float:
@@ -45,6 +45,17 @@ DRAIN_S = 1.0
 # (base URL, model) of endpoints that refused a streamed call in this process: asked plainly from then on
 _plain_only: set[tuple[str | None, str]] = set()
 _plain_lock = threading.Lock()
+
+
+def forget_refusals(base_url: str | None = None) -> None:
+    """Forget the endpoints this process remembers as refusing to stream (docs/models.md#streaming): all of them,
+    or those at ``base_url``.  Their next calls ask to stream again, as after the endpoint at that URL was
+    restarted or replaced by one that streams (a server started on a port another one used before is not it)."""
+    with _plain_lock:
+        if base_url is None:
+            _plain_only.clear()
+        else:
+            _plain_only.difference_update({k for k in _plain_only if k[0] == base_url})
 
 
 def _flag(value: str) -> bool | None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["Gate", "gate_for"]
+__all__ = ["Gate", "forget_gates", "gate_for"]
 
 # how often a call waiting for a slot under the cap looks at its job's Stop (a released slot wakes it at once)
 STOP_POLL_S = 0.05
@@ -146,3 +146,11 @@ def gate_for(endpoint: str | None, model: str) -> Gate:
         if gate is None:
             gate = _gates[key] = Gate()
         return gate
+
+
+def forget_gates(endpoint: str | None = None) -> None:
+    """Forget the gates of ``endpoint`` (every endpoint when None): what a 429 taught about an endpoint is not true
+    of another one started later at the same URL (a test server on a port an earlier one had)."""
+    with _gates_lock:
+        for key in [k for k in _gates if endpoint is None or k[0] == endpoint]:
+            del _gates[key]

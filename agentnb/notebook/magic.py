@@ -78,7 +78,7 @@ _OVERVIEW = """\
   tools [PIECE] [--workdir DIR]  each movement's tools: source (built-in, Python or MCP server), parameters
   export JOB PATH              the job as a notebook (.ipynb)
   plot [JOB]                   the usage plot: context ratio per LLM call, cumulative tokens
-  batch CASES --piece a,b --model m[,m2] [--concurrency N] [--name NAME] [--scorer VAR]... [--baseline V]
+  batch CASES --piece a,b --model m[,m2] [--concurrency N] [--name NAME] [--epochs K] [--scorer VAR]... [--baseline V]
                                run every case (a list of dicts or a DataFrame variable) under every
                                piece × model, scored; the Batch (--baseline: its BatchComparison).
                                batch NAME resumes a batch
@@ -415,6 +415,7 @@ class AgentMagic(Magics):
     @argument("--context", "-c", action="append", metavar="KEY=VALUE",
               help="a context setting of the job (repeatable), as submit's context=: on_pressure=compact, "
                    "compact_keep_last=N, max_compactions=N, window_tokens=N, thresholds.prompt=0.8, min_tool_tokens=N")
+    @argument("--cache", nargs="?", const="on", metavar="MODE", help="answer calls from the call cache (on, across-epochs)")
     def cmd_run(self, args: Any, cell: str | None) -> Job:
         """Submit a job and run it until it ends or waits, showing its view as it runs."""
         # a line's words were filled one by one in agent(); a cell body is filled here, once
@@ -434,7 +435,7 @@ class AgentMagic(Magics):
             inputs[p.name] = p
         try:
             job = self.ws.submit(text.strip(), piece=args.piece or self.piece, model=args.model or self.model,
-                                 inputs=inputs, workdir=args.workdir, context=context)
+                                 inputs=inputs, workdir=args.workdir, context=context, cache=args.cache)
         except ValueError as exc:  # context= merged with the piece's thresholds (the rest are AgentnbErrors)
             raise UsageError(_one_line(exc)) from None
         self.last_job = job.id
@@ -705,12 +706,15 @@ class AgentMagic(Magics):
     @argument("--concurrency", "-c", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
               help=f"jobs run at once (default {DEFAULT_CONCURRENCY})")
     @argument("--name", "-n", help="the batch's name; the same name again resumes it (default: batch-N)")
+    @argument("--epochs", "-e", type=int, metavar="K", help="run every case × variant K times (default 1, or the "
+              "batch's own; more adds the missing epochs)")
     @argument("--scorer", "-s", action="append", metavar="VAR",
               help="a variable holding a function(job) (scored under the variable's name) or a dict of name → "
                    "function (repeatable)")
     @argument("--no-run", action="store_true", help="only create the batch (or look it up); run it later")
     @argument("--baseline", metavar="VARIANT", help="after the run, the BatchComparison of every other variant "
               "against this one (a variant's number or label, or a piece or model only it has)")
+    @argument("--cache", nargs="?", const="on", metavar="MODE", help="answer calls from the call cache (on, across-epochs)")
     def cmd_batch(self, args: Any, cell: str | None) -> Batch | BatchComparison:
         """Run cases × variants (pieces × models) as jobs, N at once, score them; the Batch (its summary shows).
 
@@ -736,11 +740,12 @@ class AgentMagic(Magics):
                 known = ", ".join(b.name for b in reads.batches(self.ws.store)) or "none yet"
                 raise UsageError(f"CASES {name!r} is neither a variable of the notebook nor a batch of the workspace "
                                  f"(batches: {known}); give a variable holding a list of dicts or a DataFrame")
-            batch = self.ws.batch(name, scorers=scorers, concurrency=args.concurrency, run=False)
+            batch = self.ws.batch(name, scorers=scorers, concurrency=args.concurrency, run=False, epochs=args.epochs)
         else:
             batch = self.ws.batch(cases, piece=self.piece if pieces is None else pieces,
                                   model=self.model if models is None else models, name=args.name,
-                                  scorers=scorers, concurrency=args.concurrency, run=False)
+                                  scorers=scorers, concurrency=args.concurrency, run=False, epochs=args.epochs,
+                                  cache=args.cache)
         if args.no_run:
             return batch
         # after Ctrl-C, the executor's one line says what paused and to resume with this magic

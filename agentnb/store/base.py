@@ -360,6 +360,21 @@ class Store(Protocol):
         """Change ``variants``, ``options`` or ``fingerprint`` of a batch (``updated`` is set too)."""
         ...
 
+    # -- the call cache (docs/stores.md#call-cache; read with rows(), engine/callcache.py) -------------------------------
+    def cache_put(self, key: str, *, kind: str, model: str, body: str, prompt_tokens: int | None = None,
+                  completion_tokens: int | None = None, job_id: int | None = None) -> None:
+        """Record ``body`` (scrubbed; a long one once in ``texts``) under ``key``, in a transaction of its own; a
+        key already there keeps its row."""
+        ...
+
+    def cache_hit(self, key: str) -> None:
+        """Count one answer given from the row of ``key``."""
+        ...
+
+    def cache_clear(self, before: float | None = None) -> int:
+        """Delete the rows created before ``before`` (epoch seconds; None: all); how many went."""
+        ...
+
 
     # -- a job's files (docs/stores.md#files) ------------------------------------------------------------------------
     @property

@@ -209,6 +209,7 @@ def _build(d: _Dialect) -> FrameSQL:
            {d.jx('e', LLMResponse, 'latency_s')} AS latency_s,
            {d.jx('e', LLMResponse, 'ttft_s')} AS ttft_s,
            {d.flag(d.jx('e', LLMResponse, 'replayed_from') + ' IS NOT NULL')} AS replayed,
+           {d.flag(d.jx('e', LLMResponse, 'cached') + ' IS NOT NULL')} AS cached,
            {d.jx('e', LLMResponse, 'purpose')} AS purpose, {d.jx('e', LLMResponse, 'model')} AS call_model
     FROM events e
     LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq

@@ -114,4 +114,33 @@ MIGRATIONS: list[str] = [
     ALTER TABLE jobs ADD COLUMN lease_until REAL;
     ALTER TABLE jobs ADD COLUMN lease_gen INTEGER NOT NULL DEFAULT 0
     """,
+    # 6: epochs (issue 31, docs/design-lab.md#epochs).  A batch runs every case × variant k times; batch_epoch is
+    # which run of its case × variant a batch job is, from 1.  NULL: a job outside a batch, or a batch job made
+    # before epochs (read as epoch 1).  The batch index ends with it: a batch's jobs are read in that order.
+    """
+    ALTER TABLE jobs ADD COLUMN batch_epoch INTEGER;
+    DROP INDEX jobs_batch;
+    CREATE INDEX jobs_batch ON jobs(batch, batch_case, batch_variant, batch_epoch)
+    """,
+    # 7: the call cache (issue 31, docs/design-lab.md#call-cache, docs/stores.md#call-cache).  One row per
+    # answered request (`kind` 'call', `key` the sha256 of model spec, endpoint, messages, tools, parameters
+    # and epoch) or per recorded clock (`kind` 'clock': the date-and-time block a cached job's prompts reuse).
+    # `body` holds the recorded response as JSON, or, when long, `body_ref` names it in `texts` (stored once).
+    # `prompt_tokens`/`completion_tokens`: the original call's counts (what a hit saves), NULL when unreported.
+    """
+    CREATE TABLE call_cache (
+        key               TEXT PRIMARY KEY,
+        kind              TEXT NOT NULL,
+        model             TEXT NOT NULL,
+        body              TEXT,
+        body_ref          TEXT REFERENCES texts(hash),
+        prompt_tokens     INTEGER,
+        completion_tokens INTEGER,
+        job_id            INTEGER,
+        created           REAL NOT NULL,
+        hits              INTEGER NOT NULL DEFAULT 0,
+        last_hit          REAL
+    );
+    CREATE INDEX call_cache_created ON call_cache(created)
+    """,
 ]

@@ -118,6 +118,29 @@ PG_MIGRATIONS: list[str] = [
         PRIMARY KEY (job_id, path)
     )
     """,
+    # 3: epochs (SQLite's migration 6: see there)
+    """
+    ALTER TABLE jobs ADD COLUMN batch_epoch BIGINT;
+    DROP INDEX jobs_batch;
+    CREATE INDEX jobs_batch ON jobs(batch, batch_case, batch_variant, batch_epoch)
+    """,
+    # 4: the call cache (SQLite's migration 7: see there)
+    """
+    CREATE TABLE call_cache (
+        key               TEXT PRIMARY KEY,
+        kind              TEXT NOT NULL,
+        model             TEXT NOT NULL,
+        body              TEXT,
+        body_ref          TEXT REFERENCES texts(hash),
+        prompt_tokens     BIGINT,
+        completion_tokens BIGINT,
+        job_id            BIGINT,
+        created           DOUBLE PRECISION NOT NULL,
+        hits              BIGINT NOT NULL DEFAULT 0,
+        last_hit          DOUBLE PRECISION
+    );
+    CREATE INDEX call_cache_created ON call_cache(created)
+    """,
 ]
 
 PG_SCHEMA_VERSION = len(PG_MIGRATIONS)

@@ -58,6 +58,7 @@ from ..events import (
     event_from_row,
     strict_events,
 )
+from ._cache_rows import CacheRows
 from ._pg_dialect import Row as Row  # defined here before; importable from here still
 from ._pg_dialect import no_nul, psycopg_sql, row_factory
 from ._rows import JOB_COLUMNS, StoreRows, events_query
@@ -161,7 +162,7 @@ def _insert_rows(conn: psycopg.Connection[Any], head: str, rows: Sequence[tuple[
     return returned
 
 
-class PostgresStore(StoreRows[psycopg.Connection[Any]]):
+class PostgresStore(StoreRows[psycopg.Connection[Any]], CacheRows):
     """A workspace's jobs, comments, movements and events in a PostgreSQL database (``postgresql://…``).
 
     ``readonly=True`` refuses every write (:meth:`transaction` raises), as SQLite's read-only store does.
@@ -404,6 +405,9 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]]):
     @staticmethod
     def _exec(conn: psycopg.Connection[Any], sql: str, params: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
         return conn.execute(psycopg_sql(sql), tuple(params))
+
+    def _run(self, c: Transaction, sql: str, params: Sequence[Any] = ()) -> psycopg.Cursor[Any]:
+        return self._exec(self._tx(c), sql, params)
 
     def close(self) -> None:
         self._pool.close()

@@ -9,11 +9,12 @@ is a function here of a store and its arguments, in SQL both SQLite and PostgreS
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from ..events import JobStatusEvent, LLMResponse
 from .base import JOB_STATES, Dialect, FrameQuery, FrameRows, Store
 from .frames_sql import frame_sql, payload_field
-from .records import BatchRecord, CommentRecord, MovementRecord
+from .records import BatchRecord, CommentRecord, JobRecord, MovementRecord
 
 __all__: list[str] = [
     "batch",
@@ -21,6 +22,7 @@ __all__: list[str] = [
     "calls_by_movement",
     "comments",
     "count_comments",
+    "epoch_of",
     "frame_rows",
     "last_status_reason",
     "latest_request",
@@ -104,6 +106,22 @@ def batches(store: Store) -> list[BatchRecord]:
         f"SELECT {_BATCH_COLUMNS}, COUNT(j.id) AS jobs, {_STATUS_COUNTS} FROM batches b "
         "LEFT JOIN jobs j ON j.batch = b.name GROUP BY b.name ORDER BY b.created, b.name")
     return [BatchRecord.from_row(columns, r) for r in rows]
+
+
+_EPOCH_COLUMNS = ("parent_id", "forked_from_job", "batch", "batch_epoch")
+
+
+def epoch_of(store: Store, row: JobRecord) -> int | None:
+    """The batch epoch a job answers for (docs/design-lab.md#epochs): a batch job's own (1 when made before
+    epochs), a subtask's its batch job's, a fork's its original's (a what-if asks what that very run would have
+    done); None for a job with no batch job above it.  What a ``scripted:`` model's ``by_epoch`` chooses by."""
+    found: dict[str, Any] | None = {c: getattr(row, c) for c in _EPOCH_COLUMNS}
+    while found is not None and found["batch"] is None:
+        above = found["parent_id"] if found["parent_id"] is not None else found["forked_from_job"]
+        found = None if above is None else store.job_columns(int(above), _EPOCH_COLUMNS)
+    return None if found is None else int(found["batch_epoch"] or 1)
+
+
 # -- jobs and their events ------------------------------------------------------------------------------------
 
 _DIALECTS: tuple[Dialect, ...] = ("sqlite", "postgres")

@@ -141,7 +141,8 @@ class BatchVariant:
 class BatchRecord:
     """A row of the ``batches`` table, its cases and variants decoded once.
 
-    ``options`` is the column's JSON text (the batch's ``context=``), which nothing reads back.  ``jobs`` and
+    ``options`` is the column's JSON text: the batch's ``context=`` (which nothing reads back) and ``epochs``
+    (:attr:`epochs`).  ``jobs`` and
     ``counts`` (jobs per status, every status of ``JOB_STATES``) are set only on the records of
     :func:`agentnb.store.reads.batches`.  ``cases_json``/``variants_json`` keep the columns' text as stored,
     so that :meth:`to_dict` gives the row exactly as the store gave it before records.
@@ -172,6 +173,12 @@ class BatchRecord:
                    options=str(row["options"]), cases_json=cases_json, variants_json=variants_json,
                    jobs=int(row["jobs"] or 0) if listed else None,
                    counts={s: int(row.get(f"n_{s}") or 0) for s in JOB_STATES} if listed else None)
+
+    @property
+    def epochs(self) -> int:
+        """How many times the batch runs each case × variant (docs/design-lab.md#epochs): 1 for a batch made
+        before epochs."""
+        return int(json.loads(self.options or "{}").get("epochs") or 1)
 
     def to_dict(self) -> dict[str, Any]:
         """The row as the plain dict the store gave before records: the columns (cases, variants and options as
@@ -286,7 +293,7 @@ JOB_COLUMNS = (
     "id", "parent_id", "piece", "piece_yaml", "piece_path", "model", "instruction", "status",
     "current_movement", "resume_movement", "movement_seq", "workdir", "options", "enriched",
     "error", "claimed_by", "created", "updated", "started", "ended", "batch", "batch_case", "batch_variant",
-    "forked_from_job", "forked_from_seq", "lease_until", "lease_gen",
+    "forked_from_job", "forked_from_seq", "lease_until", "lease_gen", "batch_epoch",
 )
 
 
@@ -324,6 +331,9 @@ class JobRecord:
     forked_from_seq: int | None
     lease_until: float | None
     lease_gen: int
+    # which run of its case × variant a batch job is, from 1 (docs/design-lab.md#epochs); None outside a batch
+    # and for a batch job made before epochs (see :attr:`epoch`)
+    batch_epoch: int | None = None
 
     @classmethod
     def from_row(cls, columns: Sequence[str], row: Sequence[Any]) -> JobRecord:
@@ -340,7 +350,7 @@ class JobRecord:
             _STATUSES.get(v["status"]) or JobStatus(v["status"]), v["current_movement"], v["resume_movement"],
             v["movement_seq"], v["workdir"], _options(options), options, v["enriched"], v["error"], v["claimed_by"], v["created"], v["updated"],
             v["started"], v["ended"], v["batch"], v["batch_case"], v["batch_variant"], v["forked_from_job"],
-            v["forked_from_seq"], v["lease_until"], v["lease_gen"],
+            v["forked_from_seq"], v["lease_until"], v["lease_gen"], v["batch_epoch"],
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -356,7 +366,20 @@ class JobRecord:
             "started": self.started, "ended": self.ended, "batch": self.batch, "batch_case": self.batch_case,
             "batch_variant": self.batch_variant, "forked_from_job": self.forked_from_job,
             "forked_from_seq": self.forked_from_seq, "lease_until": self.lease_until, "lease_gen": self.lease_gen,
+            "batch_epoch": self.batch_epoch,
         }
+
+    @property
+    def epoch(self) -> int | None:
+        """The batch epoch of a batch job (1 for one made before epochs); None for a job outside a batch."""
+        if self.batch is None:
+            return None
+        return int(self.batch_epoch or 1)
+
+    @property
+    def batch_position(self) -> tuple[int, int, int]:
+        """(case, variant, epoch) of a batch job: the order a batch lists its jobs in (0, 0, 1 outside a batch)."""
+        return int(self.batch_case or 0), int(self.batch_variant or 0), int(self.batch_epoch or 1)
 
     @property
     def forked_from(self) -> tuple[int, int] | None:

@@ -30,6 +30,7 @@ from ..events import (
     event_from_row,
     strict_events,
 )
+from ._cache_rows import CacheRows
 from ._rows import JOB_COLUMNS, StoreRows, events_query
 from .base import (
     DEFAULT_LEASE,
@@ -98,7 +99,7 @@ def _wal(conn: sqlite3.Connection, wait: float = 30.0) -> None:
         pause = min(pause * 2, 0.2)
 
 
-class SQLiteStore(StoreRows[sqlite3.Connection]):
+class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
     """Access to one ``agentnb.sqlite`` file: the :class:`~agentnb.store.base.Store` interface on SQLite.
 
     ``readonly=True`` opens it for reading only and never writes a byte: a read-only folder
@@ -348,6 +349,9 @@ class SQLiteStore(StoreRows[sqlite3.Connection]):
     def _tx(self, c: Transaction) -> sqlite3.Connection:
         # the transaction handle transaction() gives out is this store's own connection
         return cast(sqlite3.Connection, c)
+
+    def _run(self, c: Transaction, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
+        return self._tx(c).execute(sql, tuple(params))
 
     # -- jobs ---------------------------------------------------------------
     def create_job(self, **values: Any) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -172,9 +172,9 @@ class _JobMapper:
     """The spans of one job (subtasks are mapped by their own mapper, nested by :func:`trace_of`)."""
 
     def __init__(self, store: Store, identity: str, job: JobRecord, parent_span: int | None,
-                 content: _Content | None) -> None:
+                 content: _Content | None, events: list[Event] | None = None) -> None:
         self.store, self.identity, self.job, self.content = store, identity, job, content
-        self.events: list[Event] = store.events(job.id)
+        self.events: list[Event] = store.events(job.id) if events is None else events
         self.timeline = fold(self.events)
         self.provider, self.model = _provider(job.model)
         self.job_span = SpanRecord(name=f"invoke_workflow {job.piece}", kind="internal",
@@ -216,6 +216,13 @@ class _JobMapper:
         for score in (e for e in self.events if isinstance(e, ScoreEvent)):
             span.events.append(self.score(score))
         return self.spans
+
+    def map_runs(self) -> list[SpanRecord]:
+        """The spans of the movement runs of :attr:`events` alone (no job span): each run's, its calls' and tools'."""
+        for entry in self.timeline.entries:
+            if isinstance(entry, MovementRun):
+                self.map_run(entry)
+        return self.spans[1:]
 
     # -- a movement run -------------------------------------------------------------------------------
     def map_run(self, run: MovementRun) -> None:
@@ -349,7 +356,8 @@ class _JobMapper:
                      "gen_ai.response.time_to_first_chunk": response.ttft_s,
                      "gen_ai.response.model": response.response_model, "gen_ai.response.id": response.response_id,
                      "gen_ai.usage.cache_read.input_tokens": response.cached_tokens,
-                     "agentnb.context.ratio": u.ratio, "agentnb.replayed_from": response.replayed_from}
+                     "agentnb.context.ratio": u.ratio, "agentnb.replayed_from": response.replayed_from,
+                     "agentnb.cached": response.cached}
             a.update({k: v for k, v in known.items() if v is not None})  # "when known" (docs/otel.md#mapping)
         c = self.content
         if c is not None:
@@ -444,14 +452,17 @@ def trace_of(store: Store, root: JobRecord, *, content: bool = False, max_chars:
 def _resource(root: JobRecord) -> dict[str, AttrValue]:
     forked = root.forked_from_job is not None
     known = {"agentnb.batch": root.batch, "agentnb.case": root.batch_case, "agentnb.variant": root.batch_variant,
+             "agentnb.epoch": root.batch_epoch,
              "agentnb.forked_from": root.forked_from_job, "agentnb.forked_at": root.forked_from_seq if forked else None}
     return {"service.name": "agentnb", **{k: v for k, v in known.items() if v is not None}}
 
 
 def job_trace(store: Store, job: JobRecord, *, content: bool = False, max_chars: int = DEFAULT_MAX_CHARS,
-              identity: str | None = None) -> TraceRecord:
+              identity: str | None = None, runs: Collection[int] | None = None) -> TraceRecord:
     """The spans of job ``job`` alone (not its subtasks'), with the ids, parent and resource that
-    :func:`trace_of` of its root job gives them: what live export sends as the job runs (docs/otel.md#live)."""
+    :func:`trace_of` of its root job gives them: what live export sends as the job runs (docs/otel.md#live).
+    With ``runs`` (movement seqs), only the spans of those runs, mapped from their own events: a run that ends
+    costs its events, not the job's so far again."""
     identity = identity if identity is not None else store_identity(store)
     parent_span: int | None = None
     root = job
@@ -465,6 +476,11 @@ def job_trace(store: Store, job: JobRecord, *, content: bool = False, max_chars:
         while root.parent_id is not None and root.parent_id not in seen:
             root = store.job(root.parent_id)
             seen.add(root.id)
-    mapper = _JobMapper(store, identity, job, parent_span, _Content(max_chars) if content else None)
-    spans = mapper.map()
+    cut = _Content(max_chars) if content else None
+    if runs is not None:
+        # a run's events all carry its seq (any subset of a job's events folds the same way: views/timeline.py)
+        events = [e for seq in sorted(runs) for e in store.events(job.id, movement_seq=seq)]
+        spans = _JobMapper(store, identity, job, parent_span, cut, events).map_runs()
+    else:
+        spans = _JobMapper(store, identity, job, parent_span, cut).map()
     return TraceRecord(trace_id=_hash_id(128, identity, "trace", root.id), resource=_resource(root), spans=tuple(spans))

@@ -174,12 +174,12 @@ def _case_cells(cases: Sequence[BatchCase], index: int, extra_cols: list[str]) -
 
 
 def batch_frame(batch: BatchSource) -> pd.DataFrame:
-    """One row per case × variant, by case and then variant (see the module's notes for the columns)."""
+    """One row per case × variant × epoch, by case, variant and epoch (see the module's notes for the columns)."""
     store = batch.store
     record = reads.batch(store, batch.name)
     cases: tuple[BatchCase, ...] = record.cases if record else ()
     variants: tuple[BatchVariant, ...] = record.variants if record else ()
-    jobs = sorted(store.jobs(batch=batch.name), key=lambda r: (r.batch_case or 0, r.batch_variant or 0))
+    jobs = sorted(store.jobs(batch=batch.name), key=lambda r: r.batch_position)
     everything = store.jobs()
     children: dict[int, list[int]] = {}
     for r in everything:
@@ -200,7 +200,7 @@ def batch_frame(batch: BatchSource) -> pd.DataFrame:
         label = labels[vi] if known else f"{job.piece} · {short_spec(job.model)}"
         totals = job_totals(store, job.id, children, models, now)
         records.append({"case": job.batch_case, **_case_cells(cases, ci, extra_cols),
-                        "variant": job.batch_variant, "variant_label": label,
+                        "variant": job.batch_variant, "variant_label": label, "epoch": job.epoch,
                         "piece": variants[vi].piece if known else job.piece,
                         "model": job.model, "job": job.id, "status": job.status.value,
                         **{k: getattr(totals, k) for k in _COUNTS}, "cost_usd": totals.cost_usd,
@@ -210,10 +210,11 @@ def batch_frame(batch: BatchSource) -> pd.DataFrame:
     for found in scores:
         names.extend(n for n in found if n not in names)
     df = pd.DataFrame.from_records(records, columns=[
-        "case", "instruction", *extra_cols, "expected", "variant", "variant_label", "piece", "model", "job", "status",
+        "case", "instruction", *extra_cols, "expected", "variant", "variant_label", "epoch", "piece", "model", "job",
+        "status",
         *_COUNTS,
         "cost_usd", "judge_cost_usd", "seconds"])
-    types: dict[str, Any] = {"case": "Int64", "instruction": "string", "variant": "Int64",
+    types: dict[str, Any] = {"case": "Int64", "instruction": "string", "variant": "Int64", "epoch": "Int64",
                              "variant_label": "string", "piece": "string",
                              "model": "string", "job": "Int64", "status": "string", "cost_usd": "Float64",
                              "judge_cost_usd": "Float64", "seconds": "Float64", **dict.fromkeys(_COUNTS, "Int64")}
@@ -345,8 +346,13 @@ def batch_html(batch: BatchSource) -> str:
         counts.append(f"{waiting} waiting")
     tokens = int(df["total_tokens"].sum()) if n else 0
     cost = _total(df["cost_usd"]) if n else 0.0
-    line = (f"batch {batch.name}: {ended} of {n} ended · {', '.join(counts) or 'no jobs'} · "
-            f"{tokens:,} tokens · {_money(cost)}")
+    epochs = int(df["epoch"].max()) if n else 1
+    line = (f"batch {batch.name}: {ended} of {n} ended{f' · {epochs} epochs' if epochs > 1 else ''} · "
+            f"{', '.join(counts) or 'no jobs'} · {tokens:,} tokens · {_money(cost)}")
+
+    def which(r: Any) -> str:  # a row's case (and epoch, when there are several), as the lists below name it
+        return f"case {r['case']}" + (f", epoch {r['epoch']}" if epochs > 1 else "")
+
     parts = [f"<div class='agentnb-batch'><p><b>{html.escape(line)}</b></p>",
              summary_table(batch_summary(batch, df))]
     bad = df[status.isin((JobStatus.failed, JobStatus.aborted))]
@@ -358,7 +364,7 @@ def batch_html(batch: BatchSource) -> str:
                      f"%agent batch {html.escape(batch.name)}</code> resumes the batch</p><ul>")
         for _, r in bad.iterrows():
             error = " ".join(str(batch.store.job(int(r["job"])).error or "").split())
-            what = (f"case {r['case']}, {r['variant_label']}: {r['status']}"
+            what = (f"{which(r)}, {r['variant_label']}: {r['status']}"
                     + (f": {error[:_ERROR_CHARS]}{'…' if len(error) > _ERROR_CHARS else ''}" if error else ""))
             parts.append(f"<li><code>%agent show {int(r['job'])}</code> — {html.escape(what)}</li>")
         parts.append("</ul>")
@@ -370,7 +376,7 @@ def batch_html(batch: BatchSource) -> str:
                      "resumes the batch</p><ul>")
         for _, r in asking.iterrows():
             job_id = int(r["job"])
-            what = f"case {r['case']}, {r['variant_label']} asks: {_question(batch.store, job_id) or '(no question)'}"
+            what = f"{which(r)}, {r['variant_label']} asks: {_question(batch.store, job_id) or '(no question)'}"
             parts.append(f"<li><code>%agent reply {job_id} YOUR ANSWER</code> — {html.escape(what)}</li>")
         parts.append("</ul>")
     parts.append("</div>")

@@ -98,7 +98,9 @@ def plot_batch(batch: Any, *, score: str | None = None, title: str | None = None
     # a row of the right panel per variant: about a third of an inch each, on top of the titles and axes
     fig = BatchFigure(figsize=figsize or (10.0, max(4.0, 2.2 + 0.3 * n)), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=(1.0, 1.0))
-    heading = title or f"batch {name}: {n} variants × {frame['case'].nunique()} cases"
+    epochs = int(frame["epoch"].max()) if "epoch" in frame.columns and len(frame) else 1
+    heading = title or (f"batch {name}: {n} variants × {frame['case'].nunique()} cases"
+                        + (f" × {epochs} epochs" if epochs > 1 else ""))
 
     left.set_xlabel("mean cost per job (US$)" if by_cost else
                     "mean total tokens per job\n(no cost: every price is 0 or unknown)")
@@ -164,7 +166,8 @@ def plot_batch(batch: Any, *, score: str | None = None, title: str | None = None
     right.set_ylim(0.4, n + 0.6)
     right.xaxis.set_major_locator(MaxNLocator(nbins=5))
     right.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:,.0f}"))
-    right.set_xlabel("total tokens per case")
+    # with epochs, each point is one run of a case (one job)
+    right.set_xlabel("total tokens per case" if epochs == 1 else "total tokens per case and epoch")
     right.set_title("tokens per case, by variant", fontsize="medium")
     right.grid(axis="x", alpha=0.3)
     return fig

@@ -33,7 +33,7 @@ frame               columns
                     arguments, is_error, truncated, original_chars, returned_chars, duration, result
 ``usage(job)``      job, call, seq, movement, iteration, timestamp, prompt_tokens,
                     completion_tokens, total_tokens, cumulative_tokens, cost_usd, source, window,
-                    ratio, action, actions, transition, forced, latency_s, ttft_s, replayed, purpose
+                    ratio, action, actions, transition, forced, latency_s, ttft_s, replayed, cached, purpose
 ``lessons(job)``    job, movement, seq, lessons, summary, timestamp
 ``context_actions`` job, event_id, seq, movement, iteration, timestamp, action, ratio, tokens,
                     window, threshold
@@ -120,6 +120,8 @@ Details:
   is True for a run re-served from another job's record (its ``movement_start`` names it): a fork's runs before
   its fork point, every run of a ``replay:`` job.  ``usage().replayed`` is True for a call whose response was
   re-served (no tokens spent: its token counts are 0, its ``ratio`` and ``window`` the context as recorded).
+  ``usage().cached`` is True for a call answered from the call cache (docs/design-lab.md#call-cache): 0 tokens
+  and $0, like a re-served one; ``agentnb cache stats`` keeps what the original call spent.
   ``movements().judge`` is True for a loop monitor's judge run (docs/context.md#loop-monitors): the run right after a
   ``loop_detected`` event that named it as the judge.
   ``divergences()`` has one row per ``replay_divergence``: a tool re-run in a re-served run whose result
@@ -243,7 +245,7 @@ _USAGE: _Spec = {
     "cost_usd": "float",
     **_fields(Usage, source=_SOURCE, window="int", ratio="float"), "action": ACTION_DTYPE, "actions": "str",
     "transition": "str", "forced": "boolean", **_fields(LLMResponse, latency_s="float", ttft_s="float"),
-    "replayed": "bool", **_fields(LLMResponse, purpose="str"),
+    "replayed": "bool", "cached": "bool", **_fields(LLMResponse, purpose="str"),
 }
 _LESSONS: _Spec = {
     "job": "int", "movement": "str", "seq": "Int", "lessons": "str", "summary": "str", "timestamp": "iso",

@@ -26,14 +26,14 @@ import queue
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
 
 from .. import live
 from ..errors import UsageError
 from ..events import JobStatusEvent, Transition
 from ..store.base import TERMINAL_STATES, Store
+from ._otel_encode import post
 from ._otel_spans import TraceRecord, job_trace, store_identity
-from .otel import INSTALL_HINT, sdk_spans, traces_url
+from .otel import INSTALL_HINT, traces_url
 
 __all__ = ["LiveExport", "dropped_spans", "live_content", "live_endpoint"]
 
@@ -41,6 +41,7 @@ _log = logging.getLogger("agentnb.otel")
 _EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
 QUEUE_SIZE = 10_000   # notes (a run or a job ended), not spans: a few bytes each
 BATCH = 64            # notes read from the queue per request at most
+LINGER = 0.5          # seconds the exporter gathers notes after the first before it maps and sends them
 PAUSE_AFTER_FAILURE = 10.0  # seconds the spans are dropped untried after a failed request
 
 # (channel, job id) → spans of that job not exported, for the job view of any workspace on that store
@@ -163,9 +164,13 @@ class LiveExport:
         while True:
             first = self._queue.get()
             notes = [first]
+            # linger a moment: a run's note and its job's end note come moments apart, and the runs of a batch end
+            # together, so each job is read and mapped once and several go in one request; the job's own thread
+            # has usually finished by then, so the mapping does not take the GIL from it (benchmarks/README.md)
+            deadline = time.monotonic() + LINGER
             while first is not None and len(notes) < BATCH:
                 try:
-                    notes.append(self._queue.get_nowait())
+                    notes.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
                     break
                 if notes[-1] is None:
@@ -176,10 +181,8 @@ class LiveExport:
                 return
 
     def _export(self, notes: list[tuple[str, int, int | None]]) -> None:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
         per_job: list[tuple[int, int]] = []
-        spans: list[Any] = []
+        traces: list[TraceRecord] = []
         # a job is read and mapped once per request, however many of its runs (and its end) the notes name
         by_job: dict[int, list[tuple[str, int | None]]] = {}
         for what, job_id, seq in notes:
@@ -191,19 +194,19 @@ class LiveExport:
                 _log.debug("agentnb: could not map job %s for live export", job_id, exc_info=True)
                 continue
             if trace.spans:
-                spans += sdk_spans(trace)
+                traces.append(trace)
                 per_job.append((job_id, len(trace.spans)))
-        if not spans:
+        if not traces:
             return
         if time.monotonic() < self._paused_until:
             self._drop_all(per_job, None)
             return
         try:
-            ok = self._exporter.export(spans) is SpanExportResult.SUCCESS
-        except Exception:  # the exporter returns FAILURE for what it knows; anything else is a failure too
+            ok = post(self._exporter, traces)
+        except Exception:  # the exporter's client says what it knows; anything else is a failure too
             ok = False
         if ok:
-            self.sent += len(spans)
+            self.sent += sum(n for _, n in per_job)
         else:
             self.failures += 1
             self._paused_until = time.monotonic() + PAUSE_AFTER_FAILURE
@@ -214,9 +217,12 @@ class LiveExport:
         """The spans of job ``job_id`` that the notes ``ended`` name: each ended run's (``("run", seq)``) with its
         calls and tools; at the job's end (``("job", None)``) its own span and the runs that ended without a
         transition (none of their notes came), with theirs."""
+        seqs = {seq for what, seq in ended if what == "run"}
+        if all(what == "run" for what, _ in ended):  # only runs ended: their own events are all it takes
+            return job_trace(self.store, self.store.job(job_id), content=self.content, identity=self._identity,
+                             runs={s for s in seqs if s is not None})
         trace = job_trace(self.store, self.store.job(job_id), content=self.content, identity=self._identity)
         runs = {s.span_id: s for s in trace.spans if s.attributes.get("gen_ai.operation.name") == "invoke_agent"}
-        seqs = {seq for what, seq in ended if what == "run"}
         chosen = {i for i, s in runs.items() if s.attributes.get("agentnb.movement_seq") in seqs}
         keep: set[int] = set()
         if any(what == "job" for what, _ in ended):

@@ -397,6 +397,8 @@ def _response_head(ev: LLMResponse) -> str:
             head += f' <span title="time to first token">(first token {_latency(ev.ttft_s)})</span>'
     if ev.replayed_from is not None:
         head += f" · re-served from job {ev.replayed_from}, no tokens spent"
+    if ev.cached:  # docs/design-lab.md#call-cache
+        head += ' · <span class="anb-cached">cached</span>: answered from the call cache, no tokens spent'
     return head + "</span>"
 
 
