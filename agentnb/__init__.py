@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from . import scorers
 from .batch_compare import BatchComparison
 from .compare import Comparison
 from .engine.pieces import Movement, Piece, PieceError, Rule, available_pieces, load_piece, parse_piece
@@ -47,6 +48,7 @@ __all__ = [
     "parse_piece",
     "plot_batch",
     "plot_usage",
+    "scorers",
     "tool",
 ]
 

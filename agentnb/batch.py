@@ -204,7 +204,7 @@ def check_cases(cases: Any) -> list[Case]:
 # the columns of Batch.frame that a case's own columns may not take
 RESERVED_COLUMNS = ("case", "instruction", "expected", "variant", "variant_label", "epoch", "piece", "model", "job",
                     "status", "subtasks", "movements", "llm_calls", "prompt_tokens", "completion_tokens", "total_tokens",
-                    "cost_usd", "seconds")
+                    "cost_usd", "judge_cost_usd", "seconds")
 
 
 def _as_list(value: Any) -> list[Any]:

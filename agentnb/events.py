@@ -170,7 +170,8 @@ class LLMRequest(EventBase):
     messages: int  # how many messages were sent
     tools: list[str]
     # why the call was made when it is not a turn of the conversation: "compaction" (docs/context.md#compaction), a
-    # summarisation call without tools.  Not stored when None.
+    # summarisation call without tools; "judge" (docs/design-lab.md#llm-judge), an LLM judge scoring the ended job,
+    # outside any movement run.  Not stored when None.
     purpose: str | None = None
 
 
@@ -199,6 +200,9 @@ class LLMResponse(EventBase):
     # answered from the call cache (docs/design-lab.md#call-cache): no model was asked, so ``usage`` spends nothing
     # (0 tokens; ``ratio``/``window`` keep the context as it was).  Not stored unless true
     cached: bool | None = None
+    # the model spec that answered when it is not the job's own: an LLM judge's (purpose "judge",
+    # docs/design-lab.md#llm-judge), which prices the call.  Not stored when None
+    model: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -493,7 +497,8 @@ def _payload_fields(cls: type[EventBase]) -> dict[str, str]:
 _OMIT_NONE: dict[EventKind, tuple[str, ...]] = {"movement_start": ("replayed_from",),
                                                 "llm_request": ("purpose",),
                                                 "llm_response": ("ttft_s", "replayed_from", "purpose", "response_model",
-                                                                 "response_id", "finish_reason", "cached_tokens", "cached"),
+                                                                 "response_id", "finish_reason", "cached_tokens", "cached",
+                                                                 "model"),
                                                 "error": ("detail", "usage"),
                                                 "tool_call": ("server",), "tool_result": ("server",)}
 _ROW_IN_PAYLOAD: dict[str, frozenset[str]] = {"context_action": frozenset({"iteration"}),

@@ -362,7 +362,8 @@ def test_frame_totals_equal_the_sums_over_the_events(ws: Workspace, tmp_path: Pa
         "case": "Int64", "instruction": "string", "topic": "string", "weight": "Float64", "expected": object,
         "variant": "Int64", "variant_label": "string", "epoch": "Int64", "piece": "string", "model": "string", "job": "Int64",
         "status": "string", "subtasks": "Int64", "movements": "Int64", "llm_calls": "Int64", "prompt_tokens": "Int64",
-        "completion_tokens": "Int64", "total_tokens": "Int64", "cost_usd": "Float64", "seconds": "Float64"}
+        "completion_tokens": "Int64", "total_tokens": "Int64", "cost_usd": "Float64", "judge_cost_usd": "Float64",
+        "seconds": "Float64"}
     for _, row in frame.iterrows():
         expected = tree_totals(ws, int(row["job"]))
         assert {k: int(row[k]) for k in expected} == expected
@@ -443,8 +444,8 @@ def test_summary_arithmetic(ws: Workspace, tmp_path: Path) -> None:
     assert list(summary.columns) == [
         "variant", "variant_label", "n", "succeeded", "failed", "aborted", "waiting", "unfinished",
         *[f"{m}{s}" for m in ("mean_ok", "mean_length", "mean_tokens") for s in ("", *ci)], "median_tokens",
-        "cost_usd", *[f"mean_cost_usd{s}" for s in ("", *ci)], *[f"mean_seconds{s}" for s in ("", *ci)],
-        "p50_seconds", "p95_seconds", "piece", "model"]
+        "cost_usd", *[f"mean_cost_usd{s}" for s in ("", *ci)], "judge_cost_usd",
+        *[f"mean_seconds{s}" for s in ("", *ci)], "p50_seconds", "p95_seconds", "piece", "model"]
     assert summary["n"].dtype == "Int64" and summary["mean_tokens"].dtype == "Float64"
     assert list(summary["failed"]) == [0, 0, 4] and list(summary["succeeded"]) == [4, 4, 0]
     for v, row in summary.iterrows():
@@ -454,7 +455,7 @@ def test_summary_arithmetic(ws: Workspace, tmp_path: Path) -> None:
         assert row["n"] == 4 and row["piece"] == "single" and row["model"] == b.variants[v]["model"]
         assert row["mean_tokens"] == pytest.approx(tokens.mean())
         assert row["median_tokens"] == pytest.approx(np.median(tokens))
-        assert row["cost_usd"] == 0.0 and row["mean_cost_usd"] == 0.0
+        assert row["cost_usd"] == 0.0 and row["mean_cost_usd"] == 0.0 and row["judge_cost_usd"] == 0.0
         assert row["mean_seconds"] == pytest.approx(seconds.mean())
         assert row["p50_seconds"] == pytest.approx(np.percentile(seconds, 50))
         assert row["p95_seconds"] == pytest.approx(np.percentile(seconds, 95))

@@ -74,7 +74,7 @@ EXPECTED = {
               "source": _cat, "window": _int, "ratio": pt.is_float_dtype,
               "action": lambda s: s.dtype == ACTION_DTYPE, "actions": _text, "transition": _text,
               "forced": lambda s: s.dtype == "boolean", "latency_s": pt.is_float_dtype, "cost_usd": pt.is_float_dtype,
-              "replayed": pt.is_bool_dtype},
+              "replayed": pt.is_bool_dtype, "purpose": _text},
     "lessons": {"job": _int, "movement": _text, "seq": _nint, "lessons": _text, "summary": _text,
                 "timestamp": _time},
     "context_actions": {"job": _int, "timestamp": _time, "action": lambda s: s.dtype == ACTION_DTYPE,

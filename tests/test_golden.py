@@ -12,7 +12,8 @@ undone, every file equals the one before.  MCP servers as tool sources re-record
 ``frames.tool_calls()``'s ``server`` column (null for every call of these jobs, which use no MCP server): stripped
 of it, every file equals the one before.  The call cache re-recorded them for one addition, ``frames.usage()``'s
 ``cached`` column (False for every call of these jobs, which use no cache): stripped of it, every file equals the
-one before.
+one before.  LLM judges re-recorded them for one addition, ``frames.usage()``'s ``purpose`` column (null for every
+call of these jobs, none of them a judge's or a compaction's): stripped of it, every file equals the one before.
 """
 
 from __future__ import annotations

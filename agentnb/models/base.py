@@ -126,8 +126,10 @@ class ModelRequest:
     iteration: int = 0
     call_index: int = 0  # LLM calls made earlier in this job
     movement_call_index: int = 0  # LLM calls made earlier in runs of this movement name
+    # settings for the adapter: ``tool_choice`` (an ``openai:`` model's; "auto" when absent)
     extra: dict[str, Any] = field(default_factory=dict)
-    # None for a turn of the conversation; "compaction" for the tool-less call that summarises it (docs/context.md#compaction)
+    # None for a turn of the conversation; "compaction" for the tool-less call that summarises it (docs/context.md#compaction);
+    # "judge" for an LLM judge's call on an ended job (docs/design-lab.md#llm-judge)
     purpose: str | None = None
     # streaming (docs/models.md#streaming): a model that streams hands each fragment to ``on_delta`` as it
     # arrives (None: nobody watches), and stops reading at once, raising CallCancelled, when ``cancel`` is set

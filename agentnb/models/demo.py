@@ -47,6 +47,8 @@ class DemoModel:
     def _answer(self, request: ModelRequest) -> ModelResponse:
         if request.purpose == "compaction":  # docs/context.md#compaction: a summary, from what the conversation holds
             return ModelResponse(content=self._summary(request))
+        if request.purpose == "judge":  # docs/design-lab.md#llm-judge
+            return self._verdict(request)
         step = sum(1 for m in request.messages if isinstance(m, AssistantMessage))
         handler = {"plan": self._plan, "implement": self._implement, "verify": self._verify}.get(
             request.movement, self._generic
@@ -57,6 +59,17 @@ class DemoModel:
             for i, c in enumerate(resp.tool_calls)
         )
         return ModelResponse(content=resp.content, tool_calls=calls, usage=None)
+
+    @staticmethod
+    def _verdict(request: ModelRequest) -> ModelResponse:
+        """An LLM judge's call: the best score its verdict tool allows (the first of an ``enum``, else the
+        ``maximum``), whatever it was shown: an offline judge that exercises the judging, not the answer."""
+        for tool in request.tools:
+            fn = tool.get("function") or {}
+            score = ((fn.get("parameters") or {}).get("properties") or {}).get("score") or {}
+            best = score["enum"][0] if score.get("enum") else score.get("maximum", 1)
+            return _call(str(fn.get("name")), score=best, reason="The demo judge gives every answer the best score.")
+        return ModelResponse(content="The demo judge was offered no verdict tool.")
 
     # -- helpers ----------------------------------------------------------
     @staticmethod

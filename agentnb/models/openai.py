@@ -212,7 +212,8 @@ class OpenAIModel:
         kwargs: dict[str, Any] = {"model": self.model, "messages": self._wire(request.messages)}
         if request.tools:
             kwargs["tools"] = request.tools
-            kwargs["tool_choice"] = "auto"
+            # "auto", unless the caller names the one tool to call (an LLM judge its verdict, docs/design-lab.md#llm-judge)
+            kwargs["tool_choice"] = request.extra.get("tool_choice", "auto")
         streaming = self.stream and (self.base_url, self.model) not in _plain_only
         if streaming:
             kwargs["stream"] = True

@@ -174,6 +174,10 @@ def _build(d: _Dialect) -> FrameSQL:
     # after the four actions (frames.py maps rank 5 to that category).
     _COMPACTION_RANK = len(ACTIONS) + 1
     _IS_COMPACTION = d.same(d.jx('e', LLMResponse, 'purpose'), "'compaction'")
+    # An LLM judge's call (docs/design-lab.md#llm-judge: purpose "judge", outside any movement run) scored the ended job:
+    # a usage row of its own (priced by the judge's model, which its llm_response names), in no sum of the job's
+    # own spending and no message of its conversation.
+    _NOT_JUDGE = f"COALESCE({d.jx('e', LLMResponse, 'purpose')}, '') <> 'judge'"
 
 
     # ca and tr are small: MATERIALIZED builds each once (with an automatic index) instead of
@@ -205,7 +209,8 @@ def _build(d: _Dialect) -> FrameSQL:
            {d.jx('e', LLMResponse, 'latency_s')} AS latency_s,
            {d.jx('e', LLMResponse, 'ttft_s')} AS ttft_s,
            {d.flag(d.jx('e', LLMResponse, 'replayed_from') + ' IS NOT NULL')} AS replayed,
-           {d.flag(d.jx('e', LLMResponse, 'cached') + ' IS NOT NULL')} AS cached
+           {d.flag(d.jx('e', LLMResponse, 'cached') + ' IS NOT NULL')} AS cached,
+           {d.jx('e', LLMResponse, 'purpose')} AS purpose, {d.jx('e', LLMResponse, 'model')} AS call_model
     FROM events e
     LEFT JOIN movements m ON m.job_id = e.job_id AND m.seq = e.movement_seq
     LEFT JOIN ca ON ca.job_id = e.job_id AND ca.movement_seq = e.movement_seq AND ca.iteration = e.iteration
@@ -234,7 +239,7 @@ def _build(d: _Dialect) -> FrameSQL:
                SUM({d.jx('e', LLMResponse, 'usage.total_tokens')}) AS total_tokens,
                MAX({d.jx('e', LLMResponse, 'usage.ratio')}) AS peak_ratio,
                {d.day('MIN(e.ts)')} AS first_day, {d.day('MAX(e.ts)')} AS last_day
-        FROM events e WHERE e.kind = 'llm_response'
+        FROM events e WHERE e.kind = 'llm_response' AND {_NOT_JUDGE}
         GROUP BY e.job_id
     ) a ON a.job_id = j.id
     ORDER BY j.id
@@ -250,7 +255,7 @@ def _build(d: _Dialect) -> FrameSQL:
     SELECT e.job_id AS job, e.ts AS ts,
            {d.jx('e', LLMResponse, 'usage.prompt_tokens')} AS prompt_tokens,
            {d.jx('e', LLMResponse, 'usage.completion_tokens')} AS completion_tokens
-    FROM events e WHERE e.kind = 'llm_response'{{job_e}}
+    FROM events e WHERE e.kind = 'llm_response' AND {_NOT_JUDGE}{{job_e}}
     """
 
     _MOVEMENTS_SQL = f"""
@@ -299,7 +304,7 @@ def _build(d: _Dialect) -> FrameSQL:
         SELECT {_EVENT_HEAD}, 'assistant', e.kind,
                {d.tool_names('e')},
                NULL, {d.jx('e', LLMResponse, 'content')}, 0
-        FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'llm_response'{{job_e}}
+        FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'llm_response' AND {_NOT_JUDGE}{{job_e}}
         UNION ALL
         SELECT {_EVENT_HEAD}, 'tool', e.kind, {d.jx('e', ToolResult, 'tool')}, {d.jx('e', ToolResult, 'call_id')}, {d.jx('e', ToolResult, 'content')}, 0
         FROM events e {_MOVEMENT_NAME} WHERE e.kind = 'tool_result'{{job_e}}

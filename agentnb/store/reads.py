@@ -127,9 +127,11 @@ def epoch_of(store: Store, row: JobRecord) -> int | None:
 
 _DIALECTS: tuple[Dialect, ...] = ("sqlite", "postgres")
 
-# the only difference between the backends is how a payload field is read (json_extract, or #>> and a cast)
+# the only difference between the backends is how a payload field is read (json_extract, or #>> and a cast).  Calls
+# outside any movement run are an LLM judge's (docs/design-lab.md#llm-judge): spent scoring the job, not by it
 _TOTAL_TOKENS = {d: f"SELECT COALESCE(SUM({payload_field(d, 'e', LLMResponse, 'usage.total_tokens')}), 0) "
-                    "FROM events e WHERE e.job_id=? AND e.kind='llm_response'" for d in _DIALECTS}
+                    "FROM events e WHERE e.job_id=? AND e.kind='llm_response' AND e.movement_seq IS NOT NULL"
+                 for d in _DIALECTS}
 _LAST_REASON = {d: f"SELECT {payload_field(d, 'e', JobStatusEvent, 'reason')} FROM events e "
                    "WHERE e.kind='job_status' AND e.job_id=? ORDER BY e.id DESC LIMIT 1" for d in _DIALECTS}
 
@@ -167,7 +169,7 @@ def last_status_reason(store: Store, job_id: int) -> str | None:
 def latest_request(store: Store, job_id: int) -> tuple[int | None, int | None] | None:
     """``(movement_seq, iteration)`` of the job's newest ``llm_request``, None before the first."""
     rows = store.rows("SELECT movement_seq, iteration FROM events WHERE job_id=? AND kind='llm_request' "
-                      "ORDER BY id DESC LIMIT 1", (job_id,))[1]
+                      "AND movement_seq IS NOT NULL ORDER BY id DESC LIMIT 1", (job_id,))[1]
     return (rows[0][0], rows[0][1]) if rows else None
 
 

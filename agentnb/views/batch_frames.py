@@ -15,6 +15,9 @@ Choices the design leaves open, made here:
   Children's running time is added (compute time, not wall time of the tree).
 - **cost_usd** prices each ``llm_response`` of the tree with the model spec of the job that made it
   (``agentnb.models.prices``); NA as soon as one call's price is unknown; 0 for offline models.
+- **judge_cost_usd** is what the LLM judges' calls on the job cost (``purpose: "judge"``, each priced by the judge's
+  own model; docs/design-lab.md#llm-judge), every judging counted (a re-score spends again); those calls count in
+  no other column (``llm_calls``, the tokens and ``cost_usd`` are the job's own spending).
 - **Scores**: one column per scorer, the value of the latest ``score`` event of that name; a scorer
   that raised (or returned a value of another type) leaves NA there and its error text in
   ``<name>_error`` (NA when it did not fail).  A score column is ``boolean`` when every value is a
@@ -77,6 +80,7 @@ class JobTotals:
     completion_tokens: int = 0
     total_tokens: int = 0
     cost_usd: float | None = 0.0
+    judge_cost_usd: float | None = 0.0
     seconds: float = 0.0
 
 
@@ -107,6 +111,9 @@ def job_totals(store: Store, root: int, children: Mapping[int, list[int]], model
         cost = t.cost_usd(models[job_id])
         if out.cost_usd is not None:
             out.cost_usd = None if cost is None else out.cost_usd + cost
+        judged = t.judge_cost_usd(models[job_id])
+        if out.judge_cost_usd is not None:
+            out.judge_cost_usd = None if judged is None else out.judge_cost_usd + judged
     return out
 
 
@@ -197,7 +204,7 @@ def batch_frame(batch: BatchSource) -> pd.DataFrame:
                         "piece": variants[vi].piece if known else job.piece,
                         "model": job.model, "job": job.id, "status": job.status.value,
                         **{k: getattr(totals, k) for k in _COUNTS}, "cost_usd": totals.cost_usd,
-                        "seconds": totals.seconds})
+                        "judge_cost_usd": totals.judge_cost_usd, "seconds": totals.seconds})
         scores.append(_latest_scores(store, job.id))
     names = list(batch.scorers)
     for found in scores:
@@ -206,11 +213,11 @@ def batch_frame(batch: BatchSource) -> pd.DataFrame:
         "case", "instruction", *extra_cols, "expected", "variant", "variant_label", "epoch", "piece", "model", "job",
         "status",
         *_COUNTS,
-        "cost_usd", "seconds"])
+        "cost_usd", "judge_cost_usd", "seconds"])
     types: dict[str, Any] = {"case": "Int64", "instruction": "string", "variant": "Int64", "epoch": "Int64",
                              "variant_label": "string", "piece": "string",
                              "model": "string", "job": "Int64", "status": "string", "cost_usd": "Float64",
-                             "seconds": "Float64", **dict.fromkeys(_COUNTS, "Int64")}
+                             "judge_cost_usd": "Float64", "seconds": "Float64", **dict.fromkeys(_COUNTS, "Int64")}
     df = df.astype(types)
     # any JSON value, kept as it is (pandas would make a None among numbers NaN)
     df["expected"] = pd.Series([r["expected"] for r in records], index=df.index, dtype=object)
@@ -246,7 +253,8 @@ def batch_summary(batch: BatchSource | None, frame: pd.DataFrame | None = None, 
     for subtasks) and ``unfinished`` (queued or running); ``mean_<score>`` for each score whose column is
     boolean (the share true) or numeric, over the jobs that have a value; ``mean_tokens``/``median_tokens``
     of ``total_tokens``; ``cost_usd`` (total)/``mean_cost_usd`` over every job of the variant (what it spent
-    so far; NA when a price is unknown); ``p50_seconds``/``p95_seconds`` over the jobs that ended (pandas'
+    so far; NA when a price is unknown); ``judge_cost_usd``, what its LLM judges cost (total, apart from the jobs'
+    own); ``p50_seconds``/``p95_seconds`` over the jobs that ended (pandas'
     linear quantiles; NA before any ended) and their ``mean_seconds``; last the full ``piece`` and ``model``.
     Each mean is followed by its ``_se``, ``_ci_low`` and ``_ci_high`` (``batch_stats``: a bootstrap over cases
     with the ``stats`` settings).  ``frame`` (a ``batch_frame``) is summarised instead of reading the batch again.
@@ -277,6 +285,8 @@ def batch_summary(batch: BatchSource | None, frame: pd.DataFrame | None = None, 
             "median_tokens": float(group["total_tokens"].median()),
             "cost_usd": _total(group["cost_usd"]),
             "mean_cost_usd": pd.NA if group["cost_usd"].isna().any() else float(group["cost_usd"].mean()),
+            # the LLM judges' calls, apart from what the jobs spent (a frame of the user's making may lack it)
+            "judge_cost_usd": _total(group["judge_cost_usd"]) if "judge_cost_usd" in group else 0.0,
             "mean_seconds": float(ended["seconds"].mean()) if len(ended) else pd.NA,
             "p50_seconds": float(ended["seconds"].quantile(0.5)) if len(ended) else pd.NA,
             "p95_seconds": float(ended["seconds"].quantile(0.95)) if len(ended) else pd.NA,
@@ -293,8 +303,8 @@ def batch_summary(batch: BatchSource | None, frame: pd.DataFrame | None = None, 
                            strict=True))
     measures = [*[c for n in numeric for c in (f"mean_{n}", *interval_columns(f"mean_{n}"))], "mean_tokens",
                 *interval_columns("mean_tokens"), "median_tokens", "cost_usd", "mean_cost_usd",
-                *interval_columns("mean_cost_usd"), "mean_seconds", *interval_columns("mean_seconds"), "p50_seconds",
-                "p95_seconds"]
+                *interval_columns("mean_cost_usd"), "judge_cost_usd", "mean_seconds", *interval_columns("mean_seconds"),
+                "p50_seconds", "p95_seconds"]
     columns = ["variant", "variant_label", *_OUTCOMES, *measures, "piece", "model"]
     out = pd.DataFrame.from_records(rows, columns=columns)
     types = {"variant": "Int64", "variant_label": "string", "piece": "string", "model": "string",
@@ -423,7 +433,7 @@ def summary_table(summary: pd.DataFrame) -> str:
                  *[f"<td style='{_CELL}'>{_number(r[c], 'count')}</td>" for c in outcomes],
                  *[_pm_cell(r, c, "score") for c in scores],
                  _pm_cell(r, "mean_tokens", "count", f"median {_number(r['median_tokens'], 'count')}"),
-                 _pm_cell(r, "mean_cost_usd", "money", f"total {_number(r['cost_usd'], 'money')}"),
+                 _pm_cell(r, "mean_cost_usd", "money", f"total {_number(r['cost_usd'], 'money')}{_judged(r)}"),
                  _pm_cell(r, "mean_seconds", "score", f"p50 {_number(r['p50_seconds'], 'score')}"),
                  f"<td style='{_CELL}'>{_number(r['p95_seconds'], 'score')}</td>"]
         rows.append(f"<tr data-variant='{int(r['variant'])}'>{''.join(cells)}</tr>")
@@ -454,6 +464,12 @@ def _pm_cell(r: pd.Series, mean: str, kind: str, extra: str = "") -> str:
         tip.append("no interval: fewer than 2 cases")
     title = f" title='{html.escape(' · '.join(tip), quote=True)}'" if tip else ""
     return f"<td style='{_CELL}'{title}>{text}</td>"
+
+
+def _judged(row: pd.Series) -> str:
+    """The cost cell's tooltip on what the LLM judges cost, apart (docs/design-lab.md#llm-judge); empty without any."""
+    judged = row.get("judge_cost_usd", 0.0)
+    return "" if not _na(judged) and not judged else f" · LLM judges {_number(judged, 'money')}"
 
 
 def _score_tip(name: str) -> str:

@@ -33,7 +33,7 @@ frame               columns
                     arguments, is_error, truncated, original_chars, returned_chars, duration, result
 ``usage(job)``      job, call, seq, movement, iteration, timestamp, prompt_tokens,
                     completion_tokens, total_tokens, cumulative_tokens, cost_usd, source, window,
-                    ratio, action, actions, transition, forced, latency_s, ttft_s, replayed, cached
+                    ratio, action, actions, transition, forced, latency_s, ttft_s, replayed, cached, purpose
 ``lessons(job)``    job, movement, seq, lessons, summary, timestamp
 ``context_actions`` job, event_id, seq, movement, iteration, timestamp, action, ratio, tokens,
                     window, threshold
@@ -104,6 +104,10 @@ Details:
   ``latency_s`` is how long the model took to answer, in seconds (retries and their backoff
   included; NaN for calls recorded before agentnb kept it); ``ttft_s`` how long its first token took, for a
   streamed answer (docs/models.md#streaming; NaN when the call was not streamed).
+  ``purpose`` is the call's ``purpose`` (``compaction``, ``judge``; NA for a turn of the conversation).  An LLM
+  judge's call (docs/design-lab.md#llm-judge: it scored the ended job) is a row with ``seq``, ``movement`` and
+  ``iteration`` missing (``seq`` and ``iteration`` are then nullable ``Int64``), priced by the judge's own model; it adds nothing to ``cumulative_tokens``, and
+  ``jobs()``, ``movements()`` and ``messages()`` leave it out (the job's own spending and conversation).
 * ``messages()`` holds the chat messages the model saw, in order: ``system`` and ``user``
   prompts (``kind`` movement_start), ``assistant`` replies (``tool`` lists the tools it
   called), ``tool`` results and the ``user`` reminders the loop injected.
@@ -234,12 +238,14 @@ _TOOL_CALLS: _Spec = {
     "duration": "delta", "result": "str",
 }
 _USAGE: _Spec = {
+    # seq and iteration are missing on an LLM judge's call (docs/design-lab.md#llm-judge), made outside any movement
+    # run: "int" is then nullable Int64, as for any missing value
     "job": "int", "call": "int", "seq": "int", "movement": "str", "iteration": "int", "timestamp": "time",
     **_fields(Usage, prompt_tokens="int", completion_tokens="int", total_tokens="int"), "cumulative_tokens": "int",
     "cost_usd": "float",
     **_fields(Usage, source=_SOURCE, window="int", ratio="float"), "action": ACTION_DTYPE, "actions": "str",
     "transition": "str", "forced": "boolean", **_fields(LLMResponse, latency_s="float", ttft_s="float"),
-    "replayed": "bool", "cached": "bool",
+    "replayed": "bool", "cached": "bool", **_fields(LLMResponse, purpose="str"),
 }
 _LESSONS: _Spec = {
     "job": "int", "movement": "str", "seq": "Int", "lessons": "str", "summary": "str", "timestamp": "iso",
@@ -379,14 +385,18 @@ class Frames:
         raw = self._raw("usage", job_id)
         # priced before typing: the raw epoch seconds and counts go straight to numpy
         specs = raw["job"].map(self._models(job_id)).to_numpy(dtype=object)
+        judged = raw.pop("call_model").to_numpy(dtype=object)  # a judge's call names its own model
+        specs = np.where(pd.isna(judged), specs, judged)
         cost = cost_array(specs, pd.to_numeric(raw["prompt_tokens"]), pd.to_numeric(raw["completion_tokens"]),
                           pd.to_numeric(raw["timestamp"]))
         df = _typed(raw, {**spec, "action": "Int"})
         # rows are in (job, id) order: numbering and running sums are vectorised, per job
         by_job = df.groupby("job", sort=False)
         df.insert(1, "call", (by_job.cumcount() + 1).astype("int64"))
+        # the job's own running sum: a judge's call (after the job ended) adds nothing to it
+        own = df["total_tokens"].where(df["purpose"].ne("judge").fillna(True).astype(bool), 0)
         df.insert(COLUMNS["usage"].index("cumulative_tokens"), "cumulative_tokens",
-                  by_job["total_tokens"].cumsum().astype(df["total_tokens"].dtype))
+                  own.groupby(df["job"], sort=False).cumsum().astype(df["total_tokens"].dtype))
         df.insert(COLUMNS["usage"].index("cost_usd"), "cost_usd", cost)
         # the SQL ranks actions 1..4 (5: a compaction's summarisation call); map the rank back to the category
         df["action"] = pd.Categorical.from_codes(
@@ -412,6 +422,7 @@ class Frames:
         if job_id is None:  # one job's settings are simulated: a frame of every job has no one window
             raise UsageError("what_if(None): allowed: a Job or a job id")
         usage = self.usage(job_id)
+        usage = usage[usage["purpose"].ne("judge").fillna(True).astype(bool)]  # a judge's calls had no context to manage
         # the calls a fork re-served record 0 tokens: the simulation takes their context from ratio × window
         replayed = usage["replayed"].fillna(False).to_numpy(dtype=bool)
         return simulate(usage, window=window, thresholds=thresholds, replayed=replayed)

@@ -612,6 +612,7 @@ def _resolve(
                 f"plot_usage needs a ws.frames.usage() DataFrame; this one lacks {sorted(missing)}"
             )
         th = dict(thresholds or obj.attrs.get("thresholds") or DEFAULT_THRESHOLDS)
+        obj = _own_calls(obj)
         jobs = obj["job"].unique().tolist()
         heading = f"Job {jobs[0]}: context usage" if len(jobs) == 1 else f"Context usage of {len(jobs)} jobs"
         return _Target(obj, th, heading)
@@ -629,7 +630,7 @@ def _resolve(
             f"plot_usage takes a Job, a job id (with ws=) or a ws.frames.usage() DataFrame, not {type(obj).__name__}"
         )
     frames = ws.frames
-    df = frames.usage(job_id)
+    df = _own_calls(frames.usage(job_id))
     th = dict(thresholds or frames.thresholds(job_id))
     job = ws.job(job_id)
     heading = f"Job {job.id} · {job.piece} · {short_spec(job.model)} · {job.status}"
@@ -638,6 +639,11 @@ def _resolve(
              for ev in run.loops]
     return _Target(df, th, heading, status=str(job.status), error=job.error, ws=ws, compactions=compactions,
                    loops=loops)
+
+
+def _own_calls(df: pd.DataFrame) -> pd.DataFrame:
+    """The job's own calls: an LLM judge's (docs/design-lab.md#llm-judge) had no context to plot."""
+    return df[df["purpose"].ne("judge").fillna(True).astype(bool)] if "purpose" in df else df
 
 
 def _with_what_if(target: _Target, obj: Any, ws: UsageSource | None,

@@ -64,6 +64,7 @@ from ..store.reads import latest_request
 from ._fork_lines import demo_note, fork_lines, reserved_runs
 from ._fork_lines import runs_text as _runs_text
 from ._job_stats import JobStats, job_stats, stats_from_timeline
+from ._scores_html import scores_html
 from .icons import COMMENT, LATENCY, REMINDER, STOP, TOOL, icon, question_badge
 from .otel_live import dropped_spans
 from .source import JobRecord, JobSource
@@ -740,6 +741,7 @@ def timeline_html(
     body = [_entry_html(entry, sections, tl.asked, o) for entry in tl.entries]
     if not tl.runs and job.status == JobStatus.queued:
         body.append('<div class="anb-dim">not started yet</div>')
+    body.append(scores_html(tl.totals.scores, tl.totals.judge_calls, job.model))  # docs/design-lab.md#llm-judge
     return (STYLE if style else "") + _inline(
         f'<div class="anb-job" data-job="{job.id}">'
         + _header(job, st, _piece_max(ws, job.id), latest_link=True, fork=fork_lines(job, tl),

@@ -203,6 +203,9 @@ class Totals:
     question: str | None = None  # the latest question asked (open or not)
     errors: tuple[str, ...] = ()  # failures, job-level and in runs
     scores: Mapping[str, ScoreEvent] = field(default_factory=dict)  # the latest score of each name
+    # an LLM judge's calls (purpose "judge", docs/design-lab.md#llm-judge): spent on scoring the job, not by it, so
+    # they count in none of the numbers above
+    judge_calls: tuple[LLMResponse, ...] = ()
     reserved: Mapping[int, int] = field(default_factory=dict)  # run → the job it was re-served from (a fork's)
     status_reason: str | None = None  # the last job_status event's reason
     status_events: bool = False  # a store written before job_status events has none
@@ -213,6 +216,13 @@ class Totals:
     def cost_usd(self, model: str) -> float | None:
         """US dollars of the answered calls, each priced at its own time by ``model``; None when one is unpriced."""
         costs = call_costs(model, [u[0] for u in self.usage], [u[1] for u in self.usage], [u[2] for u in self.usage])
+        return None if None in costs else sum(c for c in costs if c is not None)
+
+    def judge_cost_usd(self, model: str) -> float | None:
+        """US dollars of the judge calls, each priced by the judge's own model (``model``, the job's, for a call that
+        does not name one); None when one is unpriced."""
+        costs = [call_costs(ev.model or model, [ev.usage.prompt_tokens], [ev.usage.completion_tokens], [ev.ts])[0]
+                 for ev in self.judge_calls]
         return None if None in costs else sum(c for c in costs if c is not None)
 
     def running_seconds(self, now: float | None = None) -> float:
@@ -416,6 +426,7 @@ class _JobNumbers:
         self.question: str | None = None
         self.errors: list[str] = []
         self.scores: dict[str, ScoreEvent] = {}
+        self.judge_calls: list[LLMResponse] = []
         self.reserved: dict[int, int] = {}
         self.reason: str | None = None
         self.status_events = False
@@ -434,7 +445,7 @@ class _JobNumbers:
             completion_tokens=self.completion, total_tokens=self.total, usage=tuple(self.usage),
             last_seq=self.last_seq, last_ratio=self.last_ratio, last_tokens=self.last_tokens, window=self.window,
             actions=tuple(self.actions), latest=self.latest, question=self.question, errors=tuple(self.errors),
-            scores=dict(self.scores), reserved=dict(self.reserved), status_reason=self.reason, status_events=self.status_events,
+            scores=dict(self.scores), judge_calls=tuple(self.judge_calls), reserved=dict(self.reserved), status_reason=self.reason, status_events=self.status_events,
             recovered=self.recovered,
             running_s=self.clock.total, running_since=self.clock.since)
 
@@ -460,6 +471,9 @@ def _job_request(n: _JobNumbers, ev: LLMRequest) -> None:
 
 
 def _job_response(n: _JobNumbers, ev: LLMResponse) -> None:
+    if ev.purpose == "judge":
+        n.judge_calls.append(ev)
+        return
     u = ev.usage
     n.calls += 1
     n.prompt += u.prompt_tokens

@@ -36,7 +36,10 @@ def _compact(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(index=df.index)
     if df["job"].nunique() > 1:
         out["job"] = df["job"].map(_int)
-    out["movement"] = [f"{s}. {m}" if not pd.isna(m) else f"{s}." for s, m in zip(df["seq"], df["movement"], strict=True)]
+    # an LLM judge's call (docs/design-lab.md#llm-judge) belongs to no movement run
+    purpose = df["purpose"] if "purpose" in df else pd.Series(pd.NA, index=df.index)
+    out["movement"] = [f"{s}. {m}" if not pd.isna(m) else f"{s}." if not pd.isna(s) else f"({p})"
+                       for s, m, p in zip(df["seq"], df["movement"], purpose, strict=True)]
     out["call"] = df["call"].map(_int)
     out["tokens"] = [f"{_int(t)}  ({_int(p)} + {_int(c)})" for t, p, c in
                      zip(df["total_tokens"], df["prompt_tokens"], df["completion_tokens"], strict=True)]
