@@ -118,7 +118,7 @@ class BatchBudget:
 
     def _on_event(self, item: Any) -> None:
         # in the committing thread, under the store's lock: no store read here (subtasks are looked up by tick)
-        if not isinstance(item, LLMResponse):
+        if not isinstance(item, LLMResponse) or item.purpose == "judge":  # a judge's call: priced apart (judge_cost_usd)
             return
         spec = self._specs.get(item.job_id, "")
         if spec == "":

@@ -30,6 +30,7 @@ from agentnb.scorers import (
     llm_judge,
     regex,
 )
+from agentnb.store import reads
 from agentnb.views.render import job_html
 from agentnb.views.usage_table import usage_table
 
@@ -210,6 +211,9 @@ def test_a_scripted_judge_is_recorded_on_the_job_apart_from_its_own_numbers(ws: 
     assert "(judge)" in (table if isinstance(table, str) else table.to_html())
     # and the job's messages are its own conversation
     assert "close enough" not in " ".join(ws.frames.messages(job)["content"].dropna())
+    # nor does a budget count it (docs/design-lab.md#budgets): the calls a limit adds up are the job's two
+    assert [c[3] for c in reads.tree_calls(ws.store, job.id)] == [110, 117]
+    assert [c[3] for c in reads.tree_calls(ws.store, batch="judged")] == [110, 117]
 
 
 def test_the_judge_is_shown_in_the_jobs_view_under_scores(ws: Workspace, tmp_path: Path) -> None:

@@ -149,7 +149,8 @@ _TREE_CALLS = {(d, root): "WITH RECURSIVE tree(id, n) AS (SELECT id, 0 FROM jobs
                           f"{payload_field(d, 'e', LLMResponse, 'usage.completion_tokens')}, "
                           f"{payload_field(d, 'e', LLMResponse, 'usage.total_tokens')}, e.ts "
                           "FROM tree JOIN jobs j ON j.id = tree.id JOIN events e ON e.job_id = tree.id "
-                          "WHERE e.kind='llm_response'" for d in _DIALECTS for root in ("id", "batch")}
+                          "WHERE e.kind='llm_response' AND e.movement_seq IS NOT NULL"  # a judge's calls: not the job's
+                          for d in _DIALECTS for root in ("id", "batch")}
 
 
 def tree_calls(store: Store, job_id: int | None = None, *, batch: str | None = None) -> list[tuple[str, int, int, int, float]]:
