@@ -475,3 +475,29 @@ def test_an_openai_call_has_its_provider_model_cost_latency_and_time_to_first_ch
         assert a["gen_ai.response.id"] == resp.response_id and resp.response_id.startswith("chatcmpl-")
     assert [a.get("gen_ai.usage.cache_read.input_tokens") for _, a in chats] == [1_024, None]
     assert [r.cached_tokens for r in responses] == [1_024, None]
+
+
+def test_an_llm_judge_s_calls_are_chat_spans_under_the_job_named_by_the_judge_s_model(
+        ws: Workspace, tmp_path: Path) -> None:
+    from agentnb.scorers import llm_judge
+
+    verdict = {"tool_calls": [{"name": "verdict", "arguments": {"score": 4, "reason": "close"}}],
+               "usage": {"prompt_tokens": 300, "completion_tokens": 25}}
+    judge = llm_judge("Is the answer 41?", model=write_script(tmp_path, "judge", responses=[verdict]))
+    job = ws.run(ws.submit("Answer", piece="single", model=answering_model(tmp_path, "m", "41")))
+    ws.score(job, {"quality": judge})
+    (data,) = read_traces(ws.export_otel(job, tmp_path / "t.jsonl", content=True))
+    spans = spans_of(data)
+    root = next(s for s in spans if s.name.startswith("invoke_workflow"))
+    judged = [s for s in spans if attrs(s.attributes).get("agentnb.purpose") == "judge"]
+    assert len(judged) == 1
+    (span,) = judged
+    a = attrs(span.attributes)
+    assert span.name == "chat scripted" and span.parent_span_id == root.span_id and span.kind == Span.SPAN_KIND_CLIENT
+    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"], a["agentnb.cost_usd"]) == (300, 25, 0.0)
+    assert "close" in a["gen_ai.output.messages"] and "gen_ai.input.messages" not in a  # its prompt is not stored
+    (response,) = [e for e in ws.events(job, kinds=["llm_response"]) if e.purpose == "judge"]
+    assert span.end_time_unix_nano == round(response.ts * 1e9)
+    # the job's own calls stay under their run, and the score is an event of the job's span
+    assert all(s.parent_span_id != root.span_id for s in spans if s.name.startswith("chat") and s is not span)
+    assert "gen_ai.evaluation.result" in [e.name for e in root.events]

@@ -37,7 +37,7 @@ from ..events import (
     ScoreEvent,
     Transition,
 )
-from ..models.prices import call_costs
+from ..models.prices import call_cost, call_costs
 from ..store.base import Store
 from ..store.records import JobRecord
 from .timeline import Call, MovementRun, Note, ToolUse, fold, is_compaction_error, is_interruption
@@ -181,10 +181,13 @@ class _JobMapper:
                                    span_id=self.span_id("job"), parent_id=parent_span, start=0.0, end=0.0)
         self.spans: list[SpanRecord] = [self.job_span]
         self.subtask_parents: dict[int, int] = {}  # child job → the span of the run that asked for it
-        answered = [e for e in self.events if isinstance(e, LLMResponse)]
+        answered = [e for e in self.events if isinstance(e, LLMResponse) and e.purpose != "judge"]
         costs = call_costs(job.model, [e.usage.prompt_tokens for e in answered],
                            [e.usage.completion_tokens for e in answered], [e.ts for e in answered])
         self.costs = {id(e): c for e, c in zip(answered, costs, strict=True)}
+        # an LLM judge's calls are priced by the judge's own model (docs/design-lab.md#llm-judge)
+        self.costs.update({id(e): call_cost(e.model or job.model, e.usage.prompt_tokens, e.usage.completion_tokens, e.ts)
+                           for e in self.events if isinstance(e, LLMResponse) and e.purpose == "judge"})
 
     def span_id(self, *parts: object) -> int:
         return _hash_id(64, self.identity, self.job.id, *parts)
@@ -215,7 +218,21 @@ class _JobMapper:
                 span.events.append(self.note(entry))
         for score in (e for e in self.events if isinstance(e, ScoreEvent)):
             span.events.append(self.score(score))
+        self.map_judges()
         return self.spans
+
+    def map_judges(self) -> None:
+        """An LLM judge's calls (purpose ``judge``, outside any movement run): ``chat`` spans under the job's, named
+        and priced by the judge's model (docs/otel.md#mapping)."""
+        request: LLMRequest | None = None
+        for ev in self.events:
+            if isinstance(ev, LLMRequest) and ev.purpose == "judge":
+                request = ev
+            elif isinstance(ev, LLMResponse) and ev.purpose == "judge":
+                self.spans.append(self.chat_span(request, ev, self.job_span, None))
+                request = None
+        if request is not None:  # asked, never answered (the judge's call failed)
+            self.spans.append(self.chat_span(request, None, self.job_span, None))
 
     def map_runs(self) -> list[SpanRecord]:
         """The spans of the movement runs of :attr:`events` alone (no job span): each run's, its calls' and tools'."""
@@ -330,22 +347,25 @@ class _JobMapper:
             conversation.add(item)
 
     def chat_span(self, request: LLMRequest | None, response: LLMResponse | None, run_span: SpanRecord,
-                  conversation: _JobMapper.Conversation) -> SpanRecord:
+                  conversation: _JobMapper.Conversation | None) -> SpanRecord:
+        """A call's span; ``conversation`` None: a judge's call, whose prompt is not stored (only its answer)."""
         first = request if request is not None else response
         assert first is not None
+        provider, model = (self.provider, self.model) if conversation is not None or response is None or \
+            not response.model else _provider(response.model)
         end = response.ts if response is not None else first.ts
         # a response stored without its request (an older store): the call began its latency before the answer
         start = request.ts if request is not None else end - ((response.latency_s or 0.0) if response else 0.0)
-        span = SpanRecord(name=f"chat {self.model}", kind="client", span_id=self.span_id("call", first.id),
+        span = SpanRecord(name=f"chat {model}", kind="client", span_id=self.span_id("call", first.id),
                           parent_id=run_span.span_id, start=start, end=max(start, end))
         a = span.attributes
-        a.update({"gen_ai.operation.name": "chat", "gen_ai.provider.name": self.provider,
-                  "gen_ai.request.model": self.model, "gen_ai.conversation.id": str(self.job.id),
+        a.update({"gen_ai.operation.name": "chat", "gen_ai.provider.name": provider,
+                  "gen_ai.request.model": model, "gen_ai.conversation.id": str(self.job.id),
                   "agentnb.iteration": first.iteration or 0})
         purpose = first.purpose
         if purpose:
             a["agentnb.purpose"] = purpose
-        if conversation.compacted:
+        if conversation is not None and conversation.compacted:
             a["gen_ai.conversation.compacted"] = True
         if response is not None:
             u = response.usage
@@ -361,10 +381,11 @@ class _JobMapper:
             a.update({k: v for k, v in known.items() if v is not None})  # "when known" (docs/otel.md#mapping)
         c = self.content
         if c is not None:
-            if conversation.system:
+            if conversation is not None and conversation.system:
                 a["gen_ai.system_instructions"] = json.dumps([_text_part(c.text(conversation.system))],
                                                              ensure_ascii=False)
-            a["gen_ai.input.messages"] = c.messages(conversation.messages)
+            if conversation is not None:
+                a["gen_ai.input.messages"] = c.messages(conversation.messages)
             if request is not None:
                 a["gen_ai.tool.definitions"] = json.dumps(
                     [{"type": "function", "name": name} for name in request.tools], ensure_ascii=False)
