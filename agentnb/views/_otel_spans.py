@@ -229,7 +229,7 @@ class _JobMapper:
             if isinstance(ev, LLMRequest) and ev.purpose == "judge":
                 request = ev
             elif isinstance(ev, LLMResponse) and ev.purpose == "judge":
-                self.spans.append(self.chat_span(request, ev, self.job_span, None))
+                self.spans.append(self.chat_span(request, ev, self.job_span, None, spec=ev.model))
                 request = None
         if request is not None:  # asked, never answered (the judge's call failed)
             self.spans.append(self.chat_span(request, None, self.job_span, None))
@@ -347,12 +347,12 @@ class _JobMapper:
             conversation.add(item)
 
     def chat_span(self, request: LLMRequest | None, response: LLMResponse | None, run_span: SpanRecord,
-                  conversation: _JobMapper.Conversation | None) -> SpanRecord:
-        """A call's span; ``conversation`` None: a judge's call, whose prompt is not stored (only its answer)."""
+                  conversation: _JobMapper.Conversation | None, spec: str | None = None) -> SpanRecord:
+        """A call's span, named by model ``spec`` (None: the job's); ``conversation`` None: a judge's call, whose
+        prompt is not stored (only its answer)."""
         first = request if request is not None else response
         assert first is not None
-        provider, model = (self.provider, self.model) if conversation is not None or response is None or \
-            not response.model else _provider(response.model)
+        provider, model = _provider(spec) if spec else (self.provider, self.model)
         end = response.ts if response is not None else first.ts
         # a response stored without its request (an older store): the call began its latency before the answer
         start = request.ts if request is not None else end - ((response.latency_s or 0.0) if response else 0.0)
