@@ -39,8 +39,9 @@ _MAX_DEPTH = 100
 
 
 def limit_problem(name: str, value: Any) -> str | None:
-    """What is wrong with a limit's value (None: nothing); ``name`` is ``cost_limit`` or ``token_limit``."""
-    if name == "token_limit":
+    """What is wrong with a limit's value (None: nothing); ``name`` is a cost limit's or a token limit's key
+    (``cost_limit``, ``job_token_limit``…), named in the message."""
+    if name.endswith("token_limit"):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             return f"{name}={value!r}; allowed: a whole number of tokens ≥ 1 (the job's and its subtasks' calls)"
         return None
@@ -56,10 +57,9 @@ def check_limits(**limits: Any) -> dict[str, float | int]:
     for key, value in limits.items():
         if value is None:
             continue
-        problem = limit_problem("token_limit" if key.endswith("token_limit") else "cost_limit", value)
+        problem = limit_problem(key, value)
         if problem is not None:
-            raise UsageError(problem.replace("token_limit=" if key.endswith("token_limit") else "cost_limit=",
-                                             f"{key}=", 1))
+            raise UsageError(problem)
         out[key] = int(value) if key.endswith("token_limit") else float(value)
     return out
 
