@@ -203,9 +203,9 @@ class CachedModel:
         """The call's tokens as the endpoint reported them, else counted offline as the ContextManager does: what a
         hit on it saves (``agentnb cache stats``)."""
         usage = response.usage
-        counter = counter_for_model(self.spec)
         if usage is not None and usage.completion_tokens is not None:
             return usage.prompt_tokens, usage.completion_tokens
+        counter = counter_for_model(self.spec)  # only when the endpoint did not count: it may load a tokenizer
         completion = 4 + counter.count(message_text(AssistantMessage(response.content, response.tool_calls)))
         if usage is not None:
             return usage.prompt_tokens, completion
