@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import scorers
-from .batch_compare import BatchComparison
-from .compare import Comparison
 from .engine.pieces import Movement, Piece, PieceError, Rule, available_pieces, load_piece, parse_piece
 from .errors import AgentnbError, StoreError, UsageError
 from .events import EVENT_KINDS, Event
@@ -15,7 +13,16 @@ from .models.base import ModelError, ModelRequest, ModelResponse, ModelSpecError
 from .tools.base import Tool, ToolContext, ToolError, ToolOutput, tool
 from .workspace import Job, JobStatus, Workspace
 
+if TYPE_CHECKING:
+    from . import scorers
+    from .batch_compare import BatchComparison
+    from .compare import Comparison
+
 __version__ = "0.1.0"
+
+# imported at their first use (PEP 562): a worker process, which never compares jobs nor scores them, starts
+# without them and the views they pull in (benchmarks/README.md#short-jobs-and-the-fixed-cost-per-job-issue-32)
+_LAZY = {"BatchComparison": ".batch_compare", "Comparison": ".compare", "scorers": ".scorers"}
 
 __all__ = [
     "EVENT_KINDS",
@@ -51,6 +58,16 @@ __all__ = [
     "scorers",
     "tool",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(where, __name__)
+    value = module if name == "scorers" else getattr(module, name)
+    globals()[name] = value
+    return value
 
 
 def load_ipython_extension(ipython: Any) -> None:

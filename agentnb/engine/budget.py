@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ..errors import UsageError
 from ..events import LLMResponse
 from ..models.prices import cost_array, has_price, priced_name
@@ -149,8 +147,8 @@ class JobBudget:
             if limit.cost is not None and calls:
                 costs = cost_array([c[0] for c in calls], [c[1] for c in calls], [c[2] for c in calls],
                                    [c[4] for c in calls])
-                if np.isnan(costs).any():  # an unpriced call: its cost is unknown, never 0
-                    unpriced = sorted({calls[i][0] for i in np.flatnonzero(np.isnan(costs))})
+                unpriced = sorted({calls[i][0] for i, cost in enumerate(costs) if math.isnan(cost)})
+                if unpriced:  # an unpriced call: its cost is unknown, never 0
                     return Overrun("cost_usd", None, float(limit.cost), limit.job_id,
                                    f"budget: cost unknown ({', '.join(unpriced)} has no price) against "
                                    f"{money(limit.cost)}{whose}")

@@ -202,9 +202,13 @@ class ContextManager:
         self.compact_keep_last = _whole(compact_keep_last, "compact_keep_last", 0)
         self.max_compactions = _whole(max_compactions, "max_compactions", 0)
         self.fired: set[str] = set()
-        self.counted = 0  # tokens of every message so far, counted once each
-        self.current = 0  # best estimate of the context size now
-        self.tools_tokens = 0
+        self._current = 0  # best estimate of the context size now, less what is owed (current)
+        # what is owed to the estimate and not counted yet: messages and texts to add (a number: already counted,
+        # its sign included).  Counted when the estimate is read, dropped when a response's usage replaces it: a
+        # job whose endpoint reports its usage never tokenizes a message (nor loads a tokenizer, engine/tokens.py)
+        self._owed: list[tuple[int, Message | str | int]] = []
+        self._tools_text = ""  # the tool schemas sent with every call, as counted
+        self._tools_tokens: int | None = 0
 
     # -- accounting ---------------------------------------------------------
     def count_message(self, message: Message) -> int:
@@ -213,18 +217,44 @@ class ContextManager:
             n += _IMAGE_TOKENS * len(message.images)
         return n
 
-    def set_tools(self, schemas: list[dict[str, Any]]) -> None:
-        """Charge the tool schemas sent with every call (counted once per movement)."""
-        new = self.counter.count(json.dumps(schemas, ensure_ascii=False)) if schemas else 0
-        self.current += new - self.tools_tokens
-        self.counted += new - self.tools_tokens
-        self.tools_tokens = new
+    def _tokens(self, item: Message | str | int) -> int:
+        if isinstance(item, int):
+            return item
+        return self.counter.count(item) if isinstance(item, str) else self.count_message(item)
 
-    def add(self, message: Message) -> int:
-        n = self.count_message(message)
-        self.counted += n
-        self.current += n
-        return n
+    @property
+    def current(self) -> int:
+        """The best estimate of the context size now (what the last usage reported, plus what was added since)."""
+        if self._owed:
+            owed, self._owed = self._owed, []
+            self._current += sum(sign * self._tokens(item) for sign, item in owed)
+        return self._current
+
+    @current.setter
+    def current(self, value: int) -> None:
+        self._owed = []
+        self._current = value
+
+    @property
+    def tools_tokens(self) -> int:
+        if self._tools_tokens is None:
+            self._tools_tokens = self.counter.count(self._tools_text)
+        return self._tools_tokens
+
+    def set_tools(self, schemas: list[dict[str, Any]]) -> None:
+        """Charge the tool schemas sent with every call (counted once per movement, when the estimate needs them)."""
+        text = json.dumps(schemas, ensure_ascii=False) if schemas else ""
+        if text == self._tools_text:
+            return
+        if self._tools_text:
+            self._owed.append((-1, self._tools_tokens if self._tools_tokens is not None else self._tools_text))
+        if text:
+            self._owed.append((1, text))
+        self._tools_text, self._tools_tokens = text, (None if text else 0)
+
+    def add(self, message: Message) -> None:
+        """Add a message to the context (counted when the estimate is next read)."""
+        self._owed.append((1, message))
 
     @property
     def source(self) -> UsageSource:
@@ -237,17 +267,17 @@ class ContextManager:
         # Without usage the prompt is what the last usage reported plus the messages counted since (all of
         # them when no call reported usage): a response that omits usage must not make the context seem
         # to shrink back to a bare count that misses the provider's own overhead.
-        estimate = self.current
-        assistant_tokens = self.add(assistant)
         if usage is not None:
             prompt = usage.prompt_tokens
-            completion = usage.completion_tokens if usage.completion_tokens is not None else assistant_tokens
+            completion = (usage.completion_tokens if usage.completion_tokens is not None
+                          else self.count_message(assistant))
             # a recording re-served (replay, a fork's prefix) keeps the source its counts had
             source: UsageSource = usage.source or "usage"
-            self.current = prompt + completion
+            self.current = prompt + completion  # what was owed is in the prompt: never counted
         else:
-            prompt = estimate
-            completion = assistant_tokens
+            prompt = self.current
+            completion = self.count_message(assistant)
+            self._current += completion
             source = self.counter.source
         ratio = prompt / self.window
         decision = ContextDecision(prompt, completion, source, ratio)
@@ -274,10 +304,7 @@ class ContextManager:
     def recount(self, messages: Sequence[Message]) -> int:
         """Start the accounting again from ``messages`` (after a compaction replaced them): the context is now
         their count plus the tool schemas, and every action may fire again.  Returns that count."""
-        self.counted = self.tools_tokens
-        for m in messages:
-            self.counted += self.count_message(m)
-        self.current = self.counted
+        self.current = self.tools_tokens + sum(self.count_message(m) for m in messages)
         self.fired = set()
         return self.current
 

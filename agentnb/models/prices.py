@@ -23,12 +23,13 @@ import threading
 import warnings
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Any
-
-import numpy as np
-import numpy.typing as npt
+from typing import TYPE_CHECKING, Any
 
 from .._secrets import scrub
+
+if TYPE_CHECKING:  # numpy is imported where arrays are priced: a worker's start-up does not load it (~50 ms)
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = ["FREE_PREFIXES", "UnknownPriceWarning", "call_cost", "call_costs", "cost_array", "dollars",
            "has_price", "is_free", "priced_name", "summed_costs"]
@@ -126,6 +127,8 @@ def _warn_unknown(name: str) -> None:
 
 def _one_model(name: str, prompt: np.ndarray, completion: np.ndarray, ts: np.ndarray) -> np.ndarray:
     """The costs of calls of one known model: linear rates per day (per second for time-of-day prices)."""
+    import numpy as np
+
     out = np.empty(len(prompt), dtype="float64")
     # a day's rates hold for the whole UTC day (start dates are days); off-peak windows need the time itself
     bucket = np.floor(ts) if _by_time_of_day(name) else np.floor(ts / 86400.0) * 86400.0
@@ -148,6 +151,8 @@ def cost_array(specs: npt.ArrayLike, prompt_tokens: npt.ArrayLike,
     ``specs`` is each call's model spec and ``ts`` when it was made (epoch seconds): calls are grouped by
     spec and by day, so the rates are looked up once per group and applied as array arithmetic.
     """
+    import numpy as np
+
     spec_arr = np.asarray(specs, dtype=object)
     prompt = np.asarray(prompt_tokens, dtype="float64")
     completion = np.asarray(completion_tokens, dtype="float64")
@@ -179,6 +184,8 @@ def summed_costs(specs: npt.ArrayLike, calls: npt.ArrayLike,
     and whether each is exact: it is not for a model whose price is not linear in the sums (tiered by
     prompt size, or by time of day) — those calls must be priced one by one with :func:`cost_array`.
     """
+    import numpy as np
+
     spec_arr = np.asarray(specs, dtype=object)
     n_calls = np.asarray(calls, dtype="float64")
     prompt = np.asarray(prompt_tokens, dtype="float64")

@@ -28,6 +28,7 @@ from ..events import (
     ToolCallEvent,
     ToolResult,
     Transition,
+    field_hints,
     payload_path,
 )
 from .base import Dialect, FrameQuery
@@ -56,7 +57,7 @@ def _leaf_hint(cls: type, names: Sequence[str]) -> Any:
     owner: Any = cls
     hint: Any = None
     for name in names:
-        hint = typing.get_type_hints(owner)[name]
+        hint = field_hints(owner)[name]
         owner = next((a for a in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(a)), None)
     return hint
 
