@@ -9,6 +9,8 @@ the same answers.
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import os
 import re
@@ -90,6 +92,17 @@ def _load_script_yaml(text: str) -> Any:
         return build(root)
     except (_Fallback, TypeError, RecursionError):
         return yaml.load(text, Loader=_SafeLoader)
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_script(text: str) -> Any:
+    return _load_script_yaml(text)
+
+
+def _script_yaml(text: str) -> Any:
+    """A script's YAML parsed once per process and text (a worker running a batch's jobs parsed the same script for
+    each: a fifth of a short job's CPU), each caller getting its own copy to keep."""
+    return copy.deepcopy(_parsed_script(text))
 
 
 # A tool call of the model's answer; the name models have always returned it under.
@@ -228,7 +241,7 @@ class ScriptedModel:
             if not path.is_file():
                 raise ModelSpecError(f"scripted model file not found: {path}")
             try:
-                script = _load_script_yaml(path.read_text(encoding="utf-8")) or {}
+                script = _script_yaml(path.read_text(encoding="utf-8")) or {}
             except yaml.YAMLError as exc:
                 raise ModelSpecError(_yaml_error(path, exc)) from None
         if not isinstance(script, Mapping) or not ({"responses", "movements"} & set(script)):
