@@ -156,6 +156,8 @@ class _Renewer:
         self.store = store
         self._held: set[Held] = set()
         self._cond = threading.Condition()
+        # when the thread's wait ends (monotonic; 0: it is not waiting): a lease falling due later needs no wake-up
+        self._wakes = 0.0
         self.done = False
         self.pid = os.getpid()
         threading.Thread(target=self._run, name="agentnb-lease-renewer", daemon=True).start()
@@ -164,7 +166,10 @@ class _Renewer:
         with self._cond:
             held.due = time.monotonic() + held.seconds / 3
             self._held.add(held)
-            self._cond.notify()
+            # a job of a few milliseconds woke the thread (and took the GIL from it) for nothing: its first
+            # renewal is a third of a lease away, after the thread's wait ends and it looks again
+            if held.due < self._wakes or not self._wakes:
+                self._cond.notify()
 
     def remove(self, held: Held) -> None:
         with self._cond:
@@ -176,11 +181,17 @@ class _Renewer:
                 now = time.monotonic()
                 due = [h for h in self._held if h.due <= now]
                 if not self._held:
-                    if not self._cond.wait(timeout=_IDLE) and self._retire():
+                    self._wakes = now + _IDLE
+                    woken = self._cond.wait(timeout=_IDLE)
+                    self._wakes = 0.0
+                    if not woken and self._retire():
                         return
                     continue
                 if not due:
-                    self._cond.wait(timeout=max(min(h.due for h in self._held) - now, 0.01))
+                    wait = max(min(h.due for h in self._held) - now, 0.01)
+                    self._wakes = now + wait
+                    self._cond.wait(timeout=wait)
+                    self._wakes = 0.0
                     continue
                 for h in due:
                     h.due = now + h.seconds / 3
