@@ -185,14 +185,12 @@ def _listing(folder: Path, label: str, language: str) -> list[str]:
     entries: list[tuple[str, int]] = []
     # what the tools cannot reach is not listed either: a linked input/ (or a link in it) that leads
     # out of the work directory would show the names of outside files
-    # (resolved only when there is a folder to list: most jobs have no input/ or output/ when they start)
-    is_dir = folder.is_dir()
-    root = os.path.realpath(folder.parent) if is_dir else ""
+    root = os.path.realpath(folder.parent)
 
     def inside(p: Path) -> bool:
         return os.path.realpath(p).startswith(root + os.sep)
 
-    if is_dir and inside(folder):
+    if folder.is_dir() and inside(folder):
         for dirpath, dirnames, filenames in os.walk(folder):
             dirnames.sort()
             for name in sorted(filenames):
