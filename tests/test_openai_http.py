@@ -7,6 +7,7 @@ import gzip
 import json
 import socket
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -87,9 +88,10 @@ def test_a_429_is_retried_after_what_the_server_asks(loopback: Callable[..., Ope
 
 
 @contextmanager
-def _raw_server(answers: list[bytes]) -> Iterator[tuple[str, list[int]]]:
-    """Plays ``answers`` in order, one per request (a connection is kept until the client or the answer closes it);
-    yields the base URL and the connections accepted so far (a list of one count)."""
+def _raw_server(answers: list[bytes | tuple[bytes, str]]) -> Iterator[tuple[str, list[int]]]:
+    """Plays ``answers`` in order, one per request (a connection is kept until the client or the answer closes it;
+    ``(answer, "then close")`` closes it after that answer without saying so, as a server ending an idle
+    keep-alive connection); yields the base URL and the connections accepted so far (a list of one count)."""
     listener = socket.create_server(("127.0.0.1", 0))
     accepted = [0]
     todo = list(answers)
@@ -110,8 +112,8 @@ def _raw_server(answers: list[bytes]) -> Iterator[tuple[str, list[int]]]:
                     buf += conn.recv(65536)
                 buf = buf[length:]
                 answer = todo.pop(0)
-                conn.sendall(answer)
-                if b"connection: close" in answer.lower() or b"HTTP/1.0" in answer[:8]:
+                conn.sendall(answer[0] if isinstance(answer, tuple) else answer)
+                if isinstance(answer, tuple) or b"connection: close" in answer.lower() or b"HTTP/1.0" in answer[:8]:
                     return
 
     def accept() -> None:
@@ -167,6 +169,18 @@ def test_the_answers_an_http_server_may_give() -> None:
         model = _model(url)
         assert [_ask(model).content for _ in range(6)] == ["one", "two ✓", "three", "four", "five", "six"]
         assert accepted[0] == 3  # kept after 1–3; closed by "four" and by the HTTP/1.0 "five"
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None:
+    first, second = _completion("first"), _completion("second")
+    answers: list[bytes | tuple[bytes, str]] = [(_answer(first, f"content-length: {len(first)}"), "then close"),
+                                                _answer(second, f"content-length: {len(second)}")]
+    with _raw_server(answers) as (url, accepted):
+        model = _model(url, max_retries=0)  # a stale connection's failure would fail the call
+        assert _ask(model).content == "first"
+        time.sleep(0.2)  # the server's close arrives
+        assert _ask(model).content == "second"
+        assert accepted[0] == 2
 
 
 @pytest.mark.parametrize("answer", [

@@ -145,16 +145,24 @@ class PlainPost:
                 sock = self.idle.pop()
             except IndexError:
                 return None
-            try:
-                readable = select.select([sock], [], [], 0)[0]
-            except (OSError, ValueError):
-                readable = [sock]
-            if not readable:
+            if not _readable(sock):
                 return sock
             sock.close()  # closed by the server (or bytes nobody asked for): not reusable
 
     def _request(self) -> Any:
         return self.http.Request("POST", self.url)
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether an idle connection has something to read: the server's close (or bytes nobody asked for)."""
+    try:
+        if hasattr(select, "poll"):  # select.select fails on descriptors past 1024
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            return bool(poller.poll(0))
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
 
 
 class _Broken(Exception):
