@@ -91,30 +91,36 @@ def test_a_429_is_retried_after_what_the_server_asks(loopback: Callable[..., Ope
 def _raw_server(answers: list[bytes | tuple[bytes, str]]) -> Iterator[tuple[str, list[int]]]:
     """Plays ``answers`` in order, one per request (a connection is kept until the client or the answer closes it;
     ``(answer, "then close")`` closes it after that answer without saying so, as a server ending an idle
-    keep-alive connection); yields the base URL and the connections accepted so far (a list of one count)."""
+    keep-alive connection); yields the base URL and the counts so far of connections accepted and closed by it."""
     listener = socket.create_server(("127.0.0.1", 0))
-    accepted = [0]
+    accepted = [0, 0]
     todo = list(answers)
 
     def serve_one(conn: socket.socket) -> None:
-        with conn:
-            buf = b""
-            while todo:
-                while b"\r\n\r\n" not in buf:
-                    data = conn.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
-                while len(buf) < length:
-                    buf += conn.recv(65536)
-                buf = buf[length:]
-                answer = todo.pop(0)
-                conn.sendall(answer[0] if isinstance(answer, tuple) else answer)
-                if isinstance(answer, tuple) or b"connection: close" in answer.lower() or b"HTTP/1.0" in answer[:8]:
+        try:
+            _serve(conn)
+        finally:
+            conn.close()
+            accepted[1] += 1
+
+    def _serve(conn: socket.socket) -> None:
+        buf = b""
+        while todo:
+            while b"\r\n\r\n" not in buf:
+                data = conn.recv(65536)
+                if not data:
                     return
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            while len(buf) < length:
+                buf += conn.recv(65536)
+            buf = buf[length:]
+            answer = todo.pop(0)
+            conn.sendall(answer[0] if isinstance(answer, tuple) else answer)
+            if isinstance(answer, tuple) or b"connection: close" in answer.lower() or b"HTTP/1.0" in answer[:8]:
+                return
 
     def accept() -> None:
         while True:
@@ -178,7 +184,9 @@ def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None:
     with _raw_server(answers) as (url, accepted):
         model = _model(url, max_retries=0)  # a stale connection's failure would fail the call
         assert _ask(model).content == "first"
-        time.sleep(0.2)  # the server's close arrives
+        deadline = time.monotonic() + 30
+        while accepted[1] < 1 and time.monotonic() < deadline:  # the server closed it, unasked
+            time.sleep(0.01)
         assert _ask(model).content == "second"
         assert accepted[0] == 2
 
