@@ -150,9 +150,11 @@ class BatchBudget:
                 root = self.store.job(root.parent_id)
             self._specs[job_id] = row.model if root.id in self.roots else None
             if root.id in self.roots:  # its calls so far, all at once (later ones arrive as they commit)
-                self._recount()
+                self.recount()
 
-    def _recount(self) -> None:
+    def recount(self) -> None:
+        """Read the batch's spending from the store: every process's calls (a batch run in several processes reads
+        it so, agentnb/processes.py)."""
         total = spent(self.store, self.name)
         with self._lock:
             self.total = total
