@@ -41,6 +41,8 @@ the "bound" column is the best ratio that wave structure allows (ceil(jobs / N) 
     py-spy record --gil -f raw -o spy.txt -- python benchmarks/batch_throughput.py --levels 32 --only agentnb
     python benchmarks/batch_throughput.py --serve --port 8050   # only the endpoint (prints PORT n)
     python benchmarks/batch_throughput.py --stream --levels 8,32 --only agentnb   # streamed beside plain
+    AGENTNB_OPENAI_HTTP=sdk python benchmarks/batch_throughput.py --levels 1,32 --only agentnb  # plain calls through
+                                                            # the openai SDK's HTTP stack (before issue 32)
 """
 
 from __future__ import annotations
