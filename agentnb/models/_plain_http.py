@@ -7,7 +7,7 @@ to an ``http://`` endpoint (a local server, a gateway on the same network) is se
 sends (its own headers, read from the client once, and its JSON encoding), the same exception classes for the
 same failures (:func:`status_error` builds the SDK's error for a status, with its message), read with the same
 timeout per socket operation.  Anything else keeps the SDK's path (:func:`plain_post_for` says which): ``https://``,
-a proxy in the environment, headers that are not ASCII, a redirect (the call is asked again through the SDK), or
+a proxy in the environment, a URL with credentials or a query, headers that are not ASCII, a redirect (the call is asked again through the SDK), or
 ``AGENTNB_OPENAI_HTTP=sdk`` (docs/models.md#plain-http).
 """
 
@@ -80,8 +80,8 @@ def plain_post_for(client: Any, timeout: float, http: Any) -> PlainPost | None:
         return None
     url = str(client.base_url).rstrip("/") + "/chat/completions"
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        return None
+    if parts.scheme != "http" or not parts.hostname or "@" in parts.netloc or parts.query or parts.fragment:
+        return None  # https, or a URL httpx reads more into (credentials in it, a query the SDK merges its own way)
     proxies = urllib.request.getproxies()
     if ("http" in proxies or "all" in proxies) and not urllib.request.proxy_bypass(parts.hostname):
         return None  # httpx would go through the proxy (trust_env)
@@ -103,9 +103,8 @@ class PlainPost:
         self.url = url
         self.address = (parts.hostname or "", parts.port or 80)
         self.timeout = timeout
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        netloc = parts.netloc.rpartition("@")[2]
-        lines = [f"POST {target} HTTP/1.1", f"Host: {netloc}", "Accept-Encoding: gzip, deflate",
+        target = parts.path or "/"
+        lines = [f"POST {target} HTTP/1.1", f"Host: {parts.netloc}", "Accept-Encoding: gzip, deflate",
                  "Connection: keep-alive", *(f"{k}: {v}" for k, v in headers.items())]
         self.head = ("\r\n".join(lines) + "\r\nContent-Length: ").encode("ascii")
         self.idle: deque[socket.socket] = deque()
