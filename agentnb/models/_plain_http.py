@@ -13,6 +13,7 @@ a proxy in the environment, a URL with credentials or a query, headers that are 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -37,7 +38,15 @@ def _forked() -> None:
         pool.idle = deque()
 
 
+def _close_idle() -> None:
+    """At exit: the idle connections closed, not left to the garbage collector (a ResourceWarning each)."""
+    for pool in _pools:
+        while pool.idle:
+            pool.idle.pop().close()
+
+
 os.register_at_fork(after_in_child=_forked)
+atexit.register(_close_idle)
 
 
 class Redirected(Exception):
