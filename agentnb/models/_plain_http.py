@@ -7,8 +7,8 @@ to an ``http://`` endpoint (a local server, a gateway on the same network) is se
 sends (its own headers, read from the client once, and its JSON encoding), the same exception classes for the
 same failures (:func:`status_error` builds the SDK's error for a status, with its message), read with the same
 timeout per socket operation.  Anything else keeps the SDK's path (:func:`plain_post_for` says which): ``https://``,
-a proxy in the environment, a URL with credentials or a query, headers that are not ASCII, a redirect (the call is asked again through the SDK), or
-``AGENTNB_OPENAI_HTTP=sdk`` (docs/models.md#plain-http).
+a proxy in the environment, a URL with credentials or a query, headers that are not ASCII, a redirect (the call is
+asked again through the SDK), or ``AGENTNB_OPENAI_HTTP=sdk`` (docs/models.md#plain-http).
 """
 
 from __future__ import annotations
