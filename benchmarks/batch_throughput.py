@@ -47,10 +47,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
 import platform
+import resource
 import socket
 import statistics
 import subprocess
@@ -252,17 +254,8 @@ _TMP: list[tempfile.TemporaryDirectory[str]] = []
 
 
 def _echo_tool() -> Any:
-    import agentnb
-    from agentnb.tools.base import get_tool
-
-    existing = get_tool("echo")
-    if existing is not None:
-        return existing
-
-    @agentnb.tool
-    def echo(text: str) -> str:
-        """Return the text unchanged."""
-        return text
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _bench_tools import echo  # a module, so the worker processes of --processes import it too
 
     return echo
 
@@ -286,10 +279,17 @@ def agentnb_stream_run(base_url: str, jobs: int, concurrency: int) -> Outcome:
     return _agentnb(base_url, jobs, concurrency, f"openai:{MODEL}")
 
 
+PROCESSES = 2  # --processes N: the row of agentnb in N worker processes
+
+
+def agentnb_processes_run(base_url: str, jobs: int, concurrency: int) -> Outcome:
+    return _agentnb(base_url, jobs, concurrency, f"openai:{MODEL}?stream=0", processes=PROCESSES)
+
+
 OTEL_URL: str | None = None  # --otel: agentnb's jobs export their spans live to this loopback receiver
 
 
-def _agentnb(base_url: str, jobs: int, concurrency: int, model: str) -> Outcome:
+def _agentnb(base_url: str, jobs: int, concurrency: int, model: str, processes: int = 1) -> Outcome:
     import agentnb
     from agentnb import Workspace
 
@@ -303,9 +303,13 @@ def _agentnb(base_url: str, jobs: int, concurrency: int, model: str) -> Outcome:
     piece = agentnb.parse_piece(PIECE)
     # creating the batch (400 job rows and folders) is outside the timed region: the run is what is measured
     b = ws.batch(cases, piece=piece, model=model, name=f"c{concurrency}", run=False, progress=False)
+    # the CPU of the worker processes too (counted once they have exited; the endpoint's process runs on)
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     c0, t0 = time.process_time(), time.perf_counter()
-    b.run(concurrency=concurrency, progress=False)
+    b.run(concurrency=concurrency, progress=False, processes=processes)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu += children.ru_utime + children.ru_stime - children0.ru_utime - children0.ru_stime
     counts = b.counts()
     if counts.get("succeeded") != jobs:
         bad = [j for j in b.jobs if str(j.status) != "succeeded"][:1]
@@ -433,6 +437,7 @@ FRAMEWORKS = [
     Framework("floor", "floor: raw asyncio sockets, no HTTP library", floor_run),
     Framework("agentnb", "agentnb ws.batch (SQLite, every event)", agentnb_run),
     Framework("agentnb-stream", "agentnb ws.batch, streamed answers (--stream)", agentnb_stream_run),
+    Framework("agentnb-processes", "agentnb ws.batch in worker processes (--processes N)", agentnb_processes_run),
     Framework("langgraph", "LangGraph create_react_agent + ChatOpenAI (gather of ainvoke)", langgraph_run),
     Framework("pydantic-ai", "pydantic-ai Agent + OpenAIChatModel (gather of run)", pydantic_ai_run),
 ]
@@ -589,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="with --serve: the port (default: any free one)")
     p.add_argument("--stream", action="store_true",
                    help=f"also run agentnb with streamed answers (about {STREAM_CHUNKS} chunks each)")
+    p.add_argument("--processes", type=int, metavar="N",
+                   help="also run agentnb with processes=N (its label says N; CPU includes the workers')")
     p.add_argument("--otel", action="store_true",
                    help="agentnb exports its spans live to a loopback OTLP/HTTP receiver (docs/otel.md#live)")
     args = p.parse_args(argv)
@@ -601,6 +608,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         serve(args.port, args.latency)
         return 0
+    if args.processes:
+        global PROCESSES
+        PROCESSES = args.processes
+        for i, f in enumerate(FRAMEWORKS):
+            if f.key == "agentnb-processes":
+                FRAMEWORKS[i] = dataclasses.replace(f, label=f"agentnb ws.batch, processes={PROCESSES} (SQLite, every event)")
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     plan = [(c, args.jobs_c1 if c == 1 else args.jobs) for c in levels]
     only = {x.strip() for x in args.only.split(",") if x.strip()}
@@ -609,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--only: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(f.key for f in FRAMEWORKS)}")
     chosen = [f for f in FRAMEWORKS if (not only or f.key in only or (args.stream and f.key == "agentnb-stream"
                                                                        and "agentnb" in only))
-              and (f.key != "agentnb-stream" or args.stream or f.key in only)]
+              and (f.key != "agentnb-stream" or args.stream or f.key in only)
+              and (f.key != "agentnb-processes" or args.processes or f.key in only)]
     results = []
     with Endpoint(args.latency) as endpoint:
         for fw in chosen:
