@@ -98,7 +98,8 @@ def serve(conn: Connection, config: dict[str, Any]) -> None:
     pending = [0]  # jobs handed over and not yet ended here
     limit = batch_limit(ws.store, name, None) if name else None
     budget = None if limit is None or name is None else BatchBudget(ws.store, name, limit, {
-        r.id: r.model for r in ws.store.jobs(batch=name)}, ws.execution.pause_soon)
+        r.id: r.model for r in ws.store.jobs(batch=name)}, ws.execution.pause_soon,
+        on_cost=lambda cost: send({"cost": cost}))  # the batch's process adds up every process's calls
     if budget is not None:
         budget.running = active
     stop_gate = ratelimit.on_throttle(lambda key, delay: send({"gate": [key[0], key[1], delay]}))

@@ -364,6 +364,10 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
             for other in children:
                 if other is not child:
                     other.send(msg)
+        elif kind == "cost" and budget is not None:  # a call of that child's, priced: the batch's total grows
+            budget.add(msg["cost"])
+            if budget.reached.is_set() and not state["stopping"]:
+                stop_all(budget.reason())
         elif kind == "budget":
             stop_all(str(msg["budget"]))
 
@@ -389,11 +393,11 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
             else:
                 handle(child, msg)
             refresh()
-            # the children's own budgets see their own calls at once; the batch's total, every process's, is read
-            # here every second (docs/design-lab.md#budgets)
+            # each child's calls are added here as they commit ("cost"); the store's total, which also has the calls
+            # of subtasks, is read again every second (docs/design-lab.md#budgets)
             if budget is not None and not state["stopping"] and time.monotonic() - budget_at >= LIVE_EVERY:
                 budget_at = time.monotonic()
-                budget.recount()
+                budget.recount(at_least=True)
                 if budget.reached.is_set():
                     stop_all(budget.reason())
 
