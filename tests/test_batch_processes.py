@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from _scripting import call, transition, write_piece, write_script
+from IPython.core.error import UsageError as IPythonUsageError
 from openai_server import OpenAIServer, error, openai_env, reply
 
 from agentnb import Workspace
@@ -345,3 +346,19 @@ def test_a_script_without_a_main_guard_runs_its_batch_once(tmp_path: Path) -> No
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["script started", "10 2"]
+
+
+def test_the_magic_runs_a_batch_in_processes_and_scores_with_the_notebook_s_functions(
+        shell: Any, tmp_path: Path) -> None:
+    shell.user_ns["t_cases"] = [{"instruction": f"Answer {i}", "expected": "42"} for i in range(8)]
+    shell.user_ns["t_spec"] = write_script(tmp_path, "w", responses=[
+        call("Write", path="output/answer.txt", content="42"), transition("COMPLETE")])
+    shell.user_ns["t_piece"] = str(write_piece(tmp_path, "one-write", ONE_WRITE))
+    shell.user_ns["t_right"] = lambda job: (job.output / "answer.txt").read_text() == job.expected
+    b = shell.run_line_magic("agent", "batch t_cases --piece {t_piece} --model {t_spec} --concurrency 4 "
+                                      "--processes 2 --name nb --scorer t_right")
+    assert b.last_run.processes == 2 and b.counts()["succeeded"] == 8
+    assert b.frame["t_right"].tolist() == [True] * 8  # a lambda of the notebook's, run in the kernel
+    with pytest.raises(IPythonUsageError, match=r"^%agent batch: processes=0; allowed: a whole number ≥ 1"):
+        shell.run_line_magic("agent", "batch t_cases --piece {t_piece} --model {t_spec} --processes 0 --name nb2")
+    assert [x["name"] for x in b.ws.batches()] == ["nb"]
