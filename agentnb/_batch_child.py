@@ -4,7 +4,8 @@
 the batch's process.  It receives its settings (the workspace to open, the environment, working folder, ``sys.path``
 and secret values of the batch's process, the modules of the batch's tools, its share of the concurrency), then
 messages — ``run`` (a job id), ``gate`` (a 429 another process got), ``stop``, ``done`` — and sends one message per
-thing that happened: ``ready``, ``ended``, ``skipped``, ``not_started``, ``failed``, ``gate``, ``budget``, and
+thing that happened: ``ready``, ``ended``, ``skipped``, ``not_started``, ``failed``, ``gate``, ``cost``,
+``budget``, ``cpu`` (its CPU seconds, last), and
 ``log`` for each line written on ``sys.stderr`` (or ``sys.stdout``), which the batch's process shows.
 
 The end of the pipe (the batch's process gone) asks the running jobs to pause after their current call, as
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import resource
 import runpy
 import signal
 import sys
@@ -177,6 +179,8 @@ def serve(conn: Connection, config: dict[str, Any]) -> None:
             elif "done" in msg:
                 closing = True
         pool.shutdown(wait=True)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        send({"cpu": usage.ru_utime + usage.ru_stime})  # what this worker cost, for the batch's report
     finally:
         stop_gate()
         if budget is not None:

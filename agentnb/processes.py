@@ -360,6 +360,8 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
             else:
                 errors.append(AgentnbError(f"job {job_id} (worker process {child.index}): {msg['error']}"))
             feed(child)
+        elif kind == "cpu":
+            report.worker_cpu_s += float(msg["cpu"])
         elif kind == "gate":  # a 429 one child got: every other one backs off too
             for other in children:
                 if other is not child:
