@@ -73,8 +73,9 @@ class RunReport:
     # jobs never started because the run was interrupted first
     not_started: list[int] = field(default_factory=list)
     interrupted: bool = False
-    # the worker processes that ran the jobs (1: this one; agentnb/processes.py)
+    # the worker processes that ran the jobs (1: this one; agentnb/processes.py), and the CPU seconds they used
     processes: int = 1
+    worker_cpu_s: float = 0.0
 
     def count(self, status: str) -> int:
         return sum(1 for s in self.statuses.values() if s == status)

@@ -1,8 +1,8 @@
 """A batch run by several worker processes on the same store (``processes=N``; docs/design-lab.md#processes).
 
 One process holds one GIL, so a batch whose calls come back fast (a local endpoint, a fast model) is bound by one
-core however high its concurrency.  With ``processes=N`` the batch's process starts N children
-(``python -m agentnb._batch_child``), splits ``concurrency`` between them, and coordinates:
+core however high its concurrency.  With ``processes=N`` the batch's process starts N worker processes
+(``agentnb._batch_child.serve``), splits ``concurrency`` between them, and coordinates:
 
 * **which job runs where**: it hands each child one job at a time from the batch's ordered list (epoch by epoch),
   up to the child's share running at once, and the next as each ends — so nothing runs twice and a slow child
@@ -20,27 +20,38 @@ core however high its concurrency.  With ``processes=N`` the batch's process sta
   resumes from its last committed step.  A child that dies before it is ready (its tools cannot be imported, the
   store cannot be opened) ends the batch with its last stderr line; children that keep dying stop it too.
 
-Children import the modules of the batch's own tools (``@agentnb.tool`` functions) by name; a tool defined in a
+The workers are forked from multiprocessing's fork server, which imports agentnb and the ``openai`` client once, when
+the first batch of the process starts it (about a second): a worker then starts in milliseconds instead of paying
+that import itself (a quarter of a worker's CPU in an 800-job batch, when each was a fresh interpreter), and is
+forked from a process with no threads of the notebook's.  Where there is no fork server (Windows), each worker is a
+fresh interpreter (``spawn``).  A worker gets this process's environment, working folder, ``sys.path`` and secret
+values with its settings, as a freshly started one would (the fork server keeps those of when it started).
+
+Workers import the modules of the batch's own tools (``@agentnb.tool`` functions) by name; a tool defined in a
 notebook (``__main__`` without a file) cannot be imported by another process, so such a batch runs in this one
 (:func:`processes_for` says why).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import importlib
+import multiprocessing
 import os
 import queue
-import subprocess
 import sys
 import threading
 import time
+import types
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Any, Protocol, TextIO
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
+from typing import Any, Protocol, TextIO
 
+from ._secrets import secret_values
 from .errors import AgentnbError, UsageError
 from .executor import LIVE_EVERY, RunReport, Tally, sayer, tell_paused
 from .interrupts import sigterm_interrupts
@@ -58,6 +69,7 @@ PER_PROCESS = 16
 _MAX_DEATHS = 3
 _TICK = 0.25
 _CHILD = "agentnb._batch_child"
+_context: BaseContext | None = None
 
 
 class ProcessesHost(Protocol):
@@ -177,30 +189,58 @@ def run_batch(ws: Any, job_ids: Sequence[int], variants: Iterable[Any], *, proce
 class _Child:
     index: int
     share: int
-    proc: subprocess.Popen[str]
+    proc: Any  # a multiprocessing Process
+    conn: Connection
     assigned: list[int] = field(default_factory=list)
     ready: bool = False
-    closed: bool = False  # told "done" or "stop": stdin closed
+    closed: bool = False  # told "done" or "stop": no more jobs
+    broken: bool = False
     last_err: str = ""
 
     def send(self, msg: dict[str, Any]) -> None:
-        if self.closed or self.proc.stdin is None:
+        if self.broken:
             return
         try:
-            self.proc.stdin.write(json.dumps(msg) + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError, ValueError):  # it died: its end of file says so to the loop
-            self.closed = True
+            self.conn.send(msg)
+        except (BrokenPipeError, OSError, ValueError):  # it died: the end of its messages says so to the loop
+            self.broken = True
 
-    def close(self, msg: dict[str, Any] | None = None) -> None:
-        if msg is not None:
+    def close(self, msg: dict[str, Any]) -> None:
+        if not self.closed:
+            self.closed = True
             self.send(msg)
-        self.closed = True
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        except OSError:
-            pass
+
+
+def _mp_context() -> BaseContext:
+    """The fork server's context, preloading the worker's module (agentnb, the openai client); else spawn."""
+    global _context
+    if _context is None:
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            _context = multiprocessing.get_context("forkserver")
+            _context.set_forkserver_preload([_CHILD])
+        else:
+            _context = multiprocessing.get_context("spawn")
+    return _context
+
+
+def _serve(conn: Connection, settings: dict[str, Any]) -> None:
+    """A worker's entry: :func:`agentnb._batch_child.serve`, named rather than imported here — it opens a
+    workspace, a layer above this module (as ``agentnb worker`` is started by name)."""
+    importlib.import_module(_CHILD).serve(conn, settings)
+
+
+@contextlib.contextmanager
+def _no_main_script() -> Iterator[None]:
+    """While a worker starts: a bare ``__main__``, so that multiprocessing does not make the worker import the calling
+    script (run again, its unguarded top level would start the batch again): the worker needs none of it, the
+    batch's tools come by name (:func:`tool_imports`)."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
 
 
 def _shares(concurrency: int, n: int) -> list[int]:
@@ -234,17 +274,17 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
     budget_at = time.monotonic()
 
     def spawn(index: int, share: int) -> _Child:
-        env = dict(os.environ)
-        here = str(Path(__file__).resolve().parents[1])  # this agentnb, even when it is not the installed one
-        env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
-        proc = subprocess.Popen([sys.executable, "-m", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
-        child = _Child(index, share, proc)
-        child.send({**config, "concurrency": share, "index": index})
-        threading.Thread(target=_read_messages, args=(child, proc.stdout, inbox), daemon=True,
-                         name=f"agentnb-proc{index}-out").start()
-        threading.Thread(target=_relay_stderr, args=(child, proc.stderr, say), daemon=True,
-                         name=f"agentnb-proc{index}-err").start()
+        ctx = _mp_context()
+        ours, theirs = ctx.Pipe()
+        settings = {**config, "concurrency": share, "index": index, "environ": dict(os.environ), "cwd": os.getcwd(),
+                    "secrets": list(secret_values())}
+        proc = ctx.Process(target=_serve, args=(theirs, settings), name=f"agentnb-batch-{name}-{index}")  # type: ignore[attr-defined]
+        with _no_main_script():
+            proc.start()
+        theirs.close()
+        child = _Child(index, share, proc, ours)
+        threading.Thread(target=_read_messages, args=(child, inbox), daemon=True,
+                         name=f"agentnb-proc{index}").start()
         children.append(child)
         return child
 
@@ -253,7 +293,7 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
             job_id = todo.popleft()
             child.assigned.append(job_id)
             child.send({"run": job_id})
-        if not todo and not child.closed and not state["stopping"]:
+        if not todo and not state["stopping"]:
             child.close({"done": True})  # it ends once its jobs have
 
     def stop_all(reason: str = "") -> None:
@@ -261,8 +301,7 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
             state["stopped_by"] = reason
         state["stopping"] = True
         for c in children:
-            if not c.closed:
-                c.close({"stop": True})
+            c.close({"stop": True})
 
     def ended(job_id: int) -> None:
         try:
@@ -274,8 +313,9 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
             errors.append(exc)
 
     def handle(child: _Child, msg: dict[str, Any] | None) -> None:
-        if msg is None:  # its end of file: the child has exited
-            rc = child.proc.wait()
+        if msg is None:  # the end of its messages: the child has exited
+            child.proc.join()
+            rc = child.proc.exitcode
             left = [j for j in child.assigned]
             child.assigned.clear()
             children.remove(child)
@@ -301,7 +341,10 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
             feed(spawn(child.index, child.share))
             return
         kind = next(iter(msg))
-        if kind == "ready":
+        if kind == "log":  # a line it wrote on stderr (a warning, say)
+            child.last_err = str(msg["log"])
+            say(child.last_err)
+        elif kind == "ready":
             child.ready = True
         elif kind in ("ended", "skipped", "not_started", "failed"):
             job_id = int(msg[kind])
@@ -317,10 +360,16 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
             else:
                 errors.append(AgentnbError(f"job {job_id} (worker process {child.index}): {msg['error']}"))
             feed(child)
+        elif kind == "cpu":
+            report.worker_cpu_s += float(msg["cpu"])
         elif kind == "gate":  # a 429 one child got: every other one backs off too
             for other in children:
                 if other is not child:
                     other.send(msg)
+        elif kind == "cost" and budget is not None:  # a call of that child's, priced: the batch's total grows
+            budget.add(msg["cost"])
+            if budget.reached.is_set() and not state["stopping"]:
+                stop_all(budget.reason())
         elif kind == "budget":
             stop_all(str(msg["budget"]))
 
@@ -346,11 +395,11 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
             else:
                 handle(child, msg)
             refresh()
-            # the children's own budgets see their own calls at once; the batch's total, every process's, is read
-            # here every second (docs/design-lab.md#budgets)
+            # each child's calls are added here as they commit ("cost"); the store's total, which also has the calls
+            # of subtasks, is read again every second (docs/design-lab.md#budgets)
             if budget is not None and not state["stopping"] and time.monotonic() - budget_at >= LIVE_EVERY:
                 budget_at = time.monotonic()
-                budget.recount()
+                budget.recount(at_least=True)
                 if budget.reached.is_set():
                     stop_all(budget.reason())
 
@@ -372,9 +421,9 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
         report.not_started.extend(todo)
         todo.clear()
         scoring.shutdown(wait=True)
-        for child in children:  # only after an error of our own: they pause their jobs on the end of their input
-            child.close()
-            child.proc.wait()
+        for child in children:  # only after an error of our own: told to stop, they pause their jobs and exit
+            child.close({"stop": True})
+            child.proc.join()
         stopped_by = state["stopped_by"]
         if stopped_by and not report.not_started and not any(
                 s in (JobStatus.queued, JobStatus.running) for s in report.statuses.values()):
@@ -415,23 +464,14 @@ def _wait_paused(loop: Callable[[], None], children: list[_Child], say: Callable
                     "after its current LLM call")
 
 
-def _read_messages(child: _Child, stream: IO[str] | None,
-                   inbox: queue.Queue[tuple[_Child, dict[str, Any] | None]]) -> None:
+def _read_messages(child: _Child, inbox: queue.Queue[tuple[_Child, dict[str, Any] | None]]) -> None:
     try:
-        for line in stream or ():
+        while True:
             try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
+                msg = child.conn.recv()
+            except (EOFError, OSError):
+                break
             if isinstance(msg, dict) and msg:
                 inbox.put((child, msg))
     finally:
         inbox.put((child, None))
-
-
-def _relay_stderr(child: _Child, stream: IO[str] | None, say: Callable[[str], None]) -> None:
-    for line in stream or ():
-        text = line.rstrip("\n")
-        if text:
-            child.last_err = text
-            say(text)

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from _scripting import call, transition, write_piece, write_script
+from IPython.core.error import UsageError as IPythonUsageError
 from openai_server import OpenAIServer, error, openai_env, reply
 
 from agentnb import Workspace
@@ -35,20 +36,25 @@ def _claims(ws: Workspace, job: Any) -> int:
     return sum(1 for e in ws.events(job, kinds=["job_status"]) if getattr(e, "status", None) == "running")
 
 
-def _children_of(pid: int) -> list[int]:
-    """The batch's worker processes: children of ``pid`` running ``agentnb._batch_child``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and "agentnb._batch_child" in cmd:
-            found.append(int(entry.name))
-    return found
+_CLAIMED_BY = re.compile(r"^claimed by [^:]*:(\d+):")
+
+
+def _claimers(ws: Workspace, jobs: Any = None) -> set[int]:
+    """The pids of the processes that claimed ``jobs`` (None: every job), read from their claims."""
+    pids = set()
+    for j in ws.jobs() if jobs is None else jobs:
+        for e in ws.events(j, kinds=["job_status"]):
+            m = _CLAIMED_BY.match(getattr(e, "reason", None) or "")
+            if getattr(e, "status", None) == "running" and m:
+                pids.add(int(m.group(1)))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
 
 
 def test_a_batch_in_processes_runs_every_job_once_with_the_frame_of_one_process(
@@ -160,9 +166,10 @@ def test_a_killed_worker_process_s_jobs_are_taken_over_and_the_batch_completes(
     while len(server.log) < 12:  # a few waves in: every worker holds jobs
         assert time.monotonic() < deadline and runner.is_alive(), result
         time.sleep(0.02)
-    children = _children_of(os.getpid())
-    assert len(children) == 2
-    os.kill(children[0], signal.SIGKILL)
+    running = [j for j in ws.jobs() if str(j.status) == "running"]
+    workers = _claimers(ws, running)
+    assert len(workers) == 2 and os.getpid() not in workers  # the jobs run in two other processes
+    os.kill(min(workers), signal.SIGKILL)
     runner.join(120)
     assert not runner.is_alive() and "error" not in result, result
     b = result["batch"]
@@ -208,7 +215,9 @@ def test_ctrl_c_in_a_terminal_pauses_every_process_s_jobs_and_the_same_command_r
         ws = Workspace(tmp_path / "ws", readonly=True)
         first = {j.id: str(j.status) for j in ws.jobs()}
         assert set(first.values()) <= {"succeeded", "queued"} and "queued" in first.values()  # none left running
-        assert not _children_of(proc.pid)
+        workers = _claimers(ws)
+        assert len(workers) == 2 and proc.pid not in workers
+        assert not [pid for pid in workers if _alive(pid)]  # the workers are gone with the batch's process
         out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith(f"<Batch 'slow': {n}/{n} ended · {n} succeeded>")
@@ -243,3 +252,113 @@ def test_a_429_one_process_gets_pauses_the_calls_of_every_process(loopback: Any,
     # pause the 429 asked for is (nearly) over, in the process that got it or in the other one
     assert later and min(later) - max(first_wave) > 1.2, [round(t - first_wave[0], 2) for t in arrived]
     ws.close()
+
+
+def _one_write_priced(body: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_one_write_responder` with a priced usage: about $0.0156 a call on gpt-4o-mini."""
+    answer = _one_write_responder(body)
+    answer["usage"] = (100_000, 1_000)
+    return answer
+
+
+def test_a_batch_cost_limit_pauses_every_process(loopback: Any, tmp_path: Path,
+                                                 capfd: pytest.CaptureFixture[str]) -> None:
+    from agentnb.models.prices import call_cost
+
+    loopback(latency=0.05, responder=_one_write_priced)
+    one = call_cost("openai:gpt-4o-mini", 100_000, 1_000)
+    assert one is not None
+    ws = Workspace(tmp_path / "ws")
+    cases = [{"instruction": f"case {i}"} for i in range(30)]
+    b = ws.batch(cases, piece=str(write_piece(tmp_path, "one-write", ONE_WRITE)), model="openai:gpt-4o-mini",
+                 concurrency=4, processes=2, cost_limit=0.2, name="capped", progress=False)
+    frame = b.frame
+    spent = float(frame["cost_usd"].sum())
+    # reached; past it, at most the calls in flight in every process and those of the second it takes this
+    # process to read the others' spending from the store
+    assert 0.2 <= spent <= 0.2 + 12 * one
+    assert set(frame["status"]) <= {"succeeded", "queued"} and (frame["status"] == "queued").any()
+    assert re.search(r"agentnb: batch capped: cost limit reached: \$0\.\d+ of \$0\.20: \d+ running job\(s\) paused, "
+                     r"\d+ not finished; resume with ws\.batch\('capped', cost_limit=HIGHER\)", capfd.readouterr().err)
+    done = ws.batch("capped", cost_limit=5.0, concurrency=4, processes=2, progress=False)
+    assert done.frame["status"].tolist() == ["succeeded"] * 30
+    assert done.frame["cost_usd"].sum() == pytest.approx(60 * one)  # no call made twice
+    ws.close()
+
+
+TOOL_MODULE = '''
+import sys
+import agentnb
+
+@agentnb.tool
+def stamp(text: str) -> str:
+    """Stamp the text with the process that ran the tool."""
+    print(f"stamping {text} in a worker", file=sys.stderr)
+    import os
+    return f"{text} by {os.getpid()}"
+'''
+
+
+def test_a_tool_from_a_module_runs_in_the_workers_whose_lines_show_here(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "stamping.py").write_text(TOOL_MODULE, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))  # as a notebook next to its module finds it
+    import importlib
+
+    from agentnb.tools.base import unregister
+
+    importlib.import_module("stamping")
+    try:
+        script = write_script(tmp_path, "s", responses=[call("stamp", text="hello"), transition("COMPLETE")])
+        piece = write_piece(tmp_path, "stamp", {"movements": [
+            {"name": "work", "persona": "p", "instruction": "i", "tools": ["stamp"], "permission": "readonly",
+             "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+        ws = Workspace(tmp_path / "ws")
+        b = ws.batch([{"instruction": f"t{i}"} for i in range(12)], piece=str(piece), model=script, concurrency=4,
+                     processes=2, name="stamped")
+        assert b.counts()["succeeded"] == 12
+        results = [e.content for j in b.jobs for e in ws.events(j, kinds=["tool_result"]) if e.tool == "stamp"]
+        pids = {int(r.rsplit(" ", 1)[1]) for r in results}
+        assert len(results) == 12 and os.getpid() not in pids and 1 <= len(pids) <= 2
+        err = capfd.readouterr().err
+        assert err.count("stamping hello in a worker") == 12  # each worker's stderr lines, shown here
+        assert "batch stamped · 12/12 · 12 ok" in err  # the bar counted every process's jobs
+        ws.close()
+    finally:
+        unregister("stamp")
+        sys.modules.pop("stamping", None)
+
+
+def test_a_script_without_a_main_guard_runs_its_batch_once(tmp_path: Path) -> None:
+    """The workers never import the calling script: one with no ``if __name__ == "__main__"`` runs once."""
+    script = write_script(tmp_path, "s", responses=[call("Write", path="output/a.txt", content="x"),
+                                                    transition("COMPLETE")])
+    piece = write_piece(tmp_path, "one-write", ONE_WRITE)
+    (tmp_path / "run.py").write_text(
+        "from agentnb import Workspace\n"
+        "print('script started')\n"
+        f"b = Workspace('ws').batch([{{'instruction': f't{{i}}'}} for i in range(10)], piece={str(piece)!r}, "
+        f"model={script!r}, concurrency=4, processes=2, progress=False)\n"
+        "print(b.counts()['succeeded'], b.last_run.processes)\n", encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["script started", "10 2"]
+
+
+def test_the_magic_runs_a_batch_in_processes_and_scores_with_the_notebook_s_functions(
+        shell: Any, tmp_path: Path) -> None:
+    shell.user_ns["t_cases"] = [{"instruction": f"Answer {i}", "expected": "42"} for i in range(8)]
+    shell.user_ns["t_spec"] = write_script(tmp_path, "w", responses=[
+        call("Write", path="output/answer.txt", content="42"), transition("COMPLETE")])
+    shell.user_ns["t_piece"] = str(write_piece(tmp_path, "one-write", ONE_WRITE))
+    shell.user_ns["t_right"] = lambda job: (job.output / "answer.txt").read_text() == job.expected
+    b = shell.run_line_magic("agent", "batch t_cases --piece {t_piece} --model {t_spec} --concurrency 4 "
+                                      "--processes 2 --name nb --scorer t_right")
+    assert b.last_run.processes == 2 and b.counts()["succeeded"] == 8
+    assert b.frame["t_right"].tolist() == [True] * 8  # a lambda of the notebook's, run in the kernel
+    with pytest.raises(IPythonUsageError, match=r"^%agent batch: processes=0; allowed: a whole number ≥ 1"):
+        shell.run_line_magic("agent", "batch t_cases --piece {t_piece} --model {t_spec} --processes 0 --name nb2")
+    assert [x["name"] for x in b.ws.batches()] == ["nb"]
