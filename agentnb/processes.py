@@ -5,8 +5,8 @@ core however high its concurrency.  With ``processes=N`` the batch's process sta
 (``agentnb._batch_child.serve``), splits ``concurrency`` between them, and coordinates:
 
 * **which job runs where**: it hands each child one job at a time from the batch's ordered list (epoch by epoch),
-  up to the child's share running at once, and the next as each ends — so nothing runs twice and a slow child
-  gets fewer jobs.  Each child claims and runs its jobs through its own ``Workspace`` on the same store (one
+  up to the child's share running at once (and a quarter more waiting there, so a freed slot does not wait for a
+  round trip), and the next as each ends — so nothing runs twice and a slow child gets fewer jobs.  Each child claims and runs its jobs through its own ``Workspace`` on the same store (one
   ordered event stream per job, as ever: a job is only run by the thread that claimed it);
 * **what the notebook sees**: the progress bar (read from the store, as a single-process batch's), the children's
   stderr lines, the scorers (notebook functions: they run here, as each job ends) and the one line after a stop;
@@ -289,7 +289,9 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
         return child
 
     def feed(child: _Child) -> None:
-        while not state["stopping"] and todo and len(child.assigned) < child.share and not child.closed:
+        # a few more than it runs at once: a slot that frees takes the next job at once, not after a round trip here
+        while not state["stopping"] and todo and len(child.assigned) < child.share + max(1, child.share // 4) \
+                and not child.closed:
             job_id = todo.popleft()
             child.assigned.append(job_id)
             child.send({"run": job_id})
