@@ -66,6 +66,9 @@ class BatchHost(Protocol):
     @property
     def execution(self) -> Any: ...
 
+    @property
+    def open_args(self) -> dict[str, Any]: ...
+
 
 @dataclass(frozen=True)
 class Case:
@@ -437,17 +440,19 @@ class Batch:
         return [r.id for r in rows if r.status in _PENDING]
 
     def run(self, *, concurrency: int = DEFAULT_CONCURRENCY, scorers: Mapping[str, Scorer] | None = None,
-            progress: bool = True, resume: str | None = None, cost_limit: float | None = None) -> Batch:
+            progress: bool = True, resume: str | None = None, cost_limit: float | None = None,
+            processes: int | None = None) -> Batch:
         """Run every unfinished job, ``concurrency`` at once, and score each as it ends (see :meth:`score`).
 
         Ctrl-C (or the notebook's stop button) pauses the running jobs after their current call and
         re-raises; ``ws.batch(name)`` resumes.  A job another process is running is skipped
         (``last_run.skipped``).  ``progress``: a tqdm bar on stderr (see ``agentnb.executor``).  ``resume``: how
         the line after an interrupt says to resume (default ``ws.batch(name)``).  ``cost_limit``: the batch's
-        (kept with it; None: the one it has) — once reached, the batch pauses (docs/design-lab.md#budgets)."""
-        from .executor import run_jobs
+        (kept with it; None: the one it has) — once reached, the batch pauses (docs/design-lab.md#budgets).
+        ``processes``: worker processes that run the jobs (None: chosen from the cores; docs/design-lab.md#processes)."""
+        from .processes import check_processes, run_batch
 
-        concurrency = check_concurrency(concurrency)
+        concurrency, processes = check_concurrency(concurrency), check_processes(processes)
         if scorers is not None:
             self.scorers = check_scorers(scorers)
         from .budgets import BatchBudget, batch_limit
@@ -456,8 +461,9 @@ class Batch:
         budget = None if limit is None else BatchBudget(self.ws.store, self.name, limit, {
             r.id: r.model for r in self.ws.store.jobs(batch=self.name)}, self.ws.execution.pause_soon)
         try:  # what the run did (the jobs it skipped because another process runs them, say), for the curious
-            self.last_run = run_jobs(self.ws, self.pending(), concurrency=concurrency, progress=progress, batch=self,
-                                     on_end=self._scored_once, resume=resume, budget=budget)
+            self.last_run = run_batch(self.ws, self.pending(), self._record().variants, processes=processes,
+                                      concurrency=concurrency, progress=progress, batch=self,
+                                      on_end=self._scored_once, resume=resume, budget=budget)
         finally:
             if budget is not None:
                 budget.close()

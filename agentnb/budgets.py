@@ -99,8 +99,9 @@ class BatchBudget:
     """The running total of a batch's spending against its cost limit, kept up to date as calls commit."""
 
     def __init__(self, store: Store, name: str, limit: float, jobs: Mapping[int, str],
-                 pause: Callable[[int], None]) -> None:
+                 pause: Callable[[int], None], on_cost: Callable[[float | None], None] | None = None) -> None:
         self.store = store
+        self.on_cost = on_cost  # told each call's price as it is added (a batch's worker process tells the batch's)
         self.name = name
         self.limit = limit
         self.pause = pause  # asks one job to pause after its current call, without reading the store
@@ -130,14 +131,22 @@ class BatchBudget:
 
     def _add(self, job_id: int, spec: str, ev: LLMResponse) -> None:
         cost = call_cost(spec, ev.usage.prompt_tokens, ev.usage.completion_tokens, ev.ts)
+        if self.on_cost is not None:
+            self.on_cost(None if cost is None else float(cost))
+        self.add(cost, job_id)
+
+    def add(self, cost: float | None, job_id: int | None = None) -> None:
+        """Add a call's price (None: unknown) — here from :meth:`_add`, or a call another process of the batch made
+        (agentnb/processes.py) — and, when that reaches the limit, ask the running jobs to pause."""
         with self._lock:
             self.total = None if cost is None or self.total is None else self.total + cost
             crossed = not self.reached.is_set() and (self.total is None or self.total >= self.limit)
             if crossed:
                 self.reached.set()
         if crossed:  # at once, not at the executor's next tick: a job's next call may be a few ms away
-            for running in {job_id, *list(self.running)}:  # the one whose call reached it pauses after it (its
-                self.pause(running)                          # tools run), the others after their current call
+            # the one whose call reached it pauses after it (its tools run), the others after their current call
+            for running in {*([] if job_id is None else [job_id]), *list(self.running)}:
+                self.pause(running)
 
     def tick(self) -> None:
         """From the executor's thread: price the calls of subtasks first seen since the last tick (a store read)."""
@@ -150,11 +159,16 @@ class BatchBudget:
                 root = self.store.job(root.parent_id)
             self._specs[job_id] = row.model if root.id in self.roots else None
             if root.id in self.roots:  # its calls so far, all at once (later ones arrive as they commit)
-                self._recount()
+                self.recount()
 
-    def _recount(self) -> None:
+    def recount(self, *, at_least: bool = False) -> None:
+        """Read the batch's spending from the store.  ``at_least``: keep the running total when it is higher — in a
+        batch run by worker processes (agentnb/processes.py) the calls they report and the store's rows overlap in
+        time, so the store's total only raises it (with the calls of subtasks, which no worker reports)."""
         total = spent(self.store, self.name)
         with self._lock:
+            if at_least and total is not None and self.total is not None:
+                total = max(total, self.total)
             self.total = total
             if total is None or total >= self.limit:
                 self.reached.set()

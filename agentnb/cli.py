@@ -498,7 +498,9 @@ def _print_batch(batch: object) -> None:
 def cmd_batch(args: argparse.Namespace) -> int:
     from .batch import batch_of_cases
     from .batch_compare import check_baseline
+    from .processes import check_processes
 
+    check_processes(args.processes)  # a bad number: one line, before anything is created
     cases = read_cases(Path(args.cases).expanduser())
     ws = _workspace(args)
     # without --name, the same command again resumes the batch it made (the one of these very cases)
@@ -517,7 +519,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         return 0
     try:
         # the one line after Ctrl-C (from the executor) says how to resume here: not ws.batch(…) but the command
-        batch.run(concurrency=args.concurrency, progress=not args.no_progress,
+        batch.run(concurrency=args.concurrency, progress=not args.no_progress, processes=args.processes,
                   resume=f"the same command again (batch {batch.name!r})")
     except KeyboardInterrupt:
         return 130
@@ -683,6 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", metavar="MODEL",
                    help="model spec (repeatable: crossed with every piece; default demo)")
     p.add_argument("--concurrency", type=int, default=4, metavar="N", help="jobs run at once (default 4)")
+    p.add_argument("--processes", type=int, metavar="N", help="worker processes that run the jobs (default: one per "
+                   "16 jobs at once, at most one per core)")
     p.add_argument("--epochs", type=int, metavar="K", help="run every case × variant K times (default 1, or the "
                    "batch's own; more adds the missing epochs)")
     p.add_argument("--name", help="the batch's name: the same command again resumes it (default: the batch of the same cases, "

@@ -42,8 +42,9 @@ from .views.timeline import fold
 if TYPE_CHECKING:
     from .execution import Execution
 
-__all__ = ["GRACE", "LIVE_EVERY", "OUTAGE_FIRST", "Backoff", "JobRunnerHost", "QueueReport", "RunReport", "Wake",
-           "check_poll", "check_slots", "idle_wait", "run_jobs", "run_queue"]
+__all__ = ["GRACE", "LIVE_EVERY", "OUTAGE_FIRST", "Backoff", "JobRunnerHost", "QueueReport", "RunReport", "Tally", "Wake",
+           "check_poll", "check_slots", "idle_wait", "run_jobs", "run_queue", "sayer",
+           "tell_paused"]
 
 # the running jobs' calls are read again at most this often for the bar (each read is one query per job)
 LIVE_EVERY = 1.0
@@ -72,12 +73,15 @@ class RunReport:
     # jobs never started because the run was interrupted first
     not_started: list[int] = field(default_factory=list)
     interrupted: bool = False
+    # the worker processes that ran the jobs (1: this one; agentnb/processes.py), and the CPU seconds they used
+    processes: int = 1
+    worker_cpu_s: float = 0.0
 
     def count(self, status: str) -> int:
         return sum(1 for s in self.statuses.values() if s == status)
 
 
-class _Tally:
+class Tally:
     """Tokens and dollars of the jobs, for the bar: fixed once a job has ended, read live while it runs."""
 
     def __init__(self, store: Store) -> None:
@@ -128,7 +132,7 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
     stopping = threading.Event()
     active: set[int] = set()
     errors: list[BaseException] = []
-    tally = _Tally(ws.store) if progress else None
+    tally = Tally(ws.store) if progress else None
     if budget is not None:
         budget.running = active  # read (copied) by its live callback to pause every running job at once
 
@@ -197,7 +201,7 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
                         stopped_by = budget.reason()
             except BaseException:
                 report.interrupted = True
-                _pause(ws, futures, stopping, active, lock, _sayer(bar, out))
+                _pause(ws, futures, stopping, active, lock, sayer(bar, out))
                 raise
             if stopped_by and not report.not_started and not any(
                     s in (JobStatus.queued, JobStatus.running) for s in report.statuses.values()):
@@ -217,16 +221,16 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
                                        stopped=stopped), resume=resume or (f"ws.batch({name!r})" if name else ""))
         finally:
             if report.interrupted:
-                _tell(report, name, job_ids, _sayer(None, out), resume)
+                tell_paused(report, name, job_ids, sayer(None, out), resume)
             elif stopped_by:  # the one line a cost limit leaves: what it paused and how to go on
-                _tell(report, name, job_ids, _sayer(None, out), f"{resume} and a higher cost limit" if resume
+                tell_paused(report, name, job_ids, sayer(None, out), f"{resume} and a higher cost limit" if resume
                       else f"ws.batch({name!r}, cost_limit=HIGHER)", what=f"batch {name}: {stopped_by}")
     if errors:
         raise errors[0]
     return report
 
 
-def _sayer(bar: BatchProgress | None, out: TextIO) -> Callable[[str], None]:
+def sayer(bar: BatchProgress | None, out: TextIO) -> Callable[[str], None]:
     """Print one line on ``out``, on a line of its own even while the text bar is drawn."""
     def say(text: str) -> None:
         if bar is not None:
@@ -284,7 +288,7 @@ def _over(ws: JobRunnerHost, budget: Any, stopping: threading.Event, active: set
     return True
 
 
-def _tell(report: RunReport, name: str | None, job_ids: Sequence[int], say: Callable[[str], None],
+def tell_paused(report: RunReport, name: str | None, job_ids: Sequence[int], say: Callable[[str], None],
           resume: str | None = None, what: str = "interrupted") -> None:
     """The one line after an interrupt: how many jobs paused, and how to resume."""
     paused = report.count(JobStatus.queued) + report.count(JobStatus.running)

@@ -33,6 +33,7 @@ from .fork import plan_fork
 from .leases import lease_setting
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
+from .processes import check_processes
 from .store import STORE_SCHEMES, Store, StoreError, open_store, reads, store_scheme
 from .store.base import MAX_INSTRUCTION_CHARS, can_name_a_job
 from .submission import Submitter
@@ -137,6 +138,14 @@ class Workspace:
             from .views.otel_live import LiveExport
 
             self.otel = LiveExport(self.store, otel_url, content=send_content)
+
+    @property
+    def open_args(self) -> dict[str, Any]:
+        """The arguments that open this workspace again, as it is, in another process (the worker processes of a
+        batch, docs/design-lab.md#processes): JSON values, and no secret (keys stay in the environment)."""
+        return {"path": str(self.root), "store": self.store_url, "lease": self.lease, "files_limit": self.files_limit,
+                **self.model_settings, "otel": self.otel.url if self.otel is not None else False,
+                "otel_content": self.otel.content if self.otel is not None else None, "cache": self.cache}
 
     @property
     def otel_dropped(self) -> int:
@@ -389,6 +398,7 @@ class Workspace:
         cost_limit: float | None = None,
         job_cost_limit: float | None = None,
         job_token_limit: int | None = None,
+        processes: int | None = None,
     ) -> Batch:
         """Run cases × variants as jobs, ``concurrency`` at once, scored and priced; a :class:`Batch`.
 
@@ -405,11 +415,14 @@ class Workspace:
         (docs/design-lab.md#call-cache).
         ``cost_limit`` (US dollars, kept with the batch) pauses the whole batch when reached;
         ``job_cost_limit``/``job_token_limit`` abort each job at its own (docs/design-lab.md#budgets).
+        ``processes=N`` runs the jobs in N worker processes on this store (None: one per 16 jobs at once, at most
+        one per core; docs/design-lab.md#processes).
         """
         from .budgets import batch_limit, batch_models, check_batch_limits
 
         check_concurrency(concurrency)
         check_epochs(epochs)
+        check_processes(processes)
         cached = cache_option(cache, self.cache)
         if isinstance(cases, str) and name is None and (job_cost_limit is not None or job_token_limit is not None):
             raise UsageError(f"job_cost_limit/job_token_limit are given to the jobs a call creates, and ws.batch({cases!r})"
@@ -422,7 +435,7 @@ class Workspace:
         if "cost_limit" in limits:  # kept with the batch, so a later run (or a run=False batch's) keeps it
             batch_limit(self.store, b.name, float(limits["cost_limit"]))
         if run:
-            b.run(concurrency=concurrency, progress=progress)
+            b.run(concurrency=concurrency, progress=progress, processes=processes)
         return b
 
     def batches(self) -> list[dict[str, Any]]:

@@ -41,12 +41,15 @@ the "bound" column is the best ratio that wave structure allows (ceil(jobs / N) 
     py-spy record --gil -f raw -o spy.txt -- python benchmarks/batch_throughput.py --levels 32 --only agentnb
     python benchmarks/batch_throughput.py --serve --port 8050   # only the endpoint (prints PORT n)
     python benchmarks/batch_throughput.py --stream --levels 8,32 --only agentnb   # streamed beside plain
+    AGENTNB_OPENAI_HTTP=sdk python benchmarks/batch_throughput.py --levels 1,32 --only agentnb  # plain calls through
+                                                            # the openai SDK's HTTP stack (before issue 32)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -252,17 +255,8 @@ _TMP: list[tempfile.TemporaryDirectory[str]] = []
 
 
 def _echo_tool() -> Any:
-    import agentnb
-    from agentnb.tools.base import get_tool
-
-    existing = get_tool("echo")
-    if existing is not None:
-        return existing
-
-    @agentnb.tool
-    def echo(text: str) -> str:
-        """Return the text unchanged."""
-        return text
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _bench_tools import echo  # a module, so the worker processes of --processes import it too
 
     return echo
 
@@ -286,6 +280,9 @@ def agentnb_stream_run(base_url: str, jobs: int, concurrency: int) -> Outcome:
     return _agentnb(base_url, jobs, concurrency, f"openai:{MODEL}")
 
 
+PROCESSES = 1  # --processes N: agentnb's rows run their batch in N worker processes (docs/design-lab.md#processes)
+
+
 OTEL_URL: str | None = None  # --otel: agentnb's jobs export their spans live to this loopback receiver
 
 
@@ -304,15 +301,17 @@ def _agentnb(base_url: str, jobs: int, concurrency: int, model: str) -> Outcome:
     # creating the batch (400 job rows and folders) is outside the timed region: the run is what is measured
     b = ws.batch(cases, piece=piece, model=model, name=f"c{concurrency}", run=False, progress=False)
     c0, t0 = time.process_time(), time.perf_counter()
-    b.run(concurrency=concurrency, progress=False)
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    b.run(concurrency=concurrency, progress=False, processes=PROCESSES)
+    # with processes: the worker processes' CPU too, as each reported it
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0 + b.last_run.worker_cpu_s
     counts = b.counts()
     if counts.get("succeeded") != jobs:
         bad = [j for j in b.jobs if str(j.status) != "succeeded"][:1]
         why = f"; e.g. job {bad[0].id}: {bad[0].status} {bad[0].error}" if bad else ""
         raise RuntimeError(f"agentnb: not every job succeeded: {counts}{why}")
     # what the store holds, not what we hoped: one llm_response row per call
-    calls = int(ws.store.query("SELECT COUNT(*) FROM events WHERE kind='llm_response'")[0][0])
+    calls = int(ws.store.query("SELECT COUNT(*) FROM events WHERE kind='llm_response' AND job_id IN "
+                               "(SELECT id FROM jobs WHERE batch=?)", (b.name,))[0][0])
     ws.close()  # a live export (--otel) sends what it still holds first
     return Outcome(elapsed, cpu, calls)
 
@@ -589,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="with --serve: the port (default: any free one)")
     p.add_argument("--stream", action="store_true",
                    help=f"also run agentnb with streamed answers (about {STREAM_CHUNKS} chunks each)")
+    p.add_argument("--processes", type=int, metavar="N",
+                   help="agentnb's rows run in N worker processes (default 1: this one; their CPU is counted too)")
     p.add_argument("--otel", action="store_true",
                    help="agentnb exports its spans live to a loopback OTLP/HTTP receiver (docs/otel.md#live)")
     args = p.parse_args(argv)
@@ -601,6 +602,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         serve(args.port, args.latency)
         return 0
+    if args.processes:
+        global PROCESSES
+        PROCESSES = args.processes
+        for i, f in enumerate(FRAMEWORKS):
+            if f.key.startswith("agentnb"):
+                FRAMEWORKS[i] = dataclasses.replace(f, label=f"{f.label}, processes={PROCESSES}")
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     plan = [(c, args.jobs_c1 if c == 1 else args.jobs) for c in levels]
     only = {x.strip() for x in args.only.split(",") if x.strip()}
@@ -612,6 +619,11 @@ def main(argv: list[str] | None = None) -> int:
               and (f.key != "agentnb-stream" or args.stream or f.key in only)]
     results = []
     with Endpoint(args.latency) as endpoint:
+        if PROCESSES > 1 and any(f.key.startswith("agentnb") for f in chosen):
+            # the fork server starts with a process's first batch in processes (about a second, once): started here,
+            # untimed, as a notebook's later batches find it
+            _agentnb(endpoint.base_url, PROCESSES, PROCESSES, f"openai:{MODEL}?stream=0")
+            _cleanup()
         for fw in chosen:
             print(f"{fw.label}:", file=sys.stderr, flush=True)
             results.append(measure(fw, endpoint.base_url, plan, args.repeat, args.latency, endpoint))

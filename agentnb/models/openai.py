@@ -14,6 +14,7 @@ from typing import Any
 
 from .._secrets import register_secret, scrub
 from ..errors import CallCancelled, ModelSpecError
+from ._plain_http import PlainPost, Redirected, encode_body, plain_post_for
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
 from .openai_stream import WATCHDOG, Assembly, BodyBroken, BodyTimeout, Watch, chunked_body, sse_data, track_sockets
@@ -90,6 +91,8 @@ KEEPALIVE_CONNECTIONS = 512
 
 _clients: dict[tuple[str | None, str, float], Any] = {}
 _clients_lock = threading.Lock()
+# per client (by id: the clients above live as long as the process): its plain calls' socket path, or None
+_plain_posts: dict[int, PlainPost | None] = {}
 
 
 def shared_client(base_url: str | None, api_key: str, timeout: float) -> Any:
@@ -190,6 +193,7 @@ class OpenAIModel:
         self.read_timeout = float(options.get("read_timeout") or read_timeout
                                   or _env_float(READ_TIMEOUT_ENV, 0.0) or self.timeout)
         self._client: Any = None
+        self._plain: PlainPost | None = None  # a plain call's path below httpx (models/_plain_http.py), if any
         # the last conversation sent and its wire form: the next call re-sends it with a few messages more
         self._sent: tuple[list[Message], list[dict[str, object]]] = ([], [])
 
@@ -202,7 +206,12 @@ class OpenAIModel:
                 raise ModelError(
                     "openai model needs OPENAI_API_KEY (and OPENAI_BASE_URL for a non-OpenAI endpoint)"
                 )
-            self._client = shared_client(self.base_url, self._api_key or "not-needed", self.timeout)
+            client = shared_client(self.base_url, self._api_key or "not-needed", self.timeout)
+            with _clients_lock:
+                if id(client) not in _plain_posts:
+                    _plain_posts[id(client)] = plain_post_for(client, self.timeout, _http_module())
+                self._plain = _plain_posts[id(client)]
+            self._client = client
         return self._client
 
     def complete(self, request: ModelRequest) -> ModelResponse:
@@ -242,7 +251,13 @@ class OpenAIModel:
                 # an HTML page, broken JSON or the wrong shape would only fail later, far from the cause.  A
                 # plain post of the body (same auth, headers and error classes as chat.completions.create)
                 # also skips the SDK's per-call rewrite of every message, ~1 ms of CPU per call.
-                http = client.post("/chat/completions", body=kwargs, cast_to=_response_class(), stream=streaming)
+                # a plain call to an http:// endpoint goes below httpx: the same request for an eighth of the CPU
+                plain = None if streaming else self._plain
+                http: Any
+                if plain is not None:
+                    http = plain.post(encode_body(kwargs))
+                else:
+                    http = client.post("/chat/completions", body=kwargs, cast_to=_response_class(), stream=streaming)
                 answered = True
                 if not streaming:  # whole: a Stop that comes now pauses the job after this call, as between calls
                     return _parse_completion(http, request)
@@ -264,6 +279,9 @@ class OpenAIModel:
                             self.max_backoff)
                 if isinstance(exc, openai.RateLimitError):
                     gate.throttle(delay, ticket)  # every other call to the endpoint waits it out too
+            except Redirected:
+                self._plain = None  # the SDK's client follows redirects: this model's calls go through it now
+                continue
             except openai.APIStatusError as exc:
                 if streaming and exc.status_code == 400 and "stream" in _message(exc).lower():
                     streaming = self._refused(kwargs, f"HTTP 400: {_message(exc)}")

@@ -20,6 +20,10 @@ its retries run out.  So every call passes through the :class:`Gate` of its (bas
 A job's Stop (the call's ``cancel``) ends a wait in the gate at once: :meth:`Gate.acquire` returns None, and the
 call is cut off as one stopped while its answer was awaited (docs/models.md#streaming).
 
+A batch run in several processes (docs/design-lab.md#processes) shares what a 429 taught: each gate tells the
+listeners of :func:`on_throttle` of a 429 it got itself, the batch's process passes it on, and the other processes
+apply it to their own gate of that endpoint with :func:`throttle_heard` (which tells nobody, so it is not echoed).
+
 Jobs do not fail because of this while their retries remain: a 429 is retried as before (``retries``
 and ``max_backoff`` per job, workspace or environment), the gate only decides *when*.  5xx answers,
 timeouts and malformed answers are retried by their own call only; they do not close the gate.
@@ -29,8 +33,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
-__all__ = ["Gate", "forget_gates", "gate_for"]
+__all__ = ["Gate", "forget_gates", "gate_for", "on_throttle", "throttle_heard"]
 
 # how often a call waiting for a slot under the cap looks at its job's Stop (a released slot wakes it at once)
 STOP_POLL_S = 0.05
@@ -39,7 +44,8 @@ STOP_POLL_S = 0.05
 class Gate:
     """The calls in flight to one endpoint+model, their cap and the pause after a 429 (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: tuple[str, str] | None = None) -> None:
+        self.key = key  # (endpoint, model) of the process's gate; None: a gate of its own (tests)
         self._clock = time.monotonic
         self._cond = threading.Condition()
         self.in_flight = 0
@@ -106,13 +112,14 @@ class Gate:
                     self.limit = None
             self._cond.notify_all()
 
-    def throttle(self, delay: float, ticket: float | None = None) -> None:
+    def throttle(self, delay: float, ticket: float | None = None, *, heard: bool = False) -> None:
         """A call got a 429: pause every call for ``delay`` seconds and halve the calls in flight.
 
         Called before :meth:`release` of that call, so the calls in flight still count it.  A call let
         through before the last cut (``ticket``, from :meth:`acquire`) was sent before the gate reacted:
         its 429 only makes the pause longer when it asks for more.  A call sent after it brings the
-        server's latest word: its wait replaces the pause, and it halves the cap again."""
+        server's latest word: its wait replaces the pause, and it halves the cap again.  ``heard``: the 429 came to
+        another process of the batch (:func:`throttle_heard`), so the listeners are not told again."""
         with self._cond:
             self.throttled += 1
             end = self._clock() + max(0.0, delay)
@@ -124,6 +131,9 @@ class Gate:
             else:
                 self.paused_until = max(self.paused_until, end)
             self._cond.notify_all()
+        if not heard and self.key is not None:
+            for listener in list(_listeners):
+                listener(self.key, delay)
 
 
 def _wait(cancel: threading.Event | None, seconds: float) -> bool:
@@ -144,8 +154,24 @@ def gate_for(endpoint: str | None, model: str) -> Gate:
     with _gates_lock:
         gate = _gates.get(key)
         if gate is None:
-            gate = _gates[key] = Gate()
+            gate = _gates[key] = Gate(key)
         return gate
+
+
+_listeners: list[Callable[[tuple[str, str], float], None]] = []
+
+
+def on_throttle(listener: Callable[[tuple[str, str], float], None]) -> Callable[[], None]:
+    """Call ``listener((endpoint, model), delay)`` after each 429 a gate of this process gets (in the calling
+    thread); returns the function that stops it."""
+    _listeners.append(listener)
+    return lambda: _listeners.remove(listener) if listener in _listeners else None
+
+
+def throttle_heard(key: tuple[str, str], delay: float) -> None:
+    """Apply a 429 another process of the batch got from endpoint+model ``key``: pause this process's calls to it
+    for ``delay`` seconds and halve their cap, as its own 429 would."""
+    gate_for(key[0], key[1]).throttle(delay, heard=True)
 
 
 def forget_gates(endpoint: str | None = None) -> None:

@@ -78,7 +78,7 @@ _OVERVIEW = """\
   tools [PIECE] [--workdir DIR]  each movement's tools: source (built-in, Python or MCP server), parameters
   export JOB PATH              the job as a notebook (.ipynb)
   plot [JOB]                   the usage plot: context ratio per LLM call, cumulative tokens
-  batch CASES --piece a,b --model m[,m2] [--concurrency N] [--name NAME] [--epochs K] [--scorer VAR]... [--baseline V]
+  batch CASES --piece a,b --model m[,m2] [--concurrency N] [--processes N] [--name NAME] [--epochs K] [--scorer VAR]... [--baseline V]
                                run every case (a list of dicts or a DataFrame variable) under every
                                piece × model, scored; the Batch (--baseline: its BatchComparison).
                                batch NAME resumes a batch
@@ -706,6 +706,7 @@ class AgentMagic(Magics):
     @argument("--concurrency", "-c", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
               help=f"jobs run at once (default {DEFAULT_CONCURRENCY})")
     @argument("--name", "-n", help="the batch's name; the same name again resumes it (default: batch-N)")
+    @argument("--processes", type=int, metavar="N", help="worker processes (default: one per 16 jobs at once, ≤ cores)")
     @argument("--epochs", "-e", type=int, metavar="K", help="run every case × variant K times (default 1, or the "
               "batch's own; more adds the missing epochs)")
     @argument("--scorer", "-s", action="append", metavar="VAR",
@@ -727,7 +728,7 @@ class AgentMagic(Magics):
         found, cases = self.value(args.cases, "CASES")
         pieces, models = self._listed(args.piece_list, "--piece"), self._listed(args.model_list, "--model")
         scorers = self._scorers(args.scorer)
-        settings = {k: getattr(args, k) for k in ("epochs", "cost_limit", "job_cost_limit", "job_token_limit")}
+        settings = {k: getattr(args, k) for k in ("epochs", "cost_limit", "job_cost_limit", "job_token_limit", "processes")}
         if isinstance(cases, Batch):
             found, cases = False, cases.name
         if args.baseline is not None:  # refused before anything is created (a resumed batch: its own variants)
@@ -754,7 +755,7 @@ class AgentMagic(Magics):
             return batch
         # after Ctrl-C, the executor's one line says what paused and to resume with this magic
         with contextlib.suppress(KeyboardInterrupt):
-            batch.run(concurrency=args.concurrency, resume=f"%agent batch {batch.name}")
+            batch.run(concurrency=args.concurrency, resume=f"%agent batch {batch.name}", processes=args.processes)
         return batch if args.baseline is None else batch.compare(baseline=args.baseline)
 
     @magic_arguments(name="agent batches")

@@ -1,0 +1,479 @@
+"""A batch run by several worker processes on the same store (``processes=N``; docs/design-lab.md#processes).
+
+One process holds one GIL, so a batch whose calls come back fast (a local endpoint, a fast model) is bound by one
+core however high its concurrency.  With ``processes=N`` the batch's process starts N worker processes
+(``agentnb._batch_child.serve``), splits ``concurrency`` between them, and coordinates:
+
+* **which job runs where**: it hands each child one job at a time from the batch's ordered list (epoch by epoch),
+  up to the child's share running at once (and a quarter more waiting there, so a freed slot does not wait for a
+  round trip), and the next as each ends — so nothing runs twice and a slow child gets fewer jobs.  Each child claims and runs its jobs through its own ``Workspace`` on the same store (one
+  ordered event stream per job, as ever: a job is only run by the thread that claimed it);
+* **what the notebook sees**: the progress bar (read from the store, as a single-process batch's), the children's
+  stderr lines, the scorers (notebook functions: they run here, as each job ends) and the one line after a stop;
+* **stops**: Ctrl-C, SIGTERM or a reached cost limit sends every child ``stop``: its running jobs pause after
+  their current call and go back to ``queued``, jobs not yet handed out are not started, and the batch resumes
+  as ever.  A child ignores Ctrl-C itself (a terminal sends it to the whole process group): this process decides;
+* **a 429**: a child that gets one tells this process, which tells the others, whose gates pause and halve their
+  calls in flight as if they had got it (``models/ratelimit.py``), so the whole batch backs off;
+* **a child that dies** (killed, out of memory): the jobs it held are handed to a replacement child; their claims
+  name a process that is gone, so the replacement claims them again at once (docs/stores.md#leases) and each
+  resumes from its last committed step.  A child that dies before it is ready (its tools cannot be imported, the
+  store cannot be opened) ends the batch with its last stderr line; children that keep dying stop it too.
+
+The workers are forked from multiprocessing's fork server, which imports agentnb and the ``openai`` client once, when
+the first batch of the process starts it (about a second): a worker then starts in milliseconds instead of paying
+that import itself (a quarter of a worker's CPU in an 800-job batch, when each was a fresh interpreter), and is
+forked from a process with no threads of the notebook's.  Where there is no fork server (Windows), each worker is a
+fresh interpreter (``spawn``).  A worker gets this process's environment, working folder, ``sys.path`` and secret
+values with its settings, as a freshly started one would (the fork server keeps those of when it started).
+
+Workers import the modules of the batch's own tools (``@agentnb.tool`` functions) by name; a tool defined in a
+notebook (``__main__`` without a file) cannot be imported by another process, so such a batch runs in this one
+(:func:`processes_for` says why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing
+import os
+import queue
+import sys
+import threading
+import time
+import types
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
+from typing import Any, Protocol, TextIO
+
+from ._secrets import secret_values
+from .errors import AgentnbError, UsageError
+from .executor import LIVE_EVERY, RunReport, Tally, sayer, tell_paused
+from .interrupts import sigterm_interrupts
+from .progress import BatchProgress, Outcome
+from .store.base import JobStatus, Store
+
+__all__ = ["PER_PROCESS", "ProcessesHost", "batch_tools", "check_processes", "processes_for", "run_batch",
+           "run_in_processes",
+           "unimportable_tools"]
+
+# the concurrency one process is given before ``processes=None`` asks for another one: one core turns ~400 calls
+# a second (benchmarks/README.md), which 16 jobs at once reach only against an endpoint answering in ~40 ms
+PER_PROCESS = 16
+# children that die with jobs in hand before the batch gives up (each is replaced until then)
+_MAX_DEATHS = 3
+_TICK = 0.25
+_CHILD = "agentnb._batch_child"
+_context: BaseContext | None = None
+
+
+class ProcessesHost(Protocol):
+    """What the coordinator needs of the workspace facade."""
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def open_args(self) -> dict[str, Any]: ...
+
+    def job(self, job: Any) -> Any: ...
+
+
+def check_processes(value: Any) -> int | None:
+    """``processes=`` checked: None (chosen from the cores, :func:`processes_for`) or a whole number ≥ 1."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"processes={value!r}; allowed: a whole number ≥ 1 (worker processes for the batch), or None "
+                         "to choose from the machine's cores")
+    return value
+
+
+def unimportable_tools(tool_names: Iterable[str]) -> list[str]:
+    """Of the tools ``tool_names``, those registered from a notebook or console (``__main__`` without a file):
+    another process cannot import them."""
+    from .tools.base import get_tool
+
+    out = []
+    for name in sorted(set(tool_names)):
+        t = get_tool(name)
+        if t is None or t.builtin:
+            continue
+        module = sys.modules.get(getattr(t.fn, "__module__", "") or "")
+        if module is None or (module.__name__ == "__main__" and not getattr(module, "__file__", None)):
+            out.append(name)
+    return out
+
+
+def tool_imports(tool_names: Iterable[str]) -> list[list[str]]:
+    """How a child gets the tools ``tool_names`` registered: ``["module", NAME]`` or ``["path", FILE]`` (a script's
+    ``__main__``, run there as ``__mp_main__`` the way multiprocessing does, so its main block does not run)."""
+    from .tools.base import get_tool
+
+    out: list[list[str]] = []
+    for name in sorted(set(tool_names)):
+        t = get_tool(name)
+        if t is None or t.builtin:
+            continue
+        module = sys.modules.get(getattr(t.fn, "__module__", "") or "")
+        if module is None:
+            continue
+        how = ["path", str(module.__file__)] if module.__name__ == "__main__" else ["module", module.__name__]
+        if how not in out:
+            out.append(how)
+    return out
+
+
+def batch_tools(variants: Iterable[Any]) -> set[str]:
+    """The tools the movements of a batch's variants (``BatchRecord.variants``) list (a subtask's piece aside)."""
+    from .engine.runner import parse_stored_piece
+
+    names: set[str] = set()
+    for v in variants:
+        piece = parse_stored_piece(v.piece_yaml, v.piece_source or v.piece)
+        for movement in piece.movements:
+            names.update(movement.tools)
+    return names
+
+
+def processes_for(processes: int | None, concurrency: int, jobs: int, tool_names: Iterable[str],
+                  cores: int | None = None) -> tuple[int, str]:
+    """How many processes run a batch of ``jobs`` at ``concurrency`` (``processes``: what was asked, None: choose),
+    and, when fewer than asked, why.  Never more than the jobs or the concurrency; None gives one process per
+    :data:`PER_PROCESS` jobs at once, at most one per core (``AGENTNB_PROCESSES`` sets the default).  A batch with a
+    tool defined in a notebook runs in one process: asked for more, that is a :class:`UsageError`."""
+    asked = processes
+    if asked is None:
+        env = os.environ.get("AGENTNB_PROCESSES", "").strip()
+        if env:
+            try:
+                asked = check_processes(int(env))
+            except ValueError:
+                raise UsageError(f"AGENTNB_PROCESSES={env!r}; allowed: a whole number ≥ 1") from None
+    if asked is None:
+        cores = cores or os.cpu_count() or 1
+        n = min(cores, -(-concurrency // PER_PROCESS))
+    else:
+        n = asked
+    n = max(1, min(n, concurrency, max(jobs, 1)))
+    if n > 1:
+        local = unimportable_tools(tool_names)
+        if local:
+            if processes is not None:
+                raise UsageError(f"processes={processes}: the tool(s) {', '.join(local)} are defined in this notebook, "
+                                 "which worker processes cannot import; define them in a module (a .py file) and "
+                                 "import it, or use processes=1")
+            return 1, f"tool(s) {', '.join(local)} defined in the notebook"
+    return n, ""
+
+
+def run_batch(ws: Any, job_ids: Sequence[int], variants: Iterable[Any], *, processes: int | None, concurrency: int,
+              **options: Any) -> RunReport:
+    """Run a batch's ``job_ids`` in this process (:func:`agentnb.executor.run_jobs`) or in worker processes
+    (:func:`run_in_processes`), as :func:`processes_for` decides from ``processes`` (None: choose)."""
+    tools = batch_tools(variants)
+    n, _why = processes_for(processes, concurrency, len(job_ids), tools)
+    if n == 1:
+        from .executor import run_jobs
+
+        return run_jobs(ws, job_ids, concurrency=concurrency, **options)
+    return run_in_processes(ws, job_ids, processes=n, concurrency=concurrency, tool_names=tools, **options)
+
+
+@dataclass
+class _Child:
+    index: int
+    share: int
+    proc: Any  # a multiprocessing Process
+    conn: Connection
+    assigned: list[int] = field(default_factory=list)
+    ready: bool = False
+    closed: bool = False  # told "done" or "stop": no more jobs
+    broken: bool = False
+    last_err: str = ""
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if self.broken:
+            return
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, OSError, ValueError):  # it died: the end of its messages says so to the loop
+            self.broken = True
+
+    def close(self, msg: dict[str, Any]) -> None:
+        if not self.closed:
+            self.closed = True
+            self.send(msg)
+
+
+def _mp_context() -> BaseContext:
+    """The fork server's context, preloading the worker's module (agentnb, the openai client); else spawn."""
+    global _context
+    if _context is None:
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            _context = multiprocessing.get_context("forkserver")
+            _context.set_forkserver_preload([_CHILD])
+        else:
+            _context = multiprocessing.get_context("spawn")
+    return _context
+
+
+def _serve(conn: Connection, settings: dict[str, Any]) -> None:
+    """A worker's entry: :func:`agentnb._batch_child.serve`, named rather than imported here — it opens a
+    workspace, a layer above this module (as ``agentnb worker`` is started by name)."""
+    importlib.import_module(_CHILD).serve(conn, settings)
+
+
+@contextlib.contextmanager
+def _no_main_script() -> Iterator[None]:
+    """While a worker starts: a bare ``__main__``, so that multiprocessing does not make the worker import the calling
+    script (run again, its unguarded top level would start the batch again): the worker needs none of it, the
+    batch's tools come by name (:func:`tool_imports`)."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+def _shares(concurrency: int, n: int) -> list[int]:
+    base, extra = divmod(concurrency, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: int, concurrency: int,
+                     progress: bool = False, batch: Any = None, on_end: Callable[[Any], None] | None = None,
+                     file: TextIO | None = None, resume: str | None = None, budget: Any = None,
+                     tool_names: Iterable[str] = ()) -> RunReport:
+    """Run ``job_ids`` in ``processes`` child processes, ``concurrency`` at once in all; ``on_end(job)`` here, after
+    each.  The same contract as :func:`agentnb.executor.run_jobs` (``batch``, ``resume``, ``budget``: a
+    ``budgets.BatchBudget``; raises what interrupted it once every child has paused its jobs)."""
+    name = getattr(batch, "name", None)
+    out = file if file is not None else sys.stderr
+    report = RunReport(processes=processes)
+    todo: deque[int] = deque(job_ids)
+    inbox: queue.Queue[tuple[_Child, dict[str, Any] | None]] = queue.Queue()
+    children: list[_Child] = []
+    errors: list[BaseException] = []
+    tally = Tally(ws.store) if progress else None
+    bar = BatchProgress(len(job_ids), f"batch {name}" if name else "jobs", out) if progress and job_ids else None
+    say = sayer(bar, out)
+    scoring = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentnb-score")
+    config = {"workspace": ws.open_args, "imports": tool_imports(tool_names), "sys_path": list(sys.path),
+              "batch": name}
+    state: dict[str, Any] = {"stopping": False, "deaths": 0, "stopped_by": ""}
+    started = time.monotonic()
+    live_at = 0.0
+    budget_at = time.monotonic()
+
+    def spawn(index: int, share: int) -> _Child:
+        ctx = _mp_context()
+        ours, theirs = ctx.Pipe()
+        settings = {**config, "concurrency": share, "index": index, "environ": dict(os.environ), "cwd": os.getcwd(),
+                    "secrets": list(secret_values())}
+        proc = ctx.Process(target=_serve, args=(theirs, settings), name=f"agentnb-batch-{name}-{index}")  # type: ignore[attr-defined]
+        with _no_main_script():
+            proc.start()
+        theirs.close()
+        child = _Child(index, share, proc, ours)
+        threading.Thread(target=_read_messages, args=(child, inbox), daemon=True,
+                         name=f"agentnb-proc{index}").start()
+        children.append(child)
+        return child
+
+    def feed(child: _Child) -> None:
+        # a few more than it runs at once: a slot that frees takes the next job at once, not after a round trip here
+        while not state["stopping"] and todo and len(child.assigned) < child.share + max(1, child.share // 4) \
+                and not child.closed:
+            job_id = todo.popleft()
+            child.assigned.append(job_id)
+            child.send({"run": job_id})
+        if not todo and not state["stopping"]:
+            child.close({"done": True})  # it ends once its jobs have
+
+    def stop_all(reason: str = "") -> None:
+        if reason and not state["stopped_by"]:
+            state["stopped_by"] = reason
+        state["stopping"] = True
+        for c in children:
+            c.close({"stop": True})
+
+    def ended(job_id: int) -> None:
+        try:
+            if on_end is not None:
+                on_end(ws.job(job_id))
+            if tally is not None:
+                tally.ended(job_id)
+        except BaseException as exc:  # a scorer's own failure is its score's error; this is the store's
+            errors.append(exc)
+
+    def handle(child: _Child, msg: dict[str, Any] | None) -> None:
+        if msg is None:  # the end of its messages: the child has exited
+            child.proc.join()
+            rc = child.proc.exitcode
+            left = [j for j in child.assigned]
+            child.assigned.clear()
+            children.remove(child)
+            if rc == 0 and not left:
+                return
+            if not child.ready:
+                errors.append(AgentnbError(f"a worker process of the batch could not start (exit code {rc})"
+                                           + (f": {child.last_err}" if child.last_err else "")))
+                stop_all()
+                return
+            if left:
+                todo.extendleft(reversed(left))  # first again, in their order
+            if state["stopping"]:
+                return
+            state["deaths"] += 1
+            if state["deaths"] > _MAX_DEATHS:
+                errors.append(AgentnbError(f"worker processes of the batch died {state['deaths']} times (the last "
+                                           f"with exit code {rc}); see their lines above"))
+                stop_all()
+                return
+            say(f"agentnb: a worker process of the batch ended (exit code {rc}) with {len(left)} job(s) in hand; "
+                "a new one takes them over")
+            feed(spawn(child.index, child.share))
+            return
+        kind = next(iter(msg))
+        if kind == "log":  # a line it wrote on stderr (a warning, say)
+            child.last_err = str(msg["log"])
+            say(child.last_err)
+        elif kind == "ready":
+            child.ready = True
+        elif kind in ("ended", "skipped", "not_started", "failed"):
+            job_id = int(msg[kind])
+            if job_id in child.assigned:
+                child.assigned.remove(job_id)
+            if kind == "ended":
+                report.statuses[job_id] = str(msg["status"])
+                scoring.submit(ended, job_id)
+            elif kind == "skipped":
+                report.skipped.append(job_id)
+            elif kind == "not_started":
+                report.not_started.append(job_id)
+            else:
+                errors.append(AgentnbError(f"job {job_id} (worker process {child.index}): {msg['error']}"))
+            feed(child)
+        elif kind == "cpu":
+            report.worker_cpu_s += float(msg["cpu"])
+        elif kind == "gate":  # a 429 one child got: every other one backs off too
+            for other in children:
+                if other is not child:
+                    other.send(msg)
+        elif kind == "cost" and budget is not None:  # a call of that child's, priced: the batch's total grows
+            budget.add(msg["cost"])
+            if budget.reached.is_set() and not state["stopping"]:
+                stop_all(budget.reason())
+        elif kind == "budget":
+            stop_all(str(msg["budget"]))
+
+    def refresh(final: bool = False) -> None:
+        nonlocal live_at
+        if bar is None or tally is None:
+            return
+        running = sorted(j for c in children for j in c.assigned)
+        now = time.monotonic()
+        if not final and now - live_at >= LIVE_EVERY:
+            live_at = now
+            tally.refresh(running)
+        tokens, cost = tally.totals()
+        bar.update(len(report.statuses) + len(report.skipped), dict(report.statuses), tokens, cost)
+
+    def loop() -> None:
+        nonlocal budget_at
+        while children:
+            try:
+                child, msg = inbox.get(timeout=_TICK)
+            except queue.Empty:
+                pass
+            else:
+                handle(child, msg)
+            refresh()
+            # each child's calls are added here as they commit ("cost"); the store's total, which also has the calls
+            # of subtasks, is read again every second (docs/design-lab.md#budgets)
+            if budget is not None and not state["stopping"] and time.monotonic() - budget_at >= LIVE_EVERY:
+                budget_at = time.monotonic()
+                budget.recount(at_least=True)
+                if budget.reached.is_set():
+                    stop_all(budget.reason())
+
+    try:
+        with sigterm_interrupts():
+            try:
+                if job_ids:
+                    for index, share in enumerate(_shares(concurrency, processes)):
+                        spawn(index, share)
+                    for child in list(children):
+                        feed(child)
+                loop()
+            except BaseException:
+                report.interrupted = True
+                stop_all()
+                _wait_paused(loop, children, say)
+                raise
+    finally:
+        report.not_started.extend(todo)
+        todo.clear()
+        scoring.shutdown(wait=True)
+        for child in children:  # only after an error of our own: told to stop, they pause their jobs and exit
+            child.close({"stop": True})
+            child.proc.join()
+        stopped_by = state["stopped_by"]
+        if stopped_by and not report.not_started and not any(
+                s in (JobStatus.queued, JobStatus.running) for s in report.statuses.values()):
+            stopped_by = ""  # the limit was reached by the last calls: nothing was left to pause
+        try:
+            if bar is not None and tally is not None:
+                try:
+                    refresh(final=True)
+                finally:
+                    tokens, cost = tally.totals()
+                    stopped = "paused" if report.interrupted else "error" if errors else stopped_by
+                    bar.finish(Outcome(len(job_ids), dict(report.statuses), skipped=len(report.skipped),
+                                       tokens=tokens, cost=cost, seconds=time.monotonic() - started,
+                                       stopped=stopped), resume=resume or (f"ws.batch({name!r})" if name else ""))
+        finally:
+            if report.interrupted:
+                tell_paused(report, name, job_ids, sayer(None, out), resume)
+            elif stopped_by:
+                tell_paused(report, name, job_ids, sayer(None, out), f"{resume} and a higher cost limit" if resume
+                            else f"ws.batch({name!r}, cost_limit=HIGHER)", what=f"batch {name}: {stopped_by}")
+    if errors:
+        raise errors[0]
+    return report
+
+
+def _wait_paused(loop: Callable[[], None], children: list[_Child], say: Callable[[str], None]) -> None:
+    """After a stop: go on handling the children's messages until each has paused its jobs and exited.  A second
+    Ctrl-C (or SIGTERM) meanwhile is said once and ignored: leaving now would leave jobs running unwatched."""
+    said = False
+    while children:
+        try:
+            loop()
+        except BaseException:
+            if not said:
+                said = True
+                n = sum(len(c.assigned) for c in children)
+                say(f"agentnb: still pausing {n} running job(s) in {len(children)} worker process(es); each stops "
+                    "after its current LLM call")
+
+
+def _read_messages(child: _Child, inbox: queue.Queue[tuple[_Child, dict[str, Any] | None]]) -> None:
+    try:
+        while True:
+            try:
+                msg = child.conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(msg, dict) and msg:
+                inbox.put((child, msg))
+    finally:
+        inbox.put((child, None))

@@ -1,0 +1,364 @@
+"""A batch run by several worker processes (``processes=N``; docs/design-lab.md#processes), on real SQLite files
+and a real PostgreSQL server: the same jobs and frames as one process, nothing run twice, a killed worker's jobs
+taken over, Ctrl-C then resume from a terminal, and a 429 that one process gets slowing them all."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _scripting import call, transition, write_piece, write_script
+from IPython.core.error import UsageError as IPythonUsageError
+from openai_server import OpenAIServer, error, openai_env, reply
+
+from agentnb import Workspace
+from agentnb.errors import UsageError
+from agentnb.processes import PER_PROCESS, processes_for
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ONE_WRITE = {"max_movements": 2, "movements": [
+    {"name": "work", "persona": "p", "instruction": "Write the answer.", "tools": ["Write"],
+     "permission": "edit", "rules": [{"condition": "done", "next": "COMPLETE"}]}]}
+
+
+def _claims(ws: Workspace, job: Any) -> int:
+    return sum(1 for e in ws.events(job, kinds=["job_status"]) if getattr(e, "status", None) == "running")
+
+
+_CLAIMED_BY = re.compile(r"^claimed by [^:]*:(\d+):")
+
+
+def _claimers(ws: Workspace, jobs: Any = None) -> set[int]:
+    """The pids of the processes that claimed ``jobs`` (None: every job), read from their claims."""
+    pids = set()
+    for j in ws.jobs() if jobs is None else jobs:
+        for e in ws.events(j, kinds=["job_status"]):
+            m = _CLAIMED_BY.match(getattr(e, "reason", None) or "")
+            if getattr(e, "status", None) == "running" and m:
+                pids.add(int(m.group(1)))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def test_a_batch_in_processes_runs_every_job_once_with_the_frame_of_one_process(
+        store_url: str, tmp_path: Path) -> None:
+    script = write_script(tmp_path, "w", responses=[
+        call("Write", path="output/answer.txt", content="42"), transition("COMPLETE")])
+    piece = str(write_piece(tmp_path, "one-write", ONE_WRITE))
+    cases = [{"instruction": f"Answer question {i}", "expected": "42"} for i in range(200)]
+    scored_in: set[int] = set()
+
+    def right(job: Any) -> bool:  # a notebook function: it runs in the batch's own process
+        scored_in.add(os.getpid())
+        return (job.output / "answer.txt").read_text() == job.expected
+
+    ws = Workspace(tmp_path / "ws", store=store_url)
+    try:
+        one = ws.batch(cases, piece=piece, model=script, name="one", concurrency=6, processes=1, progress=False,
+                       scorers={"right": right})
+        assert one.last_run.processes == 1
+        reference = one.frame.drop(columns=["job", "seconds"])
+        kinds = {j.case: [e.kind for e in ws.events(j)] for j in one.jobs}
+        for n in (2, 3):
+            b = ws.batch(cases, piece=piece, model=script, name=f"in-{n}", concurrency=6, processes=n,
+                         progress=False, scorers={"right": right})
+            assert b.last_run.processes == n
+            assert b.counts()["succeeded"] == b.counts()["jobs"] == 200
+            assert sorted(b.last_run.statuses) == sorted(j.id for j in b.jobs)
+            frame = b.frame
+            assert frame["right"].all()
+            assert frame.drop(columns=["job", "seconds"]).equals(reference), n
+            for j in b.jobs:
+                assert _claims(ws, j) == 1  # claimed once: nothing ran twice
+                assert [e.kind for e in ws.events(j)] == kinds[j.case]  # one ordered stream, as in one process
+                ids = [e.id for e in ws.events(j)]
+                assert ids == sorted(ids)
+        assert scored_in == {os.getpid()}
+    finally:
+        ws.close()
+
+
+def test_processes_are_checked_and_chosen_from_the_cores(ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(UsageError, match=r"^processes=.*; allowed: a whole number ≥ 1"):
+            ws.batch([{"instruction": "x"}], processes=bad, progress=False)
+    assert ws.batches() == []  # nothing created
+    monkeypatch.delenv("AGENTNB_PROCESSES", raising=False)
+    assert processes_for(None, 4, 100, (), cores=8) == (1, "")
+    assert processes_for(None, 2 * PER_PROCESS, 100, (), cores=8) == (2, "")
+    assert processes_for(None, 64, 100, (), cores=2) == (2, "")  # never more than the cores
+    assert processes_for(None, 64, 1, (), cores=8) == (1, "")  # nor than the jobs
+    assert processes_for(3, 2, 100, (), cores=8) == (2, "")  # nor than the concurrency
+    monkeypatch.setenv("AGENTNB_PROCESSES", "3")
+    assert processes_for(None, 8, 100, (), cores=8) == (3, "")
+    monkeypatch.setenv("AGENTNB_PROCESSES", "many")
+    with pytest.raises(UsageError, match="AGENTNB_PROCESSES='many'; allowed"):
+        processes_for(None, 8, 100, ())
+
+
+def test_a_tool_defined_in_the_notebook_keeps_the_batch_in_one_process(ws: Workspace, tmp_path: Path) -> None:
+    import agentnb
+    from agentnb.tools.base import unregister
+
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec("import agentnb\n@agentnb.tool\ndef shout(text: str) -> str:\n    'Shout.'\n    return text.upper()\n",
+         namespace)  # as a notebook cell defines it: in __main__, which has no file
+    try:
+        main = sys.modules["__main__"]
+        had_file = getattr(main, "__file__", None)
+        if had_file is not None:
+            del main.__file__
+        try:
+            assert processes_for(None, 64, 100, ["shout"], cores=4) == (1, "tool(s) shout defined in the notebook")
+            with pytest.raises(UsageError, match=r"^processes=2: the tool\(s\) shout are defined in this notebook"):
+                processes_for(2, 64, 100, ["shout", "Write"], cores=4)
+            assert processes_for(2, 64, 100, ["Write"], cores=4) == (2, "")  # a built-in is everywhere
+        finally:
+            if had_file is not None:
+                main.__file__ = had_file
+    finally:
+        unregister("shout")
+    assert agentnb
+
+
+def _one_write_responder(body: dict[str, Any]) -> dict[str, Any]:
+    """A Write, then (once its result is in the conversation) the transition."""
+    if any(m.get("role") == "tool" for m in body["messages"]):
+        return reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "done"})])
+    return reply(tool_calls=[("Write", {"path": "output/a.txt", "content": "x"})])
+
+
+def test_a_killed_worker_process_s_jobs_are_taken_over_and_the_batch_completes(
+        loopback: Any, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    server = loopback(latency=0.15, responder=_one_write_responder)
+    piece = str(write_piece(tmp_path, "one-write", ONE_WRITE))
+    ws = Workspace(tmp_path / "ws")
+    cases = [{"instruction": f"task {i}"} for i in range(40)]
+    ws.batch(cases, piece=piece, model="openai:m", name="k", run=False)
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["batch"] = ws.batch("k", concurrency=4, processes=2, progress=False)
+        except BaseException as exc:  # pragma: no cover - shown by the assertion below
+            result["error"] = exc
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    deadline = time.monotonic() + 60
+    while len(server.log) < 12:  # a few waves in: every worker holds jobs
+        assert time.monotonic() < deadline and runner.is_alive(), result
+        time.sleep(0.02)
+    running = [j for j in ws.jobs() if str(j.status) == "running"]
+    workers = _claimers(ws, running)
+    assert len(workers) == 2 and os.getpid() not in workers  # the jobs run in two other processes
+    os.kill(min(workers), signal.SIGKILL)
+    runner.join(120)
+    assert not runner.is_alive() and "error" not in result, result
+    b = result["batch"]
+    assert b.counts()["succeeded"] == b.counts()["jobs"] == 40
+    err = capfd.readouterr().err
+    assert re.search(r"agentnb: a worker process of the batch ended \(exit code -9\) with \d job\(s\) in hand; "
+                     r"a new one takes them over", err), err
+    taken_over = 0
+    for j in b.jobs:
+        # a Write is never run twice: one cut off by the kill is a tool error the model sees, not a second run
+        assert [e.tool for e in ws.events(j, kinds=["tool_call", "tool_result"])] == ["Write", "Write", "transition", "transition"]
+        taken_over += _claims(ws, j) == 2
+        assert _claims(ws, j) in (1, 2)
+    assert taken_over >= 1
+    ws.close()
+
+
+def test_ctrl_c_in_a_terminal_pauses_every_process_s_jobs_and_the_same_command_resumes(tmp_path: Path) -> None:
+    agentnb = ROOT / "agentnb"
+    assert agentnb.is_dir()
+    piece = write_piece(tmp_path, "one-write", ONE_WRITE)
+    n = 24
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"instruction": f"task {i}"}) + "\n" for i in range(n)))
+    argv = [sys.executable, "-m", "agentnb.cli", "--workspace", "ws", "batch", "c.jsonl", "--piece", str(piece),
+            "--model", "openai:m", "--concurrency", "4", "--processes", "2", "--name", "slow", "--no-progress"]
+    with OpenAIServer(latency=0.2, responder=_one_write_responder) as server:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_STORE", "OPENAI_"))}
+        env.update(openai_env(server), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        # a terminal's Ctrl-C goes to the whole process group: the batch's process and its workers
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while len(server.log) < 10:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the batch never got going"
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 130, (stdout, stderr)
+        [said] = [line for line in stderr.splitlines() if "interrupted" in line]
+        assert re.fullmatch(r"agentnb: interrupted: \d+ running job\(s\) paused, \d+ not finished; resume with the "
+                            r"same command again \(batch 'slow'\)", said), stderr
+        ws = Workspace(tmp_path / "ws", readonly=True)
+        first = {j.id: str(j.status) for j in ws.jobs()}
+        assert set(first.values()) <= {"succeeded", "queued"} and "queued" in first.values()  # none left running
+        workers = _claimers(ws)
+        assert len(workers) == 2 and proc.pid not in workers
+        assert not [pid for pid in workers if _alive(pid)]  # the workers are gone with the batch's process
+        out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(f"<Batch 'slow': {n}/{n} ended · {n} succeeded>")
+    ws = Workspace(tmp_path / "ws", readonly=True)
+    for j in ws.jobs():
+        assert [e.tool for e in ws.events(j, kinds=["tool_call", "tool_result"])] == ["Write", "Write", "transition", "transition"]
+    assert sum(len(ws.events(j, kinds=["llm_request"])) for j in ws.jobs()) == len(server.received)
+
+
+def test_a_429_one_process_gets_pauses_the_calls_of_every_process(loopback: Any, tmp_path: Path) -> None:
+    arrived: list[float] = []
+
+    def answer(body: dict[str, Any]) -> dict[str, Any]:
+        arrived.append(time.monotonic())
+        return reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "done"})])
+
+    # the first four calls (two per process) are held until all are in flight, so both processes are running;
+    # then one of them gets a 429 asking for 1.5 s, and the other three their answer
+    server = loopback(latency=0.05, responder=answer, gather=4, backoff="0.01")
+    server.play(*error(429, "slow down", headers={"retry-after": "1.5"}))
+    piece = write_piece(tmp_path, "talk", {"max_movements": 2, "movements": [
+        {"name": "work", "persona": "p", "instruction": "i", "tools": [], "permission": "readonly",
+         "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+    ws = Workspace(tmp_path / "ws", max_backoff=5.0)
+    b = ws.batch([{"instruction": f"t{i}"} for i in range(12)], piece=str(piece), model="openai:m", concurrency=4,
+                 processes=2, progress=False)
+    assert b.counts()["succeeded"] == b.counts()["jobs"] == 12
+    assert Counter(a.status for a in server.log) == {200: 12, 429: 1}
+    first_wave = sorted(arrived)[:3]
+    later = sorted(arrived)[3:]
+    # the three answered calls' jobs end and new jobs start in both processes: none of them calls before the
+    # pause the 429 asked for is (nearly) over, in the process that got it or in the other one
+    assert later and min(later) - max(first_wave) > 1.2, [round(t - first_wave[0], 2) for t in arrived]
+    ws.close()
+
+
+def _one_write_priced(body: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_one_write_responder` with a priced usage: about $0.0156 a call on gpt-4o-mini."""
+    answer = _one_write_responder(body)
+    answer["usage"] = (100_000, 1_000)
+    return answer
+
+
+def test_a_batch_cost_limit_pauses_every_process(loopback: Any, tmp_path: Path,
+                                                 capfd: pytest.CaptureFixture[str]) -> None:
+    from agentnb.models.prices import call_cost
+
+    loopback(latency=0.05, responder=_one_write_priced)
+    one = call_cost("openai:gpt-4o-mini", 100_000, 1_000)
+    assert one is not None
+    ws = Workspace(tmp_path / "ws")
+    cases = [{"instruction": f"case {i}"} for i in range(30)]
+    b = ws.batch(cases, piece=str(write_piece(tmp_path, "one-write", ONE_WRITE)), model="openai:gpt-4o-mini",
+                 concurrency=4, processes=2, cost_limit=0.2, name="capped", progress=False)
+    frame = b.frame
+    spent = float(frame["cost_usd"].sum())
+    # reached; past it, at most the calls in flight in every process and those of the second it takes this
+    # process to read the others' spending from the store
+    assert 0.2 <= spent <= 0.2 + 12 * one
+    assert set(frame["status"]) <= {"succeeded", "queued"} and (frame["status"] == "queued").any()
+    assert re.search(r"agentnb: batch capped: cost limit reached: \$0\.\d+ of \$0\.20: \d+ running job\(s\) paused, "
+                     r"\d+ not finished; resume with ws\.batch\('capped', cost_limit=HIGHER\)", capfd.readouterr().err)
+    done = ws.batch("capped", cost_limit=5.0, concurrency=4, processes=2, progress=False)
+    assert done.frame["status"].tolist() == ["succeeded"] * 30
+    assert done.frame["cost_usd"].sum() == pytest.approx(60 * one)  # no call made twice
+    ws.close()
+
+
+TOOL_MODULE = '''
+import sys
+import agentnb
+
+@agentnb.tool
+def stamp(text: str) -> str:
+    """Stamp the text with the process that ran the tool."""
+    print(f"stamping {text} in a worker", file=sys.stderr)
+    import os
+    return f"{text} by {os.getpid()}"
+'''
+
+
+def test_a_tool_from_a_module_runs_in_the_workers_whose_lines_show_here(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "stamping.py").write_text(TOOL_MODULE, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))  # as a notebook next to its module finds it
+    import importlib
+
+    from agentnb.tools.base import unregister
+
+    importlib.import_module("stamping")
+    try:
+        script = write_script(tmp_path, "s", responses=[call("stamp", text="hello"), transition("COMPLETE")])
+        piece = write_piece(tmp_path, "stamp", {"movements": [
+            {"name": "work", "persona": "p", "instruction": "i", "tools": ["stamp"], "permission": "readonly",
+             "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+        ws = Workspace(tmp_path / "ws")
+        b = ws.batch([{"instruction": f"t{i}"} for i in range(12)], piece=str(piece), model=script, concurrency=4,
+                     processes=2, name="stamped")
+        assert b.counts()["succeeded"] == 12
+        results = [e.content for j in b.jobs for e in ws.events(j, kinds=["tool_result"]) if e.tool == "stamp"]
+        pids = {int(r.rsplit(" ", 1)[1]) for r in results}
+        assert len(results) == 12 and os.getpid() not in pids and 1 <= len(pids) <= 2
+        err = capfd.readouterr().err
+        assert err.count("stamping hello in a worker") == 12  # each worker's stderr lines, shown here
+        assert "batch stamped · 12/12 · 12 ok" in err  # the bar counted every process's jobs
+        ws.close()
+    finally:
+        unregister("stamp")
+        sys.modules.pop("stamping", None)
+
+
+def test_a_script_without_a_main_guard_runs_its_batch_once(tmp_path: Path) -> None:
+    """The workers never import the calling script: one with no ``if __name__ == "__main__"`` runs once."""
+    script = write_script(tmp_path, "s", responses=[call("Write", path="output/a.txt", content="x"),
+                                                    transition("COMPLETE")])
+    piece = write_piece(tmp_path, "one-write", ONE_WRITE)
+    (tmp_path / "run.py").write_text(
+        "from agentnb import Workspace\n"
+        "print('script started')\n"
+        f"b = Workspace('ws').batch([{{'instruction': f't{{i}}'}} for i in range(10)], piece={str(piece)!r}, "
+        f"model={script!r}, concurrency=4, processes=2, progress=False)\n"
+        "print(b.counts()['succeeded'], b.last_run.processes)\n", encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["script started", "10 2"]
+
+
+def test_the_magic_runs_a_batch_in_processes_and_scores_with_the_notebook_s_functions(
+        shell: Any, tmp_path: Path) -> None:
+    shell.user_ns["t_cases"] = [{"instruction": f"Answer {i}", "expected": "42"} for i in range(8)]
+    shell.user_ns["t_spec"] = write_script(tmp_path, "w", responses=[
+        call("Write", path="output/answer.txt", content="42"), transition("COMPLETE")])
+    shell.user_ns["t_piece"] = str(write_piece(tmp_path, "one-write", ONE_WRITE))
+    shell.user_ns["t_right"] = lambda job: (job.output / "answer.txt").read_text() == job.expected
+    b = shell.run_line_magic("agent", "batch t_cases --piece {t_piece} --model {t_spec} --concurrency 4 "
+                                      "--processes 2 --name nb --scorer t_right")
+    assert b.last_run.processes == 2 and b.counts()["succeeded"] == 8
+    assert b.frame["t_right"].tolist() == [True] * 8  # a lambda of the notebook's, run in the kernel
+    with pytest.raises(IPythonUsageError, match=r"^%agent batch: processes=0; allowed: a whole number ≥ 1"):
+        shell.run_line_magic("agent", "batch t_cases --piece {t_piece} --model {t_spec} --processes 0 --name nb2")
+    assert [x["name"] for x in b.ws.batches()] == ["nb"]

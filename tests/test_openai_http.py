@@ -1,0 +1,235 @@
+"""A plain ``openai:`` call's HTTP below httpx (models/_plain_http.py): the request the SDK sends, kept-alive
+connections, the SDK's errors, and the answers an HTTP/1.x server may give, against real loopback servers."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from openai_server import OpenAIServer, error, raw, reply
+
+from agentnb.models.base import ModelError, ModelRequest, ModelResponse
+from agentnb.models.messages import UserMessage
+from agentnb.models.openai import OpenAIModel
+
+KEY = "sk-test-plain-http-7d2e"
+TOOLS = [{"type": "function", "function": {"name": "echo", "description": "Échoes the text — unchanged.",
+                                           "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}]
+
+
+def _ask(model: OpenAIModel, text: str = "Say “hi” ✓") -> ModelResponse:
+    return model.complete(ModelRequest(messages=[UserMessage(text)], tools=TOOLS))
+
+
+def _model(url: str, **kw: Any) -> OpenAIModel:
+    return OpenAIModel("m?stream=0", base_url=url, api_key=KEY, backoff=0.01, **kw)
+
+
+def test_a_plain_call_sends_what_the_sdk_sends(loopback: Callable[..., OpenAIServer],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    below = loopback(KEY, actions=[reply("hi", usage=(7, 2))])
+    assert _ask(_model(below.base_url)).content == "hi"
+    monkeypatch.setenv("AGENTNB_OPENAI_HTTP", "sdk")  # the openai SDK's own HTTP stack, for the comparison
+    sdk = loopback(KEY, actions=[reply("hi", usage=(7, 2))])
+    assert _ask(_model(sdk.base_url)).content == "hi"
+    (ours,), (theirs,) = below.received, sdk.received
+    assert ours.body == theirs.body and ours.path == theirs.path
+    assert ours.body["messages"] == [{"role": "user", "content": "Say “hi” ✓"}]
+
+    def headers(r: Any) -> dict[str, str]:
+        return {k: v for k, v in r.headers.items() if k not in ("host", "content-length")}
+
+    assert headers(ours) == headers(theirs)
+    assert headers(ours)["authorization"] == f"Bearer {KEY}"
+    # the same bytes: the SDK's JSON (compact, not ASCII-escaped) for the same body
+    assert int(ours.headers["content-length"]) == int(theirs.headers["content-length"])
+
+
+def test_plain_calls_keep_their_connection(loopback: Callable[..., OpenAIServer]) -> None:
+    server = loopback(KEY, chunked=True, actions=[reply(f"answer {i}") for i in range(5)])
+    model = _model(server.base_url)
+    assert [_ask(model).content for _ in range(5)] == [f"answer {i}" for i in range(5)]
+    assert server.connections == 1
+
+
+@pytest.mark.parametrize("actions", [
+    error(400, "bad tool schema"), error(401, "Incorrect API key"), error(404, "no such model"),
+    error(422, "unprocessable"), raw("<html>teapot</html>", "text/html", status=418),
+    raw('["not", "an object"]', status=409), error(503, "overloaded", times=2),
+], ids=["400", "401", "404", "422", "418-html", "409-list", "503-gave-up"])
+def test_an_error_reads_as_through_the_sdk(loopback: Callable[..., OpenAIServer], monkeypatch: pytest.MonkeyPatch,
+                                           actions: list[dict[str, Any]]) -> None:
+    messages = []
+    for path in ("below", "sdk"):
+        if path == "sdk":
+            monkeypatch.setenv("AGENTNB_OPENAI_HTTP", "sdk")
+        server = loopback(KEY, actions=[dict(a) for a in actions])
+        with pytest.raises(ModelError) as caught:
+            _ask(_model(server.base_url, max_retries=1))
+        messages.append(str(caught.value).replace(server.base_url, "URL"))
+    assert messages[0] == messages[1]
+
+
+def test_a_429_is_retried_after_what_the_server_asks(loopback: Callable[..., OpenAIServer]) -> None:
+    server = loopback(KEY, actions=[*error(429, "slow down", headers={"retry-after-ms": "30"}), reply("ok")])
+    assert _ask(_model(server.base_url)).content == "ok"
+    assert [a.status for a in server.log] == [429, 200]
+
+
+# -- answers the test server does not give: a socket server that plays raw HTTP answers -------------------------
+
+
+@contextmanager
+def _raw_server(answers: list[bytes | tuple[bytes, str]]) -> Iterator[tuple[str, list[int]]]:
+    """Plays ``answers`` in order, one per request (a connection is kept until the client or the answer closes it;
+    ``(answer, "then close")`` closes it after that answer without saying so, as a server ending an idle
+    keep-alive connection); yields the base URL and the counts so far of connections accepted and closed by it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = [0, 0]
+    todo = list(answers)
+
+    def serve_one(conn: socket.socket) -> None:
+        try:
+            _serve(conn)
+        finally:
+            conn.close()
+            accepted[1] += 1
+
+    def _serve(conn: socket.socket) -> None:
+        buf = b""
+        while todo:
+            while b"\r\n\r\n" not in buf:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            while len(buf) < length:
+                buf += conn.recv(65536)
+            buf = buf[length:]
+            answer = todo.pop(0)
+            conn.sendall(answer[0] if isinstance(answer, tuple) else answer)
+            if isinstance(answer, tuple) or b"connection: close" in answer.lower() or b"HTTP/1.0" in answer[:8]:
+                return
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted[0] += 1
+            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1", accepted
+    finally:
+        listener.close()
+
+
+def _completion(text: str) -> bytes:
+    return json.dumps({"id": "c1", "model": "m", "choices": [{"index": 0, "message": {"role": "assistant",
+                      "content": text}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3,
+                      "completion_tokens": 1}}).encode()
+
+
+def _answer(body: bytes, *head: str, status: str = "200 OK", version: str = "HTTP/1.1") -> bytes:
+    lines = [f"{version} {status}", "content-type: application/json", *head]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def _chunked(body: bytes, size: int) -> bytes:
+    parts = [b"%x;ext=1\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size]) for i in range(0, len(body), size)]
+    return b"".join(parts) + b"0\r\nx-trailer: 1\r\n\r\n"
+
+
+def test_the_answers_an_http_server_may_give() -> None:
+    one, two, three = _completion("one"), _completion("two ✓"), _completion("three")
+    zipped = gzip.compress(one)
+    deflate = zlib.compressobj(wbits=-15)
+    deflated = deflate.compress(three) + deflate.flush()
+    answers = [
+        # an interim 100, then a gzip body by content-length
+        b"HTTP/1.1 100 Continue\r\n\r\n" + _answer(zipped, "content-encoding: gzip", f"content-length: {len(zipped)}"),
+        # chunked, with chunk extensions and a trailer; on the same connection
+        _answer(_chunked(two, 7), "transfer-encoding: chunked"),
+        # a raw deflate stream, as some servers send "deflate"
+        _answer(deflated, "content-encoding: deflate", f"content-length: {len(deflated)}"),
+    ]
+    # the body ends with the connection (no length): then a new connection for the next call
+    answers.append(_answer(_completion("four"), "connection: close"))
+    answers.append(_answer(_completion("five"), f"content-length: {len(_completion('five'))}", version="HTTP/1.0"))
+    answers.append(_answer(_completion("six"), f"content-length: {len(_completion('six'))}"))
+    with _raw_server(answers) as (url, accepted):
+        model = _model(url)
+        assert [_ask(model).content for _ in range(6)] == ["one", "two ✓", "three", "four", "five", "six"]
+        assert accepted[0] == 3  # kept after 1–3; closed by "four" and by the HTTP/1.0 "five"
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None:
+    first, second = _completion("first"), _completion("second")
+    answers: list[bytes | tuple[bytes, str]] = [(_answer(first, f"content-length: {len(first)}"), "then close"),
+                                                _answer(second, f"content-length: {len(second)}")]
+    with _raw_server(answers) as (url, accepted):
+        model = _model(url, max_retries=0)  # a stale connection's failure would fail the call
+        assert _ask(model).content == "first"
+        deadline = time.monotonic() + 30
+        while accepted[1] < 1 and time.monotonic() < deadline:  # the server closed it, unasked
+            time.sleep(0.01)
+        assert _ask(model).content == "second"
+        assert accepted[0] == 2
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\nconnection: close\r\n\r\n{\"id\"",
+    b"not HTTP at all\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\nzz\r\n",
+], ids=["cut-short", "not-http", "bad-chunk"])
+def test_a_broken_answer_is_a_connection_error_and_retried(answer: bytes) -> None:
+    fine = _completion("fine")
+    with _raw_server([answer, _answer(fine, f"content-length: {len(fine)}")]) as (url, _):
+        assert _ask(_model(url)).content == "fine"
+    with _raw_server([answer]) as (url, _), pytest.raises(ModelError) as caught:
+        _ask(_model(url, max_retries=0))
+    assert "APIConnectionError: Connection error." in str(caught.value)
+
+
+def test_a_redirect_is_followed_through_the_sdk(loopback: Callable[..., OpenAIServer]) -> None:
+    target = loopback(KEY, actions=[reply("moved")])
+    moved = _answer(b"", f"location: {target.base_url}/chat/completions", "content-length: 0",
+                    status="307 Temporary Redirect")
+    with _raw_server([moved, moved]) as (url, _):
+        model = _model(url)
+        assert _ask(model).content == "moved"  # asked again through the SDK, which follows the 307
+    assert [r.body["messages"][0]["content"] for r in target.received] == ["Say “hi” ✓"]
+
+
+def test_a_timeout_is_the_sdks_timeout() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (the backlog), never answers
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+        with pytest.raises(ModelError) as caught:
+            _ask(_model(url, max_retries=0, timeout=0.2))
+        assert "APITimeoutError: Request timed out." in str(caught.value)
+    finally:
+        listener.close()
+
+
+def test_a_refused_connection_is_the_sdks_connection_error() -> None:
+    spare = socket.create_server(("127.0.0.1", 0))
+    port = spare.getsockname()[1]
+    spare.close()
+    with pytest.raises(ModelError) as caught:
+        _ask(_model(f"http://127.0.0.1:{port}/v1", max_retries=0))
+    assert "APIConnectionError: Connection error." in str(caught.value)
