@@ -112,7 +112,9 @@ def check_pooled(conn: psycopg.Connection[Any]) -> None:
     a word (a partition) passes either check alike, and fails its next call within the keepalive limits
     (pg_session.py)."""
     try:
-        said = bool(select.select([conn.fileno()], [], [], 0)[0])
+        poll = select.poll()  # not select(): it fails for a descriptor past 1024
+        poll.register(conn.fileno(), select.POLLIN)
+        said = bool(poll.poll(0))
         idle = conn.info.transaction_status == pq.TransactionStatus.IDLE
     except Exception:  # closed already: the round trip below raises for it
         said, idle = True, False
