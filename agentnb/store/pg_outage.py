@@ -22,15 +22,13 @@ not mend (a refused password, a missing database).
 from __future__ import annotations
 
 import logging
-import select
 import threading
 from typing import Any
 
 import psycopg
-from psycopg import pq
-from psycopg_pool import ConnectionPool, PoolClosed
+from psycopg_pool import PoolClosed
 
-__all__ = ["REACHABLE", "UNREACHABLE", "check_pooled", "connected", "is_outage", "watch_outages"]
+__all__ = ["REACHABLE", "UNREACHABLE", "connected", "is_outage", "watch_outages"]
 
 UNREACHABLE = "agentnb: store unreachable, retrying…"
 REACHABLE = "agentnb: store reachable again"
@@ -99,27 +97,6 @@ def watch_outages() -> None:
 def connected(conn: Any = None) -> None:
     """A connection was made: an outage, if one was reported, is over (the pool's ``configure`` hook)."""
     _OUTAGES.connected()
-
-
-def check_pooled(conn: psycopg.Connection[Any]) -> None:
-    """The pool's check of a connection before it hands it out (its ``check`` hook): raise when the server dropped
-    it while it sat idle (a restart, an idle timeout), so that the pool replaces it instead of the next call failing.
-
-    psycopg_pool's own check is a round trip each time (an empty query): a short job takes some 24 connections
-    from the pool, and the round trips were a seventh of its CPU on PostgreSQL.  A server that ends a connection
-    says so on it (an error message, then the end of the stream), so an idle connection with nothing to read was not
-    ended; only one that has something to read (or is not idle) gets the round trip.  A connection cut off without
-    a word (a partition) passes either check alike, and fails its next call within the keepalive limits
-    (pg_session.py)."""
-    try:
-        poll = select.poll()  # not select(): it fails for a descriptor past 1024
-        poll.register(conn.fileno(), select.POLLIN)
-        said = bool(poll.poll(0))
-        idle = conn.info.transaction_status == pq.TransactionStatus.IDLE
-    except Exception:  # closed already: the round trip below raises for it
-        said, idle = True, False
-    if said or not idle:
-        ConnectionPool.check_connection(conn)
 
 
 def is_outage(exc: BaseException) -> bool:
