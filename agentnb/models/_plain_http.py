@@ -23,10 +23,12 @@ import socket
 import urllib.request
 import zlib
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["HTTP_ENV", "PlainPost", "Redirected", "Reply", "encode_body", "plain_post_for", "status_error"]
+__all__ = ["HTTP_ENV", "PlainPost", "Redirected", "Reply", "body_chunks", "encode_body", "plain_post_for",
+           "status_error"]
 
 HTTP_ENV = "AGENTNB_OPENAI_HTTP"  # "sdk": every call through the openai SDK's own HTTP stack
 KEEP_IDLE = 512  # idle connections kept per endpoint, as models/openai.py's KEEPALIVE_CONNECTIONS
@@ -136,25 +138,63 @@ class PlainPost:
             answer = conn.getresponse()
             content = answer.read()
             keep = not answer.will_close
-            headers: dict[str, str] = {}
-            for name, value in answer.getheaders():
-                name = name.lower()
-                headers[name] = f"{headers[name]}, {value}" if name in headers else value
+            headers = _headers(answer)
             reply = Reply(answer.status, headers, _decoded(content, headers.get("content-encoding", "")))
         except TimeoutError:
-            raise openai.APITimeoutError(request=self._request()) from None
+            raise openai.APITimeoutError(request=self.request()) from None
         except (OSError, ValueError, http.client.HTTPException):  # ValueError: a chunk size that is not hex
-            raise openai.APIConnectionError(request=self._request()) from None
+            raise openai.APIConnectionError(request=self.request()) from None
         finally:
             if conn is not None and (reply is None or not keep or len(self.idle) >= KEEP_IDLE):
                 conn.close()  # a failed, cut off (Ctrl-C) or closing exchange leaves nothing to reuse
             elif conn is not None:
                 self.idle.append(conn)
         if reply.status_code >= 400:
-            raise status_error(reply, self._request(), self.http)
+            raise status_error(reply, self.request(), self.http)
         if reply.status_code >= 300:
             raise Redirected(reply.headers.get("location", ""))
         return reply
+
+    def open(self, body: bytes, on_socket: Any = None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send ``body`` and wait for the answer's status and headers only (a streamed answer's body is read by the
+        caller, then handed back with :meth:`finish`); ``on_socket(sock)`` is told the connection's socket before
+        the request goes out (the watchdog cuts it on a Stop).  The errors of :meth:`post`; a status ≥ 300 is read
+        whole and raised here as there."""
+        import openai
+
+        conn = self._connection()
+        answer: http.client.HTTPResponse | None = None
+        try:
+            if conn is None:
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+                conn.connect()
+            if on_socket is not None:
+                on_socket(conn.sock)
+            conn.request("POST", self.path, body=body, headers=self.headers)
+            answer = conn.getresponse()
+            if answer.status >= 300:
+                content = answer.read()
+        except TimeoutError:
+            raise openai.APITimeoutError(request=self.request()) from None
+        except (OSError, ValueError, http.client.HTTPException):
+            raise openai.APIConnectionError(request=self.request()) from None
+        finally:
+            if answer is None and conn is not None:
+                conn.close()
+        if answer.status >= 300:
+            reply = Reply(answer.status, _headers(answer), _decoded(content, answer.getheader("content-encoding", "")))
+            self.finish(conn, answer)
+            if reply.status_code >= 400:
+                raise status_error(reply, self.request(), self.http)
+            raise Redirected(reply.headers.get("location", ""))
+        return conn, answer
+
+    def finish(self, conn: http.client.HTTPConnection, answer: http.client.HTTPResponse) -> None:
+        """Keep ``conn`` for the next call when ``answer`` was read to its end and the server keeps it open."""
+        if answer.isclosed() and not answer.will_close and conn.sock is not None and len(self.idle) < KEEP_IDLE:
+            self.idle.append(conn)
+        else:
+            conn.close()
 
     def _connection(self) -> http.client.HTTPConnection | None:
         """An idle connection the server has not closed meanwhile, or None (a new one is opened)."""
@@ -167,7 +207,8 @@ class PlainPost:
                 return conn
             conn.close()  # closed by the server (or bytes nobody asked for): not reusable
 
-    def _request(self) -> Any:
+    def request(self) -> Any:
+        """The request an SDK error about this call carries (an httpx request of this URL)."""
         return self.http.Request("POST", self.url)
 
 
@@ -181,6 +222,28 @@ def _readable(sock: socket.socket) -> bool:
         return bool(select.select([sock], [], [], 0)[0])
     except (OSError, ValueError):
         return True
+
+
+def _headers(answer: http.client.HTTPResponse) -> dict[str, str]:
+    """The answer's headers, names in lower case, a repeated one joined with commas (as httpx reads them)."""
+    headers: dict[str, str] = {}
+    for name, value in answer.getheaders():
+        name = name.lower()
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    return headers
+
+
+def body_chunks(answer: http.client.HTTPResponse) -> Iterator[bytes]:
+    """A streamed answer's body as it arrives (unchunked by ``http.client``; gzip or deflate undone as it comes)."""
+    encoding = (answer.getheader("content-encoding") or "").strip().lower()
+    inflate: Any = None
+    while data := answer.read1(65536):
+        if encoding in ("gzip", "x-gzip", "deflate"):
+            if inflate is None:  # gzip or zlib by their headers; a raw deflate stream, as some servers send "deflate"
+                inflate = zlib.decompressobj(47 if encoding != "deflate" or data[:1] == b"\x78" else -15)
+            data = inflate.decompress(data)
+        if data:
+            yield data
 
 
 def _decoded(content: bytes, encoding: str) -> bytes:
