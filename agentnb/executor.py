@@ -24,11 +24,13 @@ ends, however it ends, the bar leaves one static final line in its place (``agen
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
@@ -136,7 +138,17 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
     if budget is not None:
         budget.running = active  # read (copied) by its live callback to pause every running job at once
 
+    # each job's id once its thread is done with it: the waiting thread takes them one by one (waiting on every pending
+    # future instead locked them all at each completion: O(jobs) a job)
+    finished: queue.SimpleQueue[int] = queue.SimpleQueue()
+
     def one(job_id: int) -> None:
+        try:
+            run_one(job_id)
+        finally:
+            finished.put(job_id)
+
+    def run_one(job_id: int) -> None:
         with lock:
             if stopping.is_set() or (budget is not None and budget.reached.is_set()):
                 report.not_started.append(job_id)
@@ -193,9 +205,14 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
             try:
                 for job_id in job_ids:  # one by one: an interrupt meanwhile must see those already started
                     futures.append(pool.submit(one, job_id))
-                pending = set(futures)
-                while pending:
-                    _done, pending = wait(pending, timeout=_TICK, return_when=FIRST_COMPLETED)
+                left = len(futures)
+                while left:
+                    with contextlib.suppress(queue.Empty):
+                        finished.get(timeout=_TICK)
+                        left -= 1
+                        while left:  # every other one done meanwhile, then the bar once
+                            finished.get_nowait()
+                            left -= 1
                     refresh()
                     if budget is not None and _over(ws, budget, stopping, active, lock):
                         stopped_by = budget.reason()

@@ -1,9 +1,10 @@
-"""A plain (not streamed) chat-completion POST to an ``http://`` endpoint over kept-alive sockets, below httpx.
+"""A plain (not streamed) chat-completion POST to an ``http://`` endpoint over kept-alive ``http.client`` connections,
+below httpx.
 
 The ``openai`` SDK's ``client.post`` goes through its request options, httpx's request and client layers, httpcore's
-pool and h11: about 1.3 ms of CPU per call against an endpoint 50 ms away, where writing the same request to a kept
-socket and reading the answer back takes about 0.15 ms (benchmarks/README.md, "CPU per LLM call").  So a plain call
-to an ``http://`` endpoint (a local server, a gateway on the same network) is sent here: the same bytes the SDK
+pool and h11: about 1.3 ms of CPU per call against an endpoint 50 ms away, where the standard library's
+``http.client`` writes the same request to a kept connection and reads the answer back in about 0.15 ms
+(benchmarks/README.md, "CPU per LLM call").  So a plain call to an ``http://`` endpoint (a local server, a gateway on the same network) is sent here: the same bytes the SDK
 sends (its own headers, read from the client once, and its JSON encoding), the same exception classes for the
 same failures (:func:`status_error` builds the SDK's error for a status, with its message), read with the same
 timeout per socket operation.  Anything else keeps the SDK's path (:func:`plain_post_for` says which): ``https://``,
@@ -14,6 +15,7 @@ asked again through the SDK), or ``AGENTNB_OPENAI_HTTP=sdk`` (docs/models.md#pla
 from __future__ import annotations
 
 import atexit
+import http.client
 import json
 import os
 import select
@@ -21,13 +23,14 @@ import socket
 import urllib.request
 import zlib
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["HTTP_ENV", "PlainPost", "Redirected", "Reply", "encode_body", "plain_post_for", "status_error"]
+__all__ = ["HTTP_ENV", "PlainPost", "Redirected", "Reply", "body_chunks", "encode_body", "plain_post_for",
+           "status_error"]
 
 HTTP_ENV = "AGENTNB_OPENAI_HTTP"  # "sdk": every call through the openai SDK's own HTTP stack
-MAX_HEAD = 256 * 1024  # a status line and headers longer than this are not an HTTP answer
 KEEP_IDLE = 512  # idle connections kept per endpoint, as models/openai.py's KEEPALIVE_CONNECTIONS
 
 _pools: list[PlainPost] = []  # every endpoint's idle sockets, dropped in a forked child (they are the parent's)
@@ -104,19 +107,20 @@ def plain_post_for(client: Any, timeout: float, http: Any) -> PlainPost | None:
 
 
 class PlainPost:
-    """POSTs to one URL over HTTP/1.1, each connection kept for the next call (any thread's) when the answer allows."""
+    """POSTs to one URL over HTTP/1.1 (``http.client``), each connection kept for the next call (any thread's) when
+    the answer allows."""
 
-    def __init__(self, url: str, headers: dict[str, str], timeout: float, http: Any) -> None:
+    def __init__(self, url: str, headers: dict[str, str], timeout: float, http_lib: Any) -> None:
         parts = urlsplit(url)
-        self.http = http
+        self.http = http_lib  # the SDK's httpx (or httpx2): the request and response its errors carry
         self.url = url
-        self.address = (parts.hostname or "", parts.port or 80)
+        self.host, self.port = parts.hostname or "", parts.port or 80
+        self.path = parts.path or "/"
         self.timeout = timeout
-        target = parts.path or "/"
-        lines = [f"POST {target} HTTP/1.1", f"Host: {parts.netloc}", "Accept-Encoding: gzip, deflate",
-                 "Connection: keep-alive", *(f"{k}: {v}" for k, v in headers.items())]
-        self.head = ("\r\n".join(lines) + "\r\nContent-Length: ").encode("ascii")
-        self.idle: deque[socket.socket] = deque()
+        # http.client adds Content-Length; Host and Accept-Encoding given here are not added twice
+        self.headers = {"Host": parts.netloc, "Accept-Encoding": "gzip, deflate", "Connection": "keep-alive",
+                        **headers}
+        self.idle: deque[http.client.HTTPConnection] = deque()
         _pools.append(self)
 
     def post(self, body: bytes) -> Reply:
@@ -124,40 +128,87 @@ class PlainPost:
         status error for a status ≥ 400, :class:`Redirected` for a 3xx."""
         import openai
 
-        sock = self._connection()
+        conn = self._connection()
         reply: Reply | None = None
+        keep = False
         try:
-            if sock is None:
-                sock = socket.create_connection(self.address, timeout=self.timeout)
-            sock.sendall(self.head + b"%d\r\n\r\n" % len(body) + body)
-            reply, keep = _read(sock)
+            if conn is None:
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            conn.request("POST", self.path, body=body, headers=self.headers)
+            answer = conn.getresponse()
+            content = answer.read()
+            keep = not answer.will_close
+            headers = _headers(answer)
+            reply = Reply(answer.status, headers, _decoded(content, headers.get("content-encoding", "")))
         except TimeoutError:
-            raise openai.APITimeoutError(request=self._request()) from None
-        except (OSError, _Broken):
-            raise openai.APIConnectionError(request=self._request()) from None
+            raise openai.APITimeoutError(request=self.request()) from None
+        except (OSError, ValueError, http.client.HTTPException):  # ValueError: a chunk size that is not hex
+            raise openai.APIConnectionError(request=self.request()) from None
         finally:
-            if sock is not None and (reply is None or not keep or len(self.idle) >= KEEP_IDLE):
-                sock.close()  # a failed, cut off (Ctrl-C) or closing exchange leaves nothing to reuse
-            elif sock is not None:
-                self.idle.append(sock)
+            if conn is not None and (reply is None or not keep or len(self.idle) >= KEEP_IDLE):
+                conn.close()  # a failed, cut off (Ctrl-C) or closing exchange leaves nothing to reuse
+            elif conn is not None:
+                self.idle.append(conn)
         if reply.status_code >= 400:
-            raise status_error(reply, self._request(), self.http)
+            raise status_error(reply, self.request(), self.http)
         if reply.status_code >= 300:
             raise Redirected(reply.headers.get("location", ""))
         return reply
 
-    def _connection(self) -> socket.socket | None:
+    def open(self, body: bytes, on_socket: Any = None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send ``body`` and wait for the answer's status and headers only (a streamed answer's body is read by the
+        caller, then handed back with :meth:`finish`); ``on_socket(sock)`` is told the connection's socket before
+        the request goes out (the watchdog cuts it on a Stop).  The errors of :meth:`post`; a status ≥ 300 is read
+        whole and raised here as there."""
+        import openai
+
+        conn = self._connection()
+        answer: http.client.HTTPResponse | None = None
+        try:
+            if conn is None:
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+                conn.connect()
+            if on_socket is not None:
+                on_socket(conn.sock)
+            conn.request("POST", self.path, body=body, headers=self.headers)
+            answer = conn.getresponse()
+            if answer.status >= 300:
+                content = answer.read()
+        except TimeoutError:
+            raise openai.APITimeoutError(request=self.request()) from None
+        except (OSError, ValueError, http.client.HTTPException):
+            raise openai.APIConnectionError(request=self.request()) from None
+        finally:
+            if answer is None and conn is not None:
+                conn.close()
+        if answer.status >= 300:
+            reply = Reply(answer.status, _headers(answer), _decoded(content, answer.getheader("content-encoding", "")))
+            self.finish(conn, answer)
+            if reply.status_code >= 400:
+                raise status_error(reply, self.request(), self.http)
+            raise Redirected(reply.headers.get("location", ""))
+        return conn, answer
+
+    def finish(self, conn: http.client.HTTPConnection, answer: http.client.HTTPResponse) -> None:
+        """Keep ``conn`` for the next call when ``answer`` was read to its end and the server keeps it open."""
+        if answer.isclosed() and not answer.will_close and conn.sock is not None and len(self.idle) < KEEP_IDLE:
+            self.idle.append(conn)
+        else:
+            conn.close()
+
+    def _connection(self) -> http.client.HTTPConnection | None:
         """An idle connection the server has not closed meanwhile, or None (a new one is opened)."""
         while True:
             try:
-                sock = self.idle.pop()
+                conn = self.idle.pop()
             except IndexError:
                 return None
-            if not _readable(sock):
-                return sock
-            sock.close()  # closed by the server (or bytes nobody asked for): not reusable
+            if conn.sock is not None and not _readable(conn.sock):
+                return conn
+            conn.close()  # closed by the server (or bytes nobody asked for): not reusable
 
-    def _request(self) -> Any:
+    def request(self) -> Any:
+        """The request an SDK error about this call carries (an httpx request of this URL)."""
         return self.http.Request("POST", self.url)
 
 
@@ -173,103 +224,37 @@ def _readable(sock: socket.socket) -> bool:
         return True
 
 
-class _Broken(Exception):
-    """Not an HTTP answer, or the connection closed before the answer's end."""
+def _headers(answer: http.client.HTTPResponse) -> dict[str, str]:
+    """The answer's headers, names in lower case, a repeated one joined with commas (as httpx reads them)."""
+    headers: dict[str, str] = {}
+    for name, value in answer.getheaders():
+        name = name.lower()
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    return headers
 
 
-def _read(sock: socket.socket) -> tuple[Reply, bool]:
-    """One answer from ``sock`` (after any 1xx): the reply, and whether the connection can be kept."""
-    buf = b""
-    while True:
-        end = buf.find(b"\r\n\r\n")
-        while end < 0:
-            if len(buf) > MAX_HEAD:
-                raise _Broken("the answer's headers are too long")
-            data = sock.recv(65536)
-            if not data:
-                raise _Broken("the server closed the connection without sending a complete answer")
-            buf += data
-            end = buf.find(b"\r\n\r\n")
-        head, buf = buf[:end].decode("latin-1").split("\r\n"), buf[end + 4:]
-        version, _, rest = head[0].partition(" ")
-        try:
-            status = int(rest[:3])
-        except ValueError:
-            raise _Broken(f"not an HTTP status line: {head[0][:80]!r}") from None
-        if not version.startswith("HTTP/"):
-            raise _Broken(f"not an HTTP status line: {head[0][:80]!r}")
-        headers: dict[str, str] = {}
-        for line in head[1:]:
-            name, _, value = line.partition(":")
-            name = name.strip().lower()
-            headers[name] = f"{headers[name]}, {value.strip()}" if name in headers else value.strip()
-        if not 100 <= status < 200:
-            break
-    connection = headers.get("connection", "").lower()
-    keep = ("close" not in connection) if version == "HTTP/1.1" else ("keep-alive" in connection)
-    if status in (204, 304):
-        content = b""
-    elif "chunked" in headers.get("transfer-encoding", "").lower():
-        content, buf = _unchunk(sock, buf)
-    elif "content-length" in headers:
-        try:
-            length = int(headers["content-length"].split(",")[0])
-        except ValueError:
-            raise _Broken(f"content-length {headers['content-length'][:40]!r}") from None
-        parts, have = [buf], len(buf)
-        while have < length:
-            data = sock.recv(max(65536, length - have))
-            if not data:
-                raise _Broken("the server closed the connection before the answer's end")
-            parts.append(data)
-            have += len(data)
-        whole = b"".join(parts)
-        content, buf = whole[:length], whole[length:]
-    else:  # the body ends when the connection does
-        parts = [buf]
-        while data := sock.recv(65536):
-            parts.append(data)
-        content, buf, keep = b"".join(parts), b"", False
-    encoding = headers.get("content-encoding", "").strip().lower()
-    if encoding in ("gzip", "deflate", "x-gzip"):
-        try:  # gzip or zlib by their headers (wbits 47); a raw deflate stream as some servers send it
-            if content:
-                content = zlib.decompress(content, 47 if encoding != "deflate" or content[:1] == b"\x78" else -15)
-        except zlib.error:
-            raise _Broken(f"the {encoding} body does not decode") from None
-    return Reply(status, headers, content), keep and not buf
+def body_chunks(answer: http.client.HTTPResponse) -> Iterator[bytes]:
+    """A streamed answer's body as it arrives (unchunked by ``http.client``; gzip or deflate undone as it comes)."""
+    encoding = (answer.getheader("content-encoding") or "").strip().lower()
+    inflate: Any = None
+    while data := answer.read1(65536):
+        if encoding in ("gzip", "x-gzip", "deflate"):
+            if inflate is None:  # gzip or zlib by their headers; a raw deflate stream, as some servers send "deflate"
+                inflate = zlib.decompressobj(47 if encoding != "deflate" or data[:1] == b"\x78" else -15)
+            data = inflate.decompress(data)
+        if data:
+            yield data
 
 
-def _unchunk(sock: socket.socket, buf: bytes) -> tuple[bytes, bytes]:
-    """A chunked body from ``buf`` and then ``sock``: the body and the bytes after it."""
-    out: list[bytes] = []
-    while True:
-        line_end = buf.find(b"\r\n")
-        while line_end < 0:
-            buf = _more(sock, buf)
-            line_end = buf.find(b"\r\n")
-        try:
-            size = int(buf[:line_end].split(b";")[0].strip(), 16)
-        except ValueError:
-            raise _Broken("a chunk size that is not hexadecimal") from None
-        buf = buf[line_end + 2:]
-        if size == 0:
-            trailer = buf.find(b"\r\n\r\n") if not buf.startswith(b"\r\n") else -2
-            while trailer == -1:
-                buf = _more(sock, buf)
-                trailer = buf.find(b"\r\n\r\n") if not buf.startswith(b"\r\n") else -2
-            return b"".join(out), buf[2:] if trailer == -2 else buf[trailer + 4:]
-        while len(buf) < size + 2:
-            buf = _more(sock, buf)
-        out.append(buf[:size])
-        buf = buf[size + 2:]
-
-
-def _more(sock: socket.socket, buf: bytes) -> bytes:
-    data = sock.recv(65536)
-    if not data:
-        raise _Broken("the server closed the connection in the middle of a chunked body")
-    return buf + data
+def _decoded(content: bytes, encoding: str) -> bytes:
+    """The body as sent before its content encoding (http.client leaves gzip and deflate to its caller)."""
+    encoding = encoding.strip().lower()
+    if encoding not in ("gzip", "deflate", "x-gzip") or not content:
+        return content
+    try:  # gzip or zlib by their headers (wbits 47); a raw deflate stream as some servers send it
+        return zlib.decompress(content, 47 if encoding != "deflate" or content[:1] == b"\x78" else -15)
+    except zlib.error:
+        raise http.client.HTTPException(f"the {encoding} body does not decode") from None
 
 
 def status_error(reply: Reply, request: Any, http: Any) -> Exception:

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import random
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .._secrets import register_secret, scrub
 from ..errors import CallCancelled, ModelSpecError
-from ._plain_http import PlainPost, Redirected, encode_body, plain_post_for
+from ._plain_http import PlainPost, Redirected, Reply, body_chunks, encode_body, plain_post_for
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
 from .openai_stream import WATCHDOG, Assembly, BodyBroken, BodyTimeout, Watch, chunked_body, sse_data, track_sockets
@@ -252,9 +254,19 @@ class OpenAIModel:
                 # plain post of the body (same auth, headers and error classes as chat.completions.create)
                 # also skips the SDK's per-call rewrite of every message, ~1 ms of CPU per call.
                 # a plain call to an http:// endpoint goes below httpx: the same request for an eighth of the CPU
-                plain = None if streaming else self._plain
+                plain = self._plain
                 http: Any
-                if plain is not None:
+                if plain is not None and streaming and watch is not None:  # the answer's body is read as it comes
+                    conn, answer = plain.open(encode_body(kwargs), watch.set_socket)
+                    answered = True
+                    if (answer.getheader("content-type") or "").split(";")[0].strip().lower() == "text/event-stream":
+                        return self._read_plain_stream(plain, conn, answer, request, started, watch)
+                    http = Reply(answer.status, {k.lower(): v for k, v in answer.getheaders()}, answer.read())
+                    plain.finish(conn, answer)
+                    streaming = self._refused(kwargs, "it answered "
+                                              f"{http.headers.get('content-type') or 'no content type'}, not text/event-stream")
+                    return _parse_completion(http, request)
+                if plain is not None and not streaming:
                     http = plain.post(encode_body(kwargs))
                 else:
                     http = client.post("/chat/completions", body=kwargs, cast_to=_response_class(), stream=streaming)
@@ -332,21 +344,41 @@ class OpenAIModel:
         ``Stream``: that costs a regex, a str and an object per line, and it closes the response at ``[DONE]``
         before the chunked body's end is read, so every streamed call lost its keep-alive connection and the next
         one opened a new one.  Reading to the body's end gives the connection back to the pool."""
+        watch.attach(http, self.read_timeout)
+        http_errors = _http_module()
+        # a chunked body read straight from the connection (chunked_body says why); else the transport's own
+        # byte stream unless the body is compressed: iter_bytes and iter_raw add a re-chunker and two
+        # generators to every read
+        encoded = http.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
+        body = None if encoded else chunked_body(http, watch)
+        if body is None:
+            body = _touching(http.iter_bytes() if encoded else http.stream, watch)
+        return self._assemble(body, request, started, watch, http.request, http.close,
+                              timeouts=(http_errors.TimeoutException, BodyTimeout),
+                              broken=(http_errors.TransportError, BodyBroken))
+
+    def _read_plain_stream(self, plain: PlainPost, conn: Any, answer: Any, request: ModelRequest, started: float,
+                           watch: Watch) -> ModelResponse:
+        """:meth:`_read_stream` of an answer on a plain connection (models/_plain_http.py): ``http.client`` unframes
+        the body; the connection is kept for the next call when it was read to its end."""
+        watch.timeout = self.read_timeout
+        watch.touch()
+        return self._assemble(_touching(body_chunks(answer), watch), request, started, watch, plain.request(),
+                              lambda: plain.finish(conn, answer), timeouts=(TimeoutError,),
+                              broken=(OSError, ValueError, http.client.HTTPException, zlib.error))
+
+    def _assemble(self, body: Iterator[bytes], request: ModelRequest, started: float, watch: Watch, sent: Any,
+                  close: Any, *, timeouts: tuple[type[BaseException], ...],
+                  broken: tuple[type[BaseException], ...]) -> ModelResponse:
+        """The answer of a streamed ``body`` (bytes as they come), each fragment handed to ``request.on_delta``;
+        ``close()`` however it ends; a read error in ``timeouts``/``broken`` is the SDK's timeout/connection error
+        (``sent``: the request they carry) unless the watchdog cut the stream off or its end had come."""
         import openai
 
         acc = Assembly(self.spec, request.on_delta, started)
         cancel = request.cancel
-        watch.attach(http, self.read_timeout)
-        http_errors = _http_module()
         done = False
         try:
-            # a chunked body read straight from the connection (chunked_body says why); else the transport's own
-            # byte stream unless the body is compressed: iter_bytes and iter_raw add a re-chunker and two
-            # generators to every read
-            encoded = http.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
-            body = None if encoded else chunked_body(http, watch)
-            if body is None:
-                body = _touching(http.iter_bytes() if encoded else http.stream, watch)
             for data in sse_data(body):
                 if done:
                     continue  # after [DONE]: read on to the body's end only, so the connection can be kept
@@ -364,15 +396,15 @@ class OpenAIModel:
                 acc.add(chunk)
                 if cancel is not None and cancel.is_set():
                     break
-        except (http_errors.TimeoutException, BodyTimeout):
+        except timeouts:
             if watch.why is None and not done:
-                raise openai.APITimeoutError(request=http.request) from None
-        except (http_errors.TransportError, BodyBroken):
+                raise openai.APITimeoutError(request=sent) from None
+        except broken:
             if watch.why is None and not done:
-                raise openai.APIConnectionError(request=http.request) from None
+                raise openai.APIConnectionError(request=sent) from None
         finally:
             WATCHDOG.done(watch)
-            http.close()
+            close()
         if watch.why == "cancelled" or (cancel is not None and cancel.is_set()):
             text, arguments = acc.partial()
             raise CallCancelled(partial_text=text, partial_arguments=arguments)

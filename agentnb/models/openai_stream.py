@@ -382,6 +382,11 @@ class Watch:
     def touch(self) -> None:
         self.last = time.monotonic()
 
+    def set_socket(self, sock: socket.socket | None) -> None:
+        """The socket the call's request goes out on, known before it is sent (a plain connection's): the one to
+        cut from then on."""
+        self.sock = sock
+
     def cut(self, why: str) -> bool:
         """Shut the call's socket down; False when it is not known yet (the request is not written yet)."""
         sock = self.sock or _sent_on(self.thread)
