@@ -12,7 +12,6 @@ import re
 import sqlite3
 import subprocess
 import sys
-import threading
 import typing
 from pathlib import Path
 from typing import Any
@@ -158,31 +157,6 @@ def test_racing_for_the_same_job_only_one_process_wins(tmp_path: Path) -> None:
         w.join(timeout=60)
     claimed = [i for r in results for i in r]
     assert sorted(claimed) == ids
-
-
-def test_a_writer_waits_for_its_turn_on_the_lock_file_and_writes_once_it_is_let_go(tmp_path: Path) -> None:
-    # processes take turns to write through <store>-lock (store/_writelock.py), before SQLite's own lock
-    path = tmp_path / "agentnb.sqlite"
-    store = SQLiteStore(path)
-    job_id = _new_job(store)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
-         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.readline()", f"{path}-lock"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        claimed = threading.Event()
-        writer = threading.Thread(target=lambda: store.claim(job_id) and claimed.set())
-        writer.start()
-        assert not claimed.wait(0.5)  # not its turn: nothing written
-        assert SQLiteStore(path, readonly=True).job(job_id).status == JobStatus.queued
-    finally:
-        assert holder.stdin is not None
-        holder.stdin.write("\n")
-        holder.stdin.close()
-        holder.wait(timeout=30)
-    writer.join(timeout=30)
-    assert claimed.is_set() and store.job(job_id).status == JobStatus.running
 
 
 def test_claim_of_a_job_that_is_not_queued_returns_none(tmp_path: Path) -> None:

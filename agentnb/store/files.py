@@ -90,7 +90,7 @@ def header_problem(path: Path) -> str | None:
     return None
 
 
-_SIDE_FILES = ("-wal", "-shm", "-journal", "-lock")  # -lock: agentnb's own (_writelock.py)
+_SIDE_FILES = ("-wal", "-shm", "-journal")
 
 
 def special_problem(path: Path) -> str | None:

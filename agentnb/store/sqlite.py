@@ -32,7 +32,6 @@ from ..events import (
 )
 from ._cache_rows import CacheRows
 from ._rows import JOB_COLUMNS, StoreRows, events_query
-from ._writelock import WriteLock
 from .base import (
     DEFAULT_LEASE,
     JOB_STATES,
@@ -121,8 +120,6 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
         self._fence = threading.local()
         # read once: every appended event is type-checked when set (the test suite sets it)
         self._strict = strict_events()
-        # the order of this store's writers across processes (_writelock.py); none for a read-only or in-memory store
-        self._write_lock = WriteLock(None)
         try:
             self.conn = self._open_readonly() if readonly else self._open()
         except sqlite3.Error as exc:
@@ -166,8 +163,6 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
             conn.execute("PRAGMA busy_timeout=30000")
             self.conn = conn
             self._migrate()
-            # from here on, not before: a file found damaged by the first transaction gets no lock file beside it
-            self._write_lock = WriteLock(self.path)
         except BaseException:
             conn.close()
             raise
@@ -288,30 +283,26 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
             if self.readonly:
                 raise StoreError(f"{self.path} was opened read-only: open it with Store(path) or "
                                  "Workspace(path) to change jobs")
-            self._write_lock.acquire()
             try:
-                try:
-                    self.conn.execute("BEGIN IMMEDIATE")
-                except sqlite3.DatabaseError as exc:
-                    self._damage(exc)
-                    raise
-                self._depth = 1
-                try:
-                    self._check_fence()
-                    yield self.conn
-                    self._depth = 0
-                    self.conn.execute("COMMIT")
-                except BaseException as exc:
-                    self._depth = 0
-                    self._live_end(committed=False)
-                    # SQLite has already rolled back after some errors (a full disk, I/O): a second ROLLBACK
-                    # would fail and hide the first error
-                    if self.conn.in_transaction:
-                        self.conn.execute("ROLLBACK")
-                    self._damage(exc)
-                    raise
-            finally:
-                self._write_lock.release()
+                self.conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.DatabaseError as exc:
+                self._damage(exc)
+                raise
+            self._depth = 1
+            try:
+                self._check_fence()
+                yield self.conn
+                self._depth = 0
+                self.conn.execute("COMMIT")
+            except BaseException as exc:
+                self._depth = 0
+                self._live_end(committed=False)
+                # SQLite has already rolled back after some errors (a full disk, I/O): a second ROLLBACK
+                # would fail and hide the first error
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                self._damage(exc)
+                raise
             # still under the store lock: subscribers see the events in commit order (live.py)
             self._live_end(committed=True)
 
@@ -350,7 +341,6 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
     def close(self) -> None:
         with self._lock:
             self.conn.close()
-            self._write_lock.close()
 
     def job_waiter(self) -> None:
         """None: SQLite has no wake-ups to send between processes, so an idle worker polls."""
