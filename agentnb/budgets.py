@@ -161,14 +161,17 @@ class BatchBudget:
             if root.id in self.roots:  # its calls so far, all at once (later ones arrive as they commit)
                 self.recount()
 
-    def recount(self, *, at_least: bool = False) -> None:
-        """Read the batch's spending from the store.  ``at_least``: keep the running total when it is higher — in a
-        batch run by worker processes (agentnb/processes.py) the calls they report and the store's rows overlap in
-        time, so the store's total only raises it (with the calls of subtasks, which no worker reports)."""
-        total = spent(self.store, self.name)
+    def recount(self) -> None:
+        """Read the batch's spending from the store."""
+        self.settle(spent(self.store, self.name))
+
+    def settle(self, *totals: float | None) -> None:
+        """Set the total to the highest of ``totals`` (None, unknown, when any is): a batch run by worker processes
+        (agentnb/processes.py) knows two lower bounds of its spending — the calls the workers reported, and the
+        store's rows (with subtasks' calls, which no worker reports) — whose calls overlap in time, so they are not
+        added."""
+        total = None if any(t is None for t in totals) else max(t for t in totals if t is not None)
         with self._lock:
-            if at_least and total is not None and self.total is not None:
-                total = max(total, self.total)
             self.total = total
             if total is None or total >= self.limit:
                 self.reached.set()

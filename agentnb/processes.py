@@ -52,6 +52,7 @@ from multiprocessing.context import BaseContext
 from typing import Any, Protocol, TextIO
 
 from ._secrets import secret_values
+from .budgets import spent
 from .errors import AgentnbError, UsageError
 from .executor import LIVE_EVERY, RunReport, Tally, sayer, tell_paused
 from .interrupts import sigterm_interrupts
@@ -268,7 +269,9 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
     scoring = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentnb-score")
     config = {"workspace": ws.open_args, "imports": tool_imports(tool_names), "sys_path": list(sys.path),
               "batch": name}
-    state: dict[str, Any] = {"stopping": False, "deaths": 0, "stopped_by": ""}
+    # the batch's spending as the workers report their calls, and as the store last said (docs/design-lab.md#budgets)
+    known = None if budget is None else budget.total
+    state: dict[str, Any] = {"stopping": False, "deaths": 0, "stopped_by": "", "reported": known, "stored": known}
     started = time.monotonic()
     live_at = 0.0
     budget_at = time.monotonic()
@@ -369,7 +372,9 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
                 if other is not child:
                     other.send(msg)
         elif kind == "cost" and budget is not None:  # a call of that child's, priced: the batch's total grows
-            budget.add(msg["cost"])
+            cost = msg["cost"]
+            state["reported"] = None if cost is None or state["reported"] is None else state["reported"] + cost
+            budget.settle(state["reported"], state["stored"])
             if budget.reached.is_set() and not state["stopping"]:
                 stop_all(budget.reason())
         elif kind == "budget":
@@ -401,7 +406,8 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
             # of subtasks, is read again every second (docs/design-lab.md#budgets)
             if budget is not None and not state["stopping"] and time.monotonic() - budget_at >= LIVE_EVERY:
                 budget_at = time.monotonic()
-                budget.recount(at_least=True)
+                state["stored"] = spent(ws.store, budget.name)
+                budget.settle(state["reported"], state["stored"])
                 if budget.reached.is_set():
                     stop_all(budget.reason())
 
