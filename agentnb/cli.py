@@ -686,7 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model spec (repeatable: crossed with every piece; default demo)")
     p.add_argument("--concurrency", type=int, default=4, metavar="N", help="jobs run at once (default 4)")
     p.add_argument("--processes", type=int, metavar="N", help="worker processes that run the jobs (default: one per "
-                   "16 jobs at once, at most one per core)")
+                   "64 jobs at once, at most one per core but one)")
     p.add_argument("--epochs", type=int, metavar="K", help="run every case × variant K times (default 1, or the "
                    "batch's own; more adds the missing epochs)")
     p.add_argument("--name", help="the batch's name: the same command again resumes it (default: the batch of the same cases, "

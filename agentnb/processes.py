@@ -63,9 +63,11 @@ __all__ = ["PER_PROCESS", "ProcessesHost", "batch_tools", "check_processes", "pr
            "run_in_processes",
            "unimportable_tools"]
 
-# the concurrency one process is given before ``processes=None`` asks for another one: one core turns ~400 calls
-# a second (benchmarks/README.md), which 16 jobs at once reach only against an endpoint answering in ~40 ms
-PER_PROCESS = 16
+# the concurrency one process is given before ``processes=None`` asks for another one: one process turns ~800 calls
+# a second (about 1.2 ms of CPU each; benchmarks/README.md), which 64 jobs at once reach only against an endpoint
+# answering in ~80 ms; and one core is left to the calling process, the endpoint and the store (on 2 cores a second
+# worker process measured no faster than one)
+PER_PROCESS = 64
 # children that die with jobs in hand before the batch gives up (each is replaced until then)
 _MAX_DEATHS = 3
 _TICK = 0.25
@@ -146,7 +148,7 @@ def processes_for(processes: int | None, concurrency: int, jobs: int, tool_names
                   cores: int | None = None) -> tuple[int, str]:
     """How many processes run a batch of ``jobs`` at ``concurrency`` (``processes``: what was asked, None: choose),
     and, when fewer than asked, why.  Never more than the jobs or the concurrency; None gives one process per
-    :data:`PER_PROCESS` jobs at once, at most one per core (``AGENTNB_PROCESSES`` sets the default).  A batch with a
+    :data:`PER_PROCESS` jobs at once, at most one per core but one (``AGENTNB_PROCESSES`` sets the default).  A batch with a
     tool defined in a notebook runs in one process: asked for more, that is a :class:`UsageError`."""
     asked = processes
     if asked is None:
@@ -158,7 +160,7 @@ def processes_for(processes: int | None, concurrency: int, jobs: int, tool_names
                 raise UsageError(f"AGENTNB_PROCESSES={env!r}; allowed: a whole number ≥ 1") from None
     if asked is None:
         cores = cores or os.cpu_count() or 1
-        n = min(cores, -(-concurrency // PER_PROCESS))
+        n = min(cores - 1, -(-concurrency // PER_PROCESS))
     else:
         n = asked
     n = max(1, min(n, concurrency, max(jobs, 1)))

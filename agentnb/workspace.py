@@ -415,8 +415,8 @@ class Workspace:
         (docs/design-lab.md#call-cache).
         ``cost_limit`` (US dollars, kept with the batch) pauses the whole batch when reached;
         ``job_cost_limit``/``job_token_limit`` abort each job at its own (docs/design-lab.md#budgets).
-        ``processes=N`` runs the jobs in N worker processes on this store (None: one per 16 jobs at once, at most
-        one per core; docs/design-lab.md#processes).
+        ``processes=N`` runs the jobs in N worker processes on this store (None: one per 64 jobs at once, at most
+        one per core but one; docs/design-lab.md#processes).
         """
         from .budgets import batch_limit, batch_models, check_batch_limits
 

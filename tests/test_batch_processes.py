@@ -102,9 +102,11 @@ def test_processes_are_checked_and_chosen_from_the_cores(ws: Workspace, monkeypa
     assert ws.batches() == []  # nothing created
     monkeypatch.delenv("AGENTNB_PROCESSES", raising=False)
     assert processes_for(None, 4, 100, (), cores=8) == (1, "")
-    assert processes_for(None, 2 * PER_PROCESS, 100, (), cores=8) == (2, "")
-    assert processes_for(None, 64, 100, (), cores=2) == (2, "")  # never more than the cores
-    assert processes_for(None, 64, 1, (), cores=8) == (1, "")  # nor than the jobs
+    assert processes_for(None, PER_PROCESS, 100, (), cores=8) == (1, "")
+    assert processes_for(None, 2 * PER_PROCESS, 500, (), cores=8) == (2, "")
+    assert processes_for(None, 8 * PER_PROCESS, 900, (), cores=4) == (3, "")  # never more than the cores but one
+    assert processes_for(None, 4 * PER_PROCESS, 900, (), cores=2) == (1, "")
+    assert processes_for(None, 4 * PER_PROCESS, 1, (), cores=8) == (1, "")  # nor than the jobs
     assert processes_for(3, 2, 100, (), cores=8) == (2, "")  # nor than the concurrency
     monkeypatch.setenv("AGENTNB_PROCESSES", "3")
     assert processes_for(None, 8, 100, (), cores=8) == (3, "")
@@ -126,7 +128,7 @@ def test_a_tool_defined_in_the_notebook_keeps_the_batch_in_one_process(ws: Works
         if had_file is not None:
             del main.__file__
         try:
-            assert processes_for(None, 64, 100, ["shout"], cores=4) == (1, "tool(s) shout defined in the notebook")
+            assert processes_for(None, 4 * PER_PROCESS, 900, ["shout"], cores=4) == (1, "tool(s) shout defined in the notebook")
             with pytest.raises(UsageError, match=r"^processes=2: the tool\(s\) shout are defined in this notebook"):
                 processes_for(2, 64, 100, ["shout", "Write"], cores=4)
             assert processes_for(2, 64, 100, ["Write"], cores=4) == (2, "")  # a built-in is everywhere

@@ -706,7 +706,7 @@ class AgentMagic(Magics):
     @argument("--concurrency", "-c", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
               help=f"jobs run at once (default {DEFAULT_CONCURRENCY})")
     @argument("--name", "-n", help="the batch's name; the same name again resumes it (default: batch-N)")
-    @argument("--processes", type=int, metavar="N", help="worker processes (default: one per 16 jobs at once, ≤ cores)")
+    @argument("--processes", type=int, metavar="N", help="worker processes (default: one per 64 jobs at once, < cores)")
     @argument("--epochs", "-e", type=int, metavar="K", help="run every case × variant K times (default 1, or the "
               "batch's own; more adds the missing epochs)")
     @argument("--scorer", "-s", action="append", metavar="VAR",
