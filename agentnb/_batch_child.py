@@ -32,10 +32,9 @@ from typing import Any
 
 from ._secrets import register_secret
 from .budgets import BatchBudget, batch_limit
-from .errors import StoreError
+from .executor import run_or_skip
 from .models import openai as _openai  # noqa: F401  (preloaded: the client and its types)
 from .models import ratelimit
-from .store.base import JobStatus
 from .workspace import Workspace
 
 __all__ = ["serve"]
@@ -129,14 +128,9 @@ def serve(conn: Connection, config: dict[str, Any]) -> None:
                     return
                 active.add(job_id)
             try:
-                try:
-                    job = ws.run(job_id)
-                except StoreError:
-                    if ws.store.job(job_id).status != JobStatus.running:
-                        raise
-                    send({"skipped": job_id})  # another process (not of this batch) runs it
-                    return
-                send({"ended": job_id, "status": str(job.status)})
+                job = run_or_skip(ws, job_id)
+                # None: another process (not of this batch) runs it
+                send({"skipped": job_id} if job is None else {"ended": job_id, "status": str(job.status)})
             except BaseException as exc:
                 send({"failed": job_id, "error": f"{type(exc).__name__}: {exc}"})
         finally:

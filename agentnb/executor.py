@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from .execution import Execution
 
 __all__ = ["GRACE", "LIVE_EVERY", "OUTAGE_FIRST", "Backoff", "JobRunnerHost", "QueueReport", "RunReport", "Tally", "Wake",
-           "check_poll", "check_slots", "idle_wait", "run_jobs", "run_queue", "sayer",
-           "tell_paused"]
+           "check_poll", "check_slots", "finish_run", "idle_wait", "run_jobs", "run_or_skip",
+           "run_queue", "sayer", "tell_paused"]
 
 # the running jobs' calls are read again at most this often for the bar (each read is one query per job)
 LIVE_EVERY = 1.0
@@ -155,13 +155,9 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
                 return
             active.add(job_id)
         try:
-            try:
-                job = ws.run(job_id)
-            except StoreError:
-                row = ws.store.job(job_id)
-                if row.status != JobStatus.running:
-                    raise
-                with lock:  # another process runs it: not ours to run, and not a reason to stop the rest
+            job = run_or_skip(ws, job_id)
+            if job is None:
+                with lock:
                     report.skipped.append(job_id)
                 return
             with lock:
@@ -220,31 +216,51 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
                 report.interrupted = True
                 _pause(ws, futures, stopping, active, lock, sayer(bar, out))
                 raise
-            if stopped_by and not report.not_started and not any(
-                    s in (JobStatus.queued, JobStatus.running) for s in report.statuses.values()):
-                stopped_by = ""  # the limit was reached by the last calls: nothing was left to pause
     finally:
         pool.shutdown(wait=True)
-        try:
-            if bar is not None and tally is not None:
-                try:
-                    refresh(final=True)
-                finally:
-                    tokens, cost = tally.totals()
-                    stopped = "paused" if report.interrupted else "error" if errors else stopped_by
-                    # the line that stays (a widget does not outlive its kernel), then the resume hint below it
-                    bar.finish(Outcome(len(job_ids), dict(report.statuses), skipped=len(report.skipped),
-                                       tokens=tokens, cost=cost, seconds=time.monotonic() - started,
-                                       stopped=stopped), resume=resume or (f"ws.batch({name!r})" if name else ""))
-        finally:
-            if report.interrupted:
-                tell_paused(report, name, job_ids, sayer(None, out), resume)
-            elif stopped_by:  # the one line a cost limit leaves: what it paused and how to go on
-                tell_paused(report, name, job_ids, sayer(None, out), f"{resume} and a higher cost limit" if resume
-                      else f"ws.batch({name!r}, cost_limit=HIGHER)", what=f"batch {name}: {stopped_by}")
+        finish_run(report, job_ids, name=name, out=out, resume=resume, bar=bar, tally=tally, refresh=refresh,
+                   started=started, failed=bool(errors), stopped_by=stopped_by)
     if errors:
         raise errors[0]
     return report
+
+
+def run_or_skip(ws: JobRunnerHost, job_id: int) -> Any | None:
+    """``ws.run(job_id)``: the job as its run left it, or None when another process runs it (its claim was refused):
+    not ours to run, and not a reason to stop the rest."""
+    try:
+        return ws.run(job_id)
+    except StoreError:
+        if ws.store.job(job_id).status != JobStatus.running:
+            raise
+        return None
+
+
+def finish_run(report: RunReport, job_ids: Sequence[int], *, name: str | None, out: TextIO, resume: str | None,
+               bar: BatchProgress | None, tally: Tally | None, refresh: Callable[..., None], started: float,
+               failed: bool, stopped_by: str) -> None:
+    """The end of a run of jobs however it ended (here or in worker processes, agentnb/processes.py): the bar's last
+    line, which stays (a widget does not outlive its kernel), then the one line after an interrupt or a cost limit
+    saying what paused and how to resume (``resume``: the front end's words, ``ws.batch(NAME)`` by default)."""
+    if stopped_by and not report.not_started and not any(
+            s in (JobStatus.queued, JobStatus.running) for s in report.statuses.values()):
+        stopped_by = ""  # the limit was reached by the last calls: nothing was left to pause
+    try:
+        if bar is not None and tally is not None:
+            try:
+                refresh(final=True)
+            finally:
+                tokens, cost = tally.totals()
+                stopped = "paused" if report.interrupted else "error" if failed else stopped_by
+                bar.finish(Outcome(len(job_ids), dict(report.statuses), skipped=len(report.skipped),
+                                   tokens=tokens, cost=cost, seconds=time.monotonic() - started,
+                                   stopped=stopped), resume=resume or (f"ws.batch({name!r})" if name else ""))
+    finally:
+        if report.interrupted:
+            tell_paused(report, name, job_ids, sayer(None, out), resume)
+        elif stopped_by:
+            tell_paused(report, name, job_ids, sayer(None, out), f"{resume} and a higher cost limit" if resume
+                        else f"ws.batch({name!r}, cost_limit=HIGHER)", what=f"batch {name}: {stopped_by}")
 
 
 def sayer(bar: BatchProgress | None, out: TextIO) -> Callable[[str], None]:

@@ -54,10 +54,10 @@ from typing import Any, Protocol, TextIO
 from ._secrets import secret_values
 from .budgets import spent
 from .errors import AgentnbError, UsageError
-from .executor import LIVE_EVERY, RunReport, Tally, sayer, tell_paused
+from .executor import LIVE_EVERY, RunReport, Tally, finish_run, sayer
 from .interrupts import sigterm_interrupts
-from .progress import BatchProgress, Outcome
-from .store.base import JobStatus, Store
+from .progress import BatchProgress
+from .store.base import Store
 
 __all__ = ["PER_PROCESS", "ProcessesHost", "batch_tools", "check_processes", "processes_for", "run_batch",
            "run_in_processes",
@@ -97,33 +97,29 @@ def check_processes(value: Any) -> int | None:
     return value
 
 
+def _custom_tools(tool_names: Iterable[str]) -> Iterator[tuple[str, types.ModuleType | None]]:
+    """Each of ``tool_names`` that is a registered ``@agentnb.tool`` (not a built-in), with the module its function
+    was defined in (None: one no longer imported)."""
+    from .tools.base import get_tool
+
+    for name in sorted(set(tool_names)):
+        t = get_tool(name)
+        if t is not None and not t.builtin:
+            yield name, sys.modules.get(getattr(t.fn, "__module__", "") or "")
+
+
 def unimportable_tools(tool_names: Iterable[str]) -> list[str]:
     """Of the tools ``tool_names``, those registered from a notebook or console (``__main__`` without a file):
     another process cannot import them."""
-    from .tools.base import get_tool
-
-    out = []
-    for name in sorted(set(tool_names)):
-        t = get_tool(name)
-        if t is None or t.builtin:
-            continue
-        module = sys.modules.get(getattr(t.fn, "__module__", "") or "")
-        if module is None or (module.__name__ == "__main__" and not getattr(module, "__file__", None)):
-            out.append(name)
-    return out
+    return [name for name, module in _custom_tools(tool_names)
+            if module is None or (module.__name__ == "__main__" and not getattr(module, "__file__", None))]
 
 
 def tool_imports(tool_names: Iterable[str]) -> list[list[str]]:
     """How a child gets the tools ``tool_names`` registered: ``["module", NAME]`` or ``["path", FILE]`` (a script's
     ``__main__``, run there as ``__mp_main__`` the way multiprocessing does, so its main block does not run)."""
-    from .tools.base import get_tool
-
     out: list[list[str]] = []
-    for name in sorted(set(tool_names)):
-        t = get_tool(name)
-        if t is None or t.builtin:
-            continue
-        module = sys.modules.get(getattr(t.fn, "__module__", "") or "")
+    for _name, module in _custom_tools(tool_names):
         if module is None:
             continue
         how = ["path", str(module.__file__)] if module.__name__ == "__main__" else ["module", module.__name__]
@@ -323,7 +319,7 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
         if msg is None:  # the end of its messages: the child has exited
             child.proc.join()
             rc = child.proc.exitcode
-            left = [j for j in child.assigned]
+            left = list(child.assigned)
             child.assigned.clear()
             children.remove(child)
             if rc == 0 and not left:
@@ -434,26 +430,8 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
         for child in children:  # only after an error of our own: told to stop, they pause their jobs and exit
             child.close({"stop": True})
             child.proc.join()
-        stopped_by = state["stopped_by"]
-        if stopped_by and not report.not_started and not any(
-                s in (JobStatus.queued, JobStatus.running) for s in report.statuses.values()):
-            stopped_by = ""  # the limit was reached by the last calls: nothing was left to pause
-        try:
-            if bar is not None and tally is not None:
-                try:
-                    refresh(final=True)
-                finally:
-                    tokens, cost = tally.totals()
-                    stopped = "paused" if report.interrupted else "error" if errors else stopped_by
-                    bar.finish(Outcome(len(job_ids), dict(report.statuses), skipped=len(report.skipped),
-                                       tokens=tokens, cost=cost, seconds=time.monotonic() - started,
-                                       stopped=stopped), resume=resume or (f"ws.batch({name!r})" if name else ""))
-        finally:
-            if report.interrupted:
-                tell_paused(report, name, job_ids, sayer(None, out), resume)
-            elif stopped_by:
-                tell_paused(report, name, job_ids, sayer(None, out), f"{resume} and a higher cost limit" if resume
-                            else f"ws.batch({name!r}, cost_limit=HIGHER)", what=f"batch {name}: {stopped_by}")
+        finish_run(report, job_ids, name=name, out=out, resume=resume, bar=bar, tally=tally, refresh=refresh,
+                   started=started, failed=bool(errors), stopped_by=state["stopped_by"])
     if errors:
         raise errors[0]
     return report
