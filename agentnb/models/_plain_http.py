@@ -15,6 +15,7 @@ asked again through the SDK), or ``AGENTNB_OPENAI_HTTP=sdk`` (docs/models.md#pla
 from __future__ import annotations
 
 import atexit
+import contextlib
 import http.client
 import json
 import os
@@ -126,68 +127,60 @@ class PlainPost:
     def post(self, body: bytes) -> Reply:
         """The answer to ``body``; the SDK's ``APITimeoutError`` or ``APIConnectionError`` when there is none, its
         status error for a status ≥ 400, :class:`Redirected` for a 3xx."""
-        import openai
-
-        conn = self._connection()
-        reply: Reply | None = None
-        keep = False
-        try:
-            if conn is None:
-                conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-            conn.request("POST", self.path, body=body, headers=self.headers)
-            answer = conn.getresponse()
-            content = answer.read()
-            keep = not answer.will_close
-            headers = _headers(answer)
-            reply = Reply(answer.status, headers, _decoded(content, headers.get("content-encoding", "")))
-        except TimeoutError:
-            raise openai.APITimeoutError(request=self.request()) from None
-        except (OSError, ValueError, http.client.HTTPException):  # ValueError: a chunk size that is not hex
-            raise openai.APIConnectionError(request=self.request()) from None
-        finally:
-            if conn is not None and (reply is None or not keep or len(self.idle) >= KEEP_IDLE):
-                conn.close()  # a failed, cut off (Ctrl-C) or closing exchange leaves nothing to reuse
-            elif conn is not None:
-                self.idle.append(conn)
-        if reply.status_code >= 400:
-            raise status_error(reply, self.request(), self.http)
-        if reply.status_code >= 300:
-            raise Redirected(reply.headers.get("location", ""))
-        return reply
+        conn, answer = self.open(body)
+        return self.read(conn, answer)
 
     def open(self, body: bytes, on_socket: Any = None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """Send ``body`` and wait for the answer's status and headers only (a streamed answer's body is read by the
         caller, then handed back with :meth:`finish`); ``on_socket(sock)`` is told the connection's socket before
         the request goes out (the watchdog cuts it on a Stop).  The errors of :meth:`post`; a status ≥ 300 is read
         whole and raised here as there."""
-        import openai
-
         conn = self._connection()
         answer: http.client.HTTPResponse | None = None
         try:
-            if conn is None:
-                conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-                conn.connect()
-            if on_socket is not None:
-                on_socket(conn.sock)
-            conn.request("POST", self.path, body=body, headers=self.headers)
-            answer = conn.getresponse()
-            if answer.status >= 300:
-                content = answer.read()
-        except TimeoutError:
-            raise openai.APITimeoutError(request=self.request()) from None
-        except (OSError, ValueError, http.client.HTTPException):
-            raise openai.APIConnectionError(request=self.request()) from None
+            with self._sdk_errors():
+                if conn is None:
+                    conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+                    conn.connect()
+                if on_socket is not None:
+                    on_socket(conn.sock)
+                conn.request("POST", self.path, body=body, headers=self.headers)
+                answer = conn.getresponse()
         finally:
             if answer is None and conn is not None:
-                conn.close()
+                conn.close()  # a failed or cut off (Ctrl-C) exchange leaves nothing to reuse
         if answer.status >= 300:
-            reply = Reply(answer.status, _headers(answer), _decoded(content, answer.getheader("content-encoding", "")))
-            self.finish(conn, answer)
+            reply = self.read(conn, answer)
             if reply.status_code >= 400:
                 raise status_error(reply, self.request(), self.http)
             raise Redirected(reply.headers.get("location", ""))
         return conn, answer
+
+    def read(self, conn: http.client.HTTPConnection, answer: http.client.HTTPResponse) -> Reply:
+        """The rest of ``answer``, whole and decoded; its connection kept for the next call or closed."""
+        try:
+            with self._sdk_errors():
+                content = answer.read()
+                headers = _headers(answer)
+                reply = Reply(answer.status, headers, _decoded(content, headers.get("content-encoding", "")))
+        except BaseException:
+            conn.close()  # cut off in the middle of the body (or it does not decode): nothing to reuse
+            raise
+        self.finish(conn, answer)
+        return reply
+
+    @contextlib.contextmanager
+    def _sdk_errors(self) -> Iterator[None]:
+        """A failed exchange as the SDK's ``APITimeoutError`` or ``APIConnectionError`` (ValueError: a chunk size
+        that is not hexadecimal)."""
+        import openai
+
+        try:
+            yield
+        except TimeoutError:
+            raise openai.APITimeoutError(request=self.request()) from None
+        except (OSError, ValueError, http.client.HTTPException):
+            raise openai.APIConnectionError(request=self.request()) from None
 
     def finish(self, conn: http.client.HTTPConnection, answer: http.client.HTTPResponse) -> None:
         """Keep ``conn`` for the next call when ``answer`` was read to its end and the server keeps it open."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from .._secrets import register_secret, scrub
 from ..errors import CallCancelled, ModelSpecError
-from ._plain_http import PlainPost, Redirected, Reply, body_chunks, encode_body, plain_post_for
+from ._plain_http import PlainPost, Redirected, body_chunks, encode_body, plain_post_for
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
 from .openai_stream import WATCHDOG, Assembly, BodyBroken, BodyTimeout, Watch, chunked_body, sse_data, track_sockets
@@ -261,8 +261,7 @@ class OpenAIModel:
                     answered = True
                     if (answer.getheader("content-type") or "").split(";")[0].strip().lower() == "text/event-stream":
                         return self._read_plain_stream(plain, conn, answer, request, started, watch)
-                    http = Reply(answer.status, {k.lower(): v for k, v in answer.getheaders()}, answer.read())
-                    plain.finish(conn, answer)
+                    http = plain.read(conn, answer)  # the endpoint ignores `stream`: its answer is a whole one
                     streaming = self._refused(kwargs, "it answered "
                                               f"{http.headers.get('content-type') or 'no content type'}, not text/event-stream")
                     return _parse_completion(http, request)
