@@ -67,7 +67,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FRAMEWORKS", "Level", "main", "serve", "stream_vs_plain"]
+__all__ = ["FRAMEWORKS", "Level", "main", "serve", "start_server", "stream_vs_plain"]
 
 CALLS_PER_RUN = 5  # 4 echo tool calls + the end of the run
 TOOL_CALLS = CALLS_PER_RUN - 1
@@ -194,6 +194,18 @@ def serve(port: int = 0, latency: float = 0.05) -> None:
         asyncio.run(_serve(port, latency, ready))
 
 
+def start_server(argv: list[str], what: str) -> tuple[subprocess.Popen[str], int]:
+    """A loopback server in a process of its own (``python ARGV``, which prints ``PORT n`` once it listens): the
+    process and its port."""
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("PORT "):
+        proc.kill()
+        raise RuntimeError(f"{what} did not start: {line!r}")
+    return proc, int(line.split()[1])
+
+
 class Endpoint:
     """The endpoint in a child process, for a ``with`` block."""
 
@@ -203,16 +215,8 @@ class Endpoint:
         self.base_url = ""
 
     def __enter__(self) -> Endpoint:
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", "--latency", str(self.latency)],
-            stdout=subprocess.PIPE, text=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("PORT "):
-            self.proc.kill()
-            raise RuntimeError(f"the endpoint did not start: {line!r}")
-        self.base_url = f"http://127.0.0.1:{int(line.split()[1])}/v1"
+        self.proc, port = start_server([__file__, "--serve", "--latency", str(self.latency)], "the endpoint")
+        self.base_url = f"http://127.0.0.1:{port}/v1"
         return self
 
     def requests(self) -> int:

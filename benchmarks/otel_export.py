@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -84,13 +83,8 @@ def serve() -> None:
 
 class Receiver:
     def __enter__(self) -> Receiver:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("PORT "):
-            self.proc.kill()
-            raise RuntimeError(f"the receiver did not start: {line!r}")
-        self.url = f"http://127.0.0.1:{int(line.split()[1])}"
+        self.proc, port = batch_throughput.start_server([__file__, "--serve"], "the receiver")
+        self.url = f"http://127.0.0.1:{port}"
         return self
 
     def spans(self) -> int:
