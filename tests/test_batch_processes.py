@@ -234,11 +234,13 @@ def test_a_429_one_process_gets_pauses_the_calls_of_every_process(loopback: Any,
 
     def answer(body: dict[str, Any]) -> dict[str, Any]:
         arrived.append(time.monotonic())
+        time.sleep(0.3)  # answered after the 429, which goes out at once: the word of it has time to spread
         return reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "done"})])
 
     # the first four calls (two per process) are held until all are in flight, so both processes are running;
-    # then one of them gets a 429 asking for 1.5 s, and the other three their answer
-    server = loopback(latency=0.05, responder=answer, gather=4, backoff="0.01")
+    # then one of them gets a 429 asking for 1.5 s at once, and the other three their answer 0.3 s later (the 429
+    # travels from one worker through the batch's process to the other: a few ms, tens on a loaded machine)
+    server = loopback(responder=answer, gather=4, backoff="0.01")
     server.play(*error(429, "slow down", headers={"retry-after": "1.5"}))
     piece = write_piece(tmp_path, "talk", {"max_movements": 2, "movements": [
         {"name": "work", "persona": "p", "instruction": "i", "tools": [], "permission": "readonly",
