@@ -33,7 +33,6 @@ from .fork import plan_fork
 from .leases import lease_setting
 from .models.base import check_model_spec, check_retry_settings, normalise_spec
 from .models.factory import resolve_model
-from .processes import check_processes
 from .store import STORE_SCHEMES, Store, StoreError, open_store, reads, store_scheme
 from .store.base import MAX_INSTRUCTION_CHARS, can_name_a_job
 from .submission import Submitter
@@ -419,6 +418,7 @@ class Workspace:
         one per core but one; docs/design-lab.md#processes).
         """
         from .budgets import batch_limit, batch_models, check_batch_limits
+        from .processes import check_processes
 
         check_concurrency(concurrency)
         check_epochs(epochs)

@@ -54,6 +54,50 @@ def test_wal_mode_and_migrations_applied_on_open(tmp_path: Path) -> None:
     raw.close()
 
 
+def test_a_write_waits_for_another_writers_lock_then_goes_ahead(tmp_path: Path) -> None:
+    import threading
+
+    store = SQLiteStore(tmp_path / "agentnb.sqlite")
+    other = sqlite3.connect(str(store.path), isolation_level=None, timeout=0)  # another writer, holding the lock
+    other.execute("BEGIN IMMEDIATE")
+    made: list[int] = []
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            made.append(_new_job(store))
+        except BaseException as exc:
+            failed.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    writer.join(0.5)
+    assert writer.is_alive() and not failed, failed  # waiting, not failed at once ("database is locked")
+    other.execute("COMMIT")
+    writer.join(10)
+    assert not failed and made == [1]
+    # only the write's BEGIN waits in short steps: every other statement keeps SQLite's own 30 s wait
+    assert store.conn.execute("PRAGMA busy_timeout").fetchone()[0] == 30000
+    other.close()
+    store.close()
+
+
+def test_a_write_that_waits_too_long_fails_with_sqlites_line_and_writes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agentnb.store.sqlite, "_BUSY_WAIT", 0.3)
+    store = SQLiteStore(tmp_path / "agentnb.sqlite")
+    other = sqlite3.connect(str(store.path), isolation_level=None, timeout=0)
+    other.execute("BEGIN IMMEDIATE")
+    with pytest.raises(sqlite3.OperationalError, match=r"^database is locked$"):
+        _new_job(store)
+    other.execute("COMMIT")
+    assert store.conn.execute("PRAGMA busy_timeout").fetchone()[0] == 300
+    assert store.query("SELECT COUNT(*) FROM jobs")[0][0] == 0
+    assert _new_job(store) == 1  # the store is usable once the lock is let go
+    other.close()
+    store.close()
+
+
 def test_reopen_is_idempotent_and_keeps_data(tmp_path: Path) -> None:
     path = tmp_path / "agentnb.sqlite"
     store = SQLiteStore(path)

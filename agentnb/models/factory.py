@@ -2,7 +2,7 @@
 
 Apart from :mod:`.base` so that the base (the request, the response, the scripted and replayed
 models every adapter shares) imports no adapter: the adapters import the base, and this module
-imports them all.
+imports them all (the ``openai`` one when such a model is first made).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from ..errors import ModelSpecError
 from .base import MODEL_SPECS, Model, ScriptedModel, demo_pace
 from .demo import DemoModel
-from .openai import OpenAIModel
 from .replay import ReplayModel
 
 if TYPE_CHECKING:
@@ -39,6 +38,8 @@ def resolve_model(spec: str, *, store: Store | None = None, retries: int | None 
     if kind == "scripted" and rest:
         return ScriptedModel(rest, spec=spec, epoch=epoch)
     if kind == "openai" and rest:
+        from .openai import OpenAIModel  # http.client, ssl: only a process that calls an endpoint pays them
+
         return OpenAIModel(rest, max_retries=retries, max_backoff=max_backoff, stream=stream)
     if kind == "replay" and rest:
         if store is None:

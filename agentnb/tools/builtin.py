@@ -14,19 +14,21 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._fs import special_kind
 from .._secrets import redact
 from ..errors import ToolError
-from ._grep import GrepTimeout, Matcher, PatternError, SearchFailed, matcher
-from ._grepscan import Record
 from .base import builtin_tool
 from .context import IMAGE_TYPES, MAX_IMAGE_BYTES, ToolContext, ToolOutput
 from .office import OFFICE_SUFFIXES, extract_text
 from .paths import normalise_rel, open_regular, resolve_path, unlinked_path
 from .sandbox import bash_argv, bash_env, run_bounded
 from .truncate import cut_text, read_document_text, read_file
+
+if TYPE_CHECKING:
+    from ._grep import Matcher
+    from ._grepscan import Record
 
 GREP_TIMEOUT_ENV = "AGENTNB_GREP_TIMEOUT"
 _GREP_TIMEOUT = 5.0  # seconds per Grep call (of matching with RE2; of the search process, wall clock)
@@ -181,6 +183,8 @@ def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
     """
     if not isinstance(pattern, str):
         raise ToolError(f"pattern must be text (a regular expression), not {type(pattern).__name__}")
+    from ._grep import matcher  # RE2 and `regex`: imported by the first search, not by every process's start
+
     limit = _grep_timeout(ctx)
     with _grep_errors(pattern, limit), matcher(pattern, limit) as found:
         return _grep(ctx, found, pattern, path)
@@ -188,6 +192,8 @@ def Grep(ctx: ToolContext, pattern: str, path: str = ".") -> ToolOutput:
 
 @contextmanager
 def _grep_errors(pattern: str, limit: float) -> Iterator[None]:
+    from ._grep import GrepTimeout, PatternError, SearchFailed
+
     try:
         yield
     except PatternError as exc:

@@ -10,7 +10,6 @@ that declares no server.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import concurrent.futures
 import contextlib
@@ -24,7 +23,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from .._secrets import is_secret_name, register_secret
 from ..errors import AgentnbError, UsageError
@@ -34,6 +33,9 @@ from .base import Tool
 from .context import IMAGE_TYPES, MAX_IMAGE_BYTES, ToolContext, ToolOutput
 from .sandbox import bash_env, jailed_server
 from .truncate import cut_text
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["ENV_REF", "INSTALL_HINT", "START_TIMEOUT", "START_TIMEOUT_ENV", "McpServer", "McpSession", "McpStartError",
            "check_installed", "kept_result", "recorded_output", "start_timeout"]
@@ -195,6 +197,8 @@ class McpSession:
 
     # -- the private event loop -------------------------------------------------
     def _submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        import asyncio  # here, not at the top: a process whose pieces use no MCP server never loads it
+
         if self._loop is None:
             loop = asyncio.new_event_loop()
             thread = threading.Thread(target=loop.run_forever, name="agentnb-mcp", daemon=True)
@@ -250,6 +254,8 @@ class McpSession:
                     ready: concurrent.futures.Future[Any], holder: dict[str, asyncio.Event]) -> None:
         """The task that holds one server's connection open until its stop event (anyio's scopes must be left
         by the task that entered them).  ``env``: a stdio server's environment, or an HTTP server's headers."""
+        import asyncio
+
         from mcp import Client
 
         stop = holder["stop"] = asyncio.Event()
