@@ -42,13 +42,10 @@ from ..errors import AgentnbError, PieceError, StoreError
 from ..store import reads
 from ..store.base import JOB_STATES, JobStatus, owned_by_this_process
 from ..store.records import BatchRecord
-from ..views.icons import question_badge
-from ..views.render import KEEPER, duration, job_html, job_stats, plural
-from ..views.streaming import StreamedCall, stream_html
-from ..views.style import ERROR_COLOUR
+from ..views.render import KEEPER, job_html
 from ..workspace import DEFAULT_WORKSPACE, Job, Workspace
+from ._live_run import one_line, run_live
 from ._retire import Retirement
-from .liveview import LiveView, display_marks
 from .tracebacks import install as install_one_line_errors
 from .vars import VarError, expand, expand_value, split_line
 
@@ -102,10 +99,6 @@ _JOB_ARGS = frozenset({"job", "a", "b"})
 # the arguments that name notebook objects (cases, scorers, pieces, models): filled by AgentMagic.value,
 # which keeps a variable's list, DataFrame, function or Piece whole
 _VALUE_ARGS = frozenset({"cases", "scorer", "piece_list", "model_list", "fork_piece", "tools_piece"})
-
-
-def _one_line(exc: BaseException | str) -> str:
-    return " ".join(str(exc).split())
 
 
 def expand_braces(text: str, ns: Mapping[str, Any]) -> str:
@@ -184,7 +177,7 @@ class AgentMagic(Magics):
         try:
             argv = split_line(line)
         except ValueError as exc:
-            raise UsageError(f"%agent: cannot split the line ({_one_line(exc)}); check the quotes") from None
+            raise UsageError(f"%agent: cannot split the line ({one_line(exc)}); check the quotes") from None
         if cell is not None and (not argv or argv[0].startswith("-")) and not {"-h", "--help"} & set(argv):
             argv = ["run", *argv]
         if not argv or argv[0] in ("-h", "--help", "help"):
@@ -204,16 +197,16 @@ class AgentMagic(Magics):
             # options anywhere, as a shell command takes them: `reply JOB --run "text"` as well as `reply JOB "text" --run`
             args = fn.parser.parse_intermixed_args(rest)
         except UsageError as exc:
-            raise UsageError(prefix + _one_line(exc)) from None
+            raise UsageError(prefix + one_line(exc)) from None
         self._used_job = None
         try:
             self._fill(args)
             result = fn(args, cell)
         except UsageError as exc:
-            text = _one_line(exc)
+            text = one_line(exc)
             raise UsageError(text if text.startswith(("%agent", "%%agent")) else prefix + text) from None
         except AgentnbError as exc:  # a user's mistake (VarError too): one line, no traceback
-            raise UsageError(prefix + _one_line(exc)) from None
+            raise UsageError(prefix + one_line(exc)) from None
         # only a command that worked moves the session's default job (a refused `step 1` does not)
         if self._used_job is not None:
             self.last_job = self._used_job
@@ -291,104 +284,9 @@ class AgentMagic(Magics):
         the job stops (Ctrl-C asks it to pause after the current LLM call); in the background it
         returns at once, and the view goes on updating until the job stops.
         """
-        job_id = job.id
-        # the run's own workspace: a setting changed meanwhile opens another, and this one is closed when the
-        # run and its view end (self.retirement)
-        ws = self.ws
-        running = self.threads.get(job_id)
-        if running is not None and running.is_alive():
-            raise UsageError(f"job {job_id} is already running in the background of this session")
+        return run_live(self, job, background=background, unit=unit)
 
-        def view() -> HTML:
-            # KEEPER: what the user opens or closes in the view stays so while it is redrawn
-            return HTML(KEEPER + job_html(ws, job_id))
-
-        handle = display(view(), display_id=True)
-        # the job runs in this kernel: each of its commits wakes the view, nothing polls the store (liveview.py)
-        live = LiveView(ws.execution, name="agentnb-job")
-
-        def redraw(event_id: int) -> None:
-            if handle is not None:
-                html = view()
-                handle.update(html, transient=display_marks(job_id, event_id))
-
-        # the running call's streamed text: an output of its own just below the view, made at its first fragment,
-        # updated alone (the view is not redrawn for it) and emptied once the call is recorded (liveview.py)
-        streamed: list[Any] = []
-
-        def stream(call: StreamedCall | None) -> None:
-            marks = display_marks(job_id, live.last_event, stream=0 if call is None else call.chars,
-                                  call=None if call is None else [call.movement_seq, call.iteration])
-            if call is None:
-                if streamed:  # no data at all: nothing of the streaming is drawn or saved in the notebook
-                    streamed[0].update({}, raw=True, transient=marks)
-            elif streamed:
-                streamed[0].update(HTML(stream_html(call)), transient=marks)
-            else:
-                made = display(HTML(stream_html(call)), display_id=True, transient=marks)
-                if made is not None:
-                    streamed.append(made)
-
-        def work() -> None:
-            if unit is None:
-                ws.run(job_id)
-            else:
-                ws.step(job_id, unit=unit)
-
-        def watch_then_release() -> None:
-            try:
-                live.watch(redraw, stream)
-            finally:
-                live.close()
-                self.retirement.leave(ws)
-
-        self.retirement.enter(ws)
-        if background:
-            live.start(work, job_id)
-            watcher = threading.Thread(target=watch_then_release, name=f"agentnb-watch-{job_id}", daemon=True)
-            self.threads[job_id] = watcher
-            watcher.start()
-            # A Job shown as this cell's value would be drawn once, as "running", and stay so: say instead
-            # that the view above is the live one (for this cell only; later cells show the job in full).
-            result = ws.job(job_id)
-            result.shown_live_above(True)
-            self._after_cell(lambda value: result.shown_live_above(False))
-            return result
-        try:
-            # started inside the try: a Ctrl-C while the thread starts must pause the job, not escape
-            live.start(work, job_id)
-            live.watch(redraw, stream)
-        except KeyboardInterrupt:
-            if not live.started:  # interrupted before the job's thread existed: nothing ran
-                raise
-            # asked again until the run ends: a run that was only starting clears a request made before it
-            ws.stop(job_id)
-            while not live.done.wait(0.25):
-                ws.stop(job_id)
-            if handle is not None:
-                handle.update(view())
-            live.streaming.end()
-            live.draw_stream(stream, now=True)
-            if unit is None:
-                print(f"job {job_id} paused after its current LLM call; continue with %agent run --job {job_id} "
-                      "or %agent step")
-            else:  # a step is already the smallest unit: it was let finish
-                print(f"job {job_id}: the step ran to its end; the job waits for the next %agent step")
-        finally:
-            live.close()
-            self.retirement.leave(ws)
-        if live.failure is not None:
-            raise UsageError(f"job {job_id}: {_one_line(live.failure)}")
-        result = ws.job(job_id)
-
-        def shrink(value: Any) -> None:
-            if value is result and handle is not None:  # the cell's value shows the job in full below
-                handle.update(HTML(_summary_html(ws, job_id, below=True)))
-
-        self._after_cell(shrink)
-        return result
-
-    def _after_cell(self, fn: Callable[[Any], None]) -> None:
+    def after_cell(self, fn: Callable[[Any], None]) -> None:
         """Call ``fn(value of the cell)`` once, when the running cell has finished (and shown its value)."""
         shell = self.shell
         if shell is None or not hasattr(shell, "events"):
@@ -437,7 +335,7 @@ class AgentMagic(Magics):
             job = self.ws.submit(text.strip(), piece=args.piece or self.piece, model=args.model or self.model,
                                  inputs=inputs, workdir=args.workdir, context=context, cache=args.cache)
         except ValueError as exc:  # context= merged with the piece's thresholds (the rest are AgentnbErrors)
-            raise UsageError(_one_line(exc)) from None
+            raise UsageError(one_line(exc)) from None
         self.last_job = job.id
         if args.queue:
             return job
@@ -601,7 +499,7 @@ class AgentMagic(Magics):
                              "description": p.description, "path": str(path)})
             except PieceError as exc:
                 rows.append({"piece": name, "movements": "", "max_movements": None,
-                             "description": f"INVALID: {_one_line(exc)}", "path": str(path)})
+                             "description": f"INVALID: {one_line(exc)}", "path": str(path)})
         return pd.DataFrame(rows, columns=["piece", "movements", "max_movements", "description", "path"])
 
     @magic_arguments(name="agent tools")
@@ -784,28 +682,6 @@ def _batches_frame(rows: list[BatchRecord]) -> Any:
     for col in ("created", "updated"):
         df[col] = pd.to_datetime(pd.to_numeric(df[col]), unit="s").astype("datetime64[ns]").dt.floor("s")
     return df.astype({"jobs": "int64", **{s: "int64" for s in JOB_STATES}})
-
-
-def _summary_html(ws: Workspace, job_id: int, *, below: bool = False) -> str:
-    """One line about a finished run, with why it failed or what it asks, and where to see the whole view.
-
-    It replaces the live view when the cell's value shows the job in full just ``below``.
-    """
-    import html as _html
-
-    job = ws.job(job_id).snapshot()
-    st = job_stats(ws, job_id)
-    where = "its view is below" if below else f"see it with <code>%agent show {job.id}</code>"
-    # st.status, not job.status: a stepped or stopped job is "paused" here as in the view below it
-    out = (f"<div>Job {job.id} <b>{_html.escape(st.status)}</b> · {plural(st.movements, 'movement')} · "
-           f"{plural(st.calls, 'LLM call')} · {st.total_tokens:,} tokens · running time {duration(st.running_s)} "
-           f'<span style="color:#777">— {where}</span></div>')
-    if job.error:
-        out += f'<div style="color:{ERROR_COLOUR}">✖ {_html.escape(job.error)}</div>'
-    if st.question:
-        out += (f"<div>{question_badge()} <b>waiting for you:</b> {_html.escape(st.question)} "
-                f'<span style="color:#777">— answer with <code>%agent reply {job.id} "…"</code></span></div>')
-    return out
 
 
 def load_ipython_extension(ipython: Any) -> None:
