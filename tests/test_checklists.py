@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from _scripting import call, transition, user_prompts, write_piece, write_script
 
 from agentnb import Workspace
@@ -167,3 +168,25 @@ def test_japanese_checklist_names_work_and_hand_written_files_are_tool_errors_no
     assert stored["items"] == [{"text": "牛乳", "done": False}, {"text": "卵", "done": True}]
     work = user_prompts(ws, job, "work")[0]
     assert "### 買い物 (2 件中 1 件完了)\n- [ ] 牛乳\n- [x] 卵" in work
+
+
+@pytest.mark.sqlite_only("on PostgreSQL logs/ is kept in the store with the job's other files (test_files_store.py)")
+def test_a_worker_with_a_folder_of_its_own_keeps_the_checklists_and_lessons_with_the_job(tmp_path: Path) -> None:
+    # a worker on the same SQLite file (--store sqlite:///…) with another --workspace: the job works in the
+    # submitter's jobs/<id>, and its logs/ must be there too, or the submitter reads no lessons and a movement run
+    # by another worker sees no checklists
+    laptop = Workspace(tmp_path / "laptop")
+    job = laptop.submit("Summarise", piece=str(_piece(tmp_path)), model=_script(tmp_path))
+    worker = Workspace(tmp_path / "worker", store=f"sqlite:///{laptop.store.path}")
+    assert worker.worker().run() == 1
+    assert laptop.job(job).status == "succeeded"
+    _, work, review = user_prompts(laptop, job)
+    assert "### steps (1/2 done)\n- [x] read the notes\n- [ ] write the summary" in work
+    assert "### steps (2/3 done)" in review
+    logs = laptop.root / "jobs" / str(job.id) / "logs"
+    assert sorted(p.name for p in (logs / "checklists").iterdir()) == ["risks.json", "steps.json"]
+    assert laptop.frames.lessons(job)["summary"].tolist() == ["reviewed"]
+    assert worker.frames.lessons(job)["summary"].tolist() == ["reviewed"]  # the same file, read from either folder
+    assert not (worker.root / "jobs").exists()  # nothing of the job in the worker's own folder
+    worker.close()
+    laptop.close()

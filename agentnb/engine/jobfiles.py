@@ -54,6 +54,7 @@ __all__ = [
     "file_listing",
     "format_size",
     "local_workdir",
+    "logs_folder",
     "materialise",
     "parse_files_limit",
     "plan_write_back",
@@ -127,6 +128,20 @@ def workdir_column(store: Store, job_id: int, workdir: Path) -> str:
     """What the ``workdir`` column holds for a job working in ``workdir`` on this machine: the relative
     ``jobs/<id>`` in a store that keeps files (each worker has its own folder), the absolute path otherwise."""
     return f"jobs/{job_id}" if store.keeps_files else str(workdir)
+
+
+def logs_folder(root: Path, job: JobRecord, keeps_files: bool) -> Path:
+    """The ``logs/`` folder of ``job`` on this machine (``lessons.jsonl``, the Checklist tool's lists; docs/workspace.md).
+
+    It belongs with the job's files: on SQLite, a job in the default layout works in ``jobs/<id>`` of the workspace
+    that submitted it, and its ``logs/`` is there, whichever workspace folder runs or reads it (a worker started
+    with ``--store sqlite:///…`` and a folder of its own); with ``workdir=`` (or in a store that keeps files) it is
+    ``jobs/<id>/logs`` under ``root``."""
+    if not keeps_files and job.workdir:
+        workdir = Path(job.workdir)
+        if workdir.name == str(job.id) and workdir.parent.name == "jobs":
+            return workdir / "logs"
+    return root / "jobs" / str(job.id) / "logs"
 
 
 def local_workdir(root: Path, job: JobRecord, keeps_files: bool) -> Path:

@@ -29,7 +29,15 @@ from ..tools.base import ToolError, open_regular, unlinked_path
 from ..tools.mcp import McpSession, McpStartError
 from .budget import JobBudget
 from .context import ContextManager, job_thresholds, window_for_model
-from .jobfiles import DEFAULT_FILES_LIMIT, FileCache, FilesOverLimit, WriteBack, local_workdir, plan_write_back
+from .jobfiles import (
+    DEFAULT_FILES_LIMIT,
+    FileCache,
+    FilesOverLimit,
+    WriteBack,
+    local_workdir,
+    logs_folder,
+    plan_write_back,
+)
 from .loop import AgentLoop, CallCounters, Outcome, Recorder, ReplayDiverged
 from .loops import Run, find_loop, judge_instruction, last_judgements
 from .pieces import Movement, Piece, parse_piece
@@ -62,7 +70,7 @@ class JobRunner:
         # what this process last hashed of the work directory (the claim's materialise filled it): the write-back
         # after each tool call reads only the files whose stat changed
         self.file_cache = FileCache() if file_cache is None else file_cache
-        self.logs_dir = jobs_root / str(self.job_id) / "logs"
+        self.logs_dir = logs_folder(jobs_root.parent, job, store.keeps_files)
         self.rec = Recorder(store, self.job_id)
         if store.keeps_files:
             # a tool's result and the files it changed are stored together: a movement resumed on another

@@ -153,6 +153,7 @@ import numpy as np
 import pandas as pd
 
 from ..engine.context import job_thresholds
+from ..engine.jobfiles import logs_folder
 from ..errors import UsageError
 from ..events import (
     Compaction,
@@ -473,7 +474,8 @@ class Frames:
             else:
                 try:
                     # a link planted in logs/ (the work directory's Bash may write there) is not the job's file
-                    path = unlinked_path(self.root / "jobs" / str(i), "logs", "lessons.jsonl")
+                    logs = logs_folder(self.root, self.store.job(i), False)
+                    path = unlinked_path(logs.parent, logs.name, "lessons.jsonl")
                 except ToolError:
                     continue
                 if not path.is_file():
