@@ -64,6 +64,7 @@ def test_checklist_state_reaches_the_next_movements(ws: Workspace, tmp_path: Pat
     assert not any(r["is_error"] for r in results)
 
 
+@pytest.mark.sqlite_only("submit(workdir=) is refused on PostgreSQL (files live in the store)")
 def test_checklists_live_in_the_jobs_logs_even_with_an_existing_workdir(ws: Workspace, tmp_path: Path) -> None:
     workdir = tmp_path / "project"
     workdir.mkdir()

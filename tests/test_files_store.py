@@ -275,6 +275,7 @@ def test_a_bad_limit_is_one_line_before_the_folder_is_made(tmp_path: Path, monke
 
 # -- SQLite: the work directory on disk ----------------------------------------------------------------------------
 
+@pytest.mark.sqlite_only("the work directory on disk is what a SQLite store's files are")
 def test_files_and_pull_on_sqlite_read_the_work_directory(tmp_path: Path) -> None:
     ws = Workspace(tmp_path / "ws")
     spec = write_script(tmp_path, "script", responses=[
