@@ -82,11 +82,14 @@ SCHEMA_VERSION = len(MIGRATIONS)
 BACKEND_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error,)
 
 
-def _wal(conn: sqlite3.Connection, wait: float = 30.0) -> None:
+_BUSY_WAIT = 30.0  # seconds a statement waits for another process's lock before "database is locked"
+
+
+def _wal(conn: sqlite3.Connection) -> None:
     """Switch ``conn``'s file to WAL.  The switch takes the file's exclusive lock and SQLite does not wait for it
     as it does for a write (no busy handler): processes opening a new store at once had it fail at once with
-    "database is locked".  Tried again until ``wait`` seconds pass, as long as a write would wait."""
-    _until_unlocked(conn, "PRAGMA journal_mode=WAL", wait, pause=0.005, longest=0.2)
+    "database is locked".  Tried again for as long as a write would wait."""
+    _until_unlocked(conn, "PRAGMA journal_mode=WAL", _BUSY_WAIT, pause=0.005, longest=0.2)
 
 
 def _until_unlocked(conn: sqlite3.Connection, sql: str, wait: float, *, pause: float, longest: float) -> None:
@@ -116,9 +119,6 @@ def _begin_immediate(conn: sqlite3.Connection) -> None:
         _until_unlocked(conn, "BEGIN IMMEDIATE", _BUSY_WAIT, pause=0.0001, longest=0.005)
     finally:
         conn.execute(f"PRAGMA busy_timeout={int(_BUSY_WAIT * 1000)}")
-
-
-_BUSY_WAIT = 30.0  # seconds a write waits for another process's lock before "database is locked"
 
 
 class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
@@ -168,7 +168,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
                     f"{self.path} cannot be written ({what} is read-only): make it writable to run or change "
                     "jobs; reading works as it is (agentnb jobs/show/export, Workspace(path, readonly=True))"
                 )
-        conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=30.0)
+        conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=_BUSY_WAIT)
         try:
             # before anything that could write: the version check must see the file as it was
             self._check_version(conn)
@@ -182,7 +182,6 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
             # pages (a WAL of up to ~40 MB) makes that 10x rarer; durability is unchanged.
             conn.execute("PRAGMA wal_autocheckpoint=10000")
             conn.execute("PRAGMA foreign_keys=ON")
-            conn.execute("PRAGMA busy_timeout=30000")
             self.conn = conn
             self._migrate()
         except BaseException:
@@ -238,9 +237,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
 
     @staticmethod
     def _connect_uri(uri: str) -> sqlite3.Connection:
-        conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False, timeout=30.0)
+        conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False, timeout=_BUSY_WAIT)
         try:
-            conn.execute("PRAGMA busy_timeout=30000")
             conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # opening is lazy: make it happen now
         except BaseException:
             conn.close()
