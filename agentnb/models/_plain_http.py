@@ -231,21 +231,30 @@ def body_chunks(answer: http.client.HTTPResponse) -> Iterator[bytes]:
     encoding = (answer.getheader("content-encoding") or "").strip().lower()
     inflate: Any = None
     while data := answer.read1(65536):
-        if encoding in ("gzip", "x-gzip", "deflate"):
-            if inflate is None:  # gzip or zlib by their headers; a raw deflate stream, as some servers send "deflate"
-                inflate = zlib.decompressobj(47 if encoding != "deflate" or data[:1] == b"\x78" else -15)
+        if encoding in _COMPRESSED:
+            if inflate is None:
+                inflate = zlib.decompressobj(_wbits(encoding, data))
             data = inflate.decompress(data)
         if data:
             yield data
 
 
+_COMPRESSED = ("gzip", "x-gzip", "deflate")  # the content encodings http.client leaves to its caller
+
+
+def _wbits(encoding: str, head: bytes) -> int:
+    """zlib's ``wbits`` for a body of ``encoding`` starting with ``head``: gzip or zlib by their headers (47), or a
+    raw deflate stream, as some servers send "deflate" (-15)."""
+    return 47 if encoding != "deflate" or head[:1] == b"\x78" else -15
+
+
 def _decoded(content: bytes, encoding: str) -> bytes:
     """The body as sent before its content encoding (http.client leaves gzip and deflate to its caller)."""
     encoding = encoding.strip().lower()
-    if encoding not in ("gzip", "deflate", "x-gzip") or not content:
+    if encoding not in _COMPRESSED or not content:
         return content
-    try:  # gzip or zlib by their headers (wbits 47); a raw deflate stream as some servers send it
-        return zlib.decompress(content, 47 if encoding != "deflate" or content[:1] == b"\x78" else -15)
+    try:
+        return zlib.decompress(content, _wbits(encoding, content))
     except zlib.error:
         raise http.client.HTTPException(f"the {encoding} body does not decode") from None
 
