@@ -91,6 +91,7 @@ class Tally:
         self.done: dict[int, tuple[int, float | None]] = {}
         self.live: dict[int, tuple[int, float | None]] = {}
         self.lock = threading.Lock()
+        self.live_at = 0.0  # when the running jobs' calls were last read
 
     def usage(self, job_id: int) -> tuple[int, float | None]:
         row = self.store.job(job_id)
@@ -108,6 +109,18 @@ class Tally:
         live = {job_id: self.usage(job_id) for job_id in running}
         with self.lock:
             self.live = {k: v for k, v in live.items() if k not in self.done}
+
+    def draw(self, bar: BatchProgress, statuses: dict[int, str], skipped: int, running: Sequence[int], *,
+             final: bool = False) -> None:
+        """Bring ``bar`` up to date: the ended jobs' ``statuses`` and ``skipped`` ones, and the tokens and dollars
+        so far, the ``running`` jobs' read again at most every :data:`LIVE_EVERY` seconds (not at the ``final``
+        drawing: they have ended)."""
+        now = time.monotonic()
+        if not final and now - self.live_at >= LIVE_EVERY:
+            self.live_at = now
+            self.refresh(running)
+        tokens, cost = self.totals()
+        bar.update(len(statuses) + skipped, statuses, tokens, cost)
 
     def totals(self) -> tuple[int, float | None]:
         with self.lock:
@@ -176,21 +189,14 @@ def run_jobs(ws: JobRunnerHost, job_ids: Sequence[int], *, concurrency: int, pro
     # no bar over nothing: resuming a finished batch draws no empty "0job" bar
     bar = BatchProgress(len(job_ids), f"batch {name}" if name else "jobs", out) if progress and job_ids else None
     started = time.monotonic()
-    live_at = 0.0
 
     def refresh(final: bool = False) -> None:
-        nonlocal live_at
         if bar is None or tally is None:
             return
         with lock:
             statuses = dict(report.statuses)
             running = sorted(active)
-        now = time.monotonic()
-        if not final and now - live_at >= LIVE_EVERY:
-            live_at = now
-            tally.refresh(running)
-        tokens, cost = tally.totals()
-        bar.update(len(statuses) + len(report.skipped), statuses, tokens, cost)
+        tally.draw(bar, statuses, len(report.skipped), running, final=final)
 
     pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(job_ids) or 1)),
                               thread_name_prefix="agentnb-job")

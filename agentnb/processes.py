@@ -271,7 +271,6 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
     known = None if budget is None else budget.total
     state: dict[str, Any] = {"stopping": False, "deaths": 0, "stopped_by": "", "reported": known, "stored": known}
     started = time.monotonic()
-    live_at = 0.0
     budget_at = time.monotonic()
 
     def spawn(index: int, share: int) -> _Child:
@@ -372,23 +371,20 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
         elif kind == "cost" and budget is not None:  # a call of that child's, priced: the batch's total grows
             cost = msg["cost"]
             state["reported"] = None if cost is None or state["reported"] is None else state["reported"] + cost
-            budget.settle(state["reported"], state["stored"])
-            if budget.reached.is_set() and not state["stopping"]:
-                stop_all(budget.reason())
+            settle(budget)
         elif kind == "budget":
             stop_all(str(msg["budget"]))
 
+    def settle(budget: Any) -> None:
+        # the workers' reported calls and the store's rows are two lower bounds of one spending (BatchBudget.settle)
+        budget.settle(state["reported"], state["stored"])
+        if budget.reached.is_set() and not state["stopping"]:
+            stop_all(budget.reason())
+
     def refresh(final: bool = False) -> None:
-        nonlocal live_at
-        if bar is None or tally is None:
-            return
-        running = sorted(j for c in children for j in c.assigned)
-        now = time.monotonic()
-        if not final and now - live_at >= LIVE_EVERY:
-            live_at = now
-            tally.refresh(running)
-        tokens, cost = tally.totals()
-        bar.update(len(report.statuses) + len(report.skipped), dict(report.statuses), tokens, cost)
+        if bar is not None and tally is not None:
+            running = sorted(j for c in children for j in c.assigned)
+            tally.draw(bar, dict(report.statuses), len(report.skipped), running, final=final)
 
     def loop() -> None:
         nonlocal budget_at
@@ -405,9 +401,7 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
             if budget is not None and not state["stopping"] and time.monotonic() - budget_at >= LIVE_EVERY:
                 budget_at = time.monotonic()
                 state["stored"] = spent(ws.store, budget.name)
-                budget.settle(state["reported"], state["stored"])
-                if budget.reached.is_set():
-                    stop_all(budget.reason())
+                settle(budget)
 
     try:
         with sigterm_interrupts():
