@@ -11,6 +11,7 @@ import errno
 import os
 import sqlite3
 import stat
+import time
 from pathlib import Path
 
 from .._fs import special_kind
@@ -64,30 +65,37 @@ def header_problem(path: Path) -> str | None:
     count finds it on open.  A file shorter than its header says is normal while a WAL still holds
     the rest (a checkpoint cut short), so a non-empty ``-wal`` file is left for SQLite to recover.
     """
-    try:
-        special = special_problem(path)
-        if special:
-            return special
-        size = path.stat().st_size
-        if size == 0:
-            return None  # SQLite makes an empty file a new database
-        with open(path, "rb") as f:
-            head = f.read(100)
-    except OSError as exc:
-        return describe_error(exc, path)
-    if len(head) < 100 or not head.startswith(_SQLITE_MAGIC):
-        return f"{path} is not an agentnb store (not a SQLite database): move it aside, or use another workspace folder"
-    page_size = int.from_bytes(head[16:18], "big")
-    page_size = 65536 if page_size == 1 else page_size
-    pages = int.from_bytes(head[28:32], "big")
-    counter_valid = head[24:28] == head[92:96]
-    wal_has_pages = wal_holds_pages(path)
-    if page_size < 512 or page_size & (page_size - 1):
-        return f"{path} is damaged (its header names a page size of {page_size}): " + SALVAGE.format(path=path)
-    if counter_valid and pages and size < pages * page_size and not wal_has_pages:
-        return (f"{path} is truncated ({size:,} bytes; its header says {pages * page_size:,}): "
-                + SALVAGE.format(path=path))
-    return None
+    for look in range(_LOOKS):
+        try:
+            special = special_problem(path)
+            if special:
+                return special
+            size = path.stat().st_size
+            if size == 0:
+                return None  # SQLite makes an empty file a new database
+            with open(path, "rb") as f:
+                head = f.read(100)
+        except OSError as exc:
+            return describe_error(exc, path)
+        if len(head) < 100 or not head.startswith(_SQLITE_MAGIC):
+            return f"{path} is not an agentnb store (not a SQLite database): move it aside, or use another workspace folder"
+        page_size = int.from_bytes(head[16:18], "big")
+        page_size = 65536 if page_size == 1 else page_size
+        pages = int.from_bytes(head[28:32], "big")
+        counter_valid = head[24:28] == head[92:96]
+        if page_size < 512 or page_size & (page_size - 1):
+            return f"{path} is damaged (its header names a page size of {page_size}): " + SALVAGE.format(path=path)
+        if not (counter_valid and pages and size < pages * page_size and not wal_holds_pages(path)):
+            return None
+        # Another connection writing the file (a new store's first transaction, a checkpoint) writes page 1, with
+        # the new page count, before the pages that extend the file: a file that stays short is truncated
+        if look < _LOOKS - 1:
+            time.sleep(_LOOK_GAP)
+    return (f"{path} is truncated ({size:,} bytes; its header says {pages * page_size:,}): "
+            + SALVAGE.format(path=path))
+
+
+_LOOKS, _LOOK_GAP = 3, 0.05  # a short file is looked at this many times, this many seconds apart
 
 
 _SIDE_FILES = ("-wal", "-shm", "-journal")
