@@ -14,8 +14,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from openai_server import OpenAIServer, error, raw, reply
+from openai_server import OpenAIServer, error, midway, raw, reply
 
+from agentnb.models import _stream_pump
 from agentnb.models.base import ModelError, ModelRequest, ModelResponse
 from agentnb.models.messages import UserMessage
 from agentnb.models.openai import OpenAIModel
@@ -233,3 +234,122 @@ def test_a_refused_connection_is_the_sdks_connection_error() -> None:
     with pytest.raises(ModelError) as caught:
         _ask(_model(f"http://127.0.0.1:{port}/v1", max_retries=0))
     assert "APIConnectionError: Connection error." in str(caught.value)
+
+
+# -- streamed answers nobody watches: read by the process's stream pump (models/_stream_pump.py) -----------------
+
+
+def _events(*parts: str, usage: bool = True) -> bytes:
+    """A streamed answer's event stream: ``parts`` of text, the end, the usage chunk, ``[DONE]``."""
+    chunks: list[dict[str, Any]] = [{"id": "c1", "model": "m", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": p} if i == 0 else {"content": p},
+         "finish_reason": None}]} for i, p in enumerate(parts)]
+    chunks.append({"id": "c1", "model": "m", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    if usage:
+        chunks.append({"id": "c1", "model": "m", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def _streamed(body: bytes, *head: str) -> bytes:
+    return ("\r\n".join(["HTTP/1.1 200 OK", "content-type: text/event-stream", *head]) + "\r\n\r\n").encode() + body
+
+
+def _streaming(url: str, **kw: Any) -> OpenAIModel:
+    return OpenAIModel("m", base_url=url, api_key=KEY, backoff=0.01, **kw)
+
+
+@pytest.fixture
+def pump_from_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pump reads a stream once a few others are being read (``CROWD``); in these tests, from the first."""
+    monkeypatch.setattr(_stream_pump, "CROWD", 0)
+
+
+@pytest.mark.usefixtures("pump_from_the_first")
+def test_the_streamed_answers_an_http_server_may_give() -> None:
+    texts = ["un ✓", "deux — 😀", "trois", "quatre", "cinq"]
+    zipped = gzip.compress(_events("deux", " — 😀"))
+    deflate = zlib.compressobj(wbits=-15)
+    deflated = deflate.compress(_events("tr", "ois")) + deflate.flush()
+    answers = [
+        # chunked in pieces of 7 bytes, with extensions and a trailer, the framing cut anywhere
+        _streamed(_chunked(_events("un", " ✓"), 7), "transfer-encoding: chunked"),
+        # gzip, then a raw deflate stream, each in chunks of 5 bytes; on the same connection
+        _streamed(_chunked(zipped, 5), "transfer-encoding: chunked", "content-encoding: gzip"),
+        _streamed(_chunked(deflated, 5), "transfer-encoding: chunked", "content-encoding: deflate"),
+        # one chunk holding the whole stream, no usage (counted by the tokenizer)
+        _streamed(_chunked(_events("quatre", usage=False), 10_000), "transfer-encoding: chunked"),
+        # not chunked: the stream ends with the connection (read in the call's thread)
+        _streamed(_events("ci", "nq"), "connection: close"),
+    ]
+    with _raw_server(answers) as (url, accepted):
+        model = _streaming(url)
+        got = [_ask(model) for _ in texts]
+        assert [r.content for r in got] == texts
+        assert accepted[0] == 1  # each chunked stream read to its end: the next call went on the same connection
+    assert got[0].usage.prompt_tokens == 3 and got[0].ttft_s is not None and got[0].ttft_s >= 0
+
+
+@pytest.mark.parametrize("broken", [b"zz\r\n", b"5\r\nabcdeXY", b"f" * 5000], ids=["not-hex", "no-crlf", "long-line"])
+@pytest.mark.usefixtures("pump_from_the_first")
+def test_a_streamed_answer_whose_framing_breaks_midway_is_a_connection_error_and_retried(broken: bytes) -> None:
+    start = _chunked(_events("never", " seen"), 9)[:40]
+    answer = (_streamed(start + broken, "transfer-encoding: chunked"), "then close")  # kept alive, then broken
+    good = _streamed(_chunked(_events("fine"), 9), "transfer-encoding: chunked")
+    with _raw_server([answer, good]) as (url, _):
+        assert _ask(_streaming(url)).content == "fine"
+    with _raw_server([answer]) as (url, _), pytest.raises(ModelError) as caught:
+        _ask(_streaming(url, max_retries=0))
+    assert "APIConnectionError: Connection error." in str(caught.value)
+
+
+def test_many_streamed_calls_at_once_are_read_by_one_thread(loopback: Callable[..., OpenAIServer]) -> None:
+    server = loopback(KEY, chunked=True, chunk_chars=2, actions=[reply(f"answer number {i} ✓") for i in range(24)])
+    model = _streaming(server.base_url)
+    got: list[str] = []
+    together = threading.Barrier(8)  # eight streams open at once: from the fourth on, the pump reads them
+
+    def ask() -> None:
+        for _ in range(3):
+            together.wait(30)
+            got.append(_ask(model).content or "")
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(got) == sorted(f"answer number {i} ✓" for i in range(24))
+    assert server.streamed == 24
+    assert [t.name for t in threading.enumerate()].count("agentnb-stream-pump") == 1
+    assert server.connections <= 8  # every stream read to its end: its connection went back to the pool
+
+
+@pytest.mark.usefixtures("pump_from_the_first")
+def test_ctrl_c_while_a_streamed_answer_is_read_by_the_pump_closes_it(loopback: Callable[..., OpenAIServer]) -> None:
+    import signal
+
+    server = loopback(KEY, chunked=True, chunk_chars=2, actions=[midway("hold", after=6), reply("after")])
+    main = threading.get_ident()
+    threading.Thread(target=lambda: server.holding.wait(30) and (time.sleep(0.2),
+                                                                 signal.pthread_kill(main, signal.SIGINT))).start()
+    model = _streaming(server.base_url)
+    with pytest.raises(KeyboardInterrupt):
+        _ask(model)  # no on_delta: the pump reads it while this thread waits
+    assert server.disconnected.wait(2)
+    assert _ask(model).content == "after"  # and the next call is fine
+
+
+@pytest.mark.usefixtures("pump_from_the_first")
+def test_a_forked_process_streams_through_a_pump_of_its_own(loopback: Callable[..., OpenAIServer]) -> None:
+    import multiprocessing
+
+    server = loopback(KEY, chunked=True, chunk_chars=3, actions=[reply("in the parent"), reply("in the child")])
+    model = _streaming(server.base_url)
+    assert _ask(model).content == "in the parent"  # the parent's pump runs (and holds no socket now)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=lambda: out.put(_ask(_streaming(server.base_url)).content))
+    child.start()
+    assert out.get(timeout=30) == "in the child"
+    child.join(30)
+    assert child.exitcode == 0

@@ -19,6 +19,7 @@ from openai_server import OpenAIServer, error, hold, midway, reply
 from agentnb import Workspace
 from agentnb.errors import CallCancelled, ModelError, ModelSpecError
 from agentnb.events import payload_dict
+from agentnb.models import _stream_pump
 from agentnb.models.base import ModelRequest
 from agentnb.models.messages import Delta, UserMessage
 from agentnb.models.openai import OpenAIModel, forget_refusals
@@ -51,6 +52,15 @@ ANSWERS = [
     lambda: reply(None, [("transition", {"next_step": "COMPLETE", "summary": "copié ✓"})], usage=(500, 9)),
 ]
 TIMING = {"ts", "latency_s", "ttft_s"}
+
+
+@pytest.fixture(autouse=True)
+def _pumped_when_chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunked stream nobody watches is read by the process's stream pump once a few others are being read;
+    here from the first, so the ``chunked`` cases go through it (models/_stream_pump.py)."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("chunked"):
+        monkeypatch.setattr(_stream_pump, "CROWD", 0)
 
 
 @pytest.fixture
@@ -302,9 +312,10 @@ def test_ctrl_c_mid_stream_closes_it(loopback: Callable[..., OpenAIServer], chun
     assert srv.disconnected.wait(2)
 
 
+@pytest.mark.parametrize("chunked", [False, True])  # chunked, kept alive and unwatched: read by the stream pump
 def test_a_stop_set_while_streaming_raises_call_cancelled_with_the_partial_answer(
-        loopback: Callable[..., OpenAIServer]) -> None:
-    srv = loopback(chunk_chars=3)
+        loopback: Callable[..., OpenAIServer], chunked: bool) -> None:
+    srv = loopback(chunk_chars=3, chunked=chunked)
     srv.play(midway("hold", after=5))
     cancel = threading.Event()
     threading.Thread(target=lambda: srv.holding.wait(30) and (time.sleep(0.3), cancel.set())).start()

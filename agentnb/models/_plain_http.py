@@ -24,11 +24,11 @@ import socket
 import urllib.request
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["HTTP_ENV", "PlainPost", "Redirected", "Reply", "body_chunks", "encode_body", "plain_post_for",
+__all__ = ["HTTP_ENV", "PlainPost", "Redirected", "Reply", "body_chunks", "encode_body", "inflating", "plain_post_for",
            "status_error"]
 
 HTTP_ENV = "AGENTNB_OPENAI_HTTP"  # "sdk": every call through the openai SDK's own HTTP stack
@@ -228,15 +228,42 @@ def _headers(answer: http.client.HTTPResponse) -> dict[str, str]:
 
 def body_chunks(answer: http.client.HTTPResponse) -> Iterator[bytes]:
     """A streamed answer's body as it arrives (unchunked by ``http.client``; gzip or deflate undone as it comes)."""
-    encoding = (answer.getheader("content-encoding") or "").strip().lower()
-    inflate: Any = None
+    undo = _undoer(answer.getheader("content-encoding"))
     while data := answer.read1(65536):
-        if encoding in _COMPRESSED:
-            if inflate is None:
-                inflate = zlib.decompressobj(_wbits(encoding, data))
-            data = inflate.decompress(data)
+        if undo is not None:
+            data = undo(data)
         if data:
             yield data
+
+
+def inflating(take: Callable[[bytes], bool], encoding: str | None) -> Callable[[bytes], bool]:
+    """``take`` (a stream pump's sink) given a body of content ``encoding`` as it was before it (gzip or deflate
+    undone as it comes)."""
+    undo = _undoer(encoding)
+    if undo is None:
+        return take
+
+    def sink(data: bytes) -> bool:
+        data = undo(data)
+        return bool(data) and take(data)
+
+    return sink
+
+
+def _undoer(encoding: str | None) -> Callable[[bytes], bytes] | None:
+    """What undoes a body's content ``encoding`` piece by piece (gzip or deflate); None for any other."""
+    encoding = (encoding or "").strip().lower()
+    if encoding not in _COMPRESSED:
+        return None
+    inflate: Any = None
+
+    def undo(data: bytes) -> bytes:
+        nonlocal inflate
+        if inflate is None:
+            inflate = zlib.decompressobj(_wbits(encoding, data))
+        return bytes(inflate.decompress(data))
+
+    return undo
 
 
 _COMPRESSED = ("gzip", "x-gzip", "deflate")  # the content encodings http.client leaves to its caller

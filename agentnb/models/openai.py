@@ -11,15 +11,17 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .._secrets import register_secret, scrub
 from ..errors import CallCancelled, ModelSpecError
-from ._plain_http import PlainPost, Redirected, body_chunks, encode_body, plain_post_for
+from . import _stream_pump
+from ._plain_http import PlainPost, Redirected, body_chunks, encode_body, inflating, plain_post_for
+from ._stream_pump import BodyBroken
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
-from .openai_stream import WATCHDOG, Assembly, BodyBroken, BodyTimeout, Watch, chunked_body, sse_data, track_sockets
+from .openai_stream import WATCHDOG, Assembly, BodyTimeout, SSEDecoder, Watch, chunked_body, track_sockets
 from .ratelimit import gate_for
 
 __all__ = ["OpenAIModel", "forget_refusals", "pause", "shared_client", "wire_message", "wire_messages"]
@@ -352,49 +354,99 @@ class OpenAIModel:
         body = None if encoded else chunked_body(http, watch)
         if body is None:
             body = _touching(http.iter_bytes() if encoded else http.stream, watch)
-        return self._assemble(body, request, started, watch, http.request, http.close,
+
+        def read(take: Callable[[bytes], bool]) -> None:
+            for data in body:
+                if take(data):
+                    return
+
+        return self._assemble(read, request, started, watch, http.request, http.close,
                               timeouts=(http_errors.TimeoutException, BodyTimeout),
                               broken=(http_errors.TransportError, BodyBroken))
 
     def _read_plain_stream(self, plain: PlainPost, conn: Any, answer: Any, request: ModelRequest, started: float,
                            watch: Watch) -> ModelResponse:
-        """:meth:`_read_stream` of an answer on a plain connection (models/_plain_http.py): ``http.client`` unframes
-        the body; the connection is kept for the next call when it was read to its end."""
+        """:meth:`_read_stream` of an answer on a plain connection (models/_plain_http.py); the connection is kept
+        for the next call when it was read to its end.  A chunked answer nobody watches (no ``on_delta``) is read
+        by the process's stream pump (models/_stream_pump.py says why) when its connection stays open, any other by
+        ``http.client`` in this thread."""
+        with _stream_pump.PUMP.reading() as crowded:
+            return self._read_plain_answer(plain, conn, answer, request, started, watch, crowded)
+
+    def _read_plain_answer(self, plain: PlainPost, conn: Any, answer: Any, request: ModelRequest, started: float,
+                           watch: Watch, crowded: bool) -> ModelResponse:
         watch.timeout = self.read_timeout
         watch.touch()
-        return self._assemble(_touching(body_chunks(answer), watch), request, started, watch, plain.request(),
-                              lambda: plain.finish(conn, answer), timeouts=(TimeoutError,),
-                              broken=(OSError, ValueError, http.client.HTTPException, zlib.error))
+        broken = (OSError, ValueError, http.client.HTTPException, zlib.error, BodyBroken)
+        sock = conn.sock  # None when the answer ends the connection: http.client let go of it
+        if not crowded or request.on_delta is not None or not answer.chunked or sock is None:
+            def read(take: Callable[[bytes], bool]) -> None:
+                for data in _touching(body_chunks(answer), watch):
+                    if take(data):
+                        return
 
-    def _assemble(self, body: Iterator[bytes], request: ModelRequest, started: float, watch: Watch, sent: Any,
-                  close: Any, *, timeouts: tuple[type[BaseException], ...],
+            return self._assemble(read, request, started, watch, plain.request(), lambda: plain.finish(conn, answer),
+                                  timeouts=(TimeoutError,), broken=broken)
+        kept = False
+
+        def pumped(take: Callable[[bytes], bool]) -> None:
+            nonlocal kept
+            sock.setblocking(False)
+            head = answer.fp.peek(65536)  # what came with the headers (none read from the socket: non-blocking)
+            head = answer.fp.read(len(head)) if head else b""
+            kept = _stream_pump.PUMP.read(sock, head, inflating(take, answer.getheader("content-encoding")), watch.touch)
+
+        def close() -> None:
+            if kept:
+                sock.settimeout(plain.timeout)
+                answer.close()  # the response only: the connection's socket stays open for the next call
+                plain.finish(conn, answer)
+            else:
+                conn.close()
+
+        return self._assemble(pumped, request, started, watch, plain.request(), close, timeouts=(TimeoutError,),
+                              broken=broken)
+
+    def _assemble(self, read: Callable[[Callable[[bytes], bool]], None], request: ModelRequest, started: float,
+                  watch: Watch, sent: Any, close: Any, *, timeouts: tuple[type[BaseException], ...],
                   broken: tuple[type[BaseException], ...]) -> ModelResponse:
-        """The answer of a streamed ``body`` (bytes as they come), each fragment handed to ``request.on_delta``;
-        ``close()`` however it ends; a read error in ``timeouts``/``broken`` is the SDK's timeout/connection error
-        (``sent``: the request they carry) unless the watchdog cut the stream off or its end had come."""
+        """The answer of a streamed body that ``read(take)`` hands to ``take`` (bytes as they come, until ``take``
+        says True: stop), each fragment handed to ``request.on_delta``; ``close()`` however it ends; a read error
+        in ``timeouts``/``broken`` is the SDK's timeout/connection error (``sent``: the request they carry) unless
+        the watchdog cut the stream off or its end had come."""
         import openai
 
         acc = Assembly(self.spec, request.on_delta, started)
         cancel = request.cancel
+        events = SSEDecoder()
         done = False
+
+        def event(data: bytes) -> bool:
+            nonlocal done
+            if done:
+                return False  # after [DONE]: read on to the body's end only, so the connection can be kept
+            if data[:6] == b"[DONE]":
+                done = True
+                watch.timeout = min(watch.timeout, DRAIN_S)  # a server that leaves the body open is not waited on
+                return False
+            try:
+                chunk = json.loads(data)
+            except ValueError as exc:
+                raise ModelError(f"{self.spec}: malformed stream chunk: {exc}") from None
+            if isinstance(chunk, dict) and chunk.get("error"):
+                # an error object in the stream (the server failed mid-answer): retried like a 5xx
+                raise StreamBroken(f"an error in the middle of the stream: {_snippet(_error_text(chunk), 120)}")
+            acc.add(chunk)
+            return cancel is not None and cancel.is_set()
+
+        def take(data: bytes) -> bool:
+            return any(event(d) for d in events.feed(data))
+
         try:
-            for data in sse_data(body):
-                if done:
-                    continue  # after [DONE]: read on to the body's end only, so the connection can be kept
-                if data[:6] == b"[DONE]":
-                    done = True
-                    watch.timeout = min(watch.timeout, DRAIN_S)  # a server that leaves the body open is not waited on
-                    continue
-                try:
-                    chunk = json.loads(data)
-                except ValueError as exc:
-                    raise ModelError(f"{self.spec}: malformed stream chunk: {exc}") from None
-                if isinstance(chunk, dict) and chunk.get("error"):
-                    # an error object in the stream (the server failed mid-answer): retried like a 5xx
-                    raise StreamBroken(f"an error in the middle of the stream: {_snippet(_error_text(chunk), 120)}")
-                acc.add(chunk)
-                if cancel is not None and cancel.is_set():
-                    break
+            read(take)
+            if not (cancel is not None and cancel.is_set()):
+                for data in events.end():
+                    event(data)
         except timeouts:
             if watch.why is None and not done:
                 raise openai.APITimeoutError(request=sent) from None

@@ -28,10 +28,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from ._stream_pump import BodyBroken, Unchunker
 from .base import ModelError
 from .messages import Delta
 
-__all__ = ["WATCHDOG", "Assembly", "BodyBroken", "BodyTimeout", "Watch", "Watchdog", "chunked_body", "sse_data",
+__all__ = ["WATCHDOG", "Assembly", "BodyBroken", "BodyTimeout", "SSEDecoder", "Watch", "Watchdog", "chunked_body", "sse_data",
            "track_sockets"]
 
 # how often the watchdog looks at the open streams: a Stop cuts a stream off within about this
@@ -176,54 +177,67 @@ class Assembly:
         return round((self.first_token or time.perf_counter()) - self.started, 6)
 
 
-def sse_data(chunks: Iterable[bytes]) -> Iterator[bytes]:
-    """The data of each server-sent event in ``chunks`` (bytes as they arrive, cut anywhere), as the HTML standard
-    reads an event stream: lines end at CR, LF or CRLF, a blank line ends an event, an event's ``data:`` lines are
-    joined with LF, and an event with no data, comments and the other fields are skipped.
+class SSEDecoder:
+    """The data of each server-sent event in the bytes given to :meth:`feed` as they arrive (cut anywhere), as the
+    HTML standard reads an event stream: lines end at CR, LF or CRLF, a blank line ends an event, an event's
+    ``data:`` lines are joined with LF, and an event with no data, comments and the other fields are skipped;
+    :meth:`end` at the stream's end.
 
     Written here rather than the SDK's decoder: it splits a whole network read at once (several events when a
     busy process reads late) with ``bytes.splitlines``, where the SDK's decoder costs a regex match, a str decode
     and an object per line; this is most of what streaming costs per chunk."""
-    data: list[bytes] = []
-    held: list[bytes] = []  # the start of a line whose end has not come yet
-    for chunk in chunks:
+
+    __slots__ = ("data", "held")
+
+    def __init__(self) -> None:
+        self.data: list[bytes] = []
+        self.held: list[bytes] = []  # the start of a line whose end has not come yet
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        out: list[bytes] = []
         if not chunk:
-            continue
-        if held:
+            return out
+        if self.held:
             if b"\n" not in chunk and b"\r" not in chunk:
-                held.append(chunk)
-                continue
-            chunk = b"".join(held) + chunk
-            held.clear()
+                self.held.append(chunk)
+                return out
+            chunk = b"".join(self.held) + chunk
+            self.held.clear()
         lines = chunk.splitlines(True)
         if lines[-1][-1:] != b"\n":  # no line end yet, or a CR whose LF may be in the next read
-            held.append(lines.pop())
+            self.held.append(lines.pop())
+        data = self.data
         for line in lines:
             line = line.rstrip(b"\r\n")
             if not line:
                 if data:
-                    yield data[0] if len(data) == 1 else b"\n".join(data)
-                    data = []
+                    out.append(data[0] if len(data) == 1 else b"\n".join(data))
+                    data = self.data = []
             elif line[:5] == b"data:":
                 data.append(line[6:] if line[5:6] == b" " else line[5:])
             elif line == b"data":
                 data.append(b"")
-    # the end: a last line ended by a lone CR that was held for its LF is a whole line
-    if held and data and b"".join(held).splitlines(True)[-1] == b"\r":
-        yield data[0] if len(data) == 1 else b"\n".join(data)
-    # (data left over: an unfinished event, dropped as the standard says)
+        return out
+
+    def end(self) -> list[bytes]:
+        """The last event, when its last line was ended by a lone CR held for its LF (an unfinished event is
+        dropped, as the standard says)."""
+        data = self.data
+        if self.held and data and b"".join(self.held).splitlines(True)[-1] == b"\r":
+            return [data[0] if len(data) == 1 else b"\n".join(data)]
+        return []
+
+
+def sse_data(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """The data of each server-sent event in ``chunks`` (bytes as they arrive, cut anywhere): :class:`SSEDecoder`."""
+    decoder = SSEDecoder()
+    for chunk in chunks:
+        yield from decoder.feed(chunk)
+    yield from decoder.end()
 
 
 class BodyTimeout(Exception):
     """:func:`chunked_body`: no byte came for the read timeout."""
-
-
-class BodyBroken(Exception):
-    """:func:`chunked_body`: the connection failed or closed, or the chunked framing is broken, before the body's end."""
-
-
-# the largest chunk-size line (with its extensions) read before the framing is called broken
-_MAX_CHUNK_LINE = 4096
 
 
 def chunked_body(response: Any, watch: Watch) -> Iterator[bytes] | None:
@@ -297,58 +311,17 @@ def _unchunk(h11: Any, h11c: Any, net: Any, timeout: float | None, watch: Watch)
             return
         else:
             raise BodyBroken(f"unexpected {type(event).__name__} in the body")
-    buf = b""
-    left = 0  # data bytes of the current chunk still to come
-    crlf = owed  # bytes of the CRLF after a chunk's data still to come
-    trailer = False  # after the last chunk (size 0): trailer lines until an empty one
+    unchunk = Unchunker(owed)
     while True:
-        if not buf:
-            buf = read()
-        pos, end, out = 0, len(buf), []
-        while pos < end:
-            if left:
-                n = min(left, end - pos)
-                out.append(buf[pos:pos + n] if n != end else buf)
-                pos += n
-                left -= n
-                crlf = 0 if left else 2
-                continue
-            if crlf:
-                n = min(crlf, end - pos)
-                if buf[pos:pos + n] != b"\r\n"[2 - crlf:2 - crlf + n]:
-                    raise BodyBroken(f"malformed chunked body: no CRLF after a chunk: {buf[pos:pos + 8]!r}")
-                pos += n
-                crlf -= n
-                continue
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                if end - pos > _MAX_CHUNK_LINE:
-                    raise BodyBroken("malformed chunked body: a chunk-size line too long")
-                break
-            line = buf[pos:eol]
-            pos = eol + 2
-            if trailer:
-                if line:
-                    continue  # a trailer field: dropped, as httpx drops them
-                if out:
-                    yield out[0] if len(out) == 1 else b"".join(out)
-                if pos == end:  # h11 is given the end of the body, so the connection can be reused
-                    with contextlib.suppress(Exception):  # else it is closed, not reused
-                        h11c.receive_data(b"\r\n"[2 - owed:] + b"0\r\n\r\n")
-                        h11c.next_event()
-                return
-            try:
-                size = int(line.split(b";", 1)[0], 16)
-            except ValueError:
-                size = -1
-            if size < 0:
-                raise BodyBroken(f"malformed chunked body: a chunk-size line {line[:40]!r}")
-            trailer = size == 0
-            left = size
-        rest = buf[pos:] if pos < end else b""
+        out = unchunk.feed(read())
         if out:
-            yield out[0] if len(out) == 1 else b"".join(out)
-        buf = rest + read() if rest else b""
+            yield out
+        if unchunk.ended:
+            if not unchunk.extra:  # h11 is given the end of the body, so the connection can be reused
+                with contextlib.suppress(Exception):  # else it is closed, not reused
+                    h11c.receive_data(b"\r\n"[2 - owed:] + b"0\r\n\r\n")
+                    h11c.next_event()
+            return
 
 
 def _kind(value: Any) -> str:
