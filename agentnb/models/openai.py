@@ -354,13 +354,7 @@ class OpenAIModel:
         body = None if encoded else chunked_body(http, watch)
         if body is None:
             body = _touching(http.iter_bytes() if encoded else http.stream, watch)
-
-        def read(take: Callable[[bytes], bool]) -> None:
-            for data in body:
-                if take(data):
-                    return
-
-        return self._assemble(read, request, started, watch, http.request, http.close,
+        return self._assemble(_reading(body), request, started, watch, http.request, http.close,
                               timeouts=(http_errors.TimeoutException, BodyTimeout),
                               broken=(http_errors.TransportError, BodyBroken))
 
@@ -380,13 +374,9 @@ class OpenAIModel:
         broken = (OSError, ValueError, http.client.HTTPException, zlib.error, BodyBroken)
         sock = conn.sock  # None when the answer ends the connection: http.client let go of it
         if not crowded or request.on_delta is not None or not answer.chunked or sock is None:
-            def read(take: Callable[[bytes], bool]) -> None:
-                for data in _touching(body_chunks(answer), watch):
-                    if take(data):
-                        return
-
-            return self._assemble(read, request, started, watch, plain.request(), lambda: plain.finish(conn, answer),
-                                  timeouts=(TimeoutError,), broken=broken)
+            return self._assemble(_reading(_touching(body_chunks(answer), watch)), request, started, watch,
+                                  plain.request(), lambda: plain.finish(conn, answer), timeouts=(TimeoutError,),
+                                  broken=broken)
         kept = False
 
         def pumped(take: Callable[[bytes], bool]) -> None:
@@ -651,6 +641,17 @@ def _tool_call(tc: dict[str, Any], i: int, request: ModelRequest) -> ToolCall:
             if isinstance(inner, dict):
                 args = inner
     return ToolCall(id=call_id, name=name, arguments=args, raw_arguments=raw)
+
+
+def _reading(body: Iterator[bytes]) -> Callable[[Callable[[bytes], bool]], None]:
+    """A streamed ``body`` read in the call's thread, for :meth:`OpenAIModel._assemble`: each piece to ``take``
+    until it says stop."""
+    def read(take: Callable[[bytes], bool]) -> None:
+        for data in body:
+            if take(data):
+                return
+
+    return read
 
 
 def _touching(chunks: Iterator[bytes], watch: Watch) -> Iterator[bytes]:
