@@ -196,6 +196,15 @@ def loopback(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., OpenAISe
         srv.__exit__(None, None, None)
 
 
+@pytest.fixture
+def pump_from_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A streamed answer nobody watches is read by the process's stream pump once a few others are being read
+    (``CROWD``, models/_stream_pump.py); with this fixture, from the first, so a single call goes through it."""
+    from agentnb.models import _stream_pump
+
+    monkeypatch.setattr(_stream_pump, "CROWD", 0)
+
+
 @pytest.fixture(scope="session")
 def pg() -> Iterator[PgServer]:
     """A real PostgreSQL server for the session (tests/_postgres.py: a throw-away cluster on a free loopback

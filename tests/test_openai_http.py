@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 from openai_server import OpenAIServer, error, midway, raw, reply
 
-from agentnb.models import _stream_pump
 from agentnb.models.base import ModelError, ModelRequest, ModelResponse
 from agentnb.models.messages import UserMessage
 from agentnb.models.openai import OpenAIModel
@@ -256,12 +255,6 @@ def _streamed(body: bytes, *head: str) -> bytes:
 
 def _streaming(url: str, **kw: Any) -> OpenAIModel:
     return OpenAIModel("m", base_url=url, api_key=KEY, backoff=0.01, **kw)
-
-
-@pytest.fixture
-def pump_from_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pump reads a stream once a few others are being read (``CROWD``); in these tests, from the first."""
-    monkeypatch.setattr(_stream_pump, "CROWD", 0)
 
 
 @pytest.mark.usefixtures("pump_from_the_first")

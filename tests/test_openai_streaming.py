@@ -19,7 +19,6 @@ from openai_server import OpenAIServer, error, hold, midway, reply
 from agentnb import Workspace
 from agentnb.errors import CallCancelled, ModelError, ModelSpecError
 from agentnb.events import payload_dict
-from agentnb.models import _stream_pump
 from agentnb.models.base import ModelRequest
 from agentnb.models.messages import Delta, UserMessage
 from agentnb.models.openai import OpenAIModel, forget_refusals
@@ -55,12 +54,11 @@ TIMING = {"ts", "latency_s", "ttft_s"}
 
 
 @pytest.fixture(autouse=True)
-def _pumped_when_chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A chunked stream nobody watches is read by the process's stream pump once a few others are being read;
-    here from the first, so the ``chunked`` cases go through it (models/_stream_pump.py)."""
+def _pumped_when_chunked(request: pytest.FixtureRequest) -> None:
+    """The ``chunked`` cases, unwatched, go through the process's stream pump (conftest's pump_from_the_first)."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and callspec.params.get("chunked"):
-        monkeypatch.setattr(_stream_pump, "CROWD", 0)
+        request.getfixturevalue("pump_from_the_first")
 
 
 @pytest.fixture

@@ -134,7 +134,6 @@ class Pump:
         self._lock = threading.Lock()
         self._new: deque[_Read] = deque()
         self._thread: threading.Thread | None = None
-        self._selector: selectors.BaseSelector | None = None
         self._bell: tuple[socket.socket, socket.socket] | None = None
 
     @contextlib.contextmanager
@@ -152,15 +151,14 @@ class Pump:
                 self.open -= 1
 
     def read(self, sock: socket.socket, head: bytes, sink: Sink, touch: Callable[[], None]) -> bool:
-        """Read the chunked body on ``sock`` (``head``: its first bytes, already read from it) into ``sink`` until
-        its end or the sink's stop, ``touch()`` at each read, while this thread waits; True when the body was read
-        to its end with nothing after it (the connection can be kept once the caller gives the socket its timeout
-        back: it is left non-blocking).
+        """Read the chunked body on ``sock`` (non-blocking: the caller read ``head``, its first bytes, without
+        waiting) into ``sink`` until its end or the sink's stop, ``touch()`` at each read, while this thread waits;
+        True when the body was read to its end with nothing after it (the connection can be kept once the caller
+        gives the socket its timeout back).
         Raises what the sink raised, or :class:`BodyBroken` (the connection ended or failed first: a Stop's or a
         stall's shutdown too)."""
         r = _Read(sock, sink, touch)
         if not (head and r.take(head)):
-            sock.setblocking(False)
             with self._lock:
                 if self._thread is None or not self._thread.is_alive():
                     self._start()
@@ -181,12 +179,12 @@ class Pump:
         return r.clean
 
     def _start(self) -> None:
-        self._selector = selectors.DefaultSelector()
+        selector = selectors.DefaultSelector()
         self._bell = socket.socketpair()
         for end in self._bell:
             end.setblocking(False)
-        self._selector.register(self._bell[0], selectors.EVENT_READ, None)
-        self._thread = threading.Thread(target=self._run, args=(self._selector, self._bell[0]),
+        selector.register(self._bell[0], selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._run, args=(selector, self._bell[0]),
                                         name="agentnb-stream-pump", daemon=True)
         self._thread.start()
 

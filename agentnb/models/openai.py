@@ -381,8 +381,8 @@ class OpenAIModel:
 
         def pumped(take: Callable[[bytes], bool]) -> None:
             nonlocal kept
-            sock.setblocking(False)
-            head = answer.fp.peek(65536)  # what came with the headers (none read from the socket: non-blocking)
+            sock.setblocking(False)  # as the pump reads it; and the peek below takes only what is there
+            head = answer.fp.peek(65536)  # what came with the headers
             head = answer.fp.read(len(head)) if head else b""
             kept = _stream_pump.PUMP.read(sock, head, inflating(take, answer.getheader("content-encoding")), watch.touch)
 
