@@ -177,6 +177,21 @@ def test_the_answers_an_http_server_may_give() -> None:
         assert accepted[0] == 3  # kept after 1–3; closed by "four" and by the HTTP/1.0 "five"
 
 
+def test_header_lines_the_way_old_servers_write_them() -> None:
+    one, two = _completion("bare LF"), _completion("folded")
+    answers = [
+        # lines ended by a bare LF
+        f"HTTP/1.1 200 OK\ncontent-type: application/json\ncontent-length: {len(one)}\n\n".encode() + one,
+        # a folded continuation line, a field repeated, space before the colon; no reason phrase
+        (f"HTTP/1.1 200\r\ncontent-type: application/json\r\nx-note: a\r\n  b\r\nx-note: c\r\n"
+         f"content-length : {len(two)}\r\n\r\n").encode() + two,
+    ]
+    with _raw_server(answers) as (url, accepted):
+        model = _model(url)
+        assert [_ask(model).content for _ in range(2)] == ["bare LF", "folded"]
+        assert accepted[0] == 1
+
+
 def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None:
     first, second = _completion("first"), _completion("second")
     answers: list[bytes | tuple[bytes, str]] = [(_answer(first, f"content-length: {len(first)}"), "then close"),
@@ -195,7 +210,11 @@ def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None:
     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\nconnection: close\r\n\r\n{\"id\"",
     b"not HTTP at all\r\n\r\n",
     b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\nzz\r\n",
-], ids=["cut-short", "not-http", "bad-chunk"])
+    b"HTTP/1.1 200 OK\r\ncontent-length: twelve\r\nconnection: close\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\n" + b"x-many: 1\r\n" * 101 + b"connection: close\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nx-long: " + b"y" * 70_000 + b"\r\nconnection: close\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nno colon on this line\r\nconnection: close\r\n\r\n",
+], ids=["cut-short", "not-http", "bad-chunk", "bad-length", "too-many-fields", "too-long-head", "bad-field"])
 def test_a_broken_answer_is_a_connection_error_and_retried(answer: bytes) -> None:
     fine = _completion("fine")
     with _raw_server([answer, _answer(fine, f"content-length: {len(fine)}")]) as (url, _):

@@ -1,4 +1,4 @@
-"""A chunked HTTP/1.1 body's framing undone as its bytes arrive (models/_stream_pump.py's ``Unchunker``, which both
+"""A chunked HTTP/1.1 body's framing undone as its bytes arrive (models/_http1.py's ``Unchunker``, which both
 the stream pump and the httpx path's ``chunked_body`` use): however the bytes are cut, the body is the same, the
 end is seen with whatever came after it, and broken framing is refused in one line."""
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from agentnb.models._stream_pump import BodyBroken, Unchunker
+from agentnb.models._http1 import BodyBroken, Unchunker
 
 BODY = "data: {\"é\": 1}\n\n".encode() * 7 + b"x" * 300
 

@@ -1,22 +1,22 @@
-"""A plain (not streamed) chat-completion POST to an ``http://`` endpoint over kept-alive ``http.client`` connections,
-below httpx.
+"""A chat-completion POST to an ``http://`` endpoint over kept-alive HTTP/1.1 connections (models/_http1.py), below
+httpx.
 
 The ``openai`` SDK's ``client.post`` goes through its request options, httpx's request and client layers, httpcore's
-pool and h11: about 1.3 ms of CPU per call against an endpoint 50 ms away, where the standard library's
-``http.client`` writes the same request to a kept connection and reads the answer back in about 0.15 ms
-(benchmarks/README.md, "CPU per LLM call").  So a plain call to an ``http://`` endpoint (a local server, a gateway on the same network) is sent here: the same bytes the SDK
-sends (its own headers, read from the client once, and its JSON encoding), the same exception classes for the
-same failures (:func:`status_error` builds the SDK's error for a status, with its message), read with the same
-timeout per socket operation.  Anything else keeps the SDK's path (:func:`plain_post_for` says which): ``https://``,
-a proxy in the environment, a URL with credentials or a query, headers that are not ASCII, a redirect (the call is
-asked again through the SDK), or ``AGENTNB_OPENAI_HTTP=sdk`` (docs/models.md#plain-http).
+pool and h11: about 1.3 ms of CPU per call against an endpoint 50 ms away, where the same request written to a
+kept socket and its answer read back costs about a tenth of that (benchmarks/README.md, "CPU per LLM call").
+So a call to an ``http://`` endpoint (a local server, a gateway on the same network) is sent here: the same bytes
+the SDK sends (its own headers, read from the client once, and its JSON encoding), the same exception classes for
+the same failures (:func:`status_error` builds the SDK's error for a status, with its message), read with the
+same timeout per socket operation.  Anything else keeps the SDK's path (:func:`plain_post_for` says which):
+``https://``, a proxy in the environment, a URL with credentials, a query or a path that is not plain ASCII,
+headers that are not ASCII, a redirect (the call is asked again through the SDK), or ``AGENTNB_OPENAI_HTTP=sdk``
+(docs/models.md#plain-http).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import http.client
 import json
 import os
 import select
@@ -27,6 +27,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
+
+from ._http1 import BodyBroken, Connection, Head
 
 __all__ = ["HTTP_ENV", "PlainPost", "Redirected", "Reply", "body_chunks", "encode_body", "inflating", "plain_post_for",
            "status_error"]
@@ -95,6 +97,8 @@ def plain_post_for(client: Any, timeout: float, http: Any) -> PlainPost | None:
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname or "@" in parts.netloc or parts.query or parts.fragment:
         return None  # https, or a URL httpx reads more into (credentials in it, a query the SDK merges its own way)
+    if not all("!" <= c <= "~" for c in parts.path + parts.netloc):
+        return None  # httpx quotes such a path in its own way
     proxies = urllib.request.getproxies()
     if ("http" in proxies or "all" in proxies) and not urllib.request.proxy_bypass(parts.hostname):
         return None  # httpx would go through the proxy (trust_env)
@@ -108,7 +112,7 @@ def plain_post_for(client: Any, timeout: float, http: Any) -> PlainPost | None:
 
 
 class PlainPost:
-    """POSTs to one URL over HTTP/1.1 (``http.client``), each connection kept for the next call (any thread's) when
+    """POSTs to one URL over HTTP/1.1 (models/_http1.py), each connection kept for the next call (any thread's) when
     the answer allows."""
 
     def __init__(self, url: str, headers: dict[str, str], timeout: float, http_lib: Any) -> None:
@@ -116,87 +120,84 @@ class PlainPost:
         self.http = http_lib  # the SDK's httpx (or httpx2): the request and response its errors carry
         self.url = url
         self.host, self.port = parts.hostname or "", parts.port or 80
-        self.path = parts.path or "/"
         self.timeout = timeout
-        # http.client adds Content-Length; Host and Accept-Encoding given here are not added twice
-        self.headers = {"Host": parts.netloc, "Accept-Encoding": "gzip, deflate", "Connection": "keep-alive",
-                        **headers}
-        self.idle: deque[http.client.HTTPConnection] = deque()
+        sent = {"Host": parts.netloc, "Accept-Encoding": "gzip, deflate", "Connection": "keep-alive", **headers}
+        # the request's head is the same for every call but its length: built once
+        lines = [f"POST {parts.path or '/'} HTTP/1.1", *(f"{k}: {v}" for k, v in sent.items()), "Content-Length: "]
+        self.start = "\r\n".join(lines).encode("ascii")
+        self.idle: deque[Connection] = deque()
         _pools.append(self)
 
     def post(self, body: bytes) -> Reply:
         """The answer to ``body``; the SDK's ``APITimeoutError`` or ``APIConnectionError`` when there is none, its
         status error for a status ≥ 400, :class:`Redirected` for a 3xx."""
-        conn, answer = self.open(body)
-        return self.read(conn, answer)
+        conn, head = self.open(body)
+        return self.read(conn, head)
 
-    def open(self, body: bytes, on_socket: Any = None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    def open(self, body: bytes, on_socket: Any = None) -> tuple[Connection, Head]:
         """Send ``body`` and wait for the answer's status and headers only (a streamed answer's body is read by the
         caller, then handed back with :meth:`finish`); ``on_socket(sock)`` is told the connection's socket before
         the request goes out (the watchdog cuts it on a Stop).  The errors of :meth:`post`; a status ≥ 300 is read
         whole and raised here as there."""
         conn = self._connection()
-        answer: http.client.HTTPResponse | None = None
+        head: Head | None = None
         try:
             with self._sdk_errors():
                 if conn is None:
-                    conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-                    conn.connect()
+                    conn = Connection.to(self.host, self.port, self.timeout)
                 if on_socket is not None:
                     on_socket(conn.sock)
-                conn.request("POST", self.path, body=body, headers=self.headers)
-                answer = conn.getresponse()
+                conn.sock.sendall(b"%s%d\r\n\r\n%s" % (self.start, len(body), body))
+                head = conn.head()
         finally:
-            if answer is None and conn is not None:
+            if head is None and conn is not None:
                 conn.close()  # a failed or cut off (Ctrl-C) exchange leaves nothing to reuse
-        if answer.status >= 300:
-            reply = self.read(conn, answer)
+        if head.status >= 300:
+            reply = self.read(conn, head)
             if reply.status_code >= 400:
                 raise status_error(reply, self.request(), self.http)
             raise Redirected(reply.headers.get("location", ""))
-        return conn, answer
+        return conn, head
 
-    def read(self, conn: http.client.HTTPConnection, answer: http.client.HTTPResponse) -> Reply:
-        """The rest of ``answer``, whole and decoded; its connection kept for the next call or closed."""
+    def read(self, conn: Connection, head: Head) -> Reply:
+        """The rest of the answer of ``head``, whole and decoded; its connection kept for the next call or closed."""
         try:
             with self._sdk_errors():
-                content = answer.read()
-                headers = _headers(answer)
-                reply = Reply(answer.status, headers, _decoded(content, headers.get("content-encoding", "")))
+                content = conn.body(head)
+                reply = Reply(head.status, head.headers, _decoded(content, head.get("content-encoding")))
         except BaseException:
             conn.close()  # cut off in the middle of the body (or it does not decode): nothing to reuse
             raise
-        self.finish(conn, answer)
+        self.finish(conn, head)
         return reply
 
     @contextlib.contextmanager
     def _sdk_errors(self) -> Iterator[None]:
-        """A failed exchange as the SDK's ``APITimeoutError`` or ``APIConnectionError`` (ValueError: a chunk size
-        that is not hexadecimal)."""
+        """A failed exchange as the SDK's ``APITimeoutError`` or ``APIConnectionError``."""
         import openai
 
         try:
             yield
         except TimeoutError:
             raise openai.APITimeoutError(request=self.request()) from None
-        except (OSError, ValueError, http.client.HTTPException):
+        except (OSError, ValueError, BodyBroken):
             raise openai.APIConnectionError(request=self.request()) from None
 
-    def finish(self, conn: http.client.HTTPConnection, answer: http.client.HTTPResponse) -> None:
-        """Keep ``conn`` for the next call when ``answer`` was read to its end and the server keeps it open."""
-        if answer.isclosed() and not answer.will_close and conn.sock is not None and len(self.idle) < KEEP_IDLE:
+    def finish(self, conn: Connection, head: Head) -> None:
+        """Keep ``conn`` for the next call when ``head``'s answer was read to its end and the server keeps it open."""
+        if conn.reusable(head) and len(self.idle) < KEEP_IDLE:
             self.idle.append(conn)
         else:
             conn.close()
 
-    def _connection(self) -> http.client.HTTPConnection | None:
+    def _connection(self) -> Connection | None:
         """An idle connection the server has not closed meanwhile, or None (a new one is opened)."""
         while True:
             try:
                 conn = self.idle.pop()
             except IndexError:
                 return None
-            if conn.sock is not None and not _readable(conn.sock):
+            if not _readable(conn.sock):
                 return conn
             conn.close()  # closed by the server (or bytes nobody asked for): not reusable
 
@@ -217,19 +218,10 @@ def _readable(sock: socket.socket) -> bool:
         return True
 
 
-def _headers(answer: http.client.HTTPResponse) -> dict[str, str]:
-    """The answer's headers, names in lower case, a repeated one joined with commas (as httpx reads them)."""
-    headers: dict[str, str] = {}
-    for name, value in answer.getheaders():
-        name = name.lower()
-        headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    return headers
-
-
-def body_chunks(answer: http.client.HTTPResponse) -> Iterator[bytes]:
-    """A streamed answer's body as it arrives (unchunked by ``http.client``; gzip or deflate undone as it comes)."""
-    undo = _undoer(answer.getheader("content-encoding"))
-    while data := answer.read1(65536):
+def body_chunks(conn: Connection, head: Head) -> Iterator[bytes]:
+    """A streamed answer's body as it arrives (unchunked; gzip or deflate undone as it comes)."""
+    undo = _undoer(head.get("content-encoding"))
+    for data in conn.chunks(head):
         if undo is not None:
             data = undo(data)
         if data:
@@ -266,7 +258,7 @@ def _undoer(encoding: str | None) -> Callable[[bytes], bytes] | None:
     return undo
 
 
-_COMPRESSED = ("gzip", "x-gzip", "deflate")  # the content encodings http.client leaves to its caller
+_COMPRESSED = ("gzip", "x-gzip", "deflate")  # the content encodings undone here
 
 
 def _wbits(encoding: str, head: bytes) -> int:
@@ -276,14 +268,14 @@ def _wbits(encoding: str, head: bytes) -> int:
 
 
 def _decoded(content: bytes, encoding: str) -> bytes:
-    """The body as sent before its content encoding (http.client leaves gzip and deflate to its caller)."""
+    """The body as sent before its content encoding (gzip or deflate)."""
     encoding = encoding.strip().lower()
     if encoding not in _COMPRESSED or not content:
         return content
     try:
         return zlib.decompress(content, _wbits(encoding, content))
     except zlib.error:
-        raise http.client.HTTPException(f"the {encoding} body does not decode") from None
+        raise BodyBroken(f"the {encoding} body does not decode") from None
 
 
 def status_error(reply: Reply, request: Any, http: Any) -> Exception:

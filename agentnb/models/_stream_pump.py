@@ -5,8 +5,8 @@ own thread, each chunk wakes that thread: a context switch and a turn at the GIL
 more than the events' decoding and took a fifth of a batch's throughput (benchmarks/README.md, "Streamed
 answers").  :data:`PUMP` is one thread with a selector over the sockets of every streamed answer on a plain
 connection (models/_plain_http.py) that no live view watches: it reads whatever has come on each, undoes the
-chunked framing (:class:`Unchunker`) and hands the body's bytes to the call's sink (the event decoding and the
-:class:`~agentnb.models.openai_stream.Assembly`), in its own thread; the call's thread sleeps until the answer's
+chunked framing (models/_http1.py's ``Unchunker``) and hands the body's bytes to the call's sink (the event
+decoding and the :class:`~agentnb.models.openai_stream.Assembly`), in its own thread; the call's thread sleeps until the answer's
 end.  Under load one wake-up of the pump takes the events of several answers.
 
 Everything else stays with the call's thread and the watchdog: a Stop or a stall shuts the socket down, which the
@@ -25,78 +25,13 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 
-__all__ = ["PUMP", "BodyBroken", "Pump", "Unchunker"]
+from ._http1 import BodyBroken, Unchunker
+
+__all__ = ["PUMP", "Pump"]
 
 # streamed answers already being read in the process from which the next one is read by the pump: below it a call's
 # own thread reads it for less (benchmarks/README.md, "Streamed answers")
 CROWD = 3
-# the largest chunk-size line (with its extensions) read before the framing is called broken
-MAX_CHUNK_LINE = 4096
-
-
-class BodyBroken(Exception):
-    """The connection failed or closed, or the chunked framing is broken, before the body's end."""
-
-
-class Unchunker:
-    """A ``transfer-encoding: chunked`` body's framing undone as its bytes arrive, cut anywhere: :meth:`feed`
-    returns the body's bytes in what it is given; at the last chunk's end (after its trailer lines, which are
-    dropped, as httpx drops them) ``ended`` is set and any bytes after it are in ``extra``.  ``owed``: bytes of
-    the CRLF after a chunk's data that are still to come (a body taken over in the middle)."""
-
-    __slots__ = ("crlf", "ended", "extra", "held", "left", "trailer")
-
-    def __init__(self, owed: int = 0) -> None:
-        self.held = b""  # the start of a chunk-size (or trailer) line whose end has not come yet
-        self.left = 0  # data bytes of the current chunk still to come
-        self.crlf = owed
-        self.trailer = False  # after the last chunk (size 0): trailer lines until an empty one
-        self.ended = False
-        self.extra = b""
-
-    def feed(self, data: bytes) -> bytes:
-        buf = self.held + data if self.held else data
-        self.held = b""
-        pos, end, out = 0, len(buf), []
-        while pos < end:
-            if self.left:
-                n = min(self.left, end - pos)
-                out.append(buf[pos:pos + n] if n != end else buf)
-                pos += n
-                self.left -= n
-                self.crlf = 0 if self.left else 2
-                continue
-            if self.crlf:
-                n = min(self.crlf, end - pos)
-                if buf[pos:pos + n] != b"\r\n"[2 - self.crlf:2 - self.crlf + n]:
-                    raise BodyBroken(f"malformed chunked body: no CRLF after a chunk: {buf[pos:pos + 8]!r}")
-                pos += n
-                self.crlf -= n
-                continue
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                if end - pos > MAX_CHUNK_LINE:
-                    raise BodyBroken("malformed chunked body: a chunk-size line too long")
-                self.held = buf[pos:]
-                break
-            line = buf[pos:eol]
-            pos = eol + 2
-            if self.trailer:
-                if line:
-                    continue  # a trailer field
-                self.ended = True
-                self.extra = buf[pos:]
-                break
-            try:
-                size = int(line.split(b";", 1)[0], 16)
-            except ValueError:
-                size = -1
-            if size < 0:
-                raise BodyBroken(f"malformed chunked body: a chunk-size line {line[:40]!r}")
-            self.trailer = size == 0
-            self.left = size
-        return out[0] if len(out) == 1 else b"".join(out)
-
 
 Sink = Callable[[bytes], bool]  # takes the body's bytes as they come; True: read no more
 

@@ -38,7 +38,7 @@ def resolve_model(spec: str, *, store: Store | None = None, retries: int | None 
     if kind == "scripted" and rest:
         return ScriptedModel(rest, spec=spec, epoch=epoch)
     if kind == "openai" and rest:
-        from .openai import OpenAIModel  # http.client, ssl: only a process that calls an endpoint pays them
+        from .openai import OpenAIModel  # the openai SDK, ssl: only a process that calls an endpoint pays them
 
         return OpenAIModel(rest, max_retries=retries, max_backoff=max_backoff, stream=stream)
     if kind == "replay" and rest:

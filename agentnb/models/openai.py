@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import random
@@ -17,8 +16,8 @@ from typing import Any
 from .._secrets import register_secret, scrub
 from ..errors import CallCancelled, ModelSpecError
 from . import _stream_pump
+from ._http1 import BodyBroken, Connection, Head
 from ._plain_http import PlainPost, Redirected, body_chunks, encode_body, inflating, plain_post_for
-from ._stream_pump import BodyBroken
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
 from .openai_stream import WATCHDOG, Assembly, BodyTimeout, SSEDecoder, Watch, chunked_body, track_sockets
@@ -259,11 +258,11 @@ class OpenAIModel:
                 plain = self._plain
                 http: Any
                 if plain is not None and streaming and watch is not None:  # the answer's body is read as it comes
-                    conn, answer = plain.open(encode_body(kwargs), watch.set_socket)
+                    conn, head = plain.open(encode_body(kwargs), watch.set_socket)
                     answered = True
-                    if (answer.getheader("content-type") or "").split(";")[0].strip().lower() == "text/event-stream":
-                        return self._read_plain_stream(plain, conn, answer, request, started, watch)
-                    http = plain.read(conn, answer)  # the endpoint ignores `stream`: its answer is a whole one
+                    if head.get("content-type").split(";")[0].strip().lower() == "text/event-stream":
+                        return self._read_plain_stream(plain, conn, head, request, started, watch)
+                    http = plain.read(conn, head)  # the endpoint ignores `stream`: its answer is a whole one
                     streaming = self._refused(kwargs, "it answered "
                                               f"{http.headers.get('content-type') or 'no content type'}, not text/event-stream")
                     return _parse_completion(http, request)
@@ -358,41 +357,35 @@ class OpenAIModel:
                               timeouts=(http_errors.TimeoutException, BodyTimeout),
                               broken=(http_errors.TransportError, BodyBroken))
 
-    def _read_plain_stream(self, plain: PlainPost, conn: Any, answer: Any, request: ModelRequest, started: float,
-                           watch: Watch) -> ModelResponse:
+    def _read_plain_stream(self, plain: PlainPost, conn: Connection, head: Head, request: ModelRequest,
+                           started: float, watch: Watch) -> ModelResponse:
         """:meth:`_read_stream` of an answer on a plain connection (models/_plain_http.py); the connection is kept
         for the next call when it was read to its end.  A chunked answer nobody watches (no ``on_delta``) is read
-        by the process's stream pump (models/_stream_pump.py says why) when its connection stays open, any other by
-        ``http.client`` in this thread."""
+        by the process's stream pump (models/_stream_pump.py says why) when its connection stays open, any other in
+        this thread."""
         with _stream_pump.PUMP.reading() as crowded:
-            return self._read_plain_answer(plain, conn, answer, request, started, watch, crowded)
+            return self._read_plain_answer(plain, conn, head, request, started, watch, crowded)
 
-    def _read_plain_answer(self, plain: PlainPost, conn: Any, answer: Any, request: ModelRequest, started: float,
-                           watch: Watch, crowded: bool) -> ModelResponse:
+    def _read_plain_answer(self, plain: PlainPost, conn: Connection, head: Head, request: ModelRequest,
+                           started: float, watch: Watch, crowded: bool) -> ModelResponse:
         watch.timeout = self.read_timeout
         watch.touch()
-        broken = (OSError, ValueError, http.client.HTTPException, zlib.error, BodyBroken)
-        sock = conn.sock  # None when the answer ends the connection: http.client let go of it
-        if not crowded or request.on_delta is not None or not answer.chunked or sock is None:
-            return self._assemble(_reading(_touching(body_chunks(answer), watch)), request, started, watch,
-                                  plain.request(), lambda: plain.finish(conn, answer), timeouts=(TimeoutError,),
+        broken = (OSError, ValueError, zlib.error, BodyBroken)
+        if not crowded or request.on_delta is not None or not head.chunked or not head.keep:
+            return self._assemble(_reading(_touching(body_chunks(conn, head), watch)), request, started, watch,
+                                  plain.request(), lambda: plain.finish(conn, head), timeouts=(TimeoutError,),
                                   broken=broken)
-        kept = False
+        sock = conn.sock
 
         def pumped(take: Callable[[bytes], bool]) -> None:
-            nonlocal kept
-            sock.setblocking(False)  # as the pump reads it; and the peek below takes only what is there
-            head = answer.fp.peek(65536)  # what came with the headers
-            head = answer.fp.read(len(head)) if head else b""
-            kept = _stream_pump.PUMP.read(sock, head, inflating(take, answer.getheader("content-encoding")), watch.touch)
+            sock.setblocking(False)  # as the pump reads it
+            head.ended = _stream_pump.PUMP.read(sock, conn.taken(), inflating(take, head.get("content-encoding")),
+                                                watch.touch)
 
         def close() -> None:
-            if kept:
-                sock.settimeout(plain.timeout)
-                answer.close()  # the response only: the connection's socket stays open for the next call
-                plain.finish(conn, answer)
-            else:
-                conn.close()
+            if head.ended:
+                sock.settimeout(plain.timeout)  # blocking again, for the next call
+            plain.finish(conn, head)
 
         return self._assemble(pumped, request, started, watch, plain.request(), close, timeouts=(TimeoutError,),
                               broken=broken)

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ._stream_pump import BodyBroken, Unchunker
+from ._http1 import BodyBroken, Unchunker
 from .base import ModelError
 from .messages import Delta
 
