@@ -118,7 +118,7 @@ class Head:
         elif "content-length" in headers:
             sizes = {v.strip() for v in headers["content-length"].split(",")}
             size = sizes.pop() if len(sizes) == 1 else ""
-            if not size.isdigit():
+            if not (size.isascii() and size.isdigit()):  # isdigit alone takes "²", which int() refuses
                 raise BodyBroken(f"the answer's content-length is not a number: {headers['content-length'][:40]!r}")
             self.length = int(size)
         tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
