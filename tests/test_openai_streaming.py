@@ -22,7 +22,7 @@ from agentnb.events import payload_dict
 from agentnb.models.base import ModelRequest
 from agentnb.models.messages import Delta, UserMessage
 from agentnb.models.openai import OpenAIModel, forget_refusals
-from agentnb.models.openai_stream import sse_data
+from agentnb.models.openai_stream import SSEDecoder
 from agentnb.models.ratelimit import gate_for
 from agentnb.store import reads
 from agentnb.store.base import STOP_CUT_REASON
@@ -408,13 +408,19 @@ def test_stop_during_the_wait_before_a_retry_ends_it_at_once(ws: Workspace, piec
     assert len(srv.received) == 1 + len(ANSWERS)
 
 
+def _events_in(chunks: list[bytes]) -> list[bytes]:
+    """The data of each event in ``chunks``, fed to one decoder as they would arrive, then its end."""
+    decoder = SSEDecoder()
+    return [d for chunk in chunks for d in decoder.feed(chunk)] + decoder.end()
+
+
 @pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"])
 def test_server_sent_events_are_read_however_the_bytes_are_cut(end: bytes) -> None:
     stream = end.join([b": a comment", b"event: message", b'data: {"a": "\xc3\xa9"}', b"", b"data:first", b"data",
                        b"data:  two spaces", b"id: 7", b"", b"event: no data", b"", b"data: [DONE]", b"", b""])
     want = [b'{"a": "\xc3\xa9"}', b"first\n\n two spaces", b"[DONE]"]
-    assert list(sse_data([stream])) == want
+    assert list(_events_in([stream])) == want
     for cut in range(1, len(stream)):  # one cut anywhere: inside a line, a UTF-8 character or a CRLF
-        assert list(sse_data([stream[:cut], stream[cut:]])) == want, cut
-    assert list(sse_data([bytes([b]) for b in stream])) == want  # a byte at a time
-    assert list(sse_data([stream[:-len(end) * 2] + end])) == want[:2]  # an event the stream did not end is dropped
+        assert list(_events_in([stream[:cut], stream[cut:]])) == want, cut
+    assert list(_events_in([bytes([b]) for b in stream])) == want  # a byte at a time
+    assert list(_events_in([stream[:-len(end) * 2] + end])) == want[:2]  # an event the stream did not end is dropped

@@ -340,7 +340,7 @@ class OpenAIModel:
         response a whole answer gives.  The stream is closed however it ends: at its end, on a fault, on the
         job's Stop (:class:`CallCancelled`) and on Ctrl-C.
 
-        The events are split and decoded here (``sse_data``, ``json.loads`` into plain dicts), not by the SDK's
+        The events are split and decoded here (``SSEDecoder``, ``json.loads`` into plain dicts), not by the SDK's
         ``Stream``: that costs a regex, a str and an object per line, and it closes the response at ``[DONE]``
         before the chunked body's end is read, so every streamed call lost its keep-alive connection and the next
         one opened a new one.  Reading to the body's end gives the connection back to the pool."""

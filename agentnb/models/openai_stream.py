@@ -6,7 +6,7 @@ first, then argument fragments, several calls interleaved; usage in the last chu
 non-streamed answer holds, so ``models/openai.py`` builds the response from it with the code that reads a whole
 answer, and the stored ``llm_response`` is the same either way.
 
-:func:`sse_data` splits the event stream's bytes into each event's data, more cheaply than the SDK's decoder;
+:class:`SSEDecoder` splits the event stream's bytes into each event's data, more cheaply than the SDK's decoder;
 :func:`chunked_body` reads a chunked HTTP/1.1 body straight from its connection, below httpx's per-chunk machinery.
 
 The model's thread reads the stream; while it is blocked in a read, only another thread can end that read at
@@ -25,14 +25,14 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._http1 import BodyBroken, Unchunker
 from .base import ModelError
 from .messages import Delta
 
-__all__ = ["WATCHDOG", "Assembly", "BodyBroken", "BodyTimeout", "SSEDecoder", "Watch", "Watchdog", "chunked_body", "sse_data",
+__all__ = ["WATCHDOG", "Assembly", "BodyBroken", "BodyTimeout", "SSEDecoder", "Watch", "Watchdog", "chunked_body",
            "track_sockets"]
 
 # how often the watchdog looks at the open streams: a Stop cuts a stream off within about this
@@ -226,14 +226,6 @@ class SSEDecoder:
         if self.held and data and b"".join(self.held).splitlines(True)[-1] == b"\r":
             return [data[0] if len(data) == 1 else b"\n".join(data)]
         return []
-
-
-def sse_data(chunks: Iterable[bytes]) -> Iterator[bytes]:
-    """The data of each server-sent event in ``chunks`` (bytes as they arrive, cut anywhere): :class:`SSEDecoder`."""
-    decoder = SSEDecoder()
-    for chunk in chunks:
-        yield from decoder.feed(chunk)
-    yield from decoder.end()
 
 
 class BodyTimeout(Exception):
