@@ -22,7 +22,7 @@ from agentnb.events import payload_dict
 from agentnb.models.base import ModelRequest
 from agentnb.models.messages import Delta, UserMessage
 from agentnb.models.openai import OpenAIModel, forget_refusals
-from agentnb.models.openai_stream import SSEDecoder
+from agentnb.models.openai_stream import SSEDecoder, decode_all
 from agentnb.models.ratelimit import gate_for
 from agentnb.store import reads
 from agentnb.store.base import STOP_CUT_REASON
@@ -158,6 +158,19 @@ def test_a_stall_between_chunks_is_retried_like_a_timeout(ws: Workspace, piece: 
     assert time.monotonic() - started < 20  # the stalled stream was given up after its read timeout
     assert len(srv.received) == len(ANSWERS) + 1
     assert not ws.events(job, kinds=["error"])
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_ttft_is_when_the_first_fragment_came_not_when_the_answer_ended(ws: Workspace, piece: Path, chunked: bool,
+                                                                        loopback: Callable[..., OpenAIServer]) -> None:
+    # unwatched, the events are decoded only at the answer's end: the first fragment keeps the time it arrived
+    srv = loopback(chunked=chunked)
+    srv.play(midway("stall", after=3, seconds=0.6), *(a() for a in ANSWERS[1:]))
+    job = _run(ws, piece, "openai:m")
+    first = ws.events(job, kinds=["llm_response"])[0]
+    assert first.content.startswith("A long answer that streams")
+    assert first.latency_s >= 0.6
+    assert first.ttft_s < 0.3
 
 
 def test_a_stall_on_every_try_fails_the_job_with_one_line(ws: Workspace, piece: Path,
@@ -424,3 +437,18 @@ def test_server_sent_events_are_read_however_the_bytes_are_cut(end: bytes) -> No
         assert list(_events_in([stream[:cut], stream[cut:]])) == want, cut
     assert list(_events_in([bytes([b]) for b in stream])) == want  # a byte at a time
     assert list(_events_in([stream[:-len(end) * 2] + end])) == want[:2]  # an event the stream did not end is dropped
+
+
+@pytest.mark.parametrize(("data", "want"), [
+    ([b'{"a": 1}', b' [2, "\xc3\xa9"] ', b"null"], [{"a": 1}, [2, "é"], None]),
+    ([], []),
+    ([b'{"a": 1}', b"1, 2", b"{}"], None),  # two values in one event, even if their count would match below
+    ([b"1, 2", b""], None),
+    ([b'{"a": 1', b"}"], None),  # one value across two events
+    ([b'{"a": 1}', b"not json"], None),
+    ([b"\xff"], None),
+])
+def test_the_events_of_an_unwatched_answer_are_decoded_in_one_parse_or_not_at_all(data: list[bytes],
+                                                                                  want: list[Any] | None) -> None:
+    # None sends the caller to decode them one by one, which names the malformed one as a parse per event did
+    assert decode_all(data) == want

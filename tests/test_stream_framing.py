@@ -63,6 +63,7 @@ def test_the_end_is_seen_with_what_came_after_it() -> None:
     (b"f" * 5000, "a chunk-size line too long"),
 ])
 def test_broken_framing_is_refused_in_one_line(framed: bytes, why: str) -> None:
-    with pytest.raises(BodyBroken) as caught:
-        _feed([framed[:3], framed[3:]])
-    assert why in str(caught.value) and "\n" not in str(caught.value)
+    for pieces in ([framed[:3], framed[3:]], [framed]):  # cut, or whole (a whole chunk is taken in one turn)
+        with pytest.raises(BodyBroken) as caught:
+            _feed(pieces)
+        assert why in str(caught.value) and "\n" not in str(caught.value)

@@ -91,6 +91,10 @@ class Unchunker:
             if size < 0:
                 raise BodyBroken(f"malformed chunked body: a chunk-size line {line[:40]!r}")
             self.trailer = size == 0
+            if size and buf[pos + size:pos + size + 2] == b"\r\n":  # the whole chunk is here: one turn, not three
+                out.append(buf[pos:pos + size])
+                pos += size + 2
+                continue
             self.left = size
         return out[0] if len(out) == 1 else b"".join(out)
 

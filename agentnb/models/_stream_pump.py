@@ -5,9 +5,10 @@ own thread, each chunk wakes that thread: a context switch and a turn at the GIL
 more than the events' decoding and took a fifth of a batch's throughput (benchmarks/README.md, "Streamed
 answers").  :data:`PUMP` is one thread with a selector over the sockets of every streamed answer on a plain
 connection (models/_plain_http.py) that no live view watches: it reads whatever has come on each, undoes the
-chunked framing (models/_http1.py's ``Unchunker``) and hands the body's bytes to the call's sink (the event
-decoding and the :class:`~agentnb.models.openai_stream.Assembly`), in its own thread; the call's thread sleeps until the answer's
-end.  Under load one wake-up of the pump takes the events of several answers.
+chunked framing (models/_http1.py's ``Unchunker``) and hands the body's bytes to the call's sink (which splits
+the events and keeps them, with their arrival times, for the call's thread to decode at the end:
+``OpenAIModel._assemble``), in its own thread; the call's thread sleeps until the answer's end.  Under load one
+wake-up of the pump takes the events of several answers.
 
 Everything else stays with the call's thread and the watchdog: a Stop or a stall shuts the socket down, which the
 pump reads as the connection's end; what the sink raises (a malformed chunk, an error in the stream) is raised in

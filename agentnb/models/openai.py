@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ from ._http1 import BodyBroken, Connection, Head
 from ._plain_http import PlainPost, Redirected, body_chunks, encode_body, inflating, plain_post_for
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
-from .openai_stream import WATCHDOG, Assembly, BodyTimeout, SSEDecoder, Watch, chunked_body, track_sockets
+from .openai_stream import WATCHDOG, Assembly, BodyTimeout, SSEDecoder, Watch, chunked_body, decode_all, track_sockets
 from .ratelimit import gate_for
 
 __all__ = ["OpenAIModel", "forget_refusals", "pause", "shared_client", "wire_message", "wire_messages"]
@@ -403,8 +404,37 @@ class OpenAIModel:
         cancel = request.cancel
         events = SSEDecoder()
         done = False
+        # nobody watches: each event's data is kept with the time it came and decoded at the stream's end, all in
+        # one parse (settle), so a read costs a line split and an append where a parse per event cost its calls
+        held: list[tuple[bytes, float]] | None = [] if request.on_delta is None else None
 
-        def event(data: bytes) -> bool:
+        def add(chunk: Any, at: float | None) -> None:
+            if isinstance(chunk, dict) and chunk.get("error"):
+                # an error object in the stream (the server failed mid-answer): retried like a 5xx
+                raise StreamBroken(f"an error in the middle of the stream: {_snippet(_error_text(chunk), 120)}")
+            acc.add(chunk, at)
+
+        def decode(data: bytes, at: float | None) -> None:
+            try:
+                chunk = json.loads(data)
+            except ValueError as exc:
+                raise ModelError(f"{self.spec}: malformed stream chunk: {exc}") from None
+            add(chunk, at)
+
+        def settle() -> None:
+            """The events kept so far decoded, in the order they came, with what decoding each as it came raised."""
+            if not held:
+                return
+            kept = held[:]
+            held.clear()
+            values = decode_all([data for data, _ in kept])
+            for i, (data, at) in enumerate(kept):
+                if values is None:  # one of them is malformed: one by one, to name it
+                    decode(data, at)
+                else:
+                    add(values[i], at)
+
+        def event(data: bytes, at: float) -> bool:
             nonlocal done
             if done:
                 return False  # after [DONE]: read on to the body's end only, so the connection can be kept
@@ -412,33 +442,34 @@ class OpenAIModel:
                 done = True
                 watch.timeout = min(watch.timeout, DRAIN_S)  # a server that leaves the body open is not waited on
                 return False
-            try:
-                chunk = json.loads(data)
-            except ValueError as exc:
-                raise ModelError(f"{self.spec}: malformed stream chunk: {exc}") from None
-            if isinstance(chunk, dict) and chunk.get("error"):
-                # an error object in the stream (the server failed mid-answer): retried like a 5xx
-                raise StreamBroken(f"an error in the middle of the stream: {_snippet(_error_text(chunk), 120)}")
-            acc.add(chunk)
+            if held is None:
+                decode(data, None)
+            else:
+                held.append((data, at))
+                if b'"error"' in data:
+                    settle()  # it may be an error object: the read stops at it, as when each event is decoded as it comes
             return cancel is not None and cancel.is_set()
 
         def take(data: bytes) -> bool:
-            return any(event(d) for d in events.feed(data))
+            at = time.perf_counter()
+            return any(event(d, at) for d in events.feed(data))
 
+        failed: Callable[[], BaseException] | None = None
         try:
             read(take)
             if not (cancel is not None and cancel.is_set()):
                 for data in events.end():
-                    event(data)
+                    event(data, time.perf_counter())
         except timeouts:
-            if watch.why is None and not done:
-                raise openai.APITimeoutError(request=sent) from None
+            failed = functools.partial(openai.APITimeoutError, request=sent)
         except broken:
-            if watch.why is None and not done:
-                raise openai.APIConnectionError(request=sent) from None
+            failed = functools.partial(openai.APIConnectionError, request=sent)
         finally:
             WATCHDOG.done(watch)
             close()
+        settle()  # what came before the stream's end or failure, which a malformed chunk there would have ended
+        if failed is not None and watch.why is None and not done:
+            raise failed()
         if watch.why == "cancelled" or (cancel is not None and cancel.is_set()):
             text, arguments = acc.partial()
             raise CallCancelled(partial_text=text, partial_arguments=arguments)
