@@ -314,7 +314,12 @@ def test_a_streamed_answer_whose_framing_breaks_midway_is_a_connection_error_and
     assert "APIConnectionError: Connection error." in str(caught.value)
 
 
-def test_many_streamed_calls_at_once_are_read_by_one_thread(loopback: Callable[..., OpenAIServer]) -> None:
+@pytest.mark.parametrize("busy", [100, 0], ids=["each-read-at-once", "paced"])
+def test_many_streamed_calls_at_once_are_read_by_one_thread(loopback: Callable[..., OpenAIServer], busy: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentnb.models import _stream_pump
+
+    monkeypatch.setattr(_stream_pump, "BUSY", busy)  # paced: the pump takes what came every PACE_S at most
     server = loopback(KEY, chunked=True, chunk_chars=2, actions=[reply(f"answer number {i} ✓") for i in range(24)])
     model = _streaming(server.base_url)
     got: list[str] = []
