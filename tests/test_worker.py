@@ -146,10 +146,13 @@ def test_the_listing_leaves_out_what_leads_outside_the_work_directory(ws: Worksp
     os.symlink(outside, project / "input")  # the whole input/ leads out
     os.symlink(outside / "outside-name.txt", project / "output" / "linked.txt")
     (project / "output" / "own.txt").write_text("mine", encoding="utf-8")
+    os.symlink("own.txt", project / "output" / "again.txt")  # a link that stays inside is listed, its target's size
+    os.symlink("nowhere.txt", project / "output" / "dangling.txt")
+    os.symlink(outside, project / "output" / "folder")  # a linked folder is not entered
     spec = write_script(tmp_path, "script", responses=[transition("second"), transition("COMPLETE")])
     job = ws.run(ws.submit("Look", piece=write_piece(tmp_path, "piece", TWO_STEPS), model=spec, workdir=project))
     user = _starts(ws, job)[0]["user"]
-    assert "## Workspace files\ninput/\n  (empty)\noutput/\n  - own.txt (4 bytes)\n" in user
+    assert "## Workspace files\ninput/\n  (empty)\noutput/\n  - again.txt (4 bytes)\n  - own.txt (4 bytes)\n" in user
     assert "outside-name" not in user and "linked.txt" not in user
 
 

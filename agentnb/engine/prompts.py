@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -135,8 +136,9 @@ def build_enriched_instruction(
     if comments:
         blocks.append(_comment_block(comments, total_comments, language))
     files = [text(language, "workspace")]
-    files += _listing(workdir / "input", "input", language)
-    files += _listing(workdir / "output", "output", language)
+    root = os.path.realpath(workdir)
+    files += _listing(workdir / "input", "input", language, root)
+    files += _listing(workdir / "output", "output", language, root)
     blocks.append("\n".join(files))
     blocks.append(f"{text(language, 'task')}\n{instruction}")
     return "\n\n".join(blocks)
@@ -180,27 +182,27 @@ def _comment_block(comments: Sequence[CommentRecord], total: int, language: str)
     return "\n".join(lines)
 
 
-def _listing(folder: Path, label: str, language: str) -> list[str]:
+def _listing(folder: Path, label: str, language: str, root: str) -> list[str]:
+    """``folder``'s files, names and sizes; ``root``: the work directory, resolved."""
     lines = [f"{label}/"]
     entries: list[tuple[str, int]] = []
-    # what the tools cannot reach is not listed either: a linked input/ (or a link in it) that leads
-    # out of the work directory would show the names of outside files
-    root = os.path.realpath(folder.parent)
-
-    def inside(p: Path) -> bool:
-        return os.path.realpath(p).startswith(root + os.sep)
-
-    if folder.is_dir() and inside(folder):
+    # what the tools cannot reach is not listed either: a linked input/ (or a link in it) that leads out of the work
+    # directory would show the names of outside files.  Only links are resolved: os.walk enters no linked folder,
+    # so a file that is not a link, in a folder that is not one, is inside.
+    if folder.is_dir() and (not folder.is_symlink() or _inside(folder, root)):
         for dirpath, dirnames, filenames in os.walk(folder):
             dirnames.sort()
             for name in sorted(filenames):
                 p = Path(dirpath) / name
-                if not inside(p):
-                    continue
                 try:
-                    entries.append((p.relative_to(folder).as_posix(), p.stat().st_size))
+                    st = p.lstat()
+                    if stat.S_ISLNK(st.st_mode):
+                        if not _inside(p, root):
+                            continue
+                        st = p.stat()
                 except OSError:
                     continue
+                entries.append((p.relative_to(folder).as_posix(), st.st_size))
     if not entries:
         lines.append(f"  {text(language, 'empty')}")
     for rel, size in entries[:MAX_LISTED_FILES]:
@@ -208,6 +210,10 @@ def _listing(folder: Path, label: str, language: str) -> list[str]:
     if len(entries) > MAX_LISTED_FILES:
         lines.append("  " + text(language, "more_files", n=len(entries) - MAX_LISTED_FILES))
     return lines
+
+
+def _inside(p: Path, root: str) -> bool:
+    return os.path.realpath(p).startswith(root + os.sep)
 
 
 # -- a movement's user prompt ---------------------------------------------------------------------------
