@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -354,7 +353,7 @@ class OpenAIModel:
         body = None if encoded else chunked_body(http, watch)
         if body is None:
             body = _touching(http.iter_bytes() if encoded else http.stream, watch)
-        return self._assemble(_reading(body), request, started, watch, http.request, http.close,
+        return self._assemble(_reading(body), request, started, watch, lambda: http.request, http.close,
                               timeouts=(http_errors.TimeoutException, BodyTimeout),
                               broken=(http_errors.TransportError, BodyBroken))
 
@@ -374,7 +373,7 @@ class OpenAIModel:
         broken = (OSError, ValueError, zlib.error, BodyBroken)
         if not crowded or request.on_delta is not None or not head.chunked or not head.keep:
             return self._assemble(_reading(_touching(body_chunks(conn, head), watch)), request, started, watch,
-                                  plain.request(), lambda: plain.finish(conn, head), timeouts=(TimeoutError,),
+                                  plain.request, lambda: plain.finish(conn, head), timeouts=(TimeoutError,),
                                   broken=broken)
         sock = conn.sock
 
@@ -388,15 +387,16 @@ class OpenAIModel:
                 sock.settimeout(plain.timeout)  # blocking again, for the next call
             plain.finish(conn, head)
 
-        return self._assemble(pumped, request, started, watch, plain.request(), close, timeouts=(TimeoutError,),
+        return self._assemble(pumped, request, started, watch, plain.request, close, timeouts=(TimeoutError,),
                               broken=broken)
 
     def _assemble(self, read: Callable[[Callable[[bytes], bool]], None], request: ModelRequest, started: float,
-                  watch: Watch, sent: Any, close: Any, *, timeouts: tuple[type[BaseException], ...],
+                  watch: Watch, sent: Callable[[], Any], close: Any, *, timeouts: tuple[type[BaseException], ...],
                   broken: tuple[type[BaseException], ...]) -> ModelResponse:
         """The answer of a streamed body that ``read(take)`` hands to ``take`` (bytes as they come, until ``take``
         says True: stop), each fragment handed to ``request.on_delta``; ``close()`` however it ends; a read error
-        in ``timeouts``/``broken`` is the SDK's timeout/connection error (``sent``: the request they carry) unless
+        in ``timeouts``/``broken`` is the SDK's timeout/connection error (``sent()``: the request they carry, built
+        only then: an httpx request costs more than a streamed answer's parsing) unless
         the watchdog cut the stream off or its end had come."""
         import openai
 
@@ -454,22 +454,22 @@ class OpenAIModel:
             at = time.perf_counter()
             return any(event(d, at) for d in events.feed(data))
 
-        failed: Callable[[], BaseException] | None = None
+        failed: type[openai.APITimeoutError] | type[openai.APIConnectionError] | None = None
         try:
             read(take)
             if not (cancel is not None and cancel.is_set()):
                 for data in events.end():
                     event(data, time.perf_counter())
         except timeouts:
-            failed = functools.partial(openai.APITimeoutError, request=sent)
+            failed = openai.APITimeoutError
         except broken:
-            failed = functools.partial(openai.APIConnectionError, request=sent)
+            failed = openai.APIConnectionError
         finally:
             WATCHDOG.done(watch)
             close()
         settle()  # what came before the stream's end or failure, which a malformed chunk there would have ended
         if failed is not None and watch.why is None and not done:
-            raise failed()
+            raise failed(request=sent())
         if watch.why == "cancelled" or (cancel is not None and cancel.is_set()):
             text, arguments = acc.partial()
             raise CallCancelled(partial_text=text, partial_arguments=arguments)
