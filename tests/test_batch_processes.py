@@ -80,6 +80,7 @@ def test_a_batch_in_processes_runs_every_job_once_with_the_frame_of_one_process(
             b = ws.batch(cases, piece=piece, model=script, name=f"in-{n}", concurrency=6, processes=n,
                          progress=False, scorers={"right": right})
             assert b.last_run.processes == n
+            assert 0 < b.last_run.worker_cpu_s < 600  # each worker reported the CPU it used
             assert b.counts()["succeeded"] == b.counts()["jobs"] == 200
             assert sorted(b.last_run.statuses) == sorted(j.id for j in b.jobs)
             frame = b.frame
