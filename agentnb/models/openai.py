@@ -396,8 +396,7 @@ class OpenAIModel:
         """The answer of a streamed body that ``read(take)`` hands to ``take`` (bytes as they come, until ``take``
         says True: stop), each fragment handed to ``request.on_delta``; ``close()`` however it ends; a read error
         in ``timeouts``/``broken`` is the SDK's timeout/connection error (``sent()``: the request they carry, built
-        only then: an httpx request costs more than a streamed answer's parsing) unless
-        the watchdog cut the stream off or its end had come."""
+        only then) unless the watchdog cut the stream off or its end had come."""
         import openai
 
         acc = Assembly(self.spec, request.on_delta, started)
