@@ -99,6 +99,9 @@ class Subscription:
 _SUBSCRIBERS: dict[tuple[str, int | None], tuple[Subscription, ...]] = {}
 # channel → the subscriptions to some kinds of every job's events there (the same discipline)
 _PICKY: dict[str, tuple[Subscription, ...]] = {}
+# every kind any of them wants, on any channel: a transaction with none of these is let go at one set test, before
+# its store's channel (an absolute path) is worked out
+_PICKY_KINDS: frozenset[str] = frozenset()
 _LOCK = threading.Lock()
 
 
@@ -107,7 +110,7 @@ def subscribe(store: _Located, job_id: int | None, fn: Subscriber, *,
     """Call ``fn(item)`` for each event of job ``job_id`` (None: of every job) that ``store``'s channel commits from
     now on, and for each notice of it, until the subscription is closed.  With ``kinds`` (and ``job_id`` None):
     only the events of those kinds, and no notices."""
-    global _SUBSCRIBERS, _PICKY
+    global _SUBSCRIBERS
     if kinds is not None:
         if job_id is not None:
             raise ValueError("kinds= is for a subscription to every job (job_id None)")
@@ -115,7 +118,7 @@ def subscribe(store: _Located, job_id: int | None, fn: Subscriber, *,
         with _LOCK:
             picky = dict(_PICKY)
             picky[sub.key[0]] = (*picky.get(sub.key[0], ()), sub)
-            _PICKY = picky
+            _set_picky(picky)
         return sub
     sub = Subscription((channel(store), job_id), fn)
     with _LOCK:
@@ -125,8 +128,16 @@ def subscribe(store: _Located, job_id: int | None, fn: Subscriber, *,
     return sub
 
 
+def _set_picky(picky: dict[str, tuple[Subscription, ...]]) -> None:
+    """Replace the kind subscriptions (under _LOCK), the union of their kinds first: a publisher that reads the new
+    union with the old table only looks a little further."""
+    global _PICKY, _PICKY_KINDS
+    _PICKY_KINDS = frozenset(k for subs in picky.values() for sub in subs for k in sub.kinds or ())
+    _PICKY = picky
+
+
 def _unsubscribe(sub: Subscription) -> None:
-    global _SUBSCRIBERS, _PICKY
+    global _SUBSCRIBERS
     if sub.kinds is not None:
         with _LOCK:
             picky = dict(_PICKY)
@@ -135,7 +146,7 @@ def _unsubscribe(sub: Subscription) -> None:
                 picky[sub.key[0]] = rest
             else:
                 picky.pop(sub.key[0], None)
-            _PICKY = picky
+            _set_picky(picky)
         return
     with _LOCK:
         subs = dict(_SUBSCRIBERS)
@@ -164,10 +175,9 @@ def wants(store: _Located, job_ids: Iterable[int]) -> bool:
 def wants_rows(store: _Located, job_ids: Iterable[int], kinds: Iterable[str]) -> bool:
     """Whether anyone listens to events of ``job_ids`` (of these ``kinds``) on ``store``'s channel: a store asks it
     of a transaction's event rows."""
-    picky = _PICKY.get(channel(store), ()) if _PICKY else ()
-    if picky:
+    if _PICKY and not _PICKY_KINDS.isdisjoint(kinds):
         wanted = set(kinds)
-        if any(sub.kinds is not None and not sub.kinds.isdisjoint(wanted) for sub in picky):
+        if any(sub.kinds is not None and not sub.kinds.isdisjoint(wanted) for sub in _PICKY.get(channel(store), ())):
             return True
     return wants(store, job_ids)
 

@@ -275,3 +275,24 @@ def test_a_subscription_to_some_kinds_gets_only_those_events_and_no_notices(tmp_
         assert any(isinstance(i, Notice) for i in every.items)  # the engine's call_started: not for kinds=
         with pytest.raises(ValueError, match="every job"):
             live.subscribe(ws.store, job.id, picky, kinds=("transition",))
+
+
+def test_subscriptions_to_different_kinds_come_and_go_each_with_its_own_kinds(tmp_path: Path) -> None:
+    # the stores let a transaction go at one test of the kinds anyone wants: that set follows every subscribe/close
+    with Workspace(tmp_path / "ws") as ws:
+        piece, model = str(_piece(tmp_path)), _script(tmp_path)
+        ends, answers, tools = Received(), Received(), Received()
+        first = ws.submit("one", piece=piece, model=model)
+        with live.subscribe(ws.store, None, ends, kinds=("transition",)):
+            answer_sub = live.subscribe(ws.store, None, answers, kinds=("llm_response",))
+            assert ws.run(first).status == "succeeded"
+            answer_sub.close()
+            second = ws.submit("two", piece=piece, model=model)
+            assert ws.run(second).status == "succeeded"
+        third = ws.submit("three", piece=piece, model=model)
+        with live.subscribe(ws.store, None, tools, kinds=("tool_result",)):
+            assert ws.run(third).status == "succeeded"
+        assert [(e.kind, e.job_id) for e in ends.items] == [("transition", first.id), ("transition", second.id)]
+        stored = [e.id for e in ws.events(first, kinds=["llm_response"])]
+        assert stored and [e.id for e in answers.items] == stored  # the first job's answers only: closed before
+        assert {e.kind for e in tools.items} == {"tool_result"} and {e.job_id for e in tools.items} == {third.id}
