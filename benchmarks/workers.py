@@ -182,6 +182,10 @@ def _run(store: str, folder: Path, server: OpenAIServer, *, workers: int, concur
                      if ev.payload["status"] == "running")
     if set(claims.values()) != {1}:
         raise SystemExit("a job was claimed more than once")
+    # the workload is what it says: each job's Write wrote its note (a tool error would be a cheaper job)
+    failed = [j for j in ids for ev in ws.events(j, kinds=["tool_result"]) if ev.payload.get("is_error")]
+    if failed:
+        raise SystemExit(f"a tool call failed in {len(failed)} job(s), e.g. job {failed[0]}")
     calls = sum(len(ws.events(j, kinds=["llm_response"])) for j in ids)
     span = max(float(r.ended) for r in rows) - min(float(r.started) for r in rows)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime) - workers * startup
@@ -277,6 +281,7 @@ movements:
   - name: work
     instruction: Write the note, then finish.
     tools: [Write]
+    permission: edit
     rules:
       - {condition: done, next: COMPLETE}
 """
@@ -375,6 +380,10 @@ def _short_run(store: str, folder: Path, *, workers: int, jobs: int, backend: st
                      if ev.payload["status"] == "running")
     if set(claims.values()) != {1}:
         raise SystemExit("a job was claimed more than once")
+    # the workload is what it says: each job's Write wrote its note (a tool error would be a cheaper job)
+    failed = [j for j in ids for ev in ws.events(j, kinds=["tool_result"]) if ev.payload.get("is_error")]
+    if failed:
+        raise SystemExit(f"a tool call failed in {len(failed)} job(s), e.g. job {failed[0]}")
     first = min(float(r.started) for r in rows) - clock
     ws.store.close()
     return ShortRun(backend, workers, jobs, wall, first, cpu, startup, on_cpu, runqueue, life, ran, waiters,
