@@ -203,9 +203,13 @@ class Execution:
             reason = (STOP_CUT_REASON if cut else STOP_REASON) if stopped else f"paused after one {unit}"
             with self.store.transaction() as c:
                 self.store.set_status(c, job_id, JobStatus.queued, reason=reason)
-        self._keep(row, runner)
         if status in TERMINAL_STATES:
-            self._file_caches.pop(job_id, None)  # a retry starts from a fresh claim
+            # nothing claims an ended job again but a retry, which builds its runner from the store: a batch or a
+            # worker that runs thousands of jobs keeps none of theirs (nor reads the job back to keep it)
+            self._file_caches.pop(job_id, None)
+            self.forget(job_id)
+        else:
+            self._keep(row, runner)
         return self.status(job_id)
 
     def _runner(self, row: JobRecord) -> JobRunner:

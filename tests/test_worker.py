@@ -134,6 +134,33 @@ def test_worker_runs_every_queued_job(ws: Workspace, tmp_path: Path) -> None:
     assert ws.worker().run() == 0  # nothing left
 
 
+def test_a_worker_keeps_no_runner_of_an_ended_job_but_a_paused_one_goes_on(ws: Workspace, tmp_path: Path) -> None:
+    # a long-lived worker (or a batch) must not hold every job it ran in memory: an ended job is claimed again
+    # only by a retry, which starts from the store
+    import gc
+
+    from agentnb.engine.runner import JobRunner
+
+    def runners() -> int:
+        gc.collect()
+        return sum(isinstance(o, JobRunner) for o in gc.get_objects())
+
+    model = write_script(tmp_path, "script", responses=[call("Glob", pattern="*"), transition("COMPLETE", "ok")])
+    held = runners()
+    jobs = [ws.submit(f"task {n}", piece="single", model=model) for n in range(5)]
+    assert ws.worker().run() == 5
+    assert [ws.job(j).status for j in jobs] == ["succeeded"] * 5
+    assert runners() == held
+    # a job paused between calls keeps its runner for its next step, and ends as a whole run does
+    paused = ws.submit("paused", piece="single", model=model)
+    assert ws.step(paused, "call").status == "queued"
+    assert runners() == held + 1
+    assert ws.run(paused).status == "succeeded"
+    assert runners() == held
+    assert [e.kind for e in ws.events(paused, kinds=["llm_request", "transition"])] == [
+        "llm_request", "llm_request", "transition"]
+
+
 @pytest.mark.sqlite_only("submit(workdir=) is refused on PostgreSQL (files live in the store)")
 def test_the_listing_leaves_out_what_leads_outside_the_work_directory(ws: Workspace, tmp_path: Path) -> None:
     import os
