@@ -143,4 +143,11 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX call_cache_created ON call_cache(created)
     """,
+    # 8: events_kind leaves out the kinds every LLM call writes (store/frames_sql.py's PER_CALL_KINDS_SQL says why):
+    # a call's commit then writes the events and events_job pages only.  Their frames read through events_job.
+    """
+    DROP INDEX events_kind;
+    CREATE INDEX events_kind ON events(kind, job_id)
+        WHERE kind NOT IN ('llm_request', 'llm_response', 'tool_call', 'tool_result')
+    """,
 ]
