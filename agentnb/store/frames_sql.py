@@ -39,8 +39,9 @@ __all__ = ["FRAME_SQL", "PER_CALL_KINDS_SQL", "PG_FRAME_SQL", "Dialect", "FrameS
 
 
 # -- SQL -------------------------------------------------------------------------
-# ``{job}`` is replaced by `` AND <alias>.job_id=?`` or nothing; the events_kind
-# index (kind, job_id) serves every per-kind scan below.
+# ``{job}`` is replaced by `` AND <alias>.job_id=?`` or nothing.  One job's events are found through events_job
+# (job_id, id); every job's events of one kind through events_kind (kind, job_id), which on SQLite leaves out the
+# kinds every call writes (PER_CALL_KINDS_SQL below): those are read through events_job, in (job, id) order.
 
 
 # -- dialects ---------------------------------------------------------------------
@@ -197,8 +198,9 @@ def _build(d: _Dialect) -> FrameSQL:
 
 
     # ca and tr are small: MATERIALIZED builds each once (with an automatic index) instead of
-    # probing the events index once per LLM call.  Rows come out of events_kind (kind, job_id, id)
-    # already in (job, id) order, so there is no sort; call numbers and running sums are added by pandas.
+    # probing the events index once per LLM call.  Rows come out of an index already in (job, id) order
+    # (events_job on SQLite, events_kind (kind, job_id, id) on PostgreSQL), so there is no sort; call numbers and
+    # running sums are added by pandas.
     _USAGE_SQL = f"""
     WITH ca AS MATERIALIZED (
         SELECT c.job_id, c.movement_seq, c.iteration,
