@@ -175,9 +175,10 @@ def wants(store: _Located, job_ids: Iterable[int]) -> bool:
 def wants_rows(store: _Located, job_ids: Iterable[int], kinds: Iterable[str]) -> bool:
     """Whether anyone listens to events of ``job_ids`` (of these ``kinds``) on ``store``'s channel: a store asks it
     of a transaction's event rows."""
-    if _PICKY and not _PICKY_KINDS.isdisjoint(kinds):
-        wanted = set(kinds)
-        if any(sub.kinds is not None and not sub.kinds.isdisjoint(wanted) for sub in _PICKY.get(channel(store), ())):
+    if _PICKY:
+        wanted = set(kinds)  # read once: ``kinds`` may be an iterator
+        if not _PICKY_KINDS.isdisjoint(wanted) and any(
+                sub.kinds is not None and not sub.kinds.isdisjoint(wanted) for sub in _PICKY.get(channel(store), ())):
             return True
     return wants(store, job_ids)
 
