@@ -243,16 +243,17 @@ class Execution:
                 self._runners[job_id] = (runner, mark)
 
     def _activate(self, row: JobRecord, runner: JobRunner) -> None:
-        """Build the enriched instruction once per activation (first start, or after a wait)."""
+        """Build the enriched instruction once per activation (first start, or after a wait); the runner stores
+        it with the next movement it starts (JobRunner.activation)."""
         if row.enriched:
+            runner.activation = None
             return
         clock = self._recorded_clock(row)
         enriched = activation_instruction(self.store, row, language=runner.piece.language, clock=clock,
                                           workdir=runner.workdir)
         if clock is None:  # a cached job's first activation of its kind records its clock, the others reuse it
             enriched = reuse_clock(self.store, row, enriched)
-        with self.store.transaction() as c:
-            self.store.update_job(c, row.id, enriched=enriched)
+        runner.activation = enriched
 
     def _recorded_clock(self, row: JobRecord) -> str | None:
         """The date and time a replay, or a fork up to its fork point, puts in its prompts: its original's

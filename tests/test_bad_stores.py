@@ -108,13 +108,15 @@ def test_a_broken_store_is_one_line_for_every_command_and_stays_as_it_was(tmp_pa
     damage, phrase = BROKEN[case]
     db = make_store(tmp_path / "ws")
     damage(db)
-    before = digest(db)
+    before, listing = digest(db), sorted(p.name for p in db.parent.iterdir())
+    # the store as its writers left it: the file, its writers' lock file (store/_write_turn.py), the jobs
+    assert listing == ["agentnb.sqlite", "agentnb.sqlite-lock", "jobs"]
     for command in COMMANDS:
         line = one_error_line(cli(tmp_path, "--workspace", "ws", *command), str(db.resolve()), phrase)
         assert "restore it from a backup" in line or "move it aside" in line or "upgrade agentnb" in line
         assert digest(db) == before, command
     assert not (tmp_path / "out.ipynb").exists()
-    assert sorted(p.name for p in db.parent.iterdir()) == ["agentnb.sqlite", "jobs"]  # no -wal, -shm or job left
+    assert sorted(p.name for p in db.parent.iterdir()) == listing  # no -wal, -shm or job left
 
 
 @pytest.mark.parametrize("case", list(BROKEN))

@@ -221,3 +221,60 @@ def test_only_the_built_in_readers_and_declared_tools_are_read_only() -> None:
     finally:
         agentnb.tools.base.unregister("plain_tool")
         agentnb.tools.base.unregister("declared_tool")
+
+
+# -- a model that answers at once: its request goes in with its response --------------------------------------
+
+SHORT = """
+name: short
+movements:
+  - name: work
+    instruction: Write the note, then finish.
+    tools: [Write]
+    permission: edit
+    rules: [{next: COMPLETE}]
+"""
+
+
+def _counting(ws: Workspace) -> list[int]:
+    """A spy on the workspace store's write transactions (the outermost ones): their number, as it grows."""
+    opened = [0]
+    transaction = ws.store.transaction
+
+    def counted() -> Any:
+        if not getattr(ws.store, "_depth", 0):
+            opened[0] += 1
+        return transaction()
+
+    ws.store.transaction = counted  # type: ignore[method-assign]
+    return opened
+
+
+def test_a_scripted_call_nobody_watches_is_committed_with_its_response(tmp_path: Path) -> None:
+    from _scripting import call, transition, write_piece, write_script
+
+    from agentnb import live
+
+    piece = write_piece(tmp_path, "short", SHORT)
+    script = write_script(tmp_path, "notes", responses=[call("Write", path="note.md", content="a note"),
+                                                        transition("COMPLETE", "noted")])
+    with Workspace(tmp_path / "ws") as ws:
+        opened = _counting(ws)
+        job = ws.submit("Note it.", piece=str(piece), model=script)
+        submitted = opened[0]
+        assert ws.run(job).status == "succeeded"
+        # the claim; the movement's start (with the activation's enriched instruction); the first call's
+        # request, response and tool call before the Write runs; the Write's result, the second call and the
+        # transition with the job's end
+        assert opened[0] - submitted == 4
+        kinds = [e.kind for e in ws.events(job)]
+        assert kinds.count("llm_request") == kinds.count("llm_response") == 2  # every event is still there
+        assert ws.store.job(job.id).enriched  # stored with the movement's start
+        assert (ws.root / "jobs" / str(job.id) / "note.md").read_text() == "a note"
+
+        # watched live (a view of this kernel), each request is committed before its call, as for any model
+        other = ws.submit("Note it again.", piece=str(piece), model=script)
+        before = opened[0]
+        with live.subscribe(ws.store, other.id, lambda item: None):
+            assert ws.run(other).status == "succeeded"
+        assert opened[0] - before == 6

@@ -14,6 +14,9 @@ of it, every file equals the one before.  The call cache re-recorded them for on
 ``cached`` column (False for every call of these jobs, which use no cache): stripped of it, every file equals the
 one before.  LLM judges re-recorded them for one addition, ``frames.usage()``'s ``purpose`` column (null for every
 call of these jobs, none of them a judge's or a compaction's): stripped of it, every file equals the one before.
+A scripted call's request committed with its response (when nobody watches) re-recorded two cases, subtasks and
+fanout-ja, for event ids alone: a parent's request now commits after the subtasks it creates, so the jobs' events
+interleave differently in the store's one id sequence; 9 ids changed and nothing else.
 """
 
 from __future__ import annotations

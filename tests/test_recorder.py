@@ -76,3 +76,26 @@ def test_a_stored_payload_with_an_unknown_or_missing_key_is_not_read_silently() 
         event_from_row((8, 1, None, None, 0.0, "tool_result", '{"tool":"Read","content":"x"}'))
     assert event_from_row((9, 1, None, None, 0.0, "tool_result", '{"tool":"Read","call_id":"c1","content":"x"}')) \
         == ToolResult(id=9, job_id=1, tool="Read", call_id="c1", content="x")
+
+
+def test_events_prepared_before_a_transaction_are_written_as_they_were_made(ws: Workspace, tmp_path: Path) -> None:
+    job_id = _job(ws, tmp_path)
+    rec = Recorder(ws.store, job_id)
+    first = CommentEvent(job_id=job_id, ts=time.time(), author="user", body="made before")
+    rec.add(first)
+    rec.prepare()  # its row is built now, outside the transaction below
+    built = ws.store.prepare([first])
+    assert built == [(job_id, None, None, first.ts, "comment", built[0][5])] and '"made before"' in built[0][5]
+    with ws.store.transaction() as c:
+        rec.add(CommentEvent(job_id=job_id, ts=time.time(), author="user", body="made inside"))
+        rec.flush(c)
+    assert rec.pending == []
+    assert [e.body for e in ws.events(job_id, kinds=["comment"])] == ["made before", "made inside"]
+
+    # events dropped after they were prepared are not written: the rows go with them
+    rec.add(CommentEvent(job_id=job_id, ts=time.time(), author="user", body="dropped"))
+    rec.prepare()
+    rec.pending.clear()
+    rec.add(CommentEvent(job_id=job_id, ts=time.time(), author="user", body="kept"))
+    rec.flush()
+    assert [e.body for e in ws.events(job_id, kinds=["comment"])] == ["made before", "made inside", "kept"]

@@ -76,9 +76,122 @@ def test_a_write_waits_for_another_writers_lock_then_goes_ahead(tmp_path: Path) 
     other.execute("COMMIT")
     writer.join(10)
     assert not failed and made == [1]
-    # only the write's BEGIN waits in short steps: every other statement keeps SQLite's own 30 s wait
     assert store.conn.execute("PRAGMA busy_timeout").fetchone()[0] == 30000
     other.close()
+    store.close()
+
+
+_HOLDER = """
+import sys
+from agentnb.store.sqlite import SQLiteStore
+store = SQLiteStore(sys.argv[1])
+with store.transaction():
+    store.create_job(piece="p", piece_yaml="name: p", model="demo", instruction="the holder's", workdir="")
+    print("in", flush=True)
+    sys.stdin.readline()
+store.close()
+"""
+
+
+def test_writers_in_other_processes_wait_their_turn_in_the_kernel_and_go_on_when_it_is_let_go(
+        tmp_path: Path) -> None:
+    import fcntl
+    import threading
+
+    store = SQLiteStore(tmp_path / "agentnb.sqlite")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(store.path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "in\n"
+        # the holder's turn is a flock on the file beside the store: nobody else gets it meanwhile
+        fd = os.open(f"{store.path}-lock", os.O_RDWR)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        made: list[int] = []
+        writer = threading.Thread(target=lambda: made.append(_new_job(store)))
+        writer.start()
+        writer.join(0.5)
+        assert writer.is_alive() and not made  # waiting for its turn, not failed
+        assert holder.stdin is not None
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        writer.join(10)
+        assert made == [2]
+        assert [j.instruction for j in store.jobs()] == ["the holder's", "task 0"]
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody writes: the turn is free
+        os.close(fd)
+    finally:
+        holder.kill()
+        holder.wait()
+        store.close()
+
+
+def test_store_objects_of_one_process_share_its_turn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    monkeypatch.setattr(agentnb.store.sqlite, "_BUSY_WAIT", 0.3)
+    one, two = SQLiteStore(tmp_path / "agentnb.sqlite"), SQLiteStore(tmp_path / "agentnb.sqlite")
+    try:
+        with one.transaction():
+            _new_job(one)
+            # the same thread writing through the other object waits the store's time, then fails as SQLite
+            # would: two turns of one process would wait for each other for ever
+            with pytest.raises(sqlite3.OperationalError, match=r"^database is locked$"):
+                _new_job(two)
+        made: list[int] = []
+        with one.transaction():
+            writer = threading.Thread(target=lambda: made.append(_new_job(two)))
+            writer.start()
+            writer.join(0.1)
+            assert writer.is_alive()  # another thread waits for the turn …
+        writer.join(10)
+        assert made == [2]  # … and takes it when the first lets go
+    finally:
+        one.close()
+        two.close()
+
+
+def test_without_a_lock_file_writers_wait_for_sqlites_lock_alone(tmp_path: Path) -> None:
+    (tmp_path / "agentnb.sqlite-lock").mkdir()  # a folder in the way: no turns, the store still works
+    store = SQLiteStore(tmp_path / "agentnb.sqlite")
+    other = sqlite3.connect(str(store.path), isolation_level=None, timeout=0)
+    other.execute("BEGIN IMMEDIATE")
+    import threading
+    made: list[int] = []
+    writer = threading.Thread(target=lambda: made.append(_new_job(store)))
+    writer.start()
+    writer.join(0.3)
+    assert writer.is_alive()
+    other.execute("COMMIT")
+    writer.join(10)
+    assert made == [1]
+    other.close()
+    store.close()
+
+
+def test_the_turn_is_let_go_before_the_live_subscribers_run(tmp_path: Path) -> None:
+    import fcntl
+
+    from agentnb import live
+
+    store = SQLiteStore(tmp_path / "agentnb.sqlite")
+    job_id = _new_job(store)
+    fd = os.open(f"{store.path}-lock", os.O_RDWR)
+    free: list[bool] = []
+
+    def subscriber(item: object) -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open of the file: as another process would
+        except BlockingIOError:
+            free.append(False)
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            free.append(True)
+
+    with live.subscribe(store, job_id, subscriber):
+        store.append([CommentEvent(job_id=job_id, author="user", body="hello")])
+    assert free == [True]
+    os.close(fd)
     store.close()
 
 

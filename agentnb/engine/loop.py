@@ -299,7 +299,13 @@ class AgentLoop:
         self.rec.add(LLMRequest(job_id=self.rec.job_id, movement_seq=seq, iteration=it, ts=time.time(),
                                 messages=len(self.messages), tools=self.tool_names if source is None or not
                                 self._mcp_due or source.tools is None else list(source.tools)))
-        self.rec.flush()  # durable before the (slow, fallible) model call
+        watched = live.listening() and live.wants(self.rec.store, (self.rec.job_id,))
+        if watched or self.reserve is not None or not getattr(self.model, "answers_at_once", False):
+            # Durable before the (slow, fallible) model call.  A model that answers here at once (the scripted
+            # one) and nobody watches: the request goes in the next commit, with the response, so a short job
+            # takes the store's write lock fewer times (docs/stores.md#sqlite-writers).  A restart in between
+            # asks it again, and it answers the same.
+            self.rec.flush()
         name = mv.name
         request = ModelRequest(
             messages=self.messages, tools=self.schemas, job_id=self.rec.job_id, movement=name,
@@ -313,7 +319,7 @@ class AgentLoop:
         else:
             self.rec.still_held()  # again: the flush above may have waited long for the store
             live.notice(self.rec.store, self.rec.job_id, "call_started", movement_seq=seq, iteration=it)
-            if live.listening() and live.wants(self.rec.store, (self.rec.job_id,)):
+            if watched:
                 request.on_delta = _delta_publisher(self.rec.store, self.rec.job_id, seq, it)
             request.cancel = self.rec.cancel
             try:

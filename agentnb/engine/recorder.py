@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ..events import Event, ToolResult, check_event, strict_events
 
 if TYPE_CHECKING:
-    from ..store.base import Store
+    from ..store.base import PreparedRow, Store
 
 __all__ = ["Recorder"]
 
@@ -21,12 +21,15 @@ class Recorder:
     Each event is stamped (``ts``) by whoever builds it, when it happens, not when it is written.
     """
 
-    __slots__ = ("cancel", "cut", "job_id", "lease", "pending", "store", "strict", "write_back")
+    __slots__ = ("_built", "cancel", "cut", "job_id", "lease", "pending", "store", "strict", "write_back")
 
     def __init__(self, store: Store, job_id: int) -> None:
         self.store = store
         self.job_id = job_id
         self.pending: list[Event] = []
+        # the rows prepare() built for the first pending events, and the last of those events: they are used only
+        # while pending still begins with them (a caller that clears pending drops them too)
+        self._built: tuple[list[Event | PreparedRow], Event] | None = None
         # where the store keeps a job's files: what the work directory changed since the store last had it
         # (engine/jobfiles.WriteBack), written with the tool results that changed it
         self.write_back: Callable[[], Any] | None = None
@@ -54,6 +57,22 @@ class Recorder:
         if self.lease is not None:
             self.lease()
 
+    def prepare(self) -> None:
+        """Build the stored rows of the events pending so far, before the caller opens the transaction that
+        :meth:`flush` will write them in: the store's write lock is then held for the writes, not for encoding
+        them (the events added inside the transaction are built there)."""
+        if self.pending:
+            self._built = (self.store.prepare(self.pending), self.pending[-1])
+
+    def _rows(self) -> list[Event | PreparedRow]:
+        built, self._built = self._built, None
+        if built is not None:
+            rows, last = built
+            n = len(rows)
+            if n <= len(self.pending) and self.pending[n - 1] is last:
+                return rows + self.pending[n:]
+        return list(self.pending)
+
     def flush(self, c: Any = None) -> None:
         if not self.pending:
             return
@@ -63,9 +82,9 @@ class Recorder:
             files = self.write_back()
             if files is not None and not files.empty:
                 with self.store.transaction() as tx:
-                    rows, self.pending = self.pending, []
+                    rows, self.pending = self._rows(), []
                     self.store.append(rows, tx)
                     files.apply(self.store, tx, self.job_id)
                 return
-        rows, self.pending = self.pending, []
+        rows, self.pending = self._rows(), []
         self.store.append(rows, c)

@@ -79,6 +79,10 @@ class JobRunner:
         self.subtasks = Subtasks(store, job_id=self.job_id, piece=self.piece, model_spec=self.model_spec,
                                  workdir=self.workdir, logs_dir=self.logs_dir)
         self.loop: AgentLoop | None = None
+        # this activation's enriched instruction (Execution builds it at the claim) until the next movement start
+        # stores it with the movement's row: only a movement's user prompt reads it, and a job that starts no
+        # movement in this claim has it built again at the next one, so it costs no transaction of its own
+        self.activation: str | None = None
         # the piece's MCP servers (docs/tools.md#mcp-tools): started when a run first needs them, stopped when
         # each advance() ends (the run ended, paused or failed)
         self.mcp = McpSession(self.piece.mcp_servers, self.workdir, self.logs_dir) if self.piece.mcp_servers else None
@@ -283,6 +287,9 @@ class JobRunner:
 
     def _start_movement(self) -> bool:
         job = self.job()
+        enriched = self.activation
+        if enriched is not None:
+            job = dataclasses.replace(job, enriched=enriched)
         seq = job.movement_seq + 1
         piece = self._piece_at(seq)
         name = job.current_movement or piece.initial_movement
@@ -304,8 +311,10 @@ class JobRunner:
         loop.start(system, user)
         with self.store.transaction() as c:
             self.store.start_movement(c, self.job_id, seq, name)
-            self.store.update_job(c, self.job_id, current_movement=name, movement_seq=seq)
+            self.store.update_job(c, self.job_id, current_movement=name, movement_seq=seq,
+                                  **({} if enriched is None else {"enriched": enriched}))
             self.rec.flush(c)
+        self.activation = None
         self.loop = loop
         return True
 
@@ -327,6 +336,7 @@ class JobRunner:
             files = self._files()
         except FilesOverLimit as exc:
             return self._fail(str(exc), where="files", write_files=False)
+        self.rec.prepare()  # the last call's events, encoded before the store's write lock is taken
         with self.store.transaction() as c:
             if files is not None:
                 files.apply(self.store, c, self.job_id)

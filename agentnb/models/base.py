@@ -232,6 +232,10 @@ class ScriptedModel:
     batch epoch of the job it answers (None outside a batch: 1), which picks each ``by_epoch`` item's response.
     """
 
+    # it answers in this process at once, and the same again when asked again: its call needs no commit of the
+    # request before it (AgentLoop.call; docs/stores.md#sqlite-writers)
+    answers_at_once = True
+
     def __init__(self, script: Mapping[str, Any] | str | os.PathLike[str], *, spec: str | None = None,
                  epoch: int | None = None) -> None:
         source = "<script>"

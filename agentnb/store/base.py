@@ -41,6 +41,7 @@ __all__ = [
     "JobStatus",
     "JobWaiter",
     "LeaseLost",
+    "PreparedRow",
     "Store",
     "StoreUnreachable",
     "StoredFile",
@@ -204,6 +205,13 @@ class Transaction(Protocol):
     """
 
 
+class PreparedRow(tuple[Any, ...]):
+    """An event's ``events`` row as :meth:`Store.prepare` built it (job id, movement seq, iteration, ts, kind,
+    payload text): opaque to callers, who only hand it back to :meth:`Store.append`."""
+
+    __slots__ = ()
+
+
 class JobWaiter(Protocol):
     """An idle worker's wake-up call: blocks until a job may have been queued (PostgreSQL's LISTEN/NOTIFY)."""
 
@@ -290,8 +298,15 @@ class Store(Protocol):
         ...
 
     # -- events -------------------------------------------------------------------------------------------
-    def append(self, events: Sequence[Event], c: Transaction | None = None) -> None:
-        """Record ``events`` (in ``c``, else in a transaction of their own)."""
+    def append(self, events: Sequence[Event | PreparedRow], c: Transaction | None = None) -> None:
+        """Record ``events`` (in ``c``, else in a transaction of their own); some may come as :meth:`prepare` made
+        them."""
+        ...
+
+    def prepare(self, events: Sequence[Event]) -> list[Event | PreparedRow]:
+        """``events`` made into their stored rows now, to be appended in a transaction opened after: the rows are
+        built and checked outside it (those whose payload refers to the job's stored instruction stay events,
+        built inside, as they read its reference)."""
         ...
 
     def events(

@@ -362,7 +362,7 @@ def _cleanup(d: _Spec, made: list[Path], existed: bool) -> None:
         return
     assert d.file is not None
     if not existed:
-        for suffix in ("", "-wal", "-shm", "-journal"):
+        for suffix in ("", "-wal", "-shm", "-journal", "-lock"):
             Path(f"{d.file}{suffix}").unlink(missing_ok=True)
     # DST's jobs/ was missing or empty (_precheck_dst): what is in it now, the copy wrote
     jobs = d.root / "jobs"

@@ -71,6 +71,7 @@ from .base import (
     FrameRows,
     JobStatus,
     LeaseLost,
+    PreparedRow,
     StoredFile,
     StoreUnreachable,
     Transaction,
@@ -601,8 +602,8 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]], CacheRows):
         self._exec(self._tx(c), f"UPDATE batches SET {sets} WHERE name=?", (*values.values(), name))
 
     # -- events ----------------------------------------------------------------
-    def _append(self, c: psycopg.Connection[Any], events: Iterable[Event]) -> None:
-        rows = [self._event_row(c, ev) for ev in events]
+    def _append(self, c: psycopg.Connection[Any], events: Iterable[Event | PreparedRow]) -> None:
+        rows = self._built_rows(c, events)
         self._lock_jobs(c, {int(r[0]) for r in rows})
         self._insert(c, rows)
 
@@ -631,7 +632,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]], CacheRows):
         # the stored payload text is the same on both backends, but for the NULs PostgreSQL cannot hold
         return no_nul(encode_payload(data))
 
-    def append(self, events: Sequence[Event], c: Transaction | None = None) -> None:
+    def append(self, events: Sequence[Event | PreparedRow], c: Transaction | None = None) -> None:
         # every row is built (and checked) before the first is written
         if c is not None:
             self._append(self._tx(c), events)

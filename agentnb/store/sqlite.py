@@ -32,6 +32,7 @@ from ..events import (
 )
 from ._cache_rows import CacheRows
 from ._rows import JOB_COLUMNS, StoreRows, events_query
+from ._write_turn import turn_for
 from .base import (
     DEFAULT_LEASE,
     JOB_STATES,
@@ -43,6 +44,7 @@ from .base import (
     Dialect,
     FrameRows,
     JobStatus,
+    PreparedRow,
     StoredFile,
     Transaction,
     can_name_a_job,
@@ -134,6 +136,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
         self.path = Path(path)
         self.readonly = readonly
         self._lock = threading.RLock()
+        self._real_path = os.path.realpath(self.path)
+        self._turns = False  # writers take turns (store/_write_turn.py) once the file has opened as a store
         self._depth = 0
         self._texts: dict[str, str] = {}
         self._texts_lock = self._lock  # the one lock: _text holds it while it reads and remembers a text
@@ -146,6 +150,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
             self.conn = self._open_readonly() if readonly else self._open()
         except sqlite3.Error as exc:
             raise StoreError(describe_error(exc, self.path)) from None
+        # not before: a file refused on opening (damaged, another program's) gets no lock file beside it
+        self._turns = not readonly
         self.conn.row_factory = sqlite3.Row
 
     # -- opening ------------------------------------------------------------
@@ -291,7 +297,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction (re-entrant within a thread)."""
+        """One write transaction (re-entrant within a thread), in this process's turn at the file's write lock
+        (store/_write_turn.py)."""
         with self._lock:
             if self._depth:
                 self._depth += 1
@@ -303,26 +310,36 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
             if self.readonly:
                 raise StoreError(f"{self.path} was opened read-only: open it with Store(path) or "
                                  "Workspace(path) to change jobs")
+            turn = turn_for(self._real_path) if self._turns else None
+            if turn is not None and not turn.take(_BUSY_WAIT):
+                raise sqlite3.OperationalError("database is locked")  # as SQLite words it: another thread's write
             try:
-                _begin_immediate(self.conn)
-            except sqlite3.DatabaseError as exc:
-                self._damage(exc)
-                raise
-            self._depth = 1
-            try:
-                self._check_fence()
-                yield self.conn
-                self._depth = 0
-                self.conn.execute("COMMIT")
-            except BaseException as exc:
-                self._depth = 0
-                self._live_end(committed=False)
-                # SQLite has already rolled back after some errors (a full disk, I/O): a second ROLLBACK
-                # would fail and hide the first error
-                if self.conn.in_transaction:
-                    self.conn.execute("ROLLBACK")
-                self._damage(exc)
-                raise
+                try:
+                    if turn is not None:
+                        self.conn.execute("BEGIN IMMEDIATE")  # only a writer that takes no turns can hold it
+                    else:
+                        _begin_immediate(self.conn)
+                except sqlite3.DatabaseError as exc:
+                    self._damage(exc)
+                    raise
+                self._depth = 1
+                try:
+                    self._check_fence()
+                    yield self.conn
+                    self._depth = 0
+                    self.conn.execute("COMMIT")
+                except BaseException as exc:
+                    self._depth = 0
+                    self._live_end(committed=False)
+                    # SQLite has already rolled back after some errors (a full disk, I/O): a second ROLLBACK
+                    # would fail and hide the first error
+                    if self.conn.in_transaction:
+                        self.conn.execute("ROLLBACK")
+                    self._damage(exc)
+                    raise
+            finally:
+                if turn is not None:
+                    turn.give()  # before the subscribers: the other processes need not wait for them
             # still under the store lock: subscribers see the events in commit order (live.py)
             self._live_end(committed=True)
 
@@ -536,8 +553,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
         self._tx(c).execute(f"UPDATE batches SET {sets} WHERE name=?", (*values.values(), name))
 
     # -- events ---------------------------------------------------------------
-    def _append(self, c: sqlite3.Connection, events: Iterable[Event]) -> None:
-        self._insert(c, [self._event_row(c, ev) for ev in events])
+    def _append(self, c: sqlite3.Connection, events: Iterable[Event | PreparedRow]) -> None:
+        self._insert(c, self._built_rows(c, events))
 
     def _insert(self, c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
         c.executemany("INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES (?,?,?,?,?,?)",
@@ -546,7 +563,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
             last = int(c.execute("SELECT last_insert_rowid()").fetchone()[0])
             self._live_rows(rows, range(last - len(rows) + 1, last + 1))
 
-    def append(self, events: Sequence[Event], c: Transaction | None = None) -> None:
+    def append(self, events: Sequence[Event | PreparedRow], c: Transaction | None = None) -> None:
         # every row is built (and checked) before the first is written
         if c is not None:
             self._append(self._tx(c), events)
