@@ -42,11 +42,17 @@ class WriteTurn:
         """Wait for the turn; False when this process's other threads hold it for ``wait`` seconds."""
         if not self._lock.acquire(timeout=wait):
             return False
+        if self._fd < 0:
+            return True
         try:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 fcntl.flock(self._fd, fcntl.LOCK_EX)  # another process writes: woken when it lets go
+        except OSError:
+            # a file system without flock (some network mounts): SQLite's lock alone from now on
+            os.close(self._fd)
+            self._fd = -1
         except BaseException:
             self._lock.release()
             raise
@@ -54,7 +60,8 @@ class WriteTurn:
 
     def give(self) -> None:
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            if self._fd >= 0:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
             self._lock.release()
 
