@@ -250,6 +250,7 @@ def _counting(ws: Workspace) -> list[int]:
     return opened
 
 
+@pytest.mark.sqlite_only("counts the takes of SQLite's write lock (PostgreSQL appends in transactions of its own)")
 def test_a_scripted_call_nobody_watches_is_committed_with_its_response(tmp_path: Path) -> None:
     from _scripting import call, transition, write_piece, write_script
 
@@ -263,9 +264,9 @@ def test_a_scripted_call_nobody_watches_is_committed_with_its_response(tmp_path:
         job = ws.submit("Note it.", piece=str(piece), model=script)
         submitted = opened[0]
         assert ws.run(job).status == "succeeded"
-        # the claim; the movement's start (with the activation's enriched instruction); the first call's
-        # request, response and tool call before the Write runs; the Write's result, the second call and the
-        # transition with the job's end
+        # the claim; the movement's start (with the activation's enriched instruction); the first call's request,
+        # response and tool call before the Write runs; the Write's result, the second call and the transition
+        # with the job's end
         assert opened[0] - submitted == 4
         kinds = [e.kind for e in ws.events(job)]
         assert kinds.count("llm_request") == kinds.count("llm_response") == 2  # every event is still there
@@ -277,4 +278,4 @@ def test_a_scripted_call_nobody_watches_is_committed_with_its_response(tmp_path:
         before = opened[0]
         with live.subscribe(ws.store, other.id, lambda item: None):
             assert ws.run(other).status == "succeeded"
-        assert opened[0] - before == 6
+        assert opened[0] - before == 6  # one more commit for each of its two calls
