@@ -207,23 +207,20 @@ class StoreRows(ABC, Generic[C]):
                     text = self._payload_text(cleaned)
         return ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(), ev.kind, text
 
-    def _rows_before(self, events: Iterable[Event | PreparedRow]) -> list[tuple[Any, ...] | Event]:
+    def _rows_before(self, events: Iterable[Event | PreparedRow]) -> list[Event | PreparedRow]:
         """The rows of ``events`` built (and checked) before any transaction, each but the payloads that refer
         to the job's stored instruction (they read its reference): those stay events, for :meth:`_rows_in`.
-        Rows built already (:meth:`prepare`) stay as they are."""
+        Rows built already stay as they are."""
         return [ev if isinstance(ev, PreparedRow) or (isinstance(ev, EventBase) and ev.kind in REF_FIELDS)
-                else self._event_row(None, ev) for ev in events]
+                else PreparedRow(self._event_row(None, ev)) for ev in events]
 
     def prepare(self, events: Sequence[Event]) -> list[Event | PreparedRow]:
-        return [PreparedRow(r) if isinstance(r, tuple) else r for r in self._rows_before(events)]
+        return self._rows_before(events)
 
-    def _built_rows(self, c: C, events: Iterable[Event | PreparedRow]) -> list[tuple[Any, ...]]:
-        """The rows of ``events`` (in the transaction ``c``), those :meth:`prepare` built taken as they are."""
-        return [ev if isinstance(ev, PreparedRow) else self._event_row(c, ev) for ev in events]
-
-    def _rows_in(self, c: C, rows: list[tuple[Any, ...] | Event]) -> list[tuple[Any, ...]]:
-        """:meth:`_rows_before`'s rows with the rest built, in the transaction ``c``."""
-        return [r if isinstance(r, tuple) else self._event_row(c, r) for r in rows]
+    def _rows_in(self, c: C, rows: Iterable[Event | PreparedRow]) -> list[tuple[Any, ...]]:
+        """The rows of ``rows`` (events, or rows :meth:`_rows_before` built) with the rest built, in the
+        transaction ``c``."""
+        return [r if isinstance(r, PreparedRow) else self._event_row(c, r) for r in rows]
 
     def _ref_payload(self, c: C, job_id: int, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
         """The payload to store: the job's long instruction replaced by TEXT_REF in the fields that repeat it."""

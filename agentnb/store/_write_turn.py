@@ -72,10 +72,7 @@ _TURNS_LOCK = threading.Lock()
 
 def turn_for(path: str) -> WriteTurn | None:
     """The turn of the store file at ``path`` (its real path) in this process, or None when its lock file cannot
-    be made or opened (then the store's writers wait for SQLite's lock alone)."""
-    turn = _TURNS.get(path, False)
-    if turn is not False:
-        return turn  # type: ignore[return-value]
+    be made or opened (then the store's writers wait for SQLite's lock alone).  Asked once per store object."""
     with _TURNS_LOCK:
         if path not in _TURNS:
             _TURNS[path] = _open(f"{path}-lock")
@@ -89,10 +86,10 @@ def _open(lock_path: str) -> WriteTurn | None:
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            return None
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
     except OSError:
+        regular = False
+    if not regular:
         os.close(fd)
         return None
     return WriteTurn(fd)

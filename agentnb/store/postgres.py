@@ -603,7 +603,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]], CacheRows):
 
     # -- events ----------------------------------------------------------------
     def _append(self, c: psycopg.Connection[Any], events: Iterable[Event | PreparedRow]) -> None:
-        rows = self._built_rows(c, events)
+        rows = self._rows_in(c, events)
         self._lock_jobs(c, {int(r[0]) for r in rows})
         self._insert(c, rows)
 

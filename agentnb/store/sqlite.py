@@ -32,7 +32,7 @@ from ..events import (
 )
 from ._cache_rows import CacheRows
 from ._rows import JOB_COLUMNS, StoreRows, events_query
-from ._write_turn import turn_for
+from ._write_turn import WriteTurn, turn_for
 from .base import (
     DEFAULT_LEASE,
     JOB_STATES,
@@ -136,8 +136,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
         self.path = Path(path)
         self.readonly = readonly
         self._lock = threading.RLock()
-        self._real_path = os.path.realpath(self.path)
-        self._turns = False  # writers take turns (store/_write_turn.py) once the file has opened as a store
+        # this process's turn at the file's write lock (store/_write_turn.py), once the file has opened as a store
+        self._turn: WriteTurn | None = None
         self._depth = 0
         self._texts: dict[str, str] = {}
         self._texts_lock = self._lock  # the one lock: _text holds it while it reads and remembers a text
@@ -151,7 +151,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
         except sqlite3.Error as exc:
             raise StoreError(describe_error(exc, self.path)) from None
         # not before: a file refused on opening (damaged, another program's) gets no lock file beside it
-        self._turns = not readonly
+        self._turn = None if readonly else turn_for(os.path.realpath(self.path))
         self.conn.row_factory = sqlite3.Row
 
     # -- opening ------------------------------------------------------------
@@ -310,7 +310,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
             if self.readonly:
                 raise StoreError(f"{self.path} was opened read-only: open it with Store(path) or "
                                  "Workspace(path) to change jobs")
-            turn = turn_for(self._real_path) if self._turns else None
+            turn = self._turn
             if turn is not None and not turn.take(_BUSY_WAIT):
                 raise sqlite3.OperationalError("database is locked")  # as SQLite words it: another thread's write
             try:
@@ -554,7 +554,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
 
     # -- events ---------------------------------------------------------------
     def _append(self, c: sqlite3.Connection, events: Iterable[Event | PreparedRow]) -> None:
-        self._insert(c, self._built_rows(c, events))
+        self._insert(c, self._rows_in(c, events))
 
     def _insert(self, c: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
         c.executemany("INSERT INTO events (job_id, movement_seq, iteration, ts, kind, payload) VALUES (?,?,?,?,?,?)",
