@@ -227,7 +227,12 @@ def test_ctrl_c_in_a_terminal_pauses_every_process_s_jobs_and_the_same_command_r
     ws = Workspace(tmp_path / "ws", readonly=True)
     for j in ws.jobs():
         assert [e.tool for e in ws.events(j, kinds=["tool_call", "tool_result"])] == ["Write", "Write", "transition", "transition"]
-    assert sum(len(ws.events(j, kinds=["llm_request"])) for j in ws.jobs()) == len(server.received)
+    # every call the endpoint received was recorded; a recorded one it never received was cut off by the Ctrl-C
+    # between its commit and its sending, and says so ("stopped before its answer began"), asked again on resume
+    requests = sum(len(ws.events(j, kinds=["llm_request"])) for j in ws.jobs())
+    unsent = sum(1 for j in ws.jobs() for e in ws.events(j, kinds=["error"])
+                 if e.payload["where"] == "interrupted" and "before its answer began" in e.payload["message"])
+    assert requests - unsent <= len(server.received) <= requests
 
 
 def test_a_429_one_process_gets_pauses_the_calls_of_every_process(loopback: Any, tmp_path: Path) -> None:
