@@ -195,6 +195,39 @@ def test_the_turn_is_let_go_before_the_live_subscribers_run(tmp_path: Path) -> N
     store.close()
 
 
+def test_wal_checkpoints_run_in_a_thread_of_the_store_not_in_a_writers_commit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    from agentnb.store import _checkpoints
+
+    def checkpointers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "agentnb-checkpoint" and t.is_alive()}
+
+    monkeypatch.setattr(_checkpoints, "EVERY", 5)
+    before = checkpointers()
+    store = SQLiteStore(tmp_path / "agentnb.sqlite")
+    job_id = _new_job(store)  # the first commit
+    size = os.path.getsize(store.path)
+    for _ in range(3):  # 4.5 MB in the log: past SQLite's own default (1,000 pages), which would copy it back
+        with store.transaction() as c:
+            store.add_comment(c, job_id, "user", "x" * 1_500_000)
+    assert os.path.getsize(store.path) == size  # no commit checkpointed: the log still holds them all
+    assert checkpointers() == before
+    with store.transaction() as c:  # the fifth commit: a checkpoint is due, in the store's own thread
+        store.add_comment(c, job_id, "user", "last")
+    [thread] = checkpointers() - before
+    deadline = time.monotonic() + 10
+    while os.path.getsize(store.path) < size + 4_500_000:
+        assert time.monotonic() < deadline, "the log was never copied back into the database file"
+        time.sleep(0.01)
+    assert thread.is_alive()  # it waits for the next one …
+    assert len(reads.comments(store, job_id)) == 4
+    store.close()
+    assert not thread.is_alive()  # … until the store is closed
+
+
 def test_a_write_that_waits_too_long_fails_with_sqlites_line_and_writes_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agentnb.store.sqlite, "_BUSY_WAIT", 0.3)

@@ -31,6 +31,7 @@ from ..events import (
     strict_events,
 )
 from ._cache_rows import CacheRows
+from ._checkpoints import BACKSTOP_PAGES, Checkpoints
 from ._rows import JOB_COLUMNS, StoreRows, events_query
 from ._write_turn import WriteTurn, turn_for
 from .base import (
@@ -138,6 +139,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
         self._lock = threading.RLock()
         # this process's turn at the file's write lock (store/_write_turn.py), once the file has opened as a store
         self._turn: WriteTurn | None = None
+        # its WAL checkpoints, run beside the writers (store/_checkpoints.py), once the file has opened as a store
+        self._checkpoints: Checkpoints | None = None
         self._depth = 0
         self._texts: dict[str, str] = {}
         self._texts_lock = self._lock  # the one lock: _text holds it while it reads and remembers a text
@@ -152,6 +155,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
             raise StoreError(describe_error(exc, self.path)) from None
         # not before: a file refused on opening (damaged, another program's) gets no lock file beside it
         self._turn = None if readonly else turn_for(os.path.realpath(self.path))
+        self._checkpoints = None if readonly else Checkpoints(str(self.path), _BUSY_WAIT)
         self.conn.row_factory = sqlite3.Row
 
     # -- opening ------------------------------------------------------------
@@ -184,9 +188,11 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
             conn.execute("PRAGMA synchronous=NORMAL")
             # Commits never fsync in this mode; checkpoints do (WAL, then the database: ~3 fsyncs of
             # ~4 ms each here).  At SQLite's default of 1,000 pages a busy job checkpointed every ~170
-            # LLM calls, which was a third of the per-call overhead in benchmarks/overhead.py.  10,000
-            # pages (a WAL of up to ~40 MB) makes that 10x rarer; durability is unchanged.
-            conn.execute("PRAGMA wal_autocheckpoint=10000")
+            # LLM calls, a third of the per-call overhead in benchmarks/overhead.py, and inside the writer's
+            # turn.  A thread of the store's runs them beside the writers, every 1,000 commits (about 10,000
+            # pages, a WAL of ~40 MB); SQLite's own is a backstop for a log four times that (store/_checkpoints.py).
+            # Durability is unchanged.
+            conn.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
             conn.execute("PRAGMA foreign_keys=ON")
             self.conn = conn
             self._migrate()
@@ -342,6 +348,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
                     turn.give()  # before the subscribers: the other processes need not wait for them
             # still under the store lock: subscribers see the events in commit order (live.py)
             self._live_end(committed=True)
+            if self._checkpoints is not None:
+                self._checkpoints.committed()
 
     @contextmanager
     def fenced(self, job_id: int, gen: int) -> Iterator[None]:
@@ -376,6 +384,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
                 raise
 
     def close(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.close()  # before the connection: the last one closed checkpoints the whole log
         with self._lock:
             self.conn.close()
 
