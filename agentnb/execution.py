@@ -171,13 +171,16 @@ class Execution:
                 raise  # not the job's failure (_cut_off)
             except Exception as exc:
                 return self._fail_setup(job_id, exc)
+        # built outside the lock: only the thread that claimed the job builds its runner, and under the lock every
+        # job start (and end: forget) of a batch waited for each other's store reads and model set-up, and for
+        # as long again when the builder lost the GIL (benchmarks/README.md)
+        try:
+            runner = self._runner(row)
+        except StoreUnreachable:
+            raise
+        except Exception as exc:  # the model or piece cannot be set up: the job fails, visibly
+            return self._fail_setup(job_id, exc)
         with self._lock:
-            try:
-                runner = self._runner(row)
-            except StoreUnreachable:
-                raise
-            except Exception as exc:  # the model or piece cannot be set up: the job fails, visibly
-                return self._fail_setup(job_id, exc)
             stop = self._stops.setdefault(job_id, threading.Event())
         self._activate(row, runner)
         try:
@@ -216,7 +219,8 @@ class Execution:
         """The job's runner: the one kept from its last claim here while the job is as it left it, else a new one."""
         job_id = row.id
         mark = reads.runner_mark(self.store, job_id)
-        cached = self._runners.get(job_id)
+        with self._lock:
+            cached = self._runners.get(job_id)
         if cached is not None and cached[1] == mark:
             return cached[0]
         opts = row.options
@@ -227,7 +231,8 @@ class Execution:
         runner = JobRunner(self.store, row, model, self.root / "jobs", files_limit=self.files_limit,
                            file_cache=self._file_caches.setdefault(job_id, FileCache()) if self.store.keeps_files else None,
                            options=opts)
-        self._runners[job_id] = (runner, mark)
+        with self._lock:
+            self._runners[job_id] = (runner, mark)
         return runner
 
     def _keep(self, row: JobRecord, runner: JobRunner) -> None:
