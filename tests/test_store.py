@@ -228,6 +228,41 @@ def test_wal_checkpoints_run_in_a_thread_of_the_store_not_in_a_writers_commit(
     assert not thread.is_alive()  # … until the store is closed
 
 
+def test_a_checkpoint_thread_with_nothing_due_ends_and_the_next_checkpoint_starts_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    from agentnb.store import _checkpoints
+
+    def checkpointers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "agentnb-checkpoint" and t.is_alive()}
+
+    def wait_for(condition: Any) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    monkeypatch.setattr(_checkpoints, "EVERY", 2)
+    monkeypatch.setattr(_checkpoints, "IDLE_S", 0.5)
+    before = checkpointers()
+    store = SQLiteStore(tmp_path / "agentnb.sqlite")
+    try:
+        _new_job(store)
+        _new_job(store)
+        [first] = checkpointers() - before
+        wait_for(lambda: not first.is_alive())  # a store dropped without close() keeps no thread for long
+        assert checkpointers() == before
+        _new_job(store)
+        _new_job(store)
+        [second] = checkpointers() - before  # the next checkpoint due has a thread again
+        assert second is not first
+    finally:
+        store.close()
+    wait_for(lambda: checkpointers() == before)
+
+
 def test_a_write_that_waits_too_long_fails_with_sqlites_line_and_writes_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agentnb.store.sqlite, "_BUSY_WAIT", 0.3)

@@ -20,6 +20,8 @@ import threading
 __all__ = ["BACKSTOP_PAGES", "EVERY", "Checkpoints"]
 
 EVERY = 1000  # commits of a store object between two checkpoints: about 8,000–10,000 pages of a job's writes
+IDLE_S = 60.0  # a thread with no checkpoint due for this long ends (and the next due starts one): a store object
+#                dropped without close() leaves no thread or connection behind for long
 BACKSTOP_PAGES = 40_000  # the store connection's wal_autocheckpoint: SQLite checkpoints inline only past this
 
 _log = logging.getLogger("agentnb.store")
@@ -54,13 +56,17 @@ class Checkpoints:
                 # a daemon: a checkpoint never keeps the process alive (close() waits for one under way)
                 self._thread = threading.Thread(target=self._work, name="agentnb-checkpoint", daemon=True)
                 self._thread.start()
-        self._due.set()
+            self._due.set()  # under the lock: a thread that gives up for idleness sees it first
 
     def _work(self) -> None:
         conn: sqlite3.Connection | None = None
         try:
             while True:
-                self._due.wait()
+                if not self._due.wait(IDLE_S):
+                    with self._lock:
+                        if not self._due.is_set():
+                            self._thread = None
+                            return
                 self._due.clear()
                 if self._closed:
                     return
