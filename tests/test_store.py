@@ -12,12 +12,14 @@ import re
 import sqlite3
 import subprocess
 import sys
+import threading
 import typing
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _scripting import transition, write_script
+from _waiting import wait_for
 
 import agentnb
 import agentnb.store
@@ -195,18 +197,17 @@ def test_the_turn_is_let_go_before_the_live_subscribers_run(tmp_path: Path) -> N
     store.close()
 
 
+def _checkpointers() -> set[threading.Thread]:
+    """The store checkpoint threads alive in this process (store/_checkpoints.py)."""
+    return {t for t in threading.enumerate() if t.name == "agentnb-checkpoint" and t.is_alive()}
+
+
 def test_wal_checkpoints_run_in_a_thread_of_the_store_not_in_a_writers_commit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading
-    import time
-
     from agentnb.store import _checkpoints
 
-    def checkpointers() -> set[threading.Thread]:
-        return {t for t in threading.enumerate() if t.name == "agentnb-checkpoint" and t.is_alive()}
-
     monkeypatch.setattr(_checkpoints, "EVERY", 5)
-    before = checkpointers()
+    before = _checkpointers()
     store = SQLiteStore(tmp_path / "agentnb.sqlite")
     job_id = _new_job(store)  # the first commit
     size = os.path.getsize(store.path)
@@ -214,14 +215,12 @@ def test_wal_checkpoints_run_in_a_thread_of_the_store_not_in_a_writers_commit(
         with store.transaction() as c:
             store.add_comment(c, job_id, "user", "x" * 1_500_000)
     assert os.path.getsize(store.path) == size  # no commit checkpointed: the log still holds them all
-    assert checkpointers() == before
+    assert _checkpointers() == before
     with store.transaction() as c:  # the fifth commit: a checkpoint is due, in the store's own thread
         store.add_comment(c, job_id, "user", "last")
-    [thread] = checkpointers() - before
-    deadline = time.monotonic() + 10
-    while os.path.getsize(store.path) < size + 4_500_000:
-        assert time.monotonic() < deadline, "the log was never copied back into the database file"
-        time.sleep(0.01)
+    [thread] = _checkpointers() - before
+    wait_for("the log copied back into the database file", lambda: os.path.getsize(store.path) >= size + 4_500_000,
+             [], limit=10)
     assert thread.is_alive()  # it waits for the next one …
     assert len(reads.comments(store, job_id)) == 4
     store.close()
@@ -230,37 +229,26 @@ def test_wal_checkpoints_run_in_a_thread_of_the_store_not_in_a_writers_commit(
 
 def test_a_checkpoint_thread_with_nothing_due_ends_and_the_next_checkpoint_starts_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading
-    import time
-
     from agentnb.store import _checkpoints
-
-    def checkpointers() -> set[threading.Thread]:
-        return {t for t in threading.enumerate() if t.name == "agentnb-checkpoint" and t.is_alive()}
-
-    def wait_for(condition: Any) -> None:
-        deadline = time.monotonic() + 10
-        while not condition():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
 
     monkeypatch.setattr(_checkpoints, "EVERY", 2)
     monkeypatch.setattr(_checkpoints, "IDLE_S", 0.5)
-    before = checkpointers()
+    before = _checkpointers()
     store = SQLiteStore(tmp_path / "agentnb.sqlite")
     try:
         _new_job(store)
         _new_job(store)
-        [first] = checkpointers() - before
-        wait_for(lambda: not first.is_alive())  # a store dropped without close() keeps no thread for long
-        assert checkpointers() == before
+        [first] = _checkpointers() - before
+        # a store dropped without close() keeps no thread for long
+        wait_for("the idle checkpoint thread to end", lambda: not first.is_alive(), [], limit=10)
+        assert _checkpointers() == before
         _new_job(store)
         _new_job(store)
-        [second] = checkpointers() - before  # the next checkpoint due has a thread again
+        [second] = _checkpointers() - before  # the next checkpoint due has a thread again
         assert second is not first
     finally:
         store.close()
-    wait_for(lambda: checkpointers() == before)
+    wait_for("the checkpoint thread to end with the store", lambda: _checkpointers() == before, [], limit=10)
 
 
 def test_a_write_that_waits_too_long_fails_with_sqlites_line_and_writes_nothing(

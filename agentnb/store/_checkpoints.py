@@ -33,7 +33,6 @@ class Checkpoints:
     def __init__(self, path: str, timeout: float) -> None:
         self.path = path
         self.timeout = timeout
-        self.done = 0  # checkpoints run (for tests and benchmarks)
         self._commits = 0
         self._due = threading.Event()
         self._closed = False
@@ -76,7 +75,6 @@ class Checkpoints:
                                                timeout=self.timeout)
                         conn.execute("PRAGMA synchronous=NORMAL")  # the syncs a checkpoint makes, as the writers'
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                    self.done += 1
                 except sqlite3.Error:  # the next one, or SQLite's backstop, does it: never a job's failure
                     _log.debug("agentnb: a checkpoint of %s failed", self.path, exc_info=True)
         finally:

@@ -207,18 +207,15 @@ class StoreRows(ABC, Generic[C]):
                     text = self._payload_text(cleaned)
         return ev.job_id, ev.movement_seq, ev.iteration, ev.ts or time.time(), ev.kind, text
 
-    def _rows_before(self, events: Iterable[Event | PreparedRow]) -> list[Event | PreparedRow]:
+    def prepare(self, events: Iterable[Event | PreparedRow]) -> list[Event | PreparedRow]:
         """The rows of ``events`` built (and checked) before any transaction, each but the payloads that refer
         to the job's stored instruction (they read its reference): those stay events, for :meth:`_rows_in`.
         Rows built already stay as they are."""
         return [ev if isinstance(ev, PreparedRow) or (isinstance(ev, EventBase) and ev.kind in REF_FIELDS)
                 else PreparedRow(self._event_row(None, ev)) for ev in events]
 
-    def prepare(self, events: Sequence[Event]) -> list[Event | PreparedRow]:
-        return self._rows_before(events)
-
     def _rows_in(self, c: C, rows: Iterable[Event | PreparedRow]) -> list[tuple[Any, ...]]:
-        """The rows of ``rows`` (events, or rows :meth:`_rows_before` built) with the rest built, in the
+        """The rows of ``rows`` (events, or rows :meth:`prepare` built) with the rest built, in the
         transaction ``c``."""
         return [r if isinstance(r, PreparedRow) else self._event_row(c, r) for r in rows]
 

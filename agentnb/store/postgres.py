@@ -637,7 +637,7 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]], CacheRows):
         if c is not None:
             self._append(self._tx(c), events)
             return
-        rows = self._rows_before(events)
+        rows = self.prepare(events)
         # inserts only: no store-wide lock (see the module's docstring); the jobs' rows, so that one job's events
         # commit in id order (a fenced runner holds its own already: no round trip)
         with self._transaction(exclusive=False) as conn:

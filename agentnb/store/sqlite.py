@@ -581,7 +581,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
         # Checked and encoded before the lock is taken: every job's thread waits for that lock, so only the
         # writes happen while it is held.  Only the payloads that refer to the job's stored instruction need
         # the transaction (they read its reference).
-        rows = self._rows_before(events)
+        rows = self.prepare(events)
         with self.transaction() as c2:
             conn = self._tx(c2)
             self._insert(conn, self._rows_in(conn, rows))
