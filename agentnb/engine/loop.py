@@ -340,14 +340,16 @@ class AgentLoop:
         # a re-served call spends nothing: its tokens are 0, its ratio and window the context as it was
         spent = self.reserve is None
         usage = self._usage(decision, spent and not response.cached)  # nor does a cached one (engine/callcache.py)
-        self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
+        answered_at = time.time()
+        self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=answered_at,
                                  content=response.content, tool_calls=[_call_record(c) for c in response.tool_calls],
                                  usage=usage, latency_s=latency_s, ttft_s=response.ttft_s if spent else None,
                                  replayed_from=None if spent else self.reserve.job_id,  # type: ignore[union-attr]
                                  **(_answer_details(response) if spent else {})))
         force_reason = ""
         for action, limit in decision.fired:
-            self.rec.add(ContextAction(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(), action=action,
+            # stamped with the answer that fired it: the call's span holds it (docs/otel.md#mapping)
+            self.rec.add(ContextAction(job_id=job_id, movement_seq=seq, iteration=it, ts=answered_at, action=action,
                                        ratio=round(decision.ratio, 6), tokens=decision.prompt_tokens,
                                        window=self.ctx.window, threshold=limit))
             if action == "prompt":
@@ -542,7 +544,8 @@ class AgentLoop:
         spent = self.reserve is None
         usage = self._usage(size, spent and not response.cached)
         # the summary is the content; tool calls a model made anyway are kept in the record, never run
-        self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
+        answered_at = time.time()
+        self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=answered_at,
                                  content=response.content, tool_calls=[_call_record(c) for c in response.tool_calls],
                                  usage=usage, latency_s=latency_s, purpose="compaction",
                                  replayed_from=None if spent else self.reserve.job_id,  # type: ignore[union-attr]

@@ -96,54 +96,85 @@ def _provider(spec: str) -> tuple[str, str]:
     offline models (demo, scripted:FILE, replay:JOB) are agentnb's own, named by their kind alone (a script's
     path is no model's name)."""
     kind, _, rest = spec.partition(":")
+    kind = kind.partition("?")[0]  # a spec's options (demo?pace=0.02, openai:gpt-4o?stream=0) name no model
     if kind == "openai":
-        return "openai", rest
+        return "openai", rest.partition("?")[0]
     return f"agentnb.{kind}", kind
 
 
+def _cut(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` characters: its start and a mark saying how many were cut (a limit too small
+    for the mark: its start alone)."""
+    if len(text) <= limit:
+        return text
+    keep = limit
+    for _ in range(4):  # the mark's length depends on the count it gives
+        keep = limit - len(f"… [{len(text) - keep} characters cut]")
+    while keep > 0 and keep + len(f"… [{len(text) - keep} characters cut]") > limit:
+        keep -= 1
+    if keep <= 0:
+        return text[:limit]
+    return text[:keep] + f"… [{len(text) - keep} characters cut]"
+
+
 class _Content:
-    """Content attributes when ``content=True``: scrubbed, each cut to ``max_chars``."""
+    """Content attributes when ``content=True``: scrubbed, each at most ``max_chars`` characters."""
 
     def __init__(self, max_chars: int) -> None:
         self.max_chars = max_chars
 
     def text(self, value: str) -> str:
-        value = scrub(value)
-        if len(value) <= self.max_chars:
-            return value
-        cut = len(value) - self.max_chars
-        return value[:self.max_chars] + f"… [{cut} characters cut]"
+        return _cut(scrub(value), self.max_chars)
 
     def data(self, value: Any) -> str:
         """JSON text of ``value`` (a tool's arguments), scrubbed and cut."""
         return self.text(json.dumps(scrub_data(value), ensure_ascii=False, default=str))
 
     def messages(self, messages: Sequence[dict[str, Any]]) -> str:
-        """The conventions' message list as JSON, its text parts scrubbed; over ``max_chars``, the newest messages
-        that fit are kept whole (each part cut to the limit first), so the JSON stays valid."""
+        """The conventions' message list as JSON, its text parts scrubbed, in at most ``max_chars`` characters and
+        valid JSON: the newest messages that fit whole (each part cut to half the limit first); the newest alone
+        when it does not, its parts cut shorter until it fits."""
         kept: list[str] = []
         size = 2
+        part_limit = max(64, self.max_chars // 2)
         for message in reversed(messages):
-            encoded = json.dumps(self._cut_parts(message), ensure_ascii=False, default=str)
-            if kept and size + len(encoded) + 1 > self.max_chars:
+            encoded = self._encode(message, part_limit)
+            if size + len(encoded) + (1 if kept else 0) > self.max_chars:
+                if not kept:
+                    kept.append(self._fit(message, self.max_chars - 2, part_limit))
                 break
             kept.append(encoded)
-            size += len(encoded) + 1
+            size += len(encoded) + (1 if len(kept) > 1 else 0)
         return "[" + ",".join(reversed(kept)) + "]"
 
-    def _cut_parts(self, message: dict[str, Any]) -> dict[str, Any]:
-        limit = max(64, self.max_chars // 2)
+    def _fit(self, message: dict[str, Any], room: int, limit: int) -> str:
+        encoded = self._encode(message, limit)
+        while len(encoded) > room and limit > 16:
+            limit = max(16, min(limit - 1, limit * room // len(encoded)))
+            encoded = self._encode(message, limit)
+        if len(encoded) <= room:
+            return encoded
+        # too many parts to show even cut short: the message says how long it was
+        stub = {"role": message.get("role", "assistant"),
+                "parts": [_text_part(f"[{len(encoded)} characters cut]")]}
+        return json.dumps(stub, ensure_ascii=False)
+
+    @staticmethod
+    def _encode(message: dict[str, Any], limit: int) -> str:
+        """The message as JSON, each text part scrubbed and cut to ``limit``; tool-call arguments longer than that
+        as their cut JSON text."""
         parts = []
         for part in message.get("parts", ()):
             part = dict(part)
             for key in ("content", "result"):
                 if isinstance(part.get(key), str):
-                    text = scrub(part[key])
-                    part[key] = text if len(text) <= limit else text[:limit] + f"… [{len(text) - limit} characters cut]"
+                    part[key] = _cut(scrub(part[key]), limit)
             if "arguments" in part:
-                part["arguments"] = scrub_data(part["arguments"])
+                arguments = scrub_data(part["arguments"])
+                text = json.dumps(arguments, ensure_ascii=False, default=str)
+                part["arguments"] = arguments if len(text) <= limit else _cut(text, limit)
             parts.append(part)
-        return {**message, "parts": parts}
+        return json.dumps({**message, "parts": parts}, ensure_ascii=False, default=str)
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -166,6 +197,24 @@ def _finish_reason(ev: LLMResponse) -> str:
 
 
 _FINISH_REASONS = {"tool_calls": "tool_call", "function_call": "tool_call"}
+
+
+class _Attempt:
+    """One asking of the model within a call (its items from index ``at``): its request, its answer, or the Stop
+    that cut it off, or the error that failed it; ``span`` once mapped."""
+
+    __slots__ = ("at", "cut", "failed", "request", "response", "span")
+
+    def __init__(self, at: int, request: LLMRequest | None, response: LLMResponse | None = None) -> None:
+        self.at, self.request, self.response = at, request, response
+        self.cut: ErrorEvent | None = None
+        self.failed = False
+        self.span: SpanRecord | None = None
+
+    @property
+    def open(self) -> bool:
+        """Asked, and neither answered, cut off nor failed yet."""
+        return self.response is None and self.cut is None and not self.failed
 
 
 class _JobMapper:
@@ -293,18 +342,40 @@ class _JobMapper:
     # -- an LLM call and its tools ---------------------------------------------------------------------
     def map_call(self, run: MovementRun, call: Call, run_span: SpanRecord,
                  conversation: _JobMapper.Conversation) -> None:
-        request = next((i for i in call.items if isinstance(i, LLMRequest)), None)
-        response = next((i for i in call.items if isinstance(i, LLMResponse)), None)
-        chat: SpanRecord | None = None
-        if request is not None or response is not None:
-            chat = self.chat_span(request, response, run_span, conversation)
-            self.spans.append(chat)
-        host = chat or run_span  # where the call's span events go
-        for item in call.items:
+        # each asking of the model is a span of its own: a call stopped by Stop and asked again on resume is two,
+        # the first ended at its interruption (docs/otel.md#mapping)
+        attempts: list[_Attempt] = []
+        for i, item in enumerate(call.items):
+            if isinstance(item, LLMRequest):
+                attempts.append(_Attempt(i, item))
+            elif isinstance(item, LLMResponse):
+                if attempts and attempts[-1].open:
+                    attempts[-1].response = item
+                else:  # stored without its request (an older store, a completed unfinished answer)
+                    attempts.append(_Attempt(i, None, item))
+            elif isinstance(item, ErrorEvent) and is_interruption(item) and attempts and attempts[-1].open:
+                attempts[-1].cut = item
+        for a in attempts:
+            span = a.span = self.chat_span(a.request, a.response, run_span, conversation)
+            if a.cut is not None:
+                span.end = max(span.start, a.cut.ts)
+            self.spans.append(span)
+        k = -1
+        for i, item in enumerate(call.items):
+            while k + 1 < len(attempts) and attempts[k + 1].at <= i:
+                k += 1
+            attempt = attempts[k] if k >= 0 else None
+            chat = attempt.span if attempt is not None else None
+            # an event after the call's answer (a reminder once its tools ran, an agent's question) is the run's:
+            # a span's events stay inside it
+            host = chat if chat is not None and _ts(item) <= chat.end else run_span
             if isinstance(item, ToolUse):
                 self.spans.append(self.tool_span(item, run_span))
             elif isinstance(item, ContextAction):
-                host.events.append(SpanEvent("agentnb.context_action", item.ts, {
+                # fired by the call's answer, recorded just after it: the call's span ends with them
+                if chat is not None:
+                    chat.end = max(chat.end, item.ts)
+                (chat or run_span).events.append(SpanEvent("agentnb.context_action", item.ts, {
                     "agentnb.action": item.action, "agentnb.context.ratio": item.ratio,
                     "agentnb.context.tokens": item.tokens, "agentnb.context.window": item.window}))
             elif isinstance(item, Reminder):
@@ -335,9 +406,12 @@ class _JobMapper:
                     "agentnb.next_step": item.next_step, "agentnb.forced": item.forced}))
             elif isinstance(item, ErrorEvent):
                 if is_interruption(item):
-                    host.events.append(self.error_event(item))
-                elif chat is not None and (is_compaction_error(item) or response is None):
+                    (chat or run_span).events.append(self.error_event(item))
+                elif chat is not None and attempt is not None and (is_compaction_error(item) or attempt.open):
+                    # the call failed: its span runs to the failure
                     chat.error, chat.error_message = item.where or "error", scrub(item.message)
+                    chat.end = max(chat.end, item.ts)
+                    attempt.failed = True
                 else:
                     host.events.append(self.error_event(item))
             elif isinstance(item, CommentEvent):
