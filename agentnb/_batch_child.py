@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from . import processes
 from ._secrets import register_secret
 from .budgets import BatchBudget, batch_limit
 from .executor import run_or_skip
@@ -106,7 +107,11 @@ def serve(conn: Connection, config: dict[str, Any]) -> None:
         if how == "module":
             importlib.import_module(what)
         else:  # a script's __main__: its tools, not its main block (as multiprocessing runs it)
-            runpy.run_path(what, run_name="__mp_main__")
+            processes.importing_script = what
+            try:
+                runpy.run_path(what, run_name="__mp_main__")
+            finally:
+                processes.importing_script = None
 
     args = dict(config["workspace"])
     ws = Workspace(args.pop("path"), **args)

@@ -450,8 +450,9 @@ class Batch:
         the line after an interrupt says to resume (default ``ws.batch(name)``).  ``cost_limit``: the batch's
         (kept with it; None: the one it has) — once reached, the batch pauses (docs/design-lab.md#budgets).
         ``processes``: worker processes that run the jobs (None: chosen from the cores; docs/design-lab.md#processes)."""
-        from .processes import check_processes, run_batch
+        from .processes import check_processes, refuse_in_script_import, run_batch
 
+        refuse_in_script_import("Batch.run")
         concurrency, processes = check_concurrency(concurrency), check_processes(processes)
         if scorers is not None:
             self.scorers = check_scorers(scorers)
@@ -581,17 +582,20 @@ _RACE_TRIES = 5
 def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
                context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
                check_model: Callable[[str], str], epochs: int | None = None,
-               options: Mapping[str, Any] | None = None, job_limits: Mapping[str, Any] | None = None) -> Batch:
+               options: Mapping[str, Any] | None = None, job_limits: Mapping[str, Any] | None = None,
+               check_run: Callable[[set[str], int], None] | None = None) -> Batch:
     """Create the batch ``name`` (every job of it, in one transaction), or extend/resume the one of that name.
 
     What the call decides from (the batch as it was read, a free name) is checked again inside the write
     transaction, which the store orders against every other: when another process created or extended the
-    batch meanwhile, nothing is written and the call is made again on the batch as it now is."""
+    batch meanwhile, nothing is written and the call is made again on the batch as it now is.
+    ``check_run(tool names, jobs)``: told, before anything is written, the tools and the number of the jobs the
+    batch will then have to run; what it raises leaves the store as it was."""
     for _ in range(_RACE_TRIES):
         try:
             return _open_batch(ws, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
                                retries=retries, max_backoff=max_backoff, check_model=check_model, epochs=epochs,
-                               options=options, job_limits=job_limits or {})
+                               options=options, job_limits=job_limits or {}, check_run=check_run)
         except _Raced:
             continue
     raise UsageError(f"batch {name!r} was changed by other processes {_RACE_TRIES} times while this call "
@@ -601,7 +605,8 @@ def open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str |
 def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str | None, scorers: Any,
                 context: Mapping[str, Any] | None, retries: int | None, max_backoff: float | None,
                 check_model: Callable[[str], str], epochs: int | None,
-                options: Mapping[str, Any] | None = None, job_limits: Mapping[str, Any] | None = None) -> Batch:
+                options: Mapping[str, Any] | None = None, job_limits: Mapping[str, Any] | None = None,
+                check_run: Callable[[set[str], int], None] | None = None) -> Batch:
     chosen = check_scorers(scorers)
     epochs = check_epochs(epochs)
     if isinstance(cases, str) and name is None:  # ws.batch("exp-1"): resume by name
@@ -630,6 +635,15 @@ def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str 
             return Batch(ws, name, chosen)
     prepared = _prepared_jobs(ws, checked, runs, context=context, retries=retries, max_backoff=max_backoff,
                               options=options, job_limits=job_limits or {})
+    if check_run is not None:
+        from .processes import batch_tools
+
+        tools = {t for _, v in runs for m in v.piece.movements for t in m.tools}
+        pending = 0
+        if existing is not None:
+            tools |= batch_tools(existing.variants)
+            pending = sum(1 for r in ws.store.jobs(batch=name) if r.status in _PENDING)
+        check_run(tools, pending + len(prepared))
     _write_batch(ws, name, existing, prepared, fingerprint=print_, stored_cases=stored_cases, variants=variants,
                  context=context, epochs=total)
     return Batch(ws, name, chosen)

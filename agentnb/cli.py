@@ -510,7 +510,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
     batch = ws.batch(cases, piece=args.piece or ["plan-implement-verify"], model=args.model or ["demo"],
                      name=name, concurrency=args.concurrency, retries=args.retries, max_backoff=args.max_backoff,
                      cost_limit=args.cost_limit, job_cost_limit=args.job_cost_limit,
-                     job_token_limit=args.job_token_limit, run=False, epochs=args.epochs, cache=args.cache)
+                     job_token_limit=args.job_token_limit, run=False, epochs=args.epochs, cache=args.cache,
+                     processes=args.processes)
     if args.detach:  # workers (on this or other machines) run the queued jobs; the same command later scores
         queued = [j.id for j in batch.jobs if j.status == JobStatus.queued]
         print(f"batch {batch.name!r}: {len(batch.jobs)} job(s), {len(queued)} queued")

@@ -59,9 +59,8 @@ from .interrupts import sigterm_interrupts
 from .progress import BatchProgress
 from .store.base import Store
 
-__all__ = ["PER_PROCESS", "ProcessesHost", "batch_tools", "check_processes", "processes_for", "run_batch",
-           "run_in_processes",
-           "unimportable_tools"]
+__all__ = ["PER_PROCESS", "ProcessesHost", "batch_tools", "check_processes", "check_tools", "processes_for",
+           "refuse_in_script_import", "run_batch", "run_in_processes", "unimportable_tools"]
 
 # the concurrency one process is given before ``processes=None`` asks for another one: one process turns ~800 calls
 # a second (about 1.2 ms of CPU each; benchmarks/README.md), which 64 jobs at once reach only against an endpoint
@@ -87,9 +86,24 @@ class ProcessesHost(Protocol):
     def job(self, job: Any) -> Any: ...
 
 
+# the script a batch's worker process is running for its tools (as __mp_main__), while it runs it
+importing_script: str | None = None
+
+
+def refuse_in_script_import(what: str) -> None:
+    """Refuse ``what`` (``ws.batch``, ``ws.run``) called by a script that a batch's worker process is importing for
+    its tools: its main code runs again there, unguarded, and would start batches inside the batch."""
+    if importing_script is not None:
+        raise UsageError(f"{importing_script}: {what} was called while a batch's worker process imported this script "
+                         "for its tools; put the script's own code under `if __name__ == \"__main__\":` (its tools "
+                         "stay at the top level)")
+
+
 def check_processes(value: Any) -> int | None:
-    """``processes=`` checked: None (chosen from the cores, :func:`processes_for`) or a whole number ≥ 1."""
+    """``processes=`` checked: None (chosen from the cores, :func:`processes_for`, or ``AGENTNB_PROCESSES``, checked
+    here too) or a whole number ≥ 1."""
     if value is None:
+        _env_processes()
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UsageError(f"processes={value!r}; allowed: a whole number ≥ 1 (worker processes for the batch), or None "
@@ -108,11 +122,30 @@ def _custom_tools(tool_names: Iterable[str]) -> Iterator[tuple[str, types.Module
             yield name, sys.modules.get(getattr(t.fn, "__module__", "") or "")
 
 
+def _env_processes() -> int | None:
+    """``AGENTNB_PROCESSES`` (the default of ``processes=``), checked; None when unset or empty."""
+    env = os.environ.get("AGENTNB_PROCESSES", "").strip()
+    if not env:
+        return None
+    try:
+        return check_processes(int(env))
+    except (ValueError, UsageError):
+        raise UsageError(f"AGENTNB_PROCESSES={env!r}; allowed: a whole number ≥ 1") from None
+
+
 def unimportable_tools(tool_names: Iterable[str]) -> list[str]:
-    """Of the tools ``tool_names``, those registered from a notebook or console (``__main__`` without a file):
-    another process cannot import them."""
+    """Of the tools ``tool_names``, those registered from a notebook, a console or a script read from stdin
+    (``__main__`` without a file to run again): another process cannot import them."""
     return [name for name, module in _custom_tools(tool_names)
-            if module is None or (module.__name__ == "__main__" and not getattr(module, "__file__", None))]
+            if module is None or (module.__name__ == "__main__"
+                                  and not os.path.isfile(str(getattr(module, "__file__", None) or "")))]
+
+
+def check_tools(processes: int | None, concurrency: int, jobs: int, tool_names: Iterable[str]) -> None:
+    """Refuse, before a batch's jobs are written, ``processes`` asked for ``jobs`` that use a tool other processes
+    cannot import (the :class:`UsageError` :func:`processes_for` gives when the batch runs)."""
+    if processes is not None:
+        processes_for(processes, concurrency, jobs, tool_names)
 
 
 def tool_imports(tool_names: Iterable[str]) -> list[list[str]]:
@@ -146,14 +179,7 @@ def processes_for(processes: int | None, concurrency: int, jobs: int, tool_names
     and, when fewer than asked, why.  Never more than the jobs or the concurrency; None gives one process per
     :data:`PER_PROCESS` jobs at once, at most one per core but one (``AGENTNB_PROCESSES`` sets the default).  A batch with a
     tool defined in a notebook runs in one process: asked for more, that is a :class:`UsageError`."""
-    asked = processes
-    if asked is None:
-        env = os.environ.get("AGENTNB_PROCESSES", "").strip()
-        if env:
-            try:
-                asked = check_processes(int(env))
-            except ValueError:
-                raise UsageError(f"AGENTNB_PROCESSES={env!r}; allowed: a whole number ≥ 1") from None
+    asked = processes if processes is not None else _env_processes()
     if asked is None:
         cores = cores or os.cpu_count() or 1
         n = min(cores - 1, -(-concurrency // PER_PROCESS))
@@ -164,7 +190,7 @@ def processes_for(processes: int | None, concurrency: int, jobs: int, tool_names
         local = unimportable_tools(tool_names)
         if local:
             if processes is not None:
-                raise UsageError(f"processes={processes}: the tool(s) {', '.join(local)} are defined in this notebook, "
+                raise UsageError(f"processes={processes}: the tool(s) {', '.join(local)} are defined in this notebook or console, "
                                  "which worker processes cannot import; define them in a module (a .py file) and "
                                  "import it, or use processes=1")
             return 1, f"tool(s) {', '.join(local)} defined in the notebook"
@@ -442,8 +468,9 @@ def _wait_paused(loop: Callable[[], None], children: list[_Child], say: Callable
             if not said:
                 said = True
                 n = sum(len(c.assigned) for c in children)
-                say(f"agentnb: still pausing {n} running job(s) in {len(children)} worker process(es); each stops "
-                    "after its current LLM call")
+                # handed out, started or not (the children say when a job ends, not when it starts)
+                say(f"agentnb: still pausing the {n} job(s) handed to {len(children)} worker process(es); each "
+                    "running one stops after its current LLM call")
 
 
 def _read_messages(child: _Child, inbox: queue.Queue[tuple[_Child, dict[str, Any] | None]]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -241,6 +242,9 @@ class Workspace:
     def run(self, job: JobRef, *, subtasks: bool = True) -> Job:
         """Run a job until it ends or waits for a human; runs its subtasks too unless ``subtasks=False``."""
         job_id = self._id(job)
+        running = sys.modules.get("agentnb.processes")
+        if running is not None:  # (imported by every batch's worker process; not on the way of a plain run)
+            running.refuse_in_script_import("ws.run")
         self.execution.run(job_id, subtasks=subtasks)
         return self.job(job_id)
 
@@ -418,8 +422,9 @@ class Workspace:
         one per core but one; docs/design-lab.md#processes).
         """
         from .budgets import batch_limit, batch_models, check_batch_limits
-        from .processes import check_processes
+        from .processes import check_processes, check_tools, refuse_in_script_import
 
+        refuse_in_script_import("ws.batch")
         check_concurrency(concurrency)
         check_epochs(epochs)
         check_processes(processes)
@@ -431,7 +436,9 @@ class Workspace:
                                     batch_models(self.store, cases if isinstance(cases, str) else name, model))
         b = open_batch(self, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,
                        retries=retries, max_backoff=max_backoff, check_model=self._checked_spec, epochs=epochs,
-                       options=cached, job_limits=limits)
+                       options=cached, job_limits=limits,
+                       # processes asked for jobs with a notebook's tool: refused before the batch is written
+                       check_run=lambda tools, jobs: check_tools(processes, concurrency, jobs, tools))
         if "cost_limit" in limits:  # kept with the batch, so a later run (or a run=False batch's) keeps it
             batch_limit(self.store, b.name, float(limits["cost_limit"]))
         if run:

@@ -114,6 +114,11 @@ def test_processes_are_checked_and_chosen_from_the_cores(ws: Workspace, monkeypa
     monkeypatch.setenv("AGENTNB_PROCESSES", "many")
     with pytest.raises(UsageError, match="AGENTNB_PROCESSES='many'; allowed"):
         processes_for(None, 8, 100, ())
+    for bad in ("many", "0", "-1", "1.5"):  # the variable is refused before the batch is written, too
+        monkeypatch.setenv("AGENTNB_PROCESSES", bad)
+        with pytest.raises(UsageError, match=rf"^AGENTNB_PROCESSES='{re.escape(bad)}'; allowed"):
+            ws.batch([{"instruction": "x"}], progress=False)
+    assert ws.batches() == [] and ws.jobs() == []
 
 
 def test_a_tool_defined_in_the_notebook_keeps_the_batch_in_one_process(ws: Workspace, tmp_path: Path) -> None:
@@ -133,6 +138,15 @@ def test_a_tool_defined_in_the_notebook_keeps_the_batch_in_one_process(ws: Works
             with pytest.raises(UsageError, match=r"^processes=2: the tool\(s\) shout are defined in this notebook"):
                 processes_for(2, 64, 100, ["shout", "Write"], cores=4)
             assert processes_for(2, 64, 100, ["Write"], cores=4) == (2, "")  # a built-in is everywhere
+            # asked of a batch: refused before the batch and its jobs are written
+            piece = str(write_piece(tmp_path, "shouting", {"movements": [
+                {"name": "work", "instruction": "Shout.", "tools": ["shout"], "rules": [{"next": "COMPLETE"}]}]}))
+            with pytest.raises(UsageError, match=r"^processes=2: the tool\(s\) shout are defined in this notebook"):
+                ws.batch([{"instruction": f"x{i}"} for i in range(4)], piece=piece, processes=2, progress=False)
+            assert ws.batches() == [] and ws.jobs() == []
+            # a script read from stdin has no file to run again either
+            main.__file__ = "<stdin>"
+            assert processes_for(None, 4 * PER_PROCESS, 900, ["shout"], cores=4)[0] == 1
         finally:
             if had_file is not None:
                 main.__file__ = had_file
@@ -356,6 +370,29 @@ def test_a_script_without_a_main_guard_runs_its_batch_once(tmp_path: Path) -> No
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["script started", "10 2"]
+
+
+def test_a_script_whose_tool_the_workers_import_must_guard_its_main_code(tmp_path: Path) -> None:
+    """A tool defined in the running script: the workers run the script for it, so unguarded code that starts a
+    batch would start batches inside the batch; it is refused there, in one line, and the batch runs once."""
+    script = write_script(tmp_path, "s", responses=[call("stamp", text="hi"), transition("COMPLETE")])
+    piece = write_piece(tmp_path, "stamp", {"movements": [
+        {"name": "work", "persona": "p", "instruction": "i", "tools": ["stamp"], "permission": "readonly",
+         "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+    (tmp_path / "run.py").write_text(TOOL_MODULE + (
+        "from agentnb import Workspace\n"
+        f"b = Workspace('ws').batch([{{'instruction': f't{{i}}'}} for i in range(6)], piece={str(piece)!r}, "
+        f"model={script!r}, concurrency=4, processes=2, progress=False, name='once')\n"
+        "print(b.counts()['succeeded'])\n"), encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and out.stdout == ""
+    last = out.stderr.strip().splitlines()[-1]
+    assert "ws.batch was called while a batch's worker process imported this script for its tools; put the " \
+           "script's own code under `if __name__ == \"__main__\":`" in last, out.stderr
+    with Workspace(tmp_path / "ws") as ws:  # the batch of the script's own run, nothing nested
+        assert [x["name"] for x in ws.batches()] == ["once"] and len(ws.jobs()) == 6
 
 
 def test_the_magic_runs_a_batch_in_processes_and_scores_with_the_notebook_s_functions(

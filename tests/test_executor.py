@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -222,6 +223,31 @@ def test_the_pause_after_a_429_holds_every_caller_but_never_longer_than_its_max_
     assert 1.9 < slept[0] <= 2.0 and 29 < slept[1] <= 30
     gate.acquire(waited_until=time.monotonic() + 60)  # the caller that got the 429 has slept it already
     assert len(slept) == 2
+
+
+def test_a_call_waiting_for_a_slot_waits_out_the_pause_of_the_429_that_freed_it() -> None:
+    gate = Gate()
+    first, _ = gate.acquire(), gate.acquire()
+    gate.throttle(0.0, first)  # an earlier 429 asked for no wait: the cap is one call
+    gate.release(ok=False)
+    gate.release(ok=False)
+    asked = gate.acquire()  # the one call in flight
+    went: list[float] = []
+
+    def another_job() -> None:  # waits for the slot
+        gate.acquire()
+        went.append(time.monotonic())
+        gate.release(ok=True)
+
+    waiting = threading.Thread(target=another_job)
+    waiting.start()
+    time.sleep(0.05)
+    assert not went and gate.waiting == 1
+    gate.throttle(0.4, asked)  # the call in flight gets a 429 asking for 0.4 s, and frees its slot
+    freed = time.monotonic()
+    gate.release(ok=False)
+    waiting.join(5)
+    assert went and went[0] - freed >= 0.35  # not sent into the new pause
 
 
 # -- the openai client ----------------------------------------------------------------------------------

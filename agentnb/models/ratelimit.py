@@ -73,34 +73,44 @@ class Gate:
             self.waiting += 1
         try:
             while True:
+                while True:
+                    with self._cond:
+                        end, now = self._pause_end(started, max_wait, waited_until), self._clock()
+                    # one sleep per pause end seen: a pause made longer meanwhile is slept again
+                    if end <= now or end in slept_for:
+                        break
+                    slept_for.add(end)
+                    # not under the lock: a 429 elsewhere may extend the pause meanwhile
+                    if _wait(cancel, end - now):
+                        return None
                 with self._cond:
-                    end = self.paused_until
-                    now = self._clock()
-                if waited_until is not None and end <= waited_until:
-                    end = now
-                if max_wait is not None:
-                    end = min(end, started + max_wait)
-                # one sleep per pause end seen: a pause made longer meanwhile is slept again
-                if end <= now or end in slept_for:
-                    break
-                slept_for.add(end)
-                # not under the lock: a 429 elsewhere may extend the pause meanwhile
-                if _wait(cancel, end - now):
-                    return None
-            with self._cond:
-                while self.limit is not None and self.in_flight >= int(self.limit):
+                    while self.limit is not None and self.in_flight >= int(self.limit):
+                        if cancel is not None and cancel.is_set():
+                            return None
+                        # a released call notifies; the timeout guards a missed wake-up and, short, looks at the Stop
+                        self._cond.wait(0.5 if cancel is None else STOP_POLL_S)
                     if cancel is not None and cancel.is_set():
                         return None
-                    # a released call notifies; the timeout guards a missed wake-up and, short, looks at the Stop
-                    self._cond.wait(0.5 if cancel is None else STOP_POLL_S)
-                if cancel is not None and cancel.is_set():
-                    return None
-                self.in_flight += 1
-                self.peak = max(self.peak, self.in_flight)
-                return self._clock()
+                    end = self._pause_end(started, max_wait, waited_until)
+                    if end > self._clock() and end not in slept_for:
+                        # the slot came free with a 429 that paused the gate again: that pause is waited out
+                        # first, or every call waiting for a slot would go out at once into it
+                        continue
+                    self.in_flight += 1
+                    self.peak = max(self.peak, self.in_flight)
+                    return self._clock()
         finally:
             with self._cond:
                 self.waiting -= 1
+
+    def _pause_end(self, started: float, max_wait: float | None, waited_until: float | None) -> float:
+        """Until when a caller that began waiting at ``started`` waits out the pause (under the lock)."""
+        end = self.paused_until
+        if waited_until is not None and end <= waited_until:
+            return float("-inf")
+        if max_wait is not None:
+            end = min(end, started + max_wait)
+        return end
 
     def release(self, *, ok: bool) -> None:
         """A call ended; ``ok``: it was answered, which lets the cap grow (by 1/cap)."""
