@@ -234,6 +234,14 @@ class Follower:
             self._header(out, item.job_id, item.movement_seq)
             self._call = key
         delta = item.detail["delta"]
+        if delta.restart:  # the stream broke off and the call is asked again: what it printed is void
+            if self._parts:
+                if not self._at_line_start:
+                    self._emit(out, " …")
+                self._newline(out)
+                self._emit(out, "(the answer broke off; asked again)\n")
+            self._parts, self._open = {}, _CLOSED
+            return
         index = delta.tool_index
         part = self._parts.get(index)
         if part is None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from _scripting import transition, write_piece, write_script
+from openai_server import OpenAIServer, midway, openai_env, reply
 
 AGENTNB = shutil.which("agentnb")
 pytestmark = pytest.mark.skipif(AGENTNB is None, reason="the agentnb entry point is not installed")
@@ -369,6 +370,19 @@ def test_run_follow_prints_a_scripted_stream_as_recorded_with_no_secret(tmp_path
     _printed_in_order(out, calls)
     assert "── 1. work ──\nThe token is ***, the key ***; Ünïcode — done.\n→ Write {" in out
     assert "  ← Write: Wrote " in out and "  ← transition: " in out
+
+
+def test_run_follow_says_when_a_streamed_answer_broke_off_and_prints_the_next_try(tmp_path: Path) -> None:
+    answer = reply("Looked around; all done.", [("transition", {"next_step": "COMPLETE", "summary": "done"})])
+    with OpenAIServer(chunk_chars=4) as srv:
+        srv.play(midway("reset", after=3, then=answer), answer)
+        _, out, _, code = _read_live(tmp_path, "--workspace", "ws", "run", "--follow", "--piece", "single",
+                                     "--model", "openai:m", "task", env=openai_env(srv, retries="2"))
+    assert code == 0, out
+    # (what the broken try streamed may not have been printed yet: the follower holds a fragment back a moment)
+    broke, _, rest = out.partition("(the answer broke off; asked again)\n")
+    assert broke.startswith("── 1. work ──\n") and rest.startswith("Looked around; all done.\n→ transition"), out
+    assert out.count("Looked around; all done.") == 1  # the next try, printed afresh
 
 
 def test_run_follows_by_default_on_a_terminal_and_a_worker_stays_quiet(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from _scripting import write_piece
-from openai_server import OpenAIServer, error, hold, midway, reply
+from openai_server import OpenAIServer, error, hold, midway, raw, reply
 
 from agentnb import Workspace
 from agentnb.errors import CallCancelled, ModelError, ModelSpecError
@@ -131,6 +131,32 @@ def test_the_fragments_add_up_to_the_answer(loopback: Callable[..., OpenAIServer
     # the two calls' fragments interleaved, as parallel calls stream
     order = [d.tool_index for d in deltas if d.tool_index is not None]
     assert order[:4] == [0, 1, 0, 1]
+
+
+def test_a_character_split_into_two_surrogate_halves_is_joined_back(loopback: Callable[..., OpenAIServer]) -> None:
+    # each half a valid JSON escape on its own, as a proxy slicing UTF-16 text may send them
+    chunks = ['{"choices":[{"index":0,"delta":{"role":"assistant","content":"smile \\ud83d"}}]}',
+              '{"choices":[{"index":0,"delta":{"content":"\\ude00 end, lone \\udc00."}}]}',
+              '{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","type":"function",'
+              '"function":{"name":"Read","arguments":"{\\"path\\": \\"\\ud83c"}}]}}]}',
+              '{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\\udf89\\"}"}}]},'
+              '"finish_reason":"tool_calls"}]}']
+    srv = loopback()
+    srv.play(*raw("".join(f"data: {c}\n\n" for c in chunks) + "data: [DONE]\n\n", content_type="text/event-stream"))
+    response = OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[]))
+    assert response.content == "smile 😀 end, lone \ufffd."
+    assert response.tool_calls[0].arguments == {"path": "🎉"}
+
+
+def test_a_stream_that_broke_off_tells_its_watcher_to_start_afresh(loopback: Callable[..., OpenAIServer]) -> None:
+    srv = loopback(retries="2", chunk_chars=3)
+    answer = reply("A whole answer, the second time.")
+    srv.play(midway("reset", after=4, then=answer), answer)
+    deltas: list[Delta] = []
+    response = OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[], on_delta=deltas.append))
+    restarts = [i for i, d in enumerate(deltas) if d.restart]
+    assert len(restarts) == 1 and 0 < restarts[0] < len(deltas) - 1
+    assert deltas[0].text and "".join(d.text for d in deltas[restarts[0] + 1:]) == response.content
 
 
 @pytest.mark.parametrize(("fault", "chunked"), [("reset", False), ("reset", True), ("error", False), ("error", True),

@@ -22,7 +22,7 @@ from agentnb.live import Notice
 from agentnb.models.base import ModelRequest, ModelSpecError, ScriptedModel
 from agentnb.models.factory import resolve_model
 from agentnb.models.messages import Delta, UserMessage
-from agentnb.notebook.liveview import STREAM_INTERVAL, LiveView
+from agentnb.notebook.liveview import STREAM_INTERVAL, LiveView, Streaming
 from agentnb.views.streaming import StreamedCall, stream_html
 
 
@@ -230,6 +230,20 @@ def test_the_live_view_draws_streamed_text_at_most_ten_times_a_second_and_emptie
     writes = [c for _, c in shown if c.tools and c.tools[0][0] == "Write"]
     (report,) = [r for r in ws.events(job, kinds=["llm_response"]) if r.tool_calls and r.tool_calls[0].name == "Write"]
     assert writes and len(writes[0].tools[0][1]) < len(json.dumps(report.tool_calls[0].arguments, ensure_ascii=False))
+
+
+def test_a_restart_drops_what_the_broken_try_streamed_from_the_view() -> None:
+    streaming = Streaming()
+    streaming.begin(1, 1, 1)
+    for delta in (Delta(text="The first try, "), Delta(tool_index=0, tool_id="c", tool_name="Read", arguments='{"pa')):
+        streaming.add(1, 1, 1, delta)
+    shown = streaming.take()
+    assert shown is not None and shown.text == "The first try, " and shown.tools == (("Read", '{"pa'),)
+    streaming.add(1, 1, 1, Delta(restart=True))  # the stream broke off: the call is asked again
+    assert streaming.dirty and streaming.take() is None  # emptied
+    streaming.add(1, 1, 1, Delta(text="The second try."))
+    shown = streaming.take()
+    assert shown is not None and (shown.text, shown.tools) == ("The second try.", ())
 
 
 def test_the_streamed_part_is_escaped_and_shows_the_end_of_a_long_answer() -> None:

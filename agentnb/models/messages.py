@@ -51,6 +51,8 @@ class Delta:
     ``tool_index`` (its id and name in the fragment that opens it, then its JSON argument text in pieces).
 
     Deltas are shown live and never stored: the answer they add up to is recorded as one ``llm_response``.
+    ``restart``: what streamed so far is void (the stream broke off and the call is asked again): a view starts the
+    answer afresh.
     """
 
     text: str = ""
@@ -58,6 +60,7 @@ class Delta:
     tool_id: str | None = None
     tool_name: str | None = None
     arguments: str = ""
+    restart: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from . import _stream_pump
 from ._http1 import BodyBroken, Connection, Head
 from ._plain_http import PlainPost, Redirected, body_chunks, encode_body, inflating, plain_post_for
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
-from .messages import AssistantMessage, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
+from .messages import AssistantMessage, Delta, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
 from .openai_stream import WATCHDOG, Assembly, BodyTimeout, SSEDecoder, Watch, chunked_body, decode_all, track_sockets
 from .ratelimit import gate_for
 
@@ -306,6 +306,9 @@ class OpenAIModel:
                     WATCHDOG.done(watch)
                 gate.release(ok=answered)  # before the wait: a call backing off holds no slot
             attempt += 1
+            if streaming and request.on_delta is not None:
+                # what this try streamed is void: a live view drops it, and shows the next try's afresh
+                request.on_delta(Delta(restart=True))
             if attempt < attempts:
                 waited_until = time.monotonic() + delay
                 if pause(delay, cancel):

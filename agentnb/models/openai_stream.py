@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -38,6 +39,18 @@ __all__ = ["WATCHDOG", "Assembly", "BodyBroken", "BodyTimeout", "SSEDecoder", "W
 
 # how often the watchdog looks at the open streams: a Stop cuts a stream off within about this
 POLL_S = 0.05
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _joined(parts: list[str]) -> str:
+    """The fragments of a text as one.  Each fragment is a JSON string of its own, so a character outside the BMP
+    that a server split between two (``"\\ud83d"``, ``"\\ude00"``: each half a valid escape) comes as two lone
+    surrogates: joined back into the character here, as a whole answer's JSON gives it; a half with no partner
+    becomes U+FFFD (a lone surrogate is text that cannot be stored)."""
+    text = "".join(parts)
+    if _SURROGATE.search(text) is None:
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 class Assembly:
@@ -160,19 +173,19 @@ class Assembly:
 
     def message(self) -> dict[str, Any]:
         """The answer as ``choices[0].message`` of a whole one (content, tool calls in index order) and its usage."""
-        msg: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) if self.saw_content else None}
+        msg: dict[str, Any] = {"role": "assistant", "content": _joined(self.content) if self.saw_content else None}
         if self.calls:
             msg["tool_calls"] = [
                 {"id": c["id"], "type": "function",
                  "function": {"name": c["name"],
-                              "arguments": c["object"] if c["object"] is not None else "".join(c["arguments"])}}
+                              "arguments": c["object"] if c["object"] is not None else _joined(c["arguments"])}}
                 for _, c in sorted(self.calls.items())
             ]
         return msg
 
     def partial(self) -> tuple[str, str]:
         """The text and the tool calls' argument text that arrived (for a stopped call's token estimate)."""
-        return "".join(self.content), "".join("".join(c["arguments"]) for c in self.calls.values())
+        return _joined(self.content), "".join(_joined(c["arguments"]) for c in self.calls.values())
 
     def ttft(self) -> float:
         """Seconds from the call's start to its first fragment (to its end when none came)."""

@@ -71,6 +71,10 @@ class Streaming:
             if self._call != (job_id, movement_seq, iteration):
                 self._call = (job_id, movement_seq, iteration)
                 self._text, self._tools = [], {}
+            if delta.restart:  # the stream broke off and the call is asked again: its answer starts afresh
+                self._text, self._tools = [], {}
+                woke, self.dirty = not self.dirty, True
+                return woke
             if self._first is None:
                 self._first = time.monotonic()
             if delta.tool_index is None:
