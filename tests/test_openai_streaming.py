@@ -146,6 +146,11 @@ def test_a_character_split_into_two_surrogate_halves_is_joined_back(loopback: Ca
     response = OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[]))
     assert response.content == "smile 😀 end, lone \ufffd."
     assert response.tool_calls[0].arguments == {"path": "🎉"}
+    # a whole answer's lone half too: text that could not be stored
+    srv.play(*raw('{"choices":[{"index":0,"message":{"role":"assistant","content":"lone \\udc00."},'
+                  '"finish_reason":"stop"}]}'))
+    plain = OpenAIModel("m", stream=False).complete(ModelRequest(messages=[UserMessage("hi")], tools=[]))
+    assert plain.content == "lone \ufffd."
 
 
 def test_a_stream_that_broke_off_tells_its_watcher_to_start_afresh(loopback: Callable[..., OpenAIServer]) -> None:

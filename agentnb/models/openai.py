@@ -20,7 +20,17 @@ from ._http1 import BodyBroken, Connection, Head
 from ._plain_http import PlainPost, Redirected, body_chunks, encode_body, inflating, plain_post_for
 from .base import ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Delta, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
-from .openai_stream import WATCHDOG, Assembly, BodyTimeout, SSEDecoder, Watch, chunked_body, decode_all, track_sockets
+from .openai_stream import (
+    WATCHDOG,
+    Assembly,
+    BodyTimeout,
+    SSEDecoder,
+    Watch,
+    chunked_body,
+    decode_all,
+    joined_text,
+    track_sockets,
+)
 from .ratelimit import gate_for
 
 __all__ = ["OpenAIModel", "forget_refusals", "pause", "shared_client", "wire_message", "wire_messages"]
@@ -609,6 +619,8 @@ def _response(msg: dict[str, Any], u: Any, request: ModelRequest, ttft_s: float 
         content = "".join(p.get("text") or "" for p in content if isinstance(p, dict)) or None
     elif content is not None and not isinstance(content, str):
         raise MalformedAnswer(f"choices[0].message.content is {_kind(content)}, not text")
+    if content:
+        content = joined_text([content])  # a lone surrogate (text that cannot be stored) is U+FFFD
     raw_calls = msg.get("tool_calls") or []
     if not isinstance(raw_calls, list):
         raise MalformedAnswer(f"choices[0].message.tool_calls is {_kind(raw_calls)}, not a list")

@@ -35,14 +35,14 @@ from .base import ModelError
 from .messages import Delta
 
 __all__ = ["WATCHDOG", "Assembly", "BodyBroken", "BodyTimeout", "SSEDecoder", "Watch", "Watchdog", "chunked_body",
-           "decode_all", "track_sockets"]
+           "decode_all", "joined_text", "track_sockets"]
 
 # how often the watchdog looks at the open streams: a Stop cuts a stream off within about this
 POLL_S = 0.05
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _joined(parts: list[str]) -> str:
+def joined_text(parts: list[str]) -> str:
     """The fragments of a text as one.  Each fragment is a JSON string of its own, so a character outside the BMP
     that a server split between two (``"\\ud83d"``, ``"\\ude00"``: each half a valid escape) comes as two lone
     surrogates: joined back into the character here, as a whole answer's JSON gives it; a half with no partner
@@ -173,19 +173,19 @@ class Assembly:
 
     def message(self) -> dict[str, Any]:
         """The answer as ``choices[0].message`` of a whole one (content, tool calls in index order) and its usage."""
-        msg: dict[str, Any] = {"role": "assistant", "content": _joined(self.content) if self.saw_content else None}
+        msg: dict[str, Any] = {"role": "assistant", "content": joined_text(self.content) if self.saw_content else None}
         if self.calls:
             msg["tool_calls"] = [
                 {"id": c["id"], "type": "function",
                  "function": {"name": c["name"],
-                              "arguments": c["object"] if c["object"] is not None else _joined(c["arguments"])}}
+                              "arguments": c["object"] if c["object"] is not None else joined_text(c["arguments"])}}
                 for _, c in sorted(self.calls.items())
             ]
         return msg
 
     def partial(self) -> tuple[str, str]:
         """The text and the tool calls' argument text that arrived (for a stopped call's token estimate)."""
-        return _joined(self.content), "".join(_joined(c["arguments"]) for c in self.calls.values())
+        return joined_text(self.content), "".join(joined_text(c["arguments"]) for c in self.calls.values())
 
     def ttft(self) -> float:
         """Seconds from the call's start to its first fragment (to its end when none came)."""
