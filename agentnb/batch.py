@@ -456,8 +456,11 @@ class Batch:
         concurrency, processes = check_concurrency(concurrency), check_processes(processes)
         if scorers is not None:
             self.scorers = check_scorers(scorers)
-        from .budgets import BatchBudget, batch_limit
+        from .budgets import BatchBudget, batch_limit, batch_models, check_batch_limits
 
+        if cost_limit is not None:  # checked before it is kept with the batch
+            cost_limit = float(check_batch_limits(cost_limit, None, None,
+                                                  batch_models(self.ws.store, self.name, None))["cost_limit"])
         limit = batch_limit(self.ws.store, self.name, cost_limit)  # docs/design-lab.md#budgets: kept with the batch
         budget = None if limit is None else BatchBudget(self.ws.store, self.name, limit, {
             r.id: r.model for r in self.ws.store.jobs(batch=self.name)}, self.ws.execution.pause_soon)

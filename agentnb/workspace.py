@@ -432,6 +432,9 @@ class Workspace:
         if isinstance(cases, str) and name is None and (job_cost_limit is not None or job_token_limit is not None):
             raise UsageError(f"job_cost_limit/job_token_limit are given to the jobs a call creates, and ws.batch({cases!r})"
                              " creates none; give the cases again with new pieces or models, or submit with cost_limit=")
+        if isinstance(cases, str) and name is None and cache is not None:
+            raise UsageError(f"cache is given to the jobs a call creates, and ws.batch({cases!r}) creates none (its jobs "
+                             "keep the cache they were made with); give the cases again with new pieces or models")
         limits = check_batch_limits(cost_limit, job_cost_limit, job_token_limit,
                                     batch_models(self.store, cases if isinstance(cases, str) else name, model))
         b = open_batch(self, cases, piece=piece, model=model, name=name, scorers=scorers, context=context,

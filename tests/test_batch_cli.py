@@ -106,6 +106,9 @@ def test_magic_batch_resumes_by_name_without_running_a_finished_job_again(shell:
     first = created.jobs[0]
     created.ws.run(first.id)  # one job ends before the batch is resumed
     before = _llm_requests(created.ws, first.id)
+    for cache in ("bogus", "on"):  # the cache is the created jobs': a resumed batch creates none
+        with pytest.raises(UsageError, match=r"^%agent batch: (cache=|cache is given)"):
+            shell.run_line_magic("agent", f"batch m3 --cache {cache} --no-run")
     b = shell.run_line_magic("agent", "batch m3")
     assert b.counts()["succeeded"] == 3
     assert _llm_requests(b.ws, first.id) == before

@@ -380,6 +380,12 @@ def test_export_writes_the_job_as_a_notebook(shell: InteractiveShell, tmp_path: 
     assert 'data-seq="1"' in html
     with pytest.raises(UsageError, match=r"%agent export: the following arguments are required: path"):
         shell.run_line_magic("agent", "export 1")
+    (tmp_path / "afile").write_text("keep")
+    with pytest.raises(UsageError, match=r"afile is a file, not a folder$"):  # one line, no traceback
+        shell.run_line_magic("agent", f"export t_job {tmp_path / 'afile' / 'x.ipynb'}")
+    with pytest.raises(UsageError, match=r"the export path is empty"):
+        shell.run_line_magic("agent", "export t_job ''")
+    assert (tmp_path / "afile").read_text() == "keep"
 
 
 def test_job_arguments_take_notebook_variables(shell: InteractiveShell) -> None:

@@ -299,6 +299,36 @@ def test_streaming_can_be_turned_off(tmp_path: Path, piece: Path, switch: str, l
     assert srv.streamed == 0 and not any("stream" in r.body for r in srv.received)
 
 
+@pytest.mark.parametrize(("variable", "value", "allowed"), [
+    ("AGENTNB_STREAM", "maybe", "1 or 0"),
+    ("AGENTNB_OPENAI_READ_TIMEOUT", "-5", "a number of seconds > 0"),
+    ("AGENTNB_OPENAI_READ_TIMEOUT", "nan", "a number of seconds > 0"),
+    ("AGENTNB_OPENAI_READ_TIMEOUT", "abc", "a number of seconds > 0"),
+    ("AGENTNB_OPENAI_TIMEOUT", "0", "a number of seconds > 0"),
+    ("AGENTNB_OPENAI_RETRIES", "-3", "a whole number from 0 to 100"),
+    ("AGENTNB_OPENAI_RETRIES", "2.5", "a whole number from 0 to 100"),
+    ("AGENTNB_OPENAI_MAX_BACKOFF", "-1", "a number of seconds ≥ 0"),
+    ("AGENTNB_OPENAI_BACKOFF", "inf", "a number of seconds ≥ 0"),
+])
+def test_a_bad_setting_in_the_environment_is_refused_at_submit_in_one_line(
+        ws: Workspace, piece: Path, loopback: Callable[..., OpenAIServer], monkeypatch: pytest.MonkeyPatch,
+        variable: str, value: str, allowed: str) -> None:
+    loopback()
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ModelSpecError) as caught:
+        ws.submit("x", piece=piece, model="openai:m")
+    assert str(caught.value) == f"{variable}={value!r}; allowed: {allowed}" + str(caught.value).partition(allowed)[2]
+    assert "\n" not in str(caught.value) and not ws.jobs()
+
+
+def test_a_spec_with_options_and_no_model_name_is_refused(ws: Workspace, piece: Path,
+                                                           loopback: Callable[..., OpenAIServer]) -> None:
+    loopback()
+    with pytest.raises(ModelSpecError, match=r"^openai:\?stream=0: no model name before the options"):
+        ws.submit("x", piece=piece, model="openai:?stream=0")
+    assert not ws.jobs()
+
+
 def test_a_spec_option_it_does_not_know_is_refused_in_one_line(ws: Workspace, piece: Path,
                                                                loopback: Callable[..., OpenAIServer]) -> None:
     loopback()

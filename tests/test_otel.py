@@ -25,6 +25,7 @@ from otlp_receiver import Receiver
 
 from agentnb import Workspace
 from agentnb.cli import main
+from agentnb.errors import UsageError
 from agentnb.events import LLMRequest, LLMResponse, ToolCallEvent, ToolResult
 from agentnb.models.prices import call_cost
 from agentnb.views.otel import read_traces, sdk_spans, traces, traces_data
@@ -372,8 +373,12 @@ def test_content_is_off_by_default_and_scrubbed_and_cut_when_on(
     assert out == [{"role": "assistant", "finish_reason": "tool_call", "parts": [
         {"type": "tool_call", "id": out[0]["parts"][0]["id"], "name": "Read", "arguments": {"path": "input/notes.md"}}]}]
     assert {"type": "function", "name": "Read"} in json.loads(chats[0]["gen_ai.tool.definitions"])
-    with pytest.raises(ValueError, match="max_chars must be a positive"):
-        ws.export_otel(job, tmp_path / "x.jsonl", content=True, max_chars=0)
+    for bad in (0, 99, 1.5, True, "10", float("nan")):
+        with pytest.raises(UsageError, match=r"^max_chars=.*; allowed: a whole number of characters ≥ 100"):
+            ws.export_otel(job, tmp_path / "new" / "x.jsonl", content=True, max_chars=bad)
+    with pytest.raises(UsageError, match=r"^content='no'; allowed: True .* or False"):
+        ws.export_otel(job, tmp_path / "new" / "x.jsonl", content="no")  # a string is no switch
+    assert not (tmp_path / "new").exists()  # refused before anything was made
 
 
 def test_one_huge_answer_is_cut_to_max_chars_too_and_its_messages_stay_json(ws: Workspace, tmp_path: Path) -> None:
@@ -382,7 +387,7 @@ def test_one_huge_answer_is_cut_to_max_chars_too_and_its_messages_stay_json(ws: 
                                                       transition("COMPLETE", summary="written")]})
     job = ws.run(ws.submit("Write it", piece="single", model=spec))
     assert job.status == "succeeded", job.error
-    for limit in (300, 1_000, 16_000):
+    for limit in (100, 300, 1_000, 16_000):
         spans = spans_of(read_traces(ws.export_otel(job, tmp_path / f"{limit}.jsonl", content=True,
                                                     max_chars=limit))[0])
         values = [(k, v) for s in spans for k, v in attrs(s.attributes).items() if k in CONTENT_ATTRS]
@@ -392,12 +397,60 @@ def test_one_huge_answer_is_cut_to_max_chars_too_and_its_messages_stay_json(ws: 
                 json.loads(value)
         (first, _) = [attrs(s.attributes) for s in spans if s.name.startswith("chat")]
         (part,) = json.loads(first["gen_ai.output.messages"])[0]["parts"]
+        if limit == 100:  # too short even for the call's id and name: the message says how long it was
+            assert part["type"] == "text" and re.fullmatch(r"\[\d+ characters cut\]", part["content"])
+            continue
         # arguments too long to show whole are their JSON text, cut
         assert part["type"] == "tool_call" and isinstance(part["arguments"], str)
         assert part["arguments"].startswith('{"path": "output/big.md", "content": "éé')
         assert part["arguments"].endswith("characters cut]")
         (write,) = [attrs(s.attributes) for s in spans if s.name == "execute_tool Write"]
         assert len(write["gen_ai.tool.call.arguments"]) == limit
+
+
+def test_an_export_never_replaces_the_store_a_database_a_folder_or_a_device(ws: Workspace, tmp_path: Path) -> None:
+    import os
+
+    job = ws.run(ws.submit("Go", piece="single", model=answering_model(tmp_path, "m", "x")))
+    store = Path(str(ws.store.path))
+    other_db = tmp_path / "other.db"
+    import sqlite3
+
+    sqlite3.connect(other_db).execute("CREATE TABLE t (x)").connection.commit()
+    (tmp_path / "a-file").write_text("keep me")
+    os.mkfifo(tmp_path / "fifo")
+    cases = {str(store): "is the store itself", f"{store}-wal": "is the store itself",
+             str(other_db): "is an SQLite database", str(tmp_path): "is a folder",
+             f"{tmp_path / 'a-file'}/": "ends with a slash but is no folder",
+             str(tmp_path / "fifo"): "is not a regular file", " ": "the file to write is empty"}
+    for target, why in cases.items():
+        with pytest.raises(UsageError, match=why):
+            ws.export_otel(job, target)
+        assert main(["otel", "export", str(job.id), "--out", target, "--workspace", str(ws.root)]) == 2
+    assert ws.job(job.id).status == "succeeded" and (tmp_path / "a-file").read_text() == "keep me"
+    assert sqlite3.connect(other_db).execute("SELECT count(*) FROM t").fetchone() == (0,)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(tmp_path / "a-file")
+    ws.export_otel(job, link)  # a link: the file it points to is written, the link kept
+    assert link.is_symlink() and read_traces(tmp_path / "a-file")
+
+
+def test_a_malformed_collector_url_or_headers_variable_is_one_line(
+        ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    job = ws.run(ws.submit("Go", piece="single", model=answering_model(tmp_path, "m", "x")))
+    folder = ["--workspace", str(ws.root)]
+    for url in ("http://", "http://:4318", "http://127.0.0.1 :4318", "http://127.0.0.1:99999", "http://[::1"):
+        assert main(["otel", "send", str(job.id), "--endpoint", url, *folder]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "must be an http:// or https:// URL with a host" in err, err
+        with pytest.raises(UsageError, match="must be an http:// or https:// URL with a host"):
+            Workspace(tmp_path / "live", otel=url)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "garbage")
+    assert main(["otel", "send", str(job.id), "--endpoint", "http://127.0.0.1:9", *folder]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "OTEL_EXPORTER_OTLP_HEADERS: 'garbage' is not a header; allowed: key=value" in err
+    with pytest.raises(UsageError, match="OTEL_EXPORTER_OTLP_HEADERS: 'garbage' is not a header"):
+        Workspace(tmp_path / "live", otel="http://127.0.0.1:9")
 
 
 def test_a_100_job_batch_is_one_file_of_valid_otlp_json(ws: Workspace, tmp_path: Path) -> None:

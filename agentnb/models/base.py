@@ -430,6 +430,9 @@ def check_model_spec(spec: str) -> None:
     if isinstance(spec, str) and spec.startswith("demo?"):
         demo_pace(spec)
         return
+    if kind == "openai" and rest.strip() and not rest.partition("?")[0].strip():
+        raise ModelSpecError(f"{spec}: no model name before the options; allowed: openai:NAME?OPTIONS "
+                             "(e.g. openai:gpt-4o-mini?stream=0)")
     if spec == "demo" or (kind in ("scripted", "openai", "replay") and rest.strip()):
         if kind == "scripted" and not Path(rest).is_file():
             raise ModelSpecError(f"scripted model file not found: {rest}")

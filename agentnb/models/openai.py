@@ -18,7 +18,7 @@ from ..errors import CallCancelled, ModelSpecError
 from . import _stream_pump
 from ._http1 import BodyBroken, Connection, Head
 from ._plain_http import PlainPost, Redirected, body_chunks, encode_body, inflating, plain_post_for
-from .base import ModelError, ModelRequest, ModelResponse, ToolCall
+from .base import MAX_RETRIES, ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Delta, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
 from .openai_stream import (
     WATCHDOG,
@@ -36,11 +36,21 @@ from .ratelimit import gate_for
 __all__ = ["OpenAIModel", "forget_refusals", "pause", "shared_client", "wire_message", "wire_messages"]
 
 
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
+def _env_float(name: str, default: float, *, low: float = 0.0, above: bool = False, whole: bool = False,
+               high: float = float("inf"), allowed: str = "a number of seconds ≥ 0") -> float:
+    """The number an environment variable says (``default`` when unset or empty); one line naming what is allowed
+    for anything else, rather than a call that stalls at once or never."""
+    text = os.environ.get(name, "").strip()
+    if not text:
         return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > low if above else value >= low) or not value < float("inf") or value > high \
+            or (whole and value != int(value)):
+        raise ModelSpecError(f"{name}={text!r}; allowed: {allowed}")
+    return value
 
 
 # Where a setting comes from when neither the job nor the workspace gives it.
@@ -194,17 +204,24 @@ class OpenAIModel:
         # masked for the process from now on, wherever it came from: an endpoint's error may repeat it, and a
         # key given in code is in no environment variable the store's scrub would know it by
         register_secret(self._api_key)
-        self.max_retries = int(max_retries if max_retries is not None else _env_float(RETRIES_ENV, DEFAULT_RETRIES))
+        self.max_retries = int(max_retries if max_retries is not None else _env_float(
+            RETRIES_ENV, DEFAULT_RETRIES, whole=True, high=MAX_RETRIES,
+            allowed=f"a whole number from 0 to {MAX_RETRIES} (the tries after the first)"))
         self.backoff = backoff if backoff is not None else _env_float("AGENTNB_OPENAI_BACKOFF", 1.0)
-        self.timeout = timeout if timeout is not None else _env_float("AGENTNB_OPENAI_TIMEOUT", 120.0)
+        self.timeout = timeout if timeout is not None else _env_float(
+            "AGENTNB_OPENAI_TIMEOUT", 120.0, above=True, allowed="a number of seconds > 0")
         self.max_backoff = float(max_backoff if max_backoff is not None
                                  else _env_float(MAX_BACKOFF_ENV, DEFAULT_MAX_BACKOFF))
         # the spec's word first, then the workspace's, then the environment's
-        env_stream = _flag(os.environ.get(STREAM_ENV, ""))
+        env_text = os.environ.get(STREAM_ENV, "").strip()
+        env_stream = _flag(env_text)
+        if env_text and env_stream is None:
+            raise ModelSpecError(f"{STREAM_ENV}={env_text!r}; allowed: 1 or 0 (also true/false, yes/no, on/off)")
         self.stream: bool = options.get("stream", stream if stream is not None
                                         else env_stream if env_stream is not None else True)
         self.read_timeout = float(options.get("read_timeout") or read_timeout
-                                  or _env_float(READ_TIMEOUT_ENV, 0.0) or self.timeout)
+                                  or _env_float(READ_TIMEOUT_ENV, 0.0, above=True, allowed="a number of seconds > 0")
+                                  or self.timeout)
         self._client: Any = None
         self._plain: PlainPost | None = None  # a plain call's path below httpx (models/_plain_http.py), if any
         # the last conversation sent and its wire form: the next call re-sends it with a few messages more

@@ -522,7 +522,7 @@ class AgentMagic(Magics):
     def cmd_export(self, args: Any, cell: str | None) -> Path:
         """Write the job as a notebook that shows the run without a kernel."""
         job = self.job(args.job)
-        return self.ws.export_notebook(job, Path(args.path).expanduser())
+        return self.ws.export_notebook(job, args.path)
 
     @magic_arguments(name="agent plot")
     @argument("job", nargs="?", help="job id or Job variable (default: the last job)")
@@ -643,7 +643,8 @@ class AgentMagic(Magics):
                 known = ", ".join(b.name for b in reads.batches(self.ws.store)) or "none yet"
                 raise UsageError(f"CASES {name!r} is neither a variable of the notebook nor a batch of the workspace "
                                  f"(batches: {known}); give a variable holding a list of dicts or a DataFrame")
-            batch = self.ws.batch(name, scorers=scorers, concurrency=args.concurrency, run=False, **settings)
+            batch = self.ws.batch(name, scorers=scorers, concurrency=args.concurrency, run=False, cache=args.cache,
+                                  **settings)
         else:
             batch = self.ws.batch(cases, piece=self.piece if pieces is None else pieces,
                                   model=self.model if models is None else models, name=args.name,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -125,6 +125,16 @@ class _Content:
 
     def text(self, value: str) -> str:
         return _cut(scrub(value), self.max_chars)
+
+    def within(self, build: Callable[[int], Any]) -> str:
+        """The JSON of ``build(limit)`` in at most ``max_chars`` characters: ``limit`` (what ``build`` cuts its text
+        or its list to) shrinks until it fits."""
+        limit = self.max_chars
+        while True:
+            encoded = json.dumps(build(limit), ensure_ascii=False, default=str)
+            if len(encoded) <= self.max_chars or limit <= 0:
+                return encoded
+            limit = max(0, min(limit - 1, limit * self.max_chars // len(encoded) - 1))
 
     def data(self, value: Any) -> str:
         """JSON text of ``value`` (a tool's arguments), scrubbed and cut."""
@@ -456,13 +466,13 @@ class _JobMapper:
         c = self.content
         if c is not None:
             if conversation is not None and conversation.system:
-                a["gen_ai.system_instructions"] = json.dumps([_text_part(c.text(conversation.system))],
-                                                             ensure_ascii=False)
+                system = scrub(conversation.system)
+                a["gen_ai.system_instructions"] = c.within(lambda limit: [_text_part(_cut(system, limit))])
             if conversation is not None:
                 a["gen_ai.input.messages"] = c.messages(conversation.messages)
             if request is not None:
-                a["gen_ai.tool.definitions"] = json.dumps(
-                    [{"type": "function", "name": name} for name in request.tools], ensure_ascii=False)
+                a["gen_ai.tool.definitions"] = c.within(
+                    lambda limit: [{"type": "function", "name": name} for name in request.tools[:limit]])
             if response is not None:
                 a["gen_ai.output.messages"] = c.messages(
                     [{**_assistant(response), "finish_reason": _finish_reason(response)}])

@@ -32,8 +32,9 @@ from ._otel_spans import DEFAULT_MAX_CHARS, TraceRecord, store_identity, trace_o
 if TYPE_CHECKING:
     from opentelemetry.proto.trace.v1.trace_pb2 import TracesData
 
-__all__ = ["DEFAULT_MAX_CHARS", "INSTALL_HINT", "CollectorError", "export_otel", "read_traces", "root_jobs", "sdk_spans",
-           "send_otel", "traces", "traces_data", "traces_json", "traces_url"]
+__all__ = ["DEFAULT_MAX_CHARS", "INSTALL_HINT", "MIN_CHARS", "CollectorError", "check_content", "check_headers",
+           "export_otel", "read_traces", "root_jobs", "sdk_spans", "send_otel", "traces", "traces_data", "traces_json",
+           "traces_url"]
 
 INSTALL_HINT = "OpenTelemetry export needs the otel extra: pip install 'agentnb[otel]'"
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
@@ -67,11 +68,24 @@ def root_jobs(store: Store, jobs: Iterable[int]) -> list[JobRecord]:
     return list(roots.values())
 
 
+MIN_CHARS = 100  # the smallest max_chars: a message list cut to its marks still fits
+
+
+def check_content(content: Any, max_chars: Any) -> None:
+    """``content`` and ``max_chars`` of an export checked: one line naming what is allowed (a string is no
+    switch: ``content="no"`` would send the messages)."""
+    if not isinstance(content, bool):
+        raise UsageError(f"content={content!r}; allowed: True (send messages, tool arguments and results, scrubbed) "
+                         "or False (the default)")
+    if isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < MIN_CHARS:
+        raise UsageError(f"max_chars={max_chars!r}; allowed: a whole number of characters ≥ {MIN_CHARS} "
+                         f"(default {DEFAULT_MAX_CHARS})")
+
+
 def traces(store: Store, jobs: Iterable[int], *, content: bool = False,
            max_chars: int = DEFAULT_MAX_CHARS) -> Iterator[TraceRecord]:
     """The trace of each root job of ``jobs`` (docs/otel.md#mapping)."""
-    if max_chars < 1:
-        raise UsageError(f"max_chars must be a positive number of characters, not {max_chars}")
+    check_content(content, max_chars)
     identity = store_identity(store)
     for root in root_jobs(store, jobs):
         yield trace_of(store, root, content=content, max_chars=max_chars, identity=identity)
@@ -131,11 +145,10 @@ def export_otel(store: Store, jobs: Sequence[int], path: str | os.PathLike[str],
     """Write the traces of ``jobs`` (their root jobs', subtasks nested) to ``path`` as OTLP JSON Lines, one
     ``TracesData`` per root job; return the file.  Written whole or not at all."""
     _require()
+    check_content(content, max_chars)
     if not jobs:
         raise UsageError("nothing to export: name at least one job (or a batch with jobs)")
-    target = Path(path).expanduser()
-    if target.is_dir():
-        raise UsageError(f"{path}: is a folder; give the file to write, e.g. {Path(path) / 'traces.jsonl'}")
+    target = _export_target(store, path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
     try:
@@ -147,6 +160,41 @@ def export_otel(store: Store, jobs: Sequence[int], path: str | os.PathLike[str],
     finally:
         tmp.unlink(missing_ok=True)
     return target.resolve()
+
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _export_target(store: Store, path: str | os.PathLike[str]) -> Path:
+    """The file an export writes, checked before anything is made: never a folder, a device or a pipe, the
+    store or its companion files, nor any SQLite database (an export replaces the file it is given)."""
+    text = os.fspath(path)
+    if not str(text).strip():
+        raise UsageError("the file to write is empty; give a path, e.g. traces.jsonl")
+    target = Path(text).expanduser()
+    if target.is_dir():
+        raise UsageError(f"{text}: is a folder; give the file to write, e.g. {target / 'traces.jsonl'}")
+    if str(text).endswith(("/", os.sep)):
+        raise UsageError(f"{text}: ends with a slash but is no folder; give the file to write, e.g. "
+                         f"{target / 'traces.jsonl'}")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{text}: {parent} is a file, not a folder")
+            break
+    target = target.resolve()  # a link: the file it points to is written, the link kept
+    if target.exists() and not target.is_file():
+        raise UsageError(f"{text}: is not a regular file (a device, a pipe or a socket); give a file to write")
+    store_file = Path(str(store.path)).expanduser()
+    if store_file.exists():
+        stem = store_file.resolve()
+        if target == stem or (target.name.startswith(stem.name + "-") and target.parent == stem.parent):
+            raise UsageError(f"{text}: is the store itself (or one of its files); give another file to write")
+    if target.is_file():
+        with target.open("rb") as f:
+            if f.read(len(_SQLITE_HEADER)) == _SQLITE_HEADER:
+                raise UsageError(f"{text}: is an SQLite database, which the export would replace; give another file")
+    return target
 
 
 def traces_url(base: str | None, environ: Mapping[str, str]) -> str | None:
@@ -161,9 +209,42 @@ def traces_url(base: str | None, environ: Mapping[str, str]) -> str | None:
                 break
         else:
             return None
-    if not base.startswith(("http://", "https://")):
-        raise UsageError(f"{where} {base!r} must be an http:// or https:// URL, e.g. http://127.0.0.1:4318")
+    if not base.lower().startswith(("http://", "https://")) or not _is_url(base):
+        raise UsageError(f"{where} {base!r} must be an http:// or https:// URL with a host (and a port from 1 to "
+                         "65535 if any), e.g. http://127.0.0.1:4318")
     return base if where == "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" else base.rstrip("/") + "/v1/traces"
+
+
+def _is_url(text: str) -> bool:
+    from urllib.parse import urlsplit
+
+    if any(c.isspace() for c in text):
+        return False
+    try:
+        parts = urlsplit(text)
+        port = parts.port  # raises for a port that is not a number from 0 to 65535
+    except ValueError:
+        return False
+    return bool(parts.hostname) and port != 0
+
+
+_HEADER_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS")
+
+
+def check_headers(environ: Mapping[str, str]) -> None:
+    """The standard headers variable the exporter reads (the traces one, else the general one: the exporter
+    specification), checked: ``key=value`` pairs separated by commas.  The exporter itself would log a warning and
+    send no header at all (an API key silently missing)."""
+    for name in _HEADER_VARIABLES:
+        value = environ.get(name, "")
+        if not value.strip():
+            continue
+        for item in value.split(","):
+            key, sep, _ = item.partition("=")
+            if item.strip() and (not sep or not key.strip()):
+                raise UsageError(f"{name}: {item.strip()[:40]!r} is not a header; allowed: key=value pairs separated "
+                                 "by commas (e.g. authorization=Bearer%20TOKEN,x-team=lab)")
+        return
 
 
 def send_otel(store: Store, jobs: Sequence[int], endpoint: str | None = None, *, content: bool = False,
@@ -174,12 +255,14 @@ def send_otel(store: Store, jobs: Sequence[int], endpoint: str | None = None, *,
     _require()
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
+    check_content(content, max_chars)
     if not jobs:
         raise UsageError("nothing to send: name at least one job (or a batch with jobs)")
     url = traces_url(endpoint, os.environ)
     if url is None:
         raise UsageError("no collector to send to: give --endpoint URL (e.g. http://127.0.0.1:4318) or set "
                          "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT")
+    check_headers(os.environ)
     exporter = OTLPSpanExporter(endpoint=url, timeout=timeout)  # headers: the exporter reads the standard variables
     sent = 0
     # the exporter logs each retry; the failure is said once, below, as one line

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -33,7 +34,7 @@ from ..events import JobStatusEvent, Transition
 from ..store.base import TERMINAL_STATES, Store
 from ._otel_encode import post
 from ._otel_spans import TraceRecord, job_trace, store_identity
-from .otel import INSTALL_HINT, traces_url
+from .otel import INSTALL_HINT, check_headers, traces_url
 
 __all__ = ["LiveExport", "dropped_spans", "live_content", "live_endpoint"]
 
@@ -76,7 +77,7 @@ def live_endpoint(value: str | bool | None, environ: Mapping[str, str]) -> str |
                              "OTEL_EXPORTER_OTLP_ENDPOINT, and neither is set: set one (e.g. "
                              "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318) or give the collector's URL")
         return url
-    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+    if not isinstance(value, str) or not value.lower().startswith(("http://", "https://")):
         raise UsageError(f"{where}={value!r}: allowed: an http:// or https:// collector URL (e.g. "
                          "http://127.0.0.1:4318), 1/True for the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
                          "OTEL_EXPORTER_OTLP_ENDPOINT, or 0/False")
@@ -120,6 +121,7 @@ class LiveExport:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
             raise UsageError(INSTALL_HINT) from None
+        check_headers(os.environ)
         self.store = store
         self.url = url
         self.content = content

@@ -114,11 +114,14 @@ def export_notebook(
     ``full=True`` keeps every body whole (by default each is cut at 20,000 characters, with its size shown);
     ``plot=False`` leaves out the usage timeline.
     """
+    if not str(os.fspath(path)).strip():
+        raise UsageError("the export path is empty; give a file ending in .ipynb (or an existing directory)")
     target = Path(path).expanduser()
     if target.is_dir():
         target = target / f"job-{job_id}.ipynb"
     if target.suffix != ".ipynb":
         raise UsageError(f"export path {str(path)!r} must end in .ipynb (or be an existing directory)")
+    _check_folder(target, path)
     nb = build_notebook(ws, job_id, full=full, plot=plot)
     _mask_secrets(nb)
     nbformat.validate(nb)
@@ -128,6 +131,15 @@ def export_notebook(
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, target)  # a reader never sees half a notebook
     return target.resolve()
+
+
+def _check_folder(target: Path, path: str | os.PathLike[str]) -> None:
+    """Refuse, before anything is written, a file whose folder cannot be made (a part of its path is a file)."""
+    for parent in (target.parent, *target.parent.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"export path {str(path)!r}: {parent} is a file, not a folder")
+            return
 
 
 def build_notebook(ws: NotebookSource, job_id: int, *, full: bool = False, plot: bool = True) -> nbformat.NotebookNode:
