@@ -246,6 +246,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     check_poll(args.poll)
     if not args.grace >= 0:
         raise UsageError(f"--grace {args.grace}; allowed: a number of seconds ≥ 0")
+    if args.max_jobs is not None and args.max_jobs < 1:
+        raise UsageError(f"--max-jobs {args.max_jobs}; allowed: a whole number ≥ 1 (the jobs to claim before stopping)")
     worker = _workspace(args).worker()
     try:
         worker.run(forever=args.forever, poll=args.poll, max_jobs=args.max_jobs, concurrency=args.concurrency,

@@ -92,7 +92,8 @@ class Workspace:
             self.model_settings["stream"] = stream
         self.lease = lease_setting(lease)
         otel_url, send_content = None, False
-        if not readonly and (otel or otel_content or (otel is None and os.environ.get("AGENTNB_OTEL"))):
+        if not readonly and (otel or otel_content or (otel is None and os.environ.get("AGENTNB_OTEL"))
+                             or (otel_content is None and os.environ.get("AGENTNB_OTEL_CONTENT", "").strip())):
             from .views.otel_live import live_content, live_endpoint
 
             # a bad value: one line, before anything is opened
@@ -176,6 +177,8 @@ class Workspace:
     def _id(self, job: JobRef) -> int:
         if isinstance(job, Job):
             return job.id
+        if isinstance(job, bool):  # an int to Python, never a job id
+            raise StoreError(f"job must be a Job or a job id, not {job!r}")
         try:
             job_id = int(job)
         except (TypeError, ValueError):

@@ -28,6 +28,7 @@ from agentnb.cli import main
 from agentnb.errors import UsageError
 from agentnb.events import LLMRequest, LLMResponse, ToolCallEvent, ToolResult
 from agentnb.models.prices import call_cost
+from agentnb.store import StoreError
 from agentnb.views.otel import read_traces, sdk_spans, traces, traces_data
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "otel.md"
@@ -451,6 +452,15 @@ def test_a_malformed_collector_url_or_headers_variable_is_one_line(
     assert err.count("\n") == 1 and "OTEL_EXPORTER_OTLP_HEADERS: 'garbage' is not a header; allowed: key=value" in err
     with pytest.raises(UsageError, match="OTEL_EXPORTER_OTLP_HEADERS: 'garbage' is not a header"):
         Workspace(tmp_path / "live", otel="http://127.0.0.1:9")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_HEADERS")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    with Workspace(tmp_path / "one", otel=1) as on, Workspace(tmp_path / "zero", otel=0) as off:  # as 1/True, 0/False
+        assert on.otel is not None and on.otel.url == "http://127.0.0.1:9/v1/traces" and off.otel is None
+    monkeypatch.setenv("AGENTNB_OTEL_CONTENT", "garbage")  # checked with no live export asked for, too
+    with pytest.raises(UsageError, match="AGENTNB_OTEL_CONTENT='garbage'; allowed"):
+        Workspace(tmp_path / "content")
+    with pytest.raises(StoreError, match="job must be a Job or a job id, not True"):
+        ws.export_otel(True, tmp_path / "t.jsonl")
 
 
 def test_a_100_job_batch_is_one_file_of_valid_otlp_json(ws: Workspace, tmp_path: Path) -> None:

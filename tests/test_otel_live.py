@@ -372,7 +372,7 @@ def test_the_settings_and_their_precedence(tmp_path: Path, receiver: Receiver,
                                          r"none: give otel=URL"):
         Workspace(tmp_path / "ws", otel_content=True)
     monkeypatch.setenv("AGENTNB_OTEL_CONTENT", "all")
-    with pytest.raises(UsageError, match=r"^AGENTNB_OTEL_CONTENT='all': allowed: 1 .* or 0"):
+    with pytest.raises(UsageError, match=r"^AGENTNB_OTEL_CONTENT='all'; allowed: 1 .* or 0"):
         Workspace(tmp_path / "ws", otel=True)
     with pytest.raises(UsageError, match=r"^otel_content='yes': allowed: True, False or None"):
         Workspace(tmp_path / "ws", otel=True, otel_content="yes")  # type: ignore[arg-type]

@@ -68,6 +68,8 @@ def live_endpoint(value: str | bool | None, environ: Mapping[str, str]) -> str |
         value, where = environ.get("AGENTNB_OTEL", ""), "AGENTNB_OTEL"
     if isinstance(value, str) and value.strip().lower() in _OFF + _ON:
         value = value.strip().lower() in _ON
+    elif type(value) is int and value in (0, 1):  # as the message below allows it
+        value = bool(value)
     if value is False:
         return None
     if value is True:
@@ -90,7 +92,7 @@ def live_content(value: bool | None, environ: Mapping[str, str]) -> bool:
     if value is None:
         text = environ.get("AGENTNB_OTEL_CONTENT", "").strip().lower()
         if text not in _OFF + _ON:
-            raise UsageError(f"AGENTNB_OTEL_CONTENT={text!r}: allowed: 1 (send messages, tool arguments and results, "
+            raise UsageError(f"AGENTNB_OTEL_CONTENT={text!r}; allowed: 1 (send messages, tool arguments and results, "
                              "scrubbed) or 0 (the default)")
         return text in _ON
     if not isinstance(value, bool):
