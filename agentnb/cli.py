@@ -189,6 +189,8 @@ def _following(args: argparse.Namespace, ws: Workspace, job: Job) -> contextlib.
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.detach and args.follow:  # a queued job is run by a worker elsewhere: there is nothing here to follow
+        raise _Usage("run: --detach queues the job for a worker and --follow prints its run here; give one")
     context = context_items(args.context) if args.context else None  # refused before the store is opened
     ws = _workspace(args)
     inputs = {}

@@ -139,6 +139,7 @@ def test_a_bad_piece_exits_2_with_one_line_and_no_job(tmp_path: Path, piece_text
     (["retry", "--", "-99999999999999999999999"], "no job -99999999999999999999999 in"),
     (["run", "--model", "replay:99999999999999999999999", "task"], "no job 99999999999999999999999 in"),
     (["worker", "--max-jobs", "-1"], "--max-jobs -1; allowed: a whole number ≥ 1"),
+    (["run", "--detach", "--follow", "task"], "run: --detach queues the job for a worker and --follow prints"),
     (["worker", "--max-jobs", "0"], "--max-jobs 0; allowed: a whole number ≥ 1"),
 ])
 def test_usage_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:

@@ -380,6 +380,8 @@ def test_export_writes_the_job_as_a_notebook(shell: InteractiveShell, tmp_path: 
     assert 'data-seq="1"' in html
     with pytest.raises(UsageError, match=r"%agent export: the following arguments are required: path"):
         shell.run_line_magic("agent", "export 1")
+    with pytest.raises(UsageError, match=r"^%agent run: --queue only submits the job and --background"):
+        shell.run_line_magic("agent", 'run --queue --background "x"')
     (tmp_path / "afile").write_text("keep")
     with pytest.raises(UsageError, match=r"afile is a file, not a folder$"):  # one line, no traceback
         shell.run_line_magic("agent", f"export t_job {tmp_path / 'afile' / 'x.ipynb'}")

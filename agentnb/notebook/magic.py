@@ -318,6 +318,9 @@ class AgentMagic(Magics):
         """Submit a job and run it until it ends or waits, showing its view as it runs."""
         # a line's words were filled one by one in agent(); a cell body is filled here, once
         text = self._expand(cell) if cell is not None else " ".join(args.instruction)
+        if args.queue and args.background:  # a queued job runs nowhere yet: there is no run to go on with
+            raise UsageError("%agent run: --queue only submits the job and --background runs it behind the view; "
+                             "give one")
         if args.job is not None:
             return self._run_existing(args, text)
         if args.instruction and cell is not None:
