@@ -142,10 +142,16 @@ def test_a_character_split_into_two_surrogate_halves_is_joined_back(loopback: Ca
               '{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\\udf89\\"}"}}]},'
               '"finish_reason":"tool_calls"}]}']
     srv = loopback()
-    srv.play(*raw("".join(f"data: {c}\n\n" for c in chunks) + "data: [DONE]\n\n", content_type="text/event-stream"))
+    body = "".join(f"data: {c}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    srv.play(*raw(body, content_type="text/event-stream"), *raw(body, content_type="text/event-stream"))
     response = OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[]))
     assert response.content == "smile 😀 end, lone \ufffd."
     assert response.tool_calls[0].arguments == {"path": "🎉"}
+    # watched: the fragments a view is given are text it can send on (the first half waits for the second)
+    deltas: list[Delta] = []
+    watched = OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[], on_delta=deltas.append))
+    texts = [d.text for d in deltas if d.tool_index is None]
+    assert texts == ["smile ", "😀 end, lone \ufffd."] and watched.content == response.content
     # a whole answer's lone half too: text that could not be stored
     srv.play(*raw('{"choices":[{"index":0,"message":{"role":"assistant","content":"lone \\udc00."},'
                   '"finish_reason":"stop"}]}'))

@@ -56,8 +56,8 @@ def joined_text(parts: list[str]) -> str:
 class Assembly:
     """The chunks of one streamed answer so far; :meth:`message` is the answer as a non-streamed call has it."""
 
-    __slots__ = ("_by_id", "calls", "content", "finish_reason", "first_token", "head", "on_delta", "saw_content",
-                 "spec", "started", "usage")
+    __slots__ = ("_by_id", "_held", "calls", "content", "finish_reason", "first_token", "head", "on_delta",
+                 "saw_content", "spec", "started", "usage")
 
     def __init__(self, spec: str, on_delta: Callable[[Delta], None] | None, started: float) -> None:
         self.spec = spec
@@ -71,6 +71,7 @@ class Assembly:
         self.finish_reason: str | None = None
         self.first_token: float | None = None  # perf_counter of the first text or tool-call fragment
         self.head: dict[str, Any] = {}  # the first chunk's "id" and "model", as a whole answer's body has them
+        self._held = ""  # the first half of a character split between two text fragments, not shown yet
 
     def _bad(self, what: str) -> ModelError:
         return ModelError(f"{self.spec}: malformed stream chunk: {what}")
@@ -106,6 +107,17 @@ class Assembly:
             if choice.get("finish_reason"):
                 self.finish_reason = str(choice["finish_reason"])
 
+    def _publish_text(self, text: str) -> None:
+        """Hand a text fragment to ``on_delta`` as text a view can send on: a character split into two surrogate
+        halves is held back until its second half (:func:`joined_text`)."""
+        if self._held:
+            text, self._held = self._held + text, ""
+        if "\ud800" <= text[-1] <= "\udbff":
+            text, self._held = text[:-1], text[-1]
+        text = joined_text([text])
+        if text and self.on_delta is not None:
+            self.on_delta(Delta(text=text))
+
     def _delta(self, delta: dict[str, Any], at: float | None) -> None:
         if "content" in delta:
             text = delta["content"]
@@ -119,7 +131,7 @@ class Assembly:
                     self.content.append(text)
                     self._token(at)
                     if self.on_delta is not None:
-                        self.on_delta(Delta(text=text))
+                        self._publish_text(text)
         raw = delta.get("tool_calls")
         if raw is None:
             return
