@@ -35,7 +35,8 @@ __all__ = ["BatchBudget", "batch_limit", "batch_models", "check_batch_limits", "
 def check_batch_limits(cost_limit: Any, job_cost_limit: Any, job_token_limit: Any,
                        models: Iterable[str]) -> dict[str, float | int]:
     """The limits of a ``ws.batch`` call, checked (one line for a bad value, or a cost limit on an unpriced model)."""
-    limits = check_limits(cost_limit=cost_limit, job_cost_limit=job_cost_limit, job_token_limit=job_token_limit)
+    limits = {**check_limits("every call of the batch's jobs and their subtasks", cost_limit=cost_limit),
+              **check_limits(job_cost_limit=job_cost_limit, job_token_limit=job_token_limit)}
     for model in models:
         for key in ("cost_limit", "job_cost_limit"):
             check_priced(model, limits.get(key), what=key)

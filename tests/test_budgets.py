@@ -137,7 +137,7 @@ def test_a_bad_limit_is_one_line_and_creates_nothing(ws: Workspace, tmp_path: Pa
     if "cost_limit" in kwargs:  # given to the run of a batch: refused before it is kept with the batch
         b = ws.batch([{"instruction": "x"}], piece="single", model="demo", name="kept", run=False)
         options = ws.store.query("SELECT options FROM batches WHERE name='kept'")[0][0]
-        with pytest.raises(AgentnbError, match=r"^cost_limit="):
+        with pytest.raises(AgentnbError, match=r"^cost_limit=.*\(every call of the batch's jobs and their subtasks\)"):
             b.run(progress=False, **kwargs)
         assert ws.store.query("SELECT options FROM batches WHERE name='kept'")[0][0] == options
         assert [j.status for j in ws.jobs()] == ["queued"]

@@ -341,6 +341,8 @@ def test_a_spec_option_it_does_not_know_is_refused_in_one_line(ws: Workspace, pi
     with pytest.raises(ModelSpecError) as caught:
         ws.submit("x", piece=piece, model="openai:m?streem=0")
     assert str(caught.value) == "openai:m?streem=0: unknown option 'streem=0'; allowed: stream=0|1, read_timeout=SECONDS"
+    with pytest.raises(ModelSpecError, match=r"^openai:m\?stream=0&stream=1: stream is given twice; give each option"):
+        ws.submit("x", piece=piece, model="openai:m?stream=0&stream=1")
     assert not ws.jobs()
 
 

@@ -36,26 +36,29 @@ LIMIT_KEYS = ("cost_limit", "token_limit")
 _MAX_DEPTH = 100
 
 
-def limit_problem(name: str, value: Any) -> str | None:
+JOB_CALLS = "the job's and its subtasks' calls"
+
+
+def limit_problem(name: str, value: Any, counts: str = JOB_CALLS) -> str | None:
     """What is wrong with a limit's value (None: nothing); ``name`` is a cost limit's or a token limit's key
-    (``cost_limit``, ``job_token_limit``…), named in the message."""
+    (``cost_limit``, ``job_token_limit``…), named in the message; ``counts``: the calls the limit counts."""
     if name.endswith("token_limit"):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            return f"{name}={value!r}; allowed: a whole number of tokens ≥ 1 (the job's and its subtasks' calls)"
+            return f"{name}={value!r}; allowed: a whole number of tokens ≥ 1 ({counts})"
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
-        return f"{name}={value!r}; allowed: a number of US dollars > 0 (the job's and its subtasks' calls)"
+        return f"{name}={value!r}; allowed: a number of US dollars > 0 ({counts})"
     return None
 
 
-def check_limits(**limits: Any) -> dict[str, float | int]:
+def check_limits(counts: str = JOB_CALLS, **limits: Any) -> dict[str, float | int]:
     """The given limits (``cost_limit``, ``token_limit``, ``job_cost_limit``…; None: not set), checked and made
-    plain numbers; :class:`UsageError` of one line for a bad one."""
+    plain numbers; :class:`UsageError` of one line for a bad one (``counts``: the calls they count, as it says)."""
     out: dict[str, float | int] = {}
     for key, value in limits.items():
         if value is None:
             continue
-        problem = limit_problem(key, value)
+        problem = limit_problem(key, value, counts)
         if problem is not None:
             raise UsageError(problem)
         out[key] = int(value) if key.endswith("token_limit") else float(value)

@@ -92,6 +92,8 @@ def _spec_options(name: str, query: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for part in filter(None, query.split("&")):
         key, _, value = part.partition("=")
+        if key in out:
+            raise ModelSpecError(f"openai:{name}?{query}: {key} is given twice; give each option once")
         if key == "stream" and _flag(value) is not None:
             out["stream"] = _flag(value)
         elif key == "read_timeout":
