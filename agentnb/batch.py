@@ -645,7 +645,7 @@ def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str 
         pending = 0
         if existing is not None:
             tools |= batch_tools(existing.variants)
-            pending = sum(1 for r in ws.store.jobs(batch=name) if r.status in _PENDING)
+            pending = len(Batch(ws, name, chosen).pending())
         check_run(tools, pending + len(prepared))
     _write_batch(ws, name, existing, prepared, fingerprint=print_, stored_cases=stored_cases, variants=variants,
                  context=context, epochs=total)

@@ -544,8 +544,7 @@ class AgentLoop:
         spent = self.reserve is None
         usage = self._usage(size, spent and not response.cached)
         # the summary is the content; tool calls a model made anyway are kept in the record, never run
-        answered_at = time.time()
-        self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=answered_at,
+        self.rec.add(LLMResponse(job_id=job_id, movement_seq=seq, iteration=it, ts=time.time(),
                                  content=response.content, tool_calls=[_call_record(c) for c in response.tool_calls],
                                  usage=usage, latency_s=latency_s, purpose="compaction",
                                  replayed_from=None if spent else self.reserve.job_id,  # type: ignore[union-attr]

@@ -185,7 +185,8 @@ class Assembly:
 
     def message(self) -> dict[str, Any]:
         """The answer as ``choices[0].message`` of a whole one (content, tool calls in index order) and its usage."""
-        msg: dict[str, Any] = {"role": "assistant", "content": joined_text(self.content) if self.saw_content else None}
+        # (its text's split characters are joined by the reader of any answer's message, openai._response)
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) if self.saw_content else None}
         if self.calls:
             msg["tool_calls"] = [
                 {"id": c["id"], "type": "function",

@@ -126,15 +126,17 @@ class _Content:
     def text(self, value: str) -> str:
         return _cut(scrub(value), self.max_chars)
 
-    def within(self, build: Callable[[int], Any]) -> str:
-        """The JSON of ``build(limit)`` in at most ``max_chars`` characters: ``limit`` (what ``build`` cuts its text
-        or its list to) shrinks until it fits."""
-        limit = self.max_chars
+    def within(self, build: Callable[[int], Any], room: int | None = None, limit: int | None = None,
+               floor: int = 0) -> str:
+        """The JSON of ``build(limit)`` in at most ``room`` characters (default ``max_chars``): ``limit`` (what
+        ``build`` cuts its texts or its list to; default ``max_chars``) shrinks until it fits, or down to ``floor``."""
+        room = self.max_chars if room is None else room
+        limit = self.max_chars if limit is None else limit
         while True:
             encoded = json.dumps(build(limit), ensure_ascii=False, default=str)
-            if len(encoded) <= self.max_chars or limit <= 0:
+            if len(encoded) <= room or limit <= floor:
                 return encoded
-            limit = max(0, min(limit - 1, limit * self.max_chars // len(encoded) - 1))
+            limit = max(floor, min(limit - 1, limit * room // len(encoded) - 1))
 
     def data(self, value: Any) -> str:
         """JSON text of ``value`` (a tool's arguments), scrubbed and cut."""
@@ -148,7 +150,7 @@ class _Content:
         size = 2
         part_limit = max(64, self.max_chars // 2)
         for message in reversed(messages):
-            encoded = self._encode(message, part_limit)
+            encoded = json.dumps(self._cut_message(message, part_limit), ensure_ascii=False, default=str)
             if size + len(encoded) + (1 if kept else 0) > self.max_chars:
                 if not kept:
                     kept.append(self._fit(message, self.max_chars - 2, part_limit))
@@ -158,10 +160,7 @@ class _Content:
         return "[" + ",".join(reversed(kept)) + "]"
 
     def _fit(self, message: dict[str, Any], room: int, limit: int) -> str:
-        encoded = self._encode(message, limit)
-        while len(encoded) > room and limit > 16:
-            limit = max(16, min(limit - 1, limit * room // len(encoded)))
-            encoded = self._encode(message, limit)
+        encoded = self.within(lambda cut: self._cut_message(message, cut), room, limit, floor=16)
         if len(encoded) <= room:
             return encoded
         # too many parts to show even cut short: the message says how long it was
@@ -170,9 +169,9 @@ class _Content:
         return json.dumps(stub, ensure_ascii=False)
 
     @staticmethod
-    def _encode(message: dict[str, Any], limit: int) -> str:
-        """The message as JSON, each text part scrubbed and cut to ``limit``; tool-call arguments longer than that
-        as their cut JSON text."""
+    def _cut_message(message: dict[str, Any], limit: int) -> dict[str, Any]:
+        """The message with each text part scrubbed and cut to ``limit``; tool-call arguments longer than that as
+        their cut JSON text."""
         parts = []
         for part in message.get("parts", ()):
             part = dict(part)
@@ -184,7 +183,7 @@ class _Content:
                 text = json.dumps(arguments, ensure_ascii=False, default=str)
                 part["arguments"] = arguments if len(text) <= limit else _cut(text, limit)
             parts.append(part)
-        return json.dumps({**message, "parts": parts}, ensure_ascii=False, default=str)
+        return {**message, "parts": parts}
 
 
 def _text_part(text: str) -> dict[str, Any]:

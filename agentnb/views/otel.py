@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._fs import file_in_the_way, special_kind
 from ..errors import AgentnbError, UsageError
 from ..store.base import Store
 from ..store.records import JobRecord
@@ -177,14 +178,13 @@ def _export_target(store: Store, path: str | os.PathLike[str]) -> Path:
     if str(text).endswith(("/", os.sep)):
         raise UsageError(f"{text}: ends with a slash but is no folder; give the file to write, e.g. "
                          f"{target / 'traces.jsonl'}")
-    for parent in target.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UsageError(f"{text}: {parent} is a file, not a folder")
-            break
+    blocking = file_in_the_way(target)
+    if blocking is not None:
+        raise UsageError(f"{text}: {blocking} is a file, not a folder")
     target = target.resolve()  # a link: the file it points to is written, the link kept
     if target.exists() and not target.is_file():
-        raise UsageError(f"{text}: is not a regular file (a device, a pipe or a socket); give a file to write")
+        raise UsageError(f"{text}: is not a regular file but {special_kind(target.stat().st_mode)}; give a file "
+                         "to write")
     store_file = Path(str(store.path)).expanduser()
     if store_file.exists():
         stem = store_file.resolve()

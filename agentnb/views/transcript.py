@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import nbformat
 from nbformat import v4
 
+from .._fs import file_in_the_way
 from .._secrets import scrub
 from ..errors import UsageError
 from ..events import (
@@ -121,7 +122,9 @@ def export_notebook(
         target = target / f"job-{job_id}.ipynb"
     if target.suffix != ".ipynb":
         raise UsageError(f"export path {str(path)!r} must end in .ipynb (or be an existing directory)")
-    _check_folder(target, path)
+    blocking = file_in_the_way(target)
+    if blocking is not None:
+        raise UsageError(f"export path {str(path)!r}: {blocking} is a file, not a folder")
     nb = build_notebook(ws, job_id, full=full, plot=plot)
     _mask_secrets(nb)
     nbformat.validate(nb)
@@ -131,15 +134,6 @@ def export_notebook(
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, target)  # a reader never sees half a notebook
     return target.resolve()
-
-
-def _check_folder(target: Path, path: str | os.PathLike[str]) -> None:
-    """Refuse, before anything is written, a file whose folder cannot be made (a part of its path is a file)."""
-    for parent in (target.parent, *target.parent.parents):
-        if parent.exists():
-            if not parent.is_dir():
-                raise UsageError(f"export path {str(path)!r}: {parent} is a file, not a folder")
-            return
 
 
 def build_notebook(ws: NotebookSource, job_id: int, *, full: bool = False, plot: bool = True) -> nbformat.NotebookNode:
