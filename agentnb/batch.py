@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .engine.pieces import Piece, load_piece, parse_piece
 from .errors import UsageError
 from .events import ScoreEvent
+from .models.base import check_retry_settings
 from .store import reads
 from .store.base import JOB_STATES, TERMINAL_STATES, JobStatus, Store
 from .store.records import BatchRecord
@@ -612,6 +613,8 @@ def _open_batch(ws: BatchHost, cases: Any, *, piece: Any, model: Any, name: str 
                 check_run: Callable[[set[str], int], None] | None = None) -> Batch:
     chosen = check_scorers(scorers)
     epochs = check_epochs(epochs)
+    # checked here too, not only with each new job: a batch that is resumed or complete makes none
+    check_retry_settings(retries, max_backoff)
     if isinstance(cases, str) and name is None:  # ws.batch("exp-1"): resume by name
         name, cases = cases, None
     _check_name(ws.store, name, given_cases=cases is not None)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from .cache_cli import add_cache_commands, add_cache_option
 from .engine.context import context_items
 from .engine.pieces import PieceError, available_pieces
-from .errors import AgentnbError, UsageError
+from .errors import AgentnbError, UsageError, as_typed
 from .events import payload_dict
 from .executor import GRACE, check_poll, check_slots
 from .interrupts import Terminated, sigterm_interrupts
@@ -759,7 +759,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 _close_opened()
     except (AgentnbError, ValueError) as exc:
-        return _error(" ".join(str(exc).split()))
+        return _error(as_typed(" ".join(str(exc).split()), sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt:
         return 130
     except Terminated as exc:

@@ -7,6 +7,10 @@ traceback.  Each subclass keeps the builtin base it always had (``ValueError`` f
 
 from __future__ import annotations
 
+import argparse
+import re
+from collections.abc import Sequence
+
 __all__ = [
     "AgentnbError",
     "CallCancelled",
@@ -18,6 +22,7 @@ __all__ = [
     "StoreError",
     "ToolError",
     "UsageError",
+    "as_typed",
 ]
 
 
@@ -74,3 +79,24 @@ class ToolError(AgentnbError):
 
 class UsageError(AgentnbError, ValueError):
     """An API or command used wrongly (a bad argument or option); the message says what is allowed."""
+
+
+# a message that opens with the Python argument it is about: `concurrency=0; allowed: …`
+_PY_ARGUMENT = re.compile(r"([a-z][a-z0-9_]*)=")
+
+
+def as_typed(message: str, argv: Sequence[str], parser: argparse.ArgumentParser | None = None) -> str:
+    """``message`` with its opening Python argument (``cost_limit=-1.0; allowed: …``) said as the option the user
+    typed in ``argv`` (``--cost-limit -1.0; allowed: …``): the CLI and the magic pass their options to the Python
+    API, whose checks name its arguments.  With ``parser``, the option is its action for that argument (a short
+    form typed counts); without, the option named after it.  Unchanged when no such option was typed."""
+    m = _PY_ARGUMENT.match(message)
+    if m is None:
+        return message
+    flags = ["--" + m[1].replace("_", "-")]
+    if parser is not None:
+        flags = next((sorted(a.option_strings, key=len, reverse=True) for a in parser._actions
+                      if a.dest == m[1] and a.option_strings), [])
+    # `--epochs 0`, `--epochs=0`, `-e 0`, `-e0`
+    typed = any(a == f or a.startswith(f + "=") or (len(f) == 2 and a.startswith(f)) for a in argv for f in flags)
+    return f"{flags[0]} {message[m.end():]}" if typed else message

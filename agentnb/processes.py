@@ -106,8 +106,8 @@ def check_processes(value: Any) -> int | None:
         _env_processes()
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"processes={value!r}; allowed: a whole number ≥ 1 (worker processes for the batch), or None "
-                         "to choose from the machine's cores")
+        raise UsageError(f"processes={value!r}; allowed: a whole number ≥ 1 (worker processes for the batch); "
+                         "not given, the number is chosen from the machine's cores")
     return value
 
 

@@ -107,7 +107,7 @@ def test_magic_batch_resumes_by_name_without_running_a_finished_job_again(shell:
     created.ws.run(first.id)  # one job ends before the batch is resumed
     before = _llm_requests(created.ws, first.id)
     for cache in ("bogus", "on"):  # the cache is the created jobs': a resumed batch creates none
-        with pytest.raises(UsageError, match=r"^%agent batch: (cache=|cache is given)"):
+        with pytest.raises(UsageError, match=r"^%agent batch: (--cache |cache is given)"):
             shell.run_line_magic("agent", f"batch m3 --cache {cache} --no-run")
     b = shell.run_line_magic("agent", "batch m3")
     assert b.counts()["succeeded"] == 3
@@ -145,9 +145,10 @@ def test_magic_batches_lists_each_batch_with_counts_by_status(shell: Any, tmp_pa
     ("batch t_cases --piece nope --model demo", "unknown piece 'nope'"),
     ("batch t_cases --piece single --model nomodel", "nomodel"),
     ("batch t_cases --piece single,,single", "--piece 'single,,single' has an empty item"),
-    ("batch t_cases --concurrency 0", "concurrency=0; allowed: a whole number ≥ 1"),
+    ("batch t_cases --concurrency 0", "--concurrency 0; allowed: a whole number ≥ 1"),
+    ("batch t_cases -c0", "--concurrency 0; allowed: a whole number ≥ 1"),
     ("batch t_cases --concurrency many", "argument --concurrency/-c: invalid int value: 'many'"),
-    ("batch t_cases --epochs 0", "epochs=0; allowed: a whole number ≥ 1"),
+    ("batch t_cases --epochs 0", "--epochs 0; allowed: a whole number ≥ 1"),
     ("batch t_cases --scorer t_nothing", "--scorer 't_nothing' is not a variable"),
     ("batch t_cases --scorer t_cases", "--scorer t_cases: the variable holds a list"),
     ("batch t_cases --scorer t_bad", "scorer 'x' is a int, which is not callable"),
@@ -410,8 +411,8 @@ def test_cli_batch_bad_file_is_one_error_line_exit_2_and_nothing_stored(tmp_path
 @needs_cli
 @pytest.mark.parametrize(("args", "needle"), [
     (["--piece", "nope"], "unknown piece 'nope'"),
-    (["--concurrency", "0"], "concurrency=0; allowed: a whole number ≥ 1"),
-    (["--epochs", "-1"], "epochs=-1; allowed: a whole number ≥ 1"),
+    (["--concurrency", "0"], "--concurrency 0; allowed: a whole number ≥ 1"),
+    (["--epochs=-1"], "--epochs -1; allowed: a whole number ≥ 1"),
     (["--model", "scripted:nofile.yaml"], "nofile.yaml"),
     (["--piece", "single", "--model", "demo", "--baseline", "2"], "--baseline '2' is not a variant of the batch"),
 ])
@@ -422,6 +423,20 @@ def test_cli_batch_bad_options_are_one_error_line_exit_2(tmp_path: Path, args: l
     [line] = out.stderr.splitlines()
     assert line.startswith("agentnb: error: ") and needle in line
     assert _batch_rows(tmp_path / "ws") == []
+
+
+@needs_cli
+def test_cli_batch_checks_its_retry_options_when_it_resumes_a_batch_too(tmp_path: Path) -> None:
+    """The same command again makes no new job, so no job's check sees the options: the batch checks them."""
+    (tmp_path / "c.csv").write_text("instruction\nx\n")
+    argv = ["--workspace", "ws", "batch", "c.csv", "--model", "demo", "--name", "b"]
+    assert agentnb(tmp_path, *argv).returncode == 0
+    for args, message in [
+        (["--retries", "-1"], "--retries -1; allowed: a whole number from 0 to 100 (the tries after the first)"),
+        (["--max-backoff=-2"], "--max-backoff -2.0; allowed: a number of seconds ≥ 0 (the longest wait between two tries)"),
+    ]:
+        out = agentnb(tmp_path, *argv, *args)
+        assert (out.returncode, out.stdout, out.stderr) == (2, "", f"agentnb: error: {message}\n")
 
 
 @needs_cli

@@ -406,6 +406,6 @@ def test_the_magic_runs_a_batch_in_processes_and_scores_with_the_notebook_s_func
                                       "--processes 2 --name nb --scorer t_right")
     assert b.last_run.processes == 2 and b.counts()["succeeded"] == 8
     assert b.frame["t_right"].tolist() == [True] * 8  # a lambda of the notebook's, run in the kernel
-    with pytest.raises(IPythonUsageError, match=r"^%agent batch: processes=0; allowed: a whole number ≥ 1"):
+    with pytest.raises(IPythonUsageError, match=r"^%agent batch: --processes 0; allowed: a whole number ≥ 1"):
         shell.run_line_magic("agent", "batch t_cases --piece {t_piece} --model {t_spec} --processes 0 --name nb2")
     assert [x["name"] for x in b.ws.batches()] == ["nb"]

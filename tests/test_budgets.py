@@ -257,7 +257,7 @@ def test_the_command_and_the_magic_take_the_limits(tmp_path: Path, shell: Any) -
     assert out.returncode == 1 and "budget: 3,200 of 3,000 tokens" in out.stdout, out.stderr
     bad = agentnb("run", "--piece", piece, "--model", model, "--cost-limit", "-1", "write")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
-        "cost_limit=-1.0; allowed: a number of US dollars > 0 (the job's and its subtasks' calls)")
+        "--cost-limit -1.0; allowed: a number of US dollars > 0 (the job's and its subtasks' calls)")
     (tmp_path / "cases.jsonl").write_text('{"instruction": "a"}\n{"instruction": "b"}\n', encoding="utf-8")
     ran = agentnb("batch", "cases.jsonl", "--piece", piece, "--model", model, "--job-token-limit", "2500",
                   "--name", "cli", "--no-progress")

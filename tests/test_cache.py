@@ -249,7 +249,7 @@ def test_cache_stats_and_clear_through_the_cli(tmp_path: Path, capsys: pytest.Ca
 
 def test_an_unknown_cache_mode_is_refused_in_one_line_and_nothing_is_created(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    allowed = "allowed: True (or 'on'), 'across-epochs', False (or 'off') or None (the workspace's)"
+    allowed = "allowed: 'on' (or True), 'across-epochs' or 'off' (or False); not given, the workspace's mode"
     with pytest.raises(AgentnbError, match=r"^cache='sometimes' is not a cache mode; " + _re(allowed) + "$"):
         Workspace(tmp_path / "never", cache="sometimes")
     assert not (tmp_path / "never").exists()
@@ -260,7 +260,7 @@ def test_an_unknown_cache_mode_is_refused_in_one_line_and_nothing_is_created(
         ws.batch(_cases(), piece="single", model="demo", cache=1, name="b", progress=False)
     assert ws.jobs() == [] and ws.batches() == [] and not (tmp_path / "ws" / "jobs").exists()
     assert main(["--workspace", str(tmp_path / "ws"), "run", "--cache=bogus", "x"]) == 2
-    assert capsys.readouterr().err.strip() == f"agentnb: error: cache='bogus' is not a cache mode; {allowed}"
+    assert capsys.readouterr().err.strip() == f"agentnb: error: --cache 'bogus' is not a cache mode; {allowed}"
     assert ws.jobs() == []
 
 

@@ -300,7 +300,7 @@ def test_magic_batch_epochs_runs_grows_and_refuses_in_one_line(shell: Any, tmp_p
     assert grown.epochs == 3 and _positions(grown) == [(c, 0, e) for c in range(2) for e in (1, 2, 3)]
     for line, needle in [
         ("batch me --epochs 4", "batch 'me' has 3 epoch(s); adding epochs needs its cases again"),
-        ("batch t_cases --piece single --model demo --epochs 0 --name bad", "epochs=0; allowed: a whole number ≥ 1"),
+        ("batch t_cases --piece single --model demo --epochs 0 --name bad", "--epochs 0; allowed: a whole number ≥ 1"),
         ("batch t_cases --epochs two --name bad", "argument --epochs/-e: invalid int value: 'two'"),
     ]:
         with pytest.raises(MagicUsageError) as info:
@@ -332,7 +332,7 @@ def test_cli_batch_epochs_runs_grows_and_refuses_in_one_line(tmp_path: Path) -> 
     lines = out.stdout.splitlines()
     assert lines[0] == "<Batch 'ce': 4/4 ended · 4 succeeded>"
     assert lines[1].split()[:3] == ["variant", "variant_label", "n"] and lines[2].split()[4] == "4"
-    for bad, needle in [("0", "epochs=0; allowed: a whole number ≥ 1"),
+    for bad, needle in [("0", "--epochs 0; allowed: a whole number ≥ 1"),
                         ("two", "argument --epochs: invalid int value: 'two'")]:
         refused = _agentnb(tmp_path, *argv, "--epochs", bad)
         assert refused.returncode == 2 and refused.stdout == ""

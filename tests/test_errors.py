@@ -35,7 +35,7 @@ def _shown(shell: InteractiveShell, cell: str) -> list[str]:
     ("%agent export 1 transcript.txt",
      "UsageError: %agent export: export path 'transcript.txt' must end in .ipynb (or be an existing directory)"),
     ("%agent retry 1 --retries -1",
-     "UsageError: %agent retry: retries=-1; allowed: a whole number from 0 to 100 (the tries after the first)"),
+     "UsageError: %agent retry: --retries -1; allowed: a whole number from 0 to 100 (the tries after the first)"),
     ('%agent run "about {t_missing}"', "UsageError: %agent run: {t_missing} in the instruction names no variable "
                                        "of the notebook; write {{ and }} for literal braces"),
 ])

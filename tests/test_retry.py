@@ -234,7 +234,7 @@ def test_agentnb_retry(tmp_path: Path, server: OpenAIServer) -> None:
     assert out.stderr == "agentnb: error: job 1 is succeeded; only a failed or aborted job can be retried\n"
     out = agentnb("retry", "1", "--retries", "-2")
     assert out.returncode == 2
-    assert out.stderr.startswith("agentnb: error: retries=-2; allowed: a whole number from 0 to 100")
+    assert out.stderr.startswith("agentnb: error: --retries -2; allowed: a whole number from 0 to 100")
     assert out.stderr.count("\n") == 1
 
 
@@ -298,5 +298,5 @@ def test_agent_retry_magic(shell: InteractiveShell, tmp_path: Path) -> None:
     with capture_output():
         shell.run_cell("t_again = %agent retry t_ab --run --retries 2")
     assert shell.user_ns["t_again"].status == "succeeded"
-    with pytest.raises(UsageError, match=r"^%agent retry: max_backoff=-1\.0; allowed"):
+    with pytest.raises(UsageError, match=r"^%agent retry: --max-backoff -1\.0; allowed"):
         shell.run_line_magic("agent", "retry t_again --max-backoff -1")

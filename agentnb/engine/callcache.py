@@ -58,7 +58,7 @@ __all__ = [
 
 # the modes a job stores in its options (``"cache"``); True is "on"
 CACHE_MODES = ("on", "across-epochs")
-_ALLOWED = "True (or 'on'), 'across-epochs', False (or 'off') or None (the workspace's)"
+_ALLOWED = "'on' (or True), 'across-epochs' or 'off' (or False); not given, the workspace's mode"
 _KEY_VERSION = 1  # in every key: a change of what a key covers starts a new cache instead of answering wrongly
 
 

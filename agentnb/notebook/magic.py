@@ -38,7 +38,7 @@ from ..batch_compare import BatchComparison, check_baseline
 from ..compare import Comparison
 from ..engine.context import context_items
 from ..engine.pieces import Piece, available_pieces, load_piece
-from ..errors import AgentnbError, PieceError, StoreError
+from ..errors import AgentnbError, PieceError, StoreError, as_typed
 from ..store import reads
 from ..store.base import JOB_STATES, JobStatus, owned_by_this_process
 from ..store.records import BatchRecord
@@ -204,9 +204,9 @@ class AgentMagic(Magics):
             result = fn(args, cell)
         except UsageError as exc:
             text = one_line(exc)
-            raise UsageError(text if text.startswith(("%agent", "%%agent")) else prefix + text) from None
+            raise UsageError(text if text.startswith(("%agent", "%%agent")) else prefix + as_typed(text, rest, fn.parser)) from None
         except AgentnbError as exc:  # a user's mistake (VarError too): one line, no traceback
-            raise UsageError(prefix + one_line(exc)) from None
+            raise UsageError(prefix + as_typed(one_line(exc), rest, fn.parser)) from None
         # only a command that worked moves the session's default job (a refused `step 1` does not)
         if self._used_job is not None:
             self.last_job = self._used_job
