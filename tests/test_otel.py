@@ -303,6 +303,20 @@ def test_a_failed_job_and_its_failed_call_have_the_error_status(ws: Workspace, t
     assert errors == {"invoke_workflow single": "failed", "invoke_agent work": "model", "chat scripted": "model"}
 
 
+def test_a_run_a_retry_took_on_to_its_transition_is_no_longer_failed(ws: Workspace, tmp_path: Path) -> None:
+    piece = write_piece(tmp_path, "p", {"movements": [{"name": "work", "instruction": "i", "tools": ["Glob"],
+                                                       "rules": [{"next": "COMPLETE"}]}]})
+    job = ws.run(ws.submit("Go", piece=piece, model=write_script(tmp_path, "s", {"work": [call("Glob", pattern="*")]})))
+    assert job.status == "failed"
+    write_script(tmp_path, "s", {"work": [call("Glob", pattern="*"), transition("COMPLETE")]})
+    job = ws.run(ws.retry(job))
+    assert job.status == "succeeded"
+    (data,) = read_traces(ws.export_otel(job, tmp_path / "t.jsonl"))
+    errors = [(s.name, attrs(s.attributes)["error.type"]) for s in spans_of(data)
+              if s.status.code == s.status.STATUS_CODE_ERROR]
+    assert errors == [("chat scripted", "model")]  # the call that failed, not its run nor the job
+
+
 # -- ids, content, files -------------------------------------------------------------------------------------------
 def test_exporting_twice_gives_the_same_ids(ws: Workspace, tmp_path: Path) -> None:
     job = rich_job(ws, tmp_path)
@@ -317,6 +331,21 @@ def test_exporting_twice_gives_the_same_ids(ws: Workspace, tmp_path: Path) -> No
     other = ws.run(ws.submit("Go", piece="single", model=answering_model(tmp_path, "m", "x")))
     assert spans_of(read_traces(ws.export_otel(other, tmp_path / "d.jsonl"))[0])[0].trace_id != spans_of(
         with_content[0])[0].trace_id
+
+
+def test_the_same_store_named_another_way_gives_the_same_ids(ws: Workspace, tmp_path: Path) -> None:
+    # a worker given sqlite:////… or a symlinked folder exports live what `otel send` from the folder sends again:
+    # one job must stay one trace in the viewer
+    job = ws.run(ws.submit("Go", piece="single", model=answering_model(tmp_path, "m", "x")))
+    ids = lambda data: [(s.trace_id, s.span_id, s.parent_span_id) for s in spans_of(data)]  # noqa: E731
+    expected = ids(read_traces(ws.export_otel(job, tmp_path / "a.jsonl"))[0])
+    (tmp_path / "link").symlink_to(tmp_path / "ws")
+    for n, store in enumerate([f"sqlite:///{tmp_path}/ws/agentnb.sqlite", f"sqlite:////{tmp_path}/ws/agentnb.sqlite",
+                               f"sqlite:///{tmp_path}/link/agentnb.sqlite"]):
+        with Workspace(tmp_path / f"other{n}", store=store, readonly=True) as other:
+            assert ids(read_traces(other.export_otel(job.id, tmp_path / f"b{n}.jsonl"))[0]) == expected, store
+    with Workspace(tmp_path / "link", readonly=True) as other:
+        assert ids(read_traces(other.export_otel(job.id, tmp_path / "c.jsonl"))[0]) == expected
 
 
 def test_the_file_and_the_requests_hold_what_the_sdk_s_own_encoder_makes_of_the_spans(

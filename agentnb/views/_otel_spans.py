@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from .._secrets import scrub, scrub_data
@@ -82,8 +84,9 @@ class TraceRecord:
 
 
 def store_identity(store: Store) -> str:
-    """What names the store in the ids: its file or its URL (without password), as the store shows it."""
-    return str(store.path)
+    """What names the store in the ids: its file's real path, however it was named (a relative path, a symlinked
+    folder, ``sqlite:////…``), or its URL (without password)."""
+    return os.path.realpath(store.path) if isinstance(store.path, Path) else str(store.path)
 
 
 def _hash_id(bits: int, *parts: object) -> int:
@@ -315,7 +318,8 @@ class _JobMapper:
             span.attributes["agentnb.forced"] = run.transition.forced
             for sub in run.transition.subtasks or ():
                 self.subtask_parents[sub.job_id] = span.span_id
-        if run.errors:
+        if run.errors and run.transition is None:  # a run retried to its transition ended well (its failed call
+            # keeps its own error status)
             span.error, span.error_message = run.errors[-1].where or "error", scrub(run.errors[-1].message)
         self.spans.append(span)
         conversation = self.Conversation(run, self.content)
