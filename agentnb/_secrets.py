@@ -26,8 +26,8 @@ import threading
 from typing import Any
 
 __all__ = ["KEY_SHAPED", "MASK", "MIN_SECRET_CHARS", "SECRET_NAME", "is_secret_name", "mask_key_shaped",
-           "might_hold_secret", "redact",
-           "register_secret", "scrub", "scrub_data", "secret_values"]
+           "mask_streamed", "might_hold_secret", "redact", "register_secret", "scrub", "scrub_data", "secret_values",
+           "settled", "shown_so_far", "streamed_values"]
 
 # Substrings that name a secret wherever they appear (GITHUB_TOKEN, AWS_SECRET_ACCESS_KEY, X_CREDENTIALS),
 # and short words that name one only as a whole `_`-separated word: MYSQL_PWD but not PWD/OLDPWD (the
@@ -216,3 +216,64 @@ def _mask_start(text: str, values: tuple[str, ...]) -> str:
                 return MASK + text[at + len(end):]
             at = head.rfind(end, 0, at + len(end) - 1)
     return text
+
+
+# -- streamed text (docs/models.md#streaming): shown as it arrives, never stored, so masked where it is shown -------
+#
+# A streamed answer is shown before it is whole: the end of it that could still grow into something masked is held
+# back until a later fragment settles it (or the call is recorded, and the store's masked text is shown).
+
+# where a key-shaped text (KEY_SHAPED) may still be forming at the end of a text: "sk-" or its beginning at a word
+# boundary or right after a JSON escape ("\nsk-…" in a tool call's argument text), and the token after "Bearer "
+_KEY_BEGINNING = re.compile(r"(?:(?<![A-Za-z0-9_])|(?<=\\[nrtbf])|(?<=\\u[0-9a-fA-F]{4}))(?:sk?|sk-[A-Za-z0-9_\-]*)\Z")
+_BEARER_TOKEN = re.compile(r"(?<=\b[Bb]earer )[A-Za-z0-9._~+/\-]*=*\Z")
+# a key right after a JSON escape (an argument text is JSON: "\nsk-…"), which KEY_SHAPED's word boundary skips
+_ESCAPED_KEY = re.compile(
+    r"(?:(?<=\\[nrtbf])|(?<=\\u[0-9a-fA-F]{4}))"
+    r"(?:sk-(?=[A-Za-z0-9_\-]*[0-9])[A-Za-z0-9_\-]{20,}|([Bb]earer )(?=[A-Za-z0-9._~+/\-]*[0-9])[A-Za-z0-9._~+/\-]{16,}=*)"
+)
+
+
+def streamed_values(json_text: bool) -> tuple[str, ...]:
+    """The secret values (:func:`secret_values`), and for a JSON text (a tool call's arguments) also each as JSON
+    writes it inside a string."""
+    values, escaped = _values()
+    return values + escaped if json_text else values
+
+
+def mask_streamed(text: str, values: tuple[str, ...], json_text: bool) -> str:
+    """``text`` masked as the store masks what it keeps (:func:`scrub`), ``values`` from :func:`streamed_values`."""
+    text = mask_key_shaped(redact(text, values))
+    if json_text and "\\" in text:
+        text = _ESCAPED_KEY.sub(lambda m: (m.group(1) or "") + MASK, text)
+    return text
+
+
+def settled(text: str, values: tuple[str, ...]) -> int:
+    """How much of streamed ``text`` may be masked and shown now: up to where a key-shaped text may still be
+    forming at its end, and before any end of it that begins a secret value (the rest may still become one)."""
+    cut = len(text)
+    while True:
+        start = cut
+        for pattern in (_BEARER_TOKEN, _KEY_BEGINNING):
+            m = pattern.search(text, max(0, cut - 4096), cut)  # a key is far shorter: no scan of a long text
+            if m is not None:
+                start = min(start, m.start())
+        for value in values:
+            # the longest end of text[:start] that is the beginning of ``value``
+            lo = max(0, start - len(value) + 1)
+            at = text.find(value[0], lo, start)
+            while at >= 0:
+                if value.startswith(text[at:start]):
+                    start = at
+                    break
+                at = text.find(value[0], at + 1, start)
+        if start == cut:
+            return cut
+        cut = start
+
+
+def shown_so_far(text: str, *, json_text: bool) -> str:
+    """What of a streamed ``text`` may be shown now, masked (a tool call's arguments: ``json_text``)."""
+    values = streamed_values(json_text)
+    return mask_streamed(text[:settled(text, values)], values, json_text)

@@ -13,89 +13,44 @@ headers are bold and the results dim (not with ``NO_COLOR`` set or ``TERM=dumb``
 
 No secret is printed.  The store masks secrets in what it keeps (``_secrets.scrub`` on every event) and the
 events printed here come from it; streamed fragments are not stored, so the same masking is applied to them
-here, on the text so far: the end of it that could still grow into a secret (the start of a secret value, or a
-run of key characters such as ``sk-…`` not yet ended) is held back until the next fragment settles it or the
-call is recorded.  When the call is recorded, what its ``llm_response`` holds (masked by the store) is printed
-in place of what is still held back, so the printed text is the recorded one.
+here, on the text so far (``_secrets.shown_so_far``'s rule): the end of it that could still grow into a secret
+(the start of a secret value, an ``sk-…`` key or a ``Bearer`` token not yet ended) is held back until the next
+fragment settles it or the call is recorded.  When the call is recorded, what its ``llm_response`` holds (masked
+by the store) is printed in place of what is still held back, so the printed text is the recorded one.  Parallel
+tool calls may stream interleaved: each part is written on its line until the next part begins, and what it
+streams after that is written, on a line of its own, when the call is recorded.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
 from . import live
-from ._secrets import MASK, mask_key_shaped, redact, secret_values
+from ._secrets import mask_streamed, settled, streamed_values
 from .live import Notice
 from .views.timeline import tool_label
 
 if TYPE_CHECKING:
     from .execution import Execution
 
-__all__ = ["INTERVAL", "Follower", "settled"]
+__all__ = ["INTERVAL", "Follower"]
 
 INTERVAL = 0.05  # seconds between two writes: at most twenty a second
 _RESULT_CHARS = 100  # of a tool result's first line
 _CLOSED = -1  # no part's line is open (a part is None, the text, or a tool call's index ≥ 0)
 
-# a trailing run of the characters a key-shaped text (_secrets.KEY_SHAPED) is made of, JSON escapes included: it
-# may still grow into a key, so it is held back until it ends
-_KEY_RUN = re.compile(r"[A-Za-z0-9._~+/=\\-]*\Z")
-# a key right after a JSON escape (an argument text is JSON: "\nsk-…"), which KEY_SHAPED's word boundary skips
-_ESCAPED_KEY = re.compile(
-    r"(?:(?<=\\[nrtbf])|(?<=\\u[0-9a-fA-F]{4}))"
-    r"(?:sk-(?=[A-Za-z0-9_\-]*[0-9])[A-Za-z0-9_\-]{20,}|([Bb]earer )(?=[A-Za-z0-9._~+/\-]*[0-9])[A-Za-z0-9._~+/\-]{16,}=*)"
-)
-
-
-def _values(json_text: bool) -> tuple[str, ...]:
-    """The secret values, and for a JSON text also each as JSON writes it inside a string."""
-    values = secret_values()
-    if not json_text:
-        return values
-    escaped = (json.dumps(v, ensure_ascii=False)[1:-1] for v in values)
-    return values + tuple(e for e in escaped if e not in values)
-
-
-def _clean(text: str, values: tuple[str, ...], json_text: bool) -> str:
-    """``text`` masked as the store masks what it keeps (``_secrets.scrub``)."""
-    text = mask_key_shaped(redact(text, values))
-    if json_text and "\\" in text:
-        text = _ESCAPED_KEY.sub(lambda m: (m.group(1) or "") + MASK, text)
-    return text
-
-
-def settled(text: str, values: tuple[str, ...]) -> int:
-    """How much of streamed ``text`` may be masked and printed now: up to the start of a trailing run of key
-    characters, and before any end of it that begins a secret value (the rest may still become one)."""
-    cut = len(text)
-    while True:
-        start = _KEY_RUN.search(text, 0, cut).start()  # type: ignore[union-attr]  # matches "" at least
-        for value in values:
-            # the longest end of text[:start] that is the beginning of ``value``
-            lo = max(0, start - len(value) + 1)
-            at = text.find(value[0], lo, start)
-            while at >= 0:
-                if value.startswith(text[at:start]):
-                    start = at
-                    break
-                at = text.find(value[0], at + 1, start)
-        if start == cut:
-            return cut
-        cut = start
-
-
 @dataclass
 class _Part:
     """The text of a call, or one of its tool calls, as streamed so far, and how much of it is printed."""
 
-    name: str | None  # the tool's name; None for the text
+    name: str | None  # the tool's name ("" until it comes); None for the text
     raw: list[str] = field(default_factory=list)
     printed: str = ""  # the masked text written so far
+    left: bool = False  # another part was written after it: the rest of it is written when the call is recorded
 
     @property
     def json_text(self) -> bool:
@@ -245,14 +200,21 @@ class Follower:
         index = delta.tool_index
         part = self._parts.get(index)
         if part is None:
-            part = self._parts[index] = _Part(name=None if index is None else (delta.tool_name or "?"))
-        if index is not None and delta.tool_name and part.name == "?":
-            part.name = delta.tool_name
-        part.raw.append(delta.arguments if index is not None else delta.text)
-        if index != self._open:
-            # a model streams its text, then each tool call, one after the other: the part it leaves has ended
-            self._advance(out, self._open, ended=True)
-            self._switch(out, index)
+            part = self._parts[index] = _Part(name=None if index is None else "")
+        if index is not None and delta.tool_name:
+            part.name = delta.tool_name  # the whole name so far: it may come after the call opens, or in pieces
+        fragment = delta.arguments if index is not None else delta.text
+        part.raw.append(fragment)
+        # a tool call is named when its arguments begin (its name is whole by then); a part the follower left
+        # waits for the call's record: parallel calls may stream interleaved, and one line is written at a time
+        if index == self._open or part.left or not fragment:
+            return
+        left = self._parts.get(self._open) if self._open != _CLOSED else None
+        if left is not None:
+            # written as far as it is settled, never further: what it holds back may still grow into a secret
+            self._advance(out, self._open)
+            left.left = True
+        self._switch(out, index)
 
     def _switch(self, out: list[str], index: int | None) -> None:
         """Go on writing part ``index`` on a line of its own (a tool call's starts with its name)."""
@@ -262,17 +224,17 @@ class Follower:
         part = self._parts[index]
         if part.name is not None:
             again = " …" if part.printed else ""
-            self._emit(out, f"→ {part.name}{again} ")
+            self._emit(out, f"→ {part.name or '?'}{again} ")
         self._open = index
 
-    def _advance(self, out: list[str], index: int | None, *, ended: bool = False) -> None:
-        """Write what of part ``index`` is settled (all of it when it ``ended``) and not written yet."""
+    def _advance(self, out: list[str], index: int | None) -> None:
+        """Write what of part ``index`` is settled and not written yet."""
         part = self._parts.get(index)
         if part is None:
             return
         text = "".join(part.raw)
-        values = _values(part.json_text)
-        clean = _clean(text if ended else text[:settled(text, values)], values, part.json_text)
+        values = streamed_values(part.json_text)
+        clean = mask_streamed(text[:settled(text, values)], values, part.json_text)
         if clean.startswith(part.printed):  # always, but for a secret masked otherwise once the text grew
             self._emit(out, clean[len(part.printed):])
             part.printed = clean
@@ -326,7 +288,7 @@ class Follower:
                 self._parts[index] = _Part(name=call.name)
                 final = call.raw_arguments or json.dumps(call.arguments, ensure_ascii=False)
             else:  # as it streamed (the recorded arguments are parsed and may be written otherwise)
-                final = _clean("".join(part.raw), _values(True), True)
+                final = mask_streamed("".join(part.raw), streamed_values(True), True)
             self._finish(out, index, final)
         self._newline(out)
         self._parts, self._call = {}, None

@@ -141,6 +141,9 @@ class OpenAIServer:
     streams: bool = True
     refuses_stream: bool = False
     chunked: bool = False
+    # a tool call's name in the delta that opens it: whole (None, as OpenAI sends it), or only its first ``name_split``
+    # characters (0: none), the rest in the call's next delta (as some compatible servers send it)
+    name_split: int | None = None
     port: int = 0  # 0: any free one
 
     def __post_init__(self) -> None:
@@ -373,9 +376,15 @@ class OpenAIServer:
         for i, c in enumerate(calls):
             args = c["function"]["arguments"]
             pieces = self._pieces(args, size) if isinstance(args, str) else [args]
-            first = {"index": i, "id": c["id"], "type": "function",
-                     "function": {"name": c["function"]["name"], "arguments": pieces[0]}}
-            queues.append([first] + [{"index": i, "function": {"arguments": p}} for p in pieces[1:]])
+            name = c["function"]["name"]
+            first = {"index": i, "id": c["id"], "type": "function", "function": {"name": name, "arguments": pieces[0]}}
+            queue = [first] + [{"index": i, "function": {"arguments": p}} for p in pieces[1:]]
+            if self.name_split is not None:
+                head = {"name": name[:self.name_split]} if self.name_split else {}
+                queue = [{"index": i, "id": c["id"], "type": "function", "function": head},
+                         {"index": i, "function": {"name": name[self.name_split:]}},
+                         *({"index": i, "function": {"arguments": p}} for p in pieces)]
+            queues.append(queue)
         while any(queues):  # several calls interleaved, as parallel tool calls stream
             for q in queues:
                 if q:

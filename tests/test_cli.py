@@ -388,6 +388,27 @@ def test_run_follow_says_when_a_streamed_answer_broke_off_and_prints_the_next_tr
     assert out.count("Looked around; all done.") == 1  # the next try, printed afresh
 
 
+def test_run_follow_prints_interleaved_parallel_calls_named_with_no_secret(tmp_path: Path) -> None:
+    # parallel calls streamed interleaved, each name coming after the delta that opens its call: each call is
+    # named, a call's line is not broken at every switch, and the secret in both is never printed, not in part
+    secret = "Zq9SECRETvalueXYZ2024ab"
+    calls = [("Write", {"path": f"{n}.md", "content": f"token {secret} in {n}"}) for n in ("one", "two")]
+    answers = [reply(None, calls), reply("Wrote both.", [("transition", {"next_step": "COMPLETE", "summary": "ok"})])]
+    with OpenAIServer(chunk_chars=3, name_split=0) as srv:
+        srv.play(*answers)
+        _, out, _, code = _read_live(tmp_path, "--workspace", "ws", "run", "--follow", "--piece", "single", "--model",
+                                     "openai:m", "task", env={**openai_env(srv), "FOLLOW_API_KEY": secret})
+    assert code == 0, out
+    assert not any(secret[i:i + 3] in out for i in range(len(secret) - 2)), out
+    followed = out.split("\n\njob 1:")[0]
+    arrows = [line for line in followed.splitlines() if line.startswith("→")]
+    # the first call until the second begins, the second whole, the rest of the first once the answer is recorded
+    assert [line[:9] for line in arrows] == ["→ Write {", "→ Write {", "→ Write …", "→ transit"], followed
+    first = arrows[0].removeprefix("→ Write ") + arrows[2].removeprefix("→ Write … ")
+    assert json.loads(first) == {"path": "one.md", "content": "token *** in one"}
+    assert json.loads(arrows[1].removeprefix("→ Write ")) == {"path": "two.md", "content": "token *** in two"}
+
+
 def test_run_follows_by_default_on_a_terminal_and_a_worker_stays_quiet(tmp_path: Path) -> None:
     model = write_script(tmp_path, "script", responses=[
         {"content": "Looking.", "tool_calls": [{"name": "Glob", "arguments": {"pattern": "*"}}], "chunk": 3},
@@ -456,6 +477,7 @@ def test_a_secret_split_across_streamed_pieces_is_never_printed(tmp_path: Path, 
     assert "The token is ***, the key *** and Bearer ***; done.\n" in printed
     assert '→ Write {"path": "out.md", "content": "***\\n***"}\n' in printed
     # it was printed as it streamed, in many writes
-    first = next(i for i, w in enumerate(out.writes) if "The " in w)
-    last = next(i for i, w in enumerate(out.writes) if "done." in w)
+    so_far = ["".join(out.writes[:i + 1]) for i in range(len(out.writes))]
+    first = next(i for i, w in enumerate(so_far) if "The " in w)
+    last = next(i for i, w in enumerate(so_far) if "done." in w)
     assert last - first >= 3, out.writes

@@ -133,6 +133,22 @@ def test_the_fragments_add_up_to_the_answer(loopback: Callable[..., OpenAIServer
     assert order[:4] == [0, 1, 0, 1]
 
 
+@pytest.mark.parametrize("name_split", [0, 2])
+def test_a_tool_name_that_comes_late_or_in_pieces_is_the_whole_name(loopback: Callable[..., OpenAIServer],
+                                                                      name_split: int) -> None:
+    # the first delta of a call holds its id and no name (or "Wr"), the next one the name (or "ite"): the call is
+    # Write, as the openai SDK's accumulator makes it, and a watcher is told the name when it comes
+    srv = loopback(chunk_chars=3, name_split=name_split)
+    srv.play(reply(None, [("Write", {"path": "a.md", "content": "x"}), ("Read", {"path": "a.md"})]))
+    deltas: list[Delta] = []
+    response = OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[],
+                                                      on_delta=deltas.append))
+    assert [c.name for c in response.tool_calls] == ["Write", "Read"]
+    for i, call in enumerate(response.tool_calls):
+        named = [d.tool_name for d in deltas if d.tool_index == i and d.tool_name]
+        assert named[-1] == call.name and "".join(d.arguments for d in deltas if d.tool_index == i) == call.raw_arguments
+
+
 def test_a_character_split_into_two_surrogate_halves_is_joined_back(loopback: Callable[..., OpenAIServer]) -> None:
     # each half a valid JSON escape on its own, as a proxy slicing UTF-16 text may send them
     chunks = ['{"choices":[{"index":0,"delta":{"role":"assistant","content":"smile \\ud83d"}}]}',

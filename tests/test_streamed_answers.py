@@ -253,6 +253,31 @@ def test_the_streamed_part_is_escaped_and_shows_the_end_of_a_long_answer() -> No
     assert "… 3,003 chars before · " in part and "x" * 2000 in part
 
 
+def test_the_streamed_part_is_masked_as_the_store_masks_and_holds_a_secret_s_beginning_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    secret, key = "Zq9SECRETvalueXYZ2024ab", "sk-" + "a1" * 12
+    monkeypatch.setenv("STREAM_API_KEY", secret)
+    whole = stream_html(StreamedCall(1, 1, 1, text=f"the token {secret} and {key}.",
+                                     tools=(("Write", json.dumps({"content": f"x\n{key}"})),)))
+    assert secret not in whole and "a1a1" not in whole and whole.count("***") == 3
+    # what may still grow into a secret is not drawn yet
+    growing = stream_html(StreamedCall(1, 1, 1, text=f"the token {secret[:5]}", tools=(("Write", '{"content": "x\\nsk-a1a1'),)))
+    assert "Zq9" not in growing and "sk-a" not in growing
+    assert "the token </pre>" in growing and '{&quot;content&quot;: &quot;x\\n</pre>' in growing
+
+
+def test_a_tool_name_that_comes_late_or_in_pieces_is_drawn_whole() -> None:
+    streaming = Streaming()
+    streaming.begin(1, 1, 1)
+    streaming.add(1, 1, 1, Delta(tool_index=0, tool_id="c"))  # the call opens with no name yet
+    shown = streaming.take()
+    assert shown is not None and shown.tools == (("", ""),) and "<b>?</b>" in stream_html(shown)
+    for delta in (Delta(tool_index=0, tool_name="Wr"), Delta(tool_index=0, tool_name="Write", arguments="{")):
+        streaming.add(1, 1, 1, delta)  # (a delta names the whole name so far)
+    shown = streaming.take()
+    assert shown is not None and shown.tools == (("Write", "{"),) and "<b>Write</b>" in stream_html(shown)
+
+
 KERNEL_SETUP = '''
 %load_ext agentnb
 %config AgentMagic.workspace = "agentnb-data"
@@ -353,6 +378,31 @@ def test_in_a_kernel_the_view_shows_the_text_as_it_streams_then_the_recorded_cal
     assert [o for o in nb.cells[2].outputs if o["data"]] and len(nb.cells[2].outputs) == 1
     assert same(view["data"]["text/html"]) == same(nb.cells[2].outputs[0]["data"]["text/html"])
     nbformat.validate(nb)
+
+
+def test_in_a_kernel_a_background_run_streams_into_its_own_cell_while_another_runs(tmp_path: Path) -> None:
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    cells = [
+        KERNEL_SETUP,
+        'bg = %agent run --background --model demo?pace=0.02 "Summarise the inputs"',
+        "while _ws.job(bg.id).status in ('queued', 'running'):\n    time.sleep(0.05)\ntime.sleep(0.5)",
+        "print(json.dumps({'status': str(_ws.job(bg.id).status)}))",
+    ]
+    nb = new_notebook(cells=[new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    received = _run_noting_messages(nb, tmp_path)
+    assert json.loads(nb.cells[3].outputs[0]["text"]) == {"status": "succeeded"}
+    stream_ids = {m["content"]["transient"]["display_id"] for _, _, m in received
+                  if m["msg_type"] == "update_display_data" and m["content"]["data"]
+                  and "stream" in m["content"]["transient"].get("agentnb", {})}
+    assert len(stream_ids) == 1  # drawn while the next cell ran…
+    # …into the element the run's cell made below its view, emptied at the end; nothing in the cell that ran then
+    assert [o["output_type"] for o in nb.cells[1].outputs] == ["display_data", "display_data"]
+    view, element = nb.cells[1].outputs
+    assert element["data"] == {}
+    assert not [o for o in nb.cells[2].outputs if o["output_type"] == "display_data"], nb.cells[2].outputs
+    assert "anb-job" in view["data"]["text/html"]
 
 
 def test_the_panel_shows_the_running_calls_stream_below_its_view_and_hides_it_after(tmp_path: Path) -> None:

@@ -163,11 +163,16 @@ class Assembly:
         opened = entry is None
         if entry is None:
             entry = self.calls[index] = {"id": None, "name": None, "arguments": [], "object": None}
-        if call_id and not entry["id"]:
+        new_id = bool(call_id) and not entry["id"]
+        if new_id:
             entry["id"] = str(call_id)
             self._by_id[str(call_id)] = index
-        if name and not entry["name"]:
-            entry["name"] = str(name)
+        # a name may come after the delta that opens the call, or in pieces ("Wr", "ite"), which are joined as the
+        # openai SDK's accumulator joins them; a server that repeats the whole name in each delta is not doubled
+        name = "" if name is None else str(name)  # as a whole answer's (openai._tool_call)
+        named = name != "" and name != entry["name"]
+        if named:
+            entry["name"] = (entry["name"] or "") + name
         fragment = ""
         if args_value is not None:
             entry["object"] = args_value
@@ -175,9 +180,9 @@ class Assembly:
             entry["arguments"].append(args)
             fragment = args
         self._token(at)
-        if self.on_delta is not None and (opened or fragment):
-            self.on_delta(Delta(tool_index=index, tool_id=entry["id"] if opened else None,
-                                tool_name=entry["name"] if opened else None, arguments=fragment))
+        if self.on_delta is not None and (opened or named or new_id or fragment):
+            self.on_delta(Delta(tool_index=index, tool_id=entry["id"] if opened or new_id else None,
+                                tool_name=entry["name"] if opened or named else None, arguments=fragment))
 
     def _token(self, at: float | None) -> None:
         if self.first_token is None:

@@ -58,8 +58,14 @@ def run_live(magic: Runs, job: Job, *, background: bool = False, unit: str | Non
             handle.update(html, transient=display_marks(job_id, event_id))
 
     # the running call's streamed text: an output of its own just below the view, made at its first fragment,
-    # updated alone (the view is not redrawn for it) and emptied once the call is recorded (liveview.py)
+    # updated alone (the view is not redrawn for it) and emptied once the call is recorded (liveview.py).  A run in
+    # the background makes it now, empty: made later, from the watching thread, it would go to whatever cell runs
+    # then (a notebook saved or shown by JupyterLab drops an output sent to a cell that has ended)
     streamed: list[Any] = []
+    if background:
+        made = display({}, raw=True, display_id=True)
+        if made is not None:
+            streamed.append(made)
 
     def stream(call: StreamedCall | None) -> None:
         marks = display_marks(job_id, live.last_event, stream=0 if call is None else call.chars,

@@ -81,7 +81,7 @@ class Streaming:
                 self._text.append(delta.text)
             else:
                 name, args = self._tools.setdefault(delta.tool_index, (delta.tool_name or "", []))
-                if delta.tool_name and not name:
+                if delta.tool_name and delta.tool_name != name:  # the whole name so far: late, or in pieces
                     self._tools[delta.tool_index] = (delta.tool_name, args)
                 args.append(delta.arguments)
             woke, self.dirty = not self.dirty, True

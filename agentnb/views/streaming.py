@@ -4,7 +4,9 @@ call as it forms (its name at once, its arguments growing).
 Drawn by the live views (``notebook/liveview.py``) in an element of its own, just below the job's view, while the
 call streams, and emptied when the call's ``llm_response`` is recorded: the job's view then shows the call as a
 call that did not stream, so nothing of the streaming is left in a saved notebook.  Built from what arrived
-(``agentnb.models.messages.Delta``), never from the store: nothing streamed is stored.
+(``agentnb.models.messages.Delta``), never from the store: nothing streamed is stored, so it is masked here as the
+store masks what it keeps, and the end that could still grow into a secret is held back until it is settled
+(``_secrets.shown_so_far``, the terminal's rule too).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
+from .._secrets import shown_so_far
 from .icons import TOOL, icon
 
 __all__ = ["STREAM_CLASS", "StreamedCall", "stream_html"]
@@ -58,10 +61,10 @@ def stream_html(call: StreamedCall) -> str:
              f'<div>{which} <span class="anb-dim" style="color:#777">· streaming…</span></div>']
     if call.text:
         parts.append(f'<div class="anb-msg"><b>assistant</b><pre class="anb-stream-text" style="{_PRE}">'
-                     f"{_tail(call.text)}</pre></div>")
+                     f"{_tail(shown_so_far(call.text, json_text=False))}</pre></div>")
     for name, arguments in call.tools:
-        parts.append(f'<div class="anb-tool">{icon(TOOL, "tool call")} <b>{html.escape(name)}</b>'
+        parts.append(f'<div class="anb-tool">{icon(TOOL, "tool call")} <b>{html.escape(name or "?")}</b>'
                      f'<div class="anb-dim" style="color:#777">arguments ({len(arguments):,} chars so far)</div>'
-                     f'<pre class="anb-stream-args" style="{_PRE}">{_tail(arguments)}</pre></div>')
+                     f'<pre class="anb-stream-args" style="{_PRE}">{_tail(shown_so_far(arguments, json_text=True))}</pre></div>')
     parts.append("</div></div></div>")
     return "".join(parts)
