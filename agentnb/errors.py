@@ -52,13 +52,16 @@ class CallCancelled(AgentnbError):
 
     Not a failure: no ``llm_response`` is made from a partial answer, the job pauses, and the call is asked
     again on resume.  ``partial_text`` and ``partial_arguments`` hold what had arrived (for a token estimate).
+    ``interrupt``: the Ctrl-C or SIGTERM (``KeyboardInterrupt``, ``SystemExit``) that cut the call off in the thread
+    reading it (a one-job worker, ``agentnb run``): the engine records the stopped call, then raises it again.
     """
 
     def __init__(self, message: str = "the call was stopped mid-answer", *, partial_text: str = "",
-                 partial_arguments: str = "") -> None:
+                 partial_arguments: str = "", interrupt: BaseException | None = None) -> None:
         super().__init__(message)
         self.partial_text = partial_text
         self.partial_arguments = partial_arguments
+        self.interrupt = interrupt
 
 
 class StoreError(AgentnbError, RuntimeError):

@@ -196,7 +196,8 @@ class Execution:
             # call cut short is completed as after a crash (a started one with effects is never rerun).
             runner.rec.pending.clear()
             self.forget(job_id)
-            self._release(job_id, INTERRUPTED_REASON)
+            # a streamed call the interrupt cut off is recorded as a Stop's (engine/loop.py): said as one
+            self._release(job_id, STOP_CUT_REASON if runner.rec.cut else INTERRUPTED_REASON)
             raise
         stopped = stop.is_set()
         if stopped and status != JobStatus.waiting_subtasks:

@@ -6,6 +6,10 @@ again on resume."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -14,7 +18,7 @@ from typing import Any
 
 import pytest
 from _scripting import write_piece
-from openai_server import OpenAIServer, error, hold, midway, raw, reply
+from openai_server import OpenAIServer, error, hold, midway, openai_env, raw, reply
 
 from agentnb import Workspace
 from agentnb.errors import CallCancelled, ModelError, ModelSpecError
@@ -51,6 +55,7 @@ ANSWERS = [
     lambda: reply(None, [("transition", {"next_step": "COMPLETE", "summary": "copié ✓"})], usage=(500, 9)),
 ]
 TIMING = {"ts", "latency_s", "ttft_s"}
+AGENTNB = shutil.which("agentnb")
 
 
 @pytest.fixture(autouse=True)
@@ -406,6 +411,40 @@ def test_ctrl_c_mid_stream_closes_it(loopback: Callable[..., OpenAIServer], chun
     with pytest.raises(KeyboardInterrupt):
         OpenAIModel("m").complete(ModelRequest(messages=[UserMessage("hi")], tools=[], on_delta=on_delta))
     assert srv.disconnected.wait(2)
+
+
+@pytest.mark.parametrize(("command", "sig"), [("worker", signal.SIGTERM), ("run", signal.SIGINT)])
+def test_a_one_job_worker_s_sigterm_or_run_s_ctrl_c_records_the_streamed_call_as_stopped(
+        tmp_path: Path, piece: Path, command: str, sig: signal.Signals, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the job runs in the process's main thread, where the signal lands mid-read: the call is recorded as a
+    # Stop's is (estimated tokens, the pause's reason), and the resume asks it again
+    answer = reply("A long answer that streams in many small pieces, " * 4,
+                   [("transition", {"next_step": "COMPLETE", "summary": "done"})])
+    with OpenAIServer(chunk_chars=4) as srv:
+        srv.play(midway("hold", after=6, then=answer), answer)
+        env = {**os.environ, **openai_env(srv)}
+        ws = [AGENTNB, "--workspace", str(tmp_path / "ws")]
+        if command == "worker":
+            queued = subprocess.run([*ws, "run", "--detach", "--piece", str(piece), "--model", "openai:m", "task"],
+                                    env=env, capture_output=True, text=True)
+            assert queued.returncode == 0, queued.stderr
+            argv = [*ws, "worker"]
+        else:
+            argv = [*ws, "run", "--no-follow", "--piece", str(piece), "--model", "openai:m", "task"]
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert srv.holding.wait(30)  # six pieces sent, then nothing
+        time.sleep(0.3)  # (read by the job)
+        proc.send_signal(sig)
+        assert proc.wait(30) == (143 if sig == signal.SIGTERM else 130), proc.communicate()
+        assert srv.disconnected.wait(5)
+        with Workspace(tmp_path / "ws") as w:
+            (stopped,) = w.events(1, kinds=["error"])
+            assert stopped.where == "interrupted" and "stopped mid-answer after ~" in stopped.message
+            assert stopped.usage is not None and stopped.usage.source == "estimate" and stopped.usage.completion_tokens > 0
+            assert (w.job(1).status, w.events(1, kinds=["job_status"])[-1].reason) == ("queued", STOP_CUT_REASON)
+            for name, value in openai_env(srv).items():
+                monkeypatch.setenv(name, value)
+            assert w.run(1).status == "succeeded" and len(srv.received) == 2  # asked again
 
 
 @pytest.mark.parametrize("chunked", [False, True])  # chunked, kept alive and unwatched: read by the stream pump

@@ -17,6 +17,7 @@ from _scripting import call, transition, write_piece, write_script
 from openai_server import OpenAIServer, reply, stall
 
 from agentnb import Workspace
+from agentnb.store.base import STOP_CUT_REASON
 
 TWO_STEPS = """
 name: two-steps
@@ -217,8 +218,11 @@ def test_sigterm_gives_the_running_job_back_to_the_queue(tmp_path: Path, command
         assert "Traceback" not in err, err
         job = ws.job(job_id)
         assert job.status == "queued"
+        # the call it was waiting on is recorded as a Stop's (docs/models.md#streaming)
         last = ws.events(job_id, kinds=["job_status"])[-1].payload
-        assert last == {"status": "queued", "reason": "interrupted"}
+        assert last == {"status": "queued", "reason": STOP_CUT_REASON}
+        (stopped,) = ws.events(job_id, kinds=["error"])
+        assert stopped.where == "interrupted" and "stopped before its answer began" in stopped.message
         # resumable: the interrupted call is made again, here with an answer
         server.play(reply(tool_calls=[("transition", {"next_step": "COMPLETE", "summary": "done"})]))
         with pytest.MonkeyPatch.context() as mp:

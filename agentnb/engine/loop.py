@@ -326,6 +326,9 @@ class AgentLoop:
                 response = self.model.complete(request)
             except CallCancelled as cut:
                 self._interrupted(it, cut)
+                if cut.interrupt is not None:  # Ctrl-C or SIGTERM in this thread: recorded, then let go on
+                    self.rec.flush()
+                    raise cut.interrupt from None
                 return None
             # a replayed response keeps its original's latency, so a replay's events are its original's
             latency_s = response.latency_s if response.latency_s is not None else round(time.perf_counter() - started, 6)

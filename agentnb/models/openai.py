@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -323,6 +324,10 @@ class OpenAIModel:
             except Redirected:
                 self._plain = None  # the SDK's client follows redirects: this model's calls go through it now
                 continue
+            except (KeyboardInterrupt, SystemExit) as exc:
+                if cancel is None:
+                    raise
+                raise CallCancelled(interrupt=exc) from None  # before any answer came (see _assemble)
             except openai.APIStatusError as exc:
                 if streaming and exc.status_code == 400 and "stream" in _message(exc).lower():
                     streaming = self._refused(kwargs, f"HTTP 400: {_message(exc)}")
@@ -495,6 +500,15 @@ class OpenAIModel:
             failed = openai.APITimeoutError
         except broken:
             failed = openai.APIConnectionError
+        except (KeyboardInterrupt, SystemExit) as exc:
+            if cancel is None:
+                raise
+            # Ctrl-C or SIGTERM in the thread reading it (a one-job worker, `agentnb run`): stopped as a Stop
+            # stops it, with what had arrived (the engine records it, then raises the interrupt again)
+            with contextlib.suppress(Exception):
+                settle()
+            text, arguments = acc.partial()
+            raise CallCancelled(partial_text=text, partial_arguments=arguments, interrupt=exc) from None
         finally:
             WATCHDOG.done(watch)
             close()
