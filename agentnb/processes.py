@@ -290,7 +290,9 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
     tally = Tally(ws.store) if progress else None
     bar = BatchProgress(len(job_ids), f"batch {name}" if name else "jobs", out) if progress and job_ids else None
     say = sayer(bar, out)
-    scoring = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentnb-score")
+    # the scorers run here (notebook functions) as each job ends, as many at once as jobs run: one process runs
+    # each in the thread of the job that ended
+    scoring = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="agentnb-score")
     config = {"workspace": ws.open_args, "imports": tool_imports(tool_names), "sys_path": list(sys.path),
               "batch": name}
     # the batch's spending as the workers report their calls, and as the store last said (docs/design-lab.md#budgets)
@@ -446,7 +448,7 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
     finally:
         report.not_started.extend(todo)
         todo.clear()
-        scoring.shutdown(wait=True)
+        _wait_scorers(scoring, report.interrupted, say)
         for child in children:  # only after an error of our own: told to stop, they pause their jobs and exit
             child.close({"stop": True})
             child.proc.join()
@@ -455,6 +457,23 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
     if errors:
         raise errors[0]
     return report
+
+
+def _wait_scorers(scoring: ThreadPoolExecutor, interrupted: bool, say: Callable[[str], None]) -> None:
+    """Wait for the scorers: after a stop only for those already running, the others are not started (the batch
+    scores its ended jobs that have no score when it is resumed).  A Ctrl-C meanwhile is said once and ignored: a
+    scorer cannot be cut off, and one left running would write its score after the batch returned."""
+    scoring.shutdown(wait=False, cancel_futures=interrupted)
+    said = False
+    while True:
+        try:
+            scoring.shutdown(wait=True)
+            return
+        except BaseException:
+            if not said:
+                said = True
+                say("agentnb: waiting for the scorers already running (they end by themselves); the jobs not scored "
+                    "yet are scored when the batch is resumed")
 
 
 def _wait_paused(loop: Callable[[], None], children: list[_Child], say: Callable[[str], None]) -> None:

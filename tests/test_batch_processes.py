@@ -204,6 +204,46 @@ def test_a_killed_worker_process_s_jobs_are_taken_over_and_the_batch_completes(
     ws.close()
 
 
+def test_ctrl_c_does_not_wait_for_the_scorers_not_started_and_the_resume_scores_their_jobs(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # the scorers run in this process as the workers' jobs end; a slow one (an LLM judge, say) must neither hold
+    # a Ctrl-C up until every ended job is scored nor go on scoring after the batch returned
+    script = write_script(tmp_path, "w", responses=[
+        call("Write", path="output/answer.txt", content="42"), transition("COMPLETE")])
+    piece = str(write_piece(tmp_path, "one-write", ONE_WRITE))
+    cases = [{"instruction": f"Answer question {i}"} for i in range(24)]
+    scores: Counter[int] = Counter()
+    first = threading.Event()
+
+    resumed = threading.Event()
+
+    def slow(job: Any) -> bool:
+        first.set()
+        time.sleep(0 if resumed.is_set() else 1.0)
+        scores[job.id] += 1
+        return True
+
+    ws = Workspace(tmp_path / "ws")
+
+    def interrupt() -> None:  # once most jobs have ended, their scorers queued behind the first ones
+        first.wait(60)
+        while sum(1 for j in ws.jobs() if j.status == "succeeded") < 18:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        ws.batch(cases, piece=piece, model=script, name="judged", concurrency=4, processes=2, progress=False,
+                 scorers={"slow": slow})
+    assert not [t for t in threading.enumerate() if t.name.startswith("agentnb-score")]
+    assert "resume with" in capfd.readouterr().err
+    scored = sum(scores.values())
+    assert scored <= 8, scores  # only those already running were waited for
+    resumed.set()
+    b = ws.batch("judged", scorers={"slow": slow}, progress=False)
+    assert b.counts()["succeeded"] == 24 and set(scores) == {j.id for j in b.jobs} and set(scores.values()) == {1}
+
+
 def test_ctrl_c_in_a_terminal_pauses_every_process_s_jobs_and_the_same_command_resumes(tmp_path: Path) -> None:
     agentnb = ROOT / "agentnb"
     assert agentnb.is_dir()
