@@ -246,6 +246,20 @@ def test_a_restart_drops_what_the_broken_try_streamed_from_the_view() -> None:
     assert shown is not None and (shown.text, shown.tools) == ("The second try.", ())
 
 
+def test_an_answer_that_came_in_one_burst_is_not_drawn_however_late_it_is_recorded(tmp_path: Path) -> None:
+    live = LiveView(Workspace(tmp_path / "ws").execution)
+    drawn: list[StreamedCall | None] = []
+    live.streaming.begin(1, 1, 1)
+    for piece in ("The whole ", "answer ", "at once."):
+        live.streaming.add(1, 1, 1, Delta(text=piece))
+    time.sleep(STREAM_INTERVAL * 2)  # its record is slow to come (a first call's commit in a fresh kernel, say)
+    live.draw_stream(drawn.append)
+    assert drawn == []  # no element flashes for it
+    live.streaming.add(1, 1, 1, Delta(text=" More, later."))  # it goes on streaming: now it has streamed a while
+    live.draw_stream(drawn.append)
+    assert [c.text for c in drawn if c is not None] == ["The whole answer at once. More, later."]
+
+
 def test_the_streamed_part_is_escaped_and_shows_the_end_of_a_long_answer() -> None:
     part = stream_html(StreamedCall(3, 2, 1, text="<b>" + "x" * 5000, tools=(("Write", '{"a": "<i>"}'),)))
     assert 'data-anb-stream="3:2:1"' in part and "call 1" in part and "streaming" in part

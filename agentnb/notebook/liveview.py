@@ -56,13 +56,14 @@ class Streaming:
         self._tools: dict[int, tuple[str, list[str]]] = {}
         self.shown = False  # the last draw showed something
         self._first: float | None = None  # when the call's first fragment arrived (time.monotonic())
+        self._last: float | None = None  # and its latest
         self.dirty = False
 
     def begin(self, job_id: int, movement_seq: int | None, iteration: int | None) -> None:
         """Call ``iteration`` of run ``movement_seq`` is asked for: what the last call streamed is not its."""
         with self._lock:
             self._call = (job_id, movement_seq, iteration)
-            self._text, self._tools, self._first = [], {}, None
+            self._text, self._tools, self._first, self._last = [], {}, None, None
             self.dirty = self.shown
 
     def add(self, job_id: int, movement_seq: int | None, iteration: int | None, delta: Delta) -> bool:
@@ -75,8 +76,9 @@ class Streaming:
                 self._text, self._tools = [], {}
                 woke, self.dirty = not self.dirty, True
                 return woke
+            self._last = time.monotonic()
             if self._first is None:
-                self._first = time.monotonic()
+                self._first = self._last
             if delta.tool_index is None:
                 self._text.append(delta.text)
             else:
@@ -91,7 +93,7 @@ class Streaming:
         """The call is recorded (or the run is over): nothing streams; a shown stream is to be emptied."""
         with self._lock:
             self._call = None
-            self._text, self._tools, self._first = [], {}, None
+            self._text, self._tools, self._first, self._last = [], {}, None, None
             self.dirty = self.shown
 
     def take(self) -> StreamedCall | None:
@@ -110,10 +112,11 @@ class Streaming:
         """Dirty only to be emptied: drawn at once, not throttled."""
         return self.dirty and self._call is None
 
-    def since_first(self) -> float:
-        """Seconds since the call's first fragment (0 when none came)."""
-        first = self._first
-        return 0.0 if first is None else time.monotonic() - first
+    def streamed_for(self) -> float:
+        """Seconds from the call's first fragment to its latest (0 when fewer than two came): how long it has been
+        streaming, which an answer that came in one burst never reaches however late it is recorded."""
+        first, last = self._first, self._last
+        return 0.0 if first is None or last is None else last - first
 
 
 class LiveView:
@@ -250,11 +253,14 @@ class LiveView:
         if self.streaming.ending:
             return 0.0
         if not self.streaming.shown:
-            # a call that streams for less than STREAM_INTERVAL (the demo unpaced, a short answer) is shown once
-            # recorded, as if it had not streamed: no element flashes, and the notebook gets no output for it
+            # a call that streams for less than STREAM_INTERVAL (the demo unpaced, a short answer, one that came in
+            # one burst and is recorded later) is shown once recorded, as if it had not streamed: no element
+            # flashes, and the notebook gets no output for it; until its fragments have come over STREAM_INTERVAL
+            # it is looked at again a little later (a fragment does not wake the view while one waits undrawn)
             # (and never sooner than STREAM_INTERVAL after the last draw: the previous call's emptying, say)
-            return max(0.0, STREAM_INTERVAL - self.streaming.since_first(),
-                       self._streamed_at + STREAM_INTERVAL - time.monotonic())
+            if self.streaming.streamed_for() < STREAM_INTERVAL:
+                return STREAM_INTERVAL / 2
+            return max(0.0, self._streamed_at + STREAM_INTERVAL - time.monotonic())
         return max(0.0, self._streamed_at + STREAM_INTERVAL - time.monotonic())
 
     def draw_stream(self, draw: Callable[[StreamedCall | None], None], *, now: bool = False) -> None:
