@@ -327,7 +327,10 @@ class AgentLoop:
             except CallCancelled as cut:
                 self._interrupted(it, cut)
                 if cut.interrupt is not None:  # Ctrl-C or SIGTERM in this thread: recorded, then let go on
-                    self.rec.flush()
+                    try:
+                        self.rec.flush()
+                    except Exception:  # (a store gone meanwhile must not swallow the interrupt: the call is
+                        pass           # asked again on resume either way)
                     raise cut.interrupt from None
                 return None
             # a replayed response keeps its original's latency, so a replay's events are its original's
