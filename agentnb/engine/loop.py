@@ -23,6 +23,7 @@ followed by a compaction step: one tool-less summarisation call (its ``llm_reque
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -327,10 +328,9 @@ class AgentLoop:
             except CallCancelled as cut:
                 self._interrupted(it, cut)
                 if cut.interrupt is not None:  # Ctrl-C or SIGTERM in this thread: recorded, then let go on
-                    try:
+                    # a store gone meanwhile must not swallow the interrupt: the call is asked again on resume
+                    with contextlib.suppress(Exception):
                         self.rec.flush()
-                    except Exception:  # (a store gone meanwhile must not swallow the interrupt: the call is
-                        pass           # asked again on resume either way)
                     raise cut.interrupt from None
                 return None
             # a replayed response keeps its original's latency, so a replay's events are its original's
