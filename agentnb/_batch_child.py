@@ -103,18 +103,22 @@ def serve(conn: Connection, config: dict[str, Any]) -> None:
     for value in config.get("secrets", []):
         register_secret(value)
     sys.stdout = sys.stderr = _Lines(send)
-    for how, what in config.get("imports", []):
-        if how == "module":
-            importlib.import_module(what)
-        else:  # a script's __main__: its tools, not its main block (as multiprocessing runs it)
-            processes.importing_script = what
-            try:
-                runpy.run_path(what, run_name="__mp_main__")
-            finally:
-                processes.importing_script = None
-
-    args = dict(config["workspace"])
-    ws = Workspace(args.pop("path"), **args)
+    try:
+        for how, what in config.get("imports", []):
+            if how == "module":
+                importlib.import_module(what)
+            else:  # a script's __main__: its tools, not its main block (as multiprocessing runs it)
+                processes.importing_script = what
+                try:
+                    runpy.run_path(what, run_name="__mp_main__")
+                finally:
+                    processes.importing_script = None
+        args = dict(config["workspace"])
+        ws = Workspace(args.pop("path"), **args)
+    except Exception as exc:  # one line, as the batch's process says it (not a traceback a line at a time)
+        send({"log": f"agentnb: a worker process of the batch could not start: {type(exc).__name__}: "
+                     + " ".join(str(exc).split())})
+        raise SystemExit(1) from None
     name = str(config["batch"]) if config.get("batch") else None
     stopping = threading.Event()
     active: set[int] = set()

@@ -22,7 +22,7 @@ from IPython.core.error import UsageError as IPythonUsageError
 from openai_server import OpenAIServer, error, openai_env, reply
 
 from agentnb import Workspace
-from agentnb.errors import UsageError
+from agentnb.errors import AgentnbError, UsageError
 from agentnb.processes import PER_PROCESS, processes_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,6 +242,32 @@ def test_ctrl_c_does_not_wait_for_the_scorers_not_started_and_the_resume_scores_
     resumed.set()
     b = ws.batch("judged", scorers={"slow": slow}, progress=False)
     assert b.counts()["succeeded"] == 24 and set(scores) == {j.id for j in b.jobs} and set(scores.values()) == {1}
+
+
+def test_a_worker_process_that_cannot_start_says_why_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    # the batch's tool module is gone from disk once this process has imported it: the workers cannot import it
+    import importlib
+
+    name = f"vanishing_tool_{os.getpid()}"
+    module = tmp_path / "mods" / f"{name}.py"
+    module.parent.mkdir()
+    module.write_text(f"import agentnb\n\n@agentnb.tool\ndef {name}(text: str) -> str:\n"
+                      f"    \"\"\"Shout.\n\n    Args:\n        text: what\n    \"\"\"\n    return text.upper()\n")
+    monkeypatch.syspath_prepend(str(module.parent))
+    importlib.import_module(name)
+    module.unlink()
+    piece = write_piece(tmp_path, "p", {**ONE_WRITE, "movements": [{**ONE_WRITE["movements"][0],
+                                                                      "tools": ["Write", name]}]})
+    script = write_script(tmp_path, "w", responses=[transition("COMPLETE")])
+    ws = Workspace(tmp_path / "ws")
+    with pytest.raises(AgentnbError, match=r"could not start .*ModuleNotFoundError"):
+        ws.batch([{"instruction": f"t{i}"} for i in range(4)], piece=str(piece), model=script, name="bad",
+                 concurrency=2, processes=2, progress=False)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "could not start" in line]
+    assert 1 <= len(lines) <= 2 and all(f"No module named '{name}'" in line for line in lines), err
 
 
 def test_ctrl_c_in_a_terminal_pauses_every_process_s_jobs_and_the_same_command_resumes(tmp_path: Path) -> None:
