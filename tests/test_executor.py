@@ -287,14 +287,21 @@ def test_the_progress_bar_counts_jobs_tokens_and_dollars_on_stderr(tmp_path: Pat
 def test_the_bar_does_not_count_the_jobs_a_stop_paused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ws = Workspace(tmp_path / "ws")
 
+    running = threading.Event()
+
     def interrupt() -> None:  # Ctrl-C once a job has ended, the others in the middle of their runs
         while not any(j.status == "succeeded" for j in ws.jobs()):
             time.sleep(0.02)
-        os.kill(os.getpid(), signal.SIGINT)
+        if running.is_set():  # (never once the batch has returned: it would hit the test run)
+            os.kill(os.getpid(), signal.SIGINT)
 
+    running.set()
     threading.Thread(target=interrupt, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        ws.batch(_cases(6), piece="plan-implement-verify", model="demo?pace=0.003", name="cut", concurrency=3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ws.batch(_cases(6), piece="plan-implement-verify", model="demo?pace=0.003", name="cut", concurrency=3)
+    finally:
+        running.clear()
     ended = sum(1 for j in ws.jobs() if j.status == "succeeded")
     frames = [int(m) for m in re.findall(r"\| (\d+)/6 \[", capsys.readouterr().err)]
     assert ended < 6 and frames and max(frames) == ended, (frames, ended)
