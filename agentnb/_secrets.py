@@ -47,12 +47,13 @@ _URL_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://[^/@:\s]*:([^/@\s]+)@")
 _MIN_PART = 6
 
 # Text shaped like a key, masked wherever it comes from: an OpenAI-style key (sk-…, sk-proj-…, sk-ant-…; 20+ key
-# characters with a digit, not inside a longer word: "task-list", "risk-2024-…" stay) and the token after
-# "Bearer " (16+ token characters with a digit: "bearer of bad news" stays).  The key characters hold no
+# characters with a digit, not inside a longer word: "task-list", "risk-2024-…" stay; after a written escape, as
+# a pattern's "\nsk-…", too) and the token after "Bearer " (16+ token characters with a digit: "bearer of bad
+# news" stays).  The key characters hold no
 # quote or backslash, so a match never reaches past the JSON string it is in.
 KEY_SHAPED = re.compile(
-    r"(?<![A-Za-z0-9_])sk-(?=[A-Za-z0-9_\-]*[0-9])[A-Za-z0-9_\-]{20,}"
-    r"|(?<=\b[Bb]earer )(?=[A-Za-z0-9._~+/\-]*[0-9])[A-Za-z0-9._~+/\-]{16,}=*"
+    r"(?:(?<![A-Za-z0-9_])|(?<=\\[nrtbf]))sk-(?=[A-Za-z0-9_\-]*[0-9])[A-Za-z0-9_\-]{20,}"
+    r"|(?<=[Bb]earer )(?=[A-Za-z0-9._~+/\-]*[0-9])[A-Za-z0-9._~+/\-]{16,}=*"
 )
 # What every KEY_SHAPED match contains: a text without either cannot match, and `in` is far cheaper than a search.
 _KEY_TRIGGERS = ("sk-", "earer ")
@@ -226,7 +227,9 @@ def _mask_start(text: str, values: tuple[str, ...]) -> str:
 # where a key-shaped text (KEY_SHAPED) may still be forming at the end of a text: "sk-" or its beginning at a word
 # boundary or right after a JSON escape ("\nsk-…" in a tool call's argument text), and the token after "Bearer "
 _KEY_BEGINNING = re.compile(r"(?:(?<![A-Za-z0-9_])|(?<=\\[nrtbf])|(?<=\\u[0-9a-fA-F]{4}))(?:sk?|sk-[A-Za-z0-9_\-]*)\Z")
-_BEARER_TOKEN = re.compile(r"(?<=\b[Bb]earer )[A-Za-z0-9._~+/\-]*=*\Z")
+_BEARER_TOKEN = re.compile(r"(?<=[Bb]earer )[A-Za-z0-9._~+/\-]*=*\Z")
+# the characters a key or a token is made of (and JSON's backslash): a key still forming is in the trailing run
+_KEY_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._~+/=\\-"
 # a key right after a JSON escape (an argument text is JSON: "\nsk-…"), which KEY_SHAPED's word boundary skips
 _ESCAPED_KEY = re.compile(
     r"(?:(?<=\\[nrtbf])|(?<=\\u[0-9a-fA-F]{4}))"
@@ -255,8 +258,9 @@ def settled(text: str, values: tuple[str, ...]) -> int:
     cut = len(text)
     while True:
         start = cut
+        run = len(text[:cut].rstrip(_KEY_CHARS))  # (however long: a key is looked for in the run, not before)
         for pattern in (_BEARER_TOKEN, _KEY_BEGINNING):
-            m = pattern.search(text, max(0, cut - 4096), cut)  # a key is far shorter: no scan of a long text
+            m = pattern.search(text, run, cut)
             if m is not None:
                 start = min(start, m.start())
         for value in values:

@@ -7,7 +7,6 @@ traceback.  Each subclass keeps the builtin base it always had (``ValueError`` f
 
 from __future__ import annotations
 
-import argparse
 import re
 from collections.abc import Sequence
 
@@ -88,18 +87,15 @@ class UsageError(AgentnbError, ValueError):
 _PY_ARGUMENT = re.compile(r"([a-z][a-z0-9_]*)=")
 
 
-def as_typed(message: str, argv: Sequence[str], parser: argparse.ArgumentParser | None = None) -> str:
+def as_typed(message: str, argv: Sequence[str]) -> str:
     """``message`` with its opening Python argument (``cost_limit=-1.0; allowed: …``) said as the option the user
     typed in ``argv`` (``--cost-limit -1.0; allowed: …``): the CLI and the magic pass their options to the Python
-    API, whose checks name its arguments.  With ``parser``, the option is its action for that argument (a short
-    form typed counts); without, the option named after it.  Unchanged when no such option was typed."""
+    API, whose checks name its arguments.  Unchanged when that option was not typed so (a short form, ``-e 0``,
+    keeps the argument's name)."""
     m = _PY_ARGUMENT.match(message)
     if m is None:
         return message
-    flags = ["--" + m[1].replace("_", "-")]
-    if parser is not None:
-        flags = next((sorted(a.option_strings, key=len, reverse=True) for a in parser._actions
-                      if a.dest == m[1] and a.option_strings), [])
-    # `--epochs 0`, `--epochs=0`, `-e 0`, `-e0`
-    typed = any(a == f or a.startswith(f + "=") or (len(f) == 2 and a.startswith(f)) for a in argv for f in flags)
-    return f"{flags[0]} {message[m.end():]}" if typed else message
+    flag = "--" + m[1].replace("_", "-")
+    if not any(a == flag or a.startswith(flag + "=") for a in argv):
+        return message
+    return f"{flag} {message[m.end():]}"

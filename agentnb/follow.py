@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
 from . import live
-from ._secrets import mask_streamed, settled, streamed_values
+from ._secrets import mask_streamed, scrub, settled, streamed_values
 from .live import Notice
 from .views.timeline import tool_label
 
@@ -224,7 +224,7 @@ class Follower:
         part = self._parts[index]
         if part.name is not None:
             again = " …" if part.printed else ""
-            self._emit(out, f"→ {part.name or '?'}{again} ")
+            self._emit(out, f"→ {scrub(part.name) or '?'}{again} ")  # a name is the model's text too
         self._open = index
 
     def _advance(self, out: list[str], index: int | None) -> None:

@@ -146,7 +146,7 @@ def test_magic_batches_lists_each_batch_with_counts_by_status(shell: Any, tmp_pa
     ("batch t_cases --piece single --model nomodel", "nomodel"),
     ("batch t_cases --piece single,,single", "--piece 'single,,single' has an empty item"),
     ("batch t_cases --concurrency 0", "--concurrency 0; allowed: a whole number ≥ 1"),
-    ("batch t_cases -c0", "--concurrency 0; allowed: a whole number ≥ 1"),
+    ("batch t_cases -c0", "concurrency=0; allowed: a whole number ≥ 1"),  # (a short option: the argument's name)
     ("batch t_cases --concurrency many", "argument --concurrency/-c: invalid int value: 'many'"),
     ("batch t_cases --epochs 0", "--epochs 0; allowed: a whole number ≥ 1"),
     ("batch t_cases --scorer t_nothing", "--scorer 't_nothing' is not a variable"),

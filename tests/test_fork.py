@@ -929,7 +929,7 @@ def test_fork_and_compare_in_a_real_shell(shell: Any, tmp_path: Path) -> None:
 
     with pytest.raises(MagicUsageError) as err:
         shell.run_line_magic("agent", f"fork {original.id} --at 4")
-    assert str(err.value).startswith("%agent fork: at=4") and "\n" not in str(err.value)
+    assert str(err.value).startswith("%agent fork: --at 4: ") and "\n" not in str(err.value)
     assert len(ws.jobs()) == jobs_before
 
 

@@ -251,8 +251,8 @@ def test_magic_fork_takes_a_piece_variable_a_model_and_no_run(shell: Interactive
 
 @pytest.mark.parametrize(("line", "says"), [
     ("%agent fork 99 --at 1", "%agent fork: no job 99"),
-    ("%agent fork {job} --at 0", "%agent fork: at=0"),
-    ("%agent fork {job} --at 9", "%agent fork: at=9"),
+    ("%agent fork {job} --at 0", "%agent fork: --at 0: "),
+    ("%agent fork {job} --at 9", "%agent fork: --at 9: "),
     ("%agent fork {job} --at two", "%agent fork: --at 'two' is not a movement run number"),
     ("%agent fork {job}", "%agent fork: the following arguments are required: --at"),
     ("%agent fork {job} --at 2 --piece t_bad", "%agent fork: --piece t_bad: the variable holds a int"),
@@ -338,8 +338,8 @@ def test_cli_strict_fork_that_diverges_fails_with_exit_1(tmp_path: Path) -> None
 @needs_cli
 @pytest.mark.parametrize(("args", "says"), [
     (("fork", "99", "--at", "1"), "agentnb: error: no job 99"),
-    (("fork", "{job}", "--at", "0"), "agentnb: error: at=0: job {job} ran 3 movement run(s); allowed: a movement run from 1 to 3"),
-    (("fork", "{job}", "--at", "4"), "agentnb: error: at=4"),
+    (("fork", "{job}", "--at", "0"), "agentnb: error: --at 0: job {job} ran 3 movement run(s); allowed: a movement run from 1 to 3"),
+    (("fork", "{job}", "--at", "4"), "agentnb: error: --at 4: "),
     (("fork", "{job}"), "agentnb: error: fork: the following arguments are required: --at"),
     (("fork", "{job}", "--at", "x"), "agentnb: error: fork: argument --at: invalid int value"),
     (("fork", "{running}", "--at", "1"), "agentnb: error: job {running} is running"),

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from openai_server import ECHO_KEY, OpenAIServer, error, raw
+from openai_server import ECHO_KEY, OpenAIServer, error, raw, reply
 
 import agentnb
 from agentnb import Workspace
@@ -195,6 +195,33 @@ def test_a_batchs_cases_and_options_are_kept_without_secrets(store_url: str, tmp
         assert secret not in stored, secret
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_secret_the_model_wrote_escaped_in_its_argument_text_is_not_kept(
+        store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        loopback: Callable[..., OpenAIServer], stream: bool) -> None:
+    # the model's own argument text is kept when re-encoding would change it (compact JSON); JSON may write a
+    # secret there otherwise than as itself (\" and \\, \u0051, \/), which no masking of text sees
+    secret = 'Q7zXw9/pLm2Rt"\\Vb'
+    monkeypatch.setenv("TOOL_API_KEY", secret)
+    escaped = json.dumps(secret)[1:-1]
+    texts = ['{"path":"a.md","content":"key ' + v + '"}'
+             for v in (escaped, "\\u0051" + escaped[1:], escaped.replace("/", "\\/"))]
+    srv = loopback()
+    srv.play(reply(None, [("Write", t) for t in texts]), reply(None, [("transition", {"next_step": "COMPLETE",
+                                                                                      "summary": "done"})]))
+    piece = {"name": "w", "movements": [{"name": "work", "persona": "p", "instruction": "i", "tools": ["Write"],
+                                         "permission": "edit", "rules": [{"condition": "done", "next": "COMPLETE"}]}]}
+    (tmp_path / "w.yaml").write_text(json.dumps(piece))
+    with Workspace(tmp_path / "ws", store=store_url) as ws:
+        job = ws.run(ws.submit("write", piece=str(tmp_path / "w.yaml"), model="openai:m" + ("" if stream else "?stream=0")))
+        assert job.status == "succeeded", job.error
+        (response,) = [e for e in ws.events(job, kinds=["llm_response"]) if e.tool_calls][:1]
+        assert [c.arguments["content"] for c in response.tool_calls] == [f"key {MASK}"] * 3
+    stored = _stored_text(store_url)
+    for form in (secret, escaped, escaped[1:], escaped.replace("/", "\\/")):
+        assert form[:8] not in stored and form[-8:] not in stored, form
+
+
 @pytest.mark.parametrize("text", [
     "task-list-for-the-2024-release-candidate", "risk-0123456789abcdefghij", "desk-lamp sk-learn sk-2",
     "the bearer of bad news, Bearer short1", "sk-abcdefghijklmnopqrstuvwxyz (no digit)", "BEARER TOKEN",
@@ -214,6 +241,9 @@ def test_ordinary_text_is_left_alone(text: str) -> None:
     ("proxy-sk-0123456789abcdefghijkl", f"proxy-{MASK}"),
     ("Authorization: Bearer eyJhbGciOi.J9eyJzdWIiOiIx.MjM0NTY3ODkw=", f"Authorization: Bearer {MASK}"),
     ('{"error": "bad token Bearer abcDEF123456ghiJKL"}', f'{{"error": "bad token Bearer {MASK}"}}'),
+    # after an escape written out (a pattern's "\n", a JSON text's): no word boundary before the key there
+    ("No lines match '\\nsk-proj-AbC1dEf2GhI3jKl4MnO5'.", f"No lines match '\\n{MASK}'."),
+    ('{"h": "x\\nBearer eyJhbGciOi1JIUzI1NiJ9xyzWq"}', f'{{"h": "x\\nBearer {MASK}"}}'),
 ])
 def test_key_shaped_text_is_masked(text: str, masked: str) -> None:
     assert scrub(text) == masked

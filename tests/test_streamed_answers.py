@@ -278,6 +278,12 @@ def test_the_streamed_part_is_masked_as_the_store_masks_and_holds_a_secret_s_beg
     growing = stream_html(StreamedCall(1, 1, 1, text=f"the token {secret[:5]}", tools=(("Write", '{"content": "x\\nsk-a1a1'),)))
     assert "Zq9" not in growing and "sk-a" not in growing
     assert "the token </pre>" in growing and '{&quot;content&quot;: &quot;x\\n</pre>' in growing
+    # a token after "Bearer " however long before its first digit, after a JSON escape too; a name that is a secret
+    for args in ('{"h": "x\\nBearer eyJhbGciOi', '{"h": "Bearer ' + "a" * 5000):
+        assert "eyJ" not in stream_html(StreamedCall(1, 1, 1, tools=(("Write", args),))) and "aaaa" not in stream_html(
+            StreamedCall(1, 1, 1, tools=(("Write", args),)))
+    named = stream_html(StreamedCall(1, 1, 1, tools=((secret, "{"), (key, "{"))))
+    assert secret not in named and "a1a1" not in named and named.count("<b>***</b>") == 2
 
 
 def test_a_tool_name_that_comes_late_or_in_pieces_is_drawn_whole() -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import live
+from .._secrets import scrub_data
 from ..errors import CallCancelled
 from ..events import (
     Compaction,
@@ -776,6 +777,10 @@ def _call_record(c: ToolCall) -> RecordedToolCall:
     """A tool call as kept in ``llm_response``; the model's own argument text too when re-encoding
     would change it (compact or double-encoded JSON), so a resumed movement re-sends what it said."""
     raw = c.raw_arguments if c.raw_arguments and c.raw_arguments != _json_args(c.arguments) else None
+    if raw is not None and scrub_data(c.arguments) is not c.arguments:
+        # the arguments hold a secret, which the model's JSON text may write escaped (\", \u0041, \/) where the
+        # store's masking of text does not see it: only the arguments are kept, masked by the store
+        raw = None
     return RecordedToolCall(id=c.id, name=c.name, arguments=c.arguments, raw_arguments=raw)
 
 

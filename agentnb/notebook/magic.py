@@ -204,9 +204,9 @@ class AgentMagic(Magics):
             result = fn(args, cell)
         except UsageError as exc:
             text = one_line(exc)
-            raise UsageError(text if text.startswith(("%agent", "%%agent")) else prefix + as_typed(text, rest, fn.parser)) from None
+            raise UsageError(text if text.startswith(("%agent", "%%agent")) else prefix + as_typed(text, rest)) from None
         except AgentnbError as exc:  # a user's mistake (VarError too): one line, no traceback
-            raise UsageError(prefix + as_typed(one_line(exc), rest, fn.parser)) from None
+            raise UsageError(prefix + as_typed(one_line(exc), rest)) from None
         # only a command that worked moves the session's default job (a refused `step 1` does not)
         if self._used_job is not None:
             self.last_job = self._used_job

@@ -14,7 +14,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from .._secrets import shown_so_far
+from .._secrets import scrub, shown_so_far
 from .icons import TOOL, icon
 
 __all__ = ["STREAM_CLASS", "StreamedCall", "stream_html"]
@@ -63,7 +63,7 @@ def stream_html(call: StreamedCall) -> str:
         parts.append(f'<div class="anb-msg"><b>assistant</b><pre class="anb-stream-text" style="{_PRE}">'
                      f"{_tail(shown_so_far(call.text, json_text=False))}</pre></div>")
     for name, arguments in call.tools:
-        parts.append(f'<div class="anb-tool">{icon(TOOL, "tool call")} <b>{html.escape(name or "?")}</b>'
+        parts.append(f'<div class="anb-tool">{icon(TOOL, "tool call")} <b>{html.escape(scrub(name) or "?")}</b>'
                      f'<div class="anb-dim" style="color:#777">arguments ({len(arguments):,} chars so far)</div>'
                      f'<pre class="anb-stream-args" style="{_PRE}">{_tail(shown_so_far(arguments, json_text=True))}</pre></div>')
     parts.append("</div></div></div>")
