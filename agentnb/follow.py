@@ -281,14 +281,16 @@ class Follower:
         """The call is recorded: its text and tool calls as the store keeps them, the streamed ones completed."""
         if (ev.job_id, ev.movement_seq, ev.iteration) != self._call:
             self._cut_off(out)
-        self._finish(out, None, ev.content or "")
+        finals: dict[int | None, str] = {None: ev.content or ""}
         for index, call in enumerate(ev.tool_calls):
             part = self._parts.get(index)
             if part is None:
                 self._parts[index] = _Part(name=call.name)
-                final = call.raw_arguments or json.dumps(call.arguments, ensure_ascii=False)
+                finals[index] = call.raw_arguments or json.dumps(call.arguments, ensure_ascii=False)
             else:  # as it streamed (the recorded arguments are parsed and may be written otherwise)
-                final = mask_streamed("".join(part.raw), streamed_values(True), True)
-            self._finish(out, index, final)
+                finals[index] = mask_streamed("".join(part.raw), streamed_values(True), True)
+        # the part whose line is open ends on it first; then the others, in order (a part left earlier: its rest)
+        for key in sorted(finals, key=lambda i: (i != self._open, -1 if i is None else i)):
+            self._finish(out, key, finals[key])
         self._newline(out)
         self._parts, self._call = {}, None
