@@ -777,9 +777,10 @@ def _call_record(c: ToolCall) -> RecordedToolCall:
     """A tool call as kept in ``llm_response``; the model's own argument text too when re-encoding
     would change it (compact or double-encoded JSON), so a resumed movement re-sends what it said."""
     raw = c.raw_arguments if c.raw_arguments and c.raw_arguments != _json_args(c.arguments) else None
-    if raw is not None and scrub_data(c.arguments) is not c.arguments:
+    if raw is not None and "\\" in raw and scrub_data(c.arguments) is not c.arguments:
         # the arguments hold a secret, which the model's JSON text may write escaped (\", \u0041, \/) where the
-        # store's masking of text does not see it: only the arguments are kept, masked by the store
+        # store's masking of text does not see it: only the arguments are kept, masked by the store (a text with
+        # no escape holds its strings as they are, and is masked as they would be)
         raw = None
     return RecordedToolCall(id=c.id, name=c.name, arguments=c.arguments, raw_arguments=raw)
 
