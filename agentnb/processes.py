@@ -219,6 +219,7 @@ class _Child:
     assigned: list[int] = field(default_factory=list)
     ready: bool = False
     closed: bool = False  # told "done" or "stop": no more jobs
+    stopped: bool = False  # told "stop": its running jobs pause
     broken: bool = False
     last_err: str = ""
 
@@ -231,9 +232,14 @@ class _Child:
             self.broken = True
 
     def close(self, msg: dict[str, Any]) -> None:
-        if not self.closed:
-            self.closed = True
-            self.send(msg)
+        """Tell it ``{"done": True}`` (no more jobs: it ends once its own have) or ``{"stop": True}`` (its jobs
+        pause), once each; a stop reaches a worker told it was done too (its last jobs still run)."""
+        stop = "stop" in msg
+        if self.stopped or (self.closed and not stop):
+            return
+        self.closed = True
+        self.stopped = stop
+        self.send(msg)
 
 
 def _mp_context() -> BaseContext:

@@ -268,7 +268,8 @@ class Workspace:
                 return
 
     def stop(self, job: JobRef) -> list[int]:
-        """Ask a job run by this workspace to pause after its current LLM call; it goes back to ``queued``.
+        """Ask a job run by this workspace to pause after its current LLM call (a streaming call is cut off at once
+        and asked again on resume, docs/models.md#streaming); it goes back to ``queued``.
 
         A job waiting for its subtasks stops them too: its running subtasks pause and no further
         one starts.  Returns the ids asked to pause (the job, then its running subtasks).

@@ -204,6 +204,35 @@ def test_a_killed_worker_process_s_jobs_are_taken_over_and_the_batch_completes(
     ws.close()
 
 
+def test_ctrl_c_reaches_a_worker_process_that_was_already_handed_its_last_jobs(tmp_path: Path) -> None:
+    # six jobs for two workers at four at once: each is handed all of its jobs at the start (and told that is
+    # all); a Ctrl-C must still pause theirs, and the one each holds must not start
+    ws = Workspace(tmp_path / "ws")
+    running = threading.Event()
+    signalled: list[float] = []
+
+    def interrupt() -> None:
+        while sum(1 for j in ws.jobs() if j.status == "running") < 4:
+            time.sleep(0.02)
+        if running.is_set():  # (never once the batch has returned)
+            signalled.append(time.time())
+            os.kill(os.getpid(), signal.SIGINT)
+
+    running.set()
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ws.batch([{"instruction": f"Summarise case {i}"} for i in range(6)], piece="plan-implement-verify",
+                     model="demo?pace=0.01", name="late", concurrency=4, processes=2, progress=False)
+    finally:
+        running.clear()
+    assert signalled and [j.status for j in ws.jobs()] == ["queued"] * 6
+    claims = [e.ts for j in ws.jobs() for e in ws.events(j, kinds=["job_status"]) if e.status == "running"]
+    assert len(claims) == 4 and max(claims) < signalled[0]  # the two held back never started
+    b = ws.batch("late", progress=False)
+    assert b.counts()["succeeded"] == 6
+
+
 def test_ctrl_c_does_not_wait_for_the_scorers_not_started_and_the_resume_scores_their_jobs(
         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     # the scorers run in this process as the workers' jobs end; a slow one (an LLM judge, say) must neither hold

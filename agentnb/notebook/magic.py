@@ -387,7 +387,8 @@ class AgentMagic(Magics):
     @magic_arguments(name="agent stop")
     @argument("job", nargs="?", help="job id or Job variable (default: the last job)")
     def cmd_stop(self, args: Any, cell: str | None) -> None:
-        """Pause a job running in this notebook (a --background run, or one the panel started) after its current LLM call.
+        """Pause a job running in this notebook (a --background run, or one the panel started) after its current LLM call
+        (a streaming call is cut off at once and asked again on resume).
 
         The job goes back to queued, resumable with %agent run --job JOB or %agent step JOB.
         """
@@ -399,8 +400,8 @@ class AgentMagic(Magics):
             raise UsageError(f"%agent stop: job {job.id} runs in another process ({owner or 'unknown'}); "
                              "stop it there (Ctrl-C, or the Stop button of the panel that runs it)")
         self.ws.stop(job.id)
-        print(f"job {job.id} will pause after its current LLM call; go on with %agent run --job {job.id} "
-              f"or %agent step {job.id}")
+        print(f"job {job.id} will pause after its current LLM call (one that streams is cut off now, and asked "
+              f"again); go on with %agent run --job {job.id} or %agent step {job.id}")
 
     @magic_arguments(name="agent retry")
     @argument("job", help="job id or Job variable")

@@ -92,8 +92,8 @@ def live_content(value: bool | None, environ: Mapping[str, str]) -> bool:
     if value is None:
         text = environ.get("AGENTNB_OTEL_CONTENT", "").strip().lower()
         if text not in _OFF + _ON:
-            raise UsageError(f"AGENTNB_OTEL_CONTENT={text!r}; allowed: 1 (send messages, tool arguments and results, "
-                             "scrubbed) or 0 (the default)")
+            raise UsageError(f"AGENTNB_OTEL_CONTENT={text!r}; allowed: 1 (or true, yes, on: send messages, tool "
+                             "arguments and results, scrubbed) or 0 (or false, no, off; the default)")
         return text in _ON
     if not isinstance(value, bool):
         raise UsageError(f"otel_content={value!r}: allowed: True, False or None (the environment's "
