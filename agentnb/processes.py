@@ -454,28 +454,37 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
     finally:
         report.not_started.extend(todo)
         todo.clear()
-        _wait_scorers(scoring, report.interrupted, say)
+        late = _wait_scorers(scoring, report.interrupted, say)  # a Ctrl-C once every job had ended
+        report.interrupted = report.interrupted or late is not None
         for child in children:  # only after an error of our own: told to stop, they pause their jobs and exit
             child.close({"stop": True})
             child.proc.join()
         finish_run(report, job_ids, name=name, out=out, resume=resume, bar=bar, tally=tally, refresh=refresh,
                    started=started, failed=bool(errors), stopped_by=state["stopped_by"])
+    if late is not None:
+        raise late
     if errors:
         raise errors[0]
     return report
 
 
-def _wait_scorers(scoring: ThreadPoolExecutor, interrupted: bool, say: Callable[[str], None]) -> None:
+def _wait_scorers(scoring: ThreadPoolExecutor, interrupted: bool, say: Callable[[str], None]) -> BaseException | None:
     """Wait for the scorers: after a stop only for those already running, the others are not started (the batch
-    scores its ended jobs that have no score when it is resumed).  A Ctrl-C meanwhile is said once and ignored: a
-    scorer cannot be cut off, and one left running would write its score after the batch returned."""
+    scores its ended jobs that have no score when it is resumed).  A Ctrl-C while they run (every job has ended)
+    drops those not started too, and is returned, to be raised once the batch's line is said; any further one is
+    said once and ignored: a scorer cannot be cut off, and one left running would write its score after the batch
+    returned."""
     scoring.shutdown(wait=False, cancel_futures=interrupted)
+    came: BaseException | None = None
     said = False
     while True:
         try:
             scoring.shutdown(wait=True)
-            return
-        except BaseException:
+            return came
+        except BaseException as exc:
+            if came is None and not interrupted:
+                came = exc
+                scoring.shutdown(wait=False, cancel_futures=True)
             if not said:
                 said = True
                 say("agentnb: waiting for the scorers already running (they end by themselves); the jobs not scored "
