@@ -49,8 +49,8 @@ _MIN_PART = 6
 # Text shaped like a key, masked wherever it comes from: an OpenAI-style key (sk-…, sk-proj-…, sk-ant-…; 20+ key
 # characters with a digit, not inside a longer word: "task-list", "risk-2024-…" stay; after a written escape, as
 # a pattern's "\nsk-…", too) and the token after "Bearer " (16+ token characters with a digit: "bearer of bad
-# news" stays).  The key characters hold no
-# quote or backslash, so a match never reaches past the JSON string it is in.
+# news" stays).  The key characters hold no quote or backslash, so a match never reaches past the JSON string it
+# is in.
 KEY_SHAPED = re.compile(
     r"(?:(?<![A-Za-z0-9_])|(?<=\\[nrtbf]))sk-(?=[A-Za-z0-9_\-]*[0-9])[A-Za-z0-9_\-]{20,}"
     r"|(?<=[Bb]earer )(?=[A-Za-z0-9._~+/\-]*[0-9])[A-Za-z0-9._~+/\-]{16,}=*"
@@ -230,11 +230,9 @@ _KEY_BEGINNING = re.compile(r"(?:(?<![A-Za-z0-9_])|(?<=\\[nrtbf])|(?<=\\u[0-9a-f
 _BEARER_TOKEN = re.compile(r"(?<=[Bb]earer )[A-Za-z0-9._~+/\-]*=*\Z")
 # the characters a key or a token is made of (and JSON's backslash): a key still forming is in the trailing run
 _KEY_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._~+/=\\-"
-# a key right after a JSON escape (an argument text is JSON: "\nsk-…"), which KEY_SHAPED's word boundary skips
-_ESCAPED_KEY = re.compile(
-    r"(?:(?<=\\[nrtbf])|(?<=\\u[0-9a-fA-F]{4}))"
-    r"(?:sk-(?=[A-Za-z0-9_\-]*[0-9])[A-Za-z0-9_\-]{20,}|([Bb]earer )(?=[A-Za-z0-9._~+/\-]*[0-9])[A-Za-z0-9._~+/\-]{16,}=*)"
-)
+# a key right after a JSON text's \uXXXX escape, which KEY_SHAPED's word boundary skips (it takes the one-letter
+# escapes, "\nsk-…", and a Bearer token whatever comes before "Bearer ")
+_ESCAPED_KEY = re.compile(r"(?<=\\u[0-9a-fA-F]{4})sk-(?=[A-Za-z0-9_\-]*[0-9])[A-Za-z0-9_\-]{20,}")
 
 
 def streamed_values(json_text: bool) -> tuple[str, ...]:
@@ -248,7 +246,7 @@ def mask_streamed(text: str, values: tuple[str, ...], json_text: bool) -> str:
     """``text`` masked as the store masks what it keeps (:func:`scrub`), ``values`` from :func:`streamed_values`."""
     text = mask_key_shaped(redact(text, values))
     if json_text and "\\" in text:
-        text = _ESCAPED_KEY.sub(lambda m: (m.group(1) or "") + MASK, text)
+        text = _ESCAPED_KEY.sub(MASK, text)
     return text
 
 

@@ -121,8 +121,7 @@ class Tally:
             self.refresh(running)
         tokens, cost = self.totals()
         # a job that paused (back in the queue after a stop) has not come to a rest: the bar does not count it
-        paused = sum(1 for s in statuses.values() if s in (JobStatus.queued, JobStatus.running))
-        bar.update(len(statuses) - paused + skipped, statuses, tokens, cost)
+        bar.update(Outcome(bar.total, statuses).counts()["done"] + skipped, statuses, tokens, cost)
 
     def totals(self) -> tuple[int, float | None]:
         with self.lock:
