@@ -138,7 +138,11 @@ class Workspace:
         if otel_url is not None:
             from .views.otel_live import LiveExport
 
-            self.otel = LiveExport(self.store, otel_url, content=send_content)
+            # the store opened again by the export's own process: this file, or the server's URL
+            reopen = str(self.root / "agentnb.sqlite") if store is None else str(store)
+            if store_scheme(reopen) is None:
+                reopen = os.path.abspath(reopen)
+            self.otel = LiveExport(self.store, otel_url, content=send_content, reopen=reopen)
 
     @property
     def open_args(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -384,3 +385,73 @@ def test_the_settings_and_their_precedence(tmp_path: Path, receiver: Receiver,
         Workspace(tmp_path / "ws", otel=4318)  # type: ignore[arg-type]
     with Workspace(tmp_path / "ws", readonly=True) as ws:  # nothing runs there: nothing to export
         assert ws.otel is None
+
+
+def _exporter_processes() -> list[int]:
+    """The pids of this process's children that are the live export's own process (docs/otel.md#live)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and b"agentnb.views._otel_process" in cmdline and " Z " not in stat:
+            found.append(int(entry.name))
+    return found
+
+
+def test_the_export_runs_in_a_process_of_its_own_and_one_that_dies_loses_no_span(
+        tmp_path: Path, receiver: Receiver, caplog: pytest.LogCaptureFixture) -> None:
+    piece, spec = two_movements(tmp_path)
+    caplog.set_level(logging.WARNING, logger="agentnb.otel")
+    with Workspace(tmp_path / "ws", otel=receiver.url) as ws:
+        assert _exporter_processes() == []  # started when the first run ends
+        first = ws.run(ws.submit("Do it", piece=piece, model=spec))
+        assert ws.otel is not None
+        _wait(lambda: ws.otel.sent == 11)  # taken by the collector, and reported (else it would go again)
+        (pid,) = _exporter_processes()
+        os.kill(pid, signal.SIGKILL)
+        jobs = [ws.run(ws.submit("Do it", piece=piece, model=spec)) for _ in range(2)]
+        assert all(j.status == "succeeded" for j in jobs)
+    assert _exporter_processes() == []  # closing the workspace ends it, whichever it was
+    with Workspace(tmp_path / "ws") as ws:
+        expected = set().union(*(file_spans(ws, j, tmp_path) for j in [first, *jobs]))
+        assert ws.otel_dropped == 0
+    got = [_key(s) for s in receiver.spans()]
+    assert len(got) == len(set(got)) and set(got) == expected  # every span, once
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agentnb.otel" and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "the live OpenTelemetry export's process ended" in warnings[0], warnings
+
+
+def test_a_secret_set_after_the_workspace_opened_is_masked_by_the_export_s_process(
+        tmp_path: Path, receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOTES_PASSWORD", raising=False)
+    spec = write_script(tmp_path, "reader", {"work": [call("Read", path="input/notes.md"),
+                                                      transition("COMPLETE", summary="read")]})
+    with Workspace(tmp_path / "ws") as ws:  # the store keeps the notes before the secret is one
+        job = ws.step(ws.submit("Read the notes", piece="single", model=spec,
+                                inputs={"notes.md": f"the password is {SECRET}\n"}), "call")
+    # the export's process gets the environment the workspace opened with; the secret comes after
+    with Workspace(tmp_path / "ws", otel=receiver.url, otel_content=True) as ws:
+        monkeypatch.setenv("NOTES_PASSWORD", SECRET)
+        assert ws.run(job.id).status == "succeeded"
+    (read,) = [attrs(s.attributes) for s in receiver.spans() if s.name == "execute_tool Read"]
+    assert read["gen_ai.tool.call.result"] == "the password is ***\n"
+    assert SECRET.encode() not in b"".join(r.SerializeToString() for _, _, r in receiver.got)
+
+
+def test_a_store_given_as_an_object_is_exported_by_a_thread(tmp_path: Path, receiver: Receiver) -> None:
+    from agentnb.views.otel_live import LiveExport
+
+    piece, spec = two_movements(tmp_path)
+    with Workspace(tmp_path / "ws") as ws:
+        export = LiveExport(ws.store, receiver.url + "/v1/traces")
+        assert _exporter_processes() == []
+        job = ws.run(ws.submit("Do it", piece=piece, model=spec))
+        export.close()
+        assert export.sent == 11 and export.process_cpu is None
+        assert {_key(s) for s in receiver.spans()} == file_spans(ws, job, tmp_path)

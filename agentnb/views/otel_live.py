@@ -2,9 +2,11 @@
 
 :class:`LiveExport` subscribes to the store's channel in this process (:mod:`agentnb.live`, the door the views
 use): in the job's thread it only notes what ended — a movement run (its ``transition`` event) or the job (a
-terminal ``job_status``) — in a bounded queue.  Its own daemon thread reads the job back from the store, maps it
-(:func:`agentnb.views._otel_spans.job_trace`: the ids a file export gives) and posts the spans with the OTLP/HTTP
-exporter, several notes per request.  A run's spans are its ``invoke_agent`` span with its ``chat`` and
+terminal ``job_status``) — in a bounded queue.  Its own daemon thread hands them, several at a time, to the export's process
+(:mod:`._otel_process`), which reads the job back from the store, maps it (:func:`agentnb.views._otel_spans.job_trace`:
+the ids a file export gives) and posts the spans with the OTLP/HTTP exporter, one request for the notes handed
+together (:mod:`._otel_send`); a store that cannot be opened from another process is exported so by the thread
+itself.  A run's spans are its ``invoke_agent`` span with its ``chat`` and
 ``execute_tool`` spans; the job's ``invoke_workflow`` span goes when the job ends, with any run that ended
 without a transition (a failed one).  A child span may reach the collector before its parent: OTLP allows it.
 A job that waits (for a human, for its subtasks) sends its own span only when it ends, never at the wait: each
@@ -29,11 +31,13 @@ import time
 from collections.abc import Mapping
 
 from .. import live
+from .._secrets import secret_values
 from ..errors import UsageError
 from ..events import JobStatusEvent, Transition
 from ..store.base import TERMINAL_STATES, Store
-from ._otel_encode import post
-from ._otel_spans import TraceRecord, job_trace, store_identity
+from ._otel_process import ExporterProcess
+from ._otel_send import Note, Report, Sender
+from ._otel_spans import store_identity
 from .otel import INSTALL_HINT, check_headers, traces_url
 
 __all__ = ["LiveExport", "dropped_spans", "live_content", "live_endpoint"]
@@ -43,7 +47,6 @@ _EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
 QUEUE_SIZE = 10_000   # notes (a run or a job ended), not spans: a few bytes each
 BATCH = 64            # notes read from the queue per request at most
 LINGER = 0.5          # seconds the exporter gathers notes after the first before it maps and sends them
-PAUSE_AFTER_FAILURE = 10.0  # seconds the spans are dropped untried after a failed request
 
 # (channel, job id) → spans of that job not exported, for the job view of any workspace on that store
 _DROPPED: dict[tuple[str, int], int] = {}
@@ -115,12 +118,14 @@ class LiveExport:
     """Sends the spans of the jobs this process runs on ``store`` to ``url`` (the collector's traces URL, e.g.
     ``http://127.0.0.1:4318/v1/traces``; headers from ``OTEL_EXPORTER_OTLP_TRACES_HEADERS``, else
     ``OTEL_EXPORTER_OTLP_HEADERS``) as their movement runs end; with ``content`` their messages, tool arguments
-    and results, scrubbed and cut as a file export's (docs/otel.md#content)."""
+    and results, scrubbed and cut as a file export's (docs/otel.md#content).  With ``reopen`` (the store's file
+    or URL, as :func:`~agentnb.store.open_store` takes it) the spans are read, mapped and posted by a process of
+    their own; without, by a thread of this process."""
 
     def __init__(self, store: Store, url: str, *, content: bool = False, timeout: float = 2.0,
-                 queue_size: int = QUEUE_SIZE) -> None:
+                 queue_size: int = QUEUE_SIZE, reopen: str | None = None) -> None:
         try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: F401
         except ImportError:
             raise UsageError(INSTALL_HINT) from None
         check_headers(os.environ)
@@ -131,18 +136,43 @@ class LiveExport:
         self.sent = 0
         self.dropped = 0
         self.failures = 0
-        self._exporter = OTLPSpanExporter(endpoint=url, timeout=timeout)
         self._queue: queue.Queue[tuple[str, int, int | None] | None] = queue.Queue(queue_size)
         self._identity = store_identity(store)
         self._channel = live.channel(store)
-        self._paused_until = 0.0
         self._warned = False
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._deadline = 0.0  # when close() stops waiting
+        self._sender: Sender | None = None  # the work done here: without a process, or after it ended
+        self._process: ExporterProcess | None = None
+        self._started: ExporterProcess | None = None
+        self._secrets: tuple[str, ...] | None = None  # the secrets the process was last told of
+        # the process starts when the first run ends (its 0.3 s of start-up then overlaps no job's first calls:
+        # benchmarks/README.md), with this moment's environment (the collector's headers checked above)
+        self._reopen = reopen
+        self._environ = dict(os.environ)
         logging.getLogger(_EXPORTER_LOGGER).addFilter(_QUIET)
         # only these kinds: the stores then decode and publish only the commits that hold one (live.py)
         self._subscription = live.subscribe(store, None, self._note, kinds=("transition", "job_status"))
+
+    @property
+    def process_cpu(self) -> float | None:
+        """The CPU seconds of the export's own process, once it has ended (:meth:`close`); None without one."""
+        return self._started.cpu if self._started is not None else None
+
+    def _start_process(self) -> None:
+        assert self._reopen is not None
+        try:
+            self._process = self._started = ExporterProcess(
+                self._reopen, self.url, content=self.content, timeout=self.timeout, identity=self._identity,
+                environ=self._environ, on_report=self._count)
+        except OSError as exc:  # no process to be had (a limit on processes): the work is done here
+            _log.warning("agentnb: the live OpenTelemetry export could not start its process (%s); its spans are "
+                         "exported from this process", exc)
+
+    def _new_sender(self) -> Sender:
+        return Sender(self.store, self.url, content=self.content, timeout=self.timeout, identity=self._identity)
 
     # -- in the job's thread: note, never wait -------------------------------------------------------------
     def _note(self, item: live.Item) -> None:
@@ -169,8 +199,7 @@ class LiveExport:
             first = self._queue.get()
             notes = [first]
             # linger a moment: a run's note and its job's end note come moments apart, and the runs of a batch end
-            # together, so each job is read and mapped once and several go in one request; the job's own thread
-            # has usually finished by then, so the mapping does not take the GIL from it (benchmarks/README.md)
+            # together, so each job is read and mapped once and several go in one request
             deadline = time.monotonic() + LINGER
             while first is not None and len(notes) < BATCH:
                 try:
@@ -180,64 +209,49 @@ class LiveExport:
                 if notes[-1] is None:
                     break
             stop = notes[-1] is None
-            self._export([n for n in notes if n is not None])
+            self._deliver([n for n in notes if n is not None])
             if stop:
+                process = self._process
+                # a process that ended of itself (not killed at the deadline, a collector hanging) has reported on
+                # all it took, unless it ended before it was told to: then what it left is exported here
+                if process is not None and process.finish(self._deadline) and process.take_unacked():
+                    self._left_by(process)
                 return
 
-    def _export(self, notes: list[tuple[str, int, int | None]]) -> None:
-        per_job: list[tuple[int, int]] = []
-        traces: list[TraceRecord] = []
-        # a job is read and mapped once per request, however many of its runs (and its end) the notes name
-        by_job: dict[int, list[tuple[str, int | None]]] = {}
-        for what, job_id, seq in notes:
-            by_job.setdefault(job_id, []).append((what, seq))
-        for job_id, ended in by_job.items():
-            try:
-                trace = self._spans_of(job_id, ended)
-            except Exception:  # a job deleted meanwhile, a store that went away: never the job's problem
-                _log.debug("agentnb: could not map job %s for live export", job_id, exc_info=True)
-                continue
-            if trace.spans:
-                traces.append(trace)
-                per_job.append((job_id, len(trace.spans)))
-        if not traces:
+    def _deliver(self, notes: list[Note]) -> None:
+        if self._reopen is not None and self._started is None and notes:
+            self._start_process()
+            if self._process is None:
+                self._reopen = None
+        process = self._process
+        if process is not None and notes:
+            secrets = secret_values()
+            if process.send(notes, None if secrets is self._secrets else secrets):
+                self._secrets = secrets
+                return
+            process.finish(time.monotonic() + 1.0)
+            self._left_by(process)
             return
-        if time.monotonic() < self._paused_until:
-            self._drop_all(per_job, None)
-            return
-        try:
-            ok = post(self._exporter, traces)
-        except Exception:  # the exporter's client says what it knows; anything else is a failure too
-            ok = False
-        if ok:
-            self.sent += sum(n for _, n in per_job)
-        else:
-            self.failures += 1
-            self._paused_until = time.monotonic() + PAUSE_AFTER_FAILURE
-            self._drop_all(per_job, f"the collector at {self.url} did not take them (unreachable, too slow or "
-                                    "it refused them)")
+        if notes:
+            if self._sender is None:
+                self._sender = self._new_sender()
+            self._count(self._sender.export(notes))
 
-    def _spans_of(self, job_id: int, ended: list[tuple[str, int | None]]) -> TraceRecord:
-        """The spans of job ``job_id`` that the notes ``ended`` name: each ended run's (``("run", seq)``) with its
-        calls and tools; at the job's end (``("job", None)``) its own span and the runs that ended without a
-        transition (none of their notes came), with theirs."""
-        seqs = {seq for what, seq in ended if what == "run"}
-        if all(what == "run" for what, _ in ended):  # only runs ended: their own events are all it takes
-            return job_trace(self.store, self.store.job(job_id), content=self.content, identity=self._identity,
-                             runs={s for s in seqs if s is not None})
-        trace = job_trace(self.store, self.store.job(job_id), content=self.content, identity=self._identity)
-        runs = {s.span_id: s for s in trace.spans if s.attributes.get("gen_ai.operation.name") == "invoke_agent"}
-        chosen = {i for i, s in runs.items() if s.attributes.get("agentnb.movement_seq") in seqs}
-        keep: set[int] = set()
-        if any(what == "job" for what, _ in ended):
-            keep.add(trace.spans[0].span_id)
-            chosen |= {i for i, s in runs.items() if "agentnb.next_step" not in s.attributes}
-        return TraceRecord(trace.trace_id, trace.resource, tuple(
-            s for s in trace.spans if s.span_id in keep or s.span_id in chosen or s.parent_id in chosen))
+    def _left_by(self, process: ExporterProcess) -> None:
+        """The export's process ended before it was told to: what it did not report on is exported here, and all
+        that comes after it."""
+        self._process = None
+        _log.warning("agentnb: the live OpenTelemetry export's process ended (%s); its spans are now exported from "
+                     "this process", process.why_gone())
+        self._deliver(process.take_unacked())
 
-    def _drop_all(self, per_job: list[tuple[int, int]], why: str | None) -> None:
-        for job_id, n in per_job:
-            self._drop(job_id, n, why)
+    def _count(self, report: Report) -> None:
+        with self._lock:
+            self.sent += report.sent
+            if report.why is not None:
+                self.failures += 1
+        for job_id, n in report.dropped:
+            self._drop(job_id, n, report.why)
 
     def _drop(self, job_id: int, n: int, why: str | None) -> None:
         with _DROPPED_LOCK:
@@ -252,15 +266,19 @@ class LiveExport:
     # -- the end -------------------------------------------------------------------------------------------
     def close(self, wait: float | None = None) -> None:
         """Stop noting, send what is queued within ``wait`` seconds (default: the request timeout and a second),
-        then stop the thread; what is still queued then is not sent."""
+        then stop the thread (and the export's process); what is still queued then is not sent."""
         if self._closed:
             return
         self._closed = True
         self._subscription.close()
-        thread = self._thread
+        self._deadline = time.monotonic() + (self.timeout + 1.0 if wait is None else wait)
+        with self._lock:
+            thread = self._thread
         if thread is not None:
-            deadline = time.monotonic() + (self.timeout + 1.0 if wait is None else wait)
             with contextlib.suppress(queue.Full):
-                self._queue.put(None, timeout=max(0.0, deadline - time.monotonic()))
-            thread.join(max(0.0, deadline - time.monotonic()))
-        self._exporter.shutdown()
+                self._queue.put(None, timeout=max(0.0, self._deadline - time.monotonic()))
+            thread.join(max(0.0, self._deadline - time.monotonic()))
+        elif self._process is not None:  # nothing was ever noted
+            self._process.finish(self._deadline)
+        if self._sender is not None:
+            self._sender.close()

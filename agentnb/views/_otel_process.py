@@ -1,0 +1,191 @@
+"""The live export's own process (docs/otel.md#live): the reading, mapping and posting of spans off the jobs' core.
+
+Mapping a job and encoding its spans is about half a millisecond of CPU a job.  Done in a thread of the process that
+runs the jobs it took the GIL from them for milliseconds at a time, which a batch of many short calls felt as
+latency on every call (benchmarks/README.md).  So :class:`ExporterProcess` starts a child (``python -m`` this module)
+that opens the same store read-only and does that work with a :class:`~._otel_send.Sender`, on another core;
+the workspace's process only writes the notes to it, a line of JSON for up to 64 of them.
+
+The lines each way:
+
+- to the child: its settings first (the store's path or URL, the collector's URL, ``content``, the request
+  timeout, the store's identity in the ids), then a request per line: ``{"n", "notes", "secrets"?}`` — the
+  secrets this process knows, when they changed since the last request, so that the child scrubs what this
+  process would; its standard input closing is its end;
+- from the child: a report per request (``{"n", "sent", "dropped", "why"}``), ``{"error"}`` when it cannot start,
+  and its CPU seconds as its last line.
+
+A child that ends before it is told to (killed, out of memory, a store it cannot open) leaves the requests it did
+not report on to the workspace's process, which exports them and what comes after in its own thread.  The
+child ignores Ctrl-C and is in a session of its own: a terminal's Ctrl-C stops the jobs, not the export of their
+spans; it ends when its standard input closes, also when the workspace's process dies without closing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from .._secrets import register_secret, scrub
+from ._otel_send import Note, Report
+
+__all__ = ["NICENESS", "ExporterProcess", "main"]
+
+NICENESS = 10  # added to the child's: it gets a core no job wants
+_NICE_AND_RUN = (f"import os, runpy; os.nice({NICENESS}); "
+                 "runpy.run_module('agentnb.views._otel_process', run_name='__main__', alter_sys=True)")
+
+
+class ExporterProcess:
+    """The child that exports the spans of the store at ``location`` (a SQLite file's path or a PostgreSQL URL),
+    as seen from the workspace's process: :meth:`send` hands it notes, ``on_report`` is called (in a reader
+    thread) with each request's :class:`Report`."""
+
+    def __init__(self, location: str, url: str, *, content: bool, timeout: float, identity: str,
+                 environ: Mapping[str, str], on_report: Callable[[Report], None]) -> None:
+        env = dict(environ)
+        # agentnb as this process imported it, whatever sys.path a notebook gave it; after the child's own paths
+        here = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), here) if p)
+        # niced before its first import: where the cores are all busy, the jobs come first and the spans wait
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _NICE_AND_RUN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, env=env, start_new_session=True, text=True, encoding="utf-8")
+        self._on_report = on_report
+        self._lock = threading.Lock()
+        self._unacked: dict[int, list[Note]] = {}
+        self._n = 0
+        self._gone = False
+        self.error: str | None = None  # the child's own line when it could not start
+        self.cpu: float | None = None  # the child's CPU seconds, once it has ended
+        self._write({"store": location, "url": url, "content": content, "timeout": timeout, "identity": identity})
+        self._reader = threading.Thread(target=self._read, name="agentnb-otel-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return not self._gone
+
+    def why_gone(self) -> str:
+        """Why the child ended before it was told to, in a few words."""
+        if self.error:
+            return self.error
+        code = self._proc.poll()
+        return f"exit status {code}" if code is not None else "its output closed"
+
+    def send(self, notes: list[Note], secrets: Sequence[str] | None) -> bool:
+        """Hand ``notes`` to the child (with this process's ``secrets`` when they changed); False when it has ended:
+        the notes are then among :meth:`take_unacked`'s."""
+        with self._lock:
+            self._n += 1
+            n = self._n
+            self._unacked[n] = notes
+            if self._gone:
+                return False
+        message: dict[str, Any] = {"n": n, "notes": notes}
+        if secrets is not None:
+            message["secrets"] = list(secrets)
+        return self._write(message)
+
+    def take_unacked(self) -> list[Note]:
+        """The notes handed to the child that it did not report on: once it has ended (:meth:`finish`), the ones left
+        to this process."""
+        with self._lock:
+            notes = [note for batch in self._unacked.values() for note in batch]
+            self._unacked.clear()
+        return notes
+
+    def finish(self, deadline: float) -> bool:
+        """Close the child's input, let it report on what it has until ``deadline`` (a ``time.monotonic()``), then
+        end it; False when it had to be killed (its collector hanging), what it held then not reported on."""
+        stdin = self._proc.stdin
+        if stdin is not None:
+            with contextlib.suppress(OSError):
+                stdin.close()
+        self._reader.join(max(0.0, deadline - time.monotonic()))
+        ended = not self._reader.is_alive()
+        if not ended:  # a collector that hangs: what it still holds is not sent
+            self._proc.kill()
+            self._reader.join(1.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(1.0)
+        return ended
+
+    def _write(self, message: dict[str, Any]) -> bool:
+        stdin = self._proc.stdin
+        try:
+            assert stdin is not None
+            stdin.write(json.dumps(message) + "\n")
+            stdin.flush()
+        except (OSError, ValueError):  # the child has ended (a broken pipe), or its input was closed
+            return False
+        return True
+
+    def _read(self) -> None:
+        out = self._proc.stdout
+        assert out is not None
+        for line in out:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if "n" in message:
+                with self._lock:
+                    self._unacked.pop(message["n"], None)
+                self._on_report(Report(message["sent"], tuple((int(j), int(k)) for j, k in message["dropped"]),
+                                       message["why"]))
+            elif "cpu" in message:
+                self.cpu = float(message["cpu"])
+            elif "error" in message:
+                self.error = str(message["error"])
+        with self._lock:
+            self._gone = True
+
+
+def _say(out: IO[str], message: dict[str, Any]) -> None:
+    out.write(json.dumps(message) + "\n")
+    out.flush()
+
+
+def main() -> int:
+    """The child: export what each request's notes name until standard input closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    out = sys.stdout
+    line = sys.stdin.readline()
+    if not line:
+        return 0
+    try:
+        from ..store import open_store
+        from ._otel_send import Sender
+
+        config = json.loads(line)
+        store = open_store(config["store"], readonly=True)
+        sender = Sender(store, config["url"], content=bool(config["content"]), timeout=float(config["timeout"]),
+                        identity=str(config["identity"]))
+    except Exception as exc:
+        text = (str(exc).strip().splitlines() or [""])[0]
+        _say(out, {"error": scrub(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)})
+        return 1
+    for line in sys.stdin:
+        request = json.loads(line)
+        for value in request.get("secrets") or ():
+            register_secret(value)
+        report = sender.export([(str(w), int(j), None if s is None else int(s)) for w, j, s in request["notes"]])
+        _say(out, {"n": request["n"], "sent": report.sent, "dropped": report.dropped, "why": report.why})
+    sender.close()
+    store.close()
+    _say(out, {"cpu": time.process_time()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
