@@ -24,10 +24,11 @@ import os
 import re
 import threading
 from typing import Any
+from urllib.parse import unquote
 
 __all__ = ["KEY_SHAPED", "MASK", "MIN_SECRET_CHARS", "SECRET_NAME", "is_secret_name", "mask_key_shaped",
-           "mask_streamed", "might_hold_secret", "redact", "register_secret", "scrub", "scrub_data", "secret_values",
-           "settled", "shown_so_far", "streamed_values"]
+           "mask_streamed", "might_hold_secret", "redact", "register_secret", "register_url_password", "scrub",
+           "scrub_data", "secret_values", "settled", "shown_so_far", "streamed_values"]
 
 # Substrings that name a secret wherever they appear (GITHUB_TOKEN, AWS_SECRET_ACCESS_KEY, X_CREDENTIALS),
 # and short words that name one only as a whole `_`-separated word: MYSQL_PWD but not PWD/OLDPWD (the
@@ -80,6 +81,16 @@ def register_secret(value: str | None) -> None:
     with _registered_lock:
         _registered = _registered | {value}
         _cache = None
+
+
+def register_url_password(url: str) -> None:
+    """Mask a URL that carries a password (a PostgreSQL store's, given in code or on the command line) as the
+    environment's are: the whole URL, and its password alone."""
+    m = _URL_PASSWORD.match(url)
+    if m:
+        register_secret(url)
+        register_secret(m.group(1))
+        register_secret(unquote(m.group(1)))
 
 
 _cache: tuple[object, frozenset[str], tuple[str, ...], tuple[str, ...]] | None = None

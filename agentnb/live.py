@@ -69,10 +69,12 @@ def channel(store: _Located) -> str:
 class Subscription:
     """One subscriber on one channel and job (None: every job); :meth:`close` (or leaving ``with``) ends it."""
 
-    def __init__(self, key: tuple[str, int | None], fn: Subscriber, kinds: frozenset[str] | None = None) -> None:
+    def __init__(self, key: tuple[str, int | None], fn: Subscriber, kinds: frozenset[str] | None = None,
+                 origin: object | None = None) -> None:
         self.key = key
         self.fn = fn
         self.kinds = kinds  # None: every event and notice; else only events of these kinds
+        self.origin = origin  # a kinds subscription's store object, when only its own commits are wanted
         self.failed = False  # logged once already
 
     def close(self) -> None:
@@ -106,20 +108,23 @@ _LOCK = threading.Lock()
 
 
 def subscribe(store: _Located, job_id: int | None, fn: Subscriber, *,
-              kinds: Iterable[str] | None = None) -> Subscription:
+              kinds: Iterable[str] | None = None, own: bool = False) -> Subscription:
     """Call ``fn(item)`` for each event of job ``job_id`` (None: of every job) that ``store``'s channel commits from
     now on, and for each notice of it, until the subscription is closed.  With ``kinds`` (and ``job_id`` None):
-    only the events of those kinds, and no notices."""
+    only the events of those kinds, and no notices; with ``own`` too, only those ``store`` itself commits, not
+    another store object on its channel (two workspaces on one file, each exporting what it runs)."""
     global _SUBSCRIBERS
     if kinds is not None:
         if job_id is not None:
             raise ValueError("kinds= is for a subscription to every job (job_id None)")
-        sub = Subscription((channel(store), None), fn, frozenset(kinds))
+        sub = Subscription((channel(store), None), fn, frozenset(kinds), store if own else None)
         with _LOCK:
             picky = dict(_PICKY)
             picky[sub.key[0]] = (*picky.get(sub.key[0], ()), sub)
             _set_picky(picky)
         return sub
+    if own:
+        raise ValueError("own= is for a subscription to some kinds of every job (kinds=)")
     sub = Subscription((channel(store), job_id), fn)
     with _LOCK:
         subs = dict(_SUBSCRIBERS)
@@ -196,7 +201,7 @@ def publish(store: _Located, items: Iterable[Item]) -> None:
             sub.deliver(item)
         if picky and not isinstance(item, Notice):
             for sub in picky:
-                if sub.kinds is not None and item.kind in sub.kinds:
+                if sub.kinds is not None and item.kind in sub.kinds and (sub.origin is None or sub.origin is store):
                     sub.deliver(item)
 
 

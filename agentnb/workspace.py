@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._job import Job, JobRef, JobStatus
+from ._secrets import register_url_password
 from .batch import (
     DEFAULT_CONCURRENCY,
     Batch,
@@ -118,6 +119,9 @@ class Workspace:
         # a server's store is opened before the folder is made: a server that cannot be reached, refuses the
         # password or holds a newer schema leaves no empty workspace folder behind either
         on_server = store is not None and store_scheme(store) in ("postgresql", "postgres")
+        if on_server:
+            # a password given in the URL is masked as the environment's secrets are: never stored nor exported
+            register_url_password(str(store))
         if on_server:
             self.store: Store = open_store(store, readonly=readonly, lease=self.lease)  # type: ignore[arg-type]
         if not readonly:

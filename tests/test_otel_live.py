@@ -455,3 +455,86 @@ def test_a_store_given_as_an_object_is_exported_by_a_thread(tmp_path: Path, rece
         export.close()
         assert export.sent == 11 and export.process_cpu is None
         assert {_key(s) for s in receiver.spans()} == file_spans(ws, job, tmp_path)
+
+
+def test_a_process_killed_before_it_reported_leaves_its_notes_to_the_workspace(
+        tmp_path: Path, receiver: Receiver, caplog: pytest.LogCaptureFixture) -> None:
+    piece, spec = two_movements(tmp_path)
+    caplog.set_level(logging.WARNING, logger="agentnb.otel")
+    with Workspace(tmp_path / "ws", otel=receiver.url) as ws:
+        job = ws.run(ws.submit("Do it", piece=piece, model=spec))
+        _wait(lambda: len(_exporter_processes()) == 1)
+        os.kill(_exporter_processes()[0], signal.SIGKILL)  # in its start-up: it took the notes, sent nothing
+    with Workspace(tmp_path / "ws") as ws:
+        assert sorted(_key(s) for s in receiver.spans()) == sorted(file_spans(ws, job, tmp_path))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agentnb.otel" and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "process ended" in warnings[0], warnings
+
+
+def test_a_hung_process_is_ended_by_close_and_what_it_held_is_counted(
+        tmp_path: Path, receiver: Receiver, caplog: pytest.LogCaptureFixture) -> None:
+    piece, spec = two_movements(tmp_path)
+    caplog.set_level(logging.WARNING, logger="agentnb.otel")
+    with Workspace(tmp_path / "ws", otel=receiver.url) as ws:
+        ws.run(ws.submit("Do it", piece=piece, model=spec))
+        assert ws.otel is not None
+        _wait(lambda: ws.otel.sent == 11)
+        (pid,) = _exporter_processes()
+        os.kill(pid, signal.SIGSTOP)
+        for _ in range(3):
+            assert ws.run(ws.submit("Do it", piece=piece, model=spec)).status == "succeeded"
+        closing = time.monotonic()
+    assert time.monotonic() - closing < 3.5
+    assert _exporter_processes() == []  # killed, not left stopped
+    assert ws.otel_dropped >= 3 and len(receiver.spans()) == 11  # each job's notes counted, none sent
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agentnb.otel" and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "closed before they were exported" in warnings[0], warnings
+
+
+def test_two_workspaces_on_one_store_each_export_what_they_run_once_and_a_dropped_one_stops(
+        tmp_path: Path, receiver: Receiver) -> None:
+    import gc
+
+    piece, spec = two_movements(tmp_path)
+    dropped = Workspace(tmp_path / "ws", otel=receiver.url)  # never closed: collected, as a notebook's re-run cell
+    first = dropped.run(dropped.submit("Do it", piece=piece, model=spec)).id  # a Job would keep its workspace
+    _wait(lambda: len(receiver.spans()) == 11)
+    del dropped
+    gc.collect()
+    _wait(lambda: _exporter_processes() == [])  # its process ended with it
+    with Workspace(tmp_path / "ws", otel=receiver.url) as a, Workspace(tmp_path / "ws", otel=receiver.url) as b:
+        jobs = [a.run(a.submit("Do it", piece=piece, model=spec)), b.run(b.submit("Do it", piece=piece, model=spec))]
+    with Workspace(tmp_path / "ws", otel=False) as ws:
+        ws.run(ws.submit("Do it", piece=piece, model=spec))  # no export
+        expected = sorted(k for j in [ws.job(first), *jobs] for k in file_spans(ws, j, tmp_path))
+    assert sorted(_key(s) for s in receiver.spans()) == expected
+
+
+def test_the_process_is_not_fooled_by_the_working_folder_or_a_fork(
+        tmp_path: Path, receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiprocessing
+
+    piece, spec = two_movements(tmp_path)
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "queue.py").write_text("raise SystemExit('a user module named like the standard library')\n")
+    monkeypatch.chdir(here)
+    # a relative store file, then the process changes folder: still the same store, and its spans
+    with Workspace(tmp_path / "ws", store="rel.sqlite", otel=receiver.url) as ws:
+        monkeypatch.chdir(tmp_path)
+        job = ws.run(ws.submit("Do it", piece=piece, model=spec))
+        assert ws.otel is not None
+        _wait(lambda: ws.otel.sent == 11)
+        forked = multiprocessing.get_context("fork").Process(target=time.sleep, args=(10,))
+        forked.start()  # holds no end of the export's pipes
+        try:
+            closing = time.monotonic()
+            ws.close()
+            assert time.monotonic() - closing < 1.5
+            assert ws.otel.process_cpu is not None  # it ended of itself, reporting, not killed
+        finally:
+            forked.kill()
+            forked.join()
+    assert (here / "rel.sqlite").exists()
+    with Workspace(tmp_path / "ws", store=str(here / "rel.sqlite")) as ws:
+        assert {_key(s) for s in receiver.spans()} == file_spans(ws, job, tmp_path)

@@ -523,3 +523,20 @@ def test_lease_holders_of_different_trees_write_at_once_and_others_wait_for_all(
         assert store.job(a_kid).current_movement == "kid"
     finally:
         store.close()
+
+
+@needs_pg
+def test_a_password_given_only_in_the_store_url_is_never_stored(pg_url: str, tmp_path: Path) -> None:
+    import uuid
+
+    user, password = f"u_{uuid.uuid4().hex[:10]}", f"pw-{uuid.uuid4().hex}"  # known to no other test
+    _sql(pg_url, f"CREATE ROLE {user} LOGIN SUPERUSER PASSWORD '{password}'")
+    try:
+        url = re.sub(r"//[^@]*@", f"//{user}:{password}@", pg_url, count=1)
+        with Workspace(tmp_path / "ws", store=url) as ws:
+            job = ws.submit(f"Log in with {password} and read {url}", piece="single", model="demo")
+        assert _sql(pg_url, "SELECT instruction FROM jobs WHERE id = %s", (job.id,)) == [
+            ("Log in with *** and read ***",)]
+    finally:
+        _sql(pg_url, f"DROP OWNED BY {user}")
+        _sql(pg_url, f"DROP ROLE {user}")

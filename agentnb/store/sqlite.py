@@ -134,7 +134,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
     dialect: Dialect = "sqlite"
 
     def __init__(self, path: str | os.PathLike[str], *, readonly: bool = False) -> None:
-        self.path = Path(path)
+        # absolute: the file stays the one opened, and so does its live channel, when the process changes folder
+        self.path = Path(os.path.abspath(path))
         self.readonly = readonly
         self._lock = threading.RLock()
         # this process's turn at the file's write lock (store/_write_turn.py), once the file has opened as a store

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -41,8 +42,15 @@ from ._otel_send import Note, Report
 __all__ = ["NICENESS", "ExporterProcess", "main"]
 
 NICENESS = 10  # added to the child's: it gets a core no job wants
-_NICE_AND_RUN = (f"import os, runpy; os.nice({NICENESS}); "
-                 "runpy.run_module('agentnb.views._otel_process', run_name='__main__', alter_sys=True)")
+# ``-c`` puts the working folder first on sys.path, where a user's queue.py or csv.py would be imported instead of
+# the standard library's: it goes before the first import
+_NICE_AND_RUN = ("import sys; del sys.path[0]; import os, runpy; "
+                 f"os.nice({NICENESS}); runpy.run_module('agentnb.views._otel_process', run_name='__main__', "
+                 "alter_sys=True)")
+
+# the children's pipes, closed in a process forked from this one (multiprocessing's default on Linux): a fork
+# that kept a child's input open would keep the child alive after this process closed it, or died
+_OPEN: weakref.WeakSet[ExporterProcess] = weakref.WeakSet()
 
 
 class ExporterProcess:
@@ -65,11 +73,13 @@ class ExporterProcess:
         self._unacked: dict[int, list[Note]] = {}
         self._n = 0
         self._gone = False
+        self._forgotten = False  # in a process forked from the one that started it
         self.error: str | None = None  # the child's own line when it could not start
         self.cpu: float | None = None  # the child's CPU seconds, once it has ended
         self._write({"store": location, "url": url, "content": content, "timeout": timeout, "identity": identity})
         self._reader = threading.Thread(target=self._read, name="agentnb-otel-reader", daemon=True)
         self._reader.start()
+        _OPEN.add(self)
 
     @property
     def alive(self) -> bool:
@@ -104,13 +114,26 @@ class ExporterProcess:
             self._unacked.clear()
         return notes
 
+    def close_input(self) -> None:
+        """Close the child's input without waiting: it reports on what it has, then ends."""
+        stdin = self._proc.stdin
+        if stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                stdin.close()
+
+    def kill(self) -> None:
+        """End the child now (one that does not read its input: a write to it then fails at once)."""
+        if self._forgotten:
+            return
+        with contextlib.suppress(OSError):
+            self._proc.kill()
+
     def finish(self, deadline: float) -> bool:
         """Close the child's input, let it report on what it has until ``deadline`` (a ``time.monotonic()``), then
         end it; False when it had to be killed (its collector hanging), what it held then not reported on."""
-        stdin = self._proc.stdin
-        if stdin is not None:
-            with contextlib.suppress(OSError):
-                stdin.close()
+        if self._forgotten:
+            return True
+        self.close_input()
         self._reader.join(max(0.0, deadline - time.monotonic()))
         ended = not self._reader.is_alive()
         if not ended:  # a collector that hangs: what it still holds is not sent
@@ -119,6 +142,17 @@ class ExporterProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(1.0)
         return ended
+
+    def forget(self) -> None:
+        """In a forked process: this child is the parent's; its pipes are let go and nothing is written to it."""
+        self._gone = self._forgotten = True
+        self._unacked.clear()  # the parent's to report on, or to export
+        for stream in (self._proc.stdin, self._proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    null = os.open(os.devnull, os.O_RDWR)
+                    os.dup2(null, stream.fileno())
+                    os.close(null)
 
     def _write(self, message: dict[str, Any]) -> bool:
         stdin = self._proc.stdin
@@ -149,6 +183,17 @@ class ExporterProcess:
                 self.error = str(message["error"])
         with self._lock:
             self._gone = True
+
+
+def _forked() -> None:
+    """In a forked process: let go of the children's pipes (onto /dev/null, so that the file objects that still
+    name them close nothing else), and never write to them."""
+    for process in list(_OPEN):
+        process.forget()
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _say(out: IO[str], message: dict[str, Any]) -> None:

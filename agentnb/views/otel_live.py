@@ -28,6 +28,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 
 from .. import live
@@ -104,6 +105,47 @@ def live_content(value: bool | None, environ: Mapping[str, str]) -> bool:
     return value
 
 
+KILL_MARGIN = 0.3  # seconds before close()'s deadline that an export process still working is killed
+
+
+def _work(ref: weakref.ReferenceType[LiveExport], notes_queue: queue.Queue[Note | None]) -> None:
+    """The exporter thread: gathers the notes of a moment and delivers them; holds the export only while it does
+    (so that a workspace dropped unclosed can be collected while the thread waits)."""
+    while True:
+        first = notes_queue.get()
+        export = ref()
+        if export is None:
+            return
+        notes = [first]
+        # linger a moment: a run's note and its job's end note come moments apart, and the runs of a batch end
+        # together, so each job is read and mapped once and several go in one request
+        deadline = time.monotonic() + LINGER
+        while first is not None and len(notes) < BATCH:
+            try:
+                notes.append(notes_queue.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                break
+            if notes[-1] is None:
+                break
+        stop = notes[-1] is None
+        export._deliver([n for n in notes if n is not None])
+        if stop:
+            export._stop()
+            return
+        del export
+
+
+def _collected(subscription: live.Subscription, notes_queue: queue.Queue[Note | None],
+               processes: list[ExporterProcess]) -> None:
+    """A live export garbage-collected unclosed: no more notes; its thread and its process end (the process after
+    reporting on what it has)."""
+    subscription.close()
+    with contextlib.suppress(queue.Full):
+        notes_queue.put_nowait(None)
+    for process in processes:
+        process.close_input()
+
+
 class _Quiet(logging.Filter):
     """Silence the exporter's own per-request warnings in the exporter threads: one warning of ours says it."""
 
@@ -136,7 +178,7 @@ class LiveExport:
         self.sent = 0
         self.dropped = 0
         self.failures = 0
-        self._queue: queue.Queue[tuple[str, int, int | None] | None] = queue.Queue(queue_size)
+        self._queue: queue.Queue[Note | None] = queue.Queue(queue_size)
         self._identity = store_identity(store)
         self._channel = live.channel(store)
         self._warned = False
@@ -153,8 +195,21 @@ class LiveExport:
         self._reopen = reopen
         self._environ = dict(os.environ)
         logging.getLogger(_EXPORTER_LOGGER).addFilter(_QUIET)
-        # only these kinds: the stores then decode and publish only the commits that hold one (live.py)
-        self._subscription = live.subscribe(store, None, self._note, kinds=("transition", "job_status"))
+        # only these kinds: the stores then decode and publish only the commits that hold one (live.py); only this
+        # store object's, so that two workspaces on one store each export what they run, once.  The subscription,
+        # the threads and the process hold this object weakly: a workspace dropped unclosed (a notebook's
+        # `ws = Workspace(…)` run again) is collected with its export, which then stops (_collected).
+        ref = weakref.ref(self)
+
+        def note(item: live.Item) -> None:
+            export = ref()
+            if export is not None:
+                export._note(item)
+
+        self._ref = ref
+        self._procs: list[ExporterProcess] = []
+        self._subscription = live.subscribe(store, None, note, kinds=("transition", "job_status"), own=True)
+        self._finalizer = weakref.finalize(self, _collected, self._subscription, self._queue, self._procs)
 
     @property
     def process_cpu(self) -> float | None:
@@ -163,10 +218,18 @@ class LiveExport:
 
     def _start_process(self) -> None:
         assert self._reopen is not None
+        ref = self._ref
+
+        def count(report: Report) -> None:
+            export = ref()
+            if export is not None:
+                export._count(report)
+
         try:
             self._process = self._started = ExporterProcess(
                 self._reopen, self.url, content=self.content, timeout=self.timeout, identity=self._identity,
-                environ=self._environ, on_report=self._count)
+                environ=self._environ, on_report=count)
+            self._procs.append(self._process)
         except OSError as exc:  # no process to be had (a limit on processes): the work is done here
             _log.warning("agentnb: the live OpenTelemetry export could not start its process (%s); its spans are "
                          "exported from this process", exc)
@@ -186,39 +249,35 @@ class LiveExport:
             with self._lock:
                 if self._thread is None and not self._closed:
                     # a daemon: a collector that hangs never keeps the process alive (close() waits, boundedly)
-                    self._thread = threading.Thread(target=self._work, name=f"agentnb-otel-{id(self):x}", daemon=True)
+                    self._thread = threading.Thread(target=_work, args=(self._ref, self._queue),
+                                                    name=f"agentnb-otel-{id(self):x}", daemon=True)
                     self._thread.start()
         try:
             self._queue.put_nowait(note)
         except queue.Full:  # the exporter cannot keep up: the run's spans are lost, counted as one
             self._drop(note[1], 1, "the export queue was full")
 
-    # -- the exporter thread -------------------------------------------------------------------------------
-    def _work(self) -> None:
-        while True:
-            first = self._queue.get()
-            notes = [first]
-            # linger a moment: a run's note and its job's end note come moments apart, and the runs of a batch end
-            # together, so each job is read and mapped once and several go in one request
-            deadline = time.monotonic() + LINGER
-            while first is not None and len(notes) < BATCH:
-                try:
-                    notes.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    break
-                if notes[-1] is None:
-                    break
-            stop = notes[-1] is None
-            self._deliver([n for n in notes if n is not None])
-            if stop:
-                process = self._process
-                # a process that ended of itself (not killed at the deadline, a collector hanging) has reported on
-                # all it took, unless it ended before it was told to: then what it left is exported here
-                if process is not None and process.finish(self._deadline) and process.take_unacked():
-                    self._left_by(process)
-                return
+    # -- the exporter thread (_work) -----------------------------------------------------------------------
+    def _stop(self) -> None:
+        """The end of the exporter thread: the process (if any) reports on what it took, or is killed just before
+        close()'s deadline (a collector or a process that hangs); what it took and did not report on is exported
+        here if it ended before it was told to, and counted as dropped if it had to be killed."""
+        process = self._process
+        if process is None:
+            return
+        ended = process.finish(self._deadline - KILL_MARGIN)
+        left = process.take_unacked()
+        if not left:
+            return
+        if ended:
+            self._left_by(process, left)
+        else:
+            self._lost(left)
 
     def _deliver(self, notes: list[Note]) -> None:
+        if self._closed and time.monotonic() >= self._deadline:  # close() has given up waiting
+            self._lost(notes)
+            return
         if self._reopen is not None and self._started is None and notes:
             self._start_process()
             if self._process is None:
@@ -230,20 +289,26 @@ class LiveExport:
                 self._secrets = secrets
                 return
             process.finish(time.monotonic() + 1.0)
-            self._left_by(process)
+            self._left_by(process, process.take_unacked())
             return
         if notes:
             if self._sender is None:
                 self._sender = self._new_sender()
             self._count(self._sender.export(notes))
 
-    def _left_by(self, process: ExporterProcess) -> None:
-        """The export's process ended before it was told to: what it did not report on is exported here, and all
-        that comes after it."""
+    def _left_by(self, process: ExporterProcess, notes: list[Note]) -> None:
+        """The export's process ended before it was told to: what it did not report on (``notes``) is exported
+        here, and all that comes after it."""
         self._process = None
         _log.warning("agentnb: the live OpenTelemetry export's process ended (%s); its spans are now exported from "
                      "this process", process.why_gone())
-        self._deliver(process.take_unacked())
+        self._deliver(notes)
+
+    def _lost(self, notes: list[Note]) -> None:
+        """Notes whose spans will not be sent (the workspace closed first): counted, one span each at least."""
+        for _, job_id, _ in notes:
+            self._drop(job_id, 1, "the workspace closed before they were exported (a collector or an export process "
+                                  "that did not answer)")
 
     def _count(self, report: Report) -> None:
         with self._lock:
@@ -269,16 +334,20 @@ class LiveExport:
         then stop the thread (and the export's process); what is still queued then is not sent."""
         if self._closed:
             return
-        self._closed = True
-        self._subscription.close()
         self._deadline = time.monotonic() + (self.timeout + 1.0 if wait is None else wait)
+        self._closed = True
+        self._finalizer.detach()
+        self._subscription.close()
         with self._lock:
             thread = self._thread
         if thread is not None:
             with contextlib.suppress(queue.Full):
                 self._queue.put(None, timeout=max(0.0, self._deadline - time.monotonic()))
             thread.join(max(0.0, self._deadline - time.monotonic()))
-        elif self._process is not None:  # nothing was ever noted
-            self._process.finish(self._deadline)
+            process = self._process
+            if thread.is_alive() and process is not None:
+                # the thread is stuck writing to a process that stopped reading (its pipe full): ended, the write
+                # fails, and the thread counts what was left as dropped
+                process.kill()
         if self._sender is not None:
             self._sender.close()
