@@ -146,19 +146,21 @@ PROCESS_CPU: list[float] = []  # CPU seconds of each live export's own process, 
 
 
 def _count_exporter_cpu() -> None:
-    """Have each live exporter thread add its own CPU time (``time.thread_time``) to EXPORTER_CPU as it ends: the
-    export's work measured apart from the run's, which a difference of two noisy process times is not."""
+    """Have each live exporter thread add its own CPU time (``time.thread_time``) to EXPORTER_CPU as it ends, and
+    each export's process its CPU to PROCESS_CPU when its workspace closes: the export's work measured apart from
+    the run's, which a difference of two noisy process times is not."""
+    from agentnb.views import otel_live
     from agentnb.views.otel_live import LiveExport
 
-    work = LiveExport._work
+    work = otel_live._work
 
-    def counted(self: LiveExport) -> None:
+    def counted(*args: Any) -> None:
         try:
-            work(self)
+            work(*args)
         finally:
             EXPORTER_CPU.append(time.thread_time())
 
-    LiveExport._work = counted  # type: ignore[method-assign]
+    otel_live._work = counted  # type: ignore[assignment]
     close = LiveExport.close
 
     def closed(self: LiveExport, wait: float | None = None) -> None:
