@@ -183,7 +183,6 @@ class LiveExport:
         self._channel = live.channel(store)
         self._warned = False
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         self._closed = False
         self._deadline = 0.0  # when close() stops waiting
         self._sender: Sender | None = None  # the work done here: without a process, or after it ended
@@ -208,6 +207,11 @@ class LiveExport:
 
         self._ref = ref
         self._procs: list[ExporterProcess] = []
+        # started now, waiting: a thread started at the first note would be started inside a job's last commit
+        # (a daemon: a collector that hangs never keeps the process alive; close() waits, boundedly)
+        self._thread = threading.Thread(target=_work, args=(ref, self._queue), name=f"agentnb-otel-{id(self):x}",
+                                        daemon=True)
+        self._thread.start()
         self._subscription = live.subscribe(store, None, note, kinds=("transition", "job_status"), own=True)
         self._finalizer = weakref.finalize(self, _collected, self._subscription, self._queue, self._procs)
 
@@ -244,14 +248,7 @@ class LiveExport:
         elif isinstance(item, JobStatusEvent) and item.status in TERMINAL_STATES:
             self._put(("job", item.job_id, None))
 
-    def _put(self, note: tuple[str, int, int | None]) -> None:
-        if self._thread is None:
-            with self._lock:
-                if self._thread is None and not self._closed:
-                    # a daemon: a collector that hangs never keeps the process alive (close() waits, boundedly)
-                    self._thread = threading.Thread(target=_work, args=(self._ref, self._queue),
-                                                    name=f"agentnb-otel-{id(self):x}", daemon=True)
-                    self._thread.start()
+    def _put(self, note: Note) -> None:
         try:
             self._queue.put_nowait(note)
         except queue.Full:  # the exporter cannot keep up: the run's spans are lost, counted as one
@@ -338,16 +335,13 @@ class LiveExport:
         self._closed = True
         self._finalizer.detach()
         self._subscription.close()
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            with contextlib.suppress(queue.Full):
-                self._queue.put(None, timeout=max(0.0, self._deadline - time.monotonic()))
-            thread.join(max(0.0, self._deadline - time.monotonic()))
-            process = self._process
-            if thread.is_alive() and process is not None:
-                # the thread is stuck writing to a process that stopped reading (its pipe full): ended, the write
-                # fails, and the thread counts what was left as dropped
-                process.kill()
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=max(0.0, self._deadline - time.monotonic()))
+        self._thread.join(max(0.0, self._deadline - time.monotonic()))
+        process = self._process
+        if self._thread.is_alive() and process is not None:
+            # the thread is stuck writing to a process that stopped reading (its pipe full): ended, the write fails,
+            # and the thread counts what was left as dropped
+            process.kill()
         if self._sender is not None:
             self._sender.close()
