@@ -108,6 +108,10 @@ class Workspace:
         # the scheme is checked before the folder is made: a mistyped URL leaves nothing behind
         if store is not None and store_scheme(store) not in (None, *STORE_SCHEMES):
             open_store(store)  # raises the one line naming the scheme and what is allowed
+        if store is not None and store_scheme(store) is None:
+            # a file named relative to the folder of this moment: the same file for worker processes, and after a
+            # change of folder (what open_args gives them)
+            store = os.path.abspath(store)
         self.store_url = store
         self.root = Path(path).expanduser().resolve()
         self.readonly = readonly
@@ -144,8 +148,6 @@ class Workspace:
 
             # the store opened again by the export's own process: this file, or the server's URL
             reopen = str(self.root / "agentnb.sqlite") if store is None else str(store)
-            if store_scheme(reopen) is None:
-                reopen = os.path.abspath(reopen)
             self.otel = LiveExport(self.store, otel_url, content=send_content, reopen=reopen)
 
     @property

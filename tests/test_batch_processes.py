@@ -97,6 +97,25 @@ def test_a_batch_in_processes_runs_every_job_once_with_the_frame_of_one_process(
         ws.close()
 
 
+def test_a_relative_store_file_is_the_workers_store_after_a_change_of_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = write_script(tmp_path, "w", responses=[
+        call("Write", path="output/answer.txt", content="42"), transition("COMPLETE")])
+    piece = str(write_piece(tmp_path, "one-write", ONE_WRITE))
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(here)
+    with Workspace(tmp_path / "ws", store="rel.sqlite") as ws:
+        monkeypatch.chdir(elsewhere)
+        b = ws.batch([{"instruction": f"Answer {i}"} for i in range(4)], piece=piece, model=script, concurrency=2,
+                     processes=2, progress=False)
+        assert b.counts()["succeeded"] == 4
+    assert not (elsewhere / "rel.sqlite").exists()
+    with Workspace(tmp_path / "ws", store=str(here / "rel.sqlite")) as ws:
+        assert len(ws.jobs("succeeded")) == 4
+
+
 def test_processes_are_checked_and_chosen_from_the_cores(ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in (0, -1, 1.5, "2", True):
         with pytest.raises(UsageError, match=r"^processes=.*; allowed: a whole number ≥ 1"):

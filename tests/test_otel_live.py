@@ -471,26 +471,6 @@ def test_a_process_killed_before_it_reported_leaves_its_notes_to_the_workspace(
     assert len(warnings) == 1 and "process ended" in warnings[0], warnings
 
 
-def test_a_hung_process_is_ended_by_close_and_what_it_held_is_counted(
-        tmp_path: Path, receiver: Receiver, caplog: pytest.LogCaptureFixture) -> None:
-    piece, spec = two_movements(tmp_path)
-    caplog.set_level(logging.WARNING, logger="agentnb.otel")
-    with Workspace(tmp_path / "ws", otel=receiver.url) as ws:
-        ws.run(ws.submit("Do it", piece=piece, model=spec))
-        assert ws.otel is not None
-        _wait(lambda: ws.otel.sent == 11)
-        (pid,) = _exporter_processes()
-        os.kill(pid, signal.SIGSTOP)
-        for _ in range(3):
-            assert ws.run(ws.submit("Do it", piece=piece, model=spec)).status == "succeeded"
-        closing = time.monotonic()
-    assert time.monotonic() - closing < 3.5
-    assert _exporter_processes() == []  # killed, not left stopped
-    assert ws.otel_dropped >= 3 and len(receiver.spans()) == 11  # each job's notes counted, none sent
-    warnings = [r.getMessage() for r in caplog.records if r.name == "agentnb.otel" and r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and "closed before they were exported" in warnings[0], warnings
-
-
 def test_two_workspaces_on_one_store_each_export_what_they_run_once_and_a_dropped_one_stops(
         tmp_path: Path, receiver: Receiver) -> None:
     import gc
@@ -538,3 +518,49 @@ def test_the_process_is_not_fooled_by_the_working_folder_or_a_fork(
     assert (here / "rel.sqlite").exists()
     with Workspace(tmp_path / "ws", store=str(here / "rel.sqlite")) as ws:
         assert {_key(s) for s in receiver.spans()} == file_spans(ws, job, tmp_path)
+
+
+@pytest.mark.parametrize("pipe", ["open", "full"])
+def test_close_settles_what_a_stopped_process_held_before_it_returns(
+        tmp_path: Path, receiver: Receiver, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+        pipe: str) -> None:
+    piece, spec = two_movements(tmp_path)
+    caplog.set_level(logging.WARNING, logger="agentnb.otel")
+    with Workspace(tmp_path / "ws", otel=receiver.url) as ws:
+        ws.run(ws.submit("Do it", piece=piece, model=spec))
+        assert ws.otel is not None
+        _wait(lambda: ws.otel.sent == 11)
+        (pid,) = _exporter_processes()
+        os.kill(pid, signal.SIGSTOP)
+        if pipe == "full":  # the next request carries this secret to it: more than its input pipe holds
+            monkeypatch.setenv("HUGE_SECRET", "z" * 100_000)
+        ws.run(ws.submit("Do it", piece=piece, model=spec))
+        time.sleep(0.8)  # the request is under way (its write blocked, with a full pipe)
+        closing = time.monotonic()
+    dropped = ws.otel_dropped  # read at once: settled by close()
+    assert time.monotonic() - closing < 3.5
+    assert dropped >= 2 and len(receiver.spans()) == 11
+    assert _exporter_processes() == []
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agentnb.otel" and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "closed before they were exported" in warnings[0], warnings
+
+
+def test_a_thread_export_dropped_while_notes_wait_sends_them_all(tmp_path: Path) -> None:
+    import gc
+
+    from agentnb.views.otel_live import LiveExport
+
+    piece, spec = two_movements(tmp_path)
+    slow = Receiver(delay=1.0)
+    try:
+        with Workspace(tmp_path / "ws") as ws:
+            export = LiveExport(ws.store, slow.url + "/v1/traces")  # in its thread: no process
+            jobs = [ws.run(ws.submit("Do it", piece=piece, model=spec))]
+            _wait(lambda: len(slow.got) == 1)  # its request under way, for a second
+            jobs.append(ws.run(ws.submit("Do it", piece=piece, model=spec)))  # noted meanwhile
+            del export
+            gc.collect()
+            _wait(lambda: len(slow.spans()) == 22)
+            assert sorted(_key(s) for s in slow.spans()) == sorted(k for j in jobs for k in file_spans(ws, j, tmp_path))
+    finally:
+        slow.close()

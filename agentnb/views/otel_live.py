@@ -105,17 +105,21 @@ def live_content(value: bool | None, environ: Mapping[str, str]) -> bool:
     return value
 
 
-KILL_MARGIN = 0.3  # seconds before close()'s deadline that an export process still working is killed
+KILL_MARGIN = 0.15  # seconds before close()'s deadline that an export process still working is killed
 
 
 def _work(ref: weakref.ReferenceType[LiveExport], notes_queue: queue.Queue[Note | None]) -> None:
     """The exporter thread: gathers the notes of a moment and delivers them; holds the export only while it does
     (so that a workspace dropped unclosed can be collected while the thread waits)."""
+    export: LiveExport | None = None
     while True:
+        if export is not None and notes_queue.empty():
+            export = None  # waits holding it weakly; while notes are queued, strongly, so none is lost
         first = notes_queue.get()
-        export = ref()
         if export is None:
-            return
+            export = ref()
+            if export is None:
+                return
         notes = [first]
         # linger a moment: a run's note and its job's end note come moments apart, and the runs of a batch end
         # together, so each job is read and mapped once and several go in one request
@@ -132,7 +136,6 @@ def _work(ref: weakref.ReferenceType[LiveExport], notes_queue: queue.Queue[Note 
         if stop:
             export._stop()
             return
-        del export
 
 
 def _collected(subscription: live.Subscription, notes_queue: queue.Queue[Note | None],
@@ -185,6 +188,7 @@ class LiveExport:
         self._lock = threading.Lock()
         self._closed = False
         self._deadline = 0.0  # when close() stops waiting
+        self._abandoned = False  # close() stopped waiting for the thread: what is left is counted, not sent
         self._sender: Sender | None = None  # the work done here: without a process, or after it ended
         self._process: ExporterProcess | None = None
         self._started: ExporterProcess | None = None
@@ -262,7 +266,7 @@ class LiveExport:
         process = self._process
         if process is None:
             return
-        ended = process.finish(self._deadline - KILL_MARGIN)
+        ended = process.finish(self._deadline - 2 * KILL_MARGIN)  # close() waits for this thread until one margin
         left = process.take_unacked()
         if not left:
             return
@@ -272,7 +276,7 @@ class LiveExport:
             self._lost(left)
 
     def _deliver(self, notes: list[Note]) -> None:
-        if self._closed and time.monotonic() >= self._deadline:  # close() has given up waiting
+        if self._abandoned or (self._closed and time.monotonic() >= self._deadline):  # close() gave up waiting
             self._lost(notes)
             return
         if self._reopen is not None and self._started is None and notes:
@@ -297,6 +301,9 @@ class LiveExport:
         """The export's process ended before it was told to: what it did not report on (``notes``) is exported
         here, and all that comes after it."""
         self._process = None
+        if self._abandoned:  # close() ended it, having stopped waiting: what it held is counted, not sent
+            self._lost(notes)
+            return
         _log.warning("agentnb: the live OpenTelemetry export's process ended (%s); its spans are now exported from "
                      "this process", process.why_gone())
         self._deliver(notes)
@@ -335,13 +342,17 @@ class LiveExport:
         self._closed = True
         self._finalizer.detach()
         self._subscription.close()
+        thread = self._thread
         with contextlib.suppress(queue.Full):
-            self._queue.put(None, timeout=max(0.0, self._deadline - time.monotonic()))
-        self._thread.join(max(0.0, self._deadline - time.monotonic()))
-        process = self._process
-        if self._thread.is_alive() and process is not None:
-            # the thread is stuck writing to a process that stopped reading (its pipe full): ended, the write fails,
-            # and the thread counts what was left as dropped
-            process.kill()
+            self._queue.put(None, timeout=max(0.0, self._deadline - KILL_MARGIN - time.monotonic()))
+        thread.join(max(0.0, self._deadline - KILL_MARGIN - time.monotonic()))
+        if thread.is_alive():
+            # stuck: writing to a process that stopped reading (its pipe full), or exporting here to a collector
+            # that does not answer; what is left is counted as dropped, by the thread, before the deadline
+            self._abandoned = True
+            process = self._process
+            if process is not None:
+                process.kill()  # the write fails at once
+            thread.join(max(0.0, self._deadline - time.monotonic()))
         if self._sender is not None:
             self._sender.close()
