@@ -3,6 +3,7 @@ collector as the run ends, from a background thread; a dead, slow or refusing co
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -556,11 +557,72 @@ def test_a_thread_export_dropped_while_notes_wait_sends_them_all(tmp_path: Path)
         with Workspace(tmp_path / "ws") as ws:
             export = LiveExport(ws.store, slow.url + "/v1/traces")  # in its thread: no process
             jobs = [ws.run(ws.submit("Do it", piece=piece, model=spec))]
-            _wait(lambda: len(slow.got) == 1)  # its request under way, for a second
+            _wait(lambda: len(slow.got) >= 1)  # its request under way, for a second
             jobs.append(ws.run(ws.submit("Do it", piece=piece, model=spec)))  # noted meanwhile
             del export
             gc.collect()
-            _wait(lambda: len(slow.spans()) == 22)
+            _wait(lambda: len(slow.spans()) == 22, 30)
             assert sorted(_key(s) for s in slow.spans()) == sorted(k for j in jobs for k in file_spans(ws, j, tmp_path))
     finally:
         slow.close()
+
+
+def _pipes() -> int:
+    """The pipes this process has open."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed since
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+    return count
+
+
+def test_workspaces_dropped_right_after_their_jobs_lose_no_span_and_leave_nothing_open(
+        tmp_path: Path, receiver: Receiver) -> None:
+    import gc
+    import threading
+
+    piece, spec = two_movements(tmp_path)
+    pipes = _pipes()
+    for i in range(8):
+        ws = Workspace(tmp_path / "ws", otel=receiver.url)
+        ws.run(ws.submit(f"Do {i}", piece=piece, model=spec))
+        del ws  # at once: its notes are still queued
+        gc.collect()
+    _wait(lambda: len(receiver.spans()) == 8 * 11, 20)
+    _wait(lambda: not [t for t in threading.enumerate() if t.name.startswith("agentnb-otel")]
+          and _exporter_processes() == [] and _pipes() <= pipes, 20)
+    with Workspace(tmp_path / "ws") as ws:
+        assert sorted(_key(s) for s in receiver.spans()) == sorted(
+            k for j in ws.jobs() for k in file_spans(ws, j, tmp_path))
+
+
+def test_a_workspace_in_a_reference_cycle_is_collected_without_hanging_the_next_one(
+        tmp_path: Path, receiver: Receiver) -> None:
+    # the collector may run inside the next workspace's subscribing, under the subscription table's lock
+    script = (
+        "from agentnb import Workspace\n"
+        "for i in range(60):\n"
+        f"    w = Workspace({str(tmp_path / 'ws')!r}, otel={receiver.url!r})\n"
+        "    w.me = w\n"
+        "    del w\n"
+        "print('done')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]
+
+
+def test_close_without_waiting_still_counts_what_it_did_not_send(tmp_path: Path, receiver: Receiver) -> None:
+    piece, spec = two_movements(tmp_path)
+    ws = Workspace(tmp_path / "ws", otel=receiver.url)
+    try:
+        ws.run(ws.submit("Do it", piece=piece, model=spec))
+        assert ws.otel is not None
+        _wait(lambda: ws.otel.sent == 11)
+        (pid,) = _exporter_processes()
+        os.kill(pid, signal.SIGSTOP)
+        ws.run(ws.submit("Do it", piece=piece, model=spec))
+    finally:
+        assert ws.otel is not None
+        ws.otel.close(wait=0)
+        assert ws.otel.dropped >= 2  # settled when close() returns
+        ws.close()
+    assert _exporter_processes() == []

@@ -181,6 +181,8 @@ class ExporterProcess:
                 self.cpu = float(message["cpu"])
             elif "error" in message:
                 self.error = str(message["error"])
+        with contextlib.suppress(OSError, ValueError):
+            out.close()  # its end of the pipe, not kept open for as long as this object lives
         with self._lock:
             self._gone = True
 

@@ -106,47 +106,52 @@ def live_content(value: bool | None, environ: Mapping[str, str]) -> bool:
 
 
 KILL_MARGIN = 0.15  # seconds before close()'s deadline that an export process still working is killed
+SETTLE = 0.25  # seconds close() gives the thread, past its deadline, to count what was not sent
 
 
-def _work(ref: weakref.ReferenceType[LiveExport], notes_queue: queue.Queue[Note | None]) -> None:
-    """The exporter thread: gathers the notes of a moment and delivers them; holds the export only while it does
-    (so that a workspace dropped unclosed can be collected while the thread waits)."""
-    export: LiveExport | None = None
+IDLE_CHECK = 1.0  # seconds between the waiting thread's looks at whether its export was garbage-collected
+
+
+def _work(ref: weakref.ReferenceType[LiveExport], notes_queue: queue.Queue[tuple[LiveExport, Note] | None],
+          subscription: live.Subscription, processes: list[ExporterProcess]) -> None:
+    """The exporter thread: gathers the notes of a moment and delivers them.  Each queued note holds its export, so
+    a workspace dropped unclosed is collected only once every note it made is delivered; waiting, the thread holds
+    it weakly, and once it is gone it ends its subscription and its process (the process after reporting on what it
+    has).  That is done here, not in a finalizer: a finalizer runs inside whatever allocation set the garbage
+    collector off, maybe under the very lock unsubscribing takes."""
     while True:
-        if export is not None and notes_queue.empty():
-            export = None  # waits holding it weakly; while notes are queued, strongly, so none is lost
-        first = notes_queue.get()
-        if export is None:
-            export = ref()
-            if export is None:
+        try:
+            item = notes_queue.get(timeout=IDLE_CHECK)
+        except queue.Empty:
+            if ref() is None:
+                subscription.close()
+                for process in processes:
+                    process.close_input()
                 return
-        notes = [first]
+            continue
+        export = item[0] if item is not None else ref()
+        if export is None:  # close()'s end marker, or nothing: the export is gone
+            return
+        notes = [] if item is None else [item[1]]
+        stop = item is None
         # linger a moment: a run's note and its job's end note come moments apart, and the runs of a batch end
         # together, so each job is read and mapped once and several go in one request
         deadline = time.monotonic() + LINGER
-        while first is not None and len(notes) < BATCH:
+        more: tuple[LiveExport, Note] | None = None
+        while not stop and len(notes) < BATCH:
             try:
-                notes.append(notes_queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                more = notes_queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if notes[-1] is None:
-                break
-        stop = notes[-1] is None
-        export._deliver([n for n in notes if n is not None])
+            if more is None:
+                stop = True
+            else:
+                notes.append(more[1])
+        export._deliver(notes)
         if stop:
             export._stop()
             return
-
-
-def _collected(subscription: live.Subscription, notes_queue: queue.Queue[Note | None],
-               processes: list[ExporterProcess]) -> None:
-    """A live export garbage-collected unclosed: no more notes; its thread and its process end (the process after
-    reporting on what it has)."""
-    subscription.close()
-    with contextlib.suppress(queue.Full):
-        notes_queue.put_nowait(None)
-    for process in processes:
-        process.close_input()
+        export = item = more = None  # waiting, hold nothing of it
 
 
 class _Quiet(logging.Filter):
@@ -181,7 +186,7 @@ class LiveExport:
         self.sent = 0
         self.dropped = 0
         self.failures = 0
-        self._queue: queue.Queue[Note | None] = queue.Queue(queue_size)
+        self._queue: queue.Queue[tuple[LiveExport, Note] | None] = queue.Queue(queue_size)
         self._identity = store_identity(store)
         self._channel = live.channel(store)
         self._warned = False
@@ -201,7 +206,7 @@ class LiveExport:
         # only these kinds: the stores then decode and publish only the commits that hold one (live.py); only this
         # store object's, so that two workspaces on one store each export what they run, once.  The subscription,
         # the threads and the process hold this object weakly: a workspace dropped unclosed (a notebook's
-        # `ws = Workspace(…)` run again) is collected with its export, which then stops (_collected).
+        # `ws = Workspace(…)` run again) is collected with its export, which then stops (_work).
         ref = weakref.ref(self)
 
         def note(item: live.Item) -> None:
@@ -211,13 +216,12 @@ class LiveExport:
 
         self._ref = ref
         self._procs: list[ExporterProcess] = []
+        self._subscription = live.subscribe(store, None, note, kinds=("transition", "job_status"), own=True)
         # started now, waiting: a thread started at the first note would be started inside a job's last commit
         # (a daemon: a collector that hangs never keeps the process alive; close() waits, boundedly)
-        self._thread = threading.Thread(target=_work, args=(ref, self._queue), name=f"agentnb-otel-{id(self):x}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=_work, args=(ref, self._queue, self._subscription, self._procs),
+                                        name=f"agentnb-otel-{id(self):x}", daemon=True)
         self._thread.start()
-        self._subscription = live.subscribe(store, None, note, kinds=("transition", "job_status"), own=True)
-        self._finalizer = weakref.finalize(self, _collected, self._subscription, self._queue, self._procs)
 
     @property
     def process_cpu(self) -> float | None:
@@ -254,7 +258,7 @@ class LiveExport:
 
     def _put(self, note: Note) -> None:
         try:
-            self._queue.put_nowait(note)
+            self._queue.put_nowait((self, note))
         except queue.Full:  # the exporter cannot keep up: the run's spans are lost, counted as one
             self._drop(note[1], 1, "the export queue was full")
 
@@ -340,7 +344,6 @@ class LiveExport:
             return
         self._deadline = time.monotonic() + (self.timeout + 1.0 if wait is None else wait)
         self._closed = True
-        self._finalizer.detach()
         self._subscription.close()
         thread = self._thread
         with contextlib.suppress(queue.Full):
@@ -353,6 +356,7 @@ class LiveExport:
             process = self._process
             if process is not None:
                 process.kill()  # the write fails at once
-            thread.join(max(0.0, self._deadline - time.monotonic()))
+            # counting what is left takes the thread milliseconds: waited for even when close(wait=0) waits no more
+            thread.join(max(SETTLE, self._deadline - time.monotonic()))
         if self._sender is not None:
             self._sender.close()
