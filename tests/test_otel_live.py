@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -268,10 +269,17 @@ def test_a_dead_slow_or_refusing_collector_never_holds_the_job_up(
         with Workspace(tmp_path / "ws") as ws:  # another workspace on the store: the same job view
             expected = {job.id: len(file_spans(ws, job, tmp_path)) for job in jobs}
             html = job_html(ws, jobs[0].id)
-        assert dropped == sum(expected.values())
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         assert "spans dropped" in warnings[0].getMessage()
-        assert f"OpenTelemetry: {expected[jobs[0].id]} spans of this job not exported" in html
+        if collector == "slow":
+            # its request may still be under way when close() stops waiting (the export process's start-up comes
+            # first): then what it held counts one span a run at least (docs/otel.md)
+            assert len(jobs) <= dropped <= sum(expected.values())
+            shown = re.search(r"OpenTelemetry: (\d+) spans of this job not exported", html)
+            assert shown is not None and 1 <= int(shown[1]) <= expected[jobs[0].id]
+        else:
+            assert dropped == sum(expected.values())
+            assert f"OpenTelemetry: {expected[jobs[0].id]} spans of this job not exported" in html
     finally:
         if receiver is not None:
             receiver.close()
