@@ -378,7 +378,8 @@ def test_in_a_kernel_the_view_shows_the_text_as_it_streams_then_the_recorded_cal
     times = [_sent_at(m) for at, i, m in received if i == 1 and m["msg_type"] in ("display_data", "update_display_data")
              and "stream" in m["content"].get("transient", {}).get("agentnb", {}) and m["content"]["data"]]
     assert len(times) == len(shown)
-    assert all(b - a >= 0.05 for a, b in itertools.pairwise(times)), times
+    # at most six in any half second (a draw made late is followed by the next on time, so two may be close)
+    assert all(sum(1 for t in times if a <= t < a + 0.5) <= 6 for a in times), times
     # chunk → view: from a fragment's publication in the kernel to the first draw showing it reaching the client
     latencies = []
     for when, seq, it, upto in data["chunks"]:
