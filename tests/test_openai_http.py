@@ -88,10 +88,11 @@ def test_a_429_is_retried_after_what_the_server_asks(loopback: Callable[..., Ope
 
 
 @contextmanager
-def _raw_server(answers: list[bytes | tuple[bytes, str]]) -> Iterator[tuple[str, list[int]]]:
+def _raw_server(answers: list[bytes | tuple[bytes, str] | list[bytes | float]]) -> Iterator[tuple[str, list[int]]]:
     """Plays ``answers`` in order, one per request (a connection is kept until the client or the answer closes it;
     ``(answer, "then close")`` closes it after that answer without saying so, as a server ending an idle
-    keep-alive connection); yields the base URL and the counts so far of connections accepted and closed by it."""
+    keep-alive connection; a list is sent piece by piece, 20 ms apart, a number in it a pause of that many
+    seconds); yields the base URL and the counts so far of connections accepted and closed by it."""
     listener = socket.create_server(("127.0.0.1", 0))
     accepted = [0, 0]
     todo = list(answers)
@@ -118,6 +119,14 @@ def _raw_server(answers: list[bytes | tuple[bytes, str]]) -> Iterator[tuple[str,
                 buf += conn.recv(65536)
             buf = buf[length:]
             answer = todo.pop(0)
+            if isinstance(answer, list):
+                for piece in answer:
+                    if isinstance(piece, float):
+                        time.sleep(piece)
+                        continue
+                    conn.sendall(piece)
+                    time.sleep(0.02)
+                continue
             conn.sendall(answer[0] if isinstance(answer, tuple) else answer)
             if isinstance(answer, tuple) or b"connection: close" in answer.lower() or b"HTTP/1.0" in answer[:8]:
                 return
@@ -299,6 +308,45 @@ def test_the_streamed_answers_an_http_server_may_give() -> None:
         assert [r.content for r in got] == texts
         assert accepted[0] == 1  # each chunked stream read to its end: the next call went on the same connection
     assert got[0].usage.prompt_tokens == 3 and got[0].ttft_s is not None and got[0].ttft_s >= 0
+
+
+@pytest.mark.usefixtures("pump_from_the_first")
+def test_the_pump_reads_an_answer_from_its_head_and_gives_back_one_that_is_not_a_stream(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # the pump waits for the head too (the call's thread wakes once a call); an answer that is not a chunked event
+    # stream is given back, every byte of it, to the call's thread, which reads it as it did before
+    busy = json.dumps({"error": {"message": "slow down"}}).encode()
+    answers: list[bytes | tuple[bytes, str] | list[bytes | float]] = [
+        # a 429 (retried), then an interim 100 before a stream
+        b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 0\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(busy), busy),
+        b"HTTP/1.1 100 Continue\r\n\r\n" + _streamed(_chunked(_events("after ", "continue"), 9),
+                                                     "transfer-encoding: chunked"),
+        # the head in pieces, cut inside a field and between its two line ends
+        [b"HTTP/1.1 200 OK\r\ncontent-", b"type: text/event-stream\r\ntransfer-enc",
+         b"oding: chunked\r\n\r", b"\n" + _chunked(_events("split ", "head ✓"), 11)],
+        # a whole answer to a streamed request: given back, read whole, and the model streams no more
+        _answer(_completion("whole"), f"content-length: {len(_completion('whole'))}"),
+    ]
+    with _raw_server(answers) as (url, accepted):
+        model = _streaming(url)
+        assert [_ask(model).content for _ in range(3)] == ["after continue", "split head ✓", "whole"]
+        assert accepted[0] == 1  # every answer was read to its end: each call went on the same connection
+    assert "does not stream" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pumped", [True, False], ids=["pump", "own-thread"])
+def test_no_head_within_the_timeout_is_a_timeout_retried(pumped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentnb.models import _stream_pump
+
+    monkeypatch.setattr(_stream_pump, "CROWD", 0 if pumped else 1000)
+    good = _streamed(_chunked(_events("in time"), 9), "transfer-encoding: chunked")
+    with _raw_server([[1.0], good]) as (url, accepted):
+        assert _ask(_streaming(url, timeout=0.3)).content == "in time"
+        assert accepted[0] == 2  # the silent connection was given up
+    with _raw_server([[1.0]]) as (url, _), pytest.raises(ModelError) as caught:
+        _ask(_streaming(url, timeout=0.3, max_retries=0))
+    assert "last error APITimeoutError: Request timed out." in str(caught.value)
 
 
 @pytest.mark.parametrize("broken", [b"zz\r\n", b"5\r\nabcdeXY", b"f" * 5000], ids=["not-hex", "no-crlf", "long-line"])
