@@ -135,9 +135,10 @@ class Workspace:
                 if on_server:
                     self.store.close()
                 raise StoreError(f"cannot make the workspace folder {self.root}: {exc.strerror or exc}") from None
+        # the store's file, or the server's URL (opened again by the live export's own process)
+        location = self.root / "agentnb.sqlite" if store is None else store
         if not on_server:
-            self.store = open_store(self.root / "agentnb.sqlite" if store is None else store, readonly=readonly,
-                                    lease=self.lease)
+            self.store = open_store(location, readonly=readonly, lease=self.lease)
         # a job's life in this process — claim, lease, files, activation, each step, release — is the Execution's
         self.submitter = Submitter(self.store, self.root, self.files_limit)
         self.execution = Execution(self.store, self.root, lease=self.lease, files_limit=self.files_limit,
@@ -146,9 +147,7 @@ class Workspace:
         if otel_url is not None:
             from .views.otel_live import LiveExport
 
-            # the store opened again by the export's own process: this file, or the server's URL
-            reopen = str(self.root / "agentnb.sqlite") if store is None else str(store)
-            self.otel = LiveExport(self.store, otel_url, content=send_content, reopen=reopen)
+            self.otel = LiveExport(self.store, otel_url, content=send_content, reopen=str(location))
 
     @property
     def open_args(self) -> dict[str, Any]:

@@ -196,7 +196,6 @@ class LiveExport:
         self._abandoned = False  # close() stopped waiting for the thread: what is left is counted, not sent
         self._sender: Sender | None = None  # the work done here: without a process, or after it ended
         self._process: ExporterProcess | None = None
-        self._started: ExporterProcess | None = None
         self._secrets: tuple[str, ...] | None = None  # the secrets the process was last told of
         # the process starts when the first run ends (its 0.3 s of start-up then overlaps no job's first calls:
         # benchmarks/README.md), with this moment's environment (the collector's headers checked above)
@@ -226,7 +225,7 @@ class LiveExport:
     @property
     def process_cpu(self) -> float | None:
         """The CPU seconds of the export's own process, once it has ended (:meth:`close`); None without one."""
-        return self._started.cpu if self._started is not None else None
+        return self._procs[0].cpu if self._procs else None
 
     def _start_process(self) -> None:
         assert self._reopen is not None
@@ -238,7 +237,7 @@ class LiveExport:
                 export._count(report)
 
         try:
-            self._process = self._started = ExporterProcess(
+            self._process = ExporterProcess(
                 self._reopen, self.url, content=self.content, timeout=self.timeout, identity=self._identity,
                 environ=self._environ, on_report=count)
             self._procs.append(self._process)
@@ -283,7 +282,7 @@ class LiveExport:
         if self._abandoned or (self._closed and time.monotonic() >= self._deadline):  # close() gave up waiting
             self._lost(notes)
             return
-        if self._reopen is not None and self._started is None and notes:
+        if self._reopen is not None and not self._procs and notes:
             self._start_process()
             if self._process is None:
                 self._reopen = None
