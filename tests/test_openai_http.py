@@ -10,6 +10,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -388,6 +389,24 @@ def test_many_streamed_calls_at_once_are_read_by_one_thread(loopback: Callable[.
     assert server.streamed == 24
     assert [t.name for t in threading.enumerate()].count("agentnb-stream-pump") == 1
     assert server.connections <= 8  # every stream read to its end: its connection went back to the pool
+
+
+@pytest.mark.parametrize("reads", ["gil-holding", "socket-module"])
+@pytest.mark.usefixtures("pump_from_the_first")
+def test_the_pump_reads_with_or_without_a_gil_holding_recv(loopback: Callable[..., OpenAIServer], reads: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # the pump's reads keep the GIL where libc's recv can be called so (MSG_DONTWAIT); elsewhere the socket module's
+    from agentnb.models import _stream_pump
+
+    if reads == "socket-module":
+        monkeypatch.delattr(socket, "MSG_DONTWAIT")
+    assert (_stream_pump._gil_holding_recv() is None) == (reads == "socket-module")
+    monkeypatch.setattr(_stream_pump, "PUMP", _stream_pump.Pump())  # a pump of its own, started with that reader
+    server = loopback(KEY, chunked=True, chunk_chars=2, actions=[reply(f"réponse {i} ✓") for i in range(6)])
+    model = _streaming(server.base_url)
+    with ThreadPoolExecutor(3) as pool:
+        assert sorted(pool.map(lambda _: _ask(model).content or "", range(6))) == [f"réponse {i} ✓" for i in range(6)]
+    assert server.connections <= 3  # read to their ends: the connections went back to the pool
 
 
 @pytest.mark.usefixtures("pump_from_the_first")

@@ -39,6 +39,7 @@ CROWD = 3
 # three or four, for at most PACE_S more on an answer's end and on its first fragment's arrival time
 BUSY = 8
 PACE_S = 0.002
+_READ = 65536  # the most bytes one read takes from a socket
 
 Sink = Callable[[bytes], bool]  # takes the body's bytes as they come; True: read no more
 # an answer's head → the sink of its body, or None: the answer is not one the pump reads (its bytes are handed back)
@@ -161,11 +162,13 @@ class Pump:
         for end in self._bell:
             end.setblocking(False)
         selector.register(self._bell[0], selectors.EVENT_READ, None)
-        self._thread = threading.Thread(target=self._run, args=(selector, self._bell[0]),
+        recv = _gil_holding_recv() or _socket_recv
+        self._thread = threading.Thread(target=self._run, args=(selector, self._bell[0], recv),
                                         name="agentnb-stream-pump", daemon=True)
         self._thread.start()
 
-    def _run(self, selector: selectors.BaseSelector, bell: socket.socket) -> None:
+    def _run(self, selector: selectors.BaseSelector, bell: socket.socket,
+             recv: Callable[[socket.socket], bytes]) -> None:
         woke = 0.0
         while True:
             if len(selector.get_map()) > BUSY:  # the bell is one of them
@@ -181,7 +184,7 @@ class Pump:
                     self._admit(selector)
                     continue
                 try:
-                    data = r.sock.recv(65536)
+                    data = recv(r.sock)
                 except (BlockingIOError, InterruptedError):
                     continue
                 except OSError as exc:
@@ -214,6 +217,45 @@ class Pump:
         if r.error is None:
             r.error = error
         r.done.set()
+
+
+def _socket_recv(sock: socket.socket) -> bytes:
+    return sock.recv(_READ)
+
+
+def _gil_holding_recv() -> Callable[[socket.socket], bytes] | None:
+    """A read of what has come on a non-blocking socket that keeps the GIL; None where libc's ``recv`` cannot be
+    called so (the pump then reads through the socket module).
+
+    Why: the socket module lets go of the GIL around every ``recv`` and must take it back after, and with 32 jobs'
+    threads wanting it each take back waits for one of them to let go, up to the switch interval (5 ms).  The pump
+    reads about ten sockets a wake-up for every streamed answer of the process, so it fell behind by that at each
+    one (benchmarks/README.md, "the pump's reads keep the GIL").  A ``recv`` with ``MSG_DONTWAIT`` on a socket
+    with something to read cannot block, so holding the GIL through it stops nobody; ``ctypes.PyDLL`` calls a C
+    function without letting go of it."""
+    flags = getattr(socket, "MSG_DONTWAIT", None)
+    if flags is None:
+        return None
+    try:
+        import ctypes
+
+        libc = ctypes.PyDLL(None, use_errno=True)
+        c_recv = libc.recv
+    except (ImportError, OSError, AttributeError):
+        return None
+    c_recv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    c_recv.restype = ctypes.c_ssize_t
+    buf = ctypes.create_string_buffer(_READ)  # the pump's own: one thread reads into it
+    string_at, get_errno = ctypes.string_at, ctypes.get_errno
+
+    def recv(sock: socket.socket) -> bytes:
+        n = c_recv(sock.fileno(), buf, _READ, flags)
+        if n >= 0:
+            return string_at(buf, n)
+        err = get_errno()
+        raise OSError(err, os.strerror(err))  # BlockingIOError, InterruptedError, … by its errno, as the socket's
+
+    return recv
 
 
 PUMP = Pump()
