@@ -180,7 +180,7 @@ class Pump:
                 r: _Read | None = key.data
                 if r is None:
                     with contextlib.suppress(OSError):
-                        bell.recv(4096)
+                        recv(bell)
                     self._admit(selector)
                     continue
                 try:
