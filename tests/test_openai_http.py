@@ -312,10 +312,9 @@ def test_the_streamed_answers_an_http_server_may_give() -> None:
 
 
 @pytest.mark.usefixtures("pump_from_the_first")
-def test_the_pump_reads_an_answer_from_its_head_and_gives_back_one_that_is_not_a_stream(
+def test_a_streamed_request_answered_with_an_error_an_interim_100_a_split_head_or_a_whole_answer(
         capsys: pytest.CaptureFixture[str]) -> None:
-    # the pump waits for the head too (the call's thread wakes once a call); an answer that is not a chunked event
-    # stream is given back, every byte of it, to the call's thread, which reads it as it did before
+    # the call's thread reads the head (in as many pieces as it comes); the pump only a chunked event stream's body
     busy = json.dumps({"error": {"message": "slow down"}}).encode()
     answers: list[bytes | tuple[bytes, str] | list[bytes | float]] = [
         # a 429 (retried), then an interim 100 before a stream
@@ -336,11 +335,8 @@ def test_the_pump_reads_an_answer_from_its_head_and_gives_back_one_that_is_not_a
     assert "does not stream" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("pumped", [True, False], ids=["pump", "own-thread"])
-def test_no_head_within_the_timeout_is_a_timeout_retried(pumped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentnb.models import _stream_pump
-
-    monkeypatch.setattr(_stream_pump, "CROWD", 0 if pumped else 1000)
+@pytest.mark.usefixtures("pump_from_the_first")
+def test_no_head_within_the_timeout_is_a_timeout_retried() -> None:
     good = _streamed(_chunked(_events("in time"), 9), "transfer-encoding: chunked")
     with _raw_server([[1.0], good]) as (url, accepted):
         assert _ask(_streaming(url, timeout=0.3)).content == "in time"

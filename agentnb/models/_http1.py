@@ -21,7 +21,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 
-__all__ = ["MAX_CHUNK_LINE", "BodyBroken", "Connection", "Head", "Unchunker", "split_head"]
+__all__ = ["MAX_CHUNK_LINE", "BodyBroken", "Connection", "Head", "Unchunker"]
 
 # the largest chunk-size line (with its extensions) read before the framing is called broken
 MAX_CHUNK_LINE = 4096
@@ -133,41 +133,6 @@ class Head:
         return self.headers.get(name, default)
 
 
-def split_head(buf: bytes) -> tuple[Head, bytes] | None:
-    """The answer's status and headers at the start of ``buf`` and the bytes after them; None while their end has
-    not come.  Raises :class:`BodyBroken` for a head too long or malformed."""
-    crlf, lf = buf.find(b"\n\r\n"), buf.find(b"\n\n")
-    end = min(crlf, lf) if crlf >= 0 and lf >= 0 else max(crlf, lf)
-    if end > MAX_HEAD or (end < 0 and len(buf) > MAX_HEAD):
-        raise BodyBroken(f"the answer's headers pass {MAX_HEAD} bytes")
-    if end < 0:
-        return None
-    after = buf[end + (3 if end == crlf else 2):]
-    lines = buf[:end].decode("latin-1").split("\n")
-    if len(lines) > MAX_FIELDS + 1:
-        raise BodyBroken(f"the answer has more than {MAX_FIELDS} header fields")
-    first = lines[0].rstrip("\r")
-    version, _, rest = first.partition(" ")
-    code = rest[:3]
-    if version not in ("HTTP/1.1", "HTTP/1.0") or not (code.isdigit() and rest[3:4] in ("", " ")):
-        raise BodyBroken(f"not an HTTP/1.x answer: {first[:40]!r}")
-    headers: dict[str, str] = {}
-    name = ""
-    for line in lines[1:]:
-        line = line.rstrip("\r")
-        if line[:1] in (" ", "\t"):  # an obsolete folded continuation of the field before
-            if name:
-                headers[name] = f"{headers[name]} {line.strip()}".strip()
-            continue
-        field, sep, value = line.partition(":")
-        name = field.strip().lower()
-        if not sep or not name:
-            raise BodyBroken(f"a malformed header line in the answer: {line[:40]!r}")
-        value = value.strip()
-        headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    return Head(int(code), headers, http10=version == "HTTP/1.0"), after
-
-
 class Connection:
     """A socket to one server and the bytes read from it that no answer has taken yet."""
 
@@ -205,11 +170,40 @@ class Connection:
                 return head
 
     def _head(self) -> Head:
-        buf = self.buf
-        while (split := split_head(buf)) is None:
+        buf, start = self.buf, 0
+        while True:
+            crlf, lf = buf.find(b"\n\r\n", start), buf.find(b"\n\n", start)
+            end = min(crlf, lf) if crlf >= 0 and lf >= 0 else max(crlf, lf)
+            if end > MAX_HEAD or (end < 0 and len(buf) > MAX_HEAD):
+                raise BodyBroken(f"the answer's headers pass {MAX_HEAD} bytes")
+            if end >= 0:
+                break
+            start = max(0, len(buf) - 2)
             buf += self._recv("the answer's headers" if buf else "an answer")
-        head, self.buf = split
-        return head
+        self.buf = buf[end + (3 if end == crlf else 2):]
+        lines = buf[:end].decode("latin-1").split("\n")
+        if len(lines) > MAX_FIELDS + 1:
+            raise BodyBroken(f"the answer has more than {MAX_FIELDS} header fields")
+        first = lines[0].rstrip("\r")
+        version, _, rest = first.partition(" ")
+        code = rest[:3]
+        if version not in ("HTTP/1.1", "HTTP/1.0") or not (code.isdigit() and rest[3:4] in ("", " ")):
+            raise BodyBroken(f"not an HTTP/1.x answer: {first[:40]!r}")
+        headers: dict[str, str] = {}
+        name = ""
+        for line in lines[1:]:
+            line = line.rstrip("\r")
+            if line[:1] in (" ", "\t"):  # an obsolete folded continuation of the field before
+                if name:
+                    headers[name] = f"{headers[name]} {line.strip()}".strip()
+                continue
+            field, sep, value = line.partition(":")
+            name = field.strip().lower()
+            if not sep or not name:
+                raise BodyBroken(f"a malformed header line in the answer: {line[:40]!r}")
+            value = value.strip()
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        return Head(int(code), headers, http10=version == "HTTP/1.0")
 
     def body(self, head: Head) -> bytes:
         """``head``'s body, whole (still in its content encoding)."""

@@ -139,13 +139,8 @@ class PlainPost:
         caller, then handed back with :meth:`finish`); ``on_socket(sock)`` is told the connection's socket before
         the request goes out (the watchdog cuts it on a Stop).  The errors of :meth:`post`; a status ≥ 300 is read
         whole and raised here as there."""
-        conn = self.send(body, on_socket)
-        return conn, self.head_of(conn)
-
-    def send(self, body: bytes, on_socket: Any = None) -> Connection:
-        """The first half of :meth:`open`: ``body`` sent, on the connection returned (the stream pump may wait for
-        its answer: models/_stream_pump.py)."""
         conn = self._connection()
+        head: Head | None = None
         try:
             with self._sdk_errors():
                 if conn is None:
@@ -153,28 +148,16 @@ class PlainPost:
                 if on_socket is not None:
                     on_socket(conn.sock)
                 conn.sock.sendall(b"%s%d\r\n\r\n%s" % (self.start, len(body), body))
-        except BaseException:
-            if conn is not None:
-                conn.close()  # a failed or cut off (Ctrl-C) exchange leaves nothing to reuse
-            raise
-        return conn
-
-    def head_of(self, conn: Connection) -> Head:
-        """The second half of :meth:`open`: the answer's head on ``conn`` (from the bytes it holds, then its
-        socket)."""
-        head: Head | None = None
-        try:
-            with self._sdk_errors():
                 head = conn.head()
         finally:
-            if head is None:
-                conn.close()
+            if head is None and conn is not None:
+                conn.close()  # a failed or cut off (Ctrl-C) exchange leaves nothing to reuse
         if head.status >= 300:
             reply = self.read(conn, head)
             if reply.status_code >= 400:
                 raise status_error(reply, self.request(), self.http)
             raise Redirected(reply.headers.get("location", ""))
-        return head
+        return conn, head
 
     def read(self, conn: Connection, head: Head) -> Reply:
         """The rest of the answer of ``head``, whole and decoded; its connection kept for the next call or closed."""

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from ._http1 import BodyBroken, Head, Unchunker, split_head
+from ._http1 import BodyBroken, Unchunker
 
 __all__ = ["PUMP", "Pump"]
 
@@ -42,45 +42,21 @@ PACE_S = 0.002
 _READ = 65536  # the most bytes one read takes from a socket
 
 Sink = Callable[[bytes], bool]  # takes the body's bytes as they come; True: read no more
-# an answer's head → the sink of its body, or None: the answer is not one the pump reads (its bytes are handed back)
-SinkFor = Callable[[Head], "Sink | None"]
-
-
-def _before_head(data: bytes) -> bool:
-    raise AssertionError("an answer's body before its head")  # never: sink_for gives the sink first
 
 
 class _Read:
-    __slots__ = ("back", "clean", "done", "error", "heading", "sink", "sink_for", "sock", "touch", "unchunk")
+    __slots__ = ("clean", "done", "error", "sink", "sock", "touch", "unchunk")
 
-    def __init__(self, sock: socket.socket, sink: Sink, touch: Callable[[], None],
-                 sink_for: SinkFor | None = None) -> None:
+    def __init__(self, sock: socket.socket, sink: Sink, touch: Callable[[], None]) -> None:
         self.sock, self.sink, self.touch = sock, sink, touch
-        self.sink_for = sink_for  # set while the answer's head is still to come (read by the pump too)
-        self.heading = b""  # the head's bytes so far
-        self.back: bytes | None = None  # an answer handed back: every byte read of it
         self.unchunk = Unchunker()
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.clean = False  # read to the body's end with nothing after it: the connection can be kept
 
     def take(self, data: bytes) -> bool:
-        """Feed ``data``; True when this read is over (its end, the sink's stop, a hand-back or an error)."""
+        """Feed ``data``; True when this read is over (its end, the sink's stop or an error)."""
         try:
-            if self.sink_for is not None:
-                buf = self.heading + data if self.heading else data
-                split = split_head(buf)
-                if split is None:
-                    self.heading = buf
-                    return False
-                head, data = split
-                sink = self.sink_for(head)
-                if sink is None:
-                    self.back = buf
-                    return True
-                self.sink, self.sink_for, self.heading = sink, None, b""
-                if not data:
-                    return False
             body = self.unchunk.feed(data)
             if body and self.sink(body):
                 return True
@@ -124,19 +100,8 @@ class Pump:
         gives the socket its timeout back).
         Raises what the sink raised, or :class:`BodyBroken` (the connection ended or failed first: a Stop's or a
         stall's shutdown too)."""
-        return self._wait(_Read(sock, sink, touch), head).clean
-
-    def answer(self, sock: socket.socket, sink_for: SinkFor, touch: Callable[[], None]) -> tuple[bool, bytes | None]:
-        """:meth:`read` of a whole answer whose request was just sent on ``sock`` (non-blocking), its head too, so
-        that the call's thread wakes once, at the answer's end, as for a plain answer: ``sink_for(head)`` gives the
-        sink of the body, or None for an answer the pump does not read (an error status, a whole answer), which is
-        handed back.  Returns (read to its end with nothing after it, None), or (False, every byte read of the
-        answer handed back).  Raises as :meth:`read` does, and what ``sink_for`` raises."""
-        r = self._wait(_Read(sock, _before_head, touch, sink_for), b"")
-        return r.clean, r.back
-
-    def _wait(self, r: _Read, first: bytes) -> _Read:
-        if not (first and r.take(first)):
+        r = _Read(sock, sink, touch)
+        if not (head and r.take(head)):
             with self._lock:
                 if self._thread is None or not self._thread.is_alive():
                     self._start()
@@ -149,12 +114,12 @@ class Pump:
             except BaseException:
                 # Ctrl-C while waiting: the pump lets go of the socket before the caller closes it
                 with contextlib.suppress(OSError):
-                    r.sock.shutdown(socket.SHUT_RDWR)
+                    sock.shutdown(socket.SHUT_RDWR)
                 r.done.wait(1.0)
                 raise
         if r.error is not None:
             raise r.error
-        return r
+        return r.clean
 
     def _start(self) -> None:
         selector = selectors.DefaultSelector()
@@ -191,8 +156,7 @@ class Pump:
                     self._end(selector, r, BodyBroken(f"{type(exc).__name__}: {exc}"))
                     continue
                 if not data:
-                    what = "an answer" if r.sink_for is not None else "the body's end"
-                    self._end(selector, r, BodyBroken(f"the connection closed before {what}"))
+                    self._end(selector, r, BodyBroken("the connection closed before the body's end"))
                     continue
                 r.touch()
                 if r.take(data):

@@ -172,10 +172,6 @@ class StreamBroken(Exception):
     """A stream that ended before its answer did (the connection closed, an error chunk); retried like a 5xx."""
 
 
-class _HandedBack(Exception):
-    """The stream pump gave an answer back to the call's thread (:meth:`OpenAIModel._read_pumped`)."""
-
-
 class StreamStalled(Exception):
     """A stream that sent nothing for its read timeout; retried like a timeout."""
 
@@ -292,27 +288,11 @@ class OpenAIModel:
                 plain = self._plain
                 http: Any
                 if plain is not None and streaming and watch is not None:  # the answer's body is read as it comes
-                    with _stream_pump.PUMP.reading() as crowded:
-                        body = encode_body(kwargs)
-                        if crowded and request.on_delta is None:  # nobody watches: the pump reads it all
-                            conn = plain.send(body, watch.set_socket)
-                            heard: list[Head] = []
-                            try:
-                                got = self._read_pumped(plain, conn, request, started, watch, heard)
-                            finally:
-                                answered = bool(heard)
-                            if got is not None:
-                                return got
-                            # not a stream the pump reads: this thread reads it, watched again
-                            watch = WATCHDOG.watch(cancel)
-                            watch.set_socket(conn.sock)
-                            head = plain.head_of(conn)
-                        else:
-                            conn, head = plain.open(body, watch.set_socket)
-                        answered = True
-                        if _event_stream(head):
-                            return self._read_plain_answer(plain, conn, head, request, started, watch, crowded)
-                        http = plain.read(conn, head)  # the endpoint ignores `stream`: its answer is a whole one
+                    conn, head = plain.open(encode_body(kwargs), watch.set_socket)
+                    answered = True
+                    if head.get("content-type").split(";")[0].strip().lower() == "text/event-stream":
+                        return self._read_plain_stream(plain, conn, head, request, started, watch)
+                    http = plain.read(conn, head)  # the endpoint ignores `stream`: its answer is a whole one
                     streaming = self._refused(kwargs, "it answered "
                                               f"{http.headers.get('content-type') or 'no content type'}, not text/event-stream")
                     return _parse_completion(http, request)
@@ -414,57 +394,14 @@ class OpenAIModel:
                               timeouts=(http_errors.TimeoutException, BodyTimeout),
                               broken=(http_errors.TransportError, BodyBroken))
 
-    def _read_pumped(self, plain: PlainPost, conn: Connection, request: ModelRequest, started: float, watch: Watch,
-                     heard: list[Head]) -> ModelResponse | None:
-        """The answer to the request just sent on ``conn``, its head and body read by the process's stream pump
-        (models/_stream_pump.py), so that this thread wakes once a call, as for a plain answer; ``heard`` gets the
-        answer's head when it came.  None: the answer is not a chunked event stream (an error status, a whole
-        answer, an interim 1xx), and every byte of it read so far is back on ``conn`` for this thread to read."""
-        sock = conn.sock
-        handed = False
-
-        def pumped(take: Callable[[bytes], bool]) -> None:
-            nonlocal handed
-
-            def sink_for(head: Head) -> Callable[[bytes], bool] | None:
-                if not (head.status == 200 and head.chunked and head.keep and _event_stream(head)):
-                    return None
-                heard.append(head)
-                watch.timeout = self.read_timeout  # from the head on, a stall between chunks counts
-                watch.touch()
-                return inflating(take, head.get("content-encoding"))
-
-            sock.setblocking(False)  # as the pump reads it
-            clean, back = _stream_pump.PUMP.answer(sock, sink_for, watch.touch)
-            if back is not None:
-                conn.buf, handed = back, True
-                raise _HandedBack()
-            heard[0].ended = clean
-
-        def close() -> None:
-            if handed or (heard and heard[0].ended):
-                sock.settimeout(plain.timeout)  # blocking again, for this thread or the next call
-            if handed:
-                return
-            if heard:
-                plain.finish(conn, heard[0])
-            else:
-                conn.close()
-
-        # until the head comes, the wait is the call's own timeout, which the watchdog keeps (the pump does not)
-        watch.timeout = plain.timeout
-        watch.touch()
-        try:
-            return self._assemble(pumped, request, started, watch, plain.request, close, timeouts=(TimeoutError,),
-                                  broken=(OSError, ValueError, zlib.error, BodyBroken))
-        except _HandedBack:
-            return None
-        except StreamStalled:
-            if heard:
-                raise
-            import openai
-
-            raise openai.APITimeoutError(request=plain.request()) from None
+    def _read_plain_stream(self, plain: PlainPost, conn: Connection, head: Head, request: ModelRequest,
+                           started: float, watch: Watch) -> ModelResponse:
+        """:meth:`_read_stream` of an answer on a plain connection (models/_plain_http.py); the connection is kept
+        for the next call when it was read to its end.  A chunked answer nobody watches (no ``on_delta``) is read
+        by the process's stream pump (models/_stream_pump.py says why) when its connection stays open, any other in
+        this thread."""
+        with _stream_pump.PUMP.reading() as crowded:
+            return self._read_plain_answer(plain, conn, head, request, started, watch, crowded)
 
     def _read_plain_answer(self, plain: PlainPost, conn: Connection, head: Head, request: ModelRequest,
                            started: float, watch: Watch, crowded: bool) -> ModelResponse:
@@ -667,10 +604,6 @@ def _kind(value: Any) -> str:
         return "null"
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
             float: "a number"}.get(type(value), type(value).__name__)
-
-
-def _event_stream(head: Head) -> bool:
-    return head.get("content-type").split(";")[0].strip().lower() == "text/event-stream"
 
 
 def _snippet(text: str, limit: int = 60) -> str:
