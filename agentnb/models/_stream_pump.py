@@ -78,6 +78,7 @@ class Pump:
         self._new: deque[_Read] = deque()
         self._thread: threading.Thread | None = None
         self._bell: tuple[socket.socket, socket.socket] | None = None
+        self._recv: Callable[[socket.socket], bytes] = _socket_recv  # the thread's read, chosen when it starts
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[bool]:
@@ -94,10 +95,10 @@ class Pump:
                 self.open -= 1
 
     def read(self, sock: socket.socket, head: bytes, sink: Sink, touch: Callable[[], None]) -> bool:
-        """Read the chunked body on ``sock`` (non-blocking: the caller read ``head``, its first bytes, without
-        waiting) into ``sink`` until its end or the sink's stop, ``touch()`` at each read, while this thread waits;
-        True when the body was read to its end with nothing after it (the connection can be kept once the caller
-        gives the socket its timeout back).
+        """Read the chunked body on ``sock`` (the caller read ``head``, its first bytes, without waiting) into
+        ``sink`` until its end or the sink's stop, ``touch()`` at each read, while this thread waits; True when the
+        body was read to its end with nothing after it (the connection can be kept).  The socket's timeout is as it
+        was when this returns.
         Raises what the sink raised, or :class:`BodyBroken` (the connection ended or failed first: a Stop's or a
         stall's shutdown too)."""
         r = _Read(sock, sink, touch)
@@ -105,18 +106,29 @@ class Pump:
             with self._lock:
                 if self._thread is None or not self._thread.is_alive():
                     self._start()
-                self._new.append(r)
-                assert self._bell is not None
-                with contextlib.suppress(BlockingIOError):  # a full bell has rung already
-                    self._bell[1].send(b"\0")
+            # the socket module's read needs a non-blocking socket; the GIL-holding one asks not to wait itself,
+            # which spares this thread two calls that each let go of the GIL
+            timeout, unblocked = sock.gettimeout(), self._recv is _socket_recv
+            if unblocked:
+                sock.setblocking(False)
             try:
-                r.done.wait()
-            except BaseException:
-                # Ctrl-C while waiting: the pump lets go of the socket before the caller closes it
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                r.done.wait(1.0)
-                raise
+                with self._lock:
+                    self._new.append(r)
+                    assert self._bell is not None
+                    with contextlib.suppress(BlockingIOError):  # a full bell has rung already
+                        self._bell[1].send(b"\0")
+                try:
+                    r.done.wait()
+                except BaseException:
+                    # Ctrl-C while waiting: the pump lets go of the socket before the caller closes it
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+                    r.done.wait(1.0)
+                    raise
+            finally:
+                if unblocked:
+                    with contextlib.suppress(OSError):  # closed meanwhile
+                        sock.settimeout(timeout)
         if r.error is not None:
             raise r.error
         return r.clean
@@ -127,8 +139,8 @@ class Pump:
         for end in self._bell:
             end.setblocking(False)
         selector.register(self._bell[0], selectors.EVENT_READ, None)
-        recv = _gil_holding_recv() or _socket_recv
-        self._thread = threading.Thread(target=self._run, args=(selector, self._bell[0], recv),
+        self._recv = _gil_holding_recv() or _socket_recv
+        self._thread = threading.Thread(target=self._run, args=(selector, self._bell[0], self._recv),
                                         name="agentnb-stream-pump", daemon=True)
         self._thread.start()
 

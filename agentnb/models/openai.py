@@ -415,17 +415,11 @@ class OpenAIModel:
         sock = conn.sock
 
         def pumped(take: Callable[[bytes], bool]) -> None:
-            sock.setblocking(False)  # as the pump reads it
             head.ended = _stream_pump.PUMP.read(sock, conn.taken(), inflating(take, head.get("content-encoding")),
                                                 watch.touch)
 
-        def close() -> None:
-            if head.ended:
-                sock.settimeout(plain.timeout)  # blocking again, for the next call
-            plain.finish(conn, head)
-
-        return self._assemble(pumped, request, started, watch, plain.request, close, timeouts=(TimeoutError,),
-                              broken=broken)
+        return self._assemble(pumped, request, started, watch, plain.request, lambda: plain.finish(conn, head),
+                              timeouts=(TimeoutError,), broken=broken)
 
     def _assemble(self, read: Callable[[Callable[[bytes], bool]], None], request: ModelRequest, started: float,
                   watch: Watch, sent: Callable[[], Any], close: Any, *, timeouts: tuple[type[BaseException], ...],
