@@ -45,7 +45,7 @@ import time
 import types
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
@@ -299,6 +299,7 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
     # the scorers run here (notebook functions) as each job ends, as many at once as jobs run: one process runs
     # each in the thread of the job that ended
     scoring = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="agentnb-score")
+    scored: list[Future[None]] = []  # one a job handed to the scorers, made before it is submitted (_wait_scorers)
     config = {"workspace": ws.open_args, "imports": tool_imports(tool_names), "sys_path": list(sys.path),
               "batch": name}
     # the batch's spending as the workers report their calls, and as the store last said (docs/design-lab.md#budgets)
@@ -388,7 +389,9 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
                 child.assigned.remove(job_id)
             if kind == "ended":
                 report.statuses[job_id] = str(msg["status"])
-                scoring.submit(ended, job_id)
+                done: Future[None] = Future()
+                scored.append(done)
+                scoring.submit(_scoring, done, ended, job_id)
             elif kind == "skipped":
                 report.skipped.append(job_id)
             elif kind == "not_started":
@@ -454,7 +457,7 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
     finally:
         report.not_started.extend(todo)
         todo.clear()
-        late = _wait_scorers(scoring, report.interrupted, say)  # a Ctrl-C once every job had ended
+        late = _wait_scorers(scoring, scored, report.interrupted, say)  # a Ctrl-C once every job had ended
         report.interrupted = report.interrupted or late is not None
         for child in children:  # only after an error of our own: told to stop, they pause their jobs and exit
             child.close({"stop": True})
@@ -468,23 +471,52 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
     return report
 
 
-def _wait_scorers(scoring: ThreadPoolExecutor, interrupted: bool, say: Callable[[str], None]) -> BaseException | None:
+def _scoring(done: Future[None], ended: Callable[[int], None], job_id: int) -> None:
+    """Score ``job_id`` (``ended``) in a scorer thread, unless ``done`` was cancelled first; ``done`` says when."""
+    if not done.set_running_or_notify_cancel():
+        return
+    try:
+        ended(job_id)
+    finally:
+        done.set_result(None)
+
+
+def _wait_scorers(scoring: ThreadPoolExecutor, scored: list[Future[None]], interrupted: bool,
+                  say: Callable[[str], None]) -> BaseException | None:
     """Wait for the scorers: after a stop only for those already running, the others are not started (the batch
     scores its ended jobs that have no score when it is resumed).  A Ctrl-C while they run (every job has ended)
     drops those not started too, and is returned, to be raised once the batch's line is said; any further one is
     said once and ignored: a scorer cannot be cut off, and one left running would write its score after the batch
-    returned."""
-    scoring.shutdown(wait=False, cancel_futures=interrupted)
+    returned (and the resume, finding none yet, would score its job again).
+
+    ``scored`` are waited for, not the pool's threads: on Python before 3.13 a Ctrl-C that lands in
+    ``Thread.join`` marks the thread it waited for as ended though it runs on (CPython issue 90882), so a
+    ``shutdown(wait=True)`` asked again returned with that scorer still running.  They are made before each job is
+    submitted, so one whose ``submit`` a Ctrl-C cut short is waited for or cancelled too (each is waited for by its
+    ``result``: ``concurrent.futures.wait`` would wait for ever for one cancelled that no thread takes)."""
+    def cancel() -> None:
+        for done in scored:
+            done.cancel()  # those not started; a running one goes on
+
+    def settled() -> None:
+        for done in scored:
+            with contextlib.suppress(CancelledError):
+                done.result()
+
+    if interrupted:
+        cancel()
+    scoring.shutdown(wait=False)
     came: BaseException | None = None
     said = False
     while True:
         try:
-            scoring.shutdown(wait=True)
+            settled()
+            scoring.shutdown(wait=True)  # each thread done with its scorer: they only end now
             return came
         except BaseException as exc:
             if came is None and not interrupted:
                 came = exc
-                scoring.shutdown(wait=False, cancel_futures=True)
+                cancel()
             if not said:
                 said = True
                 say("agentnb: waiting for the scorers already running (they end by themselves); the jobs not scored "
