@@ -342,22 +342,6 @@ def test_a_ctrl_c_while_the_batch_waits_for_a_scorer_waits_for_it_still_and_the_
     assert b.counts()["succeeded"] == 6 and set(scores) == {j.id for j in b.jobs} and set(scores.values()) == {1}
 
 
-def test_after_a_stop_a_scorer_cut_off_by_the_ctrl_c_inside_its_submit_is_not_waited_for() -> None:
-    # the job a Ctrl-C kept from reaching the scorers' pool (it landed inside submit) is cancelled: no thread ever
-    # takes it, and waiting for it (concurrent.futures.wait waits on a cancelled one until a thread takes it) hung
-    from concurrent.futures import Future, ThreadPoolExecutor
-
-    from agentnb.processes import _wait_scorers
-
-    lost: Future[None] = Future()
-    returned: list[BaseException | None] = []
-    waiting = threading.Thread(target=lambda: returned.append(_wait_scorers(ThreadPoolExecutor(1), [lost], True,
-                                                                            print)), daemon=True)
-    waiting.start()
-    waiting.join(10)
-    assert returned == [None] and lost.cancelled()
-
-
 def test_a_worker_process_that_cannot_start_says_why_in_one_line(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     # the batch's tool module is gone from disk once this process has imported it: the workers cannot import it
