@@ -140,12 +140,12 @@ class Pump:
             end.setblocking(False)
         selector.register(self._bell[0], selectors.EVENT_READ, None)
         self._recv = _gil_holding_recv() or _socket_recv
-        self._thread = threading.Thread(target=self._run, args=(selector, self._bell[0], self._recv),
+        self._thread = threading.Thread(target=self._run, args=(selector, self._bell[0]),
                                         name="agentnb-stream-pump", daemon=True)
         self._thread.start()
 
-    def _run(self, selector: selectors.BaseSelector, bell: socket.socket,
-             recv: Callable[[socket.socket], bytes]) -> None:
+    def _run(self, selector: selectors.BaseSelector, bell: socket.socket) -> None:
+        recv = self._recv
         woke = 0.0
         while True:
             if len(selector.get_map()) > BUSY:  # the bell is one of them
@@ -200,8 +200,9 @@ def _socket_recv(sock: socket.socket) -> bytes:
 
 
 def _gil_holding_recv() -> Callable[[socket.socket], bytes] | None:
-    """A read of what has come on a non-blocking socket that keeps the GIL; None where libc's ``recv`` cannot be
-    called so (the pump then reads through the socket module).
+    """A read of what has come on a socket that neither waits (``MSG_DONTWAIT``, whatever the socket's own mode)
+    nor lets go of the GIL; None where libc's ``recv`` cannot be called so (the pump then reads through the socket
+    module, on a socket made non-blocking for it).
 
     Why: the socket module lets go of the GIL around every ``recv`` and must take it back after, and with 32 jobs'
     threads wanting it each take back waits for one of them to let go, up to the switch interval (5 ms).  The pump
