@@ -1,4 +1,5 @@
-"""Signals that interrupt a run: SIGTERM made to act as Ctrl-C, so running jobs go back to the queue.
+"""Signals that interrupt a run: SIGTERM made to act as Ctrl-C, so running jobs go back to the queue; and a
+section that a Ctrl-C or SIGTERM interrupts only once it is done (:func:`held_interrupts`).
 
 Below both the queue worker (:mod:`agentnb.worker`) and the executor (:mod:`agentnb.executor`), which
 both run jobs that a SIGTERM must give back.
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-__all__ = ["Terminated", "sigterm_interrupts"]
+__all__ = ["Terminated", "held_interrupts", "sigterm_interrupts"]
 
 
 class Terminated(SystemExit):
@@ -44,3 +45,30 @@ def sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+_HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def held_interrupts() -> Iterator[None]:
+    """While inside, a Ctrl-C or SIGTERM waits: it is delivered (to the handler it would have reached) once the
+    section ends, so a step that must not be cut in half — a message taken from a queue and acted on, a message
+    half written to a pipe — is done whole or not begun.  Keep the section short: the interrupt waits for it.
+    Only the main thread can receive signals: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        pending.append(signum)
+
+    previous = {signum: signal.signal(signum, hold) for signum in _HELD}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        for came in dict.fromkeys(pending):  # each kind once, in the order they came
+            signal.raise_signal(came)

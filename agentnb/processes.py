@@ -55,7 +55,7 @@ from ._secrets import secret_values
 from .budgets import spent
 from .errors import AgentnbError, UsageError
 from .executor import LIVE_EVERY, RunReport, Tally, finish_run, sayer
-from .interrupts import sigterm_interrupts
+from .interrupts import held_interrupts, sigterm_interrupts
 from .progress import BatchProgress
 from .store.base import Store
 
@@ -70,6 +70,9 @@ PER_PROCESS = 64
 # children that die with jobs in hand before the batch gives up (each is replaced until then)
 _MAX_DEATHS = 3
 _TICK = 0.25
+# a child whose process has exited with no end of its messages read this long after (a process it forked holds its
+# pipe open) is taken as ended: its last messages were read long before (its reader takes each at once)
+_GONE_AFTER = 2.0
 _CHILD = "agentnb._batch_child"
 _context: BaseContext | None = None
 
@@ -222,6 +225,7 @@ class _Child:
     stopped: bool = False  # told "stop": its running jobs pause
     broken: bool = False
     last_err: str = ""
+    exited_at: float | None = None  # when its process was first seen exited (``_GONE_AFTER``)
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.broken:
@@ -351,6 +355,8 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
 
     def handle(child: _Child, msg: dict[str, Any] | None) -> None:
         if msg is None:  # the end of its messages: the child has exited
+            if child not in children:  # taken as ended already (``gone``)
+                return
             child.proc.join()
             rc = child.proc.exitcode
             left = list(child.assigned)
@@ -423,15 +429,33 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
             running = sorted(j for c in children for j in c.assigned)
             tally.draw(bar, dict(report.statuses), len(report.skipped), running, final=final)
 
+    def gone() -> None:
+        # a child's end normally comes as the end of its messages; a child that exited without it still ends
+        now = time.monotonic()
+        for child in list(children):
+            if child.proc.exitcode is None:
+                continue
+            if child.exited_at is None:
+                child.exited_at = now
+            elif now - child.exited_at >= _GONE_AFTER:
+                handle(child, None)
+
     def loop() -> None:
         nonlocal budget_at
+        looked = time.monotonic()
         while children:
-            try:
-                child, msg = inbox.get(timeout=_TICK)
-            except queue.Empty:
-                pass
-            else:
-                handle(child, msg)
+            # a message is taken and acted on whole: a Ctrl-C cutting in between would lose it (a child's end lost
+            # so is waited for ever), or cut a message to a child in half
+            with held_interrupts():
+                try:
+                    child, msg = inbox.get(timeout=_TICK)
+                except queue.Empty:
+                    pass
+                else:
+                    handle(child, msg)
+                if time.monotonic() - looked >= _TICK:
+                    looked = time.monotonic()
+                    gone()
             refresh()
             # each child's calls are added here as they commit ("cost"); the store's total, which also has the calls
             # of subtasks, is read again every second (docs/design-lab.md#budgets)
@@ -444,15 +468,15 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
         with sigterm_interrupts():
             try:
                 if job_ids:
-                    for index, share in enumerate(_shares(concurrency, processes)):
-                        spawn(index, share)
-                    for child in list(children):
-                        feed(child)
+                    with held_interrupts():  # each child started and told its first jobs whole
+                        for index, share in enumerate(_shares(concurrency, processes)):
+                            spawn(index, share)
+                        for child in list(children):
+                            feed(child)
                 loop()
             except BaseException:
                 report.interrupted = True
-                stop_all()
-                _wait_paused(loop, children, say)
+                _wait_paused(stop_all, loop, children, say)
                 raise
     finally:
         report.not_started.extend(todo)
@@ -523,12 +547,19 @@ def _wait_scorers(scoring: ThreadPoolExecutor, scored: list[Future[None]], inter
                     "yet are scored when the batch is resumed")
 
 
-def _wait_paused(loop: Callable[[], None], children: list[_Child], say: Callable[[str], None]) -> None:
-    """After a stop: go on handling the children's messages until each has paused its jobs and exited.  A second
-    Ctrl-C (or SIGTERM) meanwhile is said once and ignored: leaving now would leave jobs running unwatched."""
+def _wait_paused(stop_all: Callable[[], None], loop: Callable[[], None], children: list[_Child],
+                 say: Callable[[str], None]) -> None:
+    """After a stop: tell every child to stop, then go on handling their messages until each has paused its jobs and
+    exited.  A second Ctrl-C (or SIGTERM) meanwhile is said once and ignored: leaving now would leave jobs running
+    unwatched."""
     said = False
+    stopped = False
     while children:
         try:
+            if not stopped:
+                with held_interrupts():  # each child told whole
+                    stop_all()
+                    stopped = True
             loop()
         except BaseException:
             if not said:

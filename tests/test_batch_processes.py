@@ -4,6 +4,7 @@ taken over, Ctrl-C then resume from a terminal, and a 429 that one process gets 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -340,6 +341,134 @@ def test_a_ctrl_c_while_the_batch_waits_for_a_scorer_waits_for_it_still_and_the_
     assert "waiting for the scorers already running" in capfd.readouterr().err
     b = ws.batch("judged", scorers={"slow": judge}, progress=False)
     assert b.counts()["succeeded"] == 6 and set(scores) == {j.id for j in b.jobs} and set(scores.values()) == {1}
+
+
+_CTRL_C_IN = """
+import os, signal, sys, traceback
+from agentnb import Workspace
+
+fired = []
+
+
+def at(frame, event, arg):  # a Ctrl-C that lands at the chosen point of the batch's own process
+    if event == {event!r} and not fired and frame.f_code.co_name == {point!r} \\
+            and frame.f_code.co_filename.endswith({where!r}) and ({when}):
+        fired.append([f.name for f in traceback.extract_stack(frame)])
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+ws = Workspace("ws")
+sys.setprofile(at)
+try:
+    ws.batch([{{"instruction": f"t{{i}}"}} for i in range(8)], piece={piece!r}, model={model!r}, name="b",
+             concurrency=4, processes=2, progress=False)
+except KeyboardInterrupt:
+    print("interrupted")
+finally:
+    sys.setprofile(None)
+print("fired in", fired[0][-2])
+"""
+
+_AT = {  # the event, the function, its module, and which of its calls
+    "taking-a-child-s-end": ("call", "join", os.path.join("multiprocessing", "process.py"), "True"),
+    # the message just taken from the queue: a job's end
+    "taking-a-job-s-end": ("return", "_get", "queue.py", "isinstance(arg, tuple) and 'ended' in (arg[1] or {})"),
+}
+
+
+@pytest.mark.parametrize("at", list(_AT))
+def test_a_ctrl_c_while_the_batch_takes_a_message_from_its_workers_loses_none(tmp_path: Path, at: str) -> None:
+    # a Ctrl-C that cut the batch's process between taking a worker's message and acting on it lost the message:
+    # a job's end lost was counted as not finished; a worker's end lost was waited for for ever
+    script = write_script(tmp_path, "w", responses=[
+        call("Write", path="output/answer.txt", content="42"), transition("COMPLETE")])
+    piece = str(write_piece(tmp_path, "one-write", ONE_WRITE))
+    event, point, where, when = _AT[at]
+    (tmp_path / "run.py").write_text(_CTRL_C_IN.format(event=event, point=point, where=where, when=when,
+                                                       piece=piece, model=script), encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=90)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["interrupted", f"fired in {'handle' if point == 'join' else 'get'}"]
+    ws = Workspace(tmp_path / "ws")
+    m = re.search(r"agentnb: interrupted: \d+ running job\(s\) paused, (\d+) not finished", out.stderr)
+    assert m, out.stderr
+    assert int(m.group(1)) == sum(1 for j in ws.jobs() if str(j.status) != "succeeded"), out.stderr
+    b = ws.batch("b", progress=False)
+    assert b.counts()["succeeded"] == 8
+    for j in b.jobs:  # none run twice
+        assert [e.tool for e in ws.events(j, kinds=["tool_call"])] == ["Write", "transition"]
+    ws.close()
+
+
+FORKING_TOOL_MODULE = """
+import os, time, warnings
+import agentnb
+
+
+@agentnb.tool
+def fork_and_die(text: str) -> str:
+    \"\"\"Once in the batch: leave a process of our own holding this worker's files open, and die.\"\"\"
+    try:
+        fd = os.open(os.environ["FORK_MARK"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return text
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pid = os.fork()
+    if pid == 0:
+        time.sleep(90)
+        os._exit(0)
+    os.write(fd, str(pid).encode())
+    os.close(fd)
+    os._exit(3)
+"""
+
+
+def test_a_worker_process_that_dies_while_a_process_it_forked_holds_its_pipe_is_replaced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    # the end of a worker's messages never comes while a process it forked holds its end of the pipe: the batch
+    # sees the worker's process gone instead
+    name = f"forking_tool_{os.getpid()}"
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / f"{name}.py").write_text(FORKING_TOOL_MODULE, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    mark = tmp_path / "forked.pid"
+    monkeypatch.setenv("FORK_MARK", str(mark))
+    import importlib
+
+    from agentnb.tools.base import unregister
+
+    importlib.import_module(name)
+    script = write_script(tmp_path, "s", responses=[call("fork_and_die", text="hi"), transition("COMPLETE")])
+    piece = write_piece(tmp_path, "forking", {"movements": [
+        {"name": "work", "persona": "p", "instruction": "i", "tools": ["fork_and_die"], "permission": "readonly",
+         "rules": [{"condition": "done", "next": "COMPLETE"}]}]})
+    ws = Workspace(tmp_path / "ws")
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["batch"] = ws.batch([{"instruction": f"t{i}"} for i in range(6)], piece=str(piece), model=script,
+                                       concurrency=2, processes=2, name="forking", progress=False)
+        except BaseException as exc:  # pragma: no cover - shown by the assertion below
+            result["error"] = exc
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    try:
+        runner.join(45)
+        assert not runner.is_alive() and "error" not in result, result
+        assert result["batch"].counts()["succeeded"] == 6
+        assert "a worker process of the batch ended (exit code 3) with" in capfd.readouterr().err
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(mark.read_text()), signal.SIGKILL)
+        runner.join()
+        unregister("fork_and_die")
+        sys.modules.pop(name, None)
+        ws.close()
 
 
 def test_a_worker_process_that_cannot_start_says_why_in_one_line(
