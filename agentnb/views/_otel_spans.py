@@ -415,8 +415,12 @@ class _JobMapper:
                     attrs["agentnb.actual"] = self.content.text(item.actual)
                 run_span.events.append(SpanEvent("agentnb.replay_divergence", item.ts, attrs))
             elif isinstance(item, Transition):
-                run_span.events.append(SpanEvent("agentnb.transition", item.ts, {
-                    "agentnb.next_step": item.next_step, "agentnb.forced": item.forced}))
+                attrs = {"agentnb.next_step": item.next_step, "agentnb.forced": item.forced}
+                if self.content is not None:
+                    # the run's summary and the lessons it passed on (its `lesson` event holds the same text)
+                    attrs.update({f"agentnb.{k}": self.content.text(v) for k, v in (
+                        ("summary", item.summary), ("lessons", item.lessons)) if v})
+                run_span.events.append(SpanEvent("agentnb.transition", item.ts, attrs))
             elif isinstance(item, ErrorEvent):
                 if is_interruption(item):
                     (chat or run_span).events.append(self.error_event(item))
