@@ -480,6 +480,26 @@ def test_a_process_killed_before_it_reported_leaves_its_notes_to_the_workspace(
     assert len(warnings) == 1 and "process ended" in warnings[0], warnings
 
 
+def test_a_workspace_whose_folder_was_renamed_still_exports_every_span_and_says_why_from_here(
+        tmp_path: Path, receiver: Receiver, caplog: pytest.LogCaptureFixture) -> None:
+    # the export's process opens the store by its path, where a read-only store with no file reads as empty: it
+    # must say so, and the workspace's own connection, which follows the file, export instead — before its close
+    piece, spec = two_movements(tmp_path)
+    caplog.set_level(logging.WARNING, logger="agentnb.otel")
+    ws = Workspace(tmp_path / "ws", otel=receiver.url)
+    try:
+        (tmp_path / "ws").rename(tmp_path / "moved")
+        job = ws.run(ws.submit("Do it", piece=piece, model=spec))
+        assert job.status == "succeeded" and ws.otel is not None
+        _wait(lambda: ws.otel.sent == 11)
+    finally:
+        ws.close()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agentnb.otel" and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "no longer the workspace's store file (its folder moved or renamed" in warnings[0]
+    with Workspace(tmp_path / "moved") as moved:  # the ids name the store's path: only they differ
+        assert sorted(k[3:] for k in map(_key, receiver.spans())) == sorted(k[3:] for k in file_spans(moved, job, tmp_path))
+
+
 def test_two_workspaces_on_one_store_each_export_what_they_run_once_and_a_dropped_one_stops(
         tmp_path: Path, receiver: Receiver) -> None:
     import gc

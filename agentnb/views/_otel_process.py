@@ -9,7 +9,9 @@ the workspace's process only writes the notes to it, a line of JSON for up to 64
 The lines each way:
 
 - to the child: its settings first (the store's path or URL, the collector's URL, ``content``, the request
-  timeout, the store's identity in the ids), then a request per line: ``{"n", "notes", "secrets"?}`` — the
+  timeout, the store's identity in the ids, the SQLite file's device and inode as this process opened it: a child
+  that finds another file at that path, or none — the workspace's folder moved or renamed since — says so and
+  ends, and this process, whose connection follows the file, exports instead), then a request per line: ``{"n", "notes", "secrets"?}`` — the
   secrets this process knows, when they changed since the last request, so that the child scrubs what this
   process would; its standard input closing is its end;
 - from the child: a report per request (``{"n", "sent", "dropped", "why"}``), ``{"error"}`` when it cannot start,
@@ -39,7 +41,7 @@ from typing import IO, Any
 from .._secrets import register_secret, scrub
 from ._otel_send import Note, Report
 
-__all__ = ["NICENESS", "ExporterProcess", "main"]
+__all__ = ["NICENESS", "ExporterProcess", "file_id", "main"]
 
 NICENESS = 10  # added to the child's: it gets a core no job wants
 # ``-c`` puts the working folder first on sys.path, where a user's queue.py or csv.py would be imported instead of
@@ -53,13 +55,26 @@ _NICE_AND_RUN = ("import sys; del sys.path[0]; import os, runpy; "
 _OPEN: weakref.WeakSet[ExporterProcess] = weakref.WeakSet()
 
 
+def file_id(store: Any) -> list[int] | None:
+    """The (device, inode) of ``store``'s SQLite file at its path now; None for a PostgreSQL store or a file gone."""
+    path = getattr(store, "path", None)
+    if not isinstance(path, Path):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino]
+
+
 class ExporterProcess:
     """The child that exports the spans of the store at ``location`` (a SQLite file's path or a PostgreSQL URL),
     as seen from the workspace's process: :meth:`send` hands it notes, ``on_report`` is called (in a reader
     thread) with each request's :class:`Report`."""
 
     def __init__(self, location: str, url: str, *, content: bool, timeout: float, identity: str,
-                 environ: Mapping[str, str], on_report: Callable[[Report], None]) -> None:
+                 environ: Mapping[str, str], on_report: Callable[[Report], None],
+                 file: list[int] | None = None) -> None:
         env = dict(environ)
         # agentnb as this process imported it, whatever sys.path a notebook gave it; after the child's own paths
         here = str(Path(__file__).resolve().parents[2])
@@ -76,7 +91,8 @@ class ExporterProcess:
         self._forgotten = False  # in a process forked from the one that started it
         self.error: str | None = None  # the child's own line when it could not start
         self.cpu: float | None = None  # the child's CPU seconds, once it has ended
-        self._write({"store": location, "url": url, "content": content, "timeout": timeout, "identity": identity})
+        self._write({"store": location, "url": url, "content": content, "timeout": timeout, "identity": identity,
+                     "file": file})
         self._reader = threading.Thread(target=self._read, name="agentnb-otel-reader", daemon=True)
         self._reader.start()
         _OPEN.add(self)
@@ -211,11 +227,16 @@ def main() -> int:
     if not line:
         return 0
     try:
+        from ..errors import StoreError
         from ..store import open_store
         from ._otel_send import Sender
 
         config = json.loads(line)
         store = open_store(config["store"], readonly=True)
+        if config.get("file") is not None and file_id(store) != config["file"]:
+            # a read-only store at a path with no file reads as empty: its spans would silently be none
+            raise StoreError(f"{store.path} is no longer the workspace's store file (its folder moved or renamed "
+                             "since the workspace opened it)")
         sender = Sender(store, config["url"], content=bool(config["content"]), timeout=float(config["timeout"]),
                         identity=str(config["identity"]))
     except Exception as exc:

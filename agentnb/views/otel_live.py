@@ -36,7 +36,7 @@ from .._secrets import secret_values
 from ..errors import UsageError
 from ..events import JobStatusEvent, Transition
 from ..store.base import TERMINAL_STATES, Store
-from ._otel_process import ExporterProcess
+from ._otel_process import ExporterProcess, file_id
 from ._otel_send import Note, Report, Sender
 from ._otel_spans import store_identity
 from .otel import INSTALL_HINT, check_headers, traces_url
@@ -123,11 +123,14 @@ def _work(ref: weakref.ReferenceType[LiveExport], notes_queue: queue.Queue[tuple
         try:
             item = notes_queue.get(timeout=IDLE_CHECK)
         except queue.Empty:
-            if ref() is None:
+            idle = ref()
+            if idle is None:
                 subscription.close()
                 for process in processes:
                     process.close_input()
                 return
+            idle._take_over()
+            idle = None
             continue
         export = item[0] if item is not None else ref()
         if export is None:  # close()'s end marker, or nothing: the export is gone
@@ -200,6 +203,7 @@ class LiveExport:
         # the process starts when the first run ends (its 0.3 s of start-up then overlaps no job's first calls:
         # benchmarks/README.md), with this moment's environment (the collector's headers checked above)
         self._reopen = reopen
+        self._file = file_id(store)
         self._environ = dict(os.environ)
         logging.getLogger(_EXPORTER_LOGGER).addFilter(_QUIET)
         # only these kinds: the stores then decode and publish only the commits that hold one (live.py); only this
@@ -239,7 +243,7 @@ class LiveExport:
         try:
             self._process = ExporterProcess(
                 self._reopen, self.url, content=self.content, timeout=self.timeout, identity=self._identity,
-                environ=self._environ, on_report=count)
+                environ=self._environ, on_report=count, file=self._file)
             self._procs.append(self._process)
         except OSError as exc:  # no process to be had (a limit on processes): the work is done here
             _log.warning("agentnb: the live OpenTelemetry export could not start its process (%s); its spans are "
@@ -299,6 +303,14 @@ class LiveExport:
             if self._sender is None:
                 self._sender = self._new_sender()
             self._count(self._sender.export(notes))
+
+    def _take_over(self) -> None:
+        """While idle: a process that ended by itself (its store gone, killed) leaves what it held to this one now,
+        not at the next run's end."""
+        process = self._process
+        if process is not None and not process.alive:
+            process.finish(time.monotonic() + 1.0)
+            self._left_by(process, process.take_unacked())
 
     def _left_by(self, process: ExporterProcess, notes: list[Note]) -> None:
         """The export's process ended before it was told to: what it did not report on (``notes``) is exported
