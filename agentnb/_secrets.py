@@ -19,6 +19,7 @@ endpoint's error may repeat a key this process never saw (``Incorrect API key pr
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -197,12 +198,20 @@ def redact(text: str, values: tuple[str, ...] | None = None, *, cut_start: bool 
         return text
     for value in values:
         if value in text:
-            text = text.replace(value, MASK)
+            text = _as_word(value).sub(MASK, text) if value.isalpha() else text.replace(value, MASK)
     if cut_end:
         text = _mask_end(text, values)
     if cut_start:
         text = _mask_start(text, values)
     return text
+
+
+@functools.lru_cache(maxsize=64)
+def _as_word(value: str) -> re.Pattern[str]:
+    """A secret of letters alone (a weak password: ``postgres``, ``changeme``) where it stands as a word: masked
+    inside a longer word it would garble every ``postgresql`` of the process's texts, and it is no longer itself
+    there; any other secret is masked wherever it appears."""
+    return re.compile(rf"(?<!\w){re.escape(value)}(?!\w)")
 
 
 def _mask_end(text: str, values: tuple[str, ...]) -> str:
@@ -273,8 +282,9 @@ def settled(text: str, values: tuple[str, ...]) -> int:
             if m is not None:
                 start = min(start, m.start())
         for value in values:
-            # the longest end of text[:start] that is the beginning of ``value``
-            lo = max(0, start - len(value) + 1)
+            # the longest end of text[:start] that is the beginning of ``value`` (of a word's, the whole of it too:
+            # the next letter, not come yet, decides whether it is masked)
+            lo = max(0, start - len(value) + (0 if value.isalpha() else 1))
             at = text.find(value[0], lo, start)
             while at >= 0:
                 if value.startswith(text[at:start]):

@@ -250,6 +250,31 @@ def test_key_shaped_text_is_masked(text: str, masked: str) -> None:
     assert KEY_SHAPED.search(masked) is None
 
 
+def test_a_secret_of_letters_alone_is_masked_where_it_is_a_word_and_nowhere_inside_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a weak password ("postgres") masked as any text would garble every "postgresql" the process keeps
+    monkeypatch.setenv("APP_DB_PASSWORD", "postgres")
+    monkeypatch.setenv("APP_DB_URL", "postgresql://app:postgres@db:5432/prod")
+    text = ("connect to postgresql://app:postgres@db:5432/prod, or postgresql://other:postgres@h/x as user "
+            "postgres; postgresql, postgres_exporter and apostgres stay")
+    masked = (f"connect to {MASK}, or postgresql://other:{MASK}@h/x as user {MASK}; postgresql, postgres_exporter "
+              "and apostgres stay")
+    assert scrub(text) == masked
+    with Workspace(tmp_path / "ws") as ws:
+        job = ws.submit(text, piece="single", model="demo")
+        assert ws.job(job.id).instruction == masked
+    # a key with digits or marks is masked wherever it is, inside a longer word too
+    monkeypatch.setenv("APP_DB_PASSWORD", "s3cret-pw")
+    assert scrub("xs3cret-pwx") == f"x{MASK}x"
+    # streamed: a whole word at the end is held back until the next character says whether it is one
+    from agentnb._secrets import shown_so_far
+
+    monkeypatch.setenv("APP_DB_PASSWORD", "postgres")
+    assert shown_so_far("user postgres", json_text=False) == "user "
+    assert shown_so_far("user postgres;", json_text=False) == f"user {MASK};"
+    assert shown_so_far("use postgresql.", json_text=False) == "use postgresql."
+
+
 def test_two_keys_masked_alike_in_a_mapping_are_one() -> None:
     keys = {"sk-" + "a1" * 12: 1, "sk-" + "b2" * 12: 2}
     assert scrub_data(keys) == {MASK: 2}
