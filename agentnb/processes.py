@@ -404,7 +404,8 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
                 report.not_started.append(job_id)
             else:
                 errors.append(AgentnbError(f"job {job_id} (worker process {child.index}): {msg['error']}"))
-            feed(child)
+            if child in children:  # not one taken as ended already (``gone``), whose last messages come late
+                feed(child)
         elif kind == "cpu":
             report.worker_cpu_s += float(msg["cpu"])
         elif kind == "gate":  # a 429 one child got: every other one backs off too

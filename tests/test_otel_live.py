@@ -624,6 +624,25 @@ def test_workspaces_dropped_right_after_their_jobs_lose_no_span_and_leave_nothin
             k for j in ws.jobs() for k in file_spans(ws, j, tmp_path))
 
 
+def test_a_collected_workspace_s_stopped_export_process_is_ended(tmp_path: Path, receiver: Receiver) -> None:
+    import gc
+
+    piece, spec = two_movements(tmp_path)
+    ws = Workspace(tmp_path / "ws", otel=receiver.url)
+    ws.run(ws.submit("Do it", piece=piece, model=spec))
+    assert ws.otel is not None
+    _wait(lambda: ws.otel.sent == 11)
+    (pid,) = _exporter_processes()
+    os.kill(pid, signal.SIGSTOP)  # it reads nothing more: closing its input does not end it
+    try:
+        del ws
+        gc.collect()
+        _wait(lambda: _exporter_processes() == [], 10)  # killed once it had its time, not left stopped
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_workspace_in_a_reference_cycle_is_collected_without_hanging_the_next_one(
         tmp_path: Path, receiver: Receiver) -> None:
     # the collector may run inside the next workspace's subscribing, under the subscription table's lock

@@ -110,6 +110,9 @@ SETTLE = 0.25  # seconds close() gives the thread, past its deadline, to count w
 
 
 IDLE_CHECK = 1.0  # seconds between the waiting thread's looks at whether its export was garbage-collected
+# seconds a collected export's process is given to send what it has and end before it is killed (one that stopped
+# reading, SIGSTOPped or stuck, would else be left behind, stopped, for the life of the workspace's process)
+COLLECTED_WAIT = 3.0
 
 
 def _work(ref: weakref.ReferenceType[LiveExport], notes_queue: queue.Queue[tuple[LiveExport, Note] | None],
@@ -128,6 +131,9 @@ def _work(ref: weakref.ReferenceType[LiveExport], notes_queue: queue.Queue[tuple
                 subscription.close()
                 for process in processes:
                     process.close_input()
+                deadline = time.monotonic() + COLLECTED_WAIT
+                for process in processes:
+                    process.finish(deadline)
                 return
             idle._take_over()
             idle = None
