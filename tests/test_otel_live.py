@@ -630,12 +630,13 @@ def test_a_collected_workspace_s_stopped_export_process_is_ended(tmp_path: Path,
     piece, spec = two_movements(tmp_path)
     ws = Workspace(tmp_path / "ws", otel=receiver.url)
     ws.run(ws.submit("Do it", piece=piece, model=spec))
-    assert ws.otel is not None
-    _wait(lambda: ws.otel.sent == 11)
+    export = ws.otel
+    assert export is not None
+    _wait(lambda e=export: e.sent == 11)
     (pid,) = _exporter_processes()
     os.kill(pid, signal.SIGSTOP)  # it reads nothing more: closing its input does not end it
     try:
-        del ws
+        del ws, export
         gc.collect()
         _wait(lambda: _exporter_processes() == [], 10)  # killed once it had its time, not left stopped
     finally:
