@@ -394,10 +394,14 @@ def run_in_processes(ws: ProcessesHost, job_ids: Sequence[int], *, processes: in
             if job_id in child.assigned:
                 child.assigned.remove(job_id)
             if kind == "ended":
+                # a job's end comes once, but for one whose worker was taken as ended (``gone``) before its last
+                # messages came, handed out again and found ended by another: scored once all the same
+                again = job_id in report.statuses
                 report.statuses[job_id] = str(msg["status"])
-                done: Future[None] = Future()
-                scored.append(done)
-                scoring.submit(_scoring, done, ended, job_id)
+                if not again:
+                    done: Future[None] = Future()
+                    scored.append(done)
+                    scoring.submit(_scoring, done, ended, job_id)
             elif kind == "skipped":
                 report.skipped.append(job_id)
             elif kind == "not_started":
