@@ -156,8 +156,9 @@ def backend_store(request: pytest.FixtureRequest) -> str | None:
 
 
 @pytest.fixture
-def ws(tmp_path: Path) -> Workspace:
-    return Workspace(tmp_path / "ws")
+def ws(tmp_path: Path) -> Iterator[Workspace]:
+    with Workspace(tmp_path / "ws") as w:  # closed: a worker process runs a thousand tests
+        yield w
 
 
 @pytest.fixture

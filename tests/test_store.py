@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import gc
 import importlib.util
 import inspect
 import multiprocessing as mp
@@ -151,6 +152,41 @@ def test_store_objects_of_one_process_share_its_turn(tmp_path: Path, monkeypatch
     finally:
         one.close()
         two.close()
+
+
+def _open_files(under: Path) -> list[str]:
+    """This process's descriptors open on files under ``under``."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(under)):
+            found.append(target)
+    return found
+
+
+def test_a_closed_store_keeps_no_file_open_and_the_turn_stays_with_the_objects_still_open(tmp_path: Path) -> None:
+    # the turn's lock file was kept open for the process's life: a notebook opening workspace after workspace ran
+    # out of descriptors (select() refuses one past 1,023)
+    for i in range(5):
+        with Workspace(tmp_path / f"ws{i}") as ws:
+            ws.submit("x", piece="single", model="demo")
+    assert _open_files(tmp_path) == []
+    one, two = SQLiteStore(tmp_path / "agentnb.sqlite"), SQLiteStore(tmp_path / "agentnb.sqlite")
+    one.close()
+    one.close()  # twice: let go of once
+    assert _new_job(two) == 1  # the other object still takes its turn
+    assert f"{two.path}-lock" in _open_files(tmp_path)
+    two.close()
+    assert _open_files(tmp_path) == []
+    # dropped unclosed (a notebook cell that opens it again): let go of once collected
+    dropped = Workspace(tmp_path / "dropped")
+    dropped.submit("x", piece="single", model="demo")
+    del dropped
+    gc.collect()
+    assert _open_files(tmp_path) == []
 
 
 def test_without_a_lock_file_writers_wait_for_sqlites_lock_alone(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ read-only folder) writes without turns.
 
 One turn per file and process, shared by every store object on that file in the process: two objects would
 otherwise hold two ``flock`` descriptions of one file, and a thread in a transaction of one that wrote through the
-other would wait for itself for ever.  The process's threads wait for the turn on a lock with the store's time
+other would wait for itself for ever.  The turn's descriptor is closed with the last of those objects
+(:func:`let_go`): a notebook that opens workspace after workspace keeps no descriptor of each.  The process's threads wait for the turn on a lock with the store's time
 limit, as they waited for SQLite's lock before.  A ``flock`` is let go when its process ends, however it ends;
 a process *stopped* in the middle of a write (Ctrl-Z, a debugger) keeps the others waiting until it goes on.
 """
@@ -26,7 +27,7 @@ import os
 import stat
 import threading
 
-__all__ = ["WriteTurn", "turn_for"]
+__all__ = ["WriteTurn", "let_go", "turn_for"]
 
 
 class WriteTurn:
@@ -65,18 +66,46 @@ class WriteTurn:
         finally:
             self._lock.release()
 
+    def close(self, wait: float) -> None:
+        """Close the lock file (its ``flock`` goes with it), once a thread of this process holding the turn has
+        given it back, or after ``wait`` seconds."""
+        held = self._lock.acquire(timeout=wait)
+        try:
+            fd, self._fd = self._fd, -1
+            if fd >= 0:
+                os.close(fd)
+        finally:
+            if held:
+                self._lock.release()
 
-_TURNS: dict[str, WriteTurn | None] = {}
+
+# each file's turn, with the number of store objects open on it
+_TURNS: dict[str, tuple[WriteTurn | None, int]] = {}
 _TURNS_LOCK = threading.Lock()
 
 
 def turn_for(path: str) -> WriteTurn | None:
     """The turn of the store file at ``path`` (its real path) in this process, or None when its lock file cannot
-    be made or opened (then the store's writers wait for SQLite's lock alone).  Asked once per store object."""
+    be made or opened (then the store's writers wait for SQLite's lock alone).  Asked once per store object, which
+    gives it back with :func:`let_go` when it closes."""
+    with _TURNS_LOCK:
+        turn, users = _TURNS[path] if path in _TURNS else (_open(f"{path}-lock"), 0)
+        _TURNS[path] = (turn, users + 1)
+        return turn
+
+
+def let_go(path: str, wait: float) -> None:
+    """A store object on the file at ``path`` has closed: with the last one, the file's turn is closed
+    (:meth:`WriteTurn.close`, waiting up to ``wait`` seconds for a thread still holding it)."""
     with _TURNS_LOCK:
         if path not in _TURNS:
-            _TURNS[path] = _open(f"{path}-lock")
-        return _TURNS[path]
+            return
+        turn, users = _TURNS.pop(path)
+        if users > 1:
+            _TURNS[path] = (turn, users - 1)
+            return
+    if turn is not None:
+        turn.close(wait)
 
 
 def _open(lock_path: str) -> WriteTurn | None:

@@ -17,7 +17,8 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -33,7 +34,7 @@ from ..events import (
 from ._cache_rows import CacheRows
 from ._checkpoints import BACKSTOP_PAGES, Checkpoints
 from ._rows import JOB_COLUMNS, StoreRows, events_query
-from ._write_turn import WriteTurn, turn_for
+from ._write_turn import WriteTurn, let_go, turn_for
 from .base import (
     DEFAULT_LEASE,
     JOB_STATES,
@@ -140,6 +141,7 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
         self._lock = threading.RLock()
         # this process's turn at the file's write lock (store/_write_turn.py), once the file has opened as a store
         self._turn: WriteTurn | None = None
+        self._let_go: Callable[[], Any] | None = None  # gives the turn back: on closing, or once collected
         # its WAL checkpoints, run beside the writers (store/_checkpoints.py), once the file has opened as a store
         self._checkpoints: Checkpoints | None = None
         self._depth = 0
@@ -155,7 +157,11 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
         except sqlite3.Error as exc:
             raise StoreError(describe_error(exc, self.path)) from None
         # not before: a file refused on opening (damaged, another program's) gets no lock file beside it
-        self._turn = None if readonly else turn_for(os.path.realpath(self.path))
+        if not readonly:
+            turn_path = os.path.realpath(self.path)
+            self._turn = turn_for(turn_path)
+            # a store dropped unclosed (a notebook's `ws = Workspace(…)` run again) gives it back when collected
+            self._let_go = weakref.finalize(self, let_go, turn_path, _BUSY_WAIT)
         self._checkpoints = None if readonly else Checkpoints(str(self.path), _BUSY_WAIT)
         self.conn.row_factory = sqlite3.Row
 
@@ -389,6 +395,8 @@ class SQLiteStore(StoreRows[sqlite3.Connection], CacheRows):
             self._checkpoints.close()  # before the connection: the last one closed checkpoints the whole log
         with self._lock:
             self.conn.close()
+        if self._let_go is not None:
+            self._let_go()  # once, however often the store is closed
 
     def job_waiter(self) -> None:
         """None: SQLite has no wake-ups to send between processes, so an idle worker polls."""
