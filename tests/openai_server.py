@@ -50,6 +50,14 @@ __all__ = ["ECHO_KEY", "AsObject", "OpenAIServer", "error", "hold", "midway", "o
 ECHO_KEY = "{api_key}"  # in an error's message or a raw body: replaced by the key the request was sent with
 
 
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether ``sock`` has something to read (its end too) within ``timeout`` seconds; poll, not select, which
+    refuses a descriptor past 1,023 (a test process with many files open)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
+
+
 class AsObject(dict):
     """Tool-call arguments sent as a JSON object instead of JSON text, as some compatible servers do."""
 
@@ -238,7 +246,7 @@ class OpenAIServer:
                 if action["kind"] == "hold":
                     server.holding.set()
                     while not (server._released.is_set() or server._closing.is_set()):
-                        readable, _, _ = select.select([self.connection], [], [], 0.01)
+                        readable = _readable(self.connection, 0.01)
                         if readable and not self.connection.recv(1, socket.MSG_PEEK):
                             self._leave()
                             self.close_connection = True
@@ -310,7 +318,7 @@ class OpenAIServer:
                 if kind == "hold":
                     server.holding.set()
                     while not (server._released.is_set() or server._closing.is_set()):
-                        readable, _, _ = select.select([self.connection], [], [], 0.01)
+                        readable = _readable(self.connection, 0.01)
                         if readable and not self.connection.recv(1, socket.MSG_PEEK):
                             server._hung_up()
                             return False
