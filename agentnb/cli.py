@@ -755,7 +755,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_utf8(args)
         with sigterm_interrupts():
             try:
-                return int(args.fn(args))
+                rc = int(args.fn(args))
+                # here, where a reader gone away is caught below: left to the interpreter's exit, a buffered
+                # stdout (not a terminal, no PYTHONUNBUFFERED) fails there with "Exception ignored … BrokenPipeError"
+                sys.stdout.flush()
+                return rc
             finally:
                 _close_opened()
     except (AgentnbError, ValueError) as exc:

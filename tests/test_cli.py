@@ -209,9 +209,13 @@ def test_a_parent_waiting_on_a_child_that_asks_says_so_and_reply_run_finishes_bo
     assert statuses == {1: "succeeded", 2: "succeeded"}
 
 
-def test_output_to_a_closed_pipe_is_not_a_traceback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+def test_output_to_a_closed_pipe_is_not_a_traceback(tmp_path: Path, buffered: bool) -> None:
+    # buffered (a pipe, no PYTHONUNBUFFERED: a fresh machine's shell), the output may fail only when flushed at exit
     agentnb(tmp_path, "--workspace", "ws", "run", "--piece", "single", "--model", "demo", "Do it")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTNB_", "OPENAI_", "PYTHONUNBUFFERED"))}
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
     proc = subprocess.Popen([AGENTNB, "--workspace", "ws", "show", "1", "--events"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # like `| head` that has already gone: every write fails
