@@ -11,9 +11,9 @@ The lines each way:
 - to the child: its settings first (the store's path or URL, the collector's URL, ``content``, the request
   timeout, the store's identity in the ids, the SQLite file's device and inode as this process opened it: a child
   that finds another file at that path, or none — the workspace's folder moved or renamed since — says so and
-  ends, and this process, whose connection follows the file, exports instead), then a request per line: ``{"n", "notes", "secrets"?}`` — the
-  secrets this process knows, when they changed since the last request, so that the child scrubs what this
-  process would; its standard input closing is its end;
+  ends, and this process, whose connection follows the file, exports instead), then a request per line:
+  ``{"n", "notes", "secrets"?}`` — the secrets this process knows, when they changed since the last request, so
+  that the child scrubs what this process would; its standard input closing is its end;
 - from the child: a report per request (``{"n", "sent", "dropped", "why"}``), ``{"error"}`` when it cannot start,
   and its CPU seconds as its last line.
 

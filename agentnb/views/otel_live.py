@@ -302,8 +302,7 @@ class LiveExport:
             if process.send(notes, None if secrets is self._secrets else secrets):
                 self._secrets = secrets
                 return
-            process.finish(time.monotonic() + 1.0)
-            self._left_by(process, process.take_unacked())
+            self._ended_by_itself(process)
             return
         if notes:
             if self._sender is None:
@@ -315,8 +314,13 @@ class LiveExport:
         not at the next run's end."""
         process = self._process
         if process is not None and not process.alive:
-            process.finish(time.monotonic() + 1.0)
-            self._left_by(process, process.take_unacked())
+            self._ended_by_itself(process)
+
+    def _ended_by_itself(self, process: ExporterProcess) -> None:
+        """The export's process ended (or stopped reading) before it was told to: given a second to finish, then what
+        it did not report on is exported here (:meth:`_left_by`)."""
+        process.finish(time.monotonic() + 1.0)
+        self._left_by(process, process.take_unacked())
 
     def _left_by(self, process: ExporterProcess, notes: list[Note]) -> None:
         """The export's process ended before it was told to: what it did not report on (``notes``) is exported
