@@ -260,7 +260,8 @@ def test_a_dead_slow_or_refusing_collector_never_holds_the_job_up(
             for _ in range(3):
                 job, took = _timed_run(ws, piece, spec)
                 assert job.status == "succeeded"
-                assert took < plain + 0.5, (took, plain)
+                # held up, a run would wait out the exporter's timeout (2 s) or the slow collector (4 s)
+                assert took < plain + 1.5, (took, plain)
                 jobs.append(job)
             if collector != "slow":
                 # a refused request is known at once, but the exporter retries it after a second's back-off and the
@@ -574,7 +575,7 @@ def test_close_settles_what_a_stopped_process_held_before_it_returns(
         time.sleep(0.8)  # the request is under way (its write blocked, with a full pipe)
         closing = time.monotonic()
     dropped = ws.otel_dropped  # read at once: settled by close()
-    assert time.monotonic() - closing < 3.5
+    assert time.monotonic() - closing < 4.0  # its wait (3 s) and the thread's count of what is left, with slack
     assert dropped >= 2 and len(receiver.spans()) == 11
     assert _exporter_processes() == []
     warnings = [r.getMessage() for r in caplog.records if r.name == "agentnb.otel" and r.levelno >= logging.WARNING]
