@@ -20,8 +20,10 @@ the py-spy line below samples only threads holding the GIL.)
 * agentnb, streamed (``--stream``) — the same batch with streamed answers (``openai:bench``; the row above asks
   plainly, ``openai:bench?stream=0``): the endpoint answers a ``stream: true`` request with about
   ``STREAM_CHUNKS`` server-sent ``chat.completion.chunk`` events (HTTP chunked), the first after half the
-  latency and the others spread over the second half, so an answer still takes the latency.  Printed after the
-  table: at each level, streamed ÷ plain calls/s and CPU a call, both of the same run.  (The peers can stream,
+  latency and the others spread over the second half, so an answer still takes the latency.  The two rows run
+  in turns, level by level (plain then streamed, then streamed then plain, …), so that the machine's drift over
+  the minutes weighs on both alike.  Printed after the table: at each level, streamed ÷ plain calls/s (of the
+  medians, and each turn's own ratio with their median) and CPU a call.  (The peers can stream,
   pydantic-ai with ``agent.run_stream`` and LangGraph with ``stream_mode="messages"``, but are run plainly here.)
 
 "CPU ms a call" is this process's CPU (every thread, ``time.process_time``) over the runs ÷ the LLM calls made:
@@ -468,43 +470,76 @@ class Result:
     levels: list[Level] = field(default_factory=list)
 
 
+def _warm_up(fw: Framework, base_url: str, res: Result) -> bool:
+    """One small run (imports, the tokenizer, the first connections); False, with ``res.error`` said, when the
+    framework cannot run."""
+    try:
+        fw.run(base_url, 4, 2)
+    except ImportError:
+        res.error = NOT_INSTALLED
+        return False
+    except Exception as exc:  # a peer's API changed: report it and go on with the others
+        res.error = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        return False
+    finally:
+        _cleanup()
+    return True
+
+
+def _run_once(fw: Framework, base_url: str, level: Level, latency: float, endpoint: Endpoint) -> None:
+    """One timed run of ``fw`` at ``level``, checked against what the endpoint served, added to ``level``."""
+    concurrency, jobs = level.concurrency, level.jobs
+    load = os.getloadavg()[0]
+    before, served_cpu = endpoint.requests(), endpoint.cpu()
+    out = fw.run(base_url, jobs, concurrency)
+    after_cpu = endpoint.cpu()
+    elapsed, cpu, calls = out.seconds, out.cpu, out.calls
+    served = endpoint.requests() - before - 1  # minus the count request itself
+    _cleanup()
+    if calls != jobs * CALLS_PER_RUN or served != jobs * CALLS_PER_RUN:
+        raise RuntimeError(f"{fw.key} at concurrency {concurrency}: {calls} LLM calls recorded and "
+                           f"{served} served, expected {jobs * CALLS_PER_RUN}")
+    level.seconds.append(elapsed)
+    level.cpu.append(cpu)
+    level.load.append(load)
+    ideal = concurrency / latency
+    print(f"  {fw.key:14} c={concurrency:<3} jobs={jobs:<4} {elapsed:7.2f} s  "
+          f"{jobs * CALLS_PER_RUN / elapsed:7.1f} calls/s  ratio {jobs * CALLS_PER_RUN / elapsed / ideal:.2f}  "
+          f"CPU {cpu:6.2f} s ({cpu / elapsed:.0%} of wall, {cpu * 1000 / calls:.2f} ms a call)  load {load:.1f}"
+          + (f"  endpoint CPU {after_cpu - served_cpu:.2f} s" if served_cpu is not None and after_cpu is not None
+             else ""), file=sys.stderr, flush=True)
+
+
 def measure(fw: Framework, base_url: str, plan: list[tuple[int, int]], repeat: int, latency: float,
             endpoint: Endpoint) -> Result:
     res = Result(fw.key, fw.label)
-    try:
-        fw.run(base_url, 4, 2)  # warm-up: imports, the tokenizer, the first connections
-    except ImportError:
-        res.error = NOT_INSTALLED
+    if not _warm_up(fw, base_url, res):
         return res
-    except Exception as exc:  # a peer's API changed: report it and go on with the others
-        res.error = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        return res
-    finally:
-        _cleanup()
     for concurrency, jobs in plan:
         level = Level(concurrency, jobs)
         for _ in range(repeat):
-            load = os.getloadavg()[0]
-            before, served_cpu = endpoint.requests(), endpoint.cpu()
-            out = fw.run(base_url, jobs, concurrency)
-            after_cpu = endpoint.cpu()
-            elapsed, cpu, calls = out.seconds, out.cpu, out.calls
-            served = endpoint.requests() - before - 1  # minus the count request itself
-            _cleanup()
-            if calls != jobs * CALLS_PER_RUN or served != jobs * CALLS_PER_RUN:
-                raise RuntimeError(f"{fw.key} at concurrency {concurrency}: {calls} LLM calls recorded and "
-                                   f"{served} served, expected {jobs * CALLS_PER_RUN}")
-            level.seconds.append(elapsed)
-            level.cpu.append(cpu)
-            level.load.append(load)
-            ideal = concurrency / latency
-            print(f"  {fw.key:12} c={concurrency:<3} jobs={jobs:<4} {elapsed:7.2f} s  "
-                  f"{jobs * CALLS_PER_RUN / elapsed:7.1f} calls/s  ratio {jobs * CALLS_PER_RUN / elapsed / ideal:.2f}  "
-                  f"CPU {cpu:6.2f} s ({cpu / elapsed:.0%} of wall, {cpu * 1000 / calls:.2f} ms a call)  load {load:.1f}"
-                  + (f"  endpoint CPU {after_cpu - served_cpu:.2f} s" if served_cpu is not None and after_cpu is not None
-                     else ""), file=sys.stderr, flush=True)
+            _run_once(fw, base_url, level, latency, endpoint)
         res.levels.append(level)
     return res
+
+
+def measure_paired(plain: Framework, streamed: Framework, base_url: str, plan: list[tuple[int, int]], repeat: int,
+                   latency: float, endpoint: Endpoint) -> list[Result]:
+    """``--stream``: agentnb's plain and streamed rows run in turns, level by level (plain then streamed, then the
+    other way round, …), so that a machine that speeds up or slows down over the minutes weighs on both alike;
+    :func:`stream_vs_plain` then also gives the median of each turn's own ratio."""
+    results = [Result(plain.key, plain.label), Result(streamed.key, streamed.label)]
+    if not all(_warm_up(fw, base_url, r) for fw, r in zip((plain, streamed), results, strict=True)):
+        return results
+    for concurrency, jobs in plan:
+        levels = [Level(concurrency, jobs), Level(concurrency, jobs)]
+        for i in range(repeat):
+            order = (0, 1) if i % 2 == 0 else (1, 0)
+            for k in order:
+                _run_once((plain, streamed)[k], base_url, levels[k], latency, endpoint)
+        for r, level in zip(results, levels, strict=True):
+            r.levels.append(level)
+    return results
 
 
 def _cleanup() -> None:
@@ -543,11 +578,14 @@ def stream_vs_plain(results: list[Result]) -> list[str]:
     plain, streamed = by_key.get("agentnb"), by_key.get("agentnb-stream")
     if plain is None or streamed is None:
         return []
-    out = ["", "streamed ÷ plain, same run (issue 28's target: at most 10% fewer calls/s at 8 and 32):"]
+    out = ["", "streamed ÷ plain, same run, in turns (issue 28's target: at most 10% fewer calls/s at 8 and 32):"]
     for p, s in zip(plain.levels, streamed.levels, strict=False):
+        turns = [ps / ss - 1 for ps, ss in zip(p.seconds, s.seconds, strict=False)]  # calls/s ratio of each turn
         out.append(f"  concurrency {p.concurrency}: calls/s {s.calls_per_s():.1f} ÷ {p.calls_per_s():.1f} = "
                    f"{s.calls_per_s() / p.calls_per_s() - 1:+.0%}; CPU a call {s.cpu_ms_per_call():.2f} ms ÷ "
-                   f"{p.cpu_ms_per_call():.2f} ms = {s.cpu_ms_per_call() / p.cpu_ms_per_call() - 1:+.0%}")
+                   f"{p.cpu_ms_per_call():.2f} ms = {s.cpu_ms_per_call() / p.cpu_ms_per_call() - 1:+.0%}"
+                   + (f"; each turn's calls/s ratio {' '.join(f'{t:+.0%}' for t in turns)}, median "
+                      f"{statistics.median(turns):+.0%}" if len(turns) > 1 else ""))
     return out
 
 
@@ -628,11 +666,22 @@ def main(argv: list[str] | None = None) -> int:
             # untimed, as a notebook's later batches find it
             _agentnb(endpoint.base_url, PROCESSES, PROCESSES, f"openai:{MODEL}?stream=0")
             _cleanup()
+        keys = [f.key for f in chosen]
+        paired = "agentnb" in keys and "agentnb-stream" in keys
         for fw in chosen:
+            if paired and fw.key == "agentnb-stream":
+                continue  # measured in turns with the plain row, below it
             print(f"{fw.label}:", file=sys.stderr, flush=True)
-            results.append(measure(fw, endpoint.base_url, plan, args.repeat, args.latency, endpoint))
-            if results[-1].error:
-                print(f"  {fw.key}: {results[-1].error}", file=sys.stderr, flush=True)
+            if paired and fw.key == "agentnb":
+                streamed = chosen[keys.index("agentnb-stream")]
+                print(f"{streamed.label}, in turns with it:", file=sys.stderr, flush=True)
+                results.extend(measure_paired(fw, streamed, endpoint.base_url, plan, args.repeat, args.latency,
+                                              endpoint))
+            else:
+                results.append(measure(fw, endpoint.base_url, plan, args.repeat, args.latency, endpoint))
+            for r in results[-2 if paired and fw.key == "agentnb" else -1:]:
+                if r.error:
+                    print(f"  {r.key}: {r.error}", file=sys.stderr, flush=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
             "machine": platform.machine(), "latency_s": args.latency, "calls_per_run": CALLS_PER_RUN,
             "versions": _versions()}
