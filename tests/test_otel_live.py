@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _descriptors import open_targets
 from _scripting import call, transition, write_piece, write_script
 from otlp_receiver import Receiver
 from test_otel import CONTENT_ATTRS, SECRET, attrs, rich_job, spans_of
@@ -263,19 +264,18 @@ def test_a_dead_slow_or_refusing_collector_never_holds_the_job_up(
                 # held up, a run would wait out the exporter's timeout (2 s) or the slow collector (4 s)
                 assert took < plain + 1.5, (took, plain)
                 jobs.append(job)
+            expected = {job.id: len(file_spans(ws, job, tmp_path)) for job in jobs}
             if collector != "slow":
                 # a refused request is known at once, but the exporter retries it after a second's back-off and the
                 # export's process starts first: all that can outlast close()'s wait on a loaded machine, and then
                 # what it held is counted one span a run (docs/otel.md), not exactly.  Waited for here, so that the
                 # exact count is what is checked
-                spans = sum(len(file_spans(ws, job, tmp_path)) for job in jobs)
-                _wait(lambda: ws.otel_dropped >= spans, 60.0)
+                _wait(lambda: ws.otel_dropped >= sum(expected.values()), 60.0)
             closing = time.monotonic()
         assert time.monotonic() - closing < 4.0  # close() waits a bounded time for a hung collector
         dropped = ws.otel_dropped
         warnings = [r for r in caplog.records if r.name == "agentnb.otel" and r.levelno >= logging.WARNING]
         with Workspace(tmp_path / "ws") as ws:  # another workspace on the store: the same job view
-            expected = {job.id: len(file_spans(ws, job, tmp_path)) for job in jobs}
             html = job_html(ws, jobs[0].id)
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         assert "spans dropped" in warnings[0].getMessage()
@@ -605,11 +605,7 @@ def test_a_thread_export_dropped_while_notes_wait_sends_them_all(tmp_path: Path)
 
 def _pipes() -> int:
     """The pipes this process has open."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # the listing's own descriptor, closed since
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
-    return count
+    return sum(target.startswith("pipe:") for target in open_targets())
 
 
 def test_workspaces_dropped_right_after_their_jobs_lose_no_span_and_leave_nothing_open(

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _descriptors import open_targets
 from _scripting import transition, write_script
 from _waiting import wait_for
 
@@ -156,15 +157,7 @@ def test_store_objects_of_one_process_share_its_turn(tmp_path: Path, monkeypatch
 
 def _open_files(under: Path) -> list[str]:
     """This process's descriptors open on files under ``under``."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(under)):
-            found.append(target)
-    return found
+    return [target for target in open_targets() if target.startswith(str(under))]
 
 
 def test_a_closed_store_keeps_no_file_open_and_the_turn_stays_with_the_objects_still_open(tmp_path: Path) -> None:
