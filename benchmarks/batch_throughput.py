@@ -672,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
             if paired and fw.key == "agentnb-stream":
                 continue  # measured in turns with the plain row, below it
             print(f"{fw.label}:", file=sys.stderr, flush=True)
+            start = len(results)
             if paired and fw.key == "agentnb":
                 streamed = chosen[keys.index("agentnb-stream")]
                 print(f"{streamed.label}, in turns with it:", file=sys.stderr, flush=True)
@@ -679,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
                                               endpoint))
             else:
                 results.append(measure(fw, endpoint.base_url, plan, args.repeat, args.latency, endpoint))
-            for r in results[-2 if paired and fw.key == "agentnb" else -1:]:
+            for r in results[start:]:
                 if r.error:
                     print(f"  {r.key}: {r.error}", file=sys.stderr, flush=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),

@@ -15,9 +15,10 @@ read-only folder) writes without turns.
 One turn per file and process, shared by every store object on that file in the process: two objects would
 otherwise hold two ``flock`` descriptions of one file, and a thread in a transaction of one that wrote through the
 other would wait for itself for ever.  The turn's descriptor is closed with the last of those objects
-(:func:`let_go`): a notebook that opens workspace after workspace keeps no descriptor of each.  The process's threads wait for the turn on a lock with the store's time
-limit, as they waited for SQLite's lock before.  A ``flock`` is let go when its process ends, however it ends;
-a process *stopped* in the middle of a write (Ctrl-Z, a debugger) keeps the others waiting until it goes on.
+(:func:`let_go`): a notebook that opens workspace after workspace keeps no descriptor of each.  The process's
+threads wait for the turn on a lock with the store's time limit, as they waited for SQLite's lock before.  A
+``flock`` is let go when its process ends, however it ends; a process *stopped* in the middle of a write (Ctrl-Z, a
+debugger) keeps the others waiting until it goes on.
 """
 
 from __future__ import annotations
