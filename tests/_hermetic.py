@@ -7,11 +7,16 @@ the ``openai:`` models at a real endpoint, and a proxy variable (HTTP_PROXY, ALL
 ``openai`` client follow) would send the loopback servers' requests elsewhere.  They are removed before anything is imported or started, so every
 subprocess (workers, the CLI, notebook kernels, the PostgreSQL clusters) inherits the cleaned environment too.  The
 suite's own switches stay: AGENTNB_TEST_BACKEND, AGENTNB_TEST_PG, AGENTNB_TEST_PG_DIR (tests/_postgres.py).
+
+A suite started in the background by a shell without job control (``python -m pytest … &`` in a script) inherits
+SIGINT ignored, and so would every process it starts: the tests that press Ctrl-C (a batch's, a worker's, a streamed
+call's) would see nothing happen.  Python's own handler is put back; a process started after that gets the default.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 __all__ = ["outside_setting"]
 
@@ -32,3 +37,5 @@ for _name in [name for name in os.environ if outside_setting(name)]:
 # Every event the suite writes is type-checked against its dataclass (agentnb.events.check_event) before it is
 # stored, so a wrong or missing payload value fails the test that wrote it.  Subprocesses inherit it too.
 os.environ["AGENTNB_STRICT_EVENTS"] = "1"
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
