@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -34,8 +36,12 @@ def _model(url: str, **kw: Any) -> OpenAIModel:
     return OpenAIModel("m?stream=0", base_url=url, api_key=KEY, backoff=0.01, **kw)
 
 
+@pytest.mark.parametrize("env", [{}, {"OPENAI_ORG_ID": "org-7f", "OPENAI_PROJECT_ID": "proj_3c"}],
+                         ids=["plain", "organization-and-project"])
 def test_a_plain_call_sends_what_the_sdk_sends(loopback: Callable[..., OpenAIServer],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+                                              monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     below = loopback(KEY, actions=[reply("hi", usage=(7, 2))])
     assert _ask(_model(below.base_url)).content == "hi"
     monkeypatch.setenv("AGENTNB_OPENAI_HTTP", "sdk")  # the openai SDK's own HTTP stack, for the comparison
@@ -52,6 +58,48 @@ def test_a_plain_call_sends_what_the_sdk_sends(loopback: Callable[..., OpenAISer
     assert headers(ours)["authorization"] == f"Bearer {KEY}"
     # the same bytes: the SDK's JSON (compact, not ASCII-escaped) for the same body
     assert int(ours.headers["content-length"]) == int(theirs.headers["content-length"])
+    for name, value in env.items():
+        header = {"OPENAI_ORG_ID": "openai-organization", "OPENAI_PROJECT_ID": "openai-project"}[name]
+        assert ours.headers[header] == value
+
+
+def test_headers_from_openai_custom_headers_are_sent_as_the_sdk_reads_them(
+        loopback: Callable[..., OpenAIServer], monkeypatch: pytest.MonkeyPatch) -> None:
+    # the SDK's own parsing of the variable is kept: such a call goes through its client
+    monkeypatch.setenv("OPENAI_CUSTOM_HEADERS", "X-Gateway-Route: eu-2\nX-Team:  lab ")
+    server = loopback(KEY, actions=[reply("hi"), reply("again")])
+    model = _model(server.base_url)
+    assert [_ask(model).content, _ask(model).content] == ["hi", "again"]
+    for received in server.received:
+        assert (received.headers["x-gateway-route"], received.headers["x-team"]) == ("eu-2", "lab")
+        assert received.headers["authorization"] == f"Bearer {KEY}"
+
+
+_FRESH_PROCESS = """
+import json, sys
+from agentnb.models.base import ModelRequest
+from agentnb.models.messages import UserMessage
+from agentnb.models.openai import OpenAIModel
+seen = []
+for spec in ("m?stream=0", "m?stream=1", "m?stream=0"):
+    model = OpenAIModel(spec, base_url=sys.argv[1], api_key="sk-test", backoff=0.01)
+    seen.append((model.complete(ModelRequest(messages=[UserMessage("hi")], tools=[])).content,
+                 sorted({m.partition(".")[0] for m in sys.modules} & {"openai", "httpx", "httpx2", "pydantic"})))
+print(json.dumps(seen))
+"""
+
+
+def test_a_process_s_plain_calls_to_an_http_endpoint_never_import_the_sdk(
+        loopback: Callable[..., OpenAIServer]) -> None:
+    # the SDK's import costs a process 0.4-0.8 s of CPU (each worker paid it before its first call): a plain or
+    # streamed call to an http:// endpoint needs none of it; the first failure imports it for its exception
+    server = loopback(KEY, actions=[reply("plain"), reply("streamed"), *error(503, "busy"), reply("after a 503")])
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, server.base_url], capture_output=True, text=True,
+                          timeout=120, check=True)
+    (plain, plain_sdk), (streamed, streamed_sdk), (retried, retried_sdk) = json.loads(done.stdout)
+    assert (plain, plain_sdk, streamed, streamed_sdk) == ("plain", [], "streamed", [])
+    assert retried == "after a 503" and "openai" in retried_sdk
+    assert server.streamed == 1 and [a.status for a in server.log] == [200, 200, 503, 200]
 
 
 def test_plain_calls_keep_their_connection(loopback: Callable[..., OpenAIServer]) -> None:

@@ -1,15 +1,18 @@
 """A chat-completion POST to an ``http://`` endpoint over kept-alive HTTP/1.1 connections (models/_http1.py), below
-httpx.
+httpx, with no need of the ``openai`` SDK.
 
 The ``openai`` SDK's ``client.post`` goes through its request options, httpx's request and client layers, httpcore's
 pool and h11: about 1.3 ms of CPU per call against an endpoint 50 ms away, where the same request written to a
 kept socket and its answer read back costs about a tenth of that (benchmarks/README.md, "CPU per LLM call").
-So a call to an ``http://`` endpoint (a local server, a gateway on the same network) is sent here: the same bytes
-the SDK sends (its own headers, read from the client once, and its JSON encoding), the same exception classes for
-the same failures (:func:`status_error` builds the SDK's error for a status, with its message), read with the
-same timeout per socket operation.  Anything else keeps the SDK's path (:func:`plain_post_for` says which):
-``https://``, a proxy in the environment, a URL with credentials, a query or a path that is not plain ASCII,
-headers that are not ASCII, a redirect (the call is asked again through the SDK), or ``AGENTNB_OPENAI_HTTP=sdk``
+And a process that imports the SDK spends 0.4-0.8 s of CPU on it (its ``openai.types`` tree of pydantic models),
+which every worker process paid before its first call.  So a call to an ``http://`` endpoint (a local server, a
+gateway on the same network) is sent here: the same bytes the SDK sends (its headers, built by
+:func:`sdk_headers` as its client builds them, and its JSON encoding), the same exception classes for the same
+failures (:func:`status_error` builds the SDK's error for a status, with its message; the SDK is imported then,
+on the first failure), read with the same timeout per socket operation.  Anything else keeps the SDK's path
+(:func:`plain_post_for` says which): ``https://``, a proxy in the environment, a URL with credentials, a query or
+a path with characters a URL must quote, ``OPENAI_CUSTOM_HEADERS`` (the SDK's own parsing of it is kept), headers
+that are not ASCII, a redirect (the call is asked again through the SDK), or ``AGENTNB_OPENAI_HTTP=sdk``
 (docs/models.md#plain-http).
 """
 
@@ -17,10 +20,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import json
 import os
+import platform
+import re
 import select
 import socket
+import sys
 import urllib.request
 import zlib
 from collections import deque
@@ -31,7 +38,7 @@ from urllib.parse import urlsplit
 from ._http1 import BodyBroken, Connection, Head
 
 __all__ = ["HTTP_ENV", "PlainPost", "Redirected", "Reply", "body_chunks", "encode_body", "inflating", "plain_post_for",
-           "status_error"]
+           "sdk_headers", "sdk_http", "status_error"]
 
 HTTP_ENV = "AGENTNB_OPENAI_HTTP"  # "sdk": every call through the openai SDK's own HTTP stack
 KEEP_IDLE = 512  # idle connections kept per endpoint, as models/openai.py's KEEPALIVE_CONNECTIONS
@@ -88,36 +95,117 @@ def encode_body(body: dict[str, Any]) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
-def plain_post_for(client: Any, timeout: float, http: Any) -> PlainPost | None:
-    """The socket path for the SDK ``client``'s chat completions, or None where the SDK's own path is kept;
-    ``http``: the SDK's HTTP library (httpx or httpx2), whose request and response its errors carry."""
+def plain_post_for(base_url: str, api_key: str, timeout: float) -> PlainPost | None:
+    """The socket path for chat completions at ``base_url`` with ``api_key``, or None where the SDK's own path is
+    kept."""
     if os.environ.get(HTTP_ENV, "").strip().lower() == "sdk":
         return None
-    url = str(client.base_url).rstrip("/") + "/chat/completions"
+    url = base_url.strip().rstrip("/") + "/chat/completions"
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname or "@" in parts.netloc or parts.query or parts.fragment:
+    if parts.scheme.lower() != "http" or not parts.hostname or "@" in parts.netloc or parts.query or parts.fragment:
         return None  # https, or a URL httpx reads more into (credentials in it, a query the SDK merges its own way)
-    if not all("!" <= c <= "~" for c in parts.path + parts.netloc):
-        return None  # httpx quotes such a path in its own way
+    if not _PLAIN_PATH.fullmatch(parts.path) or not _PLAIN_NETLOC.fullmatch(parts.netloc):
+        return None  # httpx quotes such a URL in its own way
     proxies = urllib.request.getproxies()
     if ("http" in proxies or "all" in proxies) and not urllib.request.proxy_bypass(parts.hostname):
         return None  # httpx would go through the proxy (trust_env)
-    # what the SDK sends with every request (_build_headers): its defaults, the key, the retry count and timeout
-    headers = {**client.default_headers, **client.auth_headers, "x-stainless-retry-count": "0",
-               "x-stainless-read-timeout": str(timeout)}
-    sent = {k: v for k, v in headers.items() if isinstance(v, str)}  # the SDK's Omit() drops a header
-    if not all(k.isascii() and v.isascii() and "\n" not in k + v and "\r" not in k + v for k, v in sent.items()):
+    headers = sdk_headers(api_key, timeout)
+    if headers is None or not all(k.isascii() and v.isascii() and "\n" not in k + v and "\r" not in k + v
+                                  for k, v in headers.items()):
         return None  # httpx refuses such a header with its own error: keep that
-    return PlainPost(url, sent, timeout, http)
+    netloc = parts.netloc.lower()
+    if parts.port == 80:
+        netloc = netloc.rpartition(":")[0]  # as httpx writes the URL and its Host header: no default port
+    return PlainPost(f"http://{netloc}{parts.path}", headers, timeout)
+
+
+# a URL's path and host as httpx sends them unchanged (anything else it would quote or refuse)
+_PLAIN_PATH = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@/]*(?:%[0-9A-Fa-f]{2}[A-Za-z0-9\-._~!$&'()*+,;=:@/]*)*")
+_PLAIN_NETLOC = re.compile(r"(?:[A-Za-z0-9\-.]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+
+
+def sdk_headers(api_key: str, timeout: float) -> dict[str, str] | None:
+    """The headers the installed ``openai`` SDK's client sends with a chat completion, built as it builds them
+    (``default_headers``, ``auth_headers`` and ``_build_headers`` of openai 3.x; tests/test_openai_http.py compares
+    the two) without importing it; None when ``OPENAI_CUSTOM_HEADERS`` is set (its parsing stays the SDK's)."""
+    if os.environ.get("OPENAI_CUSTOM_HEADERS") is not None:
+        return None
+    version = _sdk_version()
+    headers = {"Authorization": f"Bearer {api_key}", "Accept": "application/json",
+               "Content-Type": "application/json", "User-Agent": f"OpenAI/Python {version}",
+               "X-Stainless-Lang": "python", "X-Stainless-Package-Version": version,
+               "X-Stainless-OS": _os_name(), "X-Stainless-Arch": _arch(),
+               "X-Stainless-Runtime": platform.python_implementation(),
+               "X-Stainless-Runtime-Version": platform.python_version(), "X-Stainless-Async": "false"}
+    for name, variable in (("OpenAI-Organization", "OPENAI_ORG_ID"), ("OpenAI-Project", "OPENAI_PROJECT_ID")):
+        if os.environ.get(variable) is not None:
+            headers[name] = os.environ[variable]
+    headers["x-stainless-retry-count"] = "0"
+    headers["x-stainless-read-timeout"] = str(timeout)
+    return headers
+
+
+def _sdk_version() -> str:
+    """The installed SDK's version, read from its package metadata (importing it is what this module avoids)."""
+    from importlib import metadata
+
+    return metadata.version("openai")
+
+
+def _os_name() -> str:
+    """The SDK's ``X-Stainless-OS`` (its ``get_platform``)."""
+    try:
+        system = platform.system().lower()
+        name = platform.platform().lower()
+    except Exception:
+        return "Unknown"
+    if "iphone" in name or "ipad" in name:
+        return "iOS"
+    if system in ("darwin", "windows"):
+        return {"darwin": "MacOS", "windows": "Windows"}[system]
+    if "android" in name:
+        return "Android"
+    if system == "linux":
+        try:
+            system = platform.freedesktop_os_release().get("ID", "").lower()
+        except OSError:
+            system = ""
+        return {"freebsd": "FreeBSD", "openbsd": "OpenBSD"}.get(system, "Linux")
+    if system in ("freebsd", "openbsd"):
+        return {"freebsd": "FreeBSD", "openbsd": "OpenBSD"}[system]
+    return f"other:{name}" if name else "Unknown"
+
+
+def _arch() -> str:
+    """The SDK's ``X-Stainless-Arch`` (its ``get_architecture``)."""
+    try:
+        machine = platform.machine().lower()
+    except Exception:
+        return "unknown"
+    if machine in ("arm64", "aarch64"):
+        return "arm64"
+    if machine in ("arm", "x86_64"):
+        return {"arm": "arm", "x86_64": "x64"}[machine]
+    if sys.maxsize <= 2**32:
+        return "x32"
+    return f"other:{machine}" if machine else "unknown"
+
+
+def sdk_http() -> Any:
+    """The HTTP library the installed openai SDK's client is built on (``httpx2`` in recent SDKs, ``httpx`` before),
+    whose request and response its errors carry; imports the SDK."""
+    import openai
+
+    base = next(c for c in openai.DefaultHttpxClient.__mro__ if c.__name__ == "Client")
+    return importlib.import_module(base.__module__.partition(".")[0])
 
 
 class PlainPost:
     """POSTs to one URL over HTTP/1.1 (models/_http1.py), each connection kept for the next call (any thread's) when
     the answer allows."""
 
-    def __init__(self, url: str, headers: dict[str, str], timeout: float, http_lib: Any) -> None:
+    def __init__(self, url: str, headers: dict[str, str], timeout: float) -> None:
         parts = urlsplit(url)
-        self.http = http_lib  # the SDK's httpx (or httpx2): the request and response its errors carry
         self.url = url
         self.host, self.port = parts.hostname or "", parts.port or 80
         self.timeout = timeout
@@ -155,7 +243,7 @@ class PlainPost:
         if head.status >= 300:
             reply = self.read(conn, head)
             if reply.status_code >= 400:
-                raise status_error(reply, self.request(), self.http)
+                raise status_error(reply, self.request())
             raise Redirected(reply.headers.get("location", ""))
         return conn, head
 
@@ -173,14 +261,16 @@ class PlainPost:
 
     @contextlib.contextmanager
     def _sdk_errors(self) -> Iterator[None]:
-        """A failed exchange as the SDK's ``APITimeoutError`` or ``APIConnectionError``."""
-        import openai
-
+        """A failed exchange as the SDK's ``APITimeoutError`` or ``APIConnectionError`` (the SDK imported only then)."""
         try:
             yield
         except TimeoutError:
+            import openai
+
             raise openai.APITimeoutError(request=self.request()) from None
         except (OSError, ValueError, BodyBroken):
+            import openai
+
             raise openai.APIConnectionError(request=self.request()) from None
 
     def finish(self, conn: Connection, head: Head) -> None:
@@ -203,7 +293,7 @@ class PlainPost:
 
     def request(self) -> Any:
         """The request an SDK error about this call carries (an httpx request of this URL)."""
-        return self.http.Request("POST", self.url)
+        return sdk_http().Request("POST", self.url)
 
 
 def _readable(sock: socket.socket) -> bool:
@@ -278,14 +368,14 @@ def _decoded(content: bytes, encoding: str) -> bytes:
         raise BodyBroken(f"the {encoding} body does not decode") from None
 
 
-def status_error(reply: Reply, request: Any, http: Any) -> Exception:
+def status_error(reply: Reply, request: Any) -> Exception:
     """The SDK's exception for an HTTP error, with the message and body it gives them
     (``_make_status_error_from_response`` and ``OpenAI._make_status_error`` in openai 3.x)."""
     import openai
 
     # the body is decoded already: the response must not decode it again
     headers = [(k, v) for k, v in reply.headers.items() if k != "content-encoding"]
-    response = http.Response(reply.status_code, headers=headers, content=reply.content, request=request)
+    response = sdk_http().Response(reply.status_code, headers=headers, content=reply.content, request=request)
     message = f"Error code: {reply.status_code}"
     text = response.text.strip()
     body: Any = text

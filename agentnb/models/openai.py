@@ -18,7 +18,7 @@ from .._secrets import register_secret, scrub
 from ..errors import CallCancelled, ModelSpecError
 from . import _stream_pump
 from ._http1 import BodyBroken, Connection, Head
-from ._plain_http import PlainPost, Redirected, body_chunks, encode_body, inflating, plain_post_for
+from ._plain_http import PlainPost, Redirected, body_chunks, encode_body, inflating, plain_post_for, sdk_http
 from .base import MAX_RETRIES, ModelError, ModelRequest, ModelResponse, ToolCall
 from .messages import AssistantMessage, Delta, Message, SystemMessage, TokenUsage, ToolMessage, UserMessage
 from .openai_stream import (
@@ -117,8 +117,8 @@ KEEPALIVE_CONNECTIONS = 512
 
 _clients: dict[tuple[str | None, str, float], Any] = {}
 _clients_lock = threading.Lock()
-# per client (by id: the clients above live as long as the process): its plain calls' socket path, or None
-_plain_posts: dict[int, PlainPost | None] = {}
+# per (base URL, key digest, timeout), as the clients above: its plain calls' socket path, or None (the SDK's path)
+_plain_posts: dict[tuple[str | None, str, float], PlainPost | None] = {}
 
 
 def shared_client(base_url: str | None, api_key: str, timeout: float) -> Any:
@@ -133,7 +133,7 @@ def shared_client(base_url: str | None, api_key: str, timeout: float) -> Any:
         if client is None:
             import openai
 
-            http = _http_module()
+            http = sdk_http()
             limits = http.Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS)
             transport = http.HTTPTransport(limits=limits)
             track_sockets(transport)  # a Stop cuts off a streamed call waiting for its headers too
@@ -143,14 +143,19 @@ def shared_client(base_url: str | None, api_key: str, timeout: float) -> Any:
         return client
 
 
-def _http_module() -> Any:
-    """The HTTP library the installed openai SDK's client is built on: ``httpx2`` in recent SDKs, ``httpx`` before."""
-    import importlib
-
+def _sdk() -> Any:
+    """The ``openai`` SDK, imported on first need: a plain call to an ``http://`` endpoint needs none of it
+    (models/_plain_http.py), and its import costs a process 0.4-0.8 s of CPU."""
     import openai
 
-    base = next(c for c in openai.DefaultHttpxClient.__mro__ if c.__name__ == "Client")
-    return importlib.import_module(base.__module__.partition(".")[0])
+    return openai
+
+
+def _retried() -> tuple[type[Exception], ...]:
+    """The failures a call is tried again after: the SDK's 429, 5xx, timeout and lost connection, and ours."""
+    openai = _sdk()
+    return (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError, openai.APIConnectionError,
+            MalformedAnswer, StreamBroken, StreamStalled)
 
 
 _RESPONSE: Any = None
@@ -160,7 +165,7 @@ def _response_class() -> Any:
     """The SDK's HTTP response class: ``client.post(cast_to=…)`` then returns the response itself, unparsed."""
     global _RESPONSE
     if _RESPONSE is None:
-        _RESPONSE = _http_module().Response
+        _RESPONSE = sdk_http().Response
     return _RESPONSE
 
 
@@ -227,30 +232,41 @@ class OpenAIModel:
                                   or self.timeout)
         self._client: Any = None
         self._plain: PlainPost | None = None  # a plain call's path below httpx (models/_plain_http.py), if any
+        self._plain_checked = False
         # the last conversation sent and its wire form: the next call re-sends it with a few messages more
         self._sent: tuple[list[Message], list[dict[str, object]]] = ([], [])
 
     def __repr__(self) -> str:  # never show the key
         return f"OpenAIModel({self.model!r}, base_url={self.base_url!r})"
 
+    def _check_key(self) -> str:
+        if not self._api_key and self.base_url is None:
+            raise ModelError(
+                "openai model needs OPENAI_API_KEY (and OPENAI_BASE_URL for a non-OpenAI endpoint)"
+            )
+        return self._api_key or "not-needed"
+
     def _get_client(self) -> Any:
+        """The SDK's client: for a call the plain path does not take (models/_plain_http.py says which)."""
         if self._client is None:
-            if not self._api_key and self.base_url is None:
-                raise ModelError(
-                    "openai model needs OPENAI_API_KEY (and OPENAI_BASE_URL for a non-OpenAI endpoint)"
-                )
-            client = shared_client(self.base_url, self._api_key or "not-needed", self.timeout)
-            with _clients_lock:
-                if id(client) not in _plain_posts:
-                    _plain_posts[id(client)] = plain_post_for(client, self.timeout, _http_module())
-                self._plain = _plain_posts[id(client)]
-            self._client = client
+            self._client = shared_client(self.base_url, self._check_key(), self.timeout)
         return self._client
 
-    def complete(self, request: ModelRequest) -> ModelResponse:
-        import openai
+    def _plain_path(self) -> PlainPost | None:
+        """This model's plain path below the SDK, decided on its first call (None: the SDK's client for all)."""
+        if self._plain is None and not self._plain_checked:
+            key = self._check_key()
+            lookup = (self.base_url, hashlib.sha256(key.encode("utf-8")).hexdigest(), float(self.timeout))
+            with _clients_lock:
+                if lookup not in _plain_posts:
+                    _plain_posts[lookup] = (plain_post_for(self.base_url, key, self.timeout)
+                                            if self.base_url is not None else None)
+                self._plain = _plain_posts[lookup]
+            self._plain_checked = True
+        return self._plain
 
-        client = self._get_client()
+    def complete(self, request: ModelRequest) -> ModelResponse:
+        self._plain_path()
         kwargs: dict[str, Any] = {"model": self.model, "messages": self._wire(request.messages)}
         if request.tools:
             kwargs["tools"] = request.tools
@@ -299,7 +315,7 @@ class OpenAIModel:
                 if plain is not None and not streaming:
                     http = plain.post(encode_body(kwargs))
                 else:
-                    http = client.post("/chat/completions", body=kwargs, cast_to=_response_class(), stream=streaming)
+                    http = self._get_client().post("/chat/completions", body=kwargs, cast_to=_response_class(), stream=streaming)
                 answered = True
                 if not streaming:  # whole: a Stop that comes now pauses the job after this call, as between calls
                     return _parse_completion(http, request)
@@ -312,15 +328,10 @@ class OpenAIModel:
                     http.close()
                 streaming = self._refused(kwargs, f"it answered {ctype or 'no content type'}, not text/event-stream")
                 return _parse_completion(http, request)
-            except (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError,
-                    openai.APIConnectionError, MalformedAnswer, StreamBroken, StreamStalled) as exc:
-                if cancel is not None and cancel.is_set():
-                    raise CallCancelled() from None  # the watchdog cut the wait for the answer off
-                last = exc
-                delay = min(self._retry_after(exc) or self.backoff * (2 ** attempt) * (0.5 + random.random() / 2),
-                            self.max_backoff)
-                if isinstance(exc, openai.RateLimitError):
-                    gate.throttle(delay, ticket)  # every other call to the endpoint waits it out too
+            # the cheap ones first: each except clause's classes are looked up when a failure reaches it, and the
+            # SDK's are imported then (a Stop or Ctrl-C on a plain call does not wait for that)
+            except (CallCancelled, ModelError):
+                raise
             except Redirected:
                 self._plain = None  # the SDK's client follows redirects: this model's calls go through it now
                 continue
@@ -328,12 +339,20 @@ class OpenAIModel:
                 if cancel is None:
                     raise
                 raise CallCancelled(interrupt=exc) from None  # before any answer came (see _assemble)
-            except openai.APIStatusError as exc:
+            except _retried() as exc:
+                if cancel is not None and cancel.is_set():
+                    raise CallCancelled() from None  # the watchdog cut the wait for the answer off
+                last = exc
+                delay = min(self._retry_after(exc) or self.backoff * (2 ** attempt) * (0.5 + random.random() / 2),
+                            self.max_backoff)
+                if isinstance(exc, _sdk().RateLimitError):
+                    gate.throttle(delay, ticket)  # every other call to the endpoint waits it out too
+            except _sdk().APIStatusError as exc:
                 if streaming and exc.status_code == 400 and "stream" in _message(exc).lower():
                     streaming = self._refused(kwargs, f"HTTP 400: {_message(exc)}")
                     continue  # the same try again, plainly (the gate's slot is given back below)
                 raise ModelError(f"{self.spec}: HTTP {exc.status_code}: {_message(exc)}") from None
-            except openai.OpenAIError as exc:
+            except _sdk().OpenAIError as exc:
                 raise ModelError(f"{self.spec}: {type(exc).__name__}: {exc}") from None
             finally:
                 if watch is not None:
@@ -382,7 +401,7 @@ class OpenAIModel:
         before the chunked body's end is read, so every streamed call lost its keep-alive connection and the next
         one opened a new one.  Reading to the body's end gives the connection back to the pool."""
         watch.attach(http, self.read_timeout)
-        http_errors = _http_module()
+        http_errors = sdk_http()
         # a chunked body read straight from the connection (chunked_body says why); else the transport's own
         # byte stream unless the body is compressed: iter_bytes and iter_raw add a re-chunker and two
         # generators to every read
@@ -428,8 +447,6 @@ class OpenAIModel:
         says True: stop), each fragment handed to ``request.on_delta``; ``close()`` however it ends; a read error
         in ``timeouts``/``broken`` is the SDK's timeout/connection error (``sent()``: the request they carry, built
         only then) unless the watchdog cut the stream off or its end had come."""
-        import openai
-
         acc = Assembly(self.spec, request.on_delta, started)
         cancel = request.cancel
         events = SSEDecoder()
@@ -484,16 +501,16 @@ class OpenAIModel:
             at = time.perf_counter()
             return any(event(d, at) for d in events.feed(data))
 
-        failed: type[openai.APITimeoutError] | type[openai.APIConnectionError] | None = None
+        failed: str | None = None  # the SDK's error to raise: its timeout or its lost connection
         try:
             read(take)
             if not (cancel is not None and cancel.is_set()):
                 for data in events.end():
                     event(data, time.perf_counter())
         except timeouts:
-            failed = openai.APITimeoutError
+            failed = "APITimeoutError"
         except broken:
-            failed = openai.APIConnectionError
+            failed = "APIConnectionError"
         except (KeyboardInterrupt, SystemExit) as exc:
             if cancel is None:
                 raise
@@ -508,7 +525,7 @@ class OpenAIModel:
             close()
         settle()  # what came before the stream's end or failure, which a malformed chunk there would have ended
         if failed is not None and watch.why is None and not done:
-            raise failed(request=sent())
+            raise getattr(_sdk(), failed)(request=sent())
         if watch.why == "cancelled" or (cancel is not None and cancel.is_set()):
             text, arguments = acc.partial()
             raise CallCancelled(partial_text=text, partial_arguments=arguments)
