@@ -367,9 +367,16 @@ def test_a_connection_lost_is_one_line_mid_transaction_and_replaced_when_idle(pg
     assert pg.password not in _one_line(exc)
     assert store.job(job).error is None
     # and to the connections idle in the pool: each is checked when handed out, and replaced
-    _sql(pg.url(), "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> "
-                   "pg_backend_pid()", (db,))
+    cut = _sql(pg.url(), "WITH idle AS MATERIALIZED (SELECT pid FROM pg_stat_activity WHERE datname = %s) "
+                         "SELECT pid FROM idle WHERE pg_terminate_backend(pid)", (db,))
+    assert cut
+    # gone from the server's list: its socket is closed (the pool's check looks for that, as a restart leaves it)
+    deadline = time.monotonic() + 30
+    while _sql(pg.url(), "SELECT pid FROM pg_stat_activity WHERE pid = ANY(%s)", ([p for p, in cut],)):
+        assert time.monotonic() < deadline, "the terminated sessions did not end"
+        time.sleep(0.01)
     assert store.job_ids() == [job]
+    assert store.job(job).error is None
     store.close()
 
 

@@ -17,6 +17,8 @@ for it until TCP gives up, which can be hours.  So each connection asks for:
   server went silent (a partition, a host gone) sees its call fail within about a lease instead of hanging on
   the socket, so its lease renewals fail and it gives the job up (agentnb/leases.py) rather than blocking.
 
+A connection the pool hands out is checked by :func:`check_handed_out`.
+
 Settings the URL (or ``PGOPTIONS``) already gives are kept: a URL's own ``keepalives_idle=…`` wins, and its
 ``options`` come after these, so its ``-c`` settings win too.  The LISTEN connection (:mod:`pg_notify`)
 is never inside a transaction and keeps its own settings.
@@ -26,11 +28,32 @@ from __future__ import annotations
 
 import math
 import os
+import select
 from typing import Any
 
 from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import ConnectionPool
 
-__all__ = ["session_limits"]
+__all__ = ["check_handed_out", "session_limits"]
+
+
+def check_handed_out(conn: Any) -> None:
+    """The pool's check of a connection it hands out: an exception when the server has ended it.
+
+    A server that ends an idle connection (a restart, a terminated backend, an idle timeout) writes its last
+    message and closes the socket, so the socket has something to read; only then is the round trip of
+    ``ConnectionPool.check_connection`` made, which raises for such a connection.  A healthy idle connection has
+    nothing to read (the store's pooled connections LISTEN to nothing), and making that round trip on every
+    checkout was a quarter of the statements a job sent (benchmarks/README.md).  A server gone silent (a network
+    cut) is seen by the first statement as by the round trip: by TCP, within the lease (above)."""
+    fd = conn.fileno()  # a connection closed on this side raises here: discarded too
+    if not hasattr(select, "poll"):  # Windows: select.select would fail on descriptors past 512
+        ConnectionPool.check_connection(conn)
+        return
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    if poller.poll(0):
+        ConnectionPool.check_connection(conn)
 
 
 def session_limits(url: str, lease: float) -> dict[str, Any]:

@@ -83,7 +83,7 @@ from .base import (
 from .pg_migrations import PG_MIGRATIONS, PG_SCHEMA_VERSION
 from .pg_notify import NOTIFY_SQL, PgJobWaiter
 from .pg_outage import connected, is_outage, watch_outages
-from .pg_session import session_limits
+from .pg_session import check_handed_out, session_limits
 from .records import JobRecord
 from .texts import REF_FIELDS
 
@@ -199,12 +199,12 @@ class PostgresStore(StoreRows[psycopg.Connection[Any]], CacheRows):
                     self._migrate(conn)
         except psycopg.Error as exc:
             raise StoreError(describe_pg_error(exc, url)) from None
-        # check: a connection the server dropped while idle in the pool (a restart, a network cut, an idle
-        # timeout) is replaced when handed out, at the cost of one round trip, instead of failing the next call
+        # check: a connection the server dropped while idle in the pool (a restart, an idle timeout) is replaced
+        # when handed out, instead of failing the next call
         # a server restart: one line when it goes, one when it is back, not the pool's traces (pg_outage.py)
         watch_outages()
         self._pool = ConnectionPool(url, min_size=1, max_size=max(1, pool_size), kwargs=kwargs, open=True,
-                                    name="agentnb", timeout=60.0, check=ConnectionPool.check_connection,
+                                    name="agentnb", timeout=60.0, check=check_handed_out,
                                     configure=connected)
 
     def __repr__(self) -> str:
