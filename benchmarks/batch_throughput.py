@@ -9,7 +9,8 @@ calls: 4 tool calls and the end.  (To see where the CPU goes, profile every thre
 the py-spy line below samples only threads holding the GIL.)
 
 * agentnb — ``ws.batch(cases, piece=<one movement with echo>, model="openai:bench", concurrency=N)``,
-  real HTTP through the ``openai`` client (``OPENAI_BASE_URL`` points at the server), every event
+  real HTTP to the server (``OPENAI_BASE_URL`` points at it; an ``http://`` endpoint is written to and read by
+  agentnb's own HTTP/1.1 path, ``models/_plain_http.py``, with the ``openai`` SDK's headers), every event
   persisted in a real SQLite file.  Afterwards the benchmark checks that every job succeeded and that the
   store holds jobs × 5 ``llm_response`` events.
 * LangGraph — ``create_react_agent`` on langchain-openai's ``ChatOpenAI``, ``asyncio.gather`` of
