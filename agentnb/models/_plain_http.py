@@ -25,8 +25,6 @@ import json
 import os
 import platform
 import re
-import select
-import socket
 import sys
 import urllib.request
 import zlib
@@ -35,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+from .._sockets import has_input
 from ._http1 import BodyBroken, Connection, Head
 
 __all__ = ["HTTP_ENV", "PlainPost", "Redirected", "Reply", "body_chunks", "encode_body", "inflating", "plain_post_for",
@@ -152,8 +151,12 @@ def _sdk_version() -> str:
     return metadata.version("openai")
 
 
+_BSDS = {"freebsd": "FreeBSD", "openbsd": "OpenBSD"}
+_ARCHS = {"arm64": "arm64", "aarch64": "arm64", "arm": "arm", "x86_64": "x64"}
+
+
 def _os_name() -> str:
-    """The SDK's ``X-Stainless-OS`` (its ``get_platform``)."""
+    """The SDK's ``X-Stainless-OS`` (its ``get_platform``, tested in the same order)."""
     try:
         system = platform.system().lower()
         name = platform.platform().lower()
@@ -162,17 +165,17 @@ def _os_name() -> str:
     if "iphone" in name or "ipad" in name:
         return "iOS"
     if system in ("darwin", "windows"):
-        return {"darwin": "MacOS", "windows": "Windows"}[system]
+        return "MacOS" if system == "darwin" else "Windows"
     if "android" in name:
         return "Android"
+    if system in _BSDS:
+        return _BSDS[system]
     if system == "linux":
         try:
-            system = platform.freedesktop_os_release().get("ID", "").lower()
+            distro = platform.freedesktop_os_release().get("ID", "").lower()
         except OSError:
-            system = ""
-        return {"freebsd": "FreeBSD", "openbsd": "OpenBSD"}.get(system, "Linux")
-    if system in ("freebsd", "openbsd"):
-        return {"freebsd": "FreeBSD", "openbsd": "OpenBSD"}[system]
+            distro = ""
+        return _BSDS.get(distro, "Linux")
     return f"other:{name}" if name else "Unknown"
 
 
@@ -182,10 +185,8 @@ def _arch() -> str:
         machine = platform.machine().lower()
     except Exception:
         return "unknown"
-    if machine in ("arm64", "aarch64"):
-        return "arm64"
-    if machine in ("arm", "x86_64"):
-        return {"arm": "arm", "x86_64": "x64"}[machine]
+    if machine in _ARCHS:
+        return _ARCHS[machine]
     if sys.maxsize <= 2**32:
         return "x32"
     return f"other:{machine}" if machine else "unknown"
@@ -287,25 +288,13 @@ class PlainPost:
                 conn = self.idle.pop()
             except IndexError:
                 return None
-            if not _readable(conn.sock):
+            if not has_input(conn.sock):
                 return conn
             conn.close()  # closed by the server (or bytes nobody asked for): not reusable
 
     def request(self) -> Any:
         """The request an SDK error about this call carries (an httpx request of this URL)."""
         return sdk_http().Request("POST", self.url)
-
-
-def _readable(sock: socket.socket) -> bool:
-    """Whether an idle connection has something to read: the server's close (or bytes nobody asked for)."""
-    try:
-        if hasattr(select, "poll"):  # select.select fails on descriptors past 1024
-            poller = select.poll()
-            poller.register(sock, select.POLLIN)
-            return bool(poller.poll(0))
-        return bool(select.select([sock], [], [], 0)[0])
-    except (OSError, ValueError):
-        return True
 
 
 def body_chunks(conn: Connection, head: Head) -> Iterator[bytes]:

@@ -127,7 +127,7 @@ def shared_client(base_url: str | None, api_key: str, timeout: float) -> Any:
     The client and its httpx pool are thread-safe; one per job would each hold a pool of connections.
     The key is part of the lookup only as a SHA-256 digest, so it is not kept anywhere but in the client.
     """
-    key = (base_url, hashlib.sha256(api_key.encode("utf-8")).hexdigest(), float(timeout))
+    key = _endpoint_key(base_url, api_key, timeout)
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
@@ -141,6 +141,11 @@ def shared_client(base_url: str | None, api_key: str, timeout: float) -> Any:
                 api_key=api_key, base_url=base_url, max_retries=0, timeout=timeout,
                 http_client=openai.DefaultHttpxClient(transport=transport, timeout=timeout))
         return client
+
+
+def _endpoint_key(base_url: str | None, api_key: str, timeout: float) -> tuple[str | None, str, float]:
+    """What a process's client and plain path are shared by: the key only as its SHA-256 digest."""
+    return base_url, hashlib.sha256(api_key.encode("utf-8")).hexdigest(), float(timeout)
 
 
 def _sdk() -> Any:
@@ -254,9 +259,9 @@ class OpenAIModel:
 
     def _plain_path(self) -> PlainPost | None:
         """This model's plain path below the SDK, decided on its first call (None: the SDK's client for all)."""
-        if self._plain is None and not self._plain_checked:
+        if not self._plain_checked:
             key = self._check_key()
-            lookup = (self.base_url, hashlib.sha256(key.encode("utf-8")).hexdigest(), float(self.timeout))
+            lookup = _endpoint_key(self.base_url, key, self.timeout)
             with _clients_lock:
                 if lookup not in _plain_posts:
                     _plain_posts[lookup] = (plain_post_for(self.base_url, key, self.timeout)

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import math
 import os
-import select
 from typing import Any
 
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
+
+from .._sockets import has_input
 
 __all__ = ["check_handed_out", "session_limits"]
 
@@ -46,13 +47,7 @@ def check_handed_out(conn: Any) -> None:
     nothing to read (the store's pooled connections LISTEN to nothing), and making that round trip on every
     checkout was a quarter of the statements a job sent (benchmarks/README.md).  A server gone silent (a network
     cut) is seen by the first statement as by the round trip: by TCP, within the lease (above)."""
-    fd = conn.fileno()  # a connection closed on this side raises here: discarded too
-    if not hasattr(select, "poll"):  # Windows: select.select would fail on descriptors past 512
-        ConnectionPool.check_connection(conn)
-        return
-    poller = select.poll()
-    poller.register(fd, select.POLLIN | select.POLLPRI)
-    if poller.poll(0):
+    if has_input(conn):  # a connection closed on this side raises here (its fileno()): discarded too
         ConnectionPool.check_connection(conn)
 
 
