@@ -52,12 +52,19 @@ class Worker(Generic[JobT]):
     def run_once(self) -> JobT | None:
         """Claim the oldest queued job and run it; ``None`` when the queue is empty."""
         with sigterm_interrupts():
+            job_id = self._run_next()
+            return None if job_id is None else self.ws.job(job_id)
+
+    def _run_next(self) -> int | None:
+        """:meth:`run_once` without reading the job back: the loop of :meth:`run` needs only whether one ran (two
+        store reads a job fewer, each a fresh read of a file that other workers write)."""
+        with sigterm_interrupts():
             row = self.ws.execution.claim_next()
             if row is None:
                 return None
             try:
                 self.ws.execution.run_claimed(row, unit="job")
-                return self.ws.job(row.id)
+                return row.id
             finally:
                 # listed even when a SIGTERM lands between the job's last commit and here (as run_queue does)
                 self.ran.append(row.id)
@@ -89,7 +96,7 @@ class Worker(Generic[JobT]):
                 while max_jobs is None or done < max_jobs:
                     seen = wake.seen() if wake is not None else 0
                     try:
-                        job = self.run_once()
+                        ran = self._run_next()
                     except StoreUnreachable:
                         if wake is None or outage is None:
                             raise  # a worker that drains the queue ends with the line (exit 2)
@@ -97,7 +104,7 @@ class Worker(Generic[JobT]):
                         continue
                     if outage is not None:
                         outage.over()
-                    if job is None:
+                    if ran is None:
                         if wake is None:
                             break
                         wake.wait(seen, idle_wait(poll, wake))

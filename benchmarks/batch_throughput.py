@@ -21,7 +21,7 @@ the py-spy line below samples only threads holding the GIL.)
 * agentnb, streamed (``--stream``) — the same batch with streamed answers (``openai:bench``; the row above asks
   plainly, ``openai:bench?stream=0``): the endpoint answers a ``stream: true`` request with about
   ``STREAM_CHUNKS`` server-sent ``chat.completion.chunk`` events (HTTP chunked), the first after half the
-  latency and the others spread over the second half, so an answer still takes the latency.  The two rows run
+  latency and the others spread over the second half, the body's end at the latency, as a plain answer's.  The two rows run
   in turns, level by level (plain then streamed, then streamed then plain, …), so that the machine's drift over
   the minutes weighs on both alike.  Printed after the table: at each level, streamed ÷ plain calls/s (of the
   medians, and each turn's own ratio with their median) and CPU a call.  (The peers can stream,
@@ -156,7 +156,9 @@ async def _serve(port: int, latency: float, ready: Callable[[int], None]) -> Non
                     await asyncio.sleep(max(0.0, latency / 2 - (time.monotonic() - arrived)))
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                                  b"transfer-encoding: chunked\r\nconnection: keep-alive\r\n\r\n" + events[0])
-                    gap = latency / 2 / len(events)
+                    # the body's last bytes leave at the latency, as a plain answer's do (spread over len(events)
+                    # gaps, the last left a gap early: 3% of the latency, which every streamed call gained)
+                    gap = latency / 2 / max(1, len(events) - 1)
                     for k, event in enumerate(events[1:], start=1):
                         await writer.drain()
                         # to a deadline from the arrival: a late wake-up does not delay the ones after it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -435,22 +436,33 @@ def test_many_streamed_calls_at_once_are_read_by_one_thread(loopback: Callable[.
     assert server.connections <= 8  # every stream read to its end: its connection went back to the pool
 
 
+@pytest.mark.parametrize("waits", ["epoll", "selector"])
 @pytest.mark.parametrize("reads", ["gil-holding", "socket-module"])
 @pytest.mark.usefixtures("pump_from_the_first")
 def test_the_pump_reads_with_or_without_a_gil_holding_recv(loopback: Callable[..., OpenAIServer], reads: str,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    # the pump's reads keep the GIL where libc's recv can be called so (MSG_DONTWAIT); elsewhere the socket module's
+                                                            waits: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the pump's reads keep the GIL where libc's recv can be called so (MSG_DONTWAIT); elsewhere the socket module's.
+    # It waits on an epoll set the calls' threads add their sockets to (Linux), else on a selector and a bell.
     from agentnb.models import _stream_pump
 
+    if waits == "epoll" and not hasattr(select, "epoll"):
+        pytest.skip("epoll is Linux's")
     if reads == "socket-module":
         monkeypatch.delattr(socket, "MSG_DONTWAIT")
+    if waits == "selector":
+        monkeypatch.setattr(_stream_pump._Epoll, "made", classmethod(lambda cls: None))
     assert (_stream_pump._gil_holding_recv() is None) == (reads == "socket-module")
-    monkeypatch.setattr(_stream_pump, "PUMP", _stream_pump.Pump())  # a pump of its own, started with that reader
-    server = loopback(KEY, chunked=True, chunk_chars=2, actions=[reply(f"réponse {i} ✓") for i in range(6)])
+    pump = _stream_pump.Pump()
+    monkeypatch.setattr(_stream_pump, "PUMP", pump)  # a pump of its own, started with that reader and that wait
+    monkeypatch.setattr(_stream_pump, "BUSY", 2)  # paced from the third answer on: each wait's two ways of looking
+    server = loopback(KEY, chunked=True, chunk_chars=2, actions=[reply(f"réponse {i} ✓") for i in range(12)])
     model = _streaming(server.base_url)
-    with ThreadPoolExecutor(3) as pool:
-        assert sorted(pool.map(lambda _: _ask(model).content or "", range(6))) == [f"réponse {i} ✓" for i in range(6)]
-    assert server.connections <= 3  # read to their ends: the connections went back to the pool
+    with ThreadPoolExecutor(6) as pool:  # six threads adding their sockets to the one set, each answer its own
+        got = sorted(pool.map(lambda _: _ask(model).content or "", range(12)))
+    assert got == sorted(f"réponse {i} ✓" for i in range(12))
+    assert type(pump._poller).__name__ == {"epoll": "_Epoll", "selector": "_Selected"}[waits]
+    assert pump._reads == {}  # every answer's socket was let go at its end
+    assert server.connections <= 6  # read to their ends: the connections went back to the pool
 
 
 @pytest.mark.usefixtures("pump_from_the_first")

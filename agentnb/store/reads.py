@@ -13,7 +13,7 @@ from typing import Any
 
 from ..events import JobStatusEvent, LLMResponse
 from .base import JOB_STATES, Dialect, FrameQuery, FrameRows, Store
-from .frames_sql import frame_sql, payload_field
+from .frames_sql import FRAME_SQL, PG_FRAME_SQL, payload_field
 from .records import BatchRecord, CommentRecord, JobRecord, MovementRecord
 
 __all__: list[str] = [
@@ -185,7 +185,7 @@ def subtask_depth(store: Store, job_id: int) -> int:
 
 # -- the DataFrame views (docs/python-api.md#wsframes) --------------------------------------------------------
 
-_FRAME_SQL = {d: frame_sql(d) for d in _DIALECTS}
+_FRAME_SQL = {"sqlite": FRAME_SQL, "postgres": PG_FRAME_SQL}  # built once, at frames_sql's import
 _SLOT = re.compile(r"\{((?:job|where)_\w)\}")  # frames_sql's per-job slots
 
 
