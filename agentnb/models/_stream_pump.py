@@ -273,6 +273,8 @@ class _Selected:
             while self.new:
                 fd = self.new.popleft()
                 try:
+                    with contextlib.suppress(KeyError):  # a key left by a socket closed while registered: its fd is reused
+                        self.selector.unregister(fd)
                     self.selector.register(fd, selectors.EVENT_READ)
                 except (OSError, ValueError, KeyError):  # closed meanwhile: the pump's read of it fails
                     out.append(fd)
