@@ -100,8 +100,10 @@ class OwnPgServer(PgServer):
     log: Path = Path()
     as_postgres: bool = False
 
-    def stop(self) -> None:
-        _run([_bin("pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop"], as_postgres=self.as_postgres)
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server: ``fast`` ends every session cleanly; ``immediate`` as a crash does (no session's work is
+        finished, and the next start recovers)."""
+        _run([_bin("pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"], as_postgres=self.as_postgres)
 
     def start(self) -> None:
         _run([_bin("pg_ctl"), "-D", str(self.data), "-o", self.opts, "-l", str(self.log), "-w", "start"],
