@@ -57,17 +57,17 @@ class Worker(Generic[JobT]):
 
     def _run_next(self) -> int | None:
         """:meth:`run_once` without reading the job back: the loop of :meth:`run` needs only whether one ran (two
-        store reads a job fewer, each a fresh read of a file that other workers write)."""
-        with sigterm_interrupts():
-            row = self.ws.execution.claim_next()
-            if row is None:
-                return None
-            try:
-                self.ws.execution.run_claimed(row, unit="job")
-                return row.id
-            finally:
-                # listed even when a SIGTERM lands between the job's last commit and here (as run_queue does)
-                self.ran.append(row.id)
+        store reads a job fewer, each a fresh read of a file that other workers write).  Both callers hold
+        ``sigterm_interrupts()`` around it."""
+        row = self.ws.execution.claim_next()
+        if row is None:
+            return None
+        try:
+            self.ws.execution.run_claimed(row, unit="job")
+            return row.id
+        finally:
+            # listed even when a SIGTERM lands between the job's last commit and here (as run_queue does)
+            self.ran.append(row.id)
 
     def run(self, *, forever: bool = False, poll: float | None = None, max_jobs: int | None = None,
             concurrency: int = 1, grace: float = GRACE) -> int:
